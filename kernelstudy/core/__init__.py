@@ -1,0 +1,26 @@
+"""The linear-attention core, on features φ(Q), φ(K): reference, chunked PyTorch,
+compiled backends, recurrent state, and the softmax baseline."""
+
+from .attention import causal_dot_product, linear_attention, linear_attention_reference
+from .backends import Backend, backends, register_backend, registered_backends, resolve_backend
+from .chunked import DEFAULT_CHUNK_SIZE, causal_dot_product_chunked
+from .recurrent import RecurrentState
+from .reference import causal_dot_product_reference
+from .softmax import softmax_attention, softmax_attention_reference
+
+__all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "Backend",
+    "RecurrentState",
+    "backends",
+    "causal_dot_product",
+    "causal_dot_product_chunked",
+    "causal_dot_product_reference",
+    "linear_attention",
+    "linear_attention_reference",
+    "register_backend",
+    "registered_backends",
+    "resolve_backend",
+    "softmax_attention",
+    "softmax_attention_reference",
+]

@@ -1,0 +1,131 @@
+"""Normalized linear attention on features, and the unnormalized causal product.
+
+``V'_i = φq_i · Σ_j φk_j v_jᵀ / (φq_i · Σ_j φk_j + eps)`` where the sums run
+over every unmasked key (non-causal) or over ``j ≤ i`` (causal). Shapes follow
+``scaled_dot_product_attention``: ``phi_q: (B,H,N,F)``, ``phi_k: (B,H,S,F)``,
+``v: (B,H,S,M)``, result ``(B,H,N,M)``. Causal attention needs ``S == N``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .backends import resolve_backend
+from .chunked import causal_dot_product_chunked
+from .validation import (
+    accumulation_dtype,
+    check_eps,
+    check_key_padding_mask,
+    check_qkv,
+)
+
+
+def _mask_keys(
+    phi_k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero padded keys and values (whatever garbage they hold) so they contribute nothing."""
+    if key_padding_mask is None:
+        return phi_k, v
+    mask = check_key_padding_mask(key_padding_mask, phi_k.shape[0], phi_k.shape[2], phi_k.device)
+    keep = mask[:, None, :, None]
+    zero = torch.zeros((), dtype=phi_k.dtype, device=phi_k.device)
+    return torch.where(keep, phi_k, zero), torch.where(keep, v, zero)
+
+
+def causal_dot_product(
+    phi_q: torch.Tensor,
+    phi_k: torch.Tensor,
+    v: torch.Tensor,
+    backend: str | None = None,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """Unnormalized causal product ``out_i = Σ_{j≤i} (φq_i·φk_j) v_j``.
+
+    ``phi_q, phi_k: (B,H,N,F)``, ``v: (B,H,N,M)`` → ``(B,H,N,M)`` in the input
+    dtype (accumulated in float32 for half inputs). ``chunk_size`` applies to
+    the ``torch`` backend only.
+    """
+    check_qkv(phi_q, phi_k, v, causal=True)
+    return _causal_product(phi_q, phi_k, v, backend, chunk_size).to(phi_q.dtype)
+
+
+def _causal_product(phi_q, phi_k, v, backend, chunk_size) -> torch.Tensor:
+    if chunk_size is not None:
+        if backend not in (None, "torch"):
+            raise ValueError(f"chunk_size applies to backend='torch' only, got backend={backend!r}")
+        return causal_dot_product_chunked(phi_q, phi_k, v, chunk_size)
+    return resolve_backend(backend, phi_q).product(phi_q, phi_k, v)
+
+
+def linear_attention(
+    phi_q: torch.Tensor,
+    phi_k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    backend: str | None = None,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """Normalized kernel attention on features.
+
+    Args:
+        phi_q: query features ``(B,H,N,F)``.
+        phi_k: key features ``(B,H,S,F)``.
+        v: values ``(B,H,S,M)``.
+        causal: sum over ``j ≤ i`` only (needs ``S == N``).
+        key_padding_mask: ``(B,S)`` bool, True for real tokens; padded keys
+            contribute nothing whatever they hold.
+        eps: added to the normalizer (> 0).
+        backend: ``"auto"``, ``"torch"``, ``"reference"``, or a compiled one
+            (see :func:`kernelstudy.backends`); None reads ``KERNELSTUDY_BACKEND``.
+        chunk_size: chunk length of the ``torch`` backend.
+
+    Returns:
+        ``(B,H,N,M)`` in the input dtype; sums accumulate in float32.
+    """
+    check_qkv(phi_q, phi_k, v, causal=causal)
+    eps = check_eps(eps)
+    if backend == "reference":
+        return linear_attention_reference(phi_q, phi_k, v, causal, key_padding_mask, eps)
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
+    phi_k, v = _mask_keys(phi_k, v, key_padding_mask)
+    acc = accumulation_dtype(phi_q.dtype)
+    qa, ka = phi_q.to(acc), phi_k.to(acc)
+    if causal:
+        num = _causal_product(phi_q, phi_k, v, backend, chunk_size)
+        den = (qa * ka.cumsum(2)).sum(-1, keepdim=True)
+    else:
+        if backend is not None:
+            resolve_backend(backend, phi_q)  # validate the name even where it is not needed
+        kv = ka.transpose(-1, -2) @ v.to(acc)  # (B,H,F,M)
+        num = qa @ kv
+        den = qa @ ka.sum(2).unsqueeze(-1)
+    return (num / (den + eps)).to(phi_q.dtype)
+
+
+def linear_attention_reference(
+    phi_q: torch.Tensor,
+    phi_k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Ground truth of :func:`linear_attention` through the explicit ``(B,H,N,S)`` kernel matrix."""
+    check_qkv(phi_q, phi_k, v, causal=causal)
+    eps = check_eps(eps)
+    acc = accumulation_dtype(phi_q.dtype)
+    scores = phi_q.to(acc) @ phi_k.to(acc).transpose(-1, -2)
+    values = v.to(acc)
+    if key_padding_mask is not None:
+        mask = check_key_padding_mask(
+            key_padding_mask, phi_k.shape[0], phi_k.shape[2], phi_k.device
+        )
+        scores = scores.masked_fill(~mask[:, None, None, :], 0.0)
+        values = values.masked_fill(~mask[:, None, :, None], 0.0)
+    if causal:
+        scores = torch.tril(scores)
+    out = (scores @ values) / (scores.sum(-1, keepdim=True) + eps)
+    return out.to(phi_q.dtype)

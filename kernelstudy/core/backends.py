@@ -1,0 +1,124 @@
+"""Backends of the causal product and how one is chosen.
+
+A backend computes the unnormalized causal product ``Σ_{j≤i} (q_i·k_j) v_j``
+with its gradients; everything else in the core (normalization, masking,
+non-causal attention) is shared. Choose one with the ``backend=`` argument or
+the ``KERNELSTUDY_BACKEND`` environment variable; ``"auto"`` (the default)
+takes the fastest backend that is available and supports the input.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .chunked import causal_dot_product_chunked
+from .reference import causal_dot_product_reference
+from .validation import accumulation_dtype
+
+ENV_VAR = "KERNELSTUDY_BACKEND"
+
+
+@dataclass
+class Backend:
+    """One implementation of the causal product.
+
+    ``product(q, k, v)`` returns ``(B,H,N,M)`` in the accumulation dtype;
+    ``available()`` says whether it runs on this machine (it may build code on
+    first call); ``supports(x)`` whether it takes tensors like ``x``
+    (device, dtype); ``priority`` orders backends for ``"auto"`` (highest
+    first; 0 means never chosen automatically).
+    """
+
+    name: str
+    product: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    available: Callable[[], bool] = field(default=lambda: True)
+    supports: Callable[[torch.Tensor], bool] = field(default=lambda x: True)
+    priority: int = 0
+    description: str = ""
+
+
+_BACKENDS: dict[str, Backend] = {}
+_WARNED: set[str] = set()
+
+
+def register_backend(backend: Backend) -> Backend:
+    """Add a backend (replacing one of the same name)."""
+    _BACKENDS[backend.name] = backend
+    return backend
+
+
+def _reference_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return causal_dot_product_reference(q, k, v).to(accumulation_dtype(q.dtype))
+
+
+register_backend(
+    Backend(
+        "reference",
+        _reference_product,
+        priority=0,
+        description="materializes the N×N kernel matrix (ground truth, O(N²) memory)",
+    )
+)
+register_backend(
+    Backend(
+        "torch",
+        causal_dot_product_chunked,
+        priority=10,
+        description="chunked PyTorch with a recomputing backward (any device, any float dtype)",
+    )
+)
+
+
+def registered_backends() -> dict[str, Backend]:
+    """Every registered backend by name, available or not."""
+    return dict(_BACKENDS)
+
+
+def backends() -> list[str]:
+    """Names of the backends that run on this machine, e.g. ``['reference', 'torch', 'cpu']``."""
+    return [name for name, b in _BACKENDS.items() if b.available()]
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def resolve_backend(name: str | None, example: torch.Tensor) -> Backend:
+    """The backend to run ``example``-like inputs on.
+
+    ``name`` None reads ``KERNELSTUDY_BACKEND`` (default ``"auto"``). A named
+    backend that cannot run here (no compiler, no device) falls back to
+    ``torch`` with a one-time warning; a named backend that does not take this
+    input (e.g. CUDA tensors to ``cpu``) raises ``ValueError``.
+    """
+    source = "backend"
+    if name is None:
+        name = os.environ.get(ENV_VAR, "auto") or "auto"
+        source = ENV_VAR
+    if not isinstance(name, str):
+        raise TypeError(f"backend must be a str or None, got {type(name).__name__}")
+    if name == "auto":
+        candidates = [b for b in _BACKENDS.values() if b.priority > 0 and b.supports(example)]
+        for b in sorted(candidates, key=lambda b: -b.priority):
+            if b.available():
+                return b
+        return _BACKENDS["torch"]
+    if name not in _BACKENDS:
+        known = ", ".join(["auto", *_BACKENDS])
+        raise ValueError(f"{source} must be one of {known}; got {name!r}")
+    backend = _BACKENDS[name]
+    if not backend.supports(example):
+        raise ValueError(
+            f"{source}={name!r} does not take {example.dtype} tensors on {example.device}"
+        )
+    if not backend.available():
+        _warn_once(name, f"kernelstudy: backend {name!r} is not available here; using 'torch'")
+        return _BACKENDS["torch"]
+    return backend

@@ -1,0 +1,95 @@
+"""Chunked causal product in plain PyTorch (the ``torch`` backend).
+
+The sequence is cut into chunks of ``C`` steps. Within a chunk the product is a
+masked ``C×C`` matrix product; across chunks, each chunk adds ``φq_c · S_c``
+where ``S_c = Σ_{chunks before c} φk_cᵀ v_c`` is an exclusive prefix sum of
+per-chunk states. The custom backward saves only ``q, k, v`` and recomputes
+what it needs with the same algorithm (one causal and two anti-causal
+products), so training memory is linear in N: activations ``O(N·(F+M))`` plus
+``O(N·C)`` intra-chunk scores and ``O(N/C·F·M)`` chunk states.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .validation import accumulation_dtype
+
+DEFAULT_CHUNK_SIZE = 64
+
+
+def check_chunk_size(chunk_size: object) -> int:
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    return chunk_size
+
+
+def _chunked_product(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int, reverse: bool
+) -> torch.Tensor:
+    """Causal (or, with ``reverse``, anti-causal ``j ≥ i``) product in the dtype of the inputs."""
+    b, h, n, f = q.shape
+    m = v.shape[-1]
+    chunk = min(chunk, max(n, 1))
+    pad = (-n) % chunk
+    if pad:
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    c = (n + pad) // chunk
+    qc = q.reshape(b, h, c, chunk, f)
+    kc = k.reshape(b, h, c, chunk, f)
+    vc = v.reshape(b, h, c, chunk, m)
+
+    scores = qc @ kc.transpose(-1, -2)
+    scores = torch.triu(scores) if reverse else torch.tril(scores)
+    out = scores @ vc
+    del scores
+
+    states = kc.transpose(-1, -2) @ vc  # (b, h, c, f, m)
+    if reverse:
+        states = states.flip(2).cumsum(2).flip(2)
+        prefix = torch.cat([states[:, :, 1:], torch.zeros_like(states[:, :, :1])], dim=2)
+    else:
+        states = states.cumsum(2)
+        prefix = torch.cat([torch.zeros_like(states[:, :, :1]), states[:, :, :-1]], dim=2)
+    del states
+    out = out + qc @ prefix
+    return out.reshape(b, h, c * chunk, m)[:, :, :n]
+
+
+class _ChunkedCausalProduct(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, chunk):  # type: ignore[override]
+        acc = accumulation_dtype(q.dtype)
+        ctx.save_for_backward(q, k, v)
+        ctx.chunk = chunk
+        return _chunked_product(q.to(acc), k.to(acc), v.to(acc), chunk, reverse=False)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):  # type: ignore[override]
+        q, k, v = ctx.saved_tensors
+        acc = grad.dtype
+        qa, ka, va = q.to(acc), k.to(acc), v.to(acc)
+        dq = dk = dv = None
+        if ctx.needs_input_grad[0]:
+            # dq_i = Σ_{j≤i} (g_i·v_j) k_j
+            dq = _chunked_product(grad, va, ka, ctx.chunk, reverse=False).to(q.dtype)
+        if ctx.needs_input_grad[1]:
+            # dk_j = Σ_{i≥j} (v_j·g_i) q_i
+            dk = _chunked_product(va, grad, qa, ctx.chunk, reverse=True).to(k.dtype)
+        if ctx.needs_input_grad[2]:
+            # dv_j = Σ_{i≥j} (k_j·q_i) g_i
+            dv = _chunked_product(ka, qa, grad, ctx.chunk, reverse=True).to(v.dtype)
+        return dq, dk, dv, None
+
+
+def causal_dot_product_chunked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> torch.Tensor:
+    """``Σ_{j≤i} (q_i·k_j) v_j`` for ``q, k: (B,H,N,F)``, ``v: (B,H,N,M)``.
+
+    Returns ``(B,H,N,M)`` in the accumulation dtype (float32, or float64 for
+    float64 inputs); gradients come back in the input dtypes.
+    """
+    return _ChunkedCausalProduct.apply(q, k, v, check_chunk_size(chunk_size))

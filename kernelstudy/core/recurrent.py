@@ -1,0 +1,79 @@
+"""The RNN form of causal linear attention: constant memory per step.
+
+State per head: ``S = Σ_j φk_j v_jᵀ`` of shape ``(F, M)`` and ``Z = Σ_j φk_j`` of
+shape ``(F,)``, kept in float32 (float64 for float64 inputs). Stepping through a
+sequence reproduces ``linear_attention(..., causal=True)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .validation import accumulation_dtype, check_eps, check_tensor
+
+
+@dataclass(frozen=True)
+class RecurrentState:
+    """Running sums ``S: (B,H,F,M)`` and ``Z: (B,H,F)``; immutable, ``step`` returns a new one."""
+
+    S: torch.Tensor
+    Z: torch.Tensor
+    eps: float = 1e-6
+
+    @classmethod
+    def zeros(
+        cls,
+        batch: int,
+        heads: int,
+        feature_dim: int,
+        value_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        eps: float = 1e-6,
+    ) -> RecurrentState:
+        """An empty state; ``dtype`` is the accumulation dtype (float32 or float64)."""
+        for name, n in (
+            ("batch", batch),
+            ("heads", heads),
+            ("feature_dim", feature_dim),
+            ("value_dim", value_dim),
+        ):
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"{name} must be a positive int, got {n!r}")
+        if dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+        s = torch.zeros(batch, heads, feature_dim, value_dim, dtype=dtype, device=device)
+        z = torch.zeros(batch, heads, feature_dim, dtype=dtype, device=device)
+        return cls(s, z, check_eps(eps))
+
+    def step(
+        self, phi_q_t: torch.Tensor, phi_k_t: torch.Tensor, v_t: torch.Tensor
+    ) -> tuple[torch.Tensor, RecurrentState]:
+        """Add key/value at time t, then read with the query at t.
+
+        ``phi_q_t, phi_k_t: (B,H,F)``, ``v_t: (B,H,M)`` → output ``(B,H,M)`` in the
+        input dtype, and the new state.
+        """
+        check_tensor(phi_q_t, "phi_q_t", 3)
+        check_tensor(phi_k_t, "phi_k_t", 3)
+        check_tensor(v_t, "v_t", 3)
+        b, h, f, m = self.S.shape
+        for name, t, want in (
+            ("phi_q_t", phi_q_t, (b, h, f)),
+            ("phi_k_t", phi_k_t, (b, h, f)),
+            ("v_t", v_t, (b, h, m)),
+        ):
+            if tuple(t.shape) != want:
+                raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
+        acc = self.S.dtype
+        if accumulation_dtype(phi_q_t.dtype) == torch.float64 and acc != torch.float64:
+            acc = torch.float64
+        q, k, v = phi_q_t.to(acc), phi_k_t.to(acc), v_t.to(acc)
+        s = self.S.to(acc) + k.unsqueeze(-1) * v.unsqueeze(-2)
+        z = self.Z.to(acc) + k
+        num = (q.unsqueeze(-2) @ s).squeeze(-2)
+        den = (q * z).sum(-1, keepdim=True)
+        out = num / (den + self.eps)
+        return out.to(phi_q_t.dtype), RecurrentState(s, z, self.eps)

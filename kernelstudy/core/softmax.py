@@ -1,0 +1,72 @@
+"""Exact softmax attention, the baseline every feature map is measured against."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .validation import check_key_padding_mask, check_qkv
+
+
+def _allowed(
+    n: int, s: int, causal: bool, key_padding_mask: torch.Tensor | None, device
+) -> torch.Tensor | None:
+    """``(B|1, 1, N, S)`` bool: which keys each query may attend to (None: all)."""
+    allowed = None
+    if causal:
+        allowed = torch.ones(n, s, dtype=torch.bool, device=device).tril()[None, None]
+    if key_padding_mask is not None:
+        pad = key_padding_mask[:, None, None, :]
+        allowed = pad if allowed is None else allowed & pad
+    return allowed
+
+
+def softmax_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """``softmax(q kᵀ · scale) v`` with ``scale = 1/√D`` by default.
+
+    ``q: (B,H,N,D)``, ``k: (B,H,S,D)``, ``v: (B,H,S,M)`` → ``(B,H,N,M)``. Uses
+    ``torch.nn.functional.scaled_dot_product_attention``. A query with no key
+    to attend to (every allowed key padded) gets a zero output, not NaN.
+    """
+    check_qkv(q, k, v, names=("q", "k", "v"), causal=causal)
+    if key_padding_mask is not None:
+        key_padding_mask = check_key_padding_mask(
+            key_padding_mask, k.shape[0], k.shape[2], k.device
+        )
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    n, s = q.shape[2], k.shape[2]
+    if key_padding_mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    allowed = _allowed(n, s, causal, key_padding_mask, q.device)
+    empty = ~allowed.any(-1, keepdim=True)  # queries with nothing to attend to
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed | empty, scale=scale)
+    return out.masked_fill(empty, 0.0)
+
+
+def softmax_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The same as :func:`softmax_attention`, written out with an explicit ``(B,H,N,S)`` matrix."""
+    check_qkv(q, k, v, names=("q", "k", "v"), causal=causal)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    allowed = _allowed(q.shape[2], k.shape[2], causal, key_padding_mask, q.device)
+    if allowed is None:
+        return torch.softmax(scores, dim=-1) @ v
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return weights @ v

@@ -1,0 +1,99 @@
+"""Input checks shared by every entry point of the core.
+
+Every public function of the core validates its arguments here, so that bad
+input fails with a ``ValueError``/``TypeError`` naming the argument instead of
+deep inside a kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_tensor(x: object, name: str, ndim: int) -> torch.Tensor:
+    """Check that ``x`` is a floating-point tensor of rank ``ndim``."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{name} must be a floating-point tensor (float16, bfloat16, float32 or "
+            f"float64), got dtype {x.dtype}"
+        )
+    if x.dim() != ndim:
+        raise ValueError(
+            f"{name} must have {ndim} dimensions (batch, heads, seq, dim), "
+            f"got shape {tuple(x.shape)}"
+        )
+    return x
+
+
+def check_eps(eps: float) -> float:
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
+        raise TypeError(f"eps must be a positive float, got {type(eps).__name__}")
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0, got {eps}")
+    return float(eps)
+
+
+def check_qkv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    names: tuple[str, str, str] = ("phi_q", "phi_k", "v"),
+    causal: bool = False,
+) -> None:
+    """Check ``q: (B,H,N,F)``, ``k: (B,H,S,F)``, ``v: (B,H,S,M)`` (``S == N`` if causal)."""
+    nq, nk, nv = names
+    check_tensor(q, nq, 4)
+    check_tensor(k, nk, 4)
+    check_tensor(v, nv, 4)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(
+            f"{nq}, {nk} and {nv} must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    if not (q.device == k.device == v.device):
+        raise ValueError(
+            f"{nq}, {nk} and {nv} must be on one device, got {q.device}, {k.device}, {v.device}"
+        )
+    for axis, label in ((0, "batch"), (1, "heads")):
+        if not (q.shape[axis] == k.shape[axis] == v.shape[axis]):
+            raise ValueError(
+                f"{nq}, {nk} and {nv} must agree in {label} size (dim {axis}), got shapes "
+                f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+            )
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"{nq} and {nk} must have the same last dimension, got {q.shape[-1]} and {k.shape[-1]}"
+        )
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(
+            f"{nk} and {nv} must have the same sequence length, got {k.shape[2]} and {v.shape[2]}"
+        )
+    if causal and q.shape[2] != k.shape[2]:
+        raise ValueError(
+            f"causal attention needs {nq} and {nk} of the same sequence length, "
+            f"got {q.shape[2]} and {k.shape[2]}"
+        )
+
+
+def check_key_padding_mask(
+    mask: object, batch: int, seq: int, device: torch.device
+) -> torch.Tensor:
+    """Check a ``(B, S)`` bool mask, True for real tokens."""
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"key_padding_mask must be a bool torch.Tensor, got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"key_padding_mask must have dtype torch.bool, got {mask.dtype}")
+    if tuple(mask.shape) != (batch, seq):
+        raise ValueError(
+            f"key_padding_mask must have shape (batch, seq) = ({batch}, {seq}), "
+            f"got {tuple(mask.shape)}"
+        )
+    return mask.to(device)
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64; every other float type accumulates in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32

@@ -1,0 +1,140 @@
+"""The base class of every feature map φ and the declaration of its hyperparameters."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Hyperparameter:
+    """One hyperparameter of a feature map: its type, default and allowed range.
+
+    ``low``/``high`` bound numbers (inclusive); ``choices`` lists allowed values;
+    ``log`` says a search should sample it on a log scale; ``search`` says
+    whether searches tune it (False for seeds and structural switches).
+    """
+
+    type: type
+    default: Any
+    low: float | None = None
+    high: float | None = None
+    choices: tuple | None = None
+    log: bool = False
+    search: bool = True
+    nullable: bool = False
+    doc: str = ""
+
+    def validate(self, name: str, value: Any) -> Any:
+        """Return ``value`` (ints accepted for floats) or raise naming ``name``."""
+        if value is None and self.nullable:
+            return None
+        if self.type is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        ok_type = isinstance(value, self.type) and not (
+            self.type is not bool and isinstance(value, bool)
+        )
+        if not ok_type:
+            raise TypeError(f"{name} must be {self.type.__name__}, got {value!r}")
+        if self.choices is not None and value not in self.choices:
+            raise ValueError(f"{name} must be one of {list(self.choices)}, got {value!r}")
+        if self.type is float and not math.isfinite(value):
+            raise ValueError(f"{name} must be finite, got {value!r}")
+        if self.low is not None and value < self.low:
+            raise ValueError(f"{name} must be >= {self.low}, got {value!r}")
+        if self.high is not None and value > self.high:
+            raise ValueError(f"{name} must be <= {self.high}, got {value!r}")
+        return value
+
+    def describe(self) -> str:
+        """Short text such as ``int in [1, 3] = 1``."""
+        if self.choices is not None:
+            rng = "{" + ", ".join(map(str, self.choices)) + "}"
+        elif self.low is not None or self.high is not None:
+            rng = f"[{self.low if self.low is not None else '-inf'}, "
+            rng += f"{self.high if self.high is not None else 'inf'}]"
+        else:
+            rng = ""
+        return f"{self.type.__name__}{' in ' + rng if rng else ''} = {self.default!r}"
+
+
+class FeatureMap(nn.Module):
+    """A feature map φ: ``(..., N, D) → (..., N, F)``, applied per head.
+
+    Subclasses set the class attributes below, declare ``hyperparameters``,
+    and implement ``features`` and ``feature_dim``. Inputs are ``(B,H,N,D)``
+    (any leading shape works for maps without per-head parameters) with
+    ``D == head_dim``; outputs are ``(B,H,N,F)``.
+    """
+
+    name: ClassVar[str] = ""
+    paper: ClassVar[str] = ""
+    trainable: ClassVar[bool] = False
+    random: ClassVar[bool] = False
+    positive: ClassVar[bool] = True
+    feature_dim_formula: ClassVar[str] = "D"
+    hyperparameters: ClassVar[dict[str, Hyperparameter]] = {}
+
+    def __init__(self, head_dim: int, num_heads: int = 1, **hparams: Any) -> None:
+        super().__init__()
+        for arg, value in (("head_dim", head_dim), ("num_heads", num_heads)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{arg} must be a positive int, got {value!r}")
+        unknown = sorted(set(hparams) - set(self.hyperparameters))
+        if unknown:
+            known = ", ".join(sorted(self.hyperparameters)) or "none"
+            raise ValueError(
+                f"unknown hyperparameter(s) {unknown} for feature map {self.name!r}; "
+                f"it takes: {known}"
+            )
+        self.head_dim = head_dim
+        self.num_heads = num_heads
+        self.hparams: dict[str, Any] = {}
+        for key, spec in self.hyperparameters.items():
+            self.hparams[key] = spec.validate(key, hparams.get(key, spec.default))
+
+    @property
+    def feature_dim(self) -> int:
+        """F, the number of features per head."""
+        raise NotImplementedError
+
+    def features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
+        """φ(x) for a validated ``x: (B,H,N,D)``."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor, is_query: bool = True) -> torch.Tensor:
+        """φ(x): ``(B,H,N,D) → (B,H,N,F)``. ``is_query`` picks query/key behaviour."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
+        if x.dim() < 1 or x.shape[-1] != self.head_dim:
+            raise ValueError(
+                f"x must have last dimension head_dim={self.head_dim}, got shape {tuple(x.shape)}"
+            )
+        return self.features(x, bool(is_query))
+
+    def config(self) -> dict[str, Any]:
+        """A JSON-serializable dict that ``create_feature_map`` turns back into this map."""
+        return {
+            "name": self.name,
+            "head_dim": self.head_dim,
+            "num_heads": self.num_heads,
+            **self.hparams,
+        }
+
+    def regularization(self) -> torch.Tensor:
+        """A scalar penalty to add to the training loss (0 for maps without one)."""
+        ref = next(iter(self.parameters()), None)
+        if ref is None:
+            ref = next(iter(self.buffers()), None)
+        device = ref.device if ref is not None else None
+        return torch.zeros((), device=device)
+
+    def extra_repr(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.hparams.items())
+        return f"head_dim={self.head_dim}, F={self.feature_dim}" + (f", {args}" if args else "")

@@ -1,0 +1,57 @@
+"""Elementwise maps: elu(x)+1, relu(x), and the identity."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .base import FeatureMap
+from .registry import register_feature_map
+
+
+@register_feature_map("elu")
+class EluFeatureMap(FeatureMap):
+    """φ(x) = elu(x) + 1 (Katharopoulos et al. 2020): positive, cheap, F = D."""
+
+    paper = "Katharopoulos et al. 2020, Transformers are RNNs"
+
+    @property
+    def feature_dim(self) -> int:
+        return self.head_dim
+
+    def features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
+        return F.elu(x) + 1.0
+
+
+@register_feature_map("relu")
+class ReluFeatureMap(FeatureMap):
+    """φ(x) = relu(x): non-negative; a row of all-negative inputs gives a zero normalizer (eps guards it)."""
+
+    paper = "common baseline (e.g. Qin et al. 2022, cosFormer)"
+
+    @property
+    def feature_dim(self) -> int:
+        return self.head_dim
+
+    def features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
+        return F.relu(x)
+
+
+@register_feature_map("identity")
+class IdentityFeatureMap(FeatureMap):
+    """φ(x) = x, for studies only: kernel values q·k can be negative, so the
+    normalizer Σ_j q·k_j can vanish or change sign and outputs blow up."""
+
+    paper = "baseline (plain linear attention without a feature map)"
+    positive = False
+
+    @property
+    def feature_dim(self) -> int:
+        return self.head_dim
+
+    def features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
+        return x
+
+    def kernel(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The exact kernel x·y, ``(..., N, D), (..., S, D) → (..., N, S)``."""
+        return x @ y.transpose(-1, -2)

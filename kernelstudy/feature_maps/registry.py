@@ -1,0 +1,90 @@
+"""The feature-map registry: register, list and create maps by name or config."""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import importlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .base import FeatureMap
+
+_REGISTRY: dict[str, type[FeatureMap]] = {}
+
+
+def register_feature_map(name: str) -> Callable[[type[FeatureMap]], type[FeatureMap]]:
+    """Class decorator: ``@register_feature_map("mymap")`` adds a FeatureMap subclass."""
+    if not isinstance(name, str) or not name or ":" in name:
+        raise ValueError(f"name must be a non-empty str without ':', got {name!r}")
+
+    def decorate(cls: type[FeatureMap]) -> type[FeatureMap]:
+        if not (isinstance(cls, type) and issubclass(cls, FeatureMap)):
+            raise TypeError(f"@register_feature_map({name!r}) needs a FeatureMap subclass")
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise ValueError(f"a feature map named {name!r} is already registered")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return decorate
+
+
+def list_feature_maps(pattern: str | None = None) -> list[str]:
+    """Sorted names of the registered maps, optionally filtered by a glob ``pattern``."""
+    names = sorted(_REGISTRY)
+    if pattern is not None:
+        names = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+    return names
+
+
+def get_feature_map_class(name: str) -> type[FeatureMap]:
+    """The class registered as ``name``, or one given as ``"package.module:Class"``."""
+    if not isinstance(name, str):
+        raise TypeError(f"feature map name must be a str, got {type(name).__name__}")
+    if ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as err:
+            raise ValueError(f"cannot import feature map {name!r}: {err}") from err
+        if not (isinstance(cls, type) and issubclass(cls, FeatureMap)):
+            raise TypeError(f"{name!r} is not a FeatureMap subclass")
+        return cls
+    if name not in _REGISTRY:
+        close = difflib.get_close_matches(name, _REGISTRY, n=3, cutoff=0.5)
+        hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+        raise ValueError(
+            f"unknown feature map {name!r}{hint} (known: {', '.join(sorted(_REGISTRY))})"
+        )
+    return _REGISTRY[name]
+
+
+def create_feature_map(
+    name_or_config: str | Mapping[str, Any], head_dim: int | None = None, **kwargs: Any
+) -> FeatureMap:
+    """Create a map from a registered name, a dotted ``"module:Class"`` name or a ``config()`` dict.
+
+    Keyword arguments override the config's entries. ``head_dim`` is required
+    (in the call or the config).
+    """
+    if isinstance(name_or_config, FeatureMap):
+        raise TypeError("name_or_config is already a FeatureMap; pass it directly")
+    if isinstance(name_or_config, Mapping):
+        config = dict(name_or_config)
+        if "name" not in config:
+            raise ValueError("a feature-map config needs a 'name' entry")
+        name = config.pop("name")
+    elif isinstance(name_or_config, str):
+        name, config = name_or_config, {}
+    else:
+        raise TypeError(
+            f"name_or_config must be a str or a config dict, got {type(name_or_config).__name__}"
+        )
+    config.update(kwargs)
+    if head_dim is not None:
+        config["head_dim"] = head_dim
+    if "head_dim" not in config:
+        raise ValueError(f"head_dim is required to create feature map {name!r}")
+    cls = get_feature_map_class(name)
+    return cls(**config)

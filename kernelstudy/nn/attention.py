@@ -1,0 +1,155 @@
+"""Multi-head attention modules: kernel (linear) attention and the softmax baseline."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..core.recurrent import RecurrentState
+from ..core.softmax import softmax_attention
+from ..feature_maps import FeatureMap
+from .functional import kernel_attention, resolve_feature_map
+
+ATTENTION_KINDS = ("kernel", "softmax")
+
+
+@dataclass(frozen=True)
+class KVCache:
+    """Softmax attention's autoregressive state: every past key and value, ``(B,H,T,D|M)``."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+class KernelAttention(nn.Module):
+    """Multi-head self-attention around the linear-attention core.
+
+    Args:
+        d_model: model width; must be divisible by ``n_heads``.
+        n_heads: number of heads; each has ``d_model // n_heads`` dims.
+        feature_map: a registered map name, a config dict or a FeatureMap
+            (``attention="kernel"`` only).
+        attention: ``"kernel"`` (linear attention with ``feature_map``) or
+            ``"softmax"`` (exact scaled dot-product attention, the baseline).
+        causal: position i attends to ``j ≤ i`` only.
+        dropout: dropout on the attention output (before the output projection).
+        feature_map_kwargs: hyperparameters for a map given by name.
+        eps: normalizer guard of linear attention.
+        backend: core backend (None: ``KERNELSTUDY_BACKEND`` or auto).
+
+    Input ``x: (B,N,d_model)``, optional ``key_padding_mask: (B,N)`` bool (True =
+    real token); output ``(B,N,d_model)``.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        feature_map: str | Mapping[str, Any] | FeatureMap = "elu",
+        attention: str = "kernel",
+        causal: bool = False,
+        dropout: float = 0.0,
+        feature_map_kwargs: Mapping[str, Any] | None = None,
+        eps: float = 1e-6,
+        backend: str | None = None,
+        bias: bool = True,
+    ) -> None:
+        super().__init__()
+        for arg, value in (("d_model", d_model), ("n_heads", n_heads)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{arg} must be a positive int, got {value!r}")
+        if d_model % n_heads:
+            raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
+        if attention not in ATTENTION_KINDS:
+            raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {attention!r}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+        self.d_model, self.n_heads = d_model, n_heads
+        self.head_dim = d_model // n_heads
+        self.attention, self.causal, self.eps, self.backend = attention, bool(causal), eps, backend
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
+        self.out = nn.Linear(d_model, d_model, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+        self.feature_map: FeatureMap | None = None
+        if attention == "kernel":
+            self.feature_map = resolve_feature_map(
+                feature_map, self.head_dim, n_heads, **dict(feature_map_kwargs or {})
+            )
+
+    def _heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, n, _ = x.shape
+        qkv = self.qkv(x).view(b, n, 3, self.n_heads, self.head_dim)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        return q, k, v
+
+    def _merge(self, y: torch.Tensor) -> torch.Tensor:
+        b, h, n, d = y.shape
+        return self.out(self.dropout(y.transpose(1, 2).reshape(b, n, h * d)))
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"x must have shape (batch, seq, {self.d_model}), got {shape}")
+
+    def forward(
+        self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        self._check_input(x)
+        q, k, v = self._heads(x)
+        if self.feature_map is None:
+            y = softmax_attention(q, k, v, causal=self.causal, key_padding_mask=key_padding_mask)
+        else:
+            y = kernel_attention(
+                q,
+                k,
+                v,
+                self.feature_map,
+                causal=self.causal,
+                key_padding_mask=key_padding_mask,
+                eps=self.eps,
+                backend=self.backend,
+            )
+        return self._merge(y)
+
+    def step(
+        self, x_t: torch.Tensor, state: RecurrentState | KVCache | None = None
+    ) -> tuple[torch.Tensor, RecurrentState | KVCache]:
+        """One autoregressive step of a causal layer: ``x_t: (B,d_model)`` → ``(B,d_model)``.
+
+        Kernel attention keeps a :class:`RecurrentState` (constant memory);
+        softmax attention keeps a :class:`KVCache` that grows by one per step.
+        """
+        if not self.causal:
+            raise ValueError("step() needs a causal attention layer (causal=True)")
+        if not isinstance(x_t, torch.Tensor) or x_t.dim() != 2 or x_t.shape[-1] != self.d_model:
+            shape = tuple(x_t.shape) if isinstance(x_t, torch.Tensor) else type(x_t).__name__
+            raise ValueError(f"x_t must have shape (batch, {self.d_model}), got {shape}")
+        q, k, v = self._heads(x_t.unsqueeze(1))  # (B,H,1,D)
+        if self.feature_map is None:
+            if state is None:
+                state = KVCache(k, v)
+            else:
+                state = KVCache(torch.cat([state.k, k], 2), torch.cat([state.v, v], 2))
+            y = softmax_attention(q, state.k, state.v)
+        else:
+            phi_q = self.feature_map(q, is_query=True)[:, :, 0]
+            phi_k = self.feature_map(k, is_query=False)[:, :, 0]
+            if state is None:
+                b, h, f = phi_q.shape
+                acc = torch.float64 if phi_q.dtype == torch.float64 else torch.float32
+                state = RecurrentState.zeros(
+                    b, h, f, self.head_dim, dtype=acc, device=x_t.device, eps=self.eps
+                )
+            y_t, state = state.step(phi_q, phi_k, v[:, :, 0])
+            y = y_t.unsqueeze(2)
+        return self._merge(y)[:, 0], state
+
+    def regularization(self) -> torch.Tensor:
+        """The feature map's regularizer (0 for softmax and maps without one)."""
+        if self.feature_map is None:
+            return torch.zeros((), device=self.out.weight.device)
+        return self.feature_map.regularization().to(self.out.weight.device)

@@ -1,0 +1,147 @@
+"""A pre-LayerNorm Transformer encoder built on :class:`KernelAttention`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..core.recurrent import RecurrentState
+from ..feature_maps import FeatureMap
+from .attention import KernelAttention, KVCache
+
+LayerState = RecurrentState | KVCache | None
+
+
+class EncoderLayer(nn.Module):
+    """``x + attn(LN(x))`` then ``x + FFN(LN(x))``; ``x: (B,N,d_model)``."""
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        d_ff: int,
+        dropout: float = 0.1,
+        attention: str = "kernel",
+        feature_map: str | Mapping[str, Any] | FeatureMap = "elu",
+        feature_map_kwargs: Mapping[str, Any] | None = None,
+        causal: bool = False,
+        eps: float = 1e-6,
+        backend: str | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(d_ff, int) or d_ff < 1:
+            raise ValueError(f"d_ff must be a positive int, got {d_ff!r}")
+        self.norm1 = nn.LayerNorm(d_model)
+        self.attn = KernelAttention(
+            d_model,
+            n_heads,
+            feature_map=feature_map,
+            attention=attention,
+            causal=causal,
+            dropout=dropout,
+            feature_map_kwargs=feature_map_kwargs,
+            eps=eps,
+            backend=backend,
+        )
+        self.norm2 = nn.LayerNorm(d_model)
+        self.ffn = nn.Sequential(
+            nn.Linear(d_model, d_ff), nn.GELU(), nn.Dropout(dropout), nn.Linear(d_ff, d_model)
+        )
+        self.drop = nn.Dropout(dropout)
+
+    def forward(
+        self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.norm1(x), key_padding_mask))
+        return x + self.drop(self.ffn(self.norm2(x)))
+
+    def step(self, x_t: torch.Tensor, state: LayerState) -> tuple[torch.Tensor, LayerState]:
+        """One autoregressive step, ``x_t: (B,d_model)``."""
+        a, state = self.attn.step(self.norm1(x_t), state)
+        x_t = x_t + self.drop(a)
+        return x_t + self.drop(self.ffn(self.norm2(x_t))), state
+
+
+class TransformerEncoder(nn.Module):
+    """A stack of pre-LN layers with a final LayerNorm.
+
+    Args:
+        n_layers, d_model, n_heads: depth, width, heads (``d_model % n_heads == 0``).
+        d_ff: hidden width of the feed-forward block (default ``4·d_model``).
+        dropout: dropout rate in attention output, FFN and residual branches.
+        attention: ``"kernel"`` or ``"softmax"``.
+        feature_map, feature_map_kwargs: the map of every layer (each layer gets its own copy).
+        causal: causal self-attention; enables :meth:`step`.
+
+    ``forward(x: (B,N,d_model), key_padding_mask: (B,N) | None) → (B,N,d_model)``.
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        d_model: int,
+        n_heads: int,
+        d_ff: int | None = None,
+        dropout: float = 0.1,
+        attention: str = "kernel",
+        feature_map: str | Mapping[str, Any] = "elu",
+        feature_map_kwargs: Mapping[str, Any] | None = None,
+        causal: bool = False,
+        eps: float = 1e-6,
+        backend: str | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(n_layers, int) or isinstance(n_layers, bool) or n_layers < 1:
+            raise ValueError(f"n_layers must be a positive int, got {n_layers!r}")
+        if isinstance(feature_map, FeatureMap):
+            raise TypeError(
+                "feature_map must be a name or config dict (each layer builds its own map)"
+            )
+        self.causal = causal
+        self.layers = nn.ModuleList(
+            EncoderLayer(
+                d_model,
+                n_heads,
+                d_ff if d_ff is not None else 4 * d_model,
+                dropout,
+                attention,
+                feature_map,
+                feature_map_kwargs,
+                causal,
+                eps,
+                backend,
+            )
+            for _ in range(n_layers)
+        )
+        self.norm = nn.LayerNorm(d_model)
+
+    def forward(
+        self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, key_padding_mask)
+        return self.norm(x)
+
+    def step(
+        self, x_t: torch.Tensor, states: list[LayerState] | None = None
+    ) -> tuple[torch.Tensor, list[LayerState]]:
+        """One autoregressive step through every layer: ``x_t: (B,d_model)`` → ``(B,d_model)``.
+
+        ``states`` is the list returned by the previous step (None to start).
+        """
+        if states is None:
+            states = [None] * len(self.layers)
+        if len(states) != len(self.layers):
+            raise ValueError(f"states must have {len(self.layers)} entries, got {len(states)}")
+        new_states: list[LayerState] = []
+        for layer, state in zip(self.layers, states, strict=True):
+            x_t, state = layer.step(x_t, state)
+            new_states.append(state)
+        return self.norm(x_t), new_states
+
+    def regularization(self) -> torch.Tensor:
+        """Sum of every layer's feature-map regularizer."""
+        return sum((layer.attn.regularization() for layer in self.layers), torch.zeros(()))

@@ -1,0 +1,73 @@
+"""Attention with a feature map, on raw queries, keys and values."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..core.attention import linear_attention
+from ..core.validation import check_key_padding_mask, check_qkv
+from ..feature_maps import FeatureMap, create_feature_map
+
+
+def resolve_feature_map(
+    feature_map: str | Mapping[str, Any] | FeatureMap,
+    head_dim: int,
+    num_heads: int = 1,
+    **kwargs: Any,
+) -> FeatureMap:
+    """A FeatureMap from a map, a registered name or a config dict, for ``head_dim``."""
+    if isinstance(feature_map, FeatureMap):
+        if kwargs:
+            raise ValueError("feature_map kwargs given alongside a FeatureMap instance")
+        if feature_map.head_dim != head_dim:
+            raise ValueError(
+                f"feature_map has head_dim={feature_map.head_dim}, but the queries have "
+                f"head dimension {head_dim}"
+            )
+        return feature_map
+    if isinstance(feature_map, Mapping):
+        config = {**feature_map, **kwargs}
+        config.setdefault("head_dim", head_dim)
+        config.setdefault("num_heads", num_heads)
+        if config["head_dim"] != head_dim:
+            raise ValueError(
+                f"feature_map config has head_dim={config['head_dim']}, expected {head_dim}"
+            )
+        return create_feature_map(config)
+    if isinstance(feature_map, str):
+        return create_feature_map(feature_map, head_dim=head_dim, num_heads=num_heads, **kwargs)
+    raise TypeError(
+        "feature_map must be a FeatureMap, a registered name or a config dict, "
+        f"got {type(feature_map).__name__}"
+    )
+
+
+def kernel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    feature_map: str | Mapping[str, Any] | FeatureMap,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Linear attention ``φ(q)·Σ φ(k) vᵀ / φ(q)·Σ φ(k)`` with the given feature map.
+
+    ``q: (B,H,N,D)``, ``k: (B,H,S,D)``, ``v: (B,H,S,M)`` → ``(B,H,N,M)``.
+    Padded keys are zeroed before the map sees them, so stabilizers that look
+    at the whole key sequence ignore whatever the padding holds.
+    """
+    check_qkv(q, k, v, names=("q", "k", "v"), causal=causal)
+    fm = resolve_feature_map(feature_map, q.shape[-1], q.shape[1])
+    if key_padding_mask is not None:
+        mask = check_key_padding_mask(key_padding_mask, k.shape[0], k.shape[2], k.device)
+        k = k.masked_fill(~mask[:, None, :, None], 0.0)
+    phi_q = fm(q, is_query=True)
+    phi_k = fm(k, is_query=False)
+    return linear_attention(
+        phi_q, phi_k, v, causal=causal, key_padding_mask=key_padding_mask, eps=eps, backend=backend
+    )
