@@ -2,7 +2,14 @@
 compiled backends, recurrent state, and the softmax baseline."""
 
 from .attention import causal_dot_product, linear_attention, linear_attention_reference
-from .backends import Backend, backends, register_backend, registered_backends, resolve_backend
+from .backends import (
+    Backend,
+    backends,
+    register_backend,
+    registered_backends,
+    resolve_backend,
+    unregister_backend,
+)
 from .chunked import DEFAULT_CHUNK_SIZE, causal_dot_product_chunked
 from .recurrent import RecurrentState
 from .reference import causal_dot_product_reference
@@ -23,4 +30,5 @@ __all__ = [
     "resolve_backend",
     "softmax_attention",
     "softmax_attention_reference",
+    "unregister_backend",
 ]

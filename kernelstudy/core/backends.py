@@ -74,6 +74,14 @@ register_backend(
 )
 
 
+def unregister_backend(name: str) -> None:
+    """Remove a backend added with :func:`register_backend` (``reference``/``torch`` stay)."""
+    if name in ("reference", "torch"):
+        raise ValueError(f"the built-in backend {name!r} cannot be removed")
+    _BACKENDS.pop(name, None)
+    _WARNED.discard(name)
+
+
 def registered_backends() -> dict[str, Backend]:
     """Every registered backend by name, available or not."""
     return dict(_BACKENDS)

@@ -1,0 +1,274 @@
+"""Benchmark the linear-attention core against softmax attention: time and peak memory vs N.
+
+For every N, backend and mode (forward, forward+backward) it reports the median
+time over repeats (after a warm-up), the peak memory above the inputs, and the
+achieved FLOP rate as a fraction of the fp32 matmul rate measured in the same
+run. FLOPs counted: 4·B·H·N·F·M for a forward of the causal product or of
+linear attention, 12·B·H·N·F·M for forward+backward; softmax counts
+4·B·H·N·S·D (halved when causal) and 2.5× that for forward+backward.
+
+    python benchmarks/core.py --quick                 # a minute on a laptop
+    python benchmarks/core.py --out benchmarks/results/core_cpu.csv
+
+Peak memory: on CUDA ``torch.cuda.max_memory_allocated``; on CPU the process's
+peak resident set (VmHWM, reset through /proc/self/clear_refs) minus the
+resident set before the call, so it includes allocator slack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime as dt
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+import kernelstudy as ks
+
+# Above this, the reference backend's N×N matrix costs too much memory to benchmark.
+REFERENCE_MAX_N = 4096
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_time(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median wall time of ``fn()`` in seconds over ``repeats`` runs after one warm-up."""
+    fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as fh:
+        return int(re.search(rf"{field}:\s+(\d+)", fh.read()).group(1))
+
+
+def _release_free_memory() -> None:
+    """Hand memory that glibc's allocator keeps after frees back to the OS (Linux only)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def peak_memory_mib(fn: Callable[[], object], device: torch.device) -> float:
+    """Peak memory (MiB) that one call of ``fn()`` adds above what is allocated before it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return (torch.cuda.max_memory_allocated(device) - before) / 2**20
+    if not os.path.exists("/proc/self/clear_refs"):
+        return float("nan")
+    _release_free_memory()
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")  # resets VmHWM to the current resident set
+    before = _status_kib("VmRSS")
+    fn()
+    return max(_status_kib("VmHWM") - before, 0) / 1024
+
+
+def matmul_rate(device: torch.device, size: int = 2048, repeats: int = 5) -> float:
+    """Measured fp32 matmul rate in FLOP/s (``size``² by ``size``² product)."""
+    a = torch.randn(size, size, device=device)
+    b = torch.randn(size, size, device=device)
+    seconds = median_time(lambda: a @ b, device, repeats)
+    return 2 * size**3 / seconds
+
+
+def _run(fn: Callable[[], torch.Tensor], inputs: list[torch.Tensor], backward: bool):
+    def call() -> None:
+        for t in inputs:
+            t.grad = None
+        out = fn()
+        if backward:
+            out.backward(torch.ones_like(out))
+
+    return call
+
+
+def benchmark(args: argparse.Namespace) -> pd.DataFrame:
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    b, h, f, m, d = args.batch, args.heads, args.features, args.values, args.head_dim
+    rate = matmul_rate(device)
+    print(f"fp32 matmul rate: {rate / 1e9:.1f} GFLOP/s on {device_name(device)}", file=sys.stderr)
+    linear_backends = [x for x in ks.backends() if x in args.backends or not args.backends]
+    rows = []
+    for n in args.n:
+        gen = torch.Generator(device="cpu").manual_seed(n)
+        phi_q = torch.rand(b, h, n, f, generator=gen).to(device, dtype)
+        phi_k = torch.rand(b, h, n, f, generator=gen).to(device, dtype)
+        v = torch.randn(b, h, n, m, generator=gen).to(device, dtype)
+        q = torch.randn(b, h, n, d, generator=gen).to(device, dtype)
+        k = torch.randn(b, h, n, d, generator=gen).to(device, dtype)
+        vs = torch.randn(b, h, n, d, generator=gen).to(device, dtype)
+        cases = []
+        for backend in linear_backends:
+            if backend == "reference" and n > REFERENCE_MAX_N:
+                continue
+            cases.append(
+                (
+                    "causal_product",
+                    backend,
+                    True,
+                    lambda be=backend: ks.causal_dot_product(phi_q, phi_k, v, backend=be),
+                    (phi_q, phi_k, v),
+                    4 * b * h * n * f * m,
+                )
+            )
+            for causal in (True, False):
+                cases.append(
+                    (
+                        "linear_attention",
+                        backend,
+                        causal,
+                        lambda be=backend, c=causal: ks.linear_attention(
+                            phi_q, phi_k, v, causal=c, backend=be
+                        ),
+                        (phi_q, phi_k, v),
+                        4 * b * h * n * f * m,
+                    )
+                )
+        if not args.no_softmax:
+            for causal in (True, False):
+                cases.append(
+                    (
+                        "softmax_attention",
+                        "sdpa",
+                        causal,
+                        lambda c=causal: ks.softmax_attention(q, k, vs, causal=c),
+                        (q, k, vs),
+                        4 * b * h * n * n * d // (2 if causal else 1),
+                    )
+                )
+        for op, backend, causal, fn, inputs, flops in cases:
+            for mode in args.modes:
+                backward = mode == "fwd+bwd"
+                for t in inputs:
+                    t.requires_grad_(backward)
+                call = _run(fn, list(inputs), backward)
+                if backward:
+                    call_flops = 3 * flops if op != "softmax_attention" else 2.5 * flops
+                else:
+                    call_flops = flops
+                seconds = median_time(call, device, args.repeats)
+                memory = peak_memory_mib(call, device)
+                rows.append(
+                    {
+                        "op": op,
+                        "backend": backend,
+                        "causal": causal,
+                        "mode": mode,
+                        "B": b,
+                        "H": h,
+                        "N": n,
+                        "F": f if op != "softmax_attention" else None,
+                        "M": m if op != "softmax_attention" else d,
+                        "D": d if op == "softmax_attention" else None,
+                        "dtype": args.dtype,
+                        "time_ms": seconds * 1e3,
+                        "peak_mib": memory,
+                        "gflops": call_flops / seconds / 1e9,
+                        "frac_matmul": call_flops / seconds / rate,
+                    }
+                )
+                print(
+                    f"N={n:>6} {op:<18} {backend:<9} causal={causal!s:<5} {mode:<7} "
+                    f"{seconds * 1e3:9.2f} ms {memory:8.1f} MiB",
+                    file=sys.stderr,
+                )
+    frame = pd.DataFrame(rows)
+    frame["matmul_gflops"] = rate / 1e9
+    frame["device"] = device_name(device)
+    frame["threads"] = torch.get_num_threads()
+    frame["torch"] = torch.__version__
+    frame["kernelstudy"] = ks.__version__
+    frame["date"] = dt.date.today().isoformat()
+    frame["command"] = " ".join(["python", *sys.argv])
+    return frame
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.processor() or platform.machine()} ({os.cpu_count()} cpus)"
+
+
+def write_csv_atomic(frame: pd.DataFrame, path: Path) -> None:
+    """Write ``frame`` to ``path`` through a temporary file so a crash never leaves half a CSV."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    frame.to_csv(tmp, index=False)
+    os.replace(tmp, path)
+
+
+def summary(frame: pd.DataFrame) -> pd.DataFrame:
+    """Wide table: time (ms) and peak memory (MiB) per op/backend/mode vs N."""
+    frame = frame.assign(
+        what=frame["op"]
+        + ":"
+        + frame["backend"]
+        + frame["causal"].map({True: " causal", False: ""})
+    )
+    return frame.pivot_table(
+        index=["what", "mode"], columns="N", values=["time_ms", "peak_mib"], aggfunc="first"
+    ).round(1)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--n", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--features", type=int, default=64, help="F, feature dimension")
+    p.add_argument("--values", type=int, default=64, help="M, value dimension")
+    p.add_argument("--head-dim", type=int, default=64, help="D of the softmax baseline")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--backends", nargs="*", default=[], help="linear backends (default: all)")
+    p.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--no-softmax", action="store_true", help="skip the softmax baseline")
+    p.add_argument("--quick", action="store_true", help="N in {1024, 4096}, 3 repeats")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/core.csv"))
+    args = p.parse_args(argv)
+    if args.quick:
+        args.n, args.repeats = [1024, 4096], 3
+    if any(n < 1 for n in args.n) or args.repeats < 1:
+        p.error("--n and --repeats must be positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    frame = benchmark(args)
+    write_csv_atomic(frame, args.out)
+    with pd.option_context("display.width", 200, "display.max_columns", 50):
+        print(summary(frame).to_string())
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

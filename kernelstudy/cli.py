@@ -1,0 +1,93 @@
+"""The ``kernelstudy`` command: inspect backends and maps, run studies, benchmarks and searches.
+
+Exit codes: 0 success, 1 a run failed, 2 bad usage (argparse's convention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+import kernelstudy as ks
+
+Command = Callable[[argparse.Namespace], int]
+
+
+def _cmd_backends(args: argparse.Namespace) -> int:
+    from kernelstudy.core.backends import registered_backends
+
+    available = set(ks.backends())
+    rows = []
+    for name, backend in registered_backends().items():
+        mark = "yes" if name in available else "no"
+        rows.append((name, mark, str(backend.priority), backend.description))
+    _print_table(("backend", "available", "priority", "description"), rows)
+    return 0
+
+
+def _cmd_maps(args: argparse.Namespace) -> int:
+    from kernelstudy.feature_maps import feature_map_table
+
+    table = feature_map_table()
+    if args.pattern:
+        names = set(ks.list_feature_maps(args.pattern))
+        table = table[table["name"].isin(names)]
+    if args.format == "csv":
+        table.to_csv(sys.stdout, index=False)
+    else:
+        cols = list(table.columns)
+        _print_table(cols, [tuple(str(v) for v in row) for row in table.itertuples(index=False)])
+    return 0
+
+
+def _print_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    """Plain-text table with columns padded to their widest cell."""
+    widths = [max(len(str(h)), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    line = "  ".join(str(h).ljust(w) for h, w in zip(header, widths, strict=True))
+    print(line.rstrip())
+    print("  ".join("-" * w for w in widths))
+    for row in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``kernelstudy`` command."""
+    parser = argparse.ArgumentParser(
+        prog="kernelstudy",
+        description="Study kernelized (linear) attention: feature maps, core backends, "
+        "analyses, studies and searches.",
+    )
+    parser.add_argument("--version", action="version", version=f"kernelstudy {ks.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("backends", help="list the linear-attention core backends")
+    p.set_defaults(func=_cmd_backends)
+
+    p = sub.add_parser("maps", help="list the feature-map registry")
+    p.add_argument("pattern", nargs="?", help="glob pattern on map names, e.g. 'favor*'")
+    p.add_argument("--format", choices=("table", "csv"), default="table")
+    p.set_defaults(func=_cmd_maps)
+
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, TypeError, FileNotFoundError) as err:
+        print(f"kernelstudy {args.command}: error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

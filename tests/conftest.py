@@ -1,0 +1,23 @@
+"""Shared fixtures: deterministic seeds and helpers to compare tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
+    """max |a-b| / max(max |b|, floor).
+
+    ``floor`` is the natural scale of the quantity where the exact value may
+    vanish (e.g. the φq-gradient of normalized attention over one key is 0).
+    """
+    a, b = a.double(), b.double()
+    scale = max(b.abs().max().item(), floor)
+    diff = (a - b).abs().max().item()
+    return diff / scale if scale > 0 else diff

@@ -1,0 +1,61 @@
+"""The kernelstudy command: help, version, listings and exit codes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import kernelstudy as ks
+from kernelstudy.cli import main
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert ks.__version__ in capsys.readouterr().out
+
+
+def test_help_lists_commands(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "backends" in out and "maps" in out
+
+
+def test_no_command_prints_help_and_fails(capsys):
+    assert main([]) == 2
+    assert "usage" in capsys.readouterr().out
+
+
+def test_unknown_command_is_usage_error():
+    with pytest.raises(SystemExit) as exc:
+        main(["frobnicate"])
+    assert exc.value.code == 2
+
+
+def test_backends_lists_available(capsys):
+    assert main(["backends"]) == 0
+    out = capsys.readouterr().out
+    for name in ks.backends():
+        assert name in out
+
+
+def test_maps_table_and_csv(capsys):
+    assert main(["maps"]) == 0
+    out = capsys.readouterr().out
+    for name in ks.list_feature_maps():
+        assert name in out
+    assert main(["maps", "el*", "--format", "csv"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("name,") and len(lines) == 1 + len(ks.list_feature_maps("el*"))
+
+
+def test_console_script_runs():
+    res = subprocess.run(
+        [sys.executable, "-m", "kernelstudy.cli", "backends"], capture_output=True, text=True
+    )
+    assert res.returncode == 0 and "torch" in res.stdout

@@ -1,0 +1,268 @@
+"""The core on features: every backend equals the reference on awkward shapes.
+
+Tolerances: fp32 max relative error ≤ 1e-5 (outputs and the gradients of
+φq, φk and v); float64 checked with ``torch.autograd.gradcheck``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernelstudy as ks
+from kernelstudy.core import causal_dot_product_reference, linear_attention_reference
+
+from .conftest import rel_err
+
+FAST_BACKENDS = [b for b in ks.backends() if b != "reference"]
+
+# (B, H, N, F, M, chunk): N not a multiple of the chunk, N=1, F≠M, batch 1 and 3.
+SHAPES = [
+    (1, 1, 1, 4, 3, 64),
+    (2, 3, 37, 8, 5, 16),
+    (3, 2, 130, 96, 40, 64),
+    (1, 4, 64, 16, 16, 64),
+    (1, 1, 257, 7, 11, 32),
+]
+
+
+def _features(b, h, n, f, m, dtype=torch.float32, requires_grad=True):
+    q = torch.rand(b, h, n, f, dtype=dtype)
+    k = torch.rand(b, h, n, f, dtype=dtype)
+    v = torch.randn(b, h, n, m, dtype=dtype)
+    return [t.requires_grad_(requires_grad) for t in (q, k, v)]
+
+
+def _grads(out, inputs, seed=1):
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype)
+    return torch.autograd.grad(out, inputs, g)
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_causal_product_matches_reference(backend, shape):
+    b, h, n, f, m, chunk = shape
+    q, k, v = _features(b, h, n, f, m)
+    want = causal_dot_product_reference(q, k, v)
+    kw = {"chunk_size": chunk} if backend == "torch" else {}
+    got = ks.causal_dot_product(q, k, v, backend=backend, **kw)
+    assert got.shape == (b, h, n, m) and got.dtype == torch.float32
+    assert rel_err(got, want) <= 1e-5
+    for g_got, g_want in zip(_grads(got, (q, k, v)), _grads(want, (q, k, v)), strict=True):
+        assert rel_err(g_got, g_want) <= 1e-5
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_linear_attention_matches_reference(backend, causal, shape):
+    b, h, n, f, m, _ = shape
+    q, k, v = _features(b, h, n, f, m)
+    want = linear_attention_reference(q, k, v, causal=causal)
+    got = ks.linear_attention(q, k, v, causal=causal, backend=backend)
+    assert rel_err(got, want) <= 1e-5
+    # Normalized outputs and upstream gradients are O(1): gradients are compared at scale ≥ 1.
+    for g_got, g_want in zip(_grads(got, (q, k, v)), _grads(want, (q, k, v)), strict=True):
+        assert rel_err(g_got, g_want, floor=1.0) <= 1e-5
+
+
+def test_reference_backend_is_explicit():
+    q, k, v = _features(2, 2, 9, 4, 3, requires_grad=False)
+    scores = torch.tril(q @ k.transpose(-1, -2))
+    want = (scores @ v) / (scores.sum(-1, keepdim=True) + 1e-6)
+    assert rel_err(ks.linear_attention(q, k, v, causal=True, backend="reference"), want) <= 1e-6
+    assert rel_err(ks.causal_dot_product(q, k, v, backend="reference"), scores @ v) <= 1e-6
+
+
+def test_noncausal_cross_attention_lengths():
+    q = torch.rand(2, 3, 5, 6)
+    k, v = torch.rand(2, 3, 9, 6), torch.randn(2, 3, 9, 4)
+    got = ks.linear_attention(q, k, v)
+    assert got.shape == (2, 3, 5, 4)
+    assert rel_err(got, linear_attention_reference(q, k, v)) <= 1e-5
+
+
+@pytest.mark.parametrize("backend", ["reference", *FAST_BACKENDS])
+@pytest.mark.parametrize("causal", [False, True])
+def test_key_padding_ignores_garbage(backend, causal):
+    b, h, n, f, m = 3, 2, 21, 8, 5
+    q, k, v = _features(b, h, n, f, m, requires_grad=False)
+    lengths = torch.tensor([21, 13, 1])
+    mask = torch.arange(n)[None, :] < lengths[:, None]
+    out = ks.linear_attention(q, k, v, causal=causal, key_padding_mask=mask, backend=backend)
+    k2, v2 = k.clone(), v.clone()
+    pad = ~mask[:, None, :, None]
+    k2 = torch.where(pad, torch.full_like(k2, 1e30), k2)
+    v2 = torch.where(pad, torch.full_like(v2, -1e30), v2)
+    out2 = ks.linear_attention(q, k2, v2, causal=causal, key_padding_mask=mask, backend=backend)
+    assert torch.isfinite(out2).all()
+    assert torch.equal(out, out2)
+    # Each sequence alone, truncated to its real length, gives the same answer.
+    for i, length in enumerate(lengths.tolist()):
+        sl = slice(0, length)
+        alone = ks.linear_attention(
+            q[i : i + 1, :, sl] if causal else q[i : i + 1],
+            k[i : i + 1, :, sl],
+            v[i : i + 1, :, sl],
+            causal=causal,
+            backend="reference",
+        )
+        got = out[i : i + 1, :, sl] if causal else out[i : i + 1]
+        assert rel_err(got, alone) <= 1e-5
+
+
+def test_padding_gradients_are_zero():
+    q, k, v = _features(2, 1, 10, 4, 3)
+    mask = torch.ones(2, 10, dtype=torch.bool)
+    mask[1, 6:] = False
+    out = ks.linear_attention(q, k, v, key_padding_mask=mask)
+    _, dk, dv = _grads(out, (q, k, v))
+    assert torch.all(dk[1, :, 6:] == 0) and torch.all(dv[1, :, 6:] == 0)
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_float64_gradcheck(backend, causal):
+    q, k, v = _features(2, 2, 7, 3, 4, dtype=torch.float64)
+
+    def fn(q, k, v):
+        return ks.linear_attention(q, k, v, causal=causal, backend=backend)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
+def test_chunked_gradcheck_small_chunk():
+    q, k, v = _features(1, 2, 11, 3, 2, dtype=torch.float64)
+
+    def fn(q, k, v):
+        return ks.causal_dot_product(q, k, v, backend="torch", chunk_size=4)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_half_precision_accumulates_in_float32(dtype, causal):
+    q, k, v = _features(2, 2, 300, 16, 8, requires_grad=False)
+    want = linear_attention_reference(q, k, v, causal=causal)
+    qh, kh, vh = (t.to(dtype).requires_grad_() for t in (q, k, v))
+    got = ks.linear_attention(qh, kh, vh, causal=causal)
+    assert got.dtype == dtype
+    assert torch.isfinite(got).all()
+    rms = ((got.float() - want) ** 2).mean().sqrt() / (want**2).mean().sqrt()
+    assert rms < 1e-2
+    grads = torch.autograd.grad(got.float().sum(), (qh, kh, vh))
+    assert all(g.dtype == dtype and torch.isfinite(g).all() for g in grads)
+
+
+def test_causal_output_in_input_dtype():
+    q, k, v = _features(1, 1, 5, 2, 2, dtype=torch.float64, requires_grad=False)
+    assert ks.causal_dot_product(q, k, v).dtype == torch.float64
+    assert ks.linear_attention(q, k, v, causal=True).dtype == torch.float64
+
+
+def test_large_features_stay_finite():
+    # Feature sums far above half range still normalize correctly in float32.
+    q, k, v = _features(1, 1, 4096, 4, 2, requires_grad=False)
+    q, k = q.half() * 60, k.half() * 60
+    out = ks.linear_attention(q, k, v.half(), causal=True)
+    assert torch.isfinite(out).all()
+
+
+def test_environment_variable_chooses_backend(monkeypatch):
+    q, k, v = _features(1, 1, 5, 2, 2, requires_grad=False)
+    monkeypatch.setenv("KERNELSTUDY_BACKEND", "nonsense")
+    with pytest.raises(ValueError, match="KERNELSTUDY_BACKEND"):
+        ks.linear_attention(q, k, v, causal=True)
+    monkeypatch.setenv("KERNELSTUDY_BACKEND", "torch")
+    assert ks.core.resolve_backend(None, q).name == "torch"
+    monkeypatch.setenv("KERNELSTUDY_BACKEND", "auto")
+    assert ks.core.resolve_backend(None, q).name in ks.backends()
+
+
+def test_auto_picks_highest_priority_available():
+    from kernelstudy.core.backends import registered_backends
+
+    q = torch.rand(1, 1, 4, 2)
+    chosen = ks.core.resolve_backend("auto", q)
+    best = max(
+        (b for b in registered_backends().values() if b.available() and b.supports(q)),
+        key=lambda b: b.priority,
+    )
+    assert chosen.name == best.name
+
+
+def test_unavailable_backend_falls_back_with_one_warning():
+    from kernelstudy.core import Backend, register_backend, registered_backends, unregister_backend
+
+    register_backend(Backend("ghost", lambda q, k, v: None, available=lambda: False))
+    try:
+        q = torch.rand(1, 1, 3, 2)
+        with pytest.warns(RuntimeWarning, match="ghost"):
+            assert ks.core.resolve_backend("ghost", q).name == "torch"
+        assert "ghost" not in ks.backends()
+    finally:
+        unregister_backend("ghost")
+    assert "ghost" not in registered_backends()
+
+
+# --- bad input ---------------------------------------------------------------------------
+
+
+def _ok():
+    return torch.rand(2, 3, 5, 4), torch.rand(2, 3, 5, 4), torch.rand(2, 3, 5, 6)
+
+
+@pytest.mark.parametrize(
+    "mutate, error, match",
+    [
+        (lambda q, k, v: (q[:1], k, v), ValueError, "batch"),
+        (lambda q, k, v: (q[:, :2], k, v), ValueError, "head"),
+        (lambda q, k, v: (q, k[:, :, :4], v), ValueError, "phi_k|v"),
+        (lambda q, k, v: (q, k[..., :3], v), ValueError, "phi_q and phi_k"),
+        (lambda q, k, v: (q[0], k, v), ValueError, "phi_q"),
+        (lambda q, k, v: (q, k, v.long()), TypeError, "v"),
+        (lambda q, k, v: (q.double(), k, v), TypeError, "dtype"),
+        (lambda q, k, v: (q.numpy(), k, v), TypeError, "phi_q"),
+    ],
+)
+def test_bad_input_names_the_argument(mutate, error, match):
+    q, k, v = mutate(*_ok())
+    with pytest.raises(error, match=match):
+        ks.linear_attention(q, k, v)
+
+
+def test_causal_needs_equal_lengths():
+    q = torch.rand(1, 1, 5, 2)
+    with pytest.raises(ValueError, match="causal"):
+        ks.linear_attention(q, torch.rand(1, 1, 6, 2), torch.rand(1, 1, 6, 2), causal=True)
+
+
+@pytest.mark.parametrize(
+    "mask, error",
+    [
+        (torch.ones(2, 4, dtype=torch.bool), ValueError),
+        (torch.ones(3, 5, dtype=torch.bool), ValueError),
+        (torch.ones(2, 5), TypeError),
+        ([[True] * 5] * 2, TypeError),
+    ],
+)
+def test_bad_mask(mask, error):
+    with pytest.raises(error, match="key_padding_mask"):
+        ks.linear_attention(*_ok(), key_padding_mask=mask)
+
+
+@pytest.mark.parametrize("eps, error", [(0.0, ValueError), (-1e-3, ValueError), ("1", TypeError)])
+def test_bad_eps(eps, error):
+    with pytest.raises(error, match="eps"):
+        ks.linear_attention(*_ok(), eps=eps)
+
+
+def test_bad_backend_and_chunk():
+    with pytest.raises(ValueError, match="backend"):
+        ks.linear_attention(*_ok(), backend="fastest")
+    with pytest.raises(TypeError, match="backend"):
+        ks.linear_attention(*_ok(), backend=3)
+    q, k, _ = _ok()
+    with pytest.raises(ValueError, match="chunk_size"):
+        ks.causal_dot_product(q, k, torch.rand(2, 3, 5, 6), backend="torch", chunk_size=0)

@@ -1,0 +1,103 @@
+"""Attention modules and the encoder: shapes, masks, recurrent steps, baseline switch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernelstudy as ks
+
+from .conftest import rel_err
+
+
+@pytest.mark.parametrize("attention", ["kernel", "softmax"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_kernel_attention_module_shapes_and_grads(attention, causal):
+    layer = ks.nn.KernelAttention(32, 4, feature_map="elu", attention=attention, causal=causal)
+    x = torch.randn(3, 11, 32, requires_grad=True)
+    y = layer(x)
+    assert y.shape == x.shape
+    y.square().mean().backward()
+    assert x.grad is not None and all(p.grad is not None for p in layer.parameters())
+
+
+@pytest.mark.parametrize("attention", ["kernel", "softmax"])
+def test_padding_does_not_change_real_positions(attention):
+    torch.manual_seed(0)
+    enc = ks.nn.TransformerEncoder(2, 16, 2, 32, attention=attention, feature_map="elu").eval()
+    x = torch.randn(2, 9, 16)
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[1, 5:] = False
+    y = enc(x, key_padding_mask=mask)
+    x2 = x.clone()
+    x2[1, 5:] = 1e4 * torch.randn(4, 16)
+    y2 = enc(x2, key_padding_mask=mask)
+    assert torch.isfinite(y2).all()
+    assert rel_err(y2[1, :5], y[1, :5]) <= 1e-5
+    alone = enc(x[1:, :5])
+    assert rel_err(y[1:, :5], alone) <= 1e-5
+
+
+@pytest.mark.parametrize("attention", ["kernel", "softmax"])
+def test_encoder_step_equals_causal_forward(attention):
+    torch.manual_seed(1)
+    enc = ks.nn.TransformerEncoder(
+        2, 24, 3, 48, attention=attention, feature_map="elu", causal=True
+    ).eval()
+    x = torch.randn(2, 13, 24)
+    full = enc(x)
+    states = None
+    for t in range(x.shape[1]):
+        y_t, states = enc.step(x[:, t], states)
+        assert rel_err(y_t, full[:, t]) <= 1e-5
+    kind = ks.RecurrentState if attention == "kernel" else ks.nn.KVCache
+    assert all(isinstance(s, kind) for s in states)
+
+
+def test_kernel_state_does_not_grow():
+    enc = ks.nn.TransformerEncoder(1, 16, 2, 16, feature_map="elu", causal=True).eval()
+    states = None
+    for _t in range(5):
+        _, states = enc.step(torch.randn(1, 16), states)
+        assert states[0].S.shape == (1, 2, 8, 8)
+
+
+def test_kernel_attention_function_with_map_instance_and_name():
+    fm = ks.create_feature_map("elu", head_dim=8)
+    q, k, v = torch.randn(2, 2, 10, 8), torch.randn(2, 2, 10, 8), torch.randn(2, 2, 10, 4)
+    a = ks.kernel_attention(q, k, v, feature_map=fm, causal=True)
+    b = ks.kernel_attention(q, k, v, feature_map="elu", causal=True)
+    want = ks.linear_attention(fm(q), fm(k, is_query=False), v, causal=True, backend="reference")
+    assert rel_err(a, want) <= 1e-5 and torch.equal(a, b)
+
+
+def test_regularization_is_zero_for_elu_and_softmax():
+    for attention in ("kernel", "softmax"):
+        enc = ks.nn.TransformerEncoder(2, 16, 2, 16, attention=attention)
+        assert float(enc.regularization()) == 0.0
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"d_model": 30, "n_heads": 4}, "divisible"),
+        ({"d_model": 32, "n_heads": 0}, "n_heads"),
+        ({"d_model": 32, "n_heads": 4, "attention": "flash"}, "attention"),
+        ({"d_model": 32, "n_heads": 4, "dropout": 1.5}, "dropout"),
+        ({"d_model": 32, "n_heads": 4, "feature_map": "elux"}, "elu"),
+    ],
+)
+def test_module_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ks.nn.KernelAttention(**kwargs)
+
+
+def test_step_needs_causal_and_right_shape():
+    layer = ks.nn.KernelAttention(16, 2)
+    with pytest.raises(ValueError, match="causal"):
+        layer.step(torch.randn(1, 16))
+    layer = ks.nn.KernelAttention(16, 2, causal=True)
+    with pytest.raises(ValueError, match="x_t"):
+        layer.step(torch.randn(1, 3, 16))
+    with pytest.raises(ValueError, match="x"):
+        layer(torch.randn(2, 5, 15))

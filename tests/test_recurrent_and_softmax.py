@@ -1,0 +1,105 @@
+"""RNN-mode state equals the causal batch output; softmax equals its explicit form."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import kernelstudy as ks
+
+from .conftest import rel_err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("b, h, n, f, m", [(1, 1, 1, 3, 2), (2, 3, 23, 8, 5), (1, 2, 70, 16, 40)])
+def test_recurrent_steps_equal_causal_output(dtype, b, h, n, f, m):
+    q, k = torch.rand(b, h, n, f, dtype=dtype), torch.rand(b, h, n, f, dtype=dtype)
+    v = torch.randn(b, h, n, m, dtype=dtype)
+    batch = ks.linear_attention(q, k, v, causal=True)
+    state = ks.RecurrentState.zeros(b, h, f, m, dtype=dtype)
+    for t in range(n):
+        out_t, state = state.step(q[:, :, t], k[:, :, t], v[:, :, t])
+        assert out_t.shape == (b, h, m)
+        assert rel_err(out_t, batch[:, :, t]) <= 1e-5
+    assert state.S.shape == (b, h, f, m) and state.Z.shape == (b, h, f)
+
+
+def test_recurrent_state_is_constant_size_and_immutable():
+    state = ks.RecurrentState.zeros(1, 1, 4, 3)
+    q = torch.rand(1, 1, 4)
+    out, new = state.step(q, q, torch.rand(1, 1, 3))
+    assert new is not state and torch.all(state.S == 0)
+    assert new.S.shape == state.S.shape and new.Z.shape == state.Z.shape
+
+
+def test_recurrent_half_inputs_keep_float32_state():
+    state = ks.RecurrentState.zeros(1, 2, 4, 3)
+    q = torch.rand(1, 2, 4).half()
+    out, state = state.step(q, q, torch.rand(1, 2, 3).half())
+    assert out.dtype == torch.float16 and state.S.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda s: s.step(torch.rand(1, 1, 5), torch.rand(1, 1, 4), torch.rand(1, 1, 3)), "phi_q"),
+        (lambda s: s.step(torch.rand(1, 1, 4), torch.rand(2, 1, 4), torch.rand(1, 1, 3)), "phi_k"),
+        (lambda s: s.step(torch.rand(1, 1, 4), torch.rand(1, 1, 4), torch.rand(1, 1, 2)), "v"),
+    ],
+)
+def test_recurrent_bad_shapes(call, match):
+    with pytest.raises(ValueError, match=match):
+        call(ks.RecurrentState.zeros(1, 1, 4, 3))
+
+
+def test_recurrent_bad_sizes():
+    with pytest.raises(ValueError, match="feature_dim"):
+        ks.RecurrentState.zeros(1, 1, 0, 3)
+    with pytest.raises(TypeError, match="dtype"):
+        ks.RecurrentState.zeros(1, 1, 2, 3, dtype=torch.int64)
+    with pytest.raises(ValueError, match="eps"):
+        ks.RecurrentState.zeros(1, 1, 2, 3, eps=0.0)
+
+
+def _explicit_softmax(q, k, v, causal, mask):
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    allowed = torch.ones_like(scores, dtype=torch.bool)
+    if causal:
+        allowed &= torch.ones(scores.shape[-2:], dtype=torch.bool).tril()
+    if mask is not None:
+        allowed &= mask[:, None, None, :]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    weights = torch.softmax(scores, -1).nan_to_num(0.0)
+    return weights @ v
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+def test_softmax_equals_explicit(causal, masked):
+    b, h, n, d, m = 3, 2, 17, 8, 6
+    q, k, v = torch.randn(b, h, n, d), torch.randn(b, h, n, d), torch.randn(b, h, n, m)
+    mask = None
+    if masked:
+        mask = torch.arange(n)[None] < torch.tensor([17, 9, 4])[:, None]
+    got = ks.softmax_attention(q, k, v, causal=causal, key_padding_mask=mask)
+    want = _explicit_softmax(q, k, v, causal, mask)
+    assert rel_err(got, want) <= 1e-5
+    assert rel_err(ks.core.softmax_attention_reference(q, k, v, causal, mask), want) <= 1e-5
+
+
+def test_softmax_fully_masked_rows_are_zero_not_nan():
+    q, k, v = torch.randn(2, 1, 4, 3), torch.randn(2, 1, 4, 3), torch.randn(2, 1, 4, 3)
+    mask = torch.tensor([[True] * 4, [False] * 4])
+    out = ks.softmax_attention(q, k, v, key_padding_mask=mask)
+    assert torch.isfinite(out).all() and torch.all(out[1] == 0)
+
+
+def test_softmax_cross_lengths_and_bad_input():
+    q, k, v = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 7, 4), torch.randn(1, 2, 7, 5)
+    assert ks.softmax_attention(q, k, v).shape == (1, 2, 3, 5)
+    with pytest.raises(ValueError, match="k"):
+        ks.softmax_attention(q, k[..., :3], v)
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        ks.softmax_attention(q, k, v, key_padding_mask=torch.ones(1, 3, dtype=torch.bool))
