@@ -27,6 +27,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import pandas as pd
@@ -132,7 +133,7 @@ def benchmark(args: argparse.Namespace) -> pd.DataFrame:
                     "causal_product",
                     backend,
                     True,
-                    lambda be=backend: ks.causal_dot_product(phi_q, phi_k, v, backend=be),
+                    partial(ks.causal_dot_product, phi_q, phi_k, v, backend=backend),
                     (phi_q, phi_k, v),
                     4 * b * h * n * f * m,
                 )
@@ -143,8 +144,8 @@ def benchmark(args: argparse.Namespace) -> pd.DataFrame:
                         "linear_attention",
                         backend,
                         causal,
-                        lambda be=backend, c=causal: ks.linear_attention(
-                            phi_q, phi_k, v, causal=c, backend=be
+                        partial(
+                            ks.linear_attention, phi_q, phi_k, v, causal=causal, backend=backend
                         ),
                         (phi_q, phi_k, v),
                         4 * b * h * n * f * m,
@@ -157,7 +158,7 @@ def benchmark(args: argparse.Namespace) -> pd.DataFrame:
                         "softmax_attention",
                         "sdpa",
                         causal,
-                        lambda c=causal: ks.softmax_attention(q, k, vs, causal=c),
+                        partial(ks.softmax_attention, q, k, vs, causal=causal),
                         (q, k, vs),
                         4 * b * h * n * n * d // (2 if causal else 1),
                     )

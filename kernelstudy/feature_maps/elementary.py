@@ -25,7 +25,7 @@ class EluFeatureMap(FeatureMap):
 
 @register_feature_map("relu")
 class ReluFeatureMap(FeatureMap):
-    """φ(x) = relu(x): non-negative; a row of all-negative inputs gives a zero normalizer (eps guards it)."""
+    """φ(x) = relu(x): non-negative; all-negative inputs give a zero normalizer (eps guards it)."""
 
     paper = "common baseline (e.g. Qin et al. 2022, cosFormer)"
 
