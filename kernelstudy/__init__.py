@@ -7,7 +7,7 @@
 
 __version__ = "0.1.0"
 
-from . import core, feature_maps, nn
+from . import analysis, core, feature_maps, nn
 from .core import (
     RecurrentState,
     backends,
@@ -27,6 +27,7 @@ __all__ = [
     "FeatureMap",
     "RecurrentState",
     "__version__",
+    "analysis",
     "backends",
     "causal_dot_product",
     "core",

@@ -41,6 +41,35 @@ def _cmd_maps(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_study(args: argparse.Namespace) -> int:
+    from kernelstudy.study import list_studies, run_study
+
+    if args.name is None:
+        for name in list_studies():
+            print(name)
+        return 0
+    run_study(args.name, quick=args.quick, out=args.out, device=args.device, force=args.force)
+    return 0
+
+
+def _cmd_data_listops(args: argparse.Namespace) -> int:
+    from kernelstudy.tasks import write_listops
+
+    paths = write_listops(
+        args.out,
+        n_train=args.train,
+        n_val=args.val,
+        n_test=args.test,
+        min_length=args.min_length,
+        max_length=args.max_length,
+        seed=args.seed,
+        progress=True,
+    )
+    for split, path in paths.items():
+        print(f"{split}: {path}")
+    return 0
+
+
 def _print_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
     """Plain-text table with columns padded to their widest cell."""
     widths = [max(len(str(h)), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
@@ -68,6 +97,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("pattern", nargs="?", help="glob pattern on map names, e.g. 'favor*'")
     p.add_argument("--format", choices=("table", "csv"), default="table")
     p.set_defaults(func=_cmd_maps)
+
+    from kernelstudy.study import add_arguments
+
+    p = sub.add_parser("study", help="run a study (no NAME: list the studies)")
+    p.add_argument("name", nargs="?", metavar="NAME", help="e.g. approximation, rank, speed")
+    add_arguments(p)
+    p.set_defaults(func=_cmd_study)
+
+    p = sub.add_parser("data", help="generate or prepare task data")
+    data = p.add_subparsers(dest="dataset", metavar="DATASET", required=True)
+    p = data.add_parser("listops", help="generate ListOps in the LRA release's TSV format")
+    p.add_argument("--out", required=True, help="directory for basic_{train,val,test}.tsv")
+    p.add_argument("--train", type=int, default=96_000, help="training examples")
+    p.add_argument("--val", type=int, default=2_000, help="validation examples")
+    p.add_argument("--test", type=int, default=2_000, help="test examples")
+    p.add_argument("--min-length", type=int, default=500, help="shortest sequence, tokens")
+    p.add_argument("--max-length", type=int, default=2000, help="longest sequence, tokens")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_data_listops)
 
     return parser
 

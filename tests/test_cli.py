@@ -59,3 +59,25 @@ def test_console_script_runs():
         [sys.executable, "-m", "kernelstudy.cli", "backends"], capture_output=True, text=True
     )
     assert res.returncode == 0 and "torch" in res.stdout
+
+
+def test_study_lists_studies(capsys):
+    assert main(["study"]) == 0
+    out = capsys.readouterr().out.split()
+    assert "approximation" in out
+
+
+def test_unknown_study_is_an_error(capsys):
+    assert main(["study", "nosuchstudy", "--quick"]) == 1
+    assert "nosuchstudy" in capsys.readouterr().err
+
+
+def test_data_listops_writes_lra_files(tmp_path, capsys):
+    args = ["data", "listops", "--out", str(tmp_path), "--train", "20", "--val", "3"]
+    args += ["--test", "3", "--min-length", "20", "--max-length", "80", "--seed", "3"]
+    assert main(args) == 0
+    for split, n in (("train", 20), ("val", 3), ("test", 3)):
+        lines = (tmp_path / f"basic_{split}.tsv").read_text().splitlines()
+        assert lines[0].split("\t") == ["Source", "Target"] and len(lines) == n + 1
+    bad = ["data", "listops", "--out", str(tmp_path), "--min-length", "50", "--max-length", "10"]
+    assert main(bad) == 1

@@ -1,6 +1,7 @@
 """The linear-attention core, on features φ(Q), φ(K): reference, chunked PyTorch,
 compiled backends, recurrent state, and the softmax baseline."""
 
+from . import cuda_backend  # noqa: F401  (registers the "cuda" backend)
 from .attention import causal_dot_product, linear_attention, linear_attention_reference
 from .backends import (
     Backend,

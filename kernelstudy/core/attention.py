@@ -90,6 +90,10 @@ def linear_attention(
         return linear_attention_reference(phi_q, phi_k, v, causal, key_padding_mask, eps)
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
+    if chunk_size is None:
+        chosen = resolve_backend(backend, phi_q)
+        if chosen.attention is not None:
+            return chosen.attention(phi_q, phi_k, v, causal, key_padding_mask, eps)
     phi_k, v = _mask_keys(phi_k, v, key_padding_mask)
     acc = accumulation_dtype(phi_q.dtype)
     qa, ka = phi_q.to(acc), phi_k.to(acc)

@@ -31,7 +31,10 @@ class Backend:
     ``available()`` says whether it runs on this machine (it may build code on
     first call); ``supports(x)`` whether it takes tensors like ``x``
     (device, dtype); ``priority`` orders backends for ``"auto"`` (highest
-    first; 0 means never chosen automatically).
+    first; 0 means never chosen automatically). ``attention``, where given,
+    is a fused normalized ``linear_attention(phi_q, phi_k, v, causal,
+    key_padding_mask, eps)`` that the core calls instead of composing the
+    product with its own normalizer.
     """
 
     name: str
@@ -40,6 +43,7 @@ class Backend:
     supports: Callable[[torch.Tensor], bool] = field(default=lambda x: True)
     priority: int = 0
     description: str = ""
+    attention: Callable[..., torch.Tensor] | None = None
 
 
 _BACKENDS: dict[str, Backend] = {}

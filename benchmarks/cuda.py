@@ -1,0 +1,372 @@
+"""Benchmark the CUDA linear-attention core on a GPU: time vs N against the baselines.
+
+Causal attention, forward and forward+backward, median of CUDA-event timings after a
+warm-up, for every N, (B, H), F = M = D and dtype. Methods (a column is skipped when its
+package or kernel is missing, and a cell is left empty when it runs out of memory):
+
+- ``cuda``   this project's CUDA backend, ``ks.causal_dot_product(..., backend="cuda")``;
+- ``torch``  this project's chunked PyTorch backend on the same GPU;
+- ``fla``    flash-linear-attention's ``chunk_linear_attn`` (``normalize=False``, scale 1:
+             the same unnormalized causal product), inputs made in its (B, N, H, D) layout;
+- ``sdpa``   softmax attention through ``torch.nn.functional.scaled_dot_product_attention``
+             restricted to the flash backend (fp16/bf16 only; the memory-efficient backend
+             for fp32, reported as ``sdpa_efficient``), head dimension D = F.
+
+FLOPs counted as in ``benchmarks/core.py``: 4·B·H·N·F·M for a causal linear-attention
+forward, 3× that with the backward; softmax 2·B·H·N²·D causal forward, 2.5× with backward.
+Achieved rates are also given against the GPU's measured dense matmul rate (8192³) of the
+same dtype, measured in the same run.
+
+    python benchmarks/cuda.py --quick                      # a minute: smoke run
+    python benchmarks/cuda.py --out benchmarks/results/cuda_h100.csv
+
+The CSV records the device, date, versions and command; a seaborn plot of time vs N is
+written beside it (same name, ``.png``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+import kernelstudy as ks
+
+DEFAULT_N = [512, 1024, 2048, 4096, 8192, 16384, 32768]
+METHODS = ["cuda", "torch", "fla", "sdpa"]
+
+
+def cuda_time_ms(fn: Callable[[], object], repeats: int, warmup: int) -> float:
+    """Median time of ``fn()`` in milliseconds, measured with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def matmul_tflops(dtype: torch.dtype, size: int = 8192, repeats: int = 10) -> float:
+    """Dense matmul rate of this GPU in TFLOP/s for ``dtype`` (fp32 without TF32)."""
+    a = torch.randn(size, size, device="cuda", dtype=dtype)
+    b = torch.randn(size, size, device="cuda", dtype=dtype)
+    ms = cuda_time_ms(lambda: a @ b, repeats, warmup=3)
+    return 2 * size**3 / (ms * 1e-3) / 1e12
+
+
+def load_fla() -> Callable | None:
+    """flash-linear-attention's chunked linear attention, or None if it is not installed."""
+    for module, name in (
+        ("fla.ops.linear_attn", "chunk_linear_attn"),
+        ("fla.ops.linear_attn.chunk", "chunk_linear_attn"),
+    ):
+        try:
+            return getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            continue
+    return None
+
+
+def package_version(name: str) -> str:
+    try:
+        from importlib.metadata import version
+
+        return version(name)
+    except Exception:
+        return ""
+
+
+def _sdpa_backend(dtype: torch.dtype):
+    from torch.nn.attention import SDPBackend
+
+    if dtype in (torch.float16, torch.bfloat16):
+        return "sdpa", SDPBackend.FLASH_ATTENTION
+    return "sdpa_efficient", SDPBackend.EFFICIENT_ATTENTION
+
+
+def make_case(method: str, b: int, h: int, n: int, d: int, dtype: torch.dtype, fla_fn):
+    """(label, fn, inputs) for one method: fn() runs the causal forward and returns the output."""
+    gen = torch.Generator(device="cuda").manual_seed(n)
+
+    def rand(*shape, positive=False):
+        x = torch.rand(*shape, device="cuda", generator=gen, dtype=torch.float32)
+        return (x if positive else 2 * x - 1).to(dtype)
+
+    if method in ("cuda", "torch"):
+        q, k, v = rand(b, h, n, d, positive=True), rand(b, h, n, d, positive=True), rand(b, h, n, d)
+        return method, lambda: ks.causal_dot_product(q, k, v, backend=method), (q, k, v)
+    if method == "fla":
+        q, k, v = rand(b, n, h, d, positive=True), rand(b, n, h, d, positive=True), rand(b, n, h, d)
+        return (
+            "fla",
+            lambda: fla_fn(q, k, v, scale=1.0, normalize=False)[0],
+            (q, k, v),
+        )
+    if method == "sdpa":
+        from torch.nn.attention import sdpa_kernel
+        from torch.nn.functional import scaled_dot_product_attention
+
+        label, backend = _sdpa_backend(dtype)
+        q, k, v = rand(b, h, n, d), rand(b, h, n, d), rand(b, h, n, d)
+
+        def run():
+            with sdpa_kernel([backend]):
+                return scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        return label, run, (q, k, v)
+    raise ValueError(f"unknown method {method!r}")
+
+
+def with_backward(fn: Callable[[], torch.Tensor], inputs) -> Callable[[], None]:
+    grad: list[torch.Tensor] = []
+
+    def run() -> None:
+        for t in inputs:
+            t.grad = None
+        out = fn()
+        if not grad:
+            grad.append(torch.randn_like(out))
+        out.backward(grad[0])
+
+    return run
+
+
+def flops(method: str, mode: str, b: int, h: int, n: int, d: int) -> float:
+    if method.startswith("sdpa"):
+        fwd = 2 * b * h * n * n * d
+        return fwd * (2.5 if mode == "fwd+bwd" else 1)
+    fwd = 4 * b * h * n * d * d
+    return fwd * (3 if mode == "fwd+bwd" else 1)
+
+
+def benchmark(args: argparse.Namespace) -> pd.DataFrame:
+    fla_fn = load_fla() if "fla" in args.methods else None
+    if "fla" in args.methods and fla_fn is None:
+        print("flash-linear-attention is not importable: skipping the fla column", file=sys.stderr)
+    if "cuda" in args.methods and "cuda" not in ks.backends():
+        print("the kernelstudy cuda backend did not build: skipping its column", file=sys.stderr)
+    rates = {}
+    for name in args.dtypes:
+        dtype = getattr(torch, name)
+        rates[name] = matmul_tflops(dtype)
+        print(f"{name} matmul: {rates[name]:.1f} TFLOP/s", file=sys.stderr)
+    rows = []
+    for name in args.dtypes:
+        dtype = getattr(torch, name)
+        for b, h in args.shapes:
+            for d in args.dims:
+                for n in args.n:
+                    for method in args.methods:
+                        if method == "fla" and fla_fn is None:
+                            continue
+                        if method == "cuda" and "cuda" not in ks.backends():
+                            continue
+                        for mode in args.modes:
+                            rows.append(
+                                measure(method, mode, b, h, n, d, name, dtype, fla_fn, args)
+                            )
+    frame = pd.DataFrame(rows)
+    frame["matmul_tflops"] = frame["dtype"].map(rates)
+    frame["frac_matmul"] = frame["tflops"] / frame["matmul_tflops"]
+    frame["device"] = torch.cuda.get_device_name()
+    frame["date"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    frame["torch"] = torch.__version__
+    frame["cuda"] = torch.version.cuda
+    frame["triton"] = package_version("triton")
+    frame["fla"] = package_version("fla-core") or package_version("flash-linear-attention")
+    frame["kernelstudy"] = ks.__version__
+    frame["command"] = " ".join(["python", *sys.argv])
+    return frame
+
+
+def measure(method, mode, b, h, n, d, dtype_name, dtype, fla_fn, args) -> dict:
+    label, ms, error = method, float("nan"), ""
+    try:
+        label, fn, inputs = make_case(method, b, h, n, d, dtype, fla_fn)
+        if mode == "fwd+bwd":
+            for t in inputs:
+                t.requires_grad_(True)
+            call = with_backward(fn, inputs)
+        else:
+
+            def call():
+                with torch.no_grad():
+                    fn()
+
+        ms = cuda_time_ms(call, args.repeats, args.warmup)
+    except torch.cuda.OutOfMemoryError:
+        error = "out of memory"
+    except Exception as err:  # a baseline that does not take this shape or dtype
+        error = f"{type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''}"
+    finally:
+        torch.cuda.empty_cache()
+    tflops = flops(label, mode, b, h, n, d) / (ms * 1e-3) / 1e12 if ms == ms else float("nan")
+    print(
+        f"{dtype_name:<9} B={b:<3} H={h:<3} D={d:<4} N={n:<6} {label:<15} {mode:<8}"
+        f"{ms:10.3f} ms {tflops:8.2f} TFLOP/s {error}",
+        file=sys.stderr,
+    )
+    return {
+        "method": label,
+        "mode": mode,
+        "causal": True,
+        "dtype": dtype_name,
+        "B": b,
+        "H": h,
+        "BH": b * h,
+        "N": n,
+        "F": d,
+        "M": d,
+        "time_ms": ms,
+        "tflops": tflops,
+        "error": error,
+    }
+
+
+def targets(frame: pd.DataFrame) -> str:
+    """The issue's target ratios where the frame has the cells (bf16, B=8, H=16, F=M=64)."""
+
+    def t(method, dtype, n, b=8, h=16, d=64, mode="fwd+bwd"):
+        sel = frame[
+            (frame.method == method)
+            & (frame.dtype == dtype)
+            & (frame.N == n)
+            & (frame.B == b)
+            & (frame.H == h)
+            & (frame.F == d)
+            & (frame["mode"] == mode)
+        ]
+        return float(sel.time_ms.iloc[0]) if len(sel) else float("nan")
+
+    lines = [
+        f"N=8192 bf16 cuda/fla: {t('cuda', 'bfloat16', 8192) / t('fla', 'bfloat16', 8192):.3f}"
+        " (target <= 1.0)",
+        f"N=8192 bf16 cuda/sdpa: {t('cuda', 'bfloat16', 8192) / t('sdpa', 'bfloat16', 8192):.3f}"
+        " (target < 1.0)",
+        f"N=16384 fp32 torch/cuda: "
+        f"{t('torch', 'float32', 16384) / t('cuda', 'float32', 16384):.2f} (target >= 10)",
+    ]
+    crossover = [
+        n for n in sorted(frame.N.unique()) if t("cuda", "bfloat16", n) <= t("sdpa", "bfloat16", n)
+    ]
+    lines.append(
+        f"crossover with sdpa flash (bf16): N = {crossover[0] if crossover else 'none'}"
+        " (target <= 2048)"
+    )
+    return "\n".join(lines)
+
+
+def plot(frame: pd.DataFrame, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import seaborn as sns
+
+    data = frame.dropna(subset=["time_ms"]).assign(
+        shape=lambda f: "B·H=" + f.BH.astype(str) + ", D=" + f.F.astype(str)
+    )
+    if data.empty:
+        return
+    grid = sns.relplot(
+        data=data,
+        x="N",
+        y="time_ms",
+        hue="method",
+        style="mode",
+        row="dtype",
+        col="shape",
+        kind="line",
+        markers=True,
+        height=3,
+        facet_kws={"sharey": False},
+    )
+    grid.set(xscale="log", yscale="log")
+    grid.set_axis_labels("N (tokens)", "time (ms, median)")
+    grid.figure.suptitle(f"causal attention on {frame.device.iloc[0]}", y=1.02)
+    grid.savefig(path, dpi=120, bbox_inches="tight")
+
+
+def _shape(text: str) -> tuple[int, int]:
+    try:
+        b, h = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected BxH such as 8x16, got {text!r}") from None
+    if b < 1 or h < 1:
+        raise argparse.ArgumentTypeError(f"B and H must be positive, got {text!r}")
+    return b, h
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--n", type=int, nargs="+", default=DEFAULT_N, help="sequence lengths")
+    p.add_argument(
+        "--shapes",
+        type=_shape,
+        nargs="+",
+        default=[(1, 8), (4, 16), (8, 16)],
+        help="batch x heads, e.g. 1x8 (B·H=8), 4x16 (B·H=64), 8x16 (the issue's targets)",
+    )
+    p.add_argument("--dims", type=int, nargs="+", default=[64, 128], help="F = M = D")
+    p.add_argument(
+        "--dtypes",
+        nargs="+",
+        default=["float32", "bfloat16"],
+        choices=["float32", "bfloat16", "float16"],
+    )
+    p.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    p.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="N in {1024, 8192}, B×H = 8x16, D = 64")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/cuda.csv"))
+    args = p.parse_args(argv)
+    if args.quick:
+        args.n, args.shapes, args.dims, args.repeats = [1024, 8192], [(8, 16)], [64], 5
+    if any(n < 1 for n in args.n) or args.repeats < 1 or args.warmup < 0:
+        p.error("--n and --repeats must be positive, --warmup non-negative")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print(
+            "benchmarks/cuda.py needs a CUDA GPU, and none is visible here "
+            "(torch.cuda.is_available() is False); nothing was measured.",
+            file=sys.stderr,
+        )
+        return 2
+    frame = benchmark(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_suffix(args.out.suffix + ".tmp")
+    frame.to_csv(tmp, index=False)
+    tmp.replace(args.out)
+    plot(frame, args.out.with_suffix(".png"))
+    table = frame.pivot_table(
+        index=["dtype", "BH", "F", "mode", "method"], columns="N", values="time_ms"
+    ).round(3)
+    with pd.option_context("display.width", 250, "display.max_columns", 30):
+        print(table.to_string())
+    print(targets(frame))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,197 @@
+// Torch bindings of the CUDA linear-attention core (launchers.h, linear_attention.cu).
+// The Python side (kernelstudy/core/cuda_backend.py) validates arguments first; the checks here
+// guard the kernels against misuse. Every call runs on the current CUDA stream of the inputs'
+// device; workspaces come from torch's caching allocator.
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+
+#include <vector>
+
+#include "launchers.h"
+
+namespace {
+
+ks_cuda::DType dtype_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return ks_cuda::DType::kFloat32;
+    case at::kHalf:
+      return ks_cuda::DType::kFloat16;
+    case at::kBFloat16:
+      return ks_cuda::DType::kBFloat16;
+    default:
+      break;
+  }
+  TORCH_CHECK_TYPE(false, "expected float32, float16 or bfloat16 tensors, got ", t.scalar_type());
+  return ks_cuda::DType::kFloat32;  // unreachable
+}
+
+void check_launch(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, "kernelstudy CUDA kernel ", what, " failed: ",
+              cudaGetErrorString(err));
+}
+
+void check_sequence(const at::Tensor& t, const char* name, const at::Tensor& like) {
+  TORCH_CHECK_VALUE(t.is_cuda(), name, " must be a CUDA tensor");
+  TORCH_CHECK_VALUE(t.device() == like.device(), name, " must be on ", like.device(), ", got ",
+                    t.device());
+  TORCH_CHECK_TYPE(t.scalar_type() == like.scalar_type(), name, " must have dtype ",
+                   like.scalar_type(), ", got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.dim() == 4, name, " must be (B,H,N,D), got ", t.sizes());
+}
+
+void check_rows(const at::Tensor& t, const char* name, const at::Tensor& like, int64_t seq) {
+  TORCH_CHECK_VALUE(t.size(0) == like.size(0) && t.size(1) == like.size(1) && t.size(2) == seq,
+                    name, " must be (", like.size(0), ",", like.size(1), ",", seq,
+                    ",D), got ", t.sizes());
+}
+
+at::TensorOptions f32(const at::Tensor& like) { return like.options().dtype(at::kFloat); }
+
+c10::optional<at::Tensor> checked_rows(const c10::optional<at::Tensor>& w, const char* name,
+                                       const at::Tensor& x) {
+  if (!w.has_value() || !w->defined()) return c10::nullopt;
+  TORCH_CHECK_TYPE(w->scalar_type() == at::kFloat, name, " must be float32");
+  TORCH_CHECK_VALUE(w->device() == x.device(), name, " must be on ", x.device());
+  TORCH_CHECK_VALUE(w->dim() == 3 && w->size(0) == x.size(0) && w->size(1) == x.size(1) &&
+                        w->size(2) == x.size(2),
+                    name, " must be (B,H,N), got ", w->sizes());
+  return w->contiguous();
+}
+
+// out (B,H,N,M) = sum_{j<=i} (q_i . k_j) v_j (j >= i with `reverse`), in fp32 if `out_fp32`
+// else in the inputs' dtype; den (B,H,N) fp32 = sum_{j<=i} q_i . k_j if `with_den` (else None).
+// `normalize` divides out by den + eps.
+std::vector<at::Tensor> causal_product(at::Tensor q, at::Tensor k, at::Tensor v, bool reverse,
+                                       bool out_fp32, bool with_den, bool normalize,
+                                       double eps) {
+  check_sequence(q, "q", q);
+  check_sequence(k, "k", q);
+  check_sequence(v, "v", q);
+  const int64_t b = q.size(0), h = q.size(1), n = q.size(2), f = q.size(3), m = v.size(3);
+  check_rows(k, "k", q, n);
+  check_rows(v, "v", q, n);
+  TORCH_CHECK_VALUE(k.size(3) == f, "q and k must have the same last dimension");
+  const c10::cuda::CUDAGuard guard(q.device());
+  q = q.contiguous();
+  k = k.contiguous();
+  v = v.contiguous();
+  auto out = at::empty({b, h, n, m}, out_fp32 ? f32(q) : q.options());
+  at::Tensor den = with_den ? at::empty({b, h, n}, f32(q)) : at::Tensor();
+  if (out.numel() == 0) return {out, den};
+  if (f == 0) {
+    out.zero_();
+    if (with_den) den.zero_();
+    return {out, den};
+  }
+  auto ws = at::empty({ks_cuda::causal_workspace_floats(dtype_of(q), b * h, n, f, m)}, f32(q));
+  check_launch(ks_cuda::causal_product(dtype_of(q), q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                       out.data_ptr(), out_fp32,
+                                       with_den ? den.data_ptr<float>() : nullptr, normalize,
+                                       static_cast<float>(eps), ws.data_ptr<float>(), b * h, n, f,
+                                       m, reverse, c10::cuda::getCurrentCUDAStream()),
+               "causal_product");
+  return {out, den};
+}
+
+// state (B,H,F*M+F) fp32: S = sum_j keep_j k_j v_j^T (row-major F x M), then z = sum_j keep_j k_j.
+at::Tensor full_state(at::Tensor k, at::Tensor v, c10::optional<at::Tensor> key_padding_mask) {
+  check_sequence(k, "k", k);
+  check_sequence(v, "v", k);
+  const int64_t b = k.size(0), h = k.size(1), n = k.size(2), f = k.size(3), m = v.size(3);
+  check_rows(v, "v", k, n);
+  const c10::cuda::CUDAGuard guard(k.device());
+  k = k.contiguous();
+  v = v.contiguous();
+  at::Tensor mask;
+  if (key_padding_mask.has_value() && key_padding_mask->defined()) {
+    mask = *key_padding_mask;
+    TORCH_CHECK_TYPE(mask.scalar_type() == at::kBool, "key_padding_mask must be bool");
+    TORCH_CHECK_VALUE(mask.device() == k.device(), "key_padding_mask must be on ", k.device());
+    TORCH_CHECK_VALUE(mask.dim() == 2 && mask.size(0) == b && mask.size(1) == n,
+                      "key_padding_mask must be (B, N) = (", b, ", ", n, "), got ", mask.sizes());
+    mask = mask.contiguous();
+  }
+  auto state = at::empty({b, h, f * m + f}, f32(k));
+  if (state.numel() == 0) return state;
+  if (m == 0 || n == 0) return state.zero_();
+  auto ws = at::empty({ks_cuda::full_state_workspace_floats(b * h, n, f, m)}, f32(k));
+  check_launch(ks_cuda::full_state(dtype_of(k), k.data_ptr(), v.data_ptr(),
+                                   mask.defined() ? mask.data_ptr<bool>() : nullptr, h,
+                                   state.data_ptr<float>(), ws.data_ptr<float>(), b * h, n, f, m,
+                                   c10::cuda::getCurrentCUDAStream()),
+               "full_state");
+  return state;
+}
+
+// out (B,H,N,M) = q . S (divided by q . z + eps with `normalize`); den (B,H,N) = q . z.
+std::vector<at::Tensor> full_apply(at::Tensor q, at::Tensor state, int64_t m, bool out_fp32,
+                                   bool with_den, bool normalize, double eps) {
+  check_sequence(q, "q", q);
+  const int64_t b = q.size(0), h = q.size(1), n = q.size(2), f = q.size(3);
+  TORCH_CHECK_TYPE(state.scalar_type() == at::kFloat, "state must be float32");
+  TORCH_CHECK_VALUE(state.device() == q.device(), "state must be on ", q.device());
+  TORCH_CHECK_VALUE(m >= 0 && state.dim() == 3 && state.size(0) == b && state.size(1) == h &&
+                        state.size(2) == f * m + f,
+                    "state must be (B,H,F*M+F) = (", b, ",", h, ",", f * m + f, "), got ",
+                    state.sizes());
+  const c10::cuda::CUDAGuard guard(q.device());
+  q = q.contiguous();
+  state = state.contiguous();
+  auto out = at::empty({b, h, n, m}, out_fp32 ? f32(q) : q.options());
+  at::Tensor den = with_den ? at::empty({b, h, n}, f32(q)) : at::Tensor();
+  if (out.numel() == 0) return {out, den};
+  if (f == 0) {
+    out.zero_();
+    if (with_den) den.zero_();
+    return {out, den};
+  }
+  check_launch(ks_cuda::full_apply(dtype_of(q), q.data_ptr(), state.data_ptr<float>(),
+                                   out.data_ptr(), out_fp32,
+                                   with_den ? den.data_ptr<float>() : nullptr, normalize,
+                                   static_cast<float>(eps), b * h, n, f, m,
+                                   c10::cuda::getCurrentCUDAStream()),
+               "full_apply");
+  return {out, den};
+}
+
+// out (B,H,N,F) fp32: out_i = post_i * sum_{j<=i} pre_j x_j (j >= i with `reverse`).
+at::Tensor scaled_cumsum(at::Tensor x, c10::optional<at::Tensor> pre,
+                         c10::optional<at::Tensor> post, bool reverse) {
+  check_sequence(x, "x", x);
+  const int64_t b = x.size(0), h = x.size(1), n = x.size(2), f = x.size(3);
+  const c10::cuda::CUDAGuard guard(x.device());
+  x = x.contiguous();
+  auto pre_c = checked_rows(pre, "pre", x);
+  auto post_c = checked_rows(post, "post", x);
+  auto out = at::empty({b, h, n, f}, f32(x));
+  if (out.numel() == 0) return out;
+  auto ws = at::empty({ks_cuda::cumsum_workspace_floats(b * h, n, f)}, f32(x));
+  check_launch(ks_cuda::scaled_cumsum(dtype_of(x), x.data_ptr(),
+                                      pre_c ? pre_c->data_ptr<float>() : nullptr,
+                                      post_c ? post_c->data_ptr<float>() : nullptr,
+                                      out.data_ptr<float>(), ws.data_ptr<float>(), b * h, n, f,
+                                      reverse, c10::cuda::getCurrentCUDAStream()),
+               "scaled_cumsum");
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "kernelstudy: linear-attention core on CUDA (chunked, tensor cores, fp32 accumulation)";
+  m.def("causal_product", &causal_product, "causal (or anti-causal) product, optional normalizer",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("reverse") = false,
+        py::arg("out_fp32") = true, py::arg("with_den") = false, py::arg("normalize") = false,
+        py::arg("eps") = 1e-6);
+  m.def("full_state", &full_state, "non-causal state [S | z] with key padding", py::arg("k"),
+        py::arg("v"), py::arg("key_padding_mask") = py::none());
+  m.def("full_apply", &full_apply, "non-causal read-out q . S (optionally normalized)",
+        py::arg("q"), py::arg("state"), py::arg("m"), py::arg("out_fp32") = true,
+        py::arg("with_den") = false, py::arg("normalize") = false, py::arg("eps") = 1e-6);
+  m.def("scaled_cumsum", &scaled_cumsum, "deterministic weighted cumulative sum over N",
+        py::arg("x"), py::arg("pre") = py::none(), py::arg("post") = py::none(),
+        py::arg("reverse") = false);
+  m.attr("chunk") = ks_cuda::kChunk;
+}

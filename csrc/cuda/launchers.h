@@ -1,0 +1,61 @@
+// Host-side entry points of the CUDA linear-attention core (csrc/cuda/linear_attention.cu).
+//
+// Plain C++ on raw device pointers, so the kernels compile with nvcc alone (no torch headers);
+// the torch binding (binding.cpp) checks tensors and calls these on the current stream.
+//
+// Layout: every sequence tensor is row-major and contiguous, (BH, N, D) with BH = batch*heads
+// flattened. Inputs q, k, v share one dtype (fp32, fp16 or bf16); sums accumulate in fp32.
+// Every function only enqueues work on `stream` and returns the launch error (cudaSuccess if
+// all launches were accepted). All reductions run in a fixed order: results are bit-identical
+// from run to run on one GPU (no floating-point atomics).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace ks_cuda {
+
+enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+constexpr int64_t kChunk = 64;        // rows per chunk of the chunked algorithm
+constexpr int64_t kReduceRows = 1024;  // rows per partial state of the non-causal reduction
+
+// ------------------------------------------------------------------ causal product
+// out_i = sum_{j<=i} (q_i . k_j) v_j   (with `reverse`: sum over j >= i)
+// q, k: (BH, N, F), v: (BH, N, M) in `dtype`; out: (BH, N, M) in fp32 if `out_fp32`, else in
+// `dtype`. den (optional, fp32 (BH, N)): den_i = sum_{j<=i} q_i . k_j (j >= i with reverse).
+// With `normalize`, out_i is divided by (den_i + eps). `workspace` holds
+// causal_workspace_floats(...) floats: per-chunk states (S: F x M in fp32 for fp32 inputs, bf16
+// for half inputs; z: F in fp32) and per-block carries (fp32).
+int64_t causal_workspace_floats(DType dtype, int64_t bh, int64_t n, int64_t f, int64_t m);
+cudaError_t causal_product(DType dtype, const void* q, const void* k, const void* v, void* out,
+                           bool out_fp32, float* den, bool normalize, float eps, float* workspace,
+                           int64_t bh, int64_t n, int64_t f, int64_t m, bool reverse,
+                           cudaStream_t stream);
+
+// ------------------------------------------------------------------ non-causal attention
+// state (fp32, (BH, F*M + F)): S = sum_j keep_j k_j v_j^T (row-major F x M) followed by
+// z = sum_j keep_j k_j. k: (BH, N, F), v: (BH, N, M); key_keep: (BH / heads, N) bool, True for
+// real tokens, or null. `workspace` holds full_state_workspace_floats(...) floats.
+int64_t full_state_workspace_floats(int64_t bh, int64_t n, int64_t f, int64_t m);
+cudaError_t full_state(DType dtype, const void* k, const void* v, const bool* key_keep,
+                       int64_t heads, float* state, float* workspace, int64_t bh, int64_t n,
+                       int64_t f, int64_t m, cudaStream_t stream);
+
+// out_i = q_i . S (divided by q_i . z + eps with `normalize`); den_i = q_i . z (optional).
+// q: (BH, N, F) in `dtype`; state as written by full_state; out (BH, N, M) fp32 or `dtype`.
+cudaError_t full_apply(DType dtype, const void* q, const float* state, void* out, bool out_fp32,
+                       float* den, bool normalize, float eps, int64_t bh, int64_t n, int64_t f,
+                       int64_t m, cudaStream_t stream);
+
+// ------------------------------------------------------------------ weighted cumulative sum
+// out_i = post_i * sum_{j<=i} pre_j x_j  (j >= i with `reverse`); x: (BH, N, F) in `dtype`,
+// pre, post: (BH, N) fp32 or null (= 1), out: (BH, N, F) fp32. A deterministic replacement for
+// torch.cumsum (which is not deterministic on CUDA) in the normalizer's backward.
+int64_t cumsum_workspace_floats(int64_t bh, int64_t n, int64_t f);
+cudaError_t scaled_cumsum(DType dtype, const void* x, const float* pre, const float* post,
+                          float* out, float* workspace, int64_t bh, int64_t n, int64_t f,
+                          bool reverse, cudaStream_t stream);
+
+}  // namespace ks_cuda

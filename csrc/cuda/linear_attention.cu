@@ -1,0 +1,830 @@
+// CUDA kernels of the linear-attention core: chunked causal product on tensor cores, the
+// non-causal state reduction and read-out, and a deterministic weighted cumulative sum.
+// Host entry points are declared in launchers.h; this file includes CUDA headers only.
+//
+// ------------------------------------------------------------------ algorithm
+// Causal product out_i = sum_{j<=i} (q_i . k_j) v_j, q, k: (BH, N, F), v: (BH, N, M).
+// The sequence is cut into chunks of C = 64 rows; chunk c computes
+//     out_c = tril(Q_c K_c^T) V_c + Q_c S_c,     S_c = sum_{c' < c} K_c'^T V_c'   (F x M)
+// in three kernels:
+//   1. chunk_states_kernel   the nc chunks of a sequence are grouped into nblk blocks of cpb
+//                            consecutive chunks (nblk chosen from the shape so that about 1024
+//                            thread blocks run: B·H = 1 at long N still fills the GPU); a thread
+//                            block walks its chunks in order with the running state in fp32
+//                            accumulator fragments, writes each chunk's block-local exclusive
+//                            prefix (S: fp32 for fp32 inputs, bf16 for half inputs; z = sum k_t
+//                            in fp32) and the block total (fp32);
+//   2. state_scan_kernel     exclusive prefix over the nblk block totals (the carries), fp32, in
+//                            block order;
+//   3. chunk_output_kernel   per chunk: intra-chunk masked product + Q_c (prefix_c + carry), and
+//                            the normalizer den_i = q_i . z_i (+ row sums of the masked scores).
+// The anti-causal product (sum over j >= i) uses the same kernels with an upper-triangular mask
+// and walks/scans in reverse. The backward pass keeps no per-step state: with g = dL/dout,
+//     dq = causal(g, v, k),  dk = anticausal(v, g, q),  dv = anticausal(k, q, g).
+// Non-causal attention: chunk_states_kernel over blocks of 1024 rows (16 chunks accumulated in
+// registers, key padding skipped), a fixed-order sum over blocks (state_scan_kernel, kSum), then
+// chunk_output_kernel reading the single state without the intra-chunk term.
+//
+// ------------------------------------------------------------------ tiles
+// Thread block: 256 threads = 8 warps. Every matrix product is on 64 x 64 tiles staged in
+// shared memory: chunk rows (C = 64) x a 64-wide slice of F or M. F and M of any size are
+// covered by looping over F slices (the contraction) and by one block per 64-wide M slice
+// (grid.y); ragged edges (N, F, M not multiples of 64) are zero-filled in shared memory.
+// Warp w owns output rows 16*(w/2) .. +16 and columns 32*(w%2) .. +32 of a 64 x 64 tile (two
+// 16 x 16 accumulator fragments).
+//
+// Tensor cores via WMMA (sm_80+), accumulation always in fp32:
+//   * bf16 inputs:  bf16 x bf16 -> fp32 (m16n16k16).
+//   * fp16 inputs:  converted to bf16 on the way into shared memory. The fp32 intermediates
+//     that enter a product (masked scores, chunk states summed over long sequences) can exceed
+//     fp16's range (65504), so every operand is bf16 (fp32's range); the precision is bf16's.
+//   * fp32 inputs:  3xTF32 (m16n16k8): x = big + small with big = tf32(x),
+//     small = tf32(x - big), a*b ~ big*big + big*small + small*big, which keeps fp32 accuracy
+//     (relative error ~1e-6) at tensor-core speed.
+// Intermediates that are rounded to the operand type: masked intra-chunk scores and the chunk
+// states (block-local prefixes stored in the operand type, carries and z in fp32).
+//
+// Indexing is 64-bit throughout; grid.x enumerates (BH, chunk) pairs (< 2^31 blocks).
+// Determinism: no atomics; every sum has a fixed order independent of the launch.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <mma.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "launchers.h"
+
+namespace ks_cuda {
+namespace {
+
+namespace wmma = nvcuda::wmma;
+
+constexpr int kThreads = 256;  // 8 warps per block
+constexpr int kTile = 64;      // tile edge: chunk rows and F / M slices
+constexpr int kLdF = kTile + 4;  // leading dimension of fp32 shared tiles (pad: fewer conflicts)
+static_assert(kChunk == kTile, "the chunk is one tile tall");
+static_assert(kReduceRows % kTile == 0, "reduction blocks are whole chunks");
+
+enum Mode : int { kCausal = 0, kAntiCausal = 1, kFull = 2 };
+enum ScanMode : int { kExclusiveForward = 0, kExclusiveReverse = 1, kSum = 2 };
+
+// ------------------------------------------------------------------ element conversions
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) {
+  return __float2half_rn(x);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// Shared-memory operand type of the tensor-core products for an input type.
+template <typename Tin>
+struct OperandOf {
+  using type = __nv_bfloat16;  // fp16 and bf16 inputs
+};
+template <>
+struct OperandOf<float> {
+  using type = float;  // 3xTF32
+};
+
+// Leading dimension of a 64-wide shared tile of operands: a multiple of 16 bytes (WMMA) that
+// shifts consecutive rows across banks.
+template <typename Op>
+__host__ __device__ constexpr int ld_of() {
+  return kTile + (sizeof(Op) == 2 ? 8 : 4);
+}
+
+// ------------------------------------------------------------------ warp-level MMA
+template <typename Op>
+struct Mma;
+
+template <>
+struct Mma<__nv_bfloat16> {
+  static constexpr int kK = 16;
+  template <typename L>
+  using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, L>;
+  template <typename L>
+  using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, L>;
+  using Acc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+
+  template <typename LA, typename LB>
+  static __device__ __forceinline__ void step(Acc (&acc)[2], const __nv_bfloat16* a, int lda,
+                                              const __nv_bfloat16* b0, const __nv_bfloat16* b1,
+                                              int ldb) {
+    FragA<LA> fa;
+    FragB<LB> fb;
+    wmma::load_matrix_sync(fa, a, lda);
+    wmma::load_matrix_sync(fb, b0, ldb);
+    wmma::mma_sync(acc[0], fa, fb, acc[0]);
+    wmma::load_matrix_sync(fb, b1, ldb);
+    wmma::mma_sync(acc[1], fa, fb, acc[1]);
+  }
+};
+
+template <>
+struct Mma<float> {  // 3xTF32
+  static constexpr int kK = 8;
+  template <typename L>
+  using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, L>;
+  template <typename L>
+  using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, L>;
+  using Acc = wmma::fragment<wmma::accumulator, 16, 16, 8, float>;
+
+  template <typename Frag>
+  static __device__ __forceinline__ void split(Frag& big, Frag& small) {
+#pragma unroll
+    for (int i = 0; i < big.num_elements; ++i) {
+      const float x = big.x[i];
+      const float hi = wmma::__float_to_tf32(x);
+      big.x[i] = hi;
+      small.x[i] = wmma::__float_to_tf32(x - hi);
+    }
+  }
+
+  template <typename LA, typename LB>
+  static __device__ __forceinline__ void step(Acc (&acc)[2], const float* a, int lda,
+                                              const float* b0, const float* b1, int ldb) {
+    FragA<LA> a_big, a_small;
+    FragB<LB> b_big, b_small;
+    wmma::load_matrix_sync(a_big, a, lda);
+    split(a_big, a_small);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      wmma::load_matrix_sync(b_big, j == 0 ? b0 : b1, ldb);
+      split(b_big, b_small);
+      wmma::mma_sync(acc[j], a_small, b_big, acc[j]);
+      wmma::mma_sync(acc[j], a_big, b_small, acc[j]);
+      wmma::mma_sync(acc[j], a_big, b_big, acc[j]);
+    }
+  }
+};
+
+// Address of element (row, col) of a shared matrix stored with layout L.
+template <typename L, typename T>
+__device__ __forceinline__ const T* at(const T* base, int ld, int row, int col) {
+  if constexpr (std::is_same_v<L, wmma::row_major>) {
+    return base + row * ld + col;
+  } else {
+    return base + col * ld + row;
+  }
+}
+
+// The warp's 16 x 32 slab of a 64 x 64 product:  acc[j] += A[r0:r0+16, 0:64] B[0:64, c0+16j:+16].
+// A (64 x 64) and B (64 x 64) live in shared memory with layouts LA and LB.
+template <typename Op, typename LA, typename LB>
+__device__ __forceinline__ void warp_gemm(typename Mma<Op>::Acc (&acc)[2], const Op* A, int lda,
+                                          const Op* B, int ldb) {
+  const int warp = threadIdx.x / 32;
+  const int r0 = (warp / 2) * 16;
+  const int c0 = (warp % 2) * 32;
+#pragma unroll
+  for (int kk = 0; kk < kTile; kk += Mma<Op>::kK) {
+    Mma<Op>::template step<LA, LB>(acc, at<LA>(A, lda, r0, kk), lda, at<LB>(B, ldb, kk, c0),
+                                   at<LB>(B, ldb, kk, c0 + 16), ldb);
+  }
+}
+
+// Stores the warp's two accumulator fragments into a 64 x 64 fp32 shared tile (ld kLdF).
+template <typename Acc>
+__device__ __forceinline__ void warp_store(float* tile, const Acc (&acc)[2]) {
+  const int warp = threadIdx.x / 32;
+  const int r0 = (warp / 2) * 16;
+  const int c0 = (warp % 2) * 32;
+  wmma::store_matrix_sync(tile + r0 * kLdF + c0, acc[0], kLdF, wmma::mem_row_major);
+  wmma::store_matrix_sync(tile + r0 * kLdF + c0 + 16, acc[1], kLdF, wmma::mem_row_major);
+}
+
+// ------------------------------------------------------------------ global -> shared tiles
+// Copies rows [row0, row0+64) x columns [col0, col0+64) of a row-major global matrix
+// (rows x cols, leading dimension ld) into a 64 x 64 shared tile (leading dimension ldd),
+// converted to Op. Elements outside the matrix, and rows whose `keep` flag is false, are zero.
+// `add` (optional): an fp32 matrix of the same shape and leading dimension added on the way
+// (the carry of earlier segments onto a block-local state prefix).
+// Each thread moves 16-byte vectors; `vec` says the global rows are 16-byte aligned.
+template <typename Tin, typename Op>
+__device__ __forceinline__ void load_tile(Op* __restrict__ dst, int ldd,
+                                          const Tin* __restrict__ src, int64_t ld, int64_t rows,
+                                          int64_t cols, int64_t row0, int64_t col0,
+                                          const bool* __restrict__ keep, bool vec,
+                                          const float* __restrict__ add = nullptr) {
+  constexpr int V = 16 / sizeof(Tin);  // elements per vector: 4 (fp32) or 8 (16-bit)
+  constexpr int kVecPerRow = kTile / V;
+  struct alignas(sizeof(Op) * V) Pack {
+    Op e[V];
+  };
+  for (int i = threadIdx.x; i < kTile * kVecPerRow; i += kThreads) {
+    const int r = i / kVecPerRow;
+    const int c = (i % kVecPerRow) * V;
+    const int64_t gr = row0 + r;
+    const int64_t gc = col0 + c;
+    const bool row_ok = gr < rows && (keep == nullptr || keep[gr]);
+    float x[V];
+    if (row_ok && vec && gc + V <= cols) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(src + gr * ld + gc);
+      const Tin* e = reinterpret_cast<const Tin*>(&raw);
+#pragma unroll
+      for (int u = 0; u < V; ++u) x[u] = to_float(e[u]);
+    } else {
+#pragma unroll
+      for (int u = 0; u < V; ++u) {
+        x[u] = (row_ok && gc + u < cols) ? to_float(src[gr * ld + gc + u]) : 0.f;
+      }
+    }
+    if (add != nullptr && row_ok) {
+#pragma unroll
+      for (int u = 0; u < V; ++u) {
+        if (gc + u < cols) x[u] += add[gr * ld + gc + u];
+      }
+    }
+    Pack p;
+#pragma unroll
+    for (int u = 0; u < V; ++u) p.e[u] = from_float<Op>(x[u]);
+    *reinterpret_cast<Pack*>(dst + r * ldd + c) = p;
+  }
+}
+
+template <typename T>
+__host__ __device__ constexpr int vec_elems() {
+  return 16 / sizeof(T);
+}
+
+// ------------------------------------------------------------------ kernel 1: chunk states
+// grid.x = BH * nblk: block b walks the chunks [b*cpb, min(nc, (b+1)*cpb)) of sequence bh in
+// order (last to first with `reverse`), cpb = chunks per block; grid.y = ceil(F/64) *
+// ceil(M/64) (F slice, M slice). The running sum of k_t v_t^T over the block's rows stays in
+// the warps' fp32 accumulator fragments.
+//   totals[bh][b] (ss = F*M + F floats): the block's sum S (row-major F x M), then z = sum k_t
+//                 (z written by the blocks of M slice 0).
+//   with `prefix_s` (causal): before adding chunk c, the running sum over the block's earlier
+//                 chunks (later ones with reverse), i.e. the block-local exclusive prefix, goes
+//                 to prefix_s[bh][c] (F x M, in Tstate) and prefix_z[bh][c] (F, fp32).
+// Rows with keep == false (key padding) are skipped.
+// Shared: K tile 64 x 64 (rows x F slice), V tile 64 x 64 (rows x M slice), fp32 staging 64 x 64.
+template <typename Tin, typename Tstate>
+__global__ void __launch_bounds__(kThreads)
+    chunk_states_kernel(const Tin* __restrict__ k, const Tin* __restrict__ v,
+                        const bool* __restrict__ key_keep, int64_t heads,
+                        float* __restrict__ totals, Tstate* __restrict__ prefix_s,
+                        float* __restrict__ prefix_z, int64_t n, int64_t f, int64_t m,
+                        int64_t nblk, int64_t cpb, bool reverse, bool vec_k, bool vec_v) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  using Op = typename OperandOf<Tin>::type;
+  constexpr int LD = ld_of<Op>();
+  extern __shared__ __align__(128) unsigned char smem[];
+  Op* Ks = reinterpret_cast<Op*>(smem);       // 64 x LD: K rows x F slice
+  Op* Vs = Ks + kTile * LD;                    // 64 x LD: V rows x M slice
+  float* St = reinterpret_cast<float*>(Vs + kTile * LD);  // 64 x kLdF: fp32 state tile
+
+  const int64_t nc = (n + kTile - 1) / kTile;
+  const int64_t bh = blockIdx.x / nblk;
+  const int64_t blk = blockIdx.x % nblk;
+  const int64_t m_tiles = (m + kTile - 1) / kTile;
+  const int64_t f0 = (blockIdx.y / m_tiles) * kTile;
+  const int64_t m0 = (blockIdx.y % m_tiles) * kTile;
+  const bool z_block = m0 == 0;
+  const Tin* kb = k + bh * n * f;
+  const Tin* vb = v + bh * n * m;
+  const bool* keep = key_keep == nullptr ? nullptr : key_keep + (bh / heads) * n;
+
+  typename Mma<Op>::Acc acc[2];
+  wmma::fill_fragment(acc[0], 0.f);
+  wmma::fill_fragment(acc[1], 0.f);
+  float z = 0.f;  // thread t < 64: running z of feature f0 + t
+
+  const int64_t first = blk * cpb;
+  const int64_t count = (first + cpb < nc ? first + cpb : nc) - first;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t c = reverse ? first + count - 1 - i : first + i;
+    const int64_t row0 = c * kTile;
+    __syncthreads();  // the previous chunk's tiles and staging are consumed
+    if (prefix_s != nullptr) warp_store(St, acc);
+    load_tile<Tin, Op>(Ks, LD, kb, f, n, f, row0, f0, keep, vec_k);
+    load_tile<Tin, Op>(Vs, LD, vb, m, n, m, row0, m0, keep, vec_v);
+    __syncthreads();
+    if (prefix_s != nullptr) {
+      Tstate* ps = prefix_s + (bh * nc + c) * f * m;
+      for (int e = threadIdx.x; e < kTile * kTile; e += kThreads) {
+        const int r = e / kTile, col = e % kTile;
+        if (f0 + r < f && m0 + col < m) {
+          ps[(f0 + r) * m + m0 + col] = from_float<Tstate>(St[r * kLdF + col]);
+        }
+      }
+      if (z_block && threadIdx.x < kTile && f0 + threadIdx.x < f) {
+        prefix_z[(bh * nc + c) * f + f0 + threadIdx.x] = z;
+      }
+    }
+    // K^T (F slice x rows) is K's tile read column-major.
+    warp_gemm<Op, wmma::col_major, wmma::row_major>(acc, Ks, LD, Vs, LD);
+    if (z_block && threadIdx.x < kTile) {
+      for (int t = 0; t < kTile; ++t) z += to_float(Ks[t * LD + threadIdx.x]);
+    }
+  }
+  __syncthreads();
+  warp_store(St, acc);
+  __syncthreads();
+
+  const int64_t ss = f * m + f;
+  float* out = totals + (bh * nblk + blk) * ss;
+  for (int e = threadIdx.x; e < kTile * kTile; e += kThreads) {
+    const int r = e / kTile, col = e % kTile;
+    if (f0 + r < f && m0 + col < m) out[(f0 + r) * m + m0 + col] = St[r * kLdF + col];
+  }
+  if (z_block && threadIdx.x < kTile && f0 + threadIdx.x < f) out[f * m + f0 + threadIdx.x] = z;
+#endif
+}
+
+// ------------------------------------------------------------------ kernel 2: scan over blocks
+// One thread per state element e (of ss) and sequence bh; walks the nblk block totals of bh in
+// order: exclusive prefix (in place), exclusive suffix (in place), or the sum into `total`.
+// Loads are batched by 8 to keep several in flight.
+__global__ void __launch_bounds__(kThreads)
+    state_scan_kernel(float* __restrict__ states, float* __restrict__ total, int64_t nblk,
+                      int64_t ss, int mode) {
+  const int64_t per_bh = (ss + kThreads - 1) / kThreads;
+  const int64_t bh = blockIdx.x / per_bh;
+  const int64_t e = (blockIdx.x % per_bh) * kThreads + threadIdx.x;
+  if (e >= ss) return;
+  float* base = states + bh * nblk * ss + e;
+  constexpr int U = 8;
+  float run = 0.f;
+  for (int64_t c0 = 0; c0 < nblk; c0 += U) {
+    float x[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t c = c0 + u;
+      const int64_t cc = mode == kExclusiveReverse ? nblk - 1 - c : c;
+      x[u] = c < nblk ? base[cc * ss] : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t c = c0 + u;
+      if (c < nblk) {
+        const int64_t cc = mode == kExclusiveReverse ? nblk - 1 - c : c;
+        if (mode != kSum) base[cc * ss] = run;
+        run += x[u];
+      }
+    }
+  }
+  if (mode == kSum) total[bh * ss + e] = run;
+}
+
+// ------------------------------------------------------------------ kernel 3: chunk output
+// grid.x = BH * nc (chunk c of sequence bh), grid.y = ceil(M/64) (M slice).
+// out[c rows, M slice] = mask(Q_c K_c^T) V_c + Q_c S_c, looping over 64-wide F slices:
+//   scores  A (64 x 64, fp32 fragments) += Q[:, F slice] K[:, F slice]^T
+//   output  O (64 x 64, fp32 fragments) += Q[:, F slice] S[F slice, M slice]
+// then A is masked (tril / triu), rounded to the operand type and O += A V[:, M slice].
+// The state of chunk c is s_base[idx] (F x M, Tstate) and z_base[idx] (F, fp32) with
+// idx = bh*nc + c, plus, with `carry`, the fp32 carry [S | z] of chunk c's block of cpb chunks,
+// carry[bh*nblk + c/cpb] (ss = F*M + F floats).
+// mode kFull: no intra-chunk term, idx = bh for every chunk (non-causal read-out).
+// den_i = q_i . z_c (+ row sums of the masked fp32 scores); with `normalize` the output is
+// divided by den_i + eps. Every block computes den (cheap); the M-slice-0 block writes it.
+// Shared (Op tiles 64 x LD): Q, K, S, V; A in fp32 (64 x kLdF, then the output staging);
+// the rounded scores reuse Q's tile.
+template <typename Tin, typename Tstate, typename Tout>
+__global__ void __launch_bounds__(kThreads)
+    chunk_output_kernel(const Tin* __restrict__ q, const Tin* __restrict__ k,
+                        const Tin* __restrict__ v, const Tstate* __restrict__ s_base,
+                        int64_t s_stride, const float* __restrict__ z_base, int64_t z_stride,
+                        const float* __restrict__ carry, int64_t cpb, Tout* __restrict__ out,
+                        float* __restrict__ den, int64_t n, int64_t f, int64_t m, int mode,
+                        bool normalize, float eps, bool vec_qk, bool vec_v, bool vec_s) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  using Op = typename OperandOf<Tin>::type;
+  constexpr int LD = ld_of<Op>();
+  extern __shared__ __align__(128) unsigned char smem[];
+  Op* Qs = reinterpret_cast<Op*>(smem);  // 64 x LD: Q rows x F slice
+  Op* Ks = Qs + kTile * LD;               // 64 x LD: K rows x F slice
+  Op* Ss = Ks + kTile * LD;               // 64 x LD: state F slice x M slice
+  Op* Vs = Ss + kTile * LD;               // 64 x LD: V rows x M slice
+  float* Af = reinterpret_cast<float*>(Vs + kTile * LD);  // 64 x kLdF fp32
+  float* zs = Af + kTile * kLdF;                          // 64: z of the F slice
+  float* dens = zs + kTile;                               // 64: den per row
+  Op* As = Qs;  // rounded masked scores, once Q is no longer needed
+
+  const int64_t nc = (n + kTile - 1) / kTile;
+  const int64_t bh = blockIdx.x / nc;
+  const int64_t c = blockIdx.x % nc;
+  const int64_t row0 = c * kTile;
+  const int64_t m0 = blockIdx.y * kTile;
+  const bool intra = mode != kFull;
+  const bool need_den = normalize || den != nullptr;
+  const Tin* qb = q + bh * n * f;
+  const Tin* kb = k + bh * n * f;
+  const Tin* vb = v + bh * n * m;
+  const int64_t idx = intra ? bh * nc + c : bh;
+  const Tstate* st = s_base + idx * s_stride;
+  const float* zt = z_base + idx * z_stride;
+  const float* cs = nullptr;  // carry of earlier blocks: S (F x M) then z (F)
+  if (carry != nullptr) cs = carry + (bh * ((nc + cpb - 1) / cpb) + c / cpb) * (f * m + f);
+
+  typename Mma<Op>::Acc acc_o[2], acc_a[2];
+  wmma::fill_fragment(acc_o[0], 0.f);
+  wmma::fill_fragment(acc_o[1], 0.f);
+  wmma::fill_fragment(acc_a[0], 0.f);
+  wmma::fill_fragment(acc_a[1], 0.f);
+  if (threadIdx.x < kTile) dens[threadIdx.x] = 0.f;
+  if (intra) load_tile<Tin, Op>(Vs, LD, vb, m, n, m, row0, m0, nullptr, vec_v);
+
+  for (int64_t f0 = 0; f0 < f; f0 += kTile) {
+    __syncthreads();  // the previous slice's tiles are consumed
+    load_tile<Tin, Op>(Qs, LD, qb, f, n, f, row0, f0, nullptr, vec_qk);
+    if (intra) load_tile<Tin, Op>(Ks, LD, kb, f, n, f, row0, f0, nullptr, vec_qk);
+    load_tile<Tstate, Op>(Ss, LD, st, m, f, m, f0, m0, nullptr, vec_s, cs);
+    if (need_den && threadIdx.x < kTile) {
+      const int64_t fi = f0 + threadIdx.x;
+      zs[threadIdx.x] = fi < f ? zt[fi] + (cs != nullptr ? cs[f * m + fi] : 0.f) : 0.f;
+    }
+    __syncthreads();
+    if (intra) warp_gemm<Op, wmma::row_major, wmma::col_major>(acc_a, Qs, LD, Ks, LD);
+    warp_gemm<Op, wmma::row_major, wmma::row_major>(acc_o, Qs, LD, Ss, LD);
+    if (need_den && threadIdx.x < kTile) {
+      float s = 0.f;
+      for (int j = 0; j < kTile; ++j) s += to_float(Qs[threadIdx.x * LD + j]) * zs[j];
+      dens[threadIdx.x] += s;
+    }
+  }
+
+  if (intra) {
+    __syncthreads();  // Q, K, S tiles consumed
+    warp_store(Af, acc_a);
+    __syncthreads();
+    const bool causal = mode == kCausal;
+    for (int i = threadIdx.x; i < kTile * kTile; i += kThreads) {
+      const int r = i / kTile, j = i % kTile;
+      const bool on = causal ? j <= r : j >= r;
+      const float a = on ? Af[r * kLdF + j] : 0.f;
+      Af[r * kLdF + j] = a;
+      As[r * LD + j] = from_float<Op>(a);
+    }
+    __syncthreads();
+    warp_gemm<Op, wmma::row_major, wmma::row_major>(acc_o, As, LD, Vs, LD);
+    if (need_den && threadIdx.x < kTile) {
+      float s = 0.f;
+      for (int j = 0; j < kTile; ++j) s += Af[threadIdx.x * kLdF + j];
+      dens[threadIdx.x] += s;
+    }
+  }
+  __syncthreads();  // Af (row sums) consumed
+  warp_store(Af, acc_o);
+  __syncthreads();
+
+  Tout* ob = out + bh * n * m;
+  for (int i = threadIdx.x; i < kTile * kTile; i += kThreads) {
+    const int r = i / kTile, j = i % kTile;
+    if (row0 + r < n && m0 + j < m) {
+      float x = Af[r * kLdF + j];
+      if (normalize) x /= dens[r] + eps;
+      ob[(row0 + r) * m + m0 + j] = from_float<Tout>(x);
+    }
+  }
+  if (den != nullptr && blockIdx.y == 0 && threadIdx.x < kTile && row0 + threadIdx.x < n) {
+    den[bh * n + row0 + threadIdx.x] = dens[threadIdx.x];
+  }
+#endif
+}
+
+// ------------------------------------------------------------------ weighted cumulative sum
+// grid.x = BH * nc, grid.y = ceil(F/128), 128 threads: one thread per column f of a chunk.
+constexpr int kSumThreads = 128;
+
+template <typename Tin>
+__global__ void __launch_bounds__(kSumThreads)
+    chunk_colsum_kernel(const Tin* __restrict__ x, const float* __restrict__ pre,
+                        float* __restrict__ sums, int64_t n, int64_t f) {
+  const int64_t nc = (n + kTile - 1) / kTile;
+  const int64_t bh = blockIdx.x / nc;
+  const int64_t c = blockIdx.x % nc;
+  const int64_t col = static_cast<int64_t>(blockIdx.y) * kSumThreads + threadIdx.x;
+  if (col >= f) return;
+  const int64_t end = (c + 1) * kTile < n ? (c + 1) * kTile : n;
+  float s = 0.f;
+  for (int64_t t = c * kTile; t < end; ++t) {
+    const float w = pre == nullptr ? 1.f : pre[bh * n + t];
+    s += w * to_float(x[(bh * n + t) * f + col]);
+  }
+  sums[(bh * nc + c) * f + col] = s;
+}
+
+template <typename Tin>
+__global__ void __launch_bounds__(kSumThreads)
+    chunk_cumsum_kernel(const Tin* __restrict__ x, const float* __restrict__ pre,
+                        const float* __restrict__ post, const float* __restrict__ carry,
+                        float* __restrict__ out, int64_t n, int64_t f, bool reverse) {
+  const int64_t nc = (n + kTile - 1) / kTile;
+  const int64_t bh = blockIdx.x / nc;
+  const int64_t c = blockIdx.x % nc;
+  const int64_t col = static_cast<int64_t>(blockIdx.y) * kSumThreads + threadIdx.x;
+  if (col >= f) return;
+  float run = carry[(bh * nc + c) * f + col];
+  for (int u = 0; u < kTile; ++u) {
+    const int64_t t = c * kTile + (reverse ? kTile - 1 - u : u);
+    if (t >= n) continue;
+    const float w = pre == nullptr ? 1.f : pre[bh * n + t];
+    run += w * to_float(x[(bh * n + t) * f + col]);
+    out[(bh * n + t) * f + col] = post == nullptr ? run : post[bh * n + t] * run;
+  }
+}
+
+// ------------------------------------------------------------------ host helpers
+int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Rows of a (BH, N, D) tensor of T are 16-byte aligned when the base is and D is whole vectors.
+template <typename T>
+bool rows_vectorizable(const void* p, int64_t d) {
+  return aligned16(p) && d % vec_elems<T>() == 0;
+}
+
+constexpr int64_t kMaxBlocks = (int64_t{1} << 31) - 1;
+
+template <typename Tin>
+size_t states_smem() {
+  using Op = typename OperandOf<Tin>::type;
+  return 2 * kTile * ld_of<Op>() * sizeof(Op) + kTile * kLdF * sizeof(float);
+}
+
+template <typename Tin>
+size_t output_smem() {
+  using Op = typename OperandOf<Tin>::type;
+  return 4 * kTile * ld_of<Op>() * sizeof(Op) + (kTile * kLdF + 2 * kTile) * sizeof(float);
+}
+
+// Causal state layout. A sequence's nc chunks are split into nblk blocks of cpb consecutive
+// chunks; nblk is chosen from the shape alone (so results do not depend on the GPU) to give
+// about kTargetBlocks thread blocks to the state pass: B·H = 1 at long N still fills the GPU.
+constexpr int64_t kTargetBlocks = 1024;
+
+struct CausalLayout {
+  int64_t nc, cpb, nblk, ss;
+  int64_t totals, prefix_z, prefix_s;  // float offsets of the workspace regions
+  int64_t floats;                      // workspace size in floats
+};
+
+int64_t round_up(int64_t x, int64_t to) { return cdiv(x, to) * to; }
+
+CausalLayout causal_layout(int64_t bh, int64_t n, int64_t f, int64_t m, size_t state_bytes) {
+  CausalLayout l;
+  l.nc = cdiv(n, kChunk);
+  const int64_t per_block = bh * cdiv(f, kTile) * cdiv(m, kTile);
+  int64_t want = cdiv(kTargetBlocks, per_block);
+  want = want < 1 ? 1 : (want > l.nc ? l.nc : want);
+  l.cpb = cdiv(l.nc, want);
+  l.nblk = cdiv(l.nc, l.cpb);
+  l.ss = f * m + f;
+  l.totals = 0;  // fp32 [bh][nblk][ss]: block totals, then (in place) the carries
+  l.prefix_z = round_up(bh * l.nblk * l.ss, 64);                     // fp32 [bh][nc][F]
+  l.prefix_s = l.prefix_z + round_up(bh * l.nc * f, 64);             // Tstate [bh][nc][F*M]
+  l.floats = l.prefix_s + round_up(cdiv(bh * l.nc * f * m * static_cast<int64_t>(state_bytes),
+                                        sizeof(float)), 64);
+  return l;
+}
+
+// Chunk states are stored in the operand type: fp32 for fp32 inputs, bf16 for half inputs
+// (they are rounded to bf16 as MMA operands anyway).
+template <typename Tin>
+using StateOf = typename OperandOf<Tin>::type;
+
+template <typename Tin, typename Tstate>
+cudaError_t launch_states(const Tin* k, const Tin* v, const bool* keep, int64_t heads,
+                          float* totals, Tstate* prefix_s, float* prefix_z, int64_t bh, int64_t n,
+                          int64_t f, int64_t m, int64_t cpb, bool reverse, cudaStream_t stream) {
+  const int64_t nblk = cdiv(cdiv(n, kChunk), cpb);
+  const int64_t blocks = bh * nblk;
+  const int64_t slices = cdiv(f, kTile) * cdiv(m, kTile);
+  if (blocks > kMaxBlocks || slices > 65535) return cudaErrorInvalidConfiguration;
+  const size_t smem = states_smem<Tin>();
+  cudaError_t err = cudaFuncSetAttribute(chunk_states_kernel<Tin, Tstate>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem));
+  if (err != cudaSuccess) return err;
+  chunk_states_kernel<Tin, Tstate>
+      <<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(slices)), kThreads, smem,
+         stream>>>(k, v, keep, heads, totals, prefix_s, prefix_z, n, f, m, nblk, cpb, reverse,
+                   rows_vectorizable<Tin>(k, f), rows_vectorizable<Tin>(v, m));
+  return cudaGetLastError();
+}
+
+cudaError_t launch_scan(float* states, float* total, int64_t bh, int64_t nblk, int64_t ss,
+                        int mode, cudaStream_t stream) {
+  const int64_t blocks = bh * cdiv(ss, kThreads);
+  if (blocks > kMaxBlocks) return cudaErrorInvalidConfiguration;
+  state_scan_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(states, total, nblk,
+                                                                            ss, mode);
+  return cudaGetLastError();
+}
+
+template <typename Tin, typename Tstate, typename Tout>
+cudaError_t launch_output(const Tin* q, const Tin* k, const Tin* v, const Tstate* s_base,
+                          int64_t s_stride, const float* z_base, int64_t z_stride,
+                          const float* carry, int64_t cpb, Tout* out, float* den, int64_t bh,
+                          int64_t n, int64_t f, int64_t m, int mode, bool normalize, float eps,
+                          cudaStream_t stream) {
+  const int64_t blocks = bh * cdiv(n, kTile);
+  const int64_t slices = cdiv(m, kTile);
+  if (blocks > kMaxBlocks || slices > 65535) return cudaErrorInvalidConfiguration;
+  const size_t smem = output_smem<Tin>();
+  cudaError_t err = cudaFuncSetAttribute(chunk_output_kernel<Tin, Tstate, Tout>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem));
+  if (err != cudaSuccess) return err;
+  const bool vec_qk =
+      rows_vectorizable<Tin>(q, f) && (k == nullptr || rows_vectorizable<Tin>(k, f));
+  const bool vec_v = v != nullptr && rows_vectorizable<Tin>(v, m);
+  const bool vec_s = rows_vectorizable<Tstate>(s_base, m) && s_stride % vec_elems<Tstate>() == 0;
+  chunk_output_kernel<Tin, Tstate, Tout>
+      <<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(slices)), kThreads, smem,
+         stream>>>(q, k, v, s_base, s_stride, z_base, z_stride, carry, cpb, out, den, n, f, m,
+                   mode, normalize, eps, vec_qk, vec_v, vec_s);
+  return cudaGetLastError();
+}
+
+template <typename Tin>
+cudaError_t causal_typed(const void* q, const void* k, const void* v, void* out, bool out_fp32,
+                         float* den, bool normalize, float eps, float* ws, int64_t bh, int64_t n,
+                         int64_t f, int64_t m, bool reverse, cudaStream_t stream) {
+  using Tstate = StateOf<Tin>;
+  const Tin* qt = static_cast<const Tin*>(q);
+  const Tin* kt = static_cast<const Tin*>(k);
+  const Tin* vt = static_cast<const Tin*>(v);
+  const CausalLayout l = causal_layout(bh, n, f, m, sizeof(Tstate));
+  float* totals = ws + l.totals;
+  float* prefix_z = ws + l.prefix_z;
+  Tstate* prefix_s = reinterpret_cast<Tstate*>(ws + l.prefix_s);
+  // 1. block-local exclusive prefixes per chunk and block totals
+  cudaError_t err = launch_states<Tin, Tstate>(kt, vt, nullptr, 1, totals, prefix_s, prefix_z,
+                                               bh, n, f, m, l.cpb, reverse, stream);
+  if (err != cudaSuccess) return err;
+  // 2. carries: exclusive prefix (suffix) of the block totals, in place
+  err = launch_scan(totals, nullptr, bh, l.nblk, l.ss,
+                    reverse ? kExclusiveReverse : kExclusiveForward, stream);
+  if (err != cudaSuccess) return err;
+  // 3. outputs
+  const int mode = reverse ? kAntiCausal : kCausal;
+  if (out_fp32) {
+    return launch_output<Tin, Tstate, float>(qt, kt, vt, prefix_s, f * m, prefix_z, f, totals,
+                                             l.cpb, static_cast<float*>(out), den, bh, n, f, m,
+                                             mode, normalize, eps, stream);
+  }
+  return launch_output<Tin, Tstate, Tin>(qt, kt, vt, prefix_s, f * m, prefix_z, f, totals, l.cpb,
+                                         static_cast<Tin*>(out), den, bh, n, f, m, mode,
+                                         normalize, eps, stream);
+}
+
+template <typename Tin>
+cudaError_t full_state_typed(const void* k, const void* v, const bool* keep, int64_t heads,
+                             float* state, float* ws, int64_t bh, int64_t n, int64_t f,
+                             int64_t m, cudaStream_t stream) {
+  cudaError_t err = launch_states<Tin, float>(
+      static_cast<const Tin*>(k), static_cast<const Tin*>(v), keep, heads, ws, nullptr, nullptr,
+      bh, n, f, m, kReduceRows / kChunk, false, stream);
+  if (err != cudaSuccess) return err;
+  return launch_scan(ws, state, bh, cdiv(n, kReduceRows), f * m + f, kSum, stream);
+}
+
+template <typename Tin>
+cudaError_t full_apply_typed(const void* q, const float* state, void* out, bool out_fp32,
+                             float* den, bool normalize, float eps, int64_t bh, int64_t n,
+                             int64_t f, int64_t m, cudaStream_t stream) {
+  const Tin* qt = static_cast<const Tin*>(q);
+  const int64_t ss = f * m + f;
+  if (out_fp32) {
+    return launch_output<Tin, float, float>(qt, nullptr, nullptr, state, ss, state + f * m, ss,
+                                            nullptr, 1, static_cast<float*>(out), den, bh, n, f,
+                                            m, kFull, normalize, eps, stream);
+  }
+  return launch_output<Tin, float, Tin>(qt, nullptr, nullptr, state, ss, state + f * m, ss,
+                                        nullptr, 1, static_cast<Tin*>(out), den, bh, n, f, m,
+                                        kFull, normalize, eps, stream);
+}
+
+template <typename Tin>
+cudaError_t cumsum_typed(const void* x, const float* pre, const float* post, float* out,
+                         float* ws, int64_t bh, int64_t n, int64_t f, bool reverse,
+                         cudaStream_t stream) {
+  const Tin* xt = static_cast<const Tin*>(x);
+  const int64_t nc = cdiv(n, kTile);
+  const int64_t blocks = bh * nc;
+  const int64_t cols = cdiv(f, kSumThreads);
+  if (blocks > kMaxBlocks || cols > 65535) return cudaErrorInvalidConfiguration;
+  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(cols));
+  chunk_colsum_kernel<Tin><<<grid, kSumThreads, 0, stream>>>(xt, pre, ws, n, f);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  err = launch_scan(ws, nullptr, bh, nc, f, reverse ? kExclusiveReverse : kExclusiveForward,
+                    stream);
+  if (err != cudaSuccess) return err;
+  chunk_cumsum_kernel<Tin><<<grid, kSumThreads, 0, stream>>>(xt, pre, post, ws, out, n, f,
+                                                             reverse);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------ entry points
+int64_t causal_workspace_floats(DType dtype, int64_t bh, int64_t n, int64_t f, int64_t m) {
+  const size_t state_bytes = dtype == DType::kFloat32 ? sizeof(float) : sizeof(__nv_bfloat16);
+  return causal_layout(bh, n, f, m, state_bytes).floats;
+}
+
+cudaError_t causal_product(DType dtype, const void* q, const void* k, const void* v, void* out,
+                           bool out_fp32, float* den, bool normalize, float eps, float* workspace,
+                           int64_t bh, int64_t n, int64_t f, int64_t m, bool reverse,
+                           cudaStream_t stream) {
+  if (bh <= 0 || n <= 0 || m <= 0) return cudaSuccess;
+  if (f <= 0) return cudaErrorInvalidValue;
+  switch (dtype) {
+    case DType::kFloat32:
+      return causal_typed<float>(q, k, v, out, out_fp32, den, normalize, eps, workspace, bh, n, f,
+                                 m, reverse, stream);
+    case DType::kFloat16:
+      return causal_typed<__half>(q, k, v, out, out_fp32, den, normalize, eps, workspace, bh, n,
+                                  f, m, reverse, stream);
+    case DType::kBFloat16:
+      return causal_typed<__nv_bfloat16>(q, k, v, out, out_fp32, den, normalize, eps, workspace,
+                                         bh, n, f, m, reverse, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+int64_t full_state_workspace_floats(int64_t bh, int64_t n, int64_t f, int64_t m) {
+  return bh * cdiv(n, kReduceRows) * (f * m + f);
+}
+
+cudaError_t full_state(DType dtype, const void* k, const void* v, const bool* key_keep,
+                       int64_t heads, float* state, float* workspace, int64_t bh, int64_t n,
+                       int64_t f, int64_t m, cudaStream_t stream) {
+  if (bh <= 0) return cudaSuccess;
+  if (f <= 0 || m <= 0 || heads <= 0) return cudaErrorInvalidValue;
+  if (n <= 0) {
+    return cudaMemsetAsync(state, 0, sizeof(float) * bh * (f * m + f), stream);
+  }
+  switch (dtype) {
+    case DType::kFloat32:
+      return full_state_typed<float>(k, v, key_keep, heads, state, workspace, bh, n, f, m,
+                                     stream);
+    case DType::kFloat16:
+      return full_state_typed<__half>(k, v, key_keep, heads, state, workspace, bh, n, f, m,
+                                      stream);
+    case DType::kBFloat16:
+      return full_state_typed<__nv_bfloat16>(k, v, key_keep, heads, state, workspace, bh, n, f,
+                                             m, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t full_apply(DType dtype, const void* q, const float* state, void* out, bool out_fp32,
+                       float* den, bool normalize, float eps, int64_t bh, int64_t n, int64_t f,
+                       int64_t m, cudaStream_t stream) {
+  if (bh <= 0 || n <= 0 || m <= 0) return cudaSuccess;
+  if (f <= 0) return cudaErrorInvalidValue;
+  switch (dtype) {
+    case DType::kFloat32:
+      return full_apply_typed<float>(q, state, out, out_fp32, den, normalize, eps, bh, n, f, m,
+                                     stream);
+    case DType::kFloat16:
+      return full_apply_typed<__half>(q, state, out, out_fp32, den, normalize, eps, bh, n, f, m,
+                                      stream);
+    case DType::kBFloat16:
+      return full_apply_typed<__nv_bfloat16>(q, state, out, out_fp32, den, normalize, eps, bh, n,
+                                             f, m, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+int64_t cumsum_workspace_floats(int64_t bh, int64_t n, int64_t f) {
+  return bh * cdiv(n, kTile) * f;
+}
+
+cudaError_t scaled_cumsum(DType dtype, const void* x, const float* pre, const float* post,
+                          float* out, float* workspace, int64_t bh, int64_t n, int64_t f,
+                          bool reverse, cudaStream_t stream) {
+  if (bh <= 0 || n <= 0 || f <= 0) return cudaSuccess;
+  switch (dtype) {
+    case DType::kFloat32:
+      return cumsum_typed<float>(x, pre, post, out, workspace, bh, n, f, reverse, stream);
+    case DType::kFloat16:
+      return cumsum_typed<__half>(x, pre, post, out, workspace, bh, n, f, reverse, stream);
+    case DType::kBFloat16:
+      return cumsum_typed<__nv_bfloat16>(x, pre, post, out, workspace, bh, n, f, reverse,
+                                         stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace ks_cuda

@@ -1,0 +1,164 @@
+"""How well a feature map's attention approximates softmax attention.
+
+Metrics (all against exact softmax attention, on the entries each query may see):
+
+- ``kernel_mse``: mean of ``(φq_i·φk_j − κ(q_i, k_j))²`` where κ is the kernel the
+  map estimates (its ``kernel`` method; for softmax-kernel maps κ = ``exp(q·k/√D)``);
+  only for maps that have one.
+- ``attention_mse``: mean squared difference of the row-normalized matrices.
+- ``attention_kl``: mean over rows of ``KL(softmax row ‖ kernel row)`` in nats (NaN
+  when a kernel row has negative entries, e.g. the identity map).
+- ``output_rel_error``: ``‖A_kernel V − A_softmax V‖_F / ‖A_softmax V‖_F`` when v is given.
+
+Every table also carries the ``uniform`` baseline (``1/#keys`` per key): a map
+whose attention error is above it is worse than no attention at all.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pandas as pd
+import torch
+
+from ..feature_maps import FeatureMap
+from ..nn.functional import resolve_feature_map
+from .matrices import MAX_N, MapSpec, allowed_keys, attention_matrix, check_qk
+
+METRICS = ("kernel_mse", "attention_mse", "attention_kl", "output_rel_error")
+
+
+def gaussian_qk(
+    n: int,
+    head_dim: int,
+    std: float = 1.0,
+    batch: int = 1,
+    heads: int = 1,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries and keys with iid ``N(0, std²)`` entries, each ``(batch, heads, n, head_dim)``."""
+    for name, value in (("n", n), ("head_dim", head_dim), ("batch", batch), ("heads", heads)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if not std > 0:
+        raise ValueError(f"std must be > 0, got {std!r}")
+    gen = torch.Generator().manual_seed(seed)
+    shape = (2, batch, heads, n, head_dim)
+    qk = torch.randn(shape, generator=gen, dtype=torch.float64) * std
+    qk = qk.to(dtype=dtype, device=device)
+    return qk[0], qk[1]
+
+
+def map_label(feature_map: FeatureMap) -> str:
+    """The registry name of a map, or its class name for unregistered maps."""
+    return feature_map.name or type(feature_map).__name__
+
+
+def _masked_mean(x: torch.Tensor, allowed: torch.Tensor) -> float:
+    allowed = allowed.expand_as(x)
+    return (x.masked_select(allowed)).double().mean().item()
+
+
+def row_kl(p: torch.Tensor, q: torch.Tensor, tiny: float = 1e-30) -> torch.Tensor:
+    """``KL(p_i ‖ q_i)`` per row of non-negative ``(..., N, S)`` matrices, in nats: ``(..., N)``.
+
+    Rows are renormalized to sum to one first (kernel rows sum to 1 − O(eps));
+    terms with ``p = 0`` contribute 0. Rows where ``q`` has negative entries are NaN;
+    all-zero rows (queries without keys) are 0.
+    """
+    if p.shape != q.shape:
+        raise ValueError(
+            f"p and q must have the same shape, got {tuple(p.shape)}, {tuple(q.shape)}"
+        )
+    p, q = p.double(), q.double()
+    negative = (q < 0).any(-1)
+    p = p / p.sum(-1, keepdim=True).clamp_min(tiny)
+    q = q.clamp_min(0.0)
+    q = q / q.sum(-1, keepdim=True).clamp_min(tiny)
+    terms = torch.where(p > 0, p * (p.clamp_min(tiny).log() - q.clamp_min(tiny).log()), 0.0)
+    return terms.sum(-1).masked_fill(negative, math.nan)
+
+
+def _attention_metrics(
+    a_soft: torch.Tensor,
+    a_hat: torch.Tensor,
+    allowed: torch.Tensor,
+    v: torch.Tensor | None,
+    out_soft: torch.Tensor | None,
+) -> dict[str, float]:
+    rows_with_keys = allowed.any(-1).expand(a_soft.shape[:-1])
+    metrics = {
+        "attention_mse": _masked_mean((a_hat - a_soft) ** 2, allowed),
+        "attention_kl": row_kl(a_soft, a_hat)[rows_with_keys].mean().item(),
+    }
+    if v is not None:
+        out = a_hat @ v
+        metrics["output_rel_error"] = (
+            torch.linalg.vector_norm(out - out_soft) / torch.linalg.vector_norm(out_soft)
+        ).item()
+    return metrics
+
+
+def approximation_error(
+    feature_map: MapSpec,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor | None = None,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    baseline: bool = True,
+    max_n: int = MAX_N,
+    eps: float = 0.0,
+) -> pd.DataFrame:
+    """Errors of a feature map's attention against exact softmax attention.
+
+    Args:
+        feature_map: a FeatureMap, a registered name or a config dict.
+        q, k: ``(B,H,N,D)``, ``(B,H,S,D)``; computed in float64 for exact metrics.
+        v: optional values ``(B,H,S,M)`` for the output error.
+        causal, key_padding_mask: which keys each query sees (as in the core).
+        baseline: add the ``uniform`` rows.
+        max_n: cap on N and S (the matrices are explicit).
+        eps: normalizer guard of the kernel attention; 0 (default) measures the map
+            itself, 1e-6 reproduces the core's guard.
+
+    Returns:
+        Long table, one row per (method, metric): columns ``method`` (map name or
+        ``"uniform"``), ``kind`` (``"map"``/``"baseline"``), ``feature_dim`` (F; NA
+        for the baseline), ``metric``, ``value``. Metrics: see the module docstring.
+    """
+    check_qk(q, k)
+    fm = resolve_feature_map(feature_map, q.shape[-1], q.shape[1])
+    if v is not None and (v.shape[:2] != k.shape[:2] or v.shape[2] != k.shape[2] or v.dim() != 4):
+        raise ValueError(f"v must have shape (B,H,S,M) matching k {tuple(k.shape)}, got {v.shape}")
+    n, s = q.shape[2], k.shape[2]
+    allowed = allowed_keys(n, s, causal, key_padding_mask, q.shape[0], q.device)
+    q64, k64 = q.double(), k.double()
+    v64 = v.double() if v is not None else None
+    a_soft = attention_matrix(q64, k64, "softmax", causal, key_padding_mask, max_n)
+    out_soft = a_soft @ v64 if v64 is not None else None
+    rows = []
+    fm64 = copy.deepcopy(fm).to(torch.float64)  # exact metrics; the caller's map is untouched
+    with torch.no_grad():
+        a_hat = attention_matrix(q64, k64, fm64, causal, key_padding_mask, max_n, eps)
+        metrics: dict[str, float] = {}
+        kernel = getattr(fm64, "kernel", None)
+        if callable(kernel):
+            k_in = k64
+            if key_padding_mask is not None:
+                k_in = k64.masked_fill(~key_padding_mask.to(k.device)[:, None, :, None], 0.0)
+            approx = fm64(q64, is_query=True) @ fm64(k_in, is_query=False).transpose(-1, -2)
+            metrics["kernel_mse"] = _masked_mean((approx - kernel(q64, k_in)) ** 2, allowed)
+        metrics.update(_attention_metrics(a_soft, a_hat, allowed, v64, out_soft))
+    label = map_label(fm)
+    for metric, value in metrics.items():
+        rows.append(("map", label, fm.feature_dim, metric, value))
+    if baseline:
+        a_uni = attention_matrix(q64, k64, "uniform", causal, key_padding_mask, max_n)
+        for metric, value in _attention_metrics(a_soft, a_uni, allowed, v64, out_soft).items():
+            rows.append(("baseline", "uniform", pd.NA, metric, value))
+    frame = pd.DataFrame(rows, columns=["kind", "method", "feature_dim", "metric", "value"])
+    return frame[["method", "kind", "feature_dim", "metric", "value"]]

@@ -1,0 +1,59 @@
+"""Capture the queries and keys a model's attention layers actually see."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..nn.attention import KernelAttention
+
+
+def capture_qk(model: nn.Module, batch: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Run ``model`` on ``batch`` and return every attention layer's queries and keys.
+
+    Forward pre-hooks on each :class:`kernelstudy.nn.KernelAttention` module
+    recompute that layer's projections from its input, so nothing in the model
+    changes. ``batch`` is passed as ``model(batch)`` for a tensor, ``model(*batch)``
+    for a tuple/list and ``model(**batch)`` for a dict.
+
+    Returns:
+        ``{module name: (q, k)}`` in forward order, each ``(B,H,N,D)`` (detached,
+        before any feature map). If a layer runs more than once, the last call wins.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, KernelAttention)]
+    if not layers:
+        raise ValueError("model has no kernelstudy.nn.KernelAttention layers to capture")
+    captured: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def hook_for(name: str):
+        def hook(module: KernelAttention, args: tuple, kwargs: dict | None = None) -> None:
+            x = args[0] if args else kwargs["x"]
+            with torch.no_grad():
+                q, k, _ = module._heads(x)
+            captured.pop(name, None)
+            captured[name] = (q.detach(), k.detach())
+
+        return hook
+
+    handles = [m.register_forward_pre_hook(hook_for(n), with_kwargs=True) for n, m in layers]
+    try:
+        with torch.no_grad():
+            if isinstance(batch, torch.Tensor):
+                model(batch)
+            elif isinstance(batch, Mapping):
+                model(**batch)
+            elif isinstance(batch, Sequence) and not isinstance(batch, str):
+                model(*batch)
+            else:
+                raise TypeError(
+                    f"batch must be a tensor, a tuple/list or a dict, got {type(batch).__name__}"
+                )
+    finally:
+        for handle in handles:
+            handle.remove()
+    return captured

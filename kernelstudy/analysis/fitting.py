@@ -1,0 +1,105 @@
+"""Attention distillation: train a learnable feature map to mimic softmax attention."""
+
+from __future__ import annotations
+
+import pandas as pd
+import torch
+
+from ..feature_maps import FeatureMap
+from .matrices import MAX_N, attention_matrix, check_qk
+
+
+def distillation_loss(
+    feature_map: FeatureMap,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    causal: bool = False,
+    target: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Mean over rows of the cross-entropy ``−Σ_j P_ij log Â_ij`` (nats).
+
+    ``P`` is softmax attention of ``q: (B,H,N,D)``, ``k: (B,H,S,D)`` (or ``target``,
+    precomputed, ``(B,H,N,S)``) and ``Â`` the map's kernel attention. Differentiable
+    in the map's parameters. Minimizing it minimizes ``KL(P ‖ Â)``; its floor is the
+    mean entropy of the softmax rows.
+    """
+    check_qk(q, k)
+    if target is None:
+        with torch.no_grad():
+            target = attention_matrix(q, k, "softmax", causal, max_n=MAX_N)
+    a_hat = attention_matrix(q, k, feature_map, causal, max_n=MAX_N, eps=eps)
+    ce = -(target * a_hat.clamp_min(1e-30).log()).sum(-1)
+    return ce.mean()
+
+
+def fit_to_softmax(
+    feature_map: FeatureMap,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    steps: int = 200,
+    lr: float = 1e-2,
+    causal: bool = False,
+    q_val: torch.Tensor | None = None,
+    k_val: torch.Tensor | None = None,
+    reg_weight: float = 1.0,
+    eval_every: int = 10,
+) -> pd.DataFrame:
+    """Train ``feature_map`` in place (Adam) so its attention matches softmax on ``q``, ``k``.
+
+    Loss = :func:`distillation_loss` + ``reg_weight · feature_map.regularization()``,
+    full batch over ``q: (B,H,N,D)``, ``k: (B,H,S,D)``. If ``q_val``/``k_val`` are given,
+    the held-out distillation loss is recorded every ``eval_every`` steps (and at
+    step 0 and the last step).
+
+    Returns:
+        History in long format: columns ``step``, ``metric`` (``train_loss``,
+        ``regularization``, ``val_loss``), ``value``.
+    """
+    if not isinstance(feature_map, FeatureMap):
+        raise TypeError(f"feature_map must be a FeatureMap, got {type(feature_map).__name__}")
+    params = [p for p in feature_map.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError(
+            f"feature_map {feature_map.name or type(feature_map).__name__!r} has no trainable "
+            "parameters to fit"
+        )
+    for name, value, low in (("steps", steps, 0), ("eval_every", eval_every, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    if not lr > 0:
+        raise ValueError(f"lr must be > 0, got {lr!r}")
+    if (q_val is None) != (k_val is None):
+        raise ValueError("q_val and k_val must be given together")
+    check_qk(q, k)
+    with torch.no_grad():
+        target = attention_matrix(q, k, "softmax", causal)
+        val_target = None
+        if q_val is not None:
+            val_target = attention_matrix(q_val, k_val, "softmax", causal)
+
+    history: list[tuple[int, str, float]] = []
+
+    def record_val(step: int) -> None:
+        if val_target is None:
+            return
+        with torch.no_grad():
+            loss = distillation_loss(feature_map, q_val, k_val, causal, val_target)
+        history.append((step, "val_loss", loss.item()))
+
+    was_training = feature_map.training
+    feature_map.train()
+    optimizer = torch.optim.Adam(params, lr=lr)
+    record_val(0)
+    for step in range(1, steps + 1):
+        optimizer.zero_grad(set_to_none=True)
+        loss = distillation_loss(feature_map, q, k, causal, target)
+        reg = feature_map.regularization()
+        (loss + reg_weight * reg).backward()
+        optimizer.step()
+        history.append((step, "train_loss", loss.item()))
+        history.append((step, "regularization", float(reg.detach())))
+        if step % eval_every == 0 or step == steps:
+            record_val(step)
+    feature_map.train(was_training)
+    return pd.DataFrame(history, columns=["step", "metric", "value"])

@@ -1,0 +1,183 @@
+"""Autoregressive generation: greedy decoding with and without a per-step state, and its cost.
+
+A causal language model here is any module with
+
+- ``model(input_ids: (B,N) long) -> logits (B,N,V)`` (the batch causal forward), and
+- ``model.step(token_ids: (B,) long, state) -> (logits (B,V), state)`` (one step; ``state``
+  None to start) — a :class:`~kernelstudy.core.RecurrentState` per layer for kernel
+  attention (RNN mode, constant memory) or a growing KV cache for softmax attention.
+
+Three ways to generate (the question of "Transformers are RNNs" and its replications):
+``"step"`` with a kernel model (RNN mode), ``"full"`` (re-run the whole prefix every
+step: softmax without a KV cache, the paper's baseline) and ``"step"`` with a softmax
+model (KV cache, the fair baseline).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections.abc import Mapping
+
+import pandas as pd
+import torch
+from torch import nn
+
+from .speed import time_call
+
+MODES = ("step", "full")
+
+
+def state_bytes(state: object) -> int:
+    """Total bytes of the tensors in a (nested) generation state."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, Mapping):
+        return sum(state_bytes(v) for v in state.values())
+    if isinstance(state, list | tuple):
+        return sum(state_bytes(v) for v in state)
+    if dataclasses.is_dataclass(state) and not isinstance(state, type):
+        return sum(state_bytes(getattr(state, f.name)) for f in dataclasses.fields(state))
+    return 0
+
+
+def _check_lm(model: nn.Module, prompt: torch.Tensor, steps: int, mode: str) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode == "step" and not callable(getattr(model, "step", None)):
+        raise ValueError("mode='step' needs a model with a step(token_ids, state) method")
+    if not isinstance(prompt, torch.Tensor) or prompt.dim() != 2 or prompt.dtype != torch.long:
+        raise ValueError("prompt must be a (batch, length) long tensor of token ids")
+    if prompt.shape[1] < 1:
+        raise ValueError("prompt must hold at least one token")
+    if not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"steps must be a non-negative int, got {steps!r}")
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module, prompt: torch.Tensor, steps: int, mode: str = "step"
+) -> tuple[torch.Tensor, object]:
+    """Greedy decoding of ``steps`` tokens after ``prompt: (B,P)``.
+
+    ``mode="step"`` feeds one token at a time through ``model.step`` (the prompt
+    too); ``mode="full"`` re-runs ``model(prefix)`` on the whole prefix for every
+    new token. Returns the ``(B, P+steps)`` tokens and the final state (None for
+    ``"full"``).
+    """
+    _check_lm(model, prompt, steps, mode)
+    tokens = prompt
+    if mode == "full":
+        for _ in range(steps):
+            logits = model(tokens)[:, -1]
+            tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)], 1)
+        return tokens, None
+    state = None
+    out = [prompt]
+    logits = None
+    for t in range(prompt.shape[1]):
+        logits, state = model.step(prompt[:, t], state)
+    for _ in range(steps):
+        nxt = logits.argmax(-1)
+        out.append(nxt[:, None])
+        logits, state = model.step(nxt, state)
+    return torch.cat(out, 1), state
+
+
+def benchmark_generation(
+    runs: Mapping[str, tuple[nn.Module, str]],
+    lengths: list[int],
+    batch: int = 1,
+    prompt_len: int = 1,
+    device: str | torch.device = "cpu",
+    repeats: int = 1,
+    warmup: int = 1,
+    time_limit_s: float | None = None,
+    vocab_size: int | None = None,
+    seed: int = 0,
+) -> pd.DataFrame:
+    """Throughput and memory of generating ``lengths`` tokens, per labelled way to generate.
+
+    Args:
+        runs: ``{label: (model, mode)}``, e.g. ``{"linear, RNN state": (lin, "step"),
+            "softmax, no cache": (soft, "full"), "softmax, KV cache": (soft, "step")}``.
+        lengths: numbers of generated tokens (ascending: see ``time_limit_s``).
+        batch, prompt_len: B sequences, each with a random prompt of this length.
+        device: models are moved there.
+        repeats, warmup: timed and untimed generations per measurement (warm-up
+            generates ``min(lengths)`` tokens).
+        time_limit_s: once a run takes longer than this, skip its longer lengths.
+        vocab_size: prompt tokens are drawn from ``[0, vocab_size)`` (default: the
+            model's output size, read from one forward).
+
+    Returns:
+        Long table: ``label``, ``mode``, ``length``, ``batch``, ``metric``
+        (``time_s`` median, ``tokens_per_s`` = B·length/time, ``state_mb`` = size of
+        the final RNN state or KV cache, NaN for ``"full"``; ``peak_memory_mb`` on CUDA),
+        ``value``, ``note``.
+    """
+    device = torch.device(device)
+    if not runs:
+        raise ValueError("runs must name at least one (model, mode)")
+    if not lengths or any(not isinstance(n, int) or n < 1 for n in lengths):
+        raise ValueError(f"lengths must be positive ints, got {lengths!r}")
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for label, (model, mode) in runs.items():
+        model = model.to(device).eval()
+        if vocab_size is None:
+            probe = torch.zeros(1, 1, dtype=torch.long, device=device)
+            with torch.no_grad():
+                vocab = model(probe).shape[-1]
+        else:
+            vocab = vocab_size
+        prompt = torch.randint(vocab, (batch, prompt_len), generator=gen).to(device)
+        _check_lm(model, prompt, 0, mode)
+        for _ in range(warmup):
+            generate(model, prompt, min(lengths), mode)
+        skip = ""
+        for length in lengths:
+            base = {"label": label, "mode": mode, "length": length, "batch": batch}
+            if skip:
+                rows.append({**base, "metric": "time_s", "value": math.nan, "note": skip})
+                continue
+            state_box: list = []
+
+            def run(m=model, p=prompt, n=length, md=mode, box=state_box) -> None:
+                box[:] = [generate(m, p, n, md)[1]]
+
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+                before = torch.cuda.memory_allocated(device)
+            seconds = statistics.median(time_call(run, device, repeats, warmup=0))
+            rows.append({**base, "metric": "time_s", "value": seconds, "note": ""})
+            rows.append(
+                {**base, "metric": "tokens_per_s", "value": batch * length / seconds, "note": ""}
+            )
+            if mode == "step":
+                mb, note = state_bytes(state_box[0]) / 2**20, ""
+            else:
+                mb, note = math.nan, "no state kept: the prefix is recomputed"
+            rows.append({**base, "metric": "state_mb", "value": mb, "note": note})
+            if device.type == "cuda":
+                peak = (torch.cuda.max_memory_allocated(device) - before) / 2**20
+                rows.append({**base, "metric": "peak_memory_mb", "value": peak, "note": ""})
+            if time_limit_s is not None and seconds > time_limit_s:
+                skip = f"skipped: a shorter length took longer than time_limit_s={time_limit_s}"
+    return pd.DataFrame(
+        rows, columns=["label", "mode", "length", "batch", "metric", "value", "note"]
+    )
+
+
+def speedups(frame: pd.DataFrame, numerator: str, denominator: str) -> pd.DataFrame:
+    """Per length: ``tokens_per_s`` of run ``numerator`` divided by that of ``denominator``."""
+    tps = frame[frame["metric"] == "tokens_per_s"].pivot_table(
+        index="length", columns="label", values="value", aggfunc="mean"
+    )
+    for label in (numerator, denominator):
+        if label not in tps:
+            raise ValueError(f"no tokens_per_s rows for run {label!r} (runs: {list(tps.columns)})")
+    return (tps[numerator] / tps[denominator]).rename("speedup").reset_index()

@@ -1,0 +1,87 @@
+"""Create registered maps at a matched feature dimension F, for fair comparisons."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..feature_maps import FeatureMap, create_feature_map, get_feature_map_class
+
+# Integer hyperparameters that set a map's size, tried in this order.
+SIZE_KNOBS = ("num_features", "feature_dim", "n_features", "hidden_dim", "num_hidden")
+
+
+def map_kind(feature_map: FeatureMap | type[FeatureMap]) -> str:
+    """``"learned"`` (trainable), ``"random"`` (random features) or ``"fixed"``."""
+    if feature_map.trainable:
+        return "learned"
+    return "random" if feature_map.random else "fixed"
+
+
+def matched_feature_map(
+    name: str, head_dim: int, feature_dim: int, seed: int = 0, **kwargs: Any
+) -> FeatureMap:
+    """Registered map ``name`` for ``head_dim`` whose F is as close to ``feature_dim`` as it allows.
+
+    The first size hyperparameter the map has (one of ``SIZE_KNOBS``) is set so that
+    ``F == feature_dim`` (trying ``feature_dim`` and the divisors 2, 3, 4 for maps
+    with several blocks per feature); maps without one keep their own F (e.g.
+    ``elu``: F = D). ``seed`` is passed to maps that take one; other ``kwargs``
+    are hyperparameters. Unknown names raise ValueError.
+    """
+    if not isinstance(feature_dim, int) or feature_dim < 1:
+        raise ValueError(f"feature_dim must be a positive int, got {feature_dim!r}")
+    cls = get_feature_map_class(name)
+    hp = cls.hyperparameters
+    if "seed" in hp:
+        kwargs.setdefault("seed", seed)
+    knob = next((k for k in SIZE_KNOBS if k in hp and k not in kwargs), None)
+    if knob is None:
+        return create_feature_map(name, head_dim=head_dim, **kwargs)
+    best: FeatureMap | None = None
+    for divisor in (1, 2, 3, 4):
+        if feature_dim % divisor:
+            continue
+        size = feature_dim // divisor
+        try:
+            fm = create_feature_map(name, head_dim=head_dim, **{**kwargs, knob: size})
+        except (ValueError, TypeError):
+            continue
+        if fm.feature_dim == feature_dim:
+            return fm
+        if best is None or abs(fm.feature_dim - feature_dim) < abs(best.feature_dim - feature_dim):
+            best = fm
+    if best is None:
+        raise ValueError(f"cannot create feature map {name!r} with F={feature_dim} (via {knob})")
+    return best
+
+
+def random_feature_map(
+    name: str,
+    head_dim: int,
+    num_features: int,
+    orthogonal: bool = False,
+    seed: int = 0,
+    **kwargs: Any,
+) -> FeatureMap:
+    """A random-feature map with R = ``num_features`` draws, iid or orthogonal.
+
+    A stabilizer is switched off where the map has one (``stabilize=False``), so that
+    φ(q)·φ(k) is the plain kernel estimate. Raises ValueError for maps that are not random.
+    """
+    cls = get_feature_map_class(name)
+    if not cls.random:
+        raise ValueError(f"feature map {name!r} is not a random-feature map")
+    hp = cls.hyperparameters
+    knob = next((k for k in SIZE_KNOBS if k in hp), None)
+    if knob is None:
+        raise ValueError(f"feature map {name!r} has no size hyperparameter ({SIZE_KNOBS})")
+    kwargs[knob] = num_features
+    if "orthogonal" in hp:
+        kwargs["orthogonal"] = orthogonal
+    elif orthogonal:
+        raise ValueError(f"feature map {name!r} has no 'orthogonal' option")
+    if "seed" in hp:
+        kwargs["seed"] = seed
+    if "stabilize" in hp:
+        kwargs.setdefault("stabilize", False)
+    return create_feature_map(name, head_dim=head_dim, **kwargs)

@@ -1,0 +1,124 @@
+"""Explicit N×S attention matrices for analysis sizes: softmax, kernel, uniform.
+
+Everything here materializes the full matrix, so sizes are capped by ``max_n``;
+the fast paths live in the core. Inputs follow the core's conventions:
+``q: (B,H,N,D)``, ``k: (B,H,S,D)``, ``key_padding_mask: (B,S)`` bool (True = real key).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..core.validation import check_key_padding_mask, check_tensor
+from ..feature_maps import FeatureMap
+from ..nn.functional import resolve_feature_map
+
+MAX_N = 4096
+SOFTMAX = "softmax"
+UNIFORM = "uniform"
+
+MapSpec = str | Mapping[str, Any] | FeatureMap | None
+
+
+def check_qk(q: torch.Tensor, k: torch.Tensor) -> None:
+    """Check ``q: (B,H,N,D)`` and ``k: (B,H,S,D)`` agree in batch, heads, dim, dtype and device."""
+    check_tensor(q, "q", 4)
+    check_tensor(k, "k", 4)
+    if q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"q (B,H,N,D) and k (B,H,S,D) must agree in B, H and D, got shapes "
+            f"{tuple(q.shape)} and {tuple(k.shape)}"
+        )
+    if q.dtype != k.dtype or q.device != k.device:
+        raise ValueError(
+            f"q and k must share dtype and device, got {q.dtype}/{q.device} and "
+            f"{k.dtype}/{k.device}"
+        )
+
+
+def allowed_keys(
+    n: int,
+    s: int,
+    causal: bool,
+    key_padding_mask: torch.Tensor | None,
+    batch: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """``(B|1, 1, N, S)`` bool: which keys each query may attend to."""
+    allowed = torch.ones(1, 1, n, s, dtype=torch.bool, device=device)
+    if causal:
+        if n != s:
+            raise ValueError(f"causal attention needs N == S, got N={n}, S={s}")
+        allowed = allowed.tril()
+    if key_padding_mask is not None:
+        mask = check_key_padding_mask(key_padding_mask, batch, s, device)
+        allowed = allowed & mask[:, None, None, :]
+    return allowed
+
+
+def softmax_kernel(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """The unnormalized softmax kernel ``exp(q·k/√D)``: ``(B,H,N,S)``."""
+    check_qk(q, k)
+    return torch.exp((q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1]))
+
+
+def _as_feature_map(feature_map: MapSpec, q: torch.Tensor) -> FeatureMap:
+    return resolve_feature_map(feature_map, q.shape[-1], q.shape[1])
+
+
+def attention_matrix(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    feature_map: MapSpec = None,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    max_n: int = MAX_N,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """The explicit row-normalized attention matrix ``(B,H,N,S)``.
+
+    Args:
+        q, k: queries ``(B,H,N,D)`` and keys ``(B,H,S,D)``.
+        feature_map: None or ``"softmax"`` for ``softmax(q kᵀ/√D)``; ``"uniform"``
+            for ``1/#allowed`` on every allowed key; otherwise a FeatureMap, a
+            registered name or a config dict, giving ``φq_i·φk_j / (Σ_j φq_i·φk_j + eps)``
+            exactly as the core normalizes it.
+        causal: query i sees keys ``j ≤ i`` only (needs N == S).
+        key_padding_mask: ``(B,S)`` bool, True for real keys.
+        max_n: largest N or S allowed (the matrix is N×S per head).
+        eps: the kernel normalizer's guard (kernel maps only; the core's default is
+            1e-6; 0 normalizes exactly, leaving rows without mass at zero).
+
+    Rows with no key to attend to are all zero. Raises ValueError when N or S
+    exceeds ``max_n`` or the map name is not registered.
+    """
+    check_qk(q, k)
+    n, s = q.shape[2], k.shape[2]
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps!r}")
+    if max(n, s) > max_n:
+        raise ValueError(
+            f"attention_matrix materializes N×S per head; N={n}, S={s} exceeds max_n={max_n} "
+            "(pass a larger max_n if you have the memory)"
+        )
+    allowed = allowed_keys(n, s, causal, key_padding_mask, q.shape[0], q.device)
+    if feature_map is None or feature_map == SOFTMAX:
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        return torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    if feature_map == UNIFORM:
+        weights = allowed.to(q.dtype).expand(q.shape[0], q.shape[1], n, s)
+        return weights / weights.sum(-1, keepdim=True).clamp_min(1.0)
+    fm = _as_feature_map(feature_map, q)
+    if key_padding_mask is not None:  # as in kernel_attention: the map never sees padding
+        k = k.masked_fill(~key_padding_mask.to(k.device)[:, None, :, None], 0.0)
+    scores = fm(q, is_query=True) @ fm(k, is_query=False).transpose(-1, -2)
+    scores = scores.masked_fill(~allowed, 0.0)
+    total = scores.sum(-1, keepdim=True) + eps
+    if eps == 0:  # exact normalization; rows without mass stay zero
+        total = torch.where(total == 0, torch.ones_like(total), total)
+    return scores / total

@@ -1,0 +1,222 @@
+"""Figures from the analysis tables: each function takes a long-format frame and
+returns a matplotlib Figure drawn with seaborn (the caller saves or closes it)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import matplotlib.pyplot as plt
+import pandas as pd
+import seaborn as sns
+from matplotlib.figure import Figure
+
+
+def _check_columns(frame: pd.DataFrame, columns: Sequence[str | None], what: str) -> None:
+    if not isinstance(frame, pd.DataFrame):
+        raise TypeError(f"frame must be a pandas DataFrame, got {type(frame).__name__}")
+    missing = [c for c in columns if c is not None and c not in frame.columns]
+    if missing:
+        raise ValueError(f"{what}: frame lacks columns {missing} (has {list(frame.columns)})")
+    if frame.empty:
+        raise ValueError(f"{what}: frame is empty")
+
+
+def line_plot(
+    frame: pd.DataFrame,
+    x: str,
+    y: str = "value",
+    hue: str | None = None,
+    style: str | None = None,
+    col: str | None = None,
+    row: str | None = None,
+    logx: bool = True,
+    logy: bool = True,
+    errorbar: str | tuple | None = ("sd", 1),
+    title: str | None = None,
+    ylabel: str | None = None,
+    hlines: pd.DataFrame | None = None,
+    hline_label: str = "uniform baseline",
+) -> Figure:
+    """Mean of ``y`` vs ``x`` (error bars over the remaining rows, e.g. seeds), faceted.
+
+    ``hlines``: rows with ``y`` (and the ``col``/``row`` facet columns) drawn as dashed
+    horizontal reference lines in the matching facet, e.g. a baseline.
+    """
+    _check_columns(frame, [x, y, hue, style, col, row], "line_plot")
+    data = frame.copy()
+    for name in (hue, style, col, row):
+        if name is not None:
+            data[name] = data[name].astype(str)
+    grid = sns.relplot(
+        data=data,
+        x=x,
+        y=y,
+        hue=hue,
+        style=style,
+        col=col,
+        row=row,
+        kind="line",
+        marker="o",
+        errorbar=errorbar,
+        err_style="bars",
+        height=3.6,
+        aspect=1.25,
+        facet_kws={"sharey": False, "sharex": False},
+    )
+    for (row_val, col_val), ax in _facets(grid, row, col):
+        if hlines is not None and not hlines.empty:
+            sel = hlines
+            if col is not None and col in hlines:
+                sel = sel[sel[col].astype(str) == col_val]
+            if row is not None and row in hlines:
+                sel = sel[sel[row].astype(str) == row_val]
+            if not sel.empty:
+                _baseline(ax, sel[y].mean(), hline_label)
+        if logx:
+            ax.set_xscale("log", base=2)
+        if logy:
+            ax.set_yscale("log")
+        ax.grid(True, which="major", alpha=0.3)
+        if ylabel:
+            ax.set_ylabel(ylabel)
+    if title:
+        grid.figure.suptitle(title, y=1.02)
+    return grid.figure
+
+
+def _baseline(ax, value: float, label: str) -> None:
+    """A dashed horizontal reference line, labelled at its right end."""
+    ax.axhline(value, color="0.3", ls="--", lw=1.2)
+    ax.annotate(
+        label,
+        xy=(0.99, value),
+        xycoords=("axes fraction", "data"),
+        ha="right",
+        va="bottom",
+        fontsize="small",
+        color="0.3",
+    )
+
+
+def _facets(grid: sns.FacetGrid, row: str | None, col: str | None):
+    row_names = grid.row_names or [None]
+    col_names = grid.col_names or [None]
+    for i, row_val in enumerate(row_names):
+        for j, col_val in enumerate(col_names):
+            yield (row_val, col_val), grid.axes[i, j]
+
+
+def plot_approximation(
+    frame: pd.DataFrame,
+    metric: str = "attention_mse",
+    x: str = "feature_dim",
+    hue: str | None = "method",
+    style: str | None = None,
+    col: str | None = None,
+) -> Figure:
+    """Error ``metric`` vs ``x`` from :func:`approximation_error` rows (plus config columns).
+
+    Rows with ``method == "uniform"`` become a dashed baseline per facet.
+    """
+    _check_columns(frame, ["method", "metric", "value", x], "plot_approximation")
+    rows = frame[frame["metric"] == metric]
+    if rows.empty:
+        raise ValueError(
+            f"metric {metric!r} has no rows (metrics: {sorted(frame.metric.unique())})"
+        )
+    maps, base = rows[rows["method"] != "uniform"], rows[rows["method"] == "uniform"]
+    return line_plot(maps, x, hue=hue, style=style, col=col, hlines=base, ylabel=metric, title=None)
+
+
+def plot_map_comparison(
+    frame: pd.DataFrame,
+    metric: str = "attention_kl",
+    x: str = "method",
+    hue: str | None = "stage",
+    col: str | None = None,
+    logy: bool = True,
+) -> Figure:
+    """Bars of ``metric`` per map (mean, error bars over seeds); ``uniform`` as a dashed line."""
+    _check_columns(frame, ["method", "metric", "value", x, hue, col], "plot_map_comparison")
+    rows = frame[frame["metric"] == metric]
+    if rows.empty:
+        raise ValueError(
+            f"metric {metric!r} has no rows (metrics: {sorted(frame.metric.unique())})"
+        )
+    maps, base = rows[rows["method"] != "uniform"], rows[rows["method"] == "uniform"]
+    data = maps.copy()
+    for name in (hue, col):
+        if name is not None:
+            data[name] = data[name].astype(str)
+    grid = sns.catplot(
+        data=data,
+        x=x,
+        y="value",
+        hue=hue,
+        col=col,
+        kind="bar",
+        errorbar=("sd", 1),
+        height=3.8,
+        aspect=1.6,
+        sharey=False,
+    )
+    for (_, col_val), ax in _facets(grid, None, col):
+        sel = base if col is None or col not in base else base[base[col].astype(str) == col_val]
+        if not sel.empty:
+            _baseline(ax, sel["value"].mean(), "uniform baseline")
+        if logy:
+            ax.set_yscale("log")
+        ax.set_ylabel(metric)
+        ax.tick_params(axis="x", rotation=30)
+    return grid.figure
+
+
+def plot_rank(
+    frame: pd.DataFrame,
+    measure: str = "numerical_rank",
+    x: str = "n",
+    hue: str | None = "method",
+    col: str | None = None,
+) -> Figure:
+    """Rank ``measure`` vs ``x`` (N or F) from rows with ``metric``/``value`` columns."""
+    _check_columns(frame, ["metric", "value", x], "plot_rank")
+    rows = frame[frame["metric"] == measure]
+    return line_plot(rows, x, hue=hue, col=col, ylabel=measure, logy=True)
+
+
+def plot_speed(
+    frame: pd.DataFrame,
+    metric: str = "time_ms",
+    x: str = "n",
+    hue: str = "label",
+    col: str | None = "pass",
+    row: str | None = "causal",
+) -> Figure:
+    """Time or memory vs N from :func:`benchmark_attention` (``label`` = method/backend)."""
+    _check_columns(frame, ["method", "metric", "value", x], "plot_speed")
+    rows = frame[(frame["metric"] == metric) & (frame["method"] != "matmul")].dropna(
+        subset=["value"]
+    )
+    if hue == "label" and "label" not in rows:
+        rows = rows.assign(
+            label=rows["method"] + rows["backend"].map(lambda b: f"[{b}]" if b else "")
+        )
+    return line_plot(rows, x, hue=hue, col=col, row=row, ylabel=metric, errorbar=None)
+
+
+def plot_history(
+    frame: pd.DataFrame,
+    x: str = "step",
+    y: str = "value",
+    hue: str | None = "method",
+    col: str | None = "metric",
+    logy: bool = False,
+) -> Figure:
+    """Training curves (e.g. accuracy vs step), error bars over seeds."""
+    _check_columns(frame, [x, y, hue, col], "plot_history")
+    return line_plot(frame, x, y, hue=hue, col=col, logx=False, logy=logy)
+
+
+def close(fig: Figure) -> None:
+    """Release a figure made here (pyplot keeps references otherwise)."""
+    plt.close(fig)

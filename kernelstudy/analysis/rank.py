@@ -1,0 +1,64 @@
+"""Rank measures of an attention matrix.
+
+Kernel attention ``D⁻¹ φ(Q) φ(K)ᵀ`` with F features has rank ≤ F; softmax
+attention is generally full rank. Three measures, from strict to soft:
+
+- numerical rank: number of singular values above ``tol`` (default, as in
+  ``numpy.linalg.matrix_rank``: ``σ_max · max(N, S) · eps(dtype of A)``);
+- effective rank (Roy & Vetterli 2007): ``exp(H(p))`` with ``p_i = σ_i / Σ σ``;
+- stable rank: ``‖A‖_F² / ‖A‖_2² = Σ σ² / σ_max²``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def attention_rank(A: torch.Tensor | np.ndarray, tol: float | None = None) -> dict[str, Any]:
+    """Rank measures of a square ``(N, N)`` matrix (computed in float64).
+
+    Args:
+        A: the matrix, tensor or array.
+        tol: singular values ``> tol`` count toward the numerical rank; None uses
+            ``σ_max · N · eps`` of A's dtype (float32 eps for float32 input).
+
+    Returns:
+        ``numerical_rank`` (int), ``tol`` (the tolerance used), ``effective_rank``,
+        ``stable_rank`` (floats), ``n`` and ``singular_values`` (numpy, descending).
+    """
+    if isinstance(A, np.ndarray):
+        A = torch.from_numpy(A)
+    if not isinstance(A, torch.Tensor):
+        raise TypeError(f"A must be a torch.Tensor or numpy array, got {type(A).__name__}")
+    if A.dim() != 2 or A.shape[0] != A.shape[1]:
+        raise ValueError(f"A must be a square 2-D (N, N) matrix, got shape {tuple(A.shape)}")
+    if not (A.is_floating_point() and A.numel() > 0):
+        raise ValueError(f"A must be a non-empty floating-point matrix, got dtype {A.dtype}")
+    if not torch.isfinite(A).all():
+        raise ValueError("A must be finite (it has NaN or Inf entries)")
+    eps = torch.finfo(A.dtype).eps
+    sv = torch.linalg.svdvals(A.detach().double().cpu())
+    smax = sv[0].item() if sv.numel() else 0.0
+    if tol is None:
+        tol = smax * A.shape[0] * eps
+    elif not tol >= 0:
+        raise ValueError(f"tol must be >= 0, got {tol!r}")
+    total = sv.sum().item()
+    if total > 0:
+        p = sv / total
+        p = p[p > 0]
+        effective = float(torch.exp(-(p * p.log()).sum()))
+        stable = float((sv**2).sum().item() / smax**2)
+    else:
+        effective = stable = 0.0
+    return {
+        "n": int(A.shape[0]),
+        "numerical_rank": int((sv > tol).sum().item()),
+        "tol": float(tol),
+        "effective_rank": effective,
+        "stable_rank": stable,
+        "singular_values": sv.numpy(),
+    }

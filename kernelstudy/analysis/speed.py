@@ -1,0 +1,316 @@
+"""Time and peak memory of attention vs sequence length, with the machine's matmul rate.
+
+Times are medians over ``repeats`` calls after ``warmup`` calls that are not
+timed; on CUDA they are measured with CUDA events. Peak memory is the memory
+allocated above what existed before the call: ``torch.cuda.max_memory_allocated``
+on CUDA, the PyTorch profiler's allocation trace on CPU (one extra call).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+
+from ..core.attention import linear_attention
+from ..core.backends import backends as available_backends
+from .matrices import MapSpec, _as_feature_map
+
+METHODS = ("softmax_sdpa", "softmax_explicit", "linear")
+PASSES = ("fwd", "fwd+bwd")
+COLUMNS = [
+    "method",
+    "backend",
+    "causal",
+    "pass",
+    "n",
+    "batch",
+    "heads",
+    "head_dim",
+    "feature_dim",
+    "device",
+    "dtype",
+    "metric",
+    "value",
+    "note",
+]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_call(
+    fn: Callable[[], object], device: str | torch.device = "cpu", repeats: int = 5, warmup: int = 1
+) -> list[float]:
+    """Seconds per call of ``fn`` for each of ``repeats`` timed calls (warm-up calls untimed)."""
+    device = torch.device(device)
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Silence C-level stderr (the profiler's start/stop lines)."""
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, ValueError, OSError):
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(fd)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), fd)
+            yield
+    finally:
+        os.dup2(saved, fd)
+        os.close(saved)
+
+
+def peak_memory_bytes(fn: Callable[[], object], device: str | torch.device = "cpu") -> int:
+    """Peak bytes allocated by one call of ``fn`` above what was allocated before it."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        _sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        fn()
+        _sync(device)
+        return int(torch.cuda.max_memory_allocated(device) - base)
+    from torch.profiler import ProfilerActivity, profile
+
+    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = prof.profiler.kineto_results.events()
+    allocs = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    running = itertools.accumulate(n for _, n in allocs)
+    return int(max(running, default=0))
+
+
+def matmul_rate(
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    size: int | None = None,
+    repeats: int = 5,
+) -> float:
+    """Measured dense matmul throughput in GFLOP/s (``size×size`` square products)."""
+    device = torch.device(device)
+    size = size or (4096 if device.type == "cuda" else 1024)
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    seconds = statistics.median(time_call(lambda: a @ b, device, repeats, warmup=2))
+    return 2 * size**3 / seconds / 1e9
+
+
+def _explicit_softmax(q, k, v, causal: bool) -> torch.Tensor:
+    scores = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
+    if causal:
+        n = q.shape[2]
+        mask = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(mask, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def _quadratic(method: str, backend: str) -> bool:
+    return method == "softmax_explicit" or (method == "linear" and backend == "reference")
+
+
+def benchmark_attention(
+    seq_lens: Sequence[int],
+    head_dim: int = 64,
+    value_dim: int | None = None,
+    batch: int = 1,
+    heads: int = 1,
+    feature_map: MapSpec = "elu",
+    methods: Sequence[str] = METHODS,
+    causal: Sequence[bool] = (False, True),
+    passes: Sequence[str] = PASSES,
+    backends: Sequence[str] | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    repeats: int = 5,
+    warmup: int = 1,
+    memory: bool = True,
+    max_quadratic_gb: float = 4.0,
+    time_limit_s: float | None = None,
+    matmul: bool = True,
+    seed: int = 0,
+) -> pd.DataFrame:
+    """Time and memory of one attention layer's core vs sequence length N.
+
+    Args:
+        seq_lens: the N values (ascending is best: see ``time_limit_s``).
+        head_dim, value_dim: D of q/k and M of v (M defaults to D).
+        batch, heads: B and H.
+        feature_map: the map of ``linear`` (name, config or FeatureMap); its
+            cost is included, as in an attention layer.
+        methods: ``softmax_sdpa`` (``scaled_dot_product_attention``),
+            ``softmax_explicit`` (materialized N×N matrix) and ``linear``
+            (kernel attention; one entry per backend).
+        causal: which of non-causal/causal to run.
+        passes: ``fwd`` (under ``no_grad``) and/or ``fwd+bwd`` (gradients of q, k, v).
+        backends: core backends for ``linear`` (default: :func:`kernelstudy.backends`).
+            Non-causal linear attention does not use a causal-product backend, so
+            it runs once as ``torch`` (plus ``reference``, the explicit matrix, if listed).
+        device, dtype: where and in what precision.
+        repeats, warmup: timed and untimed calls per measurement.
+        memory: also measure peak memory (one extra call).
+        max_quadratic_gb: skip explicit-matrix methods whose N×N buffers would exceed this.
+        time_limit_s: once a method's median time exceeds this, skip its larger N.
+        matmul: add a ``matmul`` row with the measured GFLOP/s of this run.
+
+    Returns:
+        Long table (columns ``COLUMNS``): metrics ``time_ms`` (median), ``time_ms_min``,
+        ``peak_memory_mb``; skipped measurements get one row with NaN and a ``note``.
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but CUDA is not available here")
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"methods must be among {METHODS}, got {unknown}")
+    bad = [p for p in passes if p not in PASSES]
+    if bad:
+        raise ValueError(f"passes must be among {PASSES}, got {bad}")
+    if not seq_lens or any(not isinstance(n, int) or n < 1 for n in seq_lens):
+        raise ValueError(f"seq_lens must be positive ints, got {seq_lens!r}")
+    for name, value in (("repeats", repeats), ("warmup", warmup)):
+        if not isinstance(value, int) or value < (1 if name == "repeats" else 0):
+            raise ValueError(f"{name} must be an int >= {1 if name == 'repeats' else 0}")
+    value_dim = value_dim or head_dim
+    known = available_backends()
+    if backends is None:
+        backends = known
+    missing = [b for b in backends if b not in known]
+    if missing:
+        raise ValueError(f"backends {missing} are not available here (available: {known})")
+    fm = _as_feature_map(feature_map, torch.empty(1, heads, 1, head_dim)).to(device)
+    dtype_name = str(dtype).removeprefix("torch.")
+    common = {
+        "batch": batch,
+        "heads": heads,
+        "head_dim": head_dim,
+        "device": device.type,
+        "dtype": dtype_name,
+    }
+    rows: list[dict] = []
+    if matmul:
+        rate = matmul_rate(device, dtype)
+        rows.append(
+            {
+                **common,
+                "method": "matmul",
+                "backend": "",
+                "causal": False,
+                "pass": "fwd",
+                "n": 0,
+                "feature_dim": 0,
+                "metric": "gflops",
+                "value": rate,
+                "note": "",
+            }
+        )
+
+    variants = []
+    for method, is_causal, pass_ in itertools.product(methods, causal, passes):
+        if method != "linear":
+            variants.append((method, "", is_causal, pass_))
+            continue
+        names = (
+            list(backends) if is_causal else [b for b in ("torch", "reference") if b in backends]
+        )
+        for backend in names or ["torch"]:
+            variants.append((method, backend, is_causal, pass_))
+
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    elem = torch.finfo(dtype).bits // 8
+    for method, backend, is_causal, pass_ in variants:
+        too_slow = False
+        for n in seq_lens:
+            row = {
+                **common,
+                "method": method,
+                "backend": backend,
+                "causal": is_causal,
+                "pass": pass_,
+                "n": n,
+                "feature_dim": fm.feature_dim if method == "linear" else 0,
+            }
+            note = ""
+            quad_gb = batch * heads * n * n * elem * (4 if pass_ == "fwd+bwd" else 2) / 1e9
+            if too_slow:
+                note = f"skipped: a shorter N took longer than time_limit_s={time_limit_s}"
+            elif _quadratic(method, backend) and quad_gb > max_quadratic_gb:
+                note = f"skipped: N×N buffers ~{quad_gb:.1f} GB > max_quadratic_gb"
+            if note:
+                rows.append({**row, "metric": "time_ms", "value": math.nan, "note": note})
+                continue
+            q, k = (
+                torch.randn(batch, heads, n, head_dim, generator=gen).to(device, dtype)
+                for _ in range(2)
+            )
+            v = torch.randn(batch, heads, n, value_dim, generator=gen).to(device, dtype)
+            fn = _make_call(method, backend, is_causal, pass_, q, k, v, fm)
+            times = time_call(fn, device, repeats, warmup)
+            median = statistics.median(times)
+            rows.append({**row, "metric": "time_ms", "value": median * 1e3, "note": ""})
+            rows.append({**row, "metric": "time_ms_min", "value": min(times) * 1e3, "note": ""})
+            if memory:
+                mb = peak_memory_bytes(fn, device) / 2**20
+                rows.append({**row, "metric": "peak_memory_mb", "value": mb, "note": ""})
+            del q, k, v, fn
+            if time_limit_s is not None and median > time_limit_s:
+                too_slow = True
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def _make_call(method, backend, causal, pass_, q, k, v, fm) -> Callable[[], None]:
+    def attend(q, k, v):
+        if method == "softmax_sdpa":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        if method == "softmax_explicit":
+            return _explicit_softmax(q, k, v, causal)
+        phi_q, phi_k = fm(q, is_query=True), fm(k, is_query=False)
+        return linear_attention(phi_q, phi_k, v, causal=causal, backend=backend)
+
+    if pass_ == "fwd":
+
+        def forward() -> None:
+            with torch.no_grad():
+                attend(q, k, v)
+
+        return forward
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+
+    def forward_backward() -> None:
+        for t in leaves:
+            t.grad = None
+        attend(*leaves).sum().backward()
+
+    return forward_backward

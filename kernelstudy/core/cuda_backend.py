@@ -1,0 +1,260 @@
+"""The ``cuda`` backend: the chunked tensor-core kernels of ``csrc/cuda``.
+
+The extension is compiled with nvcc on first use (see :mod:`kernelstudy.core.extensions`) and
+only where a CUDA device is visible; elsewhere :func:`is_available` returns False at once,
+without trying to build. It takes CUDA tensors in float32, float16 and bfloat16 on GPUs of
+compute capability 8.0 or newer (tensor cores through WMMA), accumulates in float32 and is
+deterministic (no atomics; every sum in a fixed order).
+
+Kernels (``csrc/cuda/linear_attention.cu`` documents tiles and precision):
+
+- causal product ``Σ_{j≤i} (q_i·k_j) v_j``: per-chunk states, a prefix over chunks, then
+  per-chunk outputs, so one sequence (B·H = 1) at any N still fills the GPU; the backward
+  pass recomputes with the same kernels, ``dq = causal(g, v, k)``,
+  ``dk = anticausal(v, g, q)``, ``dv = anticausal(k, q, g)``, and keeps no per-step state;
+- normalized attention (:func:`linear_attention`): the normalizer ``φq_i·Σ_{j≤i} φk_j`` comes
+  out of the same kernel, so neither direction builds an ``O(N·F·M)`` tensor; non-causal
+  attention reduces ``S = Σ_j φk_j v_jᵀ`` and ``z = Σ_j φk_j`` over unmasked keys, then reads
+  ``φq_i·S / (φq_i·z + eps)``.
+
+Half-precision inputs run as bf16 on the tensor cores (fp16 inputs are rounded to bf16: fp32
+intermediates such as the chunk states outgrow fp16's range); float32 inputs use 3xTF32 and
+keep float32 accuracy.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .backends import Backend, register_backend
+from .validation import check_eps, check_key_padding_mask, check_qkv
+
+EXTENSION_NAME = "kernelstudy_cuda"
+SOURCES = ("binding.cpp", "linear_attention.cu")
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MIN_CAPABILITY = (8, 0)  # bf16 and tf32 tensor cores (Ampere and newer)
+
+_module: ModuleType | None = None
+_tried = False
+
+
+def extension() -> ModuleType | None:
+    """The compiled extension, built on first call; None without a CUDA device or if the build
+    fails (:func:`kernelstudy.core.extensions.load_extension` then warns once)."""
+    global _module, _tried
+    if not torch.cuda.is_available():
+        return None
+    if not _tried:
+        _tried = True
+        from .extensions import csrc_dir, load_extension
+
+        folder = csrc_dir() / "cuda"
+        _module = load_extension(
+            EXTENSION_NAME,
+            [folder / name for name in SOURCES],
+            cuda=True,
+            extra_cflags=["-O3"],
+            extra_cuda_cflags=["-O3"],
+        )
+    return _module
+
+
+def is_available() -> bool:
+    """True where a CUDA device is visible and the extension builds (False at once without one)."""
+    return torch.cuda.is_available() and extension() is not None
+
+
+def supports(x: torch.Tensor) -> bool:
+    """CUDA tensors of float32/float16/bfloat16 on a GPU of compute capability ≥ 8.0."""
+    if not (x.is_cuda and x.dtype in DTYPES):
+        return False
+    return torch.cuda.get_device_capability(x.device) >= MIN_CAPABILITY
+
+
+def _require() -> ModuleType:
+    module = extension()
+    if module is None:
+        raise RuntimeError("kernelstudy: the CUDA extension is not available on this machine")
+    return module
+
+
+def _check_inputs(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if not supports(t):
+            raise ValueError(
+                "the cuda backend takes float32, float16 or bfloat16 CUDA tensors on a GPU of "
+                f"compute capability >= 8.0, got {t.dtype} on {t.device}"
+            )
+
+
+# ---------------------------------------------------------------- unnormalized causal product
+class _CausalProduct(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v):  # type: ignore[override]
+        ctx.save_for_backward(q, k, v)
+        out, _ = _require().causal_product(q, k, v, reverse=False, out_fp32=True)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):  # type: ignore[override]
+        q, k, v = ctx.saved_tensors
+        ext = _require()
+        g = grad.to(q.dtype)
+        dq = dk = dv = None
+        if ctx.needs_input_grad[0]:  # dq_i = Σ_{j≤i} (g_i·v_j) k_j
+            dq = ext.causal_product(g, v, k, reverse=False, out_fp32=False)[0]
+        if ctx.needs_input_grad[1]:  # dk_j = Σ_{i≥j} (v_j·g_i) q_i
+            dk = ext.causal_product(v, g, q, reverse=True, out_fp32=False)[0]
+        if ctx.needs_input_grad[2]:  # dv_j = Σ_{i≥j} (k_j·q_i) g_i
+            dv = ext.causal_product(k, q, g, reverse=True, out_fp32=False)[0]
+        return dq, dk, dv
+
+
+def causal_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``Σ_{j≤i} (q_i·k_j) v_j`` for CUDA ``q, k: (B,H,N,F)``, ``v: (B,H,N,M)``.
+
+    Returns ``(B,H,N,M)`` in float32 (the backend contract); gradients come back in the input
+    dtypes.
+    """
+    _check_inputs(q, k, v)
+    return _CausalProduct.apply(q, k, v)
+
+
+# ---------------------------------------------------------------- normalized attention
+def _keep(mask: torch.Tensor | None) -> torch.Tensor | None:
+    return None if mask is None else mask[:, None, :, None]
+
+
+def _masked(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    return (
+        x if keep is None else torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    )
+
+
+class _CausalAttention(torch.autograd.Function):
+    """Causal ``out_i = num_i / (den_i + eps)``.
+
+    ``num_i = Σ_{j≤i} (q_i·k_j) v_j`` and ``den_i = Σ_{j≤i} q_i·k_j`` come from one kernel.
+
+    Backward, with ``d = den + eps``, ``dnum = g / d``, ``dden = -(g·out) / d``:
+    ``dq = causal(dnum, v, k) + dden·cumsum(k)``, ``dk = anticausal(v, dnum, q) +
+    revcumsum(dden·q)``, ``dv = anticausal(k, q, dnum)``; the cumulative sums run in the
+    deterministic kernel (``torch.cumsum`` is not deterministic on CUDA).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, eps):  # type: ignore[override]
+        keep = _keep(mask)
+        k, v = _masked(k, keep), _masked(v, keep)
+        out, den = _require().causal_product(
+            q, k, v, reverse=False, out_fp32=True, with_den=True, normalize=True, eps=eps
+        )
+        ctx.save_for_backward(q, k, v, out, den, mask)
+        ctx.eps = eps
+        return out.to(q.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):  # type: ignore[override]
+        q, k, v, out, den, mask = ctx.saved_tensors
+        ext = _require()
+        d = den + ctx.eps
+        g = grad.float()
+        dnum32 = g / d.unsqueeze(-1)
+        dden = -(g * out).sum(-1) / d
+        dnum = dnum32.to(q.dtype)
+        dq = ext.causal_product(dnum, v, k, reverse=False, out_fp32=True)[0]
+        dq += ext.scaled_cumsum(k, None, dden, reverse=False)
+        dk = ext.causal_product(v, dnum, q, reverse=True, out_fp32=True)[0]
+        dk += ext.scaled_cumsum(q, dden, None, reverse=True)
+        dv = ext.causal_product(k, q, dnum, reverse=True, out_fp32=True)[0]
+        keep = _keep(mask)
+        dk, dv = _masked(dk, keep), _masked(dv, keep)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+class _FullAttention(torch.autograd.Function):
+    """Non-causal ``out_i = φq_i·S / (φq_i·z + eps)``.
+
+    ``S = Σ_j keep_j k_j v_jᵀ`` and ``z = Σ_j keep_j k_j`` are reduced in a fixed order.
+
+    The backward works on the ``(F, M)`` state with float32 matrix products:
+    ``dq = dnum·Sᵀ + dden·z``, ``dS = Σ_i q_i dnum_iᵀ``, ``dz = Σ_i dden_i q_i``,
+    ``dk_j = keep_j (dS v_j + dz)``, ``dv_j = keep_j dSᵀ k_j``.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, eps):  # type: ignore[override]
+        ext = _require()
+        m = v.shape[-1]
+        state = ext.full_state(k, v, mask)
+        out, den = ext.full_apply(
+            q, state, m, out_fp32=True, with_den=True, normalize=True, eps=eps
+        )
+        ctx.save_for_backward(q, k, v, state, out, den, mask)
+        ctx.eps = eps
+        return out.to(q.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):  # type: ignore[override]
+        q, k, v, state, out, den, mask = ctx.saved_tensors
+        b, h, _, f = q.shape
+        m = v.shape[-1]
+        s = state[..., : f * m].reshape(b, h, f, m)
+        z = state[..., f * m :]
+        d = den + ctx.eps
+        g = grad.float()
+        dnum = g / d.unsqueeze(-1)
+        dden = -(g * out).sum(-1) / d
+        q32 = q.float()
+        dq = dnum @ s.transpose(-1, -2) + dden.unsqueeze(-1) * z.unsqueeze(-2)
+        ds = q32.transpose(-1, -2) @ dnum  # (B,H,F,M)
+        dz = (q32.transpose(-1, -2) @ dden.unsqueeze(-1)).transpose(-1, -2)  # (B,H,1,F)
+        keep = _keep(mask)
+        dk = _masked(v.float() @ ds.transpose(-1, -2) + dz, keep)
+        dv = _masked(k.float() @ ds, keep)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def linear_attention(
+    phi_q: torch.Tensor,
+    phi_k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Normalized linear attention on CUDA features, as :func:`kernelstudy.linear_attention`.
+
+    ``phi_q: (B,H,N,F)``, ``phi_k: (B,H,S,F)``, ``v: (B,H,S,M)`` → ``(B,H,N,M)`` in the input
+    dtype; the normalizer is computed with the numerator (no ``O(N·F·M)`` tensor, no
+    ``torch.cumsum``), padded keys contribute nothing.
+    """
+    check_qkv(phi_q, phi_k, v, causal=causal)
+    eps = check_eps(eps)
+    _check_inputs(phi_q, phi_k, v)
+    mask = None
+    if key_padding_mask is not None:
+        mask = check_key_padding_mask(
+            key_padding_mask, phi_k.shape[0], phi_k.shape[2], phi_k.device
+        ).contiguous()
+    fn = _CausalAttention if causal else _FullAttention
+    return fn.apply(phi_q, phi_k, v, mask, eps)
+
+
+register_backend(
+    Backend(
+        "cuda",
+        causal_product,
+        available=is_available,
+        supports=supports,
+        priority=30,
+        attention=linear_attention,
+        description="chunked CUDA kernels on tensor cores (fp32/fp16/bf16, fp32 accumulation)",
+    )
+)

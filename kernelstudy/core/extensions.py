@@ -1,0 +1,127 @@
+"""Builds the compiled kernels of ``csrc/`` on first use (shared by the CPU and CUDA backends).
+
+Extensions are compiled with :func:`torch.utils.cpp_extension.load` (ninja) the first time a
+backend needs them and cached on disk, in the default torch extensions directory or under
+``$KERNELSTUDY_BUILD_DIR`` if set; later runs only check that the build is up to date. Nothing
+is compiled at install time. If the compiler is missing or the build fails,
+:func:`load_extension` returns None after one warning, and the core falls back to the ``torch``
+backend.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+BUILD_DIR_ENV = "KERNELSTUDY_BUILD_DIR"
+
+_LOADED: dict[str, ModuleType | None] = {}
+
+
+def csrc_dir() -> Path:
+    """The ``csrc/`` folder of the kernels' sources.
+
+    It sits at the repository root next to ``kernelstudy/`` (source checkouts, editable
+    installs); installed wheels carry a copy at ``kernelstudy/csrc``.
+    """
+    package = Path(__file__).resolve().parents[1]
+    for candidate in (package.parent / "csrc", package / "csrc"):
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError(
+        f"kernelstudy: cannot find the csrc/ kernel sources next to {package} or inside it"
+    )
+
+
+def native_cflags() -> list[str]:
+    """Optimization flags for host code: -O3, and the host's vector units on x86-64."""
+    flags = ["-O3"]
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        flags.append("-march=native")
+    return flags
+
+
+def _build_directory(name: str) -> str | None:
+    root = os.environ.get(BUILD_DIR_ENV)
+    if not root:
+        return None  # torch's default: $TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions/...
+    path = Path(root).expanduser() / name
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path)
+
+
+def _missing_tool(cuda: bool) -> str | None:
+    """Why the build cannot start, or None."""
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler!r} not on PATH; set CXX)"
+    if cuda:
+        import torch
+        from torch.utils import cpp_extension
+
+        if torch.version.cuda is None:
+            return "this PyTorch build has no CUDA"
+        if cpp_extension.CUDA_HOME is None:
+            return "no CUDA toolkit (nvcc) found; set CUDA_HOME"
+    return None
+
+
+def _warn(name: str, reason: str) -> None:
+    warnings.warn(
+        f"kernelstudy: cannot build the {name!r} extension ({reason}); "
+        "falling back to the 'torch' backend",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def load_extension(
+    name: str,
+    sources: list[Path],
+    *,
+    cuda: bool = False,
+    extra_cflags: list[str] | None = None,
+    extra_cuda_cflags: list[str] | None = None,
+    extra_ldflags: list[str] | None = None,
+) -> ModuleType | None:
+    """Build (or load the cached build of) an extension module; None if it cannot be built.
+
+    Args:
+        name: module name, unique per extension (e.g. ``"kernelstudy_cpu"``).
+        sources: ``.cpp`` (and, with ``cuda``, ``.cu``) files, usually under :func:`csrc_dir`.
+        cuda: compile ``.cu`` files with nvcc and link the CUDA runtime.
+        extra_cflags, extra_cuda_cflags, extra_ldflags: passed on to the compilers and linker.
+
+    The result is cached per process: a failed build is not retried and warns once.
+    """
+    if name in _LOADED:
+        return _LOADED[name]
+    module: ModuleType | None = None
+    reason = _missing_tool(cuda)
+    if reason is None:
+        try:
+            from torch.utils import cpp_extension
+
+            module = cpp_extension.load(
+                name=name,
+                sources=[str(s) for s in sources],
+                extra_cflags=list(extra_cflags or []),
+                extra_cuda_cflags=list(extra_cuda_cflags or []),
+                extra_ldflags=list(extra_ldflags or []),
+                extra_include_paths=[str(csrc_dir())],
+                build_directory=_build_directory(name),
+                with_cuda=cuda,
+                verbose=False,
+            )
+        except Exception as err:  # compiler errors, missing headers, import errors
+            lines = [line for line in str(err).splitlines() if line.strip()]
+            first = lines[0] if lines else type(err).__name__
+            reason = f"build failed: {first[:200]}"
+    if module is None:
+        _warn(name, reason or "unknown error")
+    _LOADED[name] = module
+    return module

@@ -1,0 +1,97 @@
+"""Search spaces: define-by-run Optuna suggestions built from the registry's declarations.
+
+A feature map's tunable hyperparameters come from its class's ``hyperparameters``
+(type, range, log scale, choices); model and optimizer ones (lr, warm-up,
+weight decay, dropout) from :data:`TRAINING_SPACE`. A search config may fix any
+of them or narrow their ranges.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import optuna
+
+from ..feature_maps.base import Hyperparameter
+from ..feature_maps.registry import get_feature_map_class
+
+#: Model/optimizer hyperparameters every search tunes unless the config fixes them.
+TRAINING_SPACE: dict[str, Hyperparameter] = {
+    "lr": Hyperparameter(float, 1e-3, low=1e-5, high=1e-2, log=True, doc="AdamW learning rate"),
+    "warmup_fraction": Hyperparameter(
+        float, 0.1, low=0.0, high=0.3, doc="warm-up steps as a fraction of all steps"
+    ),
+    "weight_decay": Hyperparameter(float, 0.01, low=1e-4, high=0.3, log=True, doc="AdamW decay"),
+    "dropout": Hyperparameter(float, 0.1, low=0.0, high=0.3, doc="dropout in the encoder"),
+}
+
+
+def suggest(trial: optuna.Trial, name: str, spec: Hyperparameter, override: Any = None) -> Any:
+    """One define-by-run suggestion for ``spec``.
+
+    ``override`` fixes the value (any non-dict) or narrows the range with a dict
+    ``{"low": .., "high": .., "choices": [..], "log": bool}``.
+    """
+    if override is not None and not isinstance(override, Mapping):
+        return spec.validate(name, override)
+    narrow = dict(override or {})
+    unknown = set(narrow) - {"low", "high", "choices", "log"}
+    if unknown:
+        raise ValueError(f"search range for {name!r} has unknown keys {sorted(unknown)}")
+    choices = narrow.get("choices", spec.choices)
+    if choices is not None or spec.type is bool:
+        options = list(choices) if choices is not None else [False, True]
+        return trial.suggest_categorical(name, options)
+    low, high = narrow.get("low", spec.low), narrow.get("high", spec.high)
+    if low is None or high is None:
+        raise ValueError(
+            f"hyperparameter {name!r} has no finite range to search; fix it or give low/high"
+        )
+    log = bool(narrow.get("log", spec.log))
+    if spec.type is int:
+        return trial.suggest_int(name, int(low), int(high), log=log)
+    if spec.type is float:
+        return trial.suggest_float(name, float(low), float(high), log=log)
+    raise ValueError(f"hyperparameter {name!r} of type {spec.type.__name__} cannot be searched")
+
+
+def suggest_feature_map(
+    trial: optuna.Trial, feature_map: str, fixed: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """Hyperparameters of ``feature_map`` for this trial, as ``create_feature_map`` kwargs.
+
+    Declared hyperparameters with ``search=True`` are suggested (prefixed
+    ``fm.`` in the trial); ``fixed`` entries (values or range dicts) override.
+    Others keep their defaults.
+    """
+    cls = get_feature_map_class(feature_map)
+    fixed = dict(fixed or {})
+    unknown = set(fixed) - set(cls.hyperparameters)
+    if unknown:
+        raise ValueError(
+            f"feature map {feature_map!r} has no hyperparameter(s) {sorted(unknown)}; "
+            f"it takes: {', '.join(sorted(cls.hyperparameters)) or 'none'}"
+        )
+    params: dict[str, Any] = {}
+    for key, spec in cls.hyperparameters.items():
+        override = fixed.get(key)
+        if override is None and not spec.search:
+            continue
+        if override is not None and not isinstance(override, Mapping):
+            params[key] = spec.validate(key, override)
+        else:
+            params[key] = suggest(trial, f"fm.{key}", spec, override)
+    return params
+
+
+def suggest_training(trial: optuna.Trial, fixed: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """lr, warm-up fraction, weight decay and dropout for this trial (``fixed`` overrides)."""
+    fixed = dict(fixed or {})
+    unknown = set(fixed) - set(TRAINING_SPACE)
+    if unknown:
+        raise ValueError(
+            f"unknown training hyperparameter(s) {sorted(unknown)}; "
+            f"searchable: {', '.join(TRAINING_SPACE)}"
+        )
+    return {key: suggest(trial, key, spec, fixed.get(key)) for key, spec in TRAINING_SPACE.items()}

@@ -1,0 +1,83 @@
+"""Optuna storage by URL: an SQLite file by default, any RDB URL (PostgreSQL) to share a study.
+
+Trials send a heartbeat; a trial whose worker dies (crash, kill, lost machine)
+stops beating, is marked FAILED after the grace period by the next worker that
+looks, and is re-queued with the same parameters, so no trial is lost.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import optuna
+from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
+
+#: Seconds between heartbeats of a running trial, and after which a silent one is failed.
+HEARTBEAT_INTERVAL = 10
+GRACE_PERIOD = 30
+MAX_RETRY = 2
+
+
+def default_storage_url(results_dir: str | Path, study: str) -> str:
+    """``sqlite:///results_dir/study/optuna.db`` (the directory is created)."""
+    path = Path(results_dir) / study / "optuna.db"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{path.resolve()}"
+
+
+def open_storage(
+    url: str,
+    heartbeat_interval: int = HEARTBEAT_INTERVAL,
+    grace_period: int = GRACE_PERIOD,
+    max_retry: int = MAX_RETRY,
+) -> RDBStorage:
+    """An Optuna RDB storage for ``url``, checked now (not at the first trial).
+
+    Raises ``ValueError`` naming the URL when it is malformed, its driver is
+    missing or the database cannot be reached.
+    """
+    if not isinstance(url, str) or "://" not in url:
+        raise ValueError(f"storage must be a database URL such as sqlite:///study.db, got {url!r}")
+    engine_kwargs = {}
+    if url.startswith("sqlite"):
+        # Several worker processes write to one file: wait for locks instead of failing.
+        engine_kwargs = {"connect_args": {"timeout": 60}}
+    else:
+        engine_kwargs = {"pool_pre_ping": True, "connect_args": {"connect_timeout": 10}}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return RDBStorage(
+                url,
+                engine_kwargs=engine_kwargs,
+                heartbeat_interval=heartbeat_interval,
+                grace_period=grace_period,
+                heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(
+                    max_retry=max_retry
+                ),
+            )
+    except ImportError as err:
+        raise ValueError(f"storage {_redact(url)}: database driver missing ({err})") from err
+    except Exception as err:  # sqlalchemy's OperationalError, ArgumentError, ...
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"storage {_redact(url)} cannot be opened: {first}") from err
+
+
+def _redact(url: str) -> str:
+    """The URL without its password, for messages."""
+    scheme, _, rest = url.partition("://")
+    if "@" in rest:
+        creds, _, host = rest.rpartition("@")
+        user = creds.split(":", 1)[0]
+        return f"{scheme}://{user}:***@{host}" if ":" in creds else url
+    return url
+
+
+def load_study(url: str, name: str) -> optuna.Study:
+    """An existing study ``name`` from ``url`` (``ValueError`` listing the studies there)."""
+    storage = open_storage(url)
+    names = [s.study_name for s in optuna.get_all_study_summaries(storage)]
+    if name not in names:
+        raise ValueError(f"no study {name!r} in {_redact(url)}; it holds: {', '.join(names)}")
+    return optuna.load_study(study_name=name, storage=storage)

@@ -1,0 +1,124 @@
+"""The shared interface of every task, and the packed token storage the loaders use.
+
+A task is a ``torch.utils.data.Dataset`` whose items are dicts of tensors, all
+padded to the task's fixed ``max_length`` (call it L):
+
+- classification (``num_classes`` set, ``pairs`` False): ``input_ids`` (L,) long,
+  ``mask`` (L,) bool (True = real token), ``label`` () long;
+- document pairs (``pairs`` True): ``input_ids_1``, ``mask_1``, ``input_ids_2``,
+  ``mask_2`` (L,) each, ``label`` () long;
+- causal language modelling (``num_classes`` None): ``input_ids`` (L,),
+  ``targets`` (L,) long (the next token at every position), ``loss_mask`` (L,)
+  bool (the positions scored), ``mask`` (L,) bool.
+
+``collate`` stacks items into a batch: every tensor gains a leading batch dim B.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+SPLITS = ("train", "val", "test")
+
+
+class SequenceTask(Dataset):
+    """Base class of all tasks; subclasses set the attributes and implement the item access."""
+
+    name: str = ""
+    vocab_size: int
+    num_classes: int | None
+    max_length: int
+    pad_id: int
+    pairs: bool = False
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    @staticmethod
+    def collate(items: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Stack a list of items: each ``(L,)`` tensor becomes ``(B, L)``, each label ``(B,)``."""
+        if not items:
+            raise ValueError("collate needs at least one item")
+        return {key: torch.stack([item[key] for item in items]) for key in items[0]}
+
+    def info(self) -> dict[str, object]:
+        """The interface attributes as a plain dict (for logs and run records)."""
+        return {
+            "task": self.name,
+            "vocab_size": self.vocab_size,
+            "num_classes": self.num_classes,
+            "max_length": self.max_length,
+            "pad_id": self.pad_id,
+            "pairs": self.pairs,
+            "size": len(self),
+        }
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in self.info().items() if k != "task")
+        return f"{type(self).__name__}({fields})"
+
+
+def check_split(split: str) -> str:
+    """``split`` if it is one of train/val/test, else a ValueError."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+    return split
+
+
+def check_positive(name: str, value: int, minimum: int = 1) -> int:
+    """``value`` if it is an int ≥ ``minimum``, else a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+class PackedSequences:
+    """Variable-length token sequences stored in one flat array plus offsets.
+
+    Sequence ``i`` is ``data[offsets[i]:offsets[i + 1]]``. Far smaller than a list of
+    arrays when there are many sequences.
+    """
+
+    def __init__(self, sequences: Sequence[np.ndarray | bytes], dtype: type = np.uint8) -> None:
+        arrays = [
+            np.frombuffer(s, dtype=np.uint8) if isinstance(s, bytes) else np.asarray(s)
+            for s in sequences
+        ]
+        lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
+        self.offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=self.offsets[1:])
+        self.data = (
+            np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
+        )
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        return self.data[self.offsets[index] : self.offsets[index + 1]]
+
+    def lengths(self) -> np.ndarray:
+        """(N,) int64 length of every sequence."""
+        return np.diff(self.offsets)
+
+
+def pad_tokens(
+    ids: np.ndarray, max_length: int, pad_id: int, offset: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Truncate/pad ``ids + offset`` to ``max_length``.
+
+    Returns ``input_ids`` (L,) long and ``mask`` (L,) bool, True on real tokens.
+    """
+    n = min(len(ids), max_length)
+    input_ids = torch.full((max_length,), pad_id, dtype=torch.long)
+    input_ids[:n] = torch.from_numpy(ids[:n].astype(np.int64)) + offset
+    mask = torch.zeros(max_length, dtype=torch.bool)
+    mask[:n] = True
+    return input_ids, mask

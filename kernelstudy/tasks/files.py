@@ -1,0 +1,87 @@
+"""Finding the user's data files and reporting what is wrong with them, by file and line."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import sys
+from collections.abc import Iterator, Sequence
+from os import PathLike
+from pathlib import Path
+
+PathArg = str | PathLike[str]
+
+
+def data_error(path: PathArg, message: str, line: int | None = None) -> ValueError:
+    """A ValueError reading ``<path>, line <n>: <message>``."""
+    where = f"{path}, line {line}" if line is not None else f"{path}"
+    return ValueError(f"{where}: {message}")
+
+
+def require_dir(path: PathArg, what: str = "data directory") -> Path:
+    """``path`` as a Path if it is a directory, else FileNotFoundError."""
+    p = Path(path)
+    if not p.is_dir():
+        raise FileNotFoundError(f"{what} not found: {p}")
+    return p
+
+
+def locate(root: PathArg, candidates: Sequence[str], what: str) -> Path:
+    """The first of ``root/c`` (c in ``candidates``) that exists, else FileNotFoundError."""
+    base = Path(root)
+    if not base.exists():
+        raise FileNotFoundError(f"{what}: {base} does not exist")
+    for candidate in candidates:
+        p = base / candidate
+        if p.exists():
+            return p
+    tried = ", ".join(str(base / c) for c in candidates)
+    raise FileNotFoundError(f"{what} not found; looked for {tried}")
+
+
+def parse_label(
+    text: str, path: PathArg, line: int, num_classes: int, allow_float: bool = False
+) -> int:
+    """The class index written as ``text`` (``"1"``; ``"1.0"`` if ``allow_float``), in range."""
+    value: int | None = None
+    token = text.strip()
+    try:
+        value = int(token)
+    except ValueError:
+        if allow_float:
+            try:
+                number = float(token)
+            except ValueError:
+                number = float("nan")
+            if number.is_integer():
+                value = int(number)
+    if value is None or not 0 <= value < num_classes:
+        raise data_error(path, f"bad label {text!r} (expected an int in [0, {num_classes}))", line)
+    return value
+
+
+@contextlib.contextmanager
+def _large_csv_fields() -> Iterator[None]:
+    old = csv.field_size_limit()
+    csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
+    try:
+        yield
+    finally:
+        csv.field_size_limit(old)
+
+
+def read_table(path: PathArg, delimiter: str) -> Iterator[tuple[int, list[str]]]:
+    """Rows of a CSV/TSV file (csv-module quoting) as ``(line number, fields)``.
+
+    The line number is that of the row's first line. Blank rows are skipped.
+    """
+    with open(path, encoding="utf-8", newline="") as f, _large_csv_fields():
+        reader = csv.reader(f, delimiter=delimiter)
+        start = 1
+        try:
+            for row in reader:
+                if row:
+                    yield start, row
+                start = reader.line_num + 1
+        except (csv.Error, UnicodeDecodeError) as err:
+            raise data_error(path, f"unreadable row ({err})", start) from err

@@ -1,0 +1,139 @@
+"""LRA Pathfinder: are the two dots joined by a path? From the pathfinder32 images and metadata.
+
+Layout (one directory per difficulty, ``curv_baseline`` the easy one LRA uses by
+default, ``curv_contour_length_9`` and ``curv_contour_length_14`` harder)::
+
+    pathfinder32/curv_baseline/metadata/0.npy, 1.npy, ...   # text, despite the name
+    pathfinder32/curv_baseline/imgs/0/sample_0.png, ...
+
+Each metadata line is space-separated: image subdirectory (``imgs/0``), file name
+(``sample_0.png``), an index, the label (0/1), then generation parameters. Images
+are 8-bit PNGs (gray; RGB is converted to gray), flattened row-major into
+``resolution²`` pixel tokens 0–255. Splits are a seeded 80/10/10 partition of
+all samples (LRA takes 80/10/10 too).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .base import SequenceTask, check_positive, check_split
+from .files import PathArg, data_error, parse_label
+from .image import PIXEL_PAD_ID, PIXEL_VOCAB_SIZE, rgb_to_gray
+from .png import read_png
+
+DIFFICULTIES = ("curv_baseline", "curv_contour_length_9", "curv_contour_length_14")
+SPLIT_FRACTIONS = {"train": (0.0, 0.8), "val": (0.8, 0.9), "test": (0.9, 1.0)}
+
+
+def find_pathfinder_root(path: PathArg, difficulty: str) -> Path:
+    """The directory holding ``metadata/``: ``path`` itself, ``path/<difficulty>`` or
+    ``path/pathfinder32/<difficulty>``."""
+    base = Path(path)
+    candidates = [base, base / difficulty, base / "pathfinder32" / difficulty]
+    for candidate in candidates:
+        if (candidate / "metadata").is_dir():
+            return candidate
+    tried = ", ".join(str(c / "metadata") for c in candidates)
+    raise FileNotFoundError(f"Pathfinder metadata directory not found; looked for {tried}")
+
+
+def _metadata_order(path: Path) -> tuple[int, str]:
+    return (int(path.stem), "") if path.stem.isdigit() else (1 << 62, path.name)
+
+
+def read_metadata(root: Path) -> tuple[list[Path], np.ndarray, list[str]]:
+    """Image paths, labels and ``"<metadata file>, line <n>"`` origins of every sample."""
+    files = sorted((root / "metadata").glob("*.npy"), key=_metadata_order)
+    if not files:
+        raise FileNotFoundError(f"no *.npy metadata files in {root / 'metadata'}")
+    images: list[Path] = []
+    labels: list[int] = []
+    origins: list[str] = []
+    for meta in files:
+        with open(meta, encoding="utf-8") as f:
+            for line_no, line in enumerate(f, start=1):
+                fields = line.split()
+                if not fields:
+                    continue
+                if len(fields) < 4:
+                    raise data_error(
+                        meta,
+                        f"expected at least 4 space-separated fields (dir, file, index, label), "
+                        f"got {len(fields)}",
+                        line_no,
+                    )
+                image = root / fields[0] / fields[1]
+                if not image.is_file():
+                    raise data_error(meta, f"image {image} does not exist", line_no)
+                labels.append(parse_label(fields[3], meta, line_no, 2))
+                images.append(image)
+                origins.append(f"{meta}, line {line_no}")
+    if not images:
+        raise data_error(files[0], "no samples in the metadata files")
+    return images, np.asarray(labels, dtype=np.int64), origins
+
+
+class PathfinderTask(SequenceTask):
+    """Pathfinder, 2 classes: ``input_ids`` (resolution²,) pixels 0–255, ``mask``, ``label``.
+
+    ``path`` is the ``pathfinder32`` directory (or its parent, or a difficulty
+    directory). Images are decoded when an item is read; a malformed one raises a
+    ValueError naming the image and its metadata line.
+    """
+
+    name = "pathfinder"
+    vocab_size = PIXEL_VOCAB_SIZE
+    num_classes = 2
+    pad_id = PIXEL_PAD_ID
+    pairs = False
+
+    def __init__(
+        self,
+        path: PathArg,
+        split: str = "train",
+        difficulty: str = "curv_baseline",
+        resolution: int = 32,
+        split_seed: int = 0,
+    ) -> None:
+        check_split(split)
+        if difficulty not in DIFFICULTIES:
+            raise ValueError(f"difficulty must be one of {DIFFICULTIES}, got {difficulty!r}")
+        self.resolution = check_positive("resolution", resolution)
+        self.max_length = resolution * resolution
+        self.root = find_pathfinder_root(path, difficulty)
+        images, labels, origins = read_metadata(self.root)
+        order = np.random.default_rng(split_seed).permutation(len(images))
+        lo, hi = SPLIT_FRACTIONS[split]
+        chosen = order[int(round(lo * len(order))) : int(round(hi * len(order)))]
+        self.images = [images[i] for i in chosen]
+        self.origins = [origins[i] for i in chosen]
+        self.labels = labels[chosen]
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def pixels(self, index: int) -> np.ndarray:
+        """(resolution, resolution) uint8 gray image of sample ``index``."""
+        try:
+            image = read_png(self.images[index])
+        except ValueError as err:
+            raise ValueError(f"{err} (listed in {self.origins[index]})") from None
+        gray = rgb_to_gray(image[..., :3]) if image.shape[-1] >= 3 else image[..., 0]
+        if gray.shape != (self.resolution, self.resolution):
+            raise data_error(
+                self.images[index],
+                f"image is {gray.shape[1]}x{gray.shape[0]}, expected "
+                f"{self.resolution}x{self.resolution} (listed in {self.origins[index]})",
+            )
+        return gray
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {
+            "input_ids": torch.from_numpy(self.pixels(index).reshape(-1).astype(np.int64)),
+            "mask": torch.ones(self.max_length, dtype=torch.bool),
+            "label": torch.tensor(self.labels[index]),
+        }

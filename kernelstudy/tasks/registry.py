@@ -1,0 +1,86 @@
+"""Tasks by name: ``load_task("listops", "data/listops", "train", max_length=2000)``."""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from typing import Any
+
+from .base import SequenceTask, check_split
+from .files import PathArg
+from .image import ImageTask
+from .listops import ListOpsTask
+from .pathfinder import PathfinderTask
+from .retrieval import RetrievalTask
+from .synthetic import CopyTask, MQARTask
+from .text import TextTask
+
+TASKS: dict[str, type[SequenceTask]] = {
+    "listops": ListOpsTask,
+    "text": TextTask,
+    "retrieval": RetrievalTask,
+    "image": ImageTask,
+    "pathfinder": PathfinderTask,
+    "copy": CopyTask,
+    "mqar": MQARTask,
+}
+#: Tasks generated in memory; the others read a user's files.
+SYNTHETIC_TASKS = ("copy", "mqar")
+
+
+def list_tasks() -> list[str]:
+    """Names accepted by ``load_task``."""
+    return list(TASKS)
+
+
+def task_class(name: str) -> type[SequenceTask]:
+    """The class of task ``name``; ValueError (with suggestions) for an unknown name."""
+    if name not in TASKS:
+        close = difflib.get_close_matches(str(name), TASKS, n=2, cutoff=0.5)
+        hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+        raise ValueError(f"unknown task {name!r}{hint} (known: {', '.join(TASKS)})")
+    return TASKS[name]
+
+
+def task_options(name: str) -> dict[str, Any]:
+    """The keyword options of task ``name`` and their defaults (path and split excluded)."""
+    params = inspect.signature(task_class(name).__init__).parameters
+    return {
+        key: p.default
+        for key, p in params.items()
+        if key not in ("self", "path", "split")
+        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    }
+
+
+def needs_path(name: str) -> bool:
+    """Whether task ``name`` reads files (every task but the synthetic ones)."""
+    task_class(name)
+    return name not in SYNTHETIC_TASKS
+
+
+def load_task(
+    name: str, path: PathArg | None = None, split: str = "train", **options: Any
+) -> SequenceTask:
+    """Build task ``name`` for ``split`` (train/val/test) from ``path`` with ``options``.
+
+    File tasks need ``path``; synthetic ones take none. Unknown names, options or
+    splits raise ValueError before any file is read; a missing path raises
+    FileNotFoundError.
+    """
+    cls = task_class(name)
+    check_split(split)
+    allowed = task_options(name)
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ValueError(
+            f"unknown option(s) {', '.join(unknown)} for task {name!r} "
+            f"(accepted: {', '.join(allowed)})"
+        )
+    if not needs_path(name):
+        if path is not None:
+            raise ValueError(f"task {name!r} is synthetic and reads no data path (got {path!r})")
+        return cls(split=split, **options)
+    if path is None:
+        raise ValueError(f"task {name!r} needs a data path")
+    return cls(path, split=split, **options)

@@ -1,0 +1,121 @@
+"""LRA Text: byte-level IMDB sentiment from the ``aclImdb`` directory or a text,label table.
+
+Bytes are tokens: byte ``b`` is id ``b + 1`` and 0 pads (vocabulary 257), as
+LRA's byte encoder does. Reviews are truncated to ``max_length`` (4000 in LRA).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .base import PackedSequences, SequenceTask, check_positive, check_split, pad_tokens
+from .files import PathArg, data_error, parse_label, read_table, require_dir
+
+BYTE_VOCAB_SIZE = 257
+BYTE_PAD_ID = 0
+
+_TEXT_COLUMNS = ("text", "source")
+_LABEL_COLUMNS = ("label", "target")
+
+
+def read_imdb_dir(root: Path, split: str, max_length: int) -> tuple[list[bytes], list[int]]:
+    """Reviews of ``root/<split>/{neg,pos}/*.txt`` (label 0 = neg, 1 = pos), sorted by name."""
+    texts: list[bytes] = []
+    labels: list[int] = []
+    for label, polarity in enumerate(("neg", "pos")):
+        folder = require_dir(root / split / polarity, "IMDB review directory")
+        files = sorted(folder.glob("*.txt"))
+        if not files:
+            raise FileNotFoundError(f"no *.txt reviews in {folder}")
+        for file in files:
+            texts.append(file.read_bytes()[:max_length])
+            labels.append(label)
+    return texts, labels
+
+
+def read_text_table(
+    path: PathArg, max_length: int, num_classes: int
+) -> tuple[list[bytes], list[int]]:
+    """Texts and labels of a CSV (``,``) or TSV (tab) file with a header naming
+    a ``text`` (or ``Source``) column and a ``label`` (or ``Target``) column."""
+    delimiter = "\t" if str(path).lower().endswith(".tsv") else ","
+    rows = read_table(path, delimiter)
+    first = next(rows, None)
+    if first is None:
+        raise data_error(path, "empty file (expected a header with text and label columns)", 1)
+    _, header = first
+    names = [h.strip().lower() for h in header]
+    text_col = next((names.index(c) for c in _TEXT_COLUMNS if c in names), None)
+    label_col = next((names.index(c) for c in _LABEL_COLUMNS if c in names), None)
+    if text_col is None or label_col is None:
+        raise data_error(path, f"expected a header with text and label columns, got {header}", 1)
+    texts: list[bytes] = []
+    labels: list[int] = []
+    for line, row in rows:
+        if len(row) != len(header):
+            raise data_error(path, f"expected {len(header)} columns, got {len(row)}", line)
+        labels.append(parse_label(row[label_col], path, line, num_classes))
+        texts.append(row[text_col].encode("utf-8")[:max_length])
+    if not texts:
+        raise data_error(path, "no rows after the header", 2)
+    return texts, labels
+
+
+def find_text_source(path: PathArg, split: str) -> tuple[str, Path]:
+    """Where a split lives: ``("imdb", aclImdb root)`` or ``("table", file)``.
+
+    ``path`` may be a CSV/TSV file (used for any split), the ``aclImdb`` directory
+    or its parent, or a directory of ``{split}.tsv``/``{split}.csv`` files. IMDB has
+    no validation split: as in LRA, ``val`` reads the test data.
+    """
+    p = Path(path)
+    if p.is_file():
+        return "table", p
+    require_dir(p, "text data directory")
+    root = p / "aclImdb" if (p / "aclImdb").is_dir() else p
+    imdb_split = "test" if split == "val" else split
+    if (root / "train").is_dir() or (root / "test").is_dir():
+        return "imdb", require_dir(root / imdb_split, "IMDB split directory").parent
+    names = [split] if split != "val" else ["val", "test"]
+    for name in names:
+        for ext in (".tsv", ".csv"):
+            if (p / f"{name}{ext}").is_file():
+                return "table", p / f"{name}{ext}"
+    raise FileNotFoundError(
+        f"no text data for split {split!r} in {p}: expected aclImdb/{imdb_split}/{{pos,neg}} "
+        f"or {split}.tsv / {split}.csv"
+    )
+
+
+class TextTask(SequenceTask):
+    """Byte-level text classification (LRA Text): ``input_ids`` (L,), ``mask`` (L,), ``label``."""
+
+    name = "text"
+    vocab_size = BYTE_VOCAB_SIZE
+    pad_id = BYTE_PAD_ID
+    pairs = False
+
+    def __init__(
+        self, path: PathArg, split: str = "train", max_length: int = 4000, num_classes: int = 2
+    ) -> None:
+        check_split(split)
+        self.max_length = check_positive("max_length", max_length)
+        self.num_classes = check_positive("num_classes", num_classes, minimum=2)
+        kind, self.source = find_text_source(path, split)
+        if kind == "imdb":
+            split_dir = "test" if split == "val" else split
+            texts, labels = read_imdb_dir(self.source, split_dir, self.max_length)
+        else:
+            texts, labels = read_text_table(self.source, self.max_length, self.num_classes)
+        self.sequences = PackedSequences(texts)
+        self.labels = np.asarray(labels, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        input_ids, mask = pad_tokens(self.sequences[index], self.max_length, self.pad_id, 1)
+        return {"input_ids": input_ids, "mask": mask, "label": torch.tensor(self.labels[index])}

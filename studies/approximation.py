@@ -1,0 +1,241 @@
+"""Softmax approximation error: MSE vs number of random features (iid vs orthogonal), and every
+registered feature map at a matched feature dimension, against the uniform-attention baseline."""
+
+from __future__ import annotations
+
+import pandas as pd
+import torch
+
+import kernelstudy as ks
+from kernelstudy.study import main, markdown_table
+
+PERFORMER_METRICS = ("kernel_mse", "attention_mse")
+
+
+def configs(params: dict) -> list[dict]:
+    """Part "performer": one config per (map, D, std, R, orthogonal), seeds inside.
+    Part "maps": one config per (registered map, std, seed)."""
+    out = []
+    for name in params["performer_maps"]:
+        if name not in ks.list_feature_maps():
+            continue
+        for d in params["head_dims"]:
+            for std in params["stds"]:
+                for r in params["num_features"]:
+                    for orthogonal in (False, True):
+                        out.append(
+                            {
+                                "part": "performer",
+                                "map": name,
+                                "head_dim": d,
+                                "std": std,
+                                "num_features": r,
+                                "orthogonal": orthogonal,
+                                "seeds": params["seeds"],
+                                "n": params["seq_len"],
+                            }
+                        )
+    for name in ks.list_feature_maps():
+        if name in params["exclude_maps"]:
+            continue
+        for std in params["map_stds"]:
+            for seed in range(params["map_seeds"]):
+                out.append(
+                    {
+                        "part": "maps",
+                        "map": name,
+                        "head_dim": params["head_dims"][0],
+                        "std": std,
+                        "target_feature_dim": params["map_feature_dim"],
+                        "seed": seed,
+                        "n": params["seq_len"],
+                        "value_dim": params["value_dim"],
+                        "fit_steps": params["fit_steps"],
+                        "fit_lr": params["fit_lr"],
+                    }
+                )
+    return out
+
+
+def _data(config: dict, seed: int, device: str, stream: int):
+    """Queries/keys (and values) of one seed; data seeds never coincide with feature seeds."""
+    n, d = config["n"], config["head_dim"]
+    q, k = ks.analysis.gaussian_qk(n, d, config["std"], seed=10_000 * stream + seed, device=device)
+    gen = torch.Generator().manual_seed(10_000 * stream + seed)
+    v = torch.randn(1, 1, n, config.get("value_dim", d), generator=gen).to(device)
+    return q, k, v
+
+
+def run_config(config: dict, device: str) -> pd.DataFrame:
+    if config["part"] == "performer":
+        return _run_performer(config, device)
+    return _run_map(config, device)
+
+
+def _run_performer(config: dict, device: str) -> pd.DataFrame:
+    frames = []
+    for seed in range(config["seeds"]):
+        q, k, _ = _data(config, seed, device, stream=1)
+        fm = ks.analysis.random_feature_map(
+            config["map"],
+            config["head_dim"],
+            config["num_features"],
+            orthogonal=config["orthogonal"],
+            seed=seed,
+        ).to(device)
+        frame = ks.analysis.approximation_error(fm, q, k)
+        frames.append(frame.assign(seed=seed))
+    return pd.concat(frames, ignore_index=True)
+
+
+def _run_map(config: dict, device: str) -> pd.DataFrame:
+    seed = config["seed"]
+    fm = ks.analysis.matched_feature_map(
+        config["map"], config["head_dim"], config["target_feature_dim"], seed=seed
+    ).to(device)
+    kind = ks.analysis.map_kind(fm)
+    q, k, v = _data(config, seed, device, stream=2)  # held-out evaluation data
+    frames = []
+    if kind == "learned":
+        frames.append(ks.analysis.approximation_error(fm, q, k, v).assign(stage="init"))
+        q_fit, k_fit, _ = _data(config, seed, device, stream=3)
+        torch.manual_seed(seed)
+        ks.analysis.fit_to_softmax(
+            fm, q_fit, k_fit, steps=config["fit_steps"], lr=config["fit_lr"], eval_every=10**9
+        )
+        frames.append(ks.analysis.approximation_error(fm, q, k, v).assign(stage="fitted"))
+    else:
+        frames.append(ks.analysis.approximation_error(fm, q, k, v).assign(stage=kind))
+    return pd.concat(frames, ignore_index=True).assign(kind_of_map=kind)
+
+
+# --- summary and figures ------------------------------------------------------------------------
+
+
+def _mean_sd(values: pd.Series) -> str:
+    return (
+        f"{values.mean():.3g} ± {values.std(ddof=1):.2g}"
+        if len(values) > 1
+        else f"{values.mean():.3g}"
+    )
+
+
+def performer_table(frame: pd.DataFrame, metric: str = "attention_mse") -> pd.DataFrame:
+    """Per (map, D, std, R): iid and orthogonal mean ± sd over seeds, their ratio, uniform."""
+    perf = frame[(frame["part"] == "performer") & (frame["metric"] == metric)]
+    rows = []
+    keys = ["map", "head_dim", "std", "num_features"]
+    for key, group in perf.groupby(keys):
+        maps = group[group["method"] != "uniform"]
+        uniform = group[group["method"] == "uniform"]["value"].mean()
+        orthogonal = maps["orthogonal"].astype(str) == "True"
+        iid, orth = maps[~orthogonal]["value"], maps[orthogonal]["value"]
+        row = dict(zip(keys, key, strict=True))
+        row.update(
+            {
+                "iid": _mean_sd(iid),
+                "orthogonal": _mean_sd(orth),
+                "orth/iid": orth.mean() / iid.mean(),
+                "uniform": uniform,
+                "iid_mean": iid.mean(),
+                "orth_mean": orth.mean(),
+            }
+        )
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def smallest_r_beating_uniform(table: pd.DataFrame) -> pd.DataFrame:
+    """Per (map, D, std) and feature kind: the smallest R whose mean MSE is below uniform's."""
+    rows = []
+    for (name, d, std), group in table.groupby(["map", "head_dim", "std"]):
+        group = group.sort_values("num_features")
+        row = {"map": name, "D": d, "std": std, "uniform MSE": group["uniform"].iloc[0]}
+        for label, col in (("iid", "iid_mean"), ("orthogonal", "orth_mean")):
+            beats = group[group[col] < group["uniform"]]["num_features"]
+            row[f"smallest R, {label}"] = (
+                int(beats.min()) if len(beats) else f"> {group.num_features.max()}"
+            )
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def maps_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """Every map at matched F: mean over seeds of each attention metric, with the uniform row."""
+    maps = frame[frame["part"] == "maps"].copy()
+    if maps.empty:
+        return pd.DataFrame()
+    maps["stage"] = maps["stage"].where(maps["method"] != "uniform", "baseline")
+    maps["F"] = maps["feature_dim"].map(lambda f: "–" if pd.isna(f) else str(int(f)))
+    metrics = ["attention_mse", "attention_kl", "output_rel_error"]
+    table = (
+        maps[maps["metric"].isin(metrics)]
+        .groupby(["std", "method", "stage", "F", "metric"])["value"]
+        .mean()
+        .unstack("metric")
+        .reset_index()
+    )
+    uniform = table[table["method"] == "uniform"].set_index("std")["attention_kl"]
+    table["beats uniform (KL)"] = [
+        "–" if m == "uniform" else ("yes" if kl < uniform[s] else "no")
+        for s, m, kl in zip(table["std"], table["method"], table["attention_kl"], strict=True)
+    ]
+    order = {"baseline": 0, "fixed": 1, "random": 2, "init": 3, "fitted": 4}
+    table["_order"] = table["stage"].map(order)
+    table = table.sort_values(["std", "_order", "attention_kl"]).drop(columns="_order")
+    return table[["std", "method", "stage", "F", *metrics, "beats uniform (KL)"]]
+
+
+def summarize(frame: pd.DataFrame, params: dict) -> str:
+    parts = []
+    table = performer_table(frame)
+    if not table.empty:
+        show = table[["map", "head_dim", "std", "num_features", "iid", "orthogonal", "orth/iid"]]
+        show = show.rename(columns={"head_dim": "D", "num_features": "R"})
+        parts.append(
+            "## Attention-matrix MSE vs number of random features R (mean ± sd over "
+            f"{params['seeds']} seeds, N={params['seq_len']})\n\n" + markdown_table(show)
+        )
+        ktable = performer_table(frame, "kernel_mse")
+        if not ktable.empty:
+            show = ktable[
+                ["map", "head_dim", "std", "num_features", "iid", "orthogonal", "orth/iid"]
+            ]
+            show = show.rename(columns={"head_dim": "D", "num_features": "R"})
+            parts.append("## Kernel MSE, φ(q)·φ(k) vs exp(q·k/√D)\n\n" + markdown_table(show))
+        parts.append(
+            "## Uniform attention (1/N per key) baseline: smallest R that beats it\n\n"
+            + markdown_table(smallest_r_beating_uniform(table))
+        )
+    mtable = maps_table(frame)
+    if not mtable.empty:
+        parts.append(
+            f"## Every registered map at F ≈ {params['map_feature_dim']} (held-out data; "
+            f"learned maps before/after {params['fit_steps']} steps of fit_to_softmax)\n\n"
+            + markdown_table(mtable)
+        )
+    return "\n\n".join(parts)
+
+
+def figures(frame: pd.DataFrame, params: dict) -> dict:
+    figs = {}
+    perf = frame[frame["part"] == "performer"].copy()
+    if not perf.empty:
+        perf["features"] = perf["orthogonal"].map(
+            lambda o: "orthogonal" if str(o) == "True" else "iid"
+        )
+        perf["setting"] = perf.apply(lambda r: f"{r['map']} D={r.head_dim} std={r['std']}", axis=1)
+        for metric in PERFORMER_METRICS:
+            figs[f"performer_{metric}"] = ks.analysis.plots.plot_approximation(
+                perf, metric=metric, x="num_features", hue="features", col="setting"
+            )
+    maps = frame[frame["part"] == "maps"]
+    if not maps.empty:
+        figs["maps_attention_kl"] = ks.analysis.plots.plot_map_comparison(
+            maps, metric="attention_kl", col="std"
+        )
+    return figs
+
+
+if __name__ == "__main__":
+    raise SystemExit(main("approximation"))

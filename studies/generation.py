@@ -1,0 +1,134 @@
+"""Autoregressive generation throughput and memory: linear attention in RNN mode vs softmax
+without a KV cache (the paper's baseline) vs softmax with a KV cache (the fair baseline)."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import torch
+from torch import nn
+
+import kernelstudy as ks
+from kernelstudy.study import main, markdown_table
+
+RUNS = {
+    "linear, RNN state": ("kernel", "step"),
+    "softmax, no cache": ("softmax", "full"),
+    "softmax, KV cache": ("softmax", "step"),
+}
+
+
+class CausalLM(nn.Module):
+    """Token embedding + sinusoidal positions + causal TransformerEncoder + tied output head.
+
+    ``forward(ids (B,N)) -> logits (B,N,V)``; ``step(ids_t (B,), state) -> (logits (B,V), state)``.
+    """
+
+    def __init__(self, attention: str, params: dict) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(params["vocab_size"], params["d_model"])
+        self.encoder = ks.nn.TransformerEncoder(
+            params["n_layers"],
+            params["d_model"],
+            params["n_heads"],
+            attention=attention,
+            feature_map=params["feature_map"],
+            causal=True,
+            dropout=0.0,
+        )
+
+    def _positions(self, start: int, n: int, device) -> torch.Tensor:
+        d = self.embed.embedding_dim
+        pos = torch.arange(start, start + n, device=device, dtype=torch.float32)[:, None]
+        freq = torch.exp(torch.arange(0, d, 2, device=device) * (-math.log(10_000.0) / d))
+        pe = torch.zeros(n, d, device=device)
+        pe[:, 0::2], pe[:, 1::2] = torch.sin(pos * freq), torch.cos(pos * freq)
+        return pe
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids) + self._positions(0, ids.shape[1], ids.device)
+        return self.encoder(x) @ self.embed.weight.T
+
+    def step(self, ids_t: torch.Tensor, state=None):
+        t, layers = state if state is not None else (0, None)
+        x = self.embed(ids_t) + self._positions(t, 1, ids_t.device)
+        y, layers = self.encoder.step(x, layers)
+        return y @ self.embed.weight.T, (t + 1, layers)
+
+
+def configs(params: dict) -> list[dict]:
+    """One config per way of generating; all lengths inside (longer ones skipped once slow)."""
+    keys = ("n_layers", "d_model", "n_heads", "vocab_size", "feature_map", "batch", "prompt_len")
+    return [
+        {
+            "run": label,
+            **{k: params[k] for k in keys},
+            "lengths": params["lengths"],
+            "repeats": params["repeats"],
+            "time_limit_s": params["time_limit_s"],
+        }
+        for label in RUNS
+    ]
+
+
+def run_config(config: dict, device: str) -> pd.DataFrame:
+    attention, mode = RUNS[config["run"]]
+    torch.manual_seed(0)
+    model = CausalLM(attention, config).eval()
+    frame = ks.analysis.benchmark_generation(
+        {config["run"]: (model, mode)},
+        config["lengths"],
+        batch=config["batch"],
+        prompt_len=config["prompt_len"],
+        device=device,
+        repeats=config["repeats"],
+        time_limit_s=config["time_limit_s"],
+        vocab_size=config["vocab_size"],
+    )
+    return frame.drop(columns=["label"])  # the config's "run" column names it
+
+
+def summary_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per length: tokens/s of each run, both speed-ups of RNN mode, state sizes."""
+    tps = frame[frame["metric"] == "tokens_per_s"].pivot_table(
+        index="length", columns="run", values="value", aggfunc="mean"
+    )
+    state = frame[frame["metric"] == "state_mb"].pivot_table(
+        index="length", columns="run", values="value", aggfunc="mean"
+    )
+    table = pd.DataFrame(index=tps.index)
+    for label in RUNS:
+        table[f"{label} (tok/s)"] = tps.get(label)
+    rnn = tps.get("linear, RNN state")
+    table["speed-up vs no cache"] = rnn / tps.get("softmax, no cache")
+    table["speed-up vs KV cache"] = rnn / tps.get("softmax, KV cache")
+    table["RNN state (MB)"] = state.get("linear, RNN state")
+    table["KV cache (MB)"] = state.get("softmax, KV cache")
+    return table.reset_index()
+
+
+def summarize(frame: pd.DataFrame, params: dict) -> str:
+    return (
+        f"Model: {params['n_layers']} layers, d_model={params['d_model']}, {params['n_heads']} "
+        f"heads, vocab {params['vocab_size']}, map {params['feature_map']}; batch "
+        f"{params['batch']}, greedy decoding, throughput = batch·length/time. '–' = skipped "
+        "(a shorter length already took longer than time_limit_s).\n\n"
+        + markdown_table(summary_table(frame))
+    )
+
+
+def figures(frame: pd.DataFrame, params: dict) -> dict:
+    rows = frame.dropna(subset=["value"])
+    figs = {}
+    for metric in ("tokens_per_s", "state_mb"):
+        sub = rows[rows["metric"] == metric]
+        if not sub.empty:
+            figs[f"generation_{metric}"] = ks.analysis.plots.line_plot(
+                sub, "length", hue="run", errorbar=None, ylabel=metric
+            )
+    return figs
+
+
+if __name__ == "__main__":
+    raise SystemExit(main("generation"))

@@ -1,0 +1,127 @@
+"""Speed and memory of one attention layer vs sequence length: softmax (SDPA and explicit N×N)
+against linear attention on every core backend, forward and forward+backward, with the
+machine's measured matmul rate; the "Transformers are RNNs" artificial benchmark and the
+Performer poster's setting (one head, R=100 FAVOR+ features, d=50)."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+import kernelstudy as ks
+from kernelstudy.study import main, markdown_table
+
+SETTINGS = ("rnn_benchmark", "performer")
+
+
+def configs(params: dict) -> list[dict]:
+    """One config per (setting, method, causal, pass); all N inside (longer N skipped once slow)."""
+    out = []
+    for setting in SETTINGS:
+        s = params[setting]
+        if s["feature_map"] not in ks.list_feature_maps():
+            continue
+        for method in s["methods"]:
+            for causal in s["causal"]:
+                for pass_ in s["passes"]:
+                    out.append(
+                        {
+                            "setting": setting,
+                            "method": method,
+                            "causal": causal,
+                            "pass": pass_,
+                            "batch": s["batch"],
+                            "heads": s["heads"],
+                            "head_dim": s["head_dim"],
+                            "feature_map": s["feature_map"],
+                            "num_features": s.get("num_features", 0),
+                            "seq_lens": params["seq_lens"],
+                            "seq_lens_cuda": params["seq_lens_cuda"],
+                            "repeats": params["repeats"],
+                            "warmup": params["warmup"],
+                            "time_limit_s": params["time_limit_s"],
+                            "max_quadratic_gb": params["max_quadratic_gb"],
+                        }
+                    )
+    return out
+
+
+def run_config(config: dict, device: str) -> pd.DataFrame:
+    fm = config["feature_map"]
+    if config["num_features"]:
+        fm = ks.analysis.matched_feature_map(fm, config["head_dim"], config["num_features"])
+    return ks.analysis.benchmark_attention(
+        config["seq_lens_cuda"] if device == "cuda" else config["seq_lens"],
+        head_dim=config["head_dim"],
+        batch=config["batch"],
+        heads=config["heads"],
+        feature_map=fm,
+        methods=[config["method"]],
+        causal=[config["causal"]],
+        passes=[config["pass"]],
+        device=device,
+        repeats=config["repeats"],
+        warmup=config["warmup"],
+        time_limit_s=config["time_limit_s"],
+        max_quadratic_gb=config["max_quadratic_gb"],
+    ).drop(columns=["method", "causal", "pass"])  # the config's columns carry these
+
+
+def _label(frame: pd.DataFrame) -> pd.Series:
+    backend = frame["backend"].fillna("").astype(str)
+    return frame["method"] + backend.map(lambda b: f" [{b}]" if b else "")
+
+
+def _table(frame: pd.DataFrame, metric: str) -> pd.DataFrame:
+    rows = frame[(frame["metric"] == metric) & (frame["n"] > 0)].copy()
+    rows["label"] = _label(rows)
+    rows["causal"] = rows["causal"].map(lambda c: "causal" if str(c) == "True" else "non-causal")
+    table = rows.pivot_table(
+        index=["causal", "pass", "label"],
+        columns="n",
+        values="value",
+        aggfunc="first",
+        dropna=False,
+    )
+    table.columns = [f"N={n}" for n in table.columns]
+    return table.reset_index()
+
+
+def summarize(frame: pd.DataFrame, params: dict) -> str:
+    parts = []
+    for setting in SETTINGS:
+        sub = frame[frame["setting"] == setting]
+        if sub.empty:
+            continue
+        s = params[setting]
+        rate = sub[sub["metric"] == "gflops"]["value"]
+        head = (
+            f"## {setting}: B={s['batch']}, H={s['heads']}, D={s['head_dim']}, "
+            f"map={s['feature_map']}"
+            + (f" (R={s['num_features']})" if s.get("num_features") else "")
+            + f"; matmul rate measured in this run: {rate.median():.0f} GFLOP/s"
+        )
+        parts.append(
+            head
+            + "\n\nMedian time (ms); '–' = skipped (too slow or too much memory)\n\n"
+            + markdown_table(_table(sub, "time_ms"))
+        )
+        parts.append(
+            "Peak memory above the inputs (MB)\n\n" + markdown_table(_table(sub, "peak_memory_mb"))
+        )
+    return "\n\n".join(parts)
+
+
+def figures(frame: pd.DataFrame, params: dict) -> dict:
+    figs = {}
+    for setting in SETTINGS:
+        sub = frame[(frame["setting"] == setting) & (frame["n"] > 0)]
+        if sub.empty:
+            continue
+        sub = sub.assign(label=_label(sub))
+        for metric, stem in (("time_ms", "time"), ("peak_memory_mb", "memory")):
+            figs[f"{setting}_{stem}"] = ks.analysis.plots.plot_speed(sub, metric=metric)
+    return figs
+
+
+if __name__ == "__main__":
+    raise SystemExit(main("speed"))

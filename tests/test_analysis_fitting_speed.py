@@ -1,0 +1,177 @@
+"""fit_to_softmax, benchmark_attention, generation and plots."""
+
+from __future__ import annotations
+
+import math
+
+import matplotlib
+import pandas as pd
+import pytest
+import torch
+from matplotlib.figure import Figure
+
+import kernelstudy as ks
+from kernelstudy.feature_maps import FeatureMap
+
+matplotlib.use("Agg")
+
+
+class ExpLinearMap(FeatureMap):
+    """A tiny learnable positive map φ(x) = exp(xW − ‖x‖²/2 scale) with W trainable."""
+
+    trainable = True
+
+    def __init__(self, head_dim: int, num_features: int = 16) -> None:
+        super().__init__(head_dim)
+        gen = torch.Generator().manual_seed(0)
+        self.weight = torch.nn.Parameter(torch.randn(head_dim, num_features, generator=gen))
+        self.num_features = num_features
+
+    @property
+    def feature_dim(self) -> int:
+        return self.num_features
+
+    def features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
+        x = x / self.head_dim**0.25
+        w = self.weight.to(x.dtype)
+        return torch.exp(x @ w - (x * x).sum(-1, keepdim=True) / 2) / math.sqrt(self.num_features)
+
+    def regularization(self) -> torch.Tensor:
+        return 1e-4 * self.weight.square().mean()
+
+
+def _learned_maps(head_dim: int) -> list[FeatureMap]:
+    maps: list[FeatureMap] = [ExpLinearMap(head_dim)]
+    for name in ("softplus_ffn", "hedgehog"):
+        if name in ks.list_feature_maps():
+            maps.append(ks.analysis.matched_feature_map(name, head_dim, 16, seed=0))
+    return maps
+
+
+@pytest.mark.parametrize("index", [0, 1, 2])
+def test_fit_to_softmax_lowers_held_out_loss(index):
+    maps = _learned_maps(8)
+    if index >= len(maps):
+        pytest.skip("learned map not registered yet")
+    fm = maps[index]
+    q, k = ks.analysis.gaussian_qk(48, 8, std=1.0, batch=2, seed=11)
+    q_val, k_val = ks.analysis.gaussian_qk(48, 8, std=1.0, batch=2, seed=12)
+    before = ks.analysis.distillation_loss(fm, q_val, k_val).item()
+    history = ks.analysis.fit_to_softmax(fm, q, k, steps=60, lr=3e-2, q_val=q_val, k_val=k_val)
+    after = ks.analysis.distillation_loss(fm, q_val, k_val).item()
+    assert after < before - 1e-3
+    assert set(history.metric) == {"train_loss", "regularization", "val_loss"}
+    val = history[history.metric == "val_loss"].sort_values("step")
+    assert val.value.iloc[0] == pytest.approx(before, rel=1e-5)
+    assert val.value.iloc[-1] == pytest.approx(after, rel=1e-5)
+
+
+def test_fit_to_softmax_rejects_fixed_maps_and_bad_args():
+    q, k = ks.analysis.gaussian_qk(8, 4)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        ks.analysis.fit_to_softmax(ks.create_feature_map("elu", head_dim=4), q, k)
+    with pytest.raises(ValueError, match="steps"):
+        ks.analysis.fit_to_softmax(ExpLinearMap(4), q, k, steps=-1)
+    with pytest.raises(ValueError, match="q_val and k_val"):
+        ks.analysis.fit_to_softmax(ExpLinearMap(4), q, k, q_val=q)
+
+
+def test_benchmark_attention_rows_and_skips():
+    frame = ks.analysis.benchmark_attention(
+        [16, 64], head_dim=8, repeats=2, max_quadratic_gb=1e-6, memory=True
+    )
+    assert {"matmul", "softmax_sdpa", "softmax_explicit", "linear"} <= set(frame.method)
+    assert frame[frame.metric == "gflops"].value.iloc[0] > 0
+    explicit = frame[(frame.method == "softmax_explicit")]
+    assert explicit.value.isna().all() and explicit.note.str.startswith("skipped").all()
+    sdpa = frame[(frame.method == "softmax_sdpa") & (frame.metric == "time_ms")]
+    assert len(sdpa) == 2 * 2 * 2 and (sdpa.value > 0).all()  # causal × pass × N
+    causal_backends = set(frame[(frame.method == "linear") & frame.causal].backend)
+    assert causal_backends == set(ks.backends())
+    mem = frame[frame.metric == "peak_memory_mb"]
+    assert (mem.value >= 0).all() and len(mem) > 0
+    with pytest.raises(ValueError, match="methods"):
+        ks.analysis.benchmark_attention([16], methods=["flash"])
+    with pytest.raises(ValueError, match="backends"):
+        ks.analysis.benchmark_attention([16], backends=["nope"])
+
+
+def test_peak_memory_counts_temporaries():
+    def work() -> None:
+        a = torch.ones(1024, 1024)  # 4 MiB
+        (a * 2).sum()
+
+    assert ks.analysis.peak_memory_bytes(work) >= 8 * 2**20 - 1024
+
+
+class TinyLM(torch.nn.Module):
+    """Embedding + causal TransformerEncoder + head, with a one-token step()."""
+
+    def __init__(self, attention: str, vocab: int = 11, d_model: int = 16, max_len: int = 64):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, d_model)
+        self.pos = torch.nn.Embedding(max_len, d_model)
+        self.encoder = ks.nn.TransformerEncoder(
+            2, d_model, 2, attention=attention, feature_map="elu", causal=True, dropout=0.0
+        )
+        self.head = torch.nn.Linear(d_model, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(ids.shape[1], device=ids.device)
+        return self.head(self.encoder(self.embed(ids) + self.pos(pos)))
+
+    def step(self, ids_t: torch.Tensor, state=None):
+        t = 0 if state is None else state[0]
+        layers = None if state is None else state[1]
+        x = self.embed(ids_t) + self.pos.weight[t]
+        y, layers = self.encoder.step(x, layers)
+        return self.head(y), (t + 1, layers)
+
+
+@pytest.mark.parametrize("attention", ["kernel", "softmax"])
+def test_recurrent_generation_matches_batch_greedy_decoding(attention):
+    torch.manual_seed(0)
+    model = TinyLM(attention).eval()
+    prompt = torch.randint(11, (3, 4))
+    stepped, state = ks.analysis.generate(model, prompt, 20, mode="step")
+    full, none = ks.analysis.generate(model, prompt, 20, mode="full")
+    assert none is None and stepped.shape == (3, 24)
+    assert torch.equal(stepped, full)
+    assert ks.analysis.state_bytes(state) > 0
+
+
+def test_benchmark_generation_and_speedups():
+    torch.manual_seed(0)
+    lin, soft = TinyLM("kernel").eval(), TinyLM("softmax").eval()
+    runs = {"rnn": (lin, "step"), "no_cache": (soft, "full"), "kv_cache": (soft, "step")}
+    frame = ks.analysis.benchmark_generation(runs, [8, 16], batch=2, warmup=0)
+    tps = frame[frame.metric == "tokens_per_s"]
+    assert len(tps) == 6 and (tps.value > 0).all()
+    state = frame[frame.metric == "state_mb"].set_index(["label", "length"]).value
+    assert state["rnn", 8] == state["rnn", 16] > 0  # constant-size RNN state
+    assert state["kv_cache", 16] > state["kv_cache", 8]  # the KV cache grows
+    ratio = ks.analysis.speedups(frame, "rnn", "kv_cache")
+    assert list(ratio.length) == [8, 16] and (ratio.speedup > 0).all()
+    with pytest.raises(ValueError, match="mode"):
+        ks.analysis.generate(lin, torch.zeros(1, 1, dtype=torch.long), 2, mode="cached")
+
+
+def test_plots_return_figures():
+    q, k = ks.analysis.gaussian_qk(16, 4, seed=0)
+    frames = []
+    for seed in range(2):
+        for f in (4, 8):
+            fm = ExpLinearMap(4, f)
+            fm.weight.data.normal_(generator=torch.Generator().manual_seed(seed))
+            frames.append(ks.analysis.approximation_error(fm, q, k).assign(seed=seed, F=f))
+    frame = pd.concat(frames)
+    fig = ks.analysis.plots.plot_approximation(frame, metric="attention_mse", x="F")
+    assert isinstance(fig, Figure)
+    bars = ks.analysis.plots.plot_map_comparison(frame.assign(stage="x"), metric="attention_kl")
+    assert isinstance(bars, Figure)
+    speed = ks.analysis.benchmark_attention([16, 32], head_dim=4, repeats=1, memory=False)
+    assert isinstance(ks.analysis.plots.plot_speed(speed), Figure)
+    with pytest.raises(ValueError, match="lacks columns"):
+        ks.analysis.plots.plot_approximation(frame, x="nope")
+    for f in (fig, bars):
+        ks.analysis.plots.close(f)

@@ -1,0 +1,160 @@
+"""Analysis metrics on constructed cases: exact maps, known ranks, KL, bad input."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import kernelstudy as ks
+from kernelstudy.feature_maps import FeatureMap
+
+from .conftest import rel_err
+
+
+class OneHotExactMap(FeatureMap):
+    """φ(x) = [1, √γ·x] so φ(q)·φ(k) = 1 + γ q·k. For q = a·e_i, k = b·e_j this equals
+    exp(q·k/√D) exactly when γ = (exp(ab/√D) − 1)/(ab): a map that reproduces softmax."""
+
+    def __init__(self, head_dim: int, ab: float) -> None:
+        super().__init__(head_dim)
+        self.gamma = (math.exp(ab / math.sqrt(head_dim)) - 1.0) / ab
+
+    @property
+    def feature_dim(self) -> int:
+        return self.head_dim + 1
+
+    def features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
+        ones = torch.ones(*x.shape[:-1], 1, dtype=x.dtype, device=x.device)
+        return torch.cat([ones, math.sqrt(self.gamma) * x], -1)
+
+    def kernel(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.exp(x @ y.transpose(-1, -2) / math.sqrt(self.head_dim))
+
+
+def one_hot_qk(n: int = 24, d: int = 8, a: float = 2.0, b: float = 1.5, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q = a * torch.nn.functional.one_hot(torch.randint(d, (1, 2, n), generator=gen), d).double()
+    k = b * torch.nn.functional.one_hot(torch.randint(d, (1, 2, n), generator=gen), d).double()
+    return q, k
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_exact_map_has_zero_error_and_uniform_does_not(causal):
+    q, k = one_hot_qk()
+    v = torch.randn(1, 2, 24, 5, dtype=torch.float64)
+    fm = OneHotExactMap(8, ab=3.0)
+    frame = ks.analysis.approximation_error(fm, q, k, v, causal=causal)
+    ours = frame[frame.kind == "map"].set_index("metric")["value"]
+    assert set(ours.index) == {"kernel_mse", "attention_mse", "attention_kl", "output_rel_error"}
+    assert (ours.abs() < 1e-12).all(), ours
+    uniform = frame[frame.method == "uniform"].set_index("metric")["value"]
+    assert set(uniform.index) == {"attention_mse", "attention_kl", "output_rel_error"}
+    assert (uniform > 1e-4).all()
+    assert frame.feature_dim.iloc[0] == 9
+
+
+def test_attention_metrics_without_kernel_and_with_padding():
+    q, k = ks.analysis.gaussian_qk(16, 8, std=1.0, batch=2, seed=3)
+    mask = torch.ones(2, 16, dtype=torch.bool)
+    mask[1, 10:] = False
+    frame = ks.analysis.approximation_error("elu", q, k, key_padding_mask=mask)
+    assert set(frame.metric) == {"attention_mse", "attention_kl"}
+    assert np.isfinite(frame.value).all() and (frame.value > 0).all()
+
+
+def test_row_kl_identical_rows_is_zero_and_matches_formula():
+    p = torch.softmax(torch.randn(3, 7, 11, dtype=torch.float64), -1)
+    assert ks.analysis.row_kl(p, p).abs().max() < 1e-14
+    q = torch.softmax(torch.randn(3, 7, 11, dtype=torch.float64), -1)
+    expected = (p * (p / q).log()).sum(-1)
+    assert torch.allclose(ks.analysis.row_kl(p, q), expected, atol=1e-12)
+    neg = q.clone()
+    neg[0, 0, 0] = -0.1
+    assert math.isnan(ks.analysis.row_kl(p, neg)[0, 0].item())
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_matrix_agrees_with_the_core(causal):
+    q, k = ks.analysis.gaussian_qk(13, 8, batch=2, heads=3, seed=1)
+    v = torch.randn(2, 3, 13, 4)
+    mask = torch.ones(2, 13, dtype=torch.bool)
+    mask[0, 9:] = False
+    soft = ks.analysis.attention_matrix(q, k, causal=causal, key_padding_mask=mask)
+    ref = ks.softmax_attention(q, k, v, causal=causal, key_padding_mask=mask)
+    assert rel_err(soft @ v, ref) < 1e-5
+    kern = ks.analysis.attention_matrix(q, k, "elu", causal=causal, key_padding_mask=mask)
+    ref = ks.kernel_attention(q, k, v, "elu", causal=causal, key_padding_mask=mask)
+    assert rel_err(kern @ v, ref) < 1e-5
+    uni = ks.analysis.attention_matrix(q, k, "uniform", causal=causal, key_padding_mask=mask)
+    assert torch.allclose(uni.sum(-1), torch.ones(()))
+    assert (uni[0, :, :, 9:] == 0).all()
+
+
+def test_rank_of_known_matrices():
+    gen = torch.Generator().manual_seed(0)
+    low = torch.randn(50, 5, generator=gen, dtype=torch.float64)
+    low = low @ torch.randn(5, 50, generator=gen, dtype=torch.float64)
+    r = ks.analysis.attention_rank(low)
+    assert r["numerical_rank"] == 5 and r["n"] == 50
+    assert len(r["singular_values"]) == 50 and r["tol"] > 0
+    eye = ks.analysis.attention_rank(torch.eye(20))
+    assert eye["numerical_rank"] == 20
+    assert eye["effective_rank"] == pytest.approx(20.0)
+    assert eye["stable_rank"] == pytest.approx(20.0)
+    one = ks.analysis.attention_rank(np.outer(np.arange(1.0, 9.0), np.ones(8)))
+    assert one["numerical_rank"] == 1
+    assert one["effective_rank"] == pytest.approx(1.0)
+    assert one["stable_rank"] == pytest.approx(1.0)
+    assert ks.analysis.attention_rank(torch.eye(4), tol=2.0)["numerical_rank"] == 0
+
+
+@pytest.mark.parametrize("head_dim", [4, 8, 16])
+def test_kernel_attention_rank_is_at_most_feature_dim(head_dim):
+    q, k = ks.analysis.gaussian_qk(96, head_dim, std=1.0, seed=2)
+    fm = ks.create_feature_map("elu", head_dim=head_dim)
+    kern = ks.analysis.attention_matrix(q, k, fm)[0, 0]
+    assert ks.analysis.attention_rank(kern)["numerical_rank"] <= fm.feature_dim
+    soft = ks.analysis.attention_matrix(q, k)[0, 0]
+    assert ks.analysis.attention_rank(soft)["numerical_rank"] > fm.feature_dim
+
+
+def test_bad_input_errors():
+    with pytest.raises(ValueError, match="square"):
+        ks.analysis.attention_rank(torch.ones(3, 4))
+    with pytest.raises(ValueError, match="square"):
+        ks.analysis.attention_rank(torch.ones(2, 3, 3))
+    q, k = ks.analysis.gaussian_qk(8, 4)
+    with pytest.raises(ValueError, match="unknown feature map 'no_such_map'"):
+        ks.analysis.attention_matrix(q, k, "no_such_map")
+    with pytest.raises(ValueError, match="unknown feature map"):
+        ks.analysis.approximation_error("no_such_map", q, k)
+    with pytest.raises(ValueError, match="max_n"):
+        ks.analysis.attention_matrix(q, k, max_n=4)
+    big_q, big_k = ks.analysis.gaussian_qk(ks.analysis.MAX_N + 1, 2)
+    with pytest.raises(ValueError, match="max_n=4096"):
+        ks.analysis.attention_matrix(big_q, big_k)
+    with pytest.raises(ValueError, match="q"):
+        ks.analysis.attention_matrix(q, k[..., :3])
+    with pytest.raises(ValueError, match="feature_dim"):
+        ks.analysis.matched_feature_map("elu", 8, 0)
+    with pytest.raises(ValueError, match="not a random-feature map"):
+        ks.analysis.random_feature_map("elu", 8, 16)
+
+
+def test_capture_qk_returns_each_layers_projections():
+    enc = ks.nn.TransformerEncoder(2, 16, 4, 32, feature_map="elu", dropout=0.0).eval()
+    x = torch.randn(3, 10, 16)
+    captured = ks.analysis.capture_qk(enc, x)
+    assert list(captured) == ["layers.0.attn", "layers.1.attn"]
+    for q, k in captured.values():
+        assert q.shape == k.shape == (3, 4, 10, 4)
+    layer = enc.layers[0]
+    qkv = layer.attn.qkv(layer.norm1(x)).view(3, 10, 3, 4, 4)
+    assert torch.allclose(captured["layers.0.attn"][0], qkv[:, :, 0].transpose(1, 2), atol=1e-6)
+    assert torch.allclose(captured["layers.0.attn"][1], qkv[:, :, 1].transpose(1, 2), atol=1e-6)
+    assert not any(m._forward_pre_hooks for m in enc.modules())
+    with pytest.raises(ValueError, match="no kernelstudy.nn.KernelAttention"):
+        ks.analysis.capture_qk(torch.nn.Linear(3, 3), torch.randn(1, 3))

@@ -1,0 +1,269 @@
+"""The CUDA backend against the float64 reference and the torch backend (skipped without a GPU).
+
+Tolerances: float32 outputs and gradients max relative error ≤ 1e-4; float16/bfloat16
+relative RMS error ≤ 1e-2 (against the reference in float64 on the same rounded inputs).
+Also: awkward shapes (N=1, N not a multiple of the chunk, F≠M, F=M=256, B·H=1 at long N),
+key padding, recurrent-state consistency, dispatch, and bit-identical reruns.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernelstudy as ks
+from kernelstudy.core import (
+    RecurrentState,
+    causal_dot_product_reference,
+    cuda_backend,
+    linear_attention_reference,
+    resolve_backend,
+)
+
+from .conftest import rel_err
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+DEVICE = "cuda"
+
+# (B, H, N, F, M): N=1, N not a multiple of 64, odd F and M, F≠M, F=M=256, B·H=1 at long N.
+SHAPES = [
+    (1, 1, 1, 4, 3),
+    (2, 3, 37, 8, 5),
+    (3, 2, 130, 96, 40),
+    (1, 4, 64, 16, 16),
+    (2, 2, 200, 33, 70),
+    (1, 2, 129, 256, 256),
+    (1, 1, 4099, 64, 64),
+]
+SHAPE_IDS = ["x".join(map(str, s)) for s in SHAPES]
+# Shapes where the state pass groups several chunks per thread block (B·H·tiles·chunks > 1024):
+# one block per sequence (64x1x1030x256x256) and ragged groups of 2 chunks (16x8x700x64x64).
+GROUPED_SHAPES = [(64, 1, 1030, 256, 256), (16, 8, 700, 64, 64)]
+GROUPED_IDS = ["x".join(map(str, s)) for s in GROUPED_SHAPES]
+HALF = [torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built() -> None:
+    if torch.cuda.get_device_capability() < cuda_backend.MIN_CAPABILITY:
+        pytest.skip("the cuda backend needs compute capability >= 8.0")
+    assert cuda_backend.is_available(), "the CUDA extension did not build (see the warning)"
+
+
+def _features(b, h, n, f, m, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.rand(b, h, n, f, generator=gen)
+    k = torch.rand(b, h, n, f, generator=gen)
+    v = torch.randn(b, h, n, m, generator=gen)
+    return [t.to(DEVICE, dtype).requires_grad_() for t in (q, k, v)]
+
+
+def _upstream(shape, seed=1):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+
+
+def _grads(out, inputs, g):
+    return torch.autograd.grad(out, inputs, g.to(out.dtype))
+
+
+def _as64(tensors):
+    return [t.detach().double().requires_grad_() for t in tensors]
+
+
+def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    scale = b.pow(2).mean().sqrt().item()
+    diff = (a - b).pow(2).mean().sqrt().item()
+    return diff / scale if scale > 0 else diff
+
+
+def test_registered_and_chosen_for_cuda_tensors():
+    assert "cuda" in ks.backends()
+    x = torch.zeros(1, 1, 2, 2, device=DEVICE)
+    assert resolve_backend(None, x).name == "cuda"
+    assert resolve_backend(None, x.cpu()).name != "cuda"
+    assert not cuda_backend.supports(x.double())
+    with pytest.raises(ValueError):
+        ks.causal_dot_product(x.cpu(), x.cpu(), x.cpu(), backend="cuda")
+
+
+# ---------------------------------------------------------------- unnormalized causal product
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_causal_product_fp32_matches_reference(shape):
+    b, h, n, f, m = shape
+    q, k, v = _features(b, h, n, f, m)
+    got = ks.causal_dot_product(q, k, v, backend="cuda")
+    q64, k64, v64 = _as64((q, k, v))
+    want = causal_dot_product_reference(q64, k64, v64)
+    assert got.shape == (b, h, n, m) and got.dtype == torch.float32
+    assert rel_err(got, want) <= 1e-4
+    g = _upstream(got.shape)
+    for g_got, g_want in zip(
+        _grads(got, (q, k, v), g), _grads(want, (q64, k64, v64), g), strict=True
+    ):
+        assert g_got.dtype == torch.float32
+        assert rel_err(g_got, g_want) <= 1e-4
+
+
+@pytest.mark.parametrize("shape", SHAPES[1:4] + SHAPES[5:], ids=SHAPE_IDS[1:4] + SHAPE_IDS[5:])
+def test_causal_product_fp32_matches_torch_backend(shape):
+    q, k, v = _features(*shape)
+    got = ks.causal_dot_product(q, k, v, backend="cuda")
+    want = ks.causal_dot_product(q, k, v, backend="torch")
+    assert rel_err(got, want) <= 1e-4
+    g = _upstream(got.shape)
+    for g_got, g_want in zip(_grads(got, (q, k, v), g), _grads(want, (q, k, v), g), strict=True):
+        assert rel_err(g_got, g_want) <= 1e-4
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_causal_product_half_matches_reference(shape, dtype):
+    q, k, v = _features(*shape, dtype=dtype)
+    got = ks.causal_dot_product(q, k, v, backend="cuda")
+    q64, k64, v64 = _as64((q, k, v))
+    want = causal_dot_product_reference(q64, k64, v64)
+    assert got.dtype == dtype
+    assert rel_rms(got, want) <= 1e-2
+    g = _upstream(got.shape).to(dtype)
+    for g_got, g_want in zip(
+        _grads(got, (q, k, v), g), _grads(want, (q64, k64, v64), g), strict=True
+    ):
+        assert g_got.dtype == dtype
+        assert rel_rms(g_got, g_want) <= 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", GROUPED_SHAPES, ids=GROUPED_IDS)
+def test_grouped_chunks_match_reference(shape, dtype):
+    q, k, v = _features(*shape, dtype=dtype)
+    q64, k64, v64 = _as64((q, k, v))
+    g = _upstream((*shape[:3], shape[4])).to(dtype)
+    for fn, ref in (
+        (lambda *x: ks.causal_dot_product(*x, backend="cuda"), causal_dot_product_reference),
+        (
+            lambda *x: cuda_backend.linear_attention(*x, causal=True),
+            lambda *x: linear_attention_reference(*x, causal=True),
+        ),
+    ):
+        got, want = fn(q, k, v), ref(q64, k64, v64)
+        pairs = [(got, want)]
+        pairs += zip(_grads(got, (q, k, v), g), _grads(want, (q64, k64, v64), g), strict=True)
+        for a, b in pairs:
+            if dtype == torch.float32:
+                assert rel_err(a, b, floor=1.0) <= 1e-4
+            else:
+                assert rel_rms(a, b) <= 1e-2
+
+
+# ---------------------------------------------------------------- normalized attention
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_linear_attention_fp32_matches_reference(shape, causal, padded):
+    b, h, n, f, m = shape
+    q, k, v = _features(b, h, n, f, m)
+    mask = None
+    if padded:
+        lengths = torch.tensor([max(1, n - 3 * i) for i in range(b)], device=DEVICE)
+        mask = torch.arange(n, device=DEVICE)[None, :] < lengths[:, None]
+        with torch.no_grad():  # whatever padded keys hold, they must not count
+            k.masked_fill_(~mask[:, None, :, None], 1e3)
+            v.masked_fill_(~mask[:, None, :, None], float("nan"))
+    got = cuda_backend.linear_attention(q, k, v, causal=causal, key_padding_mask=mask)
+    q64, k64, v64 = _as64((q, k, v))
+    want = linear_attention_reference(q64, k64, v64, causal=causal, key_padding_mask=mask)
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    assert rel_err(got, want) <= 1e-4
+    g = _upstream(got.shape)
+    grads_got = _grads(got, (q, k, v), g)
+    grads_want = _grads(want, (q64, k64, v64), g)
+    for g_got, g_want in zip(grads_got, grads_want, strict=True):
+        g_want = torch.nan_to_num(g_want, nan=0.0)  # reference: NaN values of padded keys
+        assert torch.isfinite(g_got).all()
+        assert rel_err(g_got, g_want, floor=1.0) <= 1e-4
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES[1:], ids=SHAPE_IDS[1:])
+def test_linear_attention_half_matches_reference(shape, causal, dtype):
+    q, k, v = _features(*shape, dtype=dtype)
+    got = cuda_backend.linear_attention(q, k, v, causal=causal)
+    q64, k64, v64 = _as64((q, k, v))
+    want = linear_attention_reference(q64, k64, v64, causal=causal)
+    assert got.dtype == dtype
+    assert rel_rms(got, want) <= 1e-2
+    g = _upstream(got.shape).to(dtype)
+    for g_got, g_want in zip(
+        _grads(got, (q, k, v), g), _grads(want, (q64, k64, v64), g), strict=True
+    ):
+        assert rel_rms(g_got, g_want) <= 1e-2
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_public_linear_attention_on_cuda(causal):
+    q, k, v = _features(2, 3, 100, 32, 48)
+    got = ks.linear_attention(q, k, v, causal=causal)  # auto: the cuda backend
+    want = ks.linear_attention(q, k, v, causal=causal, backend="torch")
+    assert rel_err(got, want) <= 1e-4
+
+
+def test_cross_attention_lengths():
+    q = _features(2, 3, 70, 6, 4)[0]
+    _, k, v = _features(2, 3, 130, 6, 4, seed=1)
+    got = cuda_backend.linear_attention(q, k, v)
+    want = linear_attention_reference(*_as64((q, k, v)))
+    assert rel_err(got, want) <= 1e-4
+
+
+def test_recurrent_state_matches_causal_attention():
+    b, h, n, f, m = 2, 2, 150, 16, 8
+    q, k, v = (t.detach() for t in _features(b, h, n, f, m))
+    batch = cuda_backend.linear_attention(q, k, v, causal=True)
+    state = RecurrentState.zeros(b, h, f, m, device=DEVICE)
+    steps = []
+    for t in range(n):
+        out_t, state = state.step(q[:, :, t], k[:, :, t], v[:, :, t])
+        steps.append(out_t)
+    assert rel_err(torch.stack(steps, dim=2), batch) <= 1e-4
+
+
+def test_scaled_cumsum_matches_torch():
+    x = torch.rand(2, 3, 300, 70, device=DEVICE)
+    w = torch.rand(2, 3, 300, device=DEVICE)
+    ext = cuda_backend.extension()
+    got = ext.scaled_cumsum(x, None, w, reverse=False)
+    want = w.unsqueeze(-1) * x.double().cumsum(2)
+    assert rel_err(got, want) <= 1e-5
+    got = ext.scaled_cumsum(x, w, None, reverse=True)
+    want = (w.unsqueeze(-1) * x.double()).flip(2).cumsum(2).flip(2)
+    assert rel_err(got, want) <= 1e-5
+
+
+# ---------------------------------------------------------------- determinism
+def _run_all(dtype):
+    q, k, v = _features(2, 2, 3000, 64, 64, dtype=dtype)
+    mask = torch.ones(2, 3000, dtype=torch.bool, device=DEVICE)
+    mask[1, 2500:] = False
+    results = []
+    for fn in (
+        lambda: ks.causal_dot_product(q, k, v, backend="cuda"),
+        lambda: cuda_backend.linear_attention(q, k, v, causal=True, key_padding_mask=mask),
+        lambda: cuda_backend.linear_attention(q, k, v, causal=False, key_padding_mask=mask),
+    ):
+        out = fn()
+        g = _upstream(out.shape).to(out.dtype)
+        results += [out.detach(), *_grads(out, (q, k, v), g)]
+    return results
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_bit_identical_reruns(dtype):
+    first, second = _run_all(dtype), _run_all(dtype)
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)

@@ -1,0 +1,118 @@
+"""The study runner (on a toy study) and the quick approximation study end to end."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pandas as pd
+import pytest
+
+import kernelstudy as ks
+from kernelstudy import study
+
+TOY_SCRIPT = '''
+"""A toy study: squares."""
+import pandas as pd
+
+CALLS = []
+
+
+def configs(params):
+    return [{"x": x} for x in params["xs"]]
+
+
+def run_config(config, device):
+    CALLS.append(config["x"])
+    return [{"metric": "square", "value": float(config["x"] ** 2)}]
+
+
+def summarize(frame, params):
+    return "table of " + str(len(frame)) + " rows"
+
+
+def figures(frame, params):
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots()
+    ax.plot(frame["x"], frame["value"])
+    return {"squares": fig}
+'''
+
+
+@pytest.fixture
+def toy_studies(tmp_path, monkeypatch):
+    root = tmp_path / "studies"
+    root.mkdir()
+    (root / "toy.py").write_text(textwrap.dedent(TOY_SCRIPT))
+    (root / "toy.toml").write_text("[full]\nxs = [1, 2, 3, 4]\n\n[quick]\nxs = [1, 2]\n")
+    (root / "orphan.py").write_text("")  # no config file: not a study
+    monkeypatch.setenv(study.ENV_STUDIES_DIR, str(root))
+    return tmp_path
+
+
+def test_runner_writes_results_and_resumes(toy_studies, capsys):
+    out = toy_studies / "out"
+    assert study.list_studies() == ["toy"]
+    frame = study.run_study("toy", quick=True, out=out, verbose=False)
+    assert sorted(frame.value) == [1.0, 4.0]
+    assert {"study", "config_id", "device", "x"} <= set(frame.columns)
+    assert (out / "results.csv").is_file() and (out / "squares.png").is_file()
+    assert "table of 2 rows" in (out / "summary.md").read_text()
+    # Resume: finished configs are not recomputed (a marked value survives) ...
+    csv = pd.read_csv(out / "results.csv")
+    csv.loc[csv.x == 1, "value"] = -1.0
+    csv.to_csv(out / "results.csv", index=False)
+    frame = study.run_study("toy", quick=False, out=out, verbose=False)
+    assert sorted(frame.value) == [-1.0, 4.0, 9.0, 16.0]
+    # ... unless forced; the quick and full runs share one CSV without duplicates.
+    frame = study.run_study("toy", quick=True, out=out, force=True, verbose=False)
+    assert sorted(frame.value) == [1.0, 4.0]
+    assert len(pd.read_csv(out / "results.csv")) == 4
+    assert not list(out.glob(".*.tmp"))
+
+
+def test_runner_errors(toy_studies, monkeypatch):
+    with pytest.raises(ValueError, match="unknown study 'nope'; available: toy"):
+        study.run_study("nope", out=toy_studies / "x")
+    with pytest.raises(ValueError, match="device"):
+        study.run_study("toy", device="tpu", out=toy_studies / "x")
+    monkeypatch.setenv(study.ENV_STUDIES_DIR, str(toy_studies / "missing"))
+    with pytest.raises(FileNotFoundError, match="cannot find the studies/ directory"):
+        study.list_studies()
+    monkeypatch.delenv(study.ENV_STUDIES_DIR)
+    (toy_studies / "empty").mkdir()
+    monkeypatch.chdir(toy_studies / "empty")
+    monkeypatch.setattr(study, "__file__", str(toy_studies / "a" / "pkg" / "study.py"))
+    with pytest.raises(FileNotFoundError, match="KERNELSTUDY_STUDIES_DIR"):
+        study.run_study("toy")
+
+
+def test_main_parses_options(toy_studies, capsys):
+    out = toy_studies / "cli"
+    assert study.main("toy", ["--quick", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "# toy (quick, cpu)" in printed and "table of 2 rows" in printed
+    assert study.main("toy", ["--out", str(out), "--device", "cuda"]) in (0, 1)
+
+
+def test_repo_studies_are_listed():
+    assert {"approximation", "speed"} <= set(study.list_studies())
+
+
+@pytest.mark.skipif("favor" not in ks.list_feature_maps(), reason="favor map not registered yet")
+def test_quick_approximation_reproduces_performer(tmp_path):
+    frame = study.run_study("approximation", quick=True, out=tmp_path, verbose=False)
+    perf = frame[(frame.part == "performer") & (frame.method == "favor")]
+    for metric in ("attention_mse", "kernel_mse"):
+        means = (
+            perf[perf.metric == metric]
+            .groupby(["num_features", "orthogonal"])["value"]
+            .mean()
+            .unstack("orthogonal")
+        )
+        assert means.index.is_monotonic_increasing and len(means) >= 5
+        for col in means:  # MSE falls with R
+            assert means[col].is_monotonic_decreasing, (metric, means)
+        assert (means[True] < means[False]).all(), (metric, means)  # orthogonal beats iid
+    assert (tmp_path / "summary.md").read_text().count("smallest R") >= 1
+    assert list(tmp_path.glob("performer_attention_mse.png"))
+    assert set(frame[frame.part == "maps"].map) >= {"elu", "favor"}

@@ -1,0 +1,343 @@
+"""ListOps: generated files follow the LRA spec; the loader reads them and rejects bad ones.
+
+The checks parse each written Source independently, by its parentheses, into
+LRA's nested-tuple trees, and evaluate/render those trees the way LRA's
+generator does.
+"""
+
+from __future__ import annotations
+
+import csv
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kernelstudy.tasks import (
+    ListOpsTask,
+    evaluate_listops,
+    generate_listops,
+    load_task,
+    tokenize_listops,
+    write_listops,
+)
+from kernelstudy.tasks.listops import VOCAB
+
+OPS = ("[MIN", "[MAX", "[MED", "[SM")
+
+
+# --------------------------------------------------------------------- independent reference
+
+
+def parse_tree(source: str):
+    """LRA's tree from its string: ``( a b )`` is the tuple ``(a, b)``; atoms are str or int."""
+    tokens = source.split()
+    pos = 0
+
+    def node():
+        nonlocal pos
+        token = tokens[pos]
+        pos += 1
+        if token == "(":
+            left = node()
+            right = node()
+            assert tokens[pos] == ")", f"expected ')' at token {pos}"
+            pos += 1
+            return (left, right)
+        assert token != ")", f"unexpected ')' at token {pos - 1}"
+        return int(token) if token.isdigit() else token
+
+    tree = node()
+    assert pos == len(tokens), "trailing tokens"
+    return tree
+
+
+def to_string(t) -> str:
+    """LRA's rendering of a tree."""
+    if isinstance(t, str):
+        return t
+    if isinstance(t, int):
+        return str(t)
+    return "( " + to_string(t[0]) + " " + to_string(t[1]) + " )"
+
+
+def to_value(t):
+    """LRA's evaluation of a tree (operators build unsaturated functions until ``]``)."""
+    if not isinstance(t, tuple):
+        return t
+    left, right = to_value(t[0]), to_value(t[1])
+    if left in OPS:
+        return (left, [right])
+    if right == "]":
+        op, args = left
+        if op == "[MIN":
+            return min(args)
+        if op == "[MAX":
+            return max(args)
+        if op == "[MED":
+            return int(np.median(args))
+        return int(np.sum(args) % 10)
+    return (left[0], left[1] + [right])
+
+
+def structure(t):
+    """``(op, [children])`` for operator nodes, the int for digits."""
+    if isinstance(t, int):
+        return t
+    args = []
+    while True:
+        t, last = t
+        if isinstance(t, str):  # reached (op, first argument)
+            args.append(last)
+            return (t, [structure(a) for a in reversed(args)])
+        if last != "]":
+            args.append(last)
+
+
+def stats(node, depth=1):
+    """(token count, max depth with the root at 1, list of arities) of a structured tree."""
+    if isinstance(node, int):
+        return 1, depth, []
+    _, children = node
+    tokens, deepest, arities = 2, depth, [len(children)]
+    for child in children:
+        n, d, a = stats(child, depth + 1)
+        tokens, deepest, arities = tokens + n, max(deepest, d), arities + a
+    return tokens, deepest, arities
+
+
+def read_rows(path: Path) -> list[tuple[str, int]]:
+    with open(path, newline="", encoding="utf-8") as f:
+        rows = list(csv.reader(f, delimiter="\t"))
+    assert rows[0] == ["Source", "Target"]
+    return [(src, int(tgt)) for src, tgt in rows[1:]]
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("listops")
+    write_listops(out, n_train=60, n_val=20, n_test=20, seed=3)
+    return out
+
+
+# --------------------------------------------------------------------- generated files
+
+
+def test_files_follow_the_lra_release_format(written: Path) -> None:
+    for split, n in (("train", 60), ("val", 20), ("test", 20)):
+        path = written / f"basic_{split}.tsv"
+        raw = path.read_bytes()
+        assert raw.startswith(b"Source\tTarget\r\n")
+        lines = raw.decode().split("\r\n")
+        assert lines[-1] == "" and len(lines) == n + 2
+        for line in lines[1:-1]:
+            source, target = line.split("\t")
+            assert source.startswith("( ") and source.endswith(" )")
+            assert set(source.split()) <= {"(", ")", "]", *OPS, *map(str, range(10))}
+            assert target in tuple(map(str, range(10)))
+
+
+def test_labels_agree_with_an_independent_evaluator(written: Path) -> None:
+    for split in ("train", "val", "test"):
+        for source, label in read_rows(written / f"basic_{split}.tsv"):
+            tree = parse_tree(source)
+            assert to_string(tree) == source  # exactly LRA's rendering of that tree
+            assert to_value(tree) == label
+            assert evaluate_listops(source) == label
+
+
+def test_lengths_depths_and_arities_respect_the_spec(written: Path) -> None:
+    all_arities = []
+    for split in ("train", "val", "test"):
+        for source, _ in read_rows(written / f"basic_{split}.tsv"):
+            tokens, depth, arities = stats(structure(parse_tree(source)))
+            assert tokens == len(tokenize_listops(source))
+            assert 500 < tokens < 2000
+            assert depth <= 10
+            assert all(2 <= a <= 10 for a in arities)
+            all_arities += arities
+    assert min(all_arities) == 2 and max(all_arities) == 10
+
+
+def test_rows_are_distinct_across_all_files(written: Path) -> None:
+    sources = [
+        s
+        for split in ("train", "val", "test")
+        for s, _ in read_rows(written / f"basic_{split}.tsv")
+    ]
+    assert len(sources) == 100 == len(set(sources))
+
+
+def test_duplicates_are_dropped_when_the_bounds_allow_few_trees() -> None:
+    # Lengths 3..4 admit only the 4 * 10 * 10 two-argument flat expressions.
+    rows = list(generate_listops(400, min_length=2, max_length=5, seed=0))
+    assert len({s for s, _ in rows}) == 400
+    with pytest.raises(ValueError, match="distinct"):
+        list(generate_listops(401, min_length=2, max_length=5, seed=0))
+
+
+def test_same_seed_same_files_other_seed_other_files(tmp_path: Path) -> None:
+    for name, seed in (("a", 7), ("b", 7), ("c", 8)):
+        write_listops(tmp_path / name, 5, 2, 2, min_length=20, max_length=200, seed=seed)
+    for split in ("train", "val", "test"):
+        a, b, c = ((tmp_path / d / f"basic_{split}.tsv").read_bytes() for d in "abc")
+        assert a == b
+        assert a != c
+
+
+def test_failed_writes_leave_no_files(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="max_length"):
+        write_listops(tmp_path / "bad", 1, 1, 1, min_length=10, max_length=11)
+    assert not (tmp_path / "bad").exists()
+    with pytest.raises(ValueError, match="distinct"):
+        write_listops(tmp_path / "few", 300, 100, 1, min_length=2, max_length=5)
+    assert list((tmp_path / "few").iterdir()) == []
+
+
+def test_bounds_are_configurable_and_validated() -> None:
+    rows = list(generate_listops(50, min_length=10, max_length=40, seed=1))
+    lengths = [len(tokenize_listops(s)) for s, _ in rows]
+    assert all(10 < n < 40 for n in lengths)
+    with pytest.raises(ValueError, match="max_length"):
+        list(generate_listops(1, min_length=10, max_length=11))
+
+
+def _lra_generate(rng: random.Random, max_length: int, depth: int = 1):
+    """LRA's generate_tree (plain recursion), abandoned once it cannot fit ``max_length``."""
+    if depth < 10 and rng.random() <= 0.25:
+        length, values = 2, []
+        for _ in range(rng.randint(2, 10)):
+            sub, n = _lra_generate(rng, max_length, depth + 1)
+            values.append(sub)
+            length += n
+            if length >= max_length:
+                raise OverflowError
+        t = (rng.choice(OPS), values[0])
+        for v in values[1:]:
+            t = (t, v)
+        return (t, "]"), length
+    return rng.choice(range(10)), 1
+
+
+def test_distribution_matches_lras_generator() -> None:
+    """Length, depth, arity and label statistics agree with LRA's recursive generator."""
+    lo, hi, n = 20, 120, 1500
+
+    def summary(tree) -> list[float]:
+        tokens, depth, arities = stats(structure(tree))
+        return [tokens, depth, np.mean(arities), to_value(tree)]
+
+    rng = random.Random(0)
+    reference = []
+    while len(reference) < n:
+        try:
+            tree, length = _lra_generate(rng, hi)
+        except OverflowError:
+            continue
+        if lo < length < hi:
+            reference.append(summary(tree))
+    ours = [summary(parse_tree(s)) for s, _ in generate_listops(n, lo, hi, seed=0)]
+    ref, our = np.array(reference), np.array(ours)
+    z = (ref[:, :3].mean(0) - our[:, :3].mean(0)) / np.sqrt(
+        (ref[:, :3].var(0) + our[:, :3].var(0)) / n
+    )
+    assert np.all(np.abs(z) < 4), z
+    ref_labels = np.bincount(ref[:, 3].astype(int), minlength=10) / n
+    our_labels = np.bincount(our[:, 3].astype(int), minlength=10) / n
+    assert np.abs(ref_labels - our_labels).max() < 0.05
+
+
+# --------------------------------------------------------------------- evaluator
+
+
+@pytest.mark.parametrize(
+    ("expr", "value"),
+    [
+        ("[MIN 4 2 7 ]", 2),
+        ("[MAX 4 2 7 ]", 7),
+        ("[MED 1 2 ]", 1),
+        ("[MED 3 4 5 6 ]", 4),
+        ("[MED 9 0 5 ]", 5),
+        ("[SM 9 9 9 ]", 7),
+        ("[MAX 2 [MIN 8 [SM 5 6 ] ] 0 ]", 2),
+        ("7", 7),
+    ],
+)
+def test_evaluator_on_known_expressions(expr: str, value: int) -> None:
+    assert evaluate_listops(expr) == value
+
+
+@pytest.mark.parametrize("expr", ["[MAX 2 3", "[MAX 2 ] ]", "[FOO 1 2 ]", "[MIN ]", "1 2"])
+def test_evaluator_rejects_malformed_expressions(expr: str) -> None:
+    with pytest.raises(ValueError):
+        evaluate_listops(expr)
+
+
+# --------------------------------------------------------------------- loader
+
+
+def test_loader_tokenizes_like_lra(written: Path) -> None:
+    ds = load_task("listops", written, "val")
+    assert isinstance(ds, ListOpsTask)
+    assert (ds.vocab_size, ds.num_classes, ds.max_length, ds.pad_id, ds.pairs) == (
+        16,
+        10,
+        2000,
+        0,
+        False,
+    )
+    rows = read_rows(written / "basic_val.tsv")
+    assert len(ds) == len(rows)
+    for i in (0, len(ds) - 1):
+        item = ds[i]
+        tokens = rows[i][0].replace("(", "").replace(")", "").split()
+        n = len(tokens)
+        assert item["input_ids"].shape == (2000,) and item["input_ids"].dtype == torch.long
+        assert [VOCAB[t] for t in item["input_ids"][:n].tolist()] == tokens
+        assert item["mask"][:n].all() and not item["mask"][n:].any()
+        assert (item["input_ids"][n:] == 0).all()
+        assert item["label"].item() == rows[i][1]
+
+
+def test_loader_truncates_to_max_length(written: Path) -> None:
+    ds = ListOpsTask(written, "test", max_length=100)
+    item = ds[0]
+    assert item["input_ids"].shape == (100,) and item["mask"].all()
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("content", "line", "match"),
+    [
+        ("Source\tLabel\n( [MIN 1 ) 2 ) ] )\t1\n", 1, "header"),
+        (
+            "Source\tTarget\n( ( ( [MIN 1 ) 2 ) ] )\t1\n( ( ( [MIN 1 ) 2 ) ] )\t1\textra\n",
+            3,
+            "columns",
+        ),
+        ("Source\tTarget\n( ( ( [MIN 1 ) 2 ) ] )\tx\n", 2, "label"),
+        ("Source\tTarget\n( ( ( [MIN 1 ) 2 ) ] )\t12\n", 2, "label"),
+        ("Source\tTarget\n( ( ( [MIN 1 ) 2 ) ] )\t1\n( ( ( [ABS 1 ) 2 ) ] )\t1\n", 3, "token"),
+        ("Source\tTarget\n( ( ( [MIN 1 ) 2 ) ] )\n", 2, "columns"),
+    ],
+)
+def test_loader_rejects_malformed_files(
+    tmp_path: Path, content: str, line: int, match: str
+) -> None:
+    path = _write(tmp_path / "basic_train.tsv", content)
+    with pytest.raises(ValueError, match=match) as err:
+        ListOpsTask(tmp_path, "train")
+    assert str(path) in str(err.value) and f"line {line}" in str(err.value)
+
+
+def test_loader_reports_missing_files(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="basic_val.tsv"):
+        ListOpsTask(tmp_path, "val")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        ListOpsTask(tmp_path / "nowhere", "val")

@@ -1,0 +1,339 @@
+"""LRA loaders on tiny files written in the release formats, and their errors on malformed ones."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kernelstudy.tasks import (
+    ImageTask,
+    PathfinderTask,
+    RetrievalTask,
+    TextTask,
+    load_task,
+    rgb_to_gray,
+)
+
+from .test_tasks_png import encode_png
+
+
+def assert_error(err: pytest.ExceptionInfo, path: Path, line: int | None = None) -> None:
+    message = str(err.value)
+    assert str(path) in message, message
+    if line is not None:
+        assert f"line {line}" in message, message
+
+
+# --------------------------------------------------------------------- text
+
+
+REVIEWS = {
+    ("train", "pos"): [b"A fine film.", "Tr\u00e8s bien \u2014 loved it".encode()],
+    ("train", "neg"): [b"Dull.<br /><br />Skip it.", b"No."],
+    ("test", "pos"): [b"Great"],
+    ("test", "neg"): [b"Bad"],
+}
+
+
+@pytest.fixture
+def imdb(tmp_path: Path) -> Path:
+    for (split, polarity), texts in REVIEWS.items():
+        folder = tmp_path / "aclImdb" / split / polarity
+        folder.mkdir(parents=True)
+        for i, text in enumerate(texts):
+            (folder / f"{i}_{7 + i}.txt").write_bytes(text)
+    (tmp_path / "aclImdb" / "train" / "urls_pos.txt").write_text("not a review")
+    return tmp_path
+
+
+def decode_bytes(item: dict[str, torch.Tensor]) -> bytes:
+    ids = item["input_ids"][item["mask"]]
+    return bytes((ids - 1).tolist())
+
+
+def test_imdb_directory(imdb: Path) -> None:
+    ds = load_task("text", imdb, "train")
+    assert (ds.vocab_size, ds.num_classes, ds.max_length, ds.pad_id, ds.pairs) == (
+        257,
+        2,
+        4000,
+        0,
+        False,
+    )
+    got = sorted((decode_bytes(ds[i]), ds[i]["label"].item()) for i in range(len(ds)))
+    want = sorted(
+        [(t, 1) for t in REVIEWS["train", "pos"]] + [(t, 0) for t in REVIEWS["train", "neg"]]
+    )
+    assert got == want
+    item = ds[0]
+    n = int(item["mask"].sum())
+    assert item["input_ids"].shape == (4000,) and (item["input_ids"][n:] == 0).all()
+    # IMDB has no validation split: LRA validates on the test set.
+    val = TextTask(imdb / "aclImdb", "val", max_length=3)
+    assert sorted(decode_bytes(val[i]) for i in range(len(val))) == [b"Bad", b"Gre"]
+
+
+def test_imdb_missing_directories(imdb: Path, tmp_path: Path) -> None:
+    for f in (imdb / "aclImdb" / "test" / "neg").iterdir():
+        f.unlink()
+    (imdb / "aclImdb" / "test" / "neg").rmdir()
+    with pytest.raises(FileNotFoundError, match="neg"):
+        TextTask(imdb, "test")
+    with pytest.raises(FileNotFoundError):
+        TextTask(tmp_path / "missing", "train")
+    with pytest.raises(FileNotFoundError, match="no text data"):
+        TextTask(tmp_path / "aclImdb" / "train" / "pos", "train")
+
+
+def test_text_tables(tmp_path: Path) -> None:
+    (tmp_path / "train.csv").write_text('text,label\n"Hello, world",1\nplain,0\n', encoding="utf-8")
+    (tmp_path / "test.tsv").write_text("label\ttext\n0\tsome\ttext?\n", encoding="utf-8")
+    ds = TextTask(tmp_path, "train")
+    assert [decode_bytes(ds[i]) for i in range(2)] == [b"Hello, world", b"plain"]
+    assert ds.labels.tolist() == [1, 0]
+    with pytest.raises(ValueError, match="columns") as err:
+        TextTask(tmp_path, "test")
+    assert_error(err, tmp_path / "test.tsv", 2)
+    (tmp_path / "test.tsv").write_text("Source\tTarget\nsome text\t1\n", encoding="utf-8")
+    assert decode_bytes(TextTask(tmp_path, "val")[0]) == b"some text"  # val falls back to test
+    single = TextTask(tmp_path / "train.csv", "test")  # a file is used for any split
+    assert len(single) == 2
+
+
+@pytest.mark.parametrize(
+    ("content", "line", "match"),
+    [
+        ("words,label\nx,1\n", 1, "header"),
+        ("text,label\nx,1\ny,2\n", 3, "label"),
+        ("text,label\nx,1\ny,one\n", 3, "label"),
+        ('text,label\n"multi\nline",1\nz,1,extra\n', 4, "columns"),
+        ("text,label\n", 2, "no rows"),
+    ],
+)
+def test_text_table_errors(tmp_path: Path, content: str, line: int, match: str) -> None:
+    path = tmp_path / "train.csv"
+    path.write_text(content, encoding="utf-8")
+    with pytest.raises(ValueError, match=match) as err:
+        TextTask(path)
+    assert_error(err, path, line)
+
+
+# --------------------------------------------------------------------- retrieval
+
+
+def write_aan(folder: Path, rows: list[str], split: str = "train") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"new_aan_pairs.{split}.tsv"
+    path.write_bytes("".join(row + "\n" for row in rows).encode())
+    return path
+
+
+def test_retrieval_pairs(tmp_path: Path) -> None:
+    rows = ['1.0\tP01-1\tP02-2\tFirst "doc" text\tSecond doc', "0\tA\tB\tx\tLong document " * 1]
+    write_aan(tmp_path / "tsv_data", rows, "eval")
+    ds = load_task("retrieval", tmp_path, "val", max_length=12)
+    assert ds.pairs and (ds.vocab_size, ds.num_classes, ds.max_length) == (257, 2, 12)
+    item = ds[0]
+    assert set(item) == {"input_ids_1", "mask_1", "input_ids_2", "mask_2", "label"}
+    assert bytes((item["input_ids_1"][item["mask_1"]] - 1).tolist()) == b'First "doc" '
+    assert bytes((item["input_ids_2"][item["mask_2"]] - 1).tolist()) == b"Second doc"
+    assert item["mask_2"].sum() == 10 and (item["input_ids_2"][10:] == 0).all()
+    assert ds.labels.tolist() == [1, 0]
+
+
+@pytest.mark.parametrize(
+    ("rows", "line", "match"),
+    [
+        (["1\ta\tb\tx\ty", "0\ta\tb\tx"], 2, "5 tab-separated columns"),
+        (["1\ta\tb\tx\ty", "0\ta\tb\tx\ty\tz"], 2, "5 tab-separated columns"),
+        (["2\ta\tb\tx\ty"], 1, "label"),
+        (["yes\ta\tb\tx\ty"], 1, "label"),
+    ],
+)
+def test_retrieval_errors(tmp_path: Path, rows: list[str], line: int, match: str) -> None:
+    path = write_aan(tmp_path, rows)
+    with pytest.raises(ValueError, match=match) as err:
+        RetrievalTask(tmp_path, "train")
+    assert_error(err, path, line)
+
+
+def test_retrieval_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="new_aan_pairs.test.tsv"):
+        RetrievalTask(tmp_path, "test")
+
+
+# --------------------------------------------------------------------- image
+
+
+def write_cifar(folder: Path, n: int = 4, protocol: int = 2) -> dict[str, tuple[np.ndarray, list]]:
+    """Batches like the release: dicts with bytes keys, data (n, 3072) uint8, labels list."""
+    rng = np.random.default_rng(1)
+    folder.mkdir(parents=True)
+    batches = {}
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        data = rng.integers(0, 256, (n, 3072), dtype=np.uint8)
+        labels = rng.integers(0, 10, n).tolist()
+        batch = {b"batch_label": name.encode(), b"labels": labels, b"data": data, b"filenames": []}
+        with open(folder / name, "wb") as f:
+            pickle.dump(batch, f, protocol=protocol)
+        batches[name] = (data, labels)
+    return batches
+
+
+def reference_gray(data: np.ndarray) -> np.ndarray:
+    rgb = data.reshape(-1, 3, 1024).astype(np.float64) / 255
+    gray = 0.2989 * rgb[:, 0] + 0.5870 * rgb[:, 1] + 0.1140 * rgb[:, 2]
+    return np.floor(gray * 255.5)
+
+
+@pytest.mark.parametrize("protocol", [2, pickle.HIGHEST_PROTOCOL])
+def test_cifar_batches(tmp_path: Path, protocol: int) -> None:
+    batches = write_cifar(tmp_path / "cifar-10-batches-py", protocol=protocol)
+    train = load_task("image", tmp_path, "train")
+    val = ImageTask(tmp_path / "cifar-10-batches-py", "val")
+    test = ImageTask(tmp_path, "test")
+    assert (len(train), len(val), len(test)) == (18, 2, 4)
+    assert (train.vocab_size, train.num_classes, train.max_length, train.pad_id) == (
+        257,
+        10,
+        1024,
+        256,
+    )
+    all_data = np.concatenate([batches[f"data_batch_{i}"][0] for i in range(1, 6)])
+    all_labels = sum((batches[f"data_batch_{i}"][1] for i in range(1, 6)), [])
+    item = val[1]
+    assert item["input_ids"].shape == (1024,) and item["mask"].all()
+    assert item["label"].item() == all_labels[19]
+    diff = item["input_ids"].numpy() - reference_gray(all_data[19:20])[0]
+    assert np.abs(diff).max() <= 1  # float32 vs float64 rounding at most
+    assert 0 <= train[0]["input_ids"].min() and train[0]["input_ids"].max() <= 255
+    np.testing.assert_array_equal(
+        test[3]["input_ids"].numpy(), rgb_to_gray(batches["test_batch"][0][3].reshape(3, 1024), 0)
+    )
+
+
+def test_gray_conversion_known_values() -> None:
+    rgb = np.array(
+        [[255, 255, 255], [0, 0, 0], [255, 0, 0], [0, 255, 0], [0, 0, 255]], dtype=np.uint8
+    )
+    assert rgb_to_gray(rgb).tolist() == [255, 0, 76, 149, 29]
+
+
+def test_cifar_errors(tmp_path: Path) -> None:
+    folder = tmp_path / "cifar-10-batches-py"
+    write_cifar(folder)
+    good = (folder / "data_batch_3").read_bytes()
+    (folder / "data_batch_3").write_bytes(good[: len(good) // 2])
+    with pytest.raises(ValueError, match="pickle") as err:
+        ImageTask(folder, "train")
+    assert_error(err, folder / "data_batch_3")
+    assert len(ImageTask(folder, "test")) == 4  # the test batch is fine
+
+    with open(folder / "data_batch_3", "wb") as f:
+        pickle.dump({b"data": np.zeros((2, 100), np.uint8), b"labels": [0, 1]}, f, protocol=2)
+    with pytest.raises(ValueError, match="3072"):
+        ImageTask(folder, "train")
+
+    with open(folder / "data_batch_3", "wb") as f:
+        pickle.dump({b"data": np.zeros((2, 3072), np.uint8), b"labels": [0, 10]}, f, protocol=2)
+    with pytest.raises(ValueError, match="label 10"):
+        ImageTask(folder, "train")
+
+    class Evil:
+        def __reduce__(self):
+            return (print, ("should never run",))
+
+    with open(folder / "data_batch_3", "wb") as f:
+        pickle.dump({b"data": Evil(), b"labels": []}, f)
+    with pytest.raises(ValueError, match="refusing"):
+        ImageTask(folder, "train")
+
+    (folder / "data_batch_3").unlink()
+    with pytest.raises(FileNotFoundError, match="data_batch_3"):
+        ImageTask(folder, "train")
+    with pytest.raises(FileNotFoundError):
+        ImageTask(tmp_path / "nothing", "train")
+
+
+# --------------------------------------------------------------------- pathfinder
+
+
+def write_pathfinder(root: Path, n_files: int = 2, per_file: int = 10) -> dict[str, np.ndarray]:
+    """pathfinder32/curv_baseline with metadata/<i>.npy text files and imgs/<i>/sample_<k>.png."""
+    rng = np.random.default_rng(2)
+    base = root / "pathfinder32" / "curv_baseline"
+    (base / "metadata").mkdir(parents=True)
+    images = {}
+    for i in range(n_files):
+        (base / "imgs" / str(i)).mkdir(parents=True)
+        lines = []
+        for k in range(per_file):
+            pixels = rng.integers(0, 256, (32, 32), dtype=np.uint8)
+            name = f"sample_{k}.png"
+            (base / "imgs" / str(i) / name).write_bytes(encode_png(pixels, filters=(k % 5, 4, 1)))
+            label = int(rng.integers(0, 2))
+            lines.append(f"imgs/{i} {name} {k} {label} 1.8 6 2.0 5 2\n")
+            images[f"imgs/{i}/{name}"] = (pixels, label)
+        (base / "metadata" / f"{i}.npy").write_text("".join(lines))
+    return images
+
+
+def test_pathfinder(tmp_path: Path) -> None:
+    images = write_pathfinder(tmp_path)
+    splits = {s: load_task("pathfinder", tmp_path, s) for s in ("train", "val", "test")}
+    assert [len(splits[s]) for s in ("train", "val", "test")] == [16, 2, 2]
+    seen = []
+    for ds in splits.values():
+        assert (ds.vocab_size, ds.num_classes, ds.max_length, ds.pad_id) == (257, 2, 1024, 256)
+        for i in range(len(ds)):
+            key = ds.images[i].relative_to(ds.root).as_posix()
+            pixels, label = images[key]
+            item = ds[i]
+            np.testing.assert_array_equal(item["input_ids"].numpy(), pixels.reshape(-1))
+            assert item["label"].item() == label and item["mask"].all()
+            seen.append(key)
+    assert sorted(seen) == sorted(images)  # the splits partition the samples
+    # the difficulty directory itself works too, with the same split
+    same = PathfinderTask(tmp_path / "pathfinder32" / "curv_baseline", "val")
+    assert same.images == splits["val"].images
+
+
+@pytest.mark.parametrize(
+    ("line", "match"),
+    [
+        ("imgs/0 sample_0.png 0\n", "4 space-separated fields"),
+        ("imgs/0 sample_0.png 0 2 1.8\n", "label"),
+        ("imgs/0 sample_99.png 0 1 1.8\n", "does not exist"),
+    ],
+)
+def test_pathfinder_metadata_errors(tmp_path: Path, line: str, match: str) -> None:
+    write_pathfinder(tmp_path, n_files=1, per_file=3)
+    meta = tmp_path / "pathfinder32" / "curv_baseline" / "metadata" / "0.npy"
+    meta.write_text(meta.read_text() + line)
+    with pytest.raises(ValueError, match=match) as err:
+        PathfinderTask(tmp_path)
+    assert_error(err, meta, 4)
+
+
+def test_pathfinder_bad_images_and_missing_dirs(tmp_path: Path) -> None:
+    write_pathfinder(tmp_path, n_files=1, per_file=10)
+    base = tmp_path / "pathfinder32" / "curv_baseline"
+    ds = PathfinderTask(tmp_path, "train")
+    bad = ds.images[0]
+    bad.write_bytes(bad.read_bytes()[:50])
+    with pytest.raises(ValueError, match="0.npy") as err:
+        ds[0]
+    assert_error(err, bad)
+    ds.images[1].write_bytes(encode_png(np.zeros((16, 16), np.uint8)))
+    with pytest.raises(ValueError, match="expected 32x32"):
+        ds[1]
+    with pytest.raises(FileNotFoundError, match="metadata"):
+        PathfinderTask(tmp_path, difficulty="curv_contour_length_14")
+    for f in (base / "metadata").iterdir():
+        f.unlink()
+    with pytest.raises(FileNotFoundError, match="no \\*.npy"):
+        PathfinderTask(tmp_path)
