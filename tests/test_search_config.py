@@ -1,0 +1,105 @@
+"""Search configs, search spaces from the registry, and storages by URL."""
+
+from __future__ import annotations
+
+import optuna
+import pytest
+
+from kernelstudy.search.config import load_config
+from kernelstudy.search.space import TRAINING_SPACE, suggest_feature_map, suggest_training
+from kernelstudy.search.storage import open_storage
+
+GOOD = """
+name = "tiny"
+task = "listops"
+data = "data"
+[task_options]
+max_length = 64
+[model]
+d_model = 16
+n_heads = 2
+[search]
+trials = 3
+[[variants]]
+label = "Transformer"
+attention = "softmax"
+[[variants]]
+label = "elu"
+feature_map = "elu"
+[quick.search]
+trials = 1
+"""
+
+
+def _write(tmp_path, text):
+    path = tmp_path / "cfg.toml"
+    path.write_text(text)
+    return path
+
+
+def test_config_loads_and_quick_overrides(tmp_path):
+    path = _write(tmp_path, GOOD)
+    cfg = load_config(path)
+    assert cfg.trials == 3 and cfg.labels() == ["Transformer", "elu"]
+    assert cfg.data == (tmp_path / "data").resolve()
+    assert load_config(path, quick=True).trials == 1
+    assert cfg.study_name(cfg.variant("elu")) == "tiny/elu"
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda s: s.replace('task = "listops"', 'task = "listopz"'), "listops"),
+        (lambda s: s.replace('feature_map = "elu"', 'feature_map = "eluu"'), "elu"),
+        (lambda s: s.replace("max_length = 64", "max_len = 64"), "max_len"),
+        (lambda s: s + "\n[[variants]]\nlabel = 'x'\nfeature_map = 'elu'\nfixed = {k = 1}\n", "k"),
+        (lambda s: s.replace("[search]", "[search]\npruner = 'sometimes'"), "pruner"),
+        (lambda s: s.replace("name =", "nam ="), "nam"),
+        (lambda s: s + "\n[[oops", "TOML"),
+    ],
+)
+def test_bad_configs_fail_before_training(tmp_path, edit, match):
+    with pytest.raises(ValueError, match=match):
+        load_config(_write(tmp_path, edit(GOOD)))
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nothere"):
+        load_config(tmp_path / "nothere.toml")
+
+
+def test_training_space_suggestions_respect_ranges():
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    for _ in range(20):
+        trial = study.ask()
+        params = suggest_training(trial, {"dropout": 0.0, "lr": {"low": 1e-4, "high": 1e-3}})
+        assert params["dropout"] == 0.0 and 1e-4 <= params["lr"] <= 1e-3
+        spec = TRAINING_SPACE["weight_decay"]
+        assert spec.low <= params["weight_decay"] <= spec.high
+        study.tell(trial, 0.0)
+    with pytest.raises(ValueError, match="momentum"):
+        suggest_training(study.ask(), {"momentum": 0.9})
+
+
+def test_feature_map_space_comes_from_declarations():
+    from kernelstudy.feature_maps.registry import get_feature_map_class
+
+    study = optuna.create_study()
+    for name in ("elu",):
+        cls = get_feature_map_class(name)
+        params = suggest_feature_map(study.ask(), name)
+        assert set(params) <= set(cls.hyperparameters)
+    with pytest.raises(ValueError, match="no hyperparameter"):
+        suggest_feature_map(study.ask(), "elu", {"depth": 2})
+
+
+def test_storage_errors_name_the_url(tmp_path):
+    assert open_storage(f"sqlite:///{tmp_path / 's.db'}") is not None
+    with pytest.raises(ValueError, match="database URL"):
+        open_storage("results/study.db")
+    with pytest.raises(ValueError, match=r"127\.0\.0\.1:1"):
+        open_storage("postgresql://user:secret@127.0.0.1:1/db")
+    try:
+        open_storage("postgresql://user:secret@127.0.0.1:1/db")
+    except ValueError as err:
+        assert "secret" not in str(err)
