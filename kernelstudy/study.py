@@ -104,7 +104,11 @@ def load_study(name: str) -> ModuleType:
     path = root / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"kernelstudy_study_{name}", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.path.insert(0, str(root))  # a study may import helpers beside it (studies/_*.py)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(root))
     for attr in ("configs", "run_config"):
         if not callable(getattr(module, attr, None)):
             raise ValueError(f"study script {path} must define a function {attr}()")

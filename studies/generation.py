@@ -3,11 +3,8 @@ without a KV cache (the paper's baseline) vs softmax with a KV cache (the fair b
 
 from __future__ import annotations
 
-import math
-
 import pandas as pd
 import torch
-from torch import nn
 
 import kernelstudy as ks
 from kernelstudy.study import main, markdown_table
@@ -17,44 +14,6 @@ RUNS = {
     "softmax, no cache": ("softmax", "full"),
     "softmax, KV cache": ("softmax", "step"),
 }
-
-
-class CausalLM(nn.Module):
-    """Token embedding + sinusoidal positions + causal TransformerEncoder + tied output head.
-
-    ``forward(ids (B,N)) -> logits (B,N,V)``; ``step(ids_t (B,), state) -> (logits (B,V), state)``.
-    """
-
-    def __init__(self, attention: str, params: dict) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(params["vocab_size"], params["d_model"])
-        self.encoder = ks.nn.TransformerEncoder(
-            params["n_layers"],
-            params["d_model"],
-            params["n_heads"],
-            attention=attention,
-            feature_map=params["feature_map"],
-            causal=True,
-            dropout=0.0,
-        )
-
-    def _positions(self, start: int, n: int, device) -> torch.Tensor:
-        d = self.embed.embedding_dim
-        pos = torch.arange(start, start + n, device=device, dtype=torch.float32)[:, None]
-        freq = torch.exp(torch.arange(0, d, 2, device=device) * (-math.log(10_000.0) / d))
-        pe = torch.zeros(n, d, device=device)
-        pe[:, 0::2], pe[:, 1::2] = torch.sin(pos * freq), torch.cos(pos * freq)
-        return pe
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids) + self._positions(0, ids.shape[1], ids.device)
-        return self.encoder(x) @ self.embed.weight.T
-
-    def step(self, ids_t: torch.Tensor, state=None):
-        t, layers = state if state is not None else (0, None)
-        x = self.embed(ids_t) + self._positions(t, 1, ids_t.device)
-        y, layers = self.encoder.step(x, layers)
-        return y @ self.embed.weight.T, (t + 1, layers)
 
 
 def configs(params: dict) -> list[dict]:
@@ -75,7 +34,16 @@ def configs(params: dict) -> list[dict]:
 def run_config(config: dict, device: str) -> pd.DataFrame:
     attention, mode = RUNS[config["run"]]
     torch.manual_seed(0)
-    model = CausalLM(attention, config).eval()
+    model = ks.nn.CausalLM(
+        config["vocab_size"],
+        d_model=config["d_model"],
+        n_heads=config["n_heads"],
+        n_layers=config["n_layers"],
+        dropout=0.0,
+        attention=attention,
+        feature_map=config["feature_map"] if attention == "kernel" else None,
+        positions="sinusoidal",
+    ).eval()
     frame = ks.analysis.benchmark_generation(
         {config["run"]: (model, mode)},
         config["lengths"],

@@ -104,45 +104,26 @@ def test_peak_memory_counts_temporaries():
     assert ks.analysis.peak_memory_bytes(work) >= 8 * 2**20 - 1024
 
 
-class TinyLM(torch.nn.Module):
-    """Embedding + causal TransformerEncoder + head, with a one-token step()."""
-
-    def __init__(self, attention: str, vocab: int = 11, d_model: int = 16, max_len: int = 64):
-        super().__init__()
-        self.embed = torch.nn.Embedding(vocab, d_model)
-        self.pos = torch.nn.Embedding(max_len, d_model)
-        self.encoder = ks.nn.TransformerEncoder(
-            2, d_model, 2, attention=attention, feature_map="elu", causal=True, dropout=0.0
-        )
-        self.head = torch.nn.Linear(d_model, vocab)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(ids.shape[1], device=ids.device)
-        return self.head(self.encoder(self.embed(ids) + self.pos(pos)))
-
-    def step(self, ids_t: torch.Tensor, state=None):
-        t = 0 if state is None else state[0]
-        layers = None if state is None else state[1]
-        x = self.embed(ids_t) + self.pos.weight[t]
-        y, layers = self.encoder.step(x, layers)
-        return self.head(y), (t + 1, layers)
+def tiny_lm(attention: str) -> torch.nn.Module:
+    return ks.nn.CausalLM(11, d_model=16, n_heads=2, n_layers=2, dropout=0.0, attention=attention)
 
 
 @pytest.mark.parametrize("attention", ["kernel", "softmax"])
 def test_recurrent_generation_matches_batch_greedy_decoding(attention):
     torch.manual_seed(0)
-    model = TinyLM(attention).eval()
+    model = tiny_lm(attention).eval()
     prompt = torch.randint(11, (3, 4))
     stepped, state = ks.analysis.generate(model, prompt, 20, mode="step")
     full, none = ks.analysis.generate(model, prompt, 20, mode="full")
     assert none is None and stepped.shape == (3, 24)
     assert torch.equal(stepped, full)
+    assert torch.equal(stepped, model.generate(prompt, 20))
     assert ks.analysis.state_bytes(state) > 0
 
 
 def test_benchmark_generation_and_speedups():
     torch.manual_seed(0)
-    lin, soft = TinyLM("kernel").eval(), TinyLM("softmax").eval()
+    lin, soft = tiny_lm("kernel").eval(), tiny_lm("softmax").eval()
     runs = {"rnn": (lin, "step"), "no_cache": (soft, "full"), "kv_cache": (soft, "step")}
     frame = ks.analysis.benchmark_generation(runs, [8, 16], batch=2, warmup=0)
     tps = frame[frame.metric == "tokens_per_s"]

@@ -115,4 +115,45 @@ def test_quick_approximation_reproduces_performer(tmp_path):
         assert (means[True] < means[False]).all(), (metric, means)  # orthogonal beats iid
     assert (tmp_path / "summary.md").read_text().count("smallest R") >= 1
     assert list(tmp_path.glob("performer_attention_mse.png"))
-    assert set(frame[frame.part == "maps"].map) >= {"elu", "favor"}
+    assert set(frame[frame.part == "maps"]["map"]) >= {"elu", "favor"}
+
+
+def _shrunk(name: str, **changes) -> tuple[object, list[dict]]:
+    """A repo study's module and its quick configs with sizes overridden (smoke tests)."""
+    module = study.load_study(name)
+    configs = [
+        {**c, **{k: v for k, v in changes.items() if k in c}}
+        for c in module.configs(study.load_params(name, quick=True))
+    ]
+    return module, configs
+
+
+def test_speed_study_runs_a_config():
+    module, configs = _shrunk("speed", seq_lens=[16, 32], repeats=1)
+    frame = pd.DataFrame(module.run_config(configs[0], "cpu"))
+    assert {"time_ms", "gflops"} <= set(frame.metric)
+    for key in ("setting", "method", "causal", "pass"):
+        frame[key] = configs[0][key]
+    assert "Median time" in module.summarize(frame, study.load_params("speed", quick=True))
+
+
+def test_generation_study_runs_and_reports_both_speedups():
+    module, configs = _shrunk("generation", lengths=[4, 8], d_model=16, n_layers=1, batch=2)
+    frames = [pd.DataFrame(module.run_config(c, "cpu")).assign(run=c["run"]) for c in configs]
+    table = module.summary_table(pd.concat(frames))
+    assert {"speed-up vs no cache", "speed-up vs KV cache"} <= set(table.columns)
+    assert (table["speed-up vs KV cache"] > 0).all() and len(table) == 2
+
+
+def test_rank_study_gaussian_and_copy_configs_run():
+    module, configs = _shrunk("rank", steps=3, eval_every=2, train_samples=64, val_samples=4)
+    gaussian = next(c for c in configs if c["part"] == "gaussian" and c["method"] == "elu")
+    rows = pd.DataFrame(module.run_config({**gaussian, "n": 32}, "cpu"))
+    ranks = rows.set_index("metric").value
+    assert ranks["numerical_rank"] <= gaussian["feature_dim"]
+    copy = next(c for c in configs if c["part"] == "copy" and c["method"] == "elu")
+    rows = pd.DataFrame(module.run_config(copy, "cpu"))
+    assert sorted(rows[rows.metric == "val_accuracy"].step) == [2, 3]
+    assert rows[rows.metric == "val_accuracy"].value.between(0, 1).all()
+    captured = rows[rows.metric == "numerical_rank"]
+    assert (captured.value <= copy["feature_dim"]).all()

@@ -15,8 +15,8 @@
 //
 // Each chunk is packed into zero-padded buffers (rows to C, F and M to a multiple of the
 // vector width), so every matrix product is on whole vectors and whole chunks. The products
-// run on register-blocked micro-kernels written with GCC/Clang vector extensions (AVX2+FMA
-// with -march=native on x86; plain scalar code elsewhere).
+// run on register-blocked micro-kernels: AVX2+FMA intrinsics where the compiler targets them
+// (-march=native on x86-64), plain loops for the compiler to vectorize elsewhere.
 #pragma once
 
 #include <algorithm>
@@ -24,6 +24,9 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -39,54 +42,66 @@ constexpr idx kChunk = KS_CHUNK;   // rows per chunk
 constexpr idx kSegmentChunks = 8;  // chunks per segment (fixed: keeps results thread-independent)
 
 // ---------------------------------------------------------------- vectors of 32 bytes
-#if defined(__GNUC__) || defined(__clang__)
+// Vec<T>: load, store, splat (broadcast) and fma (acc + a * b) on 32 bytes of T.
+#if defined(__AVX2__) && defined(__FMA__)
 template <typename T>
-struct Vec {
-  static constexpr int lanes = 32 / sizeof(T);
-  typedef T type __attribute__((vector_size(32)));
-  static inline type load(const T* p) {
-    type r;
-    std::memcpy(&r, p, sizeof(r));
-    return r;
-  }
-  static inline void store(T* p, type x) { std::memcpy(p, &x, sizeof(x)); }
-  static inline type splat(T a) {
-    type r;
-    for (int l = 0; l < lanes; ++l) r[l] = a;
-    return r;
-  }
+struct Vec;
+template <>
+struct Vec<float> {
+  static constexpr int lanes = 8;
+  using type = __m256;
+  static type load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, type x) { _mm256_storeu_ps(p, x); }
+  static type splat(const float* p) { return _mm256_broadcast_ss(p); }
+  static type fma(type acc, type a, type b) { return _mm256_fmadd_ps(a, b, acc); }
+  static void pin(type& x) { asm("" : "+x"(x)); }  // keep in a register (no load folding)
 };
-#else  // portable fallback: arrays the compiler may vectorize on its own
+template <>
+struct Vec<double> {
+  static constexpr int lanes = 4;
+  using type = __m256d;
+  static type load(const double* p) { return _mm256_loadu_pd(p); }
+  static void store(double* p, type x) { _mm256_storeu_pd(p, x); }
+  static type splat(const double* p) { return _mm256_broadcast_sd(p); }
+  static type fma(type acc, type a, type b) { return _mm256_fmadd_pd(a, b, acc); }
+  static void pin(type& x) { asm("" : "+x"(x)); }
+};
+#else  // portable fallback: small arrays the compiler may vectorize on its own
 template <typename T>
 struct Vec {
   static constexpr int lanes = 32 / sizeof(T);
   struct type {
     T x[lanes];
-    type& operator+=(const type& o) {
-      for (int l = 0; l < lanes; ++l) x[l] += o.x[l];
-      return *this;
-    }
-    type operator*(const type& o) const {
-      type r;
-      for (int l = 0; l < lanes; ++l) r.x[l] = x[l] * o.x[l];
-      return r;
-    }
   };
-  static inline type load(const T* p) {
+  static type load(const T* p) {
     type r;
-    std::memcpy(&r, p, sizeof(r));
+    std::memcpy(r.x, p, sizeof(r.x));
     return r;
   }
-  static inline void store(T* p, type x) { std::memcpy(p, &x, sizeof(x)); }
-  static inline type splat(T a) {
+  static void store(T* p, type v) { std::memcpy(p, v.x, sizeof(v.x)); }
+  static type splat(const T* p) {
     type r;
-    for (int l = 0; l < lanes; ++l) r.x[l] = a;
+    for (int l = 0; l < lanes; ++l) r.x[l] = *p;
     return r;
   }
+  static type fma(type acc, type a, type b) {
+    for (int l = 0; l < lanes; ++l) acc.x[l] += a.x[l] * b.x[l];
+    return acc;
+  }
+  static void pin(type&) {}
 };
 #endif
 
 // ---------------------------------------------------------------- matrix products
+// Fully unroll a loop of compile-time length (keeps accumulator arrays in registers).
+#if defined(__clang__)
+#define KS_UNROLL _Pragma("unroll")
+#elif defined(__GNUC__)
+#define KS_UNROLL _Pragma("GCC unroll 16")
+#else
+#define KS_UNROLL
+#endif
+
 // C[MR x NV*L] += A[MR x k] B[k x NV*L]; rows at strides lda, ldb, ldc.
 template <typename T, int MR, int NV>
 static inline void micro_kernel(idx k, const T* A, idx lda, const T* B, idx ldb, T* C, idx ldc) {
@@ -94,18 +109,23 @@ static inline void micro_kernel(idx k, const T* A, idx lda, const T* B, idx ldb,
   using vec = typename V::type;
   constexpr int L = V::lanes;
   vec acc[MR][NV];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NV; ++j) acc[i][j] = V::load(C + i * ldc + j * L);
+  KS_UNROLL for (int i = 0; i < MR; ++i) {
+    KS_UNROLL for (int j = 0; j < NV; ++j) acc[i][j] = V::load(C + i * ldc + j * L);
+  }
   for (idx p = 0; p < k; ++p) {
     vec b[NV];
-    for (int j = 0; j < NV; ++j) b[j] = V::load(B + p * ldb + j * L);
-    for (int i = 0; i < MR; ++i) {
-      const vec a = V::splat(A[i * lda + p]);
-      for (int j = 0; j < NV; ++j) acc[i][j] += a * b[j];
+    KS_UNROLL for (int j = 0; j < NV; ++j) {
+      b[j] = V::load(B + p * ldb + j * L);
+      V::pin(b[j]);
+    }
+    KS_UNROLL for (int i = 0; i < MR; ++i) {
+      const vec a = V::splat(A + i * lda + p);
+      KS_UNROLL for (int j = 0; j < NV; ++j) acc[i][j] = V::fma(acc[i][j], a, b[j]);
     }
   }
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NV; ++j) V::store(C + i * ldc + j * L, acc[i][j]);
+  KS_UNROLL for (int i = 0; i < MR; ++i) {
+    KS_UNROLL for (int j = 0; j < NV; ++j) V::store(C + i * ldc + j * L, acc[i][j]);
+  }
 }
 
 #ifndef KS_MR

@@ -7,6 +7,7 @@ the fast paths live in the core. Inputs follow the core's conventions:
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -114,6 +115,9 @@ def attention_matrix(
         weights = allowed.to(q.dtype).expand(q.shape[0], q.shape[1], n, s)
         return weights / weights.sum(-1, keepdim=True).clamp_min(1.0)
     fm = _as_feature_map(feature_map, q)
+    dtypes = {t.dtype for t in (*fm.parameters(), *fm.buffers()) if t.is_floating_point()}
+    if dtypes - {q.dtype}:  # e.g. a float32 map on float64 analysis inputs: use a cast copy
+        fm = copy.deepcopy(fm).to(q.dtype)
     if key_padding_mask is not None:  # as in kernel_attention: the map never sees padding
         k = k.masked_fill(~key_padding_mask.to(k.device)[:, None, :, None], 0.0)
     scores = fm(q, is_query=True) @ fm(k, is_query=False).transpose(-1, -2)

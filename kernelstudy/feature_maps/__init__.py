@@ -8,7 +8,7 @@ new map is one new file.
 import importlib
 import pkgutil
 
-from .base import FeatureMap, Hyperparameter
+from .base import FeatureMap, HeadwiseFeatureMap, Hyperparameter, RandomFeatureMap
 from .registry import (
     create_feature_map,
     get_feature_map_class,
@@ -20,10 +20,15 @@ for _module in pkgutil.iter_modules(__path__):
     if _module.name not in {"base", "registry"}:
         importlib.import_module(f"{__name__}.{_module.name}")
 
+from .table import feature_map_table  # noqa: E402
+
 __all__ = [
     "FeatureMap",
+    "HeadwiseFeatureMap",
     "Hyperparameter",
+    "RandomFeatureMap",
     "create_feature_map",
+    "feature_map_table",
     "get_feature_map_class",
     "list_feature_maps",
     "register_feature_map",

@@ -62,6 +62,26 @@ class Hyperparameter:
         return f"{self.type.__name__}{' in ' + rng if rng else ''} = {self.default!r}"
 
 
+def resolve_seed(seed: Any) -> Any:
+    """An int seed from ``seed``: None draws one from torch's global RNG (so
+    ``torch.manual_seed`` makes it reproducible), a ``torch.Generator`` draws one
+    from that generator; anything else is returned for validation."""
+    if seed is None or isinstance(seed, torch.Generator):
+        return int(torch.randint(0, 2**31 - 1, (), generator=seed))
+    return seed
+
+
+#: The ``seed`` hyperparameter of every map with random draws or a random init.
+SEED = Hyperparameter(
+    int,
+    None,
+    low=0,
+    nullable=True,
+    search=False,
+    doc="seed of the random draws (None: draw one; the config records it)",
+)
+
+
 class FeatureMap(nn.Module):
     """A feature map φ: ``(..., N, D) → (..., N, F)``, applied per head.
 
@@ -91,6 +111,8 @@ class FeatureMap(nn.Module):
                 f"unknown hyperparameter(s) {unknown} for feature map {self.name!r}; "
                 f"it takes: {known}"
             )
+        if "seed" in self.hyperparameters:  # None or a Generator becomes a recorded int
+            hparams["seed"] = resolve_seed(hparams.get("seed"))
         self.head_dim = head_dim
         self.num_heads = num_heads
         self.hparams: dict[str, Any] = {}
@@ -119,9 +141,15 @@ class FeatureMap(nn.Module):
         return self.features(x, bool(is_query))
 
     def config(self) -> dict[str, Any]:
-        """A JSON-serializable dict that ``create_feature_map`` turns back into this map."""
+        """A JSON-serializable dict that ``create_feature_map`` turns back into this map.
+
+        Its ``name`` is the registered name, or ``"module:Class"`` for a class that is
+        not registered itself (a user's map, or a subclass of a registered one).
+        """
+        cls = type(self)
+        name = cls.__dict__.get("name") or f"{cls.__module__}:{cls.__qualname__}"
         return {
-            "name": self.name,
+            "name": name,
             "head_dim": self.head_dim,
             "num_heads": self.num_heads,
             **self.hparams,
@@ -138,3 +166,80 @@ class FeatureMap(nn.Module):
     def extra_repr(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.hparams.items())
         return f"head_dim={self.head_dim}, F={self.feature_dim}" + (f", {args}" if args else "")
+
+
+class RandomFeatureMap(FeatureMap):
+    """Base of random-feature maps: features from random draws fixed by ``seed``.
+
+    Subclasses implement ``draw(generator)`` (set their buffers from the generator)
+    and call ``self.maybe_redraw(is_query)`` at the start of ``features``.
+    ``redraw_every = k > 0`` redraws after every k query calls in training mode
+    (a call is one query pass, so queries and keys of one attention share a draw);
+    in eval mode the features stay fixed.
+    """
+
+    random: ClassVar[bool] = True
+    hyperparameters: ClassVar[dict[str, Hyperparameter]] = {
+        "seed": SEED,
+        "redraw_every": Hyperparameter(
+            int,
+            0,
+            low=0,
+            search=False,
+            doc="in training, redraw after this many query calls (0: never)",
+        ),
+    }
+
+    def __init__(self, head_dim: int, num_heads: int = 1, **hparams: Any) -> None:
+        super().__init__(head_dim, num_heads, **hparams)
+        self.calls_since_draw = 0
+
+    def draw(self, generator: torch.Generator) -> None:
+        """Set the random buffers from ``generator`` (a CPU generator)."""
+        raise NotImplementedError
+
+    def redraw(self, seed: int | torch.Generator | None = None) -> None:
+        """New random features from ``seed``; None derives the next seed from the current
+        one (deterministic, so two maps with one seed stay equal). ``config()`` records it."""
+        if seed is None:
+            seed = resolve_seed(torch.Generator().manual_seed(self.hparams["seed"]))
+        seed = self.hyperparameters["seed"].validate("seed", resolve_seed(seed))
+        self.hparams["seed"] = seed
+        self.calls_since_draw = 0
+        self.draw(torch.Generator().manual_seed(seed))
+
+    def maybe_redraw(self, is_query: bool) -> None:
+        """Count a query call in training mode and redraw when ``redraw_every`` calls are done."""
+        every = self.hparams["redraw_every"]
+        if not (every and self.training and is_query):
+            return
+        if self.calls_since_draw >= every:
+            self.redraw()
+        self.calls_since_draw += 1
+
+
+class HeadwiseFeatureMap(FeatureMap):
+    """Base of trainable maps with weights applied per head: ``(H', n, m)`` tensors where
+    H' = 1 when the ``shared`` hyperparameter is True and ``num_heads`` otherwise.
+
+    Per-head weights need inputs ``(B, num_heads, N, D)``; shared ones take any
+    leading shape.
+    """
+
+    trainable: ClassVar[bool] = True
+
+    @property
+    def weight_heads(self) -> int:
+        """H', the number of weight copies: 1 if shared across heads, else ``num_heads``."""
+        return 1 if self.hparams["shared"] else self.num_heads
+
+    def headwise(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``x @ weight`` per head: ``(..., N, n) @ (H', n, m) → (..., N, m)``."""
+        if weight.shape[0] == 1:
+            return x @ weight[0]
+        if x.dim() != 4 or x.shape[1] != weight.shape[0]:
+            raise ValueError(
+                f"x must have shape (B, num_heads={weight.shape[0]}, N, {self.head_dim}) for "
+                f"per-head weights (shared=False), got {tuple(x.shape)}"
+            )
+        return x @ weight.unsqueeze(0)

@@ -1,0 +1,115 @@
+"""FAVOR+: positive random features of the softmax kernel (Choromanski et al. 2021)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from .base import Hyperparameter, RandomFeatureMap
+from .orthogonal import ROW_NORMS, gaussian_projection
+from .registry import register_feature_map
+from .softmax_kernel import compute_dtype, softmax_kernel, stabilizer
+
+#: Hyperparameters shared by the random-feature maps of the softmax kernel.
+PROJECTION_HPARAMS: dict[str, Hyperparameter] = {
+    "num_features": Hyperparameter(
+        int, 256, low=1, high=8192, log=True, doc="R, the number of random projections"
+    ),
+    "orthogonal": Hyperparameter(
+        bool, True, search=False, doc="block-orthogonal rows of W (False: iid Gaussian)"
+    ),
+    "row_norms": Hyperparameter(
+        str,
+        "chi",
+        choices=ROW_NORMS,
+        search=False,
+        doc="orthogonal rows rescaled to χ(D)-distributed norms or to exactly √D",
+    ),
+    "stabilize": Hyperparameter(
+        bool,
+        True,
+        search=False,
+        doc="subtract a max (per query row / per key sequence) inside exp; it cancels in "
+        "normalized attention but scales the kernel values φ(q)·φ(k)",
+    ),
+}
+
+
+class SoftmaxRandomFeatures(RandomFeatureMap):
+    """Base of random-feature maps of exp(q·k/√D) with a projection ``W: (R, D)`` buffer.
+
+    Inputs are scaled as x̂ = x / D^{1/4}, so that exp(q̂·k̂) = exp(q·k/√D).
+    """
+
+    def __init__(self, head_dim: int, num_heads: int = 1, **hparams: Any) -> None:
+        super().__init__(head_dim, num_heads, **hparams)
+        r = self.hparams["num_features"]
+        self.register_buffer("weight", torch.empty(r, head_dim))
+        self.redraw(self.hparams["seed"])
+
+    def draw(self, generator: torch.Generator) -> None:
+        w = gaussian_projection(
+            self.hparams["num_features"],
+            self.head_dim,
+            generator,
+            orthogonal=self.hparams["orthogonal"],
+            row_norms=self.hparams["row_norms"],
+        )
+        with torch.no_grad():
+            self.weight.copy_(w)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(Wx̂: (..., N, R), ‖x̂‖²/2: (..., N, 1))`` in at least float32."""
+        dtype = compute_dtype(x, self.weight)
+        x_hat = x.to(dtype) * self.head_dim**-0.25
+        half_sq_norm = x_hat.square().sum(-1, keepdim=True) / 2
+        return x_hat @ self.weight.to(dtype).T, half_sq_norm
+
+    def kernel(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The kernel the features estimate, exp(x·y/√D): ``(..., N, S)``.
+
+        With ``stabilize=True`` φ(x)·φ(y) equals it only up to a factor per query
+        row and per key sequence (which normalized attention cancels).
+        """
+        return softmax_kernel(x, y)
+
+
+@register_feature_map("favor")
+class FavorFeatureMap(SoftmaxRandomFeatures):
+    """FAVOR+ positive random features of the softmax kernel exp(q·k/√D).
+
+    φ(x) = exp(Wx̂ − ‖x̂‖²/2)/√R with x̂ = x/D^{1/4} and W: (R, D) Gaussian rows (iid or
+    block-orthogonal), so E[φ(x)·φ(y)] = exp(x·y/√D). ``hyperbolic=True`` uses
+    [exp(Wx̂), exp(−Wx̂)]·exp(−‖x̂‖²/2)/√(2R) (F = 2R, lower variance, same mean).
+    ``stabilize`` subtracts the max exponent per query row (queries) or per
+    sequence (keys, over N and features); normalized attention is unchanged but
+    φ(q)·φ(k) is then the kernel times a per-row/per-sequence factor; turn it off
+    for kernel-level analysis. For causal attention the key max covers the whole
+    sequence: it is detached and cancels exactly, only underflow can depend on later keys.
+    ``(B,H,N,D) → (B,H,N,F)``; W is shared by all heads.
+    """
+
+    paper = "Choromanski et al. 2021, Rethinking Attention with Performers"
+    feature_dim_formula = "R (2R if hyperbolic)"
+    hyperparameters: ClassVar[dict[str, Hyperparameter]] = {
+        **PROJECTION_HPARAMS,
+        "hyperbolic": Hyperparameter(
+            bool, False, search=False, doc="features [exp(Wx̂), exp(−Wx̂)] (F = 2R)"
+        ),
+        **RandomFeatureMap.hyperparameters,
+    }
+
+    @property
+    def feature_dim(self) -> int:
+        return self.hparams["num_features"] * (2 if self.hparams["hyperbolic"] else 1)
+
+    def features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
+        self.maybe_redraw(is_query)
+        proj, half_sq_norm = self.project(x)
+        if self.hparams["hyperbolic"]:
+            proj = torch.cat([proj, -proj], dim=-1)
+        logits = proj - half_sq_norm
+        if self.hparams["stabilize"]:
+            logits = logits - stabilizer(logits, is_query)
+        return (logits.exp() * self.feature_dim**-0.5).to(x.dtype)

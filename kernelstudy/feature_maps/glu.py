@@ -1,0 +1,141 @@
+"""Gated-linear-unit kernels GLU, OGLU and AOGLU (Yorsh & Kovalenko).
+
+A unit maps ``(..., N, n) → (..., N, n)``: GLU(X) = XW_f ⊙ σ(XW_g); the last unit of a
+stack is Softplus(XW_f) ⊙ σ(XW_g), so φ > 0. ``depth`` stacks 1–3 units.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import SEED, HeadwiseFeatureMap, Hyperparameter
+from .orthogonal import orthogonal_init_, orthogonality_penalty
+from .registry import register_feature_map
+from .softplus_ffn import REG_WEIGHT, SHARED, YORSH_KOVALENKO
+
+DEPTH = Hyperparameter(int, 1, low=1, high=3, doc="number of stacked GLU units")
+
+
+class GLUUnit(nn.Module):
+    """One unit's weights ``W_f: (H', n, n)`` and gate ``W_g: (H', n, n)``, or, with a
+    ``rank``, the gate as a product ``W_g = A B`` of ``A: (H', n, r)``, ``B: (H', r, n)``."""
+
+    def __init__(
+        self, heads: int, n: int, orthogonal: bool, rank: int | None, generator: torch.Generator
+    ) -> None:
+        super().__init__()
+        bound = n**-0.5
+        self.w_f = nn.Parameter(torch.empty(heads, n, n))
+        if orthogonal:
+            orthogonal_init_(self.w_f, generator)
+        else:
+            nn.init.uniform_(self.w_f, -bound, bound, generator=generator)
+        if rank is None:
+            self.w_g = nn.Parameter(
+                torch.empty(heads, n, n).uniform_(-bound, bound, generator=generator)
+            )
+        else:  # entries of A B have variance ≈ 1/n, as a full gate's
+            std = (rank * n) ** -0.25
+            self.w_g_down = nn.Parameter(torch.randn(heads, n, rank, generator=generator) * std)
+            self.w_g_up = nn.Parameter(torch.randn(heads, rank, n, generator=generator) * std)
+
+    def gate_weight(self) -> torch.Tensor:
+        """``W_g: (H', n, n)``."""
+        if hasattr(self, "w_g"):
+            return self.w_g
+        return self.w_g_down @ self.w_g_up
+
+
+@register_feature_map("glu")
+class GLUFeatureMap(HeadwiseFeatureMap):
+    """Stacked GLU kernel: ``depth`` units of XW_f ⊙ σ(XW_g), the last with Softplus(XW_f).
+
+    W_f, W_g: ``(n, n)`` with n = D, no biases: 2n² parameters per unit (per head if
+    ``shared=False``). Positive, F = D. ``(B,H,N,D) → (B,H,N,D)``.
+    """
+
+    paper = YORSH_KOVALENKO
+    feature_dim_formula = "D"
+    orthogonal_f: ClassVar[bool] = False
+    hyperparameters: ClassVar[dict[str, Hyperparameter]] = {
+        "depth": DEPTH,
+        "shared": SHARED,
+        "seed": SEED,
+    }
+
+    def __init__(self, head_dim: int, num_heads: int = 1, **hparams: Any) -> None:
+        super().__init__(head_dim, num_heads, **hparams)
+        generator = torch.Generator().manual_seed(self.hparams["seed"])
+        self.units = nn.ModuleList(
+            GLUUnit(self.weight_heads, head_dim, self.orthogonal_f, self.rank, generator)
+            for _ in range(self.hparams["depth"])
+        )
+
+    @property
+    def rank(self) -> int | None:
+        """The gate's rank r (None: a full n×n gate)."""
+        return None
+
+    @property
+    def feature_dim(self) -> int:
+        return self.head_dim
+
+    def features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
+        for i, unit in enumerate(self.units):
+            value = self.headwise(x, unit.w_f.to(x.dtype))
+            gate = torch.sigmoid(self.headwise(x, unit.gate_weight().to(x.dtype)))
+            if i == len(self.units) - 1:
+                value = F.softplus(value)
+            x = value * gate
+        return x
+
+
+@register_feature_map("oglu")
+class OGLUFeatureMap(GLUFeatureMap):
+    """GLU kernel with orthogonal W_f: orthogonal init and ``regularization()`` =
+    ``reg_weight``·Σ_units ‖W_fᵀW_f − I‖²_F. 2n² parameters per unit, F = D."""
+
+    orthogonal_f = True
+    hyperparameters: ClassVar[dict[str, Hyperparameter]] = {
+        "depth": DEPTH,
+        "reg_weight": REG_WEIGHT,
+        "shared": SHARED,
+        "seed": SEED,
+    }
+
+    def regularization(self) -> torch.Tensor:
+        """``reg_weight``·Σ_units ‖W_fᵀW_f − I‖²_F, a scalar (≈ 0 at init)."""
+        penalty = sum(orthogonality_penalty(unit.w_f) for unit in self.units)
+        return self.hparams["reg_weight"] * penalty
+
+
+@register_feature_map("aoglu")
+class AOGLUFeatureMap(OGLUFeatureMap):
+    """OGLU whose gate is a rank-r product W_g = A B (A: n×r, B: r×n), r = ``rank``
+    (default n//4, at least 1): exactly n² + 2nr parameters per unit (per head if
+    ``shared=False``). F = D."""
+
+    hyperparameters: ClassVar[dict[str, Hyperparameter]] = {
+        "depth": DEPTH,
+        "rank": Hyperparameter(
+            int, None, low=1, nullable=True, search=False, doc="rank r of the gate (None: n//4)"
+        ),
+        "reg_weight": REG_WEIGHT,
+        "shared": SHARED,
+        "seed": SEED,
+    }
+
+    def __init__(self, head_dim: int, num_heads: int = 1, **hparams: Any) -> None:
+        rank = hparams.get("rank")
+        if isinstance(rank, int) and not isinstance(rank, bool) and rank > head_dim:
+            raise ValueError(f"rank must be <= head_dim={head_dim}, got {rank}")
+        super().__init__(head_dim, num_heads, **hparams)
+
+    @property
+    def rank(self) -> int | None:
+        rank = self.hparams["rank"]
+        return max(1, self.head_dim // 4) if rank is None else rank

@@ -1,0 +1,53 @@
+"""Hedgehog: a trainable softmax mimic [exp(Wx+b), exp(−Wx−b)] (Zhang et al. 2024)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from .base import HeadwiseFeatureMap, Hyperparameter
+from .registry import register_feature_map
+from .softmax_kernel import stabilizer
+
+
+@register_feature_map("hedgehog")
+class HedgehogFeatureMap(HeadwiseFeatureMap):
+    """φ(x) = [exp(xW + b), exp(−xW − b)] with trainable ``W: (D, D)``, ``b: (D,)``.
+
+    Starts at W = I, b = 0; per head by default (``shared=False``), as in the paper.
+    ``stabilize`` subtracts the max exponent per query row (queries) or per
+    sequence (keys), as ``favor`` does: normalized attention is unchanged, kernel
+    values φ(q)·φ(k) only up to that factor. Positive, F = 2D.
+    ``(B,H,N,D) → (B,H,N,2D)``.
+    """
+
+    paper = "Zhang et al. 2024, The Hedgehog & the Porcupine"
+    feature_dim_formula = "2D"
+    hyperparameters: ClassVar[dict[str, Hyperparameter]] = {
+        "shared": Hyperparameter(
+            bool, False, search=False, doc="one W, b for all heads (False: one per head)"
+        ),
+        "stabilize": Hyperparameter(
+            bool, True, search=False, doc="subtract a max inside exp (cancels in attention)"
+        ),
+    }
+
+    def __init__(self, head_dim: int, num_heads: int = 1, **hparams: Any) -> None:
+        super().__init__(head_dim, num_heads, **hparams)
+        eye = torch.eye(head_dim).expand(self.weight_heads, head_dim, head_dim)
+        self.weight = nn.Parameter(eye.clone())
+        self.bias = nn.Parameter(torch.zeros(self.weight_heads, 1, head_dim))
+
+    @property
+    def feature_dim(self) -> int:
+        return 2 * self.head_dim
+
+    def features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
+        bias = self.bias[0] if self.weight_heads == 1 else self.bias
+        z = self.headwise(x, self.weight.to(x.dtype)) + bias.to(x.dtype)
+        logits = torch.cat([z, -z], dim=-1)
+        if self.hparams["stabilize"]:
+            logits = logits - stabilizer(logits, is_query)
+        return logits.exp()

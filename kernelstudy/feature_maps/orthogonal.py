@@ -1,0 +1,55 @@
+"""Orthogonality helpers: Gaussian projections with (block-)orthogonal rows, orthogonal
+initialization, and the orthogonality penalty ‖WᵀW − I‖²_F."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+ROW_NORMS = ("chi", "sqrt_d")
+
+
+def gaussian_projection(
+    num_rows: int,
+    dim: int,
+    generator: torch.Generator,
+    orthogonal: bool = False,
+    row_norms: str = "chi",
+) -> torch.Tensor:
+    """A random ``(num_rows, dim)`` float64 matrix whose rows w_r estimate E over N(0, I).
+
+    iid: rows are independent N(0, I_dim). Orthogonal: rows come in blocks of
+    ``dim`` mutually orthogonal directions (QR of a Gaussian matrix, sign-corrected so
+    each block is Haar distributed; the last block is truncated); each row is then
+    rescaled to the norm of an independent N(0, I_dim) vector (``row_norms="chi"``,
+    so every row is marginally N(0, I)) or to exactly √dim (``"sqrt_d"``).
+    """
+    if row_norms not in ROW_NORMS:
+        raise ValueError(f"row_norms must be one of {list(ROW_NORMS)}, got {row_norms!r}")
+    if not orthogonal:
+        return torch.randn(num_rows, dim, generator=generator, dtype=torch.float64)
+    blocks = []
+    for _ in range(math.ceil(num_rows / dim)):
+        q, r = torch.linalg.qr(torch.randn(dim, dim, generator=generator, dtype=torch.float64))
+        blocks.append((q * torch.sign(torch.diagonal(r))).T)  # rows orthonormal
+    rows = torch.cat(blocks)[:num_rows]
+    if row_norms == "chi":
+        norms = torch.randn(num_rows, dim, generator=generator, dtype=torch.float64).norm(dim=1)
+    else:
+        norms = torch.full((num_rows,), math.sqrt(dim), dtype=torch.float64)
+    return rows * norms[:, None]
+
+
+def orthogonal_init_(weight: torch.Tensor, generator: torch.Generator | None = None) -> None:
+    """Fill ``weight: (..., n, n)`` in place with an orthogonal matrix per leading index."""
+    with torch.no_grad():
+        for matrix in weight.view(-1, *weight.shape[-2:]):
+            torch.nn.init.orthogonal_(matrix, generator=generator)
+
+
+def orthogonality_penalty(weight: torch.Tensor) -> torch.Tensor:
+    """‖WᵀW − I‖²_F of ``weight: (..., n, m)``, summed over leading indices: a scalar."""
+    gram = weight.transpose(-1, -2) @ weight
+    eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
+    return (gram - eye).square().sum()

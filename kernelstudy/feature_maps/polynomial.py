@@ -1,0 +1,109 @@
+"""Exact polynomial-kernel features: (x·y)^p, or its Taylor sum Σ_k (x·y)^k / k!."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any, ClassVar
+
+import torch
+
+from .base import FeatureMap, Hyperparameter
+from .registry import register_feature_map
+
+
+def _monomials(dim: int, degree: int, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index tuples ``(F_k, degree)`` of the degree-``degree`` monomials and their weights.
+
+    Full: every ordered tuple (the tensor power x^{⊗p}, F = D^p), weight 1.
+    Symmetric: sorted tuples only (F = C(D+p−1, p)), weighted by √(number of
+    orderings), so that the dot products are unchanged.
+    """
+    if not symmetric:
+        tuples = list(itertools.product(range(dim), repeat=degree))
+        weights = [1.0] * len(tuples)
+    else:
+        tuples = list(itertools.combinations_with_replacement(range(dim), degree))
+        weights = []
+        for t in tuples:
+            counts = [t.count(i) for i in set(t)]
+            weights.append(math.factorial(degree) / math.prod(map(math.factorial, counts)))
+        weights = [math.sqrt(w) for w in weights]
+    index = torch.tensor(tuples, dtype=torch.long).reshape(len(tuples), degree)
+    return index, torch.tensor(weights, dtype=torch.float64)
+
+
+def _num_monomials(dim: int, degree: int, symmetric: bool) -> int:
+    return math.comb(dim + degree - 1, degree) if symmetric else dim**degree
+
+
+@register_feature_map("polynomial")
+class PolynomialFeatureMap(FeatureMap):
+    """Exact features of the polynomial kernel (x̂·ŷ)^p, or of its Taylor sum.
+
+    ``degree = p``: φ(x) = x̂^{⊗p} (for p = 2, all products x̂_i x̂_j, F = D²).
+    ``symmetric=True`` keeps each unordered product once, weighted by √(its count),
+    which gives the same kernel with F = C(D+p−1, p) (≈ D²/2 for p = 2).
+    ``taylor=True`` concatenates the orders 0..p scaled by 1/√k!, so that
+    φ(x)·φ(y) = Σ_k (x̂·ŷ)^k / k! (p = 2: 1 + x̂·ŷ + (x̂·ŷ)²/2), the Taylor
+    approximation of exp(x̂·ŷ). ``scale_inputs`` uses x̂ = x/D^{1/4} (so the kernel is in
+    x·y/√D, as softmax attention); otherwise x̂ = x. Features can be negative; the
+    kernel is ≥ 0 for even p and, with ``taylor`` and p = 2, always > 0.
+    ``(..., N, D) → (..., N, F)``.
+    """
+
+    paper = "polynomial kernel; 2nd-order Taylor map as in Zhang et al. 2024 / Arora et al. 2024"
+    positive = False
+    feature_dim_formula = "D^p (C(D+p-1,p) if symmetric; summed over orders 0..p if taylor)"
+    hyperparameters: ClassVar[dict[str, Hyperparameter]] = {
+        "degree": Hyperparameter(int, 2, low=1, high=4, doc="p, the polynomial degree"),
+        "taylor": Hyperparameter(
+            bool, False, search=False, doc="add orders 0..p−1 with 1/k! weights (Taylor of exp)"
+        ),
+        "symmetric": Hyperparameter(
+            bool, False, search=False, doc="keep each unordered product once (same kernel)"
+        ),
+        "scale_inputs": Hyperparameter(
+            bool, False, search=False, doc="x̂ = x/D^{1/4}, so the kernel is in x·y/√D"
+        ),
+    }
+
+    def __init__(self, head_dim: int, num_heads: int = 1, **hparams: Any) -> None:
+        super().__init__(head_dim, num_heads, **hparams)
+        p, symmetric = self.hparams["degree"], self.hparams["symmetric"]
+        orders = range(p + 1) if self.hparams["taylor"] else [p]
+        indices, weights = [], []
+        for k in orders:
+            index, weight = _monomials(head_dim, k, symmetric)
+            indices.append(index)
+            weights.append(weight / math.sqrt(math.factorial(k) if self.hparams["taylor"] else 1))
+        self.orders = list(orders)
+        for k, index, weight in zip(self.orders, indices, weights, strict=True):
+            self.register_buffer(f"index_{k}", index, persistent=False)
+            self.register_buffer(f"weight_{k}", weight, persistent=False)  # float64
+
+    @property
+    def feature_dim(self) -> int:
+        d, symmetric = self.head_dim, self.hparams["symmetric"]
+        return sum(_num_monomials(d, k, symmetric) for k in self.orders)
+
+    def _scale(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.head_dim**-0.25 if self.hparams["scale_inputs"] else x
+
+    def features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
+        x = self._scale(x)
+        parts = []
+        for k in self.orders:
+            index, weight = getattr(self, f"index_{k}"), getattr(self, f"weight_{k}")
+            product = torch.ones(*x.shape[:-1], index.shape[0], dtype=x.dtype, device=x.device)
+            for j in range(k):
+                product = product * x[..., index[:, j]]
+            parts.append(product * weight.to(x.dtype))
+        return torch.cat(parts, dim=-1)
+
+    def kernel(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The exact kernel: (x̂·ŷ)^p or Σ_k (x̂·ŷ)^k/k!, ``(..., N, S)``."""
+        dots = self._scale(x) @ self._scale(y).transpose(-1, -2)
+        if not self.hparams["taylor"]:
+            return dots ** self.hparams["degree"]
+        return sum(dots**k / math.factorial(k) for k in self.orders)

@@ -1,0 +1,27 @@
+"""Pieces shared by the maps that estimate or mimic the softmax kernel exp(q·k/√D)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def softmax_kernel(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The exact softmax kernel ``exp(x·y/√D)``: ``(..., N, D), (..., S, D) → (..., N, S)``."""
+    return torch.exp(x @ y.transpose(-1, -2) / x.shape[-1] ** 0.5)
+
+
+def compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """At least float32 (half inputs are computed in float32), float64 if either is."""
+    return torch.promote_types(torch.promote_types(x.dtype, weight.dtype), torch.float32)
+
+
+def stabilizer(logits: torch.Tensor, is_query: bool) -> torch.Tensor:
+    """The constant to subtract from ``logits: (..., N, F)`` before ``exp``.
+
+    Queries: the max over features of each row ``(..., N, 1)``; a per-query factor
+    cancels in normalized attention. Keys: the max over the whole sequence and
+    all features ``(..., 1, 1)``; one factor shared by every key of a sequence
+    cancels too (also causally). Detached: it is a constant of the attention.
+    """
+    dims = (-1,) if is_query or logits.dim() < 2 else (-2, -1)
+    return logits.detach().amax(dim=dims, keepdim=True)

@@ -1,0 +1,54 @@
+"""A trainable one-layer feed-forward kernel φ(X) = Softplus(XW) (Yorsh & Kovalenko)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import SEED, HeadwiseFeatureMap, Hyperparameter
+from .orthogonal import orthogonal_init_, orthogonality_penalty
+from .registry import register_feature_map
+
+#: Hyperparameters of the trainable maps of Yorsh & Kovalenko.
+SHARED = Hyperparameter(bool, True, search=False, doc="one W for all heads (False: one per head)")
+REG_WEIGHT = Hyperparameter(
+    float, 0.01, low=0.0, high=1.0, doc="weight of the orthogonality penalty ‖WᵀW − I‖²_F"
+)
+YORSH_KOVALENKO = "Yorsh & Kovalenko, Linear Self-Attention Approximation via Trainable FF Kernel"
+
+
+@register_feature_map("softplus_ffn")
+class SoftplusFFNFeatureMap(HeadwiseFeatureMap):
+    """φ(X) = Softplus(XW) with ``W: (n, n)``, n = D, applied head-wise (positive, F = D).
+
+    W starts orthogonal; ``regularization()`` = ``reg_weight``·‖WᵀW − I‖²_F keeps it
+    near orthogonal (summed over heads when ``shared=False``).
+    ``(B,H,N,D) → (B,H,N,D)``.
+    """
+
+    paper = YORSH_KOVALENKO
+    feature_dim_formula = "D"
+    hyperparameters: ClassVar[dict[str, Hyperparameter]] = {
+        "reg_weight": REG_WEIGHT,
+        "shared": SHARED,
+        "seed": SEED,
+    }
+
+    def __init__(self, head_dim: int, num_heads: int = 1, **hparams: Any) -> None:
+        super().__init__(head_dim, num_heads, **hparams)
+        self.weight = nn.Parameter(torch.empty(self.weight_heads, head_dim, head_dim))
+        orthogonal_init_(self.weight, torch.Generator().manual_seed(self.hparams["seed"]))
+
+    @property
+    def feature_dim(self) -> int:
+        return self.head_dim
+
+    def features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
+        return F.softplus(self.headwise(x, self.weight.to(x.dtype)))
+
+    def regularization(self) -> torch.Tensor:
+        """``reg_weight``·‖WᵀW − I‖²_F, a scalar (≈ 0 at the orthogonal init)."""
+        return self.hparams["reg_weight"] * orthogonality_penalty(self.weight)

@@ -1,0 +1,478 @@
+"""Models on :class:`TransformerEncoder`: LRA classifiers, the two-tower matcher and a causal LM.
+
+Every model takes any attention: ``attention="softmax"``, ``attention="kernel"``
+with ``feature_map=`` (a registered name or config dict) and ``feature_map_kwargs=``,
+or a map name / config directly as ``attention="favor"``. Inputs are token ids
+``(B,N)`` long and an optional padding ``mask`` ``(B,N)`` bool, True = real token.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..feature_maps import FeatureMap
+from .encoder import LayerState, TransformerEncoder
+
+POSITIONS = ("sinusoidal", "learned", "none")
+POOLINGS = ("mean", "cls")
+
+
+def feature_maps_of(module: nn.Module) -> list[FeatureMap]:
+    """Every FeatureMap inside ``module`` (one per kernel-attention layer; empty for softmax)."""
+    return [m for m in module.modules() if isinstance(m, FeatureMap)]
+
+
+def feature_map_parameter_count(module: nn.Module, trainable_only: bool = False) -> int:
+    """Number of parameters held by the feature maps inside ``module`` (shared ones once)."""
+    params = {id(p): p for fm in feature_maps_of(module) for p in fm.parameters()}
+    return sum(p.numel() for p in params.values() if p.requires_grad or not trainable_only)
+
+
+def parameter_count(module: nn.Module, trainable_only: bool = False) -> int:
+    """Number of parameters of ``module`` (tied weights counted once)."""
+    return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)
+
+
+def feature_dim_of(module: nn.Module) -> int | None:
+    """F of the feature maps inside ``module`` (None for softmax attention)."""
+    dims = {fm.feature_dim for fm in feature_maps_of(module)}
+    if len(dims) > 1:
+        raise ValueError(f"the feature maps of this module differ in feature_dim: {sorted(dims)}")
+    return dims.pop() if dims else None
+
+
+def resolve_attention(
+    attention: str | Mapping[str, Any], feature_map: str | Mapping[str, Any] | None
+) -> tuple[str, str | Mapping[str, Any]]:
+    """``(kind, feature_map)`` for the encoder from the models' ``attention``/``feature_map`` args.
+
+    ``attention`` is ``"softmax"``, ``"kernel"`` (map from ``feature_map``, default
+    ``"elu"``), or a map name / config dict (then ``feature_map`` must be None).
+    """
+    if isinstance(attention, Mapping) or attention not in ("softmax", "kernel"):
+        if not isinstance(attention, str | Mapping):
+            raise TypeError(
+                "attention must be 'softmax', 'kernel', a feature-map name or a config dict, "
+                f"got {type(attention).__name__}"
+            )
+        if feature_map is not None:
+            raise ValueError(
+                f"attention={attention!r} already names the feature map; "
+                f"do not also pass feature_map={feature_map!r}"
+            )
+        return "kernel", attention
+    if attention == "softmax":
+        if feature_map is not None:
+            raise ValueError(f"feature_map={feature_map!r} given with attention='softmax'")
+        return "softmax", "elu"
+    return "kernel", "elu" if feature_map is None else feature_map
+
+
+def sinusoidal_positions(positions: torch.Tensor, d_model: int) -> torch.Tensor:
+    """Vaswani et al. encodings: ``positions (N,)`` long → ``(N, d_model)`` float32 in [-1, 1]."""
+    pos = positions.to(torch.float32)[:, None]
+    half = torch.arange(0, d_model, 2, device=positions.device, dtype=torch.float32)
+    freq = torch.exp(half * (-math.log(10_000.0) / d_model))
+    pe = torch.zeros(positions.shape[0], d_model, device=positions.device)
+    pe[:, 0::2] = torch.sin(pos * freq)
+    pe[:, 1::2] = torch.cos(pos * freq)[:, : d_model // 2]
+    return pe
+
+
+class PositionalEncoding(nn.Module):
+    """Position vectors ``(N,) → (N, d_model)``: ``"sinusoidal"`` (any length, no parameters),
+    ``"learned"`` (one vector per position below ``max_len``) or ``"none"`` (zeros)."""
+
+    def __init__(self, d_model: int, max_len: int, kind: str = "sinusoidal") -> None:
+        super().__init__()
+        if kind not in POSITIONS:
+            raise ValueError(f"positions must be one of {POSITIONS}, got {kind!r}")
+        if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
+            raise ValueError(f"max_len must be a positive int, got {max_len!r}")
+        self.d_model, self.max_len, self.kind = d_model, max_len, kind
+        self.table = nn.Embedding(max_len, d_model) if kind == "learned" else None
+        if self.table is not None:
+            nn.init.normal_(self.table.weight, std=0.02)
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        if self.kind == "sinusoidal":
+            return sinusoidal_positions(positions, self.d_model)
+        if self.kind == "none":
+            return torch.zeros(positions.shape[0], self.d_model, device=positions.device)
+        if positions.numel() and int(positions.max()) >= self.max_len:
+            raise ValueError(
+                f"position {int(positions.max())} is beyond max_len={self.max_len} "
+                "of the learned positional encoding"
+            )
+        return self.table(positions)
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, d_model={self.d_model}, max_len={self.max_len}"
+
+
+def _check_ids(input_ids: torch.Tensor, vocab_size: int, name: str = "input_ids") -> None:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else input_ids
+        raise ValueError(f"{name} must be a (batch, seq) tensor of token ids, got {shape!r}")
+    if input_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        raise ValueError(f"{name} must be an integer tensor, got dtype {input_ids.dtype}")
+    if input_ids.numel():
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"{name} must lie in [0, {vocab_size}), got values in [{lo}, {hi}]")
+
+
+def _check_mask(mask: torch.Tensor | None, input_ids: torch.Tensor, name: str) -> None:
+    if mask is None:
+        return
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        kind = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"{name} must be a bool tensor (True = real token), got {kind}")
+    if mask.shape != input_ids.shape:
+        raise ValueError(
+            f"{name} must have the shape of its ids {tuple(input_ids.shape)}, "
+            f"got {tuple(mask.shape)}"
+        )
+
+
+def _mlp_head(in_dim: int, hidden: int, out_dim: int, dropout: float) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Linear(in_dim, hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, out_dim)
+    )
+
+
+class _SequenceModel(nn.Module):
+    """Token embedding (scaled by √d_model) + positions + dropout + a TransformerEncoder."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        d_model: int,
+        n_heads: int,
+        n_layers: int,
+        d_ff: int | None,
+        dropout: float,
+        attention: str | Mapping[str, Any],
+        feature_map: str | Mapping[str, Any] | None,
+        feature_map_kwargs: Mapping[str, Any] | None,
+        positions: str,
+        max_len: int,
+        causal: bool,
+        eps: float,
+        backend: str | None,
+        extra_positions: int = 0,
+    ) -> None:
+        super().__init__()
+        if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1:
+            raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
+        if not isinstance(d_model, int) or isinstance(d_model, bool) or d_model < 1:
+            raise ValueError(f"d_model must be a positive int, got {d_model!r}")
+        kind, fmap = resolve_attention(attention, feature_map)
+        self.vocab_size, self.d_model = vocab_size, d_model
+        self.embed = nn.Embedding(vocab_size, d_model)
+        nn.init.normal_(self.embed.weight, std=d_model**-0.5)
+        self.positions = PositionalEncoding(d_model, max_len + extra_positions, positions)
+        self.drop = nn.Dropout(dropout)
+        self.encoder = TransformerEncoder(
+            n_layers,
+            d_model,
+            n_heads,
+            d_ff=d_ff,
+            dropout=dropout,
+            attention=kind,
+            feature_map=fmap,
+            feature_map_kwargs=feature_map_kwargs,
+            causal=causal,
+            eps=eps,
+            backend=backend,
+        )
+        self.attention_kind = kind
+
+    def _embed(self, input_ids: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """``(B,N)`` ids → ``(B,N,d_model)`` token + position vectors (positions from ``start``)."""
+        pos = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
+        return self.embed(input_ids) * math.sqrt(self.d_model) + self.positions(pos)
+
+    def parameter_count(self, trainable_only: bool = False) -> int:
+        """Number of parameters of the whole model (tied weights once)."""
+        return parameter_count(self, trainable_only)
+
+    def feature_map_parameter_count(self, trainable_only: bool = False) -> int:
+        """Number of parameters in the feature maps (0 for softmax and parameter-free maps)."""
+        return feature_map_parameter_count(self, trainable_only)
+
+    @property
+    def feature_dim(self) -> int | None:
+        """F per head of the kernel attention (None for softmax attention)."""
+        return feature_dim_of(self)
+
+    def regularization(self) -> torch.Tensor:
+        """Sum of the feature maps' regularizers (a scalar; 0 when none has one)."""
+        return self.encoder.regularization().to(self.embed.weight.device)
+
+    def config(self) -> dict[str, Any]:
+        """The constructor arguments (JSON-serializable when the maps are given by name/config)."""
+        return dict(self._config)
+
+
+class SequenceClassifier(_SequenceModel):
+    """An LRA classifier: embedding + positions + encoder + mean/CLS pooling + MLP head.
+
+    Args:
+        vocab_size, num_classes: token and label counts.
+        d_model, n_heads, n_layers, d_ff, dropout: encoder size (``d_ff`` default 4·d_model).
+        attention, feature_map, feature_map_kwargs: see :func:`resolve_attention`.
+        pooling: ``"mean"`` over real tokens, or ``"cls"`` (a learned vector prepended at
+            position 0, read out after the encoder).
+        positions: ``"sinusoidal"``, ``"learned"`` or ``"none"``; ``max_len`` bounds learned ones.
+        head_dim: hidden width of the MLP head (default ``d_model``).
+
+    ``forward(input_ids (B,N), mask (B,N) | None) → logits (B, num_classes)``.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        num_classes: int,
+        d_model: int = 128,
+        n_heads: int = 4,
+        n_layers: int = 2,
+        d_ff: int | None = None,
+        dropout: float = 0.1,
+        attention: str | Mapping[str, Any] = "kernel",
+        feature_map: str | Mapping[str, Any] | None = None,
+        feature_map_kwargs: Mapping[str, Any] | None = None,
+        pooling: str = "mean",
+        positions: str = "sinusoidal",
+        max_len: int = 4096,
+        head_dim: int | None = None,
+        eps: float = 1e-6,
+        backend: str | None = None,
+    ) -> None:
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+        if not isinstance(num_classes, int) or isinstance(num_classes, bool) or num_classes < 2:
+            raise ValueError(f"num_classes must be an int >= 2, got {num_classes!r}")
+        config = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+        super().__init__(
+            vocab_size=vocab_size,
+            d_model=d_model,
+            n_heads=n_heads,
+            n_layers=n_layers,
+            d_ff=d_ff,
+            dropout=dropout,
+            attention=attention,
+            feature_map=feature_map,
+            feature_map_kwargs=feature_map_kwargs,
+            positions=positions,
+            max_len=max_len,
+            causal=False,
+            eps=eps,
+            backend=backend,
+            extra_positions=1 if pooling == "cls" else 0,
+        )
+        self._config = config
+        self.num_classes, self.pooling = num_classes, pooling
+        self.cls = nn.Parameter(torch.randn(d_model) * 0.02) if pooling == "cls" else None
+        self.head = _mlp_head(d_model, head_dim or d_model, num_classes, dropout)
+
+    def encode(
+        self,
+        input_ids: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        names: tuple[str, str] = ("input_ids", "mask"),
+    ) -> torch.Tensor:
+        """The pooled sequence vector ``(B, d_model)``; padded positions never enter it.
+
+        ``names`` are the argument names that error messages use.
+        """
+        _check_ids(input_ids, self.vocab_size, names[0])
+        _check_mask(mask, input_ids, names[1])
+        if self.cls is None:
+            x = self._embed(input_ids)
+        else:
+            b = input_ids.shape[0]
+            cls = self.cls + self.positions(
+                torch.zeros(1, dtype=torch.long, device=self.cls.device)
+            )
+            x = torch.cat([cls.expand(b, 1, -1), self._embed(input_ids, start=1)], dim=1)
+            if mask is not None:
+                mask = torch.cat([mask.new_ones(b, 1), mask], dim=1)
+        h = self.encoder(self.drop(x), key_padding_mask=mask)
+        if self.cls is not None:
+            return h[:, 0]
+        if mask is None:
+            return h.mean(1)
+        w = mask.unsqueeze(-1).to(h.dtype)
+        return (h * w).sum(1) / w.sum(1).clamp_min(1.0)
+
+    def forward(self, input_ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.head(self.encode(input_ids, mask))
+
+
+class MatchingClassifier(SequenceClassifier):
+    """The LRA two-tower model (Retrieval): one shared encoder pools each document to u and v,
+    an MLP classifies ``[u, v, u·v, u−v]`` (``4·d_model`` wide).
+
+    Same arguments as :class:`SequenceClassifier` (default ``num_classes=2``).
+    ``forward(input_ids_1, mask_1, input_ids_2, mask_2) → logits (B, num_classes)``, ids
+    ``(B,N1)`` and ``(B,N2)``.
+    """
+
+    def __init__(self, vocab_size: int, num_classes: int = 2, **kwargs: Any) -> None:
+        super().__init__(vocab_size, num_classes, **kwargs)
+        self._config = {"vocab_size": vocab_size, "num_classes": num_classes, **kwargs}
+        dropout = self.head[2].p
+        hidden = self.head[0].out_features
+        self.head = _mlp_head(4 * self.d_model, hidden, num_classes, dropout)
+
+    def forward(  # type: ignore[override]
+        self,
+        input_ids_1: torch.Tensor,
+        mask_1: torch.Tensor | None = None,
+        input_ids_2: torch.Tensor | None = None,
+        mask_2: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if input_ids_2 is None:
+            raise ValueError("input_ids_2 is required: the matching model compares two documents")
+        _check_ids(input_ids_1, self.vocab_size, "input_ids_1")
+        _check_ids(input_ids_2, self.vocab_size, "input_ids_2")
+        if input_ids_1.shape[0] != input_ids_2.shape[0]:
+            raise ValueError(
+                f"input_ids_1 and input_ids_2 must have the same batch size, got "
+                f"{input_ids_1.shape[0]} and {input_ids_2.shape[0]}"
+            )
+        same = input_ids_1.shape == input_ids_2.shape and (mask_1 is None) == (mask_2 is None)
+        if same:  # one encoder pass over both documents
+            ids = torch.cat([input_ids_1, input_ids_2])
+            _check_mask(mask_1, input_ids_1, "mask_1")
+            _check_mask(mask_2, input_ids_2, "mask_2")
+            mask = None if mask_1 is None else torch.cat([mask_1, mask_2])
+            u, v = self.encode(ids, mask).chunk(2)
+        else:
+            u = self.encode(input_ids_1, mask_1, ("input_ids_1", "mask_1"))
+            v = self.encode(input_ids_2, mask_2, ("input_ids_2", "mask_2"))
+        return self.head(torch.cat([u, v, u * v, u - v], dim=-1))
+
+
+@dataclass(frozen=True)
+class LMState:
+    """Generation state of :class:`CausalLM`: the next position and each layer's state."""
+
+    position: int
+    layers: list[LayerState]
+
+
+class CausalLM(_SequenceModel):
+    """A causal language model: embedding + positions + causal encoder + output head.
+
+    Args: as :class:`SequenceClassifier`, plus ``tie_weights`` (the output head reuses
+    the embedding matrix, no bias).
+
+    ``forward(input_ids (B,N), mask (B,N) | None) → logits (B,N,vocab_size)``, the
+    prediction of token ``t+1`` at position ``t``. :meth:`step` runs one token with
+    constant memory for kernel attention (recurrent state) and a KV cache for softmax.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        d_model: int = 128,
+        n_heads: int = 4,
+        n_layers: int = 2,
+        d_ff: int | None = None,
+        dropout: float = 0.1,
+        attention: str | Mapping[str, Any] = "kernel",
+        feature_map: str | Mapping[str, Any] | None = None,
+        feature_map_kwargs: Mapping[str, Any] | None = None,
+        positions: str = "sinusoidal",
+        max_len: int = 4096,
+        tie_weights: bool = False,
+        eps: float = 1e-6,
+        backend: str | None = None,
+    ) -> None:
+        config = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+        super().__init__(
+            vocab_size=vocab_size,
+            d_model=d_model,
+            n_heads=n_heads,
+            n_layers=n_layers,
+            d_ff=d_ff,
+            dropout=dropout,
+            attention=attention,
+            feature_map=feature_map,
+            feature_map_kwargs=feature_map_kwargs,
+            positions=positions,
+            max_len=max_len,
+            causal=True,
+            eps=eps,
+            backend=backend,
+        )
+        self._config = config
+        self.head = nn.Linear(d_model, vocab_size, bias=not tie_weights)
+        if tie_weights:
+            self.head.weight = self.embed.weight
+
+    def forward(self, input_ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        _check_ids(input_ids, self.vocab_size)
+        _check_mask(mask, input_ids, "mask")
+        h = self.encoder(self.drop(self._embed(input_ids)), key_padding_mask=mask)
+        return self.head(h)
+
+    def step(
+        self, token: torch.Tensor, state: LMState | None = None
+    ) -> tuple[torch.Tensor, LMState]:
+        """Feed one token per sequence, ``token: (B,)`` long → next-token logits ``(B, vocab)``."""
+        if not isinstance(token, torch.Tensor) or token.dim() != 1:
+            shape = tuple(token.shape) if isinstance(token, torch.Tensor) else token
+            raise ValueError(f"token must be a (batch,) tensor of ids, got {shape!r}")
+        _check_ids(token[:, None], self.vocab_size, "token")
+        start = 0 if state is None else state.position
+        x = self.drop(self._embed(token[:, None], start=start)[:, 0])
+        h, layers = self.encoder.step(x, None if state is None else state.layers)
+        return self.head(h), LMState(start + 1, layers)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Continue ``prompt (B,P)`` by ``max_new_tokens`` tokens with :meth:`step`.
+
+        ``temperature`` 0 is greedy (argmax); > 0 samples from ``softmax(logits / T)``.
+        Runs in eval mode (the previous mode is restored). Returns ``(B, P + max_new_tokens)``.
+        """
+        _check_ids(prompt, self.vocab_size, "prompt")
+        if prompt.shape[1] < 1:
+            raise ValueError("prompt must hold at least one token per sequence")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        if not temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {temperature!r}")
+        was_training = self.training
+        self.eval()
+        try:
+            state, out = None, [prompt]
+            for t in range(prompt.shape[1]):
+                logits, state = self.step(prompt[:, t], state)
+            for i in range(max_new_tokens):
+                if temperature == 0.0:
+                    token = logits.argmax(-1)
+                else:
+                    probs = torch.softmax(logits.float() / temperature, dim=-1)
+                    token = torch.multinomial(probs, 1, generator=generator)[:, 0]
+                out.append(token[:, None])
+                if i + 1 < max_new_tokens:
+                    logits, state = self.step(token, state)
+            return torch.cat(out, dim=1)
+        finally:
+            self.train(was_training)

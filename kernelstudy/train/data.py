@@ -1,0 +1,156 @@
+"""Training batches with a resumable position: epoch after epoch, reproducible order."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+from torch.utils.data.dataloader import default_collate
+
+from .checkpoint import get_rng_state, set_rng_state
+
+
+class EpochBatchSampler(Sampler[list[int]]):
+    """Batches of indices whose order in epoch ``e`` is a pure function of ``(seed, e)``.
+
+    Set ``epoch`` and ``start`` (the first batch to yield) before iterating; a
+    resumed run then skips consumed batches without loading them.
+    """
+
+    def __init__(
+        self, size: int, batch_size: int, seed: int, shuffle: bool = True, drop_last: bool = True
+    ) -> None:
+        if size < 1:
+            raise ValueError("the training data is empty")
+        self.size, self.batch_size, self.seed = size, batch_size, seed
+        self.shuffle, self.drop_last = shuffle, drop_last and size >= batch_size
+        self.epoch, self.start = 0, 0
+
+    def __len__(self) -> int:
+        full, rest = divmod(self.size, self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        # built eagerly, so ``start`` is read when the DataLoader iterator is created
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            order = torch.randperm(self.size, generator=g).tolist()
+        else:
+            order = list(range(self.size))
+        b = self.batch_size
+        batches = [order[i * b : (i + 1) * b] for i in range(len(self))]
+        return iter(batches[self.start :])
+
+
+def _collate_of(dataset: Any) -> Any:
+    return getattr(dataset, "collate", None) or default_collate
+
+
+def make_loader(
+    data: Dataset | DataLoader,
+    batch_size: int,
+    seed: int = 0,
+    shuffle: bool = True,
+    num_workers: int = 0,
+    name: str = "train_data",
+) -> DataLoader:
+    """``data`` itself if it is a DataLoader, else a DataLoader over the Dataset: shuffled
+    through :class:`EpochBatchSampler` (training) or in order (evaluation)."""
+    if isinstance(data, DataLoader):
+        return data
+    if not isinstance(data, Dataset):
+        raise TypeError(f"{name} must be a torch Dataset or DataLoader, got {type(data).__name__}")
+    generator = torch.Generator().manual_seed(seed)
+    if isinstance(data, IterableDataset):
+        return DataLoader(data, batch_size=batch_size, collate_fn=_collate_of(data))
+    if len(data) == 0:
+        raise ValueError(f"{name} is empty")
+    sampler = EpochBatchSampler(len(data), batch_size, seed, shuffle=shuffle, drop_last=shuffle)
+    return DataLoader(
+        data,
+        batch_sampler=sampler,
+        collate_fn=_collate_of(data),
+        num_workers=num_workers,
+        generator=generator,
+    )
+
+
+def _generators(loader: DataLoader) -> list[torch.Generator]:
+    found = []
+    for owner in (loader, loader.sampler, getattr(loader.batch_sampler, "sampler", None)):
+        g = getattr(owner, "generator", None)
+        if isinstance(g, torch.Generator) and all(g is not f for f in found):
+            found.append(g)
+    return found
+
+
+class BatchStream:
+    """Endless batches from ``loader``, epoch after epoch; ``state_dict`` is its position.
+
+    With an :class:`EpochBatchSampler` a resume jumps straight to the position. With
+    any other DataLoader it restores the random states seen when the epoch began,
+    re-creates the iterator and skips the consumed batches (so the order is exact as
+    long as the loader's randomness comes from torch's generators).
+    """
+
+    def __init__(self, loader: DataLoader) -> None:
+        self.loader = loader
+        self.epoch, self.batch = 0, 0
+        self._it: Iterator | None = None
+        self._epoch_rng: dict[str, Any] | None = None
+
+    @property
+    def _sampler(self) -> EpochBatchSampler | None:
+        bs = self.loader.batch_sampler
+        return bs if isinstance(bs, EpochBatchSampler) else None
+
+    def _start_epoch(self, skip: int, fresh: bool) -> None:
+        sampler = self._sampler
+        if sampler is not None:
+            sampler.epoch, sampler.start = self.epoch, skip
+            if self.loader.generator is not None:
+                self.loader.generator.manual_seed(sampler.seed * 1_000_003 + self.epoch)
+            self._it = iter(self.loader)
+            return
+        if fresh:
+            self._epoch_rng = {
+                "global": get_rng_state(),
+                "loader": [g.get_state() for g in _generators(self.loader)],
+            }
+        elif self._epoch_rng is not None:
+            set_rng_state(self._epoch_rng["global"])
+            for g, state in zip(_generators(self.loader), self._epoch_rng["loader"], strict=False):
+                g.set_state(state)
+        self._it = iter(self.loader)
+        for _ in range(skip):
+            next(self._it)
+
+    def __iter__(self) -> BatchStream:
+        return self
+
+    def __next__(self) -> Any:
+        if self._it is None:
+            self._start_epoch(0, fresh=True)
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            if self.batch == 0:
+                raise ValueError("the training data loader yields no batches") from None
+            self.epoch, self.batch = self.epoch + 1, 0
+            self._start_epoch(0, fresh=True)
+            batch = next(self._it)
+        self.batch += 1
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "batch": self.batch, "epoch_rng": self._epoch_rng}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Jump to a saved position (call before restoring the current RNG states)."""
+        self.epoch, self.batch = int(state["epoch"]), int(state["batch"])
+        self._epoch_rng = state.get("epoch_rng")
+        self._it = None
+        if self.batch > 0:
+            self._start_epoch(self.batch, fresh=False)

@@ -1,0 +1,127 @@
+"""Training objectives: the loss and metric statistics of a model on one batch.
+
+Batches are dicts of tensors with a leading batch dim B (see ``kernelstudy.tasks``):
+
+- ``classification``: ``input_ids`` (B,N), ``mask`` (B,N) bool, ``label`` (B,);
+  ``model(input_ids, mask) → (B,C)``.
+- ``matching``: ``input_ids_1``, ``mask_1``, ``input_ids_2``, ``mask_2``, ``label``;
+  ``model(input_ids_1, mask_1, input_ids_2, mask_2) → (B,C)``.
+- ``lm``: ``input_ids`` (B,N), ``targets`` (B,N), optional ``loss_mask`` and ``mask``
+  (B,N) bool; ``model(input_ids, mask) → (B,N,V)``; the loss covers ``loss_mask``
+  positions (``mask`` when absent, else all).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+TASK_TYPES = ("classification", "matching", "lm")
+REQUIRED_KEYS = {
+    "classification": ("input_ids", "label"),
+    "matching": ("input_ids_1", "input_ids_2", "label"),
+    "lm": ("input_ids", "targets"),
+}
+
+Batch = Mapping[str, torch.Tensor]
+
+
+def infer_task_type(batch: Batch) -> str:
+    """``matching`` if the batch has ``input_ids_1``, ``lm`` if it has ``targets``, else
+    ``classification``."""
+    if not isinstance(batch, Mapping):
+        raise TypeError(
+            f"batches must be dicts of tensors (see kernelstudy.tasks), got {type(batch).__name__}"
+        )
+    if "input_ids_1" in batch:
+        return "matching"
+    if "targets" in batch:
+        return "lm"
+    return "classification"
+
+
+def check_task_type(task_type: str) -> str:
+    if task_type not in (*TASK_TYPES, "auto"):
+        raise ValueError(f"task_type must be 'auto' or one of {TASK_TYPES}, got {task_type!r}")
+    return task_type
+
+
+class Objective:
+    """The loss of ``task_type`` on a batch, plus metric sums for :meth:`summarize`.
+
+    ``objective(model, batch) → (loss, stats)``: ``loss`` the mean cross-entropy (a
+    scalar with grad); ``stats`` detached sums ``loss_sum``, ``count`` (examples, or
+    scored tokens for LM), ``correct``, and for LM ``seq_correct``/``seq_count``
+    (sequences with every scored token right).
+    """
+
+    def __init__(self, task_type: str) -> None:
+        if task_type not in TASK_TYPES:
+            raise ValueError(f"task_type must be one of {TASK_TYPES}, got {task_type!r}")
+        self.task_type = task_type
+
+    def __call__(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, dict]:
+        missing = [k for k in REQUIRED_KEYS[self.task_type] if k not in batch]
+        if missing:
+            raise ValueError(
+                f"a {self.task_type} batch needs key(s) {missing}; got {sorted(batch)}"
+            )
+        if self.task_type == "lm":
+            return self._lm(model, batch)
+        if self.task_type == "matching":
+            logits = model(
+                batch["input_ids_1"], batch.get("mask_1"), batch["input_ids_2"], batch.get("mask_2")
+            )
+        else:
+            logits = model(batch["input_ids"], batch.get("mask"))
+        label = batch["label"]
+        if logits.dim() != 2 or logits.shape[0] != label.shape[0]:
+            raise ValueError(
+                f"the model must return (batch, classes) logits, got {tuple(logits.shape)}"
+            )
+        loss = F.cross_entropy(logits.float(), label)
+        n = torch.tensor(float(label.shape[0]), device=loss.device)
+        stats = {
+            "loss_sum": loss.detach() * n,
+            "count": n,
+            "correct": (logits.argmax(-1) == label).sum(),
+        }
+        return loss, stats
+
+    def _lm(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, dict]:
+        ids, targets = batch["input_ids"], batch["targets"]
+        logits = model(ids, batch.get("mask"))
+        if logits.shape[:2] != targets.shape:
+            raise ValueError(
+                f"the model must return (batch, seq, vocab) logits for targets "
+                f"{tuple(targets.shape)}, got {tuple(logits.shape)}"
+            )
+        scored = batch.get("loss_mask", batch.get("mask"))
+        if scored is None:
+            scored = torch.ones_like(targets, dtype=torch.bool)
+        scored = scored.bool()
+        token_loss = F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")
+        count = scored.sum()
+        loss = (token_loss * scored).sum() / count.clamp_min(1)
+        right = (logits.argmax(-1) == targets) | ~scored
+        has_scored = scored.any(1)
+        stats = {
+            "loss_sum": (token_loss.detach() * scored).sum(),
+            "count": count,
+            "correct": ((logits.argmax(-1) == targets) & scored).sum(),
+            "seq_correct": (right.all(1) & has_scored).sum(),
+            "seq_count": has_scored.sum(),
+        }
+        return loss, stats
+
+    @staticmethod
+    def summarize(sums: Mapping[str, float]) -> dict[str, float]:
+        """Means from the summed stats: ``loss``, ``accuracy`` and (LM) ``sequence_accuracy``."""
+        n = max(sums.get("count", 0.0), 1.0)
+        out = {"loss": sums.get("loss_sum", 0.0) / n, "accuracy": sums.get("correct", 0.0) / n}
+        if "seq_count" in sums:
+            out["sequence_accuracy"] = sums["seq_correct"] / max(sums["seq_count"], 1.0)
+        return out

@@ -1,0 +1,572 @@
+"""The training loop: AdamW, warm-up/decay, clipping, CUDA mixed precision, evaluation,
+early stopping, exact checkpoint/resume, metrics history and a per-run record."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+from tqdm.auto import tqdm
+
+from ..nn.models import feature_dim_of, feature_map_parameter_count, parameter_count
+from .checkpoint import (
+    get_rng_state,
+    load_checkpoint,
+    save_checkpoint,
+    seed_everything,
+    set_rng_state,
+    write_json,
+)
+from .data import BatchStream, make_loader
+from .metrics import MetricsHistory, MetricSums, peak_memory, reset_peak_memory
+from .objectives import TASK_TYPES, Objective, check_task_type, infer_task_type
+from .schedule import SCHEDULES, make_scheduler
+
+EvalCallback = Callable[[int, dict[str, float]], None]
+
+CHECKPOINT = "checkpoint.pt"
+METRICS = "metrics.csv"
+RECORD = "run.json"
+MODEL = "model.pt"
+#: config fields that may change between a run and its resume without changing results
+_RESUME_FREE = {"out_dir", "progress", "device", "num_workers", "eval_batch_size"}
+
+
+@dataclass
+class TrainConfig:
+    """Everything that defines a training run.
+
+    Attributes:
+        steps: optimizer steps in total.
+        batch_size: training batch size; ``eval_batch_size`` (default: the same) for evaluation.
+        lr, weight_decay, betas: AdamW (no decay on biases and norms, i.e. 1-d parameters).
+        warmup_steps, schedule, min_lr_ratio: linear warm-up then ``constant``, ``linear``,
+            ``cosine`` or ``inverse_sqrt`` decay (see :class:`~.schedule.WarmupDecay`).
+        clip_norm: max global gradient norm (None: no clipping).
+        eval_every: evaluate every k steps (and at the last step); 0: only at the end.
+        eval_batches: evaluate on at most this many batches (None: all).
+        patience: stop after this many evaluations without improvement of ``monitor``
+            (None: never); ``monitor`` is a metrics-row column, ``mode`` ``max`` or ``min``.
+        seed: seeds the global generators at the start and the data order.
+        device: ``auto`` (CUDA when available), ``cpu``, ``cuda``, ``cuda:1``...
+        amp, amp_dtype: autocast (``bfloat16`` or ``float16`` with a GradScaler), CUDA only.
+        reg_weight: weight of ``model.regularization()`` in the loss.
+        task_type: ``auto`` (from the data), ``classification``, ``matching`` or ``lm``.
+        out_dir: where checkpoint, metrics CSV and run record go (None: nothing written).
+        num_workers: DataLoader workers for Datasets.
+        progress: show a tqdm bar.
+        restore_best: at the end, load the weights of the best evaluation.
+    """
+
+    steps: int = 1000
+    batch_size: int = 32
+    eval_batch_size: int | None = None
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = 0
+    schedule: str = "cosine"
+    min_lr_ratio: float = 0.0
+    clip_norm: float | None = 1.0
+    eval_every: int = 100
+    eval_batches: int | None = None
+    patience: int | None = None
+    monitor: str = "val_accuracy"
+    mode: str = "max"
+    seed: int = 0
+    device: str = "auto"
+    amp: bool = True
+    amp_dtype: str = "bfloat16"
+    reg_weight: float = 0.0
+    task_type: str = "auto"
+    out_dir: str | None = None
+    num_workers: int = 0
+    progress: bool = True
+    restore_best: bool = True
+
+    def __post_init__(self) -> None:
+        def positive(name: str, allow_zero: bool = False, optional: bool = False) -> None:
+            value = getattr(self, name)
+            if optional and value is None:
+                return
+            ok = isinstance(value, int) and not isinstance(value, bool)
+            if not ok or value < (0 if allow_zero else 1):
+                bound = ">= 0" if allow_zero else ">= 1"
+                raise ValueError(f"{name} must be an int {bound}, got {value!r}")
+
+        positive("steps")
+        positive("batch_size")
+        positive("eval_batch_size", optional=True)
+        positive("warmup_steps", allow_zero=True)
+        positive("eval_every", allow_zero=True)
+        positive("eval_batches", optional=True)
+        positive("patience", optional=True)
+        positive("seed", allow_zero=True)
+        positive("num_workers", allow_zero=True)
+        for name in ("lr", "weight_decay", "reg_weight", "min_lr_ratio"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be finite, got {value!r}")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr!r}")
+        if self.clip_norm is not None and not (
+            isinstance(self.clip_norm, int | float) and self.clip_norm > 0
+        ):
+            raise ValueError(f"clip_norm must be > 0 or None, got {self.clip_norm!r}")
+        self.betas = tuple(self.betas)
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        if self.mode not in ("max", "min"):
+            raise ValueError(f"mode must be 'max' or 'min', got {self.mode!r}")
+        if self.amp_dtype not in ("bfloat16", "float16"):
+            raise ValueError(f"amp_dtype must be 'bfloat16' or 'float16', got {self.amp_dtype!r}")
+        check_task_type(self.task_type)
+        if not isinstance(self.device, str):
+            raise ValueError(
+                f"device must be a str such as 'auto' or 'cuda:0', got {self.device!r}"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["betas"] = list(self.betas)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TrainConfig:
+        """A config from a dict (e.g. a TOML/JSON table); unknown keys raise ValueError."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown TrainConfig field(s) {unknown}; known: {sorted(known)}")
+        return cls(**data)
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` → CUDA if available else CPU; a CUDA device that is missing raises ValueError."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as err:
+        raise ValueError(f"device {device!r} is not a valid torch device: {err}") from err
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} asked for, but CUDA is not available")
+    return dev
+
+
+def _task_type_of(data: Dataset | DataLoader) -> str:
+    dataset = data.dataset if isinstance(data, DataLoader) else data
+    if getattr(dataset, "pairs", False):
+        return "matching"
+    if hasattr(dataset, "num_classes"):
+        return "lm" if dataset.num_classes is None else "classification"
+    try:
+        item = dataset[0]
+    except Exception as err:  # iterable datasets, etc.
+        raise ValueError(
+            "cannot infer task_type from the training data; set TrainConfig.task_type"
+        ) from err
+    return infer_task_type(item)
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    raise TypeError(f"batches must be dicts of tensors, got {type(batch).__name__}")
+
+
+def _param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    rest = [p for p in params if p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": rest, "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+class Trainer:
+    """Train ``model`` on ``train_data`` (a Dataset of dict items or a DataLoader of dict batches).
+
+    Args:
+        model: a classifier / matching model / LM whose call signature fits the task
+            type (see :mod:`.objectives`); ``model.regularization()`` is added to the loss
+            times ``config.reg_weight`` when the model has it.
+        train_data, val_data, test_data: Datasets or DataLoaders; ``val_data`` is
+            evaluated every ``eval_every`` steps, ``test_data`` once at the end.
+        config: a :class:`TrainConfig`.
+        on_eval: callback(s) ``f(step, metrics)`` called after every evaluation, with the
+            metrics row; exceptions (e.g. ``optuna.TrialPruned``) propagate out of
+            :meth:`fit` after the run record is written.
+
+    Outputs in ``config.out_dir``: ``checkpoint.pt`` (after every evaluation and at the
+    end), ``metrics.csv`` (one row per evaluation), ``run.json`` (the run record) and
+    ``model.pt`` (the final state dict: the best evaluation's with ``restore_best``).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        train_data: Dataset | DataLoader,
+        config: TrainConfig | None = None,
+        val_data: Dataset | DataLoader | None = None,
+        test_data: Dataset | DataLoader | None = None,
+        on_eval: EvalCallback | Iterable[EvalCallback] | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        self.config = config = config if config is not None else TrainConfig()
+        if not isinstance(config, TrainConfig):
+            raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
+        if config.patience is not None and val_data is None:
+            raise ValueError("patience (early stopping) needs val_data")
+        self.device = resolve_device(config.device)
+        self.model = model.to(self.device)
+        self.train_loader = make_loader(
+            train_data, config.batch_size, config.seed, True, config.num_workers
+        )
+        eval_bs = config.eval_batch_size or config.batch_size
+        self.val_loader = None
+        if val_data is not None:
+            self.val_loader = make_loader(
+                val_data, eval_bs, config.seed, False, config.num_workers, "val_data"
+            )
+        self.test_data = test_data
+        task_type = config.task_type
+        self.task_type = _task_type_of(train_data) if task_type == "auto" else task_type
+        if self.task_type not in TASK_TYPES:
+            raise ValueError(f"task_type must be one of {TASK_TYPES}, got {self.task_type!r}")
+        self.objective = Objective(self.task_type)
+        if callable(on_eval):
+            on_eval = [on_eval]
+        self.callbacks: list[EvalCallback] = list(on_eval or [])
+
+        self.optimizer = torch.optim.AdamW(
+            _param_groups(self.model, config.weight_decay), lr=config.lr, betas=config.betas
+        )
+        self.scheduler = make_scheduler(
+            self.optimizer, config.schedule, config.warmup_steps, config.steps, config.min_lr_ratio
+        )
+        self.use_amp = config.amp and self.device.type == "cuda"
+        self.amp_dtype = getattr(torch, config.amp_dtype)
+        fp16 = self.use_amp and self.amp_dtype == torch.float16
+        self.scaler = torch.amp.GradScaler("cuda", enabled=fp16)
+
+        self.step = 0
+        self.stream = BatchStream(self.train_loader)
+        self.history = MetricsHistory()
+        self.sums = MetricSums()
+        self.best: dict[str, Any] = {"monitor": config.monitor, "value": None, "step": None}
+        self.bad_evals = 0
+        self.stopped_early = False
+        self.best_state: dict[str, torch.Tensor] | None = None
+        self.elapsed = 0.0
+        self.test_metrics: dict[str, float] | None = None
+        self.status = "new"
+        self._last_lr = config.lr
+        self.out_dir = Path(config.out_dir) if config.out_dir is not None else None
+
+    # ----------------------------------------------------------------- public
+    @property
+    def metrics(self) -> pd.DataFrame:
+        """The metrics history, one row per evaluation."""
+        return self.history.frame()
+
+    def fit(self, stop_after: int | None = None, resume: bool = False) -> dict[str, Any]:
+        """Train until ``config.steps`` (or early stopping); return the run record.
+
+        ``stop_after``: pause after this many steps in total (checkpoint written, status
+        ``paused``); ``resume``: continue from ``out_dir/checkpoint.pt`` when it exists.
+        """
+        cfg = self.config
+        if stop_after is not None and (not isinstance(stop_after, int) or stop_after < 0):
+            raise ValueError(f"stop_after must be an int >= 0, got {stop_after!r}")
+        if resume:
+            if self.out_dir is None:
+                raise ValueError("resume=True needs config.out_dir (where the checkpoint is)")
+            if (self.out_dir / CHECKPOINT).is_file():
+                self.load_checkpoint(self.out_dir / CHECKPOINT)
+        if self.step == 0:
+            seed_everything(cfg.seed)
+        reset_peak_memory(self.device)
+        start = time.perf_counter()
+        bar = tqdm(
+            total=cfg.steps, initial=self.step, disable=not cfg.progress, desc="train", leave=False
+        )
+        try:
+            self.status = "running"
+            while self.step < cfg.steps and not self.stopped_early:
+                if stop_after is not None and self.step >= stop_after:
+                    break
+                loss = self._train_step()
+                self.step += 1
+                bar.update(1)
+                if self.step % 10 == 0 or self.step == cfg.steps:
+                    bar.set_postfix(loss=f"{loss:.4f}", lr=f"{self._last_lr:.2e}")
+                if self.step == cfg.steps or (cfg.eval_every and self.step % cfg.eval_every == 0):
+                    self.elapsed += time.perf_counter() - start
+                    start = time.perf_counter()
+                    self._evaluate_and_log()
+            finished = self.step >= cfg.steps or self.stopped_early
+            if finished:
+                self.status = "early_stopped" if self.stopped_early else "completed"
+                self._finish()
+            else:
+                self.status = "paused"
+            self.elapsed += time.perf_counter() - start
+            if self.out_dir is not None:
+                self.save_checkpoint()
+            return self._write_record()
+        except BaseException as err:
+            self.elapsed += time.perf_counter() - start
+            self.status = "pruned" if type(err).__name__ == "TrialPruned" else "failed"
+            with contextlib.suppress(Exception):  # never mask the original error
+                self._write_record(error=f"{type(err).__name__}: {err}")
+            raise
+        finally:
+            bar.close()
+
+    @torch.no_grad()
+    def evaluate(
+        self, data: Dataset | DataLoader, max_batches: int | None = None
+    ) -> dict[str, float]:
+        """Mean loss and accuracy (``sequence_accuracy`` too for LM) of the model on ``data``."""
+        cfg = self.config
+        loader = make_loader(
+            data, cfg.eval_batch_size or cfg.batch_size, cfg.seed, False, cfg.num_workers, "data"
+        )
+        was_training = self.model.training
+        self.model.eval()
+        sums = MetricSums()
+        try:
+            for i, batch in enumerate(loader):
+                if max_batches is not None and i >= max_batches:
+                    break
+                with torch.autocast(self.device.type, self.amp_dtype, enabled=self.use_amp):
+                    _, stats = self.objective(self.model, _to_device(batch, self.device))
+                sums.add(stats)
+        finally:
+            self.model.train(was_training)
+        if not sums:
+            raise ValueError("evaluation data yields no batches")
+        return Objective.summarize(sums.values())
+
+    def save_checkpoint(self, path: str | Path | None = None) -> Path:
+        """Save all an exact resume needs, atomically (default ``out_dir/checkpoint.pt``)."""
+        path = self._path(CHECKPOINT) if path is None else Path(path)
+        state = {
+            "format": 1,
+            "config": self.config.to_dict(),
+            "step": self.step,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "data": self.stream.state_dict(),
+            "rng": get_rng_state(),
+            "history": self.history.rows,
+            "sums": self.sums.state_dict(),
+            "best": self.best,
+            "bad_evals": self.bad_evals,
+            "stopped_early": self.stopped_early,
+            "best_state": self.best_state,
+            "elapsed": self.elapsed,
+            "last_lr": self._last_lr,
+            "test_metrics": self.test_metrics,
+            "status": self.status,
+        }
+        return save_checkpoint(path, state)
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        """Restore a :meth:`save_checkpoint` state: weights, optimizer, schedule, data
+        position and random states (training then continues bit-for-bit on CPU)."""
+        state = load_checkpoint(path)
+        saved = dict(state["config"])
+        now = self.config.to_dict()
+        changed = sorted(k for k in now if k not in _RESUME_FREE and saved.get(k) != now[k])
+        if changed:
+            warnings.warn(
+                f"resuming {path} with changed config field(s) {changed}; "
+                "the run will not match an uninterrupted one",
+                stacklevel=2,
+            )
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        sched = dict(state["scheduler"])
+        sched.pop("lr_lambdas", None)  # the schedule comes from the current config
+        self.scheduler.load_state_dict(sched)
+        self.scaler.load_state_dict(state["scaler"])
+        self.step = int(state["step"])
+        self.history = MetricsHistory(state["history"])
+        self.sums.load_state_dict(state["sums"])
+        self.best = dict(state["best"])
+        self.bad_evals = int(state["bad_evals"])
+        self.stopped_early = bool(state["stopped_early"])
+        self.best_state = state["best_state"]
+        self.elapsed = float(state["elapsed"])
+        self._last_lr = float(state["last_lr"])
+        self.test_metrics = state["test_metrics"]
+        self.stream.load_state_dict(state["data"])
+        set_rng_state(state["rng"])  # after the data stream, which may use the generators
+
+    def record(self, error: str | None = None) -> dict[str, Any]:
+        """The run record: status, sizes (parameters, feature dimension), peak memory, metrics."""
+        total = parameter_count(self.model)
+        fm = feature_map_parameter_count(self.model)
+        config_fn = getattr(self.model, "config", None)
+        rows = self.history.rows
+        return {
+            "status": self.status,
+            "error": error,
+            "steps_completed": self.step,
+            "steps": self.config.steps,
+            "stopped_early": self.stopped_early,
+            "task_type": self.task_type,
+            "best": self.best,
+            "final": rows[-1] if rows else None,
+            "test": self.test_metrics,
+            "parameters": {
+                "total": total,
+                "trainable": parameter_count(self.model, trainable_only=True),
+                "feature_map": fm,
+                "feature_map_fraction": fm / total if total else 0.0,
+            },
+            "feature_dim": feature_dim_of(self.model),
+            **peak_memory(self.device),
+            "device": str(self.device),
+            "amp": self.config.amp_dtype if self.use_amp else None,
+            "wall_time_s": self.elapsed,
+            "model": {
+                "class": type(self.model).__name__,
+                "config": config_fn() if callable(config_fn) else None,
+            },
+            "config": self.config.to_dict(),
+            "torch": torch.__version__,
+        }
+
+    # ---------------------------------------------------------------- private
+    def _path(self, name: str) -> Path:
+        if self.out_dir is None:
+            raise ValueError("config.out_dir is not set")
+        return self.out_dir / name
+
+    def _train_step(self) -> float:
+        cfg = self.config
+        self.model.train()
+        batch = _to_device(next(self.stream), self.device)
+        with torch.autocast(self.device.type, self.amp_dtype, enabled=self.use_amp):
+            loss, stats = self.objective(self.model, batch)
+            total = loss
+            if cfg.reg_weight and hasattr(self.model, "regularization"):
+                reg = self.model.regularization()
+                total = loss + cfg.reg_weight * reg
+                stats["reg_sum"] = reg.detach().float()
+        value = float(total.detach())
+        if not math.isfinite(value):
+            raise FloatingPointError(f"non-finite training loss {value} at step {self.step + 1}")
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scaler.scale(total).backward()
+        if cfg.clip_norm is not None:
+            self.scaler.unscale_(self.optimizer)
+            norm = nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip_norm)
+            stats["grad_norm_sum"] = norm.detach().float()
+        self._last_lr = self.optimizer.param_groups[0]["lr"]
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.scheduler.step()
+        stats["steps"] = torch.ones((), device=self.device)
+        self.sums.add(stats)
+        return value
+
+    def _evaluate_and_log(self) -> None:
+        cfg = self.config
+        sums = self.sums.values()
+        steps = max(sums.get("steps", 0.0), 1.0)
+        row: dict[str, Any] = {
+            "step": self.step,
+            "epoch": self.stream.epoch + self.stream.batch / max(len(self.train_loader), 1),
+            "lr": self._last_lr,
+        }
+        row.update({f"train_{k}": v for k, v in Objective.summarize(sums).items()})
+        if "reg_sum" in sums:
+            row["train_reg"] = sums["reg_sum"] / steps
+        if "grad_norm_sum" in sums:
+            row["grad_norm"] = sums["grad_norm_sum"] / steps
+        self.sums = MetricSums()
+        if self.val_loader is not None:
+            val = self.evaluate(self.val_loader, cfg.eval_batches)
+            row.update({f"val_{k}": v for k, v in val.items()})
+        row["elapsed_s"] = self.elapsed
+        self._update_best(row)
+        self.history.append(row)
+        if self.out_dir is not None:
+            self.history.write_csv(self._path(METRICS))
+            self.save_checkpoint()
+        for callback in self.callbacks:
+            callback(self.step, dict(row))
+
+    def _update_best(self, row: dict[str, Any]) -> None:
+        cfg = self.config
+        if cfg.monitor not in row:
+            if self.val_loader is None and cfg.monitor.startswith("val_"):
+                return  # nothing to monitor without validation data
+            raise ValueError(f"monitor {cfg.monitor!r} is not a metric; have {sorted(row)}")
+        value = float(row[cfg.monitor])
+        best = self.best["value"]
+        better = best is None or (value > best if cfg.mode == "max" else value < best)
+        if better:
+            self.best = {"monitor": cfg.monitor, "value": value, "step": self.step}
+            self.bad_evals = 0
+            if cfg.restore_best:
+                self.best_state = {
+                    k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()
+                }
+        else:
+            self.bad_evals += 1
+            if cfg.patience is not None and self.bad_evals >= cfg.patience:
+                self.stopped_early = True
+
+    def _finish(self) -> None:
+        if self.config.restore_best and self.best_state is not None:
+            self.model.load_state_dict(self.best_state)
+        if self.out_dir is not None:
+            save_checkpoint(self._path(MODEL), self.model.state_dict())
+        if self.test_data is not None and self.test_metrics is None:
+            self.test_metrics = self.evaluate(self.test_data)
+
+    def _write_record(self, error: str | None = None) -> dict[str, Any]:
+        record = self.record(error)
+        if self.out_dir is not None:
+            write_json(self._path(RECORD), record)
+            if len(self.history):
+                self.history.write_csv(self._path(METRICS))
+        return record
+
+
+def train(
+    model: nn.Module,
+    train_data: Dataset | DataLoader,
+    config: TrainConfig | None = None,
+    **kwargs: Any,
+) -> dict[str, Any]:
+    """``Trainer(model, train_data, config, **kwargs).fit()``: train and return the run record."""
+    return Trainer(model, train_data, config, **kwargs).fit()

@@ -1,0 +1,284 @@
+"""The kernels the maps compute or estimate, parameter counts, and registry errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import kernelstudy as ks
+from kernelstudy.feature_maps import FeatureMap, register_feature_map
+from kernelstudy.feature_maps import registry as registry_module
+from kernelstudy.feature_maps.elementary import EluFeatureMap
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Small QRs and products: one thread avoids OpenMP contention on a shared CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def gram(fm: FeatureMap, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """φ(x)·φ(y) for every pair: ``(..., N, S)``."""
+    return fm(x, is_query=True) @ fm(y, is_query=False).transpose(-1, -2)
+
+
+def points(n: int, d: int, scale: float, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, d, generator=gen, dtype=torch.float64) * scale
+
+
+# --- random features of the softmax kernel -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, kwargs",
+    [
+        ("favor", {"orthogonal": False}),
+        ("favor", {"orthogonal": True}),
+        ("favor", {"orthogonal": True, "hyperbolic": True}),
+        ("trig_rf", {"orthogonal": True}),
+    ],
+)
+def test_random_features_are_unbiased(name, kwargs):
+    """Mean of φ(x)·φ(y) over many seeds is within 2% of exp(x·y/√D) for small norms."""
+    d, seeds = 8, 500
+    x, y = points(4, d, 0.2, seed=1), points(5, d, 0.2, seed=2)
+    fm = ks.create_feature_map(
+        name, head_dim=d, num_features=64, stabilize=False, seed=0, **kwargs
+    ).double()
+    total = torch.zeros(4, 5, dtype=torch.float64)
+    for seed in range(seeds):
+        fm.redraw(seed=seed)
+        total += gram(fm, x, y)
+    exact = fm.kernel(x, y)
+    torch.testing.assert_close(exact, torch.exp(x @ y.T / math.sqrt(d)))
+    assert ((total / seeds - exact).abs() / exact).max() < 0.02
+
+
+def test_orthogonal_rows_are_orthogonal_within_each_block():
+    d, r = 8, 20  # blocks of 8, 8 and 4 rows
+    fm = ks.create_feature_map("favor", head_dim=d, num_features=r, orthogonal=True, seed=0)
+    w = fm.weight.double()
+    for start in range(0, r, d):
+        block = w[start : start + d]
+        g = block @ block.T
+        off_diagonal = g - torch.diag(torch.diagonal(g))
+        assert off_diagonal.abs().max() < 1e-5 * g.diagonal().max()
+    chi_norms = w.norm(dim=1)
+    assert chi_norms.std() > 0.1  # χ(D)-distributed norms
+    sqrt_d = ks.create_feature_map(
+        "favor", head_dim=d, num_features=r, orthogonal=True, row_norms="sqrt_d", seed=0
+    )
+    torch.testing.assert_close(sqrt_d.weight.norm(dim=1), torch.full((r,), math.sqrt(d)))
+    iid = ks.create_feature_map("favor", head_dim=d, num_features=r, orthogonal=False, seed=0)
+    g = iid.weight[:d] @ iid.weight[:d].T
+    assert (g - torch.diag(torch.diagonal(g))).abs().max() > 0.1
+
+
+def test_orthogonal_features_have_lower_mse_than_iid():
+    d, r, seeds = 16, 16, 200
+    x, y = points(8, d, 0.3, seed=3), points(8, d, 0.3, seed=4)
+    mse = {}
+    for orthogonal in (False, True):
+        fm = ks.create_feature_map(
+            "favor", head_dim=d, num_features=r, orthogonal=orthogonal, stabilize=False, seed=0
+        ).double()
+        errors = []
+        for seed in range(seeds):
+            fm.redraw(seed=seed)
+            errors.append((gram(fm, x, y) - fm.kernel(x, y)).square().mean())
+        mse[orthogonal] = torch.stack(errors).mean().item()
+    assert mse[True] < mse[False]
+
+
+@pytest.mark.parametrize("name", ["favor", "trig_rf", "hedgehog"])
+def test_stabilizer_cancels_in_normalized_attention(name):
+    q, k, v = (torch.randn(2, 2, 6, 8, dtype=torch.float64) * 1.5 for _ in range(3))
+    kwargs = {"seed": 0} if name != "hedgehog" else {}
+    on = ks.create_feature_map(name, head_dim=8, num_heads=2, stabilize=True, **kwargs).double()
+    off = ks.create_feature_map(name, head_dim=8, num_heads=2, stabilize=False, **kwargs).double()
+    for causal in (False, True):
+        torch.testing.assert_close(
+            ks.kernel_attention(q, k, v, on, causal=causal, eps=1e-12),
+            ks.kernel_attention(q, k, v, off, causal=causal, eps=1e-12),
+        )
+    # kernel values differ by a factor per query row (and per key sequence): constant along keys
+    ratio = gram(on, q, k) / gram(off, q, k)
+    torch.testing.assert_close(ratio, ratio[..., :1].expand_as(ratio))
+
+
+def test_trig_rf_kernel_estimates_can_be_negative():
+    fm = ks.create_feature_map("trig_rf", head_dim=8, num_features=4, stabilize=False, seed=0)
+    x = torch.randn(64, 8) * 2
+    assert (gram(fm, x, x) < 0).any()
+
+
+def test_hedgehog_starts_at_the_identity():
+    fm = ks.create_feature_map("hedgehog", head_dim=4, stabilize=False)
+    x = torch.randn(1, 1, 3, 4)
+    torch.testing.assert_close(fm(x), torch.cat([x.exp(), (-x).exp()], -1))
+
+
+# --- polynomial ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("degree", [1, 2, 3])
+def test_polynomial_reproduces_the_polynomial_kernel(degree, symmetric):
+    d = 5
+    x, y = points(4, d, 1.0, seed=5), points(6, d, 1.0, seed=6)
+    fm = ks.create_feature_map("polynomial", head_dim=d, degree=degree, symmetric=symmetric)
+    expected_f = math.comb(d + degree - 1, degree) if symmetric else d**degree
+    assert fm.feature_dim == expected_f
+    torch.testing.assert_close(gram(fm, x, y), (x @ y.T) ** degree, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(fm.kernel(x, y), (x @ y.T) ** degree)
+    x32, y32 = x.float(), y.float()
+    torch.testing.assert_close(gram(fm, x32, y32), ((x @ y.T) ** degree).float())
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_polynomial_taylor_map(symmetric):
+    d = 6
+    x, y = points(3, d, 1.0, seed=7), points(4, d, 1.0, seed=8)
+    fm = ks.create_feature_map("polynomial", head_dim=d, degree=2, taylor=True, symmetric=symmetric)
+    assert fm.feature_dim == 1 + d + (d * (d + 1) // 2 if symmetric else d * d)
+    dots = x @ y.T
+    taylor = 1 + dots + dots**2 / 2
+    torch.testing.assert_close(gram(fm, x, y), taylor, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(fm.kernel(x, y), taylor)
+    scaled = ks.create_feature_map("polynomial", head_dim=d, taylor=True, scale_inputs=True)
+    s = dots / math.sqrt(d)
+    torch.testing.assert_close(gram(scaled, x, y), 1 + s + s**2 / 2, rtol=1e-10, atol=1e-10)
+
+
+# --- trainable maps: parameter counts ------------------------------------------------------------
+
+
+def count(fm: FeatureMap) -> int:
+    return sum(p.numel() for p in fm.parameters())
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_aoglu_parameter_count(depth):
+    n, heads = 16, 3
+    default = ks.create_feature_map("aoglu", head_dim=n, depth=depth)
+    assert count(default) == depth * (n * n + 2 * n * (n // 4))
+    for r in (1, 5, n):
+        fm = ks.create_feature_map("aoglu", head_dim=n, depth=depth, rank=r)
+        assert count(fm) == depth * (n * n + 2 * n * r)
+    per_head = ks.create_feature_map(
+        "aoglu", head_dim=n, num_heads=heads, depth=depth, shared=False
+    )
+    assert count(per_head) == heads * count(default)
+
+
+def test_glu_depth_changes_parameter_count():
+    n = 12
+    for name in ("glu", "oglu"):
+        counts = [count(ks.create_feature_map(name, head_dim=n, depth=k)) for k in (1, 2, 3)]
+        assert counts == [2 * n * n, 4 * n * n, 6 * n * n]
+    assert count(ks.create_feature_map("softplus_ffn", head_dim=n)) == n * n
+    per_head = ks.create_feature_map("softplus_ffn", head_dim=n, num_heads=4, shared=False)
+    assert count(per_head) == 4 * n * n
+    assert count(ks.create_feature_map("hedgehog", head_dim=n, num_heads=4)) == 4 * (n * n + n)
+
+
+# --- registry errors and user maps ---------------------------------------------------------------
+
+
+def test_unknown_names_list_close_matches():
+    with pytest.raises(ValueError, match="'favor'"):
+        ks.create_feature_map("favour", head_dim=8)
+    with pytest.raises(ValueError, match="'glu'"):
+        ks.create_feature_map("glue", head_dim=8)
+    with pytest.raises(ValueError, match="cannot import"):
+        ks.create_feature_map("kernelstudy.feature_maps.elementary:NoSuchMap", head_dim=8)
+
+
+@pytest.mark.parametrize(
+    "name, kwargs, argument",
+    [
+        ("favor", {"num_features": 0}, "num_features"),
+        ("favor", {"num_features": -3}, "num_features"),
+        ("trig_rf", {"num_features": 0}, "num_features"),
+        ("aoglu", {"rank": 9}, "rank"),
+        ("aoglu", {"rank": 0}, "rank"),
+        ("glu", {"depth": 0}, "depth"),
+        ("oglu", {"depth": 4}, "depth"),
+        ("polynomial", {"degree": 0}, "degree"),
+        ("favor", {"row_norms": "unit"}, "row_norms"),
+        ("softplus_ffn", {"reg_weight": -1.0}, "reg_weight"),
+        ("favor", {"seed": -1}, "seed"),
+        ("favor", {"num_feature": 8}, "num_feature"),
+        ("elu", {"head_dim": 0}, "head_dim"),
+        ("hedgehog", {"num_heads": 0}, "num_heads"),
+    ],
+)
+def test_invalid_hyperparameters_raise_naming_the_argument(name, kwargs, argument):
+    kwargs = {"head_dim": 8, **kwargs}
+    with pytest.raises(ValueError, match=argument):
+        ks.create_feature_map(name, **kwargs)
+
+
+def test_wrong_types_raise_type_error():
+    with pytest.raises(TypeError, match="num_features"):
+        ks.create_feature_map("favor", head_dim=8, num_features=2.5)
+    with pytest.raises(TypeError, match="depth"):
+        ks.create_feature_map("glu", head_dim=8, depth="2")
+
+
+class DoubledElu(FeatureMap):
+    """A user's map outside the package: [elu(x)+1, elu(x)+1] (F = 2D)."""
+
+    paper = "test"
+
+    @property
+    def feature_dim(self) -> int:
+        return 2 * self.head_dim
+
+    def features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
+        phi = torch.nn.functional.elu(x) + 1
+        return torch.cat([phi, phi], -1)
+
+
+def test_registering_a_user_map():
+    name = "test_user_square"
+    try:
+
+        @register_feature_map(name)
+        class Square(FeatureMap):
+            positive = False
+
+            @property
+            def feature_dim(self) -> int:
+                return self.head_dim
+
+            def features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
+                return x.square()
+
+        assert name in ks.list_feature_maps("test_user_*")
+        fm = ks.create_feature_map(name, head_dim=4)
+        assert isinstance(fm, Square) and fm.config()["name"] == name
+        x = torch.randn(2, 4)
+        torch.testing.assert_close(fm(x), x.square())
+        with pytest.raises(ValueError, match="already registered"):
+            register_feature_map(name)(DoubledElu)
+    finally:
+        registry_module._REGISTRY.pop(name, None)
+    assert name not in ks.list_feature_maps()
+
+
+def test_dotted_module_class_names():
+    fm = ks.create_feature_map("tests.test_feature_map_kernels:DoubledElu", head_dim=4)
+    assert isinstance(fm, DoubledElu) and fm.feature_dim == 8
+    again = ks.create_feature_map(fm.config())  # unregistered: the config names "module:Class"
+    assert type(again) is DoubledElu
+    builtin = ks.create_feature_map("kernelstudy.feature_maps.elementary:EluFeatureMap", head_dim=4)
+    assert type(builtin) is EluFeatureMap and builtin.config()["name"] == "elu"
+    with pytest.raises(TypeError, match="not a FeatureMap"):
+        ks.create_feature_map("kernelstudy.feature_maps.favor:PROJECTION_HPARAMS", head_dim=4)

@@ -1,0 +1,225 @@
+"""Table-driven checks of every registered feature map: shapes, numerics, configs,
+seeds and redraws, gradients, regularizers, and use with the linear-attention core."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import kernelstudy as ks
+from kernelstudy.feature_maps import feature_map_table, get_feature_map_class
+
+NAMES = ks.list_feature_maps()
+D, H = 8, 2
+#: Smaller sizes where the defaults would only make the tests slower.
+SMALL = {"favor": {"num_features": 32}, "trig_rf": {"num_features": 16}}
+FAMILIES = {
+    "elu", "relu", "identity", "polynomial", "favor", "trig_rf",
+    "softplus_ffn", "glu", "oglu", "aoglu", "hedgehog",
+}  # fmt: skip
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: one thread avoids OpenMP contention on a shared CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make(name: str, **kwargs) -> ks.FeatureMap:
+    return ks.create_feature_map(name, head_dim=D, num_heads=H, **{**SMALL.get(name, {}), **kwargs})
+
+
+def randn(*shape: int, scale: float = 1.0, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, dtype=dtype) * scale
+
+
+def large_inputs() -> torch.Tensor:
+    """``(2,H,6,D)`` entries up to |x| = 30: mixed signs, all +30, all −30."""
+    x = torch.empty(2, H, 6, D).uniform_(-30, 30)
+    x[0, :, 0] = 30.0
+    x[0, :, 1] = -30.0
+    x[1, :, 2, : D // 2] = 30.0
+    return x
+
+
+def test_every_family_is_registered():
+    assert FAMILIES <= set(NAMES)
+    assert NAMES == sorted(NAMES)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_shapes_and_feature_dim(name):
+    fm = make(name)
+    for dtype in (torch.float32, torch.float64):
+        x = randn(3, H, 5, D, dtype=dtype)
+        for is_query in (True, False):
+            phi = fm(x, is_query=is_query)
+            assert phi.shape == (3, H, 5, fm.feature_dim)
+            assert phi.dtype == dtype
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_finite_and_positive_for_large_inputs(name):
+    fm = make(name)
+    cls = get_feature_map_class(name)
+    for x in (randn(2, H, 6, D), large_inputs()):
+        for is_query in (True, False):
+            phi = fm(x, is_query=is_query)
+            assert torch.isfinite(phi).all(), (name, is_query)
+            if cls.positive:
+                assert (phi >= 0).all(), (name, is_query)
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if not get_feature_map_class(n).positive])
+def test_maps_not_promising_positivity_do_go_negative(name):
+    assert (make(name)(randn(2, H, 6, D)) < 0).any()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_config_round_trip_gives_identical_outputs(name):
+    fm = make(name)
+    config = json.loads(json.dumps(fm.config()))
+    again = ks.create_feature_map(config)
+    assert type(again) is type(fm) and again.config() == config
+    x = randn(2, H, 5, D)
+    for is_query in (True, False):
+        torch.testing.assert_close(again(x, is_query=is_query), fm(x, is_query=is_query))
+
+
+@pytest.mark.parametrize(
+    "name", [n for n in NAMES if "seed" in get_feature_map_class(n).hyperparameters]
+)
+def test_same_seed_same_features(name):
+    x = randn(2, H, 5, D)
+    a, b, c = make(name, seed=3), make(name, seed=3), make(name, seed=4)
+    assert a.config()["seed"] == 3
+    torch.testing.assert_close(a(x), b(x), rtol=0, atol=0)
+    assert not torch.allclose(a(x), c(x))
+    gen = torch.Generator().manual_seed(0)
+    assert isinstance(make(name, seed=gen).config()["seed"], int)
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if get_feature_map_class(n).random])
+def test_redraw_changes_features_reproducibly(name):
+    x = randn(2, H, 5, D)
+    fm, twin = make(name, seed=0), make(name, seed=0)
+    before = fm(x)
+    fm.redraw()
+    assert not torch.allclose(fm(x), before)
+    twin.redraw()  # the next seed derives from the current one: twins stay equal
+    torch.testing.assert_close(twin(x), fm(x), rtol=0, atol=0)
+    torch.testing.assert_close(ks.create_feature_map(fm.config())(x), fm(x), rtol=0, atol=0)
+    fm.redraw(seed=7)
+    torch.testing.assert_close(fm(x), make(name, seed=7)(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if get_feature_map_class(n).random])
+def test_redraw_every_k_calls_in_training_only(name):
+    x = randn(1, H, 4, D)
+    fm = make(name, seed=0, redraw_every=2)
+    fm.eval()
+    fixed = [fm(x) for _ in range(5)]
+    assert all(torch.equal(f, fixed[0]) for f in fixed)
+    fm.train()
+    first, second = fm(x), fm(x)
+    keys = fm(x, is_query=False)  # key calls do not count
+    third = fm(x)
+    assert torch.equal(first, fixed[0]) and torch.equal(second, first)
+    torch.testing.assert_close(keys, make(name, seed=0)(x, is_query=False))
+    assert not torch.allclose(third, second)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_gradients_reach_every_trainable_parameter(name):
+    cls = get_feature_map_class(name)
+    fm = make(name)
+    params = dict(fm.named_parameters())
+    assert bool(params) == cls.trainable
+    q = randn(2, H, 6, D, scale=0.5).requires_grad_()
+    k = randn(2, H, 6, D, scale=0.5).requires_grad_()
+    v = randn(2, H, 6, 3)
+    out = ks.linear_attention(fm(q, is_query=True), fm(k, is_query=False), v, causal=True)
+    loss = (out * torch.randn_like(out)).sum() + fm.regularization()
+    loss.backward()
+    for pname, p in params.items():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), pname
+        assert p.grad.abs().sum() > 0, pname
+    assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_regularization(name):
+    for shared in (True, False):
+        if "shared" not in get_feature_map_class(name).hyperparameters and not shared:
+            continue
+        kwargs = (
+            {"shared": shared} if "shared" in get_feature_map_class(name).hyperparameters else {}
+        )
+        fm = make(name, **kwargs)
+        reg = fm.regularization()
+        assert reg.shape == ()
+        if "reg_weight" not in fm.hparams:
+            assert reg.item() == 0.0
+            continue
+        assert reg.item() < 1e-8  # orthogonal at init
+        with torch.no_grad():
+            for p in fm.parameters():
+                p.add_(0.1 * torch.randn_like(p))
+        assert fm.regularization().item() > 1e-4
+        assert make(name, reg_weight=0.0).regularization().item() == 0.0
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("name", NAMES)
+def test_with_linear_attention_no_nan(name, causal):
+    fm = make(name)
+    q, k, v = randn(2, H, 7, D, scale=2.0), randn(2, H, 7, D, scale=2.0), randn(2, H, 7, 4)
+    out = ks.linear_attention(fm(q, is_query=True), fm(k, is_query=False), v, causal=causal)
+    assert out.shape == (2, H, 7, 4) and not torch.isnan(out).any()
+    mask = torch.ones(2, 7, dtype=torch.bool)
+    mask[1, 5:] = False
+    via_map = ks.kernel_attention(q, k, v, fm, causal=causal, key_padding_mask=mask)
+    assert not torch.isnan(via_map).any()
+    if get_feature_map_class(name).positive:
+        assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_wrong_head_dim_raises(name):
+    with pytest.raises(ValueError, match="head_dim"):
+        make(name)(randn(1, H, 4, D + 1))
+
+
+def test_per_head_weights_need_num_heads():
+    fm = make("hedgehog", shared=False)
+    assert fm.weight.shape == (H, D, D)
+    with pytest.raises(ValueError, match="num_heads"):
+        fm(randn(1, H + 1, 4, D))
+    shared = make("glu", shared=True)
+    assert shared(randn(4, D)).shape == (4, D)  # shared weights take any leading shape
+
+
+def test_half_precision_inputs():
+    for name in ("favor", "hedgehog", "softplus_ffn"):
+        phi = make(name)(randn(1, H, 5, D).half())
+        assert phi.dtype == torch.float16 and torch.isfinite(phi).all()
+
+
+def test_feature_map_table():
+    table = feature_map_table()
+    assert list(table.columns) == [
+        "name", "trainable", "random", "positive", "feature_dim", "parameters", "paper",
+    ]  # fmt: skip
+    assert table["name"].tolist() == NAMES
+    row = table.set_index("name").loc["favor"]
+    assert bool(row["random"]) and not bool(row["trainable"]) and bool(row["positive"])
+    spec = get_feature_map_class("favor").hyperparameters["num_features"]
+    assert f"num_features: {spec.describe()}" in row["parameters"]
+    assert "Choromanski" in row["paper"]
+    assert table.set_index("name").loc["trig_rf", "positive"] == False  # noqa: E712
+    assert (table["paper"].str.len() > 0).all()

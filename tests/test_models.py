@@ -1,0 +1,223 @@
+"""Models: LRA classifiers, the two-tower matcher and the causal LM with any attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernelstudy as ks
+from kernelstudy.feature_maps import FeatureMap, Hyperparameter
+
+from .conftest import rel_err
+
+ATTENTIONS = ["softmax", "elu"]
+SMALL = {"d_model": 16, "n_heads": 2, "n_layers": 2, "d_ff": 32, "dropout": 0.0}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class SoftplusLinearMap(FeatureMap):
+    """A trainable test map φ(x) = softplus(x W) with the penalty ‖WᵀW − I‖², F = num_features."""
+
+    name = "tests.test_models:SoftplusLinearMap"
+    trainable = True
+    hyperparameters = {"num_features": Hyperparameter(int, 6, low=1)}
+
+    def __init__(self, head_dim: int, num_heads: int = 1, **hparams) -> None:
+        super().__init__(head_dim, num_heads, **hparams)
+        self.weight = nn.Parameter(torch.randn(head_dim, self.feature_dim) / head_dim**0.5)
+
+    @property
+    def feature_dim(self) -> int:
+        return self.hparams["num_features"]
+
+    def features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
+        return F.softplus(x @ self.weight)
+
+    def regularization(self) -> torch.Tensor:
+        gram = self.weight.T @ self.weight
+        return (gram - torch.eye(gram.shape[0])).square().sum()
+
+
+TEST_MAP = {"name": SoftplusLinearMap.name, "num_features": 6}
+
+
+def _ids(b: int, n: int, vocab: int = 20) -> torch.Tensor:
+    return torch.randint(0, vocab, (b, n))
+
+
+def _padded(lengths: list[int], n: int, vocab: int = 20) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = _ids(len(lengths), n, vocab)
+    mask = torch.arange(n)[None, :] < torch.tensor(lengths)[:, None]
+    return ids, mask
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
+@pytest.mark.parametrize("positions", ["sinusoidal", "learned"])
+def test_classifier_shapes_and_grads(attention, pooling, positions):
+    model = ks.nn.SequenceClassifier(
+        20, 3, attention=attention, pooling=pooling, positions=positions, max_len=12, **SMALL
+    )
+    ids, mask = _padded([12, 7, 1], 12)
+    logits = model(ids, mask)
+    assert logits.shape == (3, 3) and torch.isfinite(logits).all()
+    assert model.encode(ids, mask).shape == (3, 16)
+    logits.sum().backward()
+    unused = [n for n, p in model.named_parameters() if p.grad is None]
+    assert not unused
+    assert model(ids).shape == (3, 3)  # no mask: every token is real
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
+def test_classifier_ignores_padding(attention, pooling):
+    model = ks.nn.SequenceClassifier(20, 4, attention=attention, pooling=pooling, **SMALL).eval()
+    ids, mask = _padded([9, 5], 9)
+    pooled = model.encode(ids, mask)
+    garbage = ids.clone()
+    garbage[~mask] = torch.randint(0, 20, (int((~mask).sum()),))
+    assert rel_err(model.encode(garbage, mask), pooled) <= 1e-5
+    longer = torch.cat([ids, _ids(2, 6)], 1)  # more padding, more garbage
+    longer_mask = torch.cat([mask, torch.zeros(2, 6, dtype=torch.bool)], 1)
+    assert rel_err(model.encode(longer, longer_mask), pooled) <= 1e-5
+    alone = model.encode(ids[1:, :5])  # the short sequence without any padding
+    assert rel_err(pooled[1:], alone) <= 1e-5
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_matching_model_two_towers(attention):
+    model = ks.nn.MatchingClassifier(20, attention=attention, **SMALL).eval()
+    a, mask_a = _padded([8, 3], 8)
+    b, mask_b = _padded([5, 8], 8)
+    logits = model(a, mask_a, b, mask_b)
+    assert logits.shape == (2, 2)
+    assert model.head[0].in_features == 4 * 16
+    # the shared tower: the joint pass equals encoding each document alone
+    assert rel_err(model.encode(torch.cat([a, b]), torch.cat([mask_a, mask_b]))[:2],
+                   model.encode(a, mask_a)) <= 1e-5  # fmt: skip
+    # documents of different lengths take the two-pass path and give the same logits
+    b_short, mask_b_short = b[:, :8].clone(), mask_b.clone()
+    b_long = torch.cat([b_short, _ids(2, 4)], 1)
+    mask_b_long = torch.cat([mask_b_short, torch.zeros(2, 4, dtype=torch.bool)], 1)
+    assert rel_err(model(a, mask_a, b_long, mask_b_long), logits) <= 1e-5
+    # swapping the documents swaps u and v: same shapes, u*v term unchanged
+    swapped = model(b, mask_b, a, mask_a)
+    assert swapped.shape == logits.shape
+    with pytest.raises(ValueError, match="input_ids_2"):
+        model(a, mask_a)
+    with pytest.raises(ValueError, match="batch size"):
+        model(a, mask_a, b[:1], mask_b[:1])
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+@pytest.mark.parametrize("tie_weights", [False, True])
+def test_lm_step_equals_forward(attention, tie_weights):
+    model = ks.nn.CausalLM(20, attention=attention, tie_weights=tie_weights, **SMALL).eval()
+    ids = _ids(2, 9)
+    full = model(ids)
+    assert full.shape == (2, 9, 20)
+    state = None
+    for t in range(ids.shape[1]):
+        logits, state = model.step(ids[:, t], state)
+        assert rel_err(logits, full[:, t]) <= 1e-5
+    assert state.position == 9
+    kind = ks.RecurrentState if attention != "softmax" else ks.nn.KVCache
+    assert all(isinstance(s, kind) for s in state.layers)
+    if tie_weights:
+        assert model.head.weight is model.embed.weight and model.head.bias is None
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_lm_is_causal_and_generates_greedily(attention):
+    model = ks.nn.CausalLM(20, attention=attention, **SMALL).train()
+    ids = _ids(2, 8)
+    changed = ids.clone()
+    changed[:, 5:] = (changed[:, 5:] + 1) % 20
+    model.eval()
+    assert rel_err(model(changed)[:, :5], model(ids)[:, :5]) <= 1e-5
+    model.train()
+    out = model.generate(ids[:, :3], max_new_tokens=4)
+    assert model.training  # mode restored
+    assert out.shape == (2, 7) and torch.equal(out[:, :3], ids[:, :3])
+    model.eval()
+    seq = ids[:, :3]
+    for _ in range(4):  # greedy rollout with full forwards
+        seq = torch.cat([seq, model(seq)[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(out, seq)
+    g = torch.Generator().manual_seed(0)
+    sampled = model.generate(ids[:, :3], 4, temperature=1.0, generator=g)
+    assert sampled.shape == (2, 7) and int(sampled.max()) < 20
+
+
+def test_parameter_counts_and_feature_dim():
+    soft = ks.nn.SequenceClassifier(20, 2, attention="softmax", **SMALL)
+    assert soft.feature_dim is None and soft.feature_map_parameter_count() == 0
+    assert soft.parameter_count() == sum(p.numel() for p in soft.parameters())
+    elu = ks.nn.SequenceClassifier(20, 2, attention="elu", **SMALL)
+    assert elu.feature_dim == 8 and elu.feature_map_parameter_count() == 0
+    assert elu.parameter_count() == soft.parameter_count()
+    # a trainable map, given as a config dict: one 8x6 matrix per layer
+    fm = ks.nn.SequenceClassifier(20, 2, attention="kernel", feature_map=TEST_MAP, **SMALL)
+    assert fm.feature_dim == 6
+    assert fm.feature_map_parameter_count() == 2 * 8 * 6
+    assert fm.parameter_count() == soft.parameter_count() + 2 * 8 * 6
+    assert fm.regularization().item() > 0
+    same = ks.nn.SequenceClassifier(20, 2, attention=TEST_MAP, **SMALL)  # map as attention
+    assert same.feature_map_parameter_count() == 2 * 8 * 6
+    kw = ks.nn.CausalLM(20, feature_map="elu", **SMALL)
+    assert kw.feature_dim == 8
+    tied = ks.nn.CausalLM(20, tie_weights=True, **SMALL)
+    untied = ks.nn.CausalLM(20, tie_weights=False, **SMALL)
+    assert untied.parameter_count() - tied.parameter_count() == 20 * 16 + 20
+    assert soft.config()["attention"] == "softmax"
+
+
+def test_positional_encodings():
+    pe = ks.nn.PositionalEncoding(6, 10, "sinusoidal")
+    table = pe(torch.arange(10))
+    assert table.shape == (10, 6) and torch.allclose(table[0, 1::2], torch.ones(3))
+    assert ks.nn.sinusoidal_positions(torch.arange(3), 5).shape == (3, 5)  # odd width
+    learned = ks.nn.PositionalEncoding(6, 4, "learned")
+    with pytest.raises(ValueError, match="max_len"):
+        learned(torch.arange(5))
+    assert ks.nn.PositionalEncoding(6, 4, "none")(torch.arange(3)).abs().sum() == 0
+
+
+def test_bad_arguments_raise_value_errors():
+    with pytest.raises(ValueError, match="unknown feature map"):
+        ks.nn.SequenceClassifier(20, 2, attention="no-such-map", **SMALL)
+    with pytest.raises(ValueError, match="divisible"):
+        ks.nn.SequenceClassifier(20, 2, d_model=15, n_heads=2)
+    with pytest.raises(ValueError, match="feature_map"):
+        ks.nn.SequenceClassifier(20, 2, attention="softmax", feature_map="elu")
+    with pytest.raises(ValueError, match="feature_map"):
+        ks.nn.SequenceClassifier(20, 2, attention="elu", feature_map="relu")
+    with pytest.raises(ValueError, match="pooling"):
+        ks.nn.SequenceClassifier(20, 2, pooling="max")
+    with pytest.raises(ValueError, match="positions"):
+        ks.nn.CausalLM(20, positions="rotary")
+    with pytest.raises(ValueError, match="num_classes"):
+        ks.nn.SequenceClassifier(20, 1)
+    model = ks.nn.SequenceClassifier(20, 2, **SMALL)
+    with pytest.raises(ValueError, match="input_ids"):
+        model(torch.full((2, 4), 20))
+    with pytest.raises(ValueError, match="input_ids"):
+        model(torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="mask"):
+        model(_ids(2, 4), torch.ones(2, 4))
+    with pytest.raises(ValueError, match="mask"):
+        model(_ids(2, 4), torch.ones(2, 5, dtype=torch.bool))
+    lm = ks.nn.CausalLM(20, **SMALL)
+    with pytest.raises(ValueError, match="token"):
+        lm.step(_ids(2, 1))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        lm.generate(_ids(1, 2), -1)

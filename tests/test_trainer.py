@@ -1,0 +1,342 @@
+"""The trainer: learning, exact resume, early stopping, outputs, Optuna pruning, regularizers."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import optuna
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import kernelstudy as ks
+from kernelstudy.tasks import CopyTask
+from kernelstudy.train import (
+    Objective,
+    OptunaPruningCallback,
+    TrainConfig,
+    Trainer,
+    WarmupDecay,
+    model_for_task,
+)
+
+from .test_models import SMALL, TEST_MAP
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class ContainsTask(Dataset):
+    """Classification: label 1 when token 3 occurs among the real tokens; variable lengths."""
+
+    vocab_size, num_classes, pairs = 8, 2, False
+
+    def __init__(self, size: int, length: int = 12, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, 8, (size, length), generator=g)
+        lengths = torch.randint(4, length + 1, (size,), generator=g)
+        self.mask = torch.arange(length)[None, :] < lengths[:, None]
+        self.label = ((self.ids == 3) & self.mask).any(1).long()
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "mask": self.mask[i], "label": self.label[i]}
+
+
+class PairTask(ContainsTask):
+    """Matching: label 1 when both documents contain token 3."""
+
+    pairs = True
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        j = (i + 1) % len(self)
+        return {
+            "input_ids_1": self.ids[i],
+            "mask_1": self.mask[i],
+            "input_ids_2": self.ids[j],
+            "mask_2": self.mask[j],
+            "label": self.label[i] & self.label[j],
+        }
+
+
+def _classifier(attention="elu", dropout=0.0, **kw):
+    return ks.nn.SequenceClassifier(
+        8, 2, attention=attention, **{**SMALL, "dropout": dropout, **kw}
+    )
+
+
+def _config(**kw) -> TrainConfig:
+    base = {"steps": 12, "batch_size": 16, "lr": 3e-3, "eval_every": 4, "progress": False}
+    return TrainConfig(**{**base, **kw})
+
+
+def test_loss_decreases_on_a_learnable_task():
+    torch.manual_seed(0)
+    train, val = ContainsTask(512), ContainsTask(128, seed=1)
+    trainer = Trainer(_classifier(), train, _config(steps=60, eval_every=20), val_data=val)
+    record = trainer.fit()
+    hist = trainer.metrics
+    assert list(hist["step"]) == [20, 40, 60]
+    assert hist["train_loss"].iloc[-1] < 0.7 * hist["train_loss"].iloc[0]
+    assert hist["val_accuracy"].iloc[-1] > 0.8
+    assert record["status"] == "completed" and record["steps_completed"] == 60
+    assert record["best"]["value"] == hist["val_accuracy"].max()
+
+
+def _params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("loader", [False, True])
+def test_interrupted_and_resumed_run_is_bit_identical(tmp_path, loader):
+    """k steps + resume + k steps == 2k steps, with dropout, shuffling and a partial
+    accumulation window (the pause is not at an evaluation)."""
+    train, val = ContainsTask(100), ContainsTask(40, seed=1)
+
+    def data():  # a user DataLoader shuffling from the global generator, or the Dataset
+        return DataLoader(train, batch_size=16, shuffle=True) if loader else train
+
+    cfg = {"steps": 14, "eval_every": 4, "warmup_steps": 3, "schedule": "linear"}
+    torch.manual_seed(0)
+    straight = Trainer(_classifier(dropout=0.2), data(), _config(**cfg), val_data=val)
+    straight.fit()
+
+    out = str(tmp_path / "run")
+    torch.manual_seed(0)
+    first = Trainer(_classifier(dropout=0.2), data(), _config(out_dir=out, **cfg), val_data=val)
+    paused = first.fit(stop_after=7)
+    assert paused["status"] == "paused" and paused["steps_completed"] == 7
+    torch.manual_seed(123)  # a different init and global state: all comes from the checkpoint
+    second = Trainer(_classifier(dropout=0.2), data(), _config(out_dir=out, **cfg), val_data=val)
+    resumed = second.fit(resume=True)
+    assert resumed["status"] == "completed" and second.step == 14
+
+    a, b = _params(straight.model), _params(second.model)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    drop = ["elapsed_s"]
+    pd.testing.assert_frame_equal(
+        straight.metrics.drop(columns=drop), second.metrics.drop(columns=drop)
+    )
+    on_disk = pd.read_csv(tmp_path / "run" / "metrics.csv")
+    assert list(on_disk["step"]) == [4, 8, 12, 14]
+
+
+def test_early_stopping(tmp_path):
+    train = ContainsTask(64)
+    cfg = _config(steps=100, eval_every=2, lr=1e-9, patience=2, out_dir=str(tmp_path))
+    trainer = Trainer(_classifier(), train, cfg, val_data=train)
+    record = trainer.fit()
+    # the first evaluation sets the best; two more without improvement stop the run
+    assert record["status"] == "early_stopped" and record["stopped_early"]
+    assert record["steps_completed"] == 6 and len(trainer.metrics) == 3
+    assert record["best"]["step"] == 2
+    with pytest.raises(ValueError, match="val_data"):
+        Trainer(_classifier(), train, _config(patience=2))
+
+
+def test_outputs_metrics_csv_and_run_record(tmp_path):
+    torch.manual_seed(0)
+    train, val = ContainsTask(64), ContainsTask(32, seed=1)
+    model = _classifier(attention="kernel", feature_map=TEST_MAP)
+    cfg = _config(steps=8, out_dir=str(tmp_path / "run"), reg_weight=0.1)
+    trainer = Trainer(model, train, cfg, val_data=val, test_data=val)
+    trainer.fit()
+    run = tmp_path / "run"
+    assert {p.name for p in run.iterdir()} == {
+        "checkpoint.pt",
+        "metrics.csv",
+        "run.json",
+        "model.pt",
+    }
+    csv = pd.read_csv(run / "metrics.csv")
+    pd.testing.assert_frame_equal(csv, trainer.metrics, check_dtype=False)
+    for col in ("step", "lr", "train_loss", "train_accuracy", "train_reg", "grad_norm"):
+        assert col in csv and csv[col].notna().all()
+    record = json.loads((run / "run.json").read_text())
+    assert record["parameters"]["total"] == model.parameter_count()
+    assert record["parameters"]["feature_map"] == model.feature_map_parameter_count() == 96
+    assert record["feature_dim"] == 6
+    assert record["peak_memory_bytes"] > 0 and record["peak_memory_source"] == "cpu_max_rss"
+    assert set(record["test"]) == {"loss", "accuracy"}
+    assert record["model"]["class"] == "SequenceClassifier"
+    assert record["config"]["reg_weight"] == 0.1
+    assert not list(run.glob("*.tmp"))  # atomic writes leave no temp files
+
+
+class _PenalizedModel(nn.Module):
+    """A classifier plus a parameter that only the regularizer sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _classifier()
+        self.extra = nn.Parameter(torch.ones(3))
+
+    def forward(self, input_ids, mask=None):
+        return self.inner(input_ids, mask)
+
+    def regularization(self) -> torch.Tensor:
+        return self.extra.square().sum()
+
+
+@pytest.mark.parametrize("reg_weight", [0.0, 0.5])
+def test_regularizer_enters_the_loss(reg_weight):
+    model = _PenalizedModel()
+    trainer = Trainer(
+        model, ContainsTask(32), _config(steps=4, weight_decay=0.0, reg_weight=reg_weight)
+    )
+    trainer.fit()
+    if reg_weight == 0:
+        assert torch.equal(model.extra.detach(), torch.ones(3))
+        assert "train_reg" not in trainer.metrics
+    else:
+        assert (model.extra.detach() < 1).all()
+        assert trainer.metrics["train_reg"].iloc[-1] == pytest.approx(3.0, rel=0.05)
+
+
+def test_feature_map_regularizer_is_trained_down():
+    torch.manual_seed(0)
+    model = _classifier(attention="kernel", feature_map=TEST_MAP)
+    before = model.regularization().item()
+    Trainer(model, ContainsTask(32), _config(steps=10, lr=1e-2, reg_weight=10.0)).fit()
+    assert model.regularization().item() < 0.5 * before
+
+
+def test_optuna_pruning_propagates(tmp_path):
+    study = optuna.create_study(
+        direction="maximize", pruner=optuna.pruners.ThresholdPruner(lower=2.0)
+    )  # every reported accuracy (<= 1) is below the threshold: prune at the first report
+    out = tmp_path / "trial"
+
+    def objective(trial: optuna.Trial) -> float:
+        cfg = _config(lr=trial.suggest_float("lr", 1e-3, 1e-2, log=True), out_dir=str(out))
+        data = ContainsTask(32)
+        callback = OptunaPruningCallback(trial, "val_accuracy")
+        return Trainer(_classifier(), data, cfg, val_data=data, on_eval=callback).fit()["best"][
+            "value"
+        ]
+
+    study.optimize(objective, n_trials=1)
+    trial = study.trials[0]
+    assert trial.state == optuna.trial.TrialState.PRUNED
+    assert list(trial.intermediate_values) == [4]
+    record = json.loads((out / "run.json").read_text())
+    assert record["status"] == "pruned" and "TrialPruned" in record["error"]
+    assert record["steps_completed"] == 4
+
+    seen = []
+    with pytest.raises(optuna.TrialPruned):
+        Trainer(
+            _classifier(),
+            ContainsTask(32),
+            _config(),
+            on_eval=[
+                lambda s, m: seen.append(s),
+                OptunaPruningCallback(_AlwaysPrune(), "train_loss"),
+            ],
+        ).fit()
+    assert seen == [4]
+
+
+class _AlwaysPrune:
+    def report(self, value: float, step: int) -> None:
+        assert math.isfinite(value)
+
+    def should_prune(self) -> bool:
+        return True
+
+
+def test_lm_objective_scores_only_the_loss_mask():
+    logits = torch.randn(2, 5, 7)
+
+    class Fixed(nn.Module):
+        def forward(self, ids, mask=None):
+            return logits
+
+    targets = torch.randint(0, 7, (2, 5))
+    loss_mask = torch.tensor([[0, 1, 1, 0, 0], [0, 0, 0, 1, 0]], dtype=torch.bool)
+    targets[1, 3] = logits[1, 3].argmax()
+    batch = {"input_ids": targets, "targets": targets, "loss_mask": loss_mask}
+    loss, stats = Objective("lm")(Fixed(), batch)
+    expected = nn.functional.cross_entropy(logits[loss_mask], targets[loss_mask])
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    metrics = Objective.summarize({k: float(v) for k, v in stats.items()})
+    assert metrics["loss"] == pytest.approx(expected.item(), rel=1e-6)
+    assert stats["count"] == 3 and stats["seq_count"] == 2
+    assert stats["seq_correct"] >= 1  # the second sequence's only scored token is right
+    with pytest.raises(ValueError, match="targets"):
+        Objective("lm")(Fixed(), {"input_ids": targets})
+
+
+def test_lm_and_matching_tasks_train():
+    torch.manual_seed(0)
+    copy = CopyTask("train", seq_len=12, n_symbols=4, num_samples=64)
+    lm = model_for_task(copy, **SMALL)
+    assert isinstance(lm, ks.nn.CausalLM) and lm.positions.max_len == 12
+    trainer = Trainer(lm, copy, _config(steps=4), val_data=copy)
+    assert trainer.task_type == "lm"
+    trainer.fit()
+    assert {"val_sequence_accuracy", "train_sequence_accuracy"} <= set(trainer.metrics)
+
+    pairs = PairTask(64)
+    matcher = model_for_task(pairs, attention="softmax", **SMALL)
+    assert isinstance(matcher, ks.nn.MatchingClassifier)
+    trainer = Trainer(matcher, pairs, _config(steps=4), val_data=pairs)
+    assert trainer.task_type == "matching"
+    assert set(trainer.fit()["final"]) >= {"val_accuracy", "train_loss"}
+
+
+def test_schedules():
+    w = WarmupDecay("cosine", warmup_steps=4, total_steps=14)
+    assert [w(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert w(9) == pytest.approx(0.5) and w(14) == pytest.approx(0.0)
+    lin = WarmupDecay("linear", 0, 10, min_ratio=0.1)
+    assert lin(0) == 1.0 and lin(5) == pytest.approx(0.55) and lin(10) == pytest.approx(0.1)
+    inv = WarmupDecay("inverse_sqrt", 4, 100)
+    assert inv(3) == 1.0 and inv(15) == pytest.approx(0.5)
+    assert WarmupDecay("constant", 0, 5)(4) == 1.0
+    with pytest.raises(ValueError, match="schedule"):
+        WarmupDecay("step", 0, 5)
+    trainer = Trainer(
+        _classifier(), ContainsTask(32), _config(steps=8, eval_every=1, warmup_steps=4)
+    )
+    trainer.fit()
+    lrs = trainer.metrics["lr"].tolist()
+    assert lrs[:4] == pytest.approx([3e-3 * f for f in (0.25, 0.5, 0.75, 1.0)])
+    assert lrs[4:] == sorted(lrs[4:], reverse=True)
+
+
+def test_bad_configuration_fails_before_training():
+    with pytest.raises(ValueError, match="steps"):
+        TrainConfig(steps=0)
+    with pytest.raises(ValueError, match="lr"):
+        TrainConfig(lr=-1.0)
+    with pytest.raises(ValueError, match="schedule"):
+        TrainConfig(schedule="exponential")
+    with pytest.raises(ValueError, match="clip_norm"):
+        TrainConfig(clip_norm=0.0)
+    with pytest.raises(ValueError, match="task_type"):
+        TrainConfig(task_type="regression")
+    with pytest.raises(ValueError, match="unknown TrainConfig"):
+        TrainConfig.from_dict({"stepz": 3})
+    assert TrainConfig.from_dict(_config().to_dict()) == _config()
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA"):
+            Trainer(_classifier(), ContainsTask(8), _config(device="cuda"))
+    with pytest.raises(ValueError, match="out_dir"):
+        Trainer(_classifier(), ContainsTask(8), _config()).fit(resume=True)
+    with pytest.raises(TypeError, match="train_data"):
+        Trainer(_classifier(), [1, 2, 3], _config())
+    with pytest.raises(ValueError, match="monitor"):
+        Trainer(
+            _classifier(), ContainsTask(8), _config(monitor="val_f1"), val_data=ContainsTask(8)
+        ).fit()
