@@ -190,6 +190,20 @@ def test_with_linear_attention_no_nan(name, causal):
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_keys_one_step_at_a_time_unless_the_map_says_otherwise(name):
+    fm = make(name)
+    k = randn(2, H, 5, D, scale=2.0)
+    stepwise = torch.cat([fm(k[:, :, t : t + 1], is_query=False) for t in range(5)], dim=2)
+    same = torch.allclose(stepwise, fm(k, is_query=False), rtol=1e-5, atol=1e-6)
+    assert same != fm.keys_need_sequence
+    if "stabilize" in fm.hparams:
+        off = make(name, stabilize=False)
+        assert not off.keys_need_sequence
+        stepwise = torch.cat([off(k[:, :, t : t + 1], is_query=False) for t in range(5)], dim=2)
+        torch.testing.assert_close(stepwise, off(k, is_query=False))
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_wrong_head_dim_raises(name):
     with pytest.raises(ValueError, match="head_dim"):
         make(name)(randn(1, H, 4, D + 1))

@@ -2,9 +2,10 @@
 
 Metrics (all against exact softmax attention, on the entries each query may see):
 
-- ``kernel_mse``: mean of ``(φq_i·φk_j − κ(q_i, k_j))²`` where κ is the kernel the
-  map estimates (its ``kernel`` method; for softmax-kernel maps κ = ``exp(q·k/√D)``);
-  only for maps that have one.
+- ``kernel_mse``: mean of ``(φq_i·φk_j − exp(q_i·k_j/√D))²``, the error on the
+  unnormalized softmax kernel; only for maps that estimate a kernel (they have a
+  ``kernel`` method; a stabilizer such as FAVOR's ``stabilize`` rescales φ and must
+  be off for this metric to mean anything).
 - ``attention_mse``: mean squared difference of the row-normalized matrices.
 - ``attention_kl``: mean over rows of ``KL(softmax row ‖ kernel row)`` in nats (NaN
   when a kernel row has negative entries, e.g. the identity map).
@@ -24,7 +25,16 @@ import torch
 
 from ..feature_maps import FeatureMap
 from ..nn.functional import resolve_feature_map
-from .matrices import MAX_N, MapSpec, allowed_keys, attention_matrix, check_qk
+from .matrices import (
+    MAX_N,
+    MapSpec,
+    allowed_keys,
+    attention_matrix,
+    check_qk,
+    kernel_scores,
+    normalize_rows,
+    softmax_kernel,
+)
 
 METRICS = ("kernel_mse", "attention_mse", "attention_kl", "output_rel_error")
 
@@ -143,15 +153,15 @@ def approximation_error(
     rows = []
     fm64 = copy.deepcopy(fm).to(torch.float64)  # exact metrics; the caller's map is untouched
     with torch.no_grad():
-        a_hat = attention_matrix(q64, k64, fm64, causal, key_padding_mask, max_n, eps)
+        scores = kernel_scores(q64, k64, fm64, key_padding_mask)
+        a_hat = normalize_rows(scores, allowed, eps)
         metrics: dict[str, float] = {}
-        kernel = getattr(fm64, "kernel", None)
-        if callable(kernel):
+        if callable(getattr(fm64, "kernel", None)):
             k_in = k64
             if key_padding_mask is not None:
                 k_in = k64.masked_fill(~key_padding_mask.to(k.device)[:, None, :, None], 0.0)
-            approx = fm64(q64, is_query=True) @ fm64(k_in, is_query=False).transpose(-1, -2)
-            metrics["kernel_mse"] = _masked_mean((approx - kernel(q64, k_in)) ** 2, allowed)
+            exact = softmax_kernel(q64, k_in)
+            metrics["kernel_mse"] = _masked_mean((scores - exact) ** 2, allowed)
         metrics.update(_attention_metrics(a_soft, a_hat, allowed, v64, out_soft))
     label = map_label(fm)
     for metric, value in metrics.items():

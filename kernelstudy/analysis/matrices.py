@@ -114,15 +114,34 @@ def attention_matrix(
     if feature_map == UNIFORM:
         weights = allowed.to(q.dtype).expand(q.shape[0], q.shape[1], n, s)
         return weights / weights.sum(-1, keepdim=True).clamp_min(1.0)
+    return normalize_rows(kernel_scores(q, k, feature_map, key_padding_mask), allowed, eps)
+
+
+def kernel_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    feature_map: MapSpec,
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The unnormalized kernel matrix ``φ(q) φ(k)ᵀ``: ``(B,H,N,S)``, no masking applied.
+
+    Padded keys are zeroed before the map sees them (as in ``kernel_attention``); a map
+    whose parameters have another dtype than ``q`` runs as a cast copy.
+    """
     fm = _as_feature_map(feature_map, q)
     dtypes = {t.dtype for t in (*fm.parameters(), *fm.buffers()) if t.is_floating_point()}
-    if dtypes - {q.dtype}:  # e.g. a float32 map on float64 analysis inputs: use a cast copy
+    if dtypes - {q.dtype}:  # e.g. a float32 map on float64 analysis inputs
         fm = copy.deepcopy(fm).to(q.dtype)
-    if key_padding_mask is not None:  # as in kernel_attention: the map never sees padding
+    if key_padding_mask is not None:
         k = k.masked_fill(~key_padding_mask.to(k.device)[:, None, :, None], 0.0)
-    scores = fm(q, is_query=True) @ fm(k, is_query=False).transpose(-1, -2)
+    return fm(q, is_query=True) @ fm(k, is_query=False).transpose(-1, -2)
+
+
+def normalize_rows(scores: torch.Tensor, allowed: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``scores / (Σ_allowed scores + eps)`` on allowed entries, 0 elsewhere (eps 0: exact;
+    rows without mass stay zero)."""
     scores = scores.masked_fill(~allowed, 0.0)
     total = scores.sum(-1, keepdim=True) + eps
-    if eps == 0:  # exact normalization; rows without mass stay zero
+    if eps == 0:
         total = torch.where(total == 0, torch.ones_like(total), total)
     return scores / total

@@ -124,6 +124,12 @@ class FeatureMap(nn.Module):
         """F, the number of features per head."""
         raise NotImplementedError
 
+    @property
+    def keys_need_sequence(self) -> bool:
+        """True when φ(k_j) depends on the other keys of its sequence (a per-sequence
+        stabilizer): keys must then be mapped whole, not one recurrent step at a time."""
+        return False
+
     def features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
         """φ(x) for a validated ``x: (B,H,N,D)``."""
         raise NotImplementedError

@@ -59,6 +59,10 @@ class SoftmaxRandomFeatures(RandomFeatureMap):
         with torch.no_grad():
             self.weight.copy_(w)
 
+    @property
+    def keys_need_sequence(self) -> bool:
+        return self.hparams["stabilize"]
+
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(Wx̂: (..., N, R), ‖x̂‖²/2: (..., N, 1))`` in at least float32."""
         dtype = compute_dtype(x, self.weight)
@@ -81,12 +85,14 @@ class FavorFeatureMap(SoftmaxRandomFeatures):
 
     φ(x) = exp(Wx̂ − ‖x̂‖²/2)/√R with x̂ = x/D^{1/4} and W: (R, D) Gaussian rows (iid or
     block-orthogonal), so E[φ(x)·φ(y)] = exp(x·y/√D). ``hyperbolic=True`` uses
-    [exp(Wx̂), exp(−Wx̂)]·exp(−‖x̂‖²/2)/√(2R) (F = 2R, lower variance, same mean).
+    [exp(Wx̂), exp(−Wx̂)]·exp(−‖x̂‖²/2)/√(2R) (F = 2R; same mean, lower variance at equal R).
     ``stabilize`` subtracts the max exponent per query row (queries) or per
     sequence (keys, over N and features); normalized attention is unchanged but
-    φ(q)·φ(k) is then the kernel times a per-row/per-sequence factor; turn it off
-    for kernel-level analysis. For causal attention the key max covers the whole
-    sequence: it is detached and cancels exactly, only underflow can depend on later keys.
+    φ(q)·φ(k) is then the kernel times a per-row/per-sequence factor. Turn it off
+    for kernel-level analysis, or to map keys one recurrent step at a time; unstabilized
+    φ ≤ exp(max_r ‖w_r‖²/2)/√R anyway, as w·x̂ − ‖x̂‖²/2 ≤ ‖w‖²/2. In causal attention
+    the key max covers the whole sequence: it is detached and cancels exactly, only
+    underflow can depend on later keys.
     ``(B,H,N,D) → (B,H,N,F)``; W is shared by all heads.
     """
 

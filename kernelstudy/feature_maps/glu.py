@@ -38,8 +38,8 @@ class GLUUnit(nn.Module):
             self.w_g = nn.Parameter(
                 torch.empty(heads, n, n).uniform_(-bound, bound, generator=generator)
             )
-        else:  # entries of A B have variance ≈ 1/n, as a full gate's
-            std = (rank * n) ** -0.25
+        else:  # entries of A B get the variance 1/(3n) of the full gate's uniform init
+            std = (3 * rank * n) ** -0.25
             self.w_g_down = nn.Parameter(torch.randn(heads, n, rank, generator=generator) * std)
             self.w_g_up = nn.Parameter(torch.randn(heads, rank, n, generator=generator) * std)
 

@@ -44,6 +44,10 @@ class HedgehogFeatureMap(HeadwiseFeatureMap):
     def feature_dim(self) -> int:
         return 2 * self.head_dim
 
+    @property
+    def keys_need_sequence(self) -> bool:
+        return self.hparams["stabilize"]
+
     def features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
         bias = self.bias[0] if self.weight_heads == 1 else self.bias
         z = self.headwise(x, self.weight.to(x.dtype)) + bias.to(x.dtype)

@@ -338,7 +338,9 @@ class Trainer:
             return self._write_record()
         except BaseException as err:
             self.elapsed += time.perf_counter() - start
-            self.status = "pruned" if type(err).__name__ == "TrialPruned" else "failed"
+            self.status = {"TrialPruned": "pruned", "KeyboardInterrupt": "interrupted"}.get(
+                type(err).__name__, "failed"
+            )
             with contextlib.suppress(Exception):  # never mask the original error
                 self._write_record(error=f"{type(err).__name__}: {err}")
             raise
@@ -412,7 +414,7 @@ class Trainer:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         sched = dict(state["scheduler"])
-        sched.pop("lr_lambdas", None)  # the schedule comes from the current config
+        sched["lr_lambdas"] = [None] * len(self.scheduler.lr_lambdas)  # keep this config's
         self.scheduler.load_state_dict(sched)
         self.scaler.load_state_dict(state["scaler"])
         self.step = int(state["step"])
@@ -503,7 +505,7 @@ class Trainer:
         steps = max(sums.get("steps", 0.0), 1.0)
         row: dict[str, Any] = {
             "step": self.step,
-            "epoch": self.stream.epoch + self.stream.batch / max(len(self.train_loader), 1),
+            "epoch": self._epoch(),
             "lr": self._last_lr,
         }
         row.update({f"train_{k}": v for k, v in Objective.summarize(sums).items()})
@@ -523,6 +525,14 @@ class Trainer:
             self.save_checkpoint()
         for callback in self.callbacks:
             callback(self.step, dict(row))
+
+    def _epoch(self) -> float:
+        """Epochs done, fractional (whole epochs only for loaders without a length)."""
+        try:
+            per_epoch = len(self.train_loader)
+        except TypeError:
+            return float(self.stream.epoch)
+        return self.stream.epoch + self.stream.batch / max(per_epoch, 1)
 
     def _update_best(self, row: dict[str, Any]) -> None:
         cfg = self.config
