@@ -101,3 +101,19 @@ def test_step_needs_causal_and_right_shape():
         layer.step(torch.randn(1, 3, 16))
     with pytest.raises(ValueError, match="x"):
         layer(torch.randn(2, 5, 15))
+
+
+def test_step_refuses_sequence_stabilized_keys_and_works_without():
+    kw = {"num_features": 32, "seed": 0}
+    layer = ks.nn.KernelAttention(16, 2, feature_map="favor", feature_map_kwargs=kw, causal=True)
+    with pytest.raises(ValueError, match="stabilize=False"):
+        layer.step(torch.randn(1, 16))
+    kw["stabilize"] = False
+    layer = ks.nn.KernelAttention(
+        16, 2, feature_map="favor", feature_map_kwargs=kw, causal=True
+    ).double()
+    x = torch.randn(2, 7, 16, dtype=torch.float64)
+    full, state = layer(x), None
+    for t in range(7):
+        y_t, state = layer.step(x[:, t], state)
+        assert rel_err(y_t, full[:, t]) <= 1e-10

@@ -66,7 +66,8 @@ def test_killed_worker_trial_is_failed_and_retried(kind, tmp_path):
     proc.start()
     deadline = time.time() + 60
     while time.time() < deadline:
-        if study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        if running and "x" in running[0].params:  # started and past its suggestion
             break
         time.sleep(0.2)
     else:

@@ -128,6 +128,12 @@ class KernelAttention(nn.Module):
         if not isinstance(x_t, torch.Tensor) or x_t.dim() != 2 or x_t.shape[-1] != self.d_model:
             shape = tuple(x_t.shape) if isinstance(x_t, torch.Tensor) else type(x_t).__name__
             raise ValueError(f"x_t must have shape (batch, {self.d_model}), got {shape}")
+        if self.feature_map is not None and getattr(self.feature_map, "keys_need_sequence", False):
+            raise ValueError(
+                f"step() cannot use feature map {self.feature_map.name!r} with its per-sequence "
+                "key stabilizer (each key would get its own factor); create it with "
+                "stabilize=False for recurrent inference"
+            )
         q, k, v = self._heads(x_t.unsqueeze(1))  # (B,H,1,D)
         if self.feature_map is None:
             if state is None:
