@@ -75,13 +75,7 @@ def _table(frame: pd.DataFrame, metric: str) -> pd.DataFrame:
     rows = frame[(frame["metric"] == metric) & (frame["n"] > 0)].copy()
     rows["label"] = _label(rows)
     rows["causal"] = rows["causal"].map(lambda c: "causal" if str(c) == "True" else "non-causal")
-    table = rows.pivot_table(
-        index=["causal", "pass", "label"],
-        columns="n",
-        values="value",
-        aggfunc="first",
-        dropna=False,
-    )
+    table = rows.groupby(["causal", "pass", "label", "n"])["value"].first().unstack("n")
     table.columns = [f"N={n}" for n in table.columns]
     return table.reset_index()
 

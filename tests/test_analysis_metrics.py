@@ -121,6 +121,16 @@ def test_kernel_attention_rank_is_at_most_feature_dim(head_dim):
     assert ks.analysis.attention_rank(soft)["numerical_rank"] > fm.feature_dim
 
 
+@pytest.mark.parametrize("name", ["favor", "trig_rf", "hedgehog", "softplus_ffn"])
+def test_registered_maps_attention_rank_is_at_most_feature_dim(name):
+    if name not in ks.list_feature_maps():
+        pytest.skip(f"{name} not registered")
+    fm = ks.analysis.matched_feature_map(name, 8, 8, seed=0)
+    q, k = ks.analysis.gaussian_qk(64, 8, std=1.0, seed=4)
+    A = ks.analysis.attention_matrix(q.double(), k.double(), fm)[0, 0]
+    assert ks.analysis.attention_rank(A)["numerical_rank"] <= fm.feature_dim < 64
+
+
 def test_bad_input_errors():
     with pytest.raises(ValueError, match="square"):
         ks.analysis.attention_rank(torch.ones(3, 4))

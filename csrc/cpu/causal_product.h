@@ -35,6 +35,8 @@ namespace ks_cpu {
 
 using idx = std::ptrdiff_t;
 
+static inline idx round_up(idx x, idx to) { return (x + to - 1) / to * to; }
+
 #ifndef KS_CHUNK
 #define KS_CHUNK 64
 #endif
@@ -129,8 +131,8 @@ static inline void micro_kernel(idx k, const T* A, idx lda, const T* B, idx ldb,
 }
 
 #ifndef KS_MR
-#define KS_MR 4
-#define KS_NV 3
+#define KS_MR 6
+#define KS_NV 2
 #endif
 constexpr int kMR = KS_MR;  // register block: kMR rows x kNV vectors of accumulators
 constexpr int kNV = KS_NV;
@@ -161,42 +163,37 @@ static void gemm_tail(idx m, idx n, idx k, const T* A, idx lda, const T* B, idx 
 template <typename T>
 static void gemm(idx m, idx n, idx k, const T* A, idx lda, const T* B, idx ldb, T* C, idx ldc) {
   idx i = 0;
-  for (; i + kMR <= m; i += kMR) gemm_rows<T, kMR>(n, k, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
+  for (; i + kMR <= m; i += kMR)
+    gemm_rows<T, kMR>(n, k, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
   gemm_tail<T, kMR - 1>(m - i, n, k, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
 }
 
-static inline idx round_up(idx x, idx to) { return (x + to - 1) / to * to; }
 
-// ---------------------------------------------------------------- one sequence
-// Problem sizes and the buffers of one worker. Rows are "virtual": with `reverse`, virtual
-// row r is row N-1-r of the inputs, which turns the anti-causal product into a causal one.
+// ---------------------------------------------------------------- one chunk
+// One causal product on one sequence: out (N, m) = sum_{j<=i} (q_i . k_j) v_j with q, k (N, f),
+// v (N, m). Rows are "virtual": with `reverse`, virtual row r is row N-1-r of the inputs, which
+// turns the anti-causal product into a causal one.
 template <typename T>
-struct Sequence {
-  const T* q;  // (N, F)
-  const T* k;  // (N, F)
-  const T* v;  // (N, M)
-  T* out;      // (N, M)
-  idx n, f, m;
-  bool reverse;
-
-  const T* row(const T* base, idx r, idx width) const {
-    return base + (reverse ? n - 1 - r : r) * width;
-  }
-  T* out_row(idx r) const { return out + (reverse ? n - 1 - r : r) * m; }
+struct Operands {
+  const T* q;
+  const T* k;
+  const T* v;
+  T* out;
+  idx f, m;
 };
 
+// A chunk of one product packed into zero-padded buffers, and its output.
 template <typename T>
-struct Workspace {
-  idx fp, mp;                // F, M padded to the vector width
-  std::vector<T> qc;         // (C, fp)  queries of the chunk
-  std::vector<T> kt;         // (fp, C)  keys of the chunk, transposed
-  std::vector<T> vc;         // (C, mp)  values of the chunk
-  std::vector<T> scores;     // (C, C)   tril(Q_c K_c^T)
-  std::vector<T> oc;         // (C, mp)  output of the chunk
-  std::vector<T> state;      // (fp, mp) T: earlier chunks of this segment
-  std::vector<T> total;      // (fp, mp) P + T
+struct Chunk {
+  idx fp, mp;             // f, m padded to the vector width
+  std::vector<T> qc;      // (C, fp)  queries
+  std::vector<T> kt;      // (fp, C)  keys, transposed
+  std::vector<T> vc;      // (C, mp)  values
+  std::vector<T> scores;  // (C, C)   tril(Q_c K_c^T)
+  std::vector<T> oc;      // (C, mp)  output
+  std::vector<T> total;   // (fp, mp) state of all earlier chunks
 
-  Workspace(idx f, idx m)
+  Chunk(idx f, idx m)
       : fp(round_up(f, Vec<T>::lanes)),
         mp(round_up(m, Vec<T>::lanes)),
         qc(kChunk * fp),
@@ -204,154 +201,168 @@ struct Workspace {
         vc(kChunk * mp),
         scores(kChunk * kChunk),
         oc(kChunk * mp),
-        state(fp * mp),
         total(fp * mp) {}
 };
 
-// Copy rows c0 .. c0+C of k and v (zero past the end, past F and past M) into kt and vc.
+// Where virtual row r of a (N, width) matrix lives.
 template <typename T>
-static void pack_keys_values(const Sequence<T>& s, Workspace<T>& w, idx c0) {
-  const idx rows = std::min(kChunk, s.n - c0);
-  std::fill(w.kt.begin(), w.kt.end(), T(0));
-  std::fill(w.vc.begin(), w.vc.end(), T(0));
+static inline T* row_of(T* base, idx n, bool reverse, idx r, idx width) {
+  return base + (reverse ? n - 1 - r : r) * width;
+}
+
+// Pack the keys and values of virtual rows c0 .. c0+C (zeros past N, f and m).
+template <typename T>
+static void pack_keys_values(const Operands<T>& o, Chunk<T>& c, idx n, bool reverse, idx c0) {
+  const idx rows = std::min(kChunk, n - c0);
+  std::fill(c.kt.begin(), c.kt.end(), T(0));
+  std::fill(c.vc.begin(), c.vc.end(), T(0));
   for (idx r = 0; r < rows; ++r) {
-    const T* kr = s.row(s.k, c0 + r, s.f);
-    for (idx x = 0; x < s.f; ++x) w.kt[x * kChunk + r] = kr[x];
-    std::memcpy(&w.vc[r * w.mp], s.row(s.v, c0 + r, s.m), s.m * sizeof(T));
+    const T* kr = row_of(o.k, n, reverse, c0 + r, o.f);
+    for (idx x = 0; x < o.f; ++x) c.kt[x * kChunk + r] = kr[x];
+    std::memcpy(&c.vc[r * c.mp], row_of(o.v, n, reverse, c0 + r, o.m), o.m * sizeof(T));
   }
 }
 
 template <typename T>
-static void pack_queries(const Sequence<T>& s, Workspace<T>& w, idx c0) {
-  const idx rows = std::min(kChunk, s.n - c0);
-  std::fill(w.qc.begin(), w.qc.end(), T(0));
+static void pack_queries(const Operands<T>& o, Chunk<T>& c, idx n, bool reverse, idx c0) {
+  const idx rows = std::min(kChunk, n - c0);
+  std::fill(c.qc.begin(), c.qc.end(), T(0));
   for (idx r = 0; r < rows; ++r)
-    std::memcpy(&w.qc[r * w.fp], s.row(s.q, c0 + r, s.f), s.f * sizeof(T));
+    std::memcpy(&c.qc[r * c.fp], row_of(o.q, n, reverse, c0 + r, o.f), o.f * sizeof(T));
 }
 
-// T += K_c^T V_c (uses the packed kt, vc).
+// state (fp, mp) += K_c^T V_c
 template <typename T>
-static void update_state(Workspace<T>& w) {
-  gemm<T>(w.fp, w.mp, kChunk, w.kt.data(), kChunk, w.vc.data(), w.mp, w.state.data(), w.mp);
+static void update_state(const Chunk<T>& c, T* state) {
+  gemm<T>(c.fp, c.mp, kChunk, c.kt.data(), kChunk, c.vc.data(), c.mp, state, c.mp);
 }
 
-// Output of the chunk at c0 given the packed chunk and `total` = P + T.
+// Output rows of the packed chunk at c0: O_c = Q_c total + tril(Q_c K_c^T) V_c.
 template <typename T>
-static void chunk_output(const Sequence<T>& s, Workspace<T>& w, idx c0) {
+static void chunk_output(const Operands<T>& o, Chunk<T>& c, idx n, bool reverse, idx c0) {
   constexpr idx L = Vec<T>::lanes;
-  const idx fp = w.fp, mp = w.mp;
-  // O_c = Q_c (P + T)
-  std::fill(w.oc.begin(), w.oc.end(), T(0));
-  gemm<T>(kChunk, mp, fp, w.qc.data(), fp, w.total.data(), mp, w.oc.data(), mp);
-  // O_c += tril(Q_c K_c^T) V_c, a block of kMR rows at a time, skipping blocks above the diagonal
+  const idx fp = c.fp, mp = c.mp;
+  std::fill(c.oc.begin(), c.oc.end(), T(0));
+  gemm<T>(kChunk, mp, fp, c.qc.data(), fp, c.total.data(), mp, c.oc.data(), mp);
+  // a block of kMR rows at a time, skipping the blocks above the diagonal
   for (idx i0 = 0; i0 < kChunk; i0 += kMR) {
     const idx i1 = std::min(i0 + kMR, kChunk);  // rows i0 .. i1 see keys 0 .. i1-1
     const idx cols = round_up(i1, L);
-    T* sc = &w.scores[i0 * kChunk];
+    T* sc = &c.scores[i0 * kChunk];
     std::fill(sc, sc + (i1 - i0) * kChunk, T(0));
-    gemm<T>(i1 - i0, cols, fp, &w.qc[i0 * fp], fp, w.kt.data(), kChunk, sc, kChunk);
+    gemm<T>(i1 - i0, cols, fp, &c.qc[i0 * fp], fp, c.kt.data(), kChunk, sc, kChunk);
     for (idx i = i0; i < i1; ++i)
-      for (idx j = i + 1; j < cols; ++j) w.scores[i * kChunk + j] = T(0);
-    gemm<T>(i1 - i0, mp, i1, sc, kChunk, w.vc.data(), mp, &w.oc[i0 * mp], mp);
+      for (idx j = i + 1; j < cols; ++j) c.scores[i * kChunk + j] = T(0);
+    gemm<T>(i1 - i0, mp, i1, sc, kChunk, c.vc.data(), mp, &c.oc[i0 * mp], mp);
   }
-  const idx rows = std::min(kChunk, s.n - c0);
-  for (idx r = 0; r < rows; ++r) std::memcpy(s.out_row(c0 + r), &w.oc[r * mp], s.m * sizeof(T));
+  const idx rows = std::min(kChunk, n - c0);
+  for (idx r = 0; r < rows; ++r)
+    std::memcpy(row_of(o.out, n, reverse, c0 + r, o.m), &c.oc[r * mp], o.m * sizeof(T));
 }
 
-// total = prefix + T (prefix: sum of earlier segment states, or null for none).
+// ---------------------------------------------------------------- one sequence
+// The work on one sequence: product `a`, and optionally a second product `b` whose state is
+// the transpose of a's (the backward pass computes dk and dv together this way).
 template <typename T>
-static void form_total(Workspace<T>& w, const T* prefix) {
-  const idx size = w.fp * w.mp;
-  if (prefix == nullptr) {
-    std::copy(w.state.begin(), w.state.end(), w.total.begin());
-  } else {
-    for (idx x = 0; x < size; ++x) w.total[x] = prefix[x] + w.state[x];
-  }
-}
+struct Task {
+  idx n;
+  bool reverse;
+  Operands<T> a;
+  bool fused;
+  Operands<T> b;
+};
 
-// Outputs of virtual rows r0 .. r1 (one segment), starting from the segment prefix `prefix`
-// (fp x mp, or null for zero). Leaves the segment's state T in w.state if `whole_state`
-// (otherwise the last chunk, which no later row of the segment needs, is left out).
+// The buffers of one thread.
 template <typename T>
-static void run_segment(const Sequence<T>& s, Workspace<T>& w, idx r0, idx r1, const T* prefix,
+struct Worker {
+  Chunk<T> a, b;
+  std::vector<T> state;  // (a.fp, a.mp) T: earlier chunks of this segment
+
+  Worker(const Task<T>& t)
+      : a(t.a.f, t.a.m), b(t.fused ? t.b.f : 0, t.fused ? t.b.m : 0), state(a.fp * a.mp) {}
+};
+
+// Outputs of virtual rows r0 .. r1 (one segment), starting from `prefix`, the sum of the
+// states of earlier segments ((a.fp, a.mp), or null for zero). Leaves the segment's state in
+// w.state if `whole_state` (otherwise the last chunk, which no later row needs, is left out).
+template <typename T>
+static void run_segment(const Task<T>& t, Worker<T>& w, idx r0, idx r1, const T* prefix,
                         bool whole_state) {
+  const idx fp = w.a.fp, mp = w.a.mp;
   std::fill(w.state.begin(), w.state.end(), T(0));
   for (idx c0 = r0; c0 < r1; c0 += kChunk) {
-    pack_queries(s, w, c0);
-    pack_keys_values(s, w, c0);
-    form_total(w, prefix);
-    chunk_output(s, w, c0);
-    if (whole_state || c0 + kChunk < r1) update_state(w);
+    pack_queries(t.a, w.a, t.n, t.reverse, c0);
+    pack_keys_values(t.a, w.a, t.n, t.reverse, c0);
+    for (idx x = 0; x < fp * mp; ++x) w.a.total[x] = prefix ? prefix[x] + w.state[x] : w.state[x];
+    chunk_output(t.a, w.a, t.n, t.reverse, c0);
+    if (t.fused) {
+      pack_queries(t.b, w.b, t.n, t.reverse, c0);
+      pack_keys_values(t.b, w.b, t.n, t.reverse, c0);
+      for (idx x = 0; x < fp; ++x)
+        for (idx y = 0; y < mp; ++y) w.b.total[y * fp + x] = w.a.total[x * mp + y];
+      chunk_output(t.b, w.b, t.n, t.reverse, c0);
+    }
+    if (whole_state || c0 + kChunk < r1) update_state(w.a, w.state.data());
   }
 }
 
-// T of virtual rows r0 .. r1 (one segment) into w.state.
+// The state of virtual rows r0 .. r1 (one segment) into w.state.
 template <typename T>
-static void segment_state(const Sequence<T>& s, Workspace<T>& w, idx r0, idx r1) {
+static void segment_state(const Task<T>& t, Worker<T>& w, idx r0, idx r1) {
   std::fill(w.state.begin(), w.state.end(), T(0));
   for (idx c0 = r0; c0 < r1; c0 += kChunk) {
-    pack_keys_values(s, w, c0);
-    update_state(w);
+    pack_keys_values(t.a, w.a, t.n, t.reverse, c0);
+    update_state(w.a, w.state.data());
   }
 }
 
 // A whole sequence on one thread: the same operations as the three-phase schedule.
 template <typename T>
-static void run_sequence(const Sequence<T>& s, Workspace<T>& w) {
+static void run_sequence(const Task<T>& t, Worker<T>& w) {
   constexpr idx seg = kChunk * kSegmentChunks;
-  const idx size = w.fp * w.mp;
-  std::vector<T> prefix(size, T(0));
-  for (idx r0 = 0; r0 < s.n; r0 += seg) {
-    const idx r1 = std::min(r0 + seg, s.n);
-    run_segment(s, w, r0, r1, r0 == 0 ? nullptr : prefix.data(), r1 < s.n);
-    if (r1 < s.n) {  // P += T
-      if (r0 == 0) {
-        std::copy(w.state.begin(), w.state.end(), prefix.begin());
-      } else {
-        for (idx x = 0; x < size; ++x) prefix[x] += w.state[x];
-      }
-    }
+  std::vector<T> prefix(w.state.size(), T(0));
+  for (idx r0 = 0; r0 < t.n; r0 += seg) {
+    const idx r1 = std::min(r0 + seg, t.n);
+    run_segment(t, w, r0, r1, r0 == 0 ? nullptr : prefix.data(), r1 < t.n);
+    if (r1 < t.n)  // P += T (the first segment copies: 0 + T is T)
+      for (size_t x = 0; x < prefix.size(); ++x)
+        prefix[x] = r0 == 0 ? w.state[x] : prefix[x] + w.state[x];
   }
 }
 
-// ---------------------------------------------------------------- entry point
-// out (BH, N, M) = causal (or, with reverse, anti-causal) product of q, k (BH, N, F), v (BH, N, M).
-template <typename T>
-void causal_product(const T* q, const T* k, const T* v, T* out, idx bh, idx n, idx f, idx m,
-                    bool reverse, int threads) {
-  if (bh == 0 || n == 0 || m == 0) return;
-  threads = std::max(threads, 1);
+// Run task(b) for b < bh, in parallel over sequences, or, when there are fewer sequences than
+// threads, over segments within them (results are the same either way).
+template <typename T, typename MakeTask>
+static void run_tasks(idx bh, idx n, idx flops_per_row, int threads, MakeTask task) {
+  if (bh == 0 || n == 0) return;
   constexpr idx seg = kChunk * kSegmentChunks;
   const idx segments = (n + seg - 1) / seg;
-  auto sequence = [&](idx b) {
-    return Sequence<T>{q + b * n * f, k + b * n * f, v + b * n * m, out + b * n * m, n, f, m,
-                       reverse};
-  };
+  // at most one thread per task, and per ~1M multiply-adds (waking threads costs more)
+  const idx useful = std::min(bh * segments, std::max<idx>(bh * n * flops_per_row >> 20, 1));
+  threads = static_cast<int>(std::clamp<idx>(threads, 1, useful));
 
   if (bh >= threads || segments == 1) {
-    // one sequence per task
 #pragma omp parallel num_threads(threads)
     {
-      Workspace<T> w(f, m);
+      Worker<T> w(task(0));
 #pragma omp for schedule(dynamic, 1)
-      for (idx b = 0; b < bh; ++b) run_sequence(sequence(b), w);
+      for (idx b = 0; b < bh; ++b) run_sequence(task(b), w);
     }
     return;
   }
 
-  // Few sequences: split each into segments. prefixes[b][s] = sum of states of segments < s.
-  Workspace<T> shape(f, m);
-  const idx size = shape.fp * shape.mp;
+  // prefixes[b][s] = sum of the states of segments < s of sequence b
+  const idx size = Worker<T>(task(0)).state.size();
   std::vector<T> prefixes(bh * segments * size, T(0));
   auto prefix = [&](idx b, idx s) { return prefixes.data() + (b * segments + s) * size; };
 #pragma omp parallel num_threads(threads)
   {
-    Workspace<T> w(f, m);
-    // 1. state of every segment but the last, stored in the slot of the next segment
+    Worker<T> w(task(0));
+    // 1. the state of every segment but the last, into the slot of the next one
 #pragma omp for schedule(dynamic, 1)
-    for (idx t = 0; t < bh * (segments - 1); ++t) {
-      const idx b = t / (segments - 1), s = t % (segments - 1);
-      segment_state(sequence(b), w, s * seg, std::min((s + 1) * seg, n));
+    for (idx i = 0; i < bh * (segments - 1); ++i) {
+      const idx b = i / (segments - 1), s = i % (segments - 1);
+      segment_state(task(b), w, s * seg, std::min((s + 1) * seg, n));
       std::copy(w.state.begin(), w.state.end(), prefix(b, s + 1));
     }
     // 2. prefix sums over segments, in order
@@ -362,14 +373,47 @@ void causal_product(const T* q, const T* k, const T* v, T* out, idx bh, idx n, i
         const T* before = prefix(b, s - 1);
         for (idx x = 0; x < size; ++x) p[x] = before[x] + p[x];
       }
-    // 3. outputs of every segment
+    // 3. the outputs of every segment
 #pragma omp for schedule(dynamic, 1)
-    for (idx t = 0; t < bh * segments; ++t) {
-      const idx b = t / segments, s = t % segments;
-      run_segment(sequence(b), w, s * seg, std::min((s + 1) * seg, n),
+    for (idx i = 0; i < bh * segments; ++i) {
+      const idx b = i / segments, s = i % segments;
+      run_segment(task(b), w, s * seg, std::min((s + 1) * seg, n),
                   s == 0 ? nullptr : prefix(b, s), false);
     }
   }
+}
+
+// ---------------------------------------------------------------- entry points
+// out (BH, N, M) = causal (or, with reverse, anti-causal) product of q, k (BH, N, F), v (BH, N, M).
+template <typename T>
+void causal_product(const T* q, const T* k, const T* v, T* out, idx bh, idx n, idx f, idx m,
+                    bool reverse, int threads) {
+  if (m == 0) return;
+  auto task = [=](idx b) {
+    const Operands<T> a{q + b * n * f, k + b * n * f, v + b * n * m, out + b * n * m, f, m};
+    return Task<T>{n, reverse, a, false, {}};
+  };
+  run_tasks<T>(bh, n, f * m + kChunk * (f + m), threads, task);
+}
+
+// Gradients of out = causal_product(q, k, v) with respect to k and v, given g = dL/dout:
+//   dk_j = sum_{i>=j} (v_j . g_i) q_i,   dv_j = sum_{i>=j} (k_j . q_i) g_i,
+// two anti-causal products sharing one state, sum_i q_i g_i^T (F x M), and its transpose.
+template <typename T>
+void causal_product_backward_kv(const T* q, const T* k, const T* v, const T* g, T* dk, T* dv,
+                                idx bh, idx n, idx f, idx m, int threads) {
+  if (f == 0 || m == 0) {
+    std::fill(dk, dk + bh * n * f, T(0));
+    std::fill(dv, dv + bh * n * m, T(0));
+    return;
+  }
+  auto task = [=](idx b) {
+    const idx qk = b * n * f, vg = b * n * m;
+    const Operands<T> for_dv{k + qk, q + qk, g + vg, dv + vg, f, m};
+    const Operands<T> for_dk{v + vg, g + vg, q + qk, dk + qk, m, f};
+    return Task<T>{n, true, for_dv, true, for_dk};
+  };
+  run_tasks<T>(bh, n, 2 * (f * m + kChunk * (f + m)), threads, task);
 }
 
 }  // namespace ks_cpu

@@ -178,10 +178,19 @@ def plot_rank(
     hue: str | None = "method",
     col: str | None = None,
 ) -> Figure:
-    """Rank ``measure`` vs ``x`` (N or F) from rows with ``metric``/``value`` columns."""
+    """Rank ``measure`` vs ``x`` (N or F) from rows with ``metric``/``value`` columns.
+
+    A dotted diagonal ``rank = x`` marks full rank (x = N) or the kernel bound (x = F).
+    """
     _check_columns(frame, ["metric", "value", x], "plot_rank")
     rows = frame[frame["metric"] == measure]
-    return line_plot(rows, x, hue=hue, col=col, ylabel=measure, logy=True)
+    fig = line_plot(rows, x, hue=hue, col=col, ylabel=measure, logy=True)
+    lo, hi = float(rows[x].min()), float(rows[x].max())
+    for ax in fig.axes:
+        if ax.get_xlabel() or ax.lines:
+            ax.plot([lo, hi], [lo, hi], ls=":", color="0.4", lw=1.2, zorder=0)
+            ax.annotate(f"rank = {x}", xy=(hi, hi), ha="right", va="top", fontsize="small")
+    return fig
 
 
 def plot_speed(

@@ -12,6 +12,7 @@ from .backends import (
     unregister_backend,
 )
 from .chunked import DEFAULT_CHUNK_SIZE, causal_dot_product_chunked
+from .cpu_backend import causal_dot_product_cpu  # registers the compiled 'cpu' backend
 from .recurrent import RecurrentState
 from .reference import causal_dot_product_reference
 from .softmax import softmax_attention, softmax_attention_reference
@@ -23,6 +24,7 @@ __all__ = [
     "backends",
     "causal_dot_product",
     "causal_dot_product_chunked",
+    "causal_dot_product_cpu",
     "causal_dot_product_reference",
     "linear_attention",
     "linear_attention_reference",

@@ -13,11 +13,13 @@ from __future__ import annotations
 import os
 import platform
 import shutil
+import time
 import warnings
 from pathlib import Path
 from types import ModuleType
 
 BUILD_DIR_ENV = "KERNELSTUDY_BUILD_DIR"
+STALE_LOCK_SECONDS = 600  # a build lock this old was left by a killed build
 
 _LOADED: dict[str, ModuleType | None] = {}
 
@@ -52,6 +54,24 @@ def _build_directory(name: str) -> str | None:
     path = Path(root).expanduser() / name
     path.mkdir(parents=True, exist_ok=True)
     return str(path)
+
+
+def _remove_stale_lock(name: str, build_directory: str | None) -> None:
+    """Delete the build lock of a killed build (torch would otherwise wait on it forever)."""
+    if build_directory is None:
+        try:
+            from torch.utils.cpp_extension import _get_build_directory
+
+            build_directory = _get_build_directory(name, verbose=False)
+        except Exception:  # private torch API: skip the check if it changed
+            return
+    lock = Path(build_directory) / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
+            lock.unlink()
+            warnings.warn(f"kernelstudy: removed a stale build lock {lock}", RuntimeWarning, 3)
+    except OSError:
+        pass  # no lock (the usual case), or someone else removed it
 
 
 def _missing_tool(cuda: bool) -> str | None:
@@ -106,6 +126,8 @@ def load_extension(
         try:
             from torch.utils import cpp_extension
 
+            build_directory = _build_directory(name)
+            _remove_stale_lock(name, build_directory)
             module = cpp_extension.load(
                 name=name,
                 sources=[str(s) for s in sources],
@@ -113,7 +135,7 @@ def load_extension(
                 extra_cuda_cflags=list(extra_cuda_cflags or []),
                 extra_ldflags=list(extra_ldflags or []),
                 extra_include_paths=[str(csrc_dir())],
-                build_directory=_build_directory(name),
+                build_directory=build_directory,
                 with_cuda=cuda,
                 verbose=False,
             )

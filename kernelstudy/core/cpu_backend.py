@@ -1,0 +1,104 @@
+"""The ``cpu`` backend: the causal product as a compiled C++/OpenMP kernel (``csrc/cpu/``).
+
+The extension is built on first use (see :mod:`kernelstudy.core.extensions`); until then, or
+if it cannot be built, the backend reports itself unavailable and ``"auto"`` picks ``torch``.
+
+The backward pass saves only ``q, k, v`` and recomputes with the same kernel (one causal and
+two anti-causal products), so training memory is linear in N. float32 and float64 run
+natively; float16/bfloat16 inputs are computed in float32 (the output is float32, as for every
+backend; their gradients come back in the input dtype). Results do not depend on the number of
+threads: the kernel's reductions run in a fixed order.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from .backends import Backend, register_backend
+from .extensions import csrc_dir, load_extension, native_cflags
+from .validation import FLOAT_DTYPES, accumulation_dtype, check_qkv
+
+EXTENSION_NAME = "kernelstudy_cpu"
+
+_extension: ModuleType | None = None
+_tried = False
+
+
+def extension() -> ModuleType | None:
+    """The compiled module (built on the first call), or None if it cannot be built."""
+    global _extension, _tried
+    if not _tried:
+        _tried = True
+        _extension = load_extension(
+            EXTENSION_NAME,
+            [csrc_dir() / "cpu" / "binding.cpp"],
+            extra_cflags=[*native_cflags(), "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+        )
+    return _extension
+
+
+def available() -> bool:
+    """Whether the compiled kernel runs here (builds it on first call)."""
+    return extension() is not None
+
+
+def supports(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype in FLOAT_DTYPES
+
+
+class _CpuCausalProduct(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, threads):  # type: ignore[override]
+        ctx.save_for_backward(q, k, v)
+        ctx.threads = threads
+        return extension().causal_product(q, k, v, reverse=False, threads=threads)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):  # type: ignore[override]
+        # dq = causal(grad, v, k), dk = anticausal(v, grad, q), dv = anticausal(k, q, grad),
+        # recomputed from the inputs; dk and dv share one pass
+        q, k, v = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        dq, dk, dv = extension().causal_product_backward(
+            q, k, v, grad, need[0], need[1], need[2], threads=ctx.threads
+        )
+        return dq, dk, dv, None
+
+
+def causal_dot_product_cpu(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_threads: int | None = None
+) -> torch.Tensor:
+    """``Σ_{j≤i} (q_i·k_j) v_j`` for CPU tensors ``q, k: (B,H,N,F)``, ``v: (B,H,N,M)``.
+
+    Returns ``(B,H,N,M)`` in the accumulation dtype (float32, or float64 for float64
+    inputs). ``num_threads`` defaults to ``torch.get_num_threads()``; the result is the same
+    for any thread count. Raises RuntimeError if the kernel could not be built.
+    """
+    check_qkv(q, k, v, names=("q", "k", "v"), causal=True)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.device.type != "cpu":
+            raise ValueError(f"backend 'cpu' takes CPU tensors; {name} is on {t.device}")
+    if num_threads is None:
+        num_threads = torch.get_num_threads()
+    if not isinstance(num_threads, int) or isinstance(num_threads, bool) or num_threads < 1:
+        raise ValueError(f"num_threads must be a positive int, got {num_threads!r}")
+    if extension() is None:
+        raise RuntimeError("kernelstudy: the 'cpu' backend could not be built (see the warning)")
+    acc = accumulation_dtype(q.dtype)
+    return _CpuCausalProduct.apply(q.to(acc), k.to(acc), v.to(acc), num_threads)
+
+
+register_backend(
+    Backend(
+        "cpu",
+        causal_dot_product_cpu,
+        available=available,
+        supports=supports,
+        priority=20,
+        description="compiled C++/OpenMP kernel (csrc/cpu); float16/bfloat16 computed in float32",
+    )
+)

@@ -1,0 +1,200 @@
+"""The compiled ``cpu`` backend (csrc/cpu) equals the reference on awkward shapes.
+
+Tolerances: fp32 max relative error ≤ 1e-5 against a float64 reference (outputs and the
+gradients of q, k and v); float64 checked with ``torch.autograd.gradcheck``. The kernel's
+results must not depend on the thread count.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import kernelstudy as ks
+from kernelstudy.core import causal_dot_product_reference as reference
+from kernelstudy.core import cpu_backend, extensions, linear_attention_reference
+from kernelstudy.core.cpu_backend import causal_dot_product_cpu
+
+from .conftest import rel_err
+
+if not cpu_backend.available():
+    pytest.skip("the cpu extension cannot be built here", allow_module_level=True)
+
+# (B, H, N, F, M): N=1; N not a multiple of the chunk (64) or segment (512); F≠M (96, 40);
+# B·H = 1 with several segments (split within the sequence when B·H < threads); B·H = 37.
+SHAPES = [
+    (1, 1, 1, 4, 3),
+    (2, 3, 37, 8, 5),
+    (3, 2, 130, 96, 40),
+    (1, 1, 257, 7, 11),
+    (1, 1, 1500, 16, 24),
+    (37, 1, 70, 8, 8),
+    (1, 2, 1100, 3, 1),
+]
+
+
+def _features(b, h, n, f, m, dtype=torch.float32):
+    q = torch.rand(b, h, n, f, dtype=dtype)
+    k = torch.rand(b, h, n, f, dtype=dtype)
+    v = torch.randn(b, h, n, m, dtype=dtype)
+    return [t.requires_grad_(True) for t in (q, k, v)]
+
+
+def _output_and_grads(fn, q, k, v, seed=1):
+    out = fn(q, k, v)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.dtype)
+    return (out, *torch.autograd.grad(out, (q, k, v), g))
+
+
+def _exact(q, k, v):
+    """The reference in float64 (ground truth for the fp32 comparisons)."""
+    return reference(q.double(), k.double(), v.double())
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_matches_reference(shape):
+    q, k, v = _features(*shape)
+    got = _output_and_grads(causal_dot_product_cpu, q, k, v)
+    want = _output_and_grads(_exact, q, k, v)
+    assert got[0].shape == shape[:3] + (shape[4],) and got[0].dtype == torch.float32
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        assert a.dtype == torch.float32, name
+        assert rel_err(a, b) <= 1e-5, name
+
+
+def test_non_contiguous_inputs():
+    b, h, n, f, m = 2, 3, 150, 12, 10
+    q = torch.rand(b, n, h, f).transpose(1, 2).requires_grad_(True)  # (B,H,N,F), strided
+    k = torch.rand(b, h, f, n).transpose(2, 3).requires_grad_(True)
+    v = torch.randn(b, h, n, 2 * m)[..., ::2].detach().requires_grad_(True)
+    assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
+    got = _output_and_grads(causal_dot_product_cpu, q, k, v)
+    want = _output_and_grads(_exact, q, k, v)
+    for a, b_ in zip(got, want, strict=True):
+        assert rel_err(a, b_) <= 1e-5
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 9, 3, 4), (2, 1, 70, 5, 3)])
+def test_gradcheck_float64(shape):
+    q, k, v = _features(*shape, dtype=torch.float64)
+    assert torch.autograd.gradcheck(causal_dot_product_cpu, (q, k, v))
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1500, 16, 24), (1, 2, 1100, 16, 16), (3, 1, 600, 8, 8)])
+def test_thread_count_does_not_change_results(shape):
+    q, k, v = _features(*shape)
+    runs = [
+        _output_and_grads(lambda *x, t=t: causal_dot_product_cpu(*x, num_threads=t), q, k, v)
+        for t in (1, 2, 3)
+    ]
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_torch_thread_setting_does_not_change_results():
+    q, k, v = _features(1, 1, 1200, 8, 8)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _output_and_grads(lambda *x: ks.causal_dot_product(*x, backend="cpu"), q, k, v)
+        torch.set_num_threads(2)
+        two = _output_and_grads(lambda *x: ks.causal_dot_product(*x, backend="cpu"), q, k, v)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(one, two, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_inputs_computed_in_float32(dtype):
+    q, k, v = _features(2, 2, 70, 8, 6, dtype=dtype)
+    out, dq, dk, dv = _output_and_grads(causal_dot_product_cpu, q, k, v)
+    assert out.dtype == torch.float32
+    assert dq.dtype == dk.dtype == dv.dtype == dtype
+    assert rel_err(out, _exact(q, k, v)) <= 1e-5
+
+
+def test_empty_sequence():
+    q, k, v = _features(2, 1, 0, 4, 3)
+    out = causal_dot_product_cpu(q, k, v)
+    assert out.shape == (2, 1, 0, 3)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_linear_attention_matches_reference(causal):
+    q, k, v = _features(2, 3, 130, 16, 12)
+    mask = torch.ones(2, 130, dtype=torch.bool)
+    mask[1, 100:] = False
+
+    def run(backend):
+        def fn(q, k, v):
+            if backend == "reference":
+                return linear_attention_reference(q, k, v, causal=causal, key_padding_mask=mask)
+            return ks.linear_attention(q, k, v, causal=causal, key_padding_mask=mask, backend="cpu")
+
+        return _output_and_grads(fn, q, k, v)
+
+    for a, b in zip(run("cpu"), run("reference"), strict=True):
+        assert rel_err(a, b, floor=1e-3) <= 1e-5
+
+
+def test_registered_and_chosen_automatically(monkeypatch):
+    monkeypatch.delenv("KERNELSTUDY_BACKEND", raising=False)
+    assert "cpu" in ks.backends()
+    x = torch.rand(1, 1, 4, 2)
+    assert ks.core.resolve_backend("auto", x).name == "cpu"
+    assert ks.core.resolve_backend("auto", x.half()).name == "cpu"
+    assert not ks.core.registered_backends()["cpu"].supports(x.to("meta"))
+
+
+def test_bad_inputs_raise_clear_errors():
+    q, k, v = (t.detach() for t in _features(1, 2, 10, 4, 3))
+    with pytest.raises(ValueError, match="q is on meta"):
+        causal_dot_product_cpu(q.to("meta"), k.to("meta"), v.to("meta"))
+    with pytest.raises(ValueError, match="backend='cpu' does not take"):
+        ks.causal_dot_product(q.to("meta"), k.to("meta"), v.to("meta"), backend="cpu")
+    with pytest.raises(TypeError, match="share one dtype"):
+        causal_dot_product_cpu(q, k.double(), v)
+    with pytest.raises(ValueError, match="same last dimension"):
+        causal_dot_product_cpu(q, k[..., :3], v)
+    with pytest.raises(ValueError, match="sequence length"):
+        causal_dot_product_cpu(q, k, v[:, :, :5])
+    with pytest.raises(ValueError, match="4 dimensions"):
+        causal_dot_product_cpu(q[0], k, v)
+    with pytest.raises(TypeError, match="v must be a torch.Tensor"):
+        causal_dot_product_cpu(q, k, v.numpy())
+    with pytest.raises(TypeError, match="floating-point"):
+        causal_dot_product_cpu(q.int(), k.int(), v.int())
+    with pytest.raises(ValueError, match="num_threads"):
+        causal_dot_product_cpu(q, k, v, num_threads=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_rejected():
+    q, k, v = (t.detach().cuda() for t in _features(1, 2, 10, 4, 3))
+    with pytest.raises(ValueError, match="q is on cuda"):
+        causal_dot_product_cpu(q, k, v)
+
+
+def test_csrc_dir_holds_the_sources():
+    assert (extensions.csrc_dir() / "cpu" / "binding.cpp").is_file()
+
+
+def test_failed_build_returns_none_with_one_warning(tmp_path, monkeypatch):
+    monkeypatch.setenv(extensions.BUILD_DIR_ENV, str(tmp_path / "build"))
+    source = tmp_path / "broken.cpp"
+    source.write_text("#error this extension does not compile\n")
+    with pytest.warns(RuntimeWarning, match="cannot build the 'kernelstudy_test_broken'"):
+        assert extensions.load_extension("kernelstudy_test_broken", [source]) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # cached: no second build, no second warning
+        assert extensions.load_extension("kernelstudy_test_broken", [source]) is None
+
+
+def test_missing_compiler_returns_none(tmp_path, monkeypatch):
+    monkeypatch.setenv("CXX", "kernelstudy-no-such-compiler")
+    with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler"):
+        assert extensions.load_extension("kernelstudy_test_nocxx", [tmp_path / "x.cpp"]) is None
