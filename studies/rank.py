@@ -98,7 +98,7 @@ def _copy_model(config: dict, vocab_size: int, max_len: int) -> ks.nn.CausalLM:
         dropout=0.0,
         attention="softmax" if feature_map is None else "kernel",
         feature_map=feature_map,
-        positions="learned",
+        positions="sinusoidal",
         max_len=max_len,
     )
 

@@ -198,3 +198,16 @@ def test_missing_compiler_returns_none(tmp_path, monkeypatch):
     monkeypatch.setenv("CXX", "kernelstudy-no-such-compiler")
     with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler"):
         assert extensions.load_extension("kernelstudy_test_nocxx", [tmp_path / "x.cpp"]) is None
+
+
+@pytest.mark.parametrize(
+    "needs", [(True, False, False), (False, True, False), (False, False, True)]
+)
+def test_some_gradients(needs):
+    features = _features(2, 2, 90, 6, 5)
+    q, k, v = (t.detach().requires_grad_(need) for t, need in zip(features, needs, strict=True))
+    g = torch.randn(2, 2, 90, 5)
+    wanted = [t for t in (q, k, v) if t.requires_grad]
+    got = torch.autograd.grad(causal_dot_product_cpu(q, k, v), wanted, g)
+    want = torch.autograd.grad(_exact(q, k, v), wanted, g.double())
+    assert rel_err(got[0], want[0]) <= 1e-5

@@ -79,9 +79,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_product_backward(
     at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor grad, bool need_dq, bool need_dk,
     bool need_dv, int64_t threads) {
   check_inputs(q, k, v);
-  check_inputs(grad, v, grad);
-  TORCH_CHECK_VALUE(grad.sizes() == v.sizes(), "grad must have the shape of v, got ",
-                    grad.sizes(), " and ", v.sizes());
+  TORCH_CHECK_VALUE(grad.device().is_cpu() && grad.scalar_type() == v.scalar_type() &&
+                        grad.sizes() == v.sizes(),
+                    "grad must be a CPU tensor of the dtype and shape of v, got ",
+                    grad.scalar_type(), " ", grad.sizes());
   at::Tensor dq, dk, dv;
   if (need_dq) dq = causal_product(grad, v, k, false, threads);
   if (need_dk && need_dv) {

@@ -37,11 +37,9 @@ using idx = std::ptrdiff_t;
 
 static inline idx round_up(idx x, idx to) { return (x + to - 1) / to * to; }
 
-#ifndef KS_CHUNK
-#define KS_CHUNK 64
-#endif
-constexpr idx kChunk = KS_CHUNK;   // rows per chunk
-constexpr idx kSegmentChunks = 8;  // chunks per segment (fixed: keeps results thread-independent)
+// Rows per segment: fixed (a multiple of every chunk size), which keeps results independent
+// of the thread count.
+constexpr idx kSegment = 512;
 
 // ---------------------------------------------------------------- vectors of 32 bytes
 // Vec<T>: load, store, splat (broadcast) and fma (acc + a * b) on 32 bytes of T.
@@ -185,6 +183,7 @@ struct Operands {
 // A chunk of one product packed into zero-padded buffers, and its output.
 template <typename T>
 struct Chunk {
+  idx size;               // C, rows per chunk
   idx fp, mp;             // f, m padded to the vector width
   std::vector<T> qc;      // (C, fp)  queries
   std::vector<T> kt;      // (fp, C)  keys, transposed
@@ -193,16 +192,25 @@ struct Chunk {
   std::vector<T> oc;      // (C, mp)  output
   std::vector<T> total;   // (fp, mp) state of all earlier chunks
 
-  Chunk(idx f, idx m)
-      : fp(round_up(f, Vec<T>::lanes)),
+  Chunk(idx f, idx m, idx size)
+      : size(size),
+        fp(round_up(f, Vec<T>::lanes)),
         mp(round_up(m, Vec<T>::lanes)),
-        qc(kChunk * fp),
-        kt(fp * kChunk),
-        vc(kChunk * mp),
-        scores(kChunk * kChunk),
-        oc(kChunk * mp),
+        qc(size * fp),
+        kt(fp * size),
+        vc(size * mp),
+        scores(size * size),
+        oc(size * mp),
         total(fp * mp) {}
 };
+
+// Rows per chunk: 32 while the state (f x m) fits in 16 KB, else 64 (a larger state costs more
+// to update; the update is shared by the rows of a chunk).
+template <typename T>
+static idx chunk_rows(idx f, idx m) {
+  constexpr idx L = Vec<T>::lanes;
+  return round_up(f, L) * round_up(m, L) * idx(sizeof(T)) <= 16384 ? 32 : 64;
+}
 
 // Where virtual row r of a (N, width) matrix lives.
 template <typename T>
@@ -213,19 +221,19 @@ static inline T* row_of(T* base, idx n, bool reverse, idx r, idx width) {
 // Pack the keys and values of virtual rows c0 .. c0+C (zeros past N, f and m).
 template <typename T>
 static void pack_keys_values(const Operands<T>& o, Chunk<T>& c, idx n, bool reverse, idx c0) {
-  const idx rows = std::min(kChunk, n - c0);
+  const idx rows = std::min(c.size, n - c0);
   std::fill(c.kt.begin(), c.kt.end(), T(0));
   std::fill(c.vc.begin(), c.vc.end(), T(0));
   for (idx r = 0; r < rows; ++r) {
     const T* kr = row_of(o.k, n, reverse, c0 + r, o.f);
-    for (idx x = 0; x < o.f; ++x) c.kt[x * kChunk + r] = kr[x];
+    for (idx x = 0; x < o.f; ++x) c.kt[x * c.size + r] = kr[x];
     std::memcpy(&c.vc[r * c.mp], row_of(o.v, n, reverse, c0 + r, o.m), o.m * sizeof(T));
   }
 }
 
 template <typename T>
 static void pack_queries(const Operands<T>& o, Chunk<T>& c, idx n, bool reverse, idx c0) {
-  const idx rows = std::min(kChunk, n - c0);
+  const idx rows = std::min(c.size, n - c0);
   std::fill(c.qc.begin(), c.qc.end(), T(0));
   for (idx r = 0; r < rows; ++r)
     std::memcpy(&c.qc[r * c.fp], row_of(o.q, n, reverse, c0 + r, o.f), o.f * sizeof(T));
@@ -234,7 +242,7 @@ static void pack_queries(const Operands<T>& o, Chunk<T>& c, idx n, bool reverse,
 // state (fp, mp) += K_c^T V_c
 template <typename T>
 static void update_state(const Chunk<T>& c, T* state) {
-  gemm<T>(c.fp, c.mp, kChunk, c.kt.data(), kChunk, c.vc.data(), c.mp, state, c.mp);
+  gemm<T>(c.fp, c.mp, c.size, c.kt.data(), c.size, c.vc.data(), c.mp, state, c.mp);
 }
 
 // Output rows of the packed chunk at c0: O_c = Q_c total + tril(Q_c K_c^T) V_c.
@@ -243,19 +251,19 @@ static void chunk_output(const Operands<T>& o, Chunk<T>& c, idx n, bool reverse,
   constexpr idx L = Vec<T>::lanes;
   const idx fp = c.fp, mp = c.mp;
   std::fill(c.oc.begin(), c.oc.end(), T(0));
-  gemm<T>(kChunk, mp, fp, c.qc.data(), fp, c.total.data(), mp, c.oc.data(), mp);
+  gemm<T>(c.size, mp, fp, c.qc.data(), fp, c.total.data(), mp, c.oc.data(), mp);
   // a block of kMR rows at a time, skipping the blocks above the diagonal
-  for (idx i0 = 0; i0 < kChunk; i0 += kMR) {
-    const idx i1 = std::min(i0 + kMR, kChunk);  // rows i0 .. i1 see keys 0 .. i1-1
+  for (idx i0 = 0; i0 < c.size; i0 += kMR) {
+    const idx i1 = std::min(i0 + kMR, c.size);  // rows i0 .. i1 see keys 0 .. i1-1
     const idx cols = round_up(i1, L);
-    T* sc = &c.scores[i0 * kChunk];
-    std::fill(sc, sc + (i1 - i0) * kChunk, T(0));
-    gemm<T>(i1 - i0, cols, fp, &c.qc[i0 * fp], fp, c.kt.data(), kChunk, sc, kChunk);
+    T* sc = &c.scores[i0 * c.size];
+    std::fill(sc, sc + (i1 - i0) * c.size, T(0));
+    gemm<T>(i1 - i0, cols, fp, &c.qc[i0 * fp], fp, c.kt.data(), c.size, sc, c.size);
     for (idx i = i0; i < i1; ++i)
-      for (idx j = i + 1; j < cols; ++j) c.scores[i * kChunk + j] = T(0);
-    gemm<T>(i1 - i0, mp, i1, sc, kChunk, c.vc.data(), mp, &c.oc[i0 * mp], mp);
+      for (idx j = i + 1; j < cols; ++j) c.scores[i * c.size + j] = T(0);
+    gemm<T>(i1 - i0, mp, i1, sc, c.size, c.vc.data(), mp, &c.oc[i0 * mp], mp);
   }
-  const idx rows = std::min(kChunk, n - c0);
+  const idx rows = std::min(c.size, n - c0);
   for (idx r = 0; r < rows; ++r)
     std::memcpy(row_of(o.out, n, reverse, c0 + r, o.m), &c.oc[r * mp], o.m * sizeof(T));
 }
@@ -267,6 +275,7 @@ template <typename T>
 struct Task {
   idx n;
   bool reverse;
+  idx chunk;  // rows per chunk
   Operands<T> a;
   bool fused;
   Operands<T> b;
@@ -279,7 +288,9 @@ struct Worker {
   std::vector<T> state;  // (a.fp, a.mp) T: earlier chunks of this segment
 
   Worker(const Task<T>& t)
-      : a(t.a.f, t.a.m), b(t.fused ? t.b.f : 0, t.fused ? t.b.m : 0), state(a.fp * a.mp) {}
+      : a(t.a.f, t.a.m, t.chunk),
+        b(t.fused ? t.b.f : 0, t.fused ? t.b.m : 0, t.chunk),
+        state(a.fp * a.mp) {}
 };
 
 // Outputs of virtual rows r0 .. r1 (one segment), starting from `prefix`, the sum of the
@@ -290,7 +301,7 @@ static void run_segment(const Task<T>& t, Worker<T>& w, idx r0, idx r1, const T*
                         bool whole_state) {
   const idx fp = w.a.fp, mp = w.a.mp;
   std::fill(w.state.begin(), w.state.end(), T(0));
-  for (idx c0 = r0; c0 < r1; c0 += kChunk) {
+  for (idx c0 = r0; c0 < r1; c0 += t.chunk) {
     pack_queries(t.a, w.a, t.n, t.reverse, c0);
     pack_keys_values(t.a, w.a, t.n, t.reverse, c0);
     for (idx x = 0; x < fp * mp; ++x) w.a.total[x] = prefix ? prefix[x] + w.state[x] : w.state[x];
@@ -302,7 +313,7 @@ static void run_segment(const Task<T>& t, Worker<T>& w, idx r0, idx r1, const T*
         for (idx y = 0; y < mp; ++y) w.b.total[y * fp + x] = w.a.total[x * mp + y];
       chunk_output(t.b, w.b, t.n, t.reverse, c0);
     }
-    if (whole_state || c0 + kChunk < r1) update_state(w.a, w.state.data());
+    if (whole_state || c0 + t.chunk < r1) update_state(w.a, w.state.data());
   }
 }
 
@@ -310,7 +321,7 @@ static void run_segment(const Task<T>& t, Worker<T>& w, idx r0, idx r1, const T*
 template <typename T>
 static void segment_state(const Task<T>& t, Worker<T>& w, idx r0, idx r1) {
   std::fill(w.state.begin(), w.state.end(), T(0));
-  for (idx c0 = r0; c0 < r1; c0 += kChunk) {
+  for (idx c0 = r0; c0 < r1; c0 += t.chunk) {
     pack_keys_values(t.a, w.a, t.n, t.reverse, c0);
     update_state(w.a, w.state.data());
   }
@@ -319,7 +330,7 @@ static void segment_state(const Task<T>& t, Worker<T>& w, idx r0, idx r1) {
 // A whole sequence on one thread: the same operations as the three-phase schedule.
 template <typename T>
 static void run_sequence(const Task<T>& t, Worker<T>& w) {
-  constexpr idx seg = kChunk * kSegmentChunks;
+  constexpr idx seg = kSegment;
   std::vector<T> prefix(w.state.size(), T(0));
   for (idx r0 = 0; r0 < t.n; r0 += seg) {
     const idx r1 = std::min(r0 + seg, t.n);
@@ -335,7 +346,7 @@ static void run_sequence(const Task<T>& t, Worker<T>& w) {
 template <typename T, typename MakeTask>
 static void run_tasks(idx bh, idx n, idx flops_per_row, int threads, MakeTask task) {
   if (bh == 0 || n == 0) return;
-  constexpr idx seg = kChunk * kSegmentChunks;
+  constexpr idx seg = kSegment;
   const idx segments = (n + seg - 1) / seg;
   // at most one thread per task, and per ~1M multiply-adds (waking threads costs more)
   const idx useful = std::min(bh * segments, std::max<idx>(bh * n * flops_per_row >> 20, 1));
@@ -389,11 +400,12 @@ template <typename T>
 void causal_product(const T* q, const T* k, const T* v, T* out, idx bh, idx n, idx f, idx m,
                     bool reverse, int threads) {
   if (m == 0) return;
+  const idx chunk = chunk_rows<T>(f, m);
   auto task = [=](idx b) {
     const Operands<T> a{q + b * n * f, k + b * n * f, v + b * n * m, out + b * n * m, f, m};
-    return Task<T>{n, reverse, a, false, {}};
+    return Task<T>{n, reverse, chunk, a, false, {}};
   };
-  run_tasks<T>(bh, n, f * m + kChunk * (f + m), threads, task);
+  run_tasks<T>(bh, n, f * m + chunk * (f + m), threads, task);
 }
 
 // Gradients of out = causal_product(q, k, v) with respect to k and v, given g = dL/dout:
@@ -407,13 +419,14 @@ void causal_product_backward_kv(const T* q, const T* k, const T* v, const T* g, 
     std::fill(dv, dv + bh * n * m, T(0));
     return;
   }
+  const idx chunk = chunk_rows<T>(f, m);
   auto task = [=](idx b) {
     const idx qk = b * n * f, vg = b * n * m;
     const Operands<T> for_dv{k + qk, q + qk, g + vg, dv + vg, f, m};
     const Operands<T> for_dk{v + vg, g + vg, q + qk, dk + qk, m, f};
-    return Task<T>{n, true, for_dv, true, for_dk};
+    return Task<T>{n, true, chunk, for_dv, true, for_dk};
   };
-  run_tasks<T>(bh, n, 2 * (f * m + kChunk * (f + m)), threads, task);
+  run_tasks<T>(bh, n, 2 * (f * m + chunk * (f + m)), threads, task);
 }
 
 }  // namespace ks_cpu
