@@ -267,7 +267,7 @@ __host__ __device__ constexpr int vec_elems() {
 // ceil(M/64) (F slice, M slice). The running sum of k_t v_t^T over the block's rows stays in
 // the warps' fp32 accumulator fragments.
 //   totals[bh][b] (ss = F*M + F floats): the block's sum S (row-major F x M), then z = sum k_t
-//                 (z written by the blocks of M slice 0).
+//                 (z written by the blocks of M slice 0; summed only with `with_z`, else 0).
 //   with `prefix_s` (causal): before adding chunk c, the running sum over the block's earlier
 //                 chunks (later ones with reverse), i.e. the block-local exclusive prefix, goes
 //                 to prefix_s[bh][c] (F x M, in Tstate) and prefix_z[bh][c] (F, fp32).
@@ -279,7 +279,8 @@ __global__ void __launch_bounds__(kThreads)
                         const bool* __restrict__ key_keep, int64_t heads,
                         float* __restrict__ totals, Tstate* __restrict__ prefix_s,
                         float* __restrict__ prefix_z, int64_t n, int64_t f, int64_t m,
-                        int64_t nblk, int64_t cpb, bool reverse, bool vec_k, bool vec_v) {
+                        int64_t nblk, int64_t cpb, bool reverse, bool with_z, bool vec_k,
+                        bool vec_v) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
   using Op = typename OperandOf<Tin>::type;
   constexpr int LD = ld_of<Op>();
@@ -328,7 +329,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     // K^T (F slice x rows) is K's tile read column-major.
     warp_gemm<Op, wmma::col_major, wmma::row_major>(acc, Ks, LD, Vs, LD);
-    if (z_block && threadIdx.x < kTile) {
+    if (with_z && z_block && threadIdx.x < kTile) {
       for (int t = 0; t < kTile; ++t) z += to_float(Ks[t * LD + threadIdx.x]);
     }
   }
@@ -603,7 +604,8 @@ using StateOf = typename OperandOf<Tin>::type;
 template <typename Tin, typename Tstate>
 cudaError_t launch_states(const Tin* k, const Tin* v, const bool* keep, int64_t heads,
                           float* totals, Tstate* prefix_s, float* prefix_z, int64_t bh, int64_t n,
-                          int64_t f, int64_t m, int64_t cpb, bool reverse, cudaStream_t stream) {
+                          int64_t f, int64_t m, int64_t cpb, bool reverse, bool with_z,
+                          cudaStream_t stream) {
   const int64_t nblk = cdiv(cdiv(n, kChunk), cpb);
   const int64_t blocks = bh * nblk;
   const int64_t slices = cdiv(f, kTile) * cdiv(m, kTile);
@@ -616,7 +618,7 @@ cudaError_t launch_states(const Tin* k, const Tin* v, const bool* keep, int64_t 
   chunk_states_kernel<Tin, Tstate>
       <<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(slices)), kThreads, smem,
          stream>>>(k, v, keep, heads, totals, prefix_s, prefix_z, n, f, m, nblk, cpb, reverse,
-                   rows_vectorizable<Tin>(k, f), rows_vectorizable<Tin>(v, m));
+                   with_z, rows_vectorizable<Tin>(k, f), rows_vectorizable<Tin>(v, m));
   return cudaGetLastError();
 }
 
@@ -666,9 +668,11 @@ cudaError_t causal_typed(const void* q, const void* k, const void* v, void* out,
   float* totals = ws + l.totals;
   float* prefix_z = ws + l.prefix_z;
   Tstate* prefix_s = reinterpret_cast<Tstate*>(ws + l.prefix_s);
-  // 1. block-local exclusive prefixes per chunk and block totals
+  // 1. block-local exclusive prefixes per chunk and block totals (z, the key sums, only where
+  //    the normalizer is wanted: the output kernel reads them only then; otherwise they stay 0)
+  const bool with_z = normalize || den != nullptr;
   cudaError_t err = launch_states<Tin, Tstate>(kt, vt, nullptr, 1, totals, prefix_s, prefix_z,
-                                               bh, n, f, m, l.cpb, reverse, stream);
+                                               bh, n, f, m, l.cpb, reverse, with_z, stream);
   if (err != cudaSuccess) return err;
   // 2. carries: exclusive prefix (suffix) of the block totals, in place
   err = launch_scan(totals, nullptr, bh, l.nblk, l.ss,
@@ -692,7 +696,7 @@ cudaError_t full_state_typed(const void* k, const void* v, const bool* keep, int
                              int64_t m, cudaStream_t stream) {
   cudaError_t err = launch_states<Tin, float>(
       static_cast<const Tin*>(k), static_cast<const Tin*>(v), keep, heads, ws, nullptr, nullptr,
-      bh, n, f, m, kReduceRows / kChunk, false, stream);
+      bh, n, f, m, kReduceRows / kChunk, false, true, stream);
   if (err != cudaSuccess) return err;
   return launch_scan(ws, state, bh, cdiv(n, kReduceRows), f * m + f, kSum, stream);
 }
