@@ -10,6 +10,7 @@ import torch
 
 import kernelstudy as ks
 from kernelstudy.feature_maps import FeatureMap
+from kernelstudy.tasks import CopyTask
 
 from .conftest import rel_err
 
@@ -166,5 +167,10 @@ def test_capture_qk_returns_each_layers_projections():
     assert torch.allclose(captured["layers.0.attn"][0], qkv[:, :, 0].transpose(1, 2), atol=1e-6)
     assert torch.allclose(captured["layers.0.attn"][1], qkv[:, :, 1].transpose(1, 2), atol=1e-6)
     assert not any(m._forward_pre_hooks for m in enc.modules())
+    lm = ks.nn.CausalLM(12, d_model=16, n_heads=2, n_layers=1)
+    task = CopyTask("val", seq_len=10, num_samples=3)
+    batch = task.collate([task[i] for i in range(3)])  # has targets/loss_mask too
+    ((q, k),) = ks.analysis.capture_qk(lm, batch).values()
+    assert q.shape == (3, 2, 10, 8)
     with pytest.raises(ValueError, match="no kernelstudy.nn.KernelAttention"):
         ks.analysis.capture_qk(torch.nn.Linear(3, 3), torch.randn(1, 3))

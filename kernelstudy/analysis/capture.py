@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -17,7 +18,8 @@ def capture_qk(model: nn.Module, batch: Any) -> dict[str, tuple[torch.Tensor, to
     Forward pre-hooks on each :class:`kernelstudy.nn.KernelAttention` module
     recompute that layer's projections from its input, so nothing in the model
     changes. ``batch`` is passed as ``model(batch)`` for a tensor, ``model(*batch)``
-    for a tuple/list and ``model(**batch)`` for a dict.
+    for a tuple/list and ``model(**batch)`` for a dict, keeping only the keys that
+    ``model.forward`` takes (so a task batch with ``targets`` or ``label`` works).
 
     Returns:
         ``{module name: (q, k)}`` in forward order, each ``(B,H,N,D)`` (detached,
@@ -46,7 +48,7 @@ def capture_qk(model: nn.Module, batch: Any) -> dict[str, tuple[torch.Tensor, to
             if isinstance(batch, torch.Tensor):
                 model(batch)
             elif isinstance(batch, Mapping):
-                model(**batch)
+                model(**_accepted(model, batch))
             elif isinstance(batch, Sequence) and not isinstance(batch, str):
                 model(*batch)
             else:
@@ -57,3 +59,12 @@ def capture_qk(model: nn.Module, batch: Any) -> dict[str, tuple[torch.Tensor, to
         for handle in handles:
             handle.remove()
     return captured
+
+
+def _accepted(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of ``batch`` that ``model.forward`` accepts as keywords."""
+    params = inspect.signature(model.forward).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return dict(batch)
+    names = {p.name for p in params}
+    return {k: v for k, v in batch.items() if k in names}
