@@ -7,6 +7,7 @@ results must not depend on the thread count.
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -187,7 +188,7 @@ def test_failed_build_returns_none_with_one_warning(tmp_path, monkeypatch):
     monkeypatch.setenv(extensions.BUILD_DIR_ENV, str(tmp_path / "build"))
     source = tmp_path / "broken.cpp"
     source.write_text("#error this extension does not compile\n")
-    with pytest.warns(RuntimeWarning, match="cannot build the 'kernelstudy_test_broken'"):
+    with pytest.warns(RuntimeWarning, match="cannot build the 'kernelstudy_test_broken'.*#error"):
         assert extensions.load_extension("kernelstudy_test_broken", [source]) is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # cached: no second build, no second warning
@@ -211,3 +212,20 @@ def test_some_gradients(needs):
     got = torch.autograd.grad(causal_dot_product_cpu(q, k, v), wanted, g)
     want = torch.autograd.grad(_exact(q, k, v), wanted, g.double())
     assert rel_err(got[0], want[0]) <= 1e-5
+
+
+def test_stale_build_lock_is_removed(tmp_path, monkeypatch):
+    """A build killed midway leaves torch's lock file; it must not block later builds forever."""
+    monkeypatch.setenv(extensions.BUILD_DIR_ENV, str(tmp_path / "build"))
+    lock = tmp_path / "build" / "kernelstudy_test_lock" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    os.utime(lock, (0, 0))
+    source = tmp_path / "broken.cpp"
+    source.write_text("#error this extension does not compile\n")
+    with pytest.warns(RuntimeWarning) as record:
+        assert extensions.load_extension("kernelstudy_test_lock", [source]) is None
+    messages = [str(w.message) for w in record]
+    assert any("stale build lock" in m for m in messages)
+    assert any("does not compile" in m for m in messages)  # the compiler's error line
+    assert not lock.exists()

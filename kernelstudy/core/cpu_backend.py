@@ -12,15 +12,16 @@ threads: the kernel's reductions run in a fixed order.
 
 from __future__ import annotations
 
+import warnings
 from types import ModuleType
 
 import torch
 
 from .backends import Backend, register_backend
-from .extensions import csrc_dir, load_extension, native_cflags
+from .extensions import csrc_dir, host_tag, load_extension, native_cflags
 from .validation import FLOAT_DTYPES, accumulation_dtype, check_qkv
 
-EXTENSION_NAME = "kernelstudy_cpu"
+EXTENSION_NAME = "kernelstudy_cpu"  # built as kernelstudy_cpu_<host_tag()> (-march=native)
 
 _extension: ModuleType | None = None
 _tried = False
@@ -31,9 +32,14 @@ def extension() -> ModuleType | None:
     global _extension, _tried
     if not _tried:
         _tried = True
+        try:
+            sources = [csrc_dir() / "cpu" / "binding.cpp"]
+        except FileNotFoundError as err:
+            warnings.warn(f"{err}; falling back to the 'torch' backend", RuntimeWarning, 2)
+            return None
         _extension = load_extension(
-            EXTENSION_NAME,
-            [csrc_dir() / "cpu" / "binding.cpp"],
+            f"{EXTENSION_NAME}_{host_tag()}",
+            sources,
             extra_cflags=[*native_cflags(), "-fopenmp"],
             extra_ldflags=["-fopenmp"],
         )
@@ -46,6 +52,7 @@ def available() -> bool:
 
 
 def supports(x: torch.Tensor) -> bool:
+    """CPU tensors of any float dtype (half types are computed in float32)."""
     return x.device.type == "cpu" and x.dtype in FLOAT_DTYPES
 
 

@@ -10,9 +10,12 @@ backend.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import shutil
+import sys
+import sysconfig
 import time
 import warnings
 from pathlib import Path
@@ -28,23 +31,43 @@ def csrc_dir() -> Path:
     """The ``csrc/`` folder of the kernels' sources.
 
     It sits at the repository root next to ``kernelstudy/`` (source checkouts, editable
-    installs); installed wheels carry a copy at ``kernelstudy/csrc``.
+    installs); wheels install a copy under ``<prefix>/share/kernelstudy/csrc``.
     """
     package = Path(__file__).resolve().parents[1]
-    for candidate in (package.parent / "csrc", package / "csrc"):
+    candidates = [package.parent / "csrc"]
+    for prefix in (sysconfig.get_path("data"), sys.prefix):
+        candidates.append(Path(prefix) / "share" / "kernelstudy" / "csrc")
+    for candidate in candidates:
         if candidate.is_dir():
             return candidate
     raise FileNotFoundError(
-        f"kernelstudy: cannot find the csrc/ kernel sources next to {package} or inside it"
+        "kernelstudy: cannot find the csrc/ kernel sources; looked in "
+        + ", ".join(str(c) for c in candidates)
     )
 
 
 def native_cflags() -> list[str]:
-    """Optimization flags for host code: -O3, and the host's vector units on x86-64."""
+    """Optimization flags for host code: -O3, and the host's vector units on x86-64.
+
+    Code built with these runs only on CPUs like this one: name such extensions with
+    :func:`host_tag` so that a build cache shared between machines never loads it elsewhere.
+    """
     flags = ["-O3"]
     if platform.machine().lower() in ("x86_64", "amd64"):
         flags.append("-march=native")
     return flags
+
+
+def host_tag() -> str:
+    """A short hash of this CPU's model and instruction-set flags (e.g. ``"3f2a91c0"``)."""
+    text = platform.machine() + platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = f.read().splitlines()
+        text += "".join(x for x in lines if x.startswith(("model name", "flags")))[:4096]
+    except OSError:
+        pass
+    return hashlib.sha1(text.encode()).hexdigest()[:8]
 
 
 def _build_directory(name: str) -> str | None:
@@ -88,6 +111,14 @@ def _missing_tool(cuda: bool) -> str | None:
         if cpp_extension.CUDA_HOME is None:
             return "no CUDA toolkit (nvcc) found; set CUDA_HOME"
     return None
+
+
+def _first_error(err: Exception) -> str:
+    """The compiler's first ``error:`` line of a failed build, else the exception's first line."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    errors = [line for line in lines if "error:" in line]
+    message = (errors or lines or [type(err).__name__])[0]
+    return message[:300]
 
 
 def _warn(name: str, reason: str) -> None:
@@ -140,9 +171,7 @@ def load_extension(
                 verbose=False,
             )
         except Exception as err:  # compiler errors, missing headers, import errors
-            lines = [line for line in str(err).splitlines() if line.strip()]
-            first = lines[0] if lines else type(err).__name__
-            reason = f"build failed: {first[:200]}"
+            reason = f"build failed: {_first_error(err)}"
     if module is None:
         _warn(name, reason or "unknown error")
     _LOADED[name] = module
