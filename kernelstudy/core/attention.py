@@ -96,13 +96,16 @@ def linear_attention(
             return chosen.attention(phi_q, phi_k, v, causal, key_padding_mask, eps)
     phi_k, v = _mask_keys(phi_k, v, key_padding_mask)
     acc = accumulation_dtype(phi_q.dtype)
-    qa, ka = phi_q.to(acc), phi_k.to(acc)
     if causal:
-        num = _causal_product(phi_q, phi_k, v, backend, chunk_size)
-        den = (qa * ka.cumsum(2)).sum(-1, keepdim=True)
+        # One causal product with a column of ones appended to v yields the
+        # numerator and the normalizer Σ_{j≤i} φq_i·φk_j together.
+        ones = v.new_ones(*v.shape[:-1], 1)
+        both = _causal_product(phi_q, phi_k, torch.cat([v, ones], dim=-1), backend, chunk_size)
+        num, den = both[..., :-1].to(acc), both[..., -1:].to(acc)
     else:
         if backend is not None:
             resolve_backend(backend, phi_q)  # validate the name even where it is not needed
+        qa, ka = phi_q.to(acc), phi_k.to(acc)
         kv = ka.transpose(-1, -2) @ v.to(acc)  # (B,H,F,M)
         num = qa @ kv
         den = qa @ ka.sum(2).unsqueeze(-1)

@@ -17,8 +17,8 @@ forward, 3× that with the backward; softmax 2·B·H·N²·D causal forward, 2.5
 Achieved rates are also given against the GPU's measured dense matmul rate (8192³) of the
 same dtype, measured in the same run.
 
-    python benchmarks/cuda.py --quick                      # a minute: smoke run
-    python benchmarks/cuda.py --out benchmarks/results/cuda_h100.csv
+    python benchmarks/cuda_core.py --quick                      # a minute: smoke run
+    python benchmarks/cuda_core.py --out benchmarks/results/cuda_h100.csv
 
 The CSV records the device, date, versions and command; a seaborn plot of time vs N is
 written beside it (same name, ``.png``).
@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         print(
-            "benchmarks/cuda.py needs a CUDA GPU, and none is visible here "
+            "benchmarks/cuda_core.py needs a CUDA GPU, and none is visible here "
             "(torch.cuda.is_available() is False); nothing was measured.",
             file=sys.stderr,
         )
