@@ -220,6 +220,7 @@ def run_study(
     figs = [p.name for p in written if p.suffix == ".png"]
     if figs:
         text += "\n" + "\n".join(f"![{Path(f).stem}]({f})" for f in figs) + "\n"
+    text += "\n" + provenance(name, quick, device) + "\n"
     write_atomic(out_dir / SUMMARY_FILE, lambda p: p.write_text(text))
     written.append(out_dir / SUMMARY_FILE)
     if verbose:
@@ -228,6 +229,41 @@ def run_study(
         for p in written:
             print(f"  {p}", file=sys.stderr)
     return result
+
+
+def provenance(name: str, quick: bool, device: str) -> str:
+    """A markdown note of how and where results were produced: command, date (UTC), machine,
+    versions and torch's thread count."""
+    import platform
+    from datetime import UTC, datetime
+
+    import torch
+
+    import kernelstudy
+
+    if device == "cuda" and torch.cuda.is_available():
+        machine = torch.cuda.get_device_name()
+    else:
+        machine = _cpu_model() or platform.machine()
+    command = f"kernelstudy study {name}" + (" --quick" if quick else "") + f" --device {device}"
+    date = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    return (
+        f"Written {date} by `{command}` on {machine} ({os.cpu_count()} CPUs, "
+        f"{torch.get_num_threads()} torch threads); kernelstudy {kernelstudy.__version__}, "
+        f"torch {torch.__version__}, Python {platform.python_version()}."
+    )
+
+
+def _cpu_model() -> str | None:
+    """The CPU's model name from ``/proc/cpuinfo`` (Linux), else None."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        return None
+    return None
 
 
 def _save_figures(figures: dict[str, Any], out_dir: Path) -> list[Path]:

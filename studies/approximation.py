@@ -254,10 +254,10 @@ def figures(frame: pd.DataFrame, params: dict) -> dict:
         perf["features"] = perf["orthogonal"].map(
             lambda o: "orthogonal" if str(o) == "True" else "iid"
         )
-        perf["setting"] = perf.apply(lambda r: f"{r['map']} D={r.head_dim} std={r['std']}", axis=1)
+        perf["setting"] = perf.apply(lambda r: f"{r['map']} D={r.head_dim}", axis=1)
         for metric in PERFORMER_METRICS:
             figs[f"performer_{metric}"] = ks.analysis.plots.plot_approximation(
-                perf, metric=metric, x="num_features", hue="features", col="setting"
+                perf, metric=metric, x="num_features", hue="features", col="std", row="setting"
             )
     maps = frame[frame["part"] == "maps"]
     if not maps.empty:

@@ -113,8 +113,10 @@ def plot_approximation(
     hue: str | None = "method",
     style: str | None = None,
     col: str | None = None,
+    row: str | None = None,
 ) -> Figure:
-    """Error ``metric`` vs ``x`` from :func:`approximation_error` rows (plus config columns).
+    """Error ``metric`` vs ``x`` from :func:`approximation_error` rows (plus config columns),
+    faceted by ``col`` and ``row``.
 
     Rows with ``method == "uniform"`` become a dashed baseline per facet.
     """
@@ -125,7 +127,9 @@ def plot_approximation(
             f"metric {metric!r} has no rows (metrics: {sorted(frame.metric.unique())})"
         )
     maps, base = rows[rows["method"] != "uniform"], rows[rows["method"] == "uniform"]
-    return line_plot(maps, x, hue=hue, style=style, col=col, hlines=base, ylabel=metric, title=None)
+    return line_plot(
+        maps, x, hue=hue, style=style, col=col, row=row, hlines=base, ylabel=metric, title=None
+    )
 
 
 def plot_map_comparison(
