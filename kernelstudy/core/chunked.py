@@ -20,6 +20,7 @@ DEFAULT_CHUNK_SIZE = 64
 
 
 def check_chunk_size(chunk_size: object) -> int:
+    """``chunk_size`` as an int ≥ 1, else ValueError naming it."""
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     return chunk_size

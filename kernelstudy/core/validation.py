@@ -30,6 +30,7 @@ def check_tensor(x: object, name: str, ndim: int) -> torch.Tensor:
 
 
 def check_eps(eps: float) -> float:
+    """``eps`` as a float > 0, else TypeError/ValueError naming it."""
     if not isinstance(eps, (int, float)) or isinstance(eps, bool):
         raise TypeError(f"eps must be a positive float, got {type(eps).__name__}")
     if not eps > 0:

@@ -98,6 +98,8 @@ class KernelAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
+        """Self-attention over ``x: (B,N,d_model)`` (float) → ``(B,N,d_model)``;
+        ``key_padding_mask: (B,N)`` bool, True = real token."""
         self._check_input(x)
         q, k, v = self._heads(x)
         if self.feature_map is None:

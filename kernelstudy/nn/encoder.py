@@ -55,6 +55,8 @@ class EncoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
+        """Pre-norm block: attention then feed-forward, each residual.
+        ``x: (B,N,d_model)`` → ``(B,N,d_model)``; ``key_padding_mask: (B,N)`` bool."""
         x = x + self.drop(self.attn(self.norm1(x), key_padding_mask))
         return x + self.drop(self.ffn(self.norm2(x)))
 
@@ -121,6 +123,8 @@ class TransformerEncoder(nn.Module):
     def forward(
         self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
+        """Every layer then the final norm: ``x: (B,N,d_model)`` → ``(B,N,d_model)``;
+        ``key_padding_mask: (B,N)`` bool, True = real token."""
         for layer in self.layers:
             x = layer(x, key_padding_mask)
         return self.norm(x)

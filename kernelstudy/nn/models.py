@@ -101,6 +101,7 @@ class PositionalEncoding(nn.Module):
             nn.init.normal_(self.table.weight, std=0.02)
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        """Encodings of integer ``positions: (N,)`` → ``(N, d_model)`` float."""
         if self.kind == "sinusoidal":
             return sinusoidal_positions(positions, self.d_model)
         if self.kind == "none":
@@ -313,6 +314,8 @@ class SequenceClassifier(_SequenceModel):
         return (h * w).sum(1) / w.sum(1).clamp_min(1.0)
 
     def forward(self, input_ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Class logits ``(B, num_classes)`` of token ids ``input_ids: (B,N)`` (long);
+        ``mask: (B,N)`` bool, True = real token."""
         return self.head(self.encode(input_ids, mask))
 
 
@@ -339,6 +342,8 @@ class MatchingClassifier(SequenceClassifier):
         input_ids_2: torch.Tensor | None = None,
         mask_2: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Class logits ``(B, num_classes)`` of two documents ``input_ids_1: (B,N1)`` and
+        ``input_ids_2: (B,N2)`` (long) with their ``(B,N)`` bool masks."""
         if input_ids_2 is None:
             raise ValueError("input_ids_2 is required: the matching model compares two documents")
         _check_ids(input_ids_1, self.vocab_size, "input_ids_1")
@@ -420,6 +425,8 @@ class CausalLM(_SequenceModel):
             self.head.weight = self.embed.weight
 
     def forward(self, input_ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Next-token logits ``(B,N,vocab_size)`` of ``input_ids: (B,N)`` (long);
+        ``mask: (B,N)`` bool, True = real token."""
         _check_ids(input_ids, self.vocab_size)
         _check_mask(mask, input_ids, "mask")
         h = self.encoder(self.drop(self._embed(input_ids)), key_padding_mask=mask)

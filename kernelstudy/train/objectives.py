@@ -44,6 +44,7 @@ def infer_task_type(batch: Batch) -> str:
 
 
 def check_task_type(task_type: str) -> str:
+    """``task_type`` if it is ``"auto"`` or one of :data:`TASK_TYPES`, else ValueError."""
     if task_type not in (*TASK_TYPES, "auto"):
         raise ValueError(f"task_type must be 'auto' or one of {TASK_TYPES}, got {task_type!r}")
     return task_type
