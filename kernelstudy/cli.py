@@ -117,6 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_data_listops)
 
+    from kernelstudy.train.commands import add_commands as add_train_commands
+
+    add_train_commands(sub)
+
+    from kernelstudy.search.commands import add_commands as add_search_commands
+
+    add_search_commands(sub)
+
     return parser
 
 

@@ -341,3 +341,25 @@ def test_loader_reports_missing_files(tmp_path: Path) -> None:
         ListOpsTask(tmp_path, "val")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         ListOpsTask(tmp_path / "nowhere", "val")
+
+
+def test_loader_rejects_non_utf8_and_header_only_files(tmp_path: Path) -> None:
+    path = tmp_path / "basic_train.tsv"
+    path.write_bytes(b"Source\tTarget\n( ( [MIN 1 ) 2 ] )\t1\n( ( [MAX 1 ) \xff ] )\t2\n")
+    with pytest.raises(ValueError, match="not UTF-8") as err:
+        ListOpsTask(tmp_path, "train")
+    assert f"{path}, line 3" in str(err.value) and "0xff" in str(err.value)
+    path.write_text("Source\tTarget\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="no rows") as err:
+        ListOpsTask(tmp_path, "train")
+    assert f"{path}, line 2" in str(err.value)
+
+
+def test_max_depth_bounds_the_written_trees(tmp_path: Path) -> None:
+    write_listops(tmp_path, 60, 5, 5, min_length=5, max_length=60, seed=1, max_depth=3)
+    depths = []
+    for source, value in read_rows(tmp_path / "basic_train.tsv"):
+        tokens, depth, _ = stats(structure(parse_tree(source)))
+        assert 5 < tokens < 60 and evaluate_listops(source) == value
+        depths.append(depth)
+    assert max(depths) == 3  # digits at depth 3 under operators at depths 1 and 2

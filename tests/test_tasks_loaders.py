@@ -337,3 +337,57 @@ def test_pathfinder_bad_images_and_missing_dirs(tmp_path: Path) -> None:
         f.unlink()
     with pytest.raises(FileNotFoundError, match="no \\*.npy"):
         PathfinderTask(tmp_path)
+
+
+# --------------------------------------------------------------------- malformed files, more
+
+
+def test_text_table_not_utf8_names_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "train.csv"
+    path.write_bytes(b"text,label\nfine,1\nbad \xe9 byte,0\n")
+    with pytest.raises(ValueError, match="not UTF-8") as err:
+        TextTask(path)
+    assert_error(err, path, 3)
+
+
+def test_retrieval_empty_file_and_missing_directory(tmp_path: Path) -> None:
+    path = write_aan(tmp_path, [])
+    with pytest.raises(ValueError, match="no rows") as err:
+        RetrievalTask(tmp_path, "train")
+    assert_error(err, path)
+    with pytest.raises(FileNotFoundError, match="does not exist") as err:
+        RetrievalTask(tmp_path / "missing", "train")
+    assert_error(err, tmp_path / "missing")
+
+
+def test_cifar_empty_and_wrong_pickles(tmp_path: Path) -> None:
+    folder = tmp_path / "cifar-10-batches-py"
+    write_cifar(folder)
+    batch = folder / "test_batch"
+    batch.write_bytes(b"")
+    with pytest.raises(ValueError, match="pickle") as err:
+        ImageTask(folder, "test")
+    assert_error(err, batch)
+    batch.write_bytes(pickle.dumps([1, 2, 3], protocol=2))
+    with pytest.raises(ValueError, match="dict") as err:
+        ImageTask(folder, "test")
+    assert_error(err, batch)
+    batch.write_bytes(pickle.dumps({b"data": np.zeros((1, 3072), np.uint8)}, protocol=2))
+    with pytest.raises(ValueError, match="'labels'") as err:
+        ImageTask(folder, "test")
+    assert_error(err, batch)
+    batch.write_bytes(pickle.dumps({b"data": np.zeros((2, 3072), np.uint8), b"labels": [1]}))
+    with pytest.raises(ValueError, match="1 labels for 2 images") as err:
+        ImageTask(folder, "test")
+    assert_error(err, batch)
+
+
+def test_pathfinder_binary_metadata_names_the_file(tmp_path: Path) -> None:
+    write_pathfinder(tmp_path, n_files=1, per_file=3)
+    meta = tmp_path / "pathfinder32" / "curv_baseline" / "metadata" / "0.npy"
+    lines = meta.read_bytes().split(b"\n")
+    lines[1] = b"\x93NUMPY\x01\x00 not text"
+    meta.write_bytes(b"\n".join(lines))
+    with pytest.raises(ValueError, match="not UTF-8 text.*despite the .npy name") as err:
+        PathfinderTask(tmp_path)
+    assert_error(err, meta, 2)

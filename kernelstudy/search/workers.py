@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import sys
+import warnings
 from collections.abc import Callable
 
 import optuna
+from optuna.storages import RetryHeartbeatStaleTrialCallback
 from optuna.study import MaxTrialsCallback
 from optuna.trial import TrialState
 
-from .storage import GRACE_PERIOD, HEARTBEAT_INTERVAL, open_storage
+from .storage import GRACE_PERIOD, HEARTBEAT_INTERVAL, MAX_RETRY, open_storage
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 
@@ -56,6 +58,28 @@ def open_study(
 
 def finished_trials(study: optuna.Study) -> int:
     return len(study.get_trials(deepcopy=False, states=FINISHED))
+
+
+def requeue_failed(study: optuna.Study, max_retry: int = MAX_RETRY) -> list[int]:
+    """Re-queue (as WAITING, same parameters) every FAIL trial not yet retried.
+
+    Trials failed by the heartbeat are re-queued by the storage itself; this covers
+    trials that failed in the open (an interrupted search, a crash caught by Optuna),
+    so a resumed search runs them again. Returns the numbers re-queued.
+    """
+    trials = study.get_trials(deepcopy=False)
+    retried = {n for t in trials for n in t.system_attrs.get("retry_history", [])}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        retry = RetryHeartbeatStaleTrialCallback(max_retry=max_retry)
+    done = []
+    for trial in trials:
+        if trial.state == TrialState.FAIL and trial.number not in retried:
+            before = len(study.get_trials(deepcopy=False))
+            retry(study, trial)
+            if len(study.get_trials(deepcopy=False)) > before:
+                done.append(trial.number)
+    return done
 
 
 def _worker(
@@ -100,6 +124,7 @@ def run_workers(
         raise ValueError(f"trials must be a positive int, got {trials!r}")
     # Creates the study once (checking the URL) before any worker starts.
     study = open_study(url, name, pruner=pruner, seed=seed, heartbeat=heartbeat)
+    requeue_failed(study)
     if workers == 1:
         _worker(url, name, objective, trials, pruner, seed, heartbeat)
         return study

@@ -18,6 +18,22 @@ def data_error(path: PathArg, message: str, line: int | None = None) -> ValueErr
     return ValueError(f"{where}: {message}")
 
 
+def decode_error(path: PathArg, err: UnicodeDecodeError, hint: str = "") -> ValueError:
+    """A :func:`data_error` for text that is not UTF-8, at the first line that fails to decode.
+
+    ``err`` comes from a buffered text read, whose offsets are not the file's, so the
+    file is scanned again in binary to find the line.
+    """
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as bad:
+                message = f"not UTF-8 text (byte {raw[bad.start]:#04x} at column {bad.start + 1})"
+                return data_error(path, message + hint, line_no)
+    return data_error(path, f"not UTF-8 text ({err.reason}){hint}")
+
+
 def require_dir(path: PathArg, what: str = "data directory") -> Path:
     """``path`` as a Path if it is a directory, else FileNotFoundError."""
     p = Path(path)
@@ -83,5 +99,7 @@ def read_table(path: PathArg, delimiter: str) -> Iterator[tuple[int, list[str]]]
                 if row:
                     yield start, row
                 start = reader.line_num + 1
-        except (csv.Error, UnicodeDecodeError) as err:
+        except UnicodeDecodeError as err:
+            raise decode_error(path, err) from None
+        except csv.Error as err:
             raise data_error(path, f"unreadable row ({err})", start) from err

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from .base import PackedSequences, SequenceTask, check_positive, check_split, pad_tokens
-from .files import PathArg, data_error, locate
+from .files import PathArg, data_error, decode_error, locate
 
 OPERATORS = ("[MIN", "[MAX", "[MED", "[SM")
 END = "]"
@@ -322,18 +322,22 @@ def write_listops(
     max_length: int = 2000,
     seed: int = 0,
     progress: bool = False,
+    max_depth: int = MAX_DEPTH,
 ) -> dict[str, Path]:
     """Write LRA's ``basic_train.tsv``, ``basic_val.tsv``, ``basic_test.tsv`` into ``out_dir``.
 
     Each file has the header ``Source<TAB>Target`` and one expression per row,
     written by ``csv.writer`` with a tab delimiter as LRA's script does. All rows
     across the three files are distinct. Files appear only once all are written.
+    ``max_depth`` (default LRA's 10) bounds the nesting, for easier subsets.
     Returns ``{"train": path, ...}``.
     """
     counts = {"train": n_train, "val": n_val, "test": n_test}
     for split, count in counts.items():
         check_positive(f"n_{split}", count, minimum=0)
-    rows = generate_listops(sum(counts.values()), min_length, max_length, seed, progress=progress)
+    rows = generate_listops(
+        sum(counts.values()), min_length, max_length, seed, max_depth, progress=progress
+    )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {split: out / f"basic_{split}.tsv" for split in counts}
@@ -364,6 +368,13 @@ def encode_listops(tokens: list[str]) -> np.ndarray:
 
 def read_listops_tsv(path: PathArg) -> tuple[PackedSequences, np.ndarray]:
     """Token ids and labels of an LRA ListOps TSV file; ValueError naming file and line."""
+    try:
+        return _read_listops_tsv(path)
+    except UnicodeDecodeError as err:
+        raise decode_error(path, err) from None
+
+
+def _read_listops_tsv(path: PathArg) -> tuple[PackedSequences, np.ndarray]:
     sequences: list[np.ndarray] = []
     labels: list[int] = []
     with open(path, encoding="utf-8", newline="") as f:
@@ -392,6 +403,8 @@ def read_listops_tsv(path: PathArg) -> tuple[PackedSequences, np.ndarray]:
                 raise data_error(path, f"bad label {target!r} (expected a digit 0-9)", line_no)
             sequences.append(ids)
             labels.append(int(target))
+    if not labels:
+        raise data_error(path, "no rows after the header", 2)
     return PackedSequences(sequences), np.asarray(labels, dtype=np.int64)
 
 

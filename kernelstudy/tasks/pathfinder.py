@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from .base import SequenceTask, check_positive, check_split
-from .files import PathArg, data_error, parse_label
+from .files import PathArg, data_error, decode_error, parse_label
 from .image import PIXEL_PAD_ID, PIXEL_VOCAB_SIZE, rgb_to_gray
 from .png import read_png
 
@@ -54,24 +54,28 @@ def read_metadata(root: Path) -> tuple[list[Path], np.ndarray, list[str]]:
     labels: list[int] = []
     origins: list[str] = []
     for meta in files:
-        with open(meta, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, start=1):
-                fields = line.split()
-                if not fields:
-                    continue
-                if len(fields) < 4:
-                    raise data_error(
-                        meta,
-                        f"expected at least 4 space-separated fields (dir, file, index, label), "
-                        f"got {len(fields)}",
-                        line_no,
-                    )
-                image = root / fields[0] / fields[1]
-                if not image.is_file():
-                    raise data_error(meta, f"image {image} does not exist", line_no)
-                labels.append(parse_label(fields[3], meta, line_no, 2))
-                images.append(image)
-                origins.append(f"{meta}, line {line_no}")
+        try:
+            lines = meta.read_text(encoding="utf-8").split("\n")
+        except UnicodeDecodeError as err:
+            hint = "; Pathfinder metadata files are text, despite the .npy name"
+            raise decode_error(meta, err, hint) from None
+        for line_no, line in enumerate(lines, start=1):
+            fields = line.split()
+            if not fields:
+                continue
+            if len(fields) < 4:
+                raise data_error(
+                    meta,
+                    f"expected at least 4 space-separated fields (dir, file, index, label), "
+                    f"got {len(fields)}",
+                    line_no,
+                )
+            image = root / fields[0] / fields[1]
+            if not image.is_file():
+                raise data_error(meta, f"image {image} does not exist", line_no)
+            labels.append(parse_label(fields[3], meta, line_no, 2))
+            images.append(image)
+            origins.append(f"{meta}, line {line_no}")
     if not images:
         raise data_error(files[0], "no samples in the metadata files")
     return images, np.asarray(labels, dtype=np.int64), origins

@@ -1,0 +1,257 @@
+"""The Optuna objective: one trial trains one configuration of one variant.
+
+A trial's configuration comes from the define-by-run suggestions of
+:mod:`.space` (the feature map's declared hyperparameters, lr, warm-up fraction,
+weight decay, dropout). The model is built first; when its feature maps hold
+more than ``config.budget`` of its parameters the trial is pruned before any
+training (user attr ``pruned_reason``). Otherwise the :class:`~kernelstudy.train.Trainer`
+trains it, reporting validation accuracy after each evaluation so the study's
+pruner can stop it early. The value is the best validation accuracy; the user
+attrs record the costs (parameters, feature dimension, time, memory) and the
+test accuracy of the restored best weights.
+
+The same settings, rebuilt from a finished trial's parameters with
+``optuna.trial.FixedTrial``, are what :mod:`.evaluate` re-trains.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import optuna
+from torch import nn
+
+from ..nn.models import feature_dim_of, feature_map_parameter_count, parameter_count
+from ..tasks import load_task, write_listops
+from ..tasks.base import SequenceTask
+from ..train import OptunaPruningCallback, TrainConfig, Trainer, model_for_task, seed_everything
+from .config import SearchConfig, Variant
+from .space import suggest_feature_map, suggest_training
+
+#: TrainConfig defaults of a search (a config's [train] table overrides them).
+TRAIN_DEFAULTS: dict[str, Any] = {"reg_weight": 1.0, "progress": False}
+_LISTOPS_FILES = ("basic_train.tsv", "basic_val.tsv", "basic_test.tsv")
+
+
+class OverBudget(ValueError):
+    """A model whose feature maps exceed the parameter budget."""
+
+
+@dataclass(frozen=True)
+class TrialSettings:
+    """Everything one training run of a variant needs besides the data and the seed."""
+
+    feature_map_kwargs: dict[str, Any]
+    training: dict[str, Any]  # lr, warmup_fraction, weight_decay, dropout
+
+    def model_kwargs(self, config: SearchConfig, variant: Variant) -> dict[str, Any]:
+        kwargs = {k: v for k, v in config.model.items() if k not in ("dropout", "positional")}
+        if "positional" in config.model:
+            kwargs.setdefault("positions", config.model["positional"])
+        kwargs["dropout"] = self.training["dropout"]
+        if variant.attention == "softmax":
+            kwargs["attention"] = "softmax"
+        else:
+            kwargs.update(
+                attention="kernel",
+                feature_map=variant.feature_map,
+                feature_map_kwargs=dict(self.feature_map_kwargs),
+            )
+        return kwargs
+
+    def train_config(self, config: SearchConfig, seed: int, device: str | None) -> TrainConfig:
+        values = {**TRAIN_DEFAULTS, **config.train}
+        steps = int(values.get("steps", TrainConfig.steps))
+        values.update(
+            lr=float(self.training["lr"]),
+            weight_decay=float(self.training["weight_decay"]),
+            warmup_steps=int(round(self.training["warmup_fraction"] * steps)),
+            seed=int(seed),
+        )
+        if device is not None:
+            values["device"] = device
+        return TrainConfig.from_dict(values)
+
+
+def suggest_settings(trial: optuna.Trial, config: SearchConfig, variant: Variant) -> TrialSettings:
+    """The trial's settings (a ``FixedTrial(params)`` rebuilds those of a finished trial)."""
+    fixed = dict(config.training_space)
+    if "dropout" in config.model:
+        fixed.setdefault("dropout", config.model["dropout"])
+    fm_kwargs: dict[str, Any] = {}
+    if variant.attention == "kernel":
+        assert variant.feature_map is not None
+        fm_kwargs = suggest_feature_map(trial, variant.feature_map, variant.fixed)
+    return TrialSettings(fm_kwargs, suggest_training(trial, fixed))
+
+
+# ------------------------------------------------------------------------------------ data
+
+
+def data_dir(config: SearchConfig, out: str | Path) -> Path | None:
+    """Where the task's files are: ``<out>/<name>/data`` when generated, else ``config.data``."""
+    if config.generate:
+        return Path(out) / config.name / "data"
+    return config.data
+
+
+def prepare_data(config: SearchConfig, out: str | Path) -> Path | None:
+    """Generate the ListOps files of a ``[generate]`` config (once), or check ``config.data``.
+
+    Raises FileNotFoundError (with what to do) when a config's data are missing.
+    """
+    from ..tasks import needs_path
+
+    path = data_dir(config, out)
+    if config.generate:
+        assert path is not None
+        if not all((path / name).is_file() for name in _LISTOPS_FILES):
+            write_listops(path, **config.generate)
+        return path
+    if not needs_path(config.task):
+        return None
+    if path is None:
+        raise ValueError(f"{config.path}: task {config.task!r} needs `data = DIR` in the config")
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{config.path}: data for task {config.task!r} not found at {path}; download the "
+            "Long Range Arena release (see the comment at the top of the config) or use the "
+            "ListOps config, whose --quick variant generates its data"
+        )
+    return path
+
+
+@functools.lru_cache(maxsize=6)
+def _load(task: str, path: str | None, split: str, options: tuple) -> SequenceTask:
+    return load_task(task, path, split, **dict(options))
+
+
+def load_split(config: SearchConfig, path: Path | None, split: str) -> SequenceTask:
+    """Split ``split`` of the config's task (cached per process: trials share it)."""
+    options = tuple(sorted(config.task_options.items()))
+    return _load(config.task, None if path is None else str(path), split, options)
+
+
+# ----------------------------------------------------------------------------- one run
+
+
+def build_model(
+    config: SearchConfig, variant: Variant, settings: TrialSettings, task: SequenceTask
+) -> tuple[nn.Module, dict[str, Any]]:
+    """The model and its sizes (parameters of model and feature maps, feature dimension)."""
+    model = model_for_task(task, **settings.model_kwargs(config, variant))
+    total, fm = parameter_count(model), feature_map_parameter_count(model)
+    sizes = {
+        "params_model": total,
+        "params_feature_map": fm,
+        "feature_map_fraction": fm / total if total else 0.0,
+        "feature_dim": feature_dim_of(model),
+    }
+    return model, sizes
+
+
+def over_budget(sizes: dict[str, Any], budget: float) -> str | None:
+    """Why a model with ``sizes`` exceeds the feature-map ``budget``, or None when it fits."""
+    if sizes["feature_map_fraction"] <= budget:
+        return None
+    return (
+        f"feature-map parameters {sizes['params_feature_map']} are "
+        f"{sizes['feature_map_fraction']:.1%} of the model's {sizes['params_model']}, "
+        f"over the budget of {budget:.0%}"
+    )
+
+
+def train_run(
+    config: SearchConfig,
+    variant: Variant,
+    settings: TrialSettings,
+    data: Path | None,
+    seed: int,
+    device: str | None = None,
+    trial: optuna.Trial | None = None,
+) -> dict[str, Any]:
+    """Train one configuration with ``seed``; returns sizes, accuracies, time and memory.
+
+    With ``trial``, the sizes go to its user attrs first, an over-budget model prunes
+    it, and validation accuracy is reported after each evaluation.
+    """
+    train = load_split(config, data, "train")
+    val, test = load_split(config, data, "val"), load_split(config, data, "test")
+    seed_everything(seed)  # the model's initialization too
+    model, sizes = build_model(config, variant, settings, train)
+    if trial is not None:
+        for key, value in sizes.items():
+            trial.set_user_attr(key, value)
+    reason = over_budget(sizes, config.budget)
+    if reason is not None:
+        if trial is None:
+            raise OverBudget(reason)
+        trial.set_user_attr("pruned_reason", reason)
+        raise optuna.TrialPruned(reason)
+    callbacks = [] if trial is None else [OptunaPruningCallback(trial, "val_accuracy")]
+    cfg = settings.train_config(config, seed, device)
+    trainer = Trainer(model, train, cfg, val_data=val, test_data=test, on_eval=callbacks)
+    record = trainer.fit()
+    return {
+        **sizes,
+        "val_accuracy": record["best"]["value"],
+        "test_accuracy": (record["test"] or {}).get("accuracy"),
+        "train_time_s": record["wall_time_s"],
+        "peak_memory_bytes": record["peak_memory_bytes"],
+        "steps": record["steps_completed"],
+        "device": record["device"],
+    }
+
+
+def objective(
+    trial: optuna.Trial,
+    config: SearchConfig,
+    label: str,
+    data: Path | None,
+    device: str | None = None,
+) -> float:
+    """Train the trial's configuration of variant ``label``; return the best val accuracy.
+
+    Picklable as ``functools.partial(objective, config=..., label=..., data=...)``.
+    """
+    variant = config.variant(label)
+    settings = suggest_settings(trial, config, variant)
+    seed = int(config.train.get("seed", 0))
+    result = train_run(config, variant, settings, data, seed, device, trial=trial)
+    for key, value in result.items():
+        trial.set_user_attr(key, value)
+    return float(result["val_accuracy"])
+
+
+def default_settings(config: SearchConfig, variant: Variant) -> TrialSettings:
+    """The settings at every searched hyperparameter's declared default."""
+    from ..feature_maps.registry import get_feature_map_class
+    from .space import TRAINING_SPACE
+
+    params: dict[str, Any] = {k: spec.default for k, spec in TRAINING_SPACE.items()}
+    if variant.feature_map is not None:
+        hparams = get_feature_map_class(variant.feature_map).hyperparameters
+        params.update({f"fm.{k}": spec.default for k, spec in hparams.items()})
+    with warnings.catch_warnings():  # a default outside a narrowed range is fine here
+        warnings.simplefilter("ignore")
+        return suggest_settings(optuna.trial.FixedTrial(params), config, variant)
+
+
+def check_variants(config: SearchConfig, data: Path | None) -> dict[str, str]:
+    """Build every variant's model once at its defaults (no training): bad model settings
+    fail here, before any worker starts. Returns ``{label: reason}`` of over-budget ones."""
+    task = load_split(config, data, "train")
+    over = {}
+    for variant in config.variants:
+        try:
+            _, sizes = build_model(config, variant, default_settings(config, variant), task)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{config.path}: variant {variant.label!r}: {err}") from err
+        reason = over_budget(sizes, config.budget)
+        if reason is not None:
+            over[variant.label] = reason
+    return over

@@ -1,0 +1,155 @@
+"""Run a search config: one Optuna study per variant, K worker processes each.
+
+:func:`run_search` checks everything first (config, storage URL, data, every
+variant's model), then optimizes the variants one after another. Study
+``<name>/<label>`` holds the trials of one variant; its user attrs name the
+config, task and feature map so :mod:`.report` can read a study on its own.
+Re-running with the same storage continues the studies (see :mod:`.workers`).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pandas as pd
+from tqdm.auto import tqdm
+
+from .config import SearchConfig, Variant, load_config
+from .objective import check_variants, objective, prepare_data
+from .storage import default_storage_url, load_study, open_storage
+from .workers import FINISHED, open_study, run_workers
+
+DEFAULT_OUT = "results"
+
+
+def storage_url(config: SearchConfig, storage: str | None, out: str | Path = DEFAULT_OUT) -> str:
+    """``storage``, or the default SQLite file ``<out>/<name>/optuna.db``."""
+    return storage if storage else default_storage_url(out, config.name)
+
+
+def select_variants(config: SearchConfig, labels: Sequence[str] | None) -> list[Variant]:
+    """The variants named in ``labels`` (all when None); ValueError for an unknown label."""
+    if not labels:
+        return list(config.variants)
+    return [config.variant(label) for label in labels]
+
+
+def variant_study(config: SearchConfig, variant: Variant, url: str) -> optuna.Study:
+    """Create or join the study of ``variant`` and record what it is in its user attrs."""
+    study = open_study(
+        url,
+        config.study_name(variant),
+        pruner=str(config.search.get("pruner", "median")),
+        seed=int(config.search.get("seed", 0)),
+    )
+    attrs = {
+        "config": config.name,
+        "task": config.task,
+        "label": variant.label,
+        "attention": variant.attention,
+        "feature_map": variant.feature_map or "softmax",
+        "budget": config.budget,
+    }
+    for key, value in attrs.items():
+        if study.user_attrs.get(key) != value:
+            study.set_user_attr(key, value)
+    return study
+
+
+def run_search(
+    config: SearchConfig | str | Path,
+    trials: int | None = None,
+    workers: int = 1,
+    storage: str | None = None,
+    out: str | Path = DEFAULT_OUT,
+    quick: bool = False,
+    variants: Sequence[str] | None = None,
+    device: str | None = None,
+) -> pd.DataFrame:
+    """Search every variant of ``config`` until each study holds ``trials`` finished trials.
+
+    Returns :func:`search_summary` of the variants. All inputs are checked before
+    the first trial: a bad config, an unreachable storage, missing data or a model
+    that cannot be built raise ValueError / FileNotFoundError.
+    """
+    if not isinstance(config, SearchConfig):
+        config = load_config(config, quick=quick)
+    trials = config.trials if trials is None else trials
+    if not isinstance(trials, int) or trials < 1:
+        raise ValueError(f"trials must be a positive int, got {trials!r}")
+    if not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be a positive int, got {workers!r}")
+    chosen = select_variants(config, variants)
+    url = storage_url(config, storage, out)
+    open_storage(url)  # unreachable or malformed URL: ValueError now
+    data = prepare_data(config, out)
+    over = check_variants(config, data)
+    for label, reason in over.items():
+        if any(v.label == label for v in chosen):
+            print(f"search {config.name}: {label} at its defaults: {reason}", file=sys.stderr)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    bar = tqdm(chosen, desc=f"search {config.name}", unit="variant")
+    for variant in bar:
+        bar.set_postfix_str(variant.label)
+        variant_study(config, variant, url)
+        fn = functools.partial(
+            objective, config=config, label=variant.label, data=data, device=device
+        )
+        run_workers(
+            url,
+            config.study_name(variant),
+            fn,
+            trials=trials,
+            workers=workers,
+            pruner=str(config.search.get("pruner", "median")),
+            seed=int(config.search.get("seed", 0)),
+        )
+    return search_summary(config, url, [v.label for v in chosen])
+
+
+def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
+    """The complete trial with the highest value, or None when none completed."""
+    complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    return max(complete, key=lambda t: t.value) if complete else None
+
+
+def search_summary(
+    config: SearchConfig, url: str, labels: Sequence[str] | None = None
+) -> pd.DataFrame:
+    """One row per variant: trial counts by state, best validation accuracy, its test
+    accuracy and sizes, and why trials were pruned before training (over budget)."""
+    rows: list[dict[str, Any]] = []
+    for label in labels or config.labels():
+        study = load_study(url, config.study_name(config.variant(label)))
+        rows.append(study_row(study, label))
+    return pd.DataFrame(rows)
+
+
+def study_row(study: optuna.Study, label: str) -> dict[str, Any]:
+    """The :func:`search_summary` row of one variant's study."""
+    trials = study.get_trials(deepcopy=False)
+    states = pd.Series([t.state.name for t in trials], dtype=object).value_counts()
+    best = best_trial(study)
+    over = [t for t in trials if "pruned_reason" in t.user_attrs]
+    row: dict[str, Any] = {
+        "variant": label,
+        "complete": int(states.get("COMPLETE", 0)),
+        "pruned": int(states.get("PRUNED", 0)),
+        "over_budget": len(over),
+        "failed": int(states.get("FAIL", 0)),
+        "finished": sum(t.state in FINISHED for t in trials),
+        "best_trial": None if best is None else best.number,
+        "val_accuracy": None if best is None else best.value,
+    }
+    attrs = ("test_accuracy", "params_model", "params_feature_map", "feature_dim", "train_time_s")
+    source = best or (over[0] if over else None)
+    for key in attrs:
+        row[key] = None if source is None else source.user_attrs.get(key)
+    if best is None and over:
+        row["note"] = over[0].user_attrs["pruned_reason"]
+    return row

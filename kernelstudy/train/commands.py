@@ -1,0 +1,448 @@
+"""The ``kernelstudy train`` command: a task, a model with any attention, one Trainer run.
+
+``kernelstudy train --task listops --data DIR --attention favor --map-arg num_features=256
+--out runs/NAME`` loads the train/val/test splits, builds the model for the task and
+trains it. A TOML file (``--config``) can hold the same settings; flags override it::
+
+    task = "listops"            # a name from kernelstudy.tasks.list_tasks()
+    data = "data/listops"       # file tasks only; relative paths are from the working dir
+    attention = "favor"         # "softmax", "kernel" (elu) or a feature-map name
+    out = "runs/favor"
+    [task_options]              # the task's options, e.g. max_length = 2000
+    [feature_map]               # the map's hyperparameters, e.g. num_features = 256
+    [model]                     # model options, e.g. d_model = 128, n_heads = 4, pooling = "cls"
+    [train]                     # TrainConfig fields, e.g. steps = 5000, lr = 5e-4
+
+Everything is checked (task, data directory, map, model shape, train options) before
+anything is written. Outputs in ``--out``: ``config.json`` (the resolved settings),
+``checkpoint.pt``, ``metrics.csv`` (one row per evaluation), ``run.json`` (the
+Trainer's record), ``model.pt`` and ``summary.json`` (accuracies, parameter counts,
+feature dimension, peak memory, wall time). Re-running the same command with the
+same ``--out`` resumes from the checkpoint; a different configuration is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import inspect
+import json
+import re
+import sys
+import tomllib
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..nn.models import CausalLM, MatchingClassifier, SequenceClassifier
+from ..tasks import load_task, needs_path, task_class, task_options
+from ..tasks.base import SequenceTask
+from .checkpoint import seed_everything, write_json
+from .factory import model_for_task, task_type_of
+from .trainer import (
+    _RESUME_FREE,
+    CHECKPOINT,
+    METRICS,
+    MODEL,
+    RECORD,
+    TrainConfig,
+    Trainer,
+    resolve_device,
+)
+
+CONFIG = "config.json"
+SUMMARY = "summary.json"
+#: top-level keys of a ``--config`` TOML file
+CONFIG_KEYS = ("task", "data", "attention", "out", "task_options", "feature_map", "model", "train")
+_TABLES = ("task_options", "feature_map", "model", "train")
+_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+#: model options set by other settings, never in the [model] table
+_MODEL_RESERVED = {"self", "vocab_size", "num_classes", "attention", "feature_map_kwargs"}
+
+
+def parse_value(text: str) -> Any:
+    """``"256"`` → 256, ``"0.5"``/``"1e-3"`` → float, ``"true"``/``"false"`` → bool,
+    ``"none"`` → None, anything else → the string itself."""
+    low = text.strip().lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_key_values(items: Iterable[str] | None, flag: str) -> dict[str, Any]:
+    """``["k=v", ...]`` → ``{k: parse_value(v)}``; ValueError naming ``flag`` when malformed."""
+    out: dict[str, Any] = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not _KEY.fullmatch(key) or not value.strip():
+            raise ValueError(
+                f"{flag} expects KEY=VALUE with a name as KEY (e.g. {flag} num_features=256), "
+                f"got {item!r}"
+            )
+        if key in out:
+            raise ValueError(f"{flag} {key} is given twice")
+        out[key] = parse_value(value)
+    return out
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The settings of a TOML ``--config`` file (keys: ``CONFIG_KEYS``)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file not found: {path}")
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not a valid TOML file ({err})") from err
+    unknown = sorted(set(data) - set(CONFIG_KEYS))
+    if unknown:
+        raise ValueError(f"{path}: unknown key(s) {unknown}; known: {list(CONFIG_KEYS)}")
+    for key in _TABLES:
+        if key in data and not isinstance(data[key], dict):
+            raise ValueError(f"{path}: {key!r} must be a table ([{key}]), got {data[key]!r}")
+    for key in ("task", "data", "attention", "out"):
+        if key in data and not isinstance(data[key], str):
+            raise ValueError(f"{path}: {key!r} must be a string, got {data[key]!r}")
+    return data
+
+
+def _model_class(task: SequenceTask) -> type:
+    kind = task_type_of(task)
+    return {"lm": CausalLM, "matching": MatchingClassifier}.get(kind, SequenceClassifier)
+
+
+def _model_options(cls: type) -> set[str]:
+    """Keyword options of model class ``cls`` (its own and its parents' for ``**kwargs``)."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass) or klass.__module__.startswith("torch"):
+            continue
+        for name, p in inspect.signature(klass.__init__).parameters.items():
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+                names.add(name)
+        params = inspect.signature(klass.__init__).parameters.values()
+        if not any(p.kind == p.VAR_KEYWORD for p in params):
+            break
+    return names - _MODEL_RESERVED
+
+
+def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The run's settings from ``--config`` and the flags (flags win), checked for form.
+
+    Returns ``{"task", "data" (absolute path or None), "attention", "out", "task_options",
+    "feature_map", "model", "train"}``; the tables are dicts.
+    """
+    file = read_config_file(args.config) if args.config else {}
+    s: dict[str, Any] = {key: copy.deepcopy(file.get(key)) for key in CONFIG_KEYS}
+    for key in _TABLES:
+        s[key] = dict(s[key] or {})
+    for key in ("task", "data", "attention", "out"):
+        if getattr(args, key) is not None:
+            s[key] = getattr(args, key)
+    if s["task"] is None:
+        raise ValueError("no task: give --task NAME (or task = ... in the --config file)")
+    if s["out"] is None:
+        raise ValueError("no output directory: give --out DIR (or out = ... in --config)")
+    s["attention"] = s["attention"] or "kernel"
+    task_class(s["task"])  # unknown task: ValueError with suggestions
+
+    s["feature_map"].update(parse_key_values(args.map_arg, "--map-arg"))
+    s["task_options"].update(parse_key_values(args.task_arg, "--task-arg"))
+    s["model"].update(parse_key_values(args.model_arg, "--model-arg"))
+    if s["attention"] == "softmax" and s["feature_map"]:
+        raise ValueError(
+            f"--map-arg {sorted(s['feature_map'])} given with --attention softmax, "
+            "which has no feature map"
+        )
+    for flag, key in (("d_model", "d_model"), ("heads", "n_heads"), ("layers", "n_layers")):
+        if getattr(args, flag) is not None:
+            s["model"][key] = getattr(args, flag)
+    if args.max_length is not None:
+        options = task_options(s["task"])
+        key = next((k for k in ("max_length", "seq_len") if k in options), None)
+        if key is None:
+            raise ValueError(
+                f"task {s['task']!r} has a fixed sequence length; --max-length does not apply"
+            )
+        s["task_options"][key] = args.max_length
+    for key in ("steps", "batch_size", "lr", "seed", "eval_every", "device"):
+        if getattr(args, key) is not None:
+            s["train"][key] = getattr(args, key)
+    if "out_dir" in s["train"]:
+        raise ValueError("[train] out_dir is not used: give the run directory as out or --out")
+
+    if needs_path(s["task"]):
+        if s["data"] is None:
+            raise ValueError(f"task {s['task']!r} reads files: give --data DIR")
+        data = Path(s["data"]).expanduser()
+        if not data.exists():
+            raise FileNotFoundError(f"data directory not found: {data} (--data for {s['task']!r})")
+        s["data"] = str(data.resolve())
+    elif s["data"] is not None:
+        raise ValueError(f"task {s['task']!r} is synthetic and takes no --data (got {s['data']})")
+    s["out"] = str(Path(s["out"]).expanduser().resolve())
+    return s
+
+
+def train_config_of(settings: Mapping[str, Any], progress: bool) -> TrainConfig:
+    """The :class:`TrainConfig` of the settings, writing into ``settings["out"]``."""
+    fields = {"progress": progress, **settings["train"], "out_dir": settings["out"]}
+    try:
+        config = TrainConfig.from_dict(fields)
+    except TypeError as err:
+        raise ValueError(f"bad [train] option: {err}") from err
+    resolve_device(config.device)  # a missing or malformed device fails here
+    return config
+
+
+def _comparable(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings that must match for a resume (JSON-normalized)."""
+    s = json.loads(json.dumps(settings, default=str))
+    for key in _RESUME_FREE:
+        s["train"].pop(key, None)
+    s.pop("out", None)
+    return s
+
+
+def _flatten(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"model": {"d_model": 8}}`` → ``{"model.d_model": 8}`` (one level of tables)."""
+    flat: dict[str, Any] = {}
+    for key, value in settings.items():
+        if isinstance(value, dict):
+            flat.update({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            flat[key] = value
+    return flat
+
+
+def check_resume(settings: Mapping[str, Any], resume: str) -> bool:
+    """Whether to resume from ``out/checkpoint.pt``; ValueError when that run differs.
+
+    ``resume``: ``auto`` (when a checkpoint exists), ``require`` or ``never``.
+    """
+    out = Path(settings["out"])
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a directory")
+    has_checkpoint = (out / CHECKPOINT).is_file()
+    if resume == "never":
+        return False
+    if not has_checkpoint:
+        if resume == "require":
+            raise FileNotFoundError(f"--resume: no checkpoint at {out / CHECKPOINT}")
+        return False
+    saved_path = out / CONFIG
+    if not saved_path.is_file():
+        raise ValueError(
+            f"{out} holds a checkpoint but no {CONFIG} (not a `kernelstudy train` run); "
+            "use another --out, or --overwrite to start over"
+        )
+    saved = _flatten(_comparable(json.loads(saved_path.read_text(encoding="utf-8"))))
+    now = _flatten(_comparable(settings))
+    changed = sorted(key for key in set(saved) | set(now) if saved.get(key) != now.get(key))
+    if changed:
+        raise ValueError(
+            f"{out} holds a run with other settings (changed: {', '.join(changed)}); "
+            "use another --out, or --overwrite to start over"
+        )
+    return True
+
+
+def load_splits(settings: Mapping[str, Any]) -> dict[str, SequenceTask]:
+    """The train, val and test splits of the task."""
+    return {
+        split: load_task(settings["task"], settings["data"], split, **settings["task_options"])
+        for split in ("train", "val", "test")
+    }
+
+
+def build_model(settings: Mapping[str, Any], task: SequenceTask, seed: int) -> torch.nn.Module:
+    """The model for ``task`` with the settings' attention, map and model options."""
+    allowed = _model_options(_model_class(task))
+    unknown = sorted(set(settings["model"]) - allowed)
+    if unknown:
+        raise ValueError(
+            f"unknown model option(s) {unknown} for a {task_type_of(task)} task; "
+            f"known: {sorted(allowed)}"
+        )
+    kwargs = dict(settings["model"])
+    kwargs["attention"] = settings["attention"]
+    if settings["feature_map"]:
+        kwargs["feature_map_kwargs"] = dict(settings["feature_map"])
+    seed_everything(seed)
+    try:
+        return model_for_task(task, **kwargs)
+    except (ValueError, TypeError) as err:
+        raise type(err)(f"bad model configuration: {err}") from err
+
+
+def majority_accuracy(task: SequenceTask) -> float | None:
+    """Accuracy of always predicting the most common label (None for LM tasks)."""
+    labels = getattr(task, "labels", None)
+    if task.num_classes is None or labels is None or len(labels) == 0:
+        return None
+    counts = Counter(int(v) for v in labels)
+    return max(counts.values()) / len(labels)
+
+
+def summarize(
+    record: Mapping[str, Any], settings: Mapping[str, Any], splits: Mapping[str, SequenceTask]
+) -> dict[str, Any]:
+    """The run's summary: accuracies, sizes, memory and time (written as ``summary.json``)."""
+    final = record.get("final") or {}
+    test = record.get("test") or {}
+    params = record["parameters"]
+    summary = {
+        "status": record["status"],
+        "task": settings["task"],
+        "attention": settings["attention"],
+        "feature_map": settings["feature_map"],
+        "steps_completed": record["steps_completed"],
+        "steps": record["steps"],
+        "val_accuracy": final.get("val_accuracy"),
+        "best": record["best"],
+        "test_accuracy": test.get("accuracy"),
+        "test_loss": test.get("loss"),
+        "test_majority_accuracy": majority_accuracy(splits["test"]),
+        "parameters": {
+            "model": params["total"],
+            "feature_map": params["feature_map"],
+            "feature_map_fraction": params["feature_map_fraction"],
+        },
+        "feature_dim": record["feature_dim"],
+        "peak_memory_bytes": record["peak_memory_bytes"],
+        "peak_memory_source": record["peak_memory_source"],
+        "wall_time_s": record["wall_time_s"],
+        "device": record["device"],
+        "task_info": {k: v for k, v in splits["train"].info().items() if k != "task"},
+    }
+    for key in ("val_sequence_accuracy",):
+        if key in final:
+            summary[key] = final[key]
+    if "sequence_accuracy" in test:
+        summary["test_sequence_accuracy"] = test["sequence_accuracy"]
+    return summary
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """Run ``kernelstudy train``; every check happens before anything is written."""
+    if args.resume and args.overwrite:
+        raise ValueError("--resume and --overwrite exclude each other")
+    settings = resolve_settings(args)
+    progress = sys.stderr.isatty() if args.progress is None else args.progress
+    config = train_config_of(settings, progress)
+    resolved = config.to_dict()
+    settings["train"] = {k: v for k, v in resolved.items() if k not in ("out_dir", "progress")}
+    resume = check_resume(
+        settings, "require" if args.resume else "never" if args.overwrite else "auto"
+    )
+    splits = load_splits(settings)
+    model = build_model(settings, splits["train"], config.seed)
+    trainer = Trainer(
+        model, splits["train"], config, val_data=splits["val"], test_data=splits["test"]
+    )
+
+    out = Path(settings["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / CONFIG, settings)
+    if resume:
+        print(f"resuming {out} from {out / CHECKPOINT}", file=sys.stderr)
+    try:
+        record = trainer.fit(stop_after=args.stop_after, resume=resume)
+    except FloatingPointError as err:
+        print(f"kernelstudy train: run failed: {err} (record in {out / RECORD})", file=sys.stderr)
+        return 1
+    summary = summarize(record, settings, splits)
+    write_json(out / SUMMARY, summary)
+    best = record["best"]
+    print(
+        f"{summary['status']} after {record['steps_completed']}/{record['steps']} steps: "
+        f"val accuracy {_fmt(summary['val_accuracy'])} "
+        f"(best {_fmt(best.get('value'))} at step {best.get('step')}), "
+        f"test accuracy {_fmt(summary['test_accuracy'])}"
+    )
+    names = (CHECKPOINT, METRICS, RECORD, MODEL, SUMMARY)
+    print(f"wrote {out}: " + ", ".join(n for n in names if (out / n).exists()))
+    return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``kernelstudy train``."""
+    g = p.add_argument_group("what to train")
+    g.add_argument("--config", metavar="FILE.toml", help="settings file; flags override it")
+    g.add_argument("--task", help="listops, text, retrieval, image, pathfinder, copy or mqar")
+    g.add_argument("--data", metavar="DIR", help="the task's data (file tasks only)")
+    g.add_argument(
+        "--attention", help="softmax, kernel (elu) or a feature-map name (default: kernel)"
+    )
+    g.add_argument(
+        "--map-arg",
+        action="append",
+        metavar="KEY=VALUE",
+        help="feature-map hyperparameter, e.g. num_features=256 (repeatable)",
+    )
+    g.add_argument(
+        "--task-arg", action="append", metavar="KEY=VALUE", help="task option (repeatable)"
+    )
+    g.add_argument(
+        "--model-arg",
+        action="append",
+        metavar="KEY=VALUE",
+        help="model option, e.g. pooling=cls, dropout=0.1 (repeatable)",
+    )
+    g.add_argument("--d-model", type=int, help="model width")
+    g.add_argument("--heads", type=int, help="attention heads (must divide --d-model)")
+    g.add_argument("--layers", type=int, help="encoder layers")
+    g.add_argument("--max-length", type=int, help="sequence length, tokens (task option)")
+    g = p.add_argument_group("how to train")
+    g.add_argument("--out", metavar="DIR", help="run directory (checkpoint, metrics, summary)")
+    g.add_argument("--device", help="auto (CUDA when available), cpu, cuda, cuda:1, ...")
+    g.add_argument("--steps", type=int, help="optimizer steps")
+    g.add_argument("--batch-size", type=int)
+    g.add_argument("--lr", type=float, help="peak learning rate")
+    g.add_argument("--seed", type=int)
+    g.add_argument("--eval-every", type=int, help="evaluate every N steps (0: at the end)")
+    g.add_argument(
+        "--resume", action="store_true", help="require a checkpoint in --out to resume from"
+    )
+    g.add_argument(
+        "--overwrite", action="store_true", help="start over even if --out holds a checkpoint"
+    )
+    g.add_argument(
+        "--stop-after", type=int, metavar="N", help="pause after N steps in total; re-run to go on"
+    )
+    g.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bar (default: when stderr is a terminal)",
+    )
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    """Register ``train`` on the ``kernelstudy`` subcommand parsers ``sub``."""
+    p = sub.add_parser(
+        "train",
+        help="train a model on a task (LRA or synthetic) with any attention",
+        description="Train a model on a task and write checkpoint, metrics and summary to "
+        "--out. Settings come from --config (TOML: task, data, attention, out and the tables "
+        "[task_options], [feature_map], [model], [train]) and the flags, which override it.",
+        epilog="Re-running the same command with the same --out resumes from its checkpoint.",
+    )
+    add_arguments(p)
+    p.set_defaults(func=cmd_train)

@@ -1,0 +1,251 @@
+"""The search commands end to end on generated ListOps: search → evaluate → report, the
+parameter budget, interrupt and resume, bad inputs, and --help."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pandas as pd
+import pytest
+from optuna.trial import TrialState
+
+from kernelstudy.cli import main
+from kernelstudy.search.config import load_config
+from kernelstudy.search.objective import check_variants, data_dir, prepare_data
+
+ROOT = Path(__file__).resolve().parents[1]
+
+TINY = """
+name = "tiny"
+task = "listops"
+generate = {{ n_train = 300, n_val = 60, n_test = 60, min_length = 5, max_length = 32 }}
+[task_options]
+max_length = 32
+[model]
+d_model = {d_model}
+n_heads = {n_heads}
+n_layers = 1
+d_ff = 32
+[train]
+steps = {steps}
+batch_size = 16
+eval_every = 10
+amp = false
+[search]
+trials = 2
+seed = 0
+[space]
+lr = {{ low = 1e-3, high = 1e-2 }}
+{variants}
+"""
+VARIANTS = {
+    "Transformer": 'attention = "softmax"',
+    "elu+1": 'feature_map = "elu"',
+    "1xGLU": 'feature_map = "glu"\nfixed = { depth = 1 }',
+    "3xGLU": 'feature_map = "glu"\nfixed = { depth = 3 }',
+}
+
+
+def write_config(tmp_path, labels, d_model=16, n_heads=2, steps=20, text=None) -> Path:
+    variants = "".join(f'\n[[variants]]\nlabel = "{x}"\n{VARIANTS[x]}\n' for x in labels)
+    path = tmp_path / "tiny.toml"
+    path.write_text(
+        text or TINY.format(d_model=d_model, n_heads=n_heads, steps=steps, variants=variants)
+    )
+    return path
+
+
+def ks(*args) -> int:
+    return main([str(a) for a in args])
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("KERNELSTUDY_BACKEND", os.environ.get("KERNELSTUDY_BACKEND", "torch"))
+
+
+def studies(out: Path, name: str = "tiny") -> dict[str, optuna.Study]:
+    url = f"sqlite:///{out / name / 'optuna.db'}"
+    return {
+        s.study_name: optuna.load_study(study_name=s.study_name, storage=url)
+        for s in optuna.get_all_study_summaries(url)
+    }
+
+
+def test_quick_study_search_evaluate_report(tmp_path, capsys):
+    cfg, out = write_config(tmp_path, ["Transformer", "elu+1", "1xGLU"]), tmp_path / "res"
+    assert ks("search", cfg, "--out", out) == 0
+    found = studies(out)
+    assert sorted(found) == ["tiny/1xGLU", "tiny/Transformer", "tiny/elu+1"]
+    for study in found.values():
+        done = study.get_trials(states=(TrialState.COMPLETE, TrialState.PRUNED))
+        assert len(done) == 2
+        for t in study.get_trials(states=(TrialState.COMPLETE,)):
+            assert 0.0 <= t.user_attrs["test_accuracy"] <= 1.0
+            assert t.user_attrs["params_model"] > 0 and t.user_attrs["train_time_s"] > 0
+            assert t.user_attrs["peak_memory_bytes"] > 0
+            assert t.intermediate_values  # reported to the pruner during training
+    glu = found["tiny/1xGLU"].best_trial.user_attrs
+    assert 0 < glu["params_feature_map"] <= 0.1 * glu["params_model"]
+    assert glu["feature_dim"] == 8
+
+    assert ks("evaluate", cfg, "--seeds", "2", "--out", out) == 0
+    runs = pd.read_csv(out / "tiny" / "evaluation.csv")
+    assert len(runs) == 6 and sorted(set(runs["seed"])) == [0, 1]
+    stamp = (out / "tiny" / "evaluation.csv").stat().st_mtime_ns
+    assert ks("evaluate", cfg, "--seeds", "2", "--out", out) == 0  # resumes: nothing to do
+    assert (out / "tiny" / "evaluation.csv").stat().st_mtime_ns == stamp
+
+    capsys.readouterr()
+    assert ks("report", cfg, "--out", out) == 0
+    printed = capsys.readouterr().out
+    assert "| variant | listops mean" in printed
+    table = pd.read_csv(out / "tiny" / "table.csv", header=[0, 1], index_col=0)
+    assert list(table.index) == ["Transformer", "elu+1", "1xGLU"]
+    assert (table[("listops", "n")] == 2).all()
+    best, mean = table[("listops", "best")], table[("listops", "mean")]
+    assert ((best >= mean - 1e-9) & (mean > 0) & (best <= 100)).all()
+    assert table.loc["Transformer", ("listops", "paper")] == 36.37  # the published number
+    for stem in ("parameters", "feature_dim", "train_time"):
+        assert (out / "tiny" / f"accuracy_vs_{stem}.png").stat().st_size > 5000
+    assert (out / "tiny" / "optimization_history.png").stat().st_size > 5000
+    assert "Matching" in (out / "tiny" / "paper_reference.md").read_text()
+    # A report by study name and storage URL reads the same studies.
+    url = f"sqlite:///{out / 'tiny' / 'optuna.db'}"
+    assert ks("report", "tiny", "--storage", url, "--out", out) == 0
+
+
+def test_budget_prunes_three_glus_before_training(tmp_path, monkeypatch):
+    cfg = write_config(tmp_path, ["1xGLU", "3xGLU"], d_model=32, n_heads=2)
+    config = load_config(cfg)
+    over = check_variants(config, prepare_data(config, tmp_path / "res"))
+    assert list(over) == ["3xGLU"] and "budget of 10%" in over["3xGLU"]
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("an over-budget trial must not train")
+
+    monkeypatch.setattr("kernelstudy.search.objective.Trainer", no_training)
+    assert ks("search", cfg, "--out", tmp_path / "res", "--variant", "3xGLU") == 0
+    trials = studies(tmp_path / "res")["tiny/3xGLU"].get_trials()
+    assert len(trials) == 2 and all(t.state == TrialState.PRUNED for t in trials)
+    for t in trials:
+        assert "over the budget" in t.user_attrs["pruned_reason"]
+        assert t.user_attrs["params_feature_map"] > 0.1 * t.user_attrs["params_model"]
+    # A larger budget in the config admits it.
+    cfg.write_text(cfg.read_text().replace("seed = 0", "seed = 0\nbudget = 0.2"))
+    looser = load_config(cfg)
+    assert looser.budget == 0.2 and check_variants(looser, data_dir(looser, tmp_path / "res")) == {}
+
+
+def test_interrupt_and_resume_loses_and_duplicates_nothing(tmp_path):
+    cfg, out = write_config(tmp_path, ["elu+1"], steps=400), tmp_path / "res"
+    assert ks("search", cfg, "--out", out, "--trials", "1") == 0
+    db = out / "tiny" / "optuna.db"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "kernelstudy.cli", "search", str(cfg), "--out", str(out)]
+    proc = subprocess.Popen([*cmd, "--trials", "3"], env=env, stderr=subprocess.PIPE)
+    study = optuna.load_study(study_name="tiny/elu+1", storage=f"sqlite:///{db}")
+    deadline = time.time() + 120
+    while time.time() < deadline:  # wait until the second trial is training
+        running = study.get_trials(states=(TrialState.RUNNING,))
+        if running and running[0].intermediate_values:
+            break
+        time.sleep(0.2)
+    else:
+        proc.kill()
+        pytest.fail("the search never started training a second trial")
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err.decode()[-2000:]
+    killed = [t for t in study.get_trials() if t.state == TrialState.FAIL]
+    assert len(killed) == 1 and not study.get_trials(states=(TrialState.RUNNING,))
+
+    # Shorter trials for the rest: the same study continues (its name, not its steps).
+    write_config(tmp_path, ["elu+1"], steps=20)
+    assert ks("search", cfg, "--out", out, "--trials", "3") == 0
+    trials = study.get_trials()
+    numbers = [t.number for t in trials]
+    assert numbers == sorted(set(numbers)) == list(range(len(trials)))
+    finished = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+    assert len(finished) == 3 and finished[0].number == 0
+    retried = [t for t in finished if killed[0].number in t.system_attrs.get("retry_history", [])]
+    assert len(retried) == 1 and retried[0].params == killed[0].params
+    assert {t.state for t in trials} <= {TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL}
+
+
+@pytest.mark.parametrize(
+    "edit, extra, message",
+    [
+        (lambda s: s.replace('feature_map = "elu"', 'feature_map = "eluu"'), [], "'eluu'"),
+        (lambda s: s.replace('task = "listops"', 'task = "listopz"'), [], "unknown task"),
+        (lambda s: s + "\n[[variants]\n", [], "not valid TOML"),
+        (
+            lambda s: s,
+            ["--storage", "postgresql://nouser@127.0.0.1:1/x"],
+            r"storage postgresql://nouser@127\.0\.0\.1:1/x cannot be opened",
+        ),
+    ],
+)
+def test_bad_inputs_exit_1_before_training(tmp_path, capsys, monkeypatch, edit, extra, message):
+    cfg = write_config(tmp_path, ["Transformer", "elu+1"])
+    cfg.write_text(edit(cfg.read_text()))
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("no training may start on bad input")
+
+    monkeypatch.setattr("kernelstudy.search.objective.Trainer", no_training)
+    out = tmp_path / "res"
+    for command in ("search", "evaluate"):
+        capsys.readouterr()
+        assert ks(command, cfg, "--out", out, *extra) == 1
+        err = capsys.readouterr().err
+        assert f"kernelstudy {command}: error:" in err and re.search(message, err), err
+    assert not (out / "tiny" / "data").exists()  # failed before even generating data
+
+
+def test_unbuildable_model_fails_before_training(tmp_path, capsys, monkeypatch):
+    cfg = write_config(tmp_path, ["Transformer", "elu+1"], d_model=16, n_heads=3)
+    monkeypatch.setattr("kernelstudy.search.objective.Trainer", None)  # any training would fail
+    assert ks("search", cfg, "--out", tmp_path / "res") == 1
+    err = capsys.readouterr().err
+    assert "variant 'Transformer'" in err and "n_heads" in err, err
+    assert not studies(tmp_path / "res")  # no study was even created
+
+
+def test_missing_inputs(tmp_path, capsys):
+    assert ks("search", tmp_path / "nothere.toml") == 1
+    assert "nothere.toml does not exist" in capsys.readouterr().err
+    assert ks("report", "nostudy", "--out", tmp_path) == 1
+    assert "no study database" in capsys.readouterr().err
+    assert ks("search", write_config(tmp_path, ["elu+1"]), "--variant", "GLU9") == 1
+    assert "no variant 'GLU9'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["search", "evaluate", "report"])
+def test_help(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        ks(command, "--help")
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert f"usage: kernelstudy {command}" in text and "--storage" in text
+
+
+@pytest.mark.parametrize("name", ["listops", "text", "retrieval", "image", "pathfinder"])
+def test_shipped_lra_configs(name, tmp_path):
+    path = ROOT / "studies" / f"lra_{name}.toml"
+    full, quick = load_config(path), load_config(path, quick=True)
+    assert full.task == quick.task == name and quick.name == f"lra_{name}_quick"
+    assert full.labels() == quick.labels() and "3xAOGLU" in full.labels()
+    assert full.model["d_model"] > quick.model["d_model"]
+    if name == "listops":
+        assert full.task_options["max_length"] == 2000
+        assert data_dir(quick, tmp_path) == tmp_path / "lra_listops_quick" / "data"
+        assert check_variants(quick, prepare_data(quick, tmp_path)) == {}  # all within budget

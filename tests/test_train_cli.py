@@ -1,0 +1,282 @@
+"""``kernelstudy train``: outputs, resume, config files and bad configurations failing early."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from kernelstudy.cli import main
+from kernelstudy.tasks import write_listops
+from kernelstudy.train.commands import parse_key_values, parse_value
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def listops(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A few hundred short ListOps expressions in the LRA files."""
+    out = tmp_path_factory.mktemp("listops")
+    write_listops(out, n_train=240, n_val=48, n_test=48, min_length=10, max_length=40, seed=0)
+    return out
+
+
+TINY = ["--d-model", "16", "--heads", "2", "--layers", "1", "--batch-size", "16"]
+
+
+def listops_args(data: Path, out: Path, *extra: str, map_args: bool = True) -> list[str]:
+    """A tiny FAVOR+ run on ``data``; later flags in ``extra`` override earlier ones."""
+    maps = ["--map-arg", "num_features=8", "--map-arg", "seed=3"] if map_args else []
+    return [
+        "train",
+        "--task",
+        "listops",
+        "--data",
+        str(data),
+        "--attention",
+        "favor",
+        *maps,
+        "--max-length",
+        "40",
+        "--steps",
+        "8",
+        "--eval-every",
+        "3",
+        "--device",
+        "cpu",
+        "--out",
+        str(out),
+        *TINY,
+        *extra,
+    ]
+
+
+def test_help_in_process_and_as_a_module(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--task", "--data", "--attention", "--map-arg", "--out", "--config", "--resume"):
+        assert flag in text
+    proc = subprocess.run(
+        [sys.executable, "-m", "kernelstudy.cli", "train", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "--map-arg" in proc.stdout and "usage: kernelstudy train" in proc.stdout
+
+
+def test_tiny_listops_run_writes_checkpoint_metrics_and_summary(
+    listops: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "runs" / "favor"
+    assert main(listops_args(listops, out)) == 0
+    printed = capsys.readouterr().out
+    assert "completed after 8/8 steps" in printed and "test accuracy" in printed
+    names = {p.name for p in out.iterdir()}
+    assert names == {
+        "config.json",
+        "checkpoint.pt",
+        "metrics.csv",
+        "run.json",
+        "model.pt",
+        "summary.json",
+    }
+    metrics = pd.read_csv(out / "metrics.csv")
+    assert list(metrics["step"]) == [3, 6, 8]
+    assert metrics["val_accuracy"].between(0, 1).all()
+
+    summary = json.loads((out / "summary.json").read_text())
+    record = json.loads((out / "run.json").read_text())
+    assert summary["status"] == "completed" and summary["steps_completed"] == 8
+    assert summary["val_accuracy"] == pytest.approx(metrics["val_accuracy"].iloc[-1])
+    assert summary["test_accuracy"] == record["test"]["accuracy"]
+    assert 0 <= summary["test_accuracy"] <= 1
+    assert 0.1 <= summary["test_majority_accuracy"] <= 1
+    assert summary["parameters"]["model"] == record["parameters"]["total"] > 0
+    assert summary["parameters"]["feature_map"] == 0  # FAVOR+ features are buffers
+    assert summary["feature_dim"] == 8 and summary["peak_memory_bytes"] > 0
+    assert summary["wall_time_s"] > 0 and summary["device"] == "cpu"
+    assert summary["task_info"]["max_length"] == 40 and summary["task_info"]["size"] == 240
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["feature_map"] == {"num_features": 8, "seed": 3}
+    assert config["model"] == {"d_model": 16, "n_heads": 2, "n_layers": 1}
+    assert config["task_options"] == {"max_length": 40}
+    assert config["train"]["steps"] == 8 and config["data"] == str(listops.resolve())
+    state = torch.load(out / "model.pt", weights_only=True)
+    assert state["encoder.layers.0.attn.feature_map.weight"].shape[0] == 8
+
+
+def test_rerun_resumes_and_matches_an_uninterrupted_run(
+    listops: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    extra = ("--model-arg", "dropout=0.1")
+    assert main(listops_args(listops, straight, *extra)) == 0
+    assert main(listops_args(listops, resumed, *extra, "--stop-after", "4")) == 0
+    paused = json.loads((resumed / "summary.json").read_text())
+    assert paused["status"] == "paused" and paused["steps_completed"] == 4
+    assert paused["test_accuracy"] is None
+    capsys.readouterr()
+
+    assert main(listops_args(listops, resumed, *extra)) == 0
+    captured = capsys.readouterr()
+    assert "resuming" in captured.err and "completed after 8/8" in captured.out
+    a = pd.read_csv(straight / "metrics.csv").drop(columns="elapsed_s")
+    b = pd.read_csv(resumed / "metrics.csv").drop(columns="elapsed_s")
+    pd.testing.assert_frame_equal(a, b)
+    sa = json.loads((straight / "summary.json").read_text())
+    sb = json.loads((resumed / "summary.json").read_text())
+    assert sa["test_accuracy"] == sb["test_accuracy"] and sa["test_loss"] == sb["test_loss"]
+    wa, wb = (torch.load(d / "model.pt", weights_only=True) for d in (straight, resumed))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+    # a finished run re-run is a no-op that reports the same result
+    assert main(listops_args(listops, resumed, *extra)) == 0
+    assert json.loads((resumed / "summary.json").read_text())["test_loss"] == sa["test_loss"]
+    assert len(pd.read_csv(resumed / "metrics.csv")) == 3
+
+    # other settings in the same --out are refused, unless --overwrite
+    capsys.readouterr()
+    assert main(listops_args(listops, resumed, *extra, "--lr", "0.01")) == 1
+    assert "changed: train.lr" in capsys.readouterr().err
+    assert main(listops_args(listops, resumed, "--lr", "0.01", "--overwrite", "--steps", "3")) == 0
+    assert json.loads((resumed / "config.json").read_text())["train"]["lr"] == 0.01
+    assert list(pd.read_csv(resumed / "metrics.csv")["step"]) == [3]
+
+
+def test_config_file_with_flags_overriding_and_a_synthetic_task(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "copy.toml"
+    config.write_text(
+        """
+task = "copy"
+attention = "glu"
+out = "IGNORED"
+
+[task_options]
+seq_len = 12
+n_symbols = 4
+num_samples = 64
+
+[feature_map]
+seed = 1
+
+[model]
+d_model = 16
+n_heads = 2
+n_layers = 1
+dropout = 0.0
+
+[train]
+steps = 50
+batch_size = 16
+eval_every = 0
+device = "cpu"
+"""
+    )
+    out = tmp_path / "copy"
+    args = ["train", "--config", str(config), "--out", str(out), "--steps", "4"]
+    assert main([*args, "--task-arg", "n_symbols=5"]) == 0
+    settings = json.loads((out / "config.json").read_text())
+    assert settings["task"] == "copy" and settings["data"] is None
+    assert settings["task_options"] == {"seq_len": 12, "n_symbols": 5, "num_samples": 64}
+    assert settings["train"]["steps"] == 4 and settings["train"]["batch_size"] == 16
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["task_info"]["vocab_size"] == 7 and summary["task_info"]["num_classes"] is None
+    assert summary["test_majority_accuracy"] is None
+    assert 0 <= summary["test_sequence_accuracy"] <= summary["test_accuracy"] <= 1
+    # GLU maps are trainable: one per layer, counted apart from the model
+    assert 0 < summary["parameters"]["feature_map"] < summary["parameters"]["model"]
+    assert summary["feature_dim"] == 8  # head_dim
+    assert list(pd.read_csv(out / "metrics.csv")["step"]) == [4]
+
+
+def test_value_parsing() -> None:
+    assert parse_value("256") == 256 and isinstance(parse_value("256"), int)
+    assert parse_value("0.5") == 0.5 and parse_value("1e-3") == 1e-3
+    assert parse_value("true") is True and parse_value("False") is False
+    assert parse_value("none") is None and parse_value("chi") == "chi"
+    assert parse_key_values(["a=1", "b=x=y"], "--map-arg") == {"a": 1, "b": "x=y"}
+    for bad in ("num_features", "=3", "num_features=", "1x=2", "a b=1"):
+        with pytest.raises(ValueError, match="KEY=VALUE"):
+            parse_key_values([bad], "--map-arg")
+    with pytest.raises(ValueError, match="twice"):
+        parse_key_values(["a=1", "a=2"], "--map-arg")
+
+
+#: (flags appended to a good command, expected message, keep the good --map-args)
+BAD = [
+    (["--task", "listop"], "unknown task 'listop'; did you mean 'listops'", True),
+    (["--attention", "favr"], "unknown feature map 'favr'; did you mean 'favor'", False),
+    (["--d-model", "30", "--heads", "4"], "d_model (30) must be divisible by n_heads (4)", True),
+    (["--data", "{tmp}/missing"], "data directory not found", True),
+    (["--map-arg", "num_features"], "--map-arg expects KEY=VALUE", False),
+    (["--map-arg", "num_feature=8"], "unknown hyperparameter(s) ['num_feature']", False),
+    (["--map-arg", "num_features=many"], "num_features must be int", False),
+    (["--attention", "softmax"], "with --attention softmax", True),
+    (["--model-arg", "pooling=max"], "pooling must be one of", True),
+    (["--model-arg", "poolin=cls"], "unknown model option(s) ['poolin']", True),
+    (["--task-arg", "max_len=3"], "unknown option(s) max_len for task 'listops'", True),
+    (["--steps", "0"], "steps must be an int >= 1", True),
+    (["--resume"], "--resume: no checkpoint", True),
+    (["--config", "{tmp}/none.toml"], "config file not found", True),
+]
+
+
+@pytest.mark.parametrize(("flags", "message", "map_args"), BAD)
+def test_bad_configurations_exit_1_before_training(
+    listops: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    flags: list[str],
+    message: str,
+    map_args: bool,
+) -> None:
+    out = tmp_path / "run"
+    flags = [f.replace("{tmp}", str(tmp_path)) for f in flags]
+    assert main(listops_args(listops, out, *flags, map_args=map_args)) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kernelstudy train: error:") and message in err, err
+    assert not out.exists()  # nothing written, no checkpoint
+
+
+def test_task_specific_failures(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "run"
+    cases = [
+        (["--task", "listops"], "task 'listops' reads files: give --data DIR"),
+        (["--task", "copy", "--data", str(tmp_path)], "synthetic and takes no --data"),
+        (["--task", "image", "--data", str(tmp_path), "--max-length", "9"], "fixed sequence"),
+        (["--task", "listops", "--data", str(tmp_path)], "basic_train.tsv"),  # no files
+        (["--task", "copy", "--device", "nonsense"], "not a valid torch device"),
+        (["--task", "copy"], "no output directory"),
+    ]
+    if not torch.cuda.is_available():
+        cases.append((["--task", "copy", "--device", "cuda"], "CUDA is not available"))
+    bad_toml = tmp_path / "bad.toml"
+    bad_toml.write_text("task = copy\n")
+    cases.append((["--config", str(bad_toml)], "not a valid TOML"))
+    other = tmp_path / "other.toml"
+    other.write_text('task = "copy"\nsteps = 3\n')
+    cases.append((["--config", str(other)], "unknown key(s) ['steps']"))
+    for args in cases:
+        out_args = [] if "no output directory" in args[1] else ["--out", str(out)]
+        assert main(["train", *args[0], *out_args]) == 1, args
+        err = capsys.readouterr().err
+        assert args[1] in err, (args, err)
+        assert not out.exists()
