@@ -117,3 +117,19 @@ def test_step_refuses_sequence_stabilized_keys_and_works_without():
     for t in range(7):
         y_t, state = layer.step(x[:, t], state)
         assert rel_err(y_t, full[:, t]) <= 1e-10
+
+
+def test_layer_decides_the_head_count_of_a_config():
+    """A config recorded from a 1-head map gets per-head weights for every head of the layer."""
+    config = ks.create_feature_map("hedgehog", head_dim=8).config()
+    assert config["num_heads"] == 1
+    layer = ks.nn.KernelAttention(d_model=32, n_heads=4, feature_map=config)
+    assert layer.feature_map.num_heads == 4
+    per_head = sum(p.numel() for p in ks.create_feature_map(config).parameters())
+    assert sum(p.numel() for p in layer.feature_map.parameters()) == 4 * per_head
+
+
+def test_feature_map_instance_with_other_head_count_is_rejected():
+    fm = ks.create_feature_map("hedgehog", head_dim=8, num_heads=2)
+    with pytest.raises(ValueError, match="num_heads=2"):
+        ks.nn.KernelAttention(d_model=32, n_heads=4, feature_map=fm)

@@ -172,10 +172,15 @@ def benchmark_generation(
     )
 
 
-def speedups(frame: pd.DataFrame, numerator: str, denominator: str) -> pd.DataFrame:
-    """Per length: ``tokens_per_s`` of run ``numerator`` divided by that of ``denominator``."""
+def speedups(
+    frame: pd.DataFrame, numerator: str, denominator: str, by: str = "label"
+) -> pd.DataFrame:
+    """Per length: ``tokens_per_s`` of run ``numerator`` divided by that of ``denominator``;
+    ``by`` is the column naming the runs (``"run"`` in the generation study's results)."""
+    if by not in frame:
+        raise ValueError(f"frame has no column {by!r} naming the runs (has {list(frame.columns)})")
     tps = frame[frame["metric"] == "tokens_per_s"].pivot_table(
-        index="length", columns="label", values="value", aggfunc="mean"
+        index="length", columns=by, values="value", aggfunc="mean"
     )
     for label in (numerator, denominator):
         if label not in tps:

@@ -18,7 +18,11 @@ def resolve_feature_map(
     num_heads: int = 1,
     **kwargs: Any,
 ) -> FeatureMap:
-    """A FeatureMap from a map, a registered name or a config dict, for ``head_dim``."""
+    """A FeatureMap from a map, a registered name or a config dict, for ``head_dim``.
+
+    A config's ``num_heads`` is replaced by ``num_heads`` (the layer decides how many
+    heads there are; a map with per-head weights gets one set per head of the layer).
+    A FeatureMap instance must have been built for 1 or ``num_heads`` heads."""
     if isinstance(feature_map, FeatureMap):
         if kwargs:
             raise ValueError("feature_map kwargs given alongside a FeatureMap instance")
@@ -27,11 +31,16 @@ def resolve_feature_map(
                 f"feature_map has head_dim={feature_map.head_dim}, but the queries have "
                 f"head dimension {head_dim}"
             )
+        if feature_map.num_heads not in (1, num_heads):
+            raise ValueError(
+                f"feature_map was built for num_heads={feature_map.num_heads}, but the "
+                f"attention has {num_heads} heads"
+            )
         return feature_map
     if isinstance(feature_map, Mapping):
         config = {**feature_map, **kwargs}
         config.setdefault("head_dim", head_dim)
-        config.setdefault("num_heads", num_heads)
+        config["num_heads"] = num_heads
         if config["head_dim"] != head_dim:
             raise ValueError(
                 f"feature_map config has head_dim={config['head_dim']}, expected {head_dim}"

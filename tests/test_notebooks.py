@@ -1,0 +1,122 @@
+"""The notebooks under ``notebooks/``: each one runs top to bottom without an error (nbclient),
+and each is stored without outputs.
+
+The notebooks read study results from ``$KERNELSTUDY_RESULTS`` and run the quick study
+themselves when a results table is missing. Here that directory is one temporary directory for
+the whole session, seeded with the committed full-size results under ``studies/results/``
+except those of ``approximation`` (so that notebook exercises the run-the-quick-study path,
+and every quick study runs at most once however many notebooks read it).
+"""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+from ipykernel.kernelspec import write_kernel_spec
+from nbclient import NotebookClient
+
+REPO = Path(__file__).resolve().parents[1]
+NOTEBOOK_DIR = REPO / "notebooks"
+NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
+EXPECTED = {"feature_maps", "approximation", "rank", "speed", "lra_results"}
+COMMITTED_RESULTS = REPO / "studies" / "results"
+RUN_FRESH = {"approximation"}  # results left out, so its notebook runs the quick study
+KERNEL_NAME = "kernelstudy-tests"  # a kernel on this interpreter, whatever else is installed
+CELL_TIMEOUT_S = 600
+
+
+@pytest.fixture(scope="session")
+def kernel_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Jupyter data directory holding a kernel spec that runs ``sys.executable``."""
+    root = tmp_path_factory.mktemp("jupyter")
+    write_kernel_spec(
+        root / "kernels" / KERNEL_NAME,
+        overrides={"display_name": f"kernelstudy tests ({sys.executable})"},
+    )
+    return root
+
+
+@pytest.fixture(scope="session")
+def results_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``$KERNELSTUDY_RESULTS`` of every notebook in the session (quick studies run once)."""
+    root = tmp_path_factory.mktemp("results")
+    if COMMITTED_RESULTS.is_dir():
+        for study in COMMITTED_RESULTS.iterdir():
+            if study.is_dir() and study.name not in RUN_FRESH:
+                shutil.copytree(study, root / study.name)
+    return root
+
+
+def _ids(path: Path) -> str:
+    return path.stem
+
+
+def test_the_notebooks_are_there() -> None:
+    assert EXPECTED <= {p.stem for p in NOTEBOOKS}, f"notebooks found: {NOTEBOOKS}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids)
+def test_stored_without_outputs(path: Path) -> None:
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert code, f"{path.name} has no code cells"
+    for i, cell in enumerate(code):
+        assert cell.get("outputs") == [], f"{path.name}: code cell {i} is stored with outputs"
+        assert cell.get("execution_count") is None, (
+            f"{path.name}: code cell {i} is stored with execution count "
+            f"{cell.get('execution_count')}"
+        )
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids)
+def test_imports_only_public_names(path: Path) -> None:
+    """No notebook reaches into a private module or name of kernelstudy."""
+    nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        source = "\n".join(
+            line for line in cell.source.splitlines() if not line.lstrip().startswith(("%", "!"))
+        )
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [f"{node.module}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for name in names:
+                if name.split(".")[0] == "kernelstudy":
+                    private = [part for part in name.split(".") if part.startswith("_")]
+                    assert not private, f"{path.name} imports a private name: {name}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids)
+def test_notebook_runs(
+    path: Path,
+    kernel_path: Path,
+    results_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Execute every cell in a fresh kernel, in an empty working directory; any error fails."""
+    monkeypatch.setenv("JUPYTER_PATH", str(kernel_path))
+    monkeypatch.setenv("KERNELSTUDY_RESULTS", str(results_dir))
+    monkeypatch.setenv("KERNELSTUDY_STUDIES_DIR", str(REPO / "studies"))
+    nb = nbformat.read(path, as_version=4)
+    client = NotebookClient(
+        nb,
+        timeout=CELL_TIMEOUT_S,
+        kernel_name=KERNEL_NAME,
+        resources={"metadata": {"path": str(tmp_path)}},
+    )
+    client.execute()  # raises CellExecutionError (with the traceback) on an error
+    skipped = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and not c.execution_count]
+    assert not skipped, f"{path.name}: cells {skipped} did not run"
