@@ -43,6 +43,7 @@ COLUMNS = [
 
 
 def evaluation_path(config: SearchConfig, out: str | Path = DEFAULT_OUT) -> Path:
+    """``OUT/NAME/evaluation.csv``: the per-seed test accuracies of ``kernelstudy evaluate``."""
     return Path(out) / config.name / EVALUATION
 
 

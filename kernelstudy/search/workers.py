@@ -57,6 +57,7 @@ def open_study(
 
 
 def finished_trials(study: optuna.Study) -> int:
+    """How many trials of ``study`` are complete or pruned."""
     return len(study.get_trials(deepcopy=False, states=FINISHED))
 
 
