@@ -37,6 +37,7 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 ENV_STUDIES_DIR = "KERNELSTUDY_STUDIES_DIR"
+ENV_RESULTS_DIR = "KERNELSTUDY_RESULTS"
 RESULTS_FILE = "results.csv"
 SUMMARY_FILE = "summary.md"
 DEVICES = ("cpu", "cuda")
@@ -264,6 +265,28 @@ def _cpu_model() -> str | None:
     except OSError:
         return None
     return None
+
+
+def results_dir() -> Path:
+    """Where notebooks look for study results: ``$KERNELSTUDY_RESULTS`` (relative paths from the
+    repository root, e.g. ``studies/results`` for the committed full-size runs), else
+    ``results/`` under the repository root (where ``kernelstudy study NAME`` writes from it)."""
+    return studies_dir().parent / (os.environ.get(ENV_RESULTS_DIR) or "results")
+
+
+def load_results(
+    name: str, root: str | os.PathLike | None = None, quick: bool = True
+) -> pd.DataFrame:
+    """The rows of study ``name`` from ``ROOT/NAME/results.csv`` (``root`` defaults to
+    :func:`results_dir`); when that file is missing, runs the study first (``quick`` sizes by
+    default) and writes its outputs there."""
+    _check_name(name)
+    path = Path(root if root is not None else results_dir()) / name / RESULTS_FILE
+    if not path.is_file():
+        size = "quick" if quick else "full"
+        print(f"no {path}: running the {size} '{name}' study", file=sys.stderr)
+        run_study(name, quick=quick, out=path.parent, verbose=False)
+    return _read_results(path)
 
 
 def _save_figures(figures: dict[str, Any], out_dir: Path) -> list[Path]:

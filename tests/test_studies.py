@@ -157,3 +157,22 @@ def test_rank_study_gaussian_and_copy_configs_run():
     assert rows[rows.metric == "val_accuracy"].value.between(0, 1).all()
     captured = rows[rows.metric == "numerical_rank"]
     assert (captured.value <= copy["feature_dim"]).all()
+
+
+def test_load_results_reads_or_runs_the_study(toy_studies, monkeypatch):
+    """``load_results``: runs the quick study into ``$KERNELSTUDY_RESULTS/NAME`` when missing,
+    then reads what is there without running again; a relative setting is from the repo root."""
+    monkeypatch.setenv(study.ENV_RESULTS_DIR, "res")
+    assert study.results_dir() == toy_studies / "res"
+    frame = study.load_results("toy")
+    assert sorted(frame.value) == [1.0, 4.0]  # quick sizes
+    summary = toy_studies / "res" / "toy" / "summary.md"
+    assert summary.is_file() and "--quick" in summary.read_text()
+    path = toy_studies / "res" / "toy" / "results.csv"
+    marked = frame.assign(value=-1.0)
+    marked.to_csv(path, index=False)
+    assert (study.load_results("toy").value == -1.0).all()  # read, not recomputed
+    full = study.load_results("toy", root=toy_studies / "other", quick=False)
+    assert sorted(full.value) == [1.0, 4.0, 9.0, 16.0]
+    with pytest.raises(ValueError, match="unknown study"):
+        study.load_results("nope")
