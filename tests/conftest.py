@@ -11,6 +11,17 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
+@pytest.fixture
+def one_thread():
+    """Torch on one thread for the test (tiny tensors: threads only contend on a shared CPU).
+
+    Use with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
     """max |a-b| / max(max |b|, floor).
 

@@ -12,14 +12,7 @@ from kernelstudy.feature_maps import FeatureMap, register_feature_map
 from kernelstudy.feature_maps import registry as registry_module
 from kernelstudy.feature_maps.elementary import EluFeatureMap
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small QRs and products: one thread avoids OpenMP contention on a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def gram(fm: FeatureMap, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

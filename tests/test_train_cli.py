@@ -15,13 +15,7 @@ from kernelstudy.cli import main
 from kernelstudy.tasks import write_listops
 from kernelstudy.train.commands import parse_key_values, parse_value
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

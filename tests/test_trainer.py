@@ -25,13 +25,7 @@ from kernelstudy.train import (
 
 from .test_models import SMALL, TEST_MAP
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class ContainsTask(Dataset):
