@@ -44,7 +44,7 @@ def _positive(text: str) -> int:
 
 def _cmd_search(args: argparse.Namespace) -> int:
     from .runner import run_search
-    from .storage import _redact
+    from .storage import redact
 
     summary = run_search(
         args.config,
@@ -58,7 +58,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
     )
     _print(summary)
     if args.storage:
-        print(f"studies in {_redact(args.storage)}")
+        print(f"studies in {redact(args.storage)}")
     return 0
 
 

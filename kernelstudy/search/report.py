@@ -30,7 +30,7 @@ from ..train import atomic_write, atomic_write_text
 from .config import load_config
 from .evaluate import EVALUATION, read_evaluation, summarize_evaluation
 from .runner import DEFAULT_OUT, storage_url, study_row
-from .storage import _redact, open_storage
+from .storage import open_storage, redact
 
 #: Yorsh & Kovalenko's published test accuracies (%); their Matching is LRA Retrieval.
 PAPER: dict[str, dict[str, float]] = {
@@ -96,7 +96,7 @@ def load_results(
     missing = [n for n in labels if n not in names]
     if not labels or len(missing) == len(labels):
         raise ValueError(
-            f"no studies of {name!r} in {_redact(url)} (has: {', '.join(names) or 'none'}); "
+            f"no studies of {name!r} in {redact(url)} (has: {', '.join(names) or 'none'}); "
             "run `kernelstudy search` first"
         )
     studies = {

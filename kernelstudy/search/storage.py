@@ -58,13 +58,13 @@ def open_storage(
                 ),
             )
     except ImportError as err:
-        raise ValueError(f"storage {_redact(url)}: database driver missing ({err})") from err
+        raise ValueError(f"storage {redact(url)}: database driver missing ({err})") from err
     except Exception as err:  # sqlalchemy's OperationalError, ArgumentError, ...
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(f"storage {_redact(url)} cannot be opened: {first}") from err
+        raise ValueError(f"storage {redact(url)} cannot be opened: {first}") from err
 
 
-def _redact(url: str) -> str:
+def redact(url: str) -> str:
     """The URL without its password, for messages."""
     scheme, _, rest = url.partition("://")
     if "@" in rest:
@@ -79,5 +79,5 @@ def load_study(url: str, name: str) -> optuna.Study:
     storage = open_storage(url)
     names = [s.study_name for s in optuna.get_all_study_summaries(storage)]
     if name not in names:
-        raise ValueError(f"no study {name!r} in {_redact(url)}; it holds: {', '.join(names)}")
+        raise ValueError(f"no study {name!r} in {redact(url)}; it holds: {', '.join(names)}")
     return optuna.load_study(study_name=name, storage=storage)
