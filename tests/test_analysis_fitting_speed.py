@@ -104,14 +104,26 @@ def test_peak_memory_counts_temporaries():
     assert ks.analysis.peak_memory_bytes(work) >= 8 * 2**20 - 1024
 
 
-def tiny_lm(attention: str) -> torch.nn.Module:
-    return ks.nn.CausalLM(11, d_model=16, n_heads=2, n_layers=2, dropout=0.0, attention=attention)
+def tiny_lm(attention: str, feature_map: str = "elu") -> torch.nn.Module:
+    return ks.nn.CausalLM(
+        11,
+        d_model=16,
+        n_heads=2,
+        n_layers=2,
+        dropout=0.0,
+        attention=attention,
+        feature_map=feature_map if attention == "kernel" else None,
+    )
 
 
-@pytest.mark.parametrize("attention", ["kernel", "softmax"])
-def test_recurrent_generation_matches_batch_greedy_decoding(attention):
+@pytest.mark.parametrize(
+    ("attention", "feature_map"),
+    [("kernel", "elu"), ("kernel", "favor"), ("kernel", "hedgehog"), ("softmax", None)],
+)
+def test_recurrent_generation_matches_batch_greedy_decoding(attention, feature_map):
+    """FAVOR+ and Hedgehog keep their key stabilizer (a running maximum in RNN mode)."""
     torch.manual_seed(0)
-    model = tiny_lm(attention).eval()
+    model = tiny_lm(attention, feature_map).eval()
     prompt = torch.randint(11, (3, 4))
     stepped, state = ks.analysis.generate(model, prompt, 20, mode="step")
     full, none = ks.analysis.generate(model, prompt, 20, mode="full")

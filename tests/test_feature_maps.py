@@ -183,6 +183,23 @@ def test_with_linear_attention_no_nan(name, causal):
         assert torch.isfinite(out).all()
 
 
+def test_a_map_with_a_sequence_stabilizer_must_implement_key_features():
+    class SequenceScaled(ks.FeatureMap):
+        @property
+        def feature_dim(self) -> int:
+            return self.head_dim
+
+        @property
+        def keys_need_sequence(self) -> bool:
+            return True
+
+        def features(self, x, is_query):
+            return (x - x.amax((-2, -1), keepdim=True)).exp()
+
+    with pytest.raises(NotImplementedError, match="key_features"):
+        SequenceScaled(head_dim=4).key_features(torch.randn(1, 1, 3, 4))
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_keys_one_step_at_a_time_unless_the_map_says_otherwise(name):
     fm = make(name)
@@ -195,6 +212,15 @@ def test_keys_one_step_at_a_time_unless_the_map_says_otherwise(name):
         assert not off.keys_need_sequence
         stepwise = torch.cat([off(k[:, :, t : t + 1], is_query=False) for t in range(5)], dim=2)
         torch.testing.assert_close(stepwise, off(k, is_query=False))
+        # key_features: each key on its own scale; φ̂·exp(log_scale) is the unstabilized φ.
+        off.load_state_dict(fm.state_dict())
+        phi_hat, log_scale = fm.key_features(k)
+        assert log_scale.shape == k.shape[:-1] and torch.isfinite(phi_hat).all()
+        torch.testing.assert_close(phi_hat * log_scale.exp()[..., None], off(k, is_query=False))
+    else:
+        phi, log_scale = fm.key_features(k)
+        torch.testing.assert_close(phi, fm(k, is_query=False))
+        assert not log_scale.any()
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -103,20 +103,51 @@ def test_step_needs_causal_and_right_shape():
         layer(torch.randn(2, 5, 15))
 
 
-def test_step_refuses_sequence_stabilized_keys_and_works_without():
-    kw = {"num_features": 32, "seed": 0}
-    layer = ks.nn.KernelAttention(16, 2, feature_map="favor", feature_map_kwargs=kw, causal=True)
-    with pytest.raises(ValueError, match="stabilize=False"):
-        layer.step(torch.randn(1, 16))
-    kw["stabilize"] = False
+STABILIZED = [
+    ("favor", {"num_features": 32, "seed": 0}),
+    ("favor", {"num_features": 32, "seed": 0, "hyperbolic": True}),
+    ("hedgehog", {}),
+    ("trig_rf", {"num_features": 32, "seed": 0}),
+]
+
+
+@pytest.mark.parametrize("stabilize", [True, False])
+@pytest.mark.parametrize(("name", "kw"), STABILIZED)
+def test_step_equals_forward_with_and_without_key_stabilizer(name, kw, stabilize):
+    """RNN mode keeps a running maximum where the batch forward uses the sequence's."""
     layer = ks.nn.KernelAttention(
-        16, 2, feature_map="favor", feature_map_kwargs=kw, causal=True
+        16,
+        2,
+        feature_map=name,
+        feature_map_kwargs={**kw, "stabilize": stabilize},
+        causal=True,
+        eps=1e-12,
     ).double()
-    x = torch.randn(2, 7, 16, dtype=torch.float64)
+    x = torch.randn(2, 9, 16, dtype=torch.float64)
     full, state = layer(x), None
-    for t in range(7):
+    for t in range(9):
         y_t, state = layer.step(x[:, t], state)
-        assert rel_err(y_t, full[:, t]) <= 1e-10
+        assert rel_err(y_t, full[:, t]) <= 1e-9
+    assert (state.log_scale is not None) == stabilize
+
+
+def test_step_with_large_keys_stays_finite_and_matches_forward_on_the_prefix():
+    """Key exponents far beyond float32's range: the running maximum keeps every step finite.
+
+    The reference at step t is the batch forward of x[:t+1], whose key stabilizer is the
+    prefix's maximum, i.e. the running maximum (the whole sequence's maximum would let
+    later keys underflow earlier ones to 0 in float32).
+    """
+    torch.manual_seed(0)
+    layer = ks.nn.KernelAttention(16, 2, feature_map="hedgehog", causal=True)
+    x = 60 * torch.randn(1, 12, 16)
+    state = None
+    with torch.no_grad():
+        for t in range(12):
+            y_t, state = layer.step(x[:, t], state)
+            assert torch.isfinite(y_t).all()
+            assert rel_err(y_t, layer(x[:, : t + 1])[:, t]) <= 1e-4
+    assert state.log_scale.max() > 100  # exp(100) overflows float32: the scale is needed
 
 
 def test_layer_decides_the_head_count_of_a_config():

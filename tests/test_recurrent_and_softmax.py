@@ -26,6 +26,35 @@ def test_recurrent_steps_equal_causal_output(dtype, b, h, n, f, m):
     assert state.S.shape == (b, h, f, m) and state.Z.shape == (b, h, f)
 
 
+def test_scaled_state_equals_plain_state_on_rescaled_keys():
+    """Keys φ̂·exp(s) with s up to ±300 (beyond float32): a float32 scaled state given (φ̂, s)
+    equals the float64 batch output on the keys themselves."""
+    b, h, n, f, m = 2, 3, 17, 8, 5
+    q, k_hat = torch.rand(2, b, h, n, f, dtype=torch.float64).unbind(0)
+    v = torch.randn(b, h, n, m, dtype=torch.float64)
+    shift = 300 * torch.randn(b, h, n, dtype=torch.float64).clamp(-1, 1)
+    k = k_hat * shift.exp()[..., None]
+    batch = ks.linear_attention(q, k, v, causal=True, eps=1e-300)
+    state = ks.RecurrentState.zeros(b, h, f, m, scaled=True, eps=1e-30)
+    for t in range(n):
+        step = (q[:, :, t].float(), k_hat[:, :, t].float(), v[:, :, t].float(), shift[:, :, t])
+        out_t, state = state.step(*step)
+        assert torch.isfinite(out_t).all()
+        assert rel_err(out_t, batch[:, :, t]) <= 1e-5
+    torch.testing.assert_close(state.log_scale, shift.amax(-1).float())
+
+
+def test_scaled_and_plain_states_refuse_the_other_kind_of_step():
+    q, v = torch.rand(1, 2, 4), torch.rand(1, 2, 3)
+    with pytest.raises(ValueError, match="k_log_scale"):
+        ks.RecurrentState.zeros(1, 2, 4, 3).step(q, q, v, torch.zeros(1, 2))
+    scaled = ks.RecurrentState.zeros(1, 2, 4, 3, scaled=True)
+    with pytest.raises(ValueError, match="k_log_scale"):
+        scaled.step(q, q, v)
+    with pytest.raises(ValueError, match=r"k_log_scale must have shape \(1, 2\)"):
+        scaled.step(q, q, v, torch.zeros(2, 1))
+
+
 def test_recurrent_state_is_constant_size_and_immutable():
     state = ks.RecurrentState.zeros(1, 1, 4, 3)
     q = torch.rand(1, 1, 4)

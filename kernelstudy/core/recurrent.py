@@ -3,6 +3,12 @@
 State per head: ``S = Σ_j φk_j v_jᵀ`` of shape ``(F, M)`` and ``Z = Σ_j φk_j`` of
 shape ``(F,)``, kept in float32 (float64 for float64 inputs). Stepping through a
 sequence reproduces ``linear_attention(..., causal=True)``.
+
+A *scaled* state (``zeros(..., scaled=True)``) also keeps ``log_scale``, the
+running maximum of the keys' log scales: it holds ``S·exp(−log_scale)`` and
+``Z·exp(−log_scale)``, so keys whose features are exp of large exponents (FAVOR+,
+Hedgehog) neither overflow nor need the whole sequence for a stabilizer. The
+factor cancels in the normalized output.
 """
 
 from __future__ import annotations
@@ -16,11 +22,16 @@ from .validation import accumulation_dtype, check_eps, check_tensor
 
 @dataclass(frozen=True)
 class RecurrentState:
-    """Running sums ``S: (B,H,F,M)`` and ``Z: (B,H,F)``; immutable, ``step`` returns a new one."""
+    """Running sums ``S: (B,H,F,M)`` and ``Z: (B,H,F)``; immutable, ``step`` returns a new one.
+
+    ``log_scale: (B,H)`` is None for a plain state; for a scaled one it is the
+    log of the factor the sums are divided by (−inf before the first key).
+    """
 
     S: torch.Tensor
     Z: torch.Tensor
     eps: float = 1e-6
+    log_scale: torch.Tensor | None = None
 
     @classmethod
     def zeros(
@@ -32,8 +43,13 @@ class RecurrentState:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         eps: float = 1e-6,
+        scaled: bool = False,
     ) -> RecurrentState:
-        """An empty state; ``dtype`` is the accumulation dtype (float32 or float64)."""
+        """An empty state; ``dtype`` is the accumulation dtype (float32 or float64).
+
+        ``scaled=True``: ``step`` takes each key's log scale (see
+        :meth:`kernelstudy.feature_maps.FeatureMap.key_features`).
+        """
         for name, n in (
             ("batch", batch),
             ("heads", heads),
@@ -46,15 +62,23 @@ class RecurrentState:
             raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
         s = torch.zeros(batch, heads, feature_dim, value_dim, dtype=dtype, device=device)
         z = torch.zeros(batch, heads, feature_dim, dtype=dtype, device=device)
-        return cls(s, z, check_eps(eps))
+        log_scale = None
+        if scaled:
+            log_scale = torch.full((batch, heads), -torch.inf, dtype=dtype, device=device)
+        return cls(s, z, check_eps(eps), log_scale)
 
     def step(
-        self, phi_q_t: torch.Tensor, phi_k_t: torch.Tensor, v_t: torch.Tensor
+        self,
+        phi_q_t: torch.Tensor,
+        phi_k_t: torch.Tensor,
+        v_t: torch.Tensor,
+        k_log_scale: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, RecurrentState]:
         """Add key/value at time t, then read with the query at t.
 
         ``phi_q_t, phi_k_t: (B,H,F)``, ``v_t: (B,H,M)`` → output ``(B,H,M)`` in the
-        input dtype, and the new state.
+        input dtype, and the new state. A scaled state needs ``k_log_scale: (B,H)``
+        (the key's feature is ``phi_k_t·exp(k_log_scale)``); a plain one refuses it.
         """
         check_tensor(phi_q_t, "phi_q_t", 3)
         check_tensor(phi_k_t, "phi_k_t", 3)
@@ -71,9 +95,26 @@ class RecurrentState:
         if accumulation_dtype(phi_q_t.dtype) == torch.float64 and acc != torch.float64:
             acc = torch.float64
         q, k, v = phi_q_t.to(acc), phi_k_t.to(acc), v_t.to(acc)
-        s = self.S.to(acc) + k.unsqueeze(-1) * v.unsqueeze(-2)
-        z = self.Z.to(acc) + k
+        s, z, log_scale = self.S.to(acc), self.Z.to(acc), None
+        if (self.log_scale is None) != (k_log_scale is None):
+            raise ValueError(
+                "k_log_scale must be given exactly when the state is scaled "
+                f"(this state is {'' if self.log_scale is not None else 'not '}scaled)"
+            )
+        if k_log_scale is not None:
+            check_tensor(k_log_scale, "k_log_scale", 2)
+            if tuple(k_log_scale.shape) != (b, h):
+                raise ValueError(
+                    f"k_log_scale must have shape {(b, h)}, got {tuple(k_log_scale.shape)}"
+                )
+            old, new = self.log_scale.to(acc), k_log_scale.to(acc)
+            log_scale = torch.maximum(old, new)
+            s = s * torch.exp(old - log_scale)[..., None, None]  # exp(-inf) = 0 at the start
+            z = z * torch.exp(old - log_scale)[..., None]
+            k = k * torch.exp(new - log_scale)[..., None]
+        s = s + k.unsqueeze(-1) * v.unsqueeze(-2)
+        z = z + k
         num = (q.unsqueeze(-2) @ s).squeeze(-2)
         den = (q * z).sum(-1, keepdim=True)
         out = num / (den + self.eps)
-        return out.to(phi_q_t.dtype), RecurrentState(s, z, self.eps)
+        return out.to(phi_q_t.dtype), RecurrentState(s, z, self.eps, log_scale)

@@ -127,15 +127,14 @@ class FeatureMap(nn.Module):
     @property
     def keys_need_sequence(self) -> bool:
         """True when φ(k_j) depends on the other keys of its sequence (a per-sequence
-        stabilizer): keys must then be mapped whole, not one recurrent step at a time."""
+        stabilizer): keys one step at a time then go through :meth:`key_features`."""
         return False
 
     def features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
         """φ(x) for a validated ``x: (B,H,N,D)``."""
         raise NotImplementedError
 
-    def forward(self, x: torch.Tensor, is_query: bool = True) -> torch.Tensor:
-        """φ(x): ``(B,H,N,D) → (B,H,N,F)``. ``is_query`` picks query/key behaviour."""
+    def _check_input(self, x: object) -> None:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if not x.is_floating_point():
@@ -144,7 +143,28 @@ class FeatureMap(nn.Module):
             raise ValueError(
                 f"x must have last dimension head_dim={self.head_dim}, got shape {tuple(x.shape)}"
             )
+
+    def forward(self, x: torch.Tensor, is_query: bool = True) -> torch.Tensor:
+        """φ(x): ``(B,H,N,D) → (B,H,N,F)``. ``is_query`` picks query/key behaviour."""
+        self._check_input(x)
         return self.features(x, bool(is_query))
+
+    def key_features(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys mapped one at a time (RNN mode): ``(φ̂: (B,H,N,F), log_scale: (B,H,N))``.
+
+        φ̂_j·exp(log_scale_j) is the key's feature before any per-sequence
+        stabilizer, so a :class:`~kernelstudy.core.RecurrentState` created with
+        ``scaled=True`` can keep its sums at a running maximum scale and give the
+        batch output. Maps without such a stabilizer return ``(φ(k), 0)``; maps
+        with one must override this.
+        """
+        if self.keys_need_sequence:
+            raise NotImplementedError(
+                f"feature map {type(self).__name__} stabilizes keys per sequence, so it must "
+                "implement key_features() to be stepped one key at a time"
+            )
+        phi = self(k, is_query=False)
+        return phi, torch.zeros(phi.shape[:-1], dtype=torch.float32, device=phi.device)
 
     def config(self) -> dict[str, Any]:
         """A JSON-serializable dict that ``create_feature_map`` turns back into this map.

@@ -9,7 +9,7 @@ import torch
 from .base import Hyperparameter, RandomFeatureMap
 from .orthogonal import ROW_NORMS, gaussian_projection
 from .registry import register_feature_map
-from .softmax_kernel import compute_dtype, softmax_kernel, stabilizer
+from .softmax_kernel import ExpFeatures, compute_dtype, softmax_kernel
 
 #: Hyperparameters shared by the random-feature maps of the softmax kernel.
 PROJECTION_HPARAMS: dict[str, Hyperparameter] = {
@@ -36,7 +36,7 @@ PROJECTION_HPARAMS: dict[str, Hyperparameter] = {
 }
 
 
-class SoftmaxRandomFeatures(RandomFeatureMap):
+class SoftmaxRandomFeatures(ExpFeatures, RandomFeatureMap):
     """Base of random-feature maps of exp(q·k/√D) with a projection ``W: (R, D)`` buffer.
 
     Inputs are scaled as x̂ = x / D^{1/4}, so that exp(q̂·k̂) = exp(q·k/√D).
@@ -58,10 +58,6 @@ class SoftmaxRandomFeatures(RandomFeatureMap):
         )
         with torch.no_grad():
             self.weight.copy_(w)
-
-    @property
-    def keys_need_sequence(self) -> bool:
-        return self.hparams["stabilize"]
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(Wx̂: (..., N, R), ‖x̂‖²/2: (..., N, 1))`` in at least float32."""
@@ -89,7 +85,7 @@ class FavorFeatureMap(SoftmaxRandomFeatures):
     ``stabilize`` subtracts the max exponent per query row (queries) or per
     sequence (keys, over N and features); normalized attention is unchanged but
     φ(q)·φ(k) is then the kernel times a per-row/per-sequence factor. Turn it off
-    for kernel-level analysis, or to map keys one recurrent step at a time; unstabilized
+    for kernel-level analysis (RNN-mode steps handle it: ``key_features``); unstabilized
     φ ≤ exp(max_r ‖w_r‖²/2)/√R anyway, as w·x̂ − ‖x̂‖²/2 ≤ ‖w‖²/2. In causal attention
     the key max covers the whole sequence: it is detached and cancels exactly, only
     underflow can depend on later keys.
@@ -110,12 +106,9 @@ class FavorFeatureMap(SoftmaxRandomFeatures):
     def feature_dim(self) -> int:
         return self.hparams["num_features"] * (2 if self.hparams["hyperbolic"] else 1)
 
-    def features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
+    def log_parts(self, x: torch.Tensor, is_query: bool) -> tuple[torch.Tensor, float]:
         self.maybe_redraw(is_query)
         proj, half_sq_norm = self.project(x)
         if self.hparams["hyperbolic"]:
             proj = torch.cat([proj, -proj], dim=-1)
-        logits = proj - half_sq_norm
-        if self.hparams["stabilize"]:
-            logits = logits - stabilizer(logits, is_query)
-        return (logits.exp() * self.feature_dim**-0.5).to(x.dtype)
+        return proj - half_sq_norm, self.feature_dim**-0.5

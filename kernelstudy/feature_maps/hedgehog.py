@@ -9,11 +9,11 @@ from torch import nn
 
 from .base import HeadwiseFeatureMap, Hyperparameter
 from .registry import register_feature_map
-from .softmax_kernel import stabilizer
+from .softmax_kernel import ExpFeatures
 
 
 @register_feature_map("hedgehog")
-class HedgehogFeatureMap(HeadwiseFeatureMap):
+class HedgehogFeatureMap(ExpFeatures, HeadwiseFeatureMap):
     """φ(x) = [exp(xW + b), exp(−xW − b)] with trainable ``W: (D, D)``, ``b: (D,)``.
 
     Starts at W = I, b = 0; per head by default (``shared=False``), as in the paper.
@@ -44,14 +44,7 @@ class HedgehogFeatureMap(HeadwiseFeatureMap):
     def feature_dim(self) -> int:
         return 2 * self.head_dim
 
-    @property
-    def keys_need_sequence(self) -> bool:
-        return self.hparams["stabilize"]
-
-    def features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
+    def log_parts(self, x: torch.Tensor, is_query: bool) -> tuple[torch.Tensor, float]:
         bias = self.bias[0] if self.weight_heads == 1 else self.bias
         z = self.headwise(x, self.weight.to(x.dtype)) + bias.to(x.dtype)
-        logits = torch.cat([z, -z], dim=-1)
-        if self.hparams["stabilize"]:
-            logits = logits - stabilizer(logits, is_query)
-        return logits.exp()
+        return torch.cat([z, -z], dim=-1), 1.0

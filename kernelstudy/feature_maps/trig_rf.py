@@ -37,13 +37,8 @@ class TrigRandomFeatureMap(SoftmaxRandomFeatures):
     def feature_dim(self) -> int:
         return 2 * self.hparams["num_features"]
 
-    def features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
+    def log_parts(self, x: torch.Tensor, is_query: bool) -> tuple[torch.Tensor, torch.Tensor]:
         self.maybe_redraw(is_query)
         proj, half_sq_norm = self.project(x)
-        if self.hparams["stabilize"]:
-            if is_query or x.dim() < 2:
-                half_sq_norm = torch.zeros_like(half_sq_norm)
-            else:
-                half_sq_norm = half_sq_norm - half_sq_norm.detach().amax(-2, keepdim=True)
-        scale = half_sq_norm.exp() * self.hparams["num_features"] ** -0.5
-        return (torch.cat([proj.sin(), proj.cos()], dim=-1) * scale).to(x.dtype)
+        trig = torch.cat([proj.sin(), proj.cos()], dim=-1) * self.hparams["num_features"] ** -0.5
+        return half_sq_norm, trig

@@ -130,12 +130,6 @@ class KernelAttention(nn.Module):
         if not isinstance(x_t, torch.Tensor) or x_t.dim() != 2 or x_t.shape[-1] != self.d_model:
             shape = tuple(x_t.shape) if isinstance(x_t, torch.Tensor) else type(x_t).__name__
             raise ValueError(f"x_t must have shape (batch, {self.d_model}), got {shape}")
-        if self.feature_map is not None and getattr(self.feature_map, "keys_need_sequence", False):
-            raise ValueError(
-                f"step() cannot use feature map {self.feature_map.name!r} with its per-sequence "
-                "key stabilizer (each key would get its own factor); create it with "
-                "stabilize=False for recurrent inference"
-            )
         q, k, v = self._heads(x_t.unsqueeze(1))  # (B,H,1,D)
         if self.feature_map is None:
             if state is None:
@@ -144,15 +138,27 @@ class KernelAttention(nn.Module):
                 state = KVCache(torch.cat([state.k, k], 2), torch.cat([state.v, v], 2))
             y = softmax_attention(q, state.k, state.v)
         else:
+            # A per-sequence key stabilizer (FAVOR+, Hedgehog) becomes a running maximum
+            # kept by a scaled state: the same output as the batch forward.
+            scaled = self.feature_map.keys_need_sequence
             phi_q = self.feature_map(q, is_query=True)[:, :, 0]
-            phi_k = self.feature_map(k, is_query=False)[:, :, 0]
+            phi_k, log_scale = self.feature_map.key_features(k)
             if state is None:
                 b, h, f = phi_q.shape
                 acc = torch.float64 if phi_q.dtype == torch.float64 else torch.float32
                 state = RecurrentState.zeros(
-                    b, h, f, self.head_dim, dtype=acc, device=x_t.device, eps=self.eps
+                    b,
+                    h,
+                    f,
+                    self.head_dim,
+                    dtype=acc,
+                    device=x_t.device,
+                    eps=self.eps,
+                    scaled=scaled,
                 )
-            y_t, state = state.step(phi_q, phi_k, v[:, :, 0])
+            y_t, state = state.step(
+                phi_q, phi_k[:, :, 0], v[:, :, 0], log_scale[:, :, 0] if scaled else None
+            )
             y = y_t.unsqueeze(2)
         return self._merge(y)[:, 0], state
 
