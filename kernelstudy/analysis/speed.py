@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 from ..core.attention import linear_attention
 from ..core.backends import backends as available_backends
-from .matrices import MapSpec, _as_feature_map
+from ..nn.functional import resolve_feature_map
+from .matrices import MapSpec
 
 METHODS = ("softmax_sdpa", "softmax_explicit", "linear")
 PASSES = ("fwd", "fwd+bwd")
@@ -210,7 +211,7 @@ def benchmark_attention(
     missing = [b for b in backends if b not in known]
     if missing:
         raise ValueError(f"backends {missing} are not available here (available: {known})")
-    fm = _as_feature_map(feature_map, torch.empty(1, heads, 1, head_dim)).to(device)
+    fm = resolve_feature_map(feature_map, head_dim, heads).to(device)
     dtype_name = str(dtype).removeprefix("torch.")
     common = {
         "batch": batch,

@@ -43,11 +43,11 @@ from ..tasks.base import SequenceTask
 from .checkpoint import seed_everything, write_json
 from .factory import model_for_task, task_type_of
 from .trainer import (
-    _RESUME_FREE,
     CHECKPOINT,
     METRICS,
     MODEL,
     RECORD,
+    RESUME_FREE,
     TrainConfig,
     Trainer,
     resolve_device,
@@ -210,7 +210,7 @@ def train_config_of(settings: Mapping[str, Any], progress: bool) -> TrainConfig:
 def _comparable(settings: Mapping[str, Any]) -> dict[str, Any]:
     """The settings that must match for a resume (JSON-normalized)."""
     s = json.loads(json.dumps(settings, default=str))
-    for key in _RESUME_FREE:
+    for key in RESUME_FREE:
         s["train"].pop(key, None)
     s.pop("out", None)
     return s

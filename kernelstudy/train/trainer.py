@@ -39,7 +39,7 @@ METRICS = "metrics.csv"
 RECORD = "run.json"
 MODEL = "model.pt"
 #: config fields that may change between a run and its resume without changing results
-_RESUME_FREE = {"out_dir", "progress", "device", "num_workers", "eval_batch_size"}
+RESUME_FREE = {"out_dir", "progress", "device", "num_workers", "eval_batch_size"}
 
 
 @dataclass
@@ -404,7 +404,7 @@ class Trainer:
         state = load_checkpoint(path)
         saved = dict(state["config"])
         now = self.config.to_dict()
-        changed = sorted(k for k in now if k not in _RESUME_FREE and saved.get(k) != now[k])
+        changed = sorted(k for k in now if k not in RESUME_FREE and saved.get(k) != now[k])
         if changed:
             warnings.warn(
                 f"resuming {path} with changed config field(s) {changed}; "
