@@ -153,6 +153,18 @@ def test_rerun_resumes_and_matches_an_uninterrupted_run(
     assert list(pd.read_csv(resumed / "metrics.csv")["step"]) == [3]
 
 
+def test_config_file_data_path_is_relative_to_the_file(
+    listops: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = listops.parent / "listops_run.toml"
+    config.write_text(f'task = "listops"\ndata = "{listops.name}"\nattention = "elu"\n')
+    monkeypatch.chdir(tmp_path)  # somewhere the relative path does not exist
+    out = tmp_path / "run"
+    args = ["train", "--config", str(config), "--out", str(out), "--steps", "2", *TINY]
+    assert main([*args, "--max-length", "40", "--device", "cpu"]) == 0
+    assert json.loads((out / "config.json").read_text())["data"] == str(listops.resolve())
+
+
 def test_config_file_with_flags_overriding_and_a_synthetic_task(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -161,7 +173,7 @@ def test_config_file_with_flags_overriding_and_a_synthetic_task(
         """
 task = "copy"
 attention = "glu"
-out = "IGNORED"
+out = "IGNORED"  # a path relative to this file
 
 [task_options]
 seq_len = 12
@@ -198,6 +210,9 @@ device = "cpu"
     # GLU maps are trainable: one per layer, counted apart from the model
     assert 0 < summary["parameters"]["feature_map"] < summary["parameters"]["model"]
     assert summary["feature_dim"] == 8  # head_dim
+    # Without --out, the file's out is relative to the file, not to the working directory.
+    assert main(["train", "--config", str(config), "--steps", "2"]) == 0
+    assert (tmp_path / "IGNORED" / "summary.json").is_file()
     assert list(pd.read_csv(out / "metrics.csv")["step"]) == [4]
 
 

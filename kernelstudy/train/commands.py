@@ -5,9 +5,9 @@
 trains it. A TOML file (``--config``) can hold the same settings; flags override it::
 
     task = "listops"            # a name from kernelstudy.tasks.list_tasks()
-    data = "data/listops"       # file tasks only; relative paths are from the working dir
+    data = "data/listops"       # file tasks only
     attention = "favor"         # "softmax", "kernel" (elu) or a feature-map name
-    out = "runs/favor"
+    out = "runs/favor"          # data and out: relative to this file's directory
     [task_options]              # the task's options, e.g. max_length = 2000
     [feature_map]               # the map's hyperparameters, e.g. num_features = 256
     [model]                     # model options, e.g. d_model = 128, n_heads = 4, pooling = "cls"
@@ -145,6 +145,9 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     "feature_map", "model", "train"}``; the tables are dicts.
     """
     file = read_config_file(args.config) if args.config else {}
+    for key in ("data", "out"):  # paths in the file are relative to the file, as in searches
+        if key in file:
+            file[key] = str(Path(args.config).parent / Path(file[key]).expanduser())
     s: dict[str, Any] = {key: copy.deepcopy(file.get(key)) for key in CONFIG_KEYS}
     for key in _TABLES:
         s[key] = dict(s[key] or {})
