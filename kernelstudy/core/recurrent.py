@@ -109,8 +109,9 @@ class RecurrentState:
                 )
             old, new = self.log_scale.to(acc), k_log_scale.to(acc)
             log_scale = torch.maximum(old, new)
-            s = s * torch.exp(old - log_scale)[..., None, None]  # exp(-inf) = 0 at the start
-            z = z * torch.exp(old - log_scale)[..., None]
+            decay = torch.exp(old - log_scale)  # exp(-inf) = 0 at the start
+            s = s * decay[..., None, None]
+            z = z * decay[..., None]
             k = k * torch.exp(new - log_scale)[..., None]
         s = s + k.unsqueeze(-1) * v.unsqueeze(-2)
         z = z + k

@@ -56,5 +56,5 @@ class ExpFeatures(FeatureMap):
             return super().key_features(k)
         self._check_input(k)
         log, rest = self.log_parts(k, False)
-        shift = log.detach().amax(-1, keepdim=True)  # each key by its own max
+        shift = stabilizer(log, is_query=True)  # each key by its own max, like a query row
         return ((log - shift).exp() * rest).to(k.dtype), shift[..., 0]

@@ -11,6 +11,7 @@ from torch import nn
 
 from ..core.recurrent import RecurrentState
 from ..core.softmax import softmax_attention
+from ..core.validation import accumulation_dtype
 from ..feature_maps import FeatureMap
 from .functional import kernel_attention, resolve_feature_map
 
@@ -145,13 +146,12 @@ class KernelAttention(nn.Module):
             phi_k, log_scale = self.feature_map.key_features(k)
             if state is None:
                 b, h, f = phi_q.shape
-                acc = torch.float64 if phi_q.dtype == torch.float64 else torch.float32
                 state = RecurrentState.zeros(
                     b,
                     h,
                     f,
                     self.head_dim,
-                    dtype=acc,
+                    dtype=accumulation_dtype(phi_q.dtype),
                     device=x_t.device,
                     eps=self.eps,
                     scaled=scaled,
