@@ -5,6 +5,8 @@ warm-up, for every N, (B, H), F = M = D and dtype. Methods (a column is skipped 
 package or kernel is missing, and a cell is left empty when it runs out of memory):
 
 - ``cuda``   this project's CUDA backend, ``ks.causal_dot_product(..., backend="cuda")``;
+- ``cuda_fused``  the same with the fused backward (``cuda_backend.FUSED_BACKWARD``): one
+             pass for dq, dk and dv instead of three causal products (same forward);
 - ``torch``  this project's chunked PyTorch backend on the same GPU;
 - ``fla``    flash-linear-attention's ``chunk_linear_attn`` (``normalize=False``, scale 1:
              the same unnormalized causal product), inputs made in its (B, N, H, D) layout;
@@ -38,9 +40,10 @@ import pandas as pd
 import torch
 
 import kernelstudy as ks
+from kernelstudy.core import cuda_backend
 
 DEFAULT_N = [512, 1024, 2048, 4096, 8192, 16384, 32768]
-METHODS = ["cuda", "torch", "fla", "sdpa"]
+METHODS = ["cuda", "cuda_fused", "torch", "fla", "sdpa"]
 
 
 def cuda_time_ms(fn: Callable[[], object], repeats: int, warmup: int) -> float:
@@ -106,9 +109,16 @@ def make_case(method: str, b: int, h: int, n: int, d: int, dtype: torch.dtype, f
         x = torch.rand(*shape, device="cuda", generator=gen, dtype=torch.float32)
         return (x if positive else 2 * x - 1).to(dtype)
 
-    if method in ("cuda", "torch"):
+    if method in ("cuda", "cuda_fused", "torch"):
         q, k, v = rand(b, h, n, d, positive=True), rand(b, h, n, d, positive=True), rand(b, h, n, d)
-        return method, lambda: ks.causal_dot_product(q, k, v, backend=method), (q, k, v)
+        backend = "torch" if method == "torch" else "cuda"
+
+        def run():
+            # read by the backward that follows this call (cases run one after another)
+            cuda_backend.FUSED_BACKWARD = method == "cuda_fused"
+            return ks.causal_dot_product(q, k, v, backend=backend)
+
+        return method, run, (q, k, v)
     if method == "fla":
         q, k, v = rand(b, n, h, d, positive=True), rand(b, n, h, d, positive=True), rand(b, n, h, d)
         return (
@@ -173,9 +183,11 @@ def benchmark(args: argparse.Namespace) -> pd.DataFrame:
                     for method in args.methods:
                         if method == "fla" and fla_fn is None:
                             continue
-                        if method == "cuda" and "cuda" not in ks.backends():
+                        if method.startswith("cuda") and "cuda" not in ks.backends():
                             continue
                         for mode in args.modes:
+                            if method == "cuda_fused" and mode == "fwd":
+                                continue  # the forward is cuda's
                             rows.append(
                                 measure(method, mode, b, h, n, d, name, dtype, fla_fn, args)
                             )
@@ -255,6 +267,8 @@ def targets(frame: pd.DataFrame) -> str:
     lines = [
         f"N=8192 bf16 cuda/fla: {t('cuda', 'bfloat16', 8192) / t('fla', 'bfloat16', 8192):.3f}"
         " (target <= 1.0)",
+        f"N=8192 bf16 cuda_fused/fla: "
+        f"{t('cuda_fused', 'bfloat16', 8192) / t('fla', 'bfloat16', 8192):.3f} (target <= 1.0)",
         f"N=8192 bf16 cuda/sdpa: {t('cuda', 'bfloat16', 8192) / t('sdpa', 'bfloat16', 8192):.3f}"
         " (target < 1.0)",
         f"N=16384 fp32 torch/cuda: "

@@ -3,7 +3,8 @@
 Tolerances: float32 outputs and gradients max relative error ≤ 1e-4; float16/bfloat16
 relative RMS error ≤ 1e-2 (against the reference in float64 on the same rounded inputs).
 Also: awkward shapes (N=1, N not a multiple of the chunk, F≠M, F=M=256, B·H=1 at long N),
-key padding, recurrent-state consistency, dispatch, and bit-identical reruns.
+key padding, recurrent-state consistency, dispatch, bit-identical reruns, and the fused
+backward (``ext.causal_backward``) against the reference and the three-product backward.
 """
 
 from __future__ import annotations
@@ -245,6 +246,45 @@ def test_scaled_cumsum_matches_torch():
     assert rel_err(got, want) <= 1e-5
 
 
+# ---------------------------------------------------------------- fused backward
+def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
+    if dtype == torch.float32:
+        return rel_err(a, b, floor=1.0) <= 1e-4
+    return rel_rms(a, b) <= 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=str)
+@pytest.mark.parametrize("shape", SHAPES + GROUPED_SHAPES, ids=SHAPE_IDS + GROUPED_IDS)
+def test_fused_backward_matches_reference(shape, dtype):
+    b, h, n, f, m = shape
+    q, k, v = (t.detach() for t in _features(*shape, dtype=dtype))
+    g = _upstream((b, h, n, m)).to(dtype)
+    q64, k64, v64 = _as64((q, k, v))
+    want = _grads(causal_dot_product_reference(q64, k64, v64), (q64, k64, v64), g)
+    ext = cuda_backend.extension()
+    for out_fp32 in (False, True):
+        got = ext.causal_backward(q, k, v, g, out_fp32=out_fp32)
+        for a, w in zip(got, want, strict=True):
+            assert a.shape == w.shape and a.dtype == (torch.float32 if out_fp32 else dtype)
+            assert torch.isfinite(a).all() and _close(a, w, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fused_backward_in_autograd_matches_three_products(monkeypatch, dtype):
+    q, k, v = _features(2, 3, 200, 33, 70, dtype=dtype)
+    mask = torch.ones(2, 200, dtype=torch.bool, device=DEVICE)
+    mask[1, 150:] = False
+    g = _upstream((2, 3, 200, 70)).to(dtype)
+    grads = {}
+    for fused in (False, True):
+        monkeypatch.setattr(cuda_backend, "FUSED_BACKWARD", fused)
+        product = ks.causal_dot_product(q, k, v, backend="cuda")
+        attention = cuda_backend.linear_attention(q, k, v, causal=True, key_padding_mask=mask)
+        grads[fused] = [*_grads(product, (q, k, v), g), *_grads(attention, (q, k, v), g)]
+    for a, b in zip(grads[True], grads[False], strict=True):
+        assert _close(a, b, dtype)
+
+
 # ---------------------------------------------------------------- determinism
 def _run_all(dtype):
     q, k, v = _features(2, 2, 3000, 64, 64, dtype=dtype)
@@ -262,8 +302,10 @@ def _run_all(dtype):
     return results
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["three_products", "fused_backward"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_bit_identical_reruns(dtype):
+def test_bit_identical_reruns(monkeypatch, dtype, fused):
+    monkeypatch.setattr(cuda_backend, "FUSED_BACKWARD", fused)
     first, second = _run_all(dtype), _run_all(dtype)
     for a, b in zip(first, second, strict=True):
         assert torch.equal(a, b)

@@ -95,6 +95,41 @@ std::vector<at::Tensor> causal_product(at::Tensor q, at::Tensor k, at::Tensor v,
   return {out, den};
 }
 
+// [dq, dk, dv] of the causal product for g = dL/dout (B,H,N,M), from the fused backward: dq, dk
+// (B,H,N,F), dv (B,H,N,M), in fp32 if `out_fp32` else in the inputs' dtype.
+std::vector<at::Tensor> causal_backward(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor g,
+                                        bool out_fp32) {
+  check_sequence(q, "q", q);
+  check_sequence(k, "k", q);
+  check_sequence(v, "v", q);
+  check_sequence(g, "g", q);
+  const int64_t b = q.size(0), h = q.size(1), n = q.size(2), f = q.size(3), m = v.size(3);
+  check_rows(k, "k", q, n);
+  check_rows(v, "v", q, n);
+  check_rows(g, "g", q, n);
+  TORCH_CHECK_VALUE(k.size(3) == f, "q and k must have the same last dimension");
+  TORCH_CHECK_VALUE(g.size(3) == m, "g and v must have the same last dimension");
+  const c10::cuda::CUDAGuard guard(q.device());
+  q = q.contiguous();
+  k = k.contiguous();
+  v = v.contiguous();
+  g = g.contiguous();
+  const auto opts = out_fp32 ? f32(q) : q.options();
+  auto dq = at::empty({b, h, n, f}, opts);
+  auto dk = at::empty({b, h, n, f}, opts);
+  auto dv = at::empty({b, h, n, m}, opts);
+  if (b * h * n == 0) return {dq, dk, dv};
+  if (f == 0 || m == 0) return {dq.zero_(), dk.zero_(), dv.zero_()};
+  auto ws = at::empty({ks_cuda::causal_backward_workspace_floats(dtype_of(q), b * h, n, f, m)},
+                      f32(q));
+  check_launch(ks_cuda::causal_backward(dtype_of(q), q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                        g.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+                                        out_fp32, ws.data_ptr<float>(), b * h, n, f, m,
+                                        c10::cuda::getCurrentCUDAStream()),
+               "causal_backward");
+  return {dq, dk, dv};
+}
+
 // state (B,H,F*M+F) fp32: S = sum_j keep_j k_j v_j^T (row-major F x M), then z = sum_j keep_j k_j.
 at::Tensor full_state(at::Tensor k, at::Tensor v, c10::optional<at::Tensor> key_padding_mask) {
   check_sequence(k, "k", k);
@@ -185,6 +220,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("reverse") = false,
         py::arg("out_fp32") = true, py::arg("with_den") = false, py::arg("normalize") = false,
         py::arg("eps") = 1e-6);
+  m.def("causal_backward", &causal_backward, "fused gradients [dq, dk, dv] of the causal product",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("out_fp32") = false);
   m.def("full_state", &full_state, "non-causal state [S | z] with key padding", py::arg("k"),
         py::arg("v"), py::arg("key_padding_mask") = py::none());
   m.def("full_apply", &full_apply, "non-causal read-out q . S (optionally normalized)",

@@ -41,6 +41,9 @@
 //   * fp32 inputs:  3xTF32 (m16n16k8): x = big + small with big = tf32(x),
 //     small = tf32(x - big), a*b ~ big*big + big*small + small*big, which keeps fp32 accuracy
 //     (relative error ~1e-6) at tensor-core speed.
+// Tiles of bf16 and fp32 inputs load with cp.async (all tiles of a step in flight at once; the
+// state pass prefetches the next chunk into a second buffer while it multiplies this one); fp16
+// inputs are converted to bf16 in registers on the way.
 // Intermediates that are rounded to the operand type: masked intra-chunk scores and the chunk
 // states (block-local prefixes stored in the operand type, carries and z in fp32).
 //
@@ -207,13 +210,40 @@ __device__ __forceinline__ void warp_store(float* tile, const Acc (&acc)[2]) {
   wmma::store_matrix_sync(tile + r0 * kLdF + c0 + 16, acc[1], kLdF, wmma::mem_row_major);
 }
 
+// ------------------------------------------------------------------ asynchronous copies
+// cp.async (sm_80+): 16 bytes global -> shared without a trip through registers, so every tile
+// of a step is in flight at once. A thread waits for its own copies with cp_async_wait_all();
+// a __syncthreads() after that makes all threads' copies visible to the block.
+__device__ __forceinline__ void cp_async16(void* dst_shared, const void* src_global) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(dst_shared));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src_global)
+               : "memory");
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void cp_async_wait_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+#endif
+}
+
 // ------------------------------------------------------------------ global -> shared tiles
 // Copies rows [row0, row0+64) x columns [col0, col0+64) of a row-major global matrix
 // (rows x cols, leading dimension ld) into a 64 x 64 shared tile (leading dimension ldd),
 // converted to Op. Elements outside the matrix, and rows whose `keep` flag is false, are zero.
 // `add` (optional): an fp32 matrix of the same shape and leading dimension added on the way
 // (the carry of earlier segments onto a block-local state prefix).
-// Each thread moves 16-byte vectors; `vec` says the global rows are 16-byte aligned.
+// Each thread moves 16-byte vectors; `vec` says the global rows are 16-byte aligned. Where no
+// conversion or addition is needed (Tin == Op: bf16 and fp32 inputs), whole in-range vectors
+// are copied with cp.async: the caller calls cp_async_wait_all() before the __syncthreads()
+// that publishes the tile. Zero fill and converted elements are stored directly.
 template <typename Tin, typename Op>
 __device__ __forceinline__ void load_tile(Op* __restrict__ dst, int ldd,
                                           const Tin* __restrict__ src, int64_t ld, int64_t rows,
@@ -231,6 +261,12 @@ __device__ __forceinline__ void load_tile(Op* __restrict__ dst, int ldd,
     const int64_t gr = row0 + r;
     const int64_t gc = col0 + c;
     const bool row_ok = gr < rows && (keep == nullptr || keep[gr]);
+    if constexpr (std::is_same_v<Tin, Op>) {
+      if (row_ok && vec && add == nullptr && gc + V <= cols) {
+        cp_async16(dst + r * ldd + c, src + gr * ld + gc);
+        continue;
+      }
+    }
     float x[V];
     if (row_ok && vec && gc + V <= cols) {
       const uint4 raw = *reinterpret_cast<const uint4*>(src + gr * ld + gc);
@@ -261,6 +297,36 @@ __host__ __device__ constexpr int vec_elems() {
   return 16 / sizeof(T);
 }
 
+// Writes a 64 x 64 fp32 shared tile (ld kLdF) to rows [row0, row0+64) x columns [col0, col0+64)
+// of a row-major global matrix (rows x cols, leading dimension ld) in T, skipping what lies
+// outside it.
+template <typename T>
+__device__ __forceinline__ void store_tile(T* __restrict__ dst, int64_t ld, int64_t rows,
+                                           int64_t cols, int64_t row0, int64_t col0,
+                                           const float* __restrict__ tile) {
+  for (int i = threadIdx.x; i < kTile * kTile; i += kThreads) {
+    const int r = i / kTile, j = i % kTile;
+    if (row0 + r < rows && col0 + j < cols) {
+      dst[(row0 + r) * ld + col0 + j] = from_float<T>(tile[r * kLdF + j]);
+    }
+  }
+}
+
+// Masks the 64 x 64 fp32 scores of a chunk in Af (ld kLdF) to j <= i (`causal`) or j >= i, in
+// place, and rounds them into the operand tile As (ld LD). Call between barriers.
+template <typename Op>
+__device__ __forceinline__ void mask_scores(float* __restrict__ Af, Op* __restrict__ As,
+                                            bool causal) {
+  constexpr int LD = ld_of<Op>();
+  for (int i = threadIdx.x; i < kTile * kTile; i += kThreads) {
+    const int r = i / kTile, j = i % kTile;
+    const bool on = causal ? j <= r : j >= r;
+    const float a = on ? Af[r * kLdF + j] : 0.f;
+    Af[r * kLdF + j] = a;
+    As[r * LD + j] = from_float<Op>(a);
+  }
+}
+
 // ------------------------------------------------------------------ kernel 1: chunk states
 // grid.x = BH * nblk: block b walks the chunks [b*cpb, min(nc, (b+1)*cpb)) of sequence bh in
 // order (last to first with `reverse`), cpb = chunks per block; grid.y = ceil(F/64) *
@@ -272,7 +338,8 @@ __host__ __device__ constexpr int vec_elems() {
 //                 chunks (later ones with reverse), i.e. the block-local exclusive prefix, goes
 //                 to prefix_s[bh][c] (F x M, in Tstate) and prefix_z[bh][c] (F, fp32).
 // Rows with keep == false (key padding) are skipped.
-// Shared: K tile 64 x 64 (rows x F slice), V tile 64 x 64 (rows x M slice), fp32 staging 64 x 64.
+// Shared: two buffers of (K tile 64 x 64 (rows x F slice), V tile 64 x 64 (rows x M slice)), so
+// the next chunk's tiles load (cp.async) while this chunk's product runs; fp32 staging 64 x 64.
 template <typename Tin, typename Tstate>
 __global__ void __launch_bounds__(kThreads)
     chunk_states_kernel(const Tin* __restrict__ k, const Tin* __restrict__ v,
@@ -285,9 +352,8 @@ __global__ void __launch_bounds__(kThreads)
   using Op = typename OperandOf<Tin>::type;
   constexpr int LD = ld_of<Op>();
   extern __shared__ __align__(128) unsigned char smem[];
-  Op* Ks = reinterpret_cast<Op*>(smem);       // 64 x LD: K rows x F slice
-  Op* Vs = Ks + kTile * LD;                    // 64 x LD: V rows x M slice
-  float* St = reinterpret_cast<float*>(Vs + kTile * LD);  // 64 x kLdF: fp32 state tile
+  Op* tiles = reinterpret_cast<Op*>(smem);  // buffer b: K at 2b, V at 2b + 1 (64 x LD each)
+  float* St = reinterpret_cast<float*>(tiles + 4 * kTile * LD);  // 64 x kLdF: fp32 state tile
 
   const int64_t nc = (n + kTile - 1) / kTile;
   const int64_t bh = blockIdx.x / nblk;
@@ -306,23 +372,27 @@ __global__ void __launch_bounds__(kThreads)
   float z = 0.f;  // thread t < 64: running z of feature f0 + t
 
   const int64_t first = blk * cpb;
-  const int64_t count = (first + cpb < nc ? first + cpb : nc) - first;
+  const int64_t count = (first + cpb < nc ? first + cpb : nc) - first;  // >= 1
+  auto chunk = [&](int64_t i) { return reverse ? first + count - 1 - i : first + i; };
+  auto load_chunk = [&](int64_t i, int buf) {
+    const int64_t row0 = chunk(i) * kTile;
+    load_tile<Tin, Op>(tiles + (2 * buf) * kTile * LD, LD, kb, f, n, f, row0, f0, keep, vec_k);
+    load_tile<Tin, Op>(tiles + (2 * buf + 1) * kTile * LD, LD, vb, m, n, m, row0, m0, keep,
+                       vec_v);
+    cp_async_commit();
+  };
+
+  load_chunk(0, 0);
   for (int64_t i = 0; i < count; ++i) {
-    const int64_t c = reverse ? first + count - 1 - i : first + i;
-    const int64_t row0 = c * kTile;
-    __syncthreads();  // the previous chunk's tiles and staging are consumed
-    if (prefix_s != nullptr) warp_store(St, acc);
-    load_tile<Tin, Op>(Ks, LD, kb, f, n, f, row0, f0, keep, vec_k);
-    load_tile<Tin, Op>(Vs, LD, vb, m, n, m, row0, m0, keep, vec_v);
-    __syncthreads();
+    const int buf = static_cast<int>(i & 1);
+    const int64_t c = chunk(i);
+    const Op* Ks = tiles + (2 * buf) * kTile * LD;
+    const Op* Vs = Ks + kTile * LD;
+    cp_async_wait_all();  // chunk i's tiles (the only copies in flight)
+    __syncthreads();      // ... visible to all; chunk i-1's buffer and the staging tile are free
+    if (i + 1 < count) load_chunk(i + 1, buf ^ 1);
     if (prefix_s != nullptr) {
-      Tstate* ps = prefix_s + (bh * nc + c) * f * m;
-      for (int e = threadIdx.x; e < kTile * kTile; e += kThreads) {
-        const int r = e / kTile, col = e % kTile;
-        if (f0 + r < f && m0 + col < m) {
-          ps[(f0 + r) * m + m0 + col] = from_float<Tstate>(St[r * kLdF + col]);
-        }
-      }
+      warp_store(St, acc);  // the block-local exclusive prefix of chunk c
       if (z_block && threadIdx.x < kTile && f0 + threadIdx.x < f) {
         prefix_z[(bh * nc + c) * f + f0 + threadIdx.x] = z;
       }
@@ -332,17 +402,18 @@ __global__ void __launch_bounds__(kThreads)
     if (with_z && z_block && threadIdx.x < kTile) {
       for (int t = 0; t < kTile; ++t) z += to_float(Ks[t * LD + threadIdx.x]);
     }
+    if (prefix_s != nullptr) {
+      __syncthreads();  // the staging tile is complete
+      store_tile(prefix_s + (bh * nc + c) * f * m, m, f, m, f0, m0, St);
+    }
   }
-  __syncthreads();
+  __syncthreads();  // the staging tile is consumed
   warp_store(St, acc);
   __syncthreads();
 
   const int64_t ss = f * m + f;
   float* out = totals + (bh * nblk + blk) * ss;
-  for (int e = threadIdx.x; e < kTile * kTile; e += kThreads) {
-    const int r = e / kTile, col = e % kTile;
-    if (f0 + r < f && m0 + col < m) out[(f0 + r) * m + m0 + col] = St[r * kLdF + col];
-  }
+  store_tile(out, m, f, m, f0, m0, St);
   if (z_block && threadIdx.x < kTile && f0 + threadIdx.x < f) out[f * m + f0 + threadIdx.x] = z;
 #endif
 }
@@ -396,8 +467,12 @@ __global__ void __launch_bounds__(kThreads)
 // divided by den_i + eps. Every block computes den (cheap); the M-slice-0 block writes it.
 // Shared (Op tiles 64 x LD): Q, K, S, V; A in fp32 (64 x kLdF, then the output staging);
 // the rounded scores reuse Q's tile.
+// Blocks per SM the register budget must allow (smem allows 3 for 16-bit, 2 for fp32 operands).
+template <typename Tin>
+constexpr int kOutputBlocksPerSm = std::is_same_v<Tin, float> ? 2 : 3;
+
 template <typename Tin, typename Tstate, typename Tout>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kOutputBlocksPerSm<Tin>)
     chunk_output_kernel(const Tin* __restrict__ q, const Tin* __restrict__ k,
                         const Tin* __restrict__ v, const Tstate* __restrict__ s_base,
                         int64_t s_stride, const float* __restrict__ z_base, int64_t z_stride,
@@ -450,6 +525,7 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t fi = f0 + threadIdx.x;
       zs[threadIdx.x] = fi < f ? zt[fi] + (cs != nullptr ? cs[f * m + fi] : 0.f) : 0.f;
     }
+    cp_async_wait_all();  // this thread's copies of V, Q, K (and S) have landed
     __syncthreads();
     if (intra) warp_gemm<Op, wmma::row_major, wmma::col_major>(acc_a, Qs, LD, Ks, LD);
     warp_gemm<Op, wmma::row_major, wmma::row_major>(acc_o, Qs, LD, Ss, LD);
@@ -464,14 +540,7 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();  // Q, K, S tiles consumed
     warp_store(Af, acc_a);
     __syncthreads();
-    const bool causal = mode == kCausal;
-    for (int i = threadIdx.x; i < kTile * kTile; i += kThreads) {
-      const int r = i / kTile, j = i % kTile;
-      const bool on = causal ? j <= r : j >= r;
-      const float a = on ? Af[r * kLdF + j] : 0.f;
-      Af[r * kLdF + j] = a;
-      As[r * LD + j] = from_float<Op>(a);
-    }
+    mask_scores(Af, As, mode == kCausal);
     __syncthreads();
     warp_gemm<Op, wmma::row_major, wmma::row_major>(acc_o, As, LD, Vs, LD);
     if (need_den && threadIdx.x < kTile) {
@@ -496,6 +565,183 @@ __global__ void __launch_bounds__(kThreads)
   if (den != nullptr && blockIdx.y == 0 && threadIdx.x < kTile && row0 + threadIdx.x < n) {
     den[bh * n + row0 + threadIdx.x] = dens[threadIdx.x];
   }
+#endif
+}
+
+// ------------------------------------------------------------------ kernels 4, 5: fused backward
+// Gradients of the causal product out_i = sum_{j<=i} (q_i . k_j) v_j for g = dL/dout. Chunk c:
+//   A = tril(G_c V_c^T)  (A_ij = g_i . v_j),   B = tril(Q_c K_c^T)  (B_ij = q_i . k_j),
+//   dq_c = A K_c + G_c S_c^T,   dk_c = A^T Q_c + V_c R_c^T,   dv_c = B^T G_c + K_c R_c,
+// with S_c = sum_{c' < c} K_c'^T V_c' (the forward's chunk states) and R_c = sum_{c' > c}
+// Q_c'^T G_c' (the states of (q, g) summed in reverse), both F x M: each is a block-local prefix
+// s_base[bh*nc + c] (Tstate) plus the fp32 carry of its block of cpb chunks, as in kernel 3.
+// Two state passes and these two kernels replace three separate causal products: q, k, v and g
+// are read fewer times and no product's chunk states are written twice.
+//   chunk_dqk_kernel: grid.x = BH * nc, grid.y = ceil(F/64): dq and dk of one 64-wide F slice;
+//     A, G S^T and V R^T accumulate over the 64-wide M slices, then A K and A^T Q are added.
+//   chunk_dv_kernel:  grid.x = BH * nc, grid.y = ceil(M/64): dv of one 64-wide M slice;
+//     B and K R accumulate over the F slices, then B^T G is added.
+// Shared: four (dqk) or three (dv) Op tiles 64 x LD and an fp32 64 x kLdF tile for the scores,
+// then for the output staging.
+struct ChunkStates {  // the per-chunk states S or R of one direction
+  const void* prefix;  // Tstate [bh][nc][F x M]: block-local exclusive prefixes
+  const float* carry;  // fp32 [bh][nblk][F*M + F]: the sum over earlier blocks (S then z)
+};
+
+template <typename Tstate>
+__device__ __forceinline__ const Tstate* chunk_prefix(const ChunkStates& st, int64_t bh,
+                                                      int64_t nc, int64_t c, int64_t f,
+                                                      int64_t m) {
+  return static_cast<const Tstate*>(st.prefix) + (bh * nc + c) * f * m;
+}
+
+__device__ __forceinline__ const float* chunk_carry(const ChunkStates& st, int64_t bh,
+                                                    int64_t nc, int64_t c, int64_t cpb,
+                                                    int64_t f, int64_t m) {
+  return st.carry + (bh * ((nc + cpb - 1) / cpb) + c / cpb) * (f * m + f);
+}
+
+template <typename Tin, typename Tstate, typename Tout>
+__global__ void __launch_bounds__(kThreads, 2)  // three accumulator pairs: up to 128 registers
+    chunk_dqk_kernel(const Tin* __restrict__ q, const Tin* __restrict__ k,
+                     const Tin* __restrict__ v, const Tin* __restrict__ g, ChunkStates s_states,
+                     ChunkStates r_states, int64_t cpb, Tout* __restrict__ dq,
+                     Tout* __restrict__ dk, int64_t n, int64_t f, int64_t m, bool vec_f,
+                     bool vec_m, bool vec_s) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  using Op = typename OperandOf<Tin>::type;
+  constexpr int LD = ld_of<Op>();
+  extern __shared__ __align__(128) unsigned char smem[];
+  Op* T0 = reinterpret_cast<Op*>(smem);
+  Op* T1 = T0 + kTile * LD;
+  Op* T2 = T1 + kTile * LD;
+  Op* T3 = T2 + kTile * LD;
+  float* Af = reinterpret_cast<float*>(T3 + kTile * LD);  // 64 x kLdF fp32
+
+  const int64_t nc = (n + kTile - 1) / kTile;
+  const int64_t bh = blockIdx.x / nc;
+  const int64_t c = blockIdx.x % nc;
+  const int64_t row0 = c * kTile;
+  const int64_t f0 = static_cast<int64_t>(blockIdx.y) * kTile;
+  const Tin* qb = q + bh * n * f;
+  const Tin* kb = k + bh * n * f;
+  const Tin* vb = v + bh * n * m;
+  const Tin* gb = g + bh * n * m;
+  const Tstate* sp = chunk_prefix<Tstate>(s_states, bh, nc, c, f, m);
+  const Tstate* rp = chunk_prefix<Tstate>(r_states, bh, nc, c, f, m);
+  const float* sc = chunk_carry(s_states, bh, nc, c, cpb, f, m);
+  const float* rc = chunk_carry(r_states, bh, nc, c, cpb, f, m);
+
+  typename Mma<Op>::Acc acc_a[2], acc_dq[2], acc_dk[2];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    wmma::fill_fragment(acc_a[j], 0.f);
+    wmma::fill_fragment(acc_dq[j], 0.f);
+    wmma::fill_fragment(acc_dk[j], 0.f);
+  }
+
+  for (int64_t m0 = 0; m0 < m; m0 += kTile) {
+    __syncthreads();  // the previous slice's tiles are consumed
+    Op* Gs = T0;  // G rows x M slice
+    Op* Vs = T1;  // V rows x M slice
+    Op* Ss = T2;  // S: F slice x M slice
+    Op* Rs = T3;  // R: F slice x M slice
+    load_tile<Tin, Op>(Gs, LD, gb, m, n, m, row0, m0, nullptr, vec_m);
+    load_tile<Tin, Op>(Vs, LD, vb, m, n, m, row0, m0, nullptr, vec_m);
+    load_tile<Tstate, Op>(Ss, LD, sp, m, f, m, f0, m0, nullptr, vec_s, sc);
+    load_tile<Tstate, Op>(Rs, LD, rp, m, f, m, f0, m0, nullptr, vec_s, rc);
+    cp_async_wait_all();
+    __syncthreads();
+    warp_gemm<Op, wmma::row_major, wmma::col_major>(acc_a, Gs, LD, Vs, LD);   // G V^T
+    warp_gemm<Op, wmma::row_major, wmma::col_major>(acc_dq, Gs, LD, Ss, LD);  // G S^T
+    warp_gemm<Op, wmma::row_major, wmma::col_major>(acc_dk, Vs, LD, Rs, LD);  // V R^T
+  }
+  __syncthreads();  // G, V, S, R consumed
+  Op* Qs = T0;  // Q rows x F slice
+  Op* Ks = T1;  // K rows x F slice
+  Op* As = T2;  // the masked scores A
+  load_tile<Tin, Op>(Qs, LD, qb, f, n, f, row0, f0, nullptr, vec_f);
+  load_tile<Tin, Op>(Ks, LD, kb, f, n, f, row0, f0, nullptr, vec_f);
+  warp_store(Af, acc_a);
+  __syncthreads();
+  mask_scores(Af, As, true);
+  cp_async_wait_all();
+  __syncthreads();
+  warp_gemm<Op, wmma::row_major, wmma::row_major>(acc_dq, As, LD, Ks, LD);  // A K
+  warp_gemm<Op, wmma::col_major, wmma::row_major>(acc_dk, As, LD, Qs, LD);  // A^T Q
+
+  __syncthreads();  // Af consumed (by mask_scores)
+  warp_store(Af, acc_dq);
+  __syncthreads();
+  store_tile(dq + bh * n * f, f, n, f, row0, f0, Af);
+  __syncthreads();
+  warp_store(Af, acc_dk);
+  __syncthreads();
+  store_tile(dk + bh * n * f, f, n, f, row0, f0, Af);
+#endif
+}
+
+template <typename Tin, typename Tstate, typename Tout>
+__global__ void __launch_bounds__(kThreads, kOutputBlocksPerSm<Tin>)
+    chunk_dv_kernel(const Tin* __restrict__ q, const Tin* __restrict__ k,
+                    const Tin* __restrict__ g, ChunkStates r_states, int64_t cpb,
+                    Tout* __restrict__ dv, int64_t n, int64_t f, int64_t m, bool vec_f,
+                    bool vec_m, bool vec_s) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  using Op = typename OperandOf<Tin>::type;
+  constexpr int LD = ld_of<Op>();
+  extern __shared__ __align__(128) unsigned char smem[];
+  Op* T0 = reinterpret_cast<Op*>(smem);
+  Op* T1 = T0 + kTile * LD;
+  Op* T2 = T1 + kTile * LD;
+  float* Af = reinterpret_cast<float*>(T2 + kTile * LD);  // 64 x kLdF fp32
+
+  const int64_t nc = (n + kTile - 1) / kTile;
+  const int64_t bh = blockIdx.x / nc;
+  const int64_t c = blockIdx.x % nc;
+  const int64_t row0 = c * kTile;
+  const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kTile;
+  const Tin* qb = q + bh * n * f;
+  const Tin* kb = k + bh * n * f;
+  const Tin* gb = g + bh * n * m;
+  const Tstate* rp = chunk_prefix<Tstate>(r_states, bh, nc, c, f, m);
+  const float* rc = chunk_carry(r_states, bh, nc, c, cpb, f, m);
+
+  typename Mma<Op>::Acc acc_b[2], acc_dv[2];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    wmma::fill_fragment(acc_b[j], 0.f);
+    wmma::fill_fragment(acc_dv[j], 0.f);
+  }
+
+  for (int64_t f0 = 0; f0 < f; f0 += kTile) {
+    __syncthreads();  // the previous slice's tiles are consumed
+    Op* Qs = T0;  // Q rows x F slice
+    Op* Ks = T1;  // K rows x F slice
+    Op* Rs = T2;  // R: F slice x M slice
+    load_tile<Tin, Op>(Qs, LD, qb, f, n, f, row0, f0, nullptr, vec_f);
+    load_tile<Tin, Op>(Ks, LD, kb, f, n, f, row0, f0, nullptr, vec_f);
+    load_tile<Tstate, Op>(Rs, LD, rp, m, f, m, f0, m0, nullptr, vec_s, rc);
+    cp_async_wait_all();
+    __syncthreads();
+    warp_gemm<Op, wmma::row_major, wmma::col_major>(acc_b, Qs, LD, Ks, LD);   // Q K^T
+    warp_gemm<Op, wmma::row_major, wmma::row_major>(acc_dv, Ks, LD, Rs, LD);  // K R
+  }
+  __syncthreads();  // Q, K, R consumed
+  Op* Gs = T0;  // G rows x M slice
+  Op* Bs = T1;  // the masked scores B
+  load_tile<Tin, Op>(Gs, LD, gb, m, n, m, row0, m0, nullptr, vec_m);
+  warp_store(Af, acc_b);
+  __syncthreads();
+  mask_scores(Af, Bs, true);
+  cp_async_wait_all();
+  __syncthreads();
+  warp_gemm<Op, wmma::col_major, wmma::row_major>(acc_dv, Bs, LD, Gs, LD);  // B^T G
+
+  __syncthreads();  // Af consumed (by mask_scores)
+  warp_store(Af, acc_dv);
+  __syncthreads();
+  store_tile(dv + bh * n * m, m, n, m, row0, m0, Af);
 #endif
 }
 
@@ -554,16 +800,22 @@ bool rows_vectorizable(const void* p, int64_t d) {
 
 constexpr int64_t kMaxBlocks = (int64_t{1} << 31) - 1;
 
+// Dynamic shared memory of a kernel with `tiles` operand tiles (64 x LD) and one fp32 64 x kLdF
+// tile, plus `floats` more floats.
+template <typename Tin>
+size_t tiles_smem(int tiles, int floats = 0) {
+  using Op = typename OperandOf<Tin>::type;
+  return tiles * kTile * ld_of<Op>() * sizeof(Op) + (kTile * kLdF + floats) * sizeof(float);
+}
+
 template <typename Tin>
 size_t states_smem() {
-  using Op = typename OperandOf<Tin>::type;
-  return 2 * kTile * ld_of<Op>() * sizeof(Op) + kTile * kLdF * sizeof(float);
+  return tiles_smem<Tin>(4);  // two buffers of (K, V)
 }
 
 template <typename Tin>
 size_t output_smem() {
-  using Op = typename OperandOf<Tin>::type;
-  return 4 * kTile * ld_of<Op>() * sizeof(Op) + (kTile * kLdF + 2 * kTile) * sizeof(float);
+  return tiles_smem<Tin>(4, 2 * kTile);  // Q, K, S, V; z and den
 }
 
 // Causal state layout. A sequence's nc chunks are split into nblk blocks of cpb consecutive
@@ -690,6 +942,73 @@ cudaError_t causal_typed(const void* q, const void* k, const void* v, void* out,
                                          normalize, eps, stream);
 }
 
+// Sets the kernel's dynamic shared memory limit and launches it on a (blocks, slices) grid.
+template <typename... Params, typename... Args>
+cudaError_t launch_tiles(void (*kernel)(Params...), int64_t blocks, int64_t slices, size_t smem,
+                         cudaStream_t stream, Args... args) {
+  if (blocks > kMaxBlocks || slices > 65535) return cudaErrorInvalidConfiguration;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem));
+  if (err != cudaSuccess) return err;
+  kernel<<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(slices)), kThreads, smem,
+           stream>>>(args...);
+  return cudaGetLastError();
+}
+
+// The fused backward: states S of (k, v) forward and R of (q, g) in reverse (block-local
+// prefixes, then the carries), then dq and dk (kernel 4) and dv (kernel 5).
+template <typename Tin, typename Tout>
+cudaError_t backward_typed(const Tin* q, const Tin* k, const Tin* v, const Tin* g, Tout* dq,
+                           Tout* dk, Tout* dv, float* ws, int64_t bh, int64_t n, int64_t f,
+                           int64_t m, cudaStream_t stream) {
+  using Tstate = StateOf<Tin>;
+  const CausalLayout l = causal_layout(bh, n, f, m, sizeof(Tstate));
+  ChunkStates st[2];
+  for (int d = 0; d < 2; ++d) {  // d = 0: S of (k, v); d = 1: R of (q, g), in reverse
+    float* w = ws + d * l.floats;
+    Tstate* prefix = reinterpret_cast<Tstate*>(w + l.prefix_s);
+    const bool reverse = d == 1;
+    cudaError_t err = launch_states<Tin, Tstate>(reverse ? q : k, reverse ? g : v, nullptr, 1,
+                                                 w + l.totals, prefix, w + l.prefix_z, bh, n, f,
+                                                 m, l.cpb, reverse, false, stream);
+    if (err != cudaSuccess) return err;
+    err = launch_scan(w + l.totals, nullptr, bh, l.nblk, l.ss,
+                      reverse ? kExclusiveReverse : kExclusiveForward, stream);
+    if (err != cudaSuccess) return err;
+    st[d] = ChunkStates{prefix, w + l.totals};
+  }
+  const bool vec_f = rows_vectorizable<Tin>(q, f) && rows_vectorizable<Tin>(k, f);
+  const bool vec_m = rows_vectorizable<Tin>(v, m) && rows_vectorizable<Tin>(g, m);
+  const bool vec_s = rows_vectorizable<Tstate>(st[0].prefix, m) &&
+                     rows_vectorizable<Tstate>(st[1].prefix, m);
+  const int64_t blocks = bh * l.nc;
+  cudaError_t err = launch_tiles(chunk_dqk_kernel<Tin, Tstate, Tout>, blocks, cdiv(f, kTile),
+                                 tiles_smem<Tin>(4), stream, q, k, v, g, st[0], st[1], l.cpb, dq,
+                                 dk, n, f, m, vec_f, vec_m, vec_s);
+  if (err != cudaSuccess) return err;
+  return launch_tiles(chunk_dv_kernel<Tin, Tstate, Tout>, blocks, cdiv(m, kTile),
+                      tiles_smem<Tin>(3), stream, q, k, g, st[1], l.cpb, dv, n, f, m, vec_f,
+                      vec_m, vec_s);
+}
+
+template <typename Tin>
+cudaError_t causal_backward_typed(const void* q, const void* k, const void* v, const void* g,
+                                  void* dq, void* dk, void* dv, bool out_fp32, float* ws,
+                                  int64_t bh, int64_t n, int64_t f, int64_t m,
+                                  cudaStream_t stream) {
+  const Tin* qt = static_cast<const Tin*>(q);
+  const Tin* kt = static_cast<const Tin*>(k);
+  const Tin* vt = static_cast<const Tin*>(v);
+  const Tin* gt = static_cast<const Tin*>(g);
+  if (out_fp32) {
+    return backward_typed<Tin, float>(qt, kt, vt, gt, static_cast<float*>(dq),
+                                      static_cast<float*>(dk), static_cast<float*>(dv), ws, bh,
+                                      n, f, m, stream);
+  }
+  return backward_typed<Tin, Tin>(qt, kt, vt, gt, static_cast<Tin*>(dq), static_cast<Tin*>(dk),
+                                  static_cast<Tin*>(dv), ws, bh, n, f, m, stream);
+}
+
 template <typename Tin>
 cudaError_t full_state_typed(const void* k, const void* v, const bool* keep, int64_t heads,
                              float* state, float* ws, int64_t bh, int64_t n, int64_t f,
@@ -762,6 +1081,31 @@ cudaError_t causal_product(DType dtype, const void* q, const void* k, const void
     case DType::kBFloat16:
       return causal_typed<__nv_bfloat16>(q, k, v, out, out_fp32, den, normalize, eps, workspace,
                                          bh, n, f, m, reverse, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+int64_t causal_backward_workspace_floats(DType dtype, int64_t bh, int64_t n, int64_t f,
+                                         int64_t m) {
+  return 2 * causal_workspace_floats(dtype, bh, n, f, m);
+}
+
+cudaError_t causal_backward(DType dtype, const void* q, const void* k, const void* v,
+                            const void* g, void* dq, void* dk, void* dv, bool out_fp32,
+                            float* workspace, int64_t bh, int64_t n, int64_t f, int64_t m,
+                            cudaStream_t stream) {
+  if (bh <= 0 || n <= 0) return cudaSuccess;
+  if (f <= 0 || m <= 0) return cudaErrorInvalidValue;
+  switch (dtype) {
+    case DType::kFloat32:
+      return causal_backward_typed<float>(q, k, v, g, dq, dk, dv, out_fp32, workspace, bh, n, f,
+                                          m, stream);
+    case DType::kFloat16:
+      return causal_backward_typed<__half>(q, k, v, g, dq, dk, dv, out_fp32, workspace, bh, n, f,
+                                           m, stream);
+    case DType::kBFloat16:
+      return causal_backward_typed<__nv_bfloat16>(q, k, v, g, dq, dk, dv, out_fp32, workspace, bh,
+                                                  n, f, m, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -27,7 +27,10 @@ ENV_VAR = "KERNELSTUDY_BACKEND"
 class Backend:
     """One implementation of the causal product.
 
-    ``product(q, k, v)`` returns ``(B,H,N,M)`` in the accumulation dtype;
+    ``product(q, k, v)`` returns ``(B,H,N,M)`` in the accumulation dtype (a
+    backend with a fused ``attention`` may return the input dtype instead,
+    rounded once from its float32 sums: the core composes the normalizer from
+    ``product`` only for backends without ``attention``);
     ``available()`` says whether it runs on this machine (it may build code on
     first call); ``supports(x)`` whether it takes tensors like ``x``
     (device, dtype); ``priority`` orders backends for ``"auto"`` (highest

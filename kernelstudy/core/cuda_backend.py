@@ -11,7 +11,8 @@ Kernels (``csrc/cuda/linear_attention.cu`` documents tiles and precision):
 - causal product ``Σ_{j≤i} (q_i·k_j) v_j``: per-chunk states, a prefix over chunks, then
   per-chunk outputs, so one sequence (B·H = 1) at any N still fills the GPU; the backward
   pass recomputes with the same kernels, ``dq = causal(g, v, k)``,
-  ``dk = anticausal(v, g, q)``, ``dv = anticausal(k, q, g)``, and keeps no per-step state;
+  ``dk = anticausal(v, g, q)``, ``dv = anticausal(k, q, g)``, and keeps no per-step state
+  (:data:`FUSED_BACKWARD` selects one fused pass for all three instead);
 - normalized attention (:func:`linear_attention`): the normalizer ``φq_i·Σ_{j≤i} φk_j`` comes
   out of the same kernel, so neither direction builds an ``O(N·F·M)`` tensor; non-causal
   attention reduces ``S = Σ_j φk_j v_jᵀ`` and ``z = Σ_j φk_j`` over unmasked keys, then reads
@@ -36,6 +37,12 @@ EXTENSION_NAME = "kernelstudy_cuda"
 SOURCES = ("binding.cpp", "linear_attention.cu")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MIN_CAPABILITY = (8, 0)  # bf16 and tf32 tensor cores (Ampere and newer)
+
+# The fused backward (``ext.causal_backward``: two state passes and one pass over the chunks for
+# dq, dk and dv) replaces three separate causal products. It compiles but has not yet run on a
+# GPU, so the validated three-product backward stays the default until tests/test_cuda_backend.py
+# (which checks both against the float64 reference) has passed on one.
+FUSED_BACKWARD = False
 
 _module: ModuleType | None = None
 _tried = False
@@ -95,7 +102,8 @@ class _CausalProduct(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v):  # type: ignore[override]
         ctx.save_for_backward(q, k, v)
-        out, _ = _require().causal_product(q, k, v, reverse=False, out_fp32=True)
+        # Written in the input dtype from the fp32 accumulators: no fp32 copy to cast afterwards.
+        out, _ = _require().causal_product(q, k, v, reverse=False, out_fp32=False)
         return out
 
     @staticmethod
@@ -104,6 +112,8 @@ class _CausalProduct(torch.autograd.Function):
         q, k, v = ctx.saved_tensors
         ext = _require()
         g = grad.to(q.dtype)
+        if FUSED_BACKWARD:
+            return tuple(ext.causal_backward(q, k, v, g, out_fp32=False))
         dq = dk = dv = None
         if ctx.needs_input_grad[0]:  # dq_i = Σ_{j≤i} (g_i·v_j) k_j
             dq = ext.causal_product(g, v, k, reverse=False, out_fp32=False)[0]
@@ -117,8 +127,9 @@ class _CausalProduct(torch.autograd.Function):
 def causal_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """``Σ_{j≤i} (q_i·k_j) v_j`` for CUDA ``q, k: (B,H,N,F)``, ``v: (B,H,N,M)``.
 
-    Returns ``(B,H,N,M)`` in float32 (the backend contract); gradients come back in the input
-    dtypes.
+    Returns ``(B,H,N,M)`` in the input dtype, rounded once from the float32 accumulators (the
+    backend contract allows this for a backend with a fused ``attention``); gradients come back
+    in the input dtypes.
     """
     _check_inputs(q, k, v)
     return _CausalProduct.apply(q, k, v)
@@ -151,11 +162,11 @@ class _CausalAttention(torch.autograd.Function):
         keep = _keep(mask)
         k, v = _masked(k, keep), _masked(v, keep)
         out, den = _require().causal_product(
-            q, k, v, reverse=False, out_fp32=True, with_den=True, normalize=True, eps=eps
+            q, k, v, reverse=False, out_fp32=False, with_den=True, normalize=True, eps=eps
         )
         ctx.save_for_backward(q, k, v, out, den, mask)
         ctx.eps = eps
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     @once_differentiable
@@ -165,13 +176,16 @@ class _CausalAttention(torch.autograd.Function):
         d = den + ctx.eps
         g = grad.float()
         dnum32 = g / d.unsqueeze(-1)
-        dden = -(g * out).sum(-1) / d
+        dden = -(g * out.float()).sum(-1) / d
         dnum = dnum32.to(q.dtype)
-        dq = ext.causal_product(dnum, v, k, reverse=False, out_fp32=True)[0]
+        if FUSED_BACKWARD:
+            dq, dk, dv = ext.causal_backward(q, k, v, dnum, out_fp32=True)
+        else:
+            dq = ext.causal_product(dnum, v, k, reverse=False, out_fp32=True)[0]
+            dk = ext.causal_product(v, dnum, q, reverse=True, out_fp32=True)[0]
+            dv = ext.causal_product(k, q, dnum, reverse=True, out_fp32=True)[0]
         dq += ext.scaled_cumsum(k, None, dden, reverse=False)
-        dk = ext.causal_product(v, dnum, q, reverse=True, out_fp32=True)[0]
         dk += ext.scaled_cumsum(q, dden, None, reverse=True)
-        dv = ext.causal_product(k, q, dnum, reverse=True, out_fp32=True)[0]
         keep = _keep(mask)
         dk, dv = _masked(dk, keep), _masked(dv, keep)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
