@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
             "(torch.cuda.is_available() is False); nothing was measured.",
             file=sys.stderr,
         )
-        return 2
+        return 1
     frame = benchmark(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_suffix(args.out.suffix + ".tmp")

@@ -1,0 +1,121 @@
+"""Per-kernel GPU time of the CUDA backend's causal product, forward and backward.
+
+Runs ``ks.causal_dot_product(..., backend="cuda")`` forward + backward under
+``torch.profiler`` for each dtype and backward variant (three causal products, or the fused
+backward of ``cuda_backend.FUSED_BACKWARD``) and reports every CUDA kernel's total and
+per-call time, its share of the step and its call count per step: where the time goes
+before a kernel is changed.
+
+    python benchmarks/cuda_profile.py --out benchmarks/results/cuda_profile.csv
+
+The CSV records the device, date and command; a table is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import sys
+from pathlib import Path
+
+import pandas as pd
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import kernelstudy as ks
+from kernelstudy.core import cuda_backend
+
+
+def kernel_times(
+    dtype: torch.dtype, b: int, h: int, n: int, d: int, fused: bool, steps: int
+) -> pd.DataFrame:
+    """One row per CUDA kernel: total µs over ``steps`` forward+backward steps and calls."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k = (
+        torch.rand(b, h, n, d, device="cuda", generator=gen).to(dtype).requires_grad_()
+        for _ in range(2)
+    )
+    v = torch.randn(b, h, n, d, device="cuda", generator=gen).to(dtype).requires_grad_()
+    g = torch.randn(b, h, n, d, device="cuda", generator=gen).to(dtype)
+    cuda_backend.FUSED_BACKWARD = fused
+
+    def step() -> None:
+        for t in (q, k, v):
+            t.grad = None
+        ks.causal_dot_product(q, k, v, backend="cuda").backward(g)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    rows = [
+        {"kernel": e.key, "total_us": e.self_device_time_total, "calls": e.count}
+        for e in prof.key_averages()
+        if e.self_device_time_total > 0  # kernels (operators own no device time)
+    ]
+    frame = pd.DataFrame(rows)
+    frame["us_per_call"] = frame.total_us / frame.calls
+    frame["calls_per_step"] = frame.calls / steps
+    frame["us_per_step"] = frame.total_us / steps
+    frame["share"] = frame.total_us / frame.total_us.sum()
+    return frame.sort_values("total_us", ascending=False)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--n", type=int, default=8192, help="sequence length")
+    p.add_argument("--batch", type=int, default=8, help="B")
+    p.add_argument("--heads", type=int, default=16, help="H")
+    p.add_argument("--dim", type=int, default=64, help="F = M")
+    p.add_argument(
+        "--dtypes",
+        nargs="+",
+        default=["bfloat16", "float32"],
+        choices=["float32", "bfloat16", "float16"],
+    )
+    p.add_argument("--steps", type=int, default=5, help="profiled fwd+bwd steps")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/cuda_profile.csv"))
+    args = p.parse_args(argv)
+    if min(args.n, args.batch, args.heads, args.dim, args.steps) < 1:
+        p.error("--n, --batch, --heads, --dim and --steps must be positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available() or "cuda" not in ks.backends():
+        print(
+            "benchmarks/cuda_profile.py needs a GPU and the cuda backend; none here",
+            file=sys.stderr,
+        )
+        return 1
+    b, h = args.batch, args.heads
+    frames = []
+    for name in args.dtypes:
+        for fused in (False, True):
+            frame = kernel_times(getattr(torch, name), b, h, args.n, args.dim, fused, args.steps)
+            frames.append(frame.assign(dtype=name, backward="fused" if fused else "three"))
+    result = pd.concat(frames, ignore_index=True).assign(
+        B=b,
+        H=h,
+        N=args.n,
+        F=args.dim,
+        device=torch.cuda.get_device_name(),
+        date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        torch=torch.__version__,
+        command=" ".join(["python", *sys.argv]),
+    )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    result.to_csv(args.out, index=False)
+    cols = ["dtype", "backward", "kernel", "calls_per_step", "us_per_call", "us_per_step", "share"]
+    with pd.option_context("display.max_colwidth", 60, "display.width", 200):
+        print(result[cols].round(3).to_string(index=False))
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

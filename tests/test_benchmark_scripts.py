@@ -1,0 +1,87 @@
+"""The GPU benchmark scripts' CPU-side parts: arguments, the target ratios, the plot, and a
+clean refusal without a GPU (the measurements themselves need one)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def cuda_core():
+    return _script("cuda_core")
+
+
+def _frame() -> pd.DataFrame:
+    rows = []
+    times = {  # (method, dtype, N) -> ms, fwd+bwd, B=8, H=16, F=M=64
+        ("cuda", "bfloat16", 2048): 1.0,
+        ("sdpa", "bfloat16", 2048): 1.5,
+        ("cuda", "bfloat16", 1024): 1.0,
+        ("sdpa", "bfloat16", 1024): 0.5,
+        ("cuda", "bfloat16", 8192): 3.0,
+        ("cuda_fused", "bfloat16", 8192): 2.0,
+        ("fla", "bfloat16", 8192): 2.5,
+        ("sdpa", "bfloat16", 8192): 12.0,
+        ("cuda", "float32", 16384): 4.0,
+        ("torch", "float32", 16384): 20.0,
+    }
+    for (method, dtype, n), ms in times.items():
+        rows.append(
+            dict(method=method, mode="fwd+bwd", dtype=dtype, B=8, H=16, BH=128, N=n, F=64, M=64)
+            | {"time_ms": ms, "device": "test GPU"}
+        )
+    return pd.DataFrame(rows)
+
+
+def test_targets_report_the_issue_ratios(cuda_core):
+    text = cuda_core.targets(_frame())
+    assert "N=8192 bf16 cuda/fla: 1.200" in text
+    assert "N=8192 bf16 cuda_fused/fla: 0.800" in text
+    assert "N=8192 bf16 cuda/sdpa: 0.250" in text
+    assert "N=16384 fp32 torch/cuda: 5.00" in text
+    assert "crossover with sdpa flash (bf16): N = 2048" in text
+
+
+def test_plot_writes_a_png(cuda_core, tmp_path):
+    path = tmp_path / "cuda.png"
+    cuda_core.plot(_frame(), path)
+    assert path.stat().st_size > 1000
+
+
+def test_arguments(cuda_core):
+    args = cuda_core.parse_args(["--shapes", "1x8", "4x16", "--methods", "cuda", "cuda_fused"])
+    assert args.shapes == [(1, 8), (4, 16)] and args.methods == ["cuda", "cuda_fused"]
+    assert cuda_core.parse_args(["--quick"]).n == [1024, 8192]
+    for bad in (["--shapes", "8by16"], ["--shapes", "0x4"], ["--n", "0"], ["--methods", "x"]):
+        with pytest.raises(SystemExit) as exit_info:
+            cuda_core.parse_args(bad)
+        assert exit_info.value.code == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+@pytest.mark.parametrize("name", ["cuda_core", "cuda_profile"])
+def test_refuses_without_a_gpu(name, tmp_path, capsys):
+    out = tmp_path / "out.csv"
+    assert _script(name).main(["--out", str(out)]) == 1
+    assert "GPU" in capsys.readouterr().err and not out.exists()
+
+
+def test_profile_arguments():
+    profile = _script("cuda_profile")
+    assert profile.parse_args(["--n", "1024", "--batch", "1"]).heads == 16
+    with pytest.raises(SystemExit):
+        profile.parse_args(["--steps", "0"])
