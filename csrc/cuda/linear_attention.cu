@@ -20,7 +20,11 @@
 //                            the normalizer den_i = q_i . z_i (+ row sums of the masked scores).
 // The anti-causal product (sum over j >= i) uses the same kernels with an upper-triangular mask
 // and walks/scans in reverse. The backward pass keeps no per-step state: with g = dL/dout,
-//     dq = causal(g, v, k),  dk = anticausal(v, g, q),  dv = anticausal(k, q, g).
+//     dq = causal(g, v, k),  dk = anticausal(v, g, q),  dv = anticausal(k, q, g),
+// either as three such products or fused (causal_backward): the states of (k, v) forward and of
+// (q, g) in reverse (kernels 1 and 2 twice), then
+//   4. chunk_dqk_kernel      per chunk and F slice: dq and dk from the two states and the chunk,
+//   5. chunk_dv_kernel       per chunk and M slice: dv.
 // Non-causal attention: chunk_states_kernel over blocks of 1024 rows (16 chunks accumulated in
 // registers, key padding skipped), a fixed-order sum over blocks (state_scan_kernel, kSum), then
 // chunk_output_kernel reading the single state without the intra-chunk term.
@@ -467,7 +471,9 @@ __global__ void __launch_bounds__(kThreads)
 // divided by den_i + eps. Every block computes den (cheap); the M-slice-0 block writes it.
 // Shared (Op tiles 64 x LD): Q, K, S, V; A in fp32 (64 x kLdF, then the output staging);
 // the rounded scores reuse Q's tile.
-// Blocks per SM the register budget must allow (smem allows 3 for 16-bit, 2 for fp32 operands).
+// Blocks per SM the register budget must allow: the shared memory of an H100 SM (228 KB) holds 3
+// output blocks with 16-bit operands and 2 with fp32 ones (an A100's 164 KB holds 1 of fp32).
+// For fp32 the cap of 128 registers costs a small spill; the GPU session should time 1 vs 2.
 template <typename Tin>
 constexpr int kOutputBlocksPerSm = std::is_same_v<Tin, float> ? 2 : 3;
 

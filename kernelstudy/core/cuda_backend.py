@@ -112,7 +112,7 @@ class _CausalProduct(torch.autograd.Function):
         q, k, v = ctx.saved_tensors
         ext = _require()
         g = grad.to(q.dtype)
-        if FUSED_BACKWARD:
+        if FUSED_BACKWARD and all(ctx.needs_input_grad):
             return tuple(ext.causal_backward(q, k, v, g, out_fp32=False))
         dq = dk = dv = None
         if ctx.needs_input_grad[0]:  # dq_i = Σ_{j≤i} (g_i·v_j) k_j
