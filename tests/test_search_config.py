@@ -103,3 +103,73 @@ def test_storage_errors_name_the_url(tmp_path):
         open_storage("postgresql://user:secret@127.0.0.1:1/db")
     except ValueError as err:
         assert "secret" not in str(err)
+
+
+PERFORMER = """
+[[variants]]
+label = "Performer"
+feature_map = "favor"
+fixed = { num_features = { low = 16, high = 256, log = true } }
+[[variants]]
+label = "elu+1"
+feature_map = "elu"
+"""
+QUICK_PERFORMER = """
+[quick.variants.Performer]
+fixed = { num_features = { low = 8, high = 32 } }
+"""
+
+
+def test_quick_overrides_one_variants_range(tmp_path):
+    path = _write(tmp_path, GOOD + QUICK_PERFORMER + PERFORMER)
+    full, quick = load_config(path), load_config(path, quick=True)
+    # Full mode: the variant as declared; quick: merged key by key (log kept).
+    assert full.variant("Performer").fixed == {
+        "num_features": {"low": 16, "high": 256, "log": True}
+    }
+    assert quick.variant("Performer").fixed == {"num_features": {"low": 8, "high": 32, "log": True}}
+    assert quick.labels() == full.labels() == ["Transformer", "elu", "Performer", "elu+1"]
+    others = [v for v in quick.variants if v.label != "Performer"]
+    assert others == [v for v in full.variants if v.label != "Performer"]
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    drawn = set()
+    for _ in range(30):
+        trial = study.ask()
+        drawn.add(
+            suggest_feature_map(trial, "favor", quick.variant("Performer").fixed)["num_features"]
+        )
+        study.tell(trial, 0.0)
+    assert drawn and min(drawn) >= 8 and max(drawn) <= 32
+    # A fixed value replaces the range; a quoted label reaches a variant like "elu+1".
+    path.write_text(
+        GOOD
+        + "\n[quick.variants.Performer]\nfixed = { num_features = 16 }\n"
+        + '\n[quick.variants."elu+1".fixed]\n'
+        + PERFORMER
+    )
+    quick = load_config(path, quick=True)
+    assert quick.variant("Performer").fixed == {"num_features": 16}
+    assert quick.variant("elu+1").fixed == {}
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        # unknown variant label: named, with the labels there are
+        ("[quick.variants.Performr]\nfixed = { num_features = 16 }", r"Performr.*'Performer'"),
+        ('[quick.variants."elu 1"]\nfixed = {}', r'variants\."elu 1".*no variant.*elu\+1'),
+        # unknown hyperparameter of the variant's map: named, with the map's hyperparameters
+        ("[quick.variants.Performer]\nfixed = { num_feature = 16 }", r"num_feature.*num_features"),
+        # only `fixed` may change
+        ("[quick.variants.Performer]\nfeature_map = 'elu'", r"feature_map.*allowed: \['fixed'\]"),
+        ("[quick.variants.Performer]\nfixed = 16", "fixed must be a table"),
+        ("[quick.variants.Performer]\nfixed = { num_features = { hi = 32 } }", r"hi.*'high'"),
+        ("[quick.variants.Transformer]\nfixed = { depth = 1 }", "softmax attention"),
+        ("[[quick.variants]]\nlabel = 'Performer'", r"\[quick\.variants\.Performer\]"),
+    ],
+)
+def test_bad_quick_variant_overrides(tmp_path, override, match):
+    path = _write(tmp_path, GOOD + "\n" + override + "\n" + PERFORMER)
+    for quick in (True, False):  # checked in full mode too
+        with pytest.raises(ValueError, match=match):
+            load_config(path, quick=quick)

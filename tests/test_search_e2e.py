@@ -3,12 +3,14 @@ parameter budget, interrupt and resume, bad inputs, and --help."""
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import optuna
@@ -17,8 +19,11 @@ import pytest
 from optuna.trial import TrialState
 
 from kernelstudy.cli import main
+from kernelstudy.search import objective as objective_module
 from kernelstudy.search.config import load_config
 from kernelstudy.search.objective import check_variants, data_dir, prepare_data
+from kernelstudy.search.runner import search_summary
+from kernelstudy.search.workers import DUPLICATE_ATTR, requeue_failed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -181,6 +186,62 @@ def test_interrupt_and_resume_loses_and_duplicates_nothing(tmp_path):
     assert {t.state for t in trials} <= {TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL}
 
 
+def test_duplicate_requeue_trains_once_and_reports_ignore_it(tmp_path, monkeypatch):
+    cfg, out = write_config(tmp_path, ["elu+1"]), tmp_path / "res"
+    assert ks("search", cfg, "--out", out, "--trials", "1") == 0
+    study = studies(out)["tiny/elu+1"]
+    done = study.get_trials()[0]
+    study.add_trial(
+        optuna.create_trial(
+            state=TrialState.FAIL, params=done.params, distributions=done.distributions
+        )
+    )
+    failed = study.get_trials()[-1]
+    # Two workers that start together both find it failed and not retried: two copies.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        retry = optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=2)
+    for _ in range(2):
+        retry(study, copy.deepcopy(failed))
+    assert requeue_failed(study) == []
+    copies = [t.number for t in study.get_trials(states=(TrialState.WAITING,))]
+    assert copies == [failed.number + 1, failed.number + 2]
+
+    trained: list[int] = []
+    real_train_run = objective_module.train_run
+
+    def counting_train_run(*args, trial=None, **kwargs):
+        trained.append(trial.number)
+        return real_train_run(*args, trial=trial, **kwargs)
+
+    monkeypatch.setattr(objective_module, "train_run", counting_train_run)
+    assert ks("search", cfg, "--out", out, "--trials", "3") == 0
+    trials = {t.number: t for t in study.get_trials()}
+    dup = trials[copies[1]]
+    # The first copy trained; the second was pruned before building a model; one new trial
+    # took the duplicate's place, so 3 trials finished besides it.
+    assert trained == [copies[0], copies[1] + 1]
+    assert trials[copies[0]].state == TrialState.COMPLETE
+    assert trials[copies[0]].params == failed.params
+    assert dup.state == TrialState.PRUNED and dup.user_attrs[DUPLICATE_ATTR] == failed.number
+    assert "duplicate re-queue" in dup.user_attrs["pruned_reason"]
+    assert set(dup.user_attrs) == {DUPLICATE_ATTR, "pruned_reason"}  # no model was built
+    config = load_config(cfg)
+    row = search_summary(config, f"sqlite:///{out / 'tiny' / 'optuna.db'}").iloc[0]
+    assert row["finished"] == 3 and row["over_budget"] == 0 and row["failed"] == 1
+    assert row["complete"] + row["pruned"] == 3
+
+    # evaluate and report: the duplicate is nowhere.
+    assert ks("evaluate", cfg, "--seeds", "1", "--out", out) == 0
+    runs = pd.read_csv(out / "tiny" / "evaluation.csv")
+    assert dup.number not in set(runs["trial"])
+    assert ks("report", cfg, "--out", out) == 0
+    listed = pd.read_csv(out / "tiny" / "trials.csv")
+    assert sorted(listed["number"]) == sorted(n for n in trials if n != dup.number)
+    summary = pd.read_csv(out / "tiny" / "search_summary.csv")
+    assert summary.loc[0, "finished"] == 3 and summary.loc[0, "over_budget"] == 0
+
+
 @pytest.mark.parametrize(
     "edit, extra, message",
     [
@@ -245,6 +306,14 @@ def test_shipped_lra_configs(name, tmp_path):
     assert full.task == quick.task == name and quick.name == f"lra_{name}_quick"
     assert full.labels() == quick.labels() and "3xAOGLU" in full.labels()
     assert full.model["d_model"] > quick.model["d_model"]
+    # [quick.variants.Performer]: a smaller R range in quick mode only; the rest as declared.
+    r_full = full.variant("Performer").fixed["num_features"]
+    r_quick = quick.variant("Performer").fixed["num_features"]
+    assert r_full == {"low": 16, "high": 256, "log": True}
+    assert r_quick["high"] < r_full["high"] and r_quick["log"]
+    assert [v for v in full.variants if v.label != "Performer"] == [
+        v for v in quick.variants if v.label != "Performer"
+    ]
     if name == "listops":
         assert full.task_options["max_length"] == 2000
         assert data_dir(quick, tmp_path) == tmp_path / "lra_listops_quick" / "data"

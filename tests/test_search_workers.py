@@ -5,16 +5,26 @@
 
 from __future__ import annotations
 
+import copy
 import multiprocessing as mp
 import os
 import time
 import uuid
+import warnings
 
 import optuna
 import pytest
 from optuna.trial import TrialState
 
-from kernelstudy.search.workers import _worker, open_study, run_workers
+from kernelstudy.search.workers import (
+    DUPLICATE_ATTR,
+    _worker,
+    finished_trials,
+    open_study,
+    requeue_failed,
+    retried_from,
+    run_workers,
+)
 
 POSTGRES_ENV = "KERNELSTUDY_TEST_POSTGRES_URL"
 FAST_HEARTBEAT = (1, 3)
@@ -25,6 +35,12 @@ def quick_objective(trial: optuna.Trial) -> float:
     time.sleep(0.05)
     trial.report(-(x**2), 0)
     return -(x**2)
+
+
+def marking_objective(trial: optuna.Trial) -> float:
+    """quick_objective that leaves a mark on every trial it runs."""
+    trial.set_user_attr("ran", True)
+    return quick_objective(trial)
 
 
 def hanging_objective(trial: optuna.Trial) -> float:
@@ -84,3 +100,47 @@ def test_killed_worker_trial_is_failed_and_retried(kind, tmp_path):
     assert len(complete) == 3
     # The failed trial's parameters were re-queued and finished by the other worker.
     assert any(t.params["x"] == killed.params["x"] for t in complete)
+
+
+def _race_requeue(study: optuna.Study, x: float) -> int:
+    """A failed trial re-queued twice, as two workers starting at the same instant do: both
+    read the trials, see it not yet retried, and each add a copy. Returns its number."""
+    study.add_trial(
+        optuna.create_trial(
+            state=TrialState.FAIL,
+            params={"x": x},
+            distributions={"x": optuna.distributions.FloatDistribution(-1.0, 1.0)},
+        )
+    )
+    failed = study.get_trials(deepcopy=False)[-1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        with_retry = optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=2)
+    for _ in range(2):  # what requeue_failed does in each worker
+        with_retry(study, copy.deepcopy(failed))
+    assert requeue_failed(study) == []  # both copies mark it retried
+    return failed.number
+
+
+@pytest.mark.parametrize("kind, workers", [("sqlite", 1), ("sqlite", 2), ("postgres", 2)])
+def test_duplicate_requeue_runs_once(kind, workers, tmp_path):
+    url, name = _url(kind, tmp_path), f"dup-{uuid.uuid4().hex[:8]}"
+    study = open_study(url, name, heartbeat=FAST_HEARTBEAT)
+    failed = _race_requeue(study, 0.25)
+    copies = [t for t in study.get_trials() if retried_from(t) == failed]
+    assert len(copies) == 2 and all(t.state == TrialState.WAITING for t in copies)
+
+    run_workers(url, name, marking_objective, trials=3, workers=workers, heartbeat=FAST_HEARTBEAT)
+    trials = {t.number: t for t in study.get_trials()}
+    first, second = (trials[t.number] for t in copies)
+    # The lower-numbered copy ran; the other was pruned before the objective, with a reason.
+    assert first.state == TrialState.COMPLETE and first.user_attrs["ran"]
+    assert first.params == {"x": 0.25} and first.value == -(0.25**2)
+    assert second.state == TrialState.PRUNED and "ran" not in second.user_attrs
+    assert second.user_attrs[DUPLICATE_ATTR] == failed
+    assert f"trial {first.number} re-runs it" in second.user_attrs["pruned_reason"]
+    assert not second.intermediate_values
+    # The duplicate cost no trial: 3 real ones finished (a 2nd worker may add one more).
+    ran = [t for t in trials.values() if t.user_attrs.get("ran")]
+    assert all(t.state == TrialState.COMPLETE for t in ran)
+    assert finished_trials(study) == len(ran) and 3 <= len(ran) <= 2 + workers

@@ -18,8 +18,8 @@ from typing import Any
 
 import optuna
 import pandas as pd
-from tqdm.auto import tqdm
 
+from ..progress import tqdm
 from ..train import atomic_write_text
 from .config import SearchConfig, load_config
 from .objective import prepare_data, suggest_settings, train_run

@@ -9,7 +9,8 @@ CSV when :mod:`.evaluate` has run) of one or more configs and writes, under
   published number (``paper``) where the variant and task match. Without an
   evaluation a variant's entry is its best trial's test accuracy (n = 1).
 - ``paper_reference.csv`` / ``.md``: the published table itself.
-- ``trials.csv``: every trial of every study, with its sizes and costs.
+- ``trials.csv``: every trial of every study, with its sizes and costs (re-queued
+  duplicates, pruned before they ran, left out).
 - ``search_summary.csv``: trial counts and the best trial per variant.
 - figures: ``accuracy_vs_parameters.png``, ``accuracy_vs_feature_dim.png``,
   ``accuracy_vs_train_time.png``, ``optimization_history.png``.
@@ -31,6 +32,7 @@ from .config import load_config
 from .evaluate import EVALUATION, read_evaluation, summarize_evaluation
 from .runner import DEFAULT_OUT, storage_url, study_row
 from .storage import open_storage, redact
+from .workers import is_duplicate
 
 #: Yorsh & Kovalenko's published test accuracies (%); their Matching is LRA Retrieval.
 PAPER: dict[str, dict[str, float]] = {
@@ -110,11 +112,15 @@ def load_results(
 
 
 def trials_frame(results: Sequence[StudySet]) -> pd.DataFrame:
-    """One row per trial of every study: state, value, parameters and user attrs."""
+    """One row per trial of every study: state, value, parameters and user attrs.
+
+    Duplicate re-queues (pruned before they ran, see :mod:`.workers`) are left out."""
     rows: list[dict[str, Any]] = []
     for res in results:
         for label, study in res.studies.items():
             for t in study.get_trials(deepcopy=False):
+                if is_duplicate(t):
+                    continue
                 row: dict[str, Any] = {
                     "config": res.name,
                     "task": res.task,

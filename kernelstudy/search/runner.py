@@ -17,12 +17,12 @@ from typing import Any
 
 import optuna
 import pandas as pd
-from tqdm.auto import tqdm
 
+from ..progress import tqdm
 from .config import SearchConfig, Variant, load_config
 from .objective import check_variants, objective, prepare_data
 from .storage import default_storage_url, load_study, open_storage
-from .workers import FINISHED, open_study, run_workers
+from .workers import FINISHED, is_duplicate, open_study, run_workers
 
 DEFAULT_OUT = "results"
 
@@ -131,8 +131,8 @@ def search_summary(
 
 
 def study_row(study: optuna.Study, label: str) -> dict[str, Any]:
-    """The :func:`search_summary` row of one variant's study."""
-    trials = study.get_trials(deepcopy=False)
+    """The :func:`search_summary` row of one variant's study (duplicate re-queues left out)."""
+    trials = [t for t in study.get_trials(deepcopy=False) if not is_duplicate(t)]
     states = pd.Series([t.state.name for t in trials], dtype=object).value_counts()
     best = best_trial(study)
     over = [t for t in trials if "pruned_reason" in t.user_attrs]

@@ -25,6 +25,8 @@ TRAINING_SPACE: dict[str, Hyperparameter] = {
     "weight_decay": Hyperparameter(float, 0.01, low=1e-4, high=0.3, log=True, doc="AdamW decay"),
     "dropout": Hyperparameter(float, 0.1, low=0.0, high=0.3, doc="dropout in the encoder"),
 }
+#: Keys of a range dict that narrows a search (any other override fixes the value).
+RANGE_KEYS = ("low", "high", "choices", "log")
 
 
 def suggest(trial: optuna.Trial, name: str, spec: Hyperparameter, override: Any = None) -> Any:
@@ -36,9 +38,12 @@ def suggest(trial: optuna.Trial, name: str, spec: Hyperparameter, override: Any 
     if override is not None and not isinstance(override, Mapping):
         return spec.validate(name, override)
     narrow = dict(override or {})
-    unknown = set(narrow) - {"low", "high", "choices", "log"}
+    unknown = set(narrow) - set(RANGE_KEYS)
     if unknown:
-        raise ValueError(f"search range for {name!r} has unknown keys {sorted(unknown)}")
+        raise ValueError(
+            f"search range for {name!r} has unknown keys {sorted(unknown)}; "
+            f"allowed: {list(RANGE_KEYS)}"
+        )
     choices = narrow.get("choices", spec.choices)
     if choices is not None or spec.type is bool:
         options = list(choices) if choices is not None else [False, True]

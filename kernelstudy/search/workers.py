@@ -4,10 +4,20 @@ Each worker opens the storage by URL and calls ``study.optimize`` until the
 study holds ``trials`` finished (complete or pruned) trials. Trials of a worker
 that dies stop sending heartbeats; another worker marks them failed and
 re-queues their parameters (see :mod:`kernelstudy.search.storage`).
+
+A re-queued copy records the failed trial it re-runs (the last entry of its
+``retry_history`` system attr). Two workers that start at the same instant can
+both re-queue one failed trial (:func:`requeue_failed` reads, then adds); the
+copies are deduplicated when they start: every copy but the lowest-numbered one
+is pruned at once, before its objective runs, with user attrs ``duplicate_of``
+(the failed trial) and ``pruned_reason``. Duplicates do not count towards
+``trials``, and the summaries and reports leave them out.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import multiprocessing as mp
 import sys
 import warnings
@@ -15,12 +25,13 @@ from collections.abc import Callable
 
 import optuna
 from optuna.storages import RetryHeartbeatStaleTrialCallback
-from optuna.study import MaxTrialsCallback
-from optuna.trial import TrialState
+from optuna.trial import FrozenTrial, TrialState
 
 from .storage import GRACE_PERIOD, HEARTBEAT_INTERVAL, MAX_RETRY, open_storage
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
+#: User attr of a re-queued copy pruned as a duplicate: the number of the failed trial.
+DUPLICATE_ATTR = "duplicate_of"
 
 
 def make_pruner(kind: str) -> optuna.pruners.BasePruner:
@@ -56,9 +67,66 @@ def open_study(
     )
 
 
+def is_duplicate(trial: FrozenTrial) -> bool:
+    """Whether ``trial`` is a re-queued copy pruned because another copy runs (see above)."""
+    return DUPLICATE_ATTR in trial.user_attrs
+
+
 def finished_trials(study: optuna.Study) -> int:
-    """How many trials of ``study`` are complete or pruned."""
-    return len(study.get_trials(deepcopy=False, states=FINISHED))
+    """How many trials of ``study`` are complete or pruned (duplicates left out)."""
+    return sum(not is_duplicate(t) for t in study.get_trials(deepcopy=False, states=FINISHED))
+
+
+def retried_from(trial: FrozenTrial) -> int | None:
+    """The number of the failed trial that ``trial`` re-runs, or None for a fresh trial."""
+    history = trial.system_attrs.get("retry_history") or []
+    return int(history[-1]) if history else None
+
+
+def duplicate_of(trial: optuna.Trial) -> tuple[int, int] | None:
+    """``(failed, first)`` when ``trial`` re-runs failed trial ``failed`` and a lower-numbered
+    copy ``first`` of it exists (waiting, running or finished); else None.
+
+    The lowest-numbered copy is the one that runs, whichever worker popped it, so the
+    outcome does not depend on timing.
+    """
+    trials = trial.study.get_trials(deepcopy=False)
+    me = next((t for t in trials if t.number == trial.number), None)
+    failed = None if me is None else retried_from(me)
+    if failed is None:
+        return None
+    first = min(t.number for t in trials if retried_from(t) == failed)
+    return None if first >= trial.number else (failed, first)
+
+
+def skip_duplicates(
+    objective: Callable[[optuna.Trial], float],
+) -> Callable[[optuna.Trial], float]:
+    """``objective`` preceded by the duplicate check: a duplicate copy is pruned at once."""
+
+    @functools.wraps(objective)
+    def run(trial: optuna.Trial) -> float:
+        dup = duplicate_of(trial)
+        if dup is not None:
+            failed, first = dup
+            reason = f"duplicate re-queue of failed trial {failed}: trial {first} re-runs it"
+            trial.set_user_attr(DUPLICATE_ATTR, failed)
+            trial.set_user_attr("pruned_reason", reason)
+            raise optuna.TrialPruned(reason)
+        return objective(trial)
+
+    return run
+
+
+class StopAtFinished:
+    """Optuna callback: stop the study once it holds ``n`` finished trials (not duplicates)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        if finished_trials(study) >= self.n:
+            study.stop()
 
 
 def requeue_failed(study: optuna.Study, max_retry: int = MAX_RETRY) -> list[int]:
@@ -67,6 +135,9 @@ def requeue_failed(study: optuna.Study, max_retry: int = MAX_RETRY) -> list[int]
     Trials failed by the heartbeat are re-queued by the storage itself; this covers
     trials that failed in the open (an interrupted search, a crash caught by Optuna),
     so a resumed search runs them again. Returns the numbers re-queued.
+
+    Reading and adding are not one transaction: two workers starting together can
+    both re-queue a trial; :func:`skip_duplicates` runs only the first copy.
     """
     trials = study.get_trials(deepcopy=False)
     retried = {n for t in trials for n in t.system_attrs.get("retry_history", [])}
@@ -77,7 +148,7 @@ def requeue_failed(study: optuna.Study, max_retry: int = MAX_RETRY) -> list[int]
     for trial in trials:
         if trial.state == TrialState.FAIL and trial.number not in retried:
             before = len(study.get_trials(deepcopy=False))
-            retry(study, trial)
+            retry(study, copy.deepcopy(trial))  # it appends to the trial's retry_history
             if len(study.get_trials(deepcopy=False)) > before:
                 done.append(trial.number)
     return done
@@ -97,8 +168,8 @@ def _worker(
     if finished_trials(study) >= trials:
         return
     study.optimize(
-        objective,
-        callbacks=[MaxTrialsCallback(trials, states=FINISHED)],
+        skip_duplicates(objective),
+        callbacks=[StopAtFinished(trials)],
         catch=(RuntimeError, FloatingPointError),
     )
 

@@ -16,9 +16,9 @@ import pandas as pd
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
-from tqdm.auto import tqdm
 
 from ..nn.models import feature_dim_of, feature_map_parameter_count, parameter_count
+from ..progress import tqdm
 from .checkpoint import (
     get_rng_state,
     load_checkpoint,
