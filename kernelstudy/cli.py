@@ -42,13 +42,13 @@ def _cmd_maps(args: argparse.Namespace) -> int:
 
 
 def _cmd_study(args: argparse.Namespace) -> int:
-    from kernelstudy.study import list_studies, run_study
+    from kernelstudy.study import list_studies, run_from_args
 
     if args.name is None:
         for name in list_studies():
             print(name)
         return 0
-    run_study(args.name, quick=args.quick, out=args.out, device=args.device, force=args.force)
+    run_from_args(args.name, args)
     return 0
 
 

@@ -8,13 +8,25 @@ defines plain functions:
 - ``configs(params) -> list[dict]``: the configurations (flat JSON-able dicts);
 - ``run_config(config, device) -> DataFrame | list[dict]``: result rows of one config;
 - optional ``figures(frame, params) -> dict[str, Figure]`` and
-  ``summarize(frame, params) -> str`` (a markdown table).
+  ``summarize(frame, params) -> str`` (a markdown table);
+- optional ``TABLES``: names of extra long-format tables the study writes beside
+  ``results.csv`` (e.g. ``("spectra",)`` writes ``spectra.csv``). ``run_config`` then
+  returns a dict ``{"results": rows, NAME: rows, ...}`` and ``figures``/``summarize``
+  get a third argument, a dict ``NAME -> DataFrame`` of the current configurations' rows.
 
 :func:`run_study` runs every configuration not yet in ``results.csv`` (one
 config at a time, rewriting the CSV atomically after each, so an interrupted
 study resumes where it stopped), then writes the figures (PNG) and ``summary.md``
 from the rows of the current configurations. Rows get the config's entries as
 columns plus ``study``, ``config_id`` (a hash of config and device) and ``device``.
+Rows of an extra table get only ``config_id`` (first column) besides the columns the
+study gives them; join with ``results.csv`` on it for the rest. Extra tables are
+rewritten atomically after each config too, before ``results.csv``, and a config's old
+rows are replaced, never duplicated, so an interrupted study resumes cleanly.
+``fill_tables=True`` (``--fill-tables``) reruns the finished configurations that have no
+rows in an extra table, writing only those rows (``results.csv`` is kept as it is, and a
+rerun that does not reproduce its stored rows is reported); ``only`` (``--only
+KEY=VALUE``) restricts the configurations run to those matching.
 """
 
 from __future__ import annotations
@@ -33,12 +45,15 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import numpy as np
 import pandas as pd
-from tqdm.auto import tqdm
+
+from .progress import tqdm
 
 ENV_STUDIES_DIR = "KERNELSTUDY_STUDIES_DIR"
 ENV_RESULTS_DIR = "KERNELSTUDY_RESULTS"
-RESULTS_FILE = "results.csv"
+RESULTS = "results"
+RESULTS_FILE = f"{RESULTS}.csv"
 SUMMARY_FILE = "summary.md"
 DEVICES = ("cpu", "cuda")
 
@@ -137,7 +152,86 @@ def write_atomic(path: Path, write) -> None:
 def _read_results(path: Path) -> pd.DataFrame:
     if not path.is_file():
         return pd.DataFrame()
-    return pd.read_csv(path, keep_default_na=True)
+    # low_memory=False: a column empty in the first rows and text later (spectra.csv's
+    # captured_with) gets one dtype, without pandas' mixed-types warning
+    return pd.read_csv(path, keep_default_na=True, low_memory=False)
+
+
+def study_tables(module: ModuleType) -> tuple[str, ...]:
+    """The extra tables a study script declares in ``TABLES`` (validated), e.g. ``("spectra",)``."""
+    tables = getattr(module, "TABLES", ())
+    if isinstance(tables, str) or not all(isinstance(t, str) for t in tables):
+        raise ValueError(
+            f"TABLES of study {module.__name__} must be a tuple of str, got {tables!r}"
+        )
+    for table in tables:
+        if not table.isidentifier() or table in (RESULTS, Path(SUMMARY_FILE).stem):
+            raise ValueError(
+                f"TABLES of study {module.__name__}: {table!r} is not a valid table name "
+                f"(an identifier other than {RESULTS!r} and {Path(SUMMARY_FILE).stem!r})"
+            )
+    return tuple(tables)
+
+
+def _split_rows(rows: Any, tables: tuple[str, ...]) -> dict[str, pd.DataFrame]:
+    """``run_config``'s return value as one DataFrame per table (``results`` first)."""
+    if not tables:
+        return {RESULTS: pd.DataFrame(rows)}
+    if not isinstance(rows, dict) or not set(rows) <= {RESULTS, *tables}:
+        raise ValueError(
+            f"run_config of a study with TABLES = {tables} must return a dict with keys "
+            f"{RESULTS!r} and the tables' names, got "
+            + (f"keys {sorted(rows)}" if isinstance(rows, dict) else type(rows).__name__)
+        )
+    return {t: pd.DataFrame(rows.get(t, [])) for t in (RESULTS, *tables)}
+
+
+def _tag_results(new: pd.DataFrame, config: dict, cid: str, name: str, device: str):
+    """Result rows of one config with its entries, ``study``, ``config_id`` and ``device``."""
+    new = new.copy()
+    if new.empty:
+        new = pd.DataFrame([{"metric": "no_rows", "value": math.nan}])
+    for key, value in config.items():
+        if key not in new:
+            new[key] = value if not isinstance(value, list | dict) else json.dumps(value)
+    new.insert(0, "config_id", cid)
+    new.insert(0, "study", name)
+    new["device"] = device
+    return new
+
+
+def _append(frame: pd.DataFrame, new: pd.DataFrame, cid: str) -> pd.DataFrame:
+    """``frame`` without the rows of config ``cid``, then ``new``."""
+    if not frame.empty and "config_id" in frame:
+        frame = frame[frame["config_id"] != cid]
+    if frame.empty:
+        return new.reset_index(drop=True)
+    return pd.concat([frame, new], ignore_index=True) if not new.empty else frame
+
+
+def _reproduces(stored: pd.DataFrame, new: pd.DataFrame, rtol: float = 1e-9) -> bool:
+    """Whether rerun result rows match the stored ones (same metrics, values within rtol)."""
+    if len(stored) != len(new) or "value" not in new or "metric" not in new:
+        return False
+    a = pd.to_numeric(stored["value"], errors="coerce").to_numpy(dtype=float)
+    b = pd.to_numeric(new["value"], errors="coerce").to_numpy(dtype=float)
+    same_metrics = list(stored["metric"].astype(str)) == list(new["metric"].astype(str))
+    return same_metrics and bool(np.allclose(a, b, rtol=rtol, atol=0.0, equal_nan=True))
+
+
+def _matches(config: dict, only: dict[str, str]) -> bool:
+    return all(key in config and str(config[key]) == value for key, value in only.items())
+
+
+def parse_only(items: Sequence[str] | None) -> dict[str, str]:
+    """``["KEY=VALUE", ...]`` (the ``--only`` options) as a dict; values compare as strings."""
+    only = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--only takes KEY=VALUE (a config entry), got {item!r}")
+        only[key] = value
+    return only
 
 
 def run_study(
@@ -147,6 +241,8 @@ def run_study(
     device: str = "cpu",
     force: bool = False,
     verbose: bool = True,
+    fill_tables: bool = False,
+    only: dict[str, Any] | None = None,
 ) -> pd.DataFrame:
     """Run study ``name`` and return the result rows of its current configurations.
 
@@ -154,10 +250,16 @@ def run_study(
         name: a study from :func:`list_studies`.
         quick: the ``[quick]`` sizes (a few minutes at most on a laptop CPU).
         out: output directory (default ``results/NAME`` under the working directory);
-            gets ``results.csv``, ``summary.md`` and ``*.png``.
+            gets ``results.csv``, one ``TABLE.csv`` per extra table of the study,
+            ``summary.md`` and ``*.png``.
         device: ``"cpu"`` or ``"cuda"``.
         force: recompute configurations already in ``results.csv``.
         verbose: show tqdm progress and print the summary table and file paths.
+        fill_tables: also rerun configurations already in ``results.csv`` that have no rows
+            in one of the study's extra tables, to write those rows only (their
+            ``results.csv`` rows are kept; reruns that do not reproduce them are reported).
+        only: run only the configurations whose entries equal these (compared as strings),
+            e.g. ``{"part": "gaussian"}``; the summary and figures still cover all of them.
     """
     if device not in DEVICES:
         raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
@@ -166,62 +268,103 @@ def run_study(
 
         if not torch.cuda.is_available():
             raise ValueError("device='cuda' but CUDA is not available on this machine")
+    only = {str(k): str(v) for k, v in (only or {}).items()}
     module = load_study(name)
+    tables = study_tables(module)
     params = load_params(name, quick)
     out_dir = Path(out) if out is not None else Path("results") / name
     out_dir.mkdir(parents=True, exist_ok=True)
-    results_path = out_dir / RESULTS_FILE
+    paths = {t: out_dir / f"{t}.csv" for t in (RESULTS, *tables)}
+    results_path = paths[RESULTS]
 
     configs = list(module.configs(params))
     ids = [config_id(c, device) for c in configs]
     if len(set(ids)) != len(ids):
         raise ValueError(f"study {name!r} produced duplicate configurations")
-    existing = _read_results(results_path)
-    done = set(existing["config_id"]) if "config_id" in existing else set()
+    if only:
+        unknown = sorted(set(only) - {k for c in configs for k in c})
+        if unknown:
+            raise ValueError(f"only: {unknown} name no entry of study {name!r}'s configurations")
+    frames = {t: _read_results(path) for t, path in paths.items()}
+    done = set(frames[RESULTS]["config_id"]) if "config_id" in frames[RESULTS] else set()
     if force and done:
-        existing = existing[~existing["config_id"].isin(ids)]
+        for t, frame in frames.items():
+            if "config_id" in frame:
+                frames[t] = frame[~frame["config_id"].isin(ids)]
         done = set()
-    todo = [(c, i) for c, i in zip(configs, ids, strict=True) if i not in done]
+    unfilled = set()  # finished configs with no rows in an extra table
+    for t in tables:
+        have = set(frames[t]["config_id"]) if "config_id" in frames[t] else set()
+        unfilled |= done - have
+    todo = [
+        (c, i)
+        for c, i in zip(configs, ids, strict=True)
+        if (i not in done or (fill_tables and i in unfilled)) and _matches(c, only)
+    ]
     if verbose:
-        skipped = len(configs) - len(todo)
+        refill = sum(i in done for _, i in todo)
         print(
             f"study {name} ({'quick' if quick else 'full'}, {device}): {len(configs)} "
-            f"configurations, {skipped} already in {results_path}"
-            + (", running the rest" if todo else ""),
+            f"configurations, {len(done & set(ids))} already in {results_path}; running "
+            f"{len(todo)}"
+            + (f" matching {only}" if only else "")
+            + (f", {refill} of them only to fill {', '.join(tables)}" if refill else ""),
             file=sys.stderr,
         )
-    frame = existing
+        left = (unfilled & set(ids)) - {i for _, i in todo}
+        if left:
+            print(
+                f"{len(left)} finished configurations have no rows in {', '.join(tables)} "
+                + ("(not matching --only)" if fill_tables else "(--fill-tables computes them)"),
+                file=sys.stderr,
+            )
+    not_reproduced = []
     start = time.perf_counter()
     for config, cid in tqdm(todo, desc=name, unit="config", disable=not verbose or not todo):
-        rows = module.run_config(dict(config), device)
-        new = pd.DataFrame(rows)
-        if new.empty:
-            new = pd.DataFrame([{"metric": "no_rows", "value": math.nan}])
-        for key, value in config.items():
-            if key not in new:
-                new[key] = value if not isinstance(value, list | dict) else json.dumps(value)
-        new.insert(0, "config_id", cid)
-        new.insert(0, "study", name)
-        new["device"] = device
-        frame = pd.concat([frame, new], ignore_index=True) if not frame.empty else new
-        write_atomic(results_path, lambda p, f=frame: f.to_csv(p, index=False))
+        new = _split_rows(module.run_config(dict(config), device), tables)
+        for t in tables:  # extra tables first: a config in results.csv has its rows there
+            rows = new[t].copy()
+            rows.insert(0, "config_id", cid)
+            frames[t] = _append(frames[t], rows, cid)
+            write_atomic(paths[t], lambda p, f=frames[t]: f.to_csv(p, index=False))
+        rows = _tag_results(new[RESULTS], config, cid, name, device)
+        if cid in done:  # filling an extra table: keep the stored results
+            stored = frames[RESULTS][frames[RESULTS]["config_id"] == cid]
+            if not _reproduces(stored, rows):
+                not_reproduced.append(cid)
+            continue
+        frames[RESULTS] = _append(frames[RESULTS], rows, cid)
+        write_atomic(results_path, lambda p, f=frames[RESULTS]: f.to_csv(p, index=False))
     elapsed = time.perf_counter() - start
+    if not_reproduced:
+        print(
+            f"warning: {len(not_reproduced)} configurations rerun to fill "
+            f"{', '.join(tables)} did not reproduce their rows in {results_path} (kept): "
+            + ", ".join(not_reproduced[:10])
+            + (" ..." if len(not_reproduced) > 10 else ""),
+            file=sys.stderr,
+        )
 
-    result = _read_results(results_path)
-    result = result[result["config_id"].isin(ids)].reset_index(drop=True)
-    written = [results_path]
+    result = _current(_read_results(results_path), ids)
+    extra = {t: _current(_read_results(paths[t]), ids) for t in tables}
+    written = [results_path, *(paths[t] for t in tables if paths[t].is_file())]
     figures = getattr(module, "figures", None)
+    args = (result, params, extra) if tables else (result, params)
     if callable(figures) and not result.empty:
-        written += _save_figures(figures(result, params), out_dir)
+        written += _save_figures(figures(*args), out_dir)
     summary = ""
     if callable(getattr(module, "summarize", None)) and not result.empty:
-        summary = module.summarize(result, params)
+        summary = module.summarize(*args)
     doc = " ".join((module.__doc__ or name).strip().split("\n\n")[0].split())
     text = f"# {name} ({'quick' if quick else 'full'}, {device})\n\n{doc}\n\n{summary}\n"
     figs = [p.name for p in written if p.suffix == ".png"]
     if figs:
         text += "\n" + "\n".join(f"![{Path(f).stem}]({f})" for f in figs) + "\n"
-    text += "\n" + provenance(name, quick, device) + "\n"
+    options = (["--fill-tables"] if fill_tables else []) + [
+        f"--only {k}={v}" for k, v in only.items()
+    ]
+    text += "\n" + _provenance_lines(out_dir / SUMMARY_FILE, filled=any(i in done for _, i in todo))
+    text += provenance(name, quick, device, options=" ".join(options)) + "\n"
     write_atomic(out_dir / SUMMARY_FILE, lambda p: p.write_text(text))
     written.append(out_dir / SUMMARY_FILE)
     if verbose:
@@ -232,9 +375,25 @@ def run_study(
     return result
 
 
-def provenance(name: str, quick: bool, device: str) -> str:
-    """A markdown note of how and where results were produced: command, date (UTC), machine,
-    versions and torch's thread count."""
+def _provenance_lines(summary: Path, filled: bool) -> str:
+    """The provenance lines of the summary being replaced when this run only filled extra
+    tables (so the results' own provenance is kept), else nothing."""
+    if not (filled and summary.is_file()):
+        return ""
+    lines = [line for line in summary.read_text().splitlines() if line.startswith("Written ")]
+    return "".join(f"{line}\n\n" for line in dict.fromkeys(lines))
+
+
+def _current(frame: pd.DataFrame, ids: list[str]) -> pd.DataFrame:
+    """The rows of ``frame`` whose ``config_id`` is one of ``ids``."""
+    if "config_id" not in frame:
+        return frame
+    return frame[frame["config_id"].isin(ids)].reset_index(drop=True)
+
+
+def provenance(name: str, quick: bool, device: str, options: str = "") -> str:
+    """A markdown note of how and where results were produced: command (plus ``options``, extra
+    command-line options), date (UTC), machine, versions and torch's thread count."""
     import platform
     from datetime import UTC, datetime
 
@@ -247,6 +406,7 @@ def provenance(name: str, quick: bool, device: str) -> str:
     else:
         machine = _cpu_model() or platform.machine()
     command = f"kernelstudy study {name}" + (" --quick" if quick else "") + f" --device {device}"
+    command += f" {options}" if options else ""
     date = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     return (
         f"Written {date} by `{command}` on {machine} ({os.cpu_count()} CPUs, "
@@ -275,17 +435,25 @@ def results_dir() -> Path:
 
 
 def load_results(
-    name: str, root: str | os.PathLike | None = None, quick: bool = True
+    name: str, root: str | os.PathLike | None = None, quick: bool = True, table: str = RESULTS
 ) -> pd.DataFrame:
     """The rows of study ``name`` from ``ROOT/NAME/results.csv`` (``root`` defaults to
-    :func:`results_dir`); when that file is missing, runs the study first (``quick`` sizes by
-    default) and writes its outputs there."""
+    :func:`results_dir`), or from ``ROOT/NAME/TABLE.csv`` for one of the study's extra tables
+    (e.g. ``table="spectra"`` for the rank study's singular-value spectra). When that file is
+    missing, runs the study first (``quick`` sizes by default; for an extra table with
+    ``fill_tables=True``, so finished configurations get their rows too) and writes its
+    outputs there."""
     _check_name(name)
-    path = Path(root if root is not None else results_dir()) / name / RESULTS_FILE
+    if table != RESULTS:
+        tables = study_tables(load_study(name))
+        if table not in tables:
+            known = ", ".join(repr(t) for t in (RESULTS, *tables))
+            raise ValueError(f"study {name!r} has no table {table!r}; tables: {known}")
+    path = Path(root if root is not None else results_dir()) / name / f"{table}.csv"
     if not path.is_file():
         size = "quick" if quick else "full"
         print(f"no {path}: running the {size} '{name}' study", file=sys.stderr)
-        run_study(name, quick=quick, out=path.parent, verbose=False)
+        run_study(name, quick=quick, out=path.parent, verbose=False, fill_tables=table != RESULTS)
     return _read_results(path)
 
 
@@ -331,20 +499,48 @@ def markdown_table(frame: pd.DataFrame, floatfmt: str = ".3g") -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add ``--quick --out --device --force`` (the options of every study) to ``parser``."""
+    """Add ``--quick --out --device --force --fill-tables --only`` (the options of every study)
+    to ``parser``."""
     parser.add_argument("--quick", action="store_true", help="small sizes (minutes on a CPU)")
     parser.add_argument("--out", default=None, help="output directory (default results/NAME)")
     parser.add_argument("--device", choices=DEVICES, default="cpu")
     parser.add_argument("--force", action="store_true", help="recompute finished configurations")
+    parser.add_argument(
+        "--fill-tables",
+        action="store_true",
+        help="rerun finished configurations that lack rows in the study's extra tables "
+        "(e.g. spectra.csv), writing only those rows; results.csv is kept",
+    )
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="run only configurations with this entry (repeatable), e.g. --only part=gaussian",
+    )
     return parser
 
 
+def run_from_args(name: str, args: argparse.Namespace) -> pd.DataFrame:
+    """:func:`run_study` with the options of :func:`add_arguments`."""
+    return run_study(
+        name,
+        quick=args.quick,
+        out=args.out,
+        device=args.device,
+        force=args.force,
+        fill_tables=args.fill_tables,
+        only=parse_only(args.only),
+    )
+
+
 def main(name: str, argv: Sequence[str] | None = None) -> int:
-    """Entry of ``python studies/NAME.py [--quick] [--out DIR] [--device D] [--force]``."""
+    """Entry of ``python studies/NAME.py [--quick] [--out DIR] [--device D] [--force]
+    [--fill-tables] [--only KEY=VALUE]``."""
     parser = add_arguments(argparse.ArgumentParser(prog=f"studies/{name}.py"))
     args = parser.parse_args(argv)
     try:
-        run_study(name, quick=args.quick, out=args.out, device=args.device, force=args.force)
+        run_from_args(name, args)
     except (ValueError, TypeError, FileNotFoundError) as err:
         print(f"study {name}: error: {err}", file=sys.stderr)
         return 1

@@ -1,6 +1,24 @@
 """Attention rank: softmax attention is (numerically) full rank, kernel attention with F
 features has rank <= F. Numerical rank (at a stated tolerance), effective rank and stable rank
-as N and F grow, on Gaussian and on captured queries/keys; plus the copy experiment."""
+as N and F grow, on Gaussian and on captured queries/keys; plus the copy experiment.
+
+Besides ``results.csv`` the study writes ``spectra.csv`` (the extra table ``spectra``): the
+normalized singular-value spectrum of every attention matrix whose rank it measures, one row
+per singular value, with columns
+
+- ``config_id``: the run (join with ``results.csv`` for its full config and device);
+- ``part`` (``gaussian`` or ``copy``), ``method`` (the map, or the trained model in the copy
+  part), ``feature_dim`` (F; 0 for softmax), ``n`` (N, the matrix size), ``seed``;
+- ``captured_with``: copy part only, the attention applied to the model's captured q/k
+  (empty for the Gaussian part);
+- ``i``: 1-based index, ``sigma_ratio``: σ_i / σ_1 (6 significant digits; the first is 1).
+
+Every matrix is one head (batch 0, head 0; the copy models have one layer and one head).
+Spectra for results computed before the table existed: ``--fill-tables`` reruns those
+configurations (it reports any whose results it does not reproduce) and keeps ``results.csv``;
+add ``--only part=gaussian`` to skip retraining the copy models. On one CPU thread the full
+size takes about 1 min for the Gaussian part and 1 min per copy model (12 models).
+"""
 
 from __future__ import annotations
 
@@ -13,6 +31,7 @@ from kernelstudy.tasks import CopyTask
 from kernelstudy.train.trainer import TrainConfig, Trainer
 
 MEASURES = ("numerical_rank", "effective_rank", "stable_rank")
+TABLES = ("spectra",)  # spectra.csv beside results.csv
 
 
 def _maps(params: dict) -> list[str]:
@@ -48,7 +67,9 @@ def configs(params: dict) -> list[dict]:
     return out
 
 
-def run_config(config: dict, device: str) -> list[dict]:
+def run_config(config: dict, device: str) -> dict[str, list[dict]]:
+    """Rows of ``results.csv`` (rank measures, or the copy part's curves and ranks) and of
+    ``spectra.csv`` (the normalized spectrum of each matrix measured)."""
     if config["part"] == "copy":
         return _run_copy(config, device)
     d, n, seed = config["head_dim"], config["n"], config["seed"]
@@ -61,7 +82,22 @@ def run_config(config: dict, device: str) -> list[dict]:
     A = ks.analysis.attention_matrix(q.double(), k.double(), feature_map)[0, 0]
     ranks = ks.analysis.attention_rank(A)
     rows = [{"metric": m, "value": float(ranks[m])} for m in MEASURES]
-    return [*rows, {"metric": "tol", "value": ranks["tol"]}]
+    run = {k: config[k] for k in ("part", "method", "feature_dim", "n", "seed")}
+    return {
+        "results": [*rows, {"metric": "tol", "value": ranks["tol"]}],
+        "spectra": spectrum_rows(ranks["singular_values"], **run),
+    }
+
+
+def spectrum_rows(
+    singular_values, part: str, method: str, feature_dim: int, n: int, seed: int, captured_with=None
+) -> list[dict]:
+    """Rows of ``spectra.csv`` for one matrix: its run's columns, ``i`` (1-based) and
+    ``sigma_ratio`` = σ_i / σ_1."""
+    run = {"part": part, "method": method, "feature_dim": int(feature_dim), "n": int(n)}
+    run |= {"seed": int(seed), "captured_with": captured_with}
+    ratios = ks.analysis.normalized_spectrum(singular_values)
+    return [{**run, "i": i + 1, "sigma_ratio": float(r)} for i, r in enumerate(ratios)]
 
 
 # --- the copy experiment: "do we need full rank?" ---------------------------------------------
@@ -103,8 +139,9 @@ def _copy_model(config: dict, vocab_size: int, max_len: int) -> ks.nn.CausalLM:
     )
 
 
-def _run_copy(config: dict, device: str) -> list[dict]:
-    """Train one model on the copy task; rows: validation curves, then attention ranks."""
+def _run_copy(config: dict, device: str) -> dict[str, list[dict]]:
+    """Train one model on the copy task; results: validation curves, then attention ranks;
+    spectra: those of the attention matrices whose ranks are measured."""
     seq_len = 2 * config["copy_len"] + 2
     task = {"seq_len": seq_len, "n_symbols": config["n_symbols"], "seed": config["seed"]}
     task |= {"min_copy": config["copy_len"], "max_copy": config["copy_len"]}
@@ -133,13 +170,16 @@ def _run_copy(config: dict, device: str) -> list[dict]:
                 {"step": int(row["step"]), "feature_dim": f, "metric": metric, "value": row[metric]}
             )
     ids = val[0]["input_ids"][None].to(trainer.device)
-    return rows + _captured_ranks(model.eval(), ids, config, f)
+    ranks, spectra = _captured_ranks(model.eval(), ids, config, f)
+    return {"results": rows + ranks, "spectra": spectra}
 
 
-def _captured_ranks(model: ks.nn.CausalLM, ids: torch.Tensor, config: dict, f: int) -> list[dict]:
-    """Ranks of the non-causal attention matrices built from the trained model's own q/k
-    (one validation sequence): with its own attention, and — for the softmax model — with
-    every registered map at F = feature_dim applied to the captured q/k."""
+def _captured_ranks(
+    model: ks.nn.CausalLM, ids: torch.Tensor, config: dict, f: int
+) -> tuple[list[dict], list[dict]]:
+    """Ranks (and spectra rows) of the non-causal attention matrices built from the trained
+    model's own q/k (one validation sequence): with its own attention, and — for the softmax
+    model — with every registered map at F = feature_dim applied to the captured q/k."""
     (q, k), *_ = ks.analysis.capture_qk(model, ids).values()
     q, k = q.double(), k.double()
     if config["method"] == "softmax":
@@ -151,7 +191,7 @@ def _captured_ranks(model: ks.nn.CausalLM, ids: torch.Tensor, config: dict, f: i
                 )
     else:
         maps = {config["method"]: model.encoder.layers[0].attn.feature_map}
-    rows = []
+    rows, spectra = [], []
     for name, fm in maps.items():
         A = ks.analysis.attention_matrix(q, k, fm)[0, 0]
         ranks = ks.analysis.attention_rank(A)
@@ -160,7 +200,16 @@ def _captured_ranks(model: ks.nn.CausalLM, ids: torch.Tensor, config: dict, f: i
             rows.append(
                 {"captured_with": name, "feature_dim": dim, "metric": m, "value": float(ranks[m])}
             )
-    return rows
+        spectra += spectrum_rows(
+            ranks["singular_values"],
+            "copy",
+            config["method"],
+            dim,
+            A.shape[-1],
+            config["seed"],
+            name,
+        )
+    return rows, spectra
 
 
 def copy_table(frame: pd.DataFrame) -> pd.DataFrame:
@@ -201,8 +250,11 @@ def rank_table(frame: pd.DataFrame, part: str = "gaussian") -> pd.DataFrame:
     return table[["method", "F", "N", *MEASURES, "bound"]]
 
 
-def summarize(frame: pd.DataFrame, params: dict) -> str:
+def summarize(frame: pd.DataFrame, params: dict, tables: dict | None = None) -> str:
     parts = [_gaussian_summary(frame, params)]
+    spectra = (tables or {}).get("spectra")
+    if spectra is not None and not spectra.empty:
+        parts.append(_spectra_summary(spectra, params))
     if (frame["part"] == "copy").any():
         c = params["copy"]
         parts.append(
@@ -239,7 +291,35 @@ def _gaussian_summary(frame: pd.DataFrame, params: dict) -> str:
     )
 
 
-def figures(frame: pd.DataFrame, params: dict) -> dict:
+def spectra_table(spectra: pd.DataFrame, n: int, head_dim: int) -> pd.DataFrame:
+    """σ_i / σ_1 just before and after the kernel bound, i = F and F + 1 (i = D and D + 1 for
+    softmax), per Gaussian (method, F) at N = ``n``; median over seeds."""
+    rows = spectra[(spectra["part"] == "gaussian") & (spectra["n"] == n)]
+    bound = rows["feature_dim"].where(rows["feature_dim"] > 0, head_dim)
+    picked = rows.assign(at=(rows["i"] - bound).map({0: "σ_F / σ_1", 1: "σ_F+1 / σ_1"}))
+    table = (
+        picked.dropna(subset=["at"])
+        .pivot_table(
+            index=["method", "feature_dim"], columns="at", values="sigma_ratio", aggfunc="median"
+        )
+        .reset_index()
+        .rename(columns={"feature_dim": "F"})
+    )
+    return table[["method", "F", *(c for c in ("σ_F / σ_1", "σ_F+1 / σ_1") if c in table)]]
+
+
+def _spectra_summary(spectra: pd.DataFrame, params: dict) -> str:
+    n, d = params["fixed_n"], params["head_dim"]
+    return (
+        f"## Singular-value spectra (N = {n}; spectra.csv)\n\n"
+        f"σ_i / σ_1 at i = F and F + 1, median over seeds (softmax, F = 0: i = D = {d} and "
+        "D + 1; maps with F ≥ N have no such row). A kernel map with F < N drops to round-off "
+        "(~1e-15) after F values; softmax does not.\n\n"
+        + markdown_table(spectra_table(spectra, n, d))
+    )
+
+
+def figures(frame: pd.DataFrame, params: dict, tables: dict | None = None) -> dict:
     rows = frame[frame["part"] == "gaussian"]
     d = params["head_dim"]
     by_n = rows[(rows["feature_dim"] == d) | (rows["method"] == "softmax")]  # F = 0 for softmax
@@ -250,9 +330,39 @@ def figures(frame: pd.DataFrame, params: dict) -> dict:
         figs[f"{measure}_vs_f"] = ks.analysis.plots.plot_rank(
             by_f, measure=measure, x="feature_dim"
         )
+    spectra = (tables or {}).get("spectra")
+    if spectra is not None and not spectra.empty:
+        figs |= _spectra_figures(spectra, params)
     curves = frame[(frame["part"] == "copy") & frame["metric"].isin(["val_accuracy", "val_loss"])]
     if not curves.empty:
         figs["copy_accuracy"] = ks.analysis.plots.plot_history(curves, x="step", hue="method")
+    return figs
+
+
+def _spectra_figures(spectra: pd.DataFrame, params: dict) -> dict:
+    """``spectra``: every method at its N-sweep F (F ≈ D), N = fixed_n; ``spectra_vs_f``: the
+    maps measured at several F, one panel each, at N = fixed_n. Mean of σ_i/σ_1 over seeds."""
+    rows = spectra[(spectra["part"] == "gaussian") & (spectra["n"] == params["fixed_n"])]
+    if rows.empty:
+        return {}
+    gauss = spectra[spectra["part"] == "gaussian"]
+    swept_n = gauss.groupby(["method", "feature_dim"])["n"].transform("nunique") > 1
+    n_sweep = gauss[swept_n][["method", "feature_dim"]].drop_duplicates()
+    at_d = rows.merge(n_sweep, on=["method", "feature_dim"])
+    label = [
+        m if f == 0 else f"{m} (F={f})" for m, f in zip(at_d.method, at_d.feature_dim, strict=True)
+    ]
+    figs = {}
+    if not at_d.empty:
+        fig = ks.analysis.plots.plot_spectra(at_d.assign(method=label), hue="method")
+        fig.suptitle(f"N = {params['fixed_n']}, D = {params['head_dim']}", y=1.02)
+        figs["spectra"] = fig
+    several = rows.groupby("method")["feature_dim"].transform("nunique") > 1
+    if several.any():
+        fig = ks.analysis.plots.plot_spectra(
+            rows[several].rename(columns={"feature_dim": "F"}), hue="F", col="method"
+        )
+        figs["spectra_vs_f"] = fig
     return figs
 
 

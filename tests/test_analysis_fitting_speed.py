@@ -166,5 +166,17 @@ def test_plots_return_figures():
     assert isinstance(ks.analysis.plots.plot_speed(speed), Figure)
     with pytest.raises(ValueError, match="lacks columns"):
         ks.analysis.plots.plot_approximation(frame, x="nope")
-    for f in (fig, bars):
+    spectra = pd.DataFrame(
+        [
+            {"method": m, "F": f, "seed": s, "i": i + 1, "sigma_ratio": r}
+            for m, f in (("favor", 4), ("favor", 8), ("elu", 4))
+            for s in range(2)
+            for i, r in enumerate(ks.analysis.normalized_spectrum([2.0, 1.0, 1e-20, 0.0]))
+        ]
+    )
+    curves = ks.analysis.plots.plot_spectra(spectra, hue="F", col="method")
+    assert isinstance(curves, Figure) and len(curves.axes) == 2
+    with pytest.raises(ValueError, match="lacks columns"):
+        ks.analysis.plots.plot_spectra(spectra.drop(columns="sigma_ratio"))
+    for f in (fig, bars, curves):
         ks.analysis.plots.close(f)

@@ -112,6 +112,19 @@ def test_rank_of_known_matrices():
     assert ks.analysis.attention_rank(torch.eye(4), tol=2.0)["numerical_rank"] == 0
 
 
+def test_normalized_spectrum():
+    sv = ks.analysis.attention_rank(torch.diag(torch.tensor([4.0, 2.0, 1.0 / 3, 0.0])))
+    ratio = ks.analysis.normalized_spectrum(sv["singular_values"])
+    assert ratio.tolist() == [1.0, 0.5, 0.0833333, 0.0]  # 6 significant digits
+    exact = ks.analysis.normalized_spectrum(torch.tensor([3.0, 1.0]), digits=None)
+    assert exact.tolist() == [1.0, 1.0 / 3]
+    for bad in ([], [1.0, 2.0], [0.0, 0.0], [1.0, -1.0], [[1.0]]):
+        with pytest.raises(ValueError, match="singular_values"):
+            ks.analysis.normalized_spectrum(np.array(bad))
+    with pytest.raises(ValueError, match="digits"):
+        ks.analysis.normalized_spectrum([1.0], digits=0)
+
+
 @pytest.mark.parametrize("head_dim", [4, 8, 16])
 def test_kernel_attention_rank_is_at_most_feature_dim(head_dim):
     q, k = ks.analysis.gaussian_qk(96, head_dim, std=1.0, seed=2)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import textwrap
 
 import pandas as pd
@@ -38,12 +39,40 @@ def figures(frame, params):
 '''
 
 
+# A toy study with an extra table: each config also gives the powers x**1..x**3.
+TABLES_SCRIPT = '''
+"""A toy study with an extra table: squares, and powers in powers.csv."""
+
+TABLES = ("powers",)
+SEEN = []
+
+
+def configs(params):
+    return [{"x": x} for x in params["xs"]]
+
+
+def run_config(config, device):
+    x = config["x"]
+    return {
+        "results": [{"metric": "square", "value": float(x**2)}],
+        "powers": [{"x": x, "p": p, "power": float(x**p)} for p in (1, 2, 3)],
+    }
+
+
+def summarize(frame, params, tables):
+    SEEN.append(len(tables["powers"]))
+    return f"{len(frame)} results, {len(tables['powers'])} powers"
+'''
+
+
 @pytest.fixture
 def toy_studies(tmp_path, monkeypatch):
     root = tmp_path / "studies"
     root.mkdir()
     (root / "toy.py").write_text(textwrap.dedent(TOY_SCRIPT))
     (root / "toy.toml").write_text("[full]\nxs = [1, 2, 3, 4]\n\n[quick]\nxs = [1, 2]\n")
+    (root / "tabled.py").write_text(textwrap.dedent(TABLES_SCRIPT))
+    (root / "tabled.toml").write_text("[full]\nxs = [1, 2, 3]\n\n[quick]\nxs = [1, 2]\n")
     (root / "orphan.py").write_text("")  # no config file: not a study
     monkeypatch.setenv(study.ENV_STUDIES_DIR, str(root))
     return tmp_path
@@ -51,7 +80,7 @@ def toy_studies(tmp_path, monkeypatch):
 
 def test_runner_writes_results_and_resumes(toy_studies, capsys):
     out = toy_studies / "out"
-    assert study.list_studies() == ["toy"]
+    assert study.list_studies() == ["tabled", "toy"]
     frame = study.run_study("toy", quick=True, out=out, verbose=False)
     assert sorted(frame.value) == [1.0, 4.0]
     assert {"study", "config_id", "device", "x"} <= set(frame.columns)
@@ -70,8 +99,79 @@ def test_runner_writes_results_and_resumes(toy_studies, capsys):
     assert not list(out.glob(".*.tmp"))
 
 
+def _powers(out) -> pd.DataFrame:
+    return pd.read_csv(out / "powers.csv")
+
+
+def test_runner_writes_extra_tables_and_resumes_without_duplicates(toy_studies):
+    out = toy_studies / "out"
+    module_rows = study.run_study("tabled", quick=True, out=out, verbose=False)
+    assert sorted(module_rows.value) == [1.0, 4.0]
+    powers = _powers(out)
+    assert list(powers.columns) == ["config_id", "x", "p", "power"]  # config_id, then the study's
+    assert len(powers) == 6 and set(powers.config_id) == set(module_rows.config_id)
+    assert "2 results, 6 powers" in (out / "summary.md").read_text()
+    # Resume: nothing reruns, nothing is appended; the full size adds only x = 3.
+    study.run_study("tabled", quick=True, out=out, verbose=False)
+    assert len(_powers(out)) == 6
+    study.run_study("tabled", quick=False, out=out, verbose=False)
+    assert len(_powers(out)) == 9 and len(pd.read_csv(out / "results.csv")) == 3
+    # Interrupted after the extra table was written but before results.csv: the config
+    # reruns and replaces its rows instead of duplicating them.
+    results = pd.read_csv(out / "results.csv")
+    results[results.x != 3].to_csv(out / "results.csv", index=False)
+    study.run_study("tabled", quick=False, out=out, verbose=False)
+    powers = _powers(out)
+    assert len(powers) == 9 and not powers.duplicated(["config_id", "p"]).any()
+    # --force replaces the forced configs' rows in every table.
+    study.run_study("tabled", quick=True, out=out, force=True, verbose=False)
+    assert len(_powers(out)) == 9 and len(pd.read_csv(out / "results.csv")) == 3
+    assert not list(out.glob(".*.tmp"))
+
+
+def test_fill_tables_keeps_results_and_only_filters(toy_studies, capsys):
+    out = toy_studies / "out"
+    study.run_study("tabled", quick=False, out=out, verbose=False)
+    results = pd.read_csv(out / "results.csv")
+    results.loc[results.x == 2, "value"] = -1.0  # a stored result the rerun cannot reproduce
+    results.to_csv(out / "results.csv", index=False)
+    (out / "powers.csv").unlink()
+    study.run_study("tabled", quick=False, out=out, only={"x": 1})  # no fill: nothing runs
+    assert not (out / "powers.csv").exists()
+    assert "3 finished configurations have no rows in powers" in capsys.readouterr().err
+    study.run_study("tabled", quick=False, out=out, fill_tables=True, only={"x": 1})
+    assert sorted(_powers(out).x.unique()) == [1]
+    assert "2 finished configurations have no rows in powers" in capsys.readouterr().err
+    study.run_study("tabled", quick=False, out=out, fill_tables=True)
+    err = capsys.readouterr().err
+    assert "1 configurations rerun to fill powers did not reproduce" in err
+    assert len(_powers(out)) == 9 and not _powers(out).duplicated(["config_id", "p"]).any()
+    kept = pd.read_csv(out / "results.csv")
+    assert sorted(kept.value) == [-1.0, 1.0, 9.0]  # results.csv untouched by the fill
+    summary = (out / "summary.md").read_text()
+    assert "--fill-tables" in summary and summary.count("Written ") == 3  # earlier lines kept
+    with pytest.raises(ValueError, match="only"):
+        study.run_study("tabled", out=out, only={"nope": 1}, verbose=False)
+    assert study.main("tabled", ["--out", str(out), "--only", "x"]) == 1  # not KEY=VALUE
+    assert study.main("tabled", ["--out", str(out), "--fill-tables", "--only", "x=3"]) == 0
+
+
+def test_load_results_reads_an_extra_table(toy_studies, monkeypatch):
+    monkeypatch.setenv(study.ENV_RESULTS_DIR, "res")
+    powers = study.load_results("tabled", table="powers")  # missing: runs the quick study
+    assert len(powers) == 6 and {"config_id", "p", "power"} <= set(powers.columns)
+    path = toy_studies / "res" / "tabled" / "powers.csv"
+    path.unlink()  # results.csv is there: the quick study fills the table
+    assert len(study.load_results("tabled", table="powers")) == 6
+    assert len(study.load_results("tabled")) == 2
+    with pytest.raises(ValueError, match="no table 'nope'; tables: 'results', 'powers'"):
+        study.load_results("tabled", table="nope")
+    with pytest.raises(ValueError, match="no table"):
+        study.load_results("toy", table="powers")
+
+
 def test_runner_errors(toy_studies, monkeypatch):
-    with pytest.raises(ValueError, match="unknown study 'nope'; available: toy"):
+    with pytest.raises(ValueError, match="unknown study 'nope'; available: tabled, toy"):
         study.run_study("nope", out=toy_studies / "x")
     with pytest.raises(ValueError, match="device"):
         study.run_study("toy", device="tpu", out=toy_studies / "x")
@@ -148,11 +248,15 @@ def test_generation_study_runs_and_reports_both_speedups():
 def test_rank_study_gaussian_and_copy_configs_run():
     module, configs = _shrunk("rank", steps=3, eval_every=2, train_samples=64, val_samples=4)
     gaussian = next(c for c in configs if c["part"] == "gaussian" and c["method"] == "elu")
-    rows = pd.DataFrame(module.run_config({**gaussian, "n": 32}, "cpu"))
-    ranks = rows.set_index("metric").value
+    out = module.run_config({**gaussian, "n": 32}, "cpu")
+    ranks = pd.DataFrame(out["results"]).set_index("metric").value
     assert ranks["numerical_rank"] <= gaussian["feature_dim"]
+    spectrum = pd.DataFrame(out["spectra"])
+    assert list(spectrum.i) == list(range(1, 33)) and spectrum.sigma_ratio.iloc[0] == 1.0
     copy = next(c for c in configs if c["part"] == "copy" and c["method"] == "elu")
-    rows = pd.DataFrame(module.run_config(copy, "cpu"))
+    out = module.run_config(copy, "cpu")
+    rows = pd.DataFrame(out["results"])
+    assert set(pd.DataFrame(out["spectra"]).captured_with) == {"elu"}
     assert sorted(rows[rows.metric == "val_accuracy"].step) == [2, 3]
     assert rows[rows.metric == "val_accuracy"].value.between(0, 1).all()
     captured = rows[rows.metric == "numerical_rank"]
@@ -176,3 +280,86 @@ def test_load_results_reads_or_runs_the_study(toy_studies, monkeypatch):
     assert sorted(full.value) == [1.0, 4.0, 9.0, 16.0]
     with pytest.raises(ValueError, match="unknown study"):
         study.load_results("nope")
+
+
+RANK_TOY_TOML = """
+head_dim = 8
+std = 1.0
+exclude_maps = ["identity"]
+
+[copy]
+copy_len = 4
+n_symbols = 5
+d_model = 8
+d_ff = 16
+feature_dim = 8
+models = ["softmax", "elu"]
+batch_size = 4
+lr = 3e-3
+train_samples = 16
+val_samples = 4
+seeds = 1
+steps = 2
+eval_every = 1
+
+[full]
+seq_lens = [8, 16]
+feature_dims = [4, 8]
+fixed_n = 16
+seeds = 2
+
+[quick]
+seq_lens = [8, 16]
+feature_dims = [4, 8]
+fixed_n = 16
+seeds = 1
+"""
+
+SPECTRA_COLUMNS = [
+    "config_id", "part", "method", "feature_dim", "n", "seed", "captured_with", "i", "sigma_ratio"
+]  # fmt: skip
+
+
+@pytest.fixture
+def rank_toy(tmp_path, monkeypatch):
+    """The repository's rank study script with tiny sizes (a copy, with its own config)."""
+    root = tmp_path / "studies"
+    root.mkdir()
+    shutil.copy(study.studies_dir() / "rank.py", root / "rank.py")
+    (root / "rank.toml").write_text(RANK_TOY_TOML)
+    monkeypatch.setenv(study.ENV_STUDIES_DIR, str(root))
+    return tmp_path / "rank"
+
+
+@pytest.mark.slow
+def test_rank_study_saves_spectra_and_resumes_without_duplicates(rank_toy, one_thread):
+    out = rank_toy
+    results = study.run_study("rank", quick=True, out=out, verbose=False)
+    spectra = pd.read_csv(out / "spectra.csv")
+    assert list(spectra.columns) == SPECTRA_COLUMNS
+    assert set(spectra.config_id) == set(results.config_id)  # every config, both parts
+    assert set(spectra.part) == {"gaussian", "copy"}
+    assert spectra[spectra.part == "gaussian"].captured_with.isna().all()
+    assert spectra[spectra.part == "copy"].captured_with.notna().all()
+    ratio = spectra.sigma_ratio
+    assert ((ratio > 0) & (ratio <= 1)).all()
+    for _, matrix in spectra.groupby(["config_id", "captured_with"], dropna=False):
+        assert list(matrix.i) == list(range(1, len(matrix) + 1))
+        assert len(matrix) == matrix.n.iloc[0]  # one value per singular value of the N x N matrix
+        assert matrix.sigma_ratio.iloc[0] == 1.0
+        assert matrix.sigma_ratio.is_monotonic_decreasing  # non-increasing
+    gaussian = spectra[(spectra.part == "gaussian") & (spectra.method != "softmax")]
+    low_rank = gaussian[(gaussian.feature_dim < gaussian.n) & (gaussian.i > gaussian.feature_dim)]
+    assert (low_rank.sigma_ratio < 1e-10).all()  # rank <= F: round-off after F values
+    assert (out / "spectra.png").is_file() and "spectra.csv" in (out / "summary.md").read_text()
+    # A resumed run (and a larger one sharing the files) never duplicates rows.
+    study.run_study("rank", quick=True, out=out, verbose=False)
+    assert len(pd.read_csv(out / "spectra.csv")) == len(spectra)
+    study.run_study("rank", quick=False, out=out, verbose=False, only={"part": "gaussian"})
+    grown = pd.read_csv(out / "spectra.csv")
+    assert (
+        len(grown) > len(spectra)
+        and not grown.duplicated(["config_id", "captured_with", "i"]).any()
+    )
+    loaded = study.load_results("rank", root=out.parent, table="spectra")  # read, not rerun
+    pd.testing.assert_frame_equal(loaded, grown)

@@ -6,7 +6,8 @@ frame and returns a matplotlib Figure drawn with seaborn.
 
 - approximation error: :func:`approximation_error`, :func:`gaussian_qk`,
   :func:`capture_qk`, :func:`fit_to_softmax`;
-- attention matrices and their rank: :func:`attention_matrix`, :func:`attention_rank`;
+- attention matrices and their rank: :func:`attention_matrix`, :func:`attention_rank`,
+  :func:`normalized_spectrum`;
 - speed and memory: :func:`benchmark_attention`, :func:`benchmark_generation`.
 """
 
@@ -16,7 +17,7 @@ from .fitting import distillation_loss, fit_to_softmax
 from .generation import benchmark_generation, generate, speedups, state_bytes
 from .matching import map_kind, matched_feature_map, random_feature_map
 from .matrices import MAX_N, attention_matrix, softmax_kernel
-from .rank import attention_rank
+from .rank import attention_rank, normalized_spectrum
 from .speed import benchmark_attention, matmul_rate, peak_memory_bytes, time_call
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "map_label",
     "matched_feature_map",
     "matmul_rate",
+    "normalized_spectrum",
     "peak_memory_bytes",
     "plots",
     "random_feature_map",

@@ -197,6 +197,45 @@ def plot_rank(
     return fig
 
 
+def plot_spectra(
+    frame: pd.DataFrame,
+    x: str = "i",
+    y: str = "sigma_ratio",
+    hue: str | None = "method",
+    col: str | None = None,
+    col_wrap: int | None = None,
+    floor: float = 1e-18,
+) -> Figure:
+    """Normalized singular-value spectra ``σ_i / σ_1`` vs ``i`` on log-log axes, one line per
+    ``hue`` (the mean over the remaining rows, e.g. seeds), faceted by ``col``.
+
+    Values below ``floor`` (round-off of a rank-deficient matrix) are drawn at ``floor``.
+    """
+    _check_columns(frame, [x, y, hue, col], "plot_spectra")
+    data = frame.assign(**{y: frame[y].clip(lower=floor)})
+    for name in (hue, col):
+        if name is not None:
+            data[name] = data[name].astype(str)
+    grid = sns.relplot(
+        data=data,
+        x=x,
+        y=y,
+        hue=hue,
+        col=col,
+        col_wrap=col_wrap if col is not None else None,
+        kind="line",
+        errorbar=None,
+        height=3.6,
+        aspect=1.25,
+        facet_kws={"sharey": True, "sharex": False},
+    )
+    for ax in grid.axes.flat:
+        ax.set(xscale="log", yscale="log", ylim=(floor / 2, 2))
+        ax.grid(True, which="major", alpha=0.3)
+        ax.set_ylabel("σ_i / σ_1" if y == "sigma_ratio" else y)
+    return grid.figure
+
+
 def plot_speed(
     frame: pd.DataFrame,
     metric: str = "time_ms",

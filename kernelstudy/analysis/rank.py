@@ -7,6 +7,9 @@ attention is generally full rank. Three measures, from strict to soft:
   ``numpy.linalg.matrix_rank``: ``σ_max · max(N, S) · eps(dtype of A)``);
 - effective rank (Roy & Vetterli 2007): ``exp(H(p))`` with ``p_i = σ_i / Σ σ``;
 - stable rank: ``‖A‖_F² / ‖A‖_2² = Σ σ² / σ_max²``.
+
+:func:`normalized_spectrum` gives the singular values divided by the largest, the curve
+behind all three (a kernel map's drops to round-off after F values).
 """
 
 from __future__ import annotations
@@ -62,3 +65,29 @@ def attention_rank(A: torch.Tensor | np.ndarray, tol: float | None = None) -> di
         "stable_rank": stable,
         "singular_values": sv.numpy(),
     }
+
+
+def normalized_spectrum(
+    singular_values: torch.Tensor | np.ndarray, digits: int | None = 6
+) -> np.ndarray:
+    """``σ_i / σ_1`` for singular values in descending order (as :func:`attention_rank` returns
+    them), rounded to ``digits`` significant digits (rounding keeps the order; None keeps
+    them exact). The first is 1; the rest lie in [0, 1], non-increasing.
+
+    Raises:
+        ValueError: if the values are not a non-empty 1-D descending non-negative sequence
+            with a positive largest value.
+    """
+    sv = torch.as_tensor(singular_values).detach().double().cpu().numpy()
+    if sv.ndim != 1 or sv.size == 0:
+        raise ValueError(f"singular_values must be a non-empty 1-D sequence, got shape {sv.shape}")
+    if not np.isfinite(sv).all() or (sv < 0).any() or (np.diff(sv) > 0).any():
+        raise ValueError("singular_values must be finite, non-negative and in descending order")
+    if not sv[0] > 0:
+        raise ValueError("singular_values: the largest is 0 (a zero matrix has no spectrum)")
+    ratio = sv / sv[0]
+    if digits is not None:
+        if not (isinstance(digits, int) and digits >= 1):
+            raise ValueError(f"digits must be a positive int or None, got {digits!r}")
+        ratio = np.array([float(f"{r:.{digits - 1}e}") for r in ratio])
+    return ratio
