@@ -589,6 +589,22 @@ __global__ void __launch_bounds__(kThreads, kOutputBlocksPerSm<Tin>)
 //     B and K R accumulate over the F slices, then B^T G is added.
 // Shared: four (dqk) or three (dv) Op tiles 64 x LD and an fp32 64 x kLdF tile for the scores,
 // then for the output staging.
+// The chunk of a block of a per-chunk kernel (grid.x = BH * nc): sequence bh, chunk c, its
+// first row, and the block's 64 x LD operand tiles followed by one fp32 64 x kLdF tile.
+template <typename Op>
+struct ChunkBlock {
+  int64_t nc, bh, c, row0;
+  Op* tiles;
+  __device__ ChunkBlock(int64_t n, unsigned char* smem)
+      : nc((n + kTile - 1) / kTile),
+        bh(blockIdx.x / nc),
+        c(blockIdx.x % nc),
+        row0(c * kTile),
+        tiles(reinterpret_cast<Op*>(smem)) {}
+  __device__ Op* tile(int i) const { return tiles + i * kTile * ld_of<Op>(); }
+  __device__ float* fp32_tile(int count) const { return reinterpret_cast<float*>(tile(count)); }
+};
+
 struct ChunkStates {  // the per-chunk states S or R of one direction
   const void* prefix;  // Tstate [bh][nc][F x M]: block-local exclusive prefixes
   const float* carry;  // fp32 [bh][nblk][F*M + F]: the sum over earlier blocks (S then z)
@@ -618,16 +634,10 @@ __global__ void __launch_bounds__(kThreads, 2)  // three accumulator pairs: up t
   using Op = typename OperandOf<Tin>::type;
   constexpr int LD = ld_of<Op>();
   extern __shared__ __align__(128) unsigned char smem[];
-  Op* T0 = reinterpret_cast<Op*>(smem);
-  Op* T1 = T0 + kTile * LD;
-  Op* T2 = T1 + kTile * LD;
-  Op* T3 = T2 + kTile * LD;
-  float* Af = reinterpret_cast<float*>(T3 + kTile * LD);  // 64 x kLdF fp32
-
-  const int64_t nc = (n + kTile - 1) / kTile;
-  const int64_t bh = blockIdx.x / nc;
-  const int64_t c = blockIdx.x % nc;
-  const int64_t row0 = c * kTile;
+  const ChunkBlock<Op> blk(n, smem);
+  const int64_t nc = blk.nc, bh = blk.bh, c = blk.c, row0 = blk.row0;
+  Op *T0 = blk.tile(0), *T1 = blk.tile(1), *T2 = blk.tile(2), *T3 = blk.tile(3);
+  float* Af = blk.fp32_tile(4);
   const int64_t f0 = static_cast<int64_t>(blockIdx.y) * kTile;
   const Tin* qb = q + bh * n * f;
   const Tin* kb = k + bh * n * f;
@@ -697,15 +707,10 @@ __global__ void __launch_bounds__(kThreads, kOutputBlocksPerSm<Tin>)
   using Op = typename OperandOf<Tin>::type;
   constexpr int LD = ld_of<Op>();
   extern __shared__ __align__(128) unsigned char smem[];
-  Op* T0 = reinterpret_cast<Op*>(smem);
-  Op* T1 = T0 + kTile * LD;
-  Op* T2 = T1 + kTile * LD;
-  float* Af = reinterpret_cast<float*>(T2 + kTile * LD);  // 64 x kLdF fp32
-
-  const int64_t nc = (n + kTile - 1) / kTile;
-  const int64_t bh = blockIdx.x / nc;
-  const int64_t c = blockIdx.x % nc;
-  const int64_t row0 = c * kTile;
+  const ChunkBlock<Op> blk(n, smem);
+  const int64_t nc = blk.nc, bh = blk.bh, c = blk.c, row0 = blk.row0;
+  Op *T0 = blk.tile(0), *T1 = blk.tile(1), *T2 = blk.tile(2);
+  float* Af = blk.fp32_tile(3);
   const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kTile;
   const Tin* qb = q + bh * n * f;
   const Tin* kb = k + bh * n * f;
