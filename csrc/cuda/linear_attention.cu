@@ -864,25 +864,29 @@ CausalLayout causal_layout(int64_t bh, int64_t n, int64_t f, int64_t m, size_t s
 template <typename Tin>
 using StateOf = typename OperandOf<Tin>::type;
 
+// Sets the kernel's dynamic shared memory limit and launches it on a (blocks, slices) grid.
+template <typename... Params, typename... Args>
+cudaError_t launch_tiles(void (*kernel)(Params...), int64_t blocks, int64_t slices, size_t smem,
+                         cudaStream_t stream, Args... args) {
+  if (blocks > kMaxBlocks || slices > 65535) return cudaErrorInvalidConfiguration;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem));
+  if (err != cudaSuccess) return err;
+  kernel<<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(slices)), kThreads, smem,
+           stream>>>(args...);
+  return cudaGetLastError();
+}
+
 template <typename Tin, typename Tstate>
 cudaError_t launch_states(const Tin* k, const Tin* v, const bool* keep, int64_t heads,
                           float* totals, Tstate* prefix_s, float* prefix_z, int64_t bh, int64_t n,
                           int64_t f, int64_t m, int64_t cpb, bool reverse, bool with_z,
                           cudaStream_t stream) {
   const int64_t nblk = cdiv(cdiv(n, kChunk), cpb);
-  const int64_t blocks = bh * nblk;
-  const int64_t slices = cdiv(f, kTile) * cdiv(m, kTile);
-  if (blocks > kMaxBlocks || slices > 65535) return cudaErrorInvalidConfiguration;
-  const size_t smem = states_smem<Tin>();
-  cudaError_t err = cudaFuncSetAttribute(chunk_states_kernel<Tin, Tstate>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(smem));
-  if (err != cudaSuccess) return err;
-  chunk_states_kernel<Tin, Tstate>
-      <<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(slices)), kThreads, smem,
-         stream>>>(k, v, keep, heads, totals, prefix_s, prefix_z, n, f, m, nblk, cpb, reverse,
-                   with_z, rows_vectorizable<Tin>(k, f), rows_vectorizable<Tin>(v, m));
-  return cudaGetLastError();
+  return launch_tiles(chunk_states_kernel<Tin, Tstate>, bh * nblk,
+                      cdiv(f, kTile) * cdiv(m, kTile), states_smem<Tin>(), stream, k, v, keep,
+                      heads, totals, prefix_s, prefix_z, n, f, m, nblk, cpb, reverse, with_z,
+                      rows_vectorizable<Tin>(k, f), rows_vectorizable<Tin>(v, m));
 }
 
 cudaError_t launch_scan(float* states, float* total, int64_t bh, int64_t nblk, int64_t ss,
@@ -900,23 +904,13 @@ cudaError_t launch_output(const Tin* q, const Tin* k, const Tin* v, const Tstate
                           const float* carry, int64_t cpb, Tout* out, float* den, int64_t bh,
                           int64_t n, int64_t f, int64_t m, int mode, bool normalize, float eps,
                           cudaStream_t stream) {
-  const int64_t blocks = bh * cdiv(n, kTile);
-  const int64_t slices = cdiv(m, kTile);
-  if (blocks > kMaxBlocks || slices > 65535) return cudaErrorInvalidConfiguration;
-  const size_t smem = output_smem<Tin>();
-  cudaError_t err = cudaFuncSetAttribute(chunk_output_kernel<Tin, Tstate, Tout>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(smem));
-  if (err != cudaSuccess) return err;
   const bool vec_qk =
       rows_vectorizable<Tin>(q, f) && (k == nullptr || rows_vectorizable<Tin>(k, f));
   const bool vec_v = v != nullptr && rows_vectorizable<Tin>(v, m);
   const bool vec_s = rows_vectorizable<Tstate>(s_base, m) && s_stride % vec_elems<Tstate>() == 0;
-  chunk_output_kernel<Tin, Tstate, Tout>
-      <<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(slices)), kThreads, smem,
-         stream>>>(q, k, v, s_base, s_stride, z_base, z_stride, carry, cpb, out, den, n, f, m,
-                   mode, normalize, eps, vec_qk, vec_v, vec_s);
-  return cudaGetLastError();
+  return launch_tiles(chunk_output_kernel<Tin, Tstate, Tout>, bh * cdiv(n, kTile), cdiv(m, kTile),
+                      output_smem<Tin>(), stream, q, k, v, s_base, s_stride, z_base, z_stride,
+                      carry, cpb, out, den, n, f, m, mode, normalize, eps, vec_qk, vec_v, vec_s);
 }
 
 template <typename Tin>
@@ -951,19 +945,6 @@ cudaError_t causal_typed(const void* q, const void* k, const void* v, void* out,
   return launch_output<Tin, Tstate, Tin>(qt, kt, vt, prefix_s, f * m, prefix_z, f, totals, l.cpb,
                                          static_cast<Tin*>(out), den, bh, n, f, m, mode,
                                          normalize, eps, stream);
-}
-
-// Sets the kernel's dynamic shared memory limit and launches it on a (blocks, slices) grid.
-template <typename... Params, typename... Args>
-cudaError_t launch_tiles(void (*kernel)(Params...), int64_t blocks, int64_t slices, size_t smem,
-                         cudaStream_t stream, Args... args) {
-  if (blocks > kMaxBlocks || slices > 65535) return cudaErrorInvalidConfiguration;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(smem));
-  if (err != cudaSuccess) return err;
-  kernel<<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(slices)), kThreads, smem,
-           stream>>>(args...);
-  return cudaGetLastError();
 }
 
 // The fused backward: states S of (k, v) forward and R of (q, g) in reverse (block-local
