@@ -52,6 +52,7 @@ def test_config_loads_and_quick_overrides(tmp_path):
         (lambda s: s.replace('task = "listops"', 'task = "listopz"'), "listops"),
         (lambda s: s.replace('feature_map = "elu"', 'feature_map = "eluu"'), "elu"),
         (lambda s: s.replace("max_length = 64", "max_len = 64"), "max_len"),
+        (lambda s: s.replace("[model]", "[task_options.val]\nmax_len = 8\n[model]"), "val.max_len"),
         (lambda s: s + "\n[[variants]]\nlabel = 'x'\nfeature_map = 'elu'\nfixed = {k = 1}\n", "k"),
         (lambda s: s.replace("[search]", "[search]\npruner = 'sometimes'"), "pruner"),
         (lambda s: s.replace("name =", "nam ="), "nam"),
@@ -61,6 +62,18 @@ def test_config_loads_and_quick_overrides(tmp_path):
 def test_bad_configs_fail_before_training(tmp_path, edit, match):
     with pytest.raises(ValueError, match=match):
         load_config(_write(tmp_path, edit(GOOD)))
+
+
+def test_per_split_task_options_reach_the_loaded_splits(tmp_path):
+    from kernelstudy.search.objective import load_split
+    from kernelstudy.tasks import write_listops
+
+    text = GOOD.replace("[model]", "[task_options.val]\nmax_length = 30\n[model]")
+    cfg = load_config(_write(tmp_path, text))
+    assert cfg.task_options == {"max_length": 64, "val": {"max_length": 30}}
+    write_listops(tmp_path / "data", n_train=8, n_val=4, n_test=4, min_length=10, max_length=40)
+    assert load_split(cfg, cfg.data, "val").max_length == 30
+    assert load_split(cfg, cfg.data, "train").max_length == 64
 
 
 def test_missing_config_file(tmp_path):

@@ -13,6 +13,7 @@ from kernelstudy.tasks import (
     list_tasks,
     load_task,
     needs_path,
+    split_options,
     task_options,
     write_listops,
 )
@@ -38,6 +39,25 @@ def test_bad_configurations_fail_clearly(tmp_path: Path) -> None:
     for name in ("listops", "text", "retrieval", "image", "pathfinder"):
         with pytest.raises(FileNotFoundError):
             load_task(name, tmp_path / "missing")
+
+
+def test_per_split_options_override_the_shared_ones(tmp_path: Path) -> None:
+    options = {"seq_len": 6, "num_samples": 40, "val": {"num_samples": 3}, "test": {}}
+    sizes = {split: len(load_task("copy", split=split, **options)) for split in ("train", "val")}
+    assert sizes == {"train": 40, "val": 3}
+    assert load_task("copy", split="test", **options).max_length == 6
+    assert split_options("copy", options, "val") == {"seq_len": 6, "num_samples": 3}
+    # Every split's table is checked, not only the one being loaded.
+    with pytest.raises(ValueError, match=r"unknown option\(s\) val.samples for task 'copy'"):
+        load_task("copy", split="train", val={"samples": 3})
+    with pytest.raises(ValueError, match="'test' must be a table of options for the test split"):
+        load_task("copy", split="train", test=5)
+    with pytest.raises(ValueError, match="split must be one of"):
+        split_options("copy", {}, "dev")
+    write_listops(tmp_path, n_train=12, n_val=4, n_test=4, min_length=20, max_length=40, seed=0)
+    short = load_task("listops", tmp_path, "val", max_length=2000, val={"max_length": 25})
+    assert short.max_length == 25 and short[0]["input_ids"].shape == (25,)
+    assert load_task("listops", tmp_path, "train", val={"max_length": 25}).max_length == 2000
 
 
 @pytest.mark.parametrize("name", ["listops", "copy", "mqar"])

@@ -13,7 +13,7 @@ import torch
 
 from kernelstudy.cli import main
 from kernelstudy.tasks import write_listops
-from kernelstudy.train.commands import parse_key_values, parse_value
+from kernelstudy.train.commands import load_splits, parse_key_values, parse_value
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -180,6 +180,9 @@ seq_len = 12
 n_symbols = 4
 num_samples = 64
 
+[task_options.val]
+num_samples = 16
+
 [feature_map]
 seed = 1
 
@@ -198,10 +201,19 @@ device = "cpu"
     )
     out = tmp_path / "copy"
     args = ["train", "--config", str(config), "--out", str(out), "--steps", "4"]
-    assert main([*args, "--task-arg", "n_symbols=5"]) == 0
+    split_args = ["--task-arg", "test.num_samples=24", "--task-arg", "val.seed=3"]
+    assert main([*args, "--task-arg", "n_symbols=5", *split_args]) == 0
     settings = json.loads((out / "config.json").read_text())
     assert settings["task"] == "copy" and settings["data"] is None
-    assert settings["task_options"] == {"seq_len": 12, "n_symbols": 5, "num_samples": 64}
+    assert settings["task_options"] == {
+        "seq_len": 12,
+        "n_symbols": 5,
+        "num_samples": 64,
+        "val": {"num_samples": 16, "seed": 3},  # the file's table with the flag added
+        "test": {"num_samples": 24},
+    }
+    sizes = {name: len(split) for name, split in load_splits(settings).items()}
+    assert sizes == {"train": 64, "val": 16, "test": 24}
     assert settings["train"]["steps"] == 4 and settings["train"]["batch_size"] == 16
     summary = json.loads((out / "summary.json").read_text())
     assert summary["task_info"]["vocab_size"] == 7 and summary["task_info"]["num_classes"] is None
@@ -242,6 +254,8 @@ BAD = [
     (["--model-arg", "pooling=max"], "pooling must be one of", True),
     (["--model-arg", "poolin=cls"], "unknown model option(s) ['poolin']", True),
     (["--task-arg", "max_len=3"], "unknown option(s) max_len for task 'listops'", True),
+    (["--task-arg", "val.max_len=3"], "unknown option(s) val.max_len for task 'listops'", True),
+    (["--task-arg", "dev.max_length=3"], "--task-arg expects KEY=VALUE", True),
     (["--steps", "0"], "steps must be an int >= 1", True),
     (["--resume"], "--resume: no checkpoint", True),
     (["--config", "{tmp}/none.toml"], "config file not found", True),

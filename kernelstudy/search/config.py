@@ -210,7 +210,7 @@ def quick_variant_overrides(variants: Any, overrides: Any, path: Path) -> Any:
 
 def parse_config(raw: dict[str, Any], path: Path) -> SearchConfig:
     """Validate the dict of a config file (``path`` is for messages and relative data paths)."""
-    from ..tasks.registry import task_class, task_options
+    from ..tasks.registry import split_options, task_class
 
     known = {"name", "task", "data", "task_options", "model", "train", "search", "space"}
     known |= {"variants", "generate"}
@@ -222,9 +222,10 @@ def parse_config(raw: dict[str, Any], path: Path) -> SearchConfig:
             raise ValueError(f"{path}: missing required key {key!r}")
     task_class(raw["task"])  # ValueError with suggestions for an unknown task
     options = dict(raw.get("task_options", {}))
-    bad = set(options) - set(task_options(raw["task"]))
-    if bad:
-        raise ValueError(f"{path}: task {raw['task']!r} takes no option(s) {sorted(bad)}")
+    try:
+        split_options(raw["task"], options, "train")
+    except ValueError as err:
+        raise ValueError(f"{path}: [task_options]: {err}") from None
     model = dict(raw.get("model", {}))
     if set(model) - MODEL_KEYS:
         raise ValueError(f"{path}: unknown [model] key(s) {sorted(set(model) - MODEL_KEYS)}")

@@ -17,6 +17,7 @@ The same settings, rebuilt from a finished trial's parameters with
 from __future__ import annotations
 
 import functools
+import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,13 +127,13 @@ def prepare_data(config: SearchConfig, out: str | Path) -> Path | None:
 
 
 @functools.lru_cache(maxsize=6)
-def _load(task: str, path: str | None, split: str, options: tuple) -> SequenceTask:
-    return load_task(task, path, split, **dict(options))
+def _load(task: str, path: str | None, split: str, options: str) -> SequenceTask:
+    return load_task(task, path, split, **json.loads(options))
 
 
 def load_split(config: SearchConfig, path: Path | None, split: str) -> SequenceTask:
     """Split ``split`` of the config's task (cached per process: trials share it)."""
-    options = tuple(sorted(config.task_options.items()))
+    options = json.dumps(config.task_options, sort_keys=True)  # hashable, tables included
     return _load(config.task, None if path is None else str(path), split, options)
 
 

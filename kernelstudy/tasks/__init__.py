@@ -17,7 +17,15 @@ from .listops import (
 )
 from .pathfinder import PathfinderTask
 from .png import decode_png, read_png
-from .registry import SYNTHETIC_TASKS, list_tasks, load_task, needs_path, task_class, task_options
+from .registry import (
+    SYNTHETIC_TASKS,
+    list_tasks,
+    load_task,
+    needs_path,
+    split_options,
+    task_class,
+    task_options,
+)
 from .retrieval import RetrievalTask, read_aan_tsv
 from .synthetic import CopyTask, MQARTask
 from .text import TextTask
@@ -45,6 +53,7 @@ __all__ = [
     "read_listops_tsv",
     "read_png",
     "rgb_to_gray",
+    "split_options",
     "task_class",
     "task_options",
     "tokenize_listops",

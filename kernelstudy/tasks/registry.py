@@ -1,12 +1,18 @@
-"""Tasks by name: ``load_task("listops", "data/listops", "train", max_length=2000)``."""
+"""Tasks by name: ``load_task("listops", "data/listops", "train", max_length=2000)``.
+
+Options apply to every split unless a split has its own table of them:
+``load_task("copy", split="val", num_samples=20_000, val={"num_samples": 256})`` builds a
+validation split of 256 sequences (``[task_options.val]`` in a TOML config).
+"""
 
 from __future__ import annotations
 
 import difflib
 import inspect
+from collections.abc import Mapping
 from typing import Any
 
-from .base import SequenceTask, check_split
+from .base import SPLITS, SequenceTask, check_split
 from .files import PathArg
 from .image import ImageTask
 from .listops import ListOpsTask
@@ -59,24 +65,44 @@ def needs_path(name: str) -> bool:
     return name not in SYNTHETIC_TASKS
 
 
+def split_options(name: str, options: Mapping[str, Any], split: str) -> dict[str, Any]:
+    """The options of task ``name`` for ``split``: ``options`` with ``options[split]`` over them.
+
+    ``options`` holds task options shared by all splits and, under the keys ``train``,
+    ``val`` and ``test``, tables of options for one split. Every table is checked, not only
+    ``split``'s: an unknown option or a table that is not a mapping raises ValueError.
+    """
+    check_split(split)
+    allowed = task_options(name)
+    shared = {key: value for key, value in options.items() if key not in SPLITS}
+    tables = {key: value for key, value in options.items() if key in SPLITS}
+    for split_name, table in tables.items():
+        if not isinstance(table, Mapping):
+            raise ValueError(
+                f"task option {split_name!r} must be a table of options for the {split_name} "
+                f"split (e.g. {{'num_samples': 256}}), got {table!r}"
+            )
+    for where, table in [("", shared), *((f"{s}.", t) for s, t in tables.items())]:
+        unknown = sorted(f"{where}{key}" for key in set(table) - set(allowed))
+        if unknown:
+            raise ValueError(
+                f"unknown option(s) {', '.join(unknown)} for task {name!r} "
+                f"(accepted: {', '.join(allowed)}; per split under {', '.join(SPLITS)})"
+            )
+    return {**shared, **tables.get(split, {})}
+
+
 def load_task(
     name: str, path: PathArg | None = None, split: str = "train", **options: Any
 ) -> SequenceTask:
     """Build task ``name`` for ``split`` (train/val/test) from ``path`` with ``options``.
 
-    File tasks need ``path``; synthetic ones take none. Unknown names, options or
-    splits raise ValueError before any file is read; a missing path raises
-    FileNotFoundError.
+    File tasks need ``path``; synthetic ones take none. ``options`` may hold per-split
+    tables (see ``split_options``). Unknown names, options or splits raise ValueError
+    before any file is read; a missing path raises FileNotFoundError.
     """
     cls = task_class(name)
-    check_split(split)
-    allowed = task_options(name)
-    unknown = sorted(set(options) - set(allowed))
-    if unknown:
-        raise ValueError(
-            f"unknown option(s) {', '.join(unknown)} for task {name!r} "
-            f"(accepted: {', '.join(allowed)})"
-        )
+    options = split_options(name, options, split)
     if not needs_path(name):
         if path is not None:
             raise ValueError(f"task {name!r} is synthetic and reads no data path (got {path!r})")

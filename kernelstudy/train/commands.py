@@ -9,6 +9,7 @@ trains it. A TOML file (``--config``) can hold the same settings; flags override
     attention = "favor"         # "softmax", "kernel" (elu) or a feature-map name
     out = "runs/favor"          # data and out: relative to this file's directory
     [task_options]              # the task's options, e.g. max_length = 2000
+    [task_options.val]          # options of one split (train/val/test), e.g. num_samples = 256
     [feature_map]               # the map's hyperparameters, e.g. num_features = 256
     [model]                     # model options, e.g. d_model = 128, n_heads = 4, pooling = "cls"
     [train]                     # TrainConfig fields, e.g. steps = 5000, lr = 5e-4
@@ -38,7 +39,7 @@ from typing import Any
 import torch
 
 from ..nn.models import CausalLM, MatchingClassifier, SequenceClassifier
-from ..tasks import load_task, needs_path, task_class, task_options
+from ..tasks import SPLITS, load_task, needs_path, task_class, task_options
 from ..tasks.base import SequenceTask
 from .checkpoint import seed_everything, write_json
 from .factory import model_for_task, task_type_of
@@ -59,6 +60,8 @@ SUMMARY = "summary.json"
 CONFIG_KEYS = ("task", "data", "attention", "out", "task_options", "feature_map", "model", "train")
 _TABLES = ("task_options", "feature_map", "model", "train")
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+#: a task option, optionally for one split only: ``max_length`` or ``val.num_samples``
+_TASK_KEY = re.compile(rf"(?:(?:{'|'.join(SPLITS)})\.)?{_KEY.pattern}")
 #: model options set by other settings, never in the [model] table
 _MODEL_RESERVED = {"self", "vocab_size", "num_classes", "attention", "feature_map_kwargs"}
 
@@ -79,13 +82,15 @@ def parse_value(text: str) -> Any:
     return text
 
 
-def parse_key_values(items: Iterable[str] | None, flag: str) -> dict[str, Any]:
+def parse_key_values(
+    items: Iterable[str] | None, flag: str, key_pattern: re.Pattern = _KEY
+) -> dict[str, Any]:
     """``["k=v", ...]`` → ``{k: parse_value(v)}``; ValueError naming ``flag`` when malformed."""
     out: dict[str, Any] = {}
     for item in items or ():
         key, sep, value = item.partition("=")
         key = key.strip()
-        if not sep or not _KEY.fullmatch(key) or not value.strip():
+        if not sep or not key_pattern.fullmatch(key) or not value.strip():
             raise ValueError(
                 f"{flag} expects KEY=VALUE with a name as KEY (e.g. {flag} num_features=256), "
                 f"got {item!r}"
@@ -162,7 +167,12 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     task_class(s["task"])  # unknown task: ValueError with suggestions
 
     s["feature_map"].update(parse_key_values(args.map_arg, "--map-arg"))
-    s["task_options"].update(parse_key_values(args.task_arg, "--task-arg"))
+    for key, value in parse_key_values(args.task_arg, "--task-arg", _TASK_KEY).items():
+        split, _, name = key.rpartition(".")
+        table = s["task_options"].setdefault(split, {}) if split else s["task_options"]
+        if not isinstance(table, dict):
+            raise ValueError(f"--task-arg {key}: task_options.{split} is not a table")
+        table[name] = value
     s["model"].update(parse_key_values(args.model_arg, "--model-arg"))
     if s["attention"] == "softmax" and s["feature_map"]:
         raise ValueError(
@@ -400,7 +410,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="feature-map hyperparameter, e.g. num_features=256 (repeatable)",
     )
     g.add_argument(
-        "--task-arg", action="append", metavar="KEY=VALUE", help="task option (repeatable)"
+        "--task-arg",
+        action="append",
+        metavar="KEY=VALUE",
+        help="task option (repeatable); SPLIT.KEY=VALUE sets it for one split, "
+        "e.g. val.num_samples=256",
     )
     g.add_argument(
         "--model-arg",
