@@ -32,6 +32,11 @@ def _cmd_maps(args: argparse.Namespace) -> int:
     table = feature_map_table()
     if args.pattern:
         names = set(ks.list_feature_maps(args.pattern))
+        if not names:
+            raise ValueError(
+                f"no feature map matches {args.pattern!r} "
+                f"(known: {', '.join(ks.list_feature_maps())})"
+            )
         table = table[table["name"].isin(names)]
     if args.format == "csv":
         table.to_csv(sys.stdout, index=False)
@@ -137,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except (ValueError, TypeError, FileNotFoundError) as err:
+    except (ValueError, TypeError, OSError) as err:  # OSError: files (--out, --data, ...)
         print(f"kernelstudy {args.command}: error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -285,13 +285,20 @@ def run_study(
         unknown = sorted(set(only) - {k for c in configs for k in c})
         if unknown:
             raise ValueError(f"only: {unknown} name no entry of study {name!r}'s configurations")
+        if not any(_matches(c, only) for c in configs):
+            values = {k: sorted({str(c[k]) for c in configs if k in c}) for k in only}
+            raise ValueError(
+                f"only: no configuration of study {name!r} has {only}; values: "
+                + "; ".join(f"{k} in {', '.join(v)}" for k, v in values.items())
+            )
     frames = {t: _read_results(path) for t, path in paths.items()}
     done = set(frames[RESULTS]["config_id"]) if "config_id" in frames[RESULTS] else set()
-    if force and done:
+    if force and done:  # recompute the selected configurations; keep every other row
+        redo = {i for c, i in zip(configs, ids, strict=True) if _matches(c, only)}
         for t, frame in frames.items():
             if "config_id" in frame:
-                frames[t] = frame[~frame["config_id"].isin(ids)]
-        done = set()
+                frames[t] = frame[~frame["config_id"].isin(redo)]
+        done -= redo
     unfilled = set()  # finished configs with no rows in an extra table
     for t in tables:
         have = set(frames[t]["config_id"]) if "config_id" in frames[t] else set()
@@ -541,7 +548,7 @@ def main(name: str, argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         run_from_args(name, args)
-    except (ValueError, TypeError, FileNotFoundError) as err:
+    except (ValueError, TypeError, OSError) as err:  # OSError: an unusable --out
         print(f"study {name}: error: {err}", file=sys.stderr)
         return 1
     return 0

@@ -54,6 +54,29 @@ def test_maps_table_and_csv(capsys):
     assert lines[0].startswith("name,") and len(lines) == 1 + len(ks.list_feature_maps("el*"))
 
 
+def test_maps_without_a_match_is_an_error(capsys):
+    assert main(["maps", "zzz*"]) == 1
+    assert "no feature map matches 'zzz*' (known: " in capsys.readouterr().err
+
+
+def test_unusable_out_paths_are_one_line_errors(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert main(["study", "approximation", "--quick", "--out", str(afile)]) == 1
+    assert main(["study", "approximation", "--quick", "--out", str(afile / "sub")]) == 1
+    args = ["--train", "4", "--val", "2", "--test", "2", "--min-length", "5"]
+    assert main(["data", "listops", "--out", str(afile), *args, "--max-length", "20"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("error:") == 3 and "Traceback" not in err
+
+
+def test_study_only_without_a_match_is_an_error(tmp_path, capsys):
+    out = tmp_path / "rank"
+    assert main(["study", "rank", "--quick", "--out", str(out), "--only", "part=x"]) == 1
+    assert "no configuration of study 'rank' has {'part': 'x'}" in capsys.readouterr().err
+    assert not (out / "results.csv").exists()
+
+
 def test_console_script_runs():
     res = subprocess.run(
         [sys.executable, "-m", "kernelstudy.cli", "backends"], capture_output=True, text=True

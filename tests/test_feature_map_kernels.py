@@ -89,20 +89,80 @@ def test_orthogonal_features_have_lower_mse_than_iid():
     assert mse[True] < mse[False]
 
 
-@pytest.mark.parametrize("name", ["favor", "trig_rf", "hedgehog"])
-def test_stabilizer_cancels_in_normalized_attention(name):
-    q, k, v = (torch.randn(2, 2, 6, 8, dtype=torch.float64) * 1.5 for _ in range(3))
-    kwargs = {"seed": 0} if name != "hedgehog" else {}
-    on = ks.create_feature_map(name, head_dim=8, num_heads=2, stabilize=True, **kwargs).double()
-    off = ks.create_feature_map(name, head_dim=8, num_heads=2, stabilize=False, **kwargs).double()
-    for causal in (False, True):
-        torch.testing.assert_close(
-            ks.kernel_attention(q, k, v, on, causal=causal, eps=1e-12),
-            ks.kernel_attention(q, k, v, off, causal=causal, eps=1e-12),
-        )
-    # kernel values differ by a factor per query row (and per key sequence): constant along keys
-    ratio = gram(on, q, k) / gram(off, q, k)
+STABILIZED = ["favor", "trig_rf", "hedgehog"]
+
+
+def test_exp_shift_moves_only_maxima_outside_the_safe_range():
+    lo, hi = ks.core.SAFE_EXPONENTS[torch.float32]
+    m = torch.tensor([-torch.inf, -50.0, lo, -3.0, 0.0, hi, 30.0, torch.inf, torch.nan])
+    shift = ks.core.exp_shift(m, torch.float32)
+    torch.testing.assert_close(shift, torch.tensor([0, -50.0, 0, 0, 0, 0, 30.0, 0, 0]))
+    lifted = ks.core.exp_shift(m, torch.float32, lift_negative=True)
+    torch.testing.assert_close(lifted, torch.tensor([0, -50.0, lo, -3.0, 0, 0, 30.0, 0, 0]))
+    grid = torch.linspace(-400, 400, 8001, dtype=torch.float64)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        for lift in (False, True):
+            assert (ks.core.exp_shift(grid, dtype, lift).diff() >= 0).all()  # non-decreasing
+    with pytest.raises(TypeError, match="dtype"):
+        ks.core.exp_shift(m, torch.int32)
+
+
+def stabilized_pair(name: str, d: int, **kwargs) -> tuple[FeatureMap, FeatureMap]:
+    """The map with and without its stabilizer, same weights."""
+    kwargs = {"seed": 0, **kwargs} if name != "hedgehog" else kwargs
+    on = ks.create_feature_map(name, head_dim=d, stabilize=True, **kwargs)
+    off = ks.create_feature_map(name, head_dim=d, stabilize=False, **kwargs)
+    off.load_state_dict(on.state_dict())
+    return on, off
+
+
+@pytest.mark.parametrize("name", STABILIZED)
+def test_stabilizer_shifts_only_where_it_helps(name):
+    """Ordinary keys: the unshifted features, bit for bit; query rows: those features times
+    a factor >= 1 per row. Inputs whose exponents leave float32's range: finite features
+    whose normalized attention equals the unshifted map's in float64."""
+    on, off = stabilized_pair(name, 8)
+    x = torch.randn(2, 1, 16, 8) * 1.5
+    assert torch.equal(on(x, is_query=False), off(x, is_query=False))
+    ratio = on(x, is_query=True) / off(x, is_query=True)
     torch.testing.assert_close(ratio, ratio[..., :1].expand_as(ratio))
+    assert (ratio >= 1).all()
+    q, k, v = (torch.randn(2, 1, 12, 8, dtype=torch.float64) * 5 for _ in range(3))
+    on, off = on.float(), off.double()
+    for causal in (False, True):
+        got = ks.kernel_attention(q.float(), k.float(), v.float(), on, causal=causal, eps=1e-30)
+        want = ks.kernel_attention(q, k, v, off, causal=causal, eps=1e-300)
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got.double(), want, rtol=2e-3, atol=2e-3)
+    # kernel values differ by a factor per query row (and per key sequence): constant along keys
+    ratio = gram(on.double(), q, k) / gram(off, q, k)
+    torch.testing.assert_close(ratio, ratio[..., :1].expand_as(ratio))
+
+
+@pytest.mark.parametrize("name", STABILIZED)
+def test_stabilized_attention_is_causal_padding_free_and_exact_at_the_default_eps(name):
+    """Ordinary float32 inputs (D=64, unit entries), default eps: within 1e-4 of the float64
+    result, earlier outputs blind to a later key, padded keys without effect."""
+    torch.manual_seed(0)
+    on, off = stabilized_pair(name, 64, **({"num_features": 128} if name != "hedgehog" else {}))
+    q, k, v = torch.randn(2, 2, 96, 64), torch.randn(2, 2, 96, 64), torch.randn(2, 2, 96, 8)
+    off = off.double()
+    for causal in (False, True):
+        got = ks.kernel_attention(q, k, v, on, causal=causal)
+        want = ks.kernel_attention(q.double(), k.double(), v.double(), off, causal=causal)
+        if name != "trig_rf":  # trig normalizers may pass through 0: no accuracy bound there
+            torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+    later = k.clone()
+    later[:, :, -1] *= 2
+    causal = ks.kernel_attention(q, k, v, on, causal=True)
+    assert torch.equal(
+        ks.kernel_attention(q, later, v, on, causal=True)[:, :, :-1], causal[:, :, :-1]
+    )
+    pad = torch.cat([torch.ones(2, 96, dtype=torch.bool), torch.zeros(2, 5, dtype=torch.bool)], 1)
+    k_pad = torch.cat([k, 5 * torch.randn(2, 2, 5, 64)], 2)
+    v_pad = torch.cat([v, torch.randn(2, 2, 5, 8)], 2)
+    padded = ks.kernel_attention(q, k_pad, v_pad, on, key_padding_mask=pad)
+    torch.testing.assert_close(padded, ks.kernel_attention(q, k, v, on), rtol=1e-5, atol=1e-6)
 
 
 def test_trig_rf_kernel_estimates_can_be_negative():

@@ -131,6 +131,20 @@ def test_step_equals_forward_with_and_without_key_stabilizer(name, kw, stabilize
     assert (state.log_scale is not None) == stabilize
 
 
+@pytest.mark.parametrize(("name", "kw"), STABILIZED)
+def test_step_equals_forward_in_float32_at_the_default_eps(name, kw):
+    """A later key no longer rescales the earlier ones, so the normalizer guard eps has the
+    same weight in both modes (it used to differ by up to 0.6 for Hedgehog)."""
+    torch.manual_seed(0)
+    layer = ks.nn.KernelAttention(32, 2, feature_map=name, feature_map_kwargs=kw, causal=True)
+    x = torch.randn(2, 24, 32)
+    with torch.no_grad():
+        full, state = layer(x), None
+        for t in range(24):
+            y_t, state = layer.step(x[:, t], state)
+            assert rel_err(y_t, full[:, t]) <= 1e-4
+
+
 def test_step_with_large_keys_stays_finite_and_matches_forward_on_the_prefix():
     """Key exponents far beyond float32's range: the running maximum keeps every step finite.
 

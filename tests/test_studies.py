@@ -126,6 +126,14 @@ def test_runner_writes_extra_tables_and_resumes_without_duplicates(toy_studies):
     # --force replaces the forced configs' rows in every table.
     study.run_study("tabled", quick=True, out=out, force=True, verbose=False)
     assert len(_powers(out)) == 9 and len(pd.read_csv(out / "results.csv")) == 3
+    # --force with --only recomputes the matching configs and keeps every other row.
+    results = pd.read_csv(out / "results.csv")
+    results.loc[results.x != 2, "value"] = -1.0  # marks that must survive
+    results.to_csv(out / "results.csv", index=False)
+    study.run_study("tabled", quick=False, out=out, force=True, only={"x": 2}, verbose=False)
+    kept = pd.read_csv(out / "results.csv").set_index("x")["value"]
+    assert kept.to_dict() == {1: -1.0, 2: 4.0, 3: -1.0}
+    assert len(_powers(out)) == 9
     assert not list(out.glob(".*.tmp"))
 
 

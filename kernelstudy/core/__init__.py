@@ -13,12 +13,14 @@ from .backends import (
 )
 from .chunked import DEFAULT_CHUNK_SIZE, causal_dot_product_chunked
 from .cpu_backend import causal_dot_product_cpu  # registers the compiled 'cpu' backend
+from .exp_range import SAFE_EXPONENTS, exp_shift
 from .recurrent import RecurrentState
 from .reference import causal_dot_product_reference
 from .softmax import softmax_attention, softmax_attention_reference
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
+    "SAFE_EXPONENTS",
     "Backend",
     "RecurrentState",
     "backends",
@@ -26,6 +28,7 @@ __all__ = [
     "causal_dot_product_chunked",
     "causal_dot_product_cpu",
     "causal_dot_product_reference",
+    "exp_shift",
     "linear_attention",
     "linear_attention_reference",
     "register_backend",

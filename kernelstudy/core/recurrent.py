@@ -5,10 +5,11 @@ shape ``(F,)``, kept in float32 (float64 for float64 inputs). Stepping through a
 sequence reproduces ``linear_attention(..., causal=True)``.
 
 A *scaled* state (``zeros(..., scaled=True)``) also keeps ``log_scale``, the
-running maximum of the keys' log scales: it holds ``S·exp(−log_scale)`` and
-``Z·exp(−log_scale)``, so keys whose features are exp of large exponents (FAVOR+,
-Hedgehog) neither overflow nor need the whole sequence for a stabilizer. The
-factor cancels in the normalized output.
+running maximum of the keys' log scales ``m``, and holds ``S·exp(−c)`` and
+``Z·exp(−c)`` with ``c = exp_shift(m)``: 0 while ``m`` lies in the features' safe
+range (:mod:`kernelstudy.core.exp_range`), as the batch key stabilizer of FAVOR+ and
+Hedgehog, so stepping gives the batch output; beyond it, keys whose features are exp
+of large exponents do not overflow. The factor cancels in the normalized output.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .exp_range import exp_shift
 from .validation import accumulation_dtype, check_eps, check_tensor
 
 
@@ -25,7 +27,8 @@ class RecurrentState:
     """Running sums ``S: (B,H,F,M)`` and ``Z: (B,H,F)``; immutable, ``step`` returns a new one.
 
     ``log_scale: (B,H)`` is None for a plain state; for a scaled one it is the
-    log of the factor the sums are divided by (−inf before the first key).
+    largest key log scale so far (−inf before the first key); the sums are divided
+    by ``exp(exp_shift(log_scale))``.
     """
 
     S: torch.Tensor
@@ -109,10 +112,13 @@ class RecurrentState:
                 )
             old, new = self.log_scale.to(acc), k_log_scale.to(acc)
             log_scale = torch.maximum(old, new)
-            decay = torch.exp(old - log_scale)  # exp(-inf) = 0 at the start
+            shift = exp_shift(log_scale, phi_k_t.dtype)
+            # exp_shift grows with its argument, so decay <= 1 (1 while the state is empty)
+            shift_old = torch.where(old == -torch.inf, shift, exp_shift(old, phi_k_t.dtype))
+            decay = torch.exp(shift_old - shift)
             s = s * decay[..., None, None]
             z = z * decay[..., None]
-            k = k * torch.exp(new - log_scale)[..., None]
+            k = k * torch.exp(new - shift)[..., None]  # new - shift <= the safe maximum
         s = s + k.unsqueeze(-1) * v.unsqueeze(-2)
         z = z + k
         num = (q.unsqueeze(-2) @ s).squeeze(-2)

@@ -82,13 +82,16 @@ class FavorFeatureMap(SoftmaxRandomFeatures):
     φ(x) = exp(Wx̂ − ‖x̂‖²/2)/√R with x̂ = x/D^{1/4} and W: (R, D) Gaussian rows (iid or
     block-orthogonal), so E[φ(x)·φ(y)] = exp(x·y/√D). ``hyperbolic=True`` uses
     [exp(Wx̂), exp(−Wx̂)]·exp(−‖x̂‖²/2)/√(2R) (F = 2R; same mean, lower variance at equal R).
-    ``stabilize`` subtracts the max exponent per query row (queries) or per
-    sequence (keys, over N and features); normalized attention is unchanged but
-    φ(q)·φ(k) is then the kernel times a per-row/per-sequence factor. Turn it off
-    for kernel-level analysis (RNN-mode steps handle it: ``key_features``); unstabilized
-    φ ≤ exp(max_r ‖w_r‖²/2)/√R anyway, as w·x̂ − ‖x̂‖²/2 ≤ ‖w‖²/2. In causal attention
-    the key max covers the whole sequence: it is detached and cancels exactly, only
-    underflow can depend on later keys.
+    ``stabilize`` (:func:`~kernelstudy.feature_maps.softmax_kernel.stabilizer`) moves
+    a query row's largest exponent to 0 when it is negative or too large, and the key
+    sequence's largest exponent to 0 only when it leaves the dtype's safe range
+    (:data:`kernelstudy.core.SAFE_EXPONENTS`, e^±20 in float32): ordinary keys keep
+    their exact features, independent of later keys and of padding. Normalized attention
+    is unchanged; φ(q)·φ(k) is the kernel times a per-row (and, for extreme keys,
+    per-sequence) factor. Turn it off for kernel-level analysis; unstabilized
+    φ ≤ exp(max_r ‖w_r‖²/2)/√R anyway, as w·x̂ − ‖x̂‖²/2 ≤ ‖w‖²/2. The normalizer
+    φ(q)·Σφ(k) estimates Σ exp(q·k/√D) with heavy tails: at large ‖x̂‖ it can fall
+    towards ``eps`` (1e-6) for a few early causal rows; pass a smaller ``eps`` there.
     ``(B,H,N,D) → (B,H,N,F)``; W is shared by all heads.
     """
 

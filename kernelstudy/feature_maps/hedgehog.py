@@ -17,9 +17,9 @@ class HedgehogFeatureMap(ExpFeatures, HeadwiseFeatureMap):
     """φ(x) = [exp(xW + b), exp(−xW − b)] with trainable ``W: (D, D)``, ``b: (D,)``.
 
     Starts at W = I, b = 0; per head by default (``shared=False``), as in the paper.
-    ``stabilize`` subtracts the max exponent per query row (queries) or per
-    sequence (keys), as ``favor`` does: normalized attention is unchanged, kernel
-    values φ(q)·φ(k) only up to that factor. Positive, F = 2D.
+    ``stabilize`` shifts exponents as ``favor`` does (per query row; per key
+    sequence only beyond the dtype's range): normalized attention is unchanged,
+    kernel values φ(q)·φ(k) only up to that factor. Positive, F = 2D.
     ``(B,H,N,D) → (B,H,N,2D)``.
     """
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..core.exp_range import exp_shift
 from .base import FeatureMap
 
 
@@ -17,16 +18,19 @@ def compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.promote_types(torch.promote_types(x.dtype, weight.dtype), torch.float32)
 
 
-def stabilizer(logits: torch.Tensor, is_query: bool) -> torch.Tensor:
-    """The constant to subtract from ``logits: (..., N, F)`` before ``exp``.
+def stabilizer(logits: torch.Tensor, is_query: bool, dtype: torch.dtype) -> torch.Tensor:
+    """The shift to subtract from ``logits: (..., N, F)`` before ``exp`` into ``dtype``.
 
-    Queries: the max over features of each row ``(..., N, 1)``; a per-query factor
-    cancels in normalized attention. Keys: the max over the whole sequence and
-    all features ``(..., 1, 1)``; one factor shared by every key of a sequence
-    cancels too (also causally). Detached: it is a constant of the attention.
+    Detached (a constant of the attention), from :func:`kernelstudy.core.exp_shift`:
+    - queries, per row ``(..., N, 1)``: a row whose largest exponent is negative or
+      above ``dtype``'s safe range moves it to 0. A per-query factor cancels in
+      normalized attention; lifting small rows keeps ``eps`` negligible beside them.
+    - keys, per sequence ``(..., 1, 1)``: the largest exponent of the whole sequence
+      moves to 0 only when it leaves the safe range. Ordinary keys keep their exact
+      features, so a key does not depend on later keys (causality) or on padding.
     """
     dims = (-1,) if is_query or logits.dim() < 2 else (-2, -1)
-    return logits.detach().amax(dim=dims, keepdim=True)
+    return exp_shift(logits.detach().amax(dim=dims, keepdim=True), dtype, lift_negative=is_query)
 
 
 class ExpFeatures(FeatureMap):
@@ -35,7 +39,8 @@ class ExpFeatures(FeatureMap):
     Subclasses implement ``log_parts(x, is_query) → (L, T)``: the log-domain part
     ``L: (..., N, F)`` (or ``(..., N, 1)``) and the bounded rest ``T`` (a tensor that
     broadcasts against it, or a float). With ``stabilize`` the shift ``c`` is
-    :func:`stabilizer` (per query row, per key sequence), else 0.
+    :func:`stabilizer` (per query row; per key sequence only where the dtype's range
+    needs it), else 0.
     """
 
     def log_parts(self, x: torch.Tensor, is_query: bool) -> tuple[torch.Tensor, object]:
@@ -48,7 +53,7 @@ class ExpFeatures(FeatureMap):
     def features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
         log, rest = self.log_parts(x, is_query)
         if self.hparams["stabilize"]:
-            log = log - stabilizer(log, is_query)
+            log = log - stabilizer(log, is_query, x.dtype)
         return (log.exp() * rest).to(x.dtype)
 
     def key_features(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,5 +61,5 @@ class ExpFeatures(FeatureMap):
             return super().key_features(k)
         self._check_input(k)
         log, rest = self.log_parts(k, False)
-        shift = stabilizer(log, is_query=True)  # each key by its own max, like a query row
+        shift = log.detach().amax(dim=-1, keepdim=True)  # each key by its own max exponent
         return ((log - shift).exp() * rest).to(k.dtype), shift[..., 0]

@@ -67,8 +67,9 @@ def kernel_attention(
     """Linear attention ``φ(q)·Σ φ(k) vᵀ / φ(q)·Σ φ(k)`` with the given feature map.
 
     ``q: (B,H,N,D)``, ``k: (B,H,S,D)``, ``v: (B,H,S,M)`` → ``(B,H,N,M)``.
-    Padded keys are zeroed before the map sees them, so stabilizers that look
-    at the whole key sequence ignore whatever the padding holds.
+    Padded keys are zeroed before the map sees them, so a stabilizer that looks
+    at the whole key sequence (only beyond the dtype's range) ignores whatever the
+    padding holds.
     """
     check_qkv(q, k, v, names=("q", "k", "v"), causal=causal)
     fm = resolve_feature_map(feature_map, q.shape[-1], q.shape[1])

@@ -1,0 +1,46 @@
+"""The exponents ``exp`` may take in each dtype, and the shift that keeps a maximum inside.
+
+Feature maps of the form φ = exp(L − c)·T (FAVOR+, Hedgehog, trig features) and the
+scaled :class:`~kernelstudy.core.RecurrentState` subtract a shift ``c`` from their
+exponents only where the dtype needs it. Inside the safe range the shift is 0, so
+features are exactly the unshifted ones: no dependence on other keys (causality, key
+padding), and the normalizer guard ``eps`` acts on the map's own scale of φ(q)·Σφ(k).
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: ``(lo, hi)`` per feature dtype: a maximum exponent outside it is moved to 0.
+#: float32/bfloat16: a query feature times a key feature, both at most their maxima,
+#: lies below e^40, so sums over 2^31 keys and 2^12 features (e^30) stay below float32's
+#: largest value (e^88); with both maxima at or above e^-20, the largest product is
+#: at least e^-40 and terms down to e^-47 below it stay above the smallest normal
+#: float (e^-87). float64: the same with e^±300 (range e^±708). float16 features
+#: are summed in float32, so each only has to fit float16 itself: e^±9 lies within
+#: its normal range [6.1e-5, 65504].
+SAFE_EXPONENTS: dict[torch.dtype, tuple[float, float]] = {
+    torch.float16: (-9.0, 9.0),
+    torch.bfloat16: (-20.0, 20.0),
+    torch.float32: (-20.0, 20.0),
+    torch.float64: (-300.0, 300.0),
+}
+
+
+def exp_shift(
+    log_max: torch.Tensor, dtype: torch.dtype, lift_negative: bool = False
+) -> torch.Tensor:
+    """The shift to subtract from exponents whose maximum is ``log_max`` (any shape).
+
+    0 where ``log_max`` lies in ``SAFE_EXPONENTS[dtype]`` (or is not finite: no
+    features, or non-finite input), else ``log_max`` itself: the maximum moves to 0,
+    which leaves the most room on both sides. ``lift_negative`` also moves every
+    negative maximum to 0 (for query rows, whose factor cancels: a larger normalizer
+    only shrinks the share of ``eps``). Non-decreasing in ``log_max``.
+    """
+    if dtype not in SAFE_EXPONENTS:
+        raise TypeError(f"dtype must be one of {list(SAFE_EXPONENTS)}, got {dtype}")
+    lo, hi = SAFE_EXPONENTS[dtype]
+    outside = (log_max < (0.0 if lift_negative else lo)) | (log_max > hi)
+    outside &= torch.isfinite(log_max)
+    return torch.where(outside, log_max, torch.zeros_like(log_max))
