@@ -110,6 +110,9 @@ def test_storage_errors_name_the_url(tmp_path):
     assert open_storage(f"sqlite:///{tmp_path / 's.db'}") is not None
     with pytest.raises(ValueError, match="database URL"):
         open_storage("results/study.db")
+    for memory in ("sqlite://", "sqlite:///", "sqlite:///:memory:"):
+        with pytest.raises(ValueError, match="in-memory database"):
+            open_storage(memory)
     with pytest.raises(ValueError, match=r"127\.0\.0\.1:1"):
         open_storage("postgresql://user:secret@127.0.0.1:1/db")
     try:

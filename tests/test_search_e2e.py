@@ -248,6 +248,8 @@ def test_duplicate_requeue_trains_once_and_reports_ignore_it(tmp_path, monkeypat
         (lambda s: s.replace('feature_map = "elu"', 'feature_map = "eluu"'), [], "'eluu'"),
         (lambda s: s.replace('task = "listops"', 'task = "listopz"'), [], "unknown task"),
         (lambda s: s + "\n[[variants]\n", [], "not valid TOML"),
+        (lambda s: s, ["--device", "bogus"], "'bogus' is not a valid torch device"),
+        (lambda s: s, ["--storage", "sqlite:///"], "in-memory database"),
         (
             lambda s: s,
             ["--storage", "postgresql://nouser@127.0.0.1:1/x"],

@@ -144,3 +144,15 @@ def test_duplicate_requeue_runs_once(kind, workers, tmp_path):
     ran = [t for t in trials.values() if t.user_attrs.get("ran")]
     assert all(t.state == TrialState.COMPLETE for t in ran)
     assert finished_trials(study) == len(ran) and 3 <= len(ran) <= 2 + workers
+
+
+def test_a_resumed_study_does_not_replay_the_first_runs_points(tmp_path):
+    url = f"sqlite:///{tmp_path / 'resume.db'}"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = open_study(url, "resume", seed=0)
+        first.optimize(quick_objective, n_trials=4)
+        again = open_study(url, "resume", seed=0)  # a rerun of the same command
+        again.optimize(quick_objective, n_trials=4)
+    xs = [t.params["x"] for t in again.get_trials()]
+    assert len(set(xs)) == 8  # TPE's 10 random start-up draws: none repeated

@@ -13,6 +13,7 @@ import torch
 
 from kernelstudy.cli import main
 from kernelstudy.tasks import write_listops
+from kernelstudy.train import commands
 from kernelstudy.train.commands import load_splits, parse_key_values, parse_value
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -151,6 +152,34 @@ def test_rerun_resumes_and_matches_an_uninterrupted_run(
     assert main(listops_args(listops, resumed, "--lr", "0.01", "--overwrite", "--steps", "3")) == 0
     assert json.loads((resumed / "config.json").read_text())["train"]["lr"] == 0.01
     assert list(pd.read_csv(resumed / "metrics.csv")["step"]) == [3]
+
+
+def test_overwrite_that_fails_or_is_interrupted_leaves_no_old_run_to_resume(
+    listops: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    out = tmp_path / "run"
+    assert main(listops_args(listops, out, "--steps", "4")) == 0
+    # A bad --stop-after is refused before anything is written.
+    new = listops_args(listops, out, "--steps", "4", "--lr", "0.02")
+    assert main([*new, "--overwrite", "--stop-after", "-1"]) == 1
+    assert "--stop-after must be >= 0" in capsys.readouterr().err
+    assert json.loads((out / "config.json").read_text())["train"]["lr"] != 0.02
+
+    # Interrupted before its first checkpoint: the old run's files are gone with it.
+    def interrupted(self, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(commands.Trainer, "fit", interrupted)
+        assert main([*new, "--overwrite"]) == 130
+    assert json.loads((out / "config.json").read_text())["train"]["lr"] == 0.02
+    assert not any((out / name).exists() for name in ("checkpoint.pt", "summary.json"))
+    capsys.readouterr()
+    assert main(new) == 0  # starts afresh: nothing of the old run to resume
+    assert "resuming" not in capsys.readouterr().err
 
 
 def test_config_file_data_path_is_relative_to_the_file(

@@ -20,7 +20,7 @@ import optuna
 import pandas as pd
 
 from ..progress import tqdm
-from ..train import atomic_write_text
+from ..train import atomic_write_text, resolve_device
 from .config import SearchConfig, load_config
 from .objective import prepare_data, suggest_settings, train_run
 from .runner import DEFAULT_OUT, best_trial, select_variants, storage_url
@@ -85,6 +85,8 @@ def run_evaluation(
         config = load_config(config, quick=quick)
     if not isinstance(seeds, int) or seeds < 1:
         raise ValueError(f"seeds must be a positive int, got {seeds!r}")
+    if device is not None:
+        resolve_device(device)
     chosen = select_variants(config, variants)
     url = storage_url(config, storage, out)
     open_storage(url)

@@ -19,6 +19,7 @@ import optuna
 import pandas as pd
 
 from ..progress import tqdm
+from ..train import resolve_device
 from .config import SearchConfig, Variant, load_config
 from .objective import check_variants, objective, prepare_data
 from .storage import default_storage_url, load_study, open_storage
@@ -84,6 +85,8 @@ def run_search(
         raise ValueError(f"trials must be a positive int, got {trials!r}")
     if not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be a positive int, got {workers!r}")
+    if device is not None:
+        resolve_device(device)  # unknown device, or cuda without a GPU: ValueError now
     chosen = select_variants(config, variants)
     url = storage_url(config, storage, out)
     open_storage(url)  # unreachable or malformed URL: ValueError now

@@ -39,6 +39,11 @@ def open_storage(
     """
     if not isinstance(url, str) or "://" not in url:
         raise ValueError(f"storage must be a database URL such as sqlite:///study.db, got {url!r}")
+    if url.startswith("sqlite") and url.partition("://")[2].lstrip("/") in ("", ":memory:"):
+        raise ValueError(
+            f"storage {url!r} is an in-memory database, which every worker and command opens "
+            "afresh (the trials would be lost): give a file, e.g. sqlite:///results/study.db"
+        )
     engine_kwargs = {}
     if url.startswith("sqlite"):
         # Several worker processes write to one file: wait for locks instead of failing.

@@ -23,6 +23,7 @@ import sys
 import warnings
 from collections.abc import Callable
 
+import numpy as np
 import optuna
 from optuna.storages import RetryHeartbeatStaleTrialCallback
 from optuna.trial import FrozenTrial, TrialState
@@ -55,9 +56,11 @@ def open_study(
 ) -> optuna.Study:
     """Create study ``name`` in ``url`` or join it if it exists (TPE sampler, seeded).
 
+    A study that already holds trials gets a sampler seeded from ``seed`` and their
+    number, so a resumed search does not replay the random start-up points of the first.
     ``heartbeat`` is (interval, grace period) in seconds.
     """
-    return optuna.create_study(
+    study = optuna.create_study(
         study_name=name,
         storage=open_storage(url, heartbeat_interval=heartbeat[0], grace_period=heartbeat[1]),
         direction=direction,
@@ -65,6 +68,11 @@ def open_study(
         pruner=make_pruner(pruner),
         load_if_exists=True,
     )
+    existing = len(study.get_trials(deepcopy=False))
+    if existing:  # mixed, so that (seed, existing) pairs of other workers do not collide
+        mixed = int(np.random.SeedSequence([seed, existing]).generate_state(1)[0])
+        study.sampler = optuna.samplers.TPESampler(seed=mixed)
+    return study
 
 
 def is_duplicate(trial: FrozenTrial) -> bool:

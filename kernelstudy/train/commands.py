@@ -356,6 +356,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     """Run ``kernelstudy train``; every check happens before anything is written."""
     if args.resume and args.overwrite:
         raise ValueError("--resume and --overwrite exclude each other")
+    if args.stop_after is not None and args.stop_after < 0:
+        raise ValueError(f"--stop-after must be >= 0, got {args.stop_after}")
     settings = resolve_settings(args)
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     config = train_config_of(settings, progress)
@@ -372,6 +374,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     out = Path(settings["out"])
     out.mkdir(parents=True, exist_ok=True)
+    if args.overwrite:  # the old run's files go before the new settings are recorded
+        for name in (CHECKPOINT, METRICS, RECORD, MODEL, SUMMARY):
+            (out / name).unlink(missing_ok=True)
     write_json(out / CONFIG, settings)
     if resume:
         print(f"resuming {out} from {out / CHECKPOINT}", file=sys.stderr)
