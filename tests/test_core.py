@@ -256,7 +256,10 @@ def test_bad_mask(mask, error):
         ks.linear_attention(*_ok(), key_padding_mask=mask)
 
 
-@pytest.mark.parametrize("eps, error", [(0.0, ValueError), (-1e-3, ValueError), ("1", TypeError)])
+@pytest.mark.parametrize(
+    "eps, error",
+    [(0.0, ValueError), (-1e-3, ValueError), (float("inf"), ValueError), ("1", TypeError)],
+)
 def test_bad_eps(eps, error):
     with pytest.raises(error, match="eps"):
         ks.linear_attention(*_ok(), eps=eps)
@@ -270,3 +273,21 @@ def test_bad_backend_and_chunk():
     q, k, _ = _ok()
     with pytest.raises(ValueError, match="chunk_size"):
         ks.causal_dot_product(q, k, torch.rand(2, 3, 5, 6), backend="torch", chunk_size=0)
+    for causal in (False, True):  # checked in every mode, not only where chunks are used
+        with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+            ks.linear_attention(*_ok(), causal=causal, chunk_size=0)
+        with pytest.raises(ValueError, match="chunk_size applies to backend='torch' only"):
+            ks.linear_attention(*_ok(), causal=causal, backend="reference", chunk_size=8)
+
+
+def test_softmax_padding_holds_anything_and_scale_is_checked():
+    q, k, v = (torch.randn(2, 2, 6, 4) for _ in range(3))
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[:, -2:] = False
+    want = ks.softmax_attention(q, k, v, key_padding_mask=mask)
+    k[:, :, -2:], v[:, :, -1] = float("nan"), float("inf")
+    got = ks.softmax_attention(q, k, v, key_padding_mask=mask)
+    torch.testing.assert_close(got, want)
+    for bad, error in ((0.0, ValueError), (float("nan"), ValueError), ("a", TypeError)):
+        with pytest.raises(error, match="scale"):
+            ks.softmax_attention(q, k, v, scale=bad)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .backends import resolve_backend
-from .chunked import causal_dot_product_chunked
+from .chunked import causal_dot_product_chunked, check_chunk_size
 from .validation import (
     accumulation_dtype,
     check_eps,
@@ -86,6 +86,10 @@ def linear_attention(
     """
     check_qkv(phi_q, phi_k, v, causal=causal)
     eps = check_eps(eps)
+    if chunk_size is not None:  # checked in every mode, also where no chunk is used
+        check_chunk_size(chunk_size)
+        if backend not in (None, "torch"):
+            raise ValueError(f"chunk_size applies to backend='torch' only, got backend={backend!r}")
     if backend == "reference":
         return linear_attention_reference(phi_q, phi_k, v, causal, key_padding_mask, eps)
     if backend is not None and not isinstance(backend, str):

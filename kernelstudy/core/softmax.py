@@ -23,6 +23,17 @@ def _allowed(
     return allowed
 
 
+def _check_scale(q: torch.Tensor, scale: object) -> float:
+    """``scale`` as a float (``1/√D`` for None); ValueError unless positive and finite."""
+    if scale is None:
+        return 1.0 / math.sqrt(q.shape[-1])
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a number, got {type(scale).__name__}")
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    return float(scale)
+
+
 def softmax_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -35,14 +46,18 @@ def softmax_attention(
 
     ``q: (B,H,N,D)``, ``k: (B,H,S,D)``, ``v: (B,H,S,M)`` → ``(B,H,N,M)``. Uses
     ``torch.nn.functional.scaled_dot_product_attention``. A query with no key
-    to attend to (every allowed key padded) gets a zero output, not NaN.
+    to attend to (every allowed key padded) gets a zero output, not NaN; padded keys
+    and values contribute nothing, whatever they hold (inf and NaN included).
+    ``scale``: a positive finite number.
     """
     check_qkv(q, k, v, names=("q", "k", "v"), causal=causal)
     if key_padding_mask is not None:
         key_padding_mask = check_key_padding_mask(
             key_padding_mask, k.shape[0], k.shape[2], k.device
         )
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        padded = ~key_padding_mask[:, None, :, None]
+        k, v = k.masked_fill(padded, 0.0), v.masked_fill(padded, 0.0)  # 0 * NaN is NaN
+    scale = _check_scale(q, scale)
     n, s = q.shape[2], k.shape[2]
     if key_padding_mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
@@ -62,7 +77,7 @@ def softmax_attention_reference(
 ) -> torch.Tensor:
     """The same as :func:`softmax_attention`, written out with an explicit ``(B,H,N,S)`` matrix."""
     check_qkv(q, k, v, names=("q", "k", "v"), causal=causal)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = _check_scale(q, scale)
     scores = (q @ k.transpose(-1, -2)) * scale
     allowed = _allowed(q.shape[2], k.shape[2], causal, key_padding_mask, q.device)
     if allowed is None:

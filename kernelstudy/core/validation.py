@@ -33,8 +33,8 @@ def check_eps(eps: float) -> float:
     """``eps`` as a float > 0, else TypeError/ValueError naming it."""
     if not isinstance(eps, (int, float)) or isinstance(eps, bool):
         raise TypeError(f"eps must be a positive float, got {type(eps).__name__}")
-    if not eps > 0:
-        raise ValueError(f"eps must be > 0, got {eps}")
+    if not 0 < eps < float("inf"):
+        raise ValueError(f"eps must be a finite float > 0, got {eps}")
     return float(eps)
 
 
