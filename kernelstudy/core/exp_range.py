@@ -1,9 +1,9 @@
 """The exponents ``exp`` may take in each dtype, and the shift that keeps a maximum inside.
 
 Feature maps of the form φ = exp(L − c)·T (FAVOR+, Hedgehog, trig features) and the
-scaled :class:`~kernelstudy.core.RecurrentState` subtract a shift ``c`` from their
-exponents only where the dtype needs it. Inside the safe range the shift is 0, so
-features are exactly the unshifted ones: no dependence on other keys (causality, key
+scaled :class:`~kernelstudy.core.RecurrentState` subtract a shift ``c`` from their key
+exponents only where the dtype needs it. Inside the safe range the shift is 0, so keys
+are exactly the unshifted features: no dependence on other keys (causality, key
 padding), and the normalizer guard ``eps`` acts on the map's own scale of φ(q)·Σφ(k).
 """
 
