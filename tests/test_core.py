@@ -288,6 +288,8 @@ def test_softmax_padding_holds_anything_and_scale_is_checked():
     k[:, :, -2:], v[:, :, -1] = float("nan"), float("inf")
     got = ks.softmax_attention(q, k, v, key_padding_mask=mask)
     torch.testing.assert_close(got, want)
+    got = ks.core.softmax_attention_reference(q, k, v, key_padding_mask=mask)
+    torch.testing.assert_close(got, want)
     for bad, error in ((0.0, ValueError), (float("nan"), ValueError), ("a", TypeError)):
         with pytest.raises(error, match="scale"):
             ks.softmax_attention(q, k, v, scale=bad)

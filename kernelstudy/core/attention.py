@@ -17,19 +17,8 @@ from .validation import (
     check_eps,
     check_key_padding_mask,
     check_qkv,
+    zero_padded_keys,
 )
-
-
-def _mask_keys(
-    phi_k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero padded keys and values (whatever garbage they hold) so they contribute nothing."""
-    if key_padding_mask is None:
-        return phi_k, v
-    mask = check_key_padding_mask(key_padding_mask, phi_k.shape[0], phi_k.shape[2], phi_k.device)
-    keep = mask[:, None, :, None]
-    zero = torch.zeros((), dtype=phi_k.dtype, device=phi_k.device)
-    return torch.where(keep, phi_k, zero), torch.where(keep, v, zero)
 
 
 def causal_dot_product(
@@ -98,7 +87,7 @@ def linear_attention(
         chosen = resolve_backend(backend, phi_q)
         if chosen.attention is not None:
             return chosen.attention(phi_q, phi_k, v, causal, key_padding_mask, eps)
-    phi_k, v = _mask_keys(phi_k, v, key_padding_mask)
+    phi_k, v = zero_padded_keys(phi_k, v, key_padding_mask)
     acc = accumulation_dtype(phi_q.dtype)
     if causal:
         # One causal product with a column of ones appended to v yields the

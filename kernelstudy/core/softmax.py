@@ -7,7 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .validation import check_key_padding_mask, check_qkv
+from .validation import check_key_padding_mask, check_qkv, zero_padded_keys
 
 
 def _allowed(
@@ -55,8 +55,7 @@ def softmax_attention(
         key_padding_mask = check_key_padding_mask(
             key_padding_mask, k.shape[0], k.shape[2], k.device
         )
-        padded = ~key_padding_mask[:, None, :, None]
-        k, v = k.masked_fill(padded, 0.0), v.masked_fill(padded, 0.0)  # 0 * NaN is NaN
+    k, v = zero_padded_keys(k, v, key_padding_mask)  # a weight of 0 times NaN is still NaN
     scale = _check_scale(q, scale)
     n, s = q.shape[2], k.shape[2]
     if key_padding_mask is None:
@@ -78,6 +77,7 @@ def softmax_attention_reference(
     """The same as :func:`softmax_attention`, written out with an explicit ``(B,H,N,S)`` matrix."""
     check_qkv(q, k, v, names=("q", "k", "v"), causal=causal)
     scale = _check_scale(q, scale)
+    k, v = zero_padded_keys(k, v, key_padding_mask)
     scores = (q @ k.transpose(-1, -2)) * scale
     allowed = _allowed(q.shape[2], k.shape[2], causal, key_padding_mask, q.device)
     if allowed is None:

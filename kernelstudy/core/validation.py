@@ -95,6 +95,19 @@ def check_key_padding_mask(
     return mask.to(device)
 
 
+def zero_padded_keys(
+    k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``k: (B,H,S,·)`` and ``v: (B,H,S,M)`` with padded positions zeroed, whatever they
+    held (inf and NaN included), so they contribute nothing; the mask is checked."""
+    if key_padding_mask is None:
+        return k, v
+    mask = check_key_padding_mask(key_padding_mask, k.shape[0], k.shape[2], k.device)
+    keep = mask[:, None, :, None]
+    zero = torch.zeros((), dtype=k.dtype, device=k.device)
+    return torch.where(keep, k, zero), torch.where(keep, v, zero)
+
+
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """float64 stays float64; every other float type accumulates in float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32

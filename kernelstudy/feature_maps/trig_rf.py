@@ -19,10 +19,10 @@ class TrigRandomFeatureMap(SoftmaxRandomFeatures):
     φ(x) = exp(‖x̂‖²/2)/√R · [sin(Wx̂), cos(Wx̂)] with x̂ = x/D^{1/4}, so
     E[φ(x)·φ(y)] = exp(x·y/√D). Kernel estimates can be negative and the attention
     normalizer can vanish or change sign, which makes outputs blow up: this is the
-    unstable baseline FAVOR+ improves on. ``stabilize`` divides exp(‖x̂‖²/2) by its
-    value for queries below 1 or beyond the dtype's range (a per-row factor), and by
-    its max over the sequence for keys only beyond that range (a per-sequence factor);
-    both cancel in normalized attention.
+    unstable baseline FAVOR+ improves on. ``stabilize`` divides exp(‖x̂‖²/2) (always
+    ≥ 1) by its value for queries and by its max over the sequence for keys, each only
+    beyond the dtype's range (a per-row and a per-sequence factor); both cancel in
+    normalized attention.
     ``(B,H,N,D) → (B,H,N,2R)``; W is shared by all heads.
     """
 
