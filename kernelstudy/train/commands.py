@@ -51,11 +51,14 @@ from .trainer import (
     RESUME_FREE,
     TrainConfig,
     Trainer,
+    check_stop_after,
     resolve_device,
 )
 
 CONFIG = "config.json"
 SUMMARY = "summary.json"
+#: what a run writes besides its config (an --overwrite removes them first)
+RUN_FILES = (CHECKPOINT, METRICS, RECORD, MODEL, SUMMARY)
 #: top-level keys of a ``--config`` TOML file
 CONFIG_KEYS = ("task", "data", "attention", "out", "task_options", "feature_map", "model", "train")
 _TABLES = ("task_options", "feature_map", "model", "train")
@@ -356,8 +359,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     """Run ``kernelstudy train``; every check happens before anything is written."""
     if args.resume and args.overwrite:
         raise ValueError("--resume and --overwrite exclude each other")
-    if args.stop_after is not None and args.stop_after < 0:
-        raise ValueError(f"--stop-after must be >= 0, got {args.stop_after}")
+    check_stop_after(args.stop_after, "--stop-after")
     settings = resolve_settings(args)
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     config = train_config_of(settings, progress)
@@ -375,7 +377,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     out = Path(settings["out"])
     out.mkdir(parents=True, exist_ok=True)
     if args.overwrite:  # the old run's files go before the new settings are recorded
-        for name in (CHECKPOINT, METRICS, RECORD, MODEL, SUMMARY):
+        for name in RUN_FILES:
             (out / name).unlink(missing_ok=True)
     write_json(out / CONFIG, settings)
     if resume:
@@ -394,8 +396,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         f"(best {_fmt(best.get('value'))} at step {best.get('step')}), "
         f"test accuracy {_fmt(summary['test_accuracy'])}"
     )
-    names = (CHECKPOINT, METRICS, RECORD, MODEL, SUMMARY)
-    print(f"wrote {out}: " + ", ".join(n for n in names if (out / n).exists()))
+    print(f"wrote {out}: " + ", ".join(n for n in RUN_FILES if (out / n).exists()))
     return 0
 
 

@@ -157,6 +157,13 @@ class TrainConfig:
         return cls(**data)
 
 
+def check_stop_after(stop_after: object, name: str = "stop_after") -> None:
+    """ValueError naming ``name`` unless ``stop_after`` (the steps after which ``fit``
+    pauses) is None or an int >= 0."""
+    if stop_after is not None and (not isinstance(stop_after, int) or stop_after < 0):
+        raise ValueError(f"{name} must be >= 0 (an int), got {stop_after!r}")
+
+
 def resolve_device(device: str) -> torch.device:
     """``auto`` → CUDA if available else CPU; a CUDA device that is missing raises ValueError."""
     if device == "auto":
@@ -298,8 +305,7 @@ class Trainer:
         ``paused``); ``resume``: continue from ``out_dir/checkpoint.pt`` when it exists.
         """
         cfg = self.config
-        if stop_after is not None and (not isinstance(stop_after, int) or stop_after < 0):
-            raise ValueError(f"stop_after must be an int >= 0, got {stop_after!r}")
+        check_stop_after(stop_after)
         if resume:
             if self.out_dir is None:
                 raise ValueError("resume=True needs config.out_dir (where the checkpoint is)")
