@@ -173,8 +173,6 @@ def test_interrupt_and_resume_loses_and_duplicates_nothing(tmp_path):
     killed = [t for t in study.get_trials() if t.state == TrialState.FAIL]
     assert len(killed) == 1 and not study.get_trials(states=(TrialState.RUNNING,))
 
-    # Shorter trials for the rest: the same study continues (its name, not its steps).
-    write_config(tmp_path, ["elu+1"], steps=20)
     assert ks("search", cfg, "--out", out, "--trials", "3") == 0
     trials = study.get_trials()
     numbers = [t.number for t in trials]
@@ -240,6 +238,50 @@ def test_duplicate_requeue_trains_once_and_reports_ignore_it(tmp_path, monkeypat
     assert sorted(listed["number"]) == sorted(n for n in trials if n != dup.number)
     summary = pd.read_csv(out / "tiny" / "search_summary.csv")
     assert summary.loc[0, "finished"] == 3 and summary.loc[0, "over_budget"] == 0
+
+
+def test_changed_settings_refuse_to_join_a_study_with_trials(tmp_path, capsys, monkeypatch):
+    cfg, out = write_config(tmp_path, ["elu+1", "1xGLU"], steps=10), tmp_path / "res"
+    assert ks("search", cfg, "--out", out, "--trials", "1", "--variant", "elu+1") == 0
+    data = out / "tiny" / "data" / "basic_train.tsv"
+    before = data.read_bytes()
+    original = cfg.read_text()
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("no trial may train against a study of other settings")
+
+    monkeypatch.setattr("kernelstudy.search.objective.Trainer", no_training)
+    edits = {
+        "train": ("steps = 10", "steps = 11"),
+        "model": ("d_ff = 32", "d_ff = 48"),
+        "task_options": ("[task_options]\nmax_length = 32", "[task_options]\nmax_length = 30"),
+        "generate": ("n_train = 300", "n_train = 200"),
+        "space": ("high = 1e-2", "high = 2e-2"),
+    }
+    for table, (old, new) in edits.items():
+        assert old in original, table
+        cfg.write_text(original.replace(old, new))
+        for command in ("search", "evaluate"):
+            capsys.readouterr()
+            assert ks(command, cfg, "--out", out, "--variant", "elu+1") == 1
+            err = capsys.readouterr().err
+            assert "holds 1 trial(s) run with other settings" in err and f"{table}:" in err, err
+    assert data.read_bytes() == before  # refused before the generated data were rewritten
+
+    # Settings that do not change a trial's value, and a study without trials, are fine.
+    monkeypatch.undo()
+    cfg.write_text(original.replace("[train]", "[train]\nprogress = false"))
+    assert ks("search", cfg, "--out", out, "--trials", "2", "--variant", "elu+1") == 0
+    cfg.write_text(original.replace("n_train = 300", "n_train = 200"))
+    assert ks("search", cfg, "--out", out, "--trials", "1", "--variant", "1xGLU") == 0
+    # ... and the generated data were rewritten for the new [generate] table.
+    assert data.read_bytes() != before
+    assert len(data.read_text().splitlines()) == 201  # header + n_train rows
+    # The report still reads both, but says their rows are not comparable.
+    capsys.readouterr()
+    assert ks("report", cfg, "--out", out) == 0
+    err = capsys.readouterr().err
+    assert "searched with different generate settings" in err, err
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,7 @@ from ..progress import tqdm
 from ..train import atomic_write_text, resolve_device
 from .config import SearchConfig, load_config
 from .objective import prepare_data, suggest_settings, train_run
-from .runner import DEFAULT_OUT, best_trial, select_variants, storage_url
+from .runner import DEFAULT_OUT, best_trial, check_settings, select_variants, storage_url
 from .storage import load_study, open_storage
 
 EVALUATION = "evaluation.csv"
@@ -90,6 +90,7 @@ def run_evaluation(
     chosen = select_variants(config, variants)
     url = storage_url(config, storage, out)
     open_storage(url)
+    check_settings(config, chosen, url)  # the best trials re-train as they were searched
     data = prepare_data(config, out)
     plan: list[tuple[Any, optuna.trial.FrozenTrial, int]] = []
     for variant in chosen:

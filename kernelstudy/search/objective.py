@@ -29,13 +29,22 @@ from torch import nn
 from ..nn.models import feature_dim_of, feature_map_parameter_count, parameter_count
 from ..tasks import load_task, write_listops
 from ..tasks.base import SequenceTask
-from ..train import OptunaPruningCallback, TrainConfig, Trainer, model_for_task, seed_everything
+from ..train import (
+    OptunaPruningCallback,
+    TrainConfig,
+    Trainer,
+    atomic_write_text,
+    model_for_task,
+    seed_everything,
+)
 from .config import SearchConfig, Variant
 from .space import suggest_feature_map, suggest_training
 
 #: TrainConfig defaults of a search (a config's [train] table overrides them).
 TRAIN_DEFAULTS: dict[str, Any] = {"reg_weight": 1.0, "progress": False}
 _LISTOPS_FILES = ("basic_train.tsv", "basic_val.tsv", "basic_test.tsv")
+#: Beside generated data: the ``[generate]`` table they were written with.
+GENERATED_WITH = "generate.json"
 
 
 class OverBudget(ValueError):
@@ -101,17 +110,25 @@ def data_dir(config: SearchConfig, out: str | Path) -> Path | None:
 
 
 def prepare_data(config: SearchConfig, out: str | Path) -> Path | None:
-    """Generate the ListOps files of a ``[generate]`` config (once), or check ``config.data``.
+    """Generate the ListOps files of a ``[generate]`` config, or check ``config.data``.
 
-    Raises FileNotFoundError (with what to do) when a config's data are missing.
+    Generated files are reused while ``generate.json`` beside them records the same
+    ``[generate]`` table, and written afresh when it changed. Raises
+    FileNotFoundError (with what to do) when a config's data are missing.
     """
     from ..tasks import needs_path
 
     path = data_dir(config, out)
     if config.generate:
         assert path is not None
-        if not all((path / name).is_file() for name in _LISTOPS_FILES):
+        record = json.dumps(config.generate, sort_keys=True)
+        stamp = path / GENERATED_WITH
+        current = stamp.is_file() and stamp.read_text() == record
+        if not current or not all((path / name).is_file() for name in _LISTOPS_FILES):
+            stamp.unlink(missing_ok=True)  # an interrupted rewrite is not taken for current
             write_listops(path, **config.generate)
+            atomic_write_text(stamp, record)
+            _load.cache_clear()  # splits read from the old files
         return path
     if not needs_path(config.task):
         return None

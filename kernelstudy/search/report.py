@@ -19,6 +19,7 @@ CSV when :mod:`.evaluate` has run) of one or more configs and writes, under
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ import pandas as pd
 from ..train import atomic_write, atomic_write_text
 from .config import load_config
 from .evaluate import EVALUATION, read_evaluation, summarize_evaluation
-from .runner import DEFAULT_OUT, storage_url, study_row
+from .runner import DEFAULT_OUT, storage_url, study_row, unshared_settings
 from .storage import open_storage, redact
 from .workers import is_duplicate
 
@@ -107,6 +108,13 @@ def load_results(
         if n in names
     }
     task = next(iter(studies.values())).user_attrs.get("task", "?")
+    unshared = unshared_settings(studies)
+    if unshared:
+        print(
+            f"report {name}: warning: its variants were searched with different "
+            f"{', '.join(unshared)} settings, so their rows are not comparable",
+            file=sys.stderr,
+        )
     evaluation = read_evaluation(Path(out) / name / EVALUATION)
     return StudySet(name, task, studies, evaluation)
 

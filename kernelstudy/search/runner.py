@@ -3,13 +3,17 @@
 :func:`run_search` checks everything first (config, storage URL, data, every
 variant's model), then optimizes the variants one after another. Study
 ``<name>/<label>`` holds the trials of one variant; its user attrs name the
-config, task and feature map so :mod:`.report` can read a study on its own.
-Re-running with the same storage continues the studies (see :mod:`.workers`).
+config, task and feature map so :mod:`.report` can read a study on its own, and
+``settings`` records what its trials' values depend on (:func:`variant_settings`).
+Re-running with the same storage continues the studies (see :mod:`.workers`), but
+only with the same settings: a study whose trials ran with another task, model,
+training, search space or generated data is refused rather than mixed.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,10 +26,16 @@ from ..progress import tqdm
 from ..train import resolve_device
 from .config import SearchConfig, Variant, load_config
 from .objective import check_variants, objective, prepare_data
-from .storage import default_storage_url, load_study, open_storage
+from .storage import default_storage_url, load_study, open_storage, redact
 from .workers import FINISHED, is_duplicate, open_study, run_workers
 
 DEFAULT_OUT = "results"
+#: The study user attr that holds :func:`variant_settings`.
+SETTINGS_ATTR = "settings"
+#: ``[train]`` keys that change where or how visibly a run trains, not its result.
+NEUTRAL_TRAIN_KEYS = ("device", "progress", "num_workers")
+#: The :func:`variant_settings` that every variant of one table should share.
+SHARED_SETTINGS = ("task", "task_options", "generate", "model", "train", "space", "budget")
 
 
 def storage_url(config: SearchConfig, storage: str | None, out: str | Path = DEFAULT_OUT) -> str:
@@ -40,8 +50,72 @@ def select_variants(config: SearchConfig, labels: Sequence[str] | None) -> list[
     return [config.variant(label) for label in labels]
 
 
+def variant_settings(config: SearchConfig, variant: Variant) -> dict[str, Any]:
+    """What a trial of ``variant`` depends on besides its own parameters (JSON values).
+
+    The task and its options, the generated data's table, the model, training (less
+    :data:`NEUTRAL_TRAIN_KEYS`), the fixed training space, the budget and the variant's
+    attention. Not the data path (workers on other machines may mount it elsewhere),
+    nor trials, pruner or sampler seed, which steer the search but not a trial's value.
+    """
+    settings = {
+        "task": config.task,
+        "task_options": config.task_options,
+        "generate": config.generate,
+        "model": config.model,
+        "train": {k: v for k, v in config.train.items() if k not in NEUTRAL_TRAIN_KEYS},
+        "space": config.training_space,
+        "budget": config.budget,
+        "attention": variant.attention,
+        "feature_map": variant.feature_map,
+        "fixed": variant.fixed,
+    }
+    return json.loads(json.dumps(settings, sort_keys=True))
+
+
+def check_settings(config: SearchConfig, variants: Sequence[Variant], url: str) -> None:
+    """ValueError when a study of ``variants`` in ``url`` holds trials run with other
+    :func:`variant_settings` than ``config`` has now (naming the tables that differ).
+
+    Studies without trials, or from before settings were recorded, pass.
+    """
+    storage = open_storage(url)
+    studies = {s.study_name: s for s in optuna.get_all_study_summaries(storage)}
+    for variant in variants:
+        summary = studies.get(config.study_name(variant))
+        if summary is None or summary.n_trials == 0:
+            continue
+        stored = summary.user_attrs.get(SETTINGS_ATTR)
+        now = variant_settings(config, variant)
+        if stored is None or stored == now:
+            continue
+        changed = sorted(k for k in now.keys() | stored.keys() if stored.get(k) != now.get(k))
+        detail = "; ".join(f"{k}: {stored.get(k)!r} then, {now.get(k)!r} now" for k in changed)
+        raise ValueError(
+            f"study {summary.study_name!r} in {redact(url)} holds {summary.n_trials} trial(s) "
+            f"run with other settings ({detail}). Its trials would not be comparable with "
+            "new ones: restore those settings, or give the changed config another `name`, "
+            "--out or --storage"
+        )
+
+
+def unshared_settings(studies: dict[str, optuna.Study]) -> list[str]:
+    """The :data:`SHARED_SETTINGS` on which the studies (by label) disagree, sorted.
+
+    Studies that hold no recorded settings are not compared."""
+    recorded = [
+        s.user_attrs[SETTINGS_ATTR] for s in studies.values() if SETTINGS_ATTR in s.user_attrs
+    ]
+    return sorted(
+        k
+        for k in SHARED_SETTINGS
+        if len({json.dumps(r.get(k), sort_keys=True) for r in recorded}) > 1
+    )
+
+
 def variant_study(config: SearchConfig, variant: Variant, url: str) -> optuna.Study:
-    """Create or join the study of ``variant`` and record what it is in its user attrs."""
+    """Create or join the study of ``variant`` and record what it is in its user attrs
+    (:func:`check_settings` first, so that a joined study's settings agree)."""
     study = open_study(
         url,
         config.study_name(variant),
@@ -55,6 +129,7 @@ def variant_study(config: SearchConfig, variant: Variant, url: str) -> optuna.St
         "attention": variant.attention,
         "feature_map": variant.feature_map or "softmax",
         "budget": config.budget,
+        SETTINGS_ATTR: variant_settings(config, variant),
     }
     for key, value in attrs.items():
         if study.user_attrs.get(key) != value:
@@ -90,6 +165,7 @@ def run_search(
     chosen = select_variants(config, variants)
     url = storage_url(config, storage, out)
     open_storage(url)  # unreachable or malformed URL: ValueError now
+    check_settings(config, chosen, url)  # before generated data may be rewritten
     data = prepare_data(config, out)
     over = check_variants(config, data)
     for label, reason in over.items():
