@@ -113,6 +113,29 @@ def test_redraw_changes_features_reproducibly(name):
 
 
 @pytest.mark.parametrize("name", [n for n in NAMES if get_feature_map_class(n).random])
+def test_a_loaded_state_dict_carries_its_seed_and_draw_count(name, tmp_path):
+    x = randn(2, H, 5, D)
+    saved = make(name, seed=3, redraw_every=2).train()
+    saved(x), saved(x)  # two query calls: the next one redraws
+    torch.save(saved.state_dict(), tmp_path / "map.pt")
+    loaded = make(name, seed=9, redraw_every=2).train()
+    loaded.load_state_dict(torch.load(tmp_path / "map.pt", weights_only=True))
+    assert loaded.config() == saved.config() and loaded.config()["seed"] == 3
+    rebuilt = ks.create_feature_map(loaded.config()).eval()  # names the loaded features
+    torch.testing.assert_close(rebuilt(x), loaded.eval()(x), rtol=0, atol=0)
+    loaded.train()
+    torch.testing.assert_close(loaded(x), saved(x), rtol=0, atol=0)  # both redraw at call 3
+    assert not torch.equal(loaded(x), rebuilt(x))
+    # A state dict saved without the seed (older checkpoints) still loads its buffers.
+    legacy = {k: v for k, v in saved.state_dict().items() if k != "_extra_state"}
+    fresh = make(name, seed=9, redraw_every=2)
+    fresh.load_state_dict(legacy)
+    torch.testing.assert_close(fresh.eval()(x), saved.eval()(x), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="extra state must be a dict"):
+        fresh.load_state_dict({**legacy, "_extra_state": 3})
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if get_feature_map_class(n).random])
 def test_redraw_every_k_calls_in_training_only(name):
     x = randn(1, H, 4, D)
     fm = make(name, seed=0, redraw_every=2)

@@ -234,6 +234,38 @@ class RandomFeatureMap(FeatureMap):
         self.calls_since_draw = 0
         self.draw(torch.Generator().manual_seed(seed))
 
+    def get_extra_state(self) -> dict[str, int]:
+        """Saved in the state dict: the seed of the current draw and the query calls since,
+        so that a loaded map's ``config()`` names the features it holds and a resumed
+        training redraws where the original would have."""
+        return {"seed": int(self.hparams["seed"]), "calls_since_draw": int(self.calls_since_draw)}
+
+    def set_extra_state(self, state: Any) -> None:
+        if not isinstance(state, dict) or not {"seed", "calls_since_draw"} <= set(state):
+            raise ValueError(
+                f"{type(self).__name__}: the state dict's extra state must be a dict with "
+                f"'seed' and 'calls_since_draw', got {state!r}"
+            )
+        self.hparams["seed"] = self.hyperparameters["seed"].validate("seed", state["seed"])
+        self.calls_since_draw = int(state["calls_since_draw"])
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        key = prefix + "_extra_state"
+        if key in missing_keys:  # saved before the seed was recorded: allowed
+            missing_keys.remove(key)
+
     def maybe_redraw(self, is_query: bool) -> None:
         """Count a query call in training mode and redraw when ``redraw_every`` calls are done."""
         every = self.hparams["redraw_every"]

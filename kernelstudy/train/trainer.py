@@ -4,6 +4,7 @@ early stopping, exact checkpoint/resume, metrics history and a per-run record.""
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import time
 import warnings
@@ -553,8 +554,9 @@ class Trainer:
             self.best = {"monitor": cfg.monitor, "value": value, "step": self.step}
             self.bad_evals = 0
             if cfg.restore_best:
-                self.best_state = {
-                    k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()
+                self.best_state = {  # tensors, and extra state (a random map's seed)
+                    k: v.detach().to("cpu", copy=True) if torch.is_tensor(v) else copy.deepcopy(v)
+                    for k, v in self.model.state_dict().items()
                 }
         else:
             self.bad_evals += 1
