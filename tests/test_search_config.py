@@ -57,6 +57,8 @@ def test_config_loads_and_quick_overrides(tmp_path):
         (lambda s: s.replace("[search]", "[search]\npruner = 'sometimes'"), "pruner"),
         (lambda s: s.replace("name =", "nam ="), "nam"),
         (lambda s: s + "\n[[oops", "TOML"),
+        (lambda s: s.replace("[search]", "[train]\nmonitor = 'bogus'\n[search]"), "monitor"),
+        (lambda s: s.replace("[search]", "[train]\nbetas = 3\n[search]"), r"\[train\]: betas"),
     ],
 )
 def test_bad_configs_fail_before_training(tmp_path, edit, match):

@@ -364,7 +364,15 @@ def test_bad_configuration_fails_before_training():
         Trainer(_classifier(), ContainsTask(8), _config()).fit(resume=True)
     with pytest.raises(TypeError, match="train_data"):
         Trainer(_classifier(), [1, 2, 3], _config())
-    with pytest.raises(ValueError, match="monitor"):
-        Trainer(
-            _classifier(), ContainsTask(8), _config(monitor="val_f1"), val_data=ContainsTask(8)
-        ).fit()
+    for betas in (3, (0.9,), ("a", "b"), (0.9, 1.0), (True, 0.9)):
+        with pytest.raises(ValueError, match=r"betas must be two numbers in \[0, 1\)"):
+            TrainConfig(betas=betas)
+    assert TrainConfig(betas=[0.8, 0.9]).betas == (0.8, 0.9)
+    with pytest.raises(ValueError, match="monitor must be a metrics column.*'val_f1'"):
+        TrainConfig(monitor="val_f1")  # not even a Trainer: a typo fails with the config
+    # A column this run will not have fails when the Trainer is built, not after training.
+    no_fit = _config(monitor="val_sequence_accuracy")  # an LM metric, a classifier's run
+    with pytest.raises(ValueError, match="monitor 'val_sequence_accuracy' is not a metric"):
+        Trainer(_classifier(), ContainsTask(8), no_fit, val_data=ContainsTask(8))
+    with pytest.raises(ValueError, match="monitor 'grad_norm' is not a metric"):
+        Trainer(_classifier(), ContainsTask(8), _config(monitor="grad_norm", clip_norm=None))

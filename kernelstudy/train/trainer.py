@@ -126,9 +126,20 @@ class TrainConfig:
             isinstance(self.clip_norm, int | float) and self.clip_norm > 0
         ):
             raise ValueError(f"clip_norm must be > 0 or None, got {self.clip_norm!r}")
-        self.betas = tuple(self.betas)
-        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
-            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
+        betas = self.betas
+        if (
+            not isinstance(betas, list | tuple)
+            or len(betas) != 2
+            or not all(isinstance(b, int | float) and not isinstance(b, bool) for b in betas)
+            or not all(0.0 <= b < 1.0 for b in betas)
+        ):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
+        self.betas = tuple(betas)
+        possible = metric_columns("lm", validation=True, regularized=True, clipped=True)
+        if self.monitor not in possible:
+            raise ValueError(
+                f"monitor must be a metrics column, one of {possible}, got {self.monitor!r}"
+            )
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
@@ -156,6 +167,17 @@ class TrainConfig:
         if unknown:
             raise ValueError(f"unknown TrainConfig field(s) {unknown}; known: {sorted(known)}")
         return cls(**data)
+
+
+def metric_columns(task_type: str, validation: bool, regularized: bool, clipped: bool) -> list[str]:
+    """The metric columns of an evaluation's metrics row (what ``monitor`` may name):
+    ``lr``, ``train_``/``val_`` loss and accuracy (and ``sequence_accuracy`` for ``lm``),
+    ``train_reg`` when a penalty is added, ``grad_norm`` when gradients are clipped."""
+    per = ["loss", "accuracy"] + (["sequence_accuracy"] if task_type == "lm" else [])
+    columns = ["lr", *(f"train_{m}" for m in per)]
+    columns += ["train_reg"] if regularized else []
+    columns += ["grad_norm"] if clipped else []
+    return columns + ([f"val_{m}" for m in per] if validation else [])
 
 
 def check_stop_after(stop_after: object, name: str = "stop_after") -> None:
@@ -264,6 +286,14 @@ class Trainer:
         if self.task_type not in TASK_TYPES:
             raise ValueError(f"task_type must be one of {TASK_TYPES}, got {self.task_type!r}")
         self.objective = Objective(self.task_type)
+        regularized = bool(config.reg_weight) and hasattr(model, "regularization")
+        columns = metric_columns(self.task_type, True, regularized, config.clip_norm is not None)
+        if config.monitor not in columns:  # (val_ columns without val_data: nothing monitored)
+            raise ValueError(
+                f"monitor {config.monitor!r} is not a metric of this run (task_type "
+                f"{self.task_type!r}, reg_weight {config.reg_weight}, clip_norm "
+                f"{config.clip_norm}); it has {columns}"
+            )
         if callable(on_eval):
             on_eval = [on_eval]
         self.callbacks: list[EvalCallback] = list(on_eval or [])
