@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from .files import atomic_write, atomic_write_text, read_csv_table
 from .progress import tqdm
 
 ENV_STUDIES_DIR = "KERNELSTUDY_STUDIES_DIR"
@@ -137,24 +138,9 @@ def config_id(config: dict[str, Any], device: str) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
-def write_atomic(path: Path, write) -> None:
-    """Write ``path`` via ``write(tmp_path)`` then ``os.replace`` (never a half-written file)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
 def _read_results(path: Path) -> pd.DataFrame:
-    if not path.is_file():
-        return pd.DataFrame()
-    # low_memory=False: a column empty in the first rows and text later (spectra.csv's
-    # captured_with) gets one dtype, without pandas' mixed-types warning
-    return pd.read_csv(path, keep_default_na=True, low_memory=False)
+    table = read_csv_table(path)
+    return pd.DataFrame() if table is None else table
 
 
 def study_tables(module: ModuleType) -> tuple[str, ...]:
@@ -333,7 +319,7 @@ def run_study(
             rows = new[t].copy()
             rows.insert(0, "config_id", cid)
             frames[t] = _append(frames[t], rows, cid)
-            write_atomic(paths[t], lambda p, f=frames[t]: f.to_csv(p, index=False))
+            atomic_write_text(paths[t], frames[t].to_csv(index=False))
         rows = _tag_results(new[RESULTS], config, cid, name, device)
         if cid in done:  # filling an extra table: keep the stored results
             stored = frames[RESULTS][frames[RESULTS]["config_id"] == cid]
@@ -341,7 +327,7 @@ def run_study(
                 not_reproduced.append(cid)
             continue
         frames[RESULTS] = _append(frames[RESULTS], rows, cid)
-        write_atomic(results_path, lambda p, f=frames[RESULTS]: f.to_csv(p, index=False))
+        atomic_write_text(results_path, frames[RESULTS].to_csv(index=False))
     elapsed = time.perf_counter() - start
     if not_reproduced:
         print(
@@ -372,7 +358,7 @@ def run_study(
     ]
     text += "\n" + _provenance_lines(out_dir / SUMMARY_FILE, filled=any(i in done for _, i in todo))
     text += provenance(name, quick, device, options=" ".join(options)) + "\n"
-    write_atomic(out_dir / SUMMARY_FILE, lambda p: p.write_text(text))
+    atomic_write_text(out_dir / SUMMARY_FILE, text)
     written.append(out_dir / SUMMARY_FILE)
     if verbose:
         print(text)
@@ -470,8 +456,8 @@ def _save_figures(figures: dict[str, Any], out_dir: Path) -> list[Path]:
     paths = []
     for stem, fig in figures.items():
         path = out_dir / f"{stem}.png"
-        write_atomic(
-            path, lambda p, fig=fig: fig.savefig(p, format="png", dpi=120, bbox_inches="tight")
+        atomic_write(
+            path, lambda f, fig=fig: fig.savefig(f, format="png", dpi=120, bbox_inches="tight")
         )
         plt.close(fig)
         paths.append(path)

@@ -104,3 +104,7 @@ def test_data_listops_writes_lra_files(tmp_path, capsys):
         assert lines[0].split("\t") == ["Source", "Target"] and len(lines) == n + 1
     bad = ["data", "listops", "--out", str(tmp_path), "--min-length", "50", "--max-length", "10"]
     assert main(bad) == 1
+    capsys.readouterr()
+    assert main(["data", "listops", "--out", str(tmp_path / "s"), "--seed", "-3"]) == 1
+    assert "seed must be an int >= 0, got -3" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()

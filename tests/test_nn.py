@@ -85,11 +85,30 @@ def test_regularization_is_zero_for_elu_and_softmax():
         ({"d_model": 32, "n_heads": 4, "attention": "flash"}, "attention"),
         ({"d_model": 32, "n_heads": 4, "dropout": 1.5}, "dropout"),
         ({"d_model": 32, "n_heads": 4, "feature_map": "elux"}, "elu"),
+        ({"d_model": 32, "n_heads": 4, "dropout": "abc"}, "dropout must be a float"),
+        ({"d_model": 32, "n_heads": 4, "eps": 0.0}, "eps must be a finite float > 0"),
+        ({"d_model": 32, "n_heads": 4, "eps": "small"}, "eps must be a positive float"),
+        ({"d_model": 32, "n_heads": 4, "backend": "cudaa"}, "backend must be one of auto"),
+        ({"d_model": 32, "n_heads": 4, "backend": 3}, "backend must be a str or None"),
     ],
 )
 def test_module_bad_arguments(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+    """Refused when the layer is built, not at its first forward."""
+    with pytest.raises((ValueError, TypeError), match=match):
         ks.nn.KernelAttention(**kwargs)
+
+
+def test_inputs_of_another_dtype_or_type_name_the_argument():
+    layer = ks.nn.KernelAttention(16, 2, causal=True)
+    with pytest.raises(TypeError, match=r"x has dtype torch.float64 but the layer's weights"):
+        layer(torch.randn(2, 5, 16, dtype=torch.float64))
+    with pytest.raises(TypeError, match=r"x_t has dtype torch.float16"):
+        layer.step(torch.randn(2, 16, dtype=torch.float16))
+    with pytest.raises(TypeError, match="x must be a torch.Tensor, got list"):
+        layer([[0.0] * 16])
+    with torch.autocast("cpu", torch.bfloat16):  # autocast casts for the layer: allowed
+        assert layer(torch.randn(2, 5, 16)).shape == (2, 5, 16)
+    assert layer.double()(torch.randn(2, 5, 16, dtype=torch.float64)).dtype == torch.float64
 
 
 def test_step_needs_causal_and_right_shape():

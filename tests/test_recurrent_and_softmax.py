@@ -83,6 +83,21 @@ def test_recurrent_bad_shapes(call, match):
         call(ks.RecurrentState.zeros(1, 1, 4, 3))
 
 
+def test_recurrent_step_refuses_mixed_dtypes_and_devices():
+    state = ks.RecurrentState.zeros(1, 1, 4, 3)
+    q, v = torch.rand(1, 1, 4), torch.rand(1, 1, 3)
+    with pytest.raises(TypeError, match=r"phi_q_t, phi_k_t and v_t must share one dtype"):
+        state.step(q, q.double(), v)
+    with pytest.raises(ValueError, match=r"must share one device, got cpu, meta, cpu"):
+        state.step(q, q.to("meta"), v)
+    meta = (q.to("meta"), q.to("meta"), v.to("meta"))
+    with pytest.raises(ValueError, match="inputs are on meta but the state is on cpu"):
+        state.step(*meta)
+    scaled = ks.RecurrentState.zeros(1, 1, 4, 3, scaled=True)
+    with pytest.raises(ValueError, match="k_log_scale is on meta but the state is on cpu"):
+        scaled.step(q, q, v, torch.zeros(1, 1, device="meta"))
+
+
 def test_recurrent_bad_sizes():
     with pytest.raises(ValueError, match="feature_dim"):
         ks.RecurrentState.zeros(1, 1, 0, 3)

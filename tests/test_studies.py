@@ -194,6 +194,21 @@ def test_runner_errors(toy_studies, monkeypatch):
         study.run_study("toy")
 
 
+def test_an_empty_results_file_is_no_rows_and_a_garbled_one_is_named(toy_studies, capsys):
+    out = toy_studies / "out"
+    out.mkdir()
+    (out / "results.csv").write_bytes(b"")  # e.g. created by hand: no rows yet
+    assert sorted(study.run_study("toy", quick=True, out=out, verbose=False).value) == [1, 4]
+    garbled = b'x,"value\n1,2\n'  # an unterminated quote
+    (out / "results.csv").write_bytes(garbled)
+    with pytest.raises(ValueError, match=r"results\.csv is not a readable CSV table"):
+        study.run_study("toy", quick=True, out=out, verbose=False)
+    assert study.main("toy", ["--quick", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "is not a readable CSV table" in err and "Traceback" not in err
+    assert (out / "results.csv").read_bytes() == garbled  # left as it was
+
+
 def test_main_parses_options(toy_studies, capsys):
     out = toy_studies / "cli"
     assert study.main("toy", ["--quick", "--out", str(out)]) == 0

@@ -284,6 +284,7 @@ BAD = [
     (["--attention", "softmax"], "with --attention softmax", True),
     (["--model-arg", "pooling=max"], "pooling must be one of", True),
     (["--model-arg", "poolin=cls"], "unknown model option(s) ['poolin']", True),
+    (["--model-arg", "dropout=abc"], "dropout must be a float in [0, 1), got 'abc'", True),
     (["--task-arg", "max_len=3"], "unknown option(s) max_len for task 'listops'", True),
     (["--task-arg", "val.max_len=3"], "unknown option(s) val.max_len for task 'listops'", True),
     (["--task-arg", "dev.max_length=3"], "--task-arg expects KEY=VALUE", True),

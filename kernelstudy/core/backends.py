@@ -105,6 +105,18 @@ def _warn_once(key: str, message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
+def check_backend_name(name: object, source: str = "backend") -> None:
+    """TypeError/ValueError naming ``source`` unless ``name`` is None, ``"auto"`` or a
+    registered backend (available here or not)."""
+    if name is None:
+        return
+    if not isinstance(name, str):
+        raise TypeError(f"{source} must be a str or None, got {type(name).__name__}")
+    if name != "auto" and name not in _BACKENDS:
+        known = ", ".join(["auto", *_BACKENDS])
+        raise ValueError(f"{source} must be one of {known}; got {name!r}")
+
+
 def resolve_backend(name: str | None, example: torch.Tensor) -> Backend:
     """The backend to run ``example``-like inputs on.
 
@@ -117,17 +129,13 @@ def resolve_backend(name: str | None, example: torch.Tensor) -> Backend:
     if name is None:
         name = os.environ.get(ENV_VAR, "auto") or "auto"
         source = ENV_VAR
-    if not isinstance(name, str):
-        raise TypeError(f"backend must be a str or None, got {type(name).__name__}")
+    check_backend_name(name, source)
     if name == "auto":
         candidates = [b for b in _BACKENDS.values() if b.priority > 0 and b.supports(example)]
         for b in sorted(candidates, key=lambda b: -b.priority):
             if b.available():
                 return b
         return _BACKENDS["torch"]
-    if name not in _BACKENDS:
-        known = ", ".join(["auto", *_BACKENDS])
-        raise ValueError(f"{source} must be one of {known}; got {name!r}")
     backend = _BACKENDS[name]
     if not backend.supports(example):
         raise ValueError(

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .exp_range import exp_shift
-from .validation import accumulation_dtype, check_eps, check_tensor
+from .validation import accumulation_dtype, check_eps, check_same_dtype_and_device, check_tensor
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,11 @@ class RecurrentState:
         ):
             if tuple(t.shape) != want:
                 raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
+        check_same_dtype_and_device({"phi_q_t": phi_q_t, "phi_k_t": phi_k_t, "v_t": v_t})
+        if phi_q_t.device != self.S.device:
+            raise ValueError(
+                f"the step's inputs are on {phi_q_t.device} but the state is on {self.S.device}"
+            )
         acc = self.S.dtype
         if accumulation_dtype(phi_q_t.dtype) == torch.float64 and acc != torch.float64:
             acc = torch.float64
@@ -109,6 +114,10 @@ class RecurrentState:
             if tuple(k_log_scale.shape) != (b, h):
                 raise ValueError(
                     f"k_log_scale must have shape {(b, h)}, got {tuple(k_log_scale.shape)}"
+                )
+            if k_log_scale.device != self.S.device:
+                raise ValueError(
+                    f"k_log_scale is on {k_log_scale.device} but the state is on {self.S.device}"
                 )
             old, new = self.log_scale.to(acc), k_log_scale.to(acc)
             log_scale = torch.maximum(old, new)

@@ -38,6 +38,16 @@ def check_eps(eps: float) -> float:
     return float(eps)
 
 
+def check_same_dtype_and_device(tensors: dict[str, torch.Tensor]) -> None:
+    """TypeError unless the named tensors share one dtype, ValueError unless one device."""
+    names = ", ".join(list(tensors)[:-1]) + " and " + list(tensors)[-1]
+    for attr, error in (("dtype", TypeError), ("device", ValueError)):
+        values = [getattr(t, attr) for t in tensors.values()]
+        if any(x != values[0] for x in values):
+            got = ", ".join(str(x) for x in values)
+            raise error(f"{names} must share one {attr}, got {got}")
+
+
 def check_qkv(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -50,14 +60,7 @@ def check_qkv(
     check_tensor(q, nq, 4)
     check_tensor(k, nk, 4)
     check_tensor(v, nv, 4)
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(
-            f"{nq}, {nk} and {nv} must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
-        )
-    if not (q.device == k.device == v.device):
-        raise ValueError(
-            f"{nq}, {nk} and {nv} must be on one device, got {q.device}, {k.device}, {v.device}"
-        )
+    check_same_dtype_and_device({nq: q, nk: k, nv: v})
     for axis, label in ((0, "batch"), (1, "heads")):
         if not (q.shape[axis] == k.shape[axis] == v.shape[axis]):
             raise ValueError(

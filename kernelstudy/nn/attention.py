@@ -9,9 +9,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..core.backends import check_backend_name
 from ..core.recurrent import RecurrentState
 from ..core.softmax import softmax_attention
-from ..core.validation import accumulation_dtype
+from ..core.validation import accumulation_dtype, check_eps
 from ..feature_maps import FeatureMap
 from .functional import kernel_attention, resolve_feature_map
 
@@ -24,6 +25,15 @@ class KVCache:
 
     k: torch.Tensor
     v: torch.Tensor
+
+
+def check_dropout(dropout: object) -> float:
+    """``dropout`` as a float in [0, 1), else TypeError/ValueError naming it."""
+    if isinstance(dropout, bool) or not isinstance(dropout, int | float):
+        raise TypeError(f"dropout must be a float in [0, 1), got {dropout!r}")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+    return float(dropout)
 
 
 class KernelAttention(nn.Module):
@@ -67,8 +77,9 @@ class KernelAttention(nn.Module):
             raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
         if attention not in ATTENTION_KINDS:
             raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {attention!r}")
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+        dropout = check_dropout(dropout)
+        eps = check_eps(eps)
+        check_backend_name(backend)
         self.d_model, self.n_heads = d_model, n_heads
         self.head_dim = d_model // n_heads
         self.attention, self.causal, self.eps, self.backend = attention, bool(causal), eps, backend
@@ -91,10 +102,23 @@ class KernelAttention(nn.Module):
         b, h, n, d = y.shape
         return self.out(self.dropout(y.transpose(1, 2).reshape(b, n, h * d)))
 
-    def _check_input(self, x: torch.Tensor) -> None:
-        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:
-            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"x must have shape (batch, seq, {self.d_model}), got {shape}")
+    def _check_input(self, x: object, name: str = "x", shape: str = "batch, seq") -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != shape.count(",") + 2 or x.shape[-1] != self.d_model:
+            raise ValueError(
+                f"{name} must have shape ({shape}, {self.d_model}), got {tuple(x.shape)}"
+            )
+        weight = self.qkv.weight
+        if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(
+                f"{name} has dtype {x.dtype} but the layer's weights are {weight.dtype}: convert "
+                f"one (e.g. {name}.to({weight.dtype}) or layer.to({x.dtype})), or use autocast"
+            )
+        if x.device != weight.device:
+            raise ValueError(
+                f"{name} is on {x.device} but the layer's weights are on {weight.device}"
+            )
 
     def forward(
         self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None
@@ -128,9 +152,7 @@ class KernelAttention(nn.Module):
         """
         if not self.causal:
             raise ValueError("step() needs a causal attention layer (causal=True)")
-        if not isinstance(x_t, torch.Tensor) or x_t.dim() != 2 or x_t.shape[-1] != self.d_model:
-            shape = tuple(x_t.shape) if isinstance(x_t, torch.Tensor) else type(x_t).__name__
-            raise ValueError(f"x_t must have shape (batch, {self.d_model}), got {shape}")
+        self._check_input(x_t, "x_t", "batch")
         q, k, v = self._heads(x_t.unsqueeze(1))  # (B,H,1,D)
         if self.feature_map is None:
             if state is None:

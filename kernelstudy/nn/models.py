@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..feature_maps import FeatureMap
+from .attention import check_dropout
 from .encoder import LayerState, TransformerEncoder
 
 POSITIONS = ("sinusoidal", "learned", "none")
@@ -174,6 +175,7 @@ class _SequenceModel(nn.Module):
             raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
         if not isinstance(d_model, int) or isinstance(d_model, bool) or d_model < 1:
             raise ValueError(f"d_model must be a positive int, got {d_model!r}")
+        dropout = check_dropout(dropout)
         kind, fmap = resolve_attention(attention, feature_map)
         self.vocab_size, self.d_model = vocab_size, d_model
         self.embed = nn.Embedding(vocab_size, d_model)

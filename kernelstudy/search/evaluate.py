@@ -19,8 +19,9 @@ from typing import Any
 import optuna
 import pandas as pd
 
+from ..files import atomic_write_text, read_csv_table
 from ..progress import tqdm
-from ..train import atomic_write_text, resolve_device
+from ..train import resolve_device
 from .config import SearchConfig, load_config
 from .objective import prepare_data, suggest_settings, train_run
 from .runner import DEFAULT_OUT, best_trial, check_settings, select_variants, storage_url
@@ -49,10 +50,8 @@ def evaluation_path(config: SearchConfig, out: str | Path = DEFAULT_OUT) -> Path
 
 def read_evaluation(path: str | Path) -> pd.DataFrame:
     """The per-seed rows written so far (an empty frame when there are none)."""
-    path = Path(path)
-    if not path.is_file():
-        return pd.DataFrame(columns=COLUMNS)
-    return pd.read_csv(path)
+    table = read_csv_table(path)
+    return pd.DataFrame(columns=COLUMNS) if table is None else table
 
 
 def summarize_evaluation(runs: pd.DataFrame) -> pd.DataFrame:

@@ -26,17 +26,11 @@ from typing import Any
 import optuna
 from torch import nn
 
+from ..files import atomic_write_text
 from ..nn.models import feature_dim_of, feature_map_parameter_count, parameter_count
 from ..tasks import load_task, write_listops
 from ..tasks.base import SequenceTask
-from ..train import (
-    OptunaPruningCallback,
-    TrainConfig,
-    Trainer,
-    atomic_write_text,
-    model_for_task,
-    seed_everything,
-)
+from ..train import OptunaPruningCallback, TrainConfig, Trainer, model_for_task, seed_everything
 from .config import SearchConfig, Variant
 from .space import suggest_feature_map, suggest_training
 

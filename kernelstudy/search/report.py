@@ -28,7 +28,7 @@ from typing import Any
 import optuna
 import pandas as pd
 
-from ..train import atomic_write, atomic_write_text
+from ..files import atomic_write, atomic_write_text
 from .config import load_config
 from .evaluate import EVALUATION, read_evaluation, summarize_evaluation
 from .runner import DEFAULT_OUT, storage_url, study_row, unshared_settings

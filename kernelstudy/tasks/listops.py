@@ -254,6 +254,7 @@ def generate_listops(
     check_positive("min_length", min_length, minimum=0)
     check_positive("max_depth", max_depth)
     check_positive("max_args", max_args, minimum=2)
+    check_positive("seed", seed, minimum=0)
     if max_length <= min_length + 1:
         raise ValueError(
             f"need max_length >= min_length + 2, got min_length={min_length}, "

@@ -1,15 +1,13 @@
 """Training: the :class:`Trainer` loop, its :class:`TrainConfig`, objectives, schedules,
 checkpoints and metrics."""
 
+from ..files import atomic_write, atomic_write_text, read_csv_table, write_json
 from .checkpoint import (
-    atomic_write,
-    atomic_write_text,
     get_rng_state,
     load_checkpoint,
     save_checkpoint,
     seed_everything,
     set_rng_state,
-    write_json,
 )
 from .data import BatchStream, EpochBatchSampler, make_loader
 from .factory import model_for_task, task_type_of
@@ -38,6 +36,7 @@ __all__ = [
     "load_checkpoint",
     "make_loader",
     "make_scheduler",
+    "read_csv_table",
     "model_for_task",
     "peak_memory",
     "reset_peak_memory",

@@ -1,45 +1,16 @@
-"""Atomic file writes, checkpoints and the RNG states an exact resume needs."""
+"""Checkpoints (written atomically) and the RNG states an exact resume needs."""
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 import torch
 
-
-def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> Path:
-    """Write ``path`` through ``write(file)`` into a temp file in the same folder, then
-    ``os.replace`` it: readers see the old file or the new one, never a partial one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` (UTF-8) to ``path`` atomically."""
-    return atomic_write(path, lambda f: f.write(text.encode("utf-8")))
-
-
-def write_json(path: str | os.PathLike, data: Any) -> Path:
-    """Write ``data`` as indented JSON atomically (non-JSON values become strings)."""
-    return atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n")
+from ..files import atomic_write
 
 
 def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> Path:

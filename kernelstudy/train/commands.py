@@ -38,10 +38,11 @@ from typing import Any
 
 import torch
 
+from ..files import write_json
 from ..nn.models import CausalLM, MatchingClassifier, SequenceClassifier
 from ..tasks import SPLITS, load_task, needs_path, task_class, task_options
 from ..tasks.base import SequenceTask
-from .checkpoint import seed_everything, write_json
+from .checkpoint import seed_everything
 from .factory import model_for_task, task_type_of
 from .trainer import (
     CHECKPOINT,

@@ -12,7 +12,7 @@ from typing import Any
 import pandas as pd
 import torch
 
-from .checkpoint import atomic_write_text
+from ..files import atomic_write_text
 
 
 class MetricSums:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from ..files import write_json
 from ..nn.models import feature_dim_of, feature_map_parameter_count, parameter_count
 from ..progress import tqdm
 from .checkpoint import (
@@ -26,7 +27,6 @@ from .checkpoint import (
     save_checkpoint,
     seed_everything,
     set_rng_state,
-    write_json,
 )
 from .data import BatchStream, make_loader
 from .metrics import MetricsHistory, MetricSums, peak_memory, reset_peak_memory

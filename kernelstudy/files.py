@@ -1,0 +1,58 @@
+"""Files written atomically (readers never see a half-written one), and the CSV tables so
+written read back."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+import pandas as pd
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> Path:
+    """Write ``path`` through ``write(file)`` into a temp file in the same folder, then
+    ``os.replace`` it: readers see the old file or the new one, never a partial one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` atomically."""
+    return atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+
+
+def read_csv_table(path: str | os.PathLike) -> pd.DataFrame | None:
+    """A results table written by this package: None when the file is missing or empty
+    (0 bytes: no rows); ValueError naming the file when it is not a readable CSV."""
+    path = Path(path)
+    if not path.is_file() or path.stat().st_size == 0:
+        return None
+    try:
+        # low_memory=False: a column empty in the first rows and text later (spectra.csv's
+        # captured_with) gets one dtype, without pandas' mixed-types warning
+        return pd.read_csv(path, low_memory=False)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(
+            f"{path} is not a readable CSV table ({first}); move it away to start afresh"
+        ) from err
+
+
+def write_json(path: str | os.PathLike, data: Any) -> Path:
+    """Write ``data`` as indented JSON atomically (non-JSON values become strings)."""
+    return atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n")
