@@ -270,6 +270,20 @@ def test_half_precision_inputs():
         assert phi.dtype == torch.float16 and torch.isfinite(phi).all()
 
 
+def test_polynomial_features_of_float16_inputs_never_overflow_silently():
+    fm = make("polynomial")  # degree 2: |φ| up to |x|²
+    x = randn(1, H, 5, D)
+    exact = fm(x.double())
+    for dtype in (torch.float16, torch.bfloat16):  # products in float32, rounded once
+        phi = fm(x.to(dtype))
+        assert phi.dtype == dtype
+        torch.testing.assert_close(phi.double(), exact, rtol=1e-2, atol=1e-2)
+    big = x * 1e3  # |φ| ~ 1e6 > 65504
+    with pytest.raises(ValueError, match="beyond float16's 65504"):
+        fm(big.half())
+    assert torch.isfinite(fm(big.bfloat16())).all()  # bfloat16 has float32's range
+
+
 def test_feature_map_table():
     table = feature_map_table()
     assert list(table.columns) == [

@@ -91,7 +91,11 @@ class PolynomialFeatureMap(FeatureMap):
         return x * self.head_dim**-0.25 if self.hparams["scale_inputs"] else x
 
     def features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
-        x = self._scale(x)
+        """Products computed in float32 at least. Features of float16 inputs that do not
+        fit float16 (|φ| > 65504, e.g. p = 2 at |x| ≳ 256) raise ValueError rather
+        than becoming inf and NaN attention (the check syncs, for float16 only)."""
+        dtype = x.dtype
+        x = self._scale(x.to(torch.promote_types(dtype, torch.float32)))
         parts = []
         for k in self.orders:
             index, weight = getattr(self, f"index_{k}"), getattr(self, f"weight_{k}")
@@ -99,7 +103,16 @@ class PolynomialFeatureMap(FeatureMap):
             for j in range(k):
                 product = product * x[..., index[:, j]]
             parts.append(product * weight.to(x.dtype))
-        return torch.cat(parts, dim=-1)
+        phi = torch.cat(parts, dim=-1)
+        if dtype == torch.float16:
+            largest = float(phi.abs().amax()) if phi.numel() else 0.0
+            if largest > torch.finfo(dtype).max:
+                raise ValueError(
+                    f"polynomial features of these float16 inputs reach |φ| = {largest:.3g}, "
+                    f"beyond float16's {torch.finfo(dtype).max:.0f}: use bfloat16 or float32 "
+                    "inputs, or smaller ones (scale_inputs=True divides x by D^(1/4))"
+                )
+        return phi.to(dtype)
 
     def kernel(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The exact kernel: (x̂·ŷ)^p or Σ_k (x̂·ŷ)^k/k!, ``(..., N, S)``."""
