@@ -26,7 +26,9 @@ rows are replaced, never duplicated, so an interrupted study resumes cleanly.
 ``fill_tables=True`` (``--fill-tables``) reruns the finished configurations that have no
 rows in an extra table, writing only those rows (``results.csv`` is kept as it is, and a
 rerun that does not reproduce its stored rows is reported); ``only`` (``--only
-KEY=VALUE``) restricts the configurations run to those matching.
+KEY=VALUE``) restricts the configurations run to those matching. The summary ends
+with one provenance line ("Written <date> by `<command>` on <machine> ...") per run
+that computed rows still in the table: a rerun that computes nothing keeps the lines.
 """
 
 from __future__ import annotations
@@ -356,8 +358,12 @@ def run_study(
     options = (["--fill-tables"] if fill_tables else []) + [
         f"--only {k}={v}" for k, v in only.items()
     ]
-    text += "\n" + _provenance_lines(out_dir / SUMMARY_FILE, filled=any(i in done for _, i in todo))
-    text += provenance(name, quick, device, options=" ".join(options)) + "\n"
+    # Rows kept from earlier runs keep those runs' lines; this run adds one if it computed.
+    earlier = _provenance_lines(out_dir / SUMMARY_FILE) if done & set(ids) else ""
+    text += "\n" + earlier
+    if todo or not earlier:
+        verb = "Written" if todo else "Summarized (nothing computed)"
+        text += provenance(name, quick, device, options=" ".join(options), verb=verb) + "\n"
     atomic_write_text(out_dir / SUMMARY_FILE, text)
     written.append(out_dir / SUMMARY_FILE)
     if verbose:
@@ -368,10 +374,9 @@ def run_study(
     return result
 
 
-def _provenance_lines(summary: Path, filled: bool) -> str:
-    """The provenance lines of the summary being replaced when this run only filled extra
-    tables (so the results' own provenance is kept), else nothing."""
-    if not (filled and summary.is_file()):
+def _provenance_lines(summary: Path) -> str:
+    """The "Written ..." provenance lines of the summary being replaced (each once)."""
+    if not summary.is_file():
         return ""
     lines = [line for line in summary.read_text().splitlines() if line.startswith("Written ")]
     return "".join(f"{line}\n\n" for line in dict.fromkeys(lines))
@@ -384,7 +389,9 @@ def _current(frame: pd.DataFrame, ids: list[str]) -> pd.DataFrame:
     return frame[frame["config_id"].isin(ids)].reset_index(drop=True)
 
 
-def provenance(name: str, quick: bool, device: str, options: str = "") -> str:
+def provenance(
+    name: str, quick: bool, device: str, options: str = "", verb: str = "Written"
+) -> str:
     """A markdown note of how and where results were produced: command (plus ``options``, extra
     command-line options), date (UTC), machine, versions and torch's thread count."""
     import platform
@@ -402,7 +409,7 @@ def provenance(name: str, quick: bool, device: str, options: str = "") -> str:
     command += f" {options}" if options else ""
     date = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     return (
-        f"Written {date} by `{command}` on {machine} ({os.cpu_count()} CPUs, "
+        f"{verb} {date} by `{command}` on {machine} ({os.cpu_count()} CPUs, "
         f"{torch.get_num_threads()} torch threads); kernelstudy {kernelstudy.__version__}, "
         f"torch {torch.__version__}, Python {platform.python_version()}."
     )

@@ -99,6 +99,30 @@ def test_runner_writes_results_and_resumes(toy_studies, capsys):
     assert not list(out.glob(".*.tmp"))
 
 
+def test_summary_provenance_names_the_runs_that_computed_the_rows(toy_studies, monkeypatch):
+    out = toy_studies / "out"
+    lines = lambda: [  # noqa: E731
+        x for x in (out / "summary.md").read_text().splitlines() if "by `kernelstudy" in x
+    ]
+    stamps = iter(f"2026-01-0{d} 00:00 UTC" for d in range(1, 10))
+    real = study.provenance
+    monkeypatch.setattr(
+        study, "provenance", lambda *a, **k: real(*a, **k).replace("UTC", next(stamps), 1)
+    )
+    study.run_study("toy", quick=True, out=out, verbose=False)
+    first = lines()
+    assert len(first) == 1 and first[0].startswith("Written ") and "--quick" in first[0]
+    study.run_study("toy", quick=True, out=out, verbose=False)  # nothing to compute
+    assert lines() == first
+    study.run_study("toy", quick=False, out=out, verbose=False)  # computes x = 3, 4
+    assert lines()[0] == first[0] and len(lines()) == 2 and "--quick" not in lines()[1]
+    study.run_study("toy", quick=False, out=out, force=True, verbose=False)  # all afresh
+    assert len(lines()) == 1 and lines()[0] not in first
+    (out / "summary.md").unlink()  # results without a summary: summarized, not "Written"
+    study.run_study("toy", quick=False, out=out, verbose=False)
+    assert len(lines()) == 1 and lines()[0].startswith("Summarized (nothing computed) ")
+
+
 def _powers(out) -> pd.DataFrame:
     return pd.read_csv(out / "powers.csv")
 
