@@ -359,11 +359,11 @@ def run_study(
         f"--only {k}={v}" for k, v in only.items()
     ]
     # Rows kept from earlier runs keep those runs' lines; this run adds one if it computed.
-    earlier = _provenance_lines(out_dir / SUMMARY_FILE) if done & set(ids) else ""
-    text += "\n" + earlier
-    if todo or not earlier:
+    lines = _provenance_lines(out_dir / SUMMARY_FILE) if done & set(ids) else []
+    if todo or not lines:
         verb = "Written" if todo else "Summarized (nothing computed)"
-        text += provenance(name, quick, device, options=" ".join(options), verb=verb) + "\n"
+        lines.append(provenance(name, quick, device, options=" ".join(options), verb=verb))
+    text += "\n" + "\n\n".join(lines) + "\n"
     atomic_write_text(out_dir / SUMMARY_FILE, text)
     written.append(out_dir / SUMMARY_FILE)
     if verbose:
@@ -374,12 +374,12 @@ def run_study(
     return result
 
 
-def _provenance_lines(summary: Path) -> str:
+def _provenance_lines(summary: Path) -> list[str]:
     """The "Written ..." provenance lines of the summary being replaced (each once)."""
     if not summary.is_file():
-        return ""
+        return []
     lines = [line for line in summary.read_text().splitlines() if line.startswith("Written ")]
-    return "".join(f"{line}\n\n" for line in dict.fromkeys(lines))
+    return list(dict.fromkeys(lines))
 
 
 def _current(frame: pd.DataFrame, ids: list[str]) -> pd.DataFrame:

@@ -275,7 +275,7 @@ def _gaussian_summary(frame: pd.DataFrame, params: dict) -> str:
     table = rank_table(frame)
     d, n_fixed = params["head_dim"], params["fixed_n"]
     softmax = table["method"] == "softmax"
-    by_n = table[(table["F"] == d) | softmax]
+    by_n = table[_swept_n(table, "F", "N")]
     by_f = table[(table["N"] == n_fixed) & ~softmax]
     holds = (table["numerical_rank"] <= table["bound"]).all()
     return "\n\n".join(
@@ -284,7 +284,7 @@ def _gaussian_summary(frame: pd.DataFrame, params: dict) -> str:
             f"{params['seeds']} seeds. Numerical rank counts singular values above "
             "σ_max·N·eps(float64); bound = min(F, N) for kernel maps (F = 0 means softmax, bound "
             "N). Kernel rank ≤ F holds in every row: " + ("yes" if holds else "**no**"),
-            f"## Rank vs N (maps at F ≈ {d})\n\n"
+            f"## Rank vs N (maps at F = D = {d}, or at their own fixed F)\n\n"
             + markdown_table(by_n.sort_values(["method", "N"])),
             f"## Rank vs F (N = {n_fixed})\n\n" + markdown_table(by_f.sort_values(["method", "F"])),
         ]
@@ -322,11 +322,12 @@ def _spectra_summary(spectra: pd.DataFrame, params: dict) -> str:
 def figures(frame: pd.DataFrame, params: dict, tables: dict | None = None) -> dict:
     rows = frame[frame["part"] == "gaussian"]
     d = params["head_dim"]
-    by_n = rows[(rows["feature_dim"] == d) | (rows["method"] == "softmax")]  # F = 0 for softmax
+    by_n = _n_sweep(rows, d)
     by_f = rows[(rows["n"] == params["fixed_n"]) & (rows["method"] != "softmax")]
     figs = {}
     for measure in ("numerical_rank", "effective_rank"):
         figs[f"{measure}_vs_n"] = ks.analysis.plots.plot_rank(by_n, measure=measure, x="n")
+        figs[f"{measure}_vs_n"].suptitle(f"D = {d}; F = D unless labelled", y=1.02)
         figs[f"{measure}_vs_f"] = ks.analysis.plots.plot_rank(
             by_f, measure=measure, x="feature_dim"
         )
@@ -339,22 +340,35 @@ def figures(frame: pd.DataFrame, params: dict, tables: dict | None = None) -> di
     return figs
 
 
+def _swept_n(rows: pd.DataFrame, f: str = "feature_dim", n: str = "n") -> pd.Series:
+    """Which rows belong to the N sweep: their (method, F) was measured at several N (F = D,
+    or a map's own fixed F such as hedgehog's 2D; softmax has F = 0)."""
+    return rows.groupby(["method", f])[n].transform("nunique") > 1
+
+
+def _n_sweep(rows: pd.DataFrame, d: int) -> pd.DataFrame:
+    """The rows of the N sweep, with ``method`` labelled "name (F=f)" where F ≠ D."""
+    out = rows[_swept_n(rows)]
+    label = [
+        m if f in (0, d) else f"{m} (F={f})"
+        for m, f in zip(out.method, out.feature_dim, strict=True)
+    ]
+    return out.assign(method=label)
+
+
 def _spectra_figures(spectra: pd.DataFrame, params: dict) -> dict:
-    """``spectra``: every method at its N-sweep F (F ≈ D), N = fixed_n; ``spectra_vs_f``: the
-    maps measured at several F, one panel each, at N = fixed_n. Mean of σ_i/σ_1 over seeds."""
-    rows = spectra[(spectra["part"] == "gaussian") & (spectra["n"] == params["fixed_n"])]
+    """``spectra``: every method at its N-sweep F (F = D unless labelled), N = fixed_n;
+    ``spectra_vs_f``: the maps measured at several F, one panel each, at N = fixed_n.
+    Mean of σ_i/σ_1 over seeds."""
+    gauss = spectra[spectra["part"] == "gaussian"]
+    rows = gauss[gauss["n"] == params["fixed_n"]]
     if rows.empty:
         return {}
-    gauss = spectra[spectra["part"] == "gaussian"]
-    swept_n = gauss.groupby(["method", "feature_dim"])["n"].transform("nunique") > 1
-    n_sweep = gauss[swept_n][["method", "feature_dim"]].drop_duplicates()
-    at_d = rows.merge(n_sweep, on=["method", "feature_dim"])
-    label = [
-        m if f == 0 else f"{m} (F={f})" for m, f in zip(at_d.method, at_d.feature_dim, strict=True)
-    ]
+    at_d = _n_sweep(gauss, params["head_dim"])
+    at_d = at_d[at_d["n"] == params["fixed_n"]]
     figs = {}
     if not at_d.empty:
-        fig = ks.analysis.plots.plot_spectra(at_d.assign(method=label), hue="method")
+        fig = ks.analysis.plots.plot_spectra(at_d, hue="method")
         fig.suptitle(f"N = {params['fixed_n']}, D = {params['head_dim']}", y=1.02)
         figs["spectra"] = fig
     several = rows.groupby("method")["feature_dim"].transform("nunique") > 1

@@ -399,6 +399,9 @@ def test_rank_study_saves_spectra_and_resumes_without_duplicates(rank_toy, one_t
     low_rank = gaussian[(gaussian.feature_dim < gaussian.n) & (gaussian.i > gaussian.feature_dim)]
     assert (low_rank.sigma_ratio < 1e-10).all()  # rank <= F: round-off after F values
     assert (out / "spectra.png").is_file() and "spectra.csv" in (out / "summary.md").read_text()
+    # The N sweep (summary table and figures) keeps maps whose own F is not D (hedgehog: 2D).
+    by_n = (out / "summary.md").read_text().split("## Rank vs N")[1].split("## Rank vs F")[0]
+    assert "| hedgehog     | 16 " in by_n and "| elu          | 8  " in by_n, by_n
     # A resumed run (and a larger one sharing the files) never duplicates rows.
     study.run_study("rank", quick=True, out=out, verbose=False)
     assert len(pd.read_csv(out / "spectra.csv")) == len(spectra)
