@@ -115,6 +115,25 @@ def test_key_padding_ignores_garbage(backend, causal):
         assert rel_err(got, alone) <= 1e-5
 
 
+@pytest.mark.parametrize("backend", ["reference", *FAST_BACKENDS])
+@pytest.mark.parametrize("causal", [False, True])
+def test_nan_in_padded_keys_reaches_no_gradient(backend, causal):
+    q, k, v = _features(2, 1, 9, 4, 3, requires_grad=False)
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[1, 5:] = False
+    grads = []
+    for filler in (0.0, float("nan")):
+        held = [t.clone() for t in (k, v)]
+        for t in held:
+            t[1, :, 5:] = filler
+        inputs = [t.requires_grad_() for t in (q.clone(), *held)]
+        out = ks.linear_attention(*inputs, causal=causal, key_padding_mask=mask, backend=backend)
+        grads.append(_grads(out, inputs))
+    for clean, dirty in zip(*grads, strict=True):
+        assert torch.isfinite(dirty).all()
+        torch.testing.assert_close(dirty, clean, rtol=0, atol=0)
+
+
 def test_padding_gradients_are_zero():
     q, k, v = _features(2, 1, 10, 4, 3)
     mask = torch.ones(2, 10, dtype=torch.bool)
@@ -133,6 +152,19 @@ def test_float64_gradcheck(backend, causal):
         return ks.linear_attention(q, k, v, causal=causal, backend=backend)
 
     assert torch.autograd.gradcheck(fn, (q, k, v))
+    assert torch.autograd.gradgradcheck(fn, (q, k, v))  # gradients of gradients too
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_second_derivatives_match_the_reference(backend):
+    q, k, v = _features(2, 1, 9, 3, 4, dtype=torch.float64)
+    grads = {}
+    for name in ("reference", backend):
+        out = ks.causal_dot_product(q, k, v, backend=name)
+        (dq,) = torch.autograd.grad(out.pow(2).sum(), q, create_graph=True)
+        grads[name] = torch.autograd.grad(dq.pow(2).sum(), (q, k, v))
+    for got, want in zip(grads[backend], grads["reference"], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
 def test_chunked_gradcheck_small_chunk():

@@ -214,6 +214,17 @@ def test_public_linear_attention_on_cuda(causal):
     assert rel_err(got, want) <= 1e-4
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_double_backward_is_refused_by_name(causal):
+    q, k, v = _features(1, 2, 70, 8, 4)
+    for out in (
+        cuda_backend.linear_attention(q, k, v, causal=causal),
+        cuda_backend.causal_product(q, k, v),
+    ):
+        with pytest.raises(RuntimeError, match="'cuda' backend has no double backward"):
+            torch.autograd.grad(out.pow(2).sum(), q, create_graph=True)
+
+
 def test_cross_attention_lengths():
     q = _features(2, 3, 70, 6, 4)[0]
     _, k, v = _features(2, 3, 130, 6, 4, seed=1)

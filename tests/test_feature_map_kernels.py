@@ -165,6 +165,32 @@ def test_stabilized_attention_is_causal_padding_free_and_exact_at_the_default_ep
     torch.testing.assert_close(padded, ks.kernel_attention(q, k, v, on), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", STABILIZED)
+@pytest.mark.parametrize("causal", [False, True])
+def test_padded_keys_neither_lift_nor_lower_the_key_shift(name, causal):
+    """Real keys whose largest exponent lies below the float32 range (FAVOR+ with large keys)
+    are shifted up; a zeroed padded key (exponent 0) used to cancel that shift, so eps
+    swamped every output. Padding holding NaN or huge keys must not matter either."""
+    torch.manual_seed(0)
+    on, _ = stabilized_pair(name, 16, **({"num_features": 64} if name != "hedgehog" else {}))
+    q, k, v = torch.randn(3, 1, 8, 16), 8 * torch.randn(3, 1, 8, 16), torch.randn(3, 1, 8, 4)
+    mask = torch.ones(3, 8, dtype=torch.bool)
+    mask[0, -1], mask[1, -3:] = False, False  # sequence 2 unpadded
+    for filler in (0.0, float("nan"), 1e4):
+        held = torch.where(mask[:, None, :, None], k, torch.full_like(k, filler))
+        got = ks.kernel_attention(q, held, v, on, causal=causal, key_padding_mask=mask)
+        for b, n in enumerate(mask.sum(1).tolist()):
+            alone = ks.kernel_attention(
+                q[b : b + 1, :, :n] if causal else q[b : b + 1],
+                k[b : b + 1, :, :n],
+                v[b : b + 1, :, :n],
+                on,
+                causal=causal,
+            )
+            rows = got[b : b + 1, :, :n] if causal else got[b : b + 1]
+            torch.testing.assert_close(rows, alone, rtol=1e-5, atol=1e-6)
+
+
 def test_trig_rf_kernel_estimates_can_be_negative():
     fm = ks.create_feature_map("trig_rf", head_dim=8, num_features=4, stabilize=False, seed=0)
     x = torch.randn(64, 8) * 2

@@ -15,7 +15,6 @@ from .chunked import causal_dot_product_chunked, check_chunk_size
 from .validation import (
     accumulation_dtype,
     check_eps,
-    check_key_padding_mask,
     check_qkv,
     zero_padded_keys,
 )
@@ -117,14 +116,9 @@ def linear_attention_reference(
     check_qkv(phi_q, phi_k, v, causal=causal)
     eps = check_eps(eps)
     acc = accumulation_dtype(phi_q.dtype)
+    phi_k, v = zero_padded_keys(phi_k, v, key_padding_mask)  # before any product: no 0·NaN
     scores = phi_q.to(acc) @ phi_k.to(acc).transpose(-1, -2)
     values = v.to(acc)
-    if key_padding_mask is not None:
-        mask = check_key_padding_mask(
-            key_padding_mask, phi_k.shape[0], phi_k.shape[2], phi_k.device
-        )
-        scores = scores.masked_fill(~mask[:, None, None, :], 0.0)
-        values = values.masked_fill(~mask[:, None, :, None], 0.0)
     if causal:
         scores = torch.tril(scores)
     out = (scores @ values) / (scores.sum(-1, keepdim=True) + eps)

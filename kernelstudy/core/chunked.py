@@ -5,7 +5,8 @@ masked ``C×C`` matrix product; across chunks, each chunk adds ``φq_c · S_c``
 where ``S_c = Σ_{chunks before c} φk_cᵀ v_c`` is an exclusive prefix sum of
 per-chunk states. The custom backward saves only ``q, k, v`` and recomputes
 what it needs with the same algorithm (one causal and two anti-causal
-products), so training memory is linear in N: activations ``O(N·(F+M))`` plus
+products, themselves differentiable, so double backward works), so training memory is
+linear in N: activations ``O(N·(F+M))`` plus
 ``O(N·C)`` intra-chunk scores and ``O(N/C·F·M)`` chunk states.
 """
 
@@ -58,31 +59,32 @@ def _chunked_product(
     return out.reshape(b, h, c * chunk, m)[:, :, :n]
 
 
-class _ChunkedCausalProduct(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, chunk):  # type: ignore[override]
-        acc = accumulation_dtype(q.dtype)
-        ctx.save_for_backward(q, k, v)
-        ctx.chunk = chunk
-        return _chunked_product(q.to(acc), k.to(acc), v.to(acc), chunk, reverse=False)
+class _ChunkedProduct(torch.autograd.Function):
+    """The causal (or anti-causal) product with a backward of three such products, each
+    again a ``_ChunkedProduct``: gradients of gradients (``create_graph=True``) work too."""
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    def forward(ctx, q, k, v, chunk, reverse):  # type: ignore[override]
+        acc = accumulation_dtype(q.dtype)
+        ctx.save_for_backward(q, k, v)
+        ctx.chunk, ctx.reverse = chunk, reverse
+        return _chunked_product(q.to(acc), k.to(acc), v.to(acc), chunk, reverse)
+
+    @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         q, k, v = ctx.saved_tensors
-        acc = grad.dtype
+        acc, chunk, rev = grad.dtype, ctx.chunk, ctx.reverse
         qa, ka, va = q.to(acc), k.to(acc), v.to(acc)
         dq = dk = dv = None
+        # causal: dq_i = Σ_{j≤i} (g_i·v_j) k_j, dk_j = Σ_{i≥j} (v_j·g_i) q_i,
+        # dv_j = Σ_{i≥j} (k_j·q_i) g_i; anti-causal: the same with the orders swapped
         if ctx.needs_input_grad[0]:
-            # dq_i = Σ_{j≤i} (g_i·v_j) k_j
-            dq = _chunked_product(grad, va, ka, ctx.chunk, reverse=False).to(q.dtype)
+            dq = _ChunkedProduct.apply(grad, va, ka, chunk, rev).to(q.dtype)
         if ctx.needs_input_grad[1]:
-            # dk_j = Σ_{i≥j} (v_j·g_i) q_i
-            dk = _chunked_product(va, grad, qa, ctx.chunk, reverse=True).to(k.dtype)
+            dk = _ChunkedProduct.apply(va, grad, qa, chunk, not rev).to(k.dtype)
         if ctx.needs_input_grad[2]:
-            # dv_j = Σ_{i≥j} (k_j·q_i) g_i
-            dv = _chunked_product(ka, qa, grad, ctx.chunk, reverse=True).to(v.dtype)
-        return dq, dk, dv, None
+            dv = _ChunkedProduct.apply(ka, qa, grad, chunk, not rev).to(v.dtype)
+        return dq, dk, dv, None, None
 
 
 def causal_dot_product_chunked(
@@ -93,4 +95,4 @@ def causal_dot_product_chunked(
     Returns ``(B,H,N,M)`` in the accumulation dtype (float32, or float64 for
     float64 inputs); gradients come back in the input dtypes.
     """
-    return _ChunkedCausalProduct.apply(q, k, v, check_chunk_size(chunk_size))
+    return _ChunkedProduct.apply(q, k, v, check_chunk_size(chunk_size), False)

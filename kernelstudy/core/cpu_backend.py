@@ -56,24 +56,31 @@ def supports(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in FLOAT_DTYPES
 
 
-class _CpuCausalProduct(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, threads):  # type: ignore[override]
-        ctx.save_for_backward(q, k, v)
-        ctx.threads = threads
-        return extension().causal_product(q, k, v, reverse=False, threads=threads)
+class _CpuProduct(torch.autograd.Function):
+    """The compiled causal (or anti-causal) product. A first-order backward of the causal
+    product is one fused pass (dk and dv share it); under ``create_graph=True`` the
+    gradients are three such products again, so double backward works too."""
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    def forward(ctx, q, k, v, threads, reverse):  # type: ignore[override]
+        ctx.save_for_backward(q, k, v)
+        ctx.threads, ctx.reverse = threads, reverse
+        return extension().causal_product(q, k, v, reverse=reverse, threads=threads)
+
+    @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        # dq = causal(grad, v, k), dk = anticausal(v, grad, q), dv = anticausal(k, q, grad),
-        # recomputed from the inputs; dk and dv share one pass
         q, k, v = ctx.saved_tensors
-        need = ctx.needs_input_grad
-        dq, dk, dv = extension().causal_product_backward(
-            q, k, v, grad, need[0], need[1], need[2], threads=ctx.threads
-        )
-        return dq, dk, dv, None
+        need, threads, rev = ctx.needs_input_grad, ctx.threads, ctx.reverse
+        if not (torch.is_grad_enabled() or rev):
+            # dq = causal(grad, v, k), dk = anticausal(v, grad, q), dv = anticausal(k, q, grad)
+            dq, dk, dv = extension().causal_product_backward(
+                q, k, v, grad, need[0], need[1], need[2], threads=threads
+            )
+            return dq, dk, dv, None, None
+        dq = _CpuProduct.apply(grad, v, k, threads, rev) if need[0] else None
+        dk = _CpuProduct.apply(v, grad, q, threads, not rev) if need[1] else None
+        dv = _CpuProduct.apply(k, q, grad, threads, not rev) if need[2] else None
+        return dq, dk, dv, None, None
 
 
 def causal_dot_product_cpu(
@@ -96,7 +103,7 @@ def causal_dot_product_cpu(
     if extension() is None:
         raise RuntimeError("kernelstudy: the 'cpu' backend could not be built (see the warning)")
     acc = accumulation_dtype(q.dtype)
-    return _CpuCausalProduct.apply(q.to(acc), k.to(acc), v.to(acc), num_threads)
+    return _CpuProduct.apply(q.to(acc), k.to(acc), v.to(acc), num_threads, False)
 
 
 register_backend(

@@ -25,10 +25,12 @@ keep float32 accuracy.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from .backends import Backend, register_backend
 from .validation import check_eps, check_key_padding_mask, check_qkv
@@ -97,6 +99,22 @@ def _check_inputs(*tensors: torch.Tensor) -> None:
             )
 
 
+def _first_order(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a backward that builds no graph: under ``create_graph=True`` (a double backward)
+    it raises a RuntimeError saying so, instead of gradients that silently come back None."""
+
+    @functools.wraps(backward)
+    def checked(ctx: Any, *grads: torch.Tensor) -> Any:
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "the 'cuda' backend has no double backward (create_graph=True); use "
+                "backend='torch' for gradients of gradients"
+            )
+        return backward(ctx, *grads)
+
+    return checked
+
+
 # ---------------------------------------------------------------- unnormalized causal product
 class _CausalProduct(torch.autograd.Function):
     @staticmethod
@@ -107,7 +125,7 @@ class _CausalProduct(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
+    @_first_order
     def backward(ctx, grad):  # type: ignore[override]
         q, k, v = ctx.saved_tensors
         ext = _require()
@@ -169,7 +187,7 @@ class _CausalAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
+    @_first_order
     def backward(ctx, grad):  # type: ignore[override]
         q, k, v, out, den, mask = ctx.saved_tensors
         ext = _require()
@@ -214,7 +232,7 @@ class _FullAttention(torch.autograd.Function):
         return out.to(q.dtype)
 
     @staticmethod
-    @once_differentiable
+    @_first_order
     def backward(ctx, grad):  # type: ignore[override]
         q, k, v, state, out, den, mask = ctx.saved_tensors
         b, h, _, f = q.shape

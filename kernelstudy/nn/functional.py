@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ..core.attention import linear_attention
+from ..core.exp_range import exp_shift
 from ..core.validation import check_key_padding_mask, check_qkv
 from ..feature_maps import FeatureMap, create_feature_map
 
@@ -67,17 +68,39 @@ def kernel_attention(
     """Linear attention ``φ(q)·Σ φ(k) vᵀ / φ(q)·Σ φ(k)`` with the given feature map.
 
     ``q: (B,H,N,D)``, ``k: (B,H,S,D)``, ``v: (B,H,S,M)`` → ``(B,H,N,M)``.
-    Padded keys are zeroed before the map sees them, so a stabilizer that looks
-    at the whole key sequence (only beyond the dtype's range) ignores whatever the
-    padding holds.
+    Padded keys are zeroed before the map sees them, and a map that stabilizes keys
+    per sequence (``keys_need_sequence``) takes its shift over the real keys only
+    (:func:`padded_key_features`): the output equals that of the real keys alone,
+    whatever the padding holds.
     """
     check_qkv(q, k, v, names=("q", "k", "v"), causal=causal)
     fm = resolve_feature_map(feature_map, q.shape[-1], q.shape[1])
-    if key_padding_mask is not None:
-        mask = check_key_padding_mask(key_padding_mask, k.shape[0], k.shape[2], k.device)
-        k = k.masked_fill(~mask[:, None, :, None], 0.0)
     phi_q = fm(q, is_query=True)
-    phi_k = fm(k, is_query=False)
+    if key_padding_mask is None:
+        phi_k = fm(k, is_query=False)
+    else:
+        mask = check_key_padding_mask(key_padding_mask, k.shape[0], k.shape[2], k.device)
+        phi_k = padded_key_features(fm, k, mask)
     return linear_attention(
         phi_q, phi_k, v, causal=causal, key_padding_mask=key_padding_mask, eps=eps, backend=backend
     )
+
+
+def padded_key_features(fm: FeatureMap, k: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """φ(k) of keys ``(B,H,S,D)`` with padding ``mask: (B,S)`` (True = real key): padded
+    keys are zeroed first (NaN or inf there reach nothing). A map with a per-sequence key
+    stabilizer gets it over the real keys only, from :meth:`FeatureMap.key_features`
+    (each key's φ̂ and log scale): φ = φ̂·exp(log_scale − c) with c the
+    :func:`~kernelstudy.core.exp_shift` of the largest real log scale, so padding can
+    neither lift nor lower the shift. Padded rows of the result are 0 for such maps
+    (the core masks them out anyway)."""
+    real = mask[:, None, :]  # (B,1,S)
+    k = k.masked_fill(~real[..., None], 0.0)
+    if not fm.keys_need_sequence:
+        return fm(k, is_query=False)
+    phi_hat, log_scale = fm.key_features(k)  # (B,H,S,F), (B,H,S)
+    top = log_scale.detach().masked_fill(~real, -torch.inf).amax(-1, keepdim=True)
+    shift = exp_shift(top, k.dtype)  # 0 for a sequence without real keys (top = -inf)
+    scale = torch.exp((log_scale - shift).masked_fill(~real, -torch.inf))
+    dtype = torch.promote_types(phi_hat.dtype, scale.dtype)
+    return (phi_hat.to(dtype) * scale[..., None].to(dtype)).to(k.dtype)
