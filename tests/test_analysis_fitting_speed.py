@@ -74,6 +74,32 @@ def test_fit_to_softmax_rejects_fixed_maps_and_bad_args():
         ks.analysis.fit_to_softmax(ExpLinearMap(4), q, k, steps=-1)
     with pytest.raises(ValueError, match="q_val and k_val"):
         ks.analysis.fit_to_softmax(ExpLinearMap(4), q, k, q_val=q)
+    fm = ExpLinearMap(4)
+    before = fm.weight.detach().clone()
+    for kwargs, error, match in (
+        ({"lr": math.inf}, ValueError, "lr must be a finite float > 0"),
+        ({"reg_weight": math.nan}, ValueError, "reg_weight must be a finite float >= 0"),
+        ({"reg_weight": "a"}, TypeError, "reg_weight must be a float"),
+        ({"q": q * math.nan}, ValueError, "q holds NaN or inf"),
+    ):
+        with pytest.raises(error, match=match):
+            ks.analysis.fit_to_softmax(fm, **{"q": q, "k": k, "steps": 2, **kwargs})
+    assert torch.equal(fm.weight, before)  # the caller's map untouched
+    with pytest.raises(ValueError, match=r"target must be softmax attention of shape"):
+        ks.analysis.distillation_loss(fm, q, k, target=torch.ones(3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fit_to_softmax_trains_a_float32_map_on_inputs_of_either_dtype(dtype):
+    """float64 inputs used to evaluate a cast copy of the map: the loss never moved."""
+    q, k = ks.analysis.gaussian_qk(16, 4, seed=0, dtype=dtype)
+    fm = ks.create_feature_map("softplus_ffn", head_dim=4, seed=0)
+    before = [p.detach().clone() for p in fm.parameters()]
+    history = ks.analysis.fit_to_softmax(fm, q, k, steps=20, lr=0.1, reg_weight=0.0)
+    loss = history[history.metric == "train_loss"].value
+    assert loss.iloc[-1] < loss.iloc[0] - 0.05
+    assert all(not torch.equal(a, b) for a, b in zip(before, fm.parameters(), strict=True))
+    assert all(p.dtype == torch.float32 for p in fm.parameters())
 
 
 def test_benchmark_attention_rows_and_skips():

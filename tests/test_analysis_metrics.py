@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -64,6 +65,35 @@ def test_attention_metrics_without_kernel_and_with_padding():
     frame = ks.analysis.approximation_error("elu", q, k, key_padding_mask=mask)
     assert set(frame.metric) == {"attention_mse", "attention_kl"}
     assert np.isfinite(frame.value).all() and (frame.value > 0).all()
+
+
+def test_approximation_error_ignores_padding_and_refuses_what_it_cannot_measure():
+    q, k = ks.analysis.gaussian_qk(6, 4, seed=1)
+    v = torch.randn(1, 1, 6, 3)
+    mask = torch.ones(1, 6, dtype=torch.bool)
+    mask[0, 4:] = False
+    favor = {"name": "favor", "num_features": 16, "seed": 0}
+    clean = ks.analysis.approximation_error(favor, q, k, v, key_padding_mask=mask)
+    k2, v2 = k.clone(), v.clone()
+    k2[..., 4:, :], v2[..., 4:, :] = math.nan, math.inf  # padding may hold anything
+    dirty = ks.analysis.approximation_error(favor, q, k2, v2, key_padding_mask=mask)
+    pd.testing.assert_frame_equal(dirty, clean)
+    assert np.isfinite(clean.value).all()
+    cases = [
+        ({"eps": -1.0}, ValueError, "eps must be a finite float >= 0"),
+        ({"eps": math.nan}, ValueError, "eps must be a finite float >= 0"),
+        ({"eps": "1"}, TypeError, "eps must be a float"),
+        ({"q": q * math.nan}, ValueError, "q holds NaN or inf"),
+        ({"k": k2}, ValueError, r"k holds NaN or inf \(outside padded keys\)"),
+        ({"key_padding_mask": torch.zeros(1, 6, dtype=torch.bool)}, ValueError, "no query a key"),
+        ({"v": torch.zeros(1, 1, 6, 3)}, ValueError, "output_rel_error is undefined"),
+        ({"v": torch.randn(2, 2)}, ValueError, "v must have 4 dimensions"),
+        ({"v": v.numpy()}, TypeError, "v must be a torch.Tensor"),
+    ]
+    for change, error, match in cases:
+        args = {"q": q, "k": k, "v": v, **change}
+        with pytest.raises(error, match=match):
+            ks.analysis.approximation_error("elu", **args)
 
 
 def test_row_kl_identical_rows_is_zero_and_matches_formula():

@@ -17,12 +17,12 @@ whose attention error is above it is worse than no attention at all.
 
 from __future__ import annotations
 
-import copy
 import math
 
 import pandas as pd
 import torch
 
+from ..core.validation import check_tensor, zero_padded_keys
 from ..feature_maps import FeatureMap
 from ..nn.functional import resolve_feature_map
 from .matrices import (
@@ -30,6 +30,7 @@ from .matrices import (
     MapSpec,
     allowed_keys,
     attention_matrix,
+    check_guard,
     check_qk,
     kernel_scores,
     normalize_rows,
@@ -141,26 +142,37 @@ def approximation_error(
         for the baseline), ``metric``, ``value``. Metrics: see the module docstring.
     """
     check_qk(q, k)
+    eps = check_guard(eps)
     fm = resolve_feature_map(feature_map, q.shape[-1], q.shape[1])
-    if v is not None and (v.shape[:2] != k.shape[:2] or v.shape[2] != k.shape[2] or v.dim() != 4):
-        raise ValueError(f"v must have shape (B,H,S,M) matching k {tuple(k.shape)}, got {v.shape}")
+    if v is not None:
+        check_tensor(v, "v", 4)
+        if v.shape[:3] != k.shape[:3] or v.device != k.device:
+            raise ValueError(
+                f"v must have shape (B,H,S,M) matching k {tuple(k.shape)} on {k.device}, got "
+                f"{tuple(v.shape)} on {v.device}"
+            )
     n, s = q.shape[2], k.shape[2]
     allowed = allowed_keys(n, s, causal, key_padding_mask, q.shape[0], q.device)
-    q64, k64 = q.double(), k.double()
-    v64 = v.double() if v is not None else None
+    if not allowed.any():
+        raise ValueError("key_padding_mask leaves no query a key to attend to: nothing to measure")
+    # Padded keys and values may hold anything (NaN included): zeroed, as in the core.
+    k64, v64 = zero_padded_keys(k.double(), (k if v is None else v).double(), key_padding_mask)
+    v64 = None if v is None else v64
+    q64 = q.double()
+    for name, t in (("q", q64), ("k", k64), ("v", v64)):
+        if t is not None and not torch.isfinite(t).all():
+            raise ValueError(f"{name} holds NaN or inf (outside padded keys)")
     a_soft = attention_matrix(q64, k64, "softmax", causal, key_padding_mask, max_n)
     out_soft = a_soft @ v64 if v64 is not None else None
+    if out_soft is not None and not out_soft.any():
+        raise ValueError("softmax attention of v is all zero: output_rel_error is undefined")
     rows = []
-    fm64 = copy.deepcopy(fm).to(torch.float64)  # exact metrics; the caller's map is untouched
     with torch.no_grad():
-        scores = kernel_scores(q64, k64, fm64, key_padding_mask)
+        scores = kernel_scores(q64, k64, fm, key_padding_mask)  # in float64: exact metrics
         a_hat = normalize_rows(scores, allowed, eps)
         metrics: dict[str, float] = {}
-        if callable(getattr(fm64, "kernel", None)):
-            k_in = k64
-            if key_padding_mask is not None:
-                k_in = k64.masked_fill(~key_padding_mask.to(k.device)[:, None, :, None], 0.0)
-            exact = softmax_kernel(q64, k_in)
+        if callable(getattr(fm, "kernel", None)):
+            exact = softmax_kernel(q64, k64)
             metrics["kernel_mse"] = _masked_mean((scores - exact) ** 2, allowed)
         metrics.update(_attention_metrics(a_soft, a_hat, allowed, v64, out_soft))
     label = map_label(fm)

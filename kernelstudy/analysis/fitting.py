@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pandas as pd
 import torch
 
@@ -25,6 +27,13 @@ def distillation_loss(
     mean entropy of the softmax rows.
     """
     check_qk(q, k)
+    if target is not None:
+        want = (*q.shape[:3], k.shape[2])
+        if not isinstance(target, torch.Tensor) or tuple(target.shape) != want:
+            got = tuple(target.shape) if isinstance(target, torch.Tensor) else type(target).__name__
+            raise ValueError(
+                f"target must be softmax attention of shape (B,H,N,S) = {want}, got {got}"
+            )
     if target is None:
         with torch.no_grad():
             target = attention_matrix(q, k, "softmax", causal, max_n=MAX_N)
@@ -67,11 +76,21 @@ def fit_to_softmax(
     for name, value, low in (("steps", steps, 0), ("eval_every", eval_every, 1)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    if not lr > 0:
-        raise ValueError(f"lr must be > 0, got {lr!r}")
+    for name, value, low in (("lr", lr, 0.0), ("reg_weight", reg_weight, None)):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise TypeError(f"{name} must be a float, got {value!r}")
+        if not (math.isfinite(value) and (value > low if low is not None else value >= 0)):
+            bound = "> 0" if low is not None else ">= 0"
+            raise ValueError(f"{name} must be a finite float {bound}, got {value!r}")
     if (q_val is None) != (k_val is None):
         raise ValueError("q_val and k_val must be given together")
     check_qk(q, k)
+    pairs = [("q", q), ("k", k)] + (
+        [("q_val", q_val), ("k_val", k_val)] if q_val is not None else []
+    )
+    for name, t in pairs:
+        if not torch.isfinite(t).all():  # would write NaN into the caller's map
+            raise ValueError(f"{name} holds NaN or inf")
     with torch.no_grad():
         target = attention_matrix(q, k, "softmax", causal)
         val_target = None

@@ -7,16 +7,16 @@ the fast paths live in the core. Inputs follow the core's conventions:
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
 from ..core.validation import check_key_padding_mask, check_tensor
 from ..feature_maps import FeatureMap
-from ..nn.functional import resolve_feature_map
+from ..nn.functional import padded_key_features, resolve_feature_map
 
 MAX_N = 4096
 SOFTMAX = "softmax"
@@ -39,6 +39,16 @@ def check_qk(q: torch.Tensor, k: torch.Tensor) -> None:
             f"q and k must share dtype and device, got {q.dtype}/{q.device} and "
             f"{k.dtype}/{k.device}"
         )
+
+
+def check_guard(eps: object) -> float:
+    """The normalizer guard ``eps`` of an analysis as a float, finite and >= 0 (0 is exact),
+    else TypeError/ValueError naming it."""
+    if isinstance(eps, bool) or not isinstance(eps, int | float):
+        raise TypeError(f"eps must be a float >= 0, got {eps!r}")
+    if not 0 <= eps < math.inf:
+        raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
+    return float(eps)
 
 
 def allowed_keys(
@@ -99,8 +109,7 @@ def attention_matrix(
     """
     check_qk(q, k)
     n, s = q.shape[2], k.shape[2]
-    if not eps >= 0:
-        raise ValueError(f"eps must be >= 0, got {eps!r}")
+    eps = check_guard(eps)
     if max(n, s) > max_n:
         raise ValueError(
             f"attention_matrix materializes N×S per head; N={n}, S={s} exceeds max_n={max_n} "
@@ -125,16 +134,37 @@ def kernel_scores(
 ) -> torch.Tensor:
     """The unnormalized kernel matrix ``φ(q) φ(k)ᵀ``: ``(B,H,N,S)``, no masking applied.
 
-    Padded keys are zeroed before the map sees them (as in ``kernel_attention``); a map
-    whose parameters have another dtype than ``q`` runs as a cast copy.
+    Padded keys are treated as in ``kernel_attention`` (zeroed first; a per-sequence key
+    stabilizer sees the real keys only). A map whose parameters or buffers have another
+    dtype than ``q`` runs on copies cast to it (``torch.func.functional_call``): float64
+    analysis of a float32 map is exact, and gradients still reach the map's parameters.
     """
     fm = _as_feature_map(feature_map, q)
-    dtypes = {t.dtype for t in (*fm.parameters(), *fm.buffers()) if t.is_floating_point()}
-    if dtypes - {q.dtype}:  # e.g. a float32 map on float64 analysis inputs
-        fm = copy.deepcopy(fm).to(q.dtype)
+    mask = None
     if key_padding_mask is not None:
-        k = k.masked_fill(~key_padding_mask.to(k.device)[:, None, :, None], 0.0)
-    return fm(q, is_query=True) @ fm(k, is_query=False).transpose(-1, -2)
+        mask = check_key_padding_mask(key_padding_mask, k.shape[0], k.shape[2], k.device)
+    scores = _KernelScores(fm)
+    tensors = [*fm.named_parameters(), *fm.named_buffers()]
+    if any(t.is_floating_point() and t.dtype != q.dtype for _, t in tensors):
+        cast = {f"fm.{n}": t.to(q.dtype) if t.is_floating_point() else t for n, t in tensors}
+        return torch.func.functional_call(scores, cast, (q, k, mask))
+    return scores(q, k, mask)
+
+
+class _KernelScores(nn.Module):
+    """``φ(q) φ(k)ᵀ`` as a module around the map, so that :func:`kernel_scores` can run it
+    on cast parameters with ``functional_call``."""
+
+    def __init__(self, fm: FeatureMap) -> None:
+        super().__init__()
+        self.fm = fm
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        phi_q = self.fm(q, is_query=True)
+        phi_k = (
+            self.fm(k, is_query=False) if mask is None else padded_key_features(self.fm, k, mask)
+        )
+        return phi_q @ phi_k.transpose(-1, -2)
 
 
 def normalize_rows(scores: torch.Tensor, allowed: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
