@@ -192,6 +192,14 @@ def test_plots_return_figures():
     assert isinstance(ks.analysis.plots.plot_speed(speed), Figure)
     with pytest.raises(ValueError, match="lacks columns"):
         ks.analysis.plots.plot_approximation(frame, x="nope")
+    # pd.concat repeats index labels; with the identity map's NaN KL seaborn used to fail
+    mixed = pd.concat(
+        [ks.analysis.approximation_error(m, q, k).assign(seed=s) for m in ("elu", "identity")
+         for s in (0, 1)]
+    )  # fmt: skip
+    assert isinstance(
+        ks.analysis.plots.plot_approximation(mixed, metric="attention_kl", x="seed"), Figure
+    )
     spectra = pd.DataFrame(
         [
             {"method": m, "F": f, "seed": s, "i": i + 1, "sigma_ratio": r}

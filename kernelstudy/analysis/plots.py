@@ -43,7 +43,7 @@ def line_plot(
     horizontal reference lines in the matching facet, e.g. a baseline.
     """
     _check_columns(frame, [x, y, hue, style, col, row], "line_plot")
-    data = frame.copy()
+    data = frame.reset_index(drop=True)  # seaborn needs unique labels (pd.concat repeats them)
     for name in (hue, style, col, row):
         if name is not None:
             data[name] = data[name].astype(str)
@@ -148,7 +148,7 @@ def plot_map_comparison(
             f"metric {metric!r} has no rows (metrics: {sorted(frame.metric.unique())})"
         )
     maps, base = rows[rows["method"] != "uniform"], rows[rows["method"] == "uniform"]
-    data = maps.copy()
+    data = maps.reset_index(drop=True)  # unique labels for seaborn
     for name in (hue, col):
         if name is not None:
             data[name] = data[name].astype(str)
@@ -212,7 +212,7 @@ def plot_spectra(
     Values below ``floor`` (round-off of a rank-deficient matrix) are drawn at ``floor``.
     """
     _check_columns(frame, [x, y, hue, col], "plot_spectra")
-    data = frame.assign(**{y: frame[y].clip(lower=floor)})
+    data = frame.assign(**{y: frame[y].clip(lower=floor)}).reset_index(drop=True)
     for name in (hue, col):
         if name is not None:
             data[name] = data[name].astype(str)
