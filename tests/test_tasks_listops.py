@@ -323,6 +323,8 @@ def _write(path: Path, text: str) -> Path:
         ),
         ("Source\tTarget\n( ( ( [MIN 1 ) 2 ) ] )\tx\n", 2, "label"),
         ("Source\tTarget\n( ( ( [MIN 1 ) 2 ) ] )\t12\n", 2, "label"),
+        ("Source\tTarget\n( ( ( [MIN 1 ) 2 ) ] )\t\u00b2\n", 2, "bad label"),  # superscript 2
+        ("Source\tTarget\n( ( ( [MIN 1 ) 2 ) ] )\t\u0663\n", 2, "bad label"),  # Arabic-Indic 3
         ("Source\tTarget\n( ( ( [MIN 1 ) 2 ) ] )\t1\n( ( ( [ABS 1 ) 2 ) ] )\t1\n", 3, "token"),
         ("Source\tTarget\n( ( ( [MIN 1 ) 2 ) ] )\n", 2, "columns"),
     ],

@@ -110,6 +110,8 @@ def test_text_tables(tmp_path: Path) -> None:
         ("words,label\nx,1\n", 1, "header"),
         ("text,label\nx,1\ny,2\n", 3, "label"),
         ("text,label\nx,1\ny,one\n", 3, "label"),
+        ("text,label\nx,1\ny,\u0661\n", 3, "label"),  # an Arabic-Indic 1, which int() takes
+        ("text,label\nx,1\ny,0_1\n", 3, "label"),  # int() reads "0_1" as 1
         ('text,label\n"multi\nline",1\nz,1,extra\n', 4, "columns"),
         ("text,label\n", 2, "no rows"),
     ],
@@ -380,6 +382,30 @@ def test_cifar_empty_and_wrong_pickles(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="1 labels for 2 images") as err:
         ImageTask(folder, "test")
     assert_error(err, batch)
+    floats = {b"data": np.zeros((2, 3072), np.uint8), b"labels": np.array([1.7, 2.2])}
+    batch.write_bytes(pickle.dumps(floats))  # int64 would truncate them to 1, 2
+    with pytest.raises(ValueError, match="'labels' must be ints, got dtype float64") as err:
+        ImageTask(folder, "test")
+    assert_error(err, batch)
+    batch.write_bytes(pickle.dumps({b"data": np.zeros((0, 3072), np.uint8), b"labels": []}))
+    with pytest.raises(ValueError, match="no images") as err:
+        ImageTask(folder, "test")
+    assert_error(err, batch)
+    # 5 batches of 4 training images: val_fraction 0.01 leaves val none, 0.99 train none
+    for split, fraction in (("val", 0.01), ("train", 0.99)):
+        with pytest.raises(ValueError, match=f"split '{split}' is empty"):
+            ImageTask(folder, split, val_fraction=fraction)
+    with pytest.raises(TypeError, match="val_fraction must be a float"):
+        ImageTask(folder, "train", val_fraction="0.1")
+
+
+def test_pathfinder_too_few_samples_for_a_split(tmp_path: Path) -> None:
+    write_pathfinder(tmp_path, n_files=1, per_file=3)
+    assert len(PathfinderTask(tmp_path, "train")) == 2
+    with pytest.raises(ValueError, match=r"split 'test' of .* is empty: 3 images are too few"):
+        PathfinderTask(tmp_path, "test")
+    with pytest.raises(ValueError, match="split_seed must be an int >= 0"):
+        PathfinderTask(tmp_path, "train", split_seed=-1)
 
 
 def test_pathfinder_binary_metadata_names_the_file(tmp_path: Path) -> None:

@@ -61,9 +61,9 @@ def parse_label(
     """The class index written as ``text`` (``"1"``; ``"1.0"`` if ``allow_float``), in range."""
     value: int | None = None
     token = text.strip()
-    try:
+    if token.isascii() and token.isdigit():  # not int()'s "１", "٣" or "1_0"
         value = int(token)
-    except ValueError:
+    elif token.isascii() and "_" not in token:
         if allow_float:
             try:
                 number = float(token)

@@ -78,10 +78,12 @@ def read_cifar_batch(path: PathArg) -> tuple[np.ndarray, np.ndarray]:
     data = np.asarray(batch["data"])
     if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3 * 1024:
         raise data_error(path, f"'data' must be (N, 3072) uint8, got {data.shape} {data.dtype}")
-    try:
-        labels = np.asarray(batch["labels"], dtype=np.int64)
-    except (TypeError, ValueError) as err:
-        raise data_error(path, f"'labels' must be ints ({err})") from err
+    if data.shape[0] == 0:
+        raise data_error(path, "no images")
+    raw = np.asarray(batch["labels"])
+    if raw.dtype.kind not in "iu":  # not floats such as 1.7, which int64 would truncate
+        raise data_error(path, f"'labels' must be ints, got dtype {raw.dtype}")
+    labels = raw.astype(np.int64)
     if labels.shape != (data.shape[0],):
         raise data_error(path, f"{labels.shape[0]} labels for {data.shape[0]} images")
     bad = np.flatnonzero((labels < 0) | (labels > 9))
@@ -105,6 +107,8 @@ class ImageTask(SequenceTask):
 
     def __init__(self, path: PathArg, split: str = "train", val_fraction: float = 0.1) -> None:
         check_split(split)
+        if isinstance(val_fraction, bool) or not isinstance(val_fraction, int | float):
+            raise TypeError(f"val_fraction must be a float in (0, 1), got {val_fraction!r}")
         if not 0.0 < val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
         root = Path(path)
@@ -116,9 +120,15 @@ class ImageTask(SequenceTask):
         pixels = np.concatenate([p for p, _ in parts])
         labels = np.concatenate([lab for _, lab in parts])
         if split != "test":
-            n_train = len(labels) - int(round(val_fraction * len(labels)))
+            total = len(labels)
+            n_train = total - int(round(val_fraction * total))
             part = slice(0, n_train) if split == "train" else slice(n_train, None)
             pixels, labels = pixels[part], labels[part]
+            if len(labels) == 0:
+                raise ValueError(
+                    f"split {split!r} is empty: val_fraction={val_fraction} of the {total} "
+                    "training images leaves it none"
+                )
         self.pixels, self.labels = pixels, labels
 
     def __len__(self) -> int:

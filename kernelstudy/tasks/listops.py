@@ -74,7 +74,7 @@ def evaluate_listops(source: str | list[str]) -> int:
                 stack[-1][1].append(value)
             else:
                 result = value
-        elif len(token) == 1 and token.isdigit():
+        elif len(token) == 1 and token in "0123456789":
             if not stack:
                 if len(tokens) != 1:
                     raise ValueError("a digit outside any operator")
@@ -400,7 +400,7 @@ def _read_listops_tsv(path: PathArg) -> tuple[PackedSequences, np.ndarray]:
             if len(ids) == 0:
                 raise data_error(path, "empty Source", line_no)
             target = target.strip()
-            if not (len(target) == 1 and target.isdigit()):
+            if not (len(target) == 1 and target in "0123456789"):  # ASCII: not "²" or "٣"
                 raise data_error(path, f"bad label {target!r} (expected a digit 0-9)", line_no)
             sequences.append(ids)
             labels.append(int(target))

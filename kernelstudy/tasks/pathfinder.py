@@ -107,12 +107,18 @@ class PathfinderTask(SequenceTask):
         if difficulty not in DIFFICULTIES:
             raise ValueError(f"difficulty must be one of {DIFFICULTIES}, got {difficulty!r}")
         self.resolution = check_positive("resolution", resolution)
+        check_positive("split_seed", split_seed, minimum=0)
         self.max_length = resolution * resolution
         self.root = find_pathfinder_root(path, difficulty)
         images, labels, origins = read_metadata(self.root)
         order = np.random.default_rng(split_seed).permutation(len(images))
         lo, hi = SPLIT_FRACTIONS[split]
         chosen = order[int(round(lo * len(order))) : int(round(hi * len(order)))]
+        if len(chosen) == 0:
+            raise ValueError(
+                f"split {split!r} of {self.root} is empty: {len(images)} images are too few "
+                f"for the split fractions {SPLIT_FRACTIONS}"
+            )
         self.images = [images[i] for i in chosen]
         self.origins = [origins[i] for i in chosen]
         self.labels = labels[chosen]
