@@ -120,6 +120,23 @@ def test_benchmark_attention_rows_and_skips():
         ks.analysis.benchmark_attention([16], methods=["flash"])
     with pytest.raises(ValueError, match="backends"):
         ks.analysis.benchmark_attention([16], backends=["nope"])
+    bad = [
+        ({"seq_lens": 16}, TypeError, "seq_lens must be a non-empty list of int"),
+        ({"seq_lens": [True]}, ValueError, "seq_lens entries must be an int >= 1"),
+        ({"causal": True}, TypeError, "causal must be a non-empty list of bool"),
+        ({"causal": [1]}, TypeError, "causal must be a list of bools"),
+        ({"batch": 0}, ValueError, "batch must be an int >= 1"),
+        ({"value_dim": 0}, ValueError, "value_dim must be an int >= 1"),
+        ({"dtype": torch.int32}, TypeError, "dtype must be a floating-point torch.dtype"),
+        ({"repeats": 0}, ValueError, "repeats must be an int >= 1"),
+    ]
+    for change, error, match in bad:
+        with pytest.raises(error, match=match):
+            ks.analysis.benchmark_attention(**{"seq_lens": [16], **change})
+    with pytest.raises(ValueError, match="size must be an int >= 1, got 0"):
+        ks.analysis.matmul_rate(size=0)
+    with pytest.raises(ValueError, match="repeats must be an int >= 1, got 0"):
+        ks.analysis.matmul_rate(repeats=0)
 
 
 def test_peak_memory_counts_temporaries():

@@ -51,10 +51,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def check_count(name: str, value: object, minimum: int) -> int:
+    """``value`` if it is an int >= ``minimum`` (not a bool), else ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
 def time_call(
     fn: Callable[[], object], device: str | torch.device = "cpu", repeats: int = 5, warmup: int = 1
 ) -> list[float]:
     """Seconds per call of ``fn`` for each of ``repeats`` timed calls (warm-up calls untimed)."""
+    check_count("repeats", repeats, 1)
+    check_count("warmup", warmup, 0)
     device = torch.device(device)
     for _ in range(warmup):
         fn()
@@ -122,7 +131,7 @@ def matmul_rate(
 ) -> float:
     """Measured dense matmul throughput in GFLOP/s (``size×size`` square products)."""
     device = torch.device(device)
-    size = size or (4096 if device.type == "cuda" else 1024)
+    size = check_count("size", 4096 if device.type == "cuda" else 1024 if size is None else size, 1)
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
     seconds = statistics.median(time_call(lambda: a @ b, device, repeats, warmup=2))
@@ -199,12 +208,20 @@ def benchmark_attention(
     bad = [p for p in passes if p not in PASSES]
     if bad:
         raise ValueError(f"passes must be among {PASSES}, got {bad}")
-    if not seq_lens or any(not isinstance(n, int) or n < 1 for n in seq_lens):
-        raise ValueError(f"seq_lens must be positive ints, got {seq_lens!r}")
-    for name, value in (("repeats", repeats), ("warmup", warmup)):
-        if not isinstance(value, int) or value < (1 if name == "repeats" else 0):
-            raise ValueError(f"{name} must be an int >= {1 if name == 'repeats' else 0}")
-    value_dim = value_dim or head_dim
+    for name, values, kind in (("seq_lens", seq_lens, int), ("causal", causal, bool)):
+        if not isinstance(values, Sequence) or isinstance(values, str) or not values:
+            raise TypeError(f"{name} must be a non-empty list of {kind.__name__}, got {values!r}")
+    for n in seq_lens:
+        check_count("seq_lens entries", n, 1)
+    if any(not isinstance(c, bool) for c in causal):
+        raise TypeError(f"causal must be a list of bools, got {causal!r}")
+    for name, value in (("head_dim", head_dim), ("batch", batch), ("heads", heads)):
+        check_count(name, value, 1)
+    value_dim = head_dim if value_dim is None else check_count("value_dim", value_dim, 1)
+    check_count("repeats", repeats, 1)
+    check_count("warmup", warmup, 0)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
     known = available_backends()
     if backends is None:
         backends = known
