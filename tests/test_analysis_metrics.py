@@ -194,6 +194,8 @@ def test_bad_input_errors():
         ks.analysis.attention_matrix(q, k[..., :3])
     with pytest.raises(ValueError, match="feature_dim"):
         ks.analysis.matched_feature_map("elu", 8, 0)
+    with pytest.raises(ValueError, match="feature_dim must be a positive int, got True"):
+        ks.analysis.matched_feature_map("elu", 8, True)
     with pytest.raises(ValueError, match="not a random-feature map"):
         ks.analysis.random_feature_map("elu", 8, 16)
 

@@ -202,6 +202,8 @@ def test_bounds_are_configurable_and_validated() -> None:
     assert all(10 < n < 40 for n in lengths)
     with pytest.raises(ValueError, match="max_length"):
         list(generate_listops(1, min_length=10, max_length=11))
+    with pytest.raises(ValueError, match="max_length must be an int >= 0, got '30'"):
+        generate_listops(1, max_length="30")
 
 
 def _lra_generate(rng: random.Random, max_length: int, depth: int = 1):

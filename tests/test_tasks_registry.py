@@ -30,6 +30,10 @@ def test_bad_configurations_fail_clearly(tmp_path: Path) -> None:
         load_task("listop", tmp_path)
     with pytest.raises(ValueError, match="unknown option"):
         load_task("copy", num_symbols=3)
+    with pytest.raises(
+        TypeError, match=r"task name must be a str such as 'listops', got \['copy'\]"
+    ):
+        load_task(["copy"])
     with pytest.raises(ValueError, match="split"):
         load_task("listops", tmp_path, "validation")
     with pytest.raises(ValueError, match="needs a data path"):

@@ -28,7 +28,7 @@ def matched_feature_map(
     ``elu``: F = D). ``seed`` is passed to maps that take one; other ``kwargs``
     are hyperparameters. Unknown names raise ValueError.
     """
-    if not isinstance(feature_dim, int) or feature_dim < 1:
+    if isinstance(feature_dim, bool) or not isinstance(feature_dim, int) or feature_dim < 1:
         raise ValueError(f"feature_dim must be a positive int, got {feature_dim!r}")
     cls = get_feature_map_class(name)
     hp = cls.hyperparameters

@@ -252,6 +252,7 @@ def generate_listops(
     """
     check_positive("n", n, minimum=0)
     check_positive("min_length", min_length, minimum=0)
+    check_positive("max_length", max_length, minimum=0)
     check_positive("max_depth", max_depth)
     check_positive("max_args", max_args, minimum=2)
     check_positive("seed", seed, minimum=0)

@@ -41,6 +41,8 @@ def list_tasks() -> list[str]:
 
 def task_class(name: str) -> type[SequenceTask]:
     """The class of task ``name``; ValueError (with suggestions) for an unknown name."""
+    if not isinstance(name, str):
+        raise TypeError(f"task name must be a str such as 'listops', got {name!r}")
     if name not in TASKS:
         close = difflib.get_close_matches(str(name), TASKS, n=2, cutoff=0.5)
         hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
