@@ -155,7 +155,8 @@ def approximation_error(
     allowed = allowed_keys(n, s, causal, key_padding_mask, q.shape[0], q.device)
     if not allowed.any():
         raise ValueError("key_padding_mask leaves no query a key to attend to: nothing to measure")
-    # Padded keys and values may hold anything (NaN included): zeroed, as in the core.
+    # Padded keys and values may hold anything (NaN included): zeroed, as in the core
+    # (k stands in for the values when there are none).
     k64, v64 = zero_padded_keys(k.double(), (k if v is None else v).double(), key_padding_mask)
     v64 = None if v is None else v64
     q64 = q.double()
