@@ -28,6 +28,10 @@ def stabilizer(logits: torch.Tensor, is_query: bool, dtype: torch.dtype) -> torc
     - keys, per sequence ``(..., 1, 1)``: the largest exponent of the whole sequence
       moves to 0 only when it leaves the safe range. Ordinary keys keep their exact
       features, so a key does not depend on later keys (causality) or on padding.
+      Beyond the range (very large inputs) the shift is set by the largest key of the
+      sequence, later ones included: early rows of causal attention computed over the
+      whole sequence can then be swamped by ``eps``; stepping a scaled
+      :class:`~kernelstudy.core.RecurrentState` (a running maximum) or float64 avoids it.
     """
     dims = (-1,) if is_query or logits.dim() < 2 else (-2, -1)
     return exp_shift(logits.detach().amax(dim=dims, keepdim=True), dtype, lift_negative=is_query)
