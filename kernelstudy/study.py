@@ -280,7 +280,7 @@ def run_study(
                 + "; ".join(f"{k} in {', '.join(v)}" for k, v in values.items())
             )
     frames = {t: _read_results(path) for t, path in paths.items()}
-    done = set(frames[RESULTS]["config_id"]) if "config_id" in frames[RESULTS] else set()
+    done = _ids(frames[RESULTS])
     if force and done:  # recompute the selected configurations; keep every other row
         redo = {i for c, i in zip(configs, ids, strict=True) if _matches(c, only)}
         for t, frame in frames.items():
@@ -289,8 +289,7 @@ def run_study(
         done -= redo
     unfilled = set()  # finished configs with no rows in an extra table
     for t in tables:
-        have = set(frames[t]["config_id"]) if "config_id" in frames[t] else set()
-        unfilled |= done - have
+        unfilled |= done - _ids(frames[t])
     todo = [
         (c, i)
         for c, i in zip(configs, ids, strict=True)
@@ -380,6 +379,11 @@ def _provenance_lines(summary: Path) -> list[str]:
         return []
     lines = [line for line in summary.read_text().splitlines() if line.startswith("Written ")]
     return list(dict.fromkeys(lines))
+
+
+def _ids(frame: pd.DataFrame) -> set[str]:
+    """The ``config_id`` values that have rows in ``frame``."""
+    return set(frame["config_id"]) if "config_id" in frame else set()
 
 
 def _current(frame: pd.DataFrame, ids: list[str]) -> pd.DataFrame:

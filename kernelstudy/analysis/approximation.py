@@ -22,7 +22,7 @@ import math
 import pandas as pd
 import torch
 
-from ..core.validation import check_tensor, zero_padded_keys
+from ..core.validation import check_real, check_tensor, zero_padded_keys
 from ..feature_maps import FeatureMap
 from ..nn.functional import resolve_feature_map
 from .matrices import (
@@ -30,7 +30,6 @@ from .matrices import (
     MapSpec,
     allowed_keys,
     attention_matrix,
-    check_guard,
     check_qk,
     kernel_scores,
     normalize_rows,
@@ -142,7 +141,7 @@ def approximation_error(
         for the baseline), ``metric``, ``value``. Metrics: see the module docstring.
     """
     check_qk(q, k)
-    eps = check_guard(eps)
+    eps = check_real("eps", eps)
     fm = resolve_feature_map(feature_map, q.shape[-1], q.shape[1])
     if v is not None:
         check_tensor(v, "v", 4)

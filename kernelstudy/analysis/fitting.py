@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import math
-
 import pandas as pd
 import torch
 
+from ..core.validation import check_real
 from ..feature_maps import FeatureMap
 from .matrices import MAX_N, attention_matrix, check_qk
 
@@ -76,12 +75,8 @@ def fit_to_softmax(
     for name, value, low in (("steps", steps, 0), ("eval_every", eval_every, 1)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    for name, value, low in (("lr", lr, 0.0), ("reg_weight", reg_weight, None)):
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise TypeError(f"{name} must be a float, got {value!r}")
-        if not (math.isfinite(value) and (value > low if low is not None else value >= 0)):
-            bound = "> 0" if low is not None else ">= 0"
-            raise ValueError(f"{name} must be a finite float {bound}, got {value!r}")
+    check_real("lr", lr, strict=True)
+    check_real("reg_weight", reg_weight)
     if (q_val is None) != (k_val is None):
         raise ValueError("q_val and k_val must be given together")
     check_qk(q, k)

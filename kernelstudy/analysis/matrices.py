@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.validation import check_key_padding_mask, check_tensor
+from ..core.validation import check_key_padding_mask, check_real, check_tensor
 from ..feature_maps import FeatureMap
 from ..nn.functional import padded_key_features, resolve_feature_map
 
@@ -39,16 +39,6 @@ def check_qk(q: torch.Tensor, k: torch.Tensor) -> None:
             f"q and k must share dtype and device, got {q.dtype}/{q.device} and "
             f"{k.dtype}/{k.device}"
         )
-
-
-def check_guard(eps: object) -> float:
-    """The normalizer guard ``eps`` of an analysis as a float, finite and >= 0 (0 is exact),
-    else TypeError/ValueError naming it."""
-    if isinstance(eps, bool) or not isinstance(eps, int | float):
-        raise TypeError(f"eps must be a float >= 0, got {eps!r}")
-    if not 0 <= eps < math.inf:
-        raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
-    return float(eps)
 
 
 def allowed_keys(
@@ -109,7 +99,7 @@ def attention_matrix(
     """
     check_qk(q, k)
     n, s = q.shape[2], k.shape[2]
-    eps = check_guard(eps)
+    eps = check_real("eps", eps)  # the guard of an analysis: 0 is exact
     if max(n, s) > max_n:
         raise ValueError(
             f"attention_matrix materializes N×S per head; N={n}, S={s} exceeds max_n={max_n} "

@@ -7,7 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .validation import check_key_padding_mask, check_qkv, zero_padded_keys
+from .validation import check_key_padding_mask, check_qkv, check_real, zero_padded_keys
 
 
 def _allowed(
@@ -25,13 +25,7 @@ def _allowed(
 
 def _check_scale(q: torch.Tensor, scale: object) -> float:
     """``scale`` as a float (``1/√D`` for None); ValueError unless positive and finite."""
-    if scale is None:
-        return 1.0 / math.sqrt(q.shape[-1])
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a number, got {type(scale).__name__}")
-    if not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
-    return float(scale)
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else check_real("scale", scale, True)
 
 
 def softmax_attention(

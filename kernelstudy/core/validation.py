@@ -7,6 +7,8 @@ deep inside a kernel.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -36,6 +38,18 @@ def check_eps(eps: float) -> float:
     if not 0 < eps < float("inf"):
         raise ValueError(f"eps must be a finite float > 0, got {eps}")
     return float(eps)
+
+
+def check_real(name: str, value: object, strict: bool = False) -> float:
+    """``value`` as a float, finite and >= 0 (> 0 with ``strict``), else TypeError/ValueError
+    naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a float, got {value!r}")
+    if not (math.isfinite(value) and (value > 0 if strict else value >= 0)):
+        raise ValueError(
+            f"{name} must be a finite float {'>' if strict else '>='} 0, got {value!r}"
+        )
+    return float(value)
 
 
 def check_same_dtype_and_device(tensors: dict[str, torch.Tensor]) -> None:
