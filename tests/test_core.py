@@ -6,6 +6,7 @@ Tolerances: fp32 max relative error ≤ 1e-5 (outputs and the gradients of
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -272,6 +273,16 @@ def test_causal_needs_equal_lengths():
     q = torch.rand(1, 1, 5, 2)
     with pytest.raises(ValueError, match="causal"):
         ks.linear_attention(q, torch.rand(1, 1, 6, 2), torch.rand(1, 1, 6, 2), causal=True)
+
+
+@pytest.mark.parametrize("fn", [ks.linear_attention, ks.softmax_attention])
+def test_causal_must_be_a_bool(fn):
+    """A string is truthy: causal="no" used to run causal attention."""
+    q = torch.rand(1, 1, 3, 2)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        fn(q, q, q, causal="no")
+    for flag in (1, np.False_):  # ints 0/1 and numpy's bool are flags too
+        assert torch.equal(fn(q, q, q, causal=flag), fn(q, q, q, causal=bool(flag)))
 
 
 @pytest.mark.parametrize(

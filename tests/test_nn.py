@@ -90,12 +90,18 @@ def test_regularization_is_zero_for_elu_and_softmax():
         ({"d_model": 32, "n_heads": 4, "eps": "small"}, "eps must be a positive float"),
         ({"d_model": 32, "n_heads": 4, "backend": "cudaa"}, "backend must be one of auto"),
         ({"d_model": 32, "n_heads": 4, "backend": 3}, "backend must be a str or None"),
+        ({"d_model": 32, "n_heads": 4, "causal": "no"}, "causal must be a bool"),
     ],
 )
 def test_module_bad_arguments(kwargs, match):
     """Refused when the layer is built, not at its first forward."""
     with pytest.raises((ValueError, TypeError), match=match):
         ks.nn.KernelAttention(**kwargs)
+
+
+def test_encoder_refuses_a_string_for_causal():
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        ks.nn.TransformerEncoder(1, 8, 2, causal="false")
 
 
 def test_inputs_of_another_dtype_or_type_name_the_argument():

@@ -72,7 +72,7 @@ def linear_attention(
     Returns:
         ``(B,H,N,M)`` in the input dtype; sums accumulate in float32.
     """
-    check_qkv(phi_q, phi_k, v, causal=causal)
+    causal = check_qkv(phi_q, phi_k, v, causal=causal)
     eps = check_eps(eps)
     if chunk_size is not None:  # checked in every mode, also where no chunk is used
         check_chunk_size(chunk_size)
@@ -113,7 +113,7 @@ def linear_attention_reference(
     eps: float = 1e-6,
 ) -> torch.Tensor:
     """Ground truth of :func:`linear_attention` through the explicit ``(B,H,N,S)`` kernel matrix."""
-    check_qkv(phi_q, phi_k, v, causal=causal)
+    causal = check_qkv(phi_q, phi_k, v, causal=causal)
     eps = check_eps(eps)
     acc = accumulation_dtype(phi_q.dtype)
     phi_k, v = zero_padded_keys(phi_k, v, key_padding_mask)  # before any product: no 0·NaN

@@ -44,7 +44,7 @@ def softmax_attention(
     and values contribute nothing, whatever they hold (inf and NaN included).
     ``scale``: a positive finite number.
     """
-    check_qkv(q, k, v, names=("q", "k", "v"), causal=causal)
+    causal = check_qkv(q, k, v, names=("q", "k", "v"), causal=causal)
     if key_padding_mask is not None:
         key_padding_mask = check_key_padding_mask(
             key_padding_mask, k.shape[0], k.shape[2], k.device
@@ -69,7 +69,7 @@ def softmax_attention_reference(
     scale: float | None = None,
 ) -> torch.Tensor:
     """The same as :func:`softmax_attention`, written out with an explicit ``(B,H,N,S)`` matrix."""
-    check_qkv(q, k, v, names=("q", "k", "v"), causal=causal)
+    causal = check_qkv(q, k, v, names=("q", "k", "v"), causal=causal)
     scale = _check_scale(q, scale)
     k, v = zero_padded_keys(k, v, key_padding_mask)
     scores = (q @ k.transpose(-1, -2)) * scale

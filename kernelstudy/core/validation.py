@@ -52,6 +52,16 @@ def check_real(name: str, value: object, strict: bool = False) -> float:
     return float(value)
 
 
+def check_flag(name: str, value: object) -> bool:
+    """``value`` as a bool: True or False (also numpy's bool, and the ints 0 and 1), else
+    TypeError naming ``name``, so that a string such as ``"no"`` is not read as True."""
+    if isinstance(value, bool) or type(value).__name__ in ("bool", "bool_"):
+        return bool(value)
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool (True or False), got {value!r}")
+
+
 def check_same_dtype_and_device(tensors: dict[str, torch.Tensor]) -> None:
     """TypeError unless the named tensors share one dtype, ValueError unless one device."""
     names = ", ".join(list(tensors)[:-1]) + " and " + list(tensors)[-1]
@@ -68,9 +78,11 @@ def check_qkv(
     v: torch.Tensor,
     names: tuple[str, str, str] = ("phi_q", "phi_k", "v"),
     causal: bool = False,
-) -> None:
-    """Check ``q: (B,H,N,F)``, ``k: (B,H,S,F)``, ``v: (B,H,S,M)`` (``S == N`` if causal)."""
+) -> bool:
+    """Check ``q: (B,H,N,F)``, ``k: (B,H,S,F)``, ``v: (B,H,S,M)`` (``S == N`` if causal);
+    returns ``causal`` as a bool (:func:`check_flag`)."""
     nq, nk, nv = names
+    causal = check_flag("causal", causal)
     check_tensor(q, nq, 4)
     check_tensor(k, nk, 4)
     check_tensor(v, nv, 4)
@@ -94,6 +106,7 @@ def check_qkv(
             f"causal attention needs {nq} and {nk} of the same sequence length, "
             f"got {q.shape[2]} and {k.shape[2]}"
         )
+    return causal
 
 
 def check_key_padding_mask(

@@ -12,7 +12,7 @@ from torch import nn
 from ..core.backends import check_backend_name
 from ..core.recurrent import RecurrentState
 from ..core.softmax import softmax_attention
-from ..core.validation import accumulation_dtype, check_eps
+from ..core.validation import accumulation_dtype, check_eps, check_flag
 from ..feature_maps import FeatureMap
 from .functional import kernel_attention, resolve_feature_map
 
@@ -82,7 +82,12 @@ class KernelAttention(nn.Module):
         check_backend_name(backend)
         self.d_model, self.n_heads = d_model, n_heads
         self.head_dim = d_model // n_heads
-        self.attention, self.causal, self.eps, self.backend = attention, bool(causal), eps, backend
+        self.attention, self.causal, self.eps, self.backend = (
+            attention,
+            check_flag("causal", causal),
+            eps,
+            backend,
+        )
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
         self.out = nn.Linear(d_model, d_model, bias=bias)
         self.dropout = nn.Dropout(dropout)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ..core.recurrent import RecurrentState
+from ..core.validation import check_flag
 from ..feature_maps import FeatureMap
 from .attention import KernelAttention, KVCache
 
@@ -102,7 +103,7 @@ class TransformerEncoder(nn.Module):
             raise TypeError(
                 "feature_map must be a name or config dict (each layer builds its own map)"
             )
-        self.causal = causal
+        self.causal = causal = check_flag("causal", causal)
         self.layers = nn.ModuleList(
             EncoderLayer(
                 d_model,
