@@ -21,23 +21,25 @@ import torch
 
 
 def attention_rank(A: torch.Tensor | np.ndarray, tol: float | None = None) -> dict[str, Any]:
-    """Rank measures of a square ``(N, N)`` matrix (computed in float64).
+    """Rank measures of an ``(N, S)`` attention matrix, N queries by S keys (computed in
+    float64; cross-attention matrices need not be square).
 
     Args:
         A: the matrix, tensor or array.
         tol: singular values ``> tol`` count toward the numerical rank; None uses
-            ``σ_max · N · eps`` of A's dtype (float32 eps for float32 input).
+            ``σ_max · max(N, S) · eps`` of A's dtype (float32 eps for float32 input).
 
     Returns:
         ``numerical_rank`` (int), ``tol`` (the tolerance used), ``effective_rank``,
-        ``stable_rank`` (floats), ``n`` and ``singular_values`` (numpy, descending).
+        ``stable_rank`` (floats), ``n`` and ``s`` (the shape) and ``singular_values``
+        (numpy, descending, ``min(N, S)`` of them).
     """
     if isinstance(A, np.ndarray):
         A = torch.from_numpy(A)
     if not isinstance(A, torch.Tensor):
         raise TypeError(f"A must be a torch.Tensor or numpy array, got {type(A).__name__}")
-    if A.dim() != 2 or A.shape[0] != A.shape[1]:
-        raise ValueError(f"A must be a square 2-D (N, N) matrix, got shape {tuple(A.shape)}")
+    if A.dim() != 2:
+        raise ValueError(f"A must be a 2-D (N, S) matrix, got shape {tuple(A.shape)}")
     if not (A.is_floating_point() and A.numel() > 0):
         raise ValueError(f"A must be a non-empty floating-point matrix, got dtype {A.dtype}")
     if not torch.isfinite(A).all():
@@ -46,7 +48,7 @@ def attention_rank(A: torch.Tensor | np.ndarray, tol: float | None = None) -> di
     sv = torch.linalg.svdvals(A.detach().double().cpu())
     smax = sv[0].item() if sv.numel() else 0.0
     if tol is None:
-        tol = smax * A.shape[0] * eps
+        tol = smax * max(A.shape) * eps
     elif not tol >= 0:
         raise ValueError(f"tol must be >= 0, got {tol!r}")
     total = sv.sum().item()
@@ -59,6 +61,7 @@ def attention_rank(A: torch.Tensor | np.ndarray, tol: float | None = None) -> di
         effective = stable = 0.0
     return {
         "n": int(A.shape[0]),
+        "s": int(A.shape[1]),
         "numerical_rank": int((sv > tol).sum().item()),
         "tol": float(tol),
         "effective_rank": effective,
