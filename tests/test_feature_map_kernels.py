@@ -277,6 +277,19 @@ def test_unknown_names_list_close_matches():
         ks.create_feature_map("glue", head_dim=8)
     with pytest.raises(ValueError, match="cannot import"):
         ks.create_feature_map("kernelstudy.feature_maps.elementary:NoSuchMap", head_dim=8)
+    with pytest.raises(ValueError, match="cannot import feature map ':'"):
+        ks.create_feature_map(":", head_dim=8)
+    with pytest.raises(TypeError, match="pattern must be a glob str"):
+        ks.list_feature_maps(3)
+
+
+def test_flags_and_layer_set_arguments_are_named():
+    fm = ks.create_feature_map("elu", head_dim=4)
+    with pytest.raises(TypeError, match="is_query must be a bool"):
+        fm(torch.ones(1, 1, 2, 4), is_query="False")  # a truthy string was a query
+    for kwargs in ({"num_heads": 2}, {"head_dim": 4}):
+        with pytest.raises(ValueError, match="feature_map kwargs may not set"):
+            ks.nn.KernelAttention(8, 2, feature_map="hedgehog", feature_map_kwargs=kwargs)
 
 
 @pytest.mark.parametrize(
@@ -296,6 +309,8 @@ def test_unknown_names_list_close_matches():
         ("favor", {"num_feature": 8}, "num_feature"),
         ("elu", {"head_dim": 0}, "head_dim"),
         ("hedgehog", {"num_heads": 0}, "num_heads"),
+        ("aoglu", {"head_dim": 0, "rank": 1}, "head_dim must be a positive int"),  # not rank
+        ("aoglu", {"head_dim": "4", "rank": 1}, "head_dim must be a positive int"),
     ],
 )
 def test_invalid_hyperparameters_raise_naming_the_argument(name, kwargs, argument):

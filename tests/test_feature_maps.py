@@ -152,6 +152,49 @@ def test_redraw_every_k_calls_in_training_only(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_empty_sequences(name):
+    """No queries or no keys: empty or zero outputs, as the core gives (the stabilized
+    maps' per-sequence maximum used to raise an IndexError)."""
+    fm = make(name)
+    assert fm(randn(1, H, 0, D), is_query=False).shape == (1, H, 0, fm.feature_dim)
+    v = randn(1, H, 0, 3)
+    for causal in (False, True):
+        out = ks.kernel_attention(randn(1, H, 0, D), randn(1, H, 0, D), v, fm, causal=causal)
+        assert out.shape == (1, H, 0, 3)
+    no_keys = torch.zeros(1, 0, dtype=torch.bool)
+    for mask in (None, no_keys):
+        out = ks.kernel_attention(
+            randn(1, H, 2, D), randn(1, H, 0, D), v, fm, key_padding_mask=mask
+        )
+        assert torch.equal(out, torch.zeros(1, H, 2, 3))
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if get_feature_map_class(n).random])
+def test_a_redraw_between_two_forwards_keeps_the_first_backward(name):
+    """The draw used to be copied into the buffer in place, which the first forward had
+    saved for its backward: two calls before one backward raised."""
+    fm = make(name, seed=0, redraw_every=1).train()
+    x1, x2 = randn(1, H, 4, D).requires_grad_(), randn(1, H, 4, D).requires_grad_()
+    loss = fm(x1).sum() + fm(x2).sum()  # the second call redraws
+    loss.backward()
+    expected = torch.func.grad(lambda x: make(name, seed=0)(x).sum())(x1.detach())
+    torch.testing.assert_close(x1.grad, expected)
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if get_feature_map_class(n).random])
+def test_a_refused_seed_leaves_the_map_as_it_was(name):
+    fm = make(name, seed=0)
+    x = randn(1, H, 4, D)
+    before = fm(x)
+    with pytest.raises(ValueError, match=r"seed must be <= 18446744073709551615"):
+        fm.redraw(seed=2**64)
+    assert fm.config()["seed"] == 0
+    torch.testing.assert_close(fm(x), before, rtol=0, atol=0)
+    torch.testing.assert_close(ks.create_feature_map(fm.config())(x), before, rtol=0, atol=0)
+    assert make(name, seed=2**64 - 1).config()["seed"] == 2**64 - 1
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_gradients_reach_every_trainable_parameter(name):
     cls = get_feature_map_class(name)
     fm = make(name)
@@ -268,6 +311,34 @@ def test_half_precision_inputs():
     for name in ("favor", "hedgehog", "softplus_ffn"):
         phi = make(name)(randn(1, H, 5, D).half())
         assert phi.dtype == torch.float16 and torch.isfinite(phi).all()
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("scale", [3.0, 50.0])
+def test_float16_kernel_attention_gradients_are_finite_and_match_float32(name, scale):
+    """The gradient w.r.t. a feature grows as 1/normalizer: FAVOR+ at |x|~3 gave 3e5 in
+    float32, inf in float16 and NaN through the map; kernel_attention runs float16 in
+    float32. The softmax baseline's float16 gradients are finite on the same inputs."""
+    torch.manual_seed(0)
+    fm = make(name, seed=0) if "seed" in get_feature_map_class(name).hyperparameters else make(name)
+    q, k, v = (randn(1, H, 7, D, scale=s).half().float() for s in (scale, scale, 1.0))
+    grads = {}
+    for dtype in (torch.float32, torch.float16):
+        qkv = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        out = ks.kernel_attention(*qkv, feature_map=fm, causal=True)
+        assert out.dtype == dtype
+        grads[dtype] = torch.autograd.grad(out.float().sum(), qkv)
+    for g32, g16 in zip(grads[torch.float32], grads[torch.float16], strict=True):
+        assert torch.isfinite(g16).all()
+        err = (g16.float() - g32).abs().max() / g32.abs().max().clamp_min(1e-3)
+        assert err < 2e-2  # float16 rounding of the output
+
+
+def test_polynomial_feature_count_is_capped_before_anything_is_built():
+    with pytest.raises(ValueError, match=r"degree=4 at head_dim=64 gives 16777216 features"):
+        ks.create_feature_map("polynomial", head_dim=64, degree=4)  # was 16.7M tuples
+    fm = ks.create_feature_map("polynomial", head_dim=64, degree=3, symmetric=True)
+    assert fm.feature_dim == 45760  # C(66, 3), under the cap
 
 
 def test_polynomial_features_of_float16_inputs_never_overflow_silently():

@@ -55,6 +55,7 @@ VARIANTS = {
     "elu+1": 'feature_map = "elu"',
     "1xGLU": 'feature_map = "glu"\nfixed = { depth = 1 }',
     "3xGLU": 'feature_map = "glu"\nfixed = { depth = 3 }',
+    "poly23": 'feature_map = "polynomial"\nfixed = { degree = { low = 2, high = 3 } }',
 }
 
 
@@ -126,6 +127,24 @@ def test_quick_study_search_evaluate_report(tmp_path, capsys):
     # A report by study name and storage URL reads the same studies.
     url = f"sqlite:///{out / 'tiny' / 'optuna.db'}"
     assert ks("report", "tiny", "--storage", url, "--out", out) == 0
+
+
+def test_a_suggested_combination_the_model_refuses_is_pruned(tmp_path, monkeypatch):
+    """A polynomial map over its feature cap (lowered here to keep the test small) is
+    refused when built: such a trial is pruned with the reason and the study goes on."""
+    monkeypatch.setattr("kernelstudy.feature_maps.polynomial.MAX_FEATURES", 100)
+    cfg = write_config(tmp_path, ["poly23"], steps=2)  # head_dim 8: F = 64 or 512
+    cfg.write_text(cfg.read_text().replace("trials = 2", "trials = 6"))
+    assert ks("search", cfg, "--out", tmp_path / "res") == 0
+    trials = studies(tmp_path / "res")["tiny/poly23"].get_trials()
+    by_degree = {d: [t for t in trials if t.params["fm.degree"] == d] for d in (2, 3)}
+    assert by_degree[2] and by_degree[3]  # the sampler tried both
+    assert all(t.state == TrialState.COMPLETE for t in by_degree[2])
+    for t in by_degree[3]:
+        assert t.state == TrialState.PRUNED
+        assert "refused by the model: degree=3 at head_dim=8" in t.user_attrs["refused_reason"]
+    row = search_summary(load_config(cfg), f"sqlite:///{tmp_path / 'res' / 'tiny' / 'optuna.db'}")
+    assert row.loc[0, "over_budget"] == 0 and row.loc[0, "pruned"] == len(by_degree[3])
 
 
 def test_budget_prunes_three_glus_before_training(tmp_path, monkeypatch):

@@ -9,6 +9,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from ..core.validation import check_flag
+
 
 @dataclass(frozen=True)
 class Hyperparameter:
@@ -76,6 +78,7 @@ SEED = Hyperparameter(
     int,
     None,
     low=0,
+    high=2**64 - 1,  # torch.Generator.manual_seed's range
     nullable=True,
     search=False,
     doc="seed of the random draws (None: draw one; the config records it)",
@@ -147,7 +150,7 @@ class FeatureMap(nn.Module):
     def forward(self, x: torch.Tensor, is_query: bool = True) -> torch.Tensor:
         """φ(x): ``(B,H,N,D) → (B,H,N,F)``. ``is_query`` picks query/key behaviour."""
         self._check_input(x)
-        return self.features(x, bool(is_query))
+        return self.features(x, check_flag("is_query", is_query))
 
     def key_features(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys mapped one at a time (RNN mode): ``(φ̂: (B,H,N,F), log_scale: (B,H,N))``.
@@ -230,9 +233,9 @@ class RandomFeatureMap(FeatureMap):
         if seed is None:
             seed = resolve_seed(torch.Generator().manual_seed(self.hparams["seed"]))
         seed = self.hyperparameters["seed"].validate("seed", resolve_seed(seed))
-        self.hparams["seed"] = seed
-        self.calls_since_draw = 0
         self.draw(torch.Generator().manual_seed(seed))
+        self.hparams["seed"] = seed  # only once drawn: config() names the features held
+        self.calls_since_draw = 0
 
     def get_extra_state(self) -> dict[str, int]:
         """Saved in the state dict: the seed of the current draw and the query calls since,

@@ -24,7 +24,8 @@ PROJECTION_HPARAMS: dict[str, Hyperparameter] = {
         "chi",
         choices=ROW_NORMS,
         search=False,
-        doc="orthogonal rows rescaled to χ(D)-distributed norms or to exactly √D",
+        doc="orthogonal rows rescaled to χ(D)-distributed norms (unbiased) or to exactly "
+        "√D (biased: the kernel estimate's mean is not exp(q·k/√D)); iid rows ignore it",
     ),
     "stabilize": Hyperparameter(
         bool,
@@ -56,8 +57,9 @@ class SoftmaxRandomFeatures(ExpFeatures, RandomFeatureMap):
             orthogonal=self.hparams["orthogonal"],
             row_norms=self.hparams["row_norms"],
         )
-        with torch.no_grad():
-            self.weight.copy_(w)
+        # A new tensor, not an in-place copy: a forward that saved the old draw for its
+        # backward (redraw_every, two calls before one backward) keeps it.
+        self.weight = w.to(dtype=self.weight.dtype, device=self.weight.device)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(Wx̂: (..., N, R), ‖x̂‖²/2: (..., N, 1))`` in at least float32."""
@@ -80,7 +82,8 @@ class FavorFeatureMap(SoftmaxRandomFeatures):
     """FAVOR+ positive random features of the softmax kernel exp(q·k/√D).
 
     φ(x) = exp(Wx̂ − ‖x̂‖²/2)/√R with x̂ = x/D^{1/4} and W: (R, D) Gaussian rows (iid or
-    block-orthogonal), so E[φ(x)·φ(y)] = exp(x·y/√D). ``hyperbolic=True`` uses
+    block-orthogonal with χ row norms), so E[φ(x)·φ(y)] = exp(x·y/√D) (not with
+    ``row_norms="sqrt_d"``, which is biased). ``hyperbolic=True`` uses
     [exp(Wx̂), exp(−Wx̂)]·exp(−‖x̂‖²/2)/√(2R) (F = 2R; same mean, lower variance at equal R).
     ``stabilize`` (:func:`~kernelstudy.feature_maps.softmax_kernel.stabilizer`) moves
     a query row's largest exponent to 0 when it is negative or too large, and the key

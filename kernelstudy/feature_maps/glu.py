@@ -131,7 +131,8 @@ class AOGLUFeatureMap(OGLUFeatureMap):
 
     def __init__(self, head_dim: int, num_heads: int = 1, **hparams: Any) -> None:
         rank = hparams.get("rank")
-        if isinstance(rank, int) and not isinstance(rank, bool) and rank > head_dim:
+        valid = [isinstance(x, int) and not isinstance(x, bool) for x in (rank, head_dim)]
+        if all(valid) and head_dim >= 1 and rank > head_dim:  # else the base names the bad one
             raise ValueError(f"rank must be <= head_dim={head_dim}, got {rank}")
         super().__init__(head_dim, num_heads, **hparams)
 

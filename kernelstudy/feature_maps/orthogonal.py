@@ -17,13 +17,16 @@ def gaussian_projection(
     orthogonal: bool = False,
     row_norms: str = "chi",
 ) -> torch.Tensor:
-    """A random ``(num_rows, dim)`` float64 matrix whose rows w_r estimate E over N(0, I).
+    """A random ``(num_rows, dim)`` float64 matrix whose rows w_r stand in for draws from
+    N(0, I): each row's marginal is N(0, I) except with ``row_norms="sqrt_d"``.
 
     iid: rows are independent N(0, I_dim). Orthogonal: rows come in blocks of
     ``dim`` mutually orthogonal directions (QR of a Gaussian matrix, sign-corrected so
     each block is Haar distributed; the last block is truncated); each row is then
     rescaled to the norm of an independent N(0, I_dim) vector (``row_norms="chi"``,
-    so every row is marginally N(0, I)) or to exactly √dim (``"sqrt_d"``).
+    so every row is marginally N(0, I)) or to exactly √dim (``"sqrt_d"``: the rows are
+    then uniform on the sphere of radius √dim, and E[exp(w·x)] ≠ exp(‖x‖²/2), so
+    FAVOR+ estimates are biased). iid rows ignore ``row_norms``.
     """
     if row_norms not in ROW_NORMS:
         raise ValueError(f"row_norms must be one of {list(ROW_NORMS)}, got {row_norms!r}")

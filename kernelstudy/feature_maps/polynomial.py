@@ -37,6 +37,10 @@ def _num_monomials(dim: int, degree: int, symmetric: bool) -> int:
     return math.comb(dim + degree - 1, degree) if symmetric else dim**degree
 
 
+#: The most features F a polynomial map builds (F = D^p grows fast: D = 64, p = 3 is 262144).
+MAX_FEATURES = 2**16
+
+
 @register_feature_map("polynomial")
 class PolynomialFeatureMap(FeatureMap):
     """Exact features of the polynomial kernel (x̂·ŷ)^p, or of its Taylor sum.
@@ -72,6 +76,12 @@ class PolynomialFeatureMap(FeatureMap):
         super().__init__(head_dim, num_heads, **hparams)
         p, symmetric = self.hparams["degree"], self.hparams["symmetric"]
         orders = range(p + 1) if self.hparams["taylor"] else [p]
+        f = sum(_num_monomials(head_dim, k, symmetric) for k in orders)
+        if f > MAX_FEATURES:  # D = 64, p = 4 would be 16.7M index tuples
+            raise ValueError(
+                f"degree={p} at head_dim={head_dim} gives {f} features, more than "
+                f"{MAX_FEATURES}: lower degree, or use symmetric=True"
+            )
         indices, weights = [], []
         for k in orders:
             index, weight = _monomials(head_dim, k, symmetric)

@@ -33,6 +33,8 @@ def register_feature_map(name: str) -> Callable[[type[FeatureMap]], type[Feature
 def list_feature_maps(pattern: str | None = None) -> list[str]:
     """Sorted names of the registered maps, optionally filtered by a glob ``pattern``."""
     names = sorted(_REGISTRY)
+    if pattern is not None and not isinstance(pattern, str):
+        raise TypeError(f"pattern must be a glob str such as 'favor*', got {pattern!r}")
     if pattern is not None:
         names = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
     return names
@@ -46,7 +48,7 @@ def get_feature_map_class(name: str) -> type[FeatureMap]:
         module_name, _, attr = name.partition(":")
         try:
             cls = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as err:
+        except (ImportError, AttributeError, ValueError) as err:  # ValueError: ":" alone
             raise ValueError(f"cannot import feature map {name!r}: {err}") from err
         if not (isinstance(cls, type) and issubclass(cls, FeatureMap)):
             raise TypeError(f"{name!r} is not a FeatureMap subclass")

@@ -34,7 +34,11 @@ def stabilizer(logits: torch.Tensor, is_query: bool, dtype: torch.dtype) -> torc
       :class:`~kernelstudy.core.RecurrentState` (a running maximum) or float64 avoids it.
     """
     dims = (-1,) if is_query or logits.dim() < 2 else (-2, -1)
-    return exp_shift(logits.detach().amax(dim=dims, keepdim=True), dtype, lift_negative=is_query)
+    logits = logits.detach()
+    if logits.numel() == 0:  # no keys or queries: nothing to shift
+        n = logits.dim()
+        return logits.new_zeros([1 if i - n in dims else s for i, s in enumerate(logits.shape)])
+    return exp_shift(logits.amax(dim=dims, keepdim=True), dtype, lift_negative=is_query)
 
 
 class ExpFeatures(FeatureMap):

@@ -94,7 +94,7 @@ class KernelAttention(nn.Module):
         self.feature_map: FeatureMap | None = None
         if attention == "kernel":
             self.feature_map = resolve_feature_map(
-                feature_map, self.head_dim, n_heads, **dict(feature_map_kwargs or {})
+                feature_map, self.head_dim, n_heads, feature_map_kwargs
             )
 
     def _heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -17,13 +17,15 @@ def resolve_feature_map(
     feature_map: str | Mapping[str, Any] | FeatureMap,
     head_dim: int,
     num_heads: int = 1,
-    **kwargs: Any,
+    kwargs: Mapping[str, Any] | None = None,
 ) -> FeatureMap:
-    """A FeatureMap from a map, a registered name or a config dict, for ``head_dim``.
+    """A FeatureMap from a map, a registered name or a config dict (updated by ``kwargs``,
+    hyperparameters other than ``head_dim`` and ``num_heads``), for ``head_dim``.
 
     A config's ``num_heads`` is replaced by ``num_heads`` (the layer decides how many
     heads there are; a map with per-head weights gets one set per head of the layer).
     A FeatureMap instance must have been built for 1 or ``num_heads`` heads."""
+    kwargs = dict(kwargs or {})
     if isinstance(feature_map, FeatureMap):
         if kwargs:
             raise ValueError("feature_map kwargs given alongside a FeatureMap instance")
@@ -38,6 +40,12 @@ def resolve_feature_map(
                 f"attention has {num_heads} heads"
             )
         return feature_map
+    clash = sorted({"head_dim", "num_heads"} & set(kwargs))
+    if clash:
+        raise ValueError(
+            f"feature_map kwargs may not set {', '.join(clash)}: the attention sets them "
+            f"(head_dim={head_dim}, num_heads={num_heads})"
+        )
     if isinstance(feature_map, Mapping):
         config = {**feature_map, **kwargs}
         config.setdefault("head_dim", head_dim)
@@ -72,8 +80,16 @@ def kernel_attention(
     per sequence (``keys_need_sequence``) takes its shift over the real keys only
     (:func:`padded_key_features`): the output equals that of the real keys alone,
     whatever the padding holds.
+
+    float16 inputs are mapped and attended in float32 and the output cast back: the
+    gradient with respect to a feature grows as 1/normalizer and overflows float16
+    (to inf, then NaN through the map) where float32's stays small. bfloat16 keeps its
+    dtype (float32's range).
     """
     check_qkv(q, k, v, names=("q", "k", "v"), causal=causal)
+    dtype = q.dtype
+    if dtype == torch.float16:
+        q, k, v = q.float(), k.float(), v.float()
     fm = resolve_feature_map(feature_map, q.shape[-1], q.shape[1])
     phi_q = fm(q, is_query=True)
     if key_padding_mask is None:
@@ -81,9 +97,10 @@ def kernel_attention(
     else:
         mask = check_key_padding_mask(key_padding_mask, k.shape[0], k.shape[2], k.device)
         phi_k = padded_key_features(fm, k, mask)
-    return linear_attention(
+    out = linear_attention(
         phi_q, phi_k, v, causal=causal, key_padding_mask=key_padding_mask, eps=eps, backend=backend
     )
+    return out.to(dtype)
 
 
 def padded_key_features(fm: FeatureMap, k: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -96,7 +113,7 @@ def padded_key_features(fm: FeatureMap, k: torch.Tensor, mask: torch.Tensor) -> 
     (the core masks them out anyway)."""
     real = mask[:, None, :]  # (B,1,S)
     k = k.masked_fill(~real[..., None], 0.0)
-    if not fm.keys_need_sequence:
+    if not fm.keys_need_sequence or k.shape[-2] == 0:
         return fm(k, is_query=False)
     phi_hat, log_scale = fm.key_features(k)  # (B,H,S,F), (B,H,S)
     top = log_scale.detach().masked_fill(~real, -torch.inf).amax(-1, keepdim=True)

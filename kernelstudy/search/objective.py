@@ -4,11 +4,13 @@ A trial's configuration comes from the define-by-run suggestions of
 :mod:`.space` (the feature map's declared hyperparameters, lr, warm-up fraction,
 weight decay, dropout). The model is built first; when its feature maps hold
 more than ``config.budget`` of its parameters the trial is pruned before any
-training (user attr ``pruned_reason``). Otherwise the :class:`~kernelstudy.train.Trainer`
-trains it, reporting validation accuracy after each evaluation so the study's
-pruner can stop it early. The value is the best validation accuracy; the user
-attrs record the costs (parameters, feature dimension, time, memory) and the
-test accuracy of the restored best weights.
+training (user attr ``pruned_reason``). A suggested combination the model refuses
+(a ``ValueError``, such as too many polynomial features) is pruned too (user attr
+``refused_reason``; every variant's defaults were built before the search).
+Otherwise the :class:`~kernelstudy.train.Trainer` trains it, reporting validation
+accuracy after each evaluation so the study's pruner can stop it early. The value is
+the best validation accuracy; the user attrs record the costs (parameters, feature
+dimension, time, memory) and the test accuracy of the restored best weights.
 
 The same settings, rebuilt from a finished trial's parameters with
 ``optuna.trial.FixedTrial``, are what :mod:`.evaluate` re-trains.
@@ -194,7 +196,13 @@ def train_run(
     train = load_split(config, data, "train")
     val, test = load_split(config, data, "val"), load_split(config, data, "test")
     seed_everything(seed)  # the model's initialization too
-    model, sizes = build_model(config, variant, settings, train)
+    try:
+        model, sizes = build_model(config, variant, settings, train)
+    except ValueError as err:  # the defaults built (check_variants): a suggested combination
+        if trial is None:  # the model refuses, such as too many polynomial features
+            raise
+        trial.set_user_attr("refused_reason", f"refused by the model: {err}")
+        raise optuna.TrialPruned(str(err)) from err
     if trial is not None:
         for key, value in sizes.items():
             trial.set_user_attr(key, value)
