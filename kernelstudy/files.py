@@ -15,12 +15,17 @@ import pandas as pd
 
 def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> Path:
     """Write ``path`` through ``write(file)`` into a temp file in the same folder, then
-    ``os.replace`` it: readers see the old file or the new one, never a partial one."""
+    ``os.replace`` it: readers see the old file or the new one, never a partial one. The
+    file gets the permissions ``open`` would give it (an existing file's, else 0o666 less
+    the umask), not the temp file's 0o600."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(
+                f.fileno(), path.stat().st_mode & 0o7777 if path.exists() else 0o666 & ~_umask()
+            )
             write(f)
             f.flush()
             os.fsync(f.fileno())
@@ -29,6 +34,12 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)  # reading the umask means setting it: restore at once
+    os.umask(mask)
+    return mask
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:

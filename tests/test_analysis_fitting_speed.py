@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import matplotlib
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -135,8 +136,28 @@ def test_benchmark_attention_rows_and_skips():
             ks.analysis.benchmark_attention(**{"seq_lens": [16], **change})
     with pytest.raises(ValueError, match="size must be an int >= 1, got 0"):
         ks.analysis.matmul_rate(size=0)
+    with pytest.raises(ValueError, match="size must be an int >= 1, got 0"):
+        ks.analysis.matmul_rate("cuda", size=0)  # was replaced by 4096 on CUDA
     with pytest.raises(ValueError, match="repeats must be an int >= 1, got 0"):
         ks.analysis.matmul_rate(repeats=0)
+
+
+def test_default_backends_are_those_that_take_the_device():
+    """On a GPU machine ``cuda`` is available but takes no CPU tensors (and ``cpu`` no CUDA
+    ones): the default list used to include it and the benchmark died on it."""
+    from kernelstudy.core.backends import Backend, register_backend, unregister_backend
+
+    register_backend(Backend("gpu_only", lambda q, k, v: q, supports=lambda x: x.is_cuda))
+    try:
+        frame = ks.analysis.benchmark_attention(
+            [8], head_dim=4, methods=["linear"], causal=[True], passes=["fwd"],
+            repeats=1, memory=False, matmul=False,
+        )  # fmt: skip
+        assert "gpu_only" in ks.backends() and "gpu_only" not in set(frame.backend)
+        with pytest.raises(ValueError, match=r"backends \['gpu_only'\] do not take"):
+            ks.analysis.benchmark_attention([8], head_dim=4, backends=["torch", "gpu_only"])
+    finally:
+        unregister_backend("gpu_only")
 
 
 def test_peak_memory_counts_temporaries():
@@ -207,6 +228,12 @@ def test_plots_return_figures():
     assert isinstance(bars, Figure)
     speed = ks.analysis.benchmark_attention([16, 32], head_dim=4, repeats=1, memory=False)
     assert isinstance(ks.analysis.plots.plot_speed(speed), Figure)
+    read_back = speed.assign(backend=speed.backend.replace("", np.nan))  # as from a CSV
+    relabelled = ks.analysis.plots.plot_speed(read_back)
+    labels = [t.get_text() for legend in relabelled.legends for t in legend.get_texts()]
+    assert "softmax_sdpa" in labels and not any("nan" in x for x in labels)
+    with pytest.raises(ValueError, match="plot_speed: metric 'peak_memory_mb' has no finite"):
+        ks.analysis.plots.plot_speed(speed, metric="peak_memory_mb")
     with pytest.raises(ValueError, match="lacks columns"):
         ks.analysis.plots.plot_approximation(frame, x="nope")
     # pd.concat repeats index labels; with the identity map's NaN KL seaborn used to fail
@@ -229,5 +256,5 @@ def test_plots_return_figures():
     assert isinstance(curves, Figure) and len(curves.axes) == 2
     with pytest.raises(ValueError, match="lacks columns"):
         ks.analysis.plots.plot_spectra(spectra.drop(columns="sigma_ratio"))
-    for f in (fig, bars, curves):
+    for f in (fig, bars, curves, relabelled):
         ks.analysis.plots.close(f)

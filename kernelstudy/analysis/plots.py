@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import matplotlib.pyplot as plt
+import numpy as np
 import pandas as pd
 import seaborn as sns
 from matplotlib.figure import Figure
@@ -19,6 +20,18 @@ def _check_columns(frame: pd.DataFrame, columns: Sequence[str | None], what: str
         raise ValueError(f"{what}: frame lacks columns {missing} (has {list(frame.columns)})")
     if frame.empty:
         raise ValueError(f"{what}: frame is empty")
+
+
+def _metric_rows(frame: pd.DataFrame, metric: str, what: str) -> pd.DataFrame:
+    """The rows of ``metric`` with a finite ``value``; ValueError naming it when none."""
+    rows = frame[frame["metric"] == metric]
+    rows = rows[np.isfinite(pd.to_numeric(rows["value"], errors="coerce"))]
+    if rows.empty:
+        raise ValueError(
+            f"{what}: metric {metric!r} has no finite values "
+            f"(metrics: {sorted(map(str, frame['metric'].unique()))})"
+        )
+    return rows
 
 
 def line_plot(
@@ -121,11 +134,7 @@ def plot_approximation(
     Rows with ``method == "uniform"`` become a dashed baseline per facet.
     """
     _check_columns(frame, ["method", "metric", "value", x], "plot_approximation")
-    rows = frame[frame["metric"] == metric]
-    if rows.empty:
-        raise ValueError(
-            f"metric {metric!r} has no rows (metrics: {sorted(frame.metric.unique())})"
-        )
+    rows = _metric_rows(frame, metric, "plot_approximation")
     maps, base = rows[rows["method"] != "uniform"], rows[rows["method"] == "uniform"]
     return line_plot(
         maps, x, hue=hue, style=style, col=col, row=row, hlines=base, ylabel=metric, title=None
@@ -142,11 +151,7 @@ def plot_map_comparison(
 ) -> Figure:
     """Bars of ``metric`` per map (mean, error bars over seeds); ``uniform`` as a dashed line."""
     _check_columns(frame, ["method", "metric", "value", x, hue, col], "plot_map_comparison")
-    rows = frame[frame["metric"] == metric]
-    if rows.empty:
-        raise ValueError(
-            f"metric {metric!r} has no rows (metrics: {sorted(frame.metric.unique())})"
-        )
+    rows = _metric_rows(frame, metric, "plot_map_comparison")
     maps, base = rows[rows["method"] != "uniform"], rows[rows["method"] == "uniform"]
     data = maps.reset_index(drop=True)  # unique labels for seaborn
     for name in (hue, col):
@@ -187,7 +192,7 @@ def plot_rank(
     A dotted diagonal ``rank = x`` marks full rank (x = N) or the kernel bound (x = F).
     """
     _check_columns(frame, ["metric", "value", x], "plot_rank")
-    rows = frame[frame["metric"] == measure]
+    rows = _metric_rows(frame, measure, "plot_rank")
     fig = line_plot(rows, x, hue=hue, col=col, ylabel=measure, logy=True)
     lo, hi = float(rows[x].min()), float(rows[x].max())
     for ax in fig.axes:
@@ -246,13 +251,10 @@ def plot_speed(
 ) -> Figure:
     """Time or memory vs N from :func:`benchmark_attention` (``label`` = method/backend)."""
     _check_columns(frame, ["method", "metric", "value", x], "plot_speed")
-    rows = frame[(frame["metric"] == metric) & (frame["method"] != "matmul")].dropna(
-        subset=["value"]
-    )
-    if hue == "label" and "label" not in rows:
-        rows = rows.assign(
-            label=rows["method"] + rows["backend"].map(lambda b: f"[{b}]" if b else "")
-        )
+    rows = _metric_rows(frame[frame["method"] != "matmul"], metric, "plot_speed")
+    if hue == "label" and "label" not in rows:  # read back from CSV, "" backends are NaN
+        backend = rows["backend"].fillna("").astype(str)
+        rows = rows.assign(label=rows["method"] + backend.map(lambda b: f"[{b}]" if b else ""))
     return line_plot(rows, x, hue=hue, col=col, row=row, ylabel=metric, errorbar=None)
 
 

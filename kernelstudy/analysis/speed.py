@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from ..core.attention import linear_attention
 from ..core.backends import backends as available_backends
+from ..core.backends import registered_backends
 from ..nn.functional import resolve_feature_map
 from .matrices import MapSpec
 
@@ -131,7 +132,9 @@ def matmul_rate(
 ) -> float:
     """Measured dense matmul throughput in GFLOP/s (``size×size`` square products)."""
     device = torch.device(device)
-    size = check_count("size", 4096 if device.type == "cuda" else 1024 if size is None else size, 1)
+    if size is None:
+        size = 4096 if device.type == "cuda" else 1024
+    size = check_count("size", size, 1)
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
     seconds = statistics.median(time_call(lambda: a @ b, device, repeats, warmup=2))
@@ -185,7 +188,8 @@ def benchmark_attention(
             (kernel attention; one entry per backend).
         causal: which of non-causal/causal to run.
         passes: ``fwd`` (under ``no_grad``) and/or ``fwd+bwd`` (gradients of q, k, v).
-        backends: core backends for ``linear`` (default: :func:`kernelstudy.backends`).
+        backends: core backends for ``linear`` (default: those of :func:`kernelstudy.backends`
+            that take ``dtype`` tensors on ``device``).
             Non-causal linear attention does not use a causal-product backend, so
             it runs once as ``torch`` (plus ``reference``, the explicit matrix, if listed).
         device, dtype: where and in what precision.
@@ -223,11 +227,18 @@ def benchmark_attention(
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
     known = available_backends()
+    example = torch.empty(0, device=device, dtype=dtype)
+    takes = [b for b in known if registered_backends()[b].supports(example)]
     if backends is None:
-        backends = known
+        backends = takes
     missing = [b for b in backends if b not in known]
     if missing:
         raise ValueError(f"backends {missing} are not available here (available: {known})")
+    refused = [b for b in backends if b not in takes]
+    if refused:
+        raise ValueError(
+            f"backends {refused} do not take {dtype} tensors on {device} (these do: {takes})"
+        )
     fm = resolve_feature_map(feature_map, head_dim, heads).to(device)
     dtype_name = str(dtype).removeprefix("torch.")
     common = {

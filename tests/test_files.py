@@ -1,0 +1,49 @@
+"""Atomic writes: all or nothing, with the permissions a plain ``open`` would give."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from kernelstudy.files import atomic_write, atomic_write_text
+
+
+def mode(path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_new_files_get_the_umask_permissions_not_the_temp_files(tmp_path):
+    """Results were written 0o600 (mkstemp's mode), unreadable to the rest of a group
+    sharing a results folder."""
+    old = os.umask(0o022)
+    try:
+        atomic_write_text(tmp_path / "shared.md", "x")
+        os.umask(0o077)
+        atomic_write_text(tmp_path / "private.md", "x")
+    finally:
+        os.umask(old)
+    assert mode(tmp_path / "shared.md") == 0o644
+    assert mode(tmp_path / "private.md") == 0o600
+
+
+def test_a_rewritten_file_keeps_its_permissions(tmp_path):
+    path = tmp_path / "table.csv"
+    atomic_write_text(path, "a\n")
+    os.chmod(path, 0o640)
+    atomic_write_text(path, "b\n")
+    assert mode(path) == 0o640 and path.read_text() == "b\n"
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temp_file(tmp_path):
+    path = tmp_path / "table.csv"
+    atomic_write_text(path, "old\n")
+
+    def fail(f) -> None:
+        f.write(b"half")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        atomic_write(path, fail)
+    assert path.read_text() == "old\n" and sorted(os.listdir(tmp_path)) == ["table.csv"]
