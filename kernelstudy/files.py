@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -47,16 +47,22 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     return atomic_write(path, lambda f: f.write(text.encode("utf-8")))
 
 
-def read_csv_table(path: str | os.PathLike) -> pd.DataFrame | None:
+def read_csv_table(
+    path: str | os.PathLike, text_columns: Sequence[str] = ()
+) -> pd.DataFrame | None:
     """A results table written by this package: None when the file is missing or empty
-    (0 bytes: no rows); ValueError naming the file when it is not a readable CSV."""
+    (0 bytes: no rows); ValueError naming the file when it is not a readable CSV.
+    ``text_columns`` are read verbatim as str (a label "256" stays "256", "NA" stays "NA")."""
     path = Path(path)
     if not path.is_file() or path.stat().st_size == 0:
         return None
     try:
         # low_memory=False: a column empty in the first rows and text later (spectra.csv's
         # captured_with) gets one dtype, without pandas' mixed-types warning
-        return pd.read_csv(path, low_memory=False)
+        table = pd.read_csv(path, low_memory=False)
+        for name in (c for c in text_columns if c in table):
+            table[name] = pd.read_csv(path, usecols=[name], dtype=str, keep_default_na=False)[name]
+        return table
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(

@@ -21,6 +21,7 @@ from optuna.trial import TrialState
 from kernelstudy.cli import main
 from kernelstudy.search import objective as objective_module
 from kernelstudy.search.config import load_config
+from kernelstudy.search.evaluate import current_runs, read_evaluation, trial_params
 from kernelstudy.search.objective import check_variants, data_dir, prepare_data
 from kernelstudy.search.runner import search_summary
 from kernelstudy.search.workers import DUPLICATE_ATTR, requeue_failed
@@ -127,6 +128,18 @@ def test_quick_study_search_evaluate_report(tmp_path, capsys):
     # A report by study name and storage URL reads the same studies.
     url = f"sqlite:///{out / 'tiny' / 'optuna.db'}"
     assert ks("report", "tiny", "--storage", url, "--out", out) == 0
+    # Runs of a trial that is no longer the best, or of the best's number with other
+    # parameters (another storage), stay in the file but are not counted.
+    elu = runs[runs.variant == "elu+1"].iloc[0]
+    stale = [
+        {**elu, "trial": elu.trial + 100, "seed": 7, "test_accuracy": 0.0},
+        {**elu, "seed": 8, "params": '{"lr": 1.0}', "test_accuracy": 0.0},
+    ]
+    pd.concat([runs, pd.DataFrame(stale)]).to_csv(out / "tiny" / "evaluation.csv", index=False)
+    assert ks("report", cfg, "--out", out) == 0
+    again = pd.read_csv(out / "tiny" / "table.csv", header=[0, 1], index_col=0)
+    assert again.loc["elu+1", ("listops", "n")] == 2
+    assert again.loc["elu+1", ("listops", "mean")] == table.loc["elu+1", ("listops", "mean")]
 
 
 def test_a_suggested_combination_the_model_refuses_is_pruned(tmp_path, monkeypatch):
@@ -381,3 +394,24 @@ def test_shipped_lra_configs(name, tmp_path):
         assert full.task_options["max_length"] == 2000
         assert data_dir(quick, tmp_path) == tmp_path / "lra_listops_quick" / "data"
         assert check_variants(quick, prepare_data(quick, tmp_path)) == {}  # all within budget
+
+
+def test_evaluation_rows_keep_text_labels_and_belong_to_one_trial(tmp_path):
+    """A label such as "256" was read back as an int and matched no variant: evaluate
+    re-ran its seeds and the report ignored them."""
+    trial = optuna.trial.create_trial(params={"lr": 0.01}, distributions={
+        "lr": optuna.distributions.FloatDistribution(1e-3, 1e-1)}, value=0.5)  # fmt: skip
+    trial.number = 3
+    rows = pd.DataFrame(
+        [
+            {"variant": "256", "trial": 3, "seed": 0, "params": trial_params(trial)},
+            {"variant": "NA", "trial": 3, "seed": 0, "params": None},  # before params
+            {"variant": "256", "trial": 3, "seed": 1, "params": '{"lr": 0.5}'},
+            {"variant": "256", "trial": 2, "seed": 2, "params": trial_params(trial)},
+        ]
+    )
+    rows.to_csv(tmp_path / "evaluation.csv", index=False)
+    runs = read_evaluation(tmp_path / "evaluation.csv")
+    assert list(runs["variant"]) == ["256", "NA", "256", "256"]
+    kept = current_runs(runs, {"256": trial, "NA": trial})
+    assert list(zip(kept["variant"], kept["seed"], strict=True)) == [("256", 0), ("NA", 0)]

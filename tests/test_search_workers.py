@@ -43,6 +43,11 @@ def marking_objective(trial: optuna.Trial) -> float:
     return quick_objective(trial)
 
 
+def broken_objective(trial: optuna.Trial) -> float:
+    trial.suggest_float("x", -1.0, 1.0)
+    raise ValueError("a model that cannot be built")
+
+
 def hanging_objective(trial: optuna.Trial) -> float:
     trial.suggest_float("x", -1.0, 1.0)
     time.sleep(600)
@@ -56,6 +61,15 @@ def _url(kind: str, tmp_path) -> str:
     if not url:
         pytest.skip(f"no PostgreSQL server: set {POSTGRES_ENV} (.ci/run starts one)")
     return url
+
+
+def test_failed_workers_raise_as_a_single_failed_worker_does(tmp_path):
+    """Every worker crashing used to end the search with exit code 0."""
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    with pytest.raises(ValueError, match="cannot be built"):
+        run_workers(url, "one", broken_objective, trials=2, workers=1)
+    with pytest.raises(ChildProcessError, match="2 of 2 worker"):
+        run_workers(url, "two", broken_objective, trials=2, workers=2)
 
 
 @pytest.mark.parametrize("kind", ["sqlite", "postgres"])

@@ -5,14 +5,17 @@ rebuilt (``optuna.trial.FixedTrial`` over its parameters) and trained with seeds
 ``0 … N-1``; the weights of the best validation evaluation are restored and
 scored on the test split. One row per run goes to ``<out>/<name>/evaluation.csv``
 (rewritten atomically after each run), so an interrupted evaluation resumes:
-runs already there for the same trial and seed are skipped. The summary
-(``evaluation_summary.csv``) has the mean, std and best test accuracy per variant.
+runs already there for the same trial (number and parameters) and seed are skipped.
+The summary (``evaluation_summary.csv``, and the report) has the mean, std and best
+test accuracy per variant over the runs of its current best trial: runs of a trial
+that a longer search has since beaten stay in the file but count no more.
 """
 
 from __future__ import annotations
 
+import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +43,7 @@ COLUMNS = [
     "feature_dim",
     "train_time_s",
     "peak_memory_bytes",
+    "params",
 ]
 
 
@@ -49,9 +53,31 @@ def evaluation_path(config: SearchConfig, out: str | Path = DEFAULT_OUT) -> Path
 
 
 def read_evaluation(path: str | Path) -> pd.DataFrame:
-    """The per-seed rows written so far (an empty frame when there are none)."""
-    table = read_csv_table(path)
+    """The per-seed rows written so far (an empty frame when there are none); variant
+    labels read as written ("256" and "NA" stay text)."""
+    table = read_csv_table(path, text_columns=["variant"])
     return pd.DataFrame(columns=COLUMNS) if table is None else table
+
+
+def trial_params(trial: optuna.trial.FrozenTrial) -> str:
+    """A trial's parameters as sorted JSON: with its number, what an evaluation run is of
+    (another storage, or a study made afresh, may give the number to other parameters)."""
+    return json.dumps(trial.params, sort_keys=True)
+
+
+def current_runs(runs: pd.DataFrame, best: Mapping[str, optuna.trial.FrozenTrial]) -> pd.DataFrame:
+    """The rows of ``runs`` of each variant's current ``best`` trial, any seed (rows
+    written before parameters were recorded match on the number alone)."""
+    if runs.empty:
+        return runs
+    params = runs["params"] if "params" in runs else pd.Series(None, index=runs.index)
+    keep = [
+        label in best
+        and int(trial) == best[label].number
+        and (pd.isna(p) or p == trial_params(best[label]))
+        for label, trial, p in zip(runs["variant"], runs["trial"], params, strict=True)
+    ]
+    return runs[keep]
 
 
 def summarize_evaluation(runs: pd.DataFrame) -> pd.DataFrame:
@@ -92,29 +118,30 @@ def run_evaluation(
     check_settings(config, chosen, url)  # the best trials re-train as they were searched
     data = prepare_data(config, out)
     plan: list[tuple[Any, optuna.trial.FrozenTrial, int]] = []
+    best: dict[str, optuna.trial.FrozenTrial] = {}
     for variant in chosen:
-        best = best_trial(load_study(url, config.study_name(variant)))
-        if best is None:
+        trial = best_trial(load_study(url, config.study_name(variant)))
+        if trial is None:
             print(
                 f"evaluate {config.name}: {variant.label} has no complete trial; skipped",
                 file=sys.stderr,
             )
             continue
-        plan += [(variant, best, seed) for seed in range(seeds)]
+        best[variant.label] = trial
+        plan += [(variant, trial, seed) for seed in range(seeds)]
     path = evaluation_path(config, out)
     path.parent.mkdir(parents=True, exist_ok=True)
     runs = read_evaluation(path)
-    done = {(r.variant, int(r.trial), int(r.seed)) for r in runs.itertuples()}
-    todo = [p for p in plan if (p[0].label, p[1].number, p[2]) not in done]
+    done = {(r.variant, int(r.seed)) for r in current_runs(runs, best).itertuples()}
+    todo = [p for p in plan if (p[0].label, p[2]) not in done]
     for variant, trial, seed in tqdm(todo, desc=f"evaluate {config.name}", unit="run"):
         settings = suggest_settings(optuna.trial.FixedTrial(trial.params), config, variant)
         result = train_run(config, variant, settings, data, seed, device)
         row = {"variant": variant.label, "trial": trial.number, "seed": seed, **result}
+        row["params"] = trial_params(trial)
         new = pd.DataFrame([{k: row.get(k) for k in COLUMNS}])
         runs = new if runs.empty else pd.concat([runs, new], ignore_index=True)
         atomic_write_text(path, runs.to_csv(index=False))
-    current = {(v.label, t.number, s) for v, t, s in plan}
-    keep = [(r.variant, int(r.trial), int(r.seed)) in current for r in runs.itertuples()]
-    summary = summarize_evaluation(runs[keep])
+    summary = summarize_evaluation(current_runs(runs, best))
     atomic_write_text(path.parent / SUMMARY, summary.to_csv(index=False))
     return summary

@@ -30,8 +30,8 @@ import pandas as pd
 
 from ..files import atomic_write, atomic_write_text
 from .config import load_config
-from .evaluate import EVALUATION, read_evaluation, summarize_evaluation
-from .runner import DEFAULT_OUT, storage_url, study_row, unshared_settings
+from .evaluate import EVALUATION, current_runs, read_evaluation, summarize_evaluation
+from .runner import DEFAULT_OUT, best_trial, storage_url, study_row, unshared_settings
 from .storage import open_storage, redact
 from .workers import is_duplicate
 
@@ -62,7 +62,8 @@ FIGURES = (
 
 @dataclass
 class StudySet:
-    """The variant studies of one config (or study-name prefix) and its evaluation runs."""
+    """The variant studies of one config (or study-name prefix) and the evaluation runs of
+    each variant's current best trial."""
 
     name: str
     task: str
@@ -115,7 +116,11 @@ def load_results(
             f"{', '.join(unshared)} settings, so their rows are not comparable",
             file=sys.stderr,
         )
-    evaluation = read_evaluation(Path(out) / name / EVALUATION)
+    best = {label: best_trial(study) for label, study in studies.items()}
+    evaluation = current_runs(
+        read_evaluation(Path(out) / name / EVALUATION),
+        {label: trial for label, trial in best.items() if trial is not None},
+    )
     return StudySet(name, task, studies, evaluation)
 
 

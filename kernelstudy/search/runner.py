@@ -44,10 +44,11 @@ def storage_url(config: SearchConfig, storage: str | None, out: str | Path = DEF
 
 
 def select_variants(config: SearchConfig, labels: Sequence[str] | None) -> list[Variant]:
-    """The variants named in ``labels`` (all when None); ValueError for an unknown label."""
+    """The variants named in ``labels`` (all when None; a label given twice counts once);
+    ValueError for an unknown label."""
     if not labels:
         return list(config.variants)
-    return [config.variant(label) for label in labels]
+    return [config.variant(label) for label in dict.fromkeys(labels)]
 
 
 def variant_settings(config: SearchConfig, variant: Variant) -> dict[str, Any]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import copy
 import functools
 import multiprocessing as mp
-import sys
 import warnings
 from collections.abc import Callable
 
@@ -196,7 +195,8 @@ def run_workers(
 
     ``objective`` must be picklable (a module-level function or a
     ``functools.partial`` of one). Worker ``i`` seeds its sampler with
-    ``seed + i`` so workers do not propose the same points.
+    ``seed + i`` so workers do not propose the same points. A worker that exits with
+    an error raises ``ChildProcessError`` once all have ended.
     """
     if not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be a positive int, got {workers!r}")
@@ -221,8 +221,8 @@ def run_workers(
     for p in procs:
         p.join()
         failed += p.exitcode != 0
-    if failed:
-        print(
-            f"search {name}: {failed} of {workers} worker(s) exited with an error", file=sys.stderr
+    if failed:  # as one worker's error ends a single-process search
+        raise ChildProcessError(
+            f"search {name}: {failed} of {workers} worker(s) exited with an error (above)"
         )
     return study
