@@ -211,6 +211,39 @@ def test_benchmark_generation_and_speedups():
     assert list(ratio.length) == [8, 16] and (ratio.speedup > 0).all()
     with pytest.raises(ValueError, match="mode"):
         ks.analysis.generate(lin, torch.zeros(1, 1, dtype=torch.long), 2, mode="cached")
+    lin.train()
+    ks.analysis.benchmark_generation({"rnn": (lin, "step")}, [2], warmup=0)
+    assert lin.training  # the caller's mode is restored
+    bad = [
+        ({"runs": {"rnn": lin}}, TypeError, r"runs\['rnn'\] must be a \(model, mode\) pair"),
+        ({"runs": {"rnn": ("lin", "step")}}, TypeError, "model must be a torch.nn.Module"),
+        ({"lengths": [True]}, ValueError, "lengths entries must be an int >= 1"),
+        ({"lengths": 8}, TypeError, "lengths must be a non-empty list"),
+        ({"batch": 0}, ValueError, "batch must be an int >= 1"),
+    ]
+    for change, error, match in bad:
+        with pytest.raises(error, match=match):
+            ks.analysis.benchmark_generation(**{"runs": runs, "lengths": [2], **change})
+    with pytest.raises(ValueError, match="steps must be an int >= 0"):
+        ks.analysis.generate(lin, torch.zeros(1, 1, dtype=torch.long), True)
+
+
+def test_analysis_inputs_are_named():
+    q, k = ks.analysis.gaussian_qk(4, 2)
+    bad = [
+        (lambda: ks.analysis.gaussian_qk(4, 2, std=math.inf), ValueError, "std must be a finite"),
+        (lambda: ks.analysis.gaussian_qk(4, 2, seed=1.5), ValueError, "seed must be an int"),
+        (lambda: ks.analysis.gaussian_qk(4, 2, dtype=torch.int64), TypeError, "dtype must be"),
+        (lambda: ks.analysis.attention_rank(torch.eye(3), tol="1e-3"), TypeError, "tol must be"),
+        (lambda: ks.analysis.attention_matrix(q, k, max_n="x"), ValueError, "max_n must be"),
+        (lambda: ks.analysis.normalized_spectrum([1.0], digits=True), ValueError, "digits"),
+    ]
+    for call, error, match in bad:
+        with pytest.raises(error, match=match):
+            call()
+    fm = ks.create_feature_map("hedgehog", head_dim=2)
+    with pytest.raises(ValueError, match="q_val .* and k_val .* must agree"):
+        ks.analysis.fit_to_softmax(fm, q, k, steps=1, q_val=q, k_val=k[..., :1])
 
 
 def test_plots_return_figures():

@@ -22,7 +22,7 @@ import math
 import pandas as pd
 import torch
 
-from ..core.validation import check_real, check_tensor, zero_padded_keys
+from ..core.validation import check_count, check_real, check_tensor, zero_padded_keys
 from ..feature_maps import FeatureMap
 from ..nn.functional import resolve_feature_map
 from .matrices import (
@@ -53,9 +53,10 @@ def gaussian_qk(
     for name, value in (("n", n), ("head_dim", head_dim), ("batch", batch), ("heads", heads)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if not std > 0:
-        raise ValueError(f"std must be > 0, got {std!r}")
-    gen = torch.Generator().manual_seed(seed)
+    check_real("std", std, strict=True)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+    gen = torch.Generator().manual_seed(check_count("seed", seed, 0))
     shape = (2, batch, heads, n, head_dim)
     qk = torch.randn(shape, generator=gen, dtype=torch.float64) * std
     qk = qk.to(dtype=dtype, device=device)

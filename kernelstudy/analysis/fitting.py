@@ -80,6 +80,8 @@ def fit_to_softmax(
     if (q_val is None) != (k_val is None):
         raise ValueError("q_val and k_val must be given together")
     check_qk(q, k)
+    if q_val is not None:
+        check_qk(q_val, k_val, ("q_val", "k_val"))
     pairs = [("q", q), ("k", k)] + (
         [("q_val", q_val), ("k_val", k_val)] if q_val is not None else []
     )

@@ -24,6 +24,7 @@ import pandas as pd
 import torch
 from torch import nn
 
+from ..core.validation import check_count
 from .speed import time_call
 
 MODES = ("step", "full")
@@ -53,8 +54,7 @@ def _check_lm(model: nn.Module, prompt: torch.Tensor, steps: int, mode: str) -> 
         raise ValueError("prompt must be a (batch, length) long tensor of token ids")
     if prompt.shape[1] < 1:
         raise ValueError("prompt must hold at least one token")
-    if not isinstance(steps, int) or steps < 0:
-        raise ValueError(f"steps must be a non-negative int, got {steps!r}")
+    check_count("steps", steps, 0)
 
 
 @torch.no_grad()
@@ -122,11 +122,24 @@ def benchmark_generation(
     device = torch.device(device)
     if not runs:
         raise ValueError("runs must name at least one (model, mode)")
-    if not lengths or any(not isinstance(n, int) or n < 1 for n in lengths):
-        raise ValueError(f"lengths must be positive ints, got {lengths!r}")
-    gen = torch.Generator().manual_seed(seed)
+    if not isinstance(runs, Mapping):
+        raise TypeError(f"runs must be a dict {{label: (model, mode)}}, got {type(runs).__name__}")
+    for label, entry in runs.items():
+        if not (isinstance(entry, tuple | list) and len(entry) == 2):
+            raise TypeError(f"runs[{label!r}] must be a (model, mode) pair, got {entry!r}")
+        if not isinstance(entry[0], nn.Module):
+            raise TypeError(f"runs[{label!r}]: model must be a torch.nn.Module, got {entry[0]!r}")
+    if isinstance(lengths, str | int) or not lengths:
+        raise TypeError(f"lengths must be a non-empty list of ints, got {lengths!r}")
+    for n in lengths:
+        check_count("lengths entries", n, 1)
+    for name, value in (("batch", batch), ("prompt_len", prompt_len), ("repeats", repeats)):
+        check_count(name, value, 1)
+    check_count("warmup", warmup, 0)
+    gen = torch.Generator().manual_seed(check_count("seed", seed, 0))
     rows = []
     for label, (model, mode) in runs.items():
+        was_training = model.training
         model = model.to(device).eval()
         if vocab_size is None:
             probe = torch.zeros(1, 1, dtype=torch.long, device=device)
@@ -167,6 +180,7 @@ def benchmark_generation(
                 rows.append({**base, "metric": "peak_memory_mb", "value": peak, "note": ""})
             if time_limit_s is not None and seconds > time_limit_s:
                 skip = f"skipped: a shorter length took longer than time_limit_s={time_limit_s}"
+        model.train(was_training)  # the caller's mode back (it stays on ``device``)
     return pd.DataFrame(
         rows, columns=["label", "mode", "length", "batch", "metric", "value", "note"]
     )

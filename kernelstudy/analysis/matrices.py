@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.validation import check_key_padding_mask, check_real, check_tensor
+from ..core.validation import check_count, check_key_padding_mask, check_real, check_tensor
 from ..feature_maps import FeatureMap
 from ..nn.functional import padded_key_features, resolve_feature_map
 
@@ -25,18 +25,19 @@ UNIFORM = "uniform"
 MapSpec = str | Mapping[str, Any] | FeatureMap | None
 
 
-def check_qk(q: torch.Tensor, k: torch.Tensor) -> None:
+def check_qk(q: torch.Tensor, k: torch.Tensor, names: tuple[str, str] = ("q", "k")) -> None:
     """Check ``q: (B,H,N,D)`` and ``k: (B,H,S,D)`` agree in batch, heads, dim, dtype and device."""
-    check_tensor(q, "q", 4)
-    check_tensor(k, "k", 4)
+    nq, nk = names
+    check_tensor(q, nq, 4)
+    check_tensor(k, nk, 4)
     if q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
         raise ValueError(
-            f"q (B,H,N,D) and k (B,H,S,D) must agree in B, H and D, got shapes "
+            f"{nq} (B,H,N,D) and {nk} (B,H,S,D) must agree in B, H and D, got shapes "
             f"{tuple(q.shape)} and {tuple(k.shape)}"
         )
     if q.dtype != k.dtype or q.device != k.device:
         raise ValueError(
-            f"q and k must share dtype and device, got {q.dtype}/{q.device} and "
+            f"{nq} and {nk} must share dtype and device, got {q.dtype}/{q.device} and "
             f"{k.dtype}/{k.device}"
         )
 
@@ -100,7 +101,7 @@ def attention_matrix(
     check_qk(q, k)
     n, s = q.shape[2], k.shape[2]
     eps = check_real("eps", eps)  # the guard of an analysis: 0 is exact
-    if max(n, s) > max_n:
+    if max(n, s) > check_count("max_n", max_n, 1):
         raise ValueError(
             f"attention_matrix materializes N×S per head; N={n}, S={s} exceeds max_n={max_n} "
             "(pass a larger max_n if you have the memory)"

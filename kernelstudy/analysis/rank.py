@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..core.validation import check_real
+
 
 def attention_rank(A: torch.Tensor | np.ndarray, tol: float | None = None) -> dict[str, Any]:
     """Rank measures of an ``(N, S)`` attention matrix, N queries by S keys (computed in
@@ -49,8 +51,8 @@ def attention_rank(A: torch.Tensor | np.ndarray, tol: float | None = None) -> di
     smax = sv[0].item() if sv.numel() else 0.0
     if tol is None:
         tol = smax * max(A.shape) * eps
-    elif not tol >= 0:
-        raise ValueError(f"tol must be >= 0, got {tol!r}")
+    else:
+        tol = check_real("tol", tol)
     total = sv.sum().item()
     if total > 0:
         p = sv / total
@@ -90,7 +92,7 @@ def normalized_spectrum(
         raise ValueError("singular_values: the largest is 0 (a zero matrix has no spectrum)")
     ratio = sv / sv[0]
     if digits is not None:
-        if not (isinstance(digits, int) and digits >= 1):
+        if isinstance(digits, bool) or not (isinstance(digits, int) and digits >= 1):
             raise ValueError(f"digits must be a positive int or None, got {digits!r}")
         ratio = np.array([float(f"{r:.{digits - 1}e}") for r in ratio])
     return ratio

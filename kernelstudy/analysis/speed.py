@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from ..core.attention import linear_attention
 from ..core.backends import backends as available_backends
 from ..core.backends import registered_backends
+from ..core.validation import check_count
 from ..nn.functional import resolve_feature_map
 from .matrices import MapSpec
 
@@ -50,13 +51,6 @@ COLUMNS = [
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def check_count(name: str, value: object, minimum: int) -> int:
-    """``value`` if it is an int >= ``minimum`` (not a bool), else ValueError naming it."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
 
 
 def time_call(

@@ -52,6 +52,13 @@ def check_real(name: str, value: object, strict: bool = False) -> float:
     return float(value)
 
 
+def check_count(name: str, value: object, minimum: int) -> int:
+    """``value`` if it is an int >= ``minimum`` (not a bool), else ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
 def check_flag(name: str, value: object) -> bool:
     """``value`` as a bool: True or False (also numpy's bool, and the ints 0 and 1), else
     TypeError naming ``name``, so that a string such as ``"no"`` is not read as True."""
