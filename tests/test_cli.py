@@ -108,3 +108,7 @@ def test_data_listops_writes_lra_files(tmp_path, capsys):
     assert main(["data", "listops", "--out", str(tmp_path / "s"), "--seed", "-3"]) == 1
     assert "seed must be an int >= 0, got -3" in capsys.readouterr().err
     assert not (tmp_path / "s").exists()
+    # an empty split was written as a header alone, which train then refused
+    assert main(["data", "listops", "--out", str(tmp_path / "e"), "--val", "0"]) == 1
+    assert "n_val must be an int >= 1, got 0" in capsys.readouterr().err
+    assert not (tmp_path / "e").exists()

@@ -288,6 +288,8 @@ BAD = [
     (["--task-arg", "max_len=3"], "unknown option(s) max_len for task 'listops'", True),
     (["--task-arg", "val.max_len=3"], "unknown option(s) val.max_len for task 'listops'", True),
     (["--task-arg", "dev.max_length=3"], "--task-arg expects KEY=VALUE", True),
+    (["--model-arg", "pooling"], "(e.g. --model-arg pooling=cls)", True),
+    (["--heads", "2", "--model-arg", "n_heads=4"], "--heads 2 and --model-arg n_heads=4", True),
     (["--steps", "0"], "steps must be an int >= 1", True),
     (["--resume"], "--resume: no checkpoint", True),
     (["--config", "{tmp}/none.toml"], "config file not found", True),

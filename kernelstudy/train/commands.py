@@ -86,6 +86,13 @@ def parse_value(text: str) -> Any:
     return text
 
 
+_EXAMPLES = {
+    "--map-arg": "num_features=256",
+    "--model-arg": "pooling=cls",
+    "--task-arg": "val.num_samples=256",
+}
+
+
 def parse_key_values(
     items: Iterable[str] | None, flag: str, key_pattern: re.Pattern = _KEY
 ) -> dict[str, Any]:
@@ -95,9 +102,9 @@ def parse_key_values(
         key, sep, value = item.partition("=")
         key = key.strip()
         if not sep or not key_pattern.fullmatch(key) or not value.strip():
+            example = _EXAMPLES.get(flag, "key=value")
             raise ValueError(
-                f"{flag} expects KEY=VALUE with a name as KEY (e.g. {flag} num_features=256), "
-                f"got {item!r}"
+                f"{flag} expects KEY=VALUE with a name as KEY (e.g. {flag} {example}), got {item!r}"
             )
         if key in out:
             raise ValueError(f"{flag} {key} is given twice")
@@ -177,15 +184,23 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
         if not isinstance(table, dict):
             raise ValueError(f"--task-arg {key}: task_options.{split} is not a table")
         table[name] = value
-    s["model"].update(parse_key_values(args.model_arg, "--model-arg"))
+    model_args = parse_key_values(args.model_arg, "--model-arg")
+    s["model"].update(model_args)
     if s["attention"] == "softmax" and s["feature_map"]:
         raise ValueError(
             f"--map-arg {sorted(s['feature_map'])} given with --attention softmax, "
             "which has no feature map"
         )
     for flag, key in (("d_model", "d_model"), ("heads", "n_heads"), ("layers", "n_layers")):
-        if getattr(args, flag) is not None:
-            s["model"][key] = getattr(args, flag)
+        value = getattr(args, flag)
+        if value is None:
+            continue
+        if key in model_args and model_args[key] != value:
+            raise ValueError(
+                f"--{flag.replace('_', '-')} {value} and --model-arg {key}={model_args[key]} "
+                "disagree; give one"
+            )
+        s["model"][key] = value
     if args.max_length is not None:
         options = task_options(s["task"])
         key = next((k for k in ("max_length", "seq_len") if k in options), None)
