@@ -23,7 +23,9 @@ from kernelstudy.search import objective as objective_module
 from kernelstudy.search.config import load_config
 from kernelstudy.search.evaluate import current_runs, read_evaluation, trial_params
 from kernelstudy.search.objective import check_variants, data_dir, prepare_data
+from kernelstudy.search.report import StudySet, results_table
 from kernelstudy.search.runner import search_summary
+from kernelstudy.search.storage import load_study
 from kernelstudy.search.workers import DUPLICATE_ATTR, requeue_failed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -415,3 +417,19 @@ def test_evaluation_rows_keep_text_labels_and_belong_to_one_trial(tmp_path):
     assert list(runs["variant"]) == ["256", "NA", "256", "256"]
     kept = current_runs(runs, {"256": trial, "NA": trial})
     assert list(zip(kept["variant"], kept["seed"], strict=True)) == [("256", 0), ("NA", 0)]
+
+
+def test_two_configs_of_one_task_get_their_own_column_groups(tmp_path):
+    def study_set(name: str, accuracy: float) -> StudySet:
+        study = optuna.create_study(direction="maximize")
+        trial = optuna.trial.create_trial(value=0.5, user_attrs={"test_accuracy": accuracy})
+        study.add_trial(trial)
+        return StudySet(name, "listops", {"elu+1": study}, pd.DataFrame(columns=["variant"]))
+
+    table = results_table([study_set("small", 0.25), study_set("large", 0.5)])
+    assert table.loc["elu+1", ("listops (small)", "mean")] == 25.0
+    assert table.loc["elu+1", ("listops (large)", "mean")] == 50.0
+    single = results_table([study_set("small", 0.25)])
+    assert list(single.columns.get_level_values(0).unique()) == ["listops"]
+    with pytest.raises(ValueError, match=r"it holds: no studies\); run `kernelstudy search`"):
+        load_study(f"sqlite:///{tmp_path / 'empty.db'}", "tiny/elu+1")

@@ -149,7 +149,9 @@ def trials_frame(results: Sequence[StudySet]) -> pd.DataFrame:
 
 
 def results_table(results: Sequence[StudySet]) -> pd.DataFrame:
-    """The paper-shaped table: index variants; columns (task, mean/std/best/n[/paper]), in %."""
+    """The paper-shaped table: index variants; columns (task, mean/std/best/n[/paper]), in %.
+    A task reported by two configs is headed ``task (config name)``."""
+    tasks = [res.task for res in results]
     frames = []
     for res in results:
         summary = summarize_evaluation(res.evaluation).set_index("variant")
@@ -171,7 +173,8 @@ def results_table(results: Sequence[StudySet]) -> pd.DataFrame:
             if paper is not None:
                 rows[label]["paper"] = paper
         frame = pd.DataFrame.from_dict(rows, orient="index")
-        frame.columns = pd.MultiIndex.from_product([[res.task], frame.columns])
+        head = res.task if tasks.count(res.task) == 1 else f"{res.task} ({res.name})"
+        frame.columns = pd.MultiIndex.from_product([[head], frame.columns])
         frames.append(frame)
     table = pd.concat(frames, axis=1)
     order = list(dict.fromkeys(label for res in results for label in res.studies))

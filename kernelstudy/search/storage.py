@@ -84,5 +84,8 @@ def load_study(url: str, name: str) -> optuna.Study:
     storage = open_storage(url)
     names = [s.study_name for s in optuna.get_all_study_summaries(storage)]
     if name not in names:
-        raise ValueError(f"no study {name!r} in {redact(url)}; it holds: {', '.join(names)}")
+        held = ", ".join(names) or "no studies"
+        raise ValueError(
+            f"no study {name!r} in {redact(url)} (it holds: {held}); run `kernelstudy search` first"
+        )
     return optuna.load_study(study_name=name, storage=storage)
