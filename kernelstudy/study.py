@@ -39,6 +39,7 @@ import importlib.util
 import json
 import math
 import os
+import shlex
 import sys
 import time
 import tomllib
@@ -261,6 +262,8 @@ def run_study(
     tables = study_tables(module)
     params = load_params(name, quick)
     out_dir = Path(out) if out is not None else Path("results") / name
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--out {out_dir} exists and is not a directory")
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {t: out_dir / f"{t}.csv" for t in (RESULTS, *tables)}
     results_path = paths[RESULTS]
@@ -277,7 +280,7 @@ def run_study(
             values = {k: sorted({str(c[k]) for c in configs if k in c}) for k in only}
             raise ValueError(
                 f"only: no configuration of study {name!r} has {only}; values: "
-                + "; ".join(f"{k} in {', '.join(v)}" for k, v in values.items())
+                + "; ".join(f"{k} in {', '.join(map(repr, v))}" for k, v in values.items())
             )
     frames = {t: _read_results(path) for t, path in paths.items()}
     done = _ids(frames[RESULTS])
@@ -354,9 +357,11 @@ def run_study(
     figs = [p.name for p in written if p.suffix == ".png"]
     if figs:
         text += "\n" + "\n".join(f"![{Path(f).stem}]({f})" for f in figs) + "\n"
-    options = (["--fill-tables"] if fill_tables else []) + [
-        f"--only {k}={v}" for k, v in only.items()
-    ]
+    options = (
+        (["--force"] if force else [])
+        + (["--fill-tables"] if fill_tables else [])
+        + [f"--only {shlex.quote(f'{k}={v}')}" for k, v in only.items()]
+    )
     # Rows kept from earlier runs keep those runs' lines; this run adds one if it computed.
     lines = _provenance_lines(out_dir / SUMMARY_FILE) if done & set(ids) else []
     if todo or not lines:
@@ -473,6 +478,12 @@ def _save_figures(figures: dict[str, Any], out_dir: Path) -> list[Path]:
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def not_run_section(title: str, part: str) -> str:
+    """A summary section for a study part with no rows yet (left out by ``--only``, or
+    interrupted before it)."""
+    return f"## {title}\n\nNot run yet: no rows of part {part!r} (`--only part={part}` runs it)."
 
 
 def markdown_table(frame: pd.DataFrame, floatfmt: str = ".3g") -> str:

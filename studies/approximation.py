@@ -7,7 +7,7 @@ import pandas as pd
 import torch
 
 import kernelstudy as ks
-from kernelstudy.study import main, markdown_table
+from kernelstudy.study import main, markdown_table, not_run_section
 
 PERFORMER_METRICS = ("kernel_mse", "attention_mse")
 
@@ -155,7 +155,7 @@ def smallest_r_beating_uniform(table: pd.DataFrame) -> pd.DataFrame:
         for label, col in (("iid", "iid_mean"), ("orthogonal", "orth_mean")):
             beats = group[group[col] < group["uniform"]]["num_features"]
             row[f"smallest R, {label}"] = (
-                int(beats.min()) if len(beats) else f"> {group.num_features.max()}"
+                int(beats.min()) if len(beats) else f"> {int(group.num_features.max())}"
             )
         rows.append(row)
     return pd.DataFrame(rows)
@@ -214,8 +214,10 @@ def summarize(frame: pd.DataFrame, params: dict) -> str:
         "would spoil the kernel MSE). Every row is a mean over seeds (new data and new "
         "features per seed)."
     ]
-    table = performer_table(frame)
-    if not table.empty:
+    if not (frame["part"] == "performer").any():
+        parts.append(not_run_section("Performer: MSE vs number of random features R", "performer"))
+    else:
+        table = performer_table(frame)
         parts.append(
             "## The Performer finding (attention-matrix MSE)\n\n"
             + markdown_table(performer_verdict(table))
@@ -237,12 +239,13 @@ def summarize(frame: pd.DataFrame, params: dict) -> str:
             "## Uniform attention (1/N per key) baseline: smallest R that beats it\n\n"
             + markdown_table(smallest_r_beating_uniform(table))
         )
-    mtable = maps_table(frame)
-    if not mtable.empty:
+    if not (frame["part"] == "maps").any():
+        parts.append(not_run_section("Every registered map at a matched F", "maps"))
+    else:
         parts.append(
             f"## Every registered map at F ≈ {params['map_feature_dim']} (held-out data; "
             f"learned maps before/after {params['fit_steps']} steps of fit_to_softmax on "
-            f"{params['fit_batch']} other sequences)\n\n" + markdown_table(mtable)
+            f"{params['fit_batch']} other sequences)\n\n" + markdown_table(maps_table(frame))
         )
     return "\n\n".join(parts)
 

@@ -58,7 +58,8 @@ def run_config(config: dict, device: str) -> pd.DataFrame:
 
 
 def summary_table(frame: pd.DataFrame) -> pd.DataFrame:
-    """Per length: tokens/s of each run, both speed-ups of RNN mode, state sizes."""
+    """Per length: tokens/s of each run, both speed-ups of RNN mode, state sizes. Columns that
+    need a run with no rows (e.g. left out by ``--only``) are left out."""
     tps = frame[frame["metric"] == "tokens_per_s"].pivot_table(
         index="length", columns="run", values="value", aggfunc="mean"
     )
@@ -67,22 +68,28 @@ def summary_table(frame: pd.DataFrame) -> pd.DataFrame:
     )
     table = pd.DataFrame(index=tps.index)
     for label in RUNS:
-        table[f"{label} (tok/s)"] = tps.get(label)
-    rnn = tps.get("linear, RNN state")
-    table["speed-up vs no cache"] = rnn / tps.get("softmax, no cache")
-    table["speed-up vs KV cache"] = rnn / tps.get("softmax, KV cache")
-    table["RNN state (MB)"] = state.get("linear, RNN state")
-    table["KV cache (MB)"] = state.get("softmax, KV cache")
+        if label in tps:
+            table[f"{label} (tok/s)"] = tps[label]
+    rnn = "linear, RNN state"
+    for base, name in (("softmax, no cache", "no cache"), ("softmax, KV cache", "KV cache")):
+        if rnn in tps and base in tps:
+            table[f"speed-up vs {name}"] = tps[rnn] / tps[base]
+    for label, name in ((rnn, "RNN state (MB)"), ("softmax, KV cache", "KV cache (MB)")):
+        if label in state:
+            table[name] = state[label]
     return table.reset_index()
 
 
 def summarize(frame: pd.DataFrame, params: dict) -> str:
+    missing = ", ".join(f"run={label!r}" for label in RUNS if label not in set(frame["run"]))
+    note = f"\n\nNot run yet (no rows; their columns are left out): {missing}" if missing else ""
     return (
         f"Model: {params['n_layers']} layers, d_model={params['d_model']}, {params['n_heads']} "
         f"heads, vocab {params['vocab_size']}, map {params['feature_map']}; batch "
         f"{params['batch']}, greedy decoding, throughput = batch·length/time. '–' = skipped "
         "(a shorter length already took longer than time_limit_s).\n\n"
         + markdown_table(summary_table(frame))
+        + note
     )
 
 

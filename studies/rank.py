@@ -26,7 +26,7 @@ import pandas as pd
 import torch
 
 import kernelstudy as ks
-from kernelstudy.study import main, markdown_table
+from kernelstudy.study import main, markdown_table, not_run_section
 from kernelstudy.tasks import CopyTask
 from kernelstudy.train.trainer import TrainConfig, Trainer
 
@@ -251,11 +251,18 @@ def rank_table(frame: pd.DataFrame, part: str = "gaussian") -> pd.DataFrame:
 
 
 def summarize(frame: pd.DataFrame, params: dict, tables: dict | None = None) -> str:
-    parts = [_gaussian_summary(frame, params)]
+    has_gaussian = (frame["part"] == "gaussian").any()
+    parts = [
+        _gaussian_summary(frame, params)
+        if has_gaussian
+        else not_run_section("Gaussian q/k", "gaussian")
+    ]
     spectra = (tables or {}).get("spectra")
-    if spectra is not None and not spectra.empty:
+    if spectra is not None and (spectra["part"] == "gaussian").any():
         parts.append(_spectra_summary(spectra, params))
-    if (frame["part"] == "copy").any():
+    if not (frame["part"] == "copy").any():
+        parts.append(not_run_section("Copy task", "copy"))
+    else:
         c = params["copy"]
         parts.append(
             f"## Copy task (sequences of {c['copy_len']} symbols, 1 layer, 1 head, "
@@ -320,23 +327,33 @@ def _spectra_summary(spectra: pd.DataFrame, params: dict) -> str:
 
 
 def figures(frame: pd.DataFrame, params: dict, tables: dict | None = None) -> dict:
-    rows = frame[frame["part"] == "gaussian"]
-    d = params["head_dim"]
-    by_n = _n_sweep(rows, d)
-    by_f = rows[(rows["n"] == params["fixed_n"]) & (rows["method"] != "softmax")]
     figs = {}
-    for measure in ("numerical_rank", "effective_rank"):
-        figs[f"{measure}_vs_n"] = ks.analysis.plots.plot_rank(by_n, measure=measure, x="n")
-        figs[f"{measure}_vs_n"].suptitle(f"D = {d}; F = D unless labelled", y=1.02)
-        figs[f"{measure}_vs_f"] = ks.analysis.plots.plot_rank(
-            by_f, measure=measure, x="feature_dim"
-        )
+    rows = frame[frame["part"] == "gaussian"]
+    if not rows.empty:
+        figs |= _gaussian_figures(rows, params)
     spectra = (tables or {}).get("spectra")
     if spectra is not None and not spectra.empty:
         figs |= _spectra_figures(spectra, params)
     curves = frame[(frame["part"] == "copy") & frame["metric"].isin(["val_accuracy", "val_loss"])]
     if not curves.empty:
         figs["copy_accuracy"] = ks.analysis.plots.plot_history(curves, x="step", hue="method")
+    return figs
+
+
+def _gaussian_figures(rows: pd.DataFrame, params: dict) -> dict:
+    """Rank vs N and rank vs F of the Gaussian part (each only when it has rows)."""
+    d = params["head_dim"]
+    by_n = _n_sweep(rows, d)
+    by_f = rows[(rows["n"] == params["fixed_n"]) & (rows["method"] != "softmax")]
+    figs = {}
+    for measure in ("numerical_rank", "effective_rank"):
+        if not by_n.empty:
+            figs[f"{measure}_vs_n"] = ks.analysis.plots.plot_rank(by_n, measure=measure, x="n")
+            figs[f"{measure}_vs_n"].suptitle(f"D = {d}; F = D unless labelled", y=1.02)
+        if not by_f.empty:
+            figs[f"{measure}_vs_f"] = ks.analysis.plots.plot_rank(
+                by_f, measure=measure, x="feature_dim"
+            )
     return figs
 
 

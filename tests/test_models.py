@@ -176,6 +176,18 @@ def test_parameter_counts_and_feature_dim():
     assert soft.config()["attention"] == "softmax"
 
 
+def test_bool_flags_must_be_bools():
+    """A string such as "no" is not read as True (it used to tie the weights)."""
+    with pytest.raises(TypeError, match=r"tie_weights must be a bool \(True or False\), got 'no'"):
+        ks.nn.CausalLM(20, tie_weights="no", **SMALL)
+    lm = ks.nn.CausalLM(20, tie_weights=1, **SMALL)
+    assert lm.head.weight is lm.embed.weight and lm.config()["tie_weights"] is True
+    with pytest.raises(TypeError, match="trainable_only must be a bool"):
+        lm.parameter_count(trainable_only="yes")
+    with pytest.raises(TypeError, match="trainable_only must be a bool"):
+        lm.feature_map_parameter_count(trainable_only="yes")
+
+
 def test_positional_encodings():
     pe = ks.nn.PositionalEncoding(6, 10, "sinusoidal")
     table = pe(torch.arange(10))

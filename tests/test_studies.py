@@ -233,6 +233,21 @@ def test_an_empty_results_file_is_no_rows_and_a_garbled_one_is_named(toy_studies
     assert (out / "results.csv").read_bytes() == garbled  # left as it was
 
 
+def test_out_must_be_a_directory_and_force_is_in_the_provenance(toy_studies, capsys):
+    out = toy_studies / "cli"
+    assert study.main("toy", ["--quick", "--out", str(out), "--force"]) == 0
+    capsys.readouterr()
+    written = [x for x in (out / "summary.md").read_text().splitlines() if x.startswith("Written")]
+    assert len(written) == 1 and "--quick --device cpu --force" in written[0]
+    file = toy_studies / "a_file"
+    file.write_text("")
+    with pytest.raises(ValueError, match=f"--out {file} exists and is not a directory"):
+        study.run_study("toy", out=file, verbose=False)
+    assert study.main("toy", ["--out", str(file)]) == 1
+    assert f"--out {file} exists and is not a directory" in capsys.readouterr().err
+    assert file.read_text() == ""
+
+
 def test_main_parses_options(toy_studies, capsys):
     out = toy_studies / "cli"
     assert study.main("toy", ["--quick", "--out", str(out)]) == 0
@@ -413,3 +428,66 @@ def test_rank_study_saves_spectra_and_resumes_without_duplicates(rank_toy, one_t
     )
     loaded = study.load_results("rank", root=out.parent, table="spectra")  # read, not rerun
     pd.testing.assert_frame_equal(loaded, grown)
+
+
+def _toy_copy(tmp_path, monkeypatch, name: str, toml: str):
+    """A studies/ directory holding the repository's ``NAME.py`` with its own tiny config."""
+    root = tmp_path / "studies"
+    root.mkdir(exist_ok=True)
+    shutil.copy(study.studies_dir() / f"{name}.py", root / f"{name}.py")
+    (root / f"{name}.toml").write_text(toml)
+    monkeypatch.setenv(study.ENV_STUDIES_DIR, str(root))
+
+
+def _partial(name: str, out, *only: str) -> str:
+    """The summary.md of study ``name`` run quick with ``--only`` each of ``only`` (exit code 0)."""
+    args = ["--quick", "--out", str(out)] + [a for item in only for a in ("--only", item)]
+    assert study.main(name, args) == 0
+    return (out / "summary.md").read_text()
+
+
+def test_rank_study_summarizes_a_partial_run(rank_toy, one_thread, capsys):
+    """Summary and figures of a run restricted with --only cover the parts that have rows."""
+    summary = _partial("rank", rank_toy / "copy", "part=copy", "method=elu")
+    assert "## Gaussian q/k\n\nNot run yet: no rows of part 'gaussian'" in summary
+    assert "## Copy task" in summary and (rank_toy / "copy" / "copy_accuracy.png").is_file()
+    summary = _partial("rank", rank_toy / "gaussian", "part=gaussian", "n=8")
+    assert "## Copy task\n\nNot run yet: no rows of part 'copy'" in summary
+    assert "Kernel rank ≤ F holds in every row: yes" in summary
+
+
+def test_approximation_study_summarizes_a_partial_run(tmp_path, one_thread, capsys):
+    summary = _partial("approximation", tmp_path / "maps", "part=maps", "map=elu")
+    assert "Not run yet: no rows of part 'performer'" in summary
+    assert "## Every registered map at F" in summary
+    summary = _partial("approximation", tmp_path / "perf", "part=performer", "num_features=16")
+    assert "Not run yet: no rows of part 'maps'" in summary
+    assert "## The Performer finding" in summary
+
+
+GENERATION_TOY_TOML = """
+n_layers = 1
+d_model = 16
+n_heads = 2
+vocab_size = 16
+feature_map = "elu"
+batch = 2
+prompt_len = 1
+repeats = 1
+time_limit_s = 60.0
+
+[quick]
+lengths = [4, 8]
+"""
+
+
+def test_generation_study_summarizes_a_partial_run(tmp_path, monkeypatch, one_thread, capsys):
+    _toy_copy(tmp_path, monkeypatch, "generation", GENERATION_TOY_TOML)
+    summary = _partial("generation", tmp_path / "out", "run=linear, RNN state")
+    assert "| linear, RNN state (tok/s) | RNN state (MB) |" in summary
+    missing = "Not run yet (no rows; their columns are left out): run='softmax, no cache', "
+    assert missing + "run='softmax, KV cache'" in summary
+    assert "--only 'run=linear, RNN state'" in summary  # the recorded command can be pasted
+    # --only values are quoted in the error message: the run names hold commas.
+    with pytest.raises(ValueError, match="run in 'linear, RNN state', 'softmax, KV cache', "):
+        study.run_study("generation", quick=True, out=tmp_path / "out", only={"run": "nope"})

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..core.validation import check_flag
 from ..feature_maps import FeatureMap
 from .attention import check_dropout
 from .encoder import LayerState, TransformerEncoder
@@ -31,12 +32,14 @@ def feature_maps_of(module: nn.Module) -> list[FeatureMap]:
 
 def feature_map_parameter_count(module: nn.Module, trainable_only: bool = False) -> int:
     """Number of parameters held by the feature maps inside ``module`` (shared ones once)."""
+    trainable_only = check_flag("trainable_only", trainable_only)
     params = {id(p): p for fm in feature_maps_of(module) for p in fm.parameters()}
     return sum(p.numel() for p in params.values() if p.requires_grad or not trainable_only)
 
 
 def parameter_count(module: nn.Module, trainable_only: bool = False) -> int:
     """Number of parameters of ``module`` (tied weights counted once)."""
+    trainable_only = check_flag("trainable_only", trainable_only)
     return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)
 
 
@@ -404,6 +407,7 @@ class CausalLM(_SequenceModel):
         eps: float = 1e-6,
         backend: str | None = None,
     ) -> None:
+        tie_weights = check_flag("tie_weights", tie_weights)
         config = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         super().__init__(
             vocab_size=vocab_size,
