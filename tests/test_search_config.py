@@ -6,7 +6,12 @@ import optuna
 import pytest
 
 from kernelstudy.search.config import load_config
-from kernelstudy.search.space import TRAINING_SPACE, suggest_feature_map, suggest_training
+from kernelstudy.search.space import (
+    TRAINING_SPACE,
+    suggest,
+    suggest_feature_map,
+    suggest_training,
+)
 from kernelstudy.search.storage import open_storage
 
 GOOD = """
@@ -191,3 +196,146 @@ def test_bad_quick_variant_overrides(tmp_path, override, match):
     for quick in (True, False):  # checked in full mode too
         with pytest.raises(ValueError, match=match):
             load_config(path, quick=quick)
+
+
+def _elu(line: str) -> str:
+    """GOOD with ``line`` added to its "elu" variant."""
+    return GOOD.replace('feature_map = "elu"', f'feature_map = "elu"\n{line}')
+
+
+def _minimal(top: str, variants: str = '[[variants]]\nlabel = "elu"\nfeature_map = "elu"\n'):
+    return f'name = "tiny"\ntask = "listops"\n{top}\n{variants}'
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        # the search maximizes val_accuracy: monitor/mode would make it pick the worst trial
+        (GOOD.replace("[search]", "[train]\nmonitor = 'val_loss'\n[search]"), r"monitor.*maximiz"),
+        (GOOD.replace("[search]", "[train]\nmode = 'min'\n[search]"), r"'mode'.*maximiz"),
+        # unknown [[variants]] keys: named, with the allowed ones and a close match
+        (_elu("fixd = { seed = 1 }"), r"variant 'elu'.*'fixd'.*'fixed'.*label, attention"),
+        (_elu("featuremap = 'glu'"), r"variant 'elu'.*'featuremap'.*'feature_map'"),
+        (
+            GOOD.replace('attention = "softmax"', 'attention = "softmax"\nfeature_map = "elu"'),
+            "softmax",
+        ),
+        # ranges and fixed values within the declared ones
+        (GOOD + "[space]\ndropout = { low = 0.5, high = 2.0 }\n", r"\[space\].*dropout.*0\.3"),
+        (GOOD + "[space]\ndropout = 0.9\n", r"\[space\].*dropout.*0\.3"),
+        (GOOD + "[space]\nlr = { low = 1e-3, high = 1e-4 }\n", r"\[space\].*lr.*above"),
+        (GOOD.replace("d_model = 16", "d_model = 16\ndropout = 2.0"), r"\[model\].*dropout"),
+        (
+            GOOD + PERFORMER.replace("low = 16", "low = 0"),
+            r"variant 'Performer'.*num_features\.low must be >= 1",
+        ),
+        (
+            _minimal("", "[[variants]]\nlabel = 'g'\nfeature_map = 'glu'\nfixed = { seed = -1 }"),
+            r"variant 'g'.*seed must be >= 0",
+        ),
+        (
+            _minimal("", "[[variants]]\nlabel = 'g'\nfeature_map = 'glu'\nfixed = { depth = 5 }"),
+            r"variant 'g'.*depth must be <= 3",
+        ),
+        (
+            _minimal(
+                "",
+                "[[variants]]\nlabel = 'P'\nfeature_map = 'favor'\n"
+                "fixed = { row_norms = { choices = ['chi', 'bogus'] } }",
+            ),
+            r"variant 'P'.*row_norms.*one of",
+        ),
+        (
+            GOOD
+            + "\n[quick.variants.Performer]\nfixed = { num_features = { low = 0 } }\n"
+            + PERFORMER,
+            r"quick\.variants\.Performer.*num_features\.low must be >= 1",
+        ),
+        # [train] device must name a device (whether it is here is checked by search)
+        (GOOD.replace("[search]", "[train]\ndevice = 'tpu'\n[search]"), r"\[train\] device.*tpu"),
+        # arguments of the wrong type, named
+        (_minimal("model = 5"), r"model must be a table"),
+        (_minimal("space = 5"), r"space must be a table"),
+        (_minimal("task_options = 7"), r"task_options must be a table"),
+        (_minimal("data = 5"), r"data must be a path"),
+        (
+            _minimal("", "[[variants]]\nlabel = 'g'\nfeature_map = 'glu'\nfixed = 5"),
+            r"variant 'g'.*fixed must be a table",
+        ),
+        (GOOD.replace("trials = 3", "trials = 'many'"), r"\[search\] trials must be an int"),
+        (GOOD.replace("trials = 3", "trials = 1.9"), r"\[search\] trials must be an int"),
+        (GOOD.replace("trials = 3", "trials = true"), r"\[search\] trials must be an int"),
+        (GOOD.replace("trials = 3", "trials = 0"), r"\[search\] trials must be an int >= 1"),
+        (GOOD.replace("trials = 3", "seed = 'x'"), r"\[search\] seed must be an int"),
+        (_minimal("variants = []", ""), r"at least one \[\[variants\]\]"),
+        (_minimal("", ""), r"missing required key 'variants'"),
+        (
+            GOOD + "[space]\nlr = { low = 1e-4, high = 1e-3, log = 'false' }\n",
+            r"lr\.log.*true or false",
+        ),
+        (
+            _minimal(
+                "",
+                "[[variants]]\nlabel = 'P'\nfeature_map = 'favor'\n"
+                "fixed = { num_features = { choices = '816' } }",
+            ),
+            r"num_features\.choices must be a non-empty list",
+        ),
+        # name: a folder and a study-name prefix
+        (GOOD.replace('name = "tiny"', 'name = "a/b"'), r"name must be letters.*'a/b'"),
+        (GOOD.replace('name = "tiny"', 'name = ".."'), r"name must be.*'\.\.'"),
+        (GOOD.replace('name = "tiny"', 'name = ""'), r"name must be.*not empty"),
+        (GOOD.replace('name = "tiny"', "name = 5"), r"name must be"),
+    ],
+    ids=lambda v: "cfg" if "\n" in v else None,
+)
+def test_config_checks_name_the_file_and_key(tmp_path, text, match):
+    with pytest.raises(ValueError, match=match) as info:
+        load_config(_write(tmp_path, text))
+    assert "cfg.toml" in str(info.value)
+
+
+def test_device_is_checked_before_any_trial(tmp_path):
+    """A config's [train] device is a device name at load; whether it exists here is
+    checked by search and evaluate before the first trial, after --device overrides it
+    (a config for a GPU machine still loads, reports and runs with --device cpu)."""
+    import torch
+
+    from kernelstudy.search.runner import check_device
+
+    for device in ("auto", "cpu", "cuda"):
+        text = GOOD.replace("[search]", f"[train]\ndevice = '{device}'\n[search]")
+        config = load_config(_write(tmp_path, text))
+        assert config.train["device"] == device
+        check_device(config, "cpu")  # the override wins
+        if device == "cuda" and not torch.cuda.is_available():
+            with pytest.raises(ValueError, match=r"cfg\.toml: \[train\] device.*--device"):
+                check_device(config, None)
+        else:
+            check_device(config, None)
+
+
+def test_check_override_accepts_declared_ranges():
+    from kernelstudy.feature_maps.base import Hyperparameter
+    from kernelstudy.search.space import check_override
+
+    flag, mode = Hyperparameter(bool, False), Hyperparameter(str, "a", choices=("a", "b"))
+    for spec in (flag, mode, TRAINING_SPACE["lr"]):
+        check_override("x", spec, {})  # searched over its declared range or choices
+    check_override("x", mode, {"choices": ["b"]})
+    with pytest.raises(ValueError, match="choices"):
+        check_override("x", mode, {"low": "a"})
+    study = optuna.create_study()
+    assert suggest(study.ask(), "x", flag) in (False, True)
+
+
+def test_valid_names_ranges_and_studies_still_load(tmp_path):
+    text = GOOD.replace('name = "tiny"', 'name = "lra-listops_v1.2"')
+    text += "[space]\ndropout = 0.0\nlr = { low = 1e-4, high = 1e-3, log = true }\n"
+    cfg = load_config(_write(tmp_path, text + PERFORMER))
+    assert cfg.name == "lra-listops_v1.2" and cfg.training_space["dropout"] == 0.0
+    from pathlib import Path
+
+    for path in sorted((Path(__file__).resolve().parents[1] / "studies").glob("lra_*.toml")):
+        for quick in (False, True):
+            assert load_config(path, quick=quick).variants

@@ -290,7 +290,7 @@ def test_changed_settings_refuse_to_join_a_study_with_trials(tmp_path, capsys, m
         "model": ("d_ff = 32", "d_ff = 48"),
         "task_options": ("[task_options]\nmax_length = 32", "[task_options]\nmax_length = 30"),
         "generate": ("n_train = 300", "n_train = 200"),
-        "space": ("high = 1e-2", "high = 2e-2"),
+        "space": ("low = 1e-3", "low = 2e-3"),
     }
     for table, (old, new) in edits.items():
         assert old in original, table

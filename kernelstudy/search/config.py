@@ -38,6 +38,7 @@ before any training starts.
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 import tomllib
@@ -45,8 +46,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..feature_maps.registry import get_feature_map_class
-from .space import RANGE_KEYS, TRAINING_SPACE
+from .space import TRAINING_SPACE, check_override
 
 PRUNERS = ("median", "hyperband", "none")
 MODEL_KEYS = {"d_model", "n_heads", "n_layers", "d_ff", "pooling", "positions", "dropout"}
@@ -54,6 +57,12 @@ MODEL_KEYS |= {"head_dim", "positional"}  # "positional" is an alias of "positio
 GENERATE_KEYS = {"n_train", "n_val", "n_test", "min_length", "max_length", "seed"}
 #: TrainConfig fields a search sets itself (from the trial), so a config may not.
 TRIAL_TRAIN_KEYS = {"lr", "weight_decay", "warmup_steps", "out_dir"}
+#: TrainConfig fields the search fixes: it maximizes the validation accuracy.
+OBJECTIVE_TRAIN_KEYS = {"monitor", "mode"}
+#: The keys of a ``[[variants]]`` entry.
+VARIANT_KEYS = ("label", "attention", "feature_map", "fixed")
+#: A config's ``name`` (a results folder and an Optuna study-name prefix).
+NAME_PATTERN = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
 #: What a ``[quick.variants.<label>]`` table may change in that variant.
 QUICK_VARIANT_KEYS = ("fixed",)
 
@@ -194,18 +203,92 @@ def quick_variant_overrides(variants: Any, overrides: Any, path: Path) -> Any:
                 f"{path}: {where}: feature map {fm!r} has no hyperparameter(s) {sorted(bad)}; "
                 f"it takes: {', '.join(sorted(allowed))}"
             )
-        for key, value in fixed.items():
-            if isinstance(value, dict) and set(value) - set(RANGE_KEYS):
-                raise ValueError(
-                    f"{path}: {where}: fixed.{key} has unknown range key(s) "
-                    f"{sorted(set(value) - set(RANGE_KEYS))}; allowed: {list(RANGE_KEYS)}"
-                )
         base = entry.get("fixed", {})
-        changed[label] = {**entry, "fixed": _merge(base if isinstance(base, dict) else {}, fixed)}
+        merged = _merge(base if isinstance(base, dict) else {}, fixed)
+        for key in fixed:
+            _check_override(f"{path}: {where}: fixed", key, allowed[key], merged[key])
+        changed[label] = {**entry, "fixed": merged}
     return [
         changed.get(str(v["label"]), v) if isinstance(v, dict) and "label" in v else v
         for v in variants
     ]
+
+
+def _table(raw: dict[str, Any], key: str, path: Path) -> dict[str, Any]:
+    """``raw[key]`` (default empty) as a new dict; ValueError unless it is a table."""
+    value = raw.get(key, {})
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: {key} must be a table ([{key}]), got {value!r}")
+    return dict(value)
+
+
+def _int(table: dict[str, Any], key: str, where: str, low: int, high: int | None = None) -> None:
+    """ValueError unless ``table[key]`` (when set) is an int (not a bool) in [low, high]."""
+    if key not in table:
+        return
+    value = table[key]
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
+    if not ok or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{where} {key} must be an int {bounds}, got {value!r}")
+
+
+def _check_override(where: str, key: str, spec: Any, value: Any) -> None:
+    """:func:`check_override` with ``where`` (file and table) in its message."""
+    try:
+        check_override(key, spec, value)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where}: {err}") from None
+
+
+def _check_name(name: Any, path: Path) -> str:
+    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
+        raise ValueError(
+            f"{path}: name must be letters, digits, '-', '_' and '.', not empty and not "
+            f"starting with '.' (it names the results folder and the studies), got {name!r}"
+        )
+    return name
+
+
+def _parse_variant(entry: Any, i: int, path: Path) -> Variant:
+    """One ``[[variants]]`` entry, checked: keys, attention, feature map and ``fixed``."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("label"), str) or not entry["label"]:
+        raise ValueError(f"{path}: variants[{i}] needs a 'label' (a non-empty str)")
+    label = entry["label"]
+    where = f"{path}: variant {label!r}"
+    for key in entry:
+        if key not in VARIANT_KEYS:
+            close = difflib.get_close_matches(key, VARIANT_KEYS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(
+                f"{where}: unknown key {key!r}{hint}; allowed: {', '.join(VARIANT_KEYS)}"
+            )
+    attention = entry.get("attention", "kernel")
+    if attention not in ("kernel", "softmax"):
+        raise ValueError(f"{where}: attention must be 'kernel' or 'softmax', got {attention!r}")
+    fm = entry.get("feature_map")
+    fixed = entry.get("fixed", {})
+    if not isinstance(fixed, dict):
+        raise ValueError(f"{where}: fixed must be a table such as {{ depth = 1 }}, got {fixed!r}")
+    if attention == "softmax":
+        if fm is not None or fixed:
+            raise ValueError(f"{where}: softmax attention takes no feature_map or fixed")
+        return Variant(label, attention)
+    if fm is None:
+        raise ValueError(f"{where} needs a feature_map")
+    try:
+        cls = get_feature_map_class(fm)  # with close matches for an unknown name
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where}: {err}") from None
+    bad = set(fixed) - set(cls.hyperparameters)
+    if bad:
+        raise ValueError(
+            f"{where}: feature map {fm!r} has no hyperparameter(s) {sorted(bad)}; "
+            f"it takes: {', '.join(sorted(cls.hyperparameters)) or 'none'}"
+        )
+    for key, value in fixed.items():
+        _check_override(f"{where}: fixed", key, cls.hyperparameters[key], value)
+    return Variant(label, attention, fm, dict(fixed))
 
 
 def parse_config(raw: dict[str, Any], path: Path) -> SearchConfig:
@@ -220,20 +303,31 @@ def parse_config(raw: dict[str, Any], path: Path) -> SearchConfig:
     for key in ("name", "task", "variants"):
         if key not in raw:
             raise ValueError(f"{path}: missing required key {key!r}")
+    name = _check_name(raw["name"], path)
     task_class(raw["task"])  # ValueError with suggestions for an unknown task
-    options = dict(raw.get("task_options", {}))
+    data = raw.get("data")
+    if data is not None and not isinstance(data, str):
+        raise ValueError(f"{path}: data must be a path (a str), got {data!r}")
+    options = _table(raw, "task_options", path)
     try:
         split_options(raw["task"], options, "train")
     except ValueError as err:
         raise ValueError(f"{path}: [task_options]: {err}") from None
-    model = dict(raw.get("model", {}))
+    model = _table(raw, "model", path)
     if set(model) - MODEL_KEYS:
         raise ValueError(f"{path}: unknown [model] key(s) {sorted(set(model) - MODEL_KEYS)}")
-    train = dict(raw.get("train", {}))
+    if "dropout" in model:
+        _check_override(f"{path}: [model]", "dropout", TRAINING_SPACE["dropout"], model["dropout"])
+    train = _table(raw, "train", path)
     if set(train) & TRIAL_TRAIN_KEYS:
         raise ValueError(
             f"{path}: [train] may not set {sorted(set(train) & TRIAL_TRAIN_KEYS)}; the search "
             "sets them (narrow or fix lr, weight_decay, warmup_fraction in [space])"
+        )
+    if set(train) & OBJECTIVE_TRAIN_KEYS:
+        raise ValueError(
+            f"{path}: [train] may not set {sorted(set(train) & OBJECTIVE_TRAIN_KEYS)}; a search "
+            "always maximizes the validation accuracy (monitor 'val_accuracy', mode 'max')"
         )
     from ..train import TrainConfig
 
@@ -241,7 +335,12 @@ def parse_config(raw: dict[str, Any], path: Path) -> SearchConfig:
         TrainConfig.from_dict(train)
     except (TypeError, ValueError) as err:
         raise ValueError(f"{path}: [train]: {err}") from err
-    generate = dict(raw.get("generate", {}))
+    if train.get("device", "auto") != "auto":  # a str (TrainConfig checked); a device that
+        try:  # exists may be missing here and be overridden (--device): search checks it
+            torch.device(train["device"])
+        except RuntimeError as err:
+            raise ValueError(f"{path}: [train] device {train['device']!r}: {err}") from None
+    generate = _table(raw, "generate", path)
     if generate and raw["task"] != "listops":
         raise ValueError(f"{path}: [generate] is for task 'listops' only, not {raw['task']!r}")
     if set(generate) - GENERATE_KEYS:
@@ -249,47 +348,37 @@ def parse_config(raw: dict[str, Any], path: Path) -> SearchConfig:
             f"{path}: unknown [generate] key(s) {sorted(set(generate) - GENERATE_KEYS)}; "
             f"known: {sorted(GENERATE_KEYS)}"
         )
-    search = dict(raw.get("search", {}))
+    search = _table(raw, "search", path)
+    unknown_search = set(search) - {"trials", "pruner", "seed", "budget"}
+    if unknown_search:
+        raise ValueError(f"{path}: unknown [search] key(s) {sorted(unknown_search)}")
     if search.get("pruner", "median") not in PRUNERS:
         raise ValueError(f"{path}: [search] pruner must be one of {PRUNERS}")
     budget = search.get("budget", 0.10)
     if isinstance(budget, bool) or not isinstance(budget, int | float) or not 0 <= budget <= 1:
         raise ValueError(f"{path}: [search] budget must be a fraction in [0, 1], got {budget!r}")
-    unknown_search = set(search) - {"trials", "pruner", "seed", "budget"}
-    if unknown_search:
-        raise ValueError(f"{path}: unknown [search] key(s) {sorted(unknown_search)}")
-    space = dict(raw.get("space", {}))
+    _int(search, "trials", f"{path}: [search]", low=1)
+    _int(search, "seed", f"{path}: [search]", low=0, high=2**32 - 1)  # numpy's seed range
+    space = _table(raw, "space", path)
     if set(space) - set(TRAINING_SPACE):
         raise ValueError(
             f"{path}: [space] may fix {sorted(TRAINING_SPACE)}, got {sorted(set(space))}"
         )
-    variants = []
-    for i, entry in enumerate(raw["variants"]):
-        if not isinstance(entry, dict) or "label" not in entry:
-            raise ValueError(f"{path}: variants[{i}] needs a 'label'")
-        attention = entry.get("attention", "kernel")
-        if attention not in ("kernel", "softmax"):
-            raise ValueError(f"{path}: variants[{i}].attention must be 'kernel' or 'softmax'")
-        fm = entry.get("feature_map")
-        fixed = dict(entry.get("fixed", {}))
-        if attention == "kernel":
-            if fm is None:
-                raise ValueError(f"{path}: variants[{i}] ({entry['label']}) needs a feature_map")
-            cls = get_feature_map_class(fm)  # ValueError with close matches
-            bad = set(fixed) - set(cls.hyperparameters)
-            if bad:
-                raise ValueError(
-                    f"{path}: variants[{i}]: feature map {fm!r} has no hyperparameter(s) "
-                    f"{sorted(bad)}"
-                )
-        variants.append(Variant(entry["label"], attention, fm, fixed))
+    for key, value in space.items():
+        _check_override(f"{path}: [space]", key, TRAINING_SPACE[key], value)
+    entries = raw["variants"]
+    if not isinstance(entries, list) or not entries:
+        raise ValueError(
+            f"{path}: needs at least one [[variants]] table (label, and feature_map or "
+            f"attention = 'softmax'), got {entries!r}"
+        )
+    variants = [_parse_variant(entry, i, path) for i, entry in enumerate(entries)]
     labels = [v.label for v in variants]
     if len(set(labels)) != len(labels):
         raise ValueError(f"{path}: variant labels must be unique, got {labels}")
-    data = raw.get("data")
     data_path = None if data is None else (path.parent / data).resolve()
     return SearchConfig(
-        name=str(raw["name"]),
+        name=name,
         task=raw["task"],
         data=data_path,
         task_options=options,

@@ -24,10 +24,16 @@ import pandas as pd
 
 from ..files import atomic_write_text, read_csv_table
 from ..progress import tqdm
-from ..train import resolve_device
 from .config import SearchConfig, load_config
 from .objective import prepare_data, suggest_settings, train_run
-from .runner import DEFAULT_OUT, best_trial, check_settings, select_variants, storage_url
+from .runner import (
+    DEFAULT_OUT,
+    best_trial,
+    check_device,
+    check_settings,
+    select_variants,
+    storage_url,
+)
 from .storage import load_study, open_storage
 
 EVALUATION = "evaluation.csv"
@@ -110,8 +116,7 @@ def run_evaluation(
         config = load_config(config, quick=quick)
     if not isinstance(seeds, int) or seeds < 1:
         raise ValueError(f"seeds must be a positive int, got {seeds!r}")
-    if device is not None:
-        resolve_device(device)
+    check_device(config, device)
     chosen = select_variants(config, variants)
     url = storage_url(config, storage, out)
     open_storage(url)

@@ -43,6 +43,18 @@ def storage_url(config: SearchConfig, storage: str | None, out: str | Path = DEF
     return storage if storage else default_storage_url(out, config.name)
 
 
+def check_device(config: SearchConfig, device: str | None) -> None:
+    """ValueError now, before any trial, if ``device`` (or, when None, the config's
+    ``[train] device``) is unknown or missing here (cuda without a GPU)."""
+    if device is not None:
+        resolve_device(device)
+        return
+    try:
+        resolve_device(str(config.train.get("device", "auto")))
+    except ValueError as err:
+        raise ValueError(f"{config.path}: [train] device: {err} (pass --device)") from None
+
+
 def select_variants(config: SearchConfig, labels: Sequence[str] | None) -> list[Variant]:
     """The variants named in ``labels`` (all when None; a label given twice counts once);
     ValueError for an unknown label."""
@@ -161,8 +173,7 @@ def run_search(
         raise ValueError(f"trials must be a positive int, got {trials!r}")
     if not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be a positive int, got {workers!r}")
-    if device is not None:
-        resolve_device(device)  # unknown device, or cuda without a GPU: ValueError now
+    check_device(config, device)
     chosen = select_variants(config, variants)
     url = storage_url(config, storage, out)
     open_storage(url)  # unreachable or malformed URL: ValueError now

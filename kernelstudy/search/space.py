@@ -29,6 +29,48 @@ TRAINING_SPACE: dict[str, Hyperparameter] = {
 RANGE_KEYS = ("low", "high", "choices", "log")
 
 
+def check_override(name: str, spec: Hyperparameter, override: Any) -> None:
+    """Raise ValueError/TypeError naming ``name`` unless ``override`` fits ``spec``.
+
+    A fixed value must pass ``spec.validate``; a range dict may use only
+    :data:`RANGE_KEYS`, with ``choices`` a non-empty list of valid values, ``low``
+    and ``high`` within the declared bounds, and ``log`` a bool.
+    """
+    if not isinstance(override, Mapping):
+        spec.validate(name, override)
+        return
+    unknown = set(override) - set(RANGE_KEYS)
+    if unknown:
+        raise ValueError(
+            f"search range for {name!r} has unknown keys {sorted(unknown)}; "
+            f"allowed: {list(RANGE_KEYS)}"
+        )
+    log = override.get("log", spec.log)
+    if not isinstance(log, bool):
+        raise TypeError(f"{name}.log must be true or false, got {log!r}")
+    if "choices" in override:
+        choices = override["choices"]
+        if not isinstance(choices, list | tuple) or not choices:
+            raise TypeError(f"{name}.choices must be a non-empty list, got {choices!r}")
+        for choice in choices:
+            spec.validate(f"{name}.choices", choice)
+        return
+    if spec.choices is not None or spec.type is bool:
+        if "low" in override or "high" in override:
+            raise ValueError(f"{name} is searched over its choices; narrow it with choices = [..]")
+        return
+    if spec.type not in (int, float):
+        raise ValueError(f"{name} ({spec.type.__name__}) has no range to search; fix its value")
+    low = spec.validate(f"{name}.low", override["low"]) if "low" in override else spec.low
+    high = spec.validate(f"{name}.high", override["high"]) if "high" in override else spec.high
+    if low is None or high is None:
+        raise ValueError(f"{name} has no declared range to search; give low and high")
+    if low > high:
+        raise ValueError(f"{name}: low {low!r} is above high {high!r}")
+    if log and low <= 0:
+        raise ValueError(f"{name}: a log-scale range needs low > 0, got {low!r}")
+
+
 def suggest(trial: optuna.Trial, name: str, spec: Hyperparameter, override: Any = None) -> Any:
     """One define-by-run suggestion for ``spec``.
 
@@ -38,12 +80,7 @@ def suggest(trial: optuna.Trial, name: str, spec: Hyperparameter, override: Any 
     if override is not None and not isinstance(override, Mapping):
         return spec.validate(name, override)
     narrow = dict(override or {})
-    unknown = set(narrow) - set(RANGE_KEYS)
-    if unknown:
-        raise ValueError(
-            f"search range for {name!r} has unknown keys {sorted(unknown)}; "
-            f"allowed: {list(RANGE_KEYS)}"
-        )
+    check_override(name, spec, narrow)
     choices = narrow.get("choices", spec.choices)
     if choices is not None or spec.type is bool:
         options = list(choices) if choices is not None else [False, True]
