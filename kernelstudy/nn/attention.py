@@ -82,12 +82,8 @@ class KernelAttention(nn.Module):
         check_backend_name(backend)
         self.d_model, self.n_heads = d_model, n_heads
         self.head_dim = d_model // n_heads
-        self.attention, self.causal, self.eps, self.backend = (
-            attention,
-            check_flag("causal", causal),
-            eps,
-            backend,
-        )
+        self.attention, self.eps, self.backend = attention, eps, backend
+        self.causal = check_flag("causal", causal)
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
         self.out = nn.Linear(d_model, d_model, bias=bias)
         self.dropout = nn.Dropout(dropout)
