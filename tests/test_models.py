@@ -113,6 +113,45 @@ def test_matching_model_two_towers(attention):
         model(a, mask_a, b[:1], mask_b[:1])
 
 
+def test_matching_towers_share_one_draw_of_a_redrawing_map():
+    """Documents of different lengths were encoded in two passes, and a map redrawing every
+    query call gave the two towers different random features."""
+    favor = {"name": "favor", "num_features": 8, "redraw_every": 1, "seed": 0}
+    model = ks.nn.MatchingClassifier(20, feature_map=favor, **SMALL).train()
+    a, mask_a = _padded([6, 4], 6)
+    a_long = torch.cat([a, _ids(2, 3)], 1)  # the same document, 3 more padded positions
+    mask_long = torch.cat([mask_a, torch.zeros(2, 3, dtype=torch.bool)], 1)
+    u, v = [], []
+    model.head = nn.Identity()  # the logits' input: [u, v, u*v, u-v]
+    for _ in range(3):
+        out = model(a, mask_a, a_long, mask_long)
+        u.append(out[:, :16])
+        v.append(out[:, 16:32])
+    for x, y in zip(u, v, strict=True):
+        assert rel_err(x, y) <= 1e-5  # one document, one draw: the same encoding
+    assert rel_err(u[0], u[1]) > 1e-3  # and the draw did change between forwards
+
+
+@pytest.mark.parametrize("kind", ["lm", "classifier"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_a_model_converted_to_another_dtype_runs(kind, dtype):
+    """Sinusoidal positions were float32 and turned a .to(bfloat16) model's activations
+    back to float32, which LayerNorm refused."""
+    if kind == "lm":
+        model = ks.nn.CausalLM(20, **SMALL)
+    else:
+        model = ks.nn.SequenceClassifier(20, 3, **SMALL)
+    assert model.to(dtype).eval()(_ids(2, 5)).dtype == dtype
+
+
+def test_step_of_a_redrawing_map_needs_eval_mode():
+    favor = {"name": "favor", "num_features": 8, "redraw_every": 2, "seed": 0}
+    model = ks.nn.CausalLM(20, feature_map=favor, **SMALL).train()
+    with pytest.raises(ValueError, match=r"needs eval mode \(layer.eval\(\)\)"):
+        model.step(_ids(2, 1)[:, 0], None)
+    model.eval().step(_ids(2, 1)[:, 0], None)
+
+
 @pytest.mark.parametrize("attention", ATTENTIONS)
 @pytest.mark.parametrize("tie_weights", [False, True])
 def test_lm_step_equals_forward(attention, tie_weights):

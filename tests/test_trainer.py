@@ -274,6 +274,36 @@ def test_lm_objective_scores_only_the_loss_mask():
     assert stats["seq_correct"] >= 1  # the second sequence's only scored token is right
     with pytest.raises(ValueError, match="targets"):
         Objective("lm")(Fixed(), {"input_ids": targets})
+    # Unscored positions may hold anything (-100, -1); scored ones must be classes.
+    padded = targets.masked_fill(~loss_mask, -100)
+    same, _ = Objective("lm")(Fixed(), {**batch, "targets": padded})
+    assert same.item() == pytest.approx(loss.item(), rel=1e-6)
+    for bad, error, match in (
+        (padded.masked_fill(loss_mask, -100), ValueError, r"targets must be class indices"),
+        (targets + 7, ValueError, r"in \[0, 7\), got values in \["),
+        (targets.float(), TypeError, "targets must be an integer tensor"),
+    ):
+        with pytest.raises(error, match=match):
+            Objective("lm")(Fixed(), {**batch, "targets": bad})
+
+
+def test_classification_labels_are_checked_before_the_loss():
+    """-100 (torch's ignore_index) counted in the accuracy's denominator; a label >= C
+    failed inside cross_entropy (a device assert on CUDA)."""
+
+    class Fixed(nn.Module):
+        def forward(self, ids, mask=None):
+            return torch.zeros(ids.shape[0], 3)
+
+    ids = torch.zeros(2, 4, dtype=torch.long)
+    for label, error, match in (
+        (torch.tensor([0, -100]), ValueError, r"label must be class indices in \[0, 3\)"),
+        (torch.tensor([0, 3]), ValueError, r"got values in \[0, 3\]"),
+        (torch.tensor([[0], [1]]), ValueError, r"label must have shape \(batch,\)"),
+        (torch.tensor([0.0, 1.0]), TypeError, "label must be an integer tensor"),
+    ):
+        with pytest.raises(error, match=match):
+            Objective("classification")(Fixed(), {"input_ids": ids, "label": label})
 
 
 def test_lm_and_matching_tasks_train():

@@ -149,10 +149,17 @@ class KernelAttention(nn.Module):
         """One autoregressive step of a causal layer: ``x_t: (B,d_model)`` → ``(B,d_model)``.
 
         Kernel attention keeps a :class:`RecurrentState` (constant memory);
-        softmax attention keeps a :class:`KVCache` that grows by one per step.
+        softmax attention keeps a :class:`KVCache` that grows by one per step. A map that
+        redraws its features in training (``redraw_every``) must step in eval mode: a
+        redraw mid-sequence would leave the state summed over the old features.
         """
         if not self.causal:
             raise ValueError("step() needs a causal attention layer (causal=True)")
+        if self.training and getattr(self.feature_map, "hparams", {}).get("redraw_every"):
+            raise ValueError(
+                "step() of a layer whose feature map redraws in training (redraw_every > 0) "
+                "needs eval mode (layer.eval()): a redraw would mix two draws in the state"
+            )
         self._check_input(x_t, "x_t", "batch")
         q, k, v = self._heads(x_t.unsqueeze(1))  # (B,H,1,D)
         if self.feature_map is None:

@@ -146,6 +146,16 @@ def _check_mask(mask: torch.Tensor | None, input_ids: torch.Tensor, name: str) -
         )
 
 
+def _padded(
+    ids: torch.Tensor, mask: torch.Tensor | None, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(B,N)`` ids and mask (None: all real) right-padded to length ``n``."""
+    if mask is None:
+        mask = torch.ones_like(ids, dtype=torch.bool)
+    extra = n - ids.shape[1]
+    return torch.nn.functional.pad(ids, (0, extra)), torch.nn.functional.pad(mask, (0, extra))
+
+
 def _mlp_head(in_dim: int, hidden: int, out_dim: int, dropout: float) -> nn.Sequential:
     return nn.Sequential(
         nn.Linear(in_dim, hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, out_dim)
@@ -203,7 +213,8 @@ class _SequenceModel(nn.Module):
     def _embed(self, input_ids: torch.Tensor, start: int = 0) -> torch.Tensor:
         """``(B,N)`` ids → ``(B,N,d_model)`` token + position vectors (positions from ``start``)."""
         pos = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
-        return self.embed(input_ids) * math.sqrt(self.d_model) + self.positions(pos)
+        x = self.embed(input_ids) * math.sqrt(self.d_model)
+        return x + self.positions(pos).to(x.dtype)  # a .half() model stays half
 
     def parameter_count(self, trainable_only: bool = False) -> int:
         """Number of parameters of the whole model (tied weights once)."""
@@ -358,16 +369,18 @@ class MatchingClassifier(SequenceClassifier):
                 f"input_ids_1 and input_ids_2 must have the same batch size, got "
                 f"{input_ids_1.shape[0]} and {input_ids_2.shape[0]}"
             )
-        same = input_ids_1.shape == input_ids_2.shape and (mask_1 is None) == (mask_2 is None)
-        if same:  # one encoder pass over both documents
+        _check_mask(mask_1, input_ids_1, "mask_1")
+        _check_mask(mask_2, input_ids_2, "mask_2")
+        # One encoder pass over both documents (padded to one length): one draw of a
+        # redrawing random map per forward, as one shared encoder should see.
+        n = max(input_ids_1.shape[1], input_ids_2.shape[1])
+        if input_ids_1.shape == input_ids_2.shape and (mask_1 is None) == (mask_2 is None):
             ids = torch.cat([input_ids_1, input_ids_2])
-            _check_mask(mask_1, input_ids_1, "mask_1")
-            _check_mask(mask_2, input_ids_2, "mask_2")
             mask = None if mask_1 is None else torch.cat([mask_1, mask_2])
-            u, v = self.encode(ids, mask).chunk(2)
         else:
-            u = self.encode(input_ids_1, mask_1, ("input_ids_1", "mask_1"))
-            v = self.encode(input_ids_2, mask_2, ("input_ids_2", "mask_2"))
+            pairs = [_padded(i, m, n) for i, m in ((input_ids_1, mask_1), (input_ids_2, mask_2))]
+            ids, mask = torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
+        u, v = self.encode(ids, mask).chunk(2)
         return self.head(torch.cat([u, v, u * v, u - v], dim=-1))
 
 

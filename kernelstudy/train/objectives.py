@@ -50,6 +50,21 @@ def check_task_type(task_type: str) -> str:
     return task_type
 
 
+def check_classes(name: str, values: torch.Tensor, num_classes: int) -> None:
+    """TypeError unless ``values`` are integer class indices, ValueError unless all lie in
+    ``[0, num_classes)`` (-100, torch's ignore_index, included: mark such positions with
+    ``loss_mask`` instead). Checked here, not deep inside ``cross_entropy`` (a device
+    assert on CUDA)."""
+    if not isinstance(values, torch.Tensor) or values.is_floating_point() or values.is_complex():
+        kind = values.dtype if isinstance(values, torch.Tensor) else type(values).__name__
+        raise TypeError(f"{name} must be an integer tensor of class indices, got {kind}")
+    if values.numel() and not (0 <= int(values.min()) and int(values.max()) < num_classes):
+        raise ValueError(
+            f"{name} must be class indices in [0, {num_classes}), got values in "
+            f"[{int(values.min())}, {int(values.max())}]"
+        )
+
+
 class Objective:
     """The loss of ``task_type`` on a batch, plus metric sums for :meth:`summarize`.
 
@@ -83,6 +98,9 @@ class Objective:
             raise ValueError(
                 f"the model must return (batch, classes) logits, got {tuple(logits.shape)}"
             )
+        if label.dim() != 1:
+            raise ValueError(f"label must have shape (batch,), got {tuple(label.shape)}")
+        check_classes("label", label, logits.shape[1])
         loss = F.cross_entropy(logits.float(), label)
         n = torch.tensor(float(label.shape[0]), device=loss.device)
         stats = {
@@ -104,6 +122,8 @@ class Objective:
         if scored is None:
             scored = torch.ones_like(targets, dtype=torch.bool)
         scored = scored.bool()
+        check_classes("targets", targets[scored], logits.shape[-1])  # unscored: anything
+        targets = targets.masked_fill(~scored, 0)
         token_loss = F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")
         count = scored.sum()
         loss = (token_loss * scored).sum() / count.clamp_min(1)
