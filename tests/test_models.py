@@ -253,6 +253,15 @@ def test_bad_arguments_raise_value_errors():
         ks.nn.CausalLM(20, positions="rotary")
     with pytest.raises(ValueError, match="num_classes"):
         ks.nn.SequenceClassifier(20, 1)
+    for head_dim in (0, -1, 2.5):  # 0 silently became d_model
+        with pytest.raises(ValueError, match="head_dim must be an int >= 1"):
+            ks.nn.SequenceClassifier(20, 2, head_dim=head_dim)
+    with pytest.raises(ValueError, match="d_ff must be a positive int"):
+        ks.nn.SequenceClassifier(20, 2, d_ff=True)
+    with pytest.raises(ValueError, match="feature_map_kwargs given with attention='softmax'"):
+        ks.nn.KernelAttention(8, 2, attention="softmax", feature_map_kwargs={"seed": 0})
+    with pytest.raises(ValueError, match="at least one token for mean pooling"):
+        ks.nn.SequenceClassifier(20, 2, **SMALL)(_ids(2, 0))  # was NaN logits
     model = ks.nn.SequenceClassifier(20, 2, **SMALL)
     with pytest.raises(ValueError, match="input_ids"):
         model(torch.full((2, 4), 20))

@@ -382,6 +382,16 @@ def test_bad_configuration_fails_before_training():
         TrainConfig(schedule="exponential")
     with pytest.raises(ValueError, match="clip_norm"):
         TrainConfig(clip_norm=0.0)
+    with pytest.raises(ValueError, match="clip_norm"):
+        TrainConfig(clip_norm=True)
+    # test_data and callbacks are checked when the Trainer is built, not after training
+    empty = torch.utils.data.Subset(ContainsTask(8), [])
+    with pytest.raises(ValueError, match="test_data is empty"):
+        Trainer(_classifier(), ContainsTask(8), _config(), test_data=empty)
+    with pytest.raises(TypeError, match="test_data must be a torch Dataset"):
+        Trainer(_classifier(), ContainsTask(8), _config(), test_data=[1, 2])
+    with pytest.raises(TypeError, match="on_eval must be a callable"):
+        Trainer(_classifier(), ContainsTask(8), _config(), on_eval=5)
     with pytest.raises(ValueError, match="task_type"):
         TrainConfig(task_type="regression")
     with pytest.raises(ValueError, match="unknown TrainConfig"):

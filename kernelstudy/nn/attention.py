@@ -77,6 +77,8 @@ class KernelAttention(nn.Module):
             raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
         if attention not in ATTENTION_KINDS:
             raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {attention!r}")
+        if attention != "kernel" and feature_map_kwargs:
+            raise ValueError(f"feature_map_kwargs given with attention={attention!r}: no map")
         dropout = check_dropout(dropout)
         eps = check_eps(eps)
         check_backend_name(backend)

@@ -33,7 +33,7 @@ class EncoderLayer(nn.Module):
         backend: str | None = None,
     ) -> None:
         super().__init__()
-        if not isinstance(d_ff, int) or d_ff < 1:
+        if not isinstance(d_ff, int) or isinstance(d_ff, bool) or d_ff < 1:
             raise ValueError(f"d_ff must be a positive int, got {d_ff!r}")
         self.norm1 = nn.LayerNorm(d_model)
         self.attn = KernelAttention(

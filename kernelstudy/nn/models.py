@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.validation import check_flag
+from ..core.validation import check_count, check_flag
 from ..feature_maps import FeatureMap
 from .attention import check_dropout
 from .encoder import LayerState, TransformerEncoder
@@ -297,7 +297,8 @@ class SequenceClassifier(_SequenceModel):
         self._config = config
         self.num_classes, self.pooling = num_classes, pooling
         self.cls = nn.Parameter(torch.randn(d_model) * 0.02) if pooling == "cls" else None
-        self.head = _mlp_head(d_model, head_dim or d_model, num_classes, dropout)
+        head_dim = d_model if head_dim is None else check_count("head_dim", head_dim, 1)
+        self.head = _mlp_head(d_model, head_dim, num_classes, dropout)
 
     def encode(
         self,
@@ -311,6 +312,8 @@ class SequenceClassifier(_SequenceModel):
         """
         _check_ids(input_ids, self.vocab_size, names[0])
         _check_mask(mask, input_ids, names[1])
+        if input_ids.shape[1] == 0 and self.cls is None:  # a mean over nothing is NaN
+            raise ValueError(f"{names[0]} must hold at least one token for mean pooling")
         if self.cls is None:
             x = self._embed(input_ids)
         else:

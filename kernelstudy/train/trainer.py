@@ -123,7 +123,9 @@ class TrainConfig:
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr!r}")
         if self.clip_norm is not None and not (
-            isinstance(self.clip_norm, int | float) and self.clip_norm > 0
+            isinstance(self.clip_norm, int | float)
+            and not isinstance(self.clip_norm, bool)
+            and self.clip_norm > 0
         ):
             raise ValueError(f"clip_norm must be > 0 or None, got {self.clip_norm!r}")
         betas = self.betas
@@ -280,6 +282,8 @@ class Trainer:
             self.val_loader = make_loader(
                 val_data, eval_bs, config.seed, False, config.num_workers, "val_data"
             )
+        if test_data is not None:  # checked now, not once training has ended
+            make_loader(test_data, eval_bs, config.seed, False, config.num_workers, "test_data")
         self.test_data = test_data
         task_type = config.task_type
         self.task_type = _task_type_of(train_data) if task_type == "auto" else task_type
@@ -296,6 +300,8 @@ class Trainer:
             )
         if callable(on_eval):
             on_eval = [on_eval]
+        if not isinstance(on_eval, Iterable | None) or not all(map(callable, on_eval or [])):
+            raise TypeError("on_eval must be a callable f(step, metrics) or a list of them")
         self.callbacks: list[EvalCallback] = list(on_eval or [])
 
         self.optimizer = torch.optim.AdamW(
