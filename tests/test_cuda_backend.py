@@ -206,6 +206,26 @@ def test_linear_attention_half_matches_reference(shape, causal, dtype):
         assert rel_rms(g_got, g_want) <= 1e-2
 
 
+@pytest.mark.parametrize("dtype", [*HALF, torch.float32], ids=str)
+def test_left_padded_causal_rows_have_finite_gradients(dtype):
+    """A causal row whose keys are all padded has den = 0, so d = eps and g/d passes
+    float16's 65504: the backward used to compute inf·0 = NaN in dq."""
+    b, h, n, f, m = 2, 2, 70, 16, 8
+    q, k, v = _features(b, h, n, f, m, dtype=dtype)
+    mask = torch.ones(b, n, dtype=torch.bool, device=DEVICE)
+    mask[:, :5] = False  # left padding: rows 0..4 attend to no real key
+    got = cuda_backend.linear_attention(q, k, v, causal=True, key_padding_mask=mask)
+    q64, k64, v64 = _as64((q, k, v))
+    want = linear_attention_reference(q64, k64, v64, causal=True, key_padding_mask=mask)
+    g = _upstream(got.shape).to(dtype)
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    for g_got, g_want in zip(
+        _grads(got, (q, k, v), g), _grads(want, (q64, k64, v64), g), strict=True
+    ):
+        assert torch.isfinite(g_got).all()
+        assert rel_rms(g_got, g_want) <= tol
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_public_linear_attention_on_cuda(causal):
     q, k, v = _features(2, 3, 100, 32, 48)

@@ -79,7 +79,10 @@ std::vector<at::Tensor> causal_product(at::Tensor q, at::Tensor k, at::Tensor v,
   v = v.contiguous();
   auto out = at::empty({b, h, n, m}, out_fp32 ? f32(q) : q.options());
   at::Tensor den = with_den ? at::empty({b, h, n}, f32(q)) : at::Tensor();
-  if (out.numel() == 0) return {out, den};
+  if (out.numel() == 0) {  // M = 0 with N > 0: a defined (zero) den for the backward's d
+    if (with_den) den.zero_();
+    return {out, den};
+  }
   if (f == 0) {
     out.zero_();
     if (with_den) den.zero_();
@@ -176,7 +179,10 @@ std::vector<at::Tensor> full_apply(at::Tensor q, at::Tensor state, int64_t m, bo
   state = state.contiguous();
   auto out = at::empty({b, h, n, m}, out_fp32 ? f32(q) : q.options());
   at::Tensor den = with_den ? at::empty({b, h, n}, f32(q)) : at::Tensor();
-  if (out.numel() == 0) return {out, den};
+  if (out.numel() == 0) {  // M = 0 with N > 0: a defined (zero) den for the backward's d
+    if (with_den) den.zero_();
+    return {out, den};
+  }
   if (f == 0) {
     out.zero_();
     if (with_den) den.zero_();

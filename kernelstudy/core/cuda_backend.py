@@ -195,6 +195,11 @@ class _CausalAttention(torch.autograd.Function):
         g = grad.float()
         dnum32 = g / d.unsqueeze(-1)
         dden = -(g * out.float()).sum(-1) / d
+        dtype = q.dtype
+        if dtype == torch.float16:  # dnum = g/d passes 65504 where d ~ eps (a row with no
+            # real key): inf, then inf·0 = NaN. The kernels compute float16 in bfloat16
+            # anyway, so the products run on bfloat16 operands: the same numbers, no overflow.
+            q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
         dnum = dnum32.to(q.dtype)
         if FUSED_BACKWARD:
             dq, dk, dv = ext.causal_backward(q, k, v, dnum, out_fp32=True)
@@ -206,7 +211,7 @@ class _CausalAttention(torch.autograd.Function):
         dk += ext.scaled_cumsum(q, dden, None, reverse=True)
         keep = _keep(mask)
         dk, dv = _masked(dk, keep), _masked(dv, keep)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None
 
 
 class _FullAttention(torch.autograd.Function):
