@@ -50,6 +50,10 @@ def _cmd_study(args: argparse.Namespace) -> int:
     from kernelstudy.study import list_studies, run_from_args
 
     if args.name is None:
+        options = ("quick", "force", "fill_tables", "only", "out")
+        given = [f"--{k.replace('_', '-')}" for k in options if getattr(args, k)]
+        if given:  # options without a study: say so rather than list and ignore them
+            raise ValueError(f"{', '.join(given)} need(s) a study NAME (kernelstudy study NAME)")
         for name in list_studies():
             print(name)
         return 0

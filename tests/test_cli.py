@@ -88,6 +88,8 @@ def test_study_lists_studies(capsys):
     assert main(["study"]) == 0
     out = capsys.readouterr().out.split()
     assert "approximation" in out
+    assert main(["study", "--quick", "--force"]) == 1  # were ignored
+    assert "--quick, --force need(s) a study NAME" in capsys.readouterr().err
 
 
 def test_unknown_study_is_an_error(capsys):
