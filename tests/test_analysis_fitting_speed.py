@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import matplotlib
 import numpy as np
@@ -158,6 +161,26 @@ def test_default_backends_are_those_that_take_the_device():
             ks.analysis.benchmark_attention([8], head_dim=4, backends=["torch", "gpu_only"])
     finally:
         unregister_backend("gpu_only")
+
+
+def test_profiler_lines_are_silenced_where_sys_stderr_is_not_fd_2():
+    """Under ipykernel ``sys.stderr.fileno()`` is a copy of the terminal's descriptor while
+    fd 2 feeds the notebook: the profiler's USDT lines reached the notebook's output."""
+    script = """if True:
+        import io, os, sys
+        copy = os.dup(2)
+        class Kernel(io.TextIOBase):  # ipykernel's OutStream: another descriptor
+            def fileno(self): return copy
+            def write(self, s): return len(s)
+        sys.stderr = Kernel()
+        import torch
+        from kernelstudy.analysis.speed import peak_memory_bytes
+        print(peak_memory_bytes(lambda: torch.ones(1000)))
+    """
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    assert run.returncode == 0 and int(run.stdout) == 4000, run.stderr
+    assert "profiler_start" not in run.stderr
 
 
 def test_peak_memory_counts_temporaries():

@@ -81,14 +81,16 @@ def time_call(
 
 @contextlib.contextmanager
 def _quiet_stderr() -> Iterator[None]:
-    """Silence C-level stderr (the profiler's start/stop lines)."""
+    """Silence C-level stderr, file descriptor 2 (the profiler's start/stop lines). Not
+    ``sys.stderr.fileno()``: under ipykernel that is a copy of the terminal's descriptor
+    while fd 2 feeds the notebook's output."""
+    fd = 2
     try:
-        fd = sys.stderr.fileno()
-    except (AttributeError, ValueError, OSError):
+        sys.stderr.flush()
+        saved = os.dup(fd)
+    except (AttributeError, ValueError, OSError):  # no stderr at all: nothing to silence
         yield
         return
-    sys.stderr.flush()
-    saved = os.dup(fd)
     try:
         with open(os.devnull, "w") as devnull:
             os.dup2(devnull.fileno(), fd)
