@@ -376,11 +376,11 @@ class MatchingClassifier(SequenceClassifier):
         _check_mask(mask_2, input_ids_2, "mask_2")
         # One encoder pass over both documents (padded to one length): one draw of a
         # redrawing random map per forward, as one shared encoder should see.
-        n = max(input_ids_1.shape[1], input_ids_2.shape[1])
         if input_ids_1.shape == input_ids_2.shape and (mask_1 is None) == (mask_2 is None):
             ids = torch.cat([input_ids_1, input_ids_2])
             mask = None if mask_1 is None else torch.cat([mask_1, mask_2])
         else:
+            n = max(input_ids_1.shape[1], input_ids_2.shape[1])
             pairs = [_padded(i, m, n) for i, m in ((input_ids_1, mask_1), (input_ids_2, mask_2))]
             ids, mask = torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
         u, v = self.encode(ids, mask).chunk(2)
