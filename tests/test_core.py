@@ -321,6 +321,26 @@ def test_bad_backend_and_chunk():
             ks.linear_attention(*_ok(), causal=causal, chunk_size=0)
         with pytest.raises(ValueError, match="chunk_size applies to backend='torch' only"):
             ks.linear_attention(*_ok(), causal=causal, backend="reference", chunk_size=8)
+        with pytest.raises(TypeError, match="backend must be a str"):  # not about chunk_size
+            ks.linear_attention(*_ok(), causal=causal, backend=3, chunk_size=8)
+    # chunk_size selects the torch backend: "auto" as None; numpy ints and floats are numbers
+    q, k, v = _ok()
+    want = ks.causal_dot_product(q, k, v, backend="torch", chunk_size=2)
+    same = ks.causal_dot_product(q, k, v, backend="auto", chunk_size=np.int64(2))
+    assert torch.equal(same, want)
+    ks.linear_attention(q, k, v, eps=np.float32(1e-6))
+
+
+def test_exported_causal_products_check_their_inputs():
+    """Heads and batch swapped were silently read as each other (chunked) or broadcast
+    (reference)."""
+    q, v = torch.rand(2, 1, 4, 3), torch.rand(2, 1, 4, 5)
+    k = torch.rand(1, 2, 4, 3)
+    for fn in (ks.core.causal_dot_product_chunked, ks.core.causal_dot_product_reference):
+        with pytest.raises(ValueError, match="must agree in batch size"):
+            fn(q, k, v)
+        with pytest.raises(TypeError, match="floating-point"):
+            fn(q.long(), q.long(), v.long())
 
 
 def test_softmax_padding_holds_anything_and_scale_is_checked():

@@ -53,6 +53,17 @@ def test_scaled_and_plain_states_refuse_the_other_kind_of_step():
         scaled.step(q, q, v)
     with pytest.raises(ValueError, match=r"k_log_scale must have shape \(1, 2\)"):
         scaled.step(q, q, v, torch.zeros(2, 1))
+    with pytest.raises(TypeError, match="scaled must be a bool"):  # "no" made a scaled state
+        ks.RecurrentState.zeros(1, 2, 4, 3, scaled="no")
+
+
+def test_softmax_with_no_head_dimension_needs_a_scale():
+    q = torch.rand(1, 1, 3, 0)
+    v = torch.rand(1, 1, 3, 2)
+    for fn in (ks.softmax_attention, ks.core.softmax_attention_reference):
+        with pytest.raises(ValueError, match="D = 0: 1/√D is undefined, pass scale"):
+            fn(q, q, v)  # was ZeroDivisionError
+        assert fn(q, q, v, scale=1.0).shape == (1, 1, 3, 2)
 
 
 def test_recurrent_state_is_constant_size_and_immutable():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .backends import resolve_backend
+from .backends import check_backend_name, resolve_backend
 from .chunked import causal_dot_product_chunked, check_chunk_size
 from .validation import (
     accumulation_dtype,
@@ -30,17 +30,28 @@ def causal_dot_product(
     """Unnormalized causal product ``out_i = Σ_{j≤i} (φq_i·φk_j) v_j``.
 
     ``phi_q, phi_k: (B,H,N,F)``, ``v: (B,H,N,M)`` → ``(B,H,N,M)`` in the input
-    dtype (accumulated in float32 for half inputs). ``chunk_size`` applies to
-    the ``torch`` backend only.
+    dtype (accumulated in float32 for half inputs). ``chunk_size`` selects the
+    ``torch`` backend (:func:`check_chunked`).
     """
     check_qkv(phi_q, phi_k, v, causal=True)
+    check_chunked(backend, chunk_size)
     return _causal_product(phi_q, phi_k, v, backend, chunk_size).to(phi_q.dtype)
+
+
+def check_chunked(backend: object, chunk_size: object) -> None:
+    """Check ``backend`` by name and ``chunk_size`` (an int ≥ 1 or None). A chunk size
+    selects the ``torch`` backend, so ``backend`` must then be None, ``"auto"`` or
+    ``"torch"`` (``KERNELSTUDY_BACKEND`` is not read)."""
+    check_backend_name(backend)
+    if chunk_size is None:
+        return
+    check_chunk_size(chunk_size)
+    if backend not in (None, "auto", "torch"):
+        raise ValueError(f"chunk_size applies to backend='torch' only, got backend={backend!r}")
 
 
 def _causal_product(phi_q, phi_k, v, backend, chunk_size) -> torch.Tensor:
     if chunk_size is not None:
-        if backend not in (None, "torch"):
-            raise ValueError(f"chunk_size applies to backend='torch' only, got backend={backend!r}")
         return causal_dot_product_chunked(phi_q, phi_k, v, chunk_size)
     return resolve_backend(backend, phi_q).product(phi_q, phi_k, v)
 
@@ -67,21 +78,16 @@ def linear_attention(
         eps: added to the normalizer (> 0).
         backend: ``"auto"``, ``"torch"``, ``"reference"``, or a compiled one
             (see :func:`kernelstudy.backends`); None reads ``KERNELSTUDY_BACKEND``.
-        chunk_size: chunk length of the ``torch`` backend.
+        chunk_size: chunk length of the ``torch`` backend, which it selects.
 
     Returns:
         ``(B,H,N,M)`` in the input dtype; sums accumulate in float32.
     """
     causal = check_qkv(phi_q, phi_k, v, causal=causal)
     eps = check_eps(eps)
-    if chunk_size is not None:  # checked in every mode, also where no chunk is used
-        check_chunk_size(chunk_size)
-        if backend not in (None, "torch"):
-            raise ValueError(f"chunk_size applies to backend='torch' only, got backend={backend!r}")
+    check_chunked(backend, chunk_size)  # in every mode, also where no chunk is used
     if backend == "reference":
         return linear_attention_reference(phi_q, phi_k, v, causal, key_padding_mask, eps)
-    if backend is not None and not isinstance(backend, str):
-        raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
     if chunk_size is None:
         chosen = resolve_backend(backend, phi_q)
         if chosen.attention is not None:

@@ -12,19 +12,22 @@ linear in N: activations ``O(N·(F+M))`` plus
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 import torch.nn.functional as F
 
-from .validation import accumulation_dtype
+from .validation import accumulation_dtype, check_qkv
 
 DEFAULT_CHUNK_SIZE = 64
 
 
 def check_chunk_size(chunk_size: object) -> int:
-    """``chunk_size`` as an int ≥ 1, else ValueError naming it."""
-    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+    """``chunk_size`` as an int ≥ 1 (numpy's ints too), else ValueError naming it."""
+    integral = isinstance(chunk_size, numbers.Integral) and not isinstance(chunk_size, bool)
+    if not integral or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    return chunk_size
+    return int(chunk_size)
 
 
 def _chunked_product(
@@ -95,4 +98,5 @@ def causal_dot_product_chunked(
     Returns ``(B,H,N,M)`` in the accumulation dtype (float32, or float64 for
     float64 inputs); gradients come back in the input dtypes.
     """
+    check_qkv(q, k, v, names=("q", "k", "v"), causal=True)
     return _ChunkedProduct.apply(q, k, v, check_chunk_size(chunk_size), False)

@@ -19,7 +19,13 @@ from dataclasses import dataclass
 import torch
 
 from .exp_range import exp_shift
-from .validation import accumulation_dtype, check_eps, check_same_dtype_and_device, check_tensor
+from .validation import (
+    accumulation_dtype,
+    check_eps,
+    check_flag,
+    check_same_dtype_and_device,
+    check_tensor,
+)
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,7 @@ class RecurrentState:
                 raise ValueError(f"{name} must be a positive int, got {n!r}")
         if dtype not in (torch.float32, torch.float64):
             raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+        scaled = check_flag("scaled", scaled)
         s = torch.zeros(batch, heads, feature_dim, value_dim, dtype=dtype, device=device)
         z = torch.zeros(batch, heads, feature_dim, dtype=dtype, device=device)
         log_scale = None

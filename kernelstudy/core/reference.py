@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .validation import accumulation_dtype
+from .validation import accumulation_dtype, check_qkv
 
 
 def causal_dot_product_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -16,6 +16,7 @@ def causal_dot_product_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     Computed in float32 (float64 for float64 inputs) and returned in the input dtype.
     Differentiable through plain autograd.
     """
+    check_qkv(q, k, v, names=("q", "k", "v"), causal=True)
     acc = accumulation_dtype(q.dtype)
     scores = q.to(acc) @ k.to(acc).transpose(-1, -2)
     scores = torch.tril(scores)

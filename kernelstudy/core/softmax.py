@@ -25,7 +25,11 @@ def _allowed(
 
 def _check_scale(q: torch.Tensor, scale: object) -> float:
     """``scale`` as a float (``1/√D`` for None); ValueError unless positive and finite."""
-    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else check_real("scale", scale, True)
+    if scale is not None:
+        return check_real("scale", scale, True)
+    if q.shape[-1] == 0:
+        raise ValueError("q has head dimension D = 0: 1/√D is undefined, pass scale")
+    return 1.0 / math.sqrt(q.shape[-1])
 
 
 def softmax_attention(

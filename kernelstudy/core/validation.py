@@ -8,6 +8,7 @@ deep inside a kernel.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -33,7 +34,7 @@ def check_tensor(x: object, name: str, ndim: int) -> torch.Tensor:
 
 def check_eps(eps: float) -> float:
     """``eps`` as a float > 0, else TypeError/ValueError naming it."""
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
+    if not isinstance(eps, numbers.Real) or isinstance(eps, bool):
         raise TypeError(f"eps must be a positive float, got {type(eps).__name__}")
     if not 0 < eps < float("inf"):
         raise ValueError(f"eps must be a finite float > 0, got {eps}")
@@ -43,7 +44,7 @@ def check_eps(eps: float) -> float:
 def check_real(name: str, value: object, strict: bool = False) -> float:
     """``value`` as a float, finite and >= 0 (> 0 with ``strict``), else TypeError/ValueError
     naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy's too
         raise TypeError(f"{name} must be a float, got {value!r}")
     if not (math.isfinite(value) and (value > 0 if strict else value >= 0)):
         raise ValueError(
@@ -53,10 +54,11 @@ def check_real(name: str, value: object, strict: bool = False) -> float:
 
 
 def check_count(name: str, value: object, minimum: int) -> int:
-    """``value`` if it is an int >= ``minimum`` (not a bool), else ValueError naming it."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    """``value`` as an int if it is one (numpy's too, not a bool) >= ``minimum``, else
+    ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
+    return int(value)
 
 
 def check_flag(name: str, value: object) -> bool:
