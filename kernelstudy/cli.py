@@ -118,12 +118,26 @@ def build_parser() -> argparse.ArgumentParser:
     data = p.add_subparsers(dest="dataset", metavar="DATASET", required=True)
     p = data.add_parser("listops", help="generate ListOps in the LRA release's TSV format")
     p.add_argument("--out", required=True, help="directory for basic_{train,val,test}.tsv")
-    p.add_argument("--train", type=int, default=96_000, help="training examples")
-    p.add_argument("--val", type=int, default=2_000, help="validation examples")
-    p.add_argument("--test", type=int, default=2_000, help="test examples")
-    p.add_argument("--min-length", type=int, default=500, help="shortest sequence, tokens")
-    p.add_argument("--max-length", type=int, default=2000, help="longest sequence, tokens")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--train", type=int, default=96_000, help="training examples (default %(default)s)"
+    )
+    p.add_argument(
+        "--val", type=int, default=2_000, help="validation examples (default %(default)s)"
+    )
+    p.add_argument("--test", type=int, default=2_000, help="test examples (default %(default)s)")
+    p.add_argument(
+        "--min-length",
+        type=int,
+        default=500,
+        help="shortest sequence, tokens (default %(default)s)",
+    )
+    p.add_argument(
+        "--max-length",
+        type=int,
+        default=2000,
+        help="longest sequence, tokens (default %(default)s)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.set_defaults(func=_cmd_data_listops)
 
     from kernelstudy.train.commands import add_commands as add_train_commands

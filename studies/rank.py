@@ -264,9 +264,15 @@ def summarize(frame: pd.DataFrame, params: dict, tables: dict | None = None) -> 
         parts.append(not_run_section("Copy task", "copy"))
     else:
         c = params["copy"]
+        kernel = frame[(frame["part"] == "copy") & (frame["method"] != "softmax")]
+        copy_f = kernel.groupby("method")["feature_dim"].max()
+        own = ", ".join(
+            f"{m} F={int(f)}" for m, f in copy_f.items() if f and int(f) != c["feature_dim"]
+        )  # maps whose F is fixed by D (hedgehog: 2D)
         parts.append(
             f"## Copy task (sequences of {c['copy_len']} symbols, 1 layer, 1 head, "
-            f"d_model={c['d_model']}, kernel maps at F={c['feature_dim']}): validation token "
+            f"d_model={c['d_model']}, kernel maps at F={c['feature_dim']}"
+            f"{f'; {own}' if own else ''}): validation token "
             f"accuracy on the copied half, mean over {c['seeds']} seed(s)\n\n"
             + markdown_table(copy_table(frame))
         )

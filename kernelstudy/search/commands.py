@@ -22,7 +22,12 @@ def _common(p: argparse.ArgumentParser) -> None:
         "URL lets workers on many machines share the study",
     )
     p.add_argument("--quick", action="store_true", help="use the config's [quick] sizes")
-    p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help="results directory")
+    p.add_argument(
+        "--out",
+        default=DEFAULT_OUT,
+        metavar="DIR",
+        help=f"results directory (default {DEFAULT_OUT})",
+    )
 
 
 def _variants(p: argparse.ArgumentParser) -> None:
@@ -107,7 +112,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "--trials",
         type=_positive,
         default=None,
-        help="finished trials per variant (default: the config's)",
+        help="finished trials per variant (default: the config's); with several workers a "
+        "trial running when the count is reached still finishes (up to workers-1 more)",
     )
     p.add_argument("--workers", type=_positive, default=1, help="worker processes (default 1)")
     _common(p)
