@@ -366,6 +366,12 @@ def test_missing_inputs(tmp_path, capsys):
     assert "no study database" in capsys.readouterr().err
     assert ks("search", write_config(tmp_path, ["elu+1"]), "--variant", "GLU9") == 1
     assert "no variant 'GLU9'" in capsys.readouterr().err
+    # evaluate and report before any search: said, and no empty database (or data) left
+    cfg, out = write_config(tmp_path, ["elu+1"]), tmp_path / "fresh"
+    for command in ("evaluate", "report"):
+        assert ks(command, cfg, "--out", out) == 1
+        assert "run `kernelstudy search" in capsys.readouterr().err
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("command", ["search", "evaluate", "report"])

@@ -31,8 +31,8 @@ from .runner import (
     best_trial,
     check_device,
     check_settings,
+    searched_storage_url,
     select_variants,
-    storage_url,
 )
 from .storage import load_study, open_storage
 
@@ -118,7 +118,7 @@ def run_evaluation(
         raise ValueError(f"seeds must be a positive int, got {seeds!r}")
     check_device(config, device)
     chosen = select_variants(config, variants)
-    url = storage_url(config, storage, out)
+    url = searched_storage_url(config, storage, out)
     open_storage(url)
     check_settings(config, chosen, url)  # the best trials re-train as they were searched
     data = prepare_data(config, out)

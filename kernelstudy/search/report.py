@@ -31,7 +31,7 @@ import pandas as pd
 from ..files import atomic_write, atomic_write_text
 from .config import load_config
 from .evaluate import EVALUATION, current_runs, read_evaluation, summarize_evaluation
-from .runner import DEFAULT_OUT, best_trial, storage_url, study_row, unshared_settings
+from .runner import DEFAULT_OUT, best_trial, searched_storage_url, study_row, unshared_settings
 from .storage import open_storage, redact
 from .workers import is_duplicate
 
@@ -78,7 +78,7 @@ def load_results(
     path = Path(target)
     if path.suffix == ".toml" or path.is_file():
         config = load_config(path, quick=quick)
-        name, url = config.name, storage_url(config, storage, out)
+        name, url = config.name, searched_storage_url(config, storage, out)
         labels = [config.study_name(v) for v in config.variants]
     else:
         name = str(target)

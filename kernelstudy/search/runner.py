@@ -43,6 +43,22 @@ def storage_url(config: SearchConfig, storage: str | None, out: str | Path = DEF
     return storage if storage else default_storage_url(out, config.name)
 
 
+def searched_storage_url(
+    config: SearchConfig, storage: str | None, out: str | Path = DEFAULT_OUT
+) -> str:
+    """:func:`storage_url` for commands that read a search (evaluate, report): the default
+    SQLite file must exist (FileNotFoundError), so that none is created empty."""
+    if storage:
+        return storage
+    db = Path(out) / config.name / "optuna.db"
+    if not db.is_file():
+        raise FileNotFoundError(
+            f"no study database {db}: run `kernelstudy search {config.path}` first "
+            "(with the same --out), or give --storage URL"
+        )
+    return f"sqlite:///{db.resolve()}"
+
+
 def check_device(config: SearchConfig, device: str | None) -> None:
     """ValueError now, before any trial, if ``device`` (or, when None, the config's
     ``[train] device``) is unknown or missing here (cuda without a GPU)."""
