@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import torch
 
-from ..core.validation import check_real
+from ..core.validation import check_count, check_real
 from ..feature_maps import FeatureMap
 from .matrices import MAX_N, attention_matrix, check_qk
 
@@ -72,9 +72,8 @@ def fit_to_softmax(
             f"feature_map {feature_map.name or type(feature_map).__name__!r} has no trainable "
             "parameters to fit"
         )
-    for name, value, low in (("steps", steps, 0), ("eval_every", eval_every, 1)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    check_count("steps", steps, 0)
+    check_count("eval_every", eval_every, 1)
     check_real("lr", lr, strict=True)
     check_real("reg_weight", reg_weight)
     if (q_val is None) != (k_val is None):

@@ -32,7 +32,7 @@ from ..files import atomic_write, atomic_write_text
 from .config import load_config
 from .evaluate import EVALUATION, current_runs, read_evaluation, summarize_evaluation
 from .runner import DEFAULT_OUT, best_trial, searched_storage_url, study_row, unshared_settings
-from .storage import open_storage, redact
+from .storage import existing_storage_url, open_storage, redact
 from .workers import is_duplicate
 
 #: Yorsh & Kovalenko's published test accuracies (%); their Matching is LRA Retrieval.
@@ -82,16 +82,8 @@ def load_results(
         labels = [config.study_name(v) for v in config.variants]
     else:
         name = str(target)
-        if storage:
-            url = storage
-        else:
-            db = Path(out) / name / "optuna.db"
-            if not db.is_file():
-                raise FileNotFoundError(
-                    f"no config file {target!r} and no study database {db}; give a config "
-                    "file, or a study name with --storage URL"
-                )
-            url = f"sqlite:///{db.resolve()}"
+        hint = f"{target!r} is no config file either; give one, or a study name with --storage URL"
+        url = storage or existing_storage_url(out, name, hint)
         labels = None
     store = open_storage(url)
     names = [s.study_name for s in optuna.get_all_study_summaries(store)]

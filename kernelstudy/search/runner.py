@@ -26,7 +26,7 @@ from ..progress import tqdm
 from ..train import resolve_device
 from .config import SearchConfig, Variant, load_config
 from .objective import check_variants, objective, prepare_data
-from .storage import default_storage_url, load_study, open_storage, redact
+from .storage import default_storage_url, existing_storage_url, load_study, open_storage, redact
 from .workers import FINISHED, is_duplicate, open_study, run_workers
 
 DEFAULT_OUT = "results"
@@ -48,15 +48,10 @@ def searched_storage_url(
 ) -> str:
     """:func:`storage_url` for commands that read a search (evaluate, report): the default
     SQLite file must exist (FileNotFoundError), so that none is created empty."""
-    if storage:
-        return storage
-    db = Path(out) / config.name / "optuna.db"
-    if not db.is_file():
-        raise FileNotFoundError(
-            f"no study database {db}: run `kernelstudy search {config.path}` first "
-            "(with the same --out), or give --storage URL"
-        )
-    return f"sqlite:///{db.resolve()}"
+    hint = (
+        f"run `kernelstudy search {config.path}` first (with the same --out), or give --storage URL"
+    )
+    return storage or existing_storage_url(out, config.name, hint)
 
 
 def check_device(config: SearchConfig, device: str | None) -> None:

@@ -19,10 +19,24 @@ GRACE_PERIOD = 30
 MAX_RETRY = 2
 
 
+def _default_path(results_dir: str | Path, study: str) -> Path:
+    return Path(results_dir) / study / "optuna.db"
+
+
 def default_storage_url(results_dir: str | Path, study: str) -> str:
     """``sqlite:///results_dir/study/optuna.db`` (the directory is created)."""
-    path = Path(results_dir) / study / "optuna.db"
+    path = _default_path(results_dir, study)
     path.parent.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{path.resolve()}"
+
+
+def existing_storage_url(results_dir: str | Path, study: str, hint: str) -> str:
+    """The :func:`default_storage_url` of a study a search wrote, for commands that only read
+    it: FileNotFoundError (``no study database PATH: hint``) when the file does not exist,
+    so that none is created empty."""
+    path = _default_path(results_dir, study)
+    if not path.is_file():
+        raise FileNotFoundError(f"no study database {path}: {hint}")
     return f"sqlite:///{path.resolve()}"
 
 
