@@ -7,6 +7,10 @@ package or kernel is missing, and a cell is left empty when it runs out of memor
 - ``cuda``   this project's CUDA backend, ``ks.causal_dot_product(..., backend="cuda")``;
 - ``cuda_fused``  the same with the fused backward (``cuda_backend.FUSED_BACKWARD``): one
              pass for dq, dk and dv instead of three causal products (same forward);
+- ``cuda_walk``  the same with the walk kernel (``cuda_backend.CAUSAL_KERNEL = "walk"``: each
+             thread block walks a segment of chunks with the state on chip), forward and the
+             three backward products; ``--walk-blocks`` sweeps ``cuda_backend.WALK_BLOCKS``
+             (columns ``cuda_walk_<blocks>`` when more than one value is given);
 - ``torch``  this project's chunked PyTorch backend on the same GPU;
 - ``fla``    flash-linear-attention's ``chunk_linear_attn`` (``normalize=False``, scale 1:
              the same unnormalized causal product), inputs made in its (B, N, H, D) layout;
@@ -43,7 +47,8 @@ import kernelstudy as ks
 from kernelstudy.core import cuda_backend
 
 DEFAULT_N = [512, 1024, 2048, 4096, 8192, 16384, 32768]
-METHODS = ["cuda", "cuda_fused", "torch", "fla", "sdpa"]
+METHODS = ["cuda", "cuda_fused", "cuda_walk", "torch", "fla", "sdpa"]
+CUDA_METHODS = ("cuda", "cuda_fused", "cuda_walk")
 
 
 def cuda_time_ms(fn: Callable[[], object], repeats: int, warmup: int) -> float:
@@ -101,7 +106,9 @@ def _sdpa_backend(dtype: torch.dtype):
     return "sdpa_efficient", SDPBackend.EFFICIENT_ATTENTION
 
 
-def make_case(method: str, b: int, h: int, n: int, d: int, dtype: torch.dtype, fla_fn):
+def make_case(
+    method: str, b: int, h: int, n: int, d: int, dtype: torch.dtype, fla_fn, walk_blocks: int = 256
+):
     """(label, fn, inputs) for one method: fn() runs the causal forward and returns the output."""
     gen = torch.Generator(device="cuda").manual_seed(n)
 
@@ -109,13 +116,15 @@ def make_case(method: str, b: int, h: int, n: int, d: int, dtype: torch.dtype, f
         x = torch.rand(*shape, device="cuda", generator=gen, dtype=torch.float32)
         return (x if positive else 2 * x - 1).to(dtype)
 
-    if method in ("cuda", "cuda_fused", "torch"):
+    if method in (*CUDA_METHODS, "torch"):
         q, k, v = rand(b, h, n, d, positive=True), rand(b, h, n, d, positive=True), rand(b, h, n, d)
         backend = "torch" if method == "torch" else "cuda"
 
         def run():
             # read by the backward that follows this call (cases run one after another)
             cuda_backend.FUSED_BACKWARD = method == "cuda_fused"
+            cuda_backend.CAUSAL_KERNEL = "walk" if method == "cuda_walk" else "chunks"
+            cuda_backend.WALK_BLOCKS = walk_blocks
             return ks.causal_dot_product(q, k, v, backend=backend)
 
         return method, run, (q, k, v)
@@ -188,9 +197,13 @@ def benchmark(args: argparse.Namespace) -> pd.DataFrame:
                         for mode in args.modes:
                             if method == "cuda_fused" and mode == "fwd":
                                 continue  # the forward is cuda's
-                            rows.append(
-                                measure(method, mode, b, h, n, d, name, dtype, fla_fn, args)
-                            )
+                            for blocks in args.walk_blocks if method == "cuda_walk" else [256]:
+                                row = measure(
+                                    method, mode, b, h, n, d, name, dtype, fla_fn, args, blocks
+                                )
+                                if method == "cuda_walk" and len(args.walk_blocks) > 1:
+                                    row["method"] = f"cuda_walk_{blocks}"
+                                rows.append(row)
     frame = pd.DataFrame(rows)
     frame["matmul_tflops"] = frame["dtype"].map(rates)
     frame["frac_matmul"] = frame["tflops"] / frame["matmul_tflops"]
@@ -205,10 +218,10 @@ def benchmark(args: argparse.Namespace) -> pd.DataFrame:
     return frame
 
 
-def measure(method, mode, b, h, n, d, dtype_name, dtype, fla_fn, args) -> dict:
+def measure(method, mode, b, h, n, d, dtype_name, dtype, fla_fn, args, walk_blocks=256) -> dict:
     label, ms, error = method, float("nan"), ""
     try:
-        label, fn, inputs = make_case(method, b, h, n, d, dtype, fla_fn)
+        label, fn, inputs = make_case(method, b, h, n, d, dtype, fla_fn, walk_blocks)
         if mode == "fwd+bwd":
             for t in inputs:
                 t.requires_grad_(True)
@@ -264,23 +277,23 @@ def targets(frame: pd.DataFrame) -> str:
         ]
         return float(sel.time_ms.iloc[0]) if len(sel) else float("nan")
 
-    lines = [
-        f"N=8192 bf16 cuda/fla: {t('cuda', 'bfloat16', 8192) / t('fla', 'bfloat16', 8192):.3f}"
-        " (target <= 1.0)",
-        f"N=8192 bf16 cuda_fused/fla: "
-        f"{t('cuda_fused', 'bfloat16', 8192) / t('fla', 'bfloat16', 8192):.3f} (target <= 1.0)",
-        f"N=8192 bf16 cuda/sdpa: {t('cuda', 'bfloat16', 8192) / t('sdpa', 'bfloat16', 8192):.3f}"
-        " (target < 1.0)",
-        f"N=16384 fp32 torch/cuda: "
-        f"{t('torch', 'float32', 16384) / t('cuda', 'float32', 16384):.2f} (target >= 10)",
-    ]
-    crossover = [
-        n for n in sorted(frame.N.unique()) if t("cuda", "bfloat16", n) <= t("sdpa", "bfloat16", n)
-    ]
-    lines.append(
-        f"crossover with sdpa flash (bf16): N = {crossover[0] if crossover else 'none'}"
-        " (target <= 2048)"
-    )
+    lines = []
+    ours = [m for m in frame.method.unique() if m.startswith(CUDA_METHODS)]
+    for m in sorted(ours):
+        fla, sdpa = t("fla", "bfloat16", 8192), t("sdpa", "bfloat16", 8192)
+        torch32, ours32 = t("torch", "float32", 16384), t(m, "float32", 16384)
+        lines += [
+            f"N=8192 bf16 {m}/fla: {t(m, 'bfloat16', 8192) / fla:.3f} (target <= 1.0)",
+            f"N=8192 bf16 {m}/sdpa: {t(m, 'bfloat16', 8192) / sdpa:.3f} (target < 1.0)",
+            f"N=16384 fp32 torch/{m}: {torch32 / ours32:.2f} (target >= 10)",
+        ]
+        crossover = [
+            n for n in sorted(frame.N.unique()) if t(m, "bfloat16", n) <= t("sdpa", "bfloat16", n)
+        ]
+        lines.append(
+            f"crossover of {m} with sdpa flash (bf16): N = "
+            f"{crossover[0] if crossover else 'none'} (target <= 2048)"
+        )
     return "\n".join(lines)
 
 
@@ -345,6 +358,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
     p.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
+    p.add_argument(
+        "--walk-blocks",
+        type=int,
+        nargs="+",
+        default=[cuda_backend.WALK_BLOCKS],
+        help="cuda_backend.WALK_BLOCKS values for cuda_walk (several: one column each)",
+    )
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="N in {1024, 8192}, B×H = 8x16, D = 64")
@@ -354,6 +374,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.n, args.shapes, args.dims, args.repeats = [1024, 8192], [(8, 16)], [64], 5
     if any(n < 1 for n in args.n) or args.repeats < 1 or args.warmup < 0:
         p.error("--n and --repeats must be positive, --warmup non-negative")
+    if any(blocks < 1 for blocks in args.walk_blocks):
+        p.error("--walk-blocks must be positive")
     return args
 
 

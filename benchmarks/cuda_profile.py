@@ -1,8 +1,10 @@
 """Per-kernel GPU time of the CUDA backend's causal product, forward and backward.
 
 Runs ``ks.causal_dot_product(..., backend="cuda")`` forward + backward under
-``torch.profiler`` for each dtype and backward variant (three causal products, or the fused
-backward of ``cuda_backend.FUSED_BACKWARD``) and reports every CUDA kernel's total and
+``torch.profiler`` for each dtype and kernel variant (``three``: the chunk kernels with three
+causal products in the backward; ``fused``: the chunk kernels with the fused backward of
+``cuda_backend.FUSED_BACKWARD``; ``walk``: the walk kernel, ``cuda_backend.CAUSAL_KERNEL =
+"walk"``, forward and three backward products) and reports every CUDA kernel's total and
 per-call time, its share of the step and its call count per step: where the time goes
 before a kernel is changed.
 
@@ -25,9 +27,19 @@ from torch.profiler import ProfilerActivity, profile
 import kernelstudy as ks
 from kernelstudy.core import cuda_backend
 
+VARIANTS = ("three", "fused", "walk")
+
+
+def use_variant(variant: str) -> None:
+    """Select one of :data:`VARIANTS` in the cuda backend."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    cuda_backend.FUSED_BACKWARD = variant == "fused"
+    cuda_backend.CAUSAL_KERNEL = "walk" if variant == "walk" else "chunks"
+
 
 def kernel_times(
-    dtype: torch.dtype, b: int, h: int, n: int, d: int, fused: bool, steps: int
+    dtype: torch.dtype, b: int, h: int, n: int, d: int, variant: str, steps: int
 ) -> pd.DataFrame:
     """One row per CUDA kernel: total µs over ``steps`` forward+backward steps and calls."""
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -37,7 +49,7 @@ def kernel_times(
     )
     v = torch.randn(b, h, n, d, device="cuda", generator=gen).to(dtype).requires_grad_()
     g = torch.randn(b, h, n, d, device="cuda", generator=gen).to(dtype)
-    cuda_backend.FUSED_BACKWARD = fused
+    use_variant(variant)
 
     def step() -> None:
         for t in (q, k, v):
@@ -76,6 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=["bfloat16", "float32"],
         choices=["float32", "bfloat16", "float16"],
     )
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--steps", type=int, default=5, help="profiled fwd+bwd steps")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/cuda_profile.csv"))
     args = p.parse_args(argv)
@@ -95,9 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     b, h = args.batch, args.heads
     frames = []
     for name in args.dtypes:
-        for fused in (False, True):
-            frame = kernel_times(getattr(torch, name), b, h, args.n, args.dim, fused, args.steps)
-            frames.append(frame.assign(dtype=name, backward="fused" if fused else "three"))
+        for variant in args.variants:
+            frame = kernel_times(getattr(torch, name), b, h, args.n, args.dim, variant, args.steps)
+            frames.append(frame.assign(dtype=name, variant=variant))
     result = pd.concat(frames, ignore_index=True).assign(
         B=b,
         H=h,
@@ -110,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result.to_csv(args.out, index=False)
-    cols = ["dtype", "backward", "kernel", "calls_per_step", "us_per_call", "us_per_step", "share"]
+    cols = ["dtype", "variant", "kernel", "calls_per_step", "us_per_call", "us_per_step", "share"]
     with pd.option_context("display.max_colwidth", 60, "display.width", 200):
         print(result[cols].round(3).to_string(index=False))
     print(f"wrote {args.out}", file=sys.stderr)

@@ -34,6 +34,10 @@ def _frame() -> pd.DataFrame:
         ("sdpa", "bfloat16", 1024): 0.5,
         ("cuda", "bfloat16", 8192): 3.0,
         ("cuda_fused", "bfloat16", 8192): 2.0,
+        ("cuda_walk", "bfloat16", 8192): 1.25,
+        ("cuda_walk", "bfloat16", 2048): 1.6,
+        ("cuda_walk", "bfloat16", 1024): 0.4,
+        ("cuda_walk", "float32", 16384): 1.6,
         ("fla", "bfloat16", 8192): 2.5,
         ("sdpa", "bfloat16", 8192): 12.0,
         ("cuda", "float32", 16384): 4.0,
@@ -53,7 +57,10 @@ def test_targets_report_the_issue_ratios(cuda_core):
     assert "N=8192 bf16 cuda_fused/fla: 0.800" in text
     assert "N=8192 bf16 cuda/sdpa: 0.250" in text
     assert "N=16384 fp32 torch/cuda: 5.00" in text
-    assert "crossover with sdpa flash (bf16): N = 2048" in text
+    assert "crossover of cuda with sdpa flash (bf16): N = 2048" in text
+    assert "N=8192 bf16 cuda_walk/fla: 0.500" in text
+    assert "N=16384 fp32 torch/cuda_walk: 12.50" in text
+    assert "crossover of cuda_walk with sdpa flash (bf16): N = 1024" in text
 
 
 def test_plot_writes_a_png(cuda_core, tmp_path):
@@ -66,7 +73,14 @@ def test_arguments(cuda_core):
     args = cuda_core.parse_args(["--shapes", "1x8", "4x16", "--methods", "cuda", "cuda_fused"])
     assert args.shapes == [(1, 8), (4, 16)] and args.methods == ["cuda", "cuda_fused"]
     assert cuda_core.parse_args(["--quick"]).n == [1024, 8192]
-    for bad in (["--shapes", "8by16"], ["--shapes", "0x4"], ["--n", "0"], ["--methods", "x"]):
+    assert cuda_core.parse_args(["--walk-blocks", "128", "512"]).walk_blocks == [128, 512]
+    for bad in (
+        ["--shapes", "8by16"],
+        ["--shapes", "0x4"],
+        ["--n", "0"],
+        ["--methods", "x"],
+        ["--walk-blocks", "0"],
+    ):
         with pytest.raises(SystemExit) as exit_info:
             cuda_core.parse_args(bad)
         assert exit_info.value.code == 2
@@ -83,5 +97,8 @@ def test_refuses_without_a_gpu(name, tmp_path, capsys):
 def test_profile_arguments():
     profile = _script("cuda_profile")
     assert profile.parse_args(["--n", "1024", "--batch", "1"]).heads == 16
+    assert profile.parse_args([]).variants == ["three", "fused", "walk"]
     with pytest.raises(SystemExit):
         profile.parse_args(["--steps", "0"])
+    with pytest.raises(SystemExit):
+        profile.parse_args(["--variants", "four"])

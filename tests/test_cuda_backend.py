@@ -5,6 +5,8 @@ relative RMS error ≤ 1e-2 (against the reference in float64 on the same rounde
 Also: awkward shapes (N=1, N not a multiple of the chunk, F≠M, F=M=256, B·H=1 at long N),
 key padding, recurrent-state consistency, dispatch, bit-identical reruns, and the fused
 backward (``ext.causal_backward``) against the reference and the three-product backward.
+Every test runs under both causal kernels (``cuda_backend.CAUSAL_KERNEL``: "chunks" and
+"walk"); the walk is also checked with sequences cut into 1, several and one-chunk segments.
 """
 
 from __future__ import annotations
@@ -53,6 +55,13 @@ def _built() -> None:
     if torch.cuda.get_device_capability() < cuda_backend.MIN_CAPABILITY:
         pytest.skip("the cuda backend needs compute capability >= 8.0")
     assert cuda_backend.is_available(), "the CUDA extension did not build (see the warning)"
+
+
+@pytest.fixture(autouse=True, params=cuda_backend.CAUSAL_KERNELS)
+def causal_kernel(request, monkeypatch) -> str:
+    """Every test runs under each causal kernel: the chunk kernels and the walk."""
+    monkeypatch.setattr(cuda_backend, "CAUSAL_KERNEL", request.param)
+    return request.param
 
 
 def _features(b, h, n, f, m, dtype=torch.float32, seed=0):
@@ -340,3 +349,74 @@ def test_bit_identical_reruns(monkeypatch, dtype, fused):
     first, second = _run_all(dtype), _run_all(dtype)
     for a, b in zip(first, second, strict=True):
         assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------- the walk kernel
+WALK_SHAPES = [(1, 1, 4099, 64, 64), (2, 3, 200, 33, 70), (3, 2, 130, 96, 40), (2, 1, 1, 4, 3)]
+WALK_IDS = ["x".join(map(str, s)) for s in WALK_SHAPES]
+
+
+@pytest.mark.parametrize("walk_blocks", [1, 5, 10**6], ids=["one_segment", "5", "per_chunk"])
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=str)
+@pytest.mark.parametrize("shape", WALK_SHAPES, ids=WALK_IDS)
+def test_walk_segments_match_reference(monkeypatch, shape, dtype, walk_blocks):
+    """Segments of every length (the whole sequence, ragged groups, one chunk each) give the
+    product, the normalized attention and their gradients, forward and anti-causal."""
+    monkeypatch.setattr(cuda_backend, "CAUSAL_KERNEL", "walk")
+    monkeypatch.setattr(cuda_backend, "WALK_BLOCKS", walk_blocks)
+    b, h, n, f, m = shape
+    q, k, v = _features(*shape, dtype=dtype)
+    q64, k64, v64 = _as64((q, k, v))
+    mask = torch.ones(b, n, dtype=torch.bool, device=DEVICE)
+    mask[-1, n // 2 + 1 :] = False
+    g = _upstream((b, h, n, m)).to(dtype)
+    for fn, ref in (
+        (lambda *x: ks.causal_dot_product(*x, backend="cuda"), causal_dot_product_reference),
+        (
+            lambda *x: cuda_backend.linear_attention(*x, causal=True, key_padding_mask=mask),
+            lambda *x: linear_attention_reference(*x, causal=True, key_padding_mask=mask),
+        ),
+    ):
+        got, want = fn(q, k, v), ref(q64, k64, v64)
+        assert got.dtype == dtype
+        pairs = [(got, want)]
+        pairs += zip(_grads(got, (q, k, v), g), _grads(want, (q64, k64, v64), g), strict=True)
+        for a, w in pairs:
+            assert torch.isfinite(a).all() and _close(a, w, dtype)
+    ext = cuda_backend.extension()
+    for reverse in (False, True):
+        out, den = ext.causal_product(
+            q.detach(), k.detach(), v.detach(), reverse=reverse, out_fp32=True, with_den=True,
+            walk_blocks=walk_blocks,
+        )  # fmt: skip
+        flip = (lambda x: x.flip(2)) if reverse else (lambda x: x)
+        want = flip(causal_dot_product_reference(flip(q64), flip(k64), flip(v64)))
+        ones = torch.ones(*q64.shape[:3], 1, dtype=torch.float64, device=DEVICE)
+        want_den = flip(causal_dot_product_reference(flip(q64), flip(k64), ones))[..., 0]
+        assert out.dtype == torch.float32 and _close(out, want, dtype)
+        assert _close(den, want_den, dtype)
+
+
+def _by_kernel(monkeypatch, fn) -> dict[str, torch.Tensor]:
+    """fn() under each causal kernel."""
+    got = {}
+    for kernel in cuda_backend.CAUSAL_KERNELS:
+        monkeypatch.setattr(cuda_backend, "CAUSAL_KERNEL", kernel)
+        got[kernel] = fn()
+    return got
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_walk_falls_back_to_chunks_above_f_128(monkeypatch, dtype):
+    """F > 128 is outside the walk: it runs the chunk kernels, bit for bit."""
+    q, k, v = (t.detach() for t in _features(1, 2, 129, 130, 20, dtype=dtype))
+    got = _by_kernel(monkeypatch, lambda: ks.causal_dot_product(q, k, v, backend="cuda"))
+    assert torch.equal(got["walk"], got["chunks"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_walk_matches_chunk_kernels(monkeypatch, dtype):
+    """The two kernels agree to the precision of their operands on a long, many-head case."""
+    q, k, v = (t.detach() for t in _features(2, 8, 2500, 64, 64, dtype=dtype))
+    got = _by_kernel(monkeypatch, lambda: cuda_backend.linear_attention(q, k, v, causal=True))
+    assert _close(got["walk"], got["chunks"], dtype)

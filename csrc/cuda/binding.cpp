@@ -62,10 +62,11 @@ c10::optional<at::Tensor> checked_rows(const c10::optional<at::Tensor>& w, const
 
 // out (B,H,N,M) = sum_{j<=i} (q_i . k_j) v_j (j >= i with `reverse`), in fp32 if `out_fp32`
 // else in the inputs' dtype; den (B,H,N) fp32 = sum_{j<=i} q_i . k_j if `with_den` (else None).
-// `normalize` divides out by den + eps.
+// `normalize` divides out by den + eps. walk_blocks > 0 selects the walk kernel (launchers.h).
 std::vector<at::Tensor> causal_product(at::Tensor q, at::Tensor k, at::Tensor v, bool reverse,
-                                       bool out_fp32, bool with_den, bool normalize,
-                                       double eps) {
+                                       bool out_fp32, bool with_den, bool normalize, double eps,
+                                       int64_t walk_blocks) {
+  TORCH_CHECK_VALUE(walk_blocks >= 0, "walk_blocks must be >= 0, got ", walk_blocks);
   check_sequence(q, "q", q);
   check_sequence(k, "k", q);
   check_sequence(v, "v", q);
@@ -88,12 +89,14 @@ std::vector<at::Tensor> causal_product(at::Tensor q, at::Tensor k, at::Tensor v,
     if (with_den) den.zero_();
     return {out, den};
   }
-  auto ws = at::empty({ks_cuda::causal_workspace_floats(dtype_of(q), b * h, n, f, m)}, f32(q));
+  auto ws = at::empty({ks_cuda::causal_workspace_floats(dtype_of(q), b * h, n, f, m, walk_blocks)},
+                      f32(q));
   check_launch(ks_cuda::causal_product(dtype_of(q), q.data_ptr(), k.data_ptr(), v.data_ptr(),
                                        out.data_ptr(), out_fp32,
                                        with_den ? den.data_ptr<float>() : nullptr, normalize,
                                        static_cast<float>(eps), ws.data_ptr<float>(), b * h, n, f,
-                                       m, reverse, c10::cuda::getCurrentCUDAStream()),
+                                       m, reverse, walk_blocks,
+                                       c10::cuda::getCurrentCUDAStream()),
                "causal_product");
   return {out, den};
 }
@@ -225,7 +228,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("causal_product", &causal_product, "causal (or anti-causal) product, optional normalizer",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("reverse") = false,
         py::arg("out_fp32") = true, py::arg("with_den") = false, py::arg("normalize") = false,
-        py::arg("eps") = 1e-6);
+        py::arg("eps") = 1e-6, py::arg("walk_blocks") = 0);
   m.def("causal_backward", &causal_backward, "fused gradients [dq, dk, dv] of the causal product",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("out_fp32") = false);
   m.def("full_state", &full_state, "non-causal state [S | z] with key padding", py::arg("k"),

@@ -25,14 +25,20 @@ constexpr int64_t kReduceRows = 1024;  // rows per partial state of the non-caus
 // out_i = sum_{j<=i} (q_i . k_j) v_j   (with `reverse`: sum over j >= i)
 // q, k: (BH, N, F), v: (BH, N, M) in `dtype`; out: (BH, N, M) in fp32 if `out_fp32`, else in
 // `dtype`. den (optional, fp32 (BH, N)): den_i = sum_{j<=i} q_i . k_j (j >= i with reverse).
-// With `normalize`, out_i is divided by (den_i + eps). `workspace` holds
-// causal_workspace_floats(...) floats: per-chunk states (S: F x M in fp32 for fp32 inputs, bf16
-// for half inputs; z: F in fp32) and per-block carries (fp32).
-int64_t causal_workspace_floats(DType dtype, int64_t bh, int64_t n, int64_t f, int64_t m);
+// With `normalize`, out_i is divided by (den_i + eps).
+// walk_blocks = 0: per-chunk kernels (chunk states through global memory, then the outputs of
+// all chunks in parallel); walk_blocks > 0 and F <= 128: each thread block walks a segment of
+// chunks with the state on chip, the sequences cut into segments so that about walk_blocks
+// blocks run (the per-chunk kernels where the walk does not apply). `workspace` holds
+// causal_workspace_floats(...) floats (same arguments, on the device that runs the product):
+// per-chunk states (S: F x M in fp32 for fp32 inputs, bf16 for half inputs; z: F in fp32) and
+// per-block carries (fp32), or for the walk the segments' carries only.
+int64_t causal_workspace_floats(DType dtype, int64_t bh, int64_t n, int64_t f, int64_t m,
+                                int64_t walk_blocks);
 cudaError_t causal_product(DType dtype, const void* q, const void* k, const void* v, void* out,
                            bool out_fp32, float* den, bool normalize, float eps, float* workspace,
                            int64_t bh, int64_t n, int64_t f, int64_t m, bool reverse,
-                           cudaStream_t stream);
+                           int64_t walk_blocks, cudaStream_t stream);
 
 // Gradients of the causal product for g = dL/dout (BH, N, M), all in one pass over the chunks:
 // dq_i = sum_{j<=i} (g_i . v_j) k_j,  dk_j = sum_{i>=j} (g_i . v_j) q_i,

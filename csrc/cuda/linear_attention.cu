@@ -756,6 +756,211 @@ __global__ void __launch_bounds__(kThreads, kOutputBlocksPerSm<Tin>)
 #endif
 }
 
+// ------------------------------------------------------------------ kernel 6: chunk walk
+// The causal product in one pass per segment, with the state on chip (selected by walk_blocks >
+// 0, for F <= 128; kernels 1-3 cover the rest). grid.x = BH * nblk: block b walks the chunks
+// [b*cpb, min(nc, (b+1)*cpb)) of sequence bh in order (last to first with `reverse`);
+// grid.y = ceil(M/64) (M slice). The running state S (F x M slice) and z (F) stay in shared
+// memory in fp32, starting from the segment's carry (kernels 1 and 2 with no per-chunk
+// prefixes; none when nblk = 1). Chunk c:
+//     out_c = mask(Q_c K_c^T) V_c + Q_c S,  den_c = Q_c z + row sums of mask(Q_c K_c^T),
+//     then S += K_c^T V_c and z += the column sums of K_c,
+// so no per-chunk state goes through global memory (kernels 1 and 3 write and read one F x M
+// state per chunk). FT = ceil(F/64) F slices are held at once.
+// Shared: two buffers of (Q: FT tiles, K: FT tiles, V: 1 tile), so the next chunk loads
+// (cp.async) while this one is multiplied; S in fp32 (FT tiles 64 x kLdF) and, for 16-bit
+// operands, its bf16 copy (FT tiles 64 x LD; fp32 operands read the fp32 tiles); an fp32 64 x kLdF
+// tile for the scores, then the output staging; z (FT*64) and den (64) in fp32.
+// The rounded masked scores go into the chunk's first Q tile once Q has been read.
+template <typename Op, int FT>
+struct WalkSmem {
+  static constexpr int kOpTile = kTile * ld_of<Op>();  // elements of one operand tile
+  static constexpr int kBufTiles = 2 * FT + 1;         // Q slices, K slices, V
+  static constexpr bool kCopy = !std::is_same_v<Op, float>;  // S has a separate operand copy
+  static constexpr size_t bytes() {
+    return static_cast<size_t>(2 * kBufTiles + (kCopy ? FT : 0)) * kOpTile * sizeof(Op) +
+           static_cast<size_t>((FT + 1) * kTile * kLdF + FT * kTile + kTile) * sizeof(float);
+  }
+};
+
+// Two blocks per SM where the shared memory allows it (16-bit operands, F <= 64: ~100 KB each).
+template <typename Op, int FT>
+constexpr int kWalkBlocksPerSm = (FT == 1 && sizeof(Op) == 2) ? 2 : 1;
+
+template <typename Tin, typename Tout, int FT>
+__global__ void __launch_bounds__(kThreads, kWalkBlocksPerSm<typename OperandOf<Tin>::type, FT>)
+    chunk_walk_kernel(const Tin* __restrict__ q, const Tin* __restrict__ k,
+                      const Tin* __restrict__ v, const float* __restrict__ carry,
+                      Tout* __restrict__ out, float* __restrict__ den, int64_t n, int64_t f,
+                      int64_t m, int64_t nblk, int64_t cpb, bool reverse, bool normalize,
+                      float eps, bool vec_qk, bool vec_v, bool vec_out) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  using Op = typename OperandOf<Tin>::type;
+  using Smem = WalkSmem<Op, FT>;
+  constexpr int LD = ld_of<Op>();
+  extern __shared__ __align__(128) unsigned char smem[];
+  Op* bufs = reinterpret_cast<Op*>(smem);
+  Op* s_copy = bufs + 2 * Smem::kBufTiles * Smem::kOpTile;  // FT tiles (16-bit operands only)
+  float* s32 = reinterpret_cast<float*>(s_copy + (Smem::kCopy ? FT * Smem::kOpTile : 0));
+  float* Af = s32 + FT * kTile * kLdF;
+  float* zs = Af + kTile * kLdF;
+  float* dens = zs + FT * kTile;
+  auto q_tile = [&](int buf, int ft) { return bufs + (buf * Smem::kBufTiles + ft) * Smem::kOpTile; };
+  auto k_tile = [&](int buf, int ft) {
+    return bufs + (buf * Smem::kBufTiles + FT + ft) * Smem::kOpTile;
+  };
+  auto v_tile = [&](int buf) { return bufs + (buf * Smem::kBufTiles + 2 * FT) * Smem::kOpTile; };
+  auto s_operand = [&](int ft) -> const Op* {
+    if constexpr (Smem::kCopy) {
+      return s_copy + ft * Smem::kOpTile;
+    } else {
+      return s32 + ft * kTile * kLdF;  // Op = float, LD = kLdF
+    }
+  };
+
+  const int64_t nc = (n + kTile - 1) / kTile;
+  const int64_t bh = blockIdx.x / nblk;
+  const int64_t blk = blockIdx.x % nblk;
+  const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kTile;
+  const bool need_den = normalize || den != nullptr;
+  const Tin* qb = q + bh * n * f;
+  const Tin* kb = k + bh * n * f;
+  const Tin* vb = v + bh * n * m;
+  const int64_t first = blk * cpb;
+  const int64_t count = (first + cpb < nc ? first + cpb : nc) - first;  // >= 1
+  auto chunk = [&](int64_t i) { return reverse ? first + count - 1 - i : first + i; };
+  auto load_chunk = [&](int64_t i, int buf) {
+    const int64_t row0 = chunk(i) * kTile;
+#pragma unroll
+    for (int ft = 0; ft < FT; ++ft) {
+      load_tile<Tin, Op>(q_tile(buf, ft), LD, qb, f, n, f, row0, ft * kTile, nullptr, vec_qk);
+      load_tile<Tin, Op>(k_tile(buf, ft), LD, kb, f, n, f, row0, ft * kTile, nullptr, vec_qk);
+    }
+    load_tile<Tin, Op>(v_tile(buf), LD, vb, m, n, m, row0, m0, nullptr, vec_v);
+    cp_async_commit();
+  };
+  load_chunk(0, 0);
+
+  // The state at the segment's start: its carry (S row-major F x M, then z) or zero.
+  const float* cs = carry == nullptr ? nullptr : carry + (bh * nblk + blk) * (f * m + f);
+  for (int i = threadIdx.x; i < FT * kTile * kTile; i += kThreads) {
+    const int ft = i / (kTile * kTile), r = (i / kTile) % kTile, j = i % kTile;
+    const int64_t fi = ft * kTile + r, mj = m0 + j;
+    const float s = (cs != nullptr && fi < f && mj < m) ? cs[fi * m + mj] : 0.f;
+    s32[ft * kTile * kLdF + r * kLdF + j] = s;
+    if constexpr (Smem::kCopy) s_copy[ft * Smem::kOpTile + r * LD + j] = from_float<Op>(s);
+  }
+  for (int i = threadIdx.x; i < FT * kTile; i += kThreads) {
+    zs[i] = (cs != nullptr && need_den && i < f) ? cs[f * m + i] : 0.f;
+  }
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int wr0 = (warp / 2) * 16, wc0 = (warp % 2) * 32;  // the warp's slab (see warp_gemm)
+  const int row = threadIdx.x / 4, part = threadIdx.x % 4;  // den: 4 threads per row
+  Tout* ob = out + bh * n * m;
+  typename Mma<Op>::Acc acc_a[2], acc_o[2], acc_s[2];
+  for (int64_t i = 0; i < count; ++i) {
+    const int buf = static_cast<int>(i & 1);
+    const int64_t row0 = chunk(i) * kTile;
+    cp_async_wait_all();  // chunk i's tiles (the only copies in flight)
+    __syncthreads();      // ... visible to all; step i-1 is complete (its buffer is free)
+    if (i + 1 < count) load_chunk(i + 1, buf ^ 1);
+
+    // scores Q K^T and Q S over the F slices; this thread's share of q . z
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      wmma::fill_fragment(acc_a[j], 0.f);
+      wmma::fill_fragment(acc_o[j], 0.f);
+    }
+    float dpart = 0.f;
+#pragma unroll
+    for (int ft = 0; ft < FT; ++ft) {
+      const Op* Qs = q_tile(buf, ft);
+      warp_gemm<Op, wmma::row_major, wmma::col_major>(acc_a, Qs, LD, k_tile(buf, ft), LD);
+      warp_gemm<Op, wmma::row_major, wmma::row_major>(acc_o, Qs, LD, s_operand(ft), LD);
+      if (need_den) {
+        for (int j = part; j < kTile; j += 4) {
+          dpart += to_float(Qs[row * LD + j]) * zs[ft * kTile + j];
+        }
+      }
+    }
+    warp_store(Af, acc_a);
+    __syncthreads();  // scores complete; Q and S read by every warp
+    Op* As = q_tile(buf, 0);
+    mask_scores(Af, As, !reverse);
+    __syncthreads();
+    warp_gemm<Op, wmma::row_major, wmma::row_major>(acc_o, As, LD, v_tile(buf), LD);
+    if (need_den) {
+      for (int j = part; j < kTile; j += 4) dpart += Af[row * kLdF + j];
+      dpart += __shfl_xor_sync(0xffffffffu, dpart, 1);
+      dpart += __shfl_xor_sync(0xffffffffu, dpart, 2);
+      if (part == 0) dens[row] = dpart;
+    }
+
+    // S += K^T V: each warp updates its own slab of every F slice (no other warp reads S until
+    // the next step), then rounds it into the operand copy.
+#pragma unroll
+    for (int ft = 0; ft < FT; ++ft) {
+      float* st = s32 + ft * kTile * kLdF + wr0 * kLdF + wc0;
+      wmma::load_matrix_sync(acc_s[0], st, kLdF, wmma::mem_row_major);
+      wmma::load_matrix_sync(acc_s[1], st + 16, kLdF, wmma::mem_row_major);
+      warp_gemm<Op, wmma::col_major, wmma::row_major>(acc_s, k_tile(buf, ft), LD, v_tile(buf),
+                                                      LD);
+      wmma::store_matrix_sync(st, acc_s[0], kLdF, wmma::mem_row_major);
+      wmma::store_matrix_sync(st + 16, acc_s[1], kLdF, wmma::mem_row_major);
+      if constexpr (Smem::kCopy) {
+        __syncwarp();
+        Op* so = s_copy + ft * Smem::kOpTile + wr0 * LD + wc0;
+        for (int e = lane; e < 16 * 32; e += 32) {
+          so[(e / 32) * LD + e % 32] = from_float<Op>(st[(e / 32) * kLdF + e % 32]);
+        }
+      }
+    }
+    if (need_den) {  // z += column sums of K (every K tile is intact: the scores went into Q)
+      for (int col = threadIdx.x; col < FT * kTile; col += kThreads) {
+        const Op* Ks = k_tile(buf, col / kTile);
+        float s = 0.f;
+        for (int t = 0; t < kTile; ++t) s += to_float(Ks[t * LD + col % kTile]);
+        zs[col] += s;
+      }
+    }
+
+    // the output rows, divided by den + eps with `normalize`
+    __syncthreads();  // Af's row sums and dens complete
+    warp_store(Af, acc_o);
+    __syncthreads();
+    constexpr int V = vec_elems<Tout>();
+    struct alignas(16) Pack {
+      Tout e[V];
+    };
+    for (int e = threadIdx.x; e < kTile * (kTile / V); e += kThreads) {
+      const int r = e / (kTile / V), cj = (e % (kTile / V)) * V;
+      const int64_t gr = row0 + r, gc = m0 + cj;
+      if (gr >= n) continue;
+      const float d = normalize ? dens[r] + eps : 1.f;
+      Tout* dst = ob + gr * m + gc;
+      if (vec_out && gc + V <= m) {
+        Pack p;
+#pragma unroll
+        for (int u = 0; u < V; ++u) {
+          const float x = Af[r * kLdF + cj + u];
+          p.e[u] = from_float<Tout>(normalize ? x / d : x);
+        }
+        *reinterpret_cast<Pack*>(dst) = p;
+      } else {
+        for (int u = 0; u < V && gc + u < m; ++u) {
+          const float x = Af[r * kLdF + cj + u];
+          dst[u] = from_float<Tout>(normalize ? x / d : x);
+        }
+      }
+    }
+    if (den != nullptr && blockIdx.y == 0 && threadIdx.x < kTile && row0 + threadIdx.x < n) {
+      den[bh * n + row0 + threadIdx.x] = dens[threadIdx.x];
+    }
+  }
+#endif
+}
+
 // ------------------------------------------------------------------ weighted cumulative sum
 // grid.x = BH * nc, grid.y = ceil(F/128), 128 threads: one thread per column f of a chunk.
 constexpr int kSumThreads = 128;
@@ -898,6 +1103,20 @@ cudaError_t launch_scan(float* states, float* total, int64_t bh, int64_t nblk, i
   return cudaGetLastError();
 }
 
+// Kernels 1 and 2: the block totals of (k, v) over groups of cpb chunks, then in place their
+// exclusive prefix (suffix with `reverse`): the carry of each group. With prefix_s, also every
+// chunk's block-local exclusive prefix (prefix_s, prefix_z).
+template <typename Tin, typename Tstate>
+cudaError_t launch_carries(const Tin* k, const Tin* v, float* totals, Tstate* prefix_s,
+                           float* prefix_z, int64_t bh, int64_t n, int64_t f, int64_t m,
+                           int64_t cpb, bool reverse, bool with_z, cudaStream_t stream) {
+  cudaError_t err = launch_states<Tin, Tstate>(k, v, nullptr, 1, totals, prefix_s, prefix_z, bh,
+                                               n, f, m, cpb, reverse, with_z, stream);
+  if (err != cudaSuccess) return err;
+  return launch_scan(totals, nullptr, bh, cdiv(cdiv(n, kChunk), cpb), f * m + f,
+                     reverse ? kExclusiveReverse : kExclusiveForward, stream);
+}
+
 template <typename Tin, typename Tstate, typename Tout>
 cudaError_t launch_output(const Tin* q, const Tin* k, const Tin* v, const Tstate* s_base,
                           int64_t s_stride, const float* z_base, int64_t z_stride,
@@ -913,27 +1132,113 @@ cudaError_t launch_output(const Tin* q, const Tin* k, const Tin* v, const Tstate
                       carry, cpb, out, den, n, f, m, mode, normalize, eps, vec_qk, vec_v, vec_s);
 }
 
+// The walk (kernel 6): whether it runs for these inputs, its segments and its workspace.
+// Segments: a sequence's nc chunks are split into nblk segments of cpb consecutive chunks so
+// that about `walk_blocks` thread blocks walk at once (nblk = 1 where B·H·ceil(M/64) reaches it;
+// B·H = 1 at long N is split as far as one chunk per segment). The split depends on the shape
+// and walk_blocks alone, so results do not depend on the GPU.
+constexpr int kWalkMaxSlices = 2;  // F <= 128
+
+template <typename Tin>
+size_t walk_smem(int64_t f) {
+  using Op = typename OperandOf<Tin>::type;
+  return cdiv(f, kTile) == 1 ? WalkSmem<Op, 1>::bytes() : WalkSmem<Op, 2>::bytes();
+}
+
+// True where kernel 6 is selected (walk_blocks > 0), covers F and fits the device's shared memory.
+template <typename Tin>
+bool use_walk(int64_t f, int64_t walk_blocks) {
+  if (walk_blocks <= 0 || cdiv(f, kTile) > kWalkMaxSlices) return false;
+  int device = 0, optin = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
+          cudaSuccess) {
+    cudaGetLastError();  // clear the error: the chunked kernels run instead
+    return false;
+  }
+  return walk_smem<Tin>(f) <= static_cast<size_t>(optin);
+}
+
+struct WalkLayout {
+  int64_t nc, cpb, nblk, ss;
+  int64_t floats;  // workspace: the segments' totals, then carries ([bh][nblk][ss]) if nblk > 1
+};
+
+WalkLayout walk_layout(int64_t bh, int64_t n, int64_t f, int64_t m, int64_t walk_blocks) {
+  WalkLayout l;
+  l.nc = cdiv(n, kChunk);
+  int64_t want = cdiv(walk_blocks, bh * cdiv(m, kTile));
+  want = want < 1 ? 1 : (want > l.nc ? l.nc : want);
+  l.cpb = cdiv(l.nc, want);
+  l.nblk = cdiv(l.nc, l.cpb);
+  l.ss = f * m + f;
+  l.floats = l.nblk > 1 ? bh * l.nblk * l.ss : 0;
+  return l;
+}
+
+template <typename Tin, typename Tout>
+cudaError_t launch_walk(const Tin* q, const Tin* k, const Tin* v, const float* carry, Tout* out,
+                        float* den, int64_t bh, int64_t n, int64_t f, int64_t m, int64_t nblk,
+                        int64_t cpb, bool reverse, bool normalize, float eps,
+                        cudaStream_t stream) {
+  const bool vec_qk = rows_vectorizable<Tin>(q, f) && rows_vectorizable<Tin>(k, f);
+  const bool vec_v = rows_vectorizable<Tin>(v, m);
+  const bool vec_out = rows_vectorizable<Tout>(out, m);
+  auto kernel = cdiv(f, kTile) == 1 ? chunk_walk_kernel<Tin, Tout, 1>
+                                    : chunk_walk_kernel<Tin, Tout, 2>;
+  return launch_tiles(kernel, bh * nblk, cdiv(m, kTile), walk_smem<Tin>(f), stream, q, k, v,
+                      carry, out, den, n, f, m, nblk, cpb, reverse, normalize, eps, vec_qk,
+                      vec_v, vec_out);
+}
+
+// The causal product by kernel 6: the carries of the segments (kernels 1 and 2, totals only)
+// where the sequence is split, then one walk per segment.
+template <typename Tin>
+cudaError_t walk_typed(const Tin* q, const Tin* k, const Tin* v, void* out, bool out_fp32,
+                       float* den, bool normalize, float eps, float* ws, int64_t bh, int64_t n,
+                       int64_t f, int64_t m, bool reverse, int64_t walk_blocks,
+                       cudaStream_t stream) {
+  using Tstate = StateOf<Tin>;
+  const WalkLayout l = walk_layout(bh, n, f, m, walk_blocks);
+  const float* carry = nullptr;
+  if (l.nblk > 1) {
+    const bool with_z = normalize || den != nullptr;
+    cudaError_t err = launch_carries<Tin, Tstate>(k, v, ws, nullptr, nullptr, bh, n, f, m, l.cpb,
+                                                  reverse, with_z, stream);
+    if (err != cudaSuccess) return err;
+    carry = ws;
+  }
+  if (out_fp32) {
+    return launch_walk<Tin, float>(q, k, v, carry, static_cast<float*>(out), den, bh, n, f, m,
+                                   l.nblk, l.cpb, reverse, normalize, eps, stream);
+  }
+  return launch_walk<Tin, Tin>(q, k, v, carry, static_cast<Tin*>(out), den, bh, n, f, m, l.nblk,
+                               l.cpb, reverse, normalize, eps, stream);
+}
+
 template <typename Tin>
 cudaError_t causal_typed(const void* q, const void* k, const void* v, void* out, bool out_fp32,
                          float* den, bool normalize, float eps, float* ws, int64_t bh, int64_t n,
-                         int64_t f, int64_t m, bool reverse, cudaStream_t stream) {
+                         int64_t f, int64_t m, bool reverse, int64_t walk_blocks,
+                         cudaStream_t stream) {
   using Tstate = StateOf<Tin>;
   const Tin* qt = static_cast<const Tin*>(q);
   const Tin* kt = static_cast<const Tin*>(k);
   const Tin* vt = static_cast<const Tin*>(v);
+  if (use_walk<Tin>(f, walk_blocks)) {
+    return walk_typed<Tin>(qt, kt, vt, out, out_fp32, den, normalize, eps, ws, bh, n, f, m,
+                           reverse, walk_blocks, stream);
+  }
   const CausalLayout l = causal_layout(bh, n, f, m, sizeof(Tstate));
   float* totals = ws + l.totals;
   float* prefix_z = ws + l.prefix_z;
   Tstate* prefix_s = reinterpret_cast<Tstate*>(ws + l.prefix_s);
   // 1. block-local exclusive prefixes per chunk and block totals (z, the key sums, only where
-  //    the normalizer is wanted: the output kernel reads them only then; otherwise they stay 0)
-  const bool with_z = normalize || den != nullptr;
-  cudaError_t err = launch_states<Tin, Tstate>(kt, vt, nullptr, 1, totals, prefix_s, prefix_z,
-                                               bh, n, f, m, l.cpb, reverse, with_z, stream);
-  if (err != cudaSuccess) return err;
+  //    the normalizer is wanted: the output kernel reads them only then; otherwise they stay 0);
   // 2. carries: exclusive prefix (suffix) of the block totals, in place
-  err = launch_scan(totals, nullptr, bh, l.nblk, l.ss,
-                    reverse ? kExclusiveReverse : kExclusiveForward, stream);
+  const bool with_z = normalize || den != nullptr;
+  const cudaError_t err = launch_carries<Tin, Tstate>(kt, vt, totals, prefix_s, prefix_z, bh, n,
+                                                      f, m, l.cpb, reverse, with_z, stream);
   if (err != cudaSuccess) return err;
   // 3. outputs
   const int mode = reverse ? kAntiCausal : kCausal;
@@ -960,12 +1265,9 @@ cudaError_t backward_typed(const Tin* q, const Tin* k, const Tin* v, const Tin* 
     float* w = ws + d * l.floats;
     Tstate* prefix = reinterpret_cast<Tstate*>(w + l.prefix_s);
     const bool reverse = d == 1;
-    cudaError_t err = launch_states<Tin, Tstate>(reverse ? q : k, reverse ? g : v, nullptr, 1,
-                                                 w + l.totals, prefix, w + l.prefix_z, bh, n, f,
-                                                 m, l.cpb, reverse, false, stream);
-    if (err != cudaSuccess) return err;
-    err = launch_scan(w + l.totals, nullptr, bh, l.nblk, l.ss,
-                      reverse ? kExclusiveReverse : kExclusiveForward, stream);
+    const cudaError_t err =
+        launch_carries<Tin, Tstate>(reverse ? q : k, reverse ? g : v, w + l.totals, prefix,
+                                    w + l.prefix_z, bh, n, f, m, l.cpb, reverse, false, stream);
     if (err != cudaSuccess) return err;
     st[d] = ChunkStates{prefix, w + l.totals};
   }
@@ -1052,34 +1354,37 @@ cudaError_t cumsum_typed(const void* x, const float* pre, const float* post, flo
 }  // namespace
 
 // ------------------------------------------------------------------ entry points
-int64_t causal_workspace_floats(DType dtype, int64_t bh, int64_t n, int64_t f, int64_t m) {
-  const size_t state_bytes = dtype == DType::kFloat32 ? sizeof(float) : sizeof(__nv_bfloat16);
-  return causal_layout(bh, n, f, m, state_bytes).floats;
+int64_t causal_workspace_floats(DType dtype, int64_t bh, int64_t n, int64_t f, int64_t m,
+                                int64_t walk_blocks) {
+  const bool fp32 = dtype == DType::kFloat32;
+  const bool walk = fp32 ? use_walk<float>(f, walk_blocks) : use_walk<__nv_bfloat16>(f, walk_blocks);
+  if (walk) return walk_layout(bh, n, f, m, walk_blocks).floats;
+  return causal_layout(bh, n, f, m, fp32 ? sizeof(float) : sizeof(__nv_bfloat16)).floats;
 }
 
 cudaError_t causal_product(DType dtype, const void* q, const void* k, const void* v, void* out,
                            bool out_fp32, float* den, bool normalize, float eps, float* workspace,
                            int64_t bh, int64_t n, int64_t f, int64_t m, bool reverse,
-                           cudaStream_t stream) {
+                           int64_t walk_blocks, cudaStream_t stream) {
   if (bh <= 0 || n <= 0 || m <= 0) return cudaSuccess;
   if (f <= 0) return cudaErrorInvalidValue;
   switch (dtype) {
     case DType::kFloat32:
       return causal_typed<float>(q, k, v, out, out_fp32, den, normalize, eps, workspace, bh, n, f,
-                                 m, reverse, stream);
+                                 m, reverse, walk_blocks, stream);
     case DType::kFloat16:
       return causal_typed<__half>(q, k, v, out, out_fp32, den, normalize, eps, workspace, bh, n,
-                                  f, m, reverse, stream);
+                                  f, m, reverse, walk_blocks, stream);
     case DType::kBFloat16:
       return causal_typed<__nv_bfloat16>(q, k, v, out, out_fp32, den, normalize, eps, workspace,
-                                         bh, n, f, m, reverse, stream);
+                                         bh, n, f, m, reverse, walk_blocks, stream);
   }
   return cudaErrorInvalidValue;
 }
 
 int64_t causal_backward_workspace_floats(DType dtype, int64_t bh, int64_t n, int64_t f,
                                          int64_t m) {
-  return 2 * causal_workspace_floats(dtype, bh, n, f, m);
+  return 2 * causal_workspace_floats(dtype, bh, n, f, m, 0);
 }
 
 cudaError_t causal_backward(DType dtype, const void* q, const void* k, const void* v,

@@ -46,6 +46,18 @@ MIN_CAPABILITY = (8, 0)  # bf16 and tf32 tensor cores (Ampere and newer)
 # (which checks both against the float64 reference) has passed on one.
 FUSED_BACKWARD = False
 
+# The causal kernels. "chunks": kernels 1-3 of csrc/cuda/linear_attention.cu (every chunk's state
+# written to global memory, then every chunk's output in parallel). "walk": kernel 6 (each thread
+# block walks a segment of chunks with the state in shared memory; F <= 128, the chunk kernels
+# elsewhere), for the forward and for each of the three backward products. The walk compiles but
+# has not yet run on a GPU, so "chunks" stays the default until tests/test_cuda_backend.py (which
+# runs every causal test under both) has passed on one and benchmarks/cuda_core.py has timed both.
+CAUSAL_KERNELS = ("chunks", "walk")
+CAUSAL_KERNEL = "chunks"
+# Thread blocks the walk aims for: a sequence is cut into segments (one extra pass over k and v
+# gives their carries) until B·H·ceil(M/64)·segments reaches this; 1 never cuts it.
+WALK_BLOCKS = 256
+
 _module: ModuleType | None = None
 _tried = False
 
@@ -81,6 +93,31 @@ def supports(x: torch.Tensor) -> bool:
     if not (x.is_cuda and x.dtype in DTYPES):
         return False
     return torch.cuda.get_device_capability(x.device) >= MIN_CAPABILITY
+
+
+def _walk_blocks() -> int:
+    """The extension's ``walk_blocks`` argument for :data:`CAUSAL_KERNEL` (0: the chunk kernels)."""
+    if CAUSAL_KERNEL not in CAUSAL_KERNELS:
+        raise ValueError(
+            f"cuda_backend.CAUSAL_KERNEL must be one of {CAUSAL_KERNELS}, got {CAUSAL_KERNEL!r}"
+        )
+    if CAUSAL_KERNEL == "chunks":
+        return 0
+    if isinstance(WALK_BLOCKS, bool) or not isinstance(WALK_BLOCKS, int) or WALK_BLOCKS < 1:
+        raise ValueError(f"cuda_backend.WALK_BLOCKS must be an int >= 1, got {WALK_BLOCKS!r}")
+    return WALK_BLOCKS
+
+
+def _fused_backward() -> bool:
+    """Whether the backward runs :data:`FUSED_BACKWARD`'s kernels (the chunk kernels only)."""
+    return FUSED_BACKWARD and _walk_blocks() == 0
+
+
+def _product(ext: ModuleType, q, k, v, reverse: bool, out_fp32: bool) -> torch.Tensor:
+    """The unnormalized causal (``reverse``: anti-causal) product by :data:`CAUSAL_KERNEL`."""
+    return ext.causal_product(
+        q, k, v, reverse=reverse, out_fp32=out_fp32, walk_blocks=_walk_blocks()
+    )[0]
 
 
 def _require() -> ModuleType:
@@ -121,8 +158,7 @@ class _CausalProduct(torch.autograd.Function):
     def forward(ctx, q, k, v):  # type: ignore[override]
         ctx.save_for_backward(q, k, v)
         # Written in the input dtype from the fp32 accumulators: no fp32 copy to cast afterwards.
-        out, _ = _require().causal_product(q, k, v, reverse=False, out_fp32=False)
-        return out
+        return _product(_require(), q, k, v, reverse=False, out_fp32=False)
 
     @staticmethod
     @_first_order
@@ -130,15 +166,15 @@ class _CausalProduct(torch.autograd.Function):
         q, k, v = ctx.saved_tensors
         ext = _require()
         g = grad.to(q.dtype)
-        if FUSED_BACKWARD and all(ctx.needs_input_grad):
+        if _fused_backward() and all(ctx.needs_input_grad):
             return tuple(ext.causal_backward(q, k, v, g, out_fp32=False))
         dq = dk = dv = None
         if ctx.needs_input_grad[0]:  # dq_i = Σ_{j≤i} (g_i·v_j) k_j
-            dq = ext.causal_product(g, v, k, reverse=False, out_fp32=False)[0]
+            dq = _product(ext, g, v, k, reverse=False, out_fp32=False)
         if ctx.needs_input_grad[1]:  # dk_j = Σ_{i≥j} (v_j·g_i) q_i
-            dk = ext.causal_product(v, g, q, reverse=True, out_fp32=False)[0]
+            dk = _product(ext, v, g, q, reverse=True, out_fp32=False)
         if ctx.needs_input_grad[2]:  # dv_j = Σ_{i≥j} (k_j·q_i) g_i
-            dv = ext.causal_product(k, q, g, reverse=True, out_fp32=False)[0]
+            dv = _product(ext, k, q, g, reverse=True, out_fp32=False)
         return dq, dk, dv
 
 
@@ -180,7 +216,15 @@ class _CausalAttention(torch.autograd.Function):
         keep = _keep(mask)
         k, v = _masked(k, keep), _masked(v, keep)
         out, den = _require().causal_product(
-            q, k, v, reverse=False, out_fp32=False, with_den=True, normalize=True, eps=eps
+            q,
+            k,
+            v,
+            reverse=False,
+            out_fp32=False,
+            with_den=True,
+            normalize=True,
+            eps=eps,
+            walk_blocks=_walk_blocks(),
         )
         ctx.save_for_backward(q, k, v, out, den, mask)
         ctx.eps = eps
@@ -201,12 +245,12 @@ class _CausalAttention(torch.autograd.Function):
             # anyway, so the products run on bfloat16 operands: the same numbers, no overflow.
             q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
         dnum = dnum32.to(q.dtype)
-        if FUSED_BACKWARD:
+        if _fused_backward():
             dq, dk, dv = ext.causal_backward(q, k, v, dnum, out_fp32=True)
         else:
-            dq = ext.causal_product(dnum, v, k, reverse=False, out_fp32=True)[0]
-            dk = ext.causal_product(v, dnum, q, reverse=True, out_fp32=True)[0]
-            dv = ext.causal_product(k, q, dnum, reverse=True, out_fp32=True)[0]
+            dq = _product(ext, dnum, v, k, reverse=False, out_fp32=True)
+            dk = _product(ext, v, dnum, q, reverse=True, out_fp32=True)
+            dv = _product(ext, k, q, dnum, reverse=True, out_fp32=True)
         dq += ext.scaled_cumsum(k, None, dden, reverse=False)
         dk += ext.scaled_cumsum(q, dden, None, reverse=True)
         keep = _keep(mask)
