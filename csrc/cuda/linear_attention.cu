@@ -28,6 +28,13 @@
 // Non-causal attention: chunk_states_kernel over blocks of 1024 rows (16 chunks accumulated in
 // registers, key padding skipped), a fixed-order sum over blocks (state_scan_kernel, kSum), then
 // chunk_output_kernel reading the single state without the intra-chunk term.
+// The walk (causal and anti-causal products with walk_blocks > 0, F <= 128) replaces kernels 1-3:
+//   6. chunk_walk_kernel     a thread block walks a segment of consecutive chunks in order with
+//                            the state S (F x 64-wide M slice) and z in shared memory, writing
+//                            each chunk's output as it goes; kernels 1 and 2 (totals only) give
+//                            the segments' carries where a sequence is cut into several.
+//   Kernels 1 and 3 write and read one F x M state per chunk (at N = 8192, B·H = 128, F = M = 64
+//   in bf16: 134 MB each way); the walk keeps it on chip and launches once.
 //
 // ------------------------------------------------------------------ tiles
 // Thread block: 256 threads = 8 warps. Every matrix product is on 64 x 64 tiles staged in
