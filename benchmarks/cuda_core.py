@@ -11,6 +11,8 @@ package or kernel is missing, and a cell is left empty when it runs out of memor
              thread block walks a segment of chunks with the state on chip), forward and the
              three backward products; ``--walk-blocks`` sweeps ``cuda_backend.WALK_BLOCKS``
              (columns ``cuda_walk_<blocks>`` when more than one value is given);
+- ``cuda_walk_fused``  the walk with its fused backward (dq by one walk, dk and dv together by
+             one reverse walk; same forward as ``cuda_walk``);
 - ``torch``  this project's chunked PyTorch backend on the same GPU;
 - ``fla``    flash-linear-attention's ``chunk_linear_attn`` (``normalize=False``, scale 1:
              the same unnormalized causal product), inputs made in its (B, N, H, D) layout;
@@ -47,8 +49,9 @@ import kernelstudy as ks
 from kernelstudy.core import cuda_backend
 
 DEFAULT_N = [512, 1024, 2048, 4096, 8192, 16384, 32768]
-METHODS = ["cuda", "cuda_fused", "cuda_walk", "torch", "fla", "sdpa"]
-CUDA_METHODS = ("cuda", "cuda_fused", "cuda_walk")
+METHODS = ["cuda", "cuda_fused", "cuda_walk", "cuda_walk_fused", "torch", "fla", "sdpa"]
+CUDA_METHODS = ("cuda", "cuda_fused", "cuda_walk", "cuda_walk_fused")
+WALK_METHODS = ("cuda_walk", "cuda_walk_fused")
 
 
 def cuda_time_ms(fn: Callable[[], object], repeats: int, warmup: int) -> float:
@@ -122,8 +125,8 @@ def make_case(
 
         def run():
             # read by the backward that follows this call (cases run one after another)
-            cuda_backend.FUSED_BACKWARD = method == "cuda_fused"
-            cuda_backend.CAUSAL_KERNEL = "walk" if method == "cuda_walk" else "chunks"
+            cuda_backend.FUSED_BACKWARD = method in ("cuda_fused", "cuda_walk_fused")
+            cuda_backend.CAUSAL_KERNEL = "walk" if method in WALK_METHODS else "chunks"
             cuda_backend.WALK_BLOCKS = walk_blocks
             return ks.causal_dot_product(q, k, v, backend=backend)
 
@@ -195,14 +198,15 @@ def benchmark(args: argparse.Namespace) -> pd.DataFrame:
                         if method.startswith("cuda") and "cuda" not in ks.backends():
                             continue
                         for mode in args.modes:
-                            if method == "cuda_fused" and mode == "fwd":
-                                continue  # the forward is cuda's
-                            for blocks in args.walk_blocks if method == "cuda_walk" else [256]:
+                            if method.endswith("_fused") and mode == "fwd":
+                                continue  # the forward is that of the unfused method
+                            walk = method in WALK_METHODS
+                            for blocks in args.walk_blocks if walk else [256]:
                                 row = measure(
                                     method, mode, b, h, n, d, name, dtype, fla_fn, args, blocks
                                 )
-                                if method == "cuda_walk" and len(args.walk_blocks) > 1:
-                                    row["method"] = f"cuda_walk_{blocks}"
+                                if walk and len(args.walk_blocks) > 1:
+                                    row["method"] = f"{method}_{blocks}"
                                 rows.append(row)
     frame = pd.DataFrame(rows)
     frame["matmul_tflops"] = frame["dtype"].map(rates)
@@ -363,7 +367,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         nargs="+",
         default=[cuda_backend.WALK_BLOCKS],
-        help="cuda_backend.WALK_BLOCKS values for cuda_walk (several: one column each)",
+        help="cuda_backend.WALK_BLOCKS values for the walk methods (several: one column each)",
     )
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)

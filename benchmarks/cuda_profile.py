@@ -4,7 +4,8 @@ Runs ``ks.causal_dot_product(..., backend="cuda")`` forward + backward under
 ``torch.profiler`` for each dtype and kernel variant (``three``: the chunk kernels with three
 causal products in the backward; ``fused``: the chunk kernels with the fused backward of
 ``cuda_backend.FUSED_BACKWARD``; ``walk``: the walk kernel, ``cuda_backend.CAUSAL_KERNEL =
-"walk"``, forward and three backward products) and reports every CUDA kernel's total and
+"walk"``, forward and three backward products; ``walk_fused``: the walk with its fused
+backward) and reports every CUDA kernel's total and
 per-call time, its share of the step and its call count per step: where the time goes
 before a kernel is changed.
 
@@ -27,15 +28,15 @@ from torch.profiler import ProfilerActivity, profile
 import kernelstudy as ks
 from kernelstudy.core import cuda_backend
 
-VARIANTS = ("three", "fused", "walk")
+VARIANTS = ("three", "fused", "walk", "walk_fused")
 
 
 def use_variant(variant: str) -> None:
     """Select one of :data:`VARIANTS` in the cuda backend."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
-    cuda_backend.FUSED_BACKWARD = variant == "fused"
-    cuda_backend.CAUSAL_KERNEL = "walk" if variant == "walk" else "chunks"
+    cuda_backend.FUSED_BACKWARD = variant in ("fused", "walk_fused")
+    cuda_backend.CAUSAL_KERNEL = "walk" if variant.startswith("walk") else "chunks"
 
 
 def kernel_times(

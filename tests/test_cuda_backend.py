@@ -6,7 +6,8 @@ Also: awkward shapes (N=1, N not a multiple of the chunk, F≠M, F=M=256, B·H=1
 key padding, recurrent-state consistency, dispatch, bit-identical reruns, and the fused
 backward (``ext.causal_backward``) against the reference and the three-product backward.
 Every test runs under both causal kernels (``cuda_backend.CAUSAL_KERNEL``: "chunks" and
-"walk"); the walk is also checked with sequences cut into 1, several and one-chunk segments.
+"walk"); the walk and its fused backward are also checked with sequences cut into 1, several and
+one-chunk segments.
 """
 
 from __future__ import annotations
@@ -303,7 +304,7 @@ def test_fused_backward_matches_reference(shape, dtype):
     want = _grads(causal_dot_product_reference(q64, k64, v64), (q64, k64, v64), g)
     ext = cuda_backend.extension()
     for out_fp32 in (False, True):
-        got = ext.causal_backward(q, k, v, g, out_fp32=out_fp32)
+        got = cuda_backend._fused_backward(ext, q, k, v, g, out_fp32=out_fp32)
         for a, w in zip(got, want, strict=True):
             assert a.shape == w.shape and a.dtype == (torch.float32 if out_fp32 else dtype)
             assert torch.isfinite(a).all() and _close(a, w, dtype)
@@ -352,7 +353,9 @@ def test_bit_identical_reruns(monkeypatch, dtype, fused):
 
 
 # ---------------------------------------------------------------- the walk kernel
-WALK_SHAPES = [(1, 1, 4099, 64, 64), (2, 3, 200, 33, 70), (3, 2, 130, 96, 40), (2, 1, 1, 4, 3)]
+# F = M = 64 (two buffers in kernel 7), F ≠ M with two M slices, F = 96 > M, one row, and F = 130:
+# the walk covers dq and dk (F' = M = 20) while dv runs the chunk kernels.
+WALK_SHAPES = [SHAPES[6], SHAPES[4], SHAPES[2], (2, 1, 1, 4, 3), (1, 2, 300, 130, 20)]
 WALK_IDS = ["x".join(map(str, s)) for s in WALK_SHAPES]
 
 
@@ -361,7 +364,8 @@ WALK_IDS = ["x".join(map(str, s)) for s in WALK_SHAPES]
 @pytest.mark.parametrize("shape", WALK_SHAPES, ids=WALK_IDS)
 def test_walk_segments_match_reference(monkeypatch, shape, dtype, walk_blocks):
     """Segments of every length (the whole sequence, ragged groups, one chunk each) give the
-    product, the normalized attention and their gradients, forward and anti-causal."""
+    product, the normalized attention and their gradients (three products and the fused
+    backward), forward and anti-causal, with the normalizer."""
     monkeypatch.setattr(cuda_backend, "CAUSAL_KERNEL", "walk")
     monkeypatch.setattr(cuda_backend, "WALK_BLOCKS", walk_blocks)
     b, h, n, f, m = shape
@@ -384,11 +388,17 @@ def test_walk_segments_match_reference(monkeypatch, shape, dtype, walk_blocks):
         for a, w in pairs:
             assert torch.isfinite(a).all() and _close(a, w, dtype)
     ext = cuda_backend.extension()
+    q, k, v, g = (t.detach() for t in (q, k, v, g))
+    for a, w in zip(
+        ext.causal_backward(q, k, v, g, out_fp32=True, walk_blocks=walk_blocks),
+        _grads(causal_dot_product_reference(q64, k64, v64), (q64, k64, v64), g),
+        strict=True,
+    ):  # the walk's fused backward: dq by one walk, dk and dv by one reverse walk
+        assert a.dtype == torch.float32 and torch.isfinite(a).all() and _close(a, w, dtype)
     for reverse in (False, True):
         out, den = ext.causal_product(
-            q.detach(), k.detach(), v.detach(), reverse=reverse, out_fp32=True, with_den=True,
-            walk_blocks=walk_blocks,
-        )  # fmt: skip
+            q, k, v, reverse=reverse, out_fp32=True, with_den=True, walk_blocks=walk_blocks
+        )
         flip = (lambda x: x.flip(2)) if reverse else (lambda x: x)
         want = flip(causal_dot_product_reference(flip(q64), flip(k64), flip(v64)))
         ones = torch.ones(*q64.shape[:3], 1, dtype=torch.float64, device=DEVICE)

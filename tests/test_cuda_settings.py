@@ -18,10 +18,24 @@ def test_walk_passes_its_block_target(monkeypatch):
     monkeypatch.setattr(cuda_backend, "CAUSAL_KERNEL", "walk")
     monkeypatch.setattr(cuda_backend, "WALK_BLOCKS", 96)
     assert cuda_backend._walk_blocks() == 96
-    monkeypatch.setattr(cuda_backend, "FUSED_BACKWARD", True)
-    assert not cuda_backend._fused_backward()  # the fused backward is the chunk kernels'
     monkeypatch.setattr(cuda_backend, "CAUSAL_KERNEL", "chunks")
-    assert cuda_backend._walk_blocks() == 0 and cuda_backend._fused_backward()
+    assert cuda_backend._walk_blocks() == 0
+
+
+def test_fused_backward_passes_the_kernel_choice(monkeypatch):
+    """The fused backward is the selected kernel's: the walk's block target reaches it."""
+    calls = []
+
+    class Ext:
+        def causal_backward(self, *tensors, out_fp32, walk_blocks):
+            calls.append((len(tensors), out_fp32, walk_blocks))
+            return []
+
+    monkeypatch.setattr(cuda_backend, "WALK_BLOCKS", 64)
+    for kernel, blocks in (("walk", 64), ("chunks", 0)):
+        monkeypatch.setattr(cuda_backend, "CAUSAL_KERNEL", kernel)
+        cuda_backend._fused_backward(Ext(), 1, 2, 3, 4, out_fp32=True)
+        assert calls[-1] == (4, True, blocks)
 
 
 def test_unknown_kernel_is_refused_by_name(monkeypatch):

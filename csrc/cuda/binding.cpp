@@ -102,9 +102,11 @@ std::vector<at::Tensor> causal_product(at::Tensor q, at::Tensor k, at::Tensor v,
 }
 
 // [dq, dk, dv] of the causal product for g = dL/dout (B,H,N,M), from the fused backward: dq, dk
-// (B,H,N,F), dv (B,H,N,M), in fp32 if `out_fp32` else in the inputs' dtype.
+// (B,H,N,F), dv (B,H,N,M), in fp32 if `out_fp32` else in the inputs' dtype. walk_blocks > 0
+// selects the walk's fused backward (launchers.h).
 std::vector<at::Tensor> causal_backward(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor g,
-                                        bool out_fp32) {
+                                        bool out_fp32, int64_t walk_blocks) {
+  TORCH_CHECK_VALUE(walk_blocks >= 0, "walk_blocks must be >= 0, got ", walk_blocks);
   check_sequence(q, "q", q);
   check_sequence(k, "k", q);
   check_sequence(v, "v", q);
@@ -126,12 +128,13 @@ std::vector<at::Tensor> causal_backward(at::Tensor q, at::Tensor k, at::Tensor v
   auto dv = at::empty({b, h, n, m}, opts);
   if (b * h * n == 0) return {dq, dk, dv};
   if (f == 0 || m == 0) return {dq.zero_(), dk.zero_(), dv.zero_()};
-  auto ws = at::empty({ks_cuda::causal_backward_workspace_floats(dtype_of(q), b * h, n, f, m)},
-                      f32(q));
+  auto ws = at::empty(
+      {ks_cuda::causal_backward_workspace_floats(dtype_of(q), b * h, n, f, m, walk_blocks)},
+      f32(q));
   check_launch(ks_cuda::causal_backward(dtype_of(q), q.data_ptr(), k.data_ptr(), v.data_ptr(),
                                         g.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
                                         out_fp32, ws.data_ptr<float>(), b * h, n, f, m,
-                                        c10::cuda::getCurrentCUDAStream()),
+                                        walk_blocks, c10::cuda::getCurrentCUDAStream()),
                "causal_backward");
   return {dq, dk, dv};
 }
@@ -230,7 +233,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out_fp32") = true, py::arg("with_den") = false, py::arg("normalize") = false,
         py::arg("eps") = 1e-6, py::arg("walk_blocks") = 0);
   m.def("causal_backward", &causal_backward, "fused gradients [dq, dk, dv] of the causal product",
-        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("out_fp32") = false);
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("out_fp32") = false,
+        py::arg("walk_blocks") = 0);
   m.def("full_state", &full_state, "non-causal state [S | z] with key padding", py::arg("k"),
         py::arg("v"), py::arg("key_padding_mask") = py::none());
   m.def("full_apply", &full_apply, "non-causal read-out q . S (optionally normalized)",

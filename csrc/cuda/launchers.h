@@ -40,17 +40,20 @@ cudaError_t causal_product(DType dtype, const void* q, const void* k, const void
                            int64_t bh, int64_t n, int64_t f, int64_t m, bool reverse,
                            int64_t walk_blocks, cudaStream_t stream);
 
-// Gradients of the causal product for g = dL/dout (BH, N, M), all in one pass over the chunks:
+// Gradients of the causal product for g = dL/dout (BH, N, M), fused:
 // dq_i = sum_{j<=i} (g_i . v_j) k_j,  dk_j = sum_{i>=j} (g_i . v_j) q_i,
 // dv_j = sum_{i>=j} (q_i . k_j) g_i.  q, k, g, v as in causal_product (g like v); dq, dk:
-// (BH, N, F), dv: (BH, N, M), in fp32 if `out_fp32` else in `dtype`. `workspace` holds
-// causal_backward_workspace_floats(...) floats (the chunk states of (k, v) and of (q, g)).
+// (BH, N, F), dv: (BH, N, M), in fp32 if `out_fp32` else in `dtype`.
+// walk_blocks = 0: the chunk states of (k, v) and of (q, g), then one pass over all chunks for
+// dq, dk and dv. walk_blocks > 0: dq by the walk, then dk and dv together by one reverse walk
+// (F, M <= 128; separate walks otherwise). `workspace` holds
+// causal_backward_workspace_floats(...) floats (same arguments, on the device that runs it).
 int64_t causal_backward_workspace_floats(DType dtype, int64_t bh, int64_t n, int64_t f,
-                                         int64_t m);
+                                         int64_t m, int64_t walk_blocks);
 cudaError_t causal_backward(DType dtype, const void* q, const void* k, const void* v,
                             const void* g, void* dq, void* dk, void* dv, bool out_fp32,
                             float* workspace, int64_t bh, int64_t n, int64_t f, int64_t m,
-                            cudaStream_t stream);
+                            int64_t walk_blocks, cudaStream_t stream);
 
 // ------------------------------------------------------------------ non-causal attention
 // state (fp32, (BH, F*M + F)): S = sum_j keep_j k_j v_j^T (row-major F x M) followed by

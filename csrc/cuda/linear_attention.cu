@@ -968,6 +968,188 @@ __global__ void __launch_bounds__(kThreads, kWalkBlocksPerSm<typename OperandOf<
 #endif
 }
 
+// ------------------------------------------------------------------ kernel 7: walk of dk and dv
+// The walk's fused backward (walk_blocks > 0 with causal_backward): dq is the causal product
+// walk(g, v, k) (kernel 6); dk and dv come from one walk over the chunks from last to first with
+// the state R = sum_{c' > c} Q_c'^T G_c' (F x M) in shared memory:
+//     dk_c = U(V_c G_c^T) Q_c + V_c R^T,   dv_c = U(K_c Q_c^T) G_c + K_c R,   then R += Q_c^T G_c,
+// U keeping the scores (j, i) with i >= j. Two anti-causal walks would read q and g twice and
+// walk the sequence twice. grid.x = BH * nblk (segments as in kernel 6, carries from kernels 1
+// and 2 over (q, g) in reverse); one block covers all F and M slices (ft, mt = ceil(F/64),
+// ceil(M/64) <= 2), so each chunk's scores are computed once.
+// Shared (DkvSmem): nbuf (2, or 1 where two do not fit) buffers of (Q, K: ft tiles; V, G: mt
+// tiles), R's operand copy (16-bit operands; fp32 operands read R itself), the masked scores
+// U(V G^T) and U(K Q^T), then R in fp32 (ft x mt tiles 64 x kLdF) and one fp32 staging tile.
+template <typename Op>
+struct DkvSmem {
+  int ft, mt, nbuf;
+  static constexpr bool kCopy = !std::is_same_v<Op, float>;
+  __host__ __device__ static constexpr int op_tile() { return kTile * ld_of<Op>(); }
+  __host__ __device__ int buf_tiles() const { return 2 * (ft + mt); }
+  __host__ __device__ size_t op_bytes() const {
+    const int tiles = nbuf * buf_tiles() + (kCopy ? ft * mt : 0) + 2;
+    return static_cast<size_t>(tiles) * op_tile() * sizeof(Op);
+  }
+  __host__ __device__ size_t bytes() const {
+    return op_bytes() + static_cast<size_t>(ft * mt + 1) * kTile * kLdF * sizeof(float);
+  }
+};
+
+template <typename Tin, typename Tout>
+__global__ void __launch_bounds__(kThreads, 1)
+    chunk_walk_dkv_kernel(const Tin* __restrict__ q, const Tin* __restrict__ k,
+                          const Tin* __restrict__ v, const Tin* __restrict__ g,
+                          const float* __restrict__ carry, Tout* __restrict__ dk,
+                          Tout* __restrict__ dv, int64_t n, int64_t f, int64_t m, int64_t nblk,
+                          int64_t cpb, DkvSmem<typename OperandOf<Tin>::type> lay, bool vec_f,
+                          bool vec_m) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  using Op = typename OperandOf<Tin>::type;
+  constexpr int LD = ld_of<Op>();
+  constexpr int kOpTile = DkvSmem<Op>::op_tile();
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int ft_n = lay.ft, mt_n = lay.mt, bt = lay.buf_tiles();
+  Op* bufs = reinterpret_cast<Op*>(smem);
+  Op* r_copy = bufs + lay.nbuf * bt * kOpTile;
+  Op* As = r_copy + (DkvSmem<Op>::kCopy ? ft_n * mt_n : 0) * kOpTile;  // U(V G^T)
+  Op* Bs = As + kOpTile;                                                // U(K Q^T)
+  float* r32 = reinterpret_cast<float*>(smem + lay.op_bytes());
+  float* Af = r32 + ft_n * mt_n * kTile * kLdF;
+  auto tile = [&](int buf, int i) { return bufs + (buf * bt + i) * kOpTile; };
+  auto q_tile = [&](int buf, int ft) { return tile(buf, ft); };
+  auto k_tile = [&](int buf, int ft) { return tile(buf, ft_n + ft); };
+  auto v_tile = [&](int buf, int mt) { return tile(buf, 2 * ft_n + mt); };
+  auto g_tile = [&](int buf, int mt) { return tile(buf, 2 * ft_n + mt_n + mt); };
+  auto r_state = [&](int ft, int mt) { return r32 + (ft * mt_n + mt) * kTile * kLdF; };
+  auto r_operand = [&](int ft, int mt) -> const Op* {
+    if constexpr (DkvSmem<Op>::kCopy) {
+      return r_copy + (ft * mt_n + mt) * kOpTile;
+    } else {
+      return r_state(ft, mt);  // Op = float, LD = kLdF
+    }
+  };
+
+  const int64_t nc = (n + kTile - 1) / kTile;
+  const int64_t bh = blockIdx.x / nblk;
+  const int64_t blk = blockIdx.x % nblk;
+  const Tin* qb = q + bh * n * f;
+  const Tin* kb = k + bh * n * f;
+  const Tin* vb = v + bh * n * m;
+  const Tin* gb = g + bh * n * m;
+  const int64_t first = blk * cpb;
+  const int64_t count = (first + cpb < nc ? first + cpb : nc) - first;  // >= 1
+  auto chunk = [&](int64_t i) { return first + count - 1 - i; };        // last to first
+  auto load_chunk = [&](int64_t i, int buf) {
+    const int64_t row0 = chunk(i) * kTile;
+    for (int ft = 0; ft < ft_n; ++ft) {
+      load_tile<Tin, Op>(q_tile(buf, ft), LD, qb, f, n, f, row0, ft * kTile, nullptr, vec_f);
+      load_tile<Tin, Op>(k_tile(buf, ft), LD, kb, f, n, f, row0, ft * kTile, nullptr, vec_f);
+    }
+    for (int mt = 0; mt < mt_n; ++mt) {
+      load_tile<Tin, Op>(v_tile(buf, mt), LD, vb, m, n, m, row0, mt * kTile, nullptr, vec_m);
+      load_tile<Tin, Op>(g_tile(buf, mt), LD, gb, m, n, m, row0, mt * kTile, nullptr, vec_m);
+    }
+    cp_async_commit();
+  };
+  load_chunk(0, 0);
+
+  // R at the segment's start: the carry of the later segments (row-major F x M) or zero.
+  const float* cs = carry == nullptr ? nullptr : carry + (bh * nblk + blk) * (f * m + f);
+  for (int i = threadIdx.x; i < ft_n * mt_n * kTile * kTile; i += kThreads) {
+    const int t = i / (kTile * kTile), r = (i / kTile) % kTile, j = i % kTile;
+    const int64_t fi = (t / mt_n) * kTile + r, mj = (t % mt_n) * kTile + j;
+    const float s = (cs != nullptr && fi < f && mj < m) ? cs[fi * m + mj] : 0.f;
+    r32[t * kTile * kLdF + r * kLdF + j] = s;
+    if constexpr (DkvSmem<Op>::kCopy) r_copy[t * kOpTile + r * LD + j] = from_float<Op>(s);
+  }
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int wr0 = (warp / 2) * 16, wc0 = (warp % 2) * 32;  // the warp's slab (see warp_gemm)
+  typename Mma<Op>::Acc acc_a[2], acc_b[2], acc_o[2];
+  auto zero = [](typename Mma<Op>::Acc(&acc)[2]) {
+    wmma::fill_fragment(acc[0], 0.f);
+    wmma::fill_fragment(acc[1], 0.f);
+  };
+  for (int64_t i = 0; i < count; ++i) {
+    const int buf = lay.nbuf == 2 ? static_cast<int>(i & 1) : 0;
+    const int64_t row0 = chunk(i) * kTile;
+    cp_async_wait_all();  // chunk i's tiles (the only copies in flight)
+    __syncthreads();      // ... visible to all; step i-1 is complete
+    if (lay.nbuf == 2 && i + 1 < count) load_chunk(i + 1, buf ^ 1);
+
+    // the masked scores U(V G^T) (over the M slices) and U(K Q^T) (over the F slices)
+    zero(acc_a);
+    zero(acc_b);
+    for (int mt = 0; mt < mt_n; ++mt) {
+      warp_gemm<Op, wmma::row_major, wmma::col_major>(acc_a, v_tile(buf, mt), LD,
+                                                      g_tile(buf, mt), LD);
+    }
+    for (int ft = 0; ft < ft_n; ++ft) {
+      warp_gemm<Op, wmma::row_major, wmma::col_major>(acc_b, k_tile(buf, ft), LD,
+                                                      q_tile(buf, ft), LD);
+    }
+    warp_store(Af, acc_a);
+    __syncthreads();
+    mask_scores(Af, As, false);
+    __syncthreads();
+    warp_store(Af, acc_b);
+    __syncthreads();
+    mask_scores(Af, Bs, false);
+    __syncthreads();
+
+    // dk = U(V G^T) Q + V R^T, one F slice at a time
+    for (int ft = 0; ft < ft_n; ++ft) {
+      zero(acc_o);
+      warp_gemm<Op, wmma::row_major, wmma::row_major>(acc_o, As, LD, q_tile(buf, ft), LD);
+      for (int mt = 0; mt < mt_n; ++mt) {  // R^T (M slice x F slice) is R's tile read col-major
+        warp_gemm<Op, wmma::row_major, wmma::col_major>(acc_o, v_tile(buf, mt), LD,
+                                                        r_operand(ft, mt), LD);
+      }
+      __syncthreads();  // Af is free (mask_scores / the previous slice's store read it)
+      warp_store(Af, acc_o);
+      __syncthreads();
+      store_tile(dk + bh * n * f, f, n, f, row0, ft * kTile, Af);
+    }
+    // dv = U(K Q^T) G + K R, one M slice at a time
+    for (int mt = 0; mt < mt_n; ++mt) {
+      zero(acc_o);
+      warp_gemm<Op, wmma::row_major, wmma::row_major>(acc_o, Bs, LD, g_tile(buf, mt), LD);
+      for (int ft = 0; ft < ft_n; ++ft) {
+        warp_gemm<Op, wmma::row_major, wmma::row_major>(acc_o, k_tile(buf, ft), LD,
+                                                        r_operand(ft, mt), LD);
+      }
+      __syncthreads();  // Af is free; after the last slice, no warp reads R any more
+      warp_store(Af, acc_o);
+      __syncthreads();
+      store_tile(dv + bh * n * m, m, n, m, row0, mt * kTile, Af);
+    }
+
+    // R += Q^T G: each warp updates its own slab of every tile, then rounds it into the copy
+    for (int t = 0; t < ft_n * mt_n; ++t) {
+      const int ft = t / mt_n, mt = t % mt_n;
+      float* st = r_state(ft, mt) + wr0 * kLdF + wc0;
+      wmma::load_matrix_sync(acc_o[0], st, kLdF, wmma::mem_row_major);
+      wmma::load_matrix_sync(acc_o[1], st + 16, kLdF, wmma::mem_row_major);
+      warp_gemm<Op, wmma::col_major, wmma::row_major>(acc_o, q_tile(buf, ft), LD,
+                                                      g_tile(buf, mt), LD);
+      wmma::store_matrix_sync(st, acc_o[0], kLdF, wmma::mem_row_major);
+      wmma::store_matrix_sync(st + 16, acc_o[1], kLdF, wmma::mem_row_major);
+      if constexpr (DkvSmem<Op>::kCopy) {
+        __syncwarp();
+        Op* so = r_copy + t * kOpTile + wr0 * LD + wc0;
+        for (int e = lane; e < 16 * 32; e += 32) {
+          so[(e / 32) * LD + e % 32] = from_float<Op>(st[(e / 32) * kLdF + e % 32]);
+        }
+      }
+    }
+    if (lay.nbuf == 1 && i + 1 < count) {
+      __syncthreads();  // every warp has read this chunk's tiles
+      load_chunk(i + 1, 0);
+    }
+  }
+#endif
+}
+
 // ------------------------------------------------------------------ weighted cumulative sum
 // grid.x = BH * nc, grid.y = ceil(F/128), 128 threads: one thread per column f of a chunk.
 constexpr int kSumThreads = 128;
@@ -1152,18 +1334,39 @@ size_t walk_smem(int64_t f) {
   return cdiv(f, kTile) == 1 ? WalkSmem<Op, 1>::bytes() : WalkSmem<Op, 2>::bytes();
 }
 
-// True where kernel 6 is selected (walk_blocks > 0), covers F and fits the device's shared memory.
-template <typename Tin>
-bool use_walk(int64_t f, int64_t walk_blocks) {
-  if (walk_blocks <= 0 || cdiv(f, kTile) > kWalkMaxSlices) return false;
+// The current device's shared memory per block (opt-in), 0 if it cannot be read.
+size_t smem_optin() {
   int device = 0, optin = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
           cudaSuccess) {
     cudaGetLastError();  // clear the error: the chunked kernels run instead
-    return false;
+    return 0;
   }
-  return walk_smem<Tin>(f) <= static_cast<size_t>(optin);
+  return static_cast<size_t>(optin);
+}
+
+// True where kernel 6 is selected (walk_blocks > 0), covers F and fits the device's shared memory.
+template <typename Tin>
+bool use_walk(int64_t f, int64_t walk_blocks) {
+  if (walk_blocks <= 0 || cdiv(f, kTile) > kWalkMaxSlices) return false;
+  return walk_smem<Tin>(f) <= smem_optin();
+}
+
+// Kernel 7's shared-memory layout for F and M: two buffers where they fit, else one; nbuf = 0
+// where F or M exceeds 128 or even one buffer does not fit (the backward then walks dk and dv
+// separately).
+template <typename Tin>
+DkvSmem<typename OperandOf<Tin>::type> dkv_smem(int64_t f, int64_t m) {
+  DkvSmem<typename OperandOf<Tin>::type> lay{0, 0, 0};
+  if (cdiv(f, kTile) > kWalkMaxSlices || cdiv(m, kTile) > kWalkMaxSlices) return lay;
+  lay.ft = static_cast<int>(cdiv(f, kTile));
+  lay.mt = static_cast<int>(cdiv(m, kTile));
+  const size_t optin = smem_optin();
+  for (lay.nbuf = 2; lay.nbuf >= 1; --lay.nbuf) {
+    if (lay.bytes() <= optin) return lay;
+  }
+  return lay;  // nbuf = 0
 }
 
 struct WalkLayout {
@@ -1171,10 +1374,12 @@ struct WalkLayout {
   int64_t floats;  // workspace: the segments' totals, then carries ([bh][nblk][ss]) if nblk > 1
 };
 
-WalkLayout walk_layout(int64_t bh, int64_t n, int64_t f, int64_t m, int64_t walk_blocks) {
+// `slices`: thread blocks per segment (kernel 6: one per 64-wide M slice; kernel 7: one).
+WalkLayout walk_layout(int64_t bh, int64_t n, int64_t f, int64_t m, int64_t walk_blocks,
+                       int64_t slices) {
   WalkLayout l;
   l.nc = cdiv(n, kChunk);
-  int64_t want = cdiv(walk_blocks, bh * cdiv(m, kTile));
+  int64_t want = cdiv(walk_blocks, bh * slices);
   want = want < 1 ? 1 : (want > l.nc ? l.nc : want);
   l.cpb = cdiv(l.nc, want);
   l.nblk = cdiv(l.nc, l.cpb);
@@ -1206,7 +1411,7 @@ cudaError_t walk_typed(const Tin* q, const Tin* k, const Tin* v, void* out, bool
                        int64_t f, int64_t m, bool reverse, int64_t walk_blocks,
                        cudaStream_t stream) {
   using Tstate = StateOf<Tin>;
-  const WalkLayout l = walk_layout(bh, n, f, m, walk_blocks);
+  const WalkLayout l = walk_layout(bh, n, f, m, walk_blocks, cdiv(m, kTile));
   const float* carry = nullptr;
   if (l.nblk > 1) {
     const bool with_z = normalize || den != nullptr;
@@ -1292,15 +1497,60 @@ cudaError_t backward_typed(const Tin* q, const Tin* k, const Tin* v, const Tin* 
                       vec_m, vec_s);
 }
 
+// The walk's fused backward: dq = causal(g, v, k) by kernel 6, then dk and dv by kernel 7 (one
+// reverse walk with the carries of (q, g) where a sequence is cut into segments), or, where
+// kernel 7 does not fit, dk = anticausal(v, g, q) and dv = anticausal(k, q, g). The steps run in
+// order on `stream` and share the workspace.
+template <typename Tin>
+cudaError_t walk_backward_typed(const Tin* q, const Tin* k, const Tin* v, const Tin* g, void* dq,
+                                void* dk, void* dv, bool out_fp32, float* ws, int64_t bh,
+                                int64_t n, int64_t f, int64_t m, int64_t walk_blocks,
+                                cudaStream_t stream) {
+  using Tstate = StateOf<Tin>;
+  cudaError_t err = causal_typed<Tin>(g, v, k, dq, out_fp32, nullptr, false, 0.f, ws, bh, n, m,
+                                      f, false, walk_blocks, stream);
+  if (err != cudaSuccess) return err;
+  const auto lay = dkv_smem<Tin>(f, m);
+  if (lay.nbuf == 0) {
+    err = causal_typed<Tin>(v, g, q, dk, out_fp32, nullptr, false, 0.f, ws, bh, n, m, f, true,
+                            walk_blocks, stream);
+    if (err != cudaSuccess) return err;
+    return causal_typed<Tin>(k, q, g, dv, out_fp32, nullptr, false, 0.f, ws, bh, n, f, m, true,
+                             walk_blocks, stream);
+  }
+  const WalkLayout l = walk_layout(bh, n, f, m, walk_blocks, 1);
+  const float* carry = nullptr;
+  if (l.nblk > 1) {
+    err = launch_carries<Tin, Tstate>(q, g, ws, nullptr, nullptr, bh, n, f, m, l.cpb, true, false,
+                                      stream);
+    if (err != cudaSuccess) return err;
+    carry = ws;
+  }
+  const bool vec_f = rows_vectorizable<Tin>(q, f) && rows_vectorizable<Tin>(k, f);
+  const bool vec_m = rows_vectorizable<Tin>(v, m) && rows_vectorizable<Tin>(g, m);
+  if (out_fp32) {
+    return launch_tiles(chunk_walk_dkv_kernel<Tin, float>, bh * l.nblk, 1, lay.bytes(), stream,
+                        q, k, v, g, carry, static_cast<float*>(dk), static_cast<float*>(dv), n,
+                        f, m, l.nblk, l.cpb, lay, vec_f, vec_m);
+  }
+  return launch_tiles(chunk_walk_dkv_kernel<Tin, Tin>, bh * l.nblk, 1, lay.bytes(), stream, q, k,
+                      v, g, carry, static_cast<Tin*>(dk), static_cast<Tin*>(dv), n, f, m, l.nblk,
+                      l.cpb, lay, vec_f, vec_m);
+}
+
 template <typename Tin>
 cudaError_t causal_backward_typed(const void* q, const void* k, const void* v, const void* g,
                                   void* dq, void* dk, void* dv, bool out_fp32, float* ws,
                                   int64_t bh, int64_t n, int64_t f, int64_t m,
-                                  cudaStream_t stream) {
+                                  int64_t walk_blocks, cudaStream_t stream) {
   const Tin* qt = static_cast<const Tin*>(q);
   const Tin* kt = static_cast<const Tin*>(k);
   const Tin* vt = static_cast<const Tin*>(v);
   const Tin* gt = static_cast<const Tin*>(g);
+  if (walk_blocks > 0) {
+    return walk_backward_typed<Tin>(qt, kt, vt, gt, dq, dk, dv, out_fp32, ws, bh, n, f, m,
+                                    walk_blocks, stream);
+  }
   if (out_fp32) {
     return backward_typed<Tin, float>(qt, kt, vt, gt, static_cast<float*>(dq),
                                       static_cast<float*>(dk), static_cast<float*>(dv), ws, bh,
@@ -1365,7 +1615,7 @@ int64_t causal_workspace_floats(DType dtype, int64_t bh, int64_t n, int64_t f, i
                                 int64_t walk_blocks) {
   const bool fp32 = dtype == DType::kFloat32;
   const bool walk = fp32 ? use_walk<float>(f, walk_blocks) : use_walk<__nv_bfloat16>(f, walk_blocks);
-  if (walk) return walk_layout(bh, n, f, m, walk_blocks).floats;
+  if (walk) return walk_layout(bh, n, f, m, walk_blocks, cdiv(m, kTile)).floats;
   return causal_layout(bh, n, f, m, fp32 ? sizeof(float) : sizeof(__nv_bfloat16)).floats;
 }
 
@@ -1390,26 +1640,31 @@ cudaError_t causal_product(DType dtype, const void* q, const void* k, const void
 }
 
 int64_t causal_backward_workspace_floats(DType dtype, int64_t bh, int64_t n, int64_t f,
-                                         int64_t m) {
-  return 2 * causal_workspace_floats(dtype, bh, n, f, m, 0);
+                                         int64_t m, int64_t walk_blocks) {
+  if (walk_blocks <= 0) return 2 * causal_workspace_floats(dtype, bh, n, f, m, 0);
+  // the steps of walk_backward_typed run one after another on one workspace
+  const int64_t dq_dk = causal_workspace_floats(dtype, bh, n, m, f, walk_blocks);
+  const int64_t dv = causal_workspace_floats(dtype, bh, n, f, m, walk_blocks);
+  const int64_t dkv = walk_layout(bh, n, f, m, walk_blocks, 1).floats;
+  return dq_dk > dv ? (dq_dk > dkv ? dq_dk : dkv) : (dv > dkv ? dv : dkv);
 }
 
 cudaError_t causal_backward(DType dtype, const void* q, const void* k, const void* v,
                             const void* g, void* dq, void* dk, void* dv, bool out_fp32,
                             float* workspace, int64_t bh, int64_t n, int64_t f, int64_t m,
-                            cudaStream_t stream) {
+                            int64_t walk_blocks, cudaStream_t stream) {
   if (bh <= 0 || n <= 0) return cudaSuccess;
   if (f <= 0 || m <= 0) return cudaErrorInvalidValue;
   switch (dtype) {
     case DType::kFloat32:
       return causal_backward_typed<float>(q, k, v, g, dq, dk, dv, out_fp32, workspace, bh, n, f,
-                                          m, stream);
+                                          m, walk_blocks, stream);
     case DType::kFloat16:
       return causal_backward_typed<__half>(q, k, v, g, dq, dk, dv, out_fp32, workspace, bh, n, f,
-                                           m, stream);
+                                           m, walk_blocks, stream);
     case DType::kBFloat16:
       return causal_backward_typed<__nv_bfloat16>(q, k, v, g, dq, dk, dv, out_fp32, workspace, bh,
-                                                  n, f, m, stream);
+                                                  n, f, m, walk_blocks, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -42,16 +42,17 @@ SOURCES = ("binding.cpp", "linear_attention.cu")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MIN_CAPABILITY = (8, 0)  # bf16 and tf32 tensor cores (Ampere and newer)
 
-# The fused backward (``ext.causal_backward``: two state passes and one pass over the chunks for
-# dq, dk and dv) replaces three separate causal products. It compiles but has not yet run on a
-# GPU, so the validated three-product backward stays the default until tests/test_cuda_backend.py
-# (which checks both against the float64 reference) has passed on one.
+# The fused backward (``ext.causal_backward``) replaces three separate causal products: with the
+# chunk kernels, two state passes and one pass over the chunks for dq, dk and dv; with the walk,
+# dq by one walk and dk, dv together by one reverse walk. It compiles but has not yet run on a
+# GPU, so the three-product backward stays the default until tests/test_cuda_backend.py (which
+# checks both against the float64 reference) has passed on one.
 FUSED_BACKWARD = False
 
 # The causal kernels. "chunks": kernels 1-3 of csrc/cuda/linear_attention.cu (every chunk's state
 # written to global memory, then every chunk's output in parallel). "walk": kernel 6 (each thread
 # block walks a segment of chunks with the state in shared memory; F <= 128, the chunk kernels
-# elsewhere), for the forward and for each of the three backward products. The walk compiles but
+# elsewhere), for the forward and the backward products (see FUSED_BACKWARD). The walk compiles but
 # has not yet run on a GPU, so "chunks" stays the default until tests/test_cuda_backend.py (which
 # runs every causal test under both) has passed on one and benchmarks/cuda_core.py has timed both.
 CAUSAL_KERNELS = ("chunks", "walk")
@@ -110,9 +111,9 @@ def _walk_blocks() -> int:
     return WALK_BLOCKS
 
 
-def _fused_backward() -> bool:
-    """Whether the backward runs :data:`FUSED_BACKWARD`'s kernels (the chunk kernels only)."""
-    return FUSED_BACKWARD and _walk_blocks() == 0
+def _fused_backward(ext: ModuleType, q, k, v, g, out_fp32: bool) -> list[torch.Tensor]:
+    """``[dq, dk, dv]`` of the causal product by :data:`CAUSAL_KERNEL`'s fused backward."""
+    return ext.causal_backward(q, k, v, g, out_fp32=out_fp32, walk_blocks=_walk_blocks())
 
 
 def _product(ext: ModuleType, q, k, v, reverse: bool, out_fp32: bool) -> torch.Tensor:
@@ -168,8 +169,8 @@ class _CausalProduct(torch.autograd.Function):
         q, k, v = ctx.saved_tensors
         ext = _require()
         g = grad.to(q.dtype)
-        if _fused_backward() and all(ctx.needs_input_grad):
-            return tuple(ext.causal_backward(q, k, v, g, out_fp32=False))
+        if FUSED_BACKWARD and all(ctx.needs_input_grad):
+            return tuple(_fused_backward(ext, q, k, v, g, out_fp32=False))
         dq = dk = dv = None
         if ctx.needs_input_grad[0]:  # dq_i = Σ_{j≤i} (g_i·v_j) k_j
             dq = _product(ext, g, v, k, reverse=False, out_fp32=False)
@@ -247,8 +248,8 @@ class _CausalAttention(torch.autograd.Function):
             # anyway, so the products run on bfloat16 operands: the same numbers, no overflow.
             q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
         dnum = dnum32.to(q.dtype)
-        if _fused_backward():
-            dq, dk, dv = ext.causal_backward(q, k, v, dnum, out_fp32=True)
+        if FUSED_BACKWARD:
+            dq, dk, dv = _fused_backward(ext, q, k, v, dnum, out_fp32=True)
         else:
             dq = _product(ext, dnum, v, k, reverse=False, out_fp32=True)
             dk = _product(ext, v, dnum, q, reverse=True, out_fp32=True)
