@@ -33,6 +33,8 @@
 //                            the state S (F x 64-wide M slice) and z in shared memory, writing
 //                            each chunk's output as it goes; kernels 1 and 2 (totals only) give
 //                            the segments' carries where a sequence is cut into several.
+//   7. chunk_walk_dkv_kernel the walk's fused backward: dq = causal(g, v, k) by kernel 6, then dk
+//                            and dv together by one reverse walk with R = sum Q^T G on chip.
 //   Kernels 1 and 3 write and read one F x M state per chunk (at N = 8192, B·H = 128, F = M = 64
 //   in bf16: 134 MB each way); the walk keeps it on chip and launches once.
 //
