@@ -12,9 +12,10 @@ Kernels (``csrc/cuda/linear_attention.cu`` documents tiles and precision):
   per-chunk outputs, so one sequence (B·H = 1) at any N still fills the GPU; the backward
   pass recomputes with the same kernels, ``dq = causal(g, v, k)``,
   ``dk = anticausal(v, g, q)``, ``dv = anticausal(k, q, g)``, and keeps no per-step state
-  (:data:`FUSED_BACKWARD` selects one fused pass for all three instead); with
-  :data:`CAUSAL_KERNEL` ``= "walk"`` each thread block instead walks a segment of chunks with
-  the state in shared memory (one launch, no per-chunk state in global memory);
+  (:data:`FUSED_BACKWARD` selects a fused backward instead: one pass over the chunks for all
+  three, or with the walk one walk for dq and one for dk and dv); with :data:`CAUSAL_KERNEL`
+  ``= "walk"`` each thread block instead walks a segment of chunks with the state in shared
+  memory (one launch, no per-chunk state in global memory);
 - normalized attention (:func:`linear_attention`): the normalizer ``φq_i·Σ_{j≤i} φk_j`` comes
   out of the same kernel, so neither direction builds an ``O(N·F·M)`` tensor; non-causal
   attention reduces ``S = Σ_j φk_j v_jᵀ`` and ``z = Σ_j φk_j`` over unmasked keys, then reads
