@@ -72,6 +72,16 @@
 
 #include "launchers.h"
 
+// Two hooks for tests/cuda_emulator, which compiles this file as plain C++ and runs every kernel
+// on the CPU (one fiber per thread): the kernel launch and the dynamic shared memory of a block.
+// nvcc gets the usual forms.
+#ifndef KS_LAUNCH
+#define KS_LAUNCH(kernel, grid, block, smem, stream) kernel<<<grid, block, smem, stream>>>
+#endif
+#ifndef KS_DYNAMIC_SMEM
+#define KS_DYNAMIC_SMEM(name) extern __shared__ __align__(128) unsigned char name[]
+#endif
+
 namespace ks_cuda {
 namespace {
 
@@ -232,6 +242,8 @@ __device__ __forceinline__ void cp_async16(void* dst_shared, const void* src_glo
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(dst_shared));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src_global)
                : "memory");
+#elif !defined(__CUDA_ARCH__)  // host compilation (tests/cuda_emulator): a plain copy
+  *static_cast<uint4*>(dst_shared) = *static_cast<const uint4*>(src_global);
 #endif
 }
 
@@ -364,7 +376,7 @@ __global__ void __launch_bounds__(kThreads)
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
   using Op = typename OperandOf<Tin>::type;
   constexpr int LD = ld_of<Op>();
-  extern __shared__ __align__(128) unsigned char smem[];
+  KS_DYNAMIC_SMEM(smem);
   Op* tiles = reinterpret_cast<Op*>(smem);  // buffer b: K at 2b, V at 2b + 1 (64 x LD each)
   float* St = reinterpret_cast<float*>(tiles + 4 * kTile * LD);  // 64 x kLdF: fp32 state tile
 
@@ -497,7 +509,7 @@ __global__ void __launch_bounds__(kThreads, kOutputBlocksPerSm<Tin>)
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
   using Op = typename OperandOf<Tin>::type;
   constexpr int LD = ld_of<Op>();
-  extern __shared__ __align__(128) unsigned char smem[];
+  KS_DYNAMIC_SMEM(smem);
   Op* Qs = reinterpret_cast<Op*>(smem);  // 64 x LD: Q rows x F slice
   Op* Ks = Qs + kTile * LD;               // 64 x LD: K rows x F slice
   Op* Ss = Ks + kTile * LD;               // 64 x LD: state F slice x M slice
@@ -642,7 +654,7 @@ __global__ void __launch_bounds__(kThreads, 2)  // three accumulator pairs: up t
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
   using Op = typename OperandOf<Tin>::type;
   constexpr int LD = ld_of<Op>();
-  extern __shared__ __align__(128) unsigned char smem[];
+  KS_DYNAMIC_SMEM(smem);
   const ChunkBlock<Op> blk(n, smem);
   const int64_t nc = blk.nc, bh = blk.bh, c = blk.c, row0 = blk.row0;
   Op *T0 = blk.tile(0), *T1 = blk.tile(1), *T2 = blk.tile(2), *T3 = blk.tile(3);
@@ -715,7 +727,7 @@ __global__ void __launch_bounds__(kThreads, kOutputBlocksPerSm<Tin>)
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
   using Op = typename OperandOf<Tin>::type;
   constexpr int LD = ld_of<Op>();
-  extern __shared__ __align__(128) unsigned char smem[];
+  KS_DYNAMIC_SMEM(smem);
   const ChunkBlock<Op> blk(n, smem);
   const int64_t nc = blk.nc, bh = blk.bh, c = blk.c, row0 = blk.row0;
   Op *T0 = blk.tile(0), *T1 = blk.tile(1), *T2 = blk.tile(2);
@@ -807,7 +819,7 @@ __global__ void __launch_bounds__(kThreads, kWalkBlocksPerSm<typename OperandOf<
   using Op = typename OperandOf<Tin>::type;
   using Smem = WalkSmem<Op, FT>;
   constexpr int LD = ld_of<Op>();
-  extern __shared__ __align__(128) unsigned char smem[];
+  KS_DYNAMIC_SMEM(smem);
   Op* bufs = reinterpret_cast<Op*>(smem);
   Op* s_copy = bufs + 2 * Smem::kBufTiles * Smem::kOpTile;  // FT tiles (16-bit operands only)
   float* s32 = reinterpret_cast<float*>(s_copy + (Smem::kCopy ? FT * Smem::kOpTile : 0));
@@ -1009,7 +1021,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   using Op = typename OperandOf<Tin>::type;
   constexpr int LD = ld_of<Op>();
   constexpr int kOpTile = DkvSmem<Op>::op_tile();
-  extern __shared__ __align__(128) unsigned char smem[];
+  KS_DYNAMIC_SMEM(smem);
   const int ft_n = lay.ft, mt_n = lay.mt, bt = lay.buf_tiles();
   Op* bufs = reinterpret_cast<Op*>(smem);
   Op* r_copy = bufs + lay.nbuf * bt * kOpTile;
@@ -1268,8 +1280,8 @@ cudaError_t launch_tiles(void (*kernel)(Params...), int64_t blocks, int64_t slic
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(smem));
   if (err != cudaSuccess) return err;
-  kernel<<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(slices)), kThreads, smem,
-           stream>>>(args...);
+  KS_LAUNCH(kernel, dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(slices)), kThreads,
+            smem, stream)(args...);
   return cudaGetLastError();
 }
 
@@ -1289,8 +1301,8 @@ cudaError_t launch_scan(float* states, float* total, int64_t bh, int64_t nblk, i
                         int mode, cudaStream_t stream) {
   const int64_t blocks = bh * cdiv(ss, kThreads);
   if (blocks > kMaxBlocks) return cudaErrorInvalidConfiguration;
-  state_scan_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(states, total, nblk,
-                                                                            ss, mode);
+  KS_LAUNCH(state_scan_kernel, static_cast<unsigned>(blocks), kThreads, 0, stream)(
+      states, total, nblk, ss, mode);
   return cudaGetLastError();
 }
 
@@ -1599,14 +1611,14 @@ cudaError_t cumsum_typed(const void* x, const float* pre, const float* post, flo
   const int64_t cols = cdiv(f, kSumThreads);
   if (blocks > kMaxBlocks || cols > 65535) return cudaErrorInvalidConfiguration;
   const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(cols));
-  chunk_colsum_kernel<Tin><<<grid, kSumThreads, 0, stream>>>(xt, pre, ws, n, f);
+  KS_LAUNCH(chunk_colsum_kernel<Tin>, grid, kSumThreads, 0, stream)(xt, pre, ws, n, f);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   err = launch_scan(ws, nullptr, bh, nc, f, reverse ? kExclusiveReverse : kExclusiveForward,
                     stream);
   if (err != cudaSuccess) return err;
-  chunk_cumsum_kernel<Tin><<<grid, kSumThreads, 0, stream>>>(xt, pre, post, ws, out, n, f,
-                                                             reverse);
+  KS_LAUNCH(chunk_cumsum_kernel<Tin>, grid, kSumThreads, 0, stream)(xt, pre, post, ws, out, n,
+                                                                    f, reverse);
   return cudaGetLastError();
 }
 

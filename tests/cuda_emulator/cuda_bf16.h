@@ -1,0 +1,27 @@
+// Shim of CUDA's bfloat16 header for tests/cuda_emulator: the type and its round-to-nearest-even
+// conversions.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "ks_emulator.h"
+
+struct __nv_bfloat16 {
+  uint16_t bits;
+};
+
+inline float __bfloat162float(__nv_bfloat16 x) {
+  const uint32_t u = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline __nv_bfloat16 __float2bfloat16_rn(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return {0x7fc0};  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return {static_cast<uint16_t>(u >> 16)};
+}

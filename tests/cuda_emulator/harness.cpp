@@ -1,0 +1,58 @@
+// C entry points of the emulated CUDA core for tests/test_cuda_emulated.py (ctypes): the
+// launchers of csrc/cuda/launchers.h on host buffers, each with its workspace, returning the
+// cudaError_t of the launch (0 = success).
+#include <cstdint>
+#include <vector>
+
+#include "cuda_runtime.h"
+#include "launchers.h"
+
+using ks_cuda::DType;
+
+extern "C" {
+
+void ks_emu_configure(uint64_t schedule_seed, int64_t smem_optin) {
+  ks_emu::set_schedule_seed(schedule_seed);
+  ks_emu::rt().smem_optin = static_cast<size_t>(smem_optin);
+}
+
+int ks_emu_causal_product(int dtype, const void* q, const void* k, const void* v, void* out,
+                          int out_fp32, float* den, int normalize, float eps, int64_t bh,
+                          int64_t n, int64_t f, int64_t m, int reverse, int64_t walk_blocks) {
+  const DType dt = static_cast<DType>(dtype);
+  std::vector<float> ws(ks_cuda::causal_workspace_floats(dt, bh, n, f, m, walk_blocks) + 1);
+  return ks_cuda::causal_product(dt, q, k, v, out, out_fp32 != 0, den, normalize != 0, eps,
+                                 ws.data(), bh, n, f, m, reverse != 0, walk_blocks, nullptr);
+}
+
+int ks_emu_causal_backward(int dtype, const void* q, const void* k, const void* v, const void* g,
+                           void* dq, void* dk, void* dv, int out_fp32, int64_t bh, int64_t n,
+                           int64_t f, int64_t m, int64_t walk_blocks) {
+  const DType dt = static_cast<DType>(dtype);
+  std::vector<float> ws(
+      ks_cuda::causal_backward_workspace_floats(dt, bh, n, f, m, walk_blocks) + 1);
+  return ks_cuda::causal_backward(dt, q, k, v, g, dq, dk, dv, out_fp32 != 0, ws.data(), bh, n, f,
+                                  m, walk_blocks, nullptr);
+}
+
+int ks_emu_full_attention(int dtype, const void* q, const void* k, const void* v,
+                          const bool* keep, int64_t heads, void* out, float* den, float eps,
+                          int64_t bh, int64_t n, int64_t s, int64_t f, int64_t m) {
+  const DType dt = static_cast<DType>(dtype);
+  std::vector<float> state(bh * (f * m + f));
+  std::vector<float> ws(ks_cuda::full_state_workspace_floats(bh, s, f, m) + 1);
+  const cudaError_t err = ks_cuda::full_state(dt, k, v, keep, heads, state.data(), ws.data(), bh,
+                                              s, f, m, nullptr);
+  if (err != cudaSuccess) return err;
+  return ks_cuda::full_apply(dt, q, state.data(), out, true, den, true, eps, bh, n, f, m,
+                             nullptr);
+}
+
+int ks_emu_scaled_cumsum(int dtype, const void* x, const float* pre, const float* post,
+                         float* out, int64_t bh, int64_t n, int64_t f, int reverse) {
+  std::vector<float> ws(ks_cuda::cumsum_workspace_floats(bh, n, f) + 1);
+  return ks_cuda::scaled_cumsum(static_cast<DType>(dtype), x, pre, post, out, ws.data(), bh, n,
+                                f, reverse != 0, nullptr);
+}
+
+}  // extern "C"

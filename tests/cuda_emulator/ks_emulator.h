@@ -1,0 +1,248 @@
+// A CPU emulator of the CUDA features that csrc/cuda/linear_attention.cu uses, so its kernels can
+// run (slowly) on a machine without a GPU and be compared with the float64 reference in CI.
+//
+// The shim headers beside this file (cuda_runtime.h, cuda_bf16.h, cuda_fp16.h, mma.h) take the
+// place of CUDA's when the .cu is compiled as C++ with g++. A kernel launch runs the grid's blocks
+// one after another; each thread of a block is a fiber (ucontext) that runs until it reaches a
+// barrier: __syncthreads() waits for the block, and __syncwarp(), the shuffles and every WMMA
+// operation wait for the 32 lanes of the warp (the points where a warp's lanes are converged on a
+// GPU). Between barriers the fibers of a block run in an order drawn from a seeded generator
+// (set_schedule_seed), so a missing barrier shows up as results that change with the seed.
+// Checks: a block's dynamic shared memory starts filled with 0xFF bytes (NaN in fp32, bf16 and
+// fp16), so reading what no thread wrote shows up as NaN; a guard after it must stay intact
+// (a write past the end aborts); a barrier that not every live thread of the block (or warp)
+// reaches aborts as a deadlock; so does a launch above the device's shared-memory limit.
+//
+// WMMA fragments hold their whole tile in every lane (the element order of a real fragment is
+// unspecified, and the kernels only apply the same function to every element). Products
+// accumulate in float, as the tensor cores do; bf16 and tf32 operands are rounded as on a GPU.
+#pragma once
+
+#include <ucontext.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+// ------------------------------------------------------------------ CUDA keywords
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__
+#define __align__(n) __attribute__((aligned(n)))
+
+struct dim3 {
+  unsigned x, y, z;
+  dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+
+struct alignas(16) uint4 {
+  unsigned x, y, z, w;
+};
+
+namespace ks_emu {
+
+[[noreturn]] inline void fail(const char* what) {
+  std::fprintf(stderr, "ks_emu: %s\n", what);
+  std::abort();
+}
+
+enum class Wait { kNone, kBlock, kWarp, kDone };
+
+struct Thread {
+  ucontext_t context;
+  dim3 idx;
+  Wait wait = Wait::kNone;
+};
+
+// The state of the block that is running (one at a time).
+struct Runtime {
+  dim3 block_idx, block_dim, grid_dim;
+  std::vector<Thread> threads;
+  std::vector<std::vector<char>> stacks;
+  std::vector<float> shuffle;  // one slot per thread
+  ucontext_t scheduler;
+  int current = 0;
+  std::vector<unsigned char> smem;
+  std::mt19937_64 rng{0};
+  size_t smem_optin = 232448;  // an H100's opt-in shared memory per block (227 KB)
+};
+
+inline Runtime& rt() {
+  static Runtime r;
+  return r;
+}
+
+inline Thread& self() { return rt().threads[rt().current]; }
+
+inline void yield(Wait wait) {
+  Thread& t = self();
+  t.wait = wait;
+  if (swapcontext(&t.context, &rt().scheduler) != 0) fail("swapcontext failed");
+}
+
+inline void sync_block() { yield(Wait::kBlock); }
+inline void sync_warp() { yield(Wait::kWarp); }
+
+// Releases every barrier that all its live threads have reached; true if any was released.
+inline bool release_barriers() {
+  Runtime& r = rt();
+  const int n = static_cast<int>(r.threads.size());
+  bool released = false;
+  int live = 0, at_block = 0;
+  for (const Thread& t : r.threads) {
+    live += t.wait != Wait::kDone;
+    at_block += t.wait == Wait::kBlock;
+  }
+  if (live > 0 && at_block == live) {
+    for (Thread& t : r.threads) {
+      if (t.wait == Wait::kBlock) t.wait = Wait::kNone;
+    }
+    return true;
+  }
+  for (int w = 0; w < n; w += 32) {
+    int warp_live = 0, at_warp = 0;
+    for (int i = w; i < std::min(n, w + 32); ++i) {
+      warp_live += r.threads[i].wait != Wait::kDone;
+      at_warp += r.threads[i].wait == Wait::kWarp;
+    }
+    if (warp_live > 0 && at_warp == warp_live) {
+      for (int i = w; i < std::min(n, w + 32); ++i) {
+        if (r.threads[i].wait == Wait::kWarp) r.threads[i].wait = Wait::kNone;
+      }
+      released = true;
+    }
+  }
+  return released;
+}
+
+template <typename Fn>
+struct Entry {
+  static Fn* fn;
+  static void run() {
+    (*fn)();
+    rt().threads[rt().current].wait = Wait::kDone;
+  }  // returns to uc_link: the scheduler
+};
+template <typename Fn>
+Fn* Entry<Fn>::fn = nullptr;
+
+// Runs fn() as every thread of one block, to completion.
+template <typename Fn>
+void run_block(Fn& fn) {
+  Runtime& r = rt();
+  const int n = static_cast<int>(r.block_dim.x * r.block_dim.y * r.block_dim.z);
+  constexpr size_t kStack = 256 * 1024;
+  r.threads.assign(n, Thread{});
+  r.shuffle.assign(n, 0.f);
+  if (r.stacks.size() < static_cast<size_t>(n)) r.stacks.resize(n);
+  Entry<Fn>::fn = &fn;
+  for (int i = 0; i < n; ++i) {
+    Thread& t = r.threads[i];
+    t.idx = dim3(i % r.block_dim.x, (i / r.block_dim.x) % r.block_dim.y,
+                 i / (r.block_dim.x * r.block_dim.y));
+    r.stacks[i].resize(kStack);
+    getcontext(&t.context);
+    t.context.uc_stack.ss_sp = r.stacks[i].data();
+    t.context.uc_stack.ss_size = kStack;
+    t.context.uc_link = &r.scheduler;
+    makecontext(&t.context, &Entry<Fn>::run, 0);
+  }
+  std::vector<int> order(n);
+  for (int i = 0; i < n; ++i) order[i] = i;
+  for (;;) {
+    std::shuffle(order.begin(), order.end(), r.rng);
+    bool ran = false;
+    for (int i : order) {
+      if (r.threads[i].wait != Wait::kNone) continue;
+      r.current = i;
+      if (swapcontext(&r.scheduler, &r.threads[i].context) != 0) fail("swapcontext failed");
+      ran = true;
+    }
+    bool done = true;
+    for (const Thread& t : r.threads) done &= t.wait == Wait::kDone;
+    if (done) return;
+    if (!release_barriers() && !ran) fail("deadlock: a barrier that not every thread reaches");
+  }
+}
+
+// The block's dynamic shared memory, followed by a guard of kGuard bytes.
+constexpr size_t kGuard = 4096;
+constexpr unsigned char kPoison = 0xFF;
+inline unsigned char* dynamic_smem() { return rt().smem.data(); }
+
+template <typename Kernel>
+struct Launch;
+
+template <typename... Params>
+struct Launch<void (*)(Params...)> {
+  void (*kernel)(Params...);
+  dim3 grid, block;
+  size_t smem;
+  template <typename... Args>
+  void operator()(Args&&... args) const {
+    std::tuple<Params...> values(std::forward<Args>(args)...);
+    Runtime& r = rt();
+    if (smem > r.smem_optin) fail("dynamic shared memory above the device's limit");
+    r.grid_dim = grid;
+    r.block_dim = block;
+    r.smem.assign(smem + kGuard, kPoison);
+    auto body = [&] { std::apply(kernel, values); };
+    for (unsigned by = 0; by < grid.y; ++by) {
+      for (unsigned bx = 0; bx < grid.x; ++bx) {
+        r.block_idx = dim3(bx, by);
+        std::fill(r.smem.begin(), r.smem.begin() + smem, kPoison);
+        run_block(body);
+        for (size_t i = smem; i < smem + kGuard; ++i) {
+          if (r.smem[i] != kPoison) fail("write past the block's dynamic shared memory");
+        }
+      }
+    }
+  }
+};
+
+template <typename... Params>
+Launch<void (*)(Params...)> launch(void (*kernel)(Params...), dim3 grid, dim3 block,
+                                   size_t smem) {
+  return {kernel, grid, block, smem};
+}
+
+inline void set_schedule_seed(uint64_t seed) { rt().rng.seed(seed); }
+
+// Warp shuffle: every lane posts its value, waits for the warp, reads its partner's, and waits
+// again before the slots can be reused.
+inline float shfl_xor(float value, int lane_mask) {
+  Runtime& r = rt();
+  const int i = r.current;
+  r.shuffle[i] = value;
+  sync_warp();
+  const float other = r.shuffle[(i & ~31) | ((i & 31) ^ lane_mask)];
+  sync_warp();
+  return other;
+}
+
+}  // namespace ks_emu
+
+// ------------------------------------------------------------------ CUDA built-ins
+#define threadIdx (::ks_emu::self().idx)
+#define blockIdx (::ks_emu::rt().block_idx)
+#define blockDim (::ks_emu::rt().block_dim)
+#define gridDim (::ks_emu::rt().grid_dim)
+
+inline void __syncthreads() { ks_emu::sync_block(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { ks_emu::sync_warp(); }
+inline float __shfl_xor_sync(unsigned, float value, int lane_mask, int = 32) {
+  return ks_emu::shfl_xor(value, lane_mask);
+}
+
+#define KS_LAUNCH(kernel, grid, block, smem, stream) ::ks_emu::launch(kernel, grid, block, smem)
+#define KS_DYNAMIC_SMEM(name) unsigned char* name = ::ks_emu::dynamic_smem()

@@ -1,0 +1,129 @@
+// Shim of CUDA's WMMA header for tests/cuda_emulator (see ks_emulator.h): every lane holds a
+// fragment's whole tile (row-major), each operation starts with a warp barrier (lanes converge
+// there on a GPU), and products accumulate in float.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "cuda_bf16.h"
+#include "ks_emulator.h"
+
+namespace nvcuda {
+namespace wmma {
+
+struct row_major {};
+struct col_major {};
+struct matrix_a {};
+struct matrix_b {};
+struct accumulator {};
+namespace precision {
+struct tf32 {};
+}  // namespace precision
+enum layout_t { mem_row_major, mem_col_major };
+
+template <typename Use, int M, int N, int K>
+struct Shape;
+template <int M, int N, int K>
+struct Shape<matrix_a, M, N, K> {
+  static constexpr int rows = M, cols = K;
+};
+template <int M, int N, int K>
+struct Shape<matrix_b, M, N, K> {
+  static constexpr int rows = K, cols = N;
+};
+template <int M, int N, int K>
+struct Shape<accumulator, M, N, K> {
+  static constexpr int rows = M, cols = N;
+};
+
+template <typename T>
+struct Storage {
+  using type = T;
+};
+template <>
+struct Storage<precision::tf32> {
+  using type = float;
+};
+
+template <typename Use, int M, int N, int K, typename T, typename Layout = void>
+struct fragment {
+  using storage_element_type = typename Storage<T>::type;
+  static constexpr int rows = Shape<Use, M, N, K>::rows;
+  static constexpr int cols = Shape<Use, M, N, K>::cols;
+  static constexpr int num_elements = rows * cols;
+  storage_element_type x[num_elements];
+};
+
+inline float as_float(float v) { return v; }
+inline float as_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+// Rounds to tf32 (10 mantissa bits), to nearest.
+inline float __float_to_tf32(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7f800000u) != 0x7f800000u) u = (u + 0x1000u) & 0xffffe000u;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+template <typename Use, int M, int N, int K, typename T, typename Layout, typename P>
+void load_matrix_sync(fragment<Use, M, N, K, T, Layout>& a, const P* p, unsigned ldm) {
+  static_assert(!std::is_same_v<Layout, void>, "operand fragments carry their layout");
+  __syncwarp();
+  using F = fragment<Use, M, N, K, T, Layout>;
+  for (int r = 0; r < F::rows; ++r) {
+    for (int c = 0; c < F::cols; ++c) {
+      a.x[r * F::cols + c] = std::is_same_v<Layout, row_major> ? p[r * ldm + c] : p[c * ldm + r];
+    }
+  }
+}
+
+template <int M, int N, int K>
+void load_matrix_sync(fragment<accumulator, M, N, K, float>& a, const float* p, unsigned ldm,
+                      layout_t layout) {
+  __syncwarp();
+  for (int r = 0; r < M; ++r) {
+    for (int c = 0; c < N; ++c) {
+      a.x[r * N + c] = layout == mem_row_major ? p[r * ldm + c] : p[c * ldm + r];
+    }
+  }
+}
+
+template <int M, int N, int K>
+void store_matrix_sync(float* p, const fragment<accumulator, M, N, K, float>& a, unsigned ldm,
+                       layout_t layout) {
+  __syncwarp();
+  for (int r = 0; r < M; ++r) {
+    for (int c = 0; c < N; ++c) {
+      (layout == mem_row_major ? p[r * ldm + c] : p[c * ldm + r]) = a.x[r * N + c];
+    }
+  }
+}
+
+template <typename Use, int M, int N, int K, typename T, typename Layout>
+void fill_fragment(fragment<Use, M, N, K, T, Layout>& a, float value) {
+  __syncwarp();
+  for (auto& e : a.x) e = value;
+}
+
+template <int M, int N, int K, typename T, typename LA, typename LB>
+void mma_sync(fragment<accumulator, M, N, K, float>& d,
+              const fragment<matrix_a, M, N, K, T, LA>& a,
+              const fragment<matrix_b, M, N, K, T, LB>& b,
+              const fragment<accumulator, M, N, K, float>& c) {
+  __syncwarp();
+  float out[M * N];
+  for (int i = 0; i < M; ++i) {
+    for (int j = 0; j < N; ++j) {
+      float s = c.x[i * N + j];
+      for (int t = 0; t < K; ++t) s += as_float(a.x[i * K + t]) * as_float(b.x[t * N + j]);
+      out[i * N + j] = s;
+    }
+  }
+  std::memcpy(d.x, out, sizeof(out));
+}
+
+}  // namespace wmma
+}  // namespace nvcuda
