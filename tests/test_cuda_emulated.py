@@ -21,7 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernelstudy.core import causal_dot_product_reference, linear_attention_reference
+from kernelstudy.core import (
+    causal_dot_product_reference,
+    cuda_backend,
+    linear_attention_reference,
+)
 from kernelstudy.core.extensions import csrc_dir
 
 from .conftest import rel_err
@@ -54,7 +58,8 @@ def emu(tmp_path_factory) -> ctypes.CDLL:
     module.ks_emu_causal_product.argtypes = [i32, p, p, p, p, i32, p, i32, f32, *[i64] * 4]
     module.ks_emu_causal_product.argtypes += [i32, i64]
     module.ks_emu_causal_backward.argtypes = [i32, *[p] * 7, i32, *[i64] * 5]
-    module.ks_emu_full_attention.argtypes = [i32, p, p, p, p, i64, p, p, f32, *[i64] * 5]
+    module.ks_emu_full_state.argtypes = [i32, p, p, p, i64, p, *[i64] * 4]
+    module.ks_emu_full_apply.argtypes = [i32, p, p, p, i32, p, i32, f32, *[i64] * 4]
     module.ks_emu_scaled_cumsum.argtypes = [i32, p, p, p, p, i64, i64, i64, i32]
     module.ks_emu_configure(0, H100_SMEM)
     return module
@@ -64,12 +69,86 @@ def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
     return ctypes.c_void_p(None if t is None else t.data_ptr())
 
 
+class EmulatedExtension:
+    """The extension's Python API (``csrc/cuda/binding.cpp``: same functions, arguments and
+    results) on CPU tensors, run by the emulator: what ``cuda_backend`` calls on a GPU."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self.lib = lib
+
+    def causal_product(self, q, k, v, reverse=False, out_fp32=True, with_den=False,
+                       normalize=False, eps=1e-6, walk_blocks=0):  # fmt: skip
+        q, k, v = (t.contiguous() for t in (q, k, v))
+        b, h, n, f = q.shape
+        m = v.shape[-1]
+        out = torch.empty(b, h, n, m, dtype=torch.float32 if out_fp32 else q.dtype)
+        den = torch.empty(b, h, n) if with_den else None
+        err = self.lib.ks_emu_causal_product(
+            DTYPES[q.dtype], _ptr(q), _ptr(k), _ptr(v), _ptr(out), int(out_fp32), _ptr(den),
+            int(normalize), eps, b * h, n, f, m, int(reverse), walk_blocks,
+        )  # fmt: skip
+        assert err == 0
+        return [out, den]
+
+    def causal_backward(self, q, k, v, g, out_fp32=False, walk_blocks=0):
+        q, k, v, g = (t.contiguous() for t in (q, k, v, g))
+        b, h, n, f = q.shape
+        m = v.shape[-1]
+        dtype = torch.float32 if out_fp32 else q.dtype
+        grads = [torch.empty(b, h, n, d, dtype=dtype) for d in (f, f, m)]
+        err = self.lib.ks_emu_causal_backward(
+            DTYPES[q.dtype], *map(_ptr, (q, k, v, g, *grads)), int(out_fp32), b * h, n, f, m,
+            walk_blocks,
+        )  # fmt: skip
+        assert err == 0
+        return grads
+
+    def full_state(self, k, v, key_padding_mask=None):
+        k, v = k.contiguous(), v.contiguous()
+        b, h, n, f = k.shape
+        m = v.shape[-1]
+        state = torch.empty(b, h, f * m + f)
+        keep = None if key_padding_mask is None else key_padding_mask.contiguous()
+        err = self.lib.ks_emu_full_state(
+            DTYPES[k.dtype], _ptr(k), _ptr(v), _ptr(keep), h, _ptr(state), b * h, n, f, m
+        )
+        assert err == 0
+        return state
+
+    def full_apply(self, q, state, m, out_fp32=True, with_den=False, normalize=False, eps=1e-6):
+        q = q.contiguous()
+        b, h, n, f = q.shape
+        out = torch.empty(b, h, n, m, dtype=torch.float32 if out_fp32 else q.dtype)
+        den = torch.empty(b, h, n) if with_den else None
+        err = self.lib.ks_emu_full_apply(
+            DTYPES[q.dtype], _ptr(q), _ptr(state.contiguous()), _ptr(out), int(out_fp32),
+            _ptr(den), int(normalize), eps, b * h, n, f, m,
+        )  # fmt: skip
+        assert err == 0
+        return [out, den]
+
+    def scaled_cumsum(self, x, pre=None, post=None, reverse=False):
+        x = x.contiguous()
+        b, h, n, f = x.shape
+        out = torch.empty(b, h, n, f)
+        err = self.lib.ks_emu_scaled_cumsum(
+            DTYPES[x.dtype], _ptr(x), _ptr(pre), _ptr(post), _ptr(out), b * h, n, f, int(reverse)
+        )
+        assert err == 0
+        return out
+
+
+@pytest.fixture(scope="module")
+def ext(emu) -> EmulatedExtension:
+    return EmulatedExtension(emu)
+
+
 def _inputs(bh, n, f, m, dtype, seed=0, extra=0):
-    """q, k (positive features) and v (plus `extra` tensors like v), (BH, N, ·), in dtype."""
+    """q, k (positive features) and v (plus `extra` tensors like v), (1, BH, N, ·), in dtype."""
     gen = torch.Generator().manual_seed(seed)
-    q, k = torch.rand(bh, n, f, generator=gen), torch.rand(bh, n, f, generator=gen)
-    rest = [torch.randn(bh, n, m, generator=gen) for _ in range(1 + extra)]
-    return [t.to(dtype).contiguous() for t in (q, k, *rest)]
+    q, k = torch.rand(1, bh, n, f, generator=gen), torch.rand(1, bh, n, f, generator=gen)
+    rest = [torch.randn(1, bh, n, m, generator=gen) for _ in range(1 + extra)]
+    return [t.to(dtype) for t in (q, k, *rest)]
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -80,25 +159,14 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
     return (got.double() - want.double()).pow(2).mean().sqrt().item() <= 1e-2 * max(scale, 1e-12)
 
 
-def _product(emu, q, k, v, reverse=False, walk_blocks=0, normalize=False):
-    bh, n, f = q.shape
-    m = v.shape[-1]
-    out, den = torch.empty(bh, n, m), torch.empty(bh, n)
-    err = emu.ks_emu_causal_product(
-        DTYPES[q.dtype], _ptr(q), _ptr(k), _ptr(v), _ptr(out), 1, _ptr(den), int(normalize),
-        1e-6, bh, n, f, m, int(reverse), walk_blocks,
-    )  # fmt: skip
-    assert err == 0
-    return out, den
-
-
 def _reference_product(q, k, v, reverse=False):
     """Σ_{j≤i} (q_i·k_j) v_j (j ≥ i with reverse) and its normalizer, in float64."""
-    flip = (lambda x: x.flip(1)) if reverse else (lambda x: x)
-    q, k, v = (flip(t.double())[None] for t in (q, k, v))
+    flip = (lambda x: x.flip(2)) if reverse else (lambda x: x)
+    q, k, v = (flip(t.double()) for t in (q, k, v))
     ones = torch.ones(*v.shape[:-1], 1, dtype=torch.float64)
-    return flip(causal_dot_product_reference(q, k, v)[0]), flip(
-        causal_dot_product_reference(q, k, ones)[0, ..., 0]
+    return (
+        flip(causal_dot_product_reference(q, k, v)),
+        flip(causal_dot_product_reference(q, k, ones)[..., 0]),
     )
 
 
@@ -112,108 +180,155 @@ KERNELS = [0, 1, 5, 10**6]
 KERNEL_IDS = ["chunks", "walk_whole", "walk_5", "walk_per_chunk"]
 
 
+# ---------------------------------------------------------------- the kernels
 @pytest.mark.parametrize("walk_blocks", KERNELS, ids=KERNEL_IDS)
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=IDS)
-def test_causal_product_and_normalizer(emu, shape, dtype, walk_blocks):
+def test_causal_product_and_normalizer(ext, shape, dtype, walk_blocks):
     q, k, v = _inputs(*shape, dtype)
     for reverse in (False, True):
         want, want_den = _reference_product(q, k, v, reverse)
-        out, den = _product(emu, q, k, v, reverse, walk_blocks)
+        out, den = ext.causal_product(q, k, v, reverse, with_den=True, walk_blocks=walk_blocks)
         assert _close(out, want, dtype) and _close(den, want_den, dtype)
-        normalized, _ = _product(emu, q, k, v, reverse, walk_blocks, normalize=True)
+        normalized, _ = ext.causal_product(
+            q, k, v, reverse, out_fp32=False, normalize=True, walk_blocks=walk_blocks
+        )
+        assert normalized.dtype == dtype
         assert _close(normalized, want / (want_den[..., None] + 1e-6), dtype)
 
 
 @pytest.mark.parametrize("walk_blocks", KERNELS, ids=KERNEL_IDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=IDS)
-def test_fused_backward(emu, shape, dtype, walk_blocks):
+def test_fused_backward(ext, shape, dtype, walk_blocks):
     """dq, dk, dv of the fused backward: the chunk kernels' (kernels 4, 5) or the walk's
     (kernel 6 for dq, kernel 7 for dk and dv, two walks where F or M exceeds 128)."""
-    bh, n, f, m = shape
     q, k, v, g = _inputs(*shape, dtype, extra=1)
-    grads = [torch.empty(bh, n, d) for d in (f, f, m)]
-    err = emu.ks_emu_causal_backward(
-        DTYPES[dtype], *map(_ptr, (q, k, v, g, *grads)), 1, bh, n, f, m, walk_blocks
-    )
-    assert err == 0
-    q64, k64, v64 = (t.double()[None].requires_grad_() for t in (q, k, v))
+    got = ext.causal_backward(q, k, v, g, out_fp32=True, walk_blocks=walk_blocks)
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
     out = causal_dot_product_reference(q64, k64, v64)
-    want = torch.autograd.grad(out, (q64, k64, v64), g.double()[None])
-    for got, w in zip(grads, want, strict=True):
-        assert _close(got, w[0], dtype)
+    want = torch.autograd.grad(out, (q64, k64, v64), g.double())
+    for a, w in zip(got, want, strict=True):
+        assert _close(a, w, dtype)
+
+
+def test_chunk_kernels_group_chunks(ext):
+    """B·H·(F/64)·(M/64) = 36 tiles over 31 chunks give the chunk kernels' state pass 2 chunks
+    per thread block (the last block of each sequence 1): block-local prefixes and carries."""
+    q, k, v, g = _inputs(4, 1950, 192, 192, torch.bfloat16, extra=1)
+    want, _ = _reference_product(q, k, v)
+    assert _close(ext.causal_product(q, k, v)[0], want, torch.bfloat16)
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    grads = torch.autograd.grad(causal_dot_product_reference(q64, k64, v64), (q64, k64, v64), g)
+    for a, w in zip(ext.causal_backward(q, k, v, g, out_fp32=True), grads, strict=True):
+        assert _close(a, w, torch.bfloat16)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=str)
-@pytest.mark.parametrize("shape", [(6, 37, 8, 5), (4, 1100, 33, 70)], ids=["small", "two_blocks"])
-def test_full_attention_with_key_padding(emu, shape, dtype):
+@pytest.mark.parametrize("keys", [37, 1100], ids=["one_block", "two_blocks"])
+def test_full_attention_with_key_padding(ext, keys, dtype):
     """Non-causal: the state over blocks of 1024 keys with padding, then the read-out."""
-    bh, s, f, m = shape
-    heads, n = 2, 45
-    q = _inputs(bh, n, f, m, dtype, seed=1)[0]
-    k, v = _inputs(bh, s, f, m, dtype, seed=2)[1:]
-    keep = torch.ones(bh // heads, s, dtype=torch.bool)
-    keep[-1, s // 3 :] = False
-    out, den = torch.empty(bh, n, m), torch.empty(bh, n)
-    err = emu.ks_emu_full_attention(
-        DTYPES[dtype], *map(_ptr, (q, k, v, keep)), heads, _ptr(out), _ptr(den), 1e-6,
-        bh, n, s, f, m,
-    )  # fmt: skip
-    assert err == 0
-    split = lambda t: t.double().reshape(bh // heads, heads, *t.shape[1:])  # noqa: E731
-    want = linear_attention_reference(split(q), split(k), split(v), key_padding_mask=keep)
-    assert _close(out, want.reshape(bh, n, m), dtype)
+    b, h, n, f, m = 2, 3, 45, 33, 70
+    q = _inputs(b * h, n, f, m, dtype, seed=1)[0].reshape(b, h, n, f)
+    k, v = (t.reshape(b, h, keys, -1) for t in _inputs(b * h, keys, f, m, dtype, seed=2)[1:])
+    keep = torch.ones(b, keys, dtype=torch.bool)
+    keep[-1, keys // 3 :] = False
+    out, den = ext.full_apply(q, ext.full_state(k, v, keep), m, with_den=True, normalize=True)
+    want = linear_attention_reference(q.double(), k.double(), v.double(), key_padding_mask=keep)
+    assert _close(out, want, dtype)
 
 
 @pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
-def test_scaled_cumsum(emu, reverse):
-    bh, n, f = 3, 150, 20
-    x = torch.randn(bh, n, f)
-    pre, post = torch.rand(bh, n), torch.rand(bh, n)
-    out = torch.empty(bh, n, f)
-    err = emu.ks_emu_scaled_cumsum(0, _ptr(x), _ptr(pre), _ptr(post), _ptr(out), bh, n, f,
-                                   int(reverse))  # fmt: skip
-    assert err == 0
-    flip = (lambda t: t.flip(1)) if reverse else (lambda t: t)
-    want = post[..., None] * flip(torch.cumsum(flip(pre[..., None] * x).double(), dim=1))
+def test_scaled_cumsum(ext, reverse):
+    x = torch.randn(1, 3, 150, 20)
+    pre, post = torch.rand(1, 3, 150), torch.rand(1, 3, 150)
+    out = ext.scaled_cumsum(x, pre, post, reverse)
+    flip = (lambda t: t.flip(2)) if reverse else (lambda t: t)
+    want = post[..., None] * flip(torch.cumsum(flip(pre[..., None] * x).double(), dim=2))
     assert rel_err(out, want) <= 1e-5
 
 
 @pytest.mark.parametrize("walk_blocks", [0, 5], ids=["chunks", "walk"])
-def test_results_do_not_depend_on_the_thread_schedule(emu, walk_blocks):
+def test_results_do_not_depend_on_the_thread_schedule(emu, ext, walk_blocks):
     """Threads run in a different order between barriers under each seed; a race (a barrier
     missing) would change the results."""
     q, k, v, g = _inputs(2, 200, 96, 70, torch.bfloat16, extra=1)
     runs = []
     for seed in (1, 2, 3):
         emu.ks_emu_configure(seed, H100_SMEM)
-        grads = [torch.empty(2, 200, d) for d in (96, 96, 70)]
-        emu.ks_emu_causal_backward(2, *map(_ptr, (q, k, v, g, *grads)), 1, 2, 200, 96, 70,
-                                   walk_blocks)  # fmt: skip
-        runs.append([_product(emu, q, k, v, walk_blocks=walk_blocks)[0], *grads])
+        runs.append(
+            [
+                ext.causal_product(q, k, v, with_den=True, walk_blocks=walk_blocks)[0],
+                *ext.causal_backward(q, k, v, g, walk_blocks=walk_blocks),
+            ]
+        )
     emu.ks_emu_configure(0, H100_SMEM)
     for other in runs[1:]:
         for a, b in zip(runs[0], other, strict=True):
             assert torch.equal(a, b)
 
 
-def test_walk_falls_back_where_shared_memory_is_short(emu):
+def test_walk_falls_back_where_shared_memory_is_short(emu, ext):
     """fp32 with F = M = 128 needs 227 KB for the walk and 261 KB for kernel 7: on an A100's
-    163 KB both fall back to the chunk kernels, and every path gives the product."""
+    163 KB the walk falls back to the chunk kernels, and every path gives the product."""
     q, k, v, g = _inputs(1, 140, 128, 128, torch.float32, extra=1)
     want, _ = _reference_product(q, k, v)
     results = {}
     for smem in (H100_SMEM, A100_SMEM):
         emu.ks_emu_configure(0, smem)
-        out, _ = _product(emu, q, k, v, walk_blocks=256)
+        out = ext.causal_product(q, k, v, walk_blocks=256)[0]
         assert _close(out, want, torch.float32)
-        grads = [torch.empty(1, 140, 128) for _ in range(3)]
-        assert emu.ks_emu_causal_backward(0, *map(_ptr, (q, k, v, g, *grads)), 1, 1, 140, 128,
-                                          128, 256) == 0  # fmt: skip
-        results[smem] = [out, *grads]
+        results[smem] = [out, *ext.causal_backward(q, k, v, g, out_fp32=True, walk_blocks=256)]
     emu.ks_emu_configure(0, H100_SMEM)
-    chunks, _ = _product(emu, q, k, v, walk_blocks=0)
-    assert torch.equal(results[A100_SMEM][0], chunks)  # the chunk kernels, bit for bit
+    assert torch.equal(results[A100_SMEM][0], ext.causal_product(q, k, v)[0])  # bit for bit
     for a, b in zip(results[H100_SMEM], results[A100_SMEM], strict=True):
         assert _close(a, b, torch.float32)
+
+
+# ---------------------------------------------------------------- the backend on the kernels
+@pytest.fixture
+def backend(ext, monkeypatch):
+    """kernelstudy.core.cuda_backend with the emulated extension taking CPU tensors."""
+    monkeypatch.setattr(cuda_backend, "extension", lambda: ext)
+    monkeypatch.setattr(cuda_backend, "supports", lambda x: x.dtype in DTYPES)
+    return cuda_backend
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["three_products", "fused_backward"])
+@pytest.mark.parametrize("kernel", ["chunks", "walk"])
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=str)
+@pytest.mark.parametrize("shape", [(2, 3, 37, 8, 5), (1, 2, 150, 33, 70)], ids=["small", "ragged"])
+def test_backend_matches_reference(backend, monkeypatch, shape, dtype, kernel, fused):
+    """The autograd functions of the cuda backend (products, normalizer, masks, the float16
+    backward in bfloat16) on each kernel and backward: outputs and every gradient."""
+    monkeypatch.setattr(backend, "CAUSAL_KERNEL", kernel)
+    monkeypatch.setattr(backend, "WALK_BLOCKS", 3)
+    monkeypatch.setattr(backend, "FUSED_BACKWARD", fused)
+    b, h, n, f, m = shape
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.rand(b, h, n, f, generator=gen).to(dtype) for _ in "qk")
+    v, g = (torch.randn(b, h, n, m, generator=gen).to(dtype) for _ in "vg")
+    mask = torch.ones(b, n, dtype=torch.bool)
+    mask[-1, n // 2 :] = False
+    mask[0, :3] = False  # left padding: rows that see no real key in causal attention
+    cases = [
+        (backend.causal_product, causal_dot_product_reference),
+        *(
+            (
+                lambda *x, c=causal: backend.linear_attention(*x, causal=c, key_padding_mask=mask),
+                lambda *x, c=causal: linear_attention_reference(
+                    *x, causal=c, key_padding_mask=mask
+                ),
+            )
+            for causal in (True, False)
+        ),
+    ]
+    for fn, ref in cases:
+        x = [t.clone().requires_grad_() for t in (q, k, v)]
+        x64 = [t.double().requires_grad_() for t in (q, k, v)]
+        got, want = fn(*x), ref(*x64)
+        assert got.dtype == dtype and _close(got, want, dtype)
+        for a, w in zip(
+            torch.autograd.grad(got, x, g), torch.autograd.grad(want, x64, g.double()), strict=True
+        ):
+            assert a.dtype == dtype and _close(a, w, dtype)

@@ -1,6 +1,6 @@
 // C entry points of the emulated CUDA core for tests/test_cuda_emulated.py (ctypes): the
-// launchers of csrc/cuda/launchers.h on host buffers, each with its workspace, returning the
-// cudaError_t of the launch (0 = success).
+// launchers of csrc/cuda/launchers.h, one for one, on host buffers, each allocating its
+// workspace, returning the cudaError_t of the launches (0 = success).
 #include <cstdint>
 #include <vector>
 
@@ -35,17 +35,18 @@ int ks_emu_causal_backward(int dtype, const void* q, const void* k, const void* 
                                   m, walk_blocks, nullptr);
 }
 
-int ks_emu_full_attention(int dtype, const void* q, const void* k, const void* v,
-                          const bool* keep, int64_t heads, void* out, float* den, float eps,
-                          int64_t bh, int64_t n, int64_t s, int64_t f, int64_t m) {
-  const DType dt = static_cast<DType>(dtype);
-  std::vector<float> state(bh * (f * m + f));
-  std::vector<float> ws(ks_cuda::full_state_workspace_floats(bh, s, f, m) + 1);
-  const cudaError_t err = ks_cuda::full_state(dt, k, v, keep, heads, state.data(), ws.data(), bh,
-                                              s, f, m, nullptr);
-  if (err != cudaSuccess) return err;
-  return ks_cuda::full_apply(dt, q, state.data(), out, true, den, true, eps, bh, n, f, m,
-                             nullptr);
+int ks_emu_full_state(int dtype, const void* k, const void* v, const bool* keep, int64_t heads,
+                      float* state, int64_t bh, int64_t n, int64_t f, int64_t m) {
+  std::vector<float> ws(ks_cuda::full_state_workspace_floats(bh, n, f, m) + 1);
+  return ks_cuda::full_state(static_cast<DType>(dtype), k, v, keep, heads, state, ws.data(), bh,
+                             n, f, m, nullptr);
+}
+
+int ks_emu_full_apply(int dtype, const void* q, const float* state, void* out, int out_fp32,
+                      float* den, int normalize, float eps, int64_t bh, int64_t n, int64_t f,
+                      int64_t m) {
+  return ks_cuda::full_apply(static_cast<DType>(dtype), q, state, out, out_fp32 != 0, den,
+                             normalize != 0, eps, bh, n, f, m, nullptr);
 }
 
 int ks_emu_scaled_cumsum(int dtype, const void* x, const float* pre, const float* post,

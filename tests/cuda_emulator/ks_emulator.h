@@ -28,6 +28,7 @@
 #include <cstring>
 #include <random>
 #include <tuple>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -62,6 +63,13 @@ struct Thread {
   ucontext_t context;
   dim3 idx;
   Wait wait = Wait::kNone;
+  uint64_t products = 0;  // WMMA products this thread has issued (see warp_product)
+};
+
+// The WMMA products of a warp that not all its lanes have taken yet, by index.
+struct Product {
+  std::vector<float> value;
+  int taken = 0;
 };
 
 // The state of the block that is running (one at a time).
@@ -70,6 +78,7 @@ struct Runtime {
   std::vector<Thread> threads;
   std::vector<std::vector<char>> stacks;
   std::vector<float> shuffle;  // one slot per thread
+  std::vector<std::unordered_map<uint64_t, Product>> products;  // one map per warp
   ucontext_t scheduler;
   int current = 0;
   std::vector<unsigned char> smem;
@@ -144,6 +153,7 @@ void run_block(Fn& fn) {
   constexpr size_t kStack = 256 * 1024;
   r.threads.assign(n, Thread{});
   r.shuffle.assign(n, 0.f);
+  r.products.assign((n + 31) / 32, {});
   if (r.stacks.size() < static_cast<size_t>(n)) r.stacks.resize(n);
   Entry<Fn>::fn = &fn;
   for (int i = 0; i < n; ++i) {
@@ -217,6 +227,24 @@ Launch<void (*)(Params...)> launch(void (*kernel)(Params...), dim3 grid, dim3 bl
 }
 
 inline void set_schedule_seed(uint64_t seed) { rt().rng.seed(seed); }
+
+// A warp's lanes hold identical WMMA operands, so the first lane to issue the warp's i-th product
+// computes it (compute(out), `size` floats) and the other lanes copy it.
+template <typename Compute>
+void warp_product(float* out, int size, Compute compute) {
+  Runtime& r = rt();
+  const int lanes = std::min<int>(32, static_cast<int>(r.threads.size()) - r.current / 32 * 32);
+  auto& pending = r.products[r.current / 32];
+  const uint64_t index = ++r.threads[r.current].products;
+  auto it = pending.find(index);
+  if (it == pending.end()) {
+    compute(out);
+    if (lanes > 1) pending[index] = Product{std::vector<float>(out, out + size), 1};
+    return;
+  }
+  std::memcpy(out, it->second.value.data(), sizeof(float) * size);
+  if (++it->second.taken == lanes) pending.erase(it);
+}
 
 // Warp shuffle: every lane posts its value, waits for the warp, reads its partner's, and waits
 // again before the slots can be reused.

@@ -1,6 +1,9 @@
 // Shim of CUDA's WMMA header for tests/cuda_emulator (see ks_emulator.h): every lane holds a
-// fragment's whole tile (row-major), each operation starts with a warp barrier (lanes converge
-// there on a GPU), and products accumulate in float.
+// fragment's whole tile (row-major) and products accumulate in float (once per warp:
+// ks_emu::warp_product). Lanes run one after
+// another between barriers, so a store starts with a warp barrier: no lane overwrites a tile
+// before every lane of its warp has loaded it (loads, fills and products touch only the lane's
+// own copy or memory that stays put until that barrier).
 #pragma once
 
 #include <cstdint>
@@ -71,7 +74,6 @@ inline float __float_to_tf32(float f) {
 template <typename Use, int M, int N, int K, typename T, typename Layout, typename P>
 void load_matrix_sync(fragment<Use, M, N, K, T, Layout>& a, const P* p, unsigned ldm) {
   static_assert(!std::is_same_v<Layout, void>, "operand fragments carry their layout");
-  __syncwarp();
   using F = fragment<Use, M, N, K, T, Layout>;
   for (int r = 0; r < F::rows; ++r) {
     for (int c = 0; c < F::cols; ++c) {
@@ -83,7 +85,6 @@ void load_matrix_sync(fragment<Use, M, N, K, T, Layout>& a, const P* p, unsigned
 template <int M, int N, int K>
 void load_matrix_sync(fragment<accumulator, M, N, K, float>& a, const float* p, unsigned ldm,
                       layout_t layout) {
-  __syncwarp();
   for (int r = 0; r < M; ++r) {
     for (int c = 0; c < N; ++c) {
       a.x[r * N + c] = layout == mem_row_major ? p[r * ldm + c] : p[c * ldm + r];
@@ -104,7 +105,6 @@ void store_matrix_sync(float* p, const fragment<accumulator, M, N, K, float>& a,
 
 template <typename Use, int M, int N, int K, typename T, typename Layout>
 void fill_fragment(fragment<Use, M, N, K, T, Layout>& a, float value) {
-  __syncwarp();
   for (auto& e : a.x) e = value;
 }
 
@@ -113,15 +113,21 @@ void mma_sync(fragment<accumulator, M, N, K, float>& d,
               const fragment<matrix_a, M, N, K, T, LA>& a,
               const fragment<matrix_b, M, N, K, T, LB>& b,
               const fragment<accumulator, M, N, K, float>& c) {
-  __syncwarp();
   float out[M * N];
-  for (int i = 0; i < M; ++i) {
-    for (int j = 0; j < N; ++j) {
-      float s = c.x[i * N + j];
-      for (int t = 0; t < K; ++t) s += as_float(a.x[i * K + t]) * as_float(b.x[t * N + j]);
-      out[i * N + j] = s;
+  ks_emu::warp_product(out, M * N, [&](float* o) {
+    float fa[M * K], fb[N * K];  // b transposed: both walked along k
+    for (int i = 0; i < M * K; ++i) fa[i] = as_float(a.x[i]);
+    for (int t = 0; t < K; ++t) {
+      for (int j = 0; j < N; ++j) fb[j * K + t] = as_float(b.x[t * N + j]);
     }
-  }
+    for (int i = 0; i < M; ++i) {
+      for (int j = 0; j < N; ++j) {
+        float s = 0.f;
+        for (int t = 0; t < K; ++t) s += fa[i * K + t] * fb[j * K + t];
+        o[i * N + j] = c.x[i * N + j] + s;
+      }
+    }
+  });
   std::memcpy(d.x, out, sizeof(out));
 }
 
