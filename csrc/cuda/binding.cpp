@@ -60,6 +60,26 @@ c10::optional<at::Tensor> checked_rows(const c10::optional<at::Tensor>& w, const
   return w->contiguous();
 }
 
+// The results of a read-out from q (B,H,N,F): out (B,H,N,M) in fp32 or q's dtype and, with
+// `with_den`, den (B,H,N) fp32. `done` where there is nothing to compute (N·M = 0 or F = 0): out
+// and den are then zero (M = 0 with N > 0 still gives a defined den for the backward's d).
+struct Readout {
+  at::Tensor out, den;
+  bool done;
+};
+
+Readout readout(const at::Tensor& q, int64_t m, bool out_fp32, bool with_den) {
+  const int64_t b = q.size(0), h = q.size(1), n = q.size(2), f = q.size(3);
+  Readout r{at::empty({b, h, n, m}, out_fp32 ? f32(q) : q.options()),
+            with_den ? at::empty({b, h, n}, f32(q)) : at::Tensor(), false};
+  if (r.out.numel() == 0 || f == 0) {
+    r.out.zero_();
+    if (with_den) r.den.zero_();
+    r.done = true;
+  }
+  return r;
+}
+
 // out (B,H,N,M) = sum_{j<=i} (q_i . k_j) v_j (j >= i with `reverse`), in fp32 if `out_fp32`
 // else in the inputs' dtype; den (B,H,N) fp32 = sum_{j<=i} q_i . k_j if `with_den` (else None).
 // `normalize` divides out by den + eps. walk_blocks > 0 selects the walk kernel (launchers.h).
@@ -78,17 +98,8 @@ std::vector<at::Tensor> causal_product(at::Tensor q, at::Tensor k, at::Tensor v,
   q = q.contiguous();
   k = k.contiguous();
   v = v.contiguous();
-  auto out = at::empty({b, h, n, m}, out_fp32 ? f32(q) : q.options());
-  at::Tensor den = with_den ? at::empty({b, h, n}, f32(q)) : at::Tensor();
-  if (out.numel() == 0) {  // M = 0 with N > 0: a defined (zero) den for the backward's d
-    if (with_den) den.zero_();
-    return {out, den};
-  }
-  if (f == 0) {
-    out.zero_();
-    if (with_den) den.zero_();
-    return {out, den};
-  }
+  auto [out, den, done] = readout(q, m, out_fp32, with_den);
+  if (done) return {out, den};
   auto ws = at::empty({ks_cuda::causal_workspace_floats(dtype_of(q), b * h, n, f, m, walk_blocks)},
                       f32(q));
   check_launch(ks_cuda::causal_product(dtype_of(q), q.data_ptr(), k.data_ptr(), v.data_ptr(),
@@ -183,17 +194,8 @@ std::vector<at::Tensor> full_apply(at::Tensor q, at::Tensor state, int64_t m, bo
   const c10::cuda::CUDAGuard guard(q.device());
   q = q.contiguous();
   state = state.contiguous();
-  auto out = at::empty({b, h, n, m}, out_fp32 ? f32(q) : q.options());
-  at::Tensor den = with_den ? at::empty({b, h, n}, f32(q)) : at::Tensor();
-  if (out.numel() == 0) {  // M = 0 with N > 0: a defined (zero) den for the backward's d
-    if (with_den) den.zero_();
-    return {out, den};
-  }
-  if (f == 0) {
-    out.zero_();
-    if (with_den) den.zero_();
-    return {out, den};
-  }
+  auto [out, den, done] = readout(q, m, out_fp32, with_den);
+  if (done) return {out, den};
   check_launch(ks_cuda::full_apply(dtype_of(q), q.data_ptr(), state.data_ptr<float>(),
                                    out.data_ptr(), out_fp32,
                                    with_den ? den.data_ptr<float>() : nullptr, normalize,

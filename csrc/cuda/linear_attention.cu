@@ -233,6 +233,14 @@ __device__ __forceinline__ void warp_store(float* tile, const Acc (&acc)[2]) {
   wmma::store_matrix_sync(tile + r0 * kLdF + c0 + 16, acc[1], kLdF, wmma::mem_row_major);
 }
 
+// Zeroes the warps' accumulator pairs.
+template <typename Acc, typename... More>
+__device__ __forceinline__ void zero(Acc (&acc)[2], More&... more) {
+  wmma::fill_fragment(acc[0], 0.f);
+  wmma::fill_fragment(acc[1], 0.f);
+  if constexpr (sizeof...(More) > 0) zero(more...);
+}
+
 // ------------------------------------------------------------------ asynchronous copies
 // cp.async (sm_80+): 16 bytes global -> shared without a trip through registers, so every tile
 // of a step is in flight at once. A thread waits for its own copies with cp_async_wait_all();
@@ -392,8 +400,7 @@ __global__ void __launch_bounds__(kThreads)
   const bool* keep = key_keep == nullptr ? nullptr : key_keep + (bh / heads) * n;
 
   typename Mma<Op>::Acc acc[2];
-  wmma::fill_fragment(acc[0], 0.f);
-  wmma::fill_fragment(acc[1], 0.f);
+  zero(acc);
   float z = 0.f;  // thread t < 64: running z of feature f0 + t
 
   const int64_t first = blk * cpb;
@@ -536,10 +543,7 @@ __global__ void __launch_bounds__(kThreads, kOutputBlocksPerSm<Tin>)
   if (carry != nullptr) cs = carry + (bh * ((nc + cpb - 1) / cpb) + c / cpb) * (f * m + f);
 
   typename Mma<Op>::Acc acc_o[2], acc_a[2];
-  wmma::fill_fragment(acc_o[0], 0.f);
-  wmma::fill_fragment(acc_o[1], 0.f);
-  wmma::fill_fragment(acc_a[0], 0.f);
-  wmma::fill_fragment(acc_a[1], 0.f);
+  zero(acc_o, acc_a);
   if (threadIdx.x < kTile) dens[threadIdx.x] = 0.f;
   if (intra) load_tile<Tin, Op>(Vs, LD, vb, m, n, m, row0, m0, nullptr, vec_v);
 
@@ -670,12 +674,7 @@ __global__ void __launch_bounds__(kThreads, 2)  // three accumulator pairs: up t
   const float* rc = chunk_carry(r_states, bh, nc, c, cpb, f, m);
 
   typename Mma<Op>::Acc acc_a[2], acc_dq[2], acc_dk[2];
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    wmma::fill_fragment(acc_a[j], 0.f);
-    wmma::fill_fragment(acc_dq[j], 0.f);
-    wmma::fill_fragment(acc_dk[j], 0.f);
-  }
+  zero(acc_a, acc_dq, acc_dk);
 
   for (int64_t m0 = 0; m0 < m; m0 += kTile) {
     __syncthreads();  // the previous slice's tiles are consumed
@@ -740,11 +739,7 @@ __global__ void __launch_bounds__(kThreads, kOutputBlocksPerSm<Tin>)
   const float* rc = chunk_carry(r_states, bh, nc, c, cpb, f, m);
 
   typename Mma<Op>::Acc acc_b[2], acc_dv[2];
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    wmma::fill_fragment(acc_b[j], 0.f);
-    wmma::fill_fragment(acc_dv[j], 0.f);
-  }
+  zero(acc_b, acc_dv);
 
   for (int64_t f0 = 0; f0 < f; f0 += kTile) {
     __syncthreads();  // the previous slice's tiles are consumed
@@ -888,11 +883,7 @@ __global__ void __launch_bounds__(kThreads, kWalkBlocksPerSm<typename OperandOf<
     if (i + 1 < count) load_chunk(i + 1, buf ^ 1);
 
     // scores Q K^T and Q S over the F slices; this thread's share of q . z
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      wmma::fill_fragment(acc_a[j], 0.f);
-      wmma::fill_fragment(acc_o[j], 0.f);
-    }
+    zero(acc_a, acc_o);
     float dpart = 0.f;
 #pragma unroll
     for (int ft = 0; ft < FT; ++ft) {
@@ -1080,10 +1071,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int wr0 = (warp / 2) * 16, wc0 = (warp % 2) * 32;  // the warp's slab (see warp_gemm)
   typename Mma<Op>::Acc acc_a[2], acc_b[2], acc_o[2];
-  auto zero = [](typename Mma<Op>::Acc(&acc)[2]) {
-    wmma::fill_fragment(acc[0], 0.f);
-    wmma::fill_fragment(acc[1], 0.f);
-  };
   for (int64_t i = 0; i < count; ++i) {
     const int buf = lay.nbuf == 2 ? static_cast<int>(i & 1) : 0;
     const int64_t row0 = chunk(i) * kTile;
@@ -1092,8 +1079,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (lay.nbuf == 2 && i + 1 < count) load_chunk(i + 1, buf ^ 1);
 
     // the masked scores U(V G^T) (over the M slices) and U(K Q^T) (over the F slices)
-    zero(acc_a);
-    zero(acc_b);
+    zero(acc_a, acc_b);
     for (int mt = 0; mt < mt_n; ++mt) {
       warp_gemm<Op, wmma::row_major, wmma::col_major>(acc_a, v_tile(buf, mt), LD,
                                                       g_tile(buf, mt), LD);
