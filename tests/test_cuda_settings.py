@@ -7,7 +7,7 @@ import pytest
 from kernelstudy.core import cuda_backend
 
 
-def test_defaults_select_the_chunk_kernels():
+def test_defaults_are_valid_settings():
     assert cuda_backend.CAUSAL_KERNEL in cuda_backend.CAUSAL_KERNELS
     assert cuda_backend._walk_blocks() == (
         cuda_backend.WALK_BLOCKS if cuda_backend.CAUSAL_KERNEL == "walk" else 0
