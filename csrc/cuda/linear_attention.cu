@@ -332,30 +332,52 @@ __host__ __device__ constexpr int vec_elems() {
 
 // Writes a 64 x 64 fp32 shared tile (ld kLdF) to rows [row0, row0+64) x columns [col0, col0+64)
 // of a row-major global matrix (rows x cols, leading dimension ld) in T, skipping what lies
-// outside it.
+// outside it; with `div`, row r is divided by div[r] + eps (the normalizer). Each thread writes
+// whole 16-byte vectors where the destination allows (the same choice in every thread), single
+// elements at a ragged edge.
 template <typename T>
 __device__ __forceinline__ void store_tile(T* __restrict__ dst, int64_t ld, int64_t rows,
                                            int64_t cols, int64_t row0, int64_t col0,
-                                           const float* __restrict__ tile) {
-  for (int i = threadIdx.x; i < kTile * kTile; i += kThreads) {
-    const int r = i / kTile, j = i % kTile;
-    if (row0 + r < rows && col0 + j < cols) {
-      dst[(row0 + r) * ld + col0 + j] = from_float<T>(tile[r * kLdF + j]);
+                                           const float* __restrict__ tile,
+                                           const float* __restrict__ div = nullptr,
+                                           float eps = 0.f) {
+  constexpr int V = vec_elems<T>();
+  struct alignas(16) Pack {
+    T e[V];
+  };
+  const bool vec = reinterpret_cast<uintptr_t>(dst) % 16 == 0 && ld % V == 0 && col0 % V == 0;
+  for (int i = threadIdx.x; i < kTile * (kTile / V); i += kThreads) {
+    const int r = i / (kTile / V), c = (i % (kTile / V)) * V;
+    const int64_t gr = row0 + r, gc = col0 + c;
+    if (gr >= rows) continue;
+    const float d = div == nullptr ? 1.f : div[r] + eps;
+    const float* x = tile + r * kLdF + c;
+    T* out = dst + gr * ld + gc;
+    if (vec && gc + V <= cols) {
+      Pack p;
+#pragma unroll
+      for (int u = 0; u < V; ++u) p.e[u] = from_float<T>(div == nullptr ? x[u] : x[u] / d);
+      *reinterpret_cast<Pack*>(out) = p;
+    } else {
+      for (int u = 0; u < V && gc + u < cols; ++u) {
+        out[u] = from_float<T>(div == nullptr ? x[u] : x[u] / d);
+      }
     }
   }
 }
 
-// Masks the 64 x 64 fp32 scores of a chunk in Af (ld kLdF) to j <= i (`causal`) or j >= i, in
-// place, and rounds them into the operand tile As (ld LD). Call between barriers.
+// Masks the 64 x 64 fp32 scores of a chunk in Af (ld kLdF) to j <= i (`causal`) or j >= i and
+// rounds them into the operand tile As (ld LD); with `in_place` the masked scores also go back
+// into Af (for their row sums, the normalizer). Call between barriers.
 template <typename Op>
 __device__ __forceinline__ void mask_scores(float* __restrict__ Af, Op* __restrict__ As,
-                                            bool causal) {
+                                            bool causal, bool in_place) {
   constexpr int LD = ld_of<Op>();
   for (int i = threadIdx.x; i < kTile * kTile; i += kThreads) {
     const int r = i / kTile, j = i % kTile;
     const bool on = causal ? j <= r : j >= r;
     const float a = on ? Af[r * kLdF + j] : 0.f;
-    Af[r * kLdF + j] = a;
+    if (in_place) Af[r * kLdF + j] = a;
     As[r * LD + j] = from_float<Op>(a);
   }
 }
@@ -571,7 +593,7 @@ __global__ void __launch_bounds__(kThreads, kOutputBlocksPerSm<Tin>)
     __syncthreads();  // Q, K, S tiles consumed
     warp_store(Af, acc_a);
     __syncthreads();
-    mask_scores(Af, As, mode == kCausal);
+    mask_scores(Af, As, mode == kCausal, need_den);
     __syncthreads();
     warp_gemm<Op, wmma::row_major, wmma::row_major>(acc_o, As, LD, Vs, LD);
     if (need_den && threadIdx.x < kTile) {
@@ -584,15 +606,7 @@ __global__ void __launch_bounds__(kThreads, kOutputBlocksPerSm<Tin>)
   warp_store(Af, acc_o);
   __syncthreads();
 
-  Tout* ob = out + bh * n * m;
-  for (int i = threadIdx.x; i < kTile * kTile; i += kThreads) {
-    const int r = i / kTile, j = i % kTile;
-    if (row0 + r < n && m0 + j < m) {
-      float x = Af[r * kLdF + j];
-      if (normalize) x /= dens[r] + eps;
-      ob[(row0 + r) * m + m0 + j] = from_float<Tout>(x);
-    }
-  }
+  store_tile(out + bh * n * m, m, n, m, row0, m0, Af, normalize ? dens : nullptr, eps);
   if (den != nullptr && blockIdx.y == 0 && threadIdx.x < kTile && row0 + threadIdx.x < n) {
     den[bh * n + row0 + threadIdx.x] = dens[threadIdx.x];
   }
@@ -700,7 +714,7 @@ __global__ void __launch_bounds__(kThreads, 2)  // three accumulator pairs: up t
   load_tile<Tin, Op>(Ks, LD, kb, f, n, f, row0, f0, nullptr, vec_f);
   warp_store(Af, acc_a);
   __syncthreads();
-  mask_scores(Af, As, true);
+  mask_scores(Af, As, true, false);
   cp_async_wait_all();
   __syncthreads();
   warp_gemm<Op, wmma::row_major, wmma::row_major>(acc_dq, As, LD, Ks, LD);  // A K
@@ -760,7 +774,7 @@ __global__ void __launch_bounds__(kThreads, kOutputBlocksPerSm<Tin>)
   load_tile<Tin, Op>(Gs, LD, gb, m, n, m, row0, m0, nullptr, vec_m);
   warp_store(Af, acc_b);
   __syncthreads();
-  mask_scores(Af, Bs, true);
+  mask_scores(Af, Bs, true, false);
   cp_async_wait_all();
   __syncthreads();
   warp_gemm<Op, wmma::col_major, wmma::row_major>(acc_dv, Bs, LD, Gs, LD);  // B^T G
@@ -809,7 +823,7 @@ __global__ void __launch_bounds__(kThreads, kWalkBlocksPerSm<typename OperandOf<
                       const Tin* __restrict__ v, const float* __restrict__ carry,
                       Tout* __restrict__ out, float* __restrict__ den, int64_t n, int64_t f,
                       int64_t m, int64_t nblk, int64_t cpb, bool reverse, bool normalize,
-                      float eps, bool vec_qk, bool vec_v, bool vec_out) {
+                      float eps, bool vec_qk, bool vec_v) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
   using Op = typename OperandOf<Tin>::type;
   using Smem = WalkSmem<Op, FT>;
@@ -899,7 +913,7 @@ __global__ void __launch_bounds__(kThreads, kWalkBlocksPerSm<typename OperandOf<
     warp_store(Af, acc_a);
     __syncthreads();  // scores complete; Q and S read by every warp
     Op* As = q_tile(buf, 0);
-    mask_scores(Af, As, !reverse);
+    mask_scores(Af, As, !reverse, need_den);
     __syncthreads();
     warp_gemm<Op, wmma::row_major, wmma::row_major>(acc_o, As, LD, v_tile(buf), LD);
     if (need_den) {
@@ -941,31 +955,7 @@ __global__ void __launch_bounds__(kThreads, kWalkBlocksPerSm<typename OperandOf<
     __syncthreads();  // Af's row sums and dens complete
     warp_store(Af, acc_o);
     __syncthreads();
-    constexpr int V = vec_elems<Tout>();
-    struct alignas(16) Pack {
-      Tout e[V];
-    };
-    for (int e = threadIdx.x; e < kTile * (kTile / V); e += kThreads) {
-      const int r = e / (kTile / V), cj = (e % (kTile / V)) * V;
-      const int64_t gr = row0 + r, gc = m0 + cj;
-      if (gr >= n) continue;
-      const float d = normalize ? dens[r] + eps : 1.f;
-      Tout* dst = ob + gr * m + gc;
-      if (vec_out && gc + V <= m) {
-        Pack p;
-#pragma unroll
-        for (int u = 0; u < V; ++u) {
-          const float x = Af[r * kLdF + cj + u];
-          p.e[u] = from_float<Tout>(normalize ? x / d : x);
-        }
-        *reinterpret_cast<Pack*>(dst) = p;
-      } else {
-        for (int u = 0; u < V && gc + u < m; ++u) {
-          const float x = Af[r * kLdF + cj + u];
-          dst[u] = from_float<Tout>(normalize ? x / d : x);
-        }
-      }
-    }
+    store_tile(ob, m, n, m, row0, m0, Af, normalize ? dens : nullptr, eps);
     if (den != nullptr && blockIdx.y == 0 && threadIdx.x < kTile && row0 + threadIdx.x < n) {
       den[bh * n + row0 + threadIdx.x] = dens[threadIdx.x];
     }
@@ -1090,11 +1080,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     warp_store(Af, acc_a);
     __syncthreads();
-    mask_scores(Af, As, false);
+    mask_scores(Af, As, false, false);
     __syncthreads();
     warp_store(Af, acc_b);
     __syncthreads();
-    mask_scores(Af, Bs, false);
+    mask_scores(Af, Bs, false, false);
     __syncthreads();
 
     // dk = U(V G^T) Q + V R^T, one F slice at a time
@@ -1395,12 +1385,11 @@ cudaError_t launch_walk(const Tin* q, const Tin* k, const Tin* v, const float* c
                         cudaStream_t stream) {
   const bool vec_qk = rows_vectorizable<Tin>(q, f) && rows_vectorizable<Tin>(k, f);
   const bool vec_v = rows_vectorizable<Tin>(v, m);
-  const bool vec_out = rows_vectorizable<Tout>(out, m);
   auto kernel = cdiv(f, kTile) == 1 ? chunk_walk_kernel<Tin, Tout, 1>
                                     : chunk_walk_kernel<Tin, Tout, 2>;
   return launch_tiles(kernel, bh * nblk, cdiv(m, kTile), walk_smem<Tin>(f), stream, q, k, v,
                       carry, out, den, n, f, m, nblk, cpb, reverse, normalize, eps, vec_qk,
-                      vec_v, vec_out);
+                      vec_v);
 }
 
 // The causal product by kernel 6: the carries of the segments (kernels 1 and 2, totals only)
