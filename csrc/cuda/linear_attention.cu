@@ -72,14 +72,20 @@
 
 #include "launchers.h"
 
-// Two hooks for tests/cuda_emulator, which compiles this file as plain C++ and runs every kernel
-// on the CPU (one fiber per thread): the kernel launch and the dynamic shared memory of a block.
-// nvcc gets the usual forms.
+// Hooks for tests/cuda_emulator, which compiles this file as plain C++ and runs every kernel on
+// the CPU (one fiber per thread): the kernel launch, the dynamic shared memory of a block, and
+// in host compilation the asynchronous copy and its wait (the emulator lands each copy at the
+// issue or at the wait). nvcc gets the usual forms.
 #ifndef KS_LAUNCH
 #define KS_LAUNCH(kernel, grid, block, smem, stream) kernel<<<grid, block, smem, stream>>>
 #endif
 #ifndef KS_DYNAMIC_SMEM
 #define KS_DYNAMIC_SMEM(name) extern __shared__ __align__(128) unsigned char name[]
+#endif
+#ifndef KS_HOST_ASYNC_COPY16
+#define KS_HOST_ASYNC_COPY16(dst, src) \
+  (*static_cast<uint4*>(dst) = *static_cast<const uint4*>(src))
+#define KS_HOST_ASYNC_WAIT()
 #endif
 
 namespace ks_cuda {
@@ -250,8 +256,8 @@ __device__ __forceinline__ void cp_async16(void* dst_shared, const void* src_glo
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(dst_shared));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src_global)
                : "memory");
-#elif !defined(__CUDA_ARCH__)  // host compilation (tests/cuda_emulator): a plain copy
-  *static_cast<uint4*>(dst_shared) = *static_cast<const uint4*>(src_global);
+#elif !defined(__CUDA_ARCH__)  // host compilation (tests/cuda_emulator)
+  KS_HOST_ASYNC_COPY16(dst_shared, src_global);
 #endif
 }
 
@@ -264,6 +270,8 @@ __device__ __forceinline__ void cp_async_commit() {
 __device__ __forceinline__ void cp_async_wait_all() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.wait_all;\n" ::: "memory");
+#elif !defined(__CUDA_ARCH__)
+  KS_HOST_ASYNC_WAIT();
 #endif
 }
 

@@ -11,7 +11,10 @@
 // Checks: a block's dynamic shared memory starts filled with 0xFF bytes (NaN in fp32, bf16 and
 // fp16), so reading what no thread wrote shows up as NaN; a guard after it must stay intact
 // (a write past the end aborts); a barrier that not every live thread of the block (or warp)
-// reaches aborts as a deadlock; so does a launch above the device's shared-memory limit.
+// reaches aborts as a deadlock; so does a launch above the device's shared-memory limit. An
+// asynchronous copy (cp.async) lands at its issue or at the thread's next wait, drawn at random:
+// reading a tile before waiting for it, or copying into a tile other threads still read, shows
+// up; a thread that ends with copies it never waited for aborts.
 //
 // WMMA fragments hold their whole tile in every lane (the element order of a real fragment is
 // unspecified, and the kernels only apply the same function to every element). Products
@@ -59,11 +62,18 @@ namespace ks_emu {
 
 enum class Wait { kNone, kBlock, kWarp, kDone };
 
+// A 16-byte asynchronous copy that has not landed yet.
+struct PendingCopy {
+  void* dst;
+  unsigned char bytes[16];
+};
+
 struct Thread {
   ucontext_t context;
   dim3 idx;
   Wait wait = Wait::kNone;
-  uint64_t products = 0;  // WMMA products this thread has issued (see warp_product)
+  uint64_t products = 0;            // WMMA products this thread has issued (see warp_product)
+  std::vector<PendingCopy> copies;  // issued, landing at the thread's next wait
 };
 
 // The WMMA products of a warp that not all its lanes have taken yet, by index.
@@ -139,7 +149,9 @@ struct Entry {
   static Fn* fn;
   static void run() {
     (*fn)();
-    rt().threads[rt().current].wait = Wait::kDone;
+    Thread& t = rt().threads[rt().current];
+    if (!t.copies.empty()) fail("a thread ended with asynchronous copies it never waited for");
+    t.wait = Wait::kDone;
   }  // returns to uc_link: the scheduler
 };
 template <typename Fn>
@@ -228,6 +240,24 @@ Launch<void (*)(Params...)> launch(void (*kernel)(Params...), dim3 grid, dim3 bl
 
 inline void set_schedule_seed(uint64_t seed) { rt().rng.seed(seed); }
 
+// cp.async: the source is read now; the 16 bytes land now or at the thread's next wait, drawn
+// from the schedule's generator, so a read before the wait or a copy into a tile that other
+// threads still read shows up.
+inline void async_copy16(void* dst, const void* src) {
+  PendingCopy copy{dst, {}};
+  std::memcpy(copy.bytes, src, 16);
+  if (rt().rng() & 1) {
+    std::memcpy(dst, copy.bytes, 16);
+  } else {
+    self().copies.push_back(copy);
+  }
+}
+
+inline void async_wait() {
+  for (const PendingCopy& copy : self().copies) std::memcpy(copy.dst, copy.bytes, 16);
+  self().copies.clear();
+}
+
 // A warp's lanes hold identical WMMA operands, so the first lane to issue the warp's i-th product
 // computes it (compute(out), `size` floats) and the other lanes copy it.
 template <typename Compute>
@@ -273,4 +303,6 @@ inline float __shfl_xor_sync(unsigned, float value, int lane_mask, int = 32) {
 }
 
 #define KS_LAUNCH(kernel, grid, block, smem, stream) ::ks_emu::launch(kernel, grid, block, smem)
+#define KS_HOST_ASYNC_COPY16(dst, src) ::ks_emu::async_copy16(dst, src)
+#define KS_HOST_ASYNC_WAIT() ::ks_emu::async_wait()
 #define KS_DYNAMIC_SMEM(name) unsigned char* name = ::ks_emu::dynamic_smem()
