@@ -258,7 +258,8 @@ def test_results_do_not_depend_on_the_thread_schedule(emu, ext, walk_blocks):
         emu.ks_emu_configure(seed, H100_SMEM)
         runs.append(
             [
-                ext.causal_product(q, k, v, with_den=True, walk_blocks=walk_blocks)[0],
+                *ext.causal_product(q, k, v, with_den=True, walk_blocks=walk_blocks),
+                ext.causal_product(q, k, v, reverse=True, walk_blocks=walk_blocks)[0],
                 *ext.causal_backward(q, k, v, g, walk_blocks=walk_blocks),
             ]
         )

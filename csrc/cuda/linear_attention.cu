@@ -610,7 +610,8 @@ __global__ void __launch_bounds__(kThreads, kOutputBlocksPerSm<Tin>)
       dens[threadIdx.x] += s;
     }
   }
-  __syncthreads();  // Af (row sums) consumed
+  // Af's last readers: the row sums (normalizer) after the last barrier; mask_scores before it
+  if (intra && need_den) __syncthreads();
   warp_store(Af, acc_o);
   __syncthreads();
 
@@ -960,7 +961,8 @@ __global__ void __launch_bounds__(kThreads, kWalkBlocksPerSm<typename OperandOf<
     }
 
     // the output rows, divided by den + eps with `normalize`
-    __syncthreads();  // Af's row sums and dens complete
+    // Af's last readers: the row sums (normalizer) after the last barrier; mask_scores before it
+    if (need_den) __syncthreads();
     warp_store(Af, acc_o);
     __syncthreads();
     store_tile(ob, m, n, m, row0, m0, Af, normalize ? dens : nullptr, eps);
@@ -1103,7 +1105,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         warp_gemm<Op, wmma::row_major, wmma::col_major>(acc_o, v_tile(buf, mt), LD,
                                                         r_operand(ft, mt), LD);
       }
-      __syncthreads();  // Af is free (mask_scores / the previous slice's store read it)
+      if (ft > 0) __syncthreads();  // the previous slice's store has read Af (mask_scores: fenced)
       warp_store(Af, acc_o);
       __syncthreads();
       store_tile(dk + bh * n * f, f, n, f, row0, ft * kTile, Af);
