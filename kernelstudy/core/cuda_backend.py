@@ -45,17 +45,19 @@ MIN_CAPABILITY = (8, 0)  # bf16 and tf32 tensor cores (Ampere and newer)
 
 # The fused backward (``ext.causal_backward``) replaces three separate causal products: with the
 # chunk kernels, two state passes and one pass over the chunks for dq, dk and dv; with the walk,
-# dq by one walk and dk, dv together by one reverse walk. It compiles but has not yet run on a
-# GPU, so the three-product backward stays the default until tests/test_cuda_backend.py (which
-# checks both against the float64 reference) has passed on one.
+# dq by one walk and dk, dv together by one reverse walk. It has run only on the CPU emulator
+# (tests/test_cuda_emulated.py), not on a GPU, so the three-product backward stays the default
+# until tests/test_cuda_backend.py (which checks both against the float64 reference) has passed
+# on one.
 FUSED_BACKWARD = False
 
 # The causal kernels. "chunks": kernels 1-3 of csrc/cuda/linear_attention.cu (every chunk's state
 # written to global memory, then every chunk's output in parallel). "walk": kernel 6 (each thread
 # block walks a segment of chunks with the state in shared memory; F <= 128, the chunk kernels
-# elsewhere), for the forward and the backward products (see FUSED_BACKWARD). The walk compiles but
-# has not yet run on a GPU, so "chunks" stays the default until tests/test_cuda_backend.py (which
-# runs every causal test under both) has passed on one and benchmarks/cuda_core.py has timed both.
+# elsewhere), for the forward and the backward products (see FUSED_BACKWARD). The walk has run
+# only on the CPU emulator, so "chunks" stays the default until tests/test_cuda_backend.py (which
+# runs every causal test under both) has passed on a GPU and benchmarks/cuda_core.py has timed
+# both.
 CAUSAL_KERNELS = ("chunks", "walk")
 CAUSAL_KERNEL = "chunks"
 # Thread blocks the walk aims for: a sequence is cut into segments (one extra pass over k and v
