@@ -4,9 +4,9 @@
 // The shim headers beside this file (cuda_runtime.h, cuda_bf16.h, cuda_fp16.h, mma.h) take the
 // place of CUDA's when the .cu is compiled as C++ with g++. A kernel launch runs the grid's blocks
 // one after another; each thread of a block is a fiber (ucontext) that runs until it reaches a
-// barrier: __syncthreads() waits for the block, and __syncwarp(), the shuffles and every WMMA
-// operation wait for the 32 lanes of the warp (the points where a warp's lanes are converged on a
-// GPU). Between barriers the fibers of a block run in an order drawn from a seeded generator
+// barrier: __syncthreads() waits for the block, and __syncwarp(), the shuffles and WMMA stores
+// wait for the 32 lanes of the warp (points where a warp's lanes are converged on a GPU; see
+// mma.h for why the other WMMA operations need no barrier). Between barriers the fibers of a block run in an order drawn from a seeded generator
 // (set_schedule_seed), so a missing barrier shows up as results that change with the seed.
 // Checks: a block's dynamic shared memory starts filled with 0xFF bytes (NaN in fp32, bf16 and
 // fp16), so reading what no thread wrote shows up as NaN; a guard after it must stay intact
@@ -18,7 +18,8 @@
 //
 // WMMA fragments hold their whole tile in every lane (the element order of a real fragment is
 // unspecified, and the kernels only apply the same function to every element). Products
-// accumulate in float, as the tensor cores do; bf16 and tf32 operands are rounded as on a GPU.
+// accumulate in float, as the tensor cores do, and are computed once per warp (warp_product);
+// bf16 and tf32 operands are rounded as on a GPU.
 #pragma once
 
 #include <ucontext.h>
