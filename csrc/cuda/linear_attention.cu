@@ -795,6 +795,64 @@ __global__ void __launch_bounds__(kThreads, kOutputBlocksPerSm<Tin>)
 #endif
 }
 
+// ------------------------------------------------------------------ walk states
+// Kernels 6 and 7 keep a running state (S or R, F x M) on chip: fp32 tiles (64 x kLdF) and, for
+// 16-bit operands, a rounded copy of each (64 x LD, stride kTile * LD) that the products read;
+// fp32 operands read the fp32 tiles themselves. State tile t covers rows [(t / m_tiles) * 64,
+// +64) of F and columns [m0 + (t % m_tiles) * 64, +64) of M.
+template <typename Op>
+constexpr bool kStateCopy = !std::is_same_v<Op, float>;
+
+// The operand a product reads for a state tile: its copy, or (fp32) the tile itself.
+template <typename Op>
+__device__ __forceinline__ const Op* state_operand(const float* tile32, const Op* copy) {
+  if constexpr (kStateCopy<Op>) {
+    return copy;
+  } else {
+    return tile32;  // Op = float, LD = kLdF
+  }
+}
+
+// Sets `tiles` state tiles to the segment's carry (fp32 row-major F x M; null: zero).
+template <typename Op>
+__device__ __forceinline__ void init_state(float* s32, Op* copy, int tiles, int m_tiles,
+                                           const float* carry, int64_t f, int64_t m,
+                                           int64_t m0) {
+  constexpr int LD = ld_of<Op>();
+  for (int i = threadIdx.x; i < tiles * kTile * kTile; i += kThreads) {
+    const int t = i / (kTile * kTile), r = (i / kTile) % kTile, j = i % kTile;
+    const int64_t fi = (t / m_tiles) * kTile + r, mj = m0 + (t % m_tiles) * kTile + j;
+    const float s = (carry != nullptr && fi < f && mj < m) ? carry[fi * m + mj] : 0.f;
+    s32[t * kTile * kLdF + r * kLdF + j] = s;
+    if constexpr (kStateCopy<Op>) copy[t * kTile * LD + r * LD + j] = from_float<Op>(s);
+  }
+}
+
+// Adds A^T B (A: 64 rows x F slice, B: 64 rows x M slice, operand tiles) to the warp's slab of
+// one state tile, then rounds the slab into the tile's copy. No other warp touches the slab,
+// so no barrier is needed until others read the state.
+template <typename Op>
+__device__ __forceinline__ void accumulate_state(float* tile32, Op* copy, const Op* A,
+                                                 const Op* B) {
+  constexpr int LD = ld_of<Op>();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int r0 = (warp / 2) * 16, c0 = (warp % 2) * 32;  // the warp's slab (see warp_gemm)
+  float* st = tile32 + r0 * kLdF + c0;
+  typename Mma<Op>::Acc acc[2];
+  wmma::load_matrix_sync(acc[0], st, kLdF, wmma::mem_row_major);
+  wmma::load_matrix_sync(acc[1], st + 16, kLdF, wmma::mem_row_major);
+  warp_gemm<Op, wmma::col_major, wmma::row_major>(acc, A, LD, B, LD);
+  wmma::store_matrix_sync(st, acc[0], kLdF, wmma::mem_row_major);
+  wmma::store_matrix_sync(st + 16, acc[1], kLdF, wmma::mem_row_major);
+  if constexpr (kStateCopy<Op>) {
+    __syncwarp();
+    Op* so = copy + r0 * LD + c0;
+    for (int e = lane; e < 16 * 32; e += 32) {
+      so[(e / 32) * LD + e % 32] = from_float<Op>(st[(e / 32) * kLdF + e % 32]);
+    }
+  }
+}
+
 // ------------------------------------------------------------------ kernel 6: chunk walk
 // The causal product in one pass per segment, with the state on chip (selected by walk_blocks >
 // 0, for F <= 128; kernels 1-3 cover the rest). grid.x = BH * nblk: block b walks the chunks
@@ -815,7 +873,7 @@ template <typename Op, int FT>
 struct WalkSmem {
   static constexpr int kOpTile = kTile * ld_of<Op>();  // elements of one operand tile
   static constexpr int kBufTiles = 2 * FT + 1;         // Q slices, K slices, V
-  static constexpr bool kCopy = !std::is_same_v<Op, float>;  // S has a separate operand copy
+  static constexpr bool kCopy = kStateCopy<Op>;  // S has a separate operand copy
   static constexpr size_t bytes() {
     return static_cast<size_t>(2 * kBufTiles + (kCopy ? FT : 0)) * kOpTile * sizeof(Op) +
            static_cast<size_t>((FT + 1) * kTile * kLdF + FT * kTile + kTile) * sizeof(float);
@@ -849,13 +907,8 @@ __global__ void __launch_bounds__(kThreads, kWalkBlocksPerSm<typename OperandOf<
     return bufs + (buf * Smem::kBufTiles + FT + ft) * Smem::kOpTile;
   };
   auto v_tile = [&](int buf) { return bufs + (buf * Smem::kBufTiles + 2 * FT) * Smem::kOpTile; };
-  auto s_operand = [&](int ft) -> const Op* {
-    if constexpr (Smem::kCopy) {
-      return s_copy + ft * Smem::kOpTile;
-    } else {
-      return s32 + ft * kTile * kLdF;  // Op = float, LD = kLdF
-    }
-  };
+  auto s_tile = [&](int ft) { return s32 + ft * kTile * kLdF; };
+  auto s_copy_tile = [&](int ft) { return s_copy + ft * Smem::kOpTile; };
 
   const int64_t nc = (n + kTile - 1) / kTile;
   const int64_t bh = blockIdx.x / nblk;
@@ -882,22 +935,14 @@ __global__ void __launch_bounds__(kThreads, kWalkBlocksPerSm<typename OperandOf<
 
   // The state at the segment's start: its carry (S row-major F x M, then z) or zero.
   const float* cs = carry == nullptr ? nullptr : carry + (bh * nblk + blk) * (f * m + f);
-  for (int i = threadIdx.x; i < FT * kTile * kTile; i += kThreads) {
-    const int ft = i / (kTile * kTile), r = (i / kTile) % kTile, j = i % kTile;
-    const int64_t fi = ft * kTile + r, mj = m0 + j;
-    const float s = (cs != nullptr && fi < f && mj < m) ? cs[fi * m + mj] : 0.f;
-    s32[ft * kTile * kLdF + r * kLdF + j] = s;
-    if constexpr (Smem::kCopy) s_copy[ft * Smem::kOpTile + r * LD + j] = from_float<Op>(s);
-  }
+  init_state<Op>(s32, s_copy, FT, 1, cs, f, m, m0);
   for (int i = threadIdx.x; i < FT * kTile; i += kThreads) {
     zs[i] = (cs != nullptr && need_den && i < f) ? cs[f * m + i] : 0.f;
   }
 
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int wr0 = (warp / 2) * 16, wc0 = (warp % 2) * 32;  // the warp's slab (see warp_gemm)
   const int row = threadIdx.x / 4, part = threadIdx.x % 4;  // den: 4 threads per row
   Tout* ob = out + bh * n * m;
-  typename Mma<Op>::Acc acc_a[2], acc_o[2], acc_s[2];
+  typename Mma<Op>::Acc acc_a[2], acc_o[2];
   for (int64_t i = 0; i < count; ++i) {
     const int buf = static_cast<int>(i & 1);
     const int64_t row0 = chunk(i) * kTile;
@@ -912,7 +957,9 @@ __global__ void __launch_bounds__(kThreads, kWalkBlocksPerSm<typename OperandOf<
     for (int ft = 0; ft < FT; ++ft) {
       const Op* Qs = q_tile(buf, ft);
       warp_gemm<Op, wmma::row_major, wmma::col_major>(acc_a, Qs, LD, k_tile(buf, ft), LD);
-      warp_gemm<Op, wmma::row_major, wmma::row_major>(acc_o, Qs, LD, s_operand(ft), LD);
+      warp_gemm<Op, wmma::row_major, wmma::row_major>(acc_o, Qs, LD,
+                                                      state_operand(s_tile(ft), s_copy_tile(ft)),
+                                                      LD);
       if (need_den) {
         for (int j = part; j < kTile; j += 4) {
           dpart += to_float(Qs[row * LD + j]) * zs[ft * kTile + j];
@@ -932,24 +979,10 @@ __global__ void __launch_bounds__(kThreads, kWalkBlocksPerSm<typename OperandOf<
       if (part == 0) dens[row] = dpart;
     }
 
-    // S += K^T V: each warp updates its own slab of every F slice (no other warp reads S until
-    // the next step), then rounds it into the operand copy.
+    // S += K^T V (no other warp reads S until the next step)
 #pragma unroll
     for (int ft = 0; ft < FT; ++ft) {
-      float* st = s32 + ft * kTile * kLdF + wr0 * kLdF + wc0;
-      wmma::load_matrix_sync(acc_s[0], st, kLdF, wmma::mem_row_major);
-      wmma::load_matrix_sync(acc_s[1], st + 16, kLdF, wmma::mem_row_major);
-      warp_gemm<Op, wmma::col_major, wmma::row_major>(acc_s, k_tile(buf, ft), LD, v_tile(buf),
-                                                      LD);
-      wmma::store_matrix_sync(st, acc_s[0], kLdF, wmma::mem_row_major);
-      wmma::store_matrix_sync(st + 16, acc_s[1], kLdF, wmma::mem_row_major);
-      if constexpr (Smem::kCopy) {
-        __syncwarp();
-        Op* so = s_copy + ft * Smem::kOpTile + wr0 * LD + wc0;
-        for (int e = lane; e < 16 * 32; e += 32) {
-          so[(e / 32) * LD + e % 32] = from_float<Op>(st[(e / 32) * kLdF + e % 32]);
-        }
-      }
+      accumulate_state<Op>(s_tile(ft), s_copy_tile(ft), k_tile(buf, ft), v_tile(buf));
     }
     if (need_den) {  // z += column sums of K (every K tile is intact: the scores went into Q)
       for (int col = threadIdx.x; col < FT * kTile; col += kThreads) {
@@ -988,7 +1021,7 @@ __global__ void __launch_bounds__(kThreads, kWalkBlocksPerSm<typename OperandOf<
 template <typename Op>
 struct DkvSmem {
   int ft, mt, nbuf;
-  static constexpr bool kCopy = !std::is_same_v<Op, float>;
+  static constexpr bool kCopy = kStateCopy<Op>;
   __host__ __device__ static constexpr int op_tile() { return kTile * ld_of<Op>(); }
   __host__ __device__ int buf_tiles() const { return 2 * (ft + mt); }
   __host__ __device__ size_t op_bytes() const {
@@ -1026,12 +1059,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto v_tile = [&](int buf, int mt) { return tile(buf, 2 * ft_n + mt); };
   auto g_tile = [&](int buf, int mt) { return tile(buf, 2 * ft_n + mt_n + mt); };
   auto r_state = [&](int ft, int mt) { return r32 + (ft * mt_n + mt) * kTile * kLdF; };
-  auto r_operand = [&](int ft, int mt) -> const Op* {
-    if constexpr (DkvSmem<Op>::kCopy) {
-      return r_copy + (ft * mt_n + mt) * kOpTile;
-    } else {
-      return r_state(ft, mt);  // Op = float, LD = kLdF
-    }
+  auto r_copy_tile = [&](int ft, int mt) { return r_copy + (ft * mt_n + mt) * kOpTile; };
+  auto r_operand = [&](int ft, int mt) {
+    return state_operand(r_state(ft, mt), r_copy_tile(ft, mt));
   };
 
   const int64_t nc = (n + kTile - 1) / kTile;
@@ -1060,16 +1090,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // R at the segment's start: the carry of the later segments (row-major F x M) or zero.
   const float* cs = carry == nullptr ? nullptr : carry + (bh * nblk + blk) * (f * m + f);
-  for (int i = threadIdx.x; i < ft_n * mt_n * kTile * kTile; i += kThreads) {
-    const int t = i / (kTile * kTile), r = (i / kTile) % kTile, j = i % kTile;
-    const int64_t fi = (t / mt_n) * kTile + r, mj = (t % mt_n) * kTile + j;
-    const float s = (cs != nullptr && fi < f && mj < m) ? cs[fi * m + mj] : 0.f;
-    r32[t * kTile * kLdF + r * kLdF + j] = s;
-    if constexpr (DkvSmem<Op>::kCopy) r_copy[t * kOpTile + r * LD + j] = from_float<Op>(s);
-  }
+  init_state<Op>(r32, r_copy, ft_n * mt_n, mt_n, cs, f, m, 0);
 
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int wr0 = (warp / 2) * 16, wc0 = (warp % 2) * 32;  // the warp's slab (see warp_gemm)
   typename Mma<Op>::Acc acc_a[2], acc_b[2], acc_o[2];
   for (int64_t i = 0; i < count; ++i) {
     const int buf = lay.nbuf == 2 ? static_cast<int>(i & 1) : 0;
@@ -1124,23 +1146,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       store_tile(dv + bh * n * m, m, n, m, row0, mt * kTile, Af);
     }
 
-    // R += Q^T G: each warp updates its own slab of every tile, then rounds it into the copy
+    // R += Q^T G (every warp's dk, dv products have read R: the barrier before the last store)
     for (int t = 0; t < ft_n * mt_n; ++t) {
       const int ft = t / mt_n, mt = t % mt_n;
-      float* st = r_state(ft, mt) + wr0 * kLdF + wc0;
-      wmma::load_matrix_sync(acc_o[0], st, kLdF, wmma::mem_row_major);
-      wmma::load_matrix_sync(acc_o[1], st + 16, kLdF, wmma::mem_row_major);
-      warp_gemm<Op, wmma::col_major, wmma::row_major>(acc_o, q_tile(buf, ft), LD,
-                                                      g_tile(buf, mt), LD);
-      wmma::store_matrix_sync(st, acc_o[0], kLdF, wmma::mem_row_major);
-      wmma::store_matrix_sync(st + 16, acc_o[1], kLdF, wmma::mem_row_major);
-      if constexpr (DkvSmem<Op>::kCopy) {
-        __syncwarp();
-        Op* so = r_copy + t * kOpTile + wr0 * LD + wc0;
-        for (int e = lane; e < 16 * 32; e += 32) {
-          so[(e / 32) * LD + e % 32] = from_float<Op>(st[(e / 32) * kLdF + e % 32]);
-        }
-      }
+      accumulate_state<Op>(r_state(ft, mt), r_copy_tile(ft, mt), q_tile(buf, ft),
+                           g_tile(buf, mt));
     }
     if (lay.nbuf == 1 && i + 1 < count) {
       __syncthreads();  // every warp has read this chunk's tiles
@@ -1388,6 +1398,19 @@ WalkLayout walk_layout(int64_t bh, int64_t n, int64_t f, int64_t m, int64_t walk
   return l;
 }
 
+// The carries of a walk's segments of (k, v) (kernels 1 and 2, totals only) into ws, in
+// `*carry`; null where each sequence is a single segment.
+template <typename Tin>
+cudaError_t walk_carries(const Tin* k, const Tin* v, float* ws, const WalkLayout& l, int64_t bh,
+                         int64_t n, int64_t f, int64_t m, bool reverse, bool with_z,
+                         const float** carry, cudaStream_t stream) {
+  *carry = nullptr;
+  if (l.nblk == 1) return cudaSuccess;
+  *carry = ws;
+  return launch_carries<Tin, StateOf<Tin>>(k, v, ws, nullptr, nullptr, bh, n, f, m, l.cpb,
+                                           reverse, with_z, stream);
+}
+
 template <typename Tin, typename Tout>
 cudaError_t launch_walk(const Tin* q, const Tin* k, const Tin* v, const float* carry, Tout* out,
                         float* den, int64_t bh, int64_t n, int64_t f, int64_t m, int64_t nblk,
@@ -1409,16 +1432,11 @@ cudaError_t walk_typed(const Tin* q, const Tin* k, const Tin* v, void* out, bool
                        float* den, bool normalize, float eps, float* ws, int64_t bh, int64_t n,
                        int64_t f, int64_t m, bool reverse, int64_t walk_blocks,
                        cudaStream_t stream) {
-  using Tstate = StateOf<Tin>;
   const WalkLayout l = walk_layout(bh, n, f, m, walk_blocks, cdiv(m, kTile));
-  const float* carry = nullptr;
-  if (l.nblk > 1) {
-    const bool with_z = normalize || den != nullptr;
-    cudaError_t err = launch_carries<Tin, Tstate>(k, v, ws, nullptr, nullptr, bh, n, f, m, l.cpb,
-                                                  reverse, with_z, stream);
-    if (err != cudaSuccess) return err;
-    carry = ws;
-  }
+  const float* carry;
+  const cudaError_t err = walk_carries(k, v, ws, l, bh, n, f, m, reverse,
+                                       normalize || den != nullptr, &carry, stream);
+  if (err != cudaSuccess) return err;
   if (out_fp32) {
     return launch_walk<Tin, float>(q, k, v, carry, static_cast<float*>(out), den, bh, n, f, m,
                                    l.nblk, l.cpb, reverse, normalize, eps, stream);
@@ -1505,7 +1523,6 @@ cudaError_t walk_backward_typed(const Tin* q, const Tin* k, const Tin* v, const 
                                 void* dk, void* dv, bool out_fp32, float* ws, int64_t bh,
                                 int64_t n, int64_t f, int64_t m, int64_t walk_blocks,
                                 cudaStream_t stream) {
-  using Tstate = StateOf<Tin>;
   cudaError_t err = causal_typed<Tin>(g, v, k, dq, out_fp32, nullptr, false, 0.f, ws, bh, n, m,
                                       f, false, walk_blocks, stream);
   if (err != cudaSuccess) return err;
@@ -1518,13 +1535,9 @@ cudaError_t walk_backward_typed(const Tin* q, const Tin* k, const Tin* v, const 
                              walk_blocks, stream);
   }
   const WalkLayout l = walk_layout(bh, n, f, m, walk_blocks, 1);
-  const float* carry = nullptr;
-  if (l.nblk > 1) {
-    err = launch_carries<Tin, Tstate>(q, g, ws, nullptr, nullptr, bh, n, f, m, l.cpb, true, false,
-                                      stream);
-    if (err != cudaSuccess) return err;
-    carry = ws;
-  }
+  const float* carry;
+  err = walk_carries(q, g, ws, l, bh, n, f, m, true, false, &carry, stream);
+  if (err != cudaSuccess) return err;
   const bool vec_f = rows_vectorizable<Tin>(q, f) && rows_vectorizable<Tin>(k, f);
   const bool vec_m = rows_vectorizable<Tin>(v, m) && rows_vectorizable<Tin>(g, m);
   if (out_fp32) {
