@@ -32,3 +32,22 @@ def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
     scale = max(b.abs().max().item(), floor)
     diff = (a - b).abs().max().item()
     return diff / scale if scale > 0 else diff
+
+
+def rel_rms(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
+    """RMS(a-b) / max(RMS(b), floor); RMS(a-b) where that scale is 0."""
+    a, b = a.double(), b.double()
+    scale = max(b.pow(2).mean().sqrt().item(), floor)
+    diff = (a - b).pow(2).mean().sqrt().item()
+    return diff / scale if scale > 0 else diff
+
+
+def close_in_dtype(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
+    """The core's tolerances against a float64 reference: for float32 inputs, max relative
+    error ≤ 1e-4 (scale at least 1); for float16/bfloat16, relative RMS error ≤ 1e-2 (an
+    all-zero reference must be met to 1e-14). Non-finite values never pass."""
+    if not torch.isfinite(got).all():
+        return False
+    if dtype == torch.float32:
+        return rel_err(got, want, floor=1.0) <= 1e-4
+    return rel_rms(got, want, floor=1e-12) <= 1e-2

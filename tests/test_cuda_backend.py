@@ -24,7 +24,7 @@ from kernelstudy.core import (
     resolve_backend,
 )
 
-from .conftest import rel_err
+from .conftest import close_in_dtype, rel_err, rel_rms
 
 pytestmark = [
     pytest.mark.gpu,
@@ -83,13 +83,6 @@ def _grads(out, inputs, g):
 
 def _as64(tensors):
     return [t.detach().double().requires_grad_() for t in tensors]
-
-
-def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    scale = b.pow(2).mean().sqrt().item()
-    diff = (a - b).pow(2).mean().sqrt().item()
-    return diff / scale if scale > 0 else diff
 
 
 def test_registered_and_chosen_for_cuda_tensors():
@@ -165,10 +158,7 @@ def test_grouped_chunks_match_reference(shape, dtype):
         pairs = [(got, want)]
         pairs += zip(_grads(got, (q, k, v), g), _grads(want, (q64, k64, v64), g), strict=True)
         for a, b in pairs:
-            if dtype == torch.float32:
-                assert rel_err(a, b, floor=1.0) <= 1e-4
-            else:
-                assert rel_rms(a, b) <= 1e-2
+            assert close_in_dtype(a, b, dtype)
 
 
 # ---------------------------------------------------------------- normalized attention
@@ -288,12 +278,6 @@ def test_scaled_cumsum_matches_torch():
 
 
 # ---------------------------------------------------------------- fused backward
-def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
-    if dtype == torch.float32:
-        return rel_err(a, b, floor=1.0) <= 1e-4
-    return rel_rms(a, b) <= 1e-2
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=str)
 @pytest.mark.parametrize("shape", SHAPES + GROUPED_SHAPES, ids=SHAPE_IDS + GROUPED_IDS)
 def test_fused_backward_matches_reference(shape, dtype):
@@ -307,7 +291,7 @@ def test_fused_backward_matches_reference(shape, dtype):
         got = cuda_backend._fused_backward(ext, q, k, v, g, out_fp32=out_fp32)
         for a, w in zip(got, want, strict=True):
             assert a.shape == w.shape and a.dtype == (torch.float32 if out_fp32 else dtype)
-            assert torch.isfinite(a).all() and _close(a, w, dtype)
+            assert torch.isfinite(a).all() and close_in_dtype(a, w, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -323,7 +307,7 @@ def test_fused_backward_in_autograd_matches_three_products(monkeypatch, dtype):
         attention = cuda_backend.linear_attention(q, k, v, causal=True, key_padding_mask=mask)
         grads[fused] = [*_grads(product, (q, k, v), g), *_grads(attention, (q, k, v), g)]
     for a, b in zip(grads[True], grads[False], strict=True):
-        assert _close(a, b, dtype)
+        assert close_in_dtype(a, b, dtype)
 
 
 # ---------------------------------------------------------------- determinism
@@ -386,7 +370,7 @@ def test_walk_segments_match_reference(monkeypatch, shape, dtype, walk_blocks):
         pairs = [(got, want)]
         pairs += zip(_grads(got, (q, k, v), g), _grads(want, (q64, k64, v64), g), strict=True)
         for a, w in pairs:
-            assert torch.isfinite(a).all() and _close(a, w, dtype)
+            assert torch.isfinite(a).all() and close_in_dtype(a, w, dtype)
     ext = cuda_backend.extension()
     q, k, v, g = (t.detach() for t in (q, k, v, g))
     for a, w in zip(
@@ -394,7 +378,7 @@ def test_walk_segments_match_reference(monkeypatch, shape, dtype, walk_blocks):
         _grads(causal_dot_product_reference(q64, k64, v64), (q64, k64, v64), g),
         strict=True,
     ):  # the walk's fused backward: dq by one walk, dk and dv by one reverse walk
-        assert a.dtype == torch.float32 and torch.isfinite(a).all() and _close(a, w, dtype)
+        assert a.dtype == torch.float32 and torch.isfinite(a).all() and close_in_dtype(a, w, dtype)
     for reverse in (False, True):
         out, den = ext.causal_product(
             q, k, v, reverse=reverse, out_fp32=True, with_den=True, walk_blocks=walk_blocks
@@ -403,8 +387,8 @@ def test_walk_segments_match_reference(monkeypatch, shape, dtype, walk_blocks):
         want = flip(causal_dot_product_reference(flip(q64), flip(k64), flip(v64)))
         ones = torch.ones(*q64.shape[:3], 1, dtype=torch.float64, device=DEVICE)
         want_den = flip(causal_dot_product_reference(flip(q64), flip(k64), ones))[..., 0]
-        assert out.dtype == torch.float32 and _close(out, want, dtype)
-        assert _close(den, want_den, dtype)
+        assert out.dtype == torch.float32 and close_in_dtype(out, want, dtype)
+        assert close_in_dtype(den, want_den, dtype)
 
 
 def _by_kernel(monkeypatch, fn) -> dict[str, torch.Tensor]:
@@ -429,4 +413,4 @@ def test_walk_matches_chunk_kernels(monkeypatch, dtype):
     """The two kernels agree to the precision of their operands on a long, many-head case."""
     q, k, v = (t.detach() for t in _features(2, 8, 2500, 64, 64, dtype=dtype))
     got = _by_kernel(monkeypatch, lambda: cuda_backend.linear_attention(q, k, v, causal=True))
-    assert _close(got["walk"], got["chunks"], dtype)
+    assert close_in_dtype(got["walk"], got["chunks"], dtype)

@@ -28,7 +28,7 @@ from kernelstudy.core import (
 )
 from kernelstudy.core.extensions import csrc_dir
 
-from .conftest import rel_err
+from .conftest import close_in_dtype, rel_err
 
 EMULATOR = Path(__file__).resolve().parent / "cuda_emulator"
 GXX = shutil.which("g++")
@@ -151,14 +151,6 @@ def _inputs(bh, n, f, m, dtype, seed=0, extra=0):
     return [t.to(dtype) for t in (q, k, *rest)]
 
 
-def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
-    assert torch.isfinite(got).all()
-    if dtype == torch.float32:
-        return rel_err(got, want, floor=1.0) <= 1e-4
-    scale = want.double().pow(2).mean().sqrt().item()
-    return (got.double() - want.double()).pow(2).mean().sqrt().item() <= 1e-2 * max(scale, 1e-12)
-
-
 def _reference_product(q, k, v, reverse=False):
     """Σ_{j≤i} (q_i·k_j) v_j (j ≥ i with reverse) and its normalizer, in float64."""
     flip = (lambda x: x.flip(2)) if reverse else (lambda x: x)
@@ -189,12 +181,12 @@ def test_causal_product_and_normalizer(ext, shape, dtype, walk_blocks):
     for reverse in (False, True):
         want, want_den = _reference_product(q, k, v, reverse)
         out, den = ext.causal_product(q, k, v, reverse, with_den=True, walk_blocks=walk_blocks)
-        assert _close(out, want, dtype) and _close(den, want_den, dtype)
+        assert close_in_dtype(out, want, dtype) and close_in_dtype(den, want_den, dtype)
         normalized, _ = ext.causal_product(
             q, k, v, reverse, out_fp32=False, normalize=True, walk_blocks=walk_blocks
         )
         assert normalized.dtype == dtype
-        assert _close(normalized, want / (want_den[..., None] + 1e-6), dtype)
+        assert close_in_dtype(normalized, want / (want_den[..., None] + 1e-6), dtype)
 
 
 @pytest.mark.parametrize("walk_blocks", KERNELS, ids=KERNEL_IDS)
@@ -209,7 +201,7 @@ def test_fused_backward(ext, shape, dtype, walk_blocks):
     out = causal_dot_product_reference(q64, k64, v64)
     want = torch.autograd.grad(out, (q64, k64, v64), g.double())
     for a, w in zip(got, want, strict=True):
-        assert _close(a, w, dtype)
+        assert close_in_dtype(a, w, dtype)
 
 
 def test_chunk_kernels_group_chunks(ext):
@@ -217,11 +209,11 @@ def test_chunk_kernels_group_chunks(ext):
     per thread block (the last block of each sequence 1): block-local prefixes and carries."""
     q, k, v, g = _inputs(4, 1950, 192, 192, torch.bfloat16, extra=1)
     want, _ = _reference_product(q, k, v)
-    assert _close(ext.causal_product(q, k, v)[0], want, torch.bfloat16)
+    assert close_in_dtype(ext.causal_product(q, k, v)[0], want, torch.bfloat16)
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
     grads = torch.autograd.grad(causal_dot_product_reference(q64, k64, v64), (q64, k64, v64), g)
     for a, w in zip(ext.causal_backward(q, k, v, g, out_fp32=True), grads, strict=True):
-        assert _close(a, w, torch.bfloat16)
+        assert close_in_dtype(a, w, torch.bfloat16)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=str)
@@ -235,7 +227,7 @@ def test_full_attention_with_key_padding(ext, keys, dtype):
     keep[-1, keys // 3 :] = False
     out, den = ext.full_apply(q, ext.full_state(k, v, keep), m, with_den=True, normalize=True)
     want = linear_attention_reference(q.double(), k.double(), v.double(), key_padding_mask=keep)
-    assert _close(out, want, dtype)
+    assert close_in_dtype(out, want, dtype)
 
 
 @pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
@@ -278,12 +270,12 @@ def test_walk_falls_back_where_shared_memory_is_short(emu, ext):
     for smem in (H100_SMEM, A100_SMEM):
         emu.ks_emu_configure(0, smem)
         out = ext.causal_product(q, k, v, walk_blocks=256)[0]
-        assert _close(out, want, torch.float32)
+        assert close_in_dtype(out, want, torch.float32)
         results[smem] = [out, *ext.causal_backward(q, k, v, g, out_fp32=True, walk_blocks=256)]
     emu.ks_emu_configure(0, H100_SMEM)
     assert torch.equal(results[A100_SMEM][0], ext.causal_product(q, k, v)[0])  # bit for bit
     for a, b in zip(results[H100_SMEM], results[A100_SMEM], strict=True):
-        assert _close(a, b, torch.float32)
+        assert close_in_dtype(a, b, torch.float32)
 
 
 # ---------------------------------------------------------------- the backend on the kernels
@@ -328,8 +320,8 @@ def test_backend_matches_reference(backend, monkeypatch, shape, dtype, kernel, f
         x = [t.clone().requires_grad_() for t in (q, k, v)]
         x64 = [t.double().requires_grad_() for t in (q, k, v)]
         got, want = fn(*x), ref(*x64)
-        assert got.dtype == dtype and _close(got, want, dtype)
+        assert got.dtype == dtype and close_in_dtype(got, want, dtype)
         for a, w in zip(
             torch.autograd.grad(got, x, g), torch.autograd.grad(want, x64, g.double()), strict=True
         ):
-            assert a.dtype == dtype and _close(a, w, dtype)
+            assert a.dtype == dtype and close_in_dtype(a, w, dtype)
