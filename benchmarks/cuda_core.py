@@ -110,7 +110,14 @@ def _sdpa_backend(dtype: torch.dtype):
 
 
 def make_case(
-    method: str, b: int, h: int, n: int, d: int, dtype: torch.dtype, fla_fn, walk_blocks: int = 256
+    method: str,
+    b: int,
+    h: int,
+    n: int,
+    d: int,
+    dtype: torch.dtype,
+    fla_fn,
+    walk_blocks: int = cuda_backend.WALK_BLOCKS,
 ):
     """(label, fn, inputs) for one method: fn() runs the causal forward and returns the output."""
     gen = torch.Generator(device="cuda").manual_seed(n)
@@ -201,7 +208,7 @@ def benchmark(args: argparse.Namespace) -> pd.DataFrame:
                             if method.endswith("_fused") and mode == "fwd":
                                 continue  # the forward is that of the unfused method
                             walk = method in WALK_METHODS
-                            for blocks in args.walk_blocks if walk else [256]:
+                            for blocks in args.walk_blocks if walk else [cuda_backend.WALK_BLOCKS]:
                                 row = measure(
                                     method, mode, b, h, n, d, name, dtype, fla_fn, args, blocks
                                 )
@@ -222,7 +229,9 @@ def benchmark(args: argparse.Namespace) -> pd.DataFrame:
     return frame
 
 
-def measure(method, mode, b, h, n, d, dtype_name, dtype, fla_fn, args, walk_blocks=256) -> dict:
+def measure(
+    method, mode, b, h, n, d, dtype_name, dtype, fla_fn, args, walk_blocks=cuda_backend.WALK_BLOCKS
+) -> dict:
     label, ms, error = method, float("nan"), ""
     try:
         label, fn, inputs = make_case(method, b, h, n, d, dtype, fla_fn, walk_blocks)
