@@ -1,6 +1,7 @@
 // C entry points of the emulated CUDA core for tests/test_cuda_emulated.py (ctypes): the
 // launchers of csrc/cuda/launchers.h, one for one, on host buffers, each allocating its
-// workspace, returning the cudaError_t of the launches (0 = success).
+// workspace (one float more than asked, so even an empty one has an address, as torch's
+// allocator gives), returning the cudaError_t of the launches (0 = success).
 #include <cstdint>
 #include <vector>
 
