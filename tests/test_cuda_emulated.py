@@ -55,6 +55,7 @@ def emu(tmp_path_factory) -> ctypes.CDLL:
     module = ctypes.CDLL(str(lib))
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     module.ks_emu_configure.argtypes = [ctypes.c_uint64, i64]
+    module.ks_emu_last_launch_smem.restype = i64
     module.ks_emu_causal_product.argtypes = [i32, p, p, p, p, i32, p, i32, f32, *[i64] * 4]
     module.ks_emu_causal_product.argtypes += [i32, i64]
     module.ks_emu_causal_backward.argtypes = [i32, *[p] * 7, i32, *[i64] * 5]
@@ -259,6 +260,31 @@ def test_results_do_not_depend_on_the_thread_schedule(emu, ext, walk_blocks):
     for other in runs[1:]:
         for a, b in zip(runs[0], other, strict=True):
             assert torch.equal(a, b)
+
+
+def test_walk_backward_layouts_agree(emu, ext):
+    """Kernel 7 takes two buffers or one, and two staging tiles or one, as the shared memory
+    allows. Stepping the limit down below each layout's size reaches all four; dk and dv agree
+    bit for bit and with the reference. F = 96 gives three slices a chunk (dk twice, dv once),
+    so the staging tiles wrap around."""
+    q, k, v, g = _inputs(2, 200, 96, 40, torch.bfloat16, extra=1)
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    out = causal_dot_product_reference(q64, k64, v64)
+    want = torch.autograd.grad(out, (q64, k64, v64), g.double())
+    sizes, runs, limit = [], [], H100_SMEM
+    try:
+        for _ in range(4):
+            emu.ks_emu_configure(0, limit)
+            runs.append(ext.causal_backward(q, k, v, g, out_fp32=True, walk_blocks=5))
+            sizes.append(emu.ks_emu_last_launch_smem())  # kernel 7 runs last
+            limit = sizes[-1] - 1
+    finally:
+        emu.ks_emu_configure(0, H100_SMEM)
+    assert sizes == sorted(set(sizes), reverse=True) and len(sizes) == 4
+    for run in runs:
+        for a, w in zip(run, want, strict=True):
+            assert close_in_dtype(a, w, torch.bfloat16)
+        assert torch.equal(run[1], runs[0][1]) and torch.equal(run[2], runs[0][2])
 
 
 def test_walk_falls_back_where_shared_memory_is_short(emu, ext):

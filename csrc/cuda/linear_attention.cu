@@ -729,7 +729,6 @@ __global__ void __launch_bounds__(kThreads, 2)  // three accumulator pairs: up t
   warp_gemm<Op, wmma::row_major, wmma::row_major>(acc_dq, As, LD, Ks, LD);  // A K
   warp_gemm<Op, wmma::col_major, wmma::row_major>(acc_dk, As, LD, Qs, LD);  // A^T Q
 
-  __syncthreads();  // Af consumed (by mask_scores)
   warp_store(Af, acc_dq);
   __syncthreads();
   store_tile(dq + bh * n * f, f, n, f, row0, f0, Af);
@@ -788,7 +787,6 @@ __global__ void __launch_bounds__(kThreads, kOutputBlocksPerSm<Tin>)
   __syncthreads();
   warp_gemm<Op, wmma::col_major, wmma::row_major>(acc_dv, Bs, LD, Gs, LD);  // B^T G
 
-  __syncthreads();  // Af consumed (by mask_scores)
   warp_store(Af, acc_dv);
   __syncthreads();
   store_tile(dv + bh * n * m, m, n, m, row0, m0, Af);
@@ -803,13 +801,28 @@ __global__ void __launch_bounds__(kThreads, kOutputBlocksPerSm<Tin>)
 template <typename Op>
 constexpr bool kStateCopy = !std::is_same_v<Op, float>;
 
-// The operand a product reads for a state tile: its copy, or (fp32) the tile itself.
+// The operand a product reads for an fp32 tile (a state, or the masked scores): its rounded
+// copy, or (fp32 operands, LD = kLdF) the tile itself.
 template <typename Op>
-__device__ __forceinline__ const Op* state_operand(const float* tile32, const Op* copy) {
+__device__ __forceinline__ const Op* tile_operand(const float* tile32, const Op* copy) {
   if constexpr (kStateCopy<Op>) {
     return copy;
   } else {
-    return tile32;  // Op = float, LD = kLdF
+    return tile32;
+  }
+}
+
+// Rounds the warp's 16 x 32 slab (see warp_gemm) of an fp32 64 x kLdF tile into an operand tile
+// (64 x LD). Call after a __syncwarp() that follows the warp's store; only this warp touches
+// the slab.
+template <typename Op>
+__device__ __forceinline__ void round_slab(const float* tile32, Op* copy) {
+  constexpr int LD = ld_of<Op>();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int r0 = (warp / 2) * 16, c0 = (warp % 2) * 32;
+  for (int e = lane; e < 16 * 32; e += 32) {
+    const int r = r0 + e / 32, c = c0 + e % 32;
+    copy[r * LD + c] = from_float<Op>(tile32[r * kLdF + c]);
   }
 }
 
@@ -835,7 +848,7 @@ template <typename Op>
 __device__ __forceinline__ void accumulate_state(float* tile32, Op* copy, const Op* A,
                                                  const Op* B) {
   constexpr int LD = ld_of<Op>();
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
   const int r0 = (warp / 2) * 16, c0 = (warp % 2) * 32;  // the warp's slab (see warp_gemm)
   float* st = tile32 + r0 * kLdF + c0;
   typename Mma<Op>::Acc acc[2];
@@ -846,9 +859,43 @@ __device__ __forceinline__ void accumulate_state(float* tile32, Op* copy, const 
   wmma::store_matrix_sync(st + 16, acc[1], kLdF, wmma::mem_row_major);
   if constexpr (kStateCopy<Op>) {
     __syncwarp();
-    Op* so = copy + r0 * LD + c0;
-    for (int e = lane; e < 16 * 32; e += 32) {
-      so[(e / 32) * LD + e % 32] = from_float<Op>(st[(e / 32) * kLdF + e % 32]);
+    round_slab(tile32, copy);
+  }
+}
+
+// ------------------------------------------------------------------ masks in registers
+// Kernels 6 and 7 mask a chunk's scores in the accumulator fragments, so each warp can round
+// its own slab without a block barrier. The order of a fragment's elements is unspecified but
+// the same for every fragment of one type: a 16 x 16 fp32 tile of positions (r * 16 + c) in
+// shared memory, loaded into a fragment, gives each element its row and column.
+constexpr int kPositions = 16 * 16;
+
+// Fills the position tile (kPositions floats); a __syncthreads() must follow before its use.
+__device__ __forceinline__ void init_positions(float* pos) {
+  for (int i = threadIdx.x; i < kPositions; i += kThreads) pos[i] = static_cast<float>(i);
+}
+
+// Zeroes the warp's two score fragments (its 16 x 32 slab of the 64 x 64 scores, see warp_gemm)
+// outside j <= i (`causal`) or j >= i. A fragment lies wholly on one side of the diagonal or
+// on it (its rows and columns start at multiples of 16); only the diagonal needs positions.
+template <typename Acc>
+__device__ __forceinline__ void mask_slab(Acc (&acc)[2], const float* pos, bool causal) {
+  const int warp = threadIdx.x / 32;
+  const int r0 = (warp / 2) * 16, c0 = (warp % 2) * 32;
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int col0 = c0 + 16 * j;
+    if (col0 == r0) {
+      Acc p;
+      wmma::load_matrix_sync(p, pos, 16, wmma::mem_row_major);
+#pragma unroll
+      for (int e = 0; e < p.num_elements; ++e) {
+        const int rc = static_cast<int>(p.x[e]);
+        const int r = rc / 16, c = rc % 16;
+        if (causal ? c > r : c < r) acc[j].x[e] = 0.f;
+      }
+    } else if (causal ? col0 > r0 : col0 < r0) {
+      wmma::fill_fragment(acc[j], 0.f);
     }
   }
 }
@@ -865,22 +912,24 @@ __device__ __forceinline__ void accumulate_state(float* tile32, Op* copy, const 
 // so no per-chunk state goes through global memory (kernels 1 and 3 write and read one F x M
 // state per chunk). FT = ceil(F/64) F slices are held at once.
 // Shared: two buffers of (Q: FT tiles, K: FT tiles, V: 1 tile), so the next chunk loads
-// (cp.async) while this one is multiplied; S in fp32 (FT tiles 64 x kLdF) and, for 16-bit
-// operands, its bf16 copy (FT tiles 64 x LD; fp32 operands read the fp32 tiles); an fp32 64 x kLdF
-// tile for the scores, then the output staging; z (FT*64) and den (64) in fp32.
-// The rounded masked scores go into the chunk's first Q tile once Q has been read.
+// (cp.async) while this one is multiplied; for 16-bit operands, S's bf16 copy (FT tiles 64 x LD)
+// and the rounded masked scores (one tile); then in fp32: S (FT tiles 64 x kLdF), one 64 x kLdF
+// tile for the masked scores and then the output staging, z (FT*64), den (64) and the positions
+// (masks in registers). fp32 operands read S and the scores from their fp32 tiles.
+// Barriers per chunk: 3 (16-bit operands, no normalizer), else 4.
 template <typename Op, int FT>
 struct WalkSmem {
   static constexpr int kOpTile = kTile * ld_of<Op>();  // elements of one operand tile
   static constexpr int kBufTiles = 2 * FT + 1;         // Q slices, K slices, V
-  static constexpr bool kCopy = kStateCopy<Op>;  // S has a separate operand copy
+  static constexpr bool kCopy = kStateCopy<Op>;  // S and the scores have operand copies
   static constexpr size_t bytes() {
-    return static_cast<size_t>(2 * kBufTiles + (kCopy ? FT : 0)) * kOpTile * sizeof(Op) +
-           static_cast<size_t>((FT + 1) * kTile * kLdF + FT * kTile + kTile) * sizeof(float);
+    return static_cast<size_t>(2 * kBufTiles + (kCopy ? FT + 1 : 0)) * kOpTile * sizeof(Op) +
+           static_cast<size_t>((FT + 1) * kTile * kLdF + FT * kTile + kTile + kPositions) *
+               sizeof(float);
   }
 };
 
-// Two blocks per SM where the shared memory allows it (16-bit operands, F <= 64: ~100 KB each).
+// Two blocks per SM where the shared memory allows it (16-bit operands, F <= 64: ~110 KB each).
 template <typename Op, int FT>
 constexpr int kWalkBlocksPerSm = (FT == 1 && sizeof(Op) == 2) ? 2 : 1;
 
@@ -898,10 +947,12 @@ __global__ void __launch_bounds__(kThreads, kWalkBlocksPerSm<typename OperandOf<
   KS_DYNAMIC_SMEM(smem);
   Op* bufs = reinterpret_cast<Op*>(smem);
   Op* s_copy = bufs + 2 * Smem::kBufTiles * Smem::kOpTile;  // FT tiles (16-bit operands only)
-  float* s32 = reinterpret_cast<float*>(s_copy + (Smem::kCopy ? FT * Smem::kOpTile : 0));
+  Op* As = s_copy + FT * Smem::kOpTile;                      // scores (16-bit operands only)
+  float* s32 = reinterpret_cast<float*>(s_copy + (Smem::kCopy ? (FT + 1) * Smem::kOpTile : 0));
   float* Af = s32 + FT * kTile * kLdF;
   float* zs = Af + kTile * kLdF;
   float* dens = zs + FT * kTile;
+  float* pos = dens + kTile;
   auto q_tile = [&](int buf, int ft) { return bufs + (buf * Smem::kBufTiles + ft) * Smem::kOpTile; };
   auto k_tile = [&](int buf, int ft) {
     return bufs + (buf * Smem::kBufTiles + FT + ft) * Smem::kOpTile;
@@ -939,6 +990,7 @@ __global__ void __launch_bounds__(kThreads, kWalkBlocksPerSm<typename OperandOf<
   for (int i = threadIdx.x; i < FT * kTile; i += kThreads) {
     zs[i] = (cs != nullptr && need_den && i < f) ? cs[f * m + i] : 0.f;
   }
+  init_positions(pos);
 
   const int row = threadIdx.x / 4, part = threadIdx.x % 4;  // den: 4 threads per row
   Tout* ob = out + bh * n * m;
@@ -958,7 +1010,7 @@ __global__ void __launch_bounds__(kThreads, kWalkBlocksPerSm<typename OperandOf<
       const Op* Qs = q_tile(buf, ft);
       warp_gemm<Op, wmma::row_major, wmma::col_major>(acc_a, Qs, LD, k_tile(buf, ft), LD);
       warp_gemm<Op, wmma::row_major, wmma::row_major>(acc_o, Qs, LD,
-                                                      state_operand(s_tile(ft), s_copy_tile(ft)),
+                                                      tile_operand(s_tile(ft), s_copy_tile(ft)),
                                                       LD);
       if (need_den) {
         for (int j = part; j < kTile; j += 4) {
@@ -966,12 +1018,16 @@ __global__ void __launch_bounds__(kThreads, kWalkBlocksPerSm<typename OperandOf<
         }
       }
     }
+    // the masked scores: in fp32 (Af, for the row sums) and rounded (As), each warp its slab
+    mask_slab(acc_a, pos, !reverse);
     warp_store(Af, acc_a);
-    __syncthreads();  // scores complete; Q and S read by every warp
-    Op* As = q_tile(buf, 0);
-    mask_scores(Af, As, !reverse, need_den);
-    __syncthreads();
-    warp_gemm<Op, wmma::row_major, wmma::row_major>(acc_o, As, LD, v_tile(buf), LD);
+    if constexpr (Smem::kCopy) {
+      __syncwarp();
+      round_slab(Af, As);
+    }
+    __syncthreads();  // masked scores complete; Q and S read by every warp
+    warp_gemm<Op, wmma::row_major, wmma::row_major>(acc_o, tile_operand(Af, As), LD, v_tile(buf),
+                                                    LD);
     if (need_den) {
       for (int j = part; j < kTile; j += 4) dpart += Af[row * kLdF + j];
       dpart += __shfl_xor_sync(0xffffffffu, dpart, 1);
@@ -984,7 +1040,7 @@ __global__ void __launch_bounds__(kThreads, kWalkBlocksPerSm<typename OperandOf<
     for (int ft = 0; ft < FT; ++ft) {
       accumulate_state<Op>(s_tile(ft), s_copy_tile(ft), k_tile(buf, ft), v_tile(buf));
     }
-    if (need_den) {  // z += column sums of K (every K tile is intact: the scores went into Q)
+    if (need_den) {  // z += column sums of K
       for (int col = threadIdx.x; col < FT * kTile; col += kThreads) {
         const Op* Ks = k_tile(buf, col / kTile);
         float s = 0.f;
@@ -993,9 +1049,14 @@ __global__ void __launch_bounds__(kThreads, kWalkBlocksPerSm<typename OperandOf<
       }
     }
 
-    // the output rows, divided by den + eps with `normalize`
-    // Af's last readers: the row sums (normalizer) after the last barrier; mask_scores before it
-    if (need_den) __syncthreads();
+    // the output rows, divided by den + eps with `normalize`, staged in Af. Its readers since
+    // the last barrier: every warp's row sums (normalizer) and, for fp32 operands, products;
+    // otherwise only this warp (round_slab).
+    if (need_den || !Smem::kCopy) {
+      __syncthreads();
+    } else {
+      __syncwarp();
+    }
     warp_store(Af, acc_o);
     __syncthreads();
     store_tile(ob, m, n, m, row0, m0, Af, normalize ? dens : nullptr, eps);
@@ -1017,10 +1078,13 @@ __global__ void __launch_bounds__(kThreads, kWalkBlocksPerSm<typename OperandOf<
 // ceil(M/64) <= 2), so each chunk's scores are computed once.
 // Shared (DkvSmem): nbuf (2, or 1 where two do not fit) buffers of (Q, K: ft tiles; V, G: mt
 // tiles), R's operand copy (16-bit operands; fp32 operands read R itself), the masked scores
-// U(V G^T) and U(K Q^T), then R in fp32 (ft x mt tiles 64 x kLdF) and one fp32 staging tile.
+// U(V G^T) and U(K Q^T), then in fp32: R (ft x mt tiles 64 x kLdF), `stages` (2, or 1 where two
+// do not fit) staging tiles and the positions (masks in registers). The scores are masked and
+// rounded by each warp on its own slab; the dk and dv slices take turns in the staging tiles,
+// so with two, one barrier per slice suffices (at F = M = 64, 4 per chunk; 5 with one tile).
 template <typename Op>
 struct DkvSmem {
-  int ft, mt, nbuf;
+  int ft, mt, nbuf, stages;
   static constexpr bool kCopy = kStateCopy<Op>;
   __host__ __device__ static constexpr int op_tile() { return kTile * ld_of<Op>(); }
   __host__ __device__ int buf_tiles() const { return 2 * (ft + mt); }
@@ -1029,7 +1093,8 @@ struct DkvSmem {
     return static_cast<size_t>(tiles) * op_tile() * sizeof(Op);
   }
   __host__ __device__ size_t bytes() const {
-    return op_bytes() + static_cast<size_t>(ft * mt + 1) * kTile * kLdF * sizeof(float);
+    return op_bytes() +
+           (static_cast<size_t>(ft * mt + stages) * kTile * kLdF + kPositions) * sizeof(float);
   }
 };
 
@@ -1052,7 +1117,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   Op* As = r_copy + (DkvSmem<Op>::kCopy ? ft_n * mt_n : 0) * kOpTile;  // U(V G^T)
   Op* Bs = As + kOpTile;                                                // U(K Q^T)
   float* r32 = reinterpret_cast<float*>(smem + lay.op_bytes());
-  float* Af = r32 + ft_n * mt_n * kTile * kLdF;
+  float* staging = r32 + ft_n * mt_n * kTile * kLdF;  // lay.stages tiles 64 x kLdF
+  float* pos = staging + lay.stages * kTile * kLdF;
   auto tile = [&](int buf, int i) { return bufs + (buf * bt + i) * kOpTile; };
   auto q_tile = [&](int buf, int ft) { return tile(buf, ft); };
   auto k_tile = [&](int buf, int ft) { return tile(buf, ft_n + ft); };
@@ -1061,7 +1127,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto r_state = [&](int ft, int mt) { return r32 + (ft * mt_n + mt) * kTile * kLdF; };
   auto r_copy_tile = [&](int ft, int mt) { return r_copy + (ft * mt_n + mt) * kOpTile; };
   auto r_operand = [&](int ft, int mt) {
-    return state_operand(r_state(ft, mt), r_copy_tile(ft, mt));
+    return tile_operand(r_state(ft, mt), r_copy_tile(ft, mt));
   };
 
   const int64_t nc = (n + kTile - 1) / kTile;
@@ -1091,6 +1157,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // R at the segment's start: the carry of the later segments (row-major F x M) or zero.
   const float* cs = carry == nullptr ? nullptr : carry + (bh * nblk + blk) * (f * m + f);
   init_state<Op>(r32, r_copy, ft_n * mt_n, mt_n, cs, f, m, 0);
+  init_positions(pos);
 
   typename Mma<Op>::Acc acc_a[2], acc_b[2], acc_o[2];
   for (int64_t i = 0; i < count; ++i) {
@@ -1110,15 +1177,35 @@ __global__ void __launch_bounds__(kThreads, 1)
       warp_gemm<Op, wmma::row_major, wmma::col_major>(acc_b, k_tile(buf, ft), LD,
                                                       q_tile(buf, ft), LD);
     }
-    warp_store(Af, acc_a);
-    __syncthreads();
-    mask_scores(Af, As, false, false);
-    __syncthreads();
-    warp_store(Af, acc_b);
-    __syncthreads();
-    mask_scores(Af, Bs, false, false);
-    __syncthreads();
+    // masked in registers and rounded by each warp on its own slab (of staging tile 0)
+    mask_slab(acc_a, pos, false);
+    mask_slab(acc_b, pos, false);
+    warp_store(staging, acc_a);
+    __syncwarp();
+    round_slab(staging, As);
+    __syncwarp();
+    warp_store(staging, acc_b);
+    __syncwarp();
+    round_slab(staging, Bs);
+    __syncthreads();  // As and Bs complete
 
+    // One slice of dk or dv into a staging tile, for store_tile after the barrier. Tile `item %
+    // stages`: with two, its last reader (the store two slices back) finished before the last
+    // barrier; with one, a barrier first waits for the previous slice's store. The first
+    // slice's tile was last read by this warp's round_slab.
+    int item = 0;
+    auto stage = [&](const typename Mma<Op>::Acc(&acc)[2]) -> const float* {
+      float* st = staging + (item % lay.stages) * kTile * kLdF;
+      if (lay.stages == 1 && item > 0) {
+        __syncthreads();
+      } else {
+        __syncwarp();
+      }
+      warp_store(st, acc);
+      __syncthreads();
+      ++item;
+      return st;
+    };
     // dk = U(V G^T) Q + V R^T, one F slice at a time
     for (int ft = 0; ft < ft_n; ++ft) {
       zero(acc_o);
@@ -1127,10 +1214,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         warp_gemm<Op, wmma::row_major, wmma::col_major>(acc_o, v_tile(buf, mt), LD,
                                                         r_operand(ft, mt), LD);
       }
-      if (ft > 0) __syncthreads();  // the previous slice's store has read Af (mask_scores: fenced)
-      warp_store(Af, acc_o);
-      __syncthreads();
-      store_tile(dk + bh * n * f, f, n, f, row0, ft * kTile, Af);
+      store_tile(dk + bh * n * f, f, n, f, row0, ft * kTile, stage(acc_o));
     }
     // dv = U(K Q^T) G + K R, one M slice at a time
     for (int mt = 0; mt < mt_n; ++mt) {
@@ -1140,13 +1224,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         warp_gemm<Op, wmma::row_major, wmma::row_major>(acc_o, k_tile(buf, ft), LD,
                                                         r_operand(ft, mt), LD);
       }
-      __syncthreads();  // Af is free; after the last slice, no warp reads R any more
-      warp_store(Af, acc_o);
-      __syncthreads();
-      store_tile(dv + bh * n * m, m, n, m, row0, mt * kTile, Af);
+      store_tile(dv + bh * n * m, m, n, m, row0, mt * kTile, stage(acc_o));
     }
 
-    // R += Q^T G (every warp's dk, dv products have read R: the barrier before the last store)
+    // R += Q^T G (every warp's dk, dv products have read R: the barrier of the last slice)
     for (int t = 0; t < ft_n * mt_n; ++t) {
       const int ft = t / mt_n, mt = t % mt_n;
       accumulate_state<Op>(r_state(ft, mt), r_copy_tile(ft, mt), q_tile(buf, ft),
@@ -1363,18 +1444,20 @@ bool use_walk(int64_t f, int64_t walk_blocks) {
   return walk_smem<Tin>(f) <= smem_optin();
 }
 
-// Kernel 7's shared-memory layout for F and M: two buffers where they fit, else one; nbuf = 0
-// where F or M exceeds 128 or even one buffer does not fit (the backward then walks dk and dv
-// separately).
+// Kernel 7's shared-memory layout for F and M: two buffers where they fit, else one, and with
+// them two staging tiles where they fit, else one; nbuf = 0 where F or M exceeds 128 or even one
+// buffer and one tile do not fit (the backward then walks dk and dv separately).
 template <typename Tin>
 DkvSmem<typename OperandOf<Tin>::type> dkv_smem(int64_t f, int64_t m) {
-  DkvSmem<typename OperandOf<Tin>::type> lay{0, 0, 0};
+  DkvSmem<typename OperandOf<Tin>::type> lay{0, 0, 0, 0};
   if (cdiv(f, kTile) > kWalkMaxSlices || cdiv(m, kTile) > kWalkMaxSlices) return lay;
   lay.ft = static_cast<int>(cdiv(f, kTile));
   lay.mt = static_cast<int>(cdiv(m, kTile));
   const size_t optin = smem_optin();
-  for (lay.nbuf = 2; lay.nbuf >= 1; --lay.nbuf) {
-    if (lay.bytes() <= optin) return lay;
+  for (lay.nbuf = 2; lay.nbuf >= 1; --lay.nbuf) {  // a second buffer before a second stage
+    for (lay.stages = 2; lay.stages >= 1; --lay.stages) {
+      if (lay.bytes() <= optin) return lay;
+    }
   }
   return lay;  // nbuf = 0
 }

@@ -17,6 +17,9 @@ void ks_emu_configure(uint64_t schedule_seed, int64_t smem_optin) {
   ks_emu::rt().smem_optin = static_cast<size_t>(smem_optin);
 }
 
+// The dynamic shared memory of the last kernel launched (bytes): which layout it chose.
+int64_t ks_emu_last_launch_smem() { return static_cast<int64_t>(ks_emu::rt().last_smem); }
+
 int ks_emu_causal_product(int dtype, const void* q, const void* k, const void* v, void* out,
                           int out_fp32, float* den, int normalize, float eps, int64_t bh,
                           int64_t n, int64_t f, int64_t m, int reverse, int64_t walk_blocks) {

@@ -6,8 +6,10 @@
 // one after another; each thread of a block is a fiber (ucontext) that runs until it reaches a
 // barrier: __syncthreads() waits for the block, and __syncwarp(), the shuffles and WMMA stores
 // wait for the 32 lanes of the warp (points where a warp's lanes are converged on a GPU; see
-// mma.h for why the other WMMA operations need no barrier). Between barriers the fibers of a block run in an order drawn from a seeded generator
-// (set_schedule_seed), so a missing barrier shows up as results that change with the seed.
+// mma.h for why the other WMMA operations need no barrier). Between block barriers the warps
+// run one after another, each as far as it can, in an order drawn from a seeded generator
+// (set_schedule_seed), and a warp's lanes in a random order: a missing barrier shows up as
+// results that change with the seed, or differ from the reference.
 // Checks: a block's dynamic shared memory starts filled with 0xFF bytes (NaN in fp32, bf16 and
 // fp16), so reading what no thread wrote shows up as NaN; a guard after it must stay intact
 // (a write past the end aborts); a barrier that not every live thread of the block (or warp)
@@ -95,6 +97,7 @@ struct Runtime {
   std::vector<unsigned char> smem;
   std::mt19937_64 rng{0};
   size_t smem_optin = 232448;  // an H100's opt-in shared memory per block (227 KB)
+  size_t last_smem = 0;        // the dynamic shared memory of the last launch
 };
 
 inline Runtime& rt() {
@@ -113,36 +116,34 @@ inline void yield(Wait wait) {
 inline void sync_block() { yield(Wait::kBlock); }
 inline void sync_warp() { yield(Wait::kWarp); }
 
-// Releases every barrier that all its live threads have reached; true if any was released.
-inline bool release_barriers() {
+// Releases warp w's barrier if all its live lanes have reached it.
+inline void release_warp(int w) {
   Runtime& r = rt();
-  const int n = static_cast<int>(r.threads.size());
-  bool released = false;
-  int live = 0, at_block = 0;
+  const int end = std::min(static_cast<int>(r.threads.size()), w * 32 + 32);
+  int live = 0, waiting = 0;
+  for (int i = w * 32; i < end; ++i) {
+    live += r.threads[i].wait != Wait::kDone;
+    waiting += r.threads[i].wait == Wait::kWarp;
+  }
+  if (live == 0 || waiting < live) return;
+  for (int i = w * 32; i < end; ++i) {
+    if (r.threads[i].wait == Wait::kWarp) r.threads[i].wait = Wait::kNone;
+  }
+}
+
+// Releases the block barrier if all live threads have reached it; true if released.
+inline bool release_block() {
+  Runtime& r = rt();
+  int live = 0, waiting = 0;
   for (const Thread& t : r.threads) {
     live += t.wait != Wait::kDone;
-    at_block += t.wait == Wait::kBlock;
+    waiting += t.wait == Wait::kBlock;
   }
-  if (live > 0 && at_block == live) {
-    for (Thread& t : r.threads) {
-      if (t.wait == Wait::kBlock) t.wait = Wait::kNone;
-    }
-    return true;
+  if (live == 0 || waiting < live) return false;
+  for (Thread& t : r.threads) {
+    if (t.wait == Wait::kBlock) t.wait = Wait::kNone;
   }
-  for (int w = 0; w < n; w += 32) {
-    int warp_live = 0, at_warp = 0;
-    for (int i = w; i < std::min(n, w + 32); ++i) {
-      warp_live += r.threads[i].wait != Wait::kDone;
-      at_warp += r.threads[i].wait == Wait::kWarp;
-    }
-    if (warp_live > 0 && at_warp == warp_live) {
-      for (int i = w; i < std::min(n, w + 32); ++i) {
-        if (r.threads[i].wait == Wait::kWarp) r.threads[i].wait = Wait::kNone;
-      }
-      released = true;
-    }
-  }
-  return released;
+  return true;
 }
 
 template <typename Fn>
@@ -180,21 +181,40 @@ void run_block(Fn& fn) {
     t.context.uc_link = &r.scheduler;
     makecontext(&t.context, &Entry<Fn>::run, 0);
   }
-  std::vector<int> order(n);
-  for (int i = 0; i < n; ++i) order[i] = i;
+  // Between block barriers the warps run in a random order of priority: the first warp runs
+  // as far as it can (to the block barrier, or to a warp barrier that its lanes then pass at
+  // once), then the next. So any warp may run a whole phase ahead of, or behind, any other,
+  // which is what a missing __syncthreads() needs to show. A warp's lanes run in random order.
+  const int warps = (n + 31) / 32;
+  std::vector<int> priority(warps), lanes;
+  auto reorder = [&] {
+    for (int w = 0; w < warps; ++w) priority[w] = w;
+    std::shuffle(priority.begin(), priority.end(), r.rng);
+  };
+  reorder();
   for (;;) {
-    std::shuffle(order.begin(), order.end(), r.rng);
-    bool ran = false;
-    for (int i : order) {
-      if (r.threads[i].wait != Wait::kNone) continue;
-      r.current = i;
-      if (swapcontext(&r.scheduler, &r.threads[i].context) != 0) fail("swapcontext failed");
-      ran = true;
+    int pick = -1;
+    for (int w : priority) {
+      lanes.clear();
+      for (int i = w * 32; i < std::min(n, w * 32 + 32); ++i) {
+        if (r.threads[i].wait == Wait::kNone) lanes.push_back(i);
+      }
+      if (!lanes.empty()) {
+        pick = lanes[std::uniform_int_distribution<size_t>(0, lanes.size() - 1)(r.rng)];
+        break;
+      }
+    }
+    if (pick >= 0) {
+      r.current = pick;
+      if (swapcontext(&r.scheduler, &r.threads[pick].context) != 0) fail("swapcontext failed");
+      if (r.threads[pick].wait == Wait::kWarp) release_warp(pick / 32);
+      continue;
     }
     bool done = true;
     for (const Thread& t : r.threads) done &= t.wait == Wait::kDone;
     if (done) return;
-    if (!release_barriers() && !ran) fail("deadlock: a barrier that not every thread reaches");
+    if (!release_block()) fail("deadlock: a barrier that not every thread reaches");
+    reorder();
   }
 }
 
@@ -216,6 +236,7 @@ struct Launch<void (*)(Params...)> {
     std::tuple<Params...> values(std::forward<Args>(args)...);
     Runtime& r = rt();
     if (smem > r.smem_optin) fail("dynamic shared memory above the device's limit");
+    r.last_smem = smem;
     r.grid_dim = grid;
     r.block_dim = block;
     r.smem.assign(smem + kGuard, kPoison);
