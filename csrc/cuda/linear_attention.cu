@@ -1040,13 +1040,16 @@ __global__ void __launch_bounds__(kThreads, kWalkBlocksPerSm<typename OperandOf<
     for (int ft = 0; ft < FT; ++ft) {
       accumulate_state<Op>(s_tile(ft), s_copy_tile(ft), k_tile(buf, ft), v_tile(buf));
     }
-    if (need_den) {  // z += column sums of K
-      for (int col = threadIdx.x; col < FT * kTile; col += kThreads) {
-        const Op* Ks = k_tile(buf, col / kTile);
-        float s = 0.f;
-        for (int t = 0; t < kTile; ++t) s += to_float(Ks[t * LD + col % kTile]);
-        zs[col] += s;
-      }
+    if (need_den) {  // z += column sums of K: kParts neighbouring lanes per column
+      constexpr int kParts = kThreads / (FT * kTile);  // 4 (FT = 1) or 2
+      static_assert(kParts * FT * kTile == kThreads && (kParts & (kParts - 1)) == 0);
+      const int col = threadIdx.x / kParts, start = threadIdx.x % kParts;
+      const Op* Ks = k_tile(buf, col / kTile);
+      float s = 0.f;
+      for (int t = start; t < kTile; t += kParts) s += to_float(Ks[t * LD + col % kTile]);
+#pragma unroll
+      for (int lane = 1; lane < kParts; lane *= 2) s += __shfl_xor_sync(0xffffffffu, s, lane);
+      if (start == 0) zs[col] += s;
     }
 
     // the output rows, divided by den + eps with `normalize`, staged in Af. Its readers since
