@@ -50,7 +50,13 @@ from kernelstudy.core import cuda_backend
 
 DEFAULT_N = [512, 1024, 2048, 4096, 8192, 16384, 32768]
 METHODS = ["cuda", "cuda_fused", "cuda_walk", "cuda_walk_fused", "torch", "fla", "sdpa"]
-CUDA_METHODS = ("cuda", "cuda_fused", "cuda_walk", "cuda_walk_fused")
+# this project's CUDA methods and their cuda_backend.VARIANTS
+CUDA_METHODS = {
+    "cuda": "chunks",
+    "cuda_fused": "chunks_fused",
+    "cuda_walk": "walk",
+    "cuda_walk_fused": "walk_fused",
+}
 WALK_METHODS = ("cuda_walk", "cuda_walk_fused")
 
 
@@ -132,9 +138,7 @@ def make_case(
 
         def run():
             # read by the backward that follows this call (cases run one after another)
-            cuda_backend.FUSED_BACKWARD = method in ("cuda_fused", "cuda_walk_fused")
-            cuda_backend.CAUSAL_KERNEL = "walk" if method in WALK_METHODS else "chunks"
-            cuda_backend.WALK_BLOCKS = walk_blocks
+            cuda_backend.use_variant(CUDA_METHODS.get(method, "chunks"), walk_blocks)
             return ks.causal_dot_product(q, k, v, backend=backend)
 
         return method, run, (q, k, v)
@@ -291,7 +295,7 @@ def targets(frame: pd.DataFrame) -> str:
         return float(sel.time_ms.iloc[0]) if len(sel) else float("nan")
 
     lines = []
-    ours = [m for m in frame.method.unique() if m.startswith(CUDA_METHODS)]
+    ours = [m for m in frame.method.unique() if m.startswith(tuple(CUDA_METHODS))]
     for m in sorted(ours):
         fla, sdpa = t("fla", "bfloat16", 8192), t("sdpa", "bfloat16", 8192)
         torch32, ours32 = t("torch", "float32", 16384), t(m, "float32", 16384)

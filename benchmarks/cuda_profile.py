@@ -1,12 +1,11 @@
 """Per-kernel GPU time of the CUDA backend's causal product, forward and backward.
 
 Runs ``ks.causal_dot_product(..., backend="cuda")`` forward + backward under
-``torch.profiler`` for each dtype and kernel variant (``three``: the chunk kernels with three
-causal products in the backward; ``fused``: the chunk kernels with the fused backward of
-``cuda_backend.FUSED_BACKWARD``; ``walk``: the walk kernel, ``cuda_backend.CAUSAL_KERNEL =
-"walk"``, forward and three backward products; ``walk_fused``: the walk with its fused
-backward) and reports every CUDA kernel's total and
-per-call time, its share of the step and its call count per step: where the time goes
+``torch.profiler`` for each dtype and kernel variant of ``cuda_backend.VARIANTS`` (``chunks``:
+the chunk kernels with three causal products in the backward; ``chunks_fused``: the chunk
+kernels with their fused backward; ``walk``: the walk kernel, forward and three backward
+products; ``walk_fused``: the walk with its fused backward) and reports every CUDA kernel's
+total and per-call time, its share of the step and its call count per step: where the time goes
 before a kernel is changed.
 
     python benchmarks/cuda_profile.py --out benchmarks/results/cuda_profile.csv
@@ -28,15 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 import kernelstudy as ks
 from kernelstudy.core import cuda_backend
 
-VARIANTS = ("three", "fused", "walk", "walk_fused")
-
-
-def use_variant(variant: str) -> None:
-    """Select one of :data:`VARIANTS` in the cuda backend."""
-    if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
-    cuda_backend.FUSED_BACKWARD = variant in ("fused", "walk_fused")
-    cuda_backend.CAUSAL_KERNEL = "walk" if variant.startswith("walk") else "chunks"
+VARIANTS = tuple(cuda_backend.VARIANTS)
 
 
 def kernel_times(
@@ -50,7 +41,7 @@ def kernel_times(
     )
     v = torch.randn(b, h, n, d, device="cuda", generator=gen).to(dtype).requires_grad_()
     g = torch.randn(b, h, n, d, device="cuda", generator=gen).to(dtype)
-    use_variant(variant)
+    cuda_backend.use_variant(variant)
 
     def step() -> None:
         for t in (q, k, v):

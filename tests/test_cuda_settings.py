@@ -50,3 +50,30 @@ def test_walk_blocks_must_be_a_positive_int(monkeypatch, blocks):
     monkeypatch.setattr(cuda_backend, "WALK_BLOCKS", blocks)
     with pytest.raises(ValueError, match="WALK_BLOCKS must be an int >= 1"):
         cuda_backend._walk_blocks()
+
+
+def test_use_variant_sets_the_kernel_and_the_backward(monkeypatch):
+    for name in ("CAUSAL_KERNEL", "FUSED_BACKWARD", "WALK_BLOCKS"):
+        monkeypatch.setattr(cuda_backend, name, getattr(cuda_backend, name))
+    for name, (kernel, fused) in cuda_backend.VARIANTS.items():
+        cuda_backend.use_variant(name)
+        assert (cuda_backend.CAUSAL_KERNEL, cuda_backend.FUSED_BACKWARD) == (kernel, fused)
+        assert kernel in cuda_backend.CAUSAL_KERNELS
+    cuda_backend.use_variant("walk", walk_blocks=96)
+    assert cuda_backend._walk_blocks() == 96
+    cuda_backend.use_variant("chunks_fused")
+    assert cuda_backend.WALK_BLOCKS == 96 and cuda_backend._walk_blocks() == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "blocks", "match"),
+    [("fast", None, r"variant must be one of .*'fast'"), ("walk", 0, "walk_blocks must be an int")],
+)
+def test_use_variant_refuses_bad_settings_by_name(monkeypatch, name, blocks, match):
+    for setting in ("CAUSAL_KERNEL", "FUSED_BACKWARD", "WALK_BLOCKS"):
+        monkeypatch.setattr(cuda_backend, setting, getattr(cuda_backend, setting))
+    before = (cuda_backend.CAUSAL_KERNEL, cuda_backend.FUSED_BACKWARD, cuda_backend.WALK_BLOCKS)
+    with pytest.raises(ValueError, match=match):
+        cuda_backend.use_variant(name, walk_blocks=blocks)
+    after = (cuda_backend.CAUSAL_KERNEL, cuda_backend.FUSED_BACKWARD, cuda_backend.WALK_BLOCKS)
+    assert after == before

@@ -64,6 +64,31 @@ CAUSAL_KERNEL = "chunks"
 # gives their carries) until B·H·ceil(M/64)·segments reaches this; 1 never cuts it.
 WALK_BLOCKS = 256
 
+# The kernel variants by name: (CAUSAL_KERNEL, FUSED_BACKWARD).
+VARIANTS = {
+    "chunks": ("chunks", False),
+    "chunks_fused": ("chunks", True),
+    "walk": ("walk", False),
+    "walk_fused": ("walk", True),
+}
+
+
+def use_variant(name: str, walk_blocks: int | None = None) -> None:
+    """Selects one of :data:`VARIANTS` for the causal products that follow (forward and
+    backward): sets :data:`CAUSAL_KERNEL`, :data:`FUSED_BACKWARD` and, if given,
+    :data:`WALK_BLOCKS`. The backward reads them when it runs."""
+    global CAUSAL_KERNEL, FUSED_BACKWARD, WALK_BLOCKS
+    if name not in VARIANTS:
+        raise ValueError(f"variant must be one of {tuple(VARIANTS)}, got {name!r}")
+    if walk_blocks is not None and (
+        isinstance(walk_blocks, bool) or not isinstance(walk_blocks, int) or walk_blocks < 1
+    ):
+        raise ValueError(f"walk_blocks must be an int >= 1, got {walk_blocks!r}")
+    CAUSAL_KERNEL, FUSED_BACKWARD = VARIANTS[name]
+    if walk_blocks is not None:
+        WALK_BLOCKS = walk_blocks
+
+
 _module: ModuleType | None = None
 _tried = False
 
