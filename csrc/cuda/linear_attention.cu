@@ -598,8 +598,7 @@ __global__ void __launch_bounds__(kThreads, kOutputBlocksPerSm<Tin>)
   }
 
   if (intra) {
-    __syncthreads();  // Q, K, S tiles consumed
-    warp_store(Af, acc_a);
+    warp_store(Af, acc_a);  // Af is nobody's operand; As (over Q) is written after the barrier
     __syncthreads();
     mask_scores(Af, As, mode == kCausal, need_den);
     __syncthreads();
