@@ -6,8 +6,8 @@ fiber, barriers and warp operations as on a GPU, WMMA tiles computed in float). 
 indexing, masking, chunk grouping, segment carries, shared-memory layout (reads of unwritten
 shared memory give NaN; writes past it abort) and barrier placement (between block barriers the
 warps run one at a time, each as far as it can, in a seeded random order, so a missing barrier
-changes results with the seed). It cannot see a missing ``__syncwarp`` before a WMMA store
-(its stores are warp barriers themselves).
+changes results with the seed; each lane stores only its share of a WMMA tile, so a missing
+``__syncwarp`` shows up too).
 It does not check timing, occupancy or the GPU's exact rounding; ``tests/test_cuda_backend.py``
 does that on a GPU. Tolerances: float32 max relative error ≤ 1e-4 (3xTF32), bfloat16/float16
 relative RMS error ≤ 1e-2, as on the GPU.

@@ -1053,12 +1053,8 @@ __global__ void __launch_bounds__(kThreads, kWalkBlocksPerSm<typename OperandOf<
 
     // the output rows, divided by den + eps with `normalize`, staged in Af. Its readers since
     // the last barrier: every warp's row sums (normalizer) and, for fp32 operands, products;
-    // otherwise only this warp (round_slab).
-    if (need_den || !Smem::kCopy) {
-      __syncthreads();
-    } else {
-      __syncwarp();
-    }
+    // otherwise none (round_slab read it before the barrier).
+    if (need_den || !Smem::kCopy) __syncthreads();
     warp_store(Af, acc_o);
     __syncthreads();
     store_tile(ob, m, n, m, row0, m0, Af, normalize ? dens : nullptr, eps);
@@ -1194,15 +1190,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     // One slice of dk or dv into a staging tile, for store_tile after the barrier. Tile `item %
     // stages`: with two, its last reader (the store two slices back) finished before the last
     // barrier; with one, a barrier first waits for the previous slice's store. The first
-    // slice's tile was last read by this warp's round_slab.
+    // slice's tile was last read by round_slab, before the barrier above.
     int item = 0;
     auto stage = [&](const typename Mma<Op>::Acc(&acc)[2]) -> const float* {
       float* st = staging + (item % lay.stages) * kTile * kLdF;
-      if (lay.stages == 1 && item > 0) {
-        __syncthreads();
-      } else {
-        __syncwarp();
-      }
+      if (lay.stages == 1 && item > 0) __syncthreads();
       warp_store(st, acc);
       __syncthreads();
       ++item;

@@ -4,9 +4,8 @@
 // The shim headers beside this file (cuda_runtime.h, cuda_bf16.h, cuda_fp16.h, mma.h) take the
 // place of CUDA's when the .cu is compiled as C++ with g++. A kernel launch runs the grid's blocks
 // one after another; each thread of a block is a fiber (ucontext) that runs until it reaches a
-// barrier: __syncthreads() waits for the block, and __syncwarp(), the shuffles and WMMA stores
-// wait for the 32 lanes of the warp (points where a warp's lanes are converged on a GPU; see
-// mma.h for why the other WMMA operations need no barrier). Between block barriers the warps
+// barrier: __syncthreads() waits for the block, and __syncwarp() and the shuffles wait for the
+// 32 lanes of the warp (see mma.h for why the WMMA operations need no barrier). Between block barriers the warps
 // run one after another, each as far as it can, in an order drawn from a seeded generator
 // (set_schedule_seed), and a warp's lanes in a random order: a missing barrier shows up as
 // results that change with the seed, or differ from the reference.
@@ -106,6 +105,7 @@ inline Runtime& rt() {
 }
 
 inline Thread& self() { return rt().threads[rt().current]; }
+inline int lane() { return rt().current % 32; }
 
 inline void yield(Wait wait) {
   Thread& t = self();

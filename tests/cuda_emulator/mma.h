@@ -1,9 +1,12 @@
 // Shim of CUDA's WMMA header for tests/cuda_emulator (see ks_emulator.h): every lane holds a
 // fragment's whole tile (row-major) and products accumulate in float (once per warp:
-// ks_emu::warp_product). Lanes run one after
-// another between barriers, so a store starts with a warp barrier: no lane overwrites a tile
-// before every lane of its warp has loaded it (loads, fills and products touch only the lane's
-// own copy or memory that stays put until that barrier).
+// ks_emu::warp_product: the first lane to reach a product computes it from its copies). A store
+// is no barrier: each lane writes its share of the tile, the elements e with e % 32 == lane, as
+// a real fragment's elements are spread over the lanes. A lane that runs ahead so overwrites its
+// share while the others may still read the old tile, and the tile is whole only once every lane
+// has stored: a __syncwarp() missing on either side of a store shows up. (A lane that loads a
+// tile after another lane stored its share gets a mixed copy, but only where it reaches no
+// product first: in the kernels a tile is stored only after the products that read it.)
 #pragma once
 
 #include <cstdint>
@@ -95,11 +98,9 @@ void load_matrix_sync(fragment<accumulator, M, N, K, float>& a, const float* p, 
 template <int M, int N, int K>
 void store_matrix_sync(float* p, const fragment<accumulator, M, N, K, float>& a, unsigned ldm,
                        layout_t layout) {
-  __syncwarp();
-  for (int r = 0; r < M; ++r) {
-    for (int c = 0; c < N; ++c) {
-      (layout == mem_row_major ? p[r * ldm + c] : p[c * ldm + r]) = a.x[r * N + c];
-    }
+  for (int e = ks_emu::lane(); e < M * N; e += 32) {
+    const int r = e / N, c = e % N;
+    (layout == mem_row_major ? p[r * ldm + c] : p[c * ldm + r]) = a.x[e];
   }
 }
 
