@@ -67,6 +67,7 @@
 #include <cuda_runtime.h>
 #include <mma.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -214,29 +215,36 @@ __device__ __forceinline__ const T* at(const T* base, int ld, int row, int col) 
   }
 }
 
+// The warp's slab of a 64 x 64 tile: rows [r0, r0+16) and columns [c0, c0+32), two 16 x 16
+// fragments (see "tiles" above).
+struct Slab {
+  int r0, c0;
+};
+__device__ __forceinline__ Slab warp_slab() {
+  const int warp = threadIdx.x / 32;
+  return {(warp / 2) * 16, (warp % 2) * 32};
+}
+
 // The warp's 16 x 32 slab of a 64 x 64 product:  acc[j] += A[r0:r0+16, 0:64] B[0:64, c0+16j:+16].
 // A (64 x 64) and B (64 x 64) live in shared memory with layouts LA and LB.
 template <typename Op, typename LA, typename LB>
 __device__ __forceinline__ void warp_gemm(typename Mma<Op>::Acc (&acc)[2], const Op* A, int lda,
                                           const Op* B, int ldb) {
-  const int warp = threadIdx.x / 32;
-  const int r0 = (warp / 2) * 16;
-  const int c0 = (warp % 2) * 32;
+  const Slab w = warp_slab();
 #pragma unroll
   for (int kk = 0; kk < kTile; kk += Mma<Op>::kK) {
-    Mma<Op>::template step<LA, LB>(acc, at<LA>(A, lda, r0, kk), lda, at<LB>(B, ldb, kk, c0),
-                                   at<LB>(B, ldb, kk, c0 + 16), ldb);
+    Mma<Op>::template step<LA, LB>(acc, at<LA>(A, lda, w.r0, kk), lda, at<LB>(B, ldb, kk, w.c0),
+                                   at<LB>(B, ldb, kk, w.c0 + 16), ldb);
   }
 }
 
 // Stores the warp's two accumulator fragments into a 64 x 64 fp32 shared tile (ld kLdF).
 template <typename Acc>
 __device__ __forceinline__ void warp_store(float* tile, const Acc (&acc)[2]) {
-  const int warp = threadIdx.x / 32;
-  const int r0 = (warp / 2) * 16;
-  const int c0 = (warp % 2) * 32;
-  wmma::store_matrix_sync(tile + r0 * kLdF + c0, acc[0], kLdF, wmma::mem_row_major);
-  wmma::store_matrix_sync(tile + r0 * kLdF + c0 + 16, acc[1], kLdF, wmma::mem_row_major);
+  const Slab w = warp_slab();
+  float* slab = tile + w.r0 * kLdF + w.c0;
+  wmma::store_matrix_sync(slab, acc[0], kLdF, wmma::mem_row_major);
+  wmma::store_matrix_sync(slab + 16, acc[1], kLdF, wmma::mem_row_major);
 }
 
 // Zeroes the warps' accumulator pairs.
@@ -371,6 +379,20 @@ __device__ __forceinline__ void store_tile(T* __restrict__ dst, int64_t ld, int6
         out[u] = from_float<T>(div == nullptr ? x[u] : x[u] / d);
       }
     }
+  }
+}
+
+// A chunk's output: rows [row0, row0+64) x the M slice [m0, m0+64) of sequence bh of out
+// (BH, N, M) from the fp32 staging tile, divided by den + eps with `normalize`; and, from the
+// blocks of M slice 0, den (BH, N) where it is wanted (dens: the chunk's 64 normalizers).
+template <typename Tout>
+__device__ __forceinline__ void store_output(Tout* out, float* den, const float* tile,
+                                             const float* dens, int64_t bh, int64_t n, int64_t m,
+                                             int64_t row0, int64_t m0, bool normalize,
+                                             float eps) {
+  store_tile(out + bh * n * m, m, n, m, row0, m0, tile, normalize ? dens : nullptr, eps);
+  if (den != nullptr && blockIdx.y == 0 && threadIdx.x < kTile && row0 + threadIdx.x < n) {
+    den[bh * n + row0 + threadIdx.x] = dens[threadIdx.x];
   }
 }
 
@@ -614,10 +636,7 @@ __global__ void __launch_bounds__(kThreads, kOutputBlocksPerSm<Tin>)
   warp_store(Af, acc_o);
   __syncthreads();
 
-  store_tile(out + bh * n * m, m, n, m, row0, m0, Af, normalize ? dens : nullptr, eps);
-  if (den != nullptr && blockIdx.y == 0 && threadIdx.x < kTile && row0 + threadIdx.x < n) {
-    den[bh * n + row0 + threadIdx.x] = dens[threadIdx.x];
-  }
+  store_output(out, den, Af, dens, bh, n, m, row0, m0, normalize, eps);
 #endif
 }
 
@@ -817,10 +836,9 @@ __device__ __forceinline__ const Op* tile_operand(const float* tile32, const Op*
 template <typename Op>
 __device__ __forceinline__ void round_slab(const float* tile32, Op* copy) {
   constexpr int LD = ld_of<Op>();
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int r0 = (warp / 2) * 16, c0 = (warp % 2) * 32;
-  for (int e = lane; e < 16 * 32; e += 32) {
-    const int r = r0 + e / 32, c = c0 + e % 32;
+  const Slab w = warp_slab();
+  for (int e = threadIdx.x % 32; e < 16 * 32; e += 32) {
+    const int r = w.r0 + e / 32, c = w.c0 + e % 32;
     copy[r * LD + c] = from_float<Op>(tile32[r * kLdF + c]);
   }
 }
@@ -847,9 +865,8 @@ template <typename Op>
 __device__ __forceinline__ void accumulate_state(float* tile32, Op* copy, const Op* A,
                                                  const Op* B) {
   constexpr int LD = ld_of<Op>();
-  const int warp = threadIdx.x / 32;
-  const int r0 = (warp / 2) * 16, c0 = (warp % 2) * 32;  // the warp's slab (see warp_gemm)
-  float* st = tile32 + r0 * kLdF + c0;
+  const Slab w = warp_slab();
+  float* st = tile32 + w.r0 * kLdF + w.c0;
   typename Mma<Op>::Acc acc[2];
   wmma::load_matrix_sync(acc[0], st, kLdF, wmma::mem_row_major);
   wmma::load_matrix_sync(acc[1], st + 16, kLdF, wmma::mem_row_major);
@@ -879,12 +896,11 @@ __device__ __forceinline__ void init_positions(float* pos) {
 // on it (its rows and columns start at multiples of 16); only the diagonal needs positions.
 template <typename Acc>
 __device__ __forceinline__ void mask_slab(Acc (&acc)[2], const float* pos, bool causal) {
-  const int warp = threadIdx.x / 32;
-  const int r0 = (warp / 2) * 16, c0 = (warp % 2) * 32;
+  const Slab w = warp_slab();
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
-    const int col0 = c0 + 16 * j;
-    if (col0 == r0) {
+    const int col0 = w.c0 + 16 * j;
+    if (col0 == w.r0) {
       Acc p;
       wmma::load_matrix_sync(p, pos, 16, wmma::mem_row_major);
 #pragma unroll
@@ -893,7 +909,7 @@ __device__ __forceinline__ void mask_slab(Acc (&acc)[2], const float* pos, bool 
         const int r = rc / 16, c = rc % 16;
         if (causal ? c > r : c < r) acc[j].x[e] = 0.f;
       }
-    } else if (causal ? col0 > r0 : col0 < r0) {
+    } else if (causal ? col0 > w.r0 : col0 < w.r0) {
       wmma::fill_fragment(acc[j], 0.f);
     }
   }
@@ -992,7 +1008,6 @@ __global__ void __launch_bounds__(kThreads, kWalkBlocksPerSm<typename OperandOf<
   init_positions(pos);
 
   const int row = threadIdx.x / 4, part = threadIdx.x % 4;  // den: 4 threads per row
-  Tout* ob = out + bh * n * m;
   typename Mma<Op>::Acc acc_a[2], acc_o[2];
   for (int64_t i = 0; i < count; ++i) {
     const int buf = static_cast<int>(i & 1);
@@ -1057,10 +1072,7 @@ __global__ void __launch_bounds__(kThreads, kWalkBlocksPerSm<typename OperandOf<
     if (need_den || !Smem::kCopy) __syncthreads();
     warp_store(Af, acc_o);
     __syncthreads();
-    store_tile(ob, m, n, m, row0, m0, Af, normalize ? dens : nullptr, eps);
-    if (den != nullptr && blockIdx.y == 0 && threadIdx.x < kTile && row0 + threadIdx.x < n) {
-      den[bh * n + row0 + threadIdx.x] = dens[threadIdx.x];
-    }
+    store_output(out, den, Af, dens, bh, n, m, row0, m0, normalize, eps);
   }
 #endif
 }
@@ -1321,14 +1333,24 @@ struct CausalLayout {
 
 int64_t round_up(int64_t x, int64_t to) { return cdiv(x, to) * to; }
 
+// Groups a sequence's nc chunks into nblk groups of cpb consecutive chunks (1 <= nblk <= nc) so
+// that about `target` thread blocks run, `per_group` of them (over all sequences) per group.
+struct ChunkGroups {
+  int64_t cpb, nblk;
+};
+ChunkGroups group_chunks(int64_t nc, int64_t target, int64_t per_group) {
+  int64_t want = cdiv(target, per_group);
+  want = want < 1 ? 1 : (want > nc ? nc : want);
+  const int64_t cpb = cdiv(nc, want);
+  return {cpb, cdiv(nc, cpb)};
+}
+
 CausalLayout causal_layout(int64_t bh, int64_t n, int64_t f, int64_t m, size_t state_bytes) {
   CausalLayout l;
   l.nc = cdiv(n, kChunk);
-  const int64_t per_block = bh * cdiv(f, kTile) * cdiv(m, kTile);
-  int64_t want = cdiv(kTargetBlocks, per_block);
-  want = want < 1 ? 1 : (want > l.nc ? l.nc : want);
-  l.cpb = cdiv(l.nc, want);
-  l.nblk = cdiv(l.nc, l.cpb);
+  const ChunkGroups g = group_chunks(l.nc, kTargetBlocks, bh * cdiv(f, kTile) * cdiv(m, kTile));
+  l.cpb = g.cpb;
+  l.nblk = g.nblk;
   l.ss = f * m + f;
   l.totals = 0;  // fp32 [bh][nblk][ss]: block totals, then (in place) the carries
   l.prefix_z = round_up(bh * l.nblk * l.ss, 64);                     // fp32 [bh][nc][F]
@@ -1457,22 +1479,15 @@ DkvSmem<typename OperandOf<Tin>::type> dkv_smem(int64_t f, int64_t m) {
 }
 
 struct WalkLayout {
-  int64_t nc, cpb, nblk, ss;
-  int64_t floats;  // workspace: the segments' totals, then carries ([bh][nblk][ss]) if nblk > 1
+  int64_t cpb, nblk;
+  int64_t floats;  // workspace: the segments' totals, then carries ([bh][nblk][F*M+F]) if nblk > 1
 };
 
 // `slices`: thread blocks per segment (kernel 6: one per 64-wide M slice; kernel 7: one).
 WalkLayout walk_layout(int64_t bh, int64_t n, int64_t f, int64_t m, int64_t walk_blocks,
                        int64_t slices) {
-  WalkLayout l;
-  l.nc = cdiv(n, kChunk);
-  int64_t want = cdiv(walk_blocks, bh * slices);
-  want = want < 1 ? 1 : (want > l.nc ? l.nc : want);
-  l.cpb = cdiv(l.nc, want);
-  l.nblk = cdiv(l.nc, l.cpb);
-  l.ss = f * m + f;
-  l.floats = l.nblk > 1 ? bh * l.nblk * l.ss : 0;
-  return l;
+  const ChunkGroups g = group_chunks(cdiv(n, kChunk), walk_blocks, bh * slices);
+  return {g.cpb, g.nblk, g.nblk > 1 ? bh * g.nblk * (f * m + f) : 0};
 }
 
 // The carries of a walk's segments of (k, v) (kernels 1 and 2, totals only) into ws, in
@@ -1735,7 +1750,7 @@ int64_t causal_backward_workspace_floats(DType dtype, int64_t bh, int64_t n, int
   const int64_t dq_dk = causal_workspace_floats(dtype, bh, n, m, f, walk_blocks);
   const int64_t dv = causal_workspace_floats(dtype, bh, n, f, m, walk_blocks);
   const int64_t dkv = walk_layout(bh, n, f, m, walk_blocks, 1).floats;
-  return dq_dk > dv ? (dq_dk > dkv ? dq_dk : dkv) : (dv > dkv ? dv : dkv);
+  return std::max({dq_dk, dv, dkv});
 }
 
 cudaError_t causal_backward(DType dtype, const void* q, const void* k, const void* v,
