@@ -57,7 +57,7 @@ CUDA_METHODS = {
     "cuda_walk": "walk",
     "cuda_walk_fused": "walk_fused",
 }
-WALK_METHODS = ("cuda_walk", "cuda_walk_fused")
+WALK_METHODS = tuple(m for m, variant in CUDA_METHODS.items() if variant.startswith("walk"))
 
 
 def cuda_time_ms(fn: Callable[[], object], repeats: int, warmup: int) -> float:
@@ -137,8 +137,8 @@ def make_case(
         backend = "torch" if method == "torch" else "cuda"
 
         def run():
-            # read by the backward that follows this call (cases run one after another)
-            cuda_backend.use_variant(CUDA_METHODS.get(method, "chunks"), walk_blocks)
+            if method in CUDA_METHODS:  # read by the backward that follows (cases run in turn)
+                cuda_backend.use_variant(CUDA_METHODS[method], walk_blocks)
             return ks.causal_dot_product(q, k, v, backend=backend)
 
         return method, run, (q, k, v)
@@ -295,14 +295,14 @@ def targets(frame: pd.DataFrame) -> str:
         return float(sel.time_ms.iloc[0]) if len(sel) else float("nan")
 
     lines = []
+    fla, sdpa = t("fla", "bfloat16", 8192), t("sdpa", "bfloat16", 8192)
+    torch32 = t("torch", "float32", 16384)
     ours = [m for m in frame.method.unique() if m.startswith(tuple(CUDA_METHODS))]
     for m in sorted(ours):
-        fla, sdpa = t("fla", "bfloat16", 8192), t("sdpa", "bfloat16", 8192)
-        torch32, ours32 = t("torch", "float32", 16384), t(m, "float32", 16384)
         lines += [
             f"N=8192 bf16 {m}/fla: {t(m, 'bfloat16', 8192) / fla:.3f} (target <= 1.0)",
             f"N=8192 bf16 {m}/sdpa: {t(m, 'bfloat16', 8192) / sdpa:.3f} (target < 1.0)",
-            f"N=16384 fp32 torch/{m}: {torch32 / ours32:.2f} (target >= 10)",
+            f"N=16384 fp32 torch/{m}: {torch32 / t(m, 'float32', 16384):.2f} (target >= 10)",
         ]
         crossover = [
             n for n in sorted(frame.N.unique()) if t(m, "bfloat16", n) <= t("sdpa", "bfloat16", n)

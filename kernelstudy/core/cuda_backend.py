@@ -80,13 +80,16 @@ def use_variant(name: str, walk_blocks: int | None = None) -> None:
     global CAUSAL_KERNEL, FUSED_BACKWARD, WALK_BLOCKS
     if name not in VARIANTS:
         raise ValueError(f"variant must be one of {tuple(VARIANTS)}, got {name!r}")
-    if walk_blocks is not None and (
-        isinstance(walk_blocks, bool) or not isinstance(walk_blocks, int) or walk_blocks < 1
-    ):
-        raise ValueError(f"walk_blocks must be an int >= 1, got {walk_blocks!r}")
-    CAUSAL_KERNEL, FUSED_BACKWARD = VARIANTS[name]
     if walk_blocks is not None:
-        WALK_BLOCKS = walk_blocks
+        WALK_BLOCKS = _checked_walk_blocks(walk_blocks, "walk_blocks")
+    CAUSAL_KERNEL, FUSED_BACKWARD = VARIANTS[name]
+
+
+def _checked_walk_blocks(value: object, name: str) -> int:
+    """``value`` if it is an int >= 1, else a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
 
 
 _module: ModuleType | None = None
@@ -134,9 +137,7 @@ def _walk_blocks() -> int:
         )
     if CAUSAL_KERNEL == "chunks":
         return 0
-    if isinstance(WALK_BLOCKS, bool) or not isinstance(WALK_BLOCKS, int) or WALK_BLOCKS < 1:
-        raise ValueError(f"cuda_backend.WALK_BLOCKS must be an int >= 1, got {WALK_BLOCKS!r}")
-    return WALK_BLOCKS
+    return _checked_walk_blocks(WALK_BLOCKS, "cuda_backend.WALK_BLOCKS")
 
 
 def _fused_backward(ext: ModuleType, q, k, v, g, out_fp32: bool) -> list[torch.Tensor]:
