@@ -165,6 +165,12 @@ def _reference_product(q, k, v, reverse=False):
     )
 
 
+def _reference_grads(q, k, v, g):
+    """dq, dk, dv of Σ_{j≤i} (q_i·k_j) v_j for the output gradient g, in float64."""
+    x64 = [t.double().requires_grad_() for t in (q, k, v)]
+    return torch.autograd.grad(causal_dot_product_reference(*x64), x64, g.double())
+
+
 # (BH, N, F, M): one row; N not a multiple of the chunk with odd F and M; F = 96 > M (two F
 # slices); F ≠ M with two M slices; F = M = 130 (three slices: outside the walk).
 SHAPES = [(2, 1, 4, 3), (6, 37, 8, 5), (3, 130, 96, 40), (2, 200, 33, 70), (1, 70, 130, 130)]
@@ -200,10 +206,7 @@ def test_fused_backward(ext, shape, dtype, walk_blocks):
     (kernel 6 for dq, kernel 7 for dk and dv, two walks where F or M exceeds 128)."""
     q, k, v, g = _inputs(*shape, dtype, extra=1)
     got = ext.causal_backward(q, k, v, g, out_fp32=True, walk_blocks=walk_blocks)
-    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
-    out = causal_dot_product_reference(q64, k64, v64)
-    want = torch.autograd.grad(out, (q64, k64, v64), g.double())
-    for a, w in zip(got, want, strict=True):
+    for a, w in zip(got, _reference_grads(q, k, v, g), strict=True):
         assert close_in_dtype(a, w, dtype)
 
 
@@ -213,8 +216,7 @@ def test_chunk_kernels_group_chunks(ext):
     q, k, v, g = _inputs(4, 1950, 192, 192, torch.bfloat16, extra=1)
     want, _ = _reference_product(q, k, v)
     assert close_in_dtype(ext.causal_product(q, k, v)[0], want, torch.bfloat16)
-    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
-    grads = torch.autograd.grad(causal_dot_product_reference(q64, k64, v64), (q64, k64, v64), g)
+    grads = _reference_grads(q, k, v, g)
     for a, w in zip(ext.causal_backward(q, k, v, g, out_fp32=True), grads, strict=True):
         assert close_in_dtype(a, w, torch.bfloat16)
 
@@ -270,9 +272,7 @@ def test_walk_backward_layouts_agree(emu, ext):
     bit for bit and with the reference. F = 96 gives three slices a chunk (dk twice, dv once),
     so the staging tiles wrap around."""
     q, k, v, g = _inputs(2, 200, 96, 40, torch.bfloat16, extra=1)
-    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
-    out = causal_dot_product_reference(q64, k64, v64)
-    want = torch.autograd.grad(out, (q64, k64, v64), g.double())
+    want = _reference_grads(q, k, v, g)
     sizes, runs, limit = [], [], H100_SMEM
     try:
         for _ in range(4):
