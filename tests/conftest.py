@@ -51,3 +51,12 @@ def close_in_dtype(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) ->
     if dtype == torch.float32:
         return rel_err(got, want, floor=1.0) <= 1e-4
     return rel_rms(got, want, floor=1e-12) <= 1e-2
+
+
+def shifted(t: torch.Tensor, elements: int) -> torch.Tensor:
+    """A contiguous copy of t (same device and dtype) whose data starts `elements` past an
+    allocation: torch aligns allocations, so 1 element misaligns 16-byte vectors."""
+    if elements == 0:
+        return t
+    flat = torch.empty(t.numel() + elements, dtype=t.dtype, device=t.device)[elements:]
+    return flat.view(t.shape).copy_(t)

@@ -24,7 +24,7 @@ from kernelstudy.core import (
     resolve_backend,
 )
 
-from .conftest import close_in_dtype, rel_err, rel_rms
+from .conftest import close_in_dtype, rel_err, rel_rms, shifted
 
 pytestmark = [
     pytest.mark.gpu,
@@ -65,12 +65,12 @@ def causal_kernel(request, monkeypatch) -> str:
     return request.param
 
 
-def _features(b, h, n, f, m, dtype=torch.float32, seed=0):
+def _features(b, h, n, f, m, dtype=torch.float32, seed=0, shift=0):
     gen = torch.Generator().manual_seed(seed)
     q = torch.rand(b, h, n, f, generator=gen)
     k = torch.rand(b, h, n, f, generator=gen)
     v = torch.randn(b, h, n, m, generator=gen)
-    return [t.to(DEVICE, dtype).requires_grad_() for t in (q, k, v)]
+    return [shifted(t.to(DEVICE, dtype), shift).requires_grad_() for t in (q, k, v)]
 
 
 def _upstream(shape, seed=1):
@@ -311,8 +311,8 @@ def test_fused_backward_in_autograd_matches_three_products(monkeypatch, dtype):
 
 
 # ---------------------------------------------------------------- determinism
-def _run_all(dtype):
-    q, k, v = _features(2, 2, 3000, 64, 64, dtype=dtype)
+def _run_all(dtype, shift=0):
+    q, k, v = _features(2, 2, 3000, 64, 64, dtype=dtype, shift=shift)
     mask = torch.ones(2, 3000, dtype=torch.bool, device=DEVICE)
     mask[1, 2500:] = False
     results = []
@@ -322,7 +322,7 @@ def _run_all(dtype):
         lambda: cuda_backend.linear_attention(q, k, v, causal=False, key_padding_mask=mask),
     ):
         out = fn()
-        g = _upstream(out.shape).to(out.dtype)
+        g = shifted(_upstream(out.shape).to(out.dtype), shift)
         results += [out.detach(), *_grads(out, (q, k, v), g)]
     return results
 
@@ -333,6 +333,18 @@ def test_bit_identical_reruns(monkeypatch, dtype, fused):
     monkeypatch.setattr(cuda_backend, "FUSED_BACKWARD", fused)
     first, second = _run_all(dtype), _run_all(dtype)
     for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["three_products", "fused_backward"])
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=str)
+def test_misaligned_inputs_give_the_same_bits(monkeypatch, dtype, fused):
+    """Inputs and upstream gradients that start one element past an aligned address (views
+    into a larger buffer) cannot move as 16-byte vectors or with cp.async: the kernels load
+    them element by element, with the same results bit for bit."""
+    monkeypatch.setattr(cuda_backend, "FUSED_BACKWARD", fused)
+    aligned, moved = _run_all(dtype), _run_all(dtype, shift=1)
+    for a, b in zip(aligned, moved, strict=True):
         assert torch.equal(a, b)
 
 

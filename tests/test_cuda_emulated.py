@@ -7,7 +7,9 @@ indexing, masking, chunk grouping, segment carries, shared-memory layout (reads 
 shared memory give NaN; writes past it abort) and barrier placement (between block barriers the
 warps run one at a time, each as far as it can, in a seeded random order, so a missing barrier
 changes results with the seed; each lane stores only its share of a WMMA tile, so a missing
-``__syncwarp`` shows up too).
+``__syncwarp`` shows up too), and alignment (cp.async and 16-byte vectors on 16-byte addresses,
+WMMA tiles on 32-byte addresses with leading dimensions in 16-byte steps: a violation aborts,
+as it faults on a GPU).
 It does not check timing, occupancy or the GPU's exact rounding; ``tests/test_cuda_backend.py``
 does that on a GPU. Tolerances: float32 max relative error ≤ 1e-4 (3xTF32), bfloat16/float16
 relative RMS error ≤ 1e-2, as on the GPU.
@@ -30,7 +32,7 @@ from kernelstudy.core import (
 )
 from kernelstudy.core.extensions import csrc_dir
 
-from .conftest import close_in_dtype, rel_err
+from .conftest import close_in_dtype, rel_err, shifted
 
 EMULATOR = Path(__file__).resolve().parent / "cuda_emulator"
 GXX = shutil.which("g++")
@@ -45,9 +47,11 @@ def emu(tmp_path_factory) -> ctypes.CDLL:
     """The kernels and tests/cuda_emulator/harness.cpp built into one shared library."""
     cuda = csrc_dir() / "cuda"
     lib = tmp_path_factory.mktemp("cuda_emulator") / "ks_emulated.so"
-    # -fno-strict-aliasing: the kernels read 16-byte vectors through other types, as CUDA allows
+    # -fno-strict-aliasing: the kernels read 16-byte vectors through other types, as CUDA allows;
+    # -fsanitize=alignment: a misaligned vector access aborts, as it faults on a GPU
     command = [
         GXX, "-std=c++17", "-O2", "-fno-strict-aliasing", "-shared", "-fPIC", "-w",
+        "-fsanitize=alignment", "-fno-sanitize-recover=alignment",
         "-I", str(EMULATOR), "-I", str(csrc_dir()), "-I", str(cuda),
         "-x", "c++", str(cuda / "linear_attention.cu"), "-x", "c++", str(EMULATOR / "harness.cpp"),
         "-o", str(lib),
@@ -76,16 +80,20 @@ class EmulatedExtension:
     """The extension's Python API (``csrc/cuda/binding.cpp``: same functions, arguments and
     results) on CPU tensors, run by the emulator: what ``cuda_backend`` calls on a GPU."""
 
-    def __init__(self, lib: ctypes.CDLL):
+    def __init__(self, lib: ctypes.CDLL, misalign: int = 0):
         self.lib = lib
+        self.misalign = misalign  # outputs start this many elements past an aligned address
+
+    def _empty(self, *shape, dtype=torch.float32):
+        return shifted(torch.empty(*shape, dtype=dtype), self.misalign)
 
     def causal_product(self, q, k, v, reverse=False, out_fp32=True, with_den=False,
                        normalize=False, eps=1e-6, walk_blocks=0):  # fmt: skip
         q, k, v = (t.contiguous() for t in (q, k, v))
         b, h, n, f = q.shape
         m = v.shape[-1]
-        out = torch.empty(b, h, n, m, dtype=torch.float32 if out_fp32 else q.dtype)
-        den = torch.empty(b, h, n) if with_den else None
+        out = self._empty(b, h, n, m, dtype=torch.float32 if out_fp32 else q.dtype)
+        den = self._empty(b, h, n) if with_den else None
         err = self.lib.ks_emu_causal_product(
             DTYPES[q.dtype], _ptr(q), _ptr(k), _ptr(v), _ptr(out), int(out_fp32), _ptr(den),
             int(normalize), eps, b * h, n, f, m, int(reverse), walk_blocks,
@@ -98,7 +106,7 @@ class EmulatedExtension:
         b, h, n, f = q.shape
         m = v.shape[-1]
         dtype = torch.float32 if out_fp32 else q.dtype
-        grads = [torch.empty(b, h, n, d, dtype=dtype) for d in (f, f, m)]
+        grads = [self._empty(b, h, n, d, dtype=dtype) for d in (f, f, m)]
         err = self.lib.ks_emu_causal_backward(
             DTYPES[q.dtype], *map(_ptr, (q, k, v, g, *grads)), int(out_fp32), b * h, n, f, m,
             walk_blocks,
@@ -110,7 +118,7 @@ class EmulatedExtension:
         k, v = k.contiguous(), v.contiguous()
         b, h, n, f = k.shape
         m = v.shape[-1]
-        state = torch.empty(b, h, f * m + f)
+        state = self._empty(b, h, f * m + f)
         keep = None if key_padding_mask is None else key_padding_mask.contiguous()
         err = self.lib.ks_emu_full_state(
             DTYPES[k.dtype], _ptr(k), _ptr(v), _ptr(keep), h, _ptr(state), b * h, n, f, m
@@ -121,8 +129,8 @@ class EmulatedExtension:
     def full_apply(self, q, state, m, out_fp32=True, with_den=False, normalize=False, eps=1e-6):
         q = q.contiguous()
         b, h, n, f = q.shape
-        out = torch.empty(b, h, n, m, dtype=torch.float32 if out_fp32 else q.dtype)
-        den = torch.empty(b, h, n) if with_den else None
+        out = self._empty(b, h, n, m, dtype=torch.float32 if out_fp32 else q.dtype)
+        den = self._empty(b, h, n) if with_den else None
         err = self.lib.ks_emu_full_apply(
             DTYPES[q.dtype], _ptr(q), _ptr(state.contiguous()), _ptr(out), int(out_fp32),
             _ptr(den), int(normalize), eps, b * h, n, f, m,
@@ -133,7 +141,7 @@ class EmulatedExtension:
     def scaled_cumsum(self, x, pre=None, post=None, reverse=False):
         x = x.contiguous()
         b, h, n, f = x.shape
-        out = torch.empty(b, h, n, f)
+        out = self._empty(b, h, n, f)
         err = self.lib.ks_emu_scaled_cumsum(
             DTYPES[x.dtype], _ptr(x), _ptr(pre), _ptr(post), _ptr(out), b * h, n, f, int(reverse)
         )
@@ -304,6 +312,36 @@ def test_walk_falls_back_where_shared_memory_is_short(emu, ext):
     assert torch.equal(results[A100_SMEM][0], ext.causal_product(q, k, v)[0])  # bit for bit
     for a, b in zip(results[H100_SMEM], results[A100_SMEM], strict=True):
         assert close_in_dtype(a, b, torch.float32)
+
+
+@pytest.mark.parametrize("walk_blocks", [0, 5], ids=["chunks", "walk"])
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=str)
+def test_misaligned_tensors_give_the_same_bits(emu, ext, dtype, walk_blocks):
+    """Tensors that start one element past an aligned address (views into a larger buffer)
+    cannot move as 16-byte vectors or with cp.async: the kernels take the element-wise path
+    for them (the emulator aborts on a misaligned vector, cp.async or WMMA tile, as a GPU
+    faults), and every result is bit-identical to the aligned run. F and M are whole vectors,
+    so only the addresses decide."""
+    m = 40
+    tensors = _inputs(2, 130, 64, m, dtype, extra=1)
+    shifted_ext = EmulatedExtension(emu, misalign=1)
+    moved = [shifted(t, 1) for t in tensors]
+    assert all(t.data_ptr() % 16 != 0 for t in moved)
+
+    def run(x, q, k, v, g):
+        return [
+            *x.causal_product(q, k, v, with_den=True, walk_blocks=walk_blocks),
+            *x.causal_product(
+                q, k, v, reverse=True, out_fp32=False, normalize=True, walk_blocks=walk_blocks
+            )[:1],
+            *x.causal_backward(q, k, v, g, walk_blocks=walk_blocks),
+            *x.full_apply(q, x.full_state(k, v), m, with_den=True),
+            x.scaled_cumsum(k, pre=q[0, :, :, 0].float().contiguous()),
+        ]
+
+    for a, b in zip(run(ext, *tensors), run(shifted_ext, *moved), strict=True):
+        assert a.data_ptr() % 16 == 0 and b.data_ptr() % 16 != 0
+        assert torch.equal(a, b)
 
 
 # ---------------------------------------------------------------- the backend on the kernels

@@ -93,7 +93,8 @@ struct Runtime {
   std::vector<std::unordered_map<uint64_t, Product>> products;  // one map per warp
   ucontext_t scheduler;
   int current = 0;
-  std::vector<unsigned char> smem;
+  std::vector<unsigned char> smem_storage;
+  unsigned char* smem = nullptr;  // in smem_storage, 128-byte aligned as the kernels declare it
   std::mt19937_64 rng{0};
   size_t smem_optin = 232448;  // an H100's opt-in shared memory per block (227 KB)
   size_t last_smem = 0;        // the dynamic shared memory of the last launch
@@ -221,7 +222,13 @@ void run_block(Fn& fn) {
 // The block's dynamic shared memory, followed by a guard of kGuard bytes.
 constexpr size_t kGuard = 4096;
 constexpr unsigned char kPoison = 0xFF;
-inline unsigned char* dynamic_smem() { return rt().smem.data(); }
+inline unsigned char* dynamic_smem() { return rt().smem; }
+
+// A GPU faults ("misaligned address") or computes garbage where these are not met; a host
+// compiler does neither, so the emulator checks them.
+inline void check_aligned(const void* p, size_t bytes, const char* what) {
+  if (reinterpret_cast<uintptr_t>(p) % bytes != 0) fail(what);
+}
 
 template <typename Kernel>
 struct Launch;
@@ -239,12 +246,14 @@ struct Launch<void (*)(Params...)> {
     r.last_smem = smem;
     r.grid_dim = grid;
     r.block_dim = block;
-    r.smem.assign(smem + kGuard, kPoison);
+    r.smem_storage.assign(smem + kGuard + 128, kPoison);
+    const uintptr_t base = reinterpret_cast<uintptr_t>(r.smem_storage.data());
+    r.smem = r.smem_storage.data() + (128 - base % 128) % 128;
     auto body = [&] { std::apply(kernel, values); };
     for (unsigned by = 0; by < grid.y; ++by) {
       for (unsigned bx = 0; bx < grid.x; ++bx) {
         r.block_idx = dim3(bx, by);
-        std::fill(r.smem.begin(), r.smem.begin() + smem, kPoison);
+        std::fill(r.smem, r.smem + smem, kPoison);
         run_block(body);
         for (size_t i = smem; i < smem + kGuard; ++i) {
           if (r.smem[i] != kPoison) fail("write past the block's dynamic shared memory");
@@ -266,6 +275,8 @@ inline void set_schedule_seed(uint64_t seed) { rt().rng.seed(seed); }
 // from the schedule's generator, so a read before the wait or a copy into a tile that other
 // threads still read shows up.
 inline void async_copy16(void* dst, const void* src) {
+  check_aligned(dst, 16, "cp.async: shared address not 16-byte aligned");
+  check_aligned(src, 16, "cp.async: global address not 16-byte aligned");
   PendingCopy copy{dst, {}};
   std::memcpy(copy.bytes, src, 16);
   if (rt().rng() & 1) {

@@ -74,10 +74,18 @@ inline float __float_to_tf32(float f) {
   return f;
 }
 
+// WMMA's pointer must be 256-bit aligned and its leading dimension a multiple of 16 bytes.
+template <typename E>
+void check_tile(const E* p, unsigned ldm) {
+  ks_emu::check_aligned(p, 32, "wmma: tile pointer not 32-byte aligned");
+  if (ldm * sizeof(E) % 16 != 0) ks_emu::fail("wmma: leading dimension not a multiple of 16 bytes");
+}
+
 template <typename Use, int M, int N, int K, typename T, typename Layout, typename P>
 void load_matrix_sync(fragment<Use, M, N, K, T, Layout>& a, const P* p, unsigned ldm) {
   static_assert(!std::is_same_v<Layout, void>, "operand fragments carry their layout");
   using F = fragment<Use, M, N, K, T, Layout>;
+  check_tile(p, ldm);
   for (int r = 0; r < F::rows; ++r) {
     for (int c = 0; c < F::cols; ++c) {
       a.x[r * F::cols + c] = std::is_same_v<Layout, row_major> ? p[r * ldm + c] : p[c * ldm + r];
@@ -88,6 +96,7 @@ void load_matrix_sync(fragment<Use, M, N, K, T, Layout>& a, const P* p, unsigned
 template <int M, int N, int K>
 void load_matrix_sync(fragment<accumulator, M, N, K, float>& a, const float* p, unsigned ldm,
                       layout_t layout) {
+  check_tile(p, ldm);
   for (int r = 0; r < M; ++r) {
     for (int c = 0; c < N; ++c) {
       a.x[r * N + c] = layout == mem_row_major ? p[r * ldm + c] : p[c * ldm + r];
@@ -98,6 +107,7 @@ void load_matrix_sync(fragment<accumulator, M, N, K, float>& a, const float* p, 
 template <int M, int N, int K>
 void store_matrix_sync(float* p, const fragment<accumulator, M, N, K, float>& a, unsigned ldm,
                        layout_t layout) {
+  check_tile(p, ldm);
   for (int e = ks_emu::lane(); e < M * N; e += 32) {
     const int r = e / N, c = e % N;
     (layout == mem_row_major ? p[r * ldm + c] : p[c * ldm + r]) = a.x[e];
