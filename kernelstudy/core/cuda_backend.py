@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from .backends import Backend, register_backend
-from .validation import check_eps, check_key_padding_mask, check_qkv
+from .validation import check_count, check_eps, check_key_padding_mask, check_qkv
 
 EXTENSION_NAME = "kernelstudy_cuda"
 SOURCES = ("binding.cpp", "linear_attention.cu")
@@ -81,15 +81,8 @@ def use_variant(name: str, walk_blocks: int | None = None) -> None:
     if name not in VARIANTS:
         raise ValueError(f"variant must be one of {tuple(VARIANTS)}, got {name!r}")
     if walk_blocks is not None:
-        WALK_BLOCKS = _checked_walk_blocks(walk_blocks, "walk_blocks")
+        WALK_BLOCKS = check_count("walk_blocks", walk_blocks, 1)
     CAUSAL_KERNEL, FUSED_BACKWARD = VARIANTS[name]
-
-
-def _checked_walk_blocks(value: object, name: str) -> int:
-    """``value`` if it is an int >= 1, else a ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return value
 
 
 _module: ModuleType | None = None
@@ -137,7 +130,7 @@ def _walk_blocks() -> int:
         )
     if CAUSAL_KERNEL == "chunks":
         return 0
-    return _checked_walk_blocks(WALK_BLOCKS, "cuda_backend.WALK_BLOCKS")
+    return check_count("cuda_backend.WALK_BLOCKS", WALK_BLOCKS, 1)
 
 
 def _fused_backward(ext: ModuleType, q, k, v, g, out_fp32: bool) -> list[torch.Tensor]:

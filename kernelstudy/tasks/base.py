@@ -72,13 +72,6 @@ def check_split(split: str) -> str:
     return split
 
 
-def check_positive(name: str, value: int, minimum: int = 1) -> int:
-    """``value`` if it is an int ≥ ``minimum``, else a ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return int(value)
-
-
 class PackedSequences:
     """Variable-length token sequences stored in one flat array plus offsets.
 

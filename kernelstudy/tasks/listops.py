@@ -24,7 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .base import PackedSequences, SequenceTask, check_positive, check_split, pad_tokens
+from ..core.validation import check_count
+from .base import PackedSequences, SequenceTask, check_split, pad_tokens
 from .files import PathArg, data_error, decode_error, locate
 
 OPERATORS = ("[MIN", "[MAX", "[MED", "[SM")
@@ -250,12 +251,12 @@ def generate_listops(
     Raises ValueError for impossible bounds, and when no new distinct tree turns up
     for a long while (the bounds admit too few trees for ``n``).
     """
-    check_positive("n", n, minimum=0)
-    check_positive("min_length", min_length, minimum=0)
-    check_positive("max_length", max_length, minimum=0)
-    check_positive("max_depth", max_depth)
-    check_positive("max_args", max_args, minimum=2)
-    check_positive("seed", seed, minimum=0)
+    check_count("n", n, 0)
+    check_count("min_length", min_length, 0)
+    check_count("max_length", max_length, 0)
+    check_count("max_depth", max_depth, 1)
+    check_count("max_args", max_args, 2)
+    check_count("seed", seed, 0)
     if max_length <= min_length + 1:
         raise ValueError(
             f"need max_length >= min_length + 2, got min_length={min_length}, "
@@ -336,7 +337,7 @@ def write_listops(
     """
     counts = {"train": n_train, "val": n_val, "test": n_test}
     for split, count in counts.items():
-        check_positive(f"n_{split}", count)  # an empty split could not be read back
+        check_count(f"n_{split}", count, 1)  # an empty split could not be read back
     rows = generate_listops(
         sum(counts.values()), min_length, max_length, seed, max_depth, progress=progress
     )
@@ -426,7 +427,7 @@ class ListOpsTask(SequenceTask):
 
     def __init__(self, path: PathArg, split: str = "train", max_length: int = 2000) -> None:
         check_split(split)
-        self.max_length = check_positive("max_length", max_length)
+        self.max_length = check_count("max_length", max_length, 1)
         name = f"basic_{split}.tsv"
         self.file = locate(path, [name, f"listops-1000/{name}"], f"ListOps {split} file")
         self.sequences, self.labels = read_listops_tsv(self.file)

@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .base import SequenceTask, check_positive, check_split
+from ..core.validation import check_count
+from .base import SequenceTask, check_split
 from .files import PathArg, data_error, decode_error, parse_label
 from .image import PIXEL_PAD_ID, PIXEL_VOCAB_SIZE, rgb_to_gray
 from .png import read_png
@@ -106,8 +107,8 @@ class PathfinderTask(SequenceTask):
         check_split(split)
         if difficulty not in DIFFICULTIES:
             raise ValueError(f"difficulty must be one of {DIFFICULTIES}, got {difficulty!r}")
-        self.resolution = check_positive("resolution", resolution)
-        check_positive("split_seed", split_seed, minimum=0)
+        self.resolution = check_count("resolution", resolution, 1)
+        check_count("split_seed", split_seed, 0)
         self.max_length = resolution * resolution
         self.root = find_pathfinder_root(path, difficulty)
         images, labels, origins = read_metadata(self.root)

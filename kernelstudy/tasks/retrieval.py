@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .base import PackedSequences, SequenceTask, check_positive, check_split, pad_tokens
+from ..core.validation import check_count
+from .base import PackedSequences, SequenceTask, check_split, pad_tokens
 from .files import PathArg, data_error, locate, parse_label
 from .text import BYTE_PAD_ID, BYTE_VOCAB_SIZE
 
@@ -64,7 +65,7 @@ class RetrievalTask(SequenceTask):
 
     def __init__(self, path: PathArg, split: str = "train", max_length: int = 4000) -> None:
         check_split(split)
-        self.max_length = check_positive("max_length", max_length)
+        self.max_length = check_count("max_length", max_length, 1)
         name = f"new_aan_pairs.{_FILE_SPLIT[split]}.tsv"
         candidates = [name, f"tsv_data/{name}", f"lra_release/tsv_data/{name}"]
         self.file: Path = locate(path, candidates, f"AAN {split} file")

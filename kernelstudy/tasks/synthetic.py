@@ -11,19 +11,20 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .base import SPLITS, SequenceTask, check_positive, check_split
+from ..core.validation import check_count
+from .base import SPLITS, SequenceTask, check_split
 
 DEFAULT_SAMPLES = {"train": 10_000, "val": 1_000, "test": 1_000}
 
 
 def _rng(seed: int, split: str) -> np.random.Generator:
-    return np.random.default_rng([check_positive("seed", seed, minimum=0), SPLITS.index(split)])
+    return np.random.default_rng([check_count("seed", seed, 0), SPLITS.index(split)])
 
 
 def _num_samples(num_samples: int | None, split: str) -> int:
     if num_samples is None:
         return DEFAULT_SAMPLES[split]
-    return check_positive("num_samples", num_samples)
+    return check_count("num_samples", num_samples, 1)
 
 
 class _LMTask(SequenceTask):
@@ -73,13 +74,13 @@ class CopyTask(_LMTask):
         seed: int = 0,
     ) -> None:
         check_split(split)
-        self.max_length = check_positive("seq_len", seq_len, minimum=4)
-        self.n_symbols = check_positive("n_symbols", n_symbols)
+        self.max_length = check_count("seq_len", seq_len, 4)
+        self.n_symbols = check_count("n_symbols", n_symbols, 1)
         self.vocab_size = n_symbols + 2
         self.separator_id = 1
         room = (seq_len - 2) // 2
-        hi = room if max_copy is None else check_positive("max_copy", max_copy)
-        lo = max(1, hi // 4) if min_copy is None else check_positive("min_copy", min_copy)
+        hi = room if max_copy is None else check_count("max_copy", max_copy, 1)
+        lo = max(1, hi // 4) if min_copy is None else check_count("min_copy", min_copy, 1)
         if not lo <= hi <= room:
             raise ValueError(
                 f"need 1 <= min_copy <= max_copy <= (seq_len - 2) // 2 = {room}, "
@@ -127,10 +128,10 @@ class MQARTask(_LMTask):
         seed: int = 0,
     ) -> None:
         check_split(split)
-        self.max_length = check_positive("seq_len", seq_len)
-        d = check_positive("num_kv_pairs", num_kv_pairs)
-        q = d if num_queries is None else check_positive("num_queries", num_queries)
-        self.vocab_size = check_positive("vocab_size", vocab_size, minimum=4)
+        self.max_length = check_count("seq_len", seq_len, 1)
+        d = check_count("num_kv_pairs", num_kv_pairs, 1)
+        q = d if num_queries is None else check_count("num_queries", num_queries, 1)
+        self.vocab_size = check_count("vocab_size", vocab_size, 4)
         n_keys = (vocab_size - 2) // 2
         n_values = vocab_size - 2 - n_keys
         if q > d:

@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .base import PackedSequences, SequenceTask, check_positive, check_split, pad_tokens
+from ..core.validation import check_count
+from .base import PackedSequences, SequenceTask, check_split, pad_tokens
 from .files import PathArg, data_error, parse_label, read_table, require_dir
 
 BYTE_VOCAB_SIZE = 257
@@ -102,8 +103,8 @@ class TextTask(SequenceTask):
         self, path: PathArg, split: str = "train", max_length: int = 4000, num_classes: int = 2
     ) -> None:
         check_split(split)
-        self.max_length = check_positive("max_length", max_length)
-        self.num_classes = check_positive("num_classes", num_classes, minimum=2)
+        self.max_length = check_count("max_length", max_length, 1)
+        self.num_classes = check_count("num_classes", num_classes, 2)
         kind, self.source = find_text_source(path, split)
         if kind == "imdb":
             split_dir = "test" if split == "val" else split
