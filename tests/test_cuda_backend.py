@@ -3,8 +3,9 @@
 Tolerances: float32 outputs and gradients max relative error ≤ 1e-4; float16/bfloat16
 relative RMS error ≤ 1e-2 (against the reference in float64 on the same rounded inputs).
 Also: awkward shapes (N=1, N not a multiple of the chunk, F≠M, F=M=256, B·H=1 at long N),
-key padding, recurrent-state consistency, dispatch, bit-identical reruns, and the fused
-backward (``ext.causal_backward``) against the reference and the three-product backward.
+key padding, recurrent-state consistency, dispatch, bit-identical reruns (also for inputs off
+16-byte addresses), offsets past 2**31 elements, and the fused backward
+(``ext.causal_backward``) against the reference and the three-product backward.
 Every test runs under both causal kernels (``cuda_backend.CAUSAL_KERNEL``: "chunks" and
 "walk"); the walk and its fused backward are also checked with sequences cut into 1, several and
 one-chunk segments.
@@ -426,3 +427,78 @@ def test_walk_matches_chunk_kernels(monkeypatch, dtype):
     q, k, v = (t.detach() for t in _features(2, 8, 2500, 64, 64, dtype=dtype))
     got = _by_kernel(monkeypatch, lambda: cuda_backend.linear_attention(q, k, v, causal=True))
     assert close_in_dtype(got["walk"], got["chunks"], dtype)
+
+
+# ---------------------------------------------------------------- 64-bit indexing
+# B·H = 2, F = 64: q and k hold 2.28e9 elements; head 1's rows from 2**31 / 64 - BIG_N on lie
+# past element 2**31, where a 32-bit offset wraps. The upstream gradient is zero except on head
+# 1's last BIG_TAIL rows, so every result has a closed form in float64.
+BIG_N, BIG_TAIL, BIG_F, BIG_M = 2**24 + 2**20, 256, 64, 8
+
+
+def _state_sums(k: torch.Tensor, v: torch.Tensor, stop: int, block: int = 2**22):
+    """Σ_{j<stop} k_jᵀ v_j (F, M) and Σ_{j<stop} k_j (F) of rows k: (N, F), v: (N, M), in
+    float64, a block of rows at a time (a float64 copy of all of k would take 9 GB)."""
+    s = torch.zeros(k.shape[-1], v.shape[-1], dtype=torch.float64, device=k.device)
+    z = torch.zeros(k.shape[-1], dtype=torch.float64, device=k.device)
+    for a in range(0, stop, block):
+        kb, vb = k[a : min(stop, a + block)].double(), v[a : min(stop, a + block)].double()
+        s += kb.T @ vb
+        z += kb.sum(0)
+    return s, z
+
+
+def _tail_case(n: int, tail: int, device: str, backend: str):
+    """q, k, v of (1, 2, n, BIG_F/BIG_M) in bf16; the causal product with its gradients for an
+    upstream gradient on head 1's last `tail` rows; and the non-causal attention of those rows'
+    queries over all keys. Returns (got, want) pairs, want in float64 from closed forms."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    dt = torch.bfloat16
+    q, k = (torch.rand(1, 2, n, BIG_F, generator=gen, device=device, dtype=dt) for _ in "qk")
+    v = torch.randn(1, 2, n, BIG_M, generator=gen, device=device, dtype=dt)
+    t = n - tail
+    g = torch.zeros_like(v)
+    g[0, 1, t:] = torch.randn(tail, BIG_M, generator=gen, device=device, dtype=dt)
+    for x in (q, k, v):
+        x.requires_grad_()
+    out = ks.causal_dot_product(q, k, v, backend=backend)
+    dq, dk, dv = _grads(out, (q, k, v), g)
+    q1, k1, v1, g1 = (x.detach()[0, 1] for x in (q, k, v, g))
+    prefix, _ = _state_sums(k1, v1, t)  # P = Σ_{j<t} k_jᵀ v_j
+    rows = [x[t:].double().requires_grad_() for x in (q1, k1, v1)]
+    want = causal_dot_product_reference(*(x[None, None] for x in rows))[0, 0] + rows[0] @ prefix
+    want_dq, want_dk, want_dv = torch.autograd.grad(want, rows, g1[t:].double())
+    r = q1[t:].double().T @ g1[t:].double()  # R = Σ_tail q_iᵀ g_i: dk_j = v_j Rᵀ, dv_j = k_j R
+    before = torch.cat([torch.arange(4096), torch.arange(t - 8192, t)]).to(device)
+    pairs = [
+        (out[0, 1, t:], want),
+        (dq[0, 1, t:], want_dq),
+        (dk[0, 1, t:], want_dk),
+        (dv[0, 1, t:], want_dv),
+        (dk[0, 1, before], v1[before].double() @ r.T),
+        (dv[0, 1, before], k1[before].double() @ r),
+    ]
+    zeros = [dq[0, 1, :t], dq[0, 0], dk[0, 0], dv[0, 0]]  # no upstream gradient reaches them
+    s, z = _state_sums(k1, v1, n)
+    qt = q.detach()[:, :, t:]
+    full = cuda_backend.linear_attention if backend == "cuda" else ks.linear_attention
+    got_full = full(qt, k.detach(), v.detach(), causal=False)[0, 1]
+    pairs.append((got_full, (qt[0, 1].double() @ s) / (qt[0, 1].double() @ z + 1e-6)[:, None]))
+    return pairs, zeros
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["three_products", "fused_backward"])
+def test_offsets_past_2_to_the_31(monkeypatch, fused):
+    """64-bit indexing on tensors of more than 2**31 elements, bf16 (fp32 would take twice
+    the 20 GB): the causal product's output and gradients on rows past element 2**31 and on
+    head 1's first rows, exact zeros where no gradient reaches, and the non-causal attention
+    of the last rows' queries over all keys."""
+    if torch.cuda.mem_get_info()[0] < 40e9:
+        pytest.skip("needs 40 GB of free GPU memory")
+    assert 2 * BIG_N * BIG_F > 2**31 and (2 * BIG_N - BIG_TAIL - 8192) * BIG_F > 2**31
+    monkeypatch.setattr(cuda_backend, "FUSED_BACKWARD", fused)
+    pairs, zeros = _tail_case(BIG_N, BIG_TAIL, DEVICE, "cuda")
+    for got, want in pairs:
+        assert close_in_dtype(got, want, torch.bfloat16)
+    for z in zeros:
+        assert not z.any()
