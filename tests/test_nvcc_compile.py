@@ -2,7 +2,8 @@
 
 ``.cu`` files hold kernels and launchers only (CUDA headers, no torch), so they compile
 without PyTorch's include paths; a kernel that does not compile fails CI even on machines
-without a GPU. Skipped only where nvcc is absent.
+without a GPU. ptxas' resource report also checks each sm_90a kernel's register spills against
+a budget (a new spill fails). Skipped only where nvcc (or, for the spills, c++filt) is absent.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from kernelstudy.core.extensions import csrc_dir
 CSRC = csrc_dir()
 CU_FILES = sorted(CSRC.rglob("*.cu"))
 NVCC = shutil.which("nvcc")
+CXXFILT = shutil.which("c++filt")
 ARCHS = ["-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90a,code=sm_90a"]
 TORCH_INCLUDE = re.compile(r'^\s*#\s*include\s*[<"](torch|ATen|c10|pybind11)/', re.MULTILINE)
 
@@ -31,12 +33,75 @@ def test_cu_includes_no_torch_headers(source):
     assert not TORCH_INCLUDE.search(source.read_text()), f"{_id(source)} includes torch headers"
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
+# Register spills on sm_90a (bytes of spill stores per thread), from ptxas. Spills cost local
+# memory traffic in the hot loop, so a change that adds one should be seen: every kernel not
+# listed must not spill, and a listed one not more than its budget (the state of 2026-11-24,
+# measured with nvcc 13.0). Lower a budget when a change removes a spill.
+SPILL_BUDGET = {
+    "chunk_output_kernel<__nv_bfloat16, float, __nv_bfloat16>": 4,
+    "chunk_output_kernel<__nv_bfloat16, float, float>": 4,
+    "chunk_output_kernel<float, float, float>": 28,
+    "chunk_dqk_kernel<__half, __nv_bfloat16, __half>": 12,
+    "chunk_dqk_kernel<__half, __nv_bfloat16, float>": 12,
+    "chunk_dqk_kernel<float, float, float>": 352,  # 128-register cap (2 blocks per SM)
+    "chunk_dv_kernel<float, float, float>": 4,
+    "chunk_walk_kernel<__half, __half, 1>": 16,
+    "chunk_walk_kernel<__half, float, 1>": 16,
+}
+ENTRY = re.compile(
+    r"Compiling entry function '(\S+)' for '(\w+)'.*?(\d+) bytes spill stores.*?"
+    r"Used (\d+) registers",
+    re.DOTALL,
+)
+
+
+@pytest.fixture(scope="module")
+def ptxas_reports(tmp_path_factory) -> dict:
+    """nvcc -c with ptxas' resource report for every .cu: {source: CompletedProcess}."""
+    if NVCC is None:
+        pytest.skip("nvcc is not on PATH")
+    out = tmp_path_factory.mktemp("nvcc")
+    reports = {}
+    for source in CU_FILES:
+        command = [
+            NVCC, "-c", "-std=c++17", *ARCHS, "-Xptxas", "-v", "-I", str(CSRC),
+            "-I", str(source.parent), str(source), "-o", str(out / f"{source.stem}.o"),
+        ]  # fmt: skip
+        reports[source] = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    return reports
+
+
+def kernel_resources(report: str, arch: str) -> dict[str, tuple[int, int]]:
+    """{kernel: (spill store bytes, registers)} for `arch` from ptxas -v output; kernel names
+    demangled without namespace or parameters, e.g. ``chunk_walk_kernel<float, float, 2>``."""
+    entries = [e for e in ENTRY.findall(report) if e[1] == arch]
+    names = subprocess.run(
+        [CXXFILT], input="\n".join(e[0] for e in entries), capture_output=True, text=True
+    ).stdout.splitlines()
+    resources = {}
+    for (_, _, spill, regs), name in zip(entries, names, strict=True):
+        name = re.sub(r"^void |ks_cuda::\(anonymous namespace\)::", "", name)
+        resources[name[: name.index("(")] if "(" in name else name] = (int(spill), int(regs))
+    return resources
+
+
 @pytest.mark.parametrize("source", CU_FILES, ids=_id)
-def test_cu_compiles(source, tmp_path):
-    command = [
-        NVCC, "-c", "-std=c++17", *ARCHS, "-I", str(CSRC), "-I", str(source.parent),
-        str(source), "-o", str(tmp_path / f"{source.stem}.o"),
-    ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900)
+def test_cu_compiles(source, ptxas_reports):
+    result = ptxas_reports[source]
     assert result.returncode == 0, f"nvcc failed on {_id(source)}:\n{result.stderr[-6000:]}"
+
+
+@pytest.mark.skipif(CXXFILT is None, reason="c++filt is not on PATH")
+def test_register_spills_within_budget(ptxas_reports):
+    source = CSRC / "cuda" / "linear_attention.cu"
+    assert ptxas_reports[source].returncode == 0
+    resources = kernel_resources(
+        ptxas_reports[source].stdout + ptxas_reports[source].stderr, "sm_90a"
+    )
+    assert len(resources) >= 40 and set(SPILL_BUDGET) <= set(resources)
+    over = {
+        name: (spill, SPILL_BUDGET.get(name, 0))
+        for name, (spill, _) in resources.items()
+        if spill > SPILL_BUDGET.get(name, 0)
+    }
+    assert not over, f"spill stores (bytes, budget) above budget on sm_90a: {over}"
