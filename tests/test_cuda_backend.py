@@ -4,8 +4,8 @@ Tolerances: float32 outputs and gradients max relative error ≤ 1e-4; float16/b
 relative RMS error ≤ 1e-2 (against the reference in float64 on the same rounded inputs).
 Also: awkward shapes (N=1, N not a multiple of the chunk, F≠M, F=M=256, B·H=1 at long N),
 key padding, recurrent-state consistency, dispatch, bit-identical reruns (also for inputs off
-16-byte addresses), offsets past 2**31 elements, and the fused backward
-(``ext.causal_backward``) against the reference and the three-product backward.
+16-byte addresses), offsets past 2**31 elements, peak memory (no O(N·F·M) tensor), and the
+fused backward (``ext.causal_backward``) against the reference and the three-product backward.
 Every test runs under both causal kernels (``cuda_backend.CAUSAL_KERNEL``: "chunks" and
 "walk"); the walk and its fused backward are also checked with sequences cut into 1, several and
 one-chunk segments.
@@ -225,6 +225,23 @@ def test_left_padded_causal_rows_have_finite_gradients(dtype):
     ):
         assert torch.isfinite(g_got).all()
         assert rel_rms(g_got, g_want) <= tol
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_normalized_attention_builds_no_n_f_m_tensor(causal):
+    """The normalizer comes with the numerator: a forward and backward at B·H = 2, N = 32768,
+    F = M = 128 (fp32) allocate at most a quarter of one (B, H, N, F, M) tensor (4.3 GB) on
+    top of the inputs; chunk states take N·F·M/64 each, the per-row tensors N·M or N·F."""
+    b, h, n, f, m = 1, 2, 32768, 128, 128
+    q, k, v = _features(b, h, n, f, m)
+    g = _upstream((b, h, n, m))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = cuda_backend.linear_attention(q, k, v, causal=causal)
+    _grads(out, (q, k, v), g)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base <= b * h * n * f * m * 4 / 4
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
