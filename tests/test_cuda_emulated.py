@@ -3,7 +3,8 @@ float64 reference: no GPU needed, so CI checks the kernels' logic on every chang
 
 The emulator compiles ``linear_attention.cu`` as C++ with g++ (shim CUDA headers; each thread a
 fiber, barriers and warp operations as on a GPU, WMMA tiles computed in float). It checks
-indexing, masking, chunk grouping, segment carries, shared-memory layout (reads of unwritten
+indexing (every tensor sits between guards: reads outside an input give NaN, writes outside
+an output fail), masking, chunk grouping, segment carries, shared-memory layout (reads of unwritten
 shared memory give NaN; writes past it abort) and barrier placement (between block barriers the
 warps run one at a time, each as far as it can, in a seeded random order, so a missing barrier
 changes results with the seed; each lane stores only its share of a WMMA tile, so a missing
@@ -32,7 +33,7 @@ from kernelstudy.core import (
 )
 from kernelstudy.core.extensions import csrc_dir
 
-from .conftest import close_in_dtype, rel_err, shifted
+from .conftest import close_in_dtype, rel_err
 
 EMULATOR = Path(__file__).resolve().parent / "cuda_emulator"
 GXX = shutil.which("g++")
@@ -76,76 +77,108 @@ def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
     return ctypes.c_void_p(None if t is None else t.data_ptr())
 
 
+GUARD = 64  # elements around every tensor the kernels see (a multiple of 16 bytes)
+OUT_GUARD = -7168.0  # around outputs (exact in every dtype); inputs are guarded by NaN
+
+
 class EmulatedExtension:
     """The extension's Python API (``csrc/cuda/binding.cpp``: same functions, arguments and
-    results) on CPU tensors, run by the emulator: what ``cuda_backend`` calls on a GPU."""
+    results) on CPU tensors, run by the emulator: what ``cuda_backend`` calls on a GPU.
+
+    Every tensor the kernels see sits between two guards of GUARD elements: NaN around inputs,
+    so a read outside an input reaches the results as NaN, and OUT_GUARD around outputs, checked
+    after each call, so a write outside an output fails. With ``misalign``, every tensor starts
+    that many elements past an aligned address (torch aligns allocations to 64 bytes).
+    """
 
     def __init__(self, lib: ctypes.CDLL, misalign: int = 0):
         self.lib = lib
-        self.misalign = misalign  # outputs start this many elements past an aligned address
+        self.misalign = misalign
+        self._outputs: list[tuple[torch.Tensor, int, int]] = []
 
-    def _empty(self, *shape, dtype=torch.float32):
-        return shifted(torch.empty(*shape, dtype=dtype), self.misalign)
+    def _place(self, t: torch.Tensor, fill: float) -> tuple[torch.Tensor, torch.Tensor, int]:
+        start = GUARD + self.misalign
+        buf = torch.full((t.numel() + start + GUARD,), fill, dtype=t.dtype)
+        return buf[start : start + t.numel()].view(t.shape), buf, start
+
+    def _input(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        inner, _, _ = self._place(t, float("nan") if t.is_floating_point() else 0)
+        return inner.copy_(t)
+
+    def _output(self, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        inner, buf, start = self._place(torch.empty(*shape, dtype=dtype), OUT_GUARD)
+        self._outputs.append((buf, start, inner.numel()))
+        return inner
+
+    def _run(self, fn, *args) -> None:
+        err = fn(*args)
+        outputs, self._outputs = self._outputs, []
+        assert err == 0
+        for buf, start, size in outputs:
+            guards = torch.cat([buf[:start], buf[start + size :]]).float()
+            assert (guards == OUT_GUARD).all(), "a kernel wrote outside its output"
 
     def causal_product(self, q, k, v, reverse=False, out_fp32=True, with_den=False,
                        normalize=False, eps=1e-6, walk_blocks=0):  # fmt: skip
-        q, k, v = (t.contiguous() for t in (q, k, v))
+        q, k, v = (self._input(t) for t in (q, k, v))
         b, h, n, f = q.shape
         m = v.shape[-1]
-        out = self._empty(b, h, n, m, dtype=torch.float32 if out_fp32 else q.dtype)
-        den = self._empty(b, h, n) if with_den else None
-        err = self.lib.ks_emu_causal_product(
+        out = self._output(b, h, n, m, dtype=torch.float32 if out_fp32 else q.dtype)
+        den = self._output(b, h, n) if with_den else None
+        self._run(
+            self.lib.ks_emu_causal_product,
             DTYPES[q.dtype], _ptr(q), _ptr(k), _ptr(v), _ptr(out), int(out_fp32), _ptr(den),
             int(normalize), eps, b * h, n, f, m, int(reverse), walk_blocks,
         )  # fmt: skip
-        assert err == 0
         return [out, den]
 
     def causal_backward(self, q, k, v, g, out_fp32=False, walk_blocks=0):
-        q, k, v, g = (t.contiguous() for t in (q, k, v, g))
+        q, k, v, g = (self._input(t) for t in (q, k, v, g))
         b, h, n, f = q.shape
         m = v.shape[-1]
         dtype = torch.float32 if out_fp32 else q.dtype
-        grads = [self._empty(b, h, n, d, dtype=dtype) for d in (f, f, m)]
-        err = self.lib.ks_emu_causal_backward(
+        grads = [self._output(b, h, n, d, dtype=dtype) for d in (f, f, m)]
+        self._run(
+            self.lib.ks_emu_causal_backward,
             DTYPES[q.dtype], *map(_ptr, (q, k, v, g, *grads)), int(out_fp32), b * h, n, f, m,
             walk_blocks,
         )  # fmt: skip
-        assert err == 0
         return grads
 
     def full_state(self, k, v, key_padding_mask=None):
-        k, v = k.contiguous(), v.contiguous()
+        k, v = self._input(k), self._input(v)
         b, h, n, f = k.shape
         m = v.shape[-1]
-        state = self._empty(b, h, f * m + f)
-        keep = None if key_padding_mask is None else key_padding_mask.contiguous()
-        err = self.lib.ks_emu_full_state(
-            DTYPES[k.dtype], _ptr(k), _ptr(v), _ptr(keep), h, _ptr(state), b * h, n, f, m
-        )
-        assert err == 0
+        state = self._output(b, h, f * m + f)
+        keep = self._input(key_padding_mask)
+        self._run(
+            self.lib.ks_emu_full_state,
+            DTYPES[k.dtype], _ptr(k), _ptr(v), _ptr(keep), h, _ptr(state), b * h, n, f, m,
+        )  # fmt: skip
         return state
 
     def full_apply(self, q, state, m, out_fp32=True, with_den=False, normalize=False, eps=1e-6):
-        q = q.contiguous()
+        q, state = self._input(q), self._input(state)
         b, h, n, f = q.shape
-        out = self._empty(b, h, n, m, dtype=torch.float32 if out_fp32 else q.dtype)
-        den = self._empty(b, h, n) if with_den else None
-        err = self.lib.ks_emu_full_apply(
-            DTYPES[q.dtype], _ptr(q), _ptr(state.contiguous()), _ptr(out), int(out_fp32),
+        out = self._output(b, h, n, m, dtype=torch.float32 if out_fp32 else q.dtype)
+        den = self._output(b, h, n) if with_den else None
+        self._run(
+            self.lib.ks_emu_full_apply,
+            DTYPES[q.dtype], _ptr(q), _ptr(state), _ptr(out), int(out_fp32),
             _ptr(den), int(normalize), eps, b * h, n, f, m,
         )  # fmt: skip
-        assert err == 0
         return [out, den]
 
     def scaled_cumsum(self, x, pre=None, post=None, reverse=False):
-        x = x.contiguous()
+        x, pre, post = (self._input(t) for t in (x, pre, post))
         b, h, n, f = x.shape
-        out = self._empty(b, h, n, f)
-        err = self.lib.ks_emu_scaled_cumsum(
-            DTYPES[x.dtype], _ptr(x), _ptr(pre), _ptr(post), _ptr(out), b * h, n, f, int(reverse)
-        )
-        assert err == 0
+        out = self._output(b, h, n, f)
+        self._run(
+            self.lib.ks_emu_scaled_cumsum,
+            DTYPES[x.dtype], _ptr(x), _ptr(pre), _ptr(post), _ptr(out), b * h, n, f, int(reverse),
+        )  # fmt: skip
         return out
 
 
@@ -324,9 +357,6 @@ def test_misaligned_tensors_give_the_same_bits(emu, ext, dtype, walk_blocks):
     so only the addresses decide."""
     m = 40
     tensors = _inputs(2, 130, 64, m, dtype, extra=1)
-    shifted_ext = EmulatedExtension(emu, misalign=1)
-    moved = [shifted(t, 1) for t in tensors]
-    assert all(t.data_ptr() % 16 != 0 for t in moved)
 
     def run(x, q, k, v, g):
         return [
@@ -336,10 +366,11 @@ def test_misaligned_tensors_give_the_same_bits(emu, ext, dtype, walk_blocks):
             )[:1],
             *x.causal_backward(q, k, v, g, walk_blocks=walk_blocks),
             *x.full_apply(q, x.full_state(k, v), m, with_den=True),
-            x.scaled_cumsum(k, pre=q[0, :, :, 0].float().contiguous()),
+            x.scaled_cumsum(k, pre=q[0, :, :, 0].float()),
         ]
 
-    for a, b in zip(run(ext, *tensors), run(shifted_ext, *moved), strict=True):
+    misaligned = EmulatedExtension(emu, misalign=1)  # inputs and outputs
+    for a, b in zip(run(ext, *tensors), run(misaligned, *tensors), strict=True):
         assert a.data_ptr() % 16 == 0 and b.data_ptr() % 16 != 0
         assert torch.equal(a, b)
 
