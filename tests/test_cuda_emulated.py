@@ -79,6 +79,7 @@ def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
 
 GUARD = 64  # elements around every tensor the kernels see (a multiple of 16 bytes)
 OUT_GUARD = -7168.0  # around outputs (exact in every dtype); inputs are guarded by NaN
+OUTSIDE_WORKSPACE = 1000  # harness.cpp's error for a write to a guard of the workspace
 
 
 class EmulatedExtension:
@@ -115,6 +116,7 @@ class EmulatedExtension:
     def _run(self, fn, *args) -> None:
         err = fn(*args)
         outputs, self._outputs = self._outputs, []
+        assert err != OUTSIDE_WORKSPACE, "a kernel wrote outside its workspace"
         assert err == 0
         for buf, start, size in outputs:
             guards = torch.cat([buf[:start], buf[start + size :]]).float()

@@ -1,7 +1,8 @@
 // C entry points of the emulated CUDA core for tests/test_cuda_emulated.py (ctypes): the
 // launchers of csrc/cuda/launchers.h, one for one, on host buffers, each allocating its
-// workspace (one float more than asked, so even an empty one has an address, as torch's
-// allocator gives), returning the cudaError_t of the launches (0 = success).
+// workspace, returning the cudaError_t of the launches (0 = success) or kOutsideWorkspace.
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -9,6 +10,37 @@
 #include "launchers.h"
 
 using ks_cuda::DType;
+
+namespace {
+
+constexpr int kOutsideWorkspace = 1000;  // a kernel wrote to a guard of the workspace
+
+// A workspace of `floats` floats (torch's empty tensor on a GPU: whatever memory held) between
+// two guards. It starts as NaN, so a float read before it is written reaches the results as
+// NaN; the guards hold kMark, checked after the launches.
+class Workspace {
+ public:
+  explicit Workspace(size_t floats) : buf_(floats + 2 * kGuard, NAN), floats_(floats) {
+    std::fill(buf_.begin(), buf_.begin() + kGuard, kMark);
+    std::fill(buf_.end() - kGuard, buf_.end(), kMark);
+  }
+  float* data() { return buf_.data() + kGuard; }
+  // err, or kOutsideWorkspace where the launches succeeded but a guard changed.
+  int checked(int err) const {
+    const auto mark = [](float x) { return x == kMark; };
+    const bool intact = std::all_of(buf_.begin(), buf_.begin() + kGuard, mark) &&
+                        std::all_of(buf_.begin() + kGuard + floats_, buf_.end(), mark);
+    return err != 0 || intact ? err : kOutsideWorkspace;
+  }
+
+ private:
+  static constexpr size_t kGuard = 64;  // 256 bytes: the workspace stays 16-byte aligned
+  static constexpr float kMark = -7168.f;
+  std::vector<float> buf_;
+  size_t floats_;
+};
+
+}  // namespace
 
 extern "C" {
 
@@ -24,26 +56,26 @@ int ks_emu_causal_product(int dtype, const void* q, const void* k, const void* v
                           int out_fp32, float* den, int normalize, float eps, int64_t bh,
                           int64_t n, int64_t f, int64_t m, int reverse, int64_t walk_blocks) {
   const DType dt = static_cast<DType>(dtype);
-  std::vector<float> ws(ks_cuda::causal_workspace_floats(dt, bh, n, f, m, walk_blocks) + 1);
-  return ks_cuda::causal_product(dt, q, k, v, out, out_fp32 != 0, den, normalize != 0, eps,
-                                 ws.data(), bh, n, f, m, reverse != 0, walk_blocks, nullptr);
+  Workspace ws(ks_cuda::causal_workspace_floats(dt, bh, n, f, m, walk_blocks));
+  return ws.checked(ks_cuda::causal_product(dt, q, k, v, out, out_fp32 != 0, den, normalize != 0,
+                                            eps, ws.data(), bh, n, f, m, reverse != 0,
+                                            walk_blocks, nullptr));
 }
 
 int ks_emu_causal_backward(int dtype, const void* q, const void* k, const void* v, const void* g,
                            void* dq, void* dk, void* dv, int out_fp32, int64_t bh, int64_t n,
                            int64_t f, int64_t m, int64_t walk_blocks) {
   const DType dt = static_cast<DType>(dtype);
-  std::vector<float> ws(
-      ks_cuda::causal_backward_workspace_floats(dt, bh, n, f, m, walk_blocks) + 1);
-  return ks_cuda::causal_backward(dt, q, k, v, g, dq, dk, dv, out_fp32 != 0, ws.data(), bh, n, f,
-                                  m, walk_blocks, nullptr);
+  Workspace ws(ks_cuda::causal_backward_workspace_floats(dt, bh, n, f, m, walk_blocks));
+  return ws.checked(ks_cuda::causal_backward(dt, q, k, v, g, dq, dk, dv, out_fp32 != 0,
+                                             ws.data(), bh, n, f, m, walk_blocks, nullptr));
 }
 
 int ks_emu_full_state(int dtype, const void* k, const void* v, const bool* keep, int64_t heads,
                       float* state, int64_t bh, int64_t n, int64_t f, int64_t m) {
-  std::vector<float> ws(ks_cuda::full_state_workspace_floats(bh, n, f, m) + 1);
-  return ks_cuda::full_state(static_cast<DType>(dtype), k, v, keep, heads, state, ws.data(), bh,
-                             n, f, m, nullptr);
+  Workspace ws(ks_cuda::full_state_workspace_floats(bh, n, f, m));
+  return ws.checked(ks_cuda::full_state(static_cast<DType>(dtype), k, v, keep, heads, state,
+                                        ws.data(), bh, n, f, m, nullptr));
 }
 
 int ks_emu_full_apply(int dtype, const void* q, const float* state, void* out, int out_fp32,
@@ -55,9 +87,9 @@ int ks_emu_full_apply(int dtype, const void* q, const float* state, void* out, i
 
 int ks_emu_scaled_cumsum(int dtype, const void* x, const float* pre, const float* post,
                          float* out, int64_t bh, int64_t n, int64_t f, int reverse) {
-  std::vector<float> ws(ks_cuda::cumsum_workspace_floats(bh, n, f) + 1);
-  return ks_cuda::scaled_cumsum(static_cast<DType>(dtype), x, pre, post, out, ws.data(), bh, n,
-                                f, reverse != 0, nullptr);
+  Workspace ws(ks_cuda::cumsum_workspace_floats(bh, n, f));
+  return ws.checked(ks_cuda::scaled_cumsum(static_cast<DType>(dtype), x, pre, post, out,
+                                           ws.data(), bh, n, f, reverse != 0, nullptr));
 }
 
 }  // extern "C"
