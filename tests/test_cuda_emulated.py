@@ -290,8 +290,9 @@ def test_scaled_cumsum(ext, reverse):
 
 @pytest.mark.parametrize("walk_blocks", [0, 5], ids=["chunks", "walk"])
 def test_results_do_not_depend_on_the_thread_schedule(emu, ext, walk_blocks):
-    """Threads run in a different order between barriers under each seed; a race (a barrier
-    missing) would change the results."""
+    """Threads run in a different order between barriers, and blocks in a different order,
+    under each seed; a race (a barrier missing, blocks sharing an output) would change the
+    results."""
     q, k, v, g = _inputs(2, 200, 96, 70, torch.bfloat16, extra=1)
     runs = []
     for seed in (1, 2, 3):

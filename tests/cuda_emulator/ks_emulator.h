@@ -3,7 +3,7 @@
 //
 // The shim headers beside this file (cuda_runtime.h, cuda_bf16.h, cuda_fp16.h, mma.h) take the
 // place of CUDA's when the .cu is compiled as C++ with g++. A kernel launch runs the grid's blocks
-// one after another; each thread of a block is a fiber (ucontext) that runs until it reaches a
+// one after another, in a random order; each thread of a block is a fiber (ucontext) that runs until it reaches a
 // barrier: __syncthreads() waits for the block, and __syncwarp() and the shuffles wait for the
 // 32 lanes of the warp (see mma.h for why the WMMA operations need no barrier). Between block barriers the warps
 // run one after another, each as far as it can, in an order drawn from a seeded generator
@@ -250,14 +250,19 @@ struct Launch<void (*)(Params...)> {
     const uintptr_t base = reinterpret_cast<uintptr_t>(r.smem_storage.data());
     r.smem = r.smem_storage.data() + (128 - base % 128) % 128;
     auto body = [&] { std::apply(kernel, values); };
+    // Blocks run one at a time, in an order drawn from the schedule: on a GPU they run in any
+    // order and at once, so results that depend on the order show up as a change with the seed.
+    std::vector<dim3> blocks;
     for (unsigned by = 0; by < grid.y; ++by) {
-      for (unsigned bx = 0; bx < grid.x; ++bx) {
-        r.block_idx = dim3(bx, by);
-        std::fill(r.smem, r.smem + smem, kPoison);
-        run_block(body);
-        for (size_t i = smem; i < smem + kGuard; ++i) {
-          if (r.smem[i] != kPoison) fail("write past the block's dynamic shared memory");
-        }
+      for (unsigned bx = 0; bx < grid.x; ++bx) blocks.emplace_back(bx, by);
+    }
+    std::shuffle(blocks.begin(), blocks.end(), r.rng);
+    for (const dim3& b : blocks) {
+      r.block_idx = b;
+      std::fill(r.smem, r.smem + smem, kPoison);
+      run_block(body);
+      for (size_t i = smem; i < smem + kGuard; ++i) {
+        if (r.smem[i] != kPoison) fail("write past the block's dynamic shared memory");
       }
     }
   }
