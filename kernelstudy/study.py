@@ -142,7 +142,9 @@ def config_id(config: dict[str, Any], device: str) -> str:
 
 
 def _read_results(path: Path) -> pd.DataFrame:
-    table = read_csv_table(path)
+    # config_id as text: an all-digit id ("942358339153") or one like "096e55686685" would
+    # otherwise read as a number and no longer match its config
+    table = read_csv_table(path, text_columns=("config_id",))
     return pd.DataFrame() if table is None else table
 
 

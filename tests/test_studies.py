@@ -99,6 +99,23 @@ def test_runner_writes_results_and_resumes(toy_studies, capsys):
     assert not list(out.glob(".*.tmp"))
 
 
+@pytest.mark.parametrize(
+    "ids", [("942358339153", "000000000017"), ("096e55686685", "1e2846341546")]
+)
+def test_resume_with_ids_that_look_like_numbers(toy_studies, monkeypatch, ids):
+    """1 in ~140 ids is all digits or reads as a float ("096e55686685" is 96e55686685 = inf):
+    such ids used to come back from results.csv as numbers, so a resumed study recomputed
+    and duplicated its configs and returned none of them."""
+    by_x = dict(zip((1, 2), ids, strict=True))
+    monkeypatch.setattr(study, "config_id", lambda config, device: by_x[config["x"]])
+    out = toy_studies / "out"
+    for _ in range(2):
+        frame = study.run_study("toy", quick=True, out=out, verbose=False)
+        assert sorted(frame.value) == [1.0, 4.0] and sorted(frame.config_id) == sorted(ids)
+    table = pd.read_csv(out / "results.csv", dtype={"config_id": str})
+    assert sorted(table.config_id) == sorted(ids)  # written once each, verbatim
+
+
 def test_summary_provenance_names_the_runs_that_computed_the_rows(toy_studies, monkeypatch):
     out = toy_studies / "out"
     lines = lambda: [  # noqa: E731

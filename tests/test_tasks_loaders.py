@@ -264,17 +264,20 @@ def test_cifar_errors(tmp_path: Path) -> None:
 # --------------------------------------------------------------------- pathfinder
 
 
-def write_pathfinder(root: Path, n_files: int = 2, per_file: int = 10) -> dict[str, np.ndarray]:
-    """pathfinder32/curv_baseline with metadata/<i>.npy text files and imgs/<i>/sample_<k>.png."""
+def write_pathfinder(
+    root: Path, n_files: int = 2, per_file: int = 10, resolution: int = 32
+) -> dict[str, np.ndarray]:
+    """pathfinder<resolution>/curv_baseline with metadata/<i>.npy text files and
+    imgs/<i>/sample_<k>.png."""
     rng = np.random.default_rng(2)
-    base = root / "pathfinder32" / "curv_baseline"
+    base = root / f"pathfinder{resolution}" / "curv_baseline"
     (base / "metadata").mkdir(parents=True)
     images = {}
     for i in range(n_files):
         (base / "imgs" / str(i)).mkdir(parents=True)
         lines = []
         for k in range(per_file):
-            pixels = rng.integers(0, 256, (32, 32), dtype=np.uint8)
+            pixels = rng.integers(0, 256, (resolution, resolution), dtype=np.uint8)
             name = f"sample_{k}.png"
             (base / "imgs" / str(i) / name).write_bytes(encode_png(pixels, filters=(k % 5, 4, 1)))
             label = int(rng.integers(0, 2))
@@ -302,6 +305,30 @@ def test_pathfinder(tmp_path: Path) -> None:
     # the difficulty directory itself works too, with the same split
     same = PathfinderTask(tmp_path / "pathfinder32" / "curv_baseline", "val")
     assert same.images == splits["val"].images
+
+
+def test_pathfinder_leaves_out_empty_images_as_lra_does(tmp_path: Path) -> None:
+    """The published curv_baseline lists an empty imgs/0/sample_172.png; LRA filters it."""
+    images = write_pathfinder(tmp_path, n_files=1, per_file=20)
+    base = tmp_path / "pathfinder32" / "curv_baseline"
+    (base / "imgs" / "0" / "sample_7.png").write_bytes(b"")
+    with pytest.warns(UserWarning, match="left out 1 sample.*sample_7.png"):
+        splits = [PathfinderTask(tmp_path, s) for s in ("train", "val", "test")]
+    assert sum(len(ds) for ds in splits) == len(images) - 1
+    for ds in splits:
+        assert all(ds.images[i].name != "sample_7.png" for i in range(len(ds)))
+        for i in range(len(ds)):
+            ds[i]  # every sample left in decodes
+
+
+def test_pathfinder_finds_the_resolution_directory(tmp_path: Path) -> None:
+    """lra_release/ holds pathfinder32/, pathfinder64/, ...: the resolution picks one."""
+    write_pathfinder(tmp_path, n_files=1, per_file=10)
+    write_pathfinder(tmp_path, n_files=1, per_file=10, resolution=64)
+    ds = PathfinderTask(tmp_path, "train", resolution=64)
+    assert ds.root == tmp_path / "pathfinder64" / "curv_baseline"
+    assert ds[0]["input_ids"].shape == (64 * 64,)
+    assert PathfinderTask(tmp_path, "train").root == tmp_path / "pathfinder32" / "curv_baseline"
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ all samples (LRA takes 80/10/10 too).
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -30,11 +31,11 @@ DIFFICULTIES = ("curv_baseline", "curv_contour_length_9", "curv_contour_length_1
 SPLIT_FRACTIONS = {"train": (0.0, 0.8), "val": (0.8, 0.9), "test": (0.9, 1.0)}
 
 
-def find_pathfinder_root(path: PathArg, difficulty: str) -> Path:
+def find_pathfinder_root(path: PathArg, difficulty: str, resolution: int = 32) -> Path:
     """The directory holding ``metadata/``: ``path`` itself, ``path/<difficulty>`` or
-    ``path/pathfinder32/<difficulty>``."""
+    ``path/pathfinder<resolution>/<difficulty>``."""
     base = Path(path)
-    candidates = [base, base / difficulty, base / "pathfinder32" / difficulty]
+    candidates = [base, base / difficulty, base / f"pathfinder{resolution}" / difficulty]
     for candidate in candidates:
         if (candidate / "metadata").is_dir():
             return candidate
@@ -47,13 +48,18 @@ def _metadata_order(path: Path) -> tuple[int, str]:
 
 
 def read_metadata(root: Path) -> tuple[list[Path], np.ndarray, list[str]]:
-    """Image paths, labels and ``"<metadata file>, line <n>"`` origins of every sample."""
+    """Image paths, labels and ``"<metadata file>, line <n>"`` origins of every sample.
+
+    Samples whose image file is empty (0 bytes) are left out with one warning, as LRA's
+    input pipeline does: the published ``pathfinder32/curv_baseline`` lists one such
+    image (``imgs/0/sample_172.png``)."""
     files = sorted((root / "metadata").glob("*.npy"), key=_metadata_order)
     if not files:
         raise FileNotFoundError(f"no *.npy metadata files in {root / 'metadata'}")
     images: list[Path] = []
     labels: list[int] = []
     origins: list[str] = []
+    empty: list[str] = []
     for meta in files:
         try:
             lines = meta.read_text(encoding="utf-8").split("\n")
@@ -74,9 +80,19 @@ def read_metadata(root: Path) -> tuple[list[Path], np.ndarray, list[str]]:
             image = root / fields[0] / fields[1]
             if not image.is_file():
                 raise data_error(meta, f"image {image} does not exist", line_no)
-            labels.append(parse_label(fields[3], meta, line_no, 2))
+            label = parse_label(fields[3], meta, line_no, 2)
+            if image.stat().st_size == 0:
+                empty.append(f"{image} ({meta}, line {line_no})")
+                continue
+            labels.append(label)
             images.append(image)
             origins.append(f"{meta}, line {line_no}")
+    if empty:
+        warnings.warn(
+            f"Pathfinder: left out {len(empty)} sample(s) whose image file is empty, as LRA "
+            f"does: {', '.join(empty[:3])}{' ...' if len(empty) > 3 else ''}",
+            stacklevel=3,
+        )
     if not images:
         raise data_error(files[0], "no samples in the metadata files")
     return images, np.asarray(labels, dtype=np.int64), origins
@@ -85,7 +101,7 @@ def read_metadata(root: Path) -> tuple[list[Path], np.ndarray, list[str]]:
 class PathfinderTask(SequenceTask):
     """Pathfinder, 2 classes: ``input_ids`` (resolution²,) pixels 0–255, ``mask``, ``label``.
 
-    ``path`` is the ``pathfinder32`` directory (or its parent, or a difficulty
+    ``path`` is the ``pathfinder<resolution>`` directory (or its parent, or a difficulty
     directory). Images are decoded when an item is read; a malformed one raises a
     ValueError naming the image and its metadata line.
     """
@@ -110,7 +126,7 @@ class PathfinderTask(SequenceTask):
         self.resolution = check_count("resolution", resolution, 1)
         check_count("split_seed", split_seed, 0)
         self.max_length = resolution * resolution
-        self.root = find_pathfinder_root(path, difficulty)
+        self.root = find_pathfinder_root(path, difficulty, self.resolution)
         images, labels, origins = read_metadata(self.root)
         order = np.random.default_rng(split_seed).permutation(len(images))
         lo, hi = SPLIT_FRACTIONS[split]
