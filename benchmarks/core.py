@@ -34,6 +34,7 @@ import pandas as pd
 import torch
 
 import kernelstudy as ks
+from kernelstudy.core import registered_backends
 
 # Above this, the reference backend's N×N matrix costs too much memory to benchmark.
 REFERENCE_MAX_N = 4096
@@ -258,12 +259,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.n, args.repeats = [1024, 4096], 3
     if any(n < 1 for n in args.n) or args.repeats < 1:
         p.error("--n and --repeats must be positive")
+    known = registered_backends()
+    unknown = [name for name in args.backends if name not in known]
+    if unknown:
+        p.error(f"--backends: unknown {unknown}; registered: {', '.join(known)}")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     frame = benchmark(args)
+    if frame.empty or "op" not in frame:  # nothing ran: keep whatever --out holds
+        missing = [b for b in args.backends if b not in ks.backends()]
+        why = f" (not available here: {', '.join(missing)})" if missing else ""
+        print(f"benchmarks/core.py: no case ran{why}; {args.out} left as it was", file=sys.stderr)
+        return 1
     write_csv_atomic(frame, args.out)
     with pd.option_context("display.width", 200, "display.max_columns", 50):
         print(summary(frame).to_string())

@@ -102,3 +102,32 @@ def test_profile_arguments():
         profile.parse_args(["--steps", "0"])
     with pytest.raises(SystemExit):
         profile.parse_args(["--variants", "four"])
+
+
+# ---------------------------------------------------------------- benchmarks/core.py (CPU)
+@pytest.fixture(scope="module")
+def core():
+    return _script("core")
+
+
+def test_core_runs_a_small_case(core, tmp_path):
+    out = tmp_path / "core.csv"
+    argv = ["--n", "64", "--repeats", "1", "--modes", "fwd", "--backends", "torch", "--out"]
+    assert core.main([*argv, str(out)]) == 0
+    frame = pd.read_csv(out)
+    assert set(frame.backend) == {"torch", "sdpa"} and (frame.time_ms > 0).all()  # sdpa: softmax
+    assert {"matmul_gflops", "frac_matmul", "device", "command"} <= set(frame.columns)
+
+
+def test_core_refuses_unknown_backends_and_keeps_out_when_nothing_runs(core, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        core.parse_args(["--backends", "toch"])
+    assert exit_.value.code == 2 and "toch" in capsys.readouterr().err
+    out = tmp_path / "core.csv"
+    out.write_text("earlier results\n")
+    n = str(core.REFERENCE_MAX_N + 1)  # the reference backend skips N above its limit
+    argv = ["--n", n, "--heads", "1", "--features", "2", "--values", "2", "--no-softmax"]
+    argv += ["--repeats", "1", "--backends", "reference", "--out", str(out)]
+    assert core.main(argv) == 1
+    assert out.read_text() == "earlier results\n"
+    assert "no case ran" in capsys.readouterr().err
