@@ -337,3 +337,13 @@ def test_task_specific_failures(tmp_path: Path, capsys: pytest.CaptureFixture[st
         err = capsys.readouterr().err
         assert args[1] in err, (args, err)
         assert not out.exists()
+
+
+def test_progress_flag_wins_over_the_config_file() -> None:
+    """``--no-progress`` used to lose against ``[train] progress = true``."""
+    settings = {"train": {"steps": 1, "progress": True, "device": "cpu"}, "out": "/tmp/x"}
+    assert commands.train_config_of(settings, False).progress is False
+    assert commands.train_config_of(settings, None).progress is True  # the file, no flag
+    plain = {"train": {"steps": 1, "device": "cpu"}, "out": "/tmp/x"}
+    assert commands.train_config_of(plain, True).progress is True
+    assert commands.train_config_of(plain, None).progress is sys.stderr.isatty()

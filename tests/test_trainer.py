@@ -285,6 +285,8 @@ def test_lm_objective_scores_only_the_loss_mask():
     ):
         with pytest.raises(error, match=match):
             Objective("lm")(Fixed(), {**batch, "targets": bad})
+    same, _ = Objective("lm")(Fixed(), {**batch, "targets": targets.int()})
+    assert same.item() == pytest.approx(loss.item(), rel=1e-6)
 
 
 def test_classification_labels_are_checked_before_the_loss():
@@ -301,9 +303,18 @@ def test_classification_labels_are_checked_before_the_loss():
         (torch.tensor([0, 3]), ValueError, r"got values in \[0, 3\]"),
         (torch.tensor([[0], [1]]), ValueError, r"label must have shape \(batch,\)"),
         (torch.tensor([0.0, 1.0]), TypeError, "label must be an integer tensor"),
+        (torch.tensor([False, True]), TypeError, "label must be an integer tensor"),
     ):
         with pytest.raises(error, match=match):
             Objective("classification")(Fixed(), {"input_ids": ids, "label": label})
+    # any integer dtype (int32 comes from NumPy) gives int64's loss; cross_entropy takes int64
+    want, _ = Objective("classification")(
+        Fixed(), {"input_ids": ids, "label": torch.tensor([0, 2])}
+    )
+    for dtype in (torch.int32, torch.int16, torch.uint8, torch.int8):
+        label = torch.tensor([0, 2], dtype=dtype)
+        loss, stats = Objective("classification")(Fixed(), {"input_ids": ids, "label": label})
+        assert loss.item() == want.item() and stats["count"] == 2
 
 
 def test_lm_and_matching_tasks_train():
@@ -384,6 +395,14 @@ def test_bad_configuration_fails_before_training():
         TrainConfig(clip_norm=0.0)
     with pytest.raises(ValueError, match="clip_norm"):
         TrainConfig(clip_norm=True)
+    with pytest.raises(ValueError, match="seed must be < 2"):
+        TrainConfig(seed=2**63)
+    for flag in ("amp", "progress", "restore_best"):  # "false" read as True
+        with pytest.raises(TypeError, match=f"{flag} must be a bool"):
+            TrainConfig(**{flag: "false"})
+    # the largest seed trains (its epochs' data-order seeds overflowed torch's 64 bits)
+    big = Trainer(_classifier(), ContainsTask(32), _config(steps=3, seed=2**63 - 1))
+    assert big.fit()["steps_completed"] == 3
     # test_data and callbacks are checked when the Trainer is built, not after training
     empty = torch.utils.data.Subset(ContainsTask(8), [])
     with pytest.raises(ValueError, match="test_data is empty"):

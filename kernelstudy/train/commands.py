@@ -228,9 +228,14 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     return s
 
 
-def train_config_of(settings: Mapping[str, Any], progress: bool) -> TrainConfig:
-    """The :class:`TrainConfig` of the settings, writing into ``settings["out"]``."""
-    fields = {"progress": progress, **settings["train"], "out_dir": settings["out"]}
+def train_config_of(settings: Mapping[str, Any], progress: bool | None) -> TrainConfig:
+    """The :class:`TrainConfig` of the settings, writing into ``settings["out"]``.
+
+    ``progress`` (``--progress``/``--no-progress``) wins over ``[train] progress``; with
+    neither, the bar shows when stderr is a terminal."""
+    fields = {**settings["train"], "out_dir": settings["out"]}
+    if progress is not None or "progress" not in fields:
+        fields["progress"] = sys.stderr.isatty() if progress is None else progress
     try:
         config = TrainConfig.from_dict(fields)
     except TypeError as err:
@@ -377,8 +382,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ValueError("--resume and --overwrite exclude each other")
     check_stop_after(args.stop_after, "--stop-after")
     settings = resolve_settings(args)
-    progress = sys.stderr.isatty() if args.progress is None else args.progress
-    config = train_config_of(settings, progress)
+    config = train_config_of(settings, args.progress)
     resolved = config.to_dict()
     settings["train"] = {k: v for k, v in resolved.items() if k not in ("out_dir", "progress")}
     resume = check_resume(

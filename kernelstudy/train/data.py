@@ -12,6 +12,12 @@ from torch.utils.data.dataloader import default_collate
 from .checkpoint import get_rng_state, set_rng_state
 
 
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The generator seed of ``epoch``'s data order: one per (seed, epoch), within torch's
+    64-bit range for any seed."""
+    return (seed * 1_000_003 + epoch) % 2**64
+
+
 class EpochBatchSampler(Sampler[list[int]]):
     """Batches of indices whose order in epoch ``e`` is a pure function of ``(seed, e)``.
 
@@ -35,7 +41,7 @@ class EpochBatchSampler(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         # built eagerly, so ``start`` is read when the DataLoader iterator is created
         if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            g = torch.Generator().manual_seed(epoch_seed(self.seed, self.epoch))
             order = torch.randperm(self.size, generator=g).tolist()
         else:
             order = list(range(self.size))
@@ -111,7 +117,7 @@ class BatchStream:
         if sampler is not None:
             sampler.epoch, sampler.start = self.epoch, skip
             if self.loader.generator is not None:
-                self.loader.generator.manual_seed(sampler.seed * 1_000_003 + self.epoch)
+                self.loader.generator.manual_seed(epoch_seed(sampler.seed, self.epoch))
             self._it = iter(self.loader)
             return
         if fresh:

@@ -55,7 +55,12 @@ def check_classes(name: str, values: torch.Tensor, num_classes: int) -> None:
     ``[0, num_classes)`` (-100, torch's ignore_index, included: mark such positions with
     ``loss_mask`` instead). Checked here, not deep inside ``cross_entropy`` (a device
     assert on CUDA)."""
-    if not isinstance(values, torch.Tensor) or values.is_floating_point() or values.is_complex():
+    if (
+        not isinstance(values, torch.Tensor)
+        or values.is_floating_point()
+        or values.is_complex()
+        or values.dtype == torch.bool
+    ):
         kind = values.dtype if isinstance(values, torch.Tensor) else type(values).__name__
         raise TypeError(f"{name} must be an integer tensor of class indices, got {kind}")
     if values.numel() and not (0 <= int(values.min()) and int(values.max()) < num_classes):
@@ -101,6 +106,7 @@ class Objective:
         if label.dim() != 1:
             raise ValueError(f"label must have shape (batch,), got {tuple(label.shape)}")
         check_classes("label", label, logits.shape[1])
+        label = label.long()  # cross_entropy takes int64 (int32 labels come from NumPy)
         loss = F.cross_entropy(logits.float(), label)
         n = torch.tensor(float(label.shape[0]), device=loss.device)
         stats = {
@@ -123,7 +129,7 @@ class Objective:
             scored = torch.ones_like(targets, dtype=torch.bool)
         scored = scored.bool()
         check_classes("targets", targets[scored], logits.shape[-1])  # unscored: anything
-        targets = targets.masked_fill(~scored, 0)
+        targets = targets.long().masked_fill(~scored, 0)
         token_loss = F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")
         count = scored.sum()
         loss = (token_loss * scored).sum() / count.clamp_min(1)

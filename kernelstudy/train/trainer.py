@@ -113,6 +113,11 @@ class TrainConfig:
         positive("eval_batches", optional=True)
         positive("patience", optional=True)
         positive("seed", allow_zero=True)
+        if self.seed >= 2**63:
+            raise ValueError(f"seed must be < 2**63 (torch's generators), got {self.seed}")
+        for name in ("amp", "progress", "restore_best"):
+            if not isinstance(getattr(self, name), bool):  # "false" would read as True
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         positive("num_workers", allow_zero=True)
         for name in ("lr", "weight_decay", "reg_weight", "min_lr_ratio"):
             value = getattr(self, name)
