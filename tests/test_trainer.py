@@ -435,3 +435,29 @@ def test_bad_configuration_fails_before_training():
         Trainer(_classifier(), ContainsTask(8), no_fit, val_data=ContainsTask(8))
     with pytest.raises(ValueError, match="monitor 'grad_norm' is not a metric"):
         Trainer(_classifier(), ContainsTask(8), _config(monitor="grad_norm", clip_norm=None))
+
+
+def test_a_non_finite_gradient_stops_before_the_weights_change(tmp_path):
+    """A finite loss with an infinite gradient (sqrt at 0) used to be applied: clipping
+    turned it into NaN weights, the evaluation at that step wrote NaN metrics and a NaN
+    checkpoint, and only the next step raised, so a resume reloaded the poisoned weights."""
+
+    class Sqrt(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(8, 2)
+            self.w = nn.Parameter(torch.zeros(()))
+
+        def forward(self, ids, mask=None):
+            return self.emb(ids).mean(1) + torch.sqrt(self.w.abs())
+
+    for clip_norm in (1.0, None):
+        model = Sqrt()
+        before = _params(model)
+        out = tmp_path / f"clip_{clip_norm}"
+        cfg = _config(steps=4, eval_every=1, clip_norm=clip_norm, out_dir=str(out))
+        with pytest.raises(FloatingPointError, match="non-finite gradient .* at step 1"):
+            Trainer(model, ContainsTask(32), cfg, val_data=ContainsTask(16)).fit()
+        after = _params(model)
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        assert not (out / "checkpoint.pt").exists()

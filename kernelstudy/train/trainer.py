@@ -535,10 +535,21 @@ class Trainer:
             raise FloatingPointError(f"non-finite training loss {value} at step {self.step + 1}")
         self.optimizer.zero_grad(set_to_none=True)
         self.scaler.scale(total).backward()
+        norm = None
         if cfg.clip_norm is not None:
             self.scaler.unscale_(self.optimizer)
             norm = nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip_norm)
             stats["grad_norm_sum"] = norm.detach().float()
+        if not self.scaler.is_enabled():  # (float16's scaler skips such steps itself)
+            # a finite loss can still have an inf/NaN gradient: stop before it reaches the
+            # weights (and the next checkpoint), not a step later
+            if norm is None:
+                grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+                norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
+            if not math.isfinite(float(norm)):
+                raise FloatingPointError(
+                    f"non-finite gradient (norm {float(norm)}) at step {self.step + 1}"
+                )
         self._last_lr = self.optimizer.param_groups[0]["lr"]
         self.scaler.step(self.optimizer)
         self.scaler.update()
