@@ -16,6 +16,7 @@ from pathlib import Path
 import optuna
 import pandas as pd
 import pytest
+import torch
 from optuna.trial import TrialState
 
 from kernelstudy.cli import main
@@ -160,6 +161,22 @@ def test_a_suggested_combination_the_model_refuses_is_pruned(tmp_path, monkeypat
         assert "refused by the model: degree=3 at head_dim=8" in t.user_attrs["refused_reason"]
     row = search_summary(load_config(cfg), f"sqlite:///{tmp_path / 'res' / 'tiny' / 'optuna.db'}")
     assert row.loc[0, "over_budget"] == 0 and row.loc[0, "pruned"] == len(by_degree[3])
+
+
+def test_a_search_whose_every_trial_runs_out_of_memory_exits_1(tmp_path, capsys, monkeypatch):
+    """Every trial failing (here: out of memory in the first step) used to keep the search
+    running forever; it stops after a few in a row, naming the error, and a rerun retries."""
+
+    def oom(self):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr("kernelstudy.train.trainer.Trainer._train_step", oom)
+    cfg = write_config(tmp_path, ["elu+1"], steps=2)
+    assert ks("search", cfg, "--out", tmp_path / "res") == 1
+    err = capsys.readouterr().err
+    assert "last 5 trials failed" in err and "OutOfMemoryError: CUDA out of memory" in err
+    trials = studies(tmp_path / "res")["tiny/elu+1"].get_trials()
+    assert len(trials) == 5 and all(t.state == TrialState.FAIL for t in trials)
 
 
 def test_budget_prunes_three_glus_before_training(tmp_path, monkeypatch):

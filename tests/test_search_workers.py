@@ -18,6 +18,8 @@ from optuna.trial import TrialState
 
 from kernelstudy.search.workers import (
     DUPLICATE_ATTR,
+    MAX_FAILURES_IN_A_ROW,
+    TrialsKeepFailing,
     _worker,
     finished_trials,
     open_study,
@@ -170,3 +172,21 @@ def test_a_resumed_study_does_not_replay_the_first_runs_points(tmp_path):
         again.optimize(quick_objective, n_trials=4)
     xs = [t.params["x"] for t in again.get_trials()]
     assert len(set(xs)) == 8  # TPE's 10 random start-up draws: none repeated
+
+
+def failing_objective(trial: optuna.Trial) -> float:
+    trial.suggest_float("x", -1.0, 1.0)
+    raise FloatingPointError("non-finite training loss nan at step 3")
+
+
+def test_a_search_whose_trials_all_fail_stops(tmp_path):
+    """Failures caught by Optuna (out of memory, divergence) do not count as finished, so a
+    search whose every trial failed used to run forever, filling the database."""
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    with pytest.raises(TrialsKeepFailing, match=r"last 5 trials failed.*trial 4.*step 3"):
+        run_workers(url, "fails", failing_objective, trials=3, workers=1)
+    trials = open_study(url, "fails").get_trials()
+    assert [t.state for t in trials] == [TrialState.FAIL] * MAX_FAILURES_IN_A_ROW
+    assert "FloatingPointError" in trials[0].user_attrs["fail_reason"]
+    with pytest.raises(ChildProcessError, match="2 of 2 worker"):
+        run_workers(url, "fails_two", failing_objective, trials=3, workers=2)

@@ -8,6 +8,7 @@ exits 1.
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from .runner import DEFAULT_OUT
@@ -50,17 +51,22 @@ def _positive(text: str) -> int:
 def _cmd_search(args: argparse.Namespace) -> int:
     from .runner import run_search
     from .storage import redact
+    from .workers import TrialsKeepFailing
 
-    summary = run_search(
-        args.config,
-        trials=args.trials,
-        workers=args.workers,
-        storage=args.storage,
-        out=args.out,
-        quick=args.quick,
-        variants=args.variant,
-        device=args.device,
-    )
+    try:
+        summary = run_search(
+            args.config,
+            trials=args.trials,
+            workers=args.workers,
+            storage=args.storage,
+            out=args.out,
+            quick=args.quick,
+            variants=args.variant,
+            device=args.device,
+        )
+    except TrialsKeepFailing as err:  # the trials are kept; a rerun retries the failed ones
+        print(f"kernelstudy search: error: {err}", file=sys.stderr)
+        return 1
     _print(summary)
     if args.storage:
         print(f"studies in {redact(args.storage)}")

@@ -125,14 +125,55 @@ def skip_duplicates(
     return run
 
 
-class StopAtFinished:
-    """Optuna callback: stop the study once it holds ``n`` finished trials (not duplicates)."""
+#: A worker whose last this-many trials all failed stops with :class:`TrialsKeepFailing`.
+MAX_FAILURES_IN_A_ROW = 5
+#: User attr of a failed trial: its error.
+FAIL_REASON_ATTR = "fail_reason"
+#: The errors that fail a trial and let the search go on (out of memory, divergence).
+TRIAL_ERRORS = (RuntimeError, FloatingPointError)
 
-    def __init__(self, n: int) -> None:
-        self.n = n
+
+class TrialsKeepFailing(RuntimeError):
+    """Every recent trial of a worker failed (e.g. out of memory, or a diverging model)."""
+
+
+def record_failures(
+    objective: Callable[[optuna.Trial], float],
+) -> Callable[[optuna.Trial], float]:
+    """``objective`` that stores the error of a failing trial in its user attr
+    :data:`FAIL_REASON_ATTR` (Optuna only logs it) before re-raising it."""
+
+    @functools.wraps(objective)
+    def run(trial: optuna.Trial) -> float:
+        try:
+            return objective(trial)
+        except TRIAL_ERRORS as err:
+            trial.set_user_attr(FAIL_REASON_ATTR, f"{type(err).__name__}: {err}"[:500])
+            raise
+
+    return run
+
+
+class StopAtFinished:
+    """Optuna callback: stop the study once it holds ``n`` finished trials (not duplicates),
+    or once this worker's last ``max_failures`` trials all failed (``failure`` then says
+    why; caught failures do not count as finished, so without it such a search never ends)."""
+
+    def __init__(self, n: int, max_failures: int = MAX_FAILURES_IN_A_ROW) -> None:
+        self.n, self.max_failures = n, max_failures
+        self.failures = 0
+        self.failure: str | None = None
 
     def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
-        if finished_trials(study) >= self.n:
+        self.failures = self.failures + 1 if trial.state == TrialState.FAIL else 0
+        if self.failures >= self.max_failures:
+            reason = trial.user_attrs.get(FAIL_REASON_ATTR, "see the warning above")
+            self.failure = (
+                f"study {study.study_name}: the last {self.failures} trials failed; the last "
+                f"one (trial {trial.number}): {reason}"
+            )
+            study.stop()
+        elif finished_trials(study) >= self.n:
             study.stop()
 
 
@@ -174,11 +215,14 @@ def _worker(
     study = open_study(url, name, pruner=pruner, seed=seed, heartbeat=heartbeat)
     if finished_trials(study) >= trials:
         return
+    stop = StopAtFinished(trials)
     study.optimize(
-        skip_duplicates(objective),
-        callbacks=[StopAtFinished(trials)],
-        catch=(RuntimeError, FloatingPointError),
+        skip_duplicates(record_failures(objective)),
+        callbacks=[stop],
+        catch=TRIAL_ERRORS,
     )
+    if stop.failure is not None:
+        raise TrialsKeepFailing(stop.failure)
 
 
 def run_workers(
