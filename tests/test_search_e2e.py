@@ -20,6 +20,7 @@ import torch
 from optuna.trial import TrialState
 
 from kernelstudy.cli import main
+from kernelstudy.search import evaluate as evaluate_module
 from kernelstudy.search import objective as objective_module
 from kernelstudy.search.config import load_config
 from kernelstudy.search.evaluate import current_runs, read_evaluation, trial_params
@@ -177,6 +178,32 @@ def test_a_search_whose_every_trial_runs_out_of_memory_exits_1(tmp_path, capsys,
     assert "last 5 trials failed" in err and "OutOfMemoryError: CUDA out of memory" in err
     trials = studies(tmp_path / "res")["tiny/elu+1"].get_trials()
     assert len(trials) == 5 and all(t.state == TrialState.FAIL for t in trials)
+
+
+def test_a_diverging_evaluation_run_is_recorded_and_the_others_go_on(tmp_path, capsys, monkeypatch):
+    """A FloatingPointError (divergence) in one seed used to end `evaluate` with a traceback,
+    skipping every later seed and variant, and a rerun hit the same seed again."""
+    cfg = write_config(tmp_path, ["elu+1", "Transformer"], steps=2)
+    assert ks("search", cfg, "--out", tmp_path / "res") == 0
+    real = evaluate_module.train_run
+
+    def diverge_on_seed_1(config, variant, settings, data, seed, device):
+        if seed == 1 and variant.label == "elu+1":
+            raise FloatingPointError("non-finite training loss nan at step 2")
+        return real(config, variant, settings, data, seed, device)
+
+    monkeypatch.setattr(evaluate_module, "train_run", diverge_on_seed_1)
+    assert ks("evaluate", cfg, "--seeds", "2", "--out", tmp_path / "res") == 0
+    assert "elu+1 seed 1: non-finite training loss" in capsys.readouterr().err
+    runs = read_evaluation(tmp_path / "res" / "tiny" / "evaluation.csv")
+    assert len(runs) == 4 and list(runs.status).count("ok") == 3
+    lost = runs[runs.status.str.startswith("diverged")]
+    assert list(lost.seed) == [1] and lost.test_accuracy.isna().all()
+    summary = pd.read_csv(tmp_path / "res" / "tiny" / "evaluation_summary.csv").set_index("variant")
+    assert summary.loc["elu+1", "n"] == 1 and summary.loc["elu+1", "diverged"] == 1
+    assert summary.loc["Transformer", "n"] == 2 and summary.loc["Transformer", "diverged"] == 0
+    monkeypatch.setattr(evaluate_module, "train_run", None)  # a rerun trains nothing
+    assert ks("evaluate", cfg, "--seeds", "2", "--out", tmp_path / "res") == 0
 
 
 def test_budget_prunes_three_glus_before_training(tmp_path, monkeypatch):

@@ -48,6 +48,17 @@ def _positive(text: str) -> int:
     return value
 
 
+def _run_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The options that search and evaluate share."""
+    return {
+        "storage": args.storage,
+        "out": args.out,
+        "quick": args.quick,
+        "variants": args.variant,
+        "device": args.device,
+    }
+
+
 def _cmd_search(args: argparse.Namespace) -> int:
     from .runner import run_search
     from .storage import redact
@@ -55,14 +66,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
 
     try:
         summary = run_search(
-            args.config,
-            trials=args.trials,
-            workers=args.workers,
-            storage=args.storage,
-            out=args.out,
-            quick=args.quick,
-            variants=args.variant,
-            device=args.device,
+            args.config, trials=args.trials, workers=args.workers, **_run_options(args)
         )
     except TrialsKeepFailing as err:  # the trials are kept; a rerun retries the failed ones
         print(f"kernelstudy search: error: {err}", file=sys.stderr)
@@ -76,15 +80,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     from .evaluate import run_evaluation
 
-    summary = run_evaluation(
-        args.config,
-        seeds=args.seeds,
-        storage=args.storage,
-        out=args.out,
-        quick=args.quick,
-        variants=args.variant,
-        device=args.device,
-    )
+    summary = run_evaluation(args.config, seeds=args.seeds, **_run_options(args))
     _print(summary)
     return 0
 

@@ -8,7 +8,9 @@ scored on the test split. One row per run goes to ``<out>/<name>/evaluation.csv`
 runs already there for the same trial (number and parameters) and seed are skipped.
 The summary (``evaluation_summary.csv``, and the report) has the mean, std and best
 test accuracy per variant over the runs of its current best trial: runs of a trial
-that a longer search has since beaten stay in the file but count no more.
+that a longer search has since beaten stay in the file but count no more. A run whose
+training diverges is recorded (``status`` "diverged: …", no test accuracy) and the
+others go on; the summary counts such runs in ``diverged``, apart from ``n``.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ COLUMNS = [
     "train_time_s",
     "peak_memory_bytes",
     "params",
+    "status",
 ]
 
 
@@ -86,15 +89,26 @@ def current_runs(runs: pd.DataFrame, best: Mapping[str, optuna.trial.FrozenTrial
     return runs[keep]
 
 
+def diverged(runs: pd.DataFrame) -> pd.Series:
+    """True for the rows of runs whose training diverged (no test accuracy)."""
+    if "status" not in runs:
+        return pd.Series(False, index=runs.index)
+    return runs["status"].astype(str).str.startswith("diverged")
+
+
 def summarize_evaluation(runs: pd.DataFrame) -> pd.DataFrame:
-    """Mean, std, best test accuracy and the run count per variant (in row order)."""
+    """Mean, std, best test accuracy and the run count ``n`` per variant (in row order),
+    over the runs that finished; ``diverged`` counts the others."""
     if runs.empty:
-        return pd.DataFrame(columns=["variant", "mean", "std", "best", "n"])
+        return pd.DataFrame(columns=["variant", "mean", "std", "best", "n", "diverged"])
     order = list(dict.fromkeys(runs["variant"]))
-    acc = runs.groupby("variant", sort=False)["test_accuracy"]
+    lost = diverged(runs)
+    acc = runs[~lost].groupby("variant", sort=False)["test_accuracy"]
     table = pd.DataFrame(
         {"mean": acc.mean(), "std": acc.std(ddof=1), "best": acc.max(), "n": acc.count()}
-    )
+    ).reindex(order)
+    table["n"] = table["n"].fillna(0).astype(int)
+    table["diverged"] = lost.groupby(runs["variant"], sort=False).sum().reindex(order).astype(int)
     return table.reindex(order).rename_axis("variant").reset_index()
 
 
@@ -141,7 +155,12 @@ def run_evaluation(
     todo = [p for p in plan if (p[0].label, p[2]) not in done]
     for variant, trial, seed in tqdm(todo, desc=f"evaluate {config.name}", unit="run"):
         settings = suggest_settings(optuna.trial.FixedTrial(trial.params), config, variant)
-        result = train_run(config, variant, settings, data, seed, device)
+        try:
+            result = {**train_run(config, variant, settings, data, seed, device), "status": "ok"}
+        except FloatingPointError as err:  # recorded, so the other runs go on and a rerun
+            # does not repeat it (the same seed diverges again)
+            print(f"evaluate {config.name}: {variant.label} seed {seed}: {err}", file=sys.stderr)
+            result = {"test_accuracy": float("nan"), "status": f"diverged: {err}"}
         row = {"variant": variant.label, "trial": trial.number, "seed": seed, **result}
         row["params"] = trial_params(trial)
         new = pd.DataFrame([{k: row.get(k) for k in COLUMNS}])
