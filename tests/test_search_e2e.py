@@ -26,7 +26,7 @@ from kernelstudy.search.config import load_config
 from kernelstudy.search.evaluate import current_runs, read_evaluation, trial_params
 from kernelstudy.search.objective import check_variants, data_dir, prepare_data
 from kernelstudy.search.report import StudySet, results_table
-from kernelstudy.search.runner import search_summary
+from kernelstudy.search.runner import search_summary, storage_url, variant_study
 from kernelstudy.search.storage import load_study
 from kernelstudy.search.workers import DUPLICATE_ATTR, requeue_failed
 
@@ -204,6 +204,16 @@ def test_a_diverging_evaluation_run_is_recorded_and_the_others_go_on(tmp_path, c
     assert summary.loc["Transformer", "n"] == 2 and summary.loc["Transformer", "diverged"] == 0
     monkeypatch.setattr(evaluate_module, "train_run", None)  # a rerun trains nothing
     assert ks("evaluate", cfg, "--seeds", "2", "--out", tmp_path / "res") == 0
+
+
+def test_report_before_the_first_trial(tmp_path, capsys):
+    """A study made (as search does before its first trial) but empty: report used to fail
+    with KeyError 'state'; it writes the table and empty figures."""
+    cfg = write_config(tmp_path, ["elu+1"], steps=2)
+    config = load_config(cfg)
+    variant_study(config, config.variants[0], storage_url(config, None, tmp_path / "res"))
+    assert ks("report", cfg, "--out", tmp_path / "res") == 0
+    assert (tmp_path / "res" / "tiny" / "optimization_history.png").is_file()
 
 
 def test_budget_prunes_three_glus_before_training(tmp_path, monkeypatch):

@@ -137,6 +137,10 @@ def trials_frame(results: Sequence[StudySet]) -> pd.DataFrame:
                 row.update(t.user_attrs)
                 row.update({f"param.{k}": v for k, v in t.params.items()})
                 rows.append(row)
+    if not rows:  # studies made but no trial yet: the columns still exist
+        return pd.DataFrame(
+            columns=["config", "task", "variant", "number", "state", "val_accuracy"]
+        )
     return pd.DataFrame(rows)
 
 
