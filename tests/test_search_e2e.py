@@ -24,7 +24,12 @@ from kernelstudy.search import evaluate as evaluate_module
 from kernelstudy.search import objective as objective_module
 from kernelstudy.search.config import load_config
 from kernelstudy.search.evaluate import current_runs, read_evaluation, trial_params
-from kernelstudy.search.objective import check_variants, data_dir, prepare_data
+from kernelstudy.search.objective import (
+    check_variants,
+    data_dir,
+    default_settings,
+    prepare_data,
+)
 from kernelstudy.search.report import StudySet, results_table
 from kernelstudy.search.runner import search_summary, storage_url, variant_study
 from kernelstudy.search.storage import load_study
@@ -61,6 +66,8 @@ VARIANTS = {
     "1xGLU": 'feature_map = "glu"\nfixed = { depth = 1 }',
     "3xGLU": 'feature_map = "glu"\nfixed = { depth = 3 }',
     "poly23": 'feature_map = "polynomial"\nfixed = { degree = { low = 2, high = 3 } }',
+    "favor16/32": 'feature_map = "favor"\nfixed = { num_features = { choices = [16, 32] } }',
+    "aoglu2-4": 'feature_map = "aoglu"\nfixed = { rank = { low = 2, high = 4 } }',
 }
 
 
@@ -214,6 +221,23 @@ def test_report_before_the_first_trial(tmp_path, capsys):
     variant_study(config, config.variants[0], storage_url(config, None, tmp_path / "res"))
     assert ks("report", cfg, "--out", tmp_path / "res") == 0
     assert (tmp_path / "res" / "tiny" / "optimization_history.png").is_file()
+
+
+def test_narrowings_that_leave_the_default_out_can_start(tmp_path):
+    """check_variants builds each model at its defaults: choices without the default
+    (favor's 256 features, [space] lr), or a range on a hyperparameter whose default is None
+    (aoglu's rank), made FixedTrial refuse the default and stopped the search from starting."""
+    cfg = write_config(tmp_path, ["favor16/32", "aoglu2-4"], steps=2)
+    cfg.write_text(
+        cfg.read_text().replace(
+            "lr = { low = 1e-3, high = 1e-2 }", "lr = { choices = [3e-4, 3e-3] }"
+        )
+    )
+    config = load_config(cfg)
+    assert check_variants(config, prepare_data(config, tmp_path / "res")) == {}
+    favor = default_settings(config, config.variant("favor16/32"))
+    assert favor.feature_map_kwargs["num_features"] == 16 and favor.training["lr"] == 3e-4
+    assert default_settings(config, config.variant("aoglu2-4")).feature_map_kwargs["rank"] == 2
 
 
 def test_budget_prunes_three_glus_before_training(tmp_path, monkeypatch):

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import json
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -248,17 +247,21 @@ def objective(
 
 
 def default_settings(config: SearchConfig, variant: Variant) -> TrialSettings:
-    """The settings at every searched hyperparameter's declared default."""
+    """The settings at every searched hyperparameter's declared default, or where the
+    config narrows it to leave the default out, at a value inside (:func:`default_value`)."""
     from ..feature_maps.registry import get_feature_map_class
-    from .space import TRAINING_SPACE
+    from .space import TRAINING_SPACE, default_value
 
-    params: dict[str, Any] = {k: spec.default for k, spec in TRAINING_SPACE.items()}
+    space = config.training_space
+    params: dict[str, Any] = {
+        k: default_value(spec, space.get(k)) for k, spec in TRAINING_SPACE.items()
+    }
     if variant.feature_map is not None:
         hparams = get_feature_map_class(variant.feature_map).hyperparameters
-        params.update({f"fm.{k}": spec.default for k, spec in hparams.items()})
-    with warnings.catch_warnings():  # a default outside a narrowed range is fine here
-        warnings.simplefilter("ignore")
-        return suggest_settings(optuna.trial.FixedTrial(params), config, variant)
+        params.update(
+            {f"fm.{k}": default_value(spec, variant.fixed.get(k)) for k, spec in hparams.items()}
+        )
+    return suggest_settings(optuna.trial.FixedTrial(params), config, variant)
 
 
 def check_variants(config: SearchConfig, data: Path | None) -> dict[str, str]:

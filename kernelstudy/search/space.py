@@ -98,6 +98,27 @@ def suggest(trial: optuna.Trial, name: str, spec: Hyperparameter, override: Any 
     raise ValueError(f"hyperparameter {name!r} of type {spec.type.__name__} cannot be searched")
 
 
+def default_value(spec: Hyperparameter, override: Any = None) -> Any:
+    """The value a trial at the defaults takes for ``spec``: its declared default, or where
+    a narrowing (``override``) leaves the default out, the first of its ``choices`` or the
+    default clamped into ``low``/``high`` (``low`` for a default of None)."""
+    narrow = override if isinstance(override, Mapping) else {}
+    choices = narrow.get("choices", spec.choices)
+    if choices is not None:
+        return spec.default if spec.default in choices else list(choices)[0]
+    if spec.type is bool:
+        return spec.default if isinstance(spec.default, bool) else False
+    low, high = narrow.get("low", spec.low), narrow.get("high", spec.high)
+    value = spec.default
+    if value is None:
+        return low
+    if low is not None and value < low:
+        return low
+    if high is not None and value > high:
+        return high
+    return value
+
+
 def suggest_feature_map(
     trial: optuna.Trial, feature_map: str, fixed: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
