@@ -209,6 +209,31 @@ def test_bad_input_errors():
         ks.analysis.matched_feature_map("elu", 8, True)
     with pytest.raises(ValueError, match="not a random-feature map"):
         ks.analysis.random_feature_map("elu", 8, 16)
+    for bad in ("no", "False", 1.0):  # read as True before
+        with pytest.raises(TypeError, match="causal must be a bool"):
+            ks.analysis.attention_matrix(q, k, "elu", causal=bad)
+        with pytest.raises(TypeError, match="causal must be a bool"):
+            ks.analysis.approximation_error("elu", q, k, causal=bad)
+
+
+def test_analysis_in_another_dtype_keeps_a_redrawing_maps_draws():
+    """A float32 map that redraws in training, analysed on float64 inputs, runs on cast
+    copies: its redraw used to land on the copies, so the seed advanced but the weights did
+    not, and config() no longer named the features the map held. Both dtypes now follow
+    the same draws."""
+    maps = {}
+    for dtype in (torch.float32, torch.float64):
+        fm = ks.create_feature_map("favor", head_dim=8, num_features=16, seed=0, redraw_every=1)
+        q, k = ks.analysis.gaussian_qk(6, 8, dtype=dtype)
+        for _ in range(3):
+            att = ks.analysis.attention_matrix(q, k, fm)
+            twin = ks.create_feature_map(fm.config())
+            assert torch.equal(twin.weight, fm.weight) and fm.weight.dtype == torch.float32
+            want = ks.analysis.attention_matrix(q, k, twin.to(dtype).eval())
+            assert torch.allclose(att, want, rtol=1e-5, atol=1e-7)  # the draw the map holds
+        maps[dtype] = fm
+    assert torch.equal(maps[torch.float32].weight, maps[torch.float64].weight)
+    assert maps[torch.float64].training  # the mode is restored
 
 
 def test_capture_qk_returns_each_layers_projections():

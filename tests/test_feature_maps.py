@@ -58,6 +58,19 @@ def test_shapes_and_feature_dim(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_any_leading_shape_with_shared_weights(name):
+    """(..., D) -> (..., F) down to a single vector; Hedgehog's (1, D) bias made (D,) into
+    (1, 2D)."""
+    cls = get_feature_map_class(name)
+    fm = make(name, **({"shared": True} if "shared" in cls.hyperparameters else {}))
+    for shape in ((D,), (5, D)):
+        x = randn(*shape)
+        assert fm(x).shape == (*shape[:-1], fm.feature_dim)
+        phi_k = fm.key_features(x)[0]
+        assert phi_k.shape == (*shape[:-1], fm.feature_dim)
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_finite_and_positive_for_large_inputs(name):
     fm = make(name)
     cls = get_feature_map_class(name)

@@ -14,8 +14,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.validation import check_count, check_key_padding_mask, check_real, check_tensor
-from ..feature_maps import FeatureMap
+from ..core.validation import (
+    check_count,
+    check_flag,
+    check_key_padding_mask,
+    check_real,
+    check_tensor,
+)
+from ..feature_maps import FeatureMap, RandomFeatureMap
 from ..nn.functional import padded_key_features, resolve_feature_map
 
 MAX_N = 4096
@@ -52,7 +58,7 @@ def allowed_keys(
 ) -> torch.Tensor:
     """``(B|1, 1, N, S)`` bool: which keys each query may attend to."""
     allowed = torch.ones(1, 1, n, s, dtype=torch.bool, device=device)
-    if causal:
+    if check_flag("causal", causal):
         if n != s:
             raise ValueError(f"causal attention needs N == S, got N={n}, S={s}")
         allowed = allowed.tril()
@@ -136,10 +142,19 @@ def kernel_scores(
         mask = check_key_padding_mask(key_padding_mask, k.shape[0], k.shape[2], k.device)
     scores = _KernelScores(fm)
     tensors = [*fm.named_parameters(), *fm.named_buffers()]
-    if any(t.is_floating_point() and t.dtype != q.dtype for _, t in tensors):
-        cast = {f"fm.{n}": t.to(q.dtype) if t.is_floating_point() else t for n, t in tensors}
+    if not any(t.is_floating_point() and t.dtype != q.dtype for _, t in tensors):
+        return scores(q, k, mask)
+    random = isinstance(fm, RandomFeatureMap)
+    if random:  # count the query call, and redraw if due, on the map itself: a redraw inside
+        fm.maybe_redraw(True)  # functional_call would land on the copies and be lost
+        tensors = [*fm.named_parameters(), *fm.named_buffers()]
+    cast = {f"fm.{n}": t.to(q.dtype) if t.is_floating_point() else t for n, t in tensors}
+    training = fm.training
+    fm.train(training and not random)  # the copies must not count or redraw again
+    try:
         return torch.func.functional_call(scores, cast, (q, k, mask))
-    return scores(q, k, mask)
+    finally:
+        fm.train(training)
 
 
 class _KernelScores(nn.Module):

@@ -45,6 +45,6 @@ class HedgehogFeatureMap(ExpFeatures, HeadwiseFeatureMap):
         return 2 * self.head_dim
 
     def log_parts(self, x: torch.Tensor, is_query: bool) -> tuple[torch.Tensor, float]:
-        bias = self.bias[0] if self.weight_heads == 1 else self.bias
+        bias = self.bias[0, 0] if self.weight_heads == 1 else self.bias  # shared: (D,)
         z = self.headwise(x, self.weight.to(x.dtype)) + bias.to(x.dtype)
         return torch.cat([z, -z], dim=-1), 1.0
