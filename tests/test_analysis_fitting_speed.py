@@ -133,6 +133,8 @@ def test_benchmark_attention_rows_and_skips():
         ({"value_dim": 0}, ValueError, "value_dim must be an int >= 1"),
         ({"dtype": torch.int32}, TypeError, "dtype must be a floating-point torch.dtype"),
         ({"repeats": 0}, ValueError, "repeats must be an int >= 1"),
+        ({"time_limit_s": "a"}, TypeError, "time_limit_s must be a float"),
+        ({"time_limit_s": 0.0}, ValueError, "time_limit_s must be a finite float > 0"),
     ]
     for change, error, match in bad:
         with pytest.raises(error, match=match):

@@ -195,6 +195,19 @@ def test_a_redraw_between_two_forwards_keeps_the_first_backward(name):
 
 
 @pytest.mark.parametrize("name", [n for n in NAMES if get_feature_map_class(n).random])
+def test_a_redraw_under_inference_mode_still_trains(name):
+    """A redraw inside torch.inference_mode() stored an inference tensor, so every later
+    backward through the map failed."""
+    fm = make(name, seed=0)
+    with torch.inference_mode():
+        fm.redraw(3)
+    x = randn(1, H, 4, D).requires_grad_()
+    fm(x).sum().backward()
+    expected = torch.func.grad(lambda x: make(name, seed=3)(x).sum())(x.detach())
+    torch.testing.assert_close(x.grad, expected)
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if get_feature_map_class(n).random])
 def test_a_refused_seed_leaves_the_map_as_it_was(name):
     fm = make(name, seed=0)
     x = randn(1, H, 4, D)

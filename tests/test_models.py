@@ -276,3 +276,7 @@ def test_bad_arguments_raise_value_errors():
         lm.step(_ids(2, 1))
     with pytest.raises(ValueError, match="max_new_tokens"):
         lm.generate(_ids(1, 2), -1)
+    with pytest.raises(TypeError, match="temperature must be a float, got 'hot'"):
+        lm.generate(_ids(1, 2), 2, temperature="hot")
+    with pytest.raises(ValueError, match="temperature must be a finite float >= 0"):
+        lm.generate(_ids(1, 2), 2, temperature=-1.0)

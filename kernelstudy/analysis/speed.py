@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from ..core.attention import linear_attention
 from ..core.backends import backends as available_backends
 from ..core.backends import registered_backends
-from ..core.validation import check_count
+from ..core.validation import check_count, check_real
 from ..nn.functional import resolve_feature_map
 from .matrices import MapSpec
 
@@ -220,6 +220,8 @@ def benchmark_attention(
     value_dim = head_dim if value_dim is None else check_count("value_dim", value_dim, 1)
     check_count("repeats", repeats, 1)
     check_count("warmup", warmup, 0)
+    if time_limit_s is not None:
+        check_real("time_limit_s", time_limit_s, strict=True)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
     known = available_backends()

@@ -233,7 +233,8 @@ class RandomFeatureMap(FeatureMap):
         if seed is None:
             seed = resolve_seed(torch.Generator().manual_seed(self.hparams["seed"]))
         seed = self.hyperparameters["seed"].validate("seed", resolve_seed(seed))
-        self.draw(torch.Generator().manual_seed(seed))
+        with torch.inference_mode(False):  # an inference tensor could never be saved for
+            self.draw(torch.Generator().manual_seed(seed))  # a backward afterwards
         self.hparams["seed"] = seed  # only once drawn: config() names the features held
         self.calls_since_draw = 0
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.validation import check_count, check_flag
+from ..core.validation import check_count, check_flag, check_real
 from ..feature_maps import FeatureMap
 from .attention import check_dropout
 from .encoder import LayerState, TransformerEncoder
@@ -485,8 +485,7 @@ class CausalLM(_SequenceModel):
             raise ValueError("prompt must hold at least one token per sequence")
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-        if not temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {temperature!r}")
+        temperature = check_real("temperature", temperature)
         was_training = self.training
         self.eval()
         try:
