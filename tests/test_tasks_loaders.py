@@ -102,6 +102,9 @@ def test_text_tables(tmp_path: Path) -> None:
     assert decode_bytes(TextTask(tmp_path, "val")[0]) == b"some text"  # val falls back to test
     single = TextTask(tmp_path / "train.csv", "test")  # a file is used for any split
     assert len(single) == 2
+    # a byte-order mark (a spreadsheet's UTF-8 export) is not part of the header
+    (tmp_path / "bom.csv").write_text("\ufefftext,label\nplain,0\n", encoding="utf-8")
+    assert decode_bytes(TextTask(tmp_path / "bom.csv", "train")[0]) == b"plain"
 
 
 @pytest.mark.parametrize(

@@ -91,7 +91,8 @@ def read_table(path: PathArg, delimiter: str) -> Iterator[tuple[int, list[str]]]
 
     The line number is that of the row's first line. Blank rows are skipped.
     """
-    with open(path, encoding="utf-8", newline="") as f, _large_csv_fields():
+    # utf-8-sig: a byte-order mark (spreadsheet exports) is not part of the first field
+    with open(path, encoding="utf-8-sig", newline="") as f, _large_csv_fields():
         reader = csv.reader(f, delimiter=delimiter)
         start = 1
         try:
