@@ -461,3 +461,15 @@ def test_a_non_finite_gradient_stops_before_the_weights_change(tmp_path):
         after = _params(model)
         assert all(torch.equal(before[k], after[k]) for k in before)
         assert not (out / "checkpoint.pt").exists()
+
+
+def test_a_checkpoint_without_float16_scaling_resumes_with_it(tmp_path):
+    """A run saved without float16 AMP (its grad scaler disabled: empty state) and resumed
+    where float16 AMP is on (a GPU) failed: an enabled GradScaler refuses an empty state."""
+    cfg = _config(steps=4, eval_every=2, out_dir=str(tmp_path))
+    first = Trainer(_classifier(), ContainsTask(32), cfg)
+    first.fit(stop_after=2)
+    again = Trainer(_classifier(), ContainsTask(32), cfg)
+    again.scaler = torch.amp.GradScaler("cpu", enabled=True)  # as float16 AMP on a GPU
+    again.load_checkpoint(tmp_path / "checkpoint.pt")
+    assert again.step == 2 and again.scaler.is_enabled()

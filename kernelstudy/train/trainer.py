@@ -464,7 +464,8 @@ class Trainer:
         sched = dict(state["scheduler"])
         sched["lr_lambdas"] = [None] * len(self.scheduler.lr_lambdas)  # keep this config's
         self.scheduler.load_state_dict(sched)
-        self.scaler.load_state_dict(state["scaler"])
+        if state["scaler"]:  # empty when saved without float16 AMP (e.g. on the CPU): an
+            self.scaler.load_state_dict(state["scaler"])  # enabled scaler refuses it
         self.step = int(state["step"])
         self.history = MetricsHistory(state["history"])
         self.sums.load_state_dict(state["sums"])
