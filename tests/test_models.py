@@ -132,16 +132,28 @@ def test_matching_towers_share_one_draw_of_a_redrawing_map():
     assert rel_err(u[0], u[1]) > 1e-3  # and the draw did change between forwards
 
 
-@pytest.mark.parametrize("kind", ["lm", "classifier"])
+@pytest.mark.parametrize("kind", ["lm", "classifier", "cls_classifier"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
 def test_a_model_converted_to_another_dtype_runs(kind, dtype):
     """Sinusoidal positions were float32 and turned a .to(bfloat16) model's activations
-    back to float32, which LayerNorm refused."""
+    back to float32, which LayerNorm refused (the cls token's too)."""
     if kind == "lm":
         model = ks.nn.CausalLM(20, **SMALL)
     else:
-        model = ks.nn.SequenceClassifier(20, 3, **SMALL)
+        pooling = "cls" if kind == "cls_classifier" else "mean"
+        model = ks.nn.SequenceClassifier(20, 3, pooling=pooling, **SMALL)
     assert model.to(dtype).eval()(_ids(2, 5)).dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.uint8])
+def test_token_ids_of_any_accepted_integer_dtype(dtype):
+    """uint8 (bytes, pixels) and int16 ids passed the check, then failed in nn.Embedding."""
+    ids = _ids(2, 5)
+    for model in (ks.nn.SequenceClassifier(20, 3, **SMALL), ks.nn.CausalLM(20, **SMALL)):
+        model.eval()
+        torch.testing.assert_close(model(ids.to(dtype)), model(ids))
+    lm = ks.nn.CausalLM(20, **SMALL).eval()
+    assert torch.equal(lm.generate(ids.to(dtype), 3), lm.generate(ids, 3))
 
 
 def test_step_of_a_redrawing_map_needs_eval_mode():

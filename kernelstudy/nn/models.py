@@ -213,7 +213,7 @@ class _SequenceModel(nn.Module):
     def _embed(self, input_ids: torch.Tensor, start: int = 0) -> torch.Tensor:
         """``(B,N)`` ids → ``(B,N,d_model)`` token + position vectors (positions from ``start``)."""
         pos = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
-        x = self.embed(input_ids) * math.sqrt(self.d_model)
+        x = self.embed(input_ids.long()) * math.sqrt(self.d_model)  # Embedding: int64/int32
         return x + self.positions(pos).to(x.dtype)  # a .half() model stays half
 
     def parameter_count(self, trainable_only: bool = False) -> int:
@@ -318,9 +318,8 @@ class SequenceClassifier(_SequenceModel):
             x = self._embed(input_ids)
         else:
             b = input_ids.shape[0]
-            cls = self.cls + self.positions(
-                torch.zeros(1, dtype=torch.long, device=self.cls.device)
-            )
+            first = self.positions(torch.zeros(1, dtype=torch.long, device=self.cls.device))
+            cls = self.cls + first.to(self.cls.dtype)  # a bf16/half model stays so
             x = torch.cat([cls.expand(b, 1, -1), self._embed(input_ids, start=1)], dim=1)
             if mask is not None:
                 mask = torch.cat([mask.new_ones(b, 1), mask], dim=1)
