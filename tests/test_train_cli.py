@@ -184,6 +184,39 @@ def test_overwrite_that_fails_or_is_interrupted_leaves_no_old_run_to_resume(
     assert "resuming" not in capsys.readouterr().err
 
 
+def test_results_without_a_checkpoint_are_not_overwritten_by_other_settings(
+    listops: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With checkpoint.pt deleted (to save space), other settings used to start a fresh
+    run silently over model.pt, summary.json and metrics.csv."""
+    out = tmp_path / "run"
+    assert main(listops_args(listops, out, "--steps", "4")) == 0
+    (out / "checkpoint.pt").unlink()
+    summary = (out / "summary.json").read_text()
+    assert main(listops_args(listops, out, "--steps", "4", "--lr", "0.05")) == 1
+    assert "other settings (changed: train.lr)" in capsys.readouterr().err
+    assert (out / "summary.json").read_text() == summary
+    assert main(listops_args(listops, out, "--steps", "4", "--lr", "0.05", "--overwrite")) == 0
+
+
+def test_a_damaged_run_directory_is_one_line_naming_the_file(
+    listops: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"
+    assert main(listops_args(listops, out, "--steps", "4", "--stop-after", "2")) == 0
+    capsys.readouterr()
+    checkpoint = out / "checkpoint.pt"
+    checkpoint.write_bytes(checkpoint.read_bytes()[:100])  # truncated
+    assert main(listops_args(listops, out, "--steps", "4")) == 1
+    err = capsys.readouterr().err
+    assert f"{checkpoint} is not a readable checkpoint" in err and "Traceback" not in err
+    for text, message in (("{", "is not readable JSON"), ('{"task": "listops"}', "no [train]")):
+        (out / "config.json").write_text(text)
+        assert main(listops_args(listops, out, "--steps", "4")) == 1
+        err = capsys.readouterr().err
+        assert "config.json" in err and message in err
+
+
 def test_config_file_data_path_is_relative_to_the_file(
     listops: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

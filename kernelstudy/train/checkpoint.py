@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import random
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,14 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
-    return torch.load(path, map_location=map_location, weights_only=False)
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=False)
+    except (RuntimeError, EOFError, pickle.UnpicklingError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"{path} is not a readable checkpoint ({first})") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"{path} is not a checkpoint (a {type(state).__name__}, not a dict)")
+    return state
 
 
 def get_rng_state() -> dict[str, Any]:

@@ -275,17 +275,20 @@ def check_resume(settings: Mapping[str, Any], resume: str) -> bool:
     has_checkpoint = (out / CHECKPOINT).is_file()
     if resume == "never":
         return False
-    if not has_checkpoint:
-        if resume == "require":
-            raise FileNotFoundError(f"--resume: no checkpoint at {out / CHECKPOINT}")
-        return False
+    if not has_checkpoint and resume == "require":
+        raise FileNotFoundError(f"--resume: no checkpoint at {out / CHECKPOINT}")
     saved_path = out / CONFIG
+    results = [n for n in RUN_FILES if n != RECORD and (out / n).is_file()]
+    if not results:  # nothing to keep (at most the record of a run that failed early)
+        return False
     if not saved_path.is_file():
         raise ValueError(
-            f"{out} holds a checkpoint but no {CONFIG} (not a `kernelstudy train` run); "
-            "use another --out, or --overwrite to start over"
+            f"{out} holds {', '.join(results)} but no {CONFIG} (not a `kernelstudy train` "
+            "run); use another --out, or --overwrite to start over"
         )
-    saved = _flatten(_comparable(json.loads(saved_path.read_text(encoding="utf-8"))))
+    # A run's results without its checkpoint (deleted to save space) are not overwritten
+    # by other settings either: the same check as for a resume.
+    saved = _flatten(_comparable(_read_saved_config(saved_path)))
     now = _flatten(_comparable(settings))
     changed = sorted(key for key in set(saved) | set(now) if saved.get(key) != now.get(key))
     if changed:
@@ -293,7 +296,18 @@ def check_resume(settings: Mapping[str, Any], resume: str) -> bool:
             f"{out} holds a run with other settings (changed: {', '.join(changed)}); "
             "use another --out, or --overwrite to start over"
         )
-    return True
+    return has_checkpoint
+
+
+def _read_saved_config(path: Path) -> dict[str, Any]:
+    """The settings a run saved in ``config.json``; ValueError naming the file if damaged."""
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not readable JSON ({err}); use --overwrite") from None
+    if not isinstance(saved, dict) or not isinstance(saved.get("train"), dict):
+        raise ValueError(f"{path} holds no run settings (no [train] table); use --overwrite")
+    return saved
 
 
 def load_splits(settings: Mapping[str, Any]) -> dict[str, SequenceTask]:
