@@ -380,3 +380,20 @@ def test_progress_flag_wins_over_the_config_file() -> None:
     plain = {"train": {"steps": 1, "device": "cpu"}, "out": "/tmp/x"}
     assert commands.train_config_of(plain, True).progress is True
     assert commands.train_config_of(plain, None).progress is sys.stderr.isatty()
+
+
+def test_learned_positions_cover_a_longer_val_split(
+    listops: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """max_len came from the train split alone: a longer val split (a per-split task option)
+    failed at the first evaluation, after training had started."""
+    longer = ["--max-length", "20", "--task-arg", "val.max_length=40"]
+    learned = ["--model-arg", "positions=learned"]
+    out = tmp_path / "run"
+    assert main(listops_args(listops, out, *longer, *learned, "--steps", "4")) == 0
+    assert json.loads((out / "summary.json").read_text())["steps"] == 4
+    short = tmp_path / "short"
+    args = listops_args(listops, short, *longer, *learned, "--model-arg", "max_len=30")
+    assert main(args) == 1
+    assert "max_len=30 is below the longest sequence of the splits (40)" in capsys.readouterr().err
+    assert not short.exists()  # refused before anything was written

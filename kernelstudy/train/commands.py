@@ -318,8 +318,14 @@ def load_splits(settings: Mapping[str, Any]) -> dict[str, SequenceTask]:
     }
 
 
-def build_model(settings: Mapping[str, Any], task: SequenceTask, seed: int) -> torch.nn.Module:
-    """The model for ``task`` with the settings' attention, map and model options."""
+def build_model(
+    settings: Mapping[str, Any], task: SequenceTask, seed: int, longest: int | None = None
+) -> torch.nn.Module:
+    """The model for ``task`` with the settings' attention, map and model options.
+
+    ``longest``: the longest sequence of any split (a val or test split may be longer than
+    train's); ``max_len`` defaults to it, and a learned encoding's ``max_len`` must reach it
+    (else the run would fail at its first evaluation, after training had started)."""
     allowed = _model_options(_model_class(task))
     unknown = sorted(set(settings["model"]) - allowed)
     if unknown:
@@ -328,6 +334,13 @@ def build_model(settings: Mapping[str, Any], task: SequenceTask, seed: int) -> t
             f"known: {sorted(allowed)}"
         )
     kwargs = dict(settings["model"])
+    if longest is not None:
+        kwargs.setdefault("max_len", max(longest, int(getattr(task, "max_length", 1))))
+        if kwargs.get("positions") == "learned" and kwargs["max_len"] < longest:
+            raise ValueError(
+                f"model option max_len={kwargs['max_len']} is below the longest sequence of "
+                f"the splits ({longest}), which learned positions must cover"
+            )
     kwargs["attention"] = settings["attention"]
     if settings["feature_map"]:
         kwargs["feature_map_kwargs"] = dict(settings["feature_map"])
@@ -403,7 +416,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         settings, "require" if args.resume else "never" if args.overwrite else "auto"
     )
     splits = load_splits(settings)
-    model = build_model(settings, splits["train"], config.seed)
+    longest = max(int(getattr(split, "max_length", 0)) for split in splits.values())
+    model = build_model(settings, splits["train"], config.seed, longest or None)
     trainer = Trainer(
         model, splits["train"], config, val_data=splits["val"], test_data=splits["test"]
     )
