@@ -4,6 +4,7 @@ parameter budget, interrupt and resume, bad inputs, and --help."""
 from __future__ import annotations
 
 import copy
+import math
 import os
 import re
 import signal
@@ -132,6 +133,8 @@ def test_quick_study_search_evaluate_report(tmp_path, capsys):
     best, mean = table[("listops", "best")], table[("listops", "mean")]
     assert ((best >= mean - 1e-9) & (mean > 0) & (best <= 100)).all()
     assert table.loc["Transformer", ("listops", "paper")] == 36.37  # the published number
+    assert table.loc["1xGLU", ("listops", "paper")] == 18.67
+    assert math.isnan(table.loc["elu+1", ("listops", "paper")])  # not in the paper's table
     for stem in ("parameters", "feature_dim", "train_time"):
         assert (out / "tiny" / f"accuracy_vs_{stem}.png").stat().st_size > 5000
     assert (out / "tiny" / "optimization_history.png").stat().st_size > 5000
