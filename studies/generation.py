@@ -74,7 +74,7 @@ def summary_table(frame: pd.DataFrame) -> pd.DataFrame:
     for base, name in (("softmax, no cache", "no cache"), ("softmax, KV cache", "KV cache")):
         if rnn in tps and base in tps:
             table[f"speed-up vs {name}"] = tps[rnn] / tps[base]
-    for label, name in ((rnn, "RNN state (MB)"), ("softmax, KV cache", "KV cache (MB)")):
+    for label, name in ((rnn, "RNN state (MiB)"), ("softmax, KV cache", "KV cache (MiB)")):
         if label in state:
             table[name] = state[label]
     return table.reset_index()

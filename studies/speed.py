@@ -100,7 +100,7 @@ def summarize(frame: pd.DataFrame, params: dict) -> str:
             + markdown_table(_table(sub, "time_ms"))
         )
         parts.append(
-            "Peak memory above the inputs (MB)\n\n" + markdown_table(_table(sub, "peak_memory_mb"))
+            "Peak memory above the inputs (MiB)\n\n" + markdown_table(_table(sub, "peak_memory_mb"))
         )
     return "\n\n".join(parts)
 

@@ -501,7 +501,7 @@ lengths = [4, 8]
 def test_generation_study_summarizes_a_partial_run(tmp_path, monkeypatch, one_thread, capsys):
     _toy_copy(tmp_path, monkeypatch, "generation", GENERATION_TOY_TOML)
     summary = _partial("generation", tmp_path / "out", "run=linear, RNN state")
-    assert "| linear, RNN state (tok/s) | RNN state (MB) |" in summary
+    assert "| linear, RNN state (tok/s) | RNN state (MiB) |" in summary
     missing = "Not run yet (no rows; their columns are left out): run='softmax, no cache', "
     assert missing + "run='softmax, KV cache'" in summary
     assert "--only 'run=linear, RNN state'" in summary  # the recorded command can be pasted

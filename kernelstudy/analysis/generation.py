@@ -116,7 +116,8 @@ def benchmark_generation(
     Returns:
         Long table: ``label``, ``mode``, ``length``, ``batch``, ``metric``
         (``time_s`` median, ``tokens_per_s`` = B·length/time, ``state_mb`` = size of
-        the final RNN state or KV cache, NaN for ``"full"``; ``peak_memory_mb`` on CUDA),
+        the final RNN state or KV cache in MiB (2**20 bytes), NaN for ``"full"``;
+        ``peak_memory_mb`` on CUDA, MiB),
         ``value``, ``note``.
     """
     device = torch.device(device)

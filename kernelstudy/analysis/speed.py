@@ -197,7 +197,8 @@ def benchmark_attention(
 
     Returns:
         Long table (columns ``COLUMNS``): metrics ``time_ms`` (median), ``time_ms_min``,
-        ``peak_memory_mb``; skipped measurements get one row with NaN and a ``note``.
+        ``peak_memory_mb`` (MiB, 2**20 bytes); skipped measurements get one row with NaN and
+        a ``note``.
     """
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
