@@ -446,15 +446,26 @@ def results_dir() -> Path:
 
 
 def load_results(
-    name: str, root: str | os.PathLike | None = None, quick: bool = True, table: str = RESULTS
+    name: str,
+    root: str | os.PathLike | None = None,
+    quick: bool = True,
+    table: str = RESULTS,
+    device: str | None = None,
 ) -> pd.DataFrame:
     """The rows of study ``name`` from ``ROOT/NAME/results.csv`` (``root`` defaults to
     :func:`results_dir`), or from ``ROOT/NAME/TABLE.csv`` for one of the study's extra tables
     (e.g. ``table="spectra"`` for the rank study's singular-value spectra). When that file is
     missing, runs the study first (``quick`` sizes by default; for an extra table with
     ``fill_tables=True``, so finished configurations get their rows too) and writes its
-    outputs there."""
+    outputs there.
+
+    The quick and the full run share the file, so rows of one size come back: where rows
+    only the quick and rows only the full size has are both there, those of ``quick``'s
+    size. Rows of several devices raise a ValueError unless ``device`` picks one (their
+    timings are not to be averaged together)."""
     _check_name(name)
+    if device is not None and device not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES} or None, got {device!r}")
     if table != RESULTS:
         tables = study_tables(load_study(name))
         if table not in tables:
@@ -465,7 +476,30 @@ def load_results(
         size = "quick" if quick else "full"
         print(f"no {path}: running the {size} '{name}' study", file=sys.stderr)
         run_study(name, quick=quick, out=path.parent, verbose=False, fill_tables=table != RESULTS)
-    return _read_results(path)
+    return _one_run(_read_results(path), name, quick, device, path)
+
+
+def _one_run(
+    frame: pd.DataFrame, name: str, quick: bool, device: str | None, path: Path
+) -> pd.DataFrame:
+    """The rows of one size (``quick``'s where both sizes are there) and one device."""
+    if "config_id" not in frame or frame.empty:
+        return frame
+    module = load_study(name)
+    ids = {
+        q: {config_id(c, d) for c in module.configs(load_params(name, q)) for d in DEVICES}
+        for q in (True, False)
+    }
+    has = {q: frame["config_id"].isin(ids[q]) for q in (True, False)}
+    if (has[True] & ~has[False]).any() and (has[False] & ~has[True]).any():  # both runs
+        frame = frame[has[quick]]  # (configurations the sizes share are the same rows)
+    if "device" in frame:
+        devices = sorted(set(frame["device"].astype(str)))
+        if device is not None:
+            frame = frame[frame["device"].astype(str) == device]
+        elif len(devices) > 1:
+            raise ValueError(f"{path} holds results of devices {devices}: pass device= to pick one")
+    return frame.reset_index(drop=True)
 
 
 def _save_figures(figures: dict[str, Any], out_dir: Path) -> list[Path]:

@@ -508,3 +508,24 @@ def test_generation_study_summarizes_a_partial_run(tmp_path, monkeypatch, one_th
     # --only values are quoted in the error message: the run names hold commas.
     with pytest.raises(ValueError, match="run in 'linear, RNN state', 'softmax, KV cache', "):
         study.run_study("generation", quick=True, out=tmp_path / "out", only={"run": "nope"})
+
+
+def test_load_results_gives_one_size_and_one_device(toy_studies, monkeypatch):
+    """The quick and full runs share results.csv: loading it used to mix both sizes (and
+    devices), so a notebook averaged N=128 and N=256 rows together."""
+    (toy_studies / "studies" / "toy.toml").write_text(
+        "[full]\nxs = [3, 4]\n\n[quick]\nxs = [1, 2]\n"
+    )
+    root = toy_studies / "res"
+    for quick in (True, False):
+        study.run_study("toy", quick=quick, out=root / "toy", verbose=False)
+    assert len(pd.read_csv(root / "toy" / "results.csv")) == 4  # one file, both sizes
+    assert sorted(study.load_results("toy", root=root).value) == [1.0, 4.0]
+    assert sorted(study.load_results("toy", root=root, quick=False).value) == [9.0, 16.0]
+    path = root / "toy" / "results.csv"
+    table = pd.read_csv(path, dtype={"config_id": str})
+    table.loc[0, "device"] = "cuda"
+    table.to_csv(path, index=False)
+    with pytest.raises(ValueError, match=r"devices \['cpu', 'cuda'\]: pass device="):
+        study.load_results("toy", root=root)
+    assert len(study.load_results("toy", root=root, device="cpu")) == 1
