@@ -192,6 +192,52 @@ def test_half_precision_accumulates_in_float32(dtype, causal):
     assert all(g.dtype == dtype and torch.isfinite(g).all() for g in grads)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_every_backend_sums_half_inputs_in_float32(dtype, monkeypatch):
+    """The reference backend's product summed in float16: its normalizer column overflowed
+    to inf and KERNELSTUDY_BACKEND=reference gave zeros where the others were right."""
+    q, k, v = _features(1, 1, 300, 64, 4, requires_grad=False)
+    q, k = q * 10, k * 10  # sums of q.k far above float16's range
+    want = linear_attention_reference(q, k, v, causal=True)
+    for name in ks.backends():
+        monkeypatch.setenv("KERNELSTUDY_BACKEND", name)
+        got = ks.linear_attention(q.to(dtype), k.to(dtype), v.to(dtype), causal=True)
+        rms = ((got.float() - want) ** 2).mean().sqrt() / (want**2).mean().sqrt()
+        assert torch.isfinite(got).all() and rms < 1e-2, name
+
+
+def test_the_cpu_extension_builds_once_for_threads_racing_to_it(monkeypatch):
+    """A second thread on first use used to see the build in progress as 'not available'."""
+    import threading
+    import time
+
+    from kernelstudy.core import cpu_backend
+
+    if cpu_backend.extension() is None:
+        pytest.skip("the cpu extension does not build here")
+    built = cpu_backend._extension
+
+    def slow_build(*args, **kwargs):  # a first build takes a while: the others come meanwhile
+        time.sleep(0.3)
+        return built
+
+    monkeypatch.setattr(cpu_backend, "load_extension", slow_build)
+    monkeypatch.setattr(cpu_backend, "_tried", False)
+    monkeypatch.setattr(cpu_backend, "_extension", None)
+    seen, start = [], threading.Barrier(4)
+
+    def use():
+        start.wait()
+        seen.append(cpu_backend.extension())
+
+    threads = [threading.Thread(target=use) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == [built] * 4
+
+
 def test_causal_output_in_input_dtype():
     q, k, v = _features(1, 1, 5, 2, 2, dtype=torch.float64, requires_grad=False)
     assert ks.causal_dot_product(q, k, v).dtype == torch.float64

@@ -158,3 +158,15 @@ def test_softmax_cross_lengths_and_bad_input():
         ks.softmax_attention(q, k[..., :3], v)
     with pytest.raises(ValueError, match="key_padding_mask"):
         ks.softmax_attention(q, k, v, key_padding_mask=torch.ones(1, 3, dtype=torch.bool))
+
+
+def test_softmax_reference_in_float16_stays_finite():
+    """q.k in float16 overflowed to inf before scaling, and the reference gave NaN where
+    the fast path (SDPA) did not."""
+    q = torch.full((1, 1, 6, 16), 70.0, dtype=torch.float16)
+    v = torch.randn(1, 1, 6, 16).half()
+    for causal in (False, True):
+        got = ks.core.softmax_attention_reference(q, q, v, causal)
+        assert got.dtype == torch.float16 and torch.isfinite(got).all()
+        want = ks.core.softmax_attention_reference(q.float(), q.float(), v.float(), causal)
+        assert rel_err(got, want) <= 1e-2

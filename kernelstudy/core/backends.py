@@ -60,7 +60,9 @@ def register_backend(backend: Backend) -> Backend:
 
 
 def _reference_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    return causal_dot_product_reference(q, k, v).to(accumulation_dtype(q.dtype))
+    # in the accumulation dtype from the start: the sums rounded to float16 overflowed
+    acc = accumulation_dtype(q.dtype)
+    return causal_dot_product_reference(q.to(acc), k.to(acc), v.to(acc))
 
 
 register_backend(

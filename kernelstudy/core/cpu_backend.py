@@ -12,6 +12,7 @@ threads: the kernel's reductions run in a fixed order.
 
 from __future__ import annotations
 
+import threading
 import warnings
 from types import ModuleType
 
@@ -25,12 +26,15 @@ EXTENSION_NAME = "kernelstudy_cpu"  # built as kernelstudy_cpu_<host_tag()> (-ma
 
 _extension: ModuleType | None = None
 _tried = False
+_lock = threading.Lock()  # a second thread waits for the first build, not sees None
 
 
 def extension() -> ModuleType | None:
     """The compiled module (built on the first call), or None if it cannot be built."""
     global _extension, _tried
-    if not _tried:
+    with _lock:
+        if _tried:
+            return _extension
         _tried = True
         try:
             sources = [csrc_dir() / "cpu" / "binding.cpp"]
@@ -43,7 +47,7 @@ def extension() -> ModuleType | None:
             extra_cflags=[*native_cflags(), "-fopenmp"],
             extra_ldflags=["-fopenmp"],
         )
-    return _extension
+        return _extension
 
 
 def available() -> bool:

@@ -29,6 +29,7 @@ keep float32 accuracy.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -87,6 +88,7 @@ def use_variant(name: str, walk_blocks: int | None = None) -> None:
 
 _module: ModuleType | None = None
 _tried = False
+_lock = threading.Lock()  # a second thread waits for the first build, not sees None
 
 
 def extension() -> ModuleType | None:
@@ -95,19 +97,20 @@ def extension() -> ModuleType | None:
     global _module, _tried
     if not torch.cuda.is_available():
         return None
-    if not _tried:
-        _tried = True
-        from .extensions import csrc_dir, load_extension
+    with _lock:
+        if not _tried:
+            _tried = True
+            from .extensions import csrc_dir, load_extension
 
-        folder = csrc_dir() / "cuda"
-        _module = load_extension(
-            EXTENSION_NAME,
-            [folder / name for name in SOURCES],
-            cuda=True,
-            extra_cflags=["-O3"],
-            extra_cuda_cflags=["-O3"],
-        )
-    return _module
+            folder = csrc_dir() / "cuda"
+            _module = load_extension(
+                EXTENSION_NAME,
+                [folder / name for name in SOURCES],
+                cuda=True,
+                extra_cflags=["-O3"],
+                extra_cuda_cflags=["-O3"],
+            )
+        return _module
 
 
 def is_available() -> bool:

@@ -80,7 +80,16 @@ def _build_directory(name: str) -> str | None:
 
 
 def _remove_stale_lock(name: str, build_directory: str | None) -> None:
-    """Delete the build lock of a killed build (torch would otherwise wait on it forever)."""
+    """Delete the build lock of a killed build (torch would otherwise wait on it forever).
+
+    Only for torch versions whose lock is a file that exists while a build runs (FileBaton).
+    Newer ones take an OS lock (flock) on a file that stays after the build, so its age says
+    nothing and removing it would let a second build run beside a live one; the OS releases
+    that lock when its holder dies, so it is never stale."""
+    from torch.utils import cpp_extension
+
+    if not hasattr(cpp_extension, "FileBaton"):
+        return
     if build_directory is None:
         try:
             from torch.utils.cpp_extension import _get_build_directory

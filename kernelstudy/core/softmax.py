@@ -7,7 +7,13 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .validation import check_key_padding_mask, check_qkv, check_real, zero_padded_keys
+from .validation import (
+    accumulation_dtype,
+    check_key_padding_mask,
+    check_qkv,
+    check_real,
+    zero_padded_keys,
+)
 
 
 def _allowed(
@@ -76,10 +82,11 @@ def softmax_attention_reference(
     causal = check_qkv(q, k, v, names=("q", "k", "v"), causal=causal)
     scale = _check_scale(q, scale)
     k, v = zero_padded_keys(k, v, key_padding_mask)
-    scores = (q @ k.transpose(-1, -2)) * scale
+    acc = accumulation_dtype(q.dtype)  # float16 scores overflowed to inf, then NaN
+    scores = (q.to(acc) @ k.to(acc).transpose(-1, -2)) * scale
     allowed = _allowed(q.shape[2], k.shape[2], causal, key_padding_mask, q.device)
     if allowed is None:
-        return torch.softmax(scores, dim=-1) @ v
+        return (torch.softmax(scores, dim=-1) @ v.to(acc)).to(q.dtype)
     scores = scores.masked_fill(~allowed, float("-inf"))
     weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-    return weights @ v
+    return (weights @ v.to(acc)).to(q.dtype)
