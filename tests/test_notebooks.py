@@ -120,3 +120,48 @@ def test_notebook_runs(
     client.execute()  # raises CellExecutionError (with the traceback) on an error
     skipped = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and not c.execution_count]
     assert not skipped, f"{path.name}: cells {skipped} did not run"
+
+
+# Results as a run limited with --only leaves them: {study: {table: (column, kept values)}}.
+PARTIAL = {
+    "rank": {"results": ("part", {"gaussian"}), "spectra": ("part", {"gaussian"})},
+    "approximation": {"results": ("part", {"performer"})},
+    "generation": {"results": ("run", {"linear, RNN state"})},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["rank", "approximation", "speed"])
+def test_notebook_runs_on_partial_results(
+    name: str, kernel_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The studies' summaries say "Not run yet" for a part left out with --only; the
+    notebooks used to fail on such results (KeyError 'step', a missing 'stage' column, no
+    tokens_per_s rows of a run)."""
+    import pandas as pd
+
+    results = tmp_path / "results"
+    for study, tables in PARTIAL.items():
+        shutil.copytree(COMMITTED_RESULTS / study, results / study)
+        for table, (column, kept) in tables.items():
+            path = results / study / f"{table}.csv"
+            frame = pd.read_csv(path, dtype={"config_id": str}, low_memory=False)
+            frame[frame[column].isin(kept)].to_csv(path, index=False)
+    shutil.copytree(COMMITTED_RESULTS / "speed", results / "speed")
+    monkeypatch.setenv("JUPYTER_PATH", str(kernel_path))
+    monkeypatch.setenv("KERNELSTUDY_RESULTS", str(results))
+    monkeypatch.setenv("KERNELSTUDY_STUDIES_DIR", str(REPO / "studies"))
+    nb = nbformat.read(NOTEBOOK_DIR / f"{name}.ipynb", as_version=4)
+    work = tmp_path / "work"
+    work.mkdir()
+    client = NotebookClient(
+        nb,
+        timeout=CELL_TIMEOUT_S,
+        kernel_name=KERNEL_NAME,
+        resources={"metadata": {"path": str(work)}},
+    )
+    client.execute()
+    printed = "".join(
+        o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+    )
+    assert "Not run yet" in printed or "Not enough runs" in printed
