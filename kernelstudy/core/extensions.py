@@ -79,6 +79,13 @@ def _build_directory(name: str) -> str | None:
     return str(path)
 
 
+def _lock_is_a_baton() -> bool:
+    """Whether torch's build lock is a file that exists only while a build runs (FileBaton)."""
+    from torch.utils import cpp_extension
+
+    return hasattr(cpp_extension, "FileBaton")
+
+
 def _remove_stale_lock(name: str, build_directory: str | None) -> None:
     """Delete the build lock of a killed build (torch would otherwise wait on it forever).
 
@@ -86,9 +93,7 @@ def _remove_stale_lock(name: str, build_directory: str | None) -> None:
     Newer ones take an OS lock (flock) on a file that stays after the build, so its age says
     nothing and removing it would let a second build run beside a live one; the OS releases
     that lock when its holder dies, so it is never stale."""
-    from torch.utils import cpp_extension
-
-    if not hasattr(cpp_extension, "FileBaton"):
+    if not _lock_is_a_baton():
         return
     if build_directory is None:
         try:
