@@ -109,7 +109,7 @@ def summarize_evaluation(runs: pd.DataFrame) -> pd.DataFrame:
     ).reindex(order)
     table["n"] = table["n"].fillna(0).astype(int)
     table["diverged"] = lost.groupby(runs["variant"], sort=False).sum().reindex(order).astype(int)
-    return table.reindex(order).rename_axis("variant").reset_index()
+    return table.rename_axis("variant").reset_index()
 
 
 def run_evaluation(

@@ -335,7 +335,7 @@ def build_model(
         )
     kwargs = dict(settings["model"])
     if longest is not None:
-        kwargs.setdefault("max_len", max(longest, int(getattr(task, "max_length", 1))))
+        kwargs.setdefault("max_len", longest)
         if kwargs.get("positions") == "learned" and kwargs["max_len"] < longest:
             raise ValueError(
                 f"model option max_len={kwargs['max_len']} is below the longest sequence of "
