@@ -589,3 +589,68 @@ def test_a_checkpoint_from_before_the_grad_norm_count_resumes_with_the_right_mea
     again.fit(resume=True)
     want = straight.metrics["grad_norm"].iloc[-1]
     assert again.metrics["grad_norm"].iloc[-1] == pytest.approx(want, rel=1e-6)
+
+
+_CTRL_C_WITH_LOADER_WORKERS = """
+import sys, time
+from pathlib import Path
+from tests.test_trainer import ContainsTask, _classifier, _config
+from kernelstudy.train import Trainer
+
+out = Path(sys.argv[1])
+
+class Slow(ContainsTask):  # loading is the bottleneck: the signal finds workers busy
+    def __getitem__(self, i):
+        if not (out / "fetching").exists():
+            (out / "fetching").touch()
+        time.sleep(0.02)
+        return super().__getitem__(i)
+
+import torch
+
+torch.set_num_threads(1)  # as the one_thread fixture: bit-identical sums
+torch.manual_seed(0)
+cfg = _config(steps=150, eval_every=150, num_workers=2, out_dir=str(out))
+Trainer(_classifier(), Slow(64), cfg).fit()
+"""
+
+
+def test_ctrl_c_to_the_process_group_with_loader_workers_still_checkpoints(tmp_path):
+    """A terminal's Ctrl-C reaches the DataLoader's workers too; they stop, and the main
+    process still ends its step, saves it, and the run resumes to the same weights."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    out = tmp_path / "run"
+    out.mkdir()
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CTRL_C_WITH_LOADER_WORKERS, str(out)],
+        cwd=root,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not (out / "fetching").exists() and proc.poll() is None:
+        assert time.monotonic() < deadline, "the run never started loading"
+        time.sleep(0.05)
+    time.sleep(1.0)  # some steps in
+    os.killpg(proc.pid, signal.SIGINT)
+    log = proc.communicate(timeout=120)[0]
+    assert "KeyboardInterrupt" in log and proc.returncode != 0, log[-2000:]
+    record = json.loads((out / "run.json").read_text())
+    assert record["status"] == "interrupted", log[-2000:]
+    assert 0 < record["steps_completed"] < 150 and (out / "checkpoint.pt").is_file()
+
+    cfg = {"steps": 150, "eval_every": 150}
+    torch.manual_seed(0)
+    straight = Trainer(_classifier(), ContainsTask(64), _config(**cfg))
+    straight.fit()
+    again = Trainer(_classifier(), ContainsTask(64), _config(out_dir=str(out), **cfg))
+    again.fit(resume=True)
+    a, b = _params(straight.model), _params(again.model)
+    assert again.step == cfg["steps"] and all(torch.equal(a[k], b[k]) for k in a)
