@@ -264,3 +264,37 @@ def test_a_trial_another_worker_finished_does_not_stop_this_one(tmp_path, monkey
     url = f"sqlite:///{tmp_path / 'study.db'}"
     study = run_workers(url, "told", quick_objective, trials=2, workers=1)
     assert raised and finished_trials(study) == 2
+
+
+def test_ctrl_c_fails_the_workers_running_trials_at_once(tmp_path):
+    """After a Ctrl-C the parent used to terminate its workers outright: their running
+    trials stayed RUNNING until the heartbeat went stale. Now each worker fails its trial."""
+    import signal
+    import threading
+
+    url, name = f"sqlite:///{tmp_path / 'study.db'}", "ctrl-c"
+    study = open_study(url, name)  # the default heartbeat: stale only after minutes
+
+    def interrupt_when_both_run() -> None:
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+            if len(running) == 2 and all("x" in t.params for t in running):
+                break
+            time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C: the parent raises KeyboardInterrupt
+
+    watcher = threading.Thread(target=interrupt_when_both_run)
+    watcher.start()
+    start = time.time()
+    with pytest.raises(KeyboardInterrupt):
+        run_workers(url, name, hanging_objective, trials=2, workers=2)
+    watcher.join()
+    assert time.time() - start < 90
+    states = [t.state for t in study.get_trials(deepcopy=False)]
+    assert states == [TrialState.FAIL, TrialState.FAIL]
+    # A resumed search re-runs both, with their parameters.
+    failed = {t.params["x"] for t in study.get_trials(deepcopy=False)}
+    run_workers(url, name, quick_objective, trials=2, workers=1)
+    complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    assert {t.params["x"] for t in complete} == failed

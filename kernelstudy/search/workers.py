@@ -20,8 +20,10 @@ import copy
 import functools
 import multiprocessing as mp
 import signal
+import sys
 import warnings
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -254,12 +256,28 @@ def _worker(
         raise TrialsKeepFailing(stop.failure)
 
 
+#: Seconds a stopped worker gets to fail its trial before it is killed.
+STOP_TIMEOUT = 30.0
+#: Exit code of a worker stopped by SIGTERM (the parent's stop after a Ctrl-C).
+STOPPED_EXIT_CODE = 130
+
+
+def _stop(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
 def _quiet_worker(*args: Any) -> None:
     """:func:`_worker` in a child process that ignores Ctrl-C (which reaches the whole
-    process group: each worker printed two tracebacks). The parent stops the workers and
-    reports the interruption once; their running trials go stale and are retried."""
+    process group: each worker printed two tracebacks). The parent stops the workers with
+    SIGTERM and reports the interruption once; a worker takes SIGTERM as an interrupt, so
+    Optuna marks its running trial failed at once (a resumed search re-runs it) instead of
+    leaving it RUNNING until its heartbeat goes stale."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _worker(*args)
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        _worker(*args)
+    except KeyboardInterrupt:
+        sys.exit(STOPPED_EXIT_CODE)
 
 
 def run_workers(
@@ -307,9 +325,12 @@ def run_workers(
             p.join()
     except KeyboardInterrupt:
         for p in procs:
-            p.terminate()
+            p.terminate()  # SIGTERM: each worker fails its running trial and exits
         for p in procs:
-            p.join()
+            p.join(timeout=STOP_TIMEOUT)
+            if p.is_alive():  # stuck (e.g. in a storage call): its trial goes stale instead
+                p.kill()
+                p.join()
         raise
     failed = sum(p.exitcode != 0 for p in procs)
     if failed:  # as one worker's error ends a single-process search
