@@ -253,6 +253,25 @@ def test_fused_backward(ext, shape, dtype, walk_blocks):
         assert close_in_dtype(a, w, dtype)
 
 
+@pytest.mark.parametrize("walk_blocks", [0, 3], ids=["chunks", "walk_3"])
+@pytest.mark.parametrize(
+    "shape, dtype",
+    [((1, 130, 256, 256), torch.bfloat16), ((1, 2577, 16, 8), torch.float32)],
+    ids=["F=M=256", "one_long_sequence"],
+)
+def test_largest_head_dims_and_one_long_split_sequence(ext, shape, dtype, walk_blocks):
+    """The issue's largest F = M = 256 (walks fall back to the chunk kernels, kernel 7 to
+    separate walks), and B·H = 1 at N = 2577 cut into 3 ragged segments with carries."""
+    q, k, v, g = _inputs(*shape, dtype, extra=1)
+    for reverse in (False, True):
+        want, want_den = _reference_product(q, k, v, reverse)
+        out, den = ext.causal_product(q, k, v, reverse, with_den=True, walk_blocks=walk_blocks)
+        assert close_in_dtype(out, want, dtype) and close_in_dtype(den, want_den, dtype)
+    got = ext.causal_backward(q, k, v, g, out_fp32=True, walk_blocks=walk_blocks)
+    for a, w in zip(got, _reference_grads(q, k, v, g), strict=True):
+        assert close_in_dtype(a, w, dtype)
+
+
 def test_chunk_kernels_group_chunks(ext):
     """B·H·(F/64)·(M/64) = 36 tiles over 31 chunks give the chunk kernels' state pass 2 chunks
     per thread block (the last block of each sequence 1): block-local prefixes and carries."""
