@@ -145,9 +145,10 @@ def test_a_model_converted_to_another_dtype_runs(kind, dtype):
     assert model.to(dtype).eval()(_ids(2, 5)).dtype == dtype
 
 
-@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.uint8])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.int8, torch.uint8])
 def test_token_ids_of_any_accepted_integer_dtype(dtype):
-    """uint8 (bytes, pixels) and int16 ids passed the check, then failed in nn.Embedding."""
+    """uint8 (bytes, pixels) and int16 ids passed the check, then failed in nn.Embedding;
+    int8 was refused as "not an integer tensor"."""
     ids = _ids(2, 5)
     for model in (ks.nn.SequenceClassifier(20, 3, **SMALL), ks.nn.CausalLM(20, **SMALL)):
         model.eval()
@@ -296,3 +297,68 @@ def test_bad_arguments_raise_value_errors():
         lm.generate(_ids(1, 2), 2, temperature="hot")
     with pytest.raises(ValueError, match="temperature must be a finite float >= 0"):
         lm.generate(_ids(1, 2), 2, temperature=-1.0)
+
+
+def test_config_is_not_shared_with_the_callers_dicts():
+    """config() kept the caller's nested dicts: changing them later changed the recorded
+    config, and a model rebuilt from it no longer loaded the state dict."""
+    kwargs = {"num_features": 8}
+    models = [
+        ks.nn.SequenceClassifier(20, 3, feature_map="favor", feature_map_kwargs=kwargs, **SMALL),
+        ks.nn.MatchingClassifier(20, feature_map="favor", feature_map_kwargs=kwargs, **SMALL),
+        ks.nn.CausalLM(20, feature_map="favor", feature_map_kwargs=kwargs, **SMALL),
+    ]
+    kwargs["num_features"] = 64
+    for model in models:
+        model.config()["feature_map_kwargs"]["num_features"] = 3
+        assert model.config()["feature_map_kwargs"] == {"num_features": 8}
+        type(model)(**model.config()).load_state_dict(model.state_dict())
+
+
+def test_an_explicit_map_seed_gives_each_layer_its_own_draw():
+    """One seed gave every layer the same FAVOR projection (and the same redraws)."""
+    for kw in ({"feature_map_kwargs": {"seed": 5}}, {"feature_map": {"name": "favor", "seed": 5}}):
+        a = ks.nn.CausalLM(20, **{"feature_map": "favor", **kw, **SMALL, "n_layers": 3})
+        b = ks.nn.CausalLM(20, **{"feature_map": "favor", **kw, **SMALL, "n_layers": 3})
+        maps = [layer.attn.feature_map for layer in a.encoder.layers]
+        assert [m.hparams["seed"] for m in maps] == [5, 6, 7]
+        one = ks.create_feature_map("favor", head_dim=8, num_heads=2, seed=5)
+        assert torch.equal(maps[0].weight, one.weight)  # layer 0: the seed itself
+        assert not torch.equal(maps[0].weight, maps[1].weight)
+        assert all(  # reproducible
+            torch.equal(x.weight, y.weight)
+            for x, y in zip(
+                maps, [layer.attn.feature_map for layer in b.encoder.layers], strict=True
+            )
+        )
+
+
+def test_a_state_of_another_batch_or_layer_is_refused_by_name():
+    for attention in ("kernel", "softmax"):
+        lm = ks.nn.CausalLM(20, attention=attention, **SMALL).eval()
+        _, state = lm.step(_ids(2, 1)[:, 0])
+        with pytest.raises(ValueError, match="state holds .*x_t has batch 3"):
+            lm.step(_ids(3, 1)[:, 0], state)
+        wide = ks.nn.CausalLM(20, attention=attention, **{**SMALL, "d_model": 32}).eval()
+        with pytest.raises(ValueError, match="state holds"):
+            wide.step(_ids(2, 1)[:, 0], state)
+        with pytest.raises(TypeError, match="states must be the list"):
+            lm.encoder.step(torch.zeros(2, 16), state.layers[0])
+
+
+def test_matching_refuses_an_empty_document_by_name():
+    model = ks.nn.MatchingClassifier(20, **SMALL)
+    with pytest.raises(ValueError, match="input_ids_2 must hold at least one token"):
+        model(_ids(2, 4), None, _ids(2, 0))
+    with pytest.raises(ValueError, match="input_ids_1 must hold at least one token"):
+        model(_ids(2, 0), None, _ids(2, 0))
+
+
+def test_a_tiny_temperature_samples_the_greedy_tokens():
+    """logits / 1e-40 overflowed to inf and softmax gave NaN: multinomial raised."""
+    lm = ks.nn.CausalLM(20, **SMALL).eval()
+    ids = _ids(2, 3)
+    g = torch.Generator().manual_seed(0)
+    assert torch.equal(lm.generate(ids, 3, temperature=1e-40, generator=g), lm.generate(ids, 3))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        lm.generate(ids, True)

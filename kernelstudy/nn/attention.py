@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,7 @@ class KVCache:
 
 def check_dropout(dropout: object) -> float:
     """``dropout`` as a float in [0, 1), else TypeError/ValueError naming it."""
-    if isinstance(dropout, bool) or not isinstance(dropout, int | float):
+    if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real):  # numpy floats too
         raise TypeError(f"dropout must be a float in [0, 1), got {dropout!r}")
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
@@ -170,6 +171,8 @@ class KernelAttention(nn.Module):
                 f"{'softmax' if self.feature_map is None else 'kernel'} attention layer, "
                 f"got {type(state).__name__}"
             )
+        if state is not None:
+            self._check_state(state, x_t.shape[0])
         q, k, v = self._heads(x_t.unsqueeze(1))  # (B,H,1,D)
         if self.feature_map is None:
             if state is None:
@@ -200,6 +203,20 @@ class KernelAttention(nn.Module):
             )
             y = y_t.unsqueeze(2)
         return self._merge(y)[:, 0], state
+
+    def _check_state(self, state: RecurrentState | KVCache, batch: int) -> None:
+        """ValueError naming ``state`` when it is not this layer's for a batch of ``batch``."""
+        if isinstance(state, KVCache):
+            held, want = tuple(state.k.shape[:2]) + (state.k.shape[-1],), "(batch, heads, dim)"
+            expected = (batch, self.n_heads, self.head_dim)
+        else:
+            held, want = tuple(state.S.shape), "(batch, heads, features, dim)"
+            expected = (batch, self.n_heads, self.feature_map.feature_dim, self.head_dim)
+        if held != expected:
+            raise ValueError(
+                f"state holds {want} = {held}, but this layer steps {want} = {expected} "
+                f"(x_t has batch {batch}): pass the state this layer returned for this batch"
+            )
 
     def regularization(self) -> torch.Tensor:
         """The feature map's regularizer (0 for softmax and maps without one)."""

@@ -68,6 +68,23 @@ class EncoderLayer(nn.Module):
         return x_t + self.drop(self.ffn(self.norm2(x_t))), state
 
 
+def layer_map_kwargs(
+    feature_map: str | Mapping[str, Any],
+    feature_map_kwargs: Mapping[str, Any] | None,
+    layer: int,
+) -> Mapping[str, Any] | None:
+    """``feature_map_kwargs`` for layer ``layer``: an explicit int ``seed`` (in the kwargs or
+    the config dict) becomes ``seed + layer``, so layers draw independent features (one seed
+    gave every layer the same projection) and the model stays reproducible."""
+    if feature_map_kwargs is not None and not isinstance(feature_map_kwargs, Mapping):
+        return feature_map_kwargs  # the layer refuses it, naming it
+    config = feature_map if isinstance(feature_map, Mapping) else {}
+    seed = (feature_map_kwargs or {}).get("seed", config.get("seed"))
+    if layer == 0 or isinstance(seed, bool) or not isinstance(seed, int):
+        return feature_map_kwargs  # None and Generators draw anew for each layer anyway
+    return {**(feature_map_kwargs or {}), "seed": (seed + layer) % 2**64}
+
+
 class TransformerEncoder(nn.Module):
     """A stack of pre-LN layers with a final LayerNorm.
 
@@ -76,7 +93,8 @@ class TransformerEncoder(nn.Module):
         d_ff: hidden width of the feed-forward block (default ``4·d_model``).
         dropout: dropout rate in attention output, FFN and residual branches.
         attention: ``"kernel"`` or ``"softmax"``.
-        feature_map, feature_map_kwargs: the map of every layer (each layer gets its own copy).
+        feature_map, feature_map_kwargs: the map of every layer (each layer gets its own copy;
+            an explicit int ``seed`` is layer 0's, layer i draws with ``seed + i``).
         causal: causal self-attention; enables :meth:`step`.
 
     ``forward(x: (B,N,d_model), key_padding_mask: (B,N) | None) → (B,N,d_model)``.
@@ -112,12 +130,12 @@ class TransformerEncoder(nn.Module):
                 dropout,
                 attention,
                 feature_map,
-                feature_map_kwargs,
+                layer_map_kwargs(feature_map, feature_map_kwargs, i),
                 causal,
                 eps,
                 backend,
             )
-            for _ in range(n_layers)
+            for i in range(n_layers)
         )
         self.norm = nn.LayerNorm(d_model)
 
@@ -139,6 +157,11 @@ class TransformerEncoder(nn.Module):
         """
         if states is None:
             states = [None] * len(self.layers)
+        if not isinstance(states, list | tuple):
+            raise TypeError(
+                f"states must be the list of layer states of an earlier step (or None), "
+                f"got {type(states).__name__}"
+            )
         if len(states) != len(self.layers):
             raise ValueError(f"states must have {len(self.layers)} entries, got {len(states)}")
         new_states: list[LayerState] = []

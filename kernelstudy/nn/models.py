@@ -8,6 +8,7 @@ or a map name / config directly as ``attention="favor"``. Inputs are token ids
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -121,12 +122,19 @@ class PositionalEncoding(nn.Module):
         return f"{self.kind}, d_model={self.d_model}, max_len={self.max_len}"
 
 
+#: The dtypes token ids may have.
+ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
 def _check_ids(input_ids: torch.Tensor, vocab_size: int, name: str = "input_ids") -> None:
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else input_ids
         raise ValueError(f"{name} must be a (batch, seq) tensor of token ids, got {shape!r}")
-    if input_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
-        raise ValueError(f"{name} must be an integer tensor, got dtype {input_ids.dtype}")
+    if input_ids.dtype not in ID_DTYPES:  # torch has no min/max for uint16 and wider
+        raise ValueError(
+            f"{name} must hold token ids as int64, int32, int16, int8 or uint8, "
+            f"got dtype {input_ids.dtype}"
+        )
     if input_ids.numel():
         lo, hi = int(input_ids.min()), int(input_ids.max())
         if lo < 0 or hi >= vocab_size:
@@ -235,7 +243,7 @@ class _SequenceModel(nn.Module):
 
     def config(self) -> dict[str, Any]:
         """The constructor arguments (JSON-serializable when the maps are given by name/config)."""
-        return dict(self._config)
+        return copy.deepcopy(self._config)  # never shared with the caller
 
 
 class SequenceClassifier(_SequenceModel):
@@ -294,7 +302,7 @@ class SequenceClassifier(_SequenceModel):
             backend=backend,
             extra_positions=1 if pooling == "cls" else 0,
         )
-        self._config = config
+        self._config = copy.deepcopy(config)
         self.num_classes, self.pooling = num_classes, pooling
         self.cls = nn.Parameter(torch.randn(d_model) * 0.02) if pooling == "cls" else None
         head_dim = d_model if head_dim is None else check_count("head_dim", head_dim, 1)
@@ -348,7 +356,9 @@ class MatchingClassifier(SequenceClassifier):
 
     def __init__(self, vocab_size: int, num_classes: int = 2, **kwargs: Any) -> None:
         super().__init__(vocab_size, num_classes, **kwargs)
-        self._config = {"vocab_size": vocab_size, "num_classes": num_classes, **kwargs}
+        self._config = copy.deepcopy(
+            {"vocab_size": vocab_size, "num_classes": num_classes, **kwargs}
+        )
         dropout = self.head[2].p
         hidden = self.head[0].out_features
         self.head = _mlp_head(4 * self.d_model, hidden, num_classes, dropout)
@@ -373,6 +383,9 @@ class MatchingClassifier(SequenceClassifier):
             )
         _check_mask(mask_1, input_ids_1, "mask_1")
         _check_mask(mask_2, input_ids_2, "mask_2")
+        for name, ids in (("input_ids_1", input_ids_1), ("input_ids_2", input_ids_2)):
+            if ids.shape[1] == 0 and self.cls is None:  # its mean would be a silent 0
+                raise ValueError(f"{name} must hold at least one token for mean pooling")
         # One encoder pass over both documents (padded to one length): one draw of a
         # redrawing random map per forward, as one shared encoder should see.
         if input_ids_1.shape == input_ids_2.shape and (mask_1 is None) == (mask_2 is None):
@@ -440,7 +453,7 @@ class CausalLM(_SequenceModel):
             eps=eps,
             backend=backend,
         )
-        self._config = config
+        self._config = copy.deepcopy(config)
         self.head = nn.Linear(d_model, vocab_size, bias=not tie_weights)
         if tie_weights:
             self.head.weight = self.embed.weight
@@ -486,7 +499,11 @@ class CausalLM(_SequenceModel):
         _check_ids(prompt, self.vocab_size, "prompt")
         if prompt.shape[1] < 1:
             raise ValueError("prompt must hold at least one token per sequence")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        if (
+            isinstance(max_new_tokens, bool)
+            or not isinstance(max_new_tokens, int)
+            or max_new_tokens < 0
+        ):
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
         temperature = check_real("temperature", temperature)
         was_training = self.training
@@ -499,7 +516,8 @@ class CausalLM(_SequenceModel):
                 if temperature == 0.0:
                     token = logits.argmax(-1)
                 else:
-                    probs = torch.softmax(logits.float() / temperature, dim=-1)
+                    z = logits.float()  # shifted: a tiny temperature gives 0 and -inf, not inf
+                    probs = torch.softmax((z - z.amax(-1, keepdim=True)) / temperature, dim=-1)
                     token = torch.multinomial(probs, 1, generator=generator)[:, 0]
                 out.append(token[:, None])
                 if i + 1 < max_new_tokens:
