@@ -305,6 +305,70 @@ def test_auto_picks_highest_priority_available():
     assert chosen.name == best.name
 
 
+@pytest.mark.parametrize("module", ["cpu_backend", "cuda_backend"])
+def test_a_build_stopped_by_ctrl_c_is_tried_again(monkeypatch, module):
+    """A KeyboardInterrupt in the first build left the backend off for the whole process,
+    with no warning ever given."""
+    import importlib
+
+    from kernelstudy.core import extensions
+
+    backend = importlib.import_module(f"kernelstudy.core.{module}")
+    built = object()
+    calls = []
+
+    def build(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return built
+
+    if module == "cuda_backend":
+        monkeypatch.setattr(backend.torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(extensions, "load_extension", build)
+        state = "_module"
+    else:
+        monkeypatch.setattr(backend, "load_extension", build)
+        state = "_extension"
+    monkeypatch.setattr(backend, "_tried", False)
+    monkeypatch.setattr(backend, state, None)
+    with pytest.raises(KeyboardInterrupt):
+        backend.extension()
+    assert backend.extension() is built and backend.extension() is built
+    assert len(calls) == 2
+
+
+def test_an_eps_that_is_zero_in_float32_is_refused():
+    """eps = 1e-46 passed the check, became 0 in the float32 sums, and a fully padded
+    sequence came out NaN in every backend."""
+    q = k = v = torch.rand(1, 1, 4, 3)
+    for eps in (1e-46, 1e-39):
+        with pytest.raises(ValueError, match="eps must be >= 1.18e-38"):
+            ks.linear_attention(q, k, v, eps=eps)
+        with pytest.raises(ValueError, match="eps must be >= "):
+            ks.RecurrentState.zeros(1, 1, 3, 3, eps=eps)
+    mask = torch.zeros(1, 4, dtype=torch.bool)
+    out = ks.linear_attention(q, k, v, key_padding_mask=mask, eps=torch.finfo(torch.float32).tiny)
+    assert torch.equal(out, torch.zeros_like(out))
+    q64 = q.double()  # float64 sums take a float64 eps
+    out = ks.linear_attention(q64, q64, q64, key_padding_mask=mask, eps=1e-300)
+    assert torch.equal(out, torch.zeros_like(out))
+    ks.RecurrentState.zeros(1, 1, 3, 3, dtype=torch.float64, eps=1e-300)
+
+
+def test_counts_may_be_numpy_ints_and_thread_counts_fit_a_c_int():
+    import numpy as np
+
+    from kernelstudy.core import cpu_backend
+
+    state = ks.RecurrentState.zeros(np.int64(1), np.int32(2), np.int64(3), np.int16(4))
+    assert state.S.shape == (1, 2, 3, 4)
+    q = torch.rand(1, 1, 4, 3)
+    for threads in (2**31, 2**64):  # cut to 1 thread, or a bare pybind TypeError
+        with pytest.raises(ValueError, match="num_threads must be an int <= 2147483647"):
+            cpu_backend.causal_dot_product_cpu(q, q, q, num_threads=threads)
+
+
 def test_unavailable_backend_falls_back_with_one_warning():
     from kernelstudy.core import Backend, register_backend, registered_backends, unregister_backend
 

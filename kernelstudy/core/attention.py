@@ -87,7 +87,7 @@ def linear_attention(
         which the core turns off: the inputs' dtype decides).
     """
     causal = check_qkv(phi_q, phi_k, v, causal=causal)
-    eps = check_eps(eps)
+    eps = check_eps(eps, phi_q.dtype)
     check_chunked(backend, chunk_size)  # in every mode, also where no chunk is used
     with autocast_off(phi_q):
         return _attend(phi_q, phi_k, v, causal, key_padding_mask, eps, backend, chunk_size)
@@ -129,7 +129,7 @@ def linear_attention_reference(
 ) -> torch.Tensor:
     """Ground truth of :func:`linear_attention` through the explicit ``(B,H,N,S)`` kernel matrix."""
     causal = check_qkv(phi_q, phi_k, v, causal=causal)
-    eps = check_eps(eps)
+    eps = check_eps(eps, phi_q.dtype)
     acc = accumulation_dtype(phi_q.dtype)
     phi_k, v = zero_padded_keys(phi_k, v, key_padding_mask)  # before any product: no 0·NaN
     with autocast_off(phi_q):

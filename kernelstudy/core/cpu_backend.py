@@ -27,6 +27,8 @@ EXTENSION_NAME = "kernelstudy_cpu"  # built as kernelstudy_cpu_<host_tag()> (-ma
 _extension: ModuleType | None = None
 _tried = False
 _lock = threading.Lock()  # a second thread waits for the first build, not sees None
+#: The most threads the kernel takes (a C int).
+MAX_THREADS = 2**31 - 1
 
 
 def extension() -> ModuleType | None:
@@ -35,10 +37,10 @@ def extension() -> ModuleType | None:
     with _lock:
         if _tried:
             return _extension
-        _tried = True
         try:
             sources = [csrc_dir() / "cpu" / "binding.cpp"]
         except FileNotFoundError as err:
+            _tried = True
             warnings.warn(f"{err}; falling back to the 'torch' backend", RuntimeWarning, 2)
             return None
         _extension = load_extension(
@@ -47,6 +49,7 @@ def extension() -> ModuleType | None:
             extra_cflags=[*native_cflags(), "-fopenmp"],
             extra_ldflags=["-fopenmp"],
         )
+        _tried = True  # only now: a build stopped by Ctrl-C is tried again on the next call
         return _extension
 
 
@@ -102,7 +105,7 @@ def causal_dot_product_cpu(
             raise ValueError(f"backend 'cpu' takes CPU tensors; {name} is on {t.device}")
     if num_threads is None:
         num_threads = torch.get_num_threads()
-    num_threads = check_count("num_threads", num_threads, 1)
+    num_threads = check_count("num_threads", num_threads, 1, MAX_THREADS)
     if extension() is None:
         raise RuntimeError("kernelstudy: the 'cpu' backend could not be built (see the warning)")
     acc = accumulation_dtype(q.dtype)

@@ -100,12 +100,12 @@ def extension() -> ModuleType | None:
         return None
     with _lock:
         if not _tried:
-            _tried = True
             from .extensions import csrc_dir, load_extension
 
             try:
                 folder = csrc_dir() / "cuda"
             except FileNotFoundError as err:  # said once, as a failed build is
+                _tried = True
                 warnings.warn(f"{err}; falling back to the 'torch' backend", RuntimeWarning, 2)
                 return None
             _module = load_extension(
@@ -115,6 +115,7 @@ def extension() -> ModuleType | None:
                 extra_cflags=["-O3"],
                 extra_cuda_cflags=["-O3"],
             )
+            _tried = True  # only now: a build stopped by Ctrl-C is tried again on the next call
         return _module
 
 
@@ -355,7 +356,7 @@ def linear_attention(
     ``torch.cumsum``), padded keys contribute nothing.
     """
     check_qkv(phi_q, phi_k, v, causal=causal)
-    eps = check_eps(eps)
+    eps = check_eps(eps, phi_q.dtype)
     _check_inputs(phi_q, phi_k, v)
     mask = None
     if key_padding_mask is not None:

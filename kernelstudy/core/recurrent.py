@@ -22,6 +22,7 @@ from .exp_range import exp_shift
 from .validation import (
     accumulation_dtype,
     autocast_off,
+    check_count,
     check_eps,
     check_flag,
     check_same_dtype_and_device,
@@ -60,14 +61,15 @@ class RecurrentState:
         ``scaled=True``: ``step`` takes each key's log scale (see
         :meth:`kernelstudy.feature_maps.FeatureMap.key_features`).
         """
-        for name, n in (
-            ("batch", batch),
-            ("heads", heads),
-            ("feature_dim", feature_dim),
-            ("value_dim", value_dim),
-        ):
-            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-                raise ValueError(f"{name} must be a positive int, got {n!r}")
+        batch, heads, feature_dim, value_dim = (
+            check_count(name, n, 1)  # numpy ints too, as elsewhere in the core
+            for name, n in (
+                ("batch", batch),
+                ("heads", heads),
+                ("feature_dim", feature_dim),
+                ("value_dim", value_dim),
+            )
+        )
         if dtype not in (torch.float32, torch.float64):
             raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
         scaled = check_flag("scaled", scaled)
@@ -76,7 +78,7 @@ class RecurrentState:
         log_scale = None
         if scaled:
             log_scale = torch.full((batch, heads), -torch.inf, dtype=dtype, device=device)
-        return cls(s, z, check_eps(eps), log_scale)
+        return cls(s, z, check_eps(eps, dtype), log_scale)
 
     def step(
         self,

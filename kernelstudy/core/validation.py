@@ -36,12 +36,22 @@ def check_tensor(x: object, name: str, ndim: int) -> torch.Tensor:
     return x
 
 
-def check_eps(eps: float) -> float:
-    """``eps`` as a float > 0, else TypeError/ValueError naming it."""
+def check_eps(eps: float, dtype: torch.dtype | None = None) -> float:
+    """``eps`` as a float > 0, else TypeError/ValueError naming it. With the inputs' ``dtype``,
+    also at least the smallest normal number of their accumulation dtype: a smaller eps is 0
+    in (or flushed from) the sums, and a normalizer with nothing summed gives 0/0 = NaN."""
     if not isinstance(eps, numbers.Real) or isinstance(eps, bool):
         raise TypeError(f"eps must be a positive float, got {type(eps).__name__}")
     if not 0 < eps < float("inf"):
         raise ValueError(f"eps must be a finite float > 0, got {eps}")
+    if dtype is not None:
+        acc = accumulation_dtype(dtype)
+        tiny = torch.finfo(acc).tiny
+        if eps < tiny:
+            raise ValueError(
+                f"eps must be >= {tiny:.3g} ({acc}'s smallest normal: the sums are {acc}), "
+                f"got {eps}"
+            )
     return float(eps)
 
 
@@ -57,11 +67,13 @@ def check_real(name: str, value: object, strict: bool = False) -> float:
     return float(value)
 
 
-def check_count(name: str, value: object, minimum: int) -> int:
-    """``value`` as an int if it is one (numpy's too, not a bool) >= ``minimum``, else
-    ValueError naming it."""
+def check_count(name: str, value: object, minimum: int, maximum: int | None = None) -> int:
+    """``value`` as an int if it is one (numpy's too, not a bool) >= ``minimum`` (and <=
+    ``maximum`` when given), else ValueError naming it."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be an int <= {maximum}, got {value!r}")
     return int(value)
 
 
