@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import subprocess
@@ -183,6 +184,36 @@ def test_profiler_lines_are_silenced_where_sys_stderr_is_not_fd_2():
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
     assert run.returncode == 0 and int(run.stdout) == 4000, run.stderr
     assert "profiler_start" not in run.stderr
+
+
+def test_peak_memory_ignores_frees_of_blocks_from_before_the_call():
+    """Frees of blocks allocated before the call (in an earlier measured call) counted as
+    negative: a fwd+bwd that drops the last call's gradients measured their size too low
+    (168.75 MiB came out as 120.75), and a collected cycle made a peak negative."""
+
+    class Node:
+        pass
+
+    def cycle() -> None:  # garbage that only the cyclic collector frees
+        a, b = Node(), Node()
+        a.other, b.other, a.t = b, a, torch.zeros(4 * 2**20)  # 16 MiB
+
+    def work() -> None:
+        gc.collect()  # as an automatic pass early in the call
+        torch.ones(2**20).sum()  # 4 MiB
+
+    leaf = torch.randn(2**20, requires_grad=True)
+
+    def backward() -> None:
+        leaf.grad = None  # frees the last call's 4 MiB gradient
+        (leaf * 2).sum().backward()
+
+    peak = ks.analysis.peak_memory_bytes
+    first = peak(work)
+    peak(cycle)
+    assert peak(work) == first >= 4 * 2**20
+    grads = [peak(backward) for _ in range(3)]
+    assert grads[0] == grads[1] == grads[2] >= 4 * 2**20  # the new gradient, every time
 
 
 def test_peak_memory_counts_temporaries():
