@@ -1,16 +1,22 @@
-"""Files written atomically (readers never see a half-written one), and the CSV tables so
-written read back."""
+"""Files written atomically (readers never see a half-written one), the CSV tables so
+written read back, and a lock that keeps two writers out of one folder."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
 import pandas as pd
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; the lock below does nothing there
+    fcntl = None  # type: ignore[assignment]
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> Path:
@@ -73,3 +79,31 @@ def read_csv_table(
 def write_json(path: str | os.PathLike, data: Any) -> Path:
     """Write ``data`` as indented JSON atomically (non-JSON values become strings)."""
     return atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n")
+
+
+class FolderBusy(ValueError):
+    """Another process holds the lock of a folder (see :func:`exclusive_folder`)."""
+
+
+@contextlib.contextmanager
+def exclusive_folder(folder: str | os.PathLike, what: str) -> Iterator[None]:
+    """Hold an advisory lock on ``folder`` (a ``.lock`` file in it) for the block, or raise
+    :class:`FolderBusy` at once if another process holds it: two runs that each rewrite
+    a whole table there from their own copy would drop each other's rows. ``what`` names
+    the work in the message. The lock goes with the process (also when it is killed)."""
+    if fcntl is None:
+        yield
+        return
+    path = Path(folder) / ".lock"
+    with open(path, "a+b") as handle:
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise FolderBusy(
+                f"another process is running {what} in {folder} (it holds {path}); wait for "
+                "it to end, or give another --out"
+            ) from None
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)

@@ -43,6 +43,7 @@ import shlex
 import sys
 import time
 import tomllib
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
@@ -51,7 +52,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from .files import atomic_write, atomic_write_text, read_csv_table
+from .files import atomic_write, atomic_write_text, exclusive_folder, read_csv_table
 from .progress import tqdm
 
 ENV_STUDIES_DIR = "KERNELSTUDY_STUDIES_DIR"
@@ -291,99 +292,102 @@ def run_study(
             "give another --out"
         )
     out_dir.mkdir(parents=True, exist_ok=True)
-    done = _ids(frames[RESULTS])
-    if force and done:  # recompute the selected configurations; keep every other row
-        redo = {i for c, i in zip(configs, ids, strict=True) if _matches(c, only)}
-        for t, frame in frames.items():
-            if "config_id" in frame:
-                frames[t] = frame[~frame["config_id"].isin(redo)]
-        done -= redo
-    unfilled = set()  # finished configs with no rows in an extra table
-    for t in tables:
-        unfilled |= done - _ids(frames[t])
-    todo = [
-        (c, i)
-        for c, i in zip(configs, ids, strict=True)
-        if (i not in done or (fill_tables and i in unfilled)) and _matches(c, only)
-    ]
-    if verbose:
-        refill = sum(i in done for _, i in todo)
-        print(
-            f"study {name} ({'quick' if quick else 'full'}, {device}): {len(configs)} "
-            f"configurations, {len(done & set(ids))} already in {results_path}; running "
-            f"{len(todo)}"
-            + (f" matching {only}" if only else "")
-            + (f", {refill} of them only to fill {', '.join(tables)}" if refill else ""),
-            file=sys.stderr,
-        )
-        left = (unfilled & set(ids)) - {i for _, i in todo}
-        if left:
+    with exclusive_folder(out_dir, f"study {name}"):
+        # read again under the lock: a run that ended meanwhile may have added rows
+        frames = {t: _read_results(path) for t, path in paths.items()}
+        done = _ids(frames[RESULTS])
+        if force and done:  # recompute the selected configurations; keep every other row
+            redo = {i for c, i in zip(configs, ids, strict=True) if _matches(c, only)}
+            for t, frame in frames.items():
+                if "config_id" in frame:
+                    frames[t] = frame[~frame["config_id"].isin(redo)]
+            done -= redo
+        unfilled = set()  # finished configs with no rows in an extra table
+        for t in tables:
+            unfilled |= done - _ids(frames[t])
+        todo = [
+            (c, i)
+            for c, i in zip(configs, ids, strict=True)
+            if (i not in done or (fill_tables and i in unfilled)) and _matches(c, only)
+        ]
+        if verbose:
+            refill = sum(i in done for _, i in todo)
             print(
-                f"{len(left)} finished configurations have no rows in {', '.join(tables)} "
-                + ("(not matching --only)" if fill_tables else "(--fill-tables computes them)"),
+                f"study {name} ({'quick' if quick else 'full'}, {device}): {len(configs)} "
+                f"configurations, {len(done & set(ids))} already in {results_path}; running "
+                f"{len(todo)}"
+                + (f" matching {only}" if only else "")
+                + (f", {refill} of them only to fill {', '.join(tables)}" if refill else ""),
                 file=sys.stderr,
             )
-    not_reproduced = []
-    start = time.perf_counter()
-    for config, cid in tqdm(todo, desc=name, unit="config", disable=not verbose or not todo):
-        new = _split_rows(module.run_config(dict(config), device), tables)
-        for t in tables:  # extra tables first: a config in results.csv has its rows there
-            rows = new[t].copy()
-            rows.insert(0, "config_id", cid)
-            frames[t] = _append(frames[t], rows, cid)
-            atomic_write_text(paths[t], frames[t].to_csv(index=False))
-        rows = _tag_results(new[RESULTS], config, cid, name, device)
-        if cid in done:  # filling an extra table: keep the stored results
-            stored = frames[RESULTS][frames[RESULTS]["config_id"] == cid]
-            if not _reproduces(stored, rows):
-                not_reproduced.append(cid)
-            continue
-        frames[RESULTS] = _append(frames[RESULTS], rows, cid)
-        atomic_write_text(results_path, frames[RESULTS].to_csv(index=False))
-    elapsed = time.perf_counter() - start
-    if not_reproduced:
-        print(
-            f"warning: {len(not_reproduced)} configurations rerun to fill "
-            f"{', '.join(tables)} did not reproduce their rows in {results_path} (kept): "
-            + ", ".join(not_reproduced[:10])
-            + (" ..." if len(not_reproduced) > 10 else ""),
-            file=sys.stderr,
-        )
+            left = (unfilled & set(ids)) - {i for _, i in todo}
+            if left:
+                print(
+                    f"{len(left)} finished configurations have no rows in {', '.join(tables)} "
+                    + ("(not matching --only)" if fill_tables else "(--fill-tables computes them)"),
+                    file=sys.stderr,
+                )
+        not_reproduced = []
+        start = time.perf_counter()
+        for config, cid in tqdm(todo, desc=name, unit="config", disable=not verbose or not todo):
+            new = _split_rows(module.run_config(dict(config), device), tables)
+            for t in tables:  # extra tables first: a config in results.csv has its rows there
+                rows = new[t].copy()
+                rows.insert(0, "config_id", cid)
+                frames[t] = _append(frames[t], rows, cid)
+                atomic_write_text(paths[t], frames[t].to_csv(index=False))
+            rows = _tag_results(new[RESULTS], config, cid, name, device)
+            if cid in done:  # filling an extra table: keep the stored results
+                stored = frames[RESULTS][frames[RESULTS]["config_id"] == cid]
+                if not _reproduces(stored, rows):
+                    not_reproduced.append(cid)
+                continue
+            frames[RESULTS] = _append(frames[RESULTS], rows, cid)
+            atomic_write_text(results_path, frames[RESULTS].to_csv(index=False))
+        elapsed = time.perf_counter() - start
+        if not_reproduced:
+            print(
+                f"warning: {len(not_reproduced)} configurations rerun to fill "
+                f"{', '.join(tables)} did not reproduce their rows in {results_path} (kept): "
+                + ", ".join(not_reproduced[:10])
+                + (" ..." if len(not_reproduced) > 10 else ""),
+                file=sys.stderr,
+            )
 
-    result = _current(_read_results(results_path), ids)
-    extra = {t: _current(_read_results(paths[t]), ids) for t in tables}
-    written = [results_path, *(paths[t] for t in tables if paths[t].is_file())]
-    figures = getattr(module, "figures", None)
-    args = (result, params, extra) if tables else (result, params)
-    if callable(figures) and not result.empty:
-        written += _save_figures(figures(*args), out_dir)
-    summary = ""
-    if callable(getattr(module, "summarize", None)) and not result.empty:
-        summary = module.summarize(*args)
-    doc = " ".join((module.__doc__ or name).strip().split("\n\n")[0].split())
-    text = f"# {name} ({'quick' if quick else 'full'}, {device})\n\n{doc}\n\n{summary}\n"
-    figs = [p.name for p in written if p.suffix == ".png"]
-    if figs:
-        text += "\n" + "\n".join(f"![{Path(f).stem}]({f})" for f in figs) + "\n"
-    options = (
-        (["--force"] if force else [])
-        + (["--fill-tables"] if fill_tables else [])
-        + [f"--only {shlex.quote(f'{k}={v}')}" for k, v in only.items()]
-    )
-    # Rows kept from earlier runs keep those runs' lines; this run adds one if it computed.
-    lines = _provenance_lines(out_dir / SUMMARY_FILE) if done & set(ids) else []
-    if todo or not lines:
-        verb = "Written" if todo else "Summarized (nothing computed)"
-        lines.append(provenance(name, quick, device, options=" ".join(options), verb=verb))
-    text += "\n" + "\n\n".join(lines) + "\n"
-    atomic_write_text(out_dir / SUMMARY_FILE, text)
-    written.append(out_dir / SUMMARY_FILE)
-    if verbose:
-        print(text)
-        print(f"ran {len(todo)} configurations in {elapsed:.1f} s; wrote:", file=sys.stderr)
-        for p in written:
-            print(f"  {p}", file=sys.stderr)
-    return result
+        result = _current(_read_results(results_path), ids)
+        extra = {t: _current(_read_results(paths[t]), ids) for t in tables}
+        written = [results_path, *(paths[t] for t in tables if paths[t].is_file())]
+        figures = getattr(module, "figures", None)
+        args = (result, params, extra) if tables else (result, params)
+        if callable(figures) and not result.empty:
+            written += _save_figures(figures(*args), out_dir)
+        summary = ""
+        if callable(getattr(module, "summarize", None)) and not result.empty:
+            summary = module.summarize(*args)
+        doc = " ".join((module.__doc__ or name).strip().split("\n\n")[0].split())
+        text = f"# {name} ({'quick' if quick else 'full'}, {device})\n\n{doc}\n\n{summary}\n"
+        figs = [p.name for p in written if p.suffix == ".png"]
+        if figs:
+            text += "\n" + "\n".join(f"![{Path(f).stem}]({f})" for f in figs) + "\n"
+        options = (
+            (["--force"] if force else [])
+            + (["--fill-tables"] if fill_tables else [])
+            + [f"--only {shlex.quote(f'{k}={v}')}" for k, v in only.items()]
+        )
+        # Rows kept from earlier runs keep those runs' lines; this run adds one if it computed.
+        lines = _provenance_lines(out_dir / SUMMARY_FILE) if done & set(ids) else []
+        if todo or not lines:
+            verb = "Written" if todo else "Summarized (nothing computed)"
+            lines.append(provenance(name, quick, device, options=" ".join(options), verb=verb))
+        text += "\n" + "\n\n".join(lines) + "\n"
+        atomic_write_text(out_dir / SUMMARY_FILE, text)
+        written.append(out_dir / SUMMARY_FILE)
+        if verbose:
+            print(text)
+            print(f"ran {len(todo)} configurations in {elapsed:.1f} s; wrote:", file=sys.stderr)
+            for p in written:
+                print(f"  {p}", file=sys.stderr)
+        return result
 
 
 def _provenance_lines(summary: Path) -> list[str]:
@@ -465,7 +469,9 @@ def load_results(
     ``fill_tables=True``, so finished configurations get their rows too) and writes its
     outputs there.
 
-    The quick and the full run share the file, so rows of one size come back: where rows
+    Rows of configurations the study no longer has (its config was edited since) are left
+    out, with a warning. The quick and the full run share the file, so rows of one size
+    come back: where rows
     only the quick and rows only the full size has are both there, those of ``quick``'s
     size. Rows of several devices raise a ValueError unless ``device`` picks one (their
     timings are not to be averaged together)."""
@@ -488,7 +494,8 @@ def load_results(
 def _one_run(
     frame: pd.DataFrame, name: str, quick: bool, device: str | None, path: Path
 ) -> pd.DataFrame:
-    """The rows of one size (``quick``'s where both sizes are there) and one device."""
+    """The rows of the current configurations (a warning says how many others were left
+    out), of one size (``quick``'s where both sizes are there) and one device."""
     if "config_id" not in frame or frame.empty:
         return frame
     module = load_study(name)
@@ -497,6 +504,16 @@ def _one_run(
         for q in (True, False)
     }
     has = {q: frame["config_id"].isin(ids[q]) for q in (True, False)}
+    current = has[True] | has[False]
+    if not current.all():  # rows of configurations the study no longer has (edited config)
+        warnings.warn(
+            f"{path}: left out {int((~current).sum())} rows of configurations that study "
+            f"{name!r} no longer has (its config changed); rerun it to replace them",
+            UserWarning,
+            stacklevel=3,
+        )
+        frame = frame[current]
+        has = {q: h[current] for q, h in has.items()}
     if (has[True] & ~has[False]).any() and (has[False] & ~has[True]).any():  # both runs
         frame = frame[has[quick]]  # (configurations the sizes share are the same rows)
     if "device" in frame:
