@@ -292,9 +292,47 @@ def test_quick_approximation_reproduces_performer(tmp_path):
         for col in means:  # MSE falls with R
             assert means[col].is_monotonic_decreasing, (metric, means)
         assert (means[True] < means[False]).all(), (metric, means)  # orthogonal beats iid
-    assert (tmp_path / "summary.md").read_text().count("smallest R") >= 1
+    summary = (tmp_path / "summary.md").read_text()
+    assert summary.count("smallest R") >= 1
+    verdict = study.load_study("approximation").performer_verdict(frame).iloc[0]
+    assert verdict["MSE falls with R"] == "yes"
+    assert verdict["orthogonal vs iid, per R"] == "7 lower (of 7)", verdict
     assert list(tmp_path.glob("performer_attention_mse.png"))
     assert set(frame[frame.part == "maps"]["map"]) >= {"elu", "favor"}
+
+
+def _performer_frame(ratio: float, spread: float, seeds: int = 40) -> pd.DataFrame:
+    """Performer rows whose MSE is c/R·(heavy-tailed noise), orthogonal = ratio × iid in
+    distribution but drawn independently of it."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for r in (16, 64, 256):
+        for seed in range(seeds):
+            for orth in (False, True):
+                noise = float(np.exp(spread * rng.standard_normal()))
+                value = (ratio if orth else 1.0) * noise / r
+                for method, v in (("favor", value), ("uniform", 1.0)):
+                    rows.append(
+                        {"part": "performer", "metric": "attention_mse", "method": method,
+                         "map": "favor", "head_dim": 8, "std": 0.5, "num_features": r,
+                         "orthogonal": orth, "seed": seed, "value": v}
+                    )  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def test_performer_verdict_reports_noise_as_unresolved():
+    """It compared means of 10 heavy-tailed MSEs and printed a flat yes/no: iid and
+    orthogonal drawn from one distribution read as "orthogonal < iid at every R: no"."""
+    verdict = study.load_study("approximation").performer_verdict
+    same = verdict(_performer_frame(ratio=1.0, spread=2.0)).iloc[0]
+    assert same["orthogonal vs iid, per R"] == "3 not resolved (of 3)", same
+    assert same["MSE falls with R"] == "yes"  # the 1/R trend stands out of the noise
+    better = verdict(_performer_frame(ratio=0.5, spread=0.1)).iloc[0]
+    assert better["orthogonal vs iid, per R"] == "3 lower (of 3)", better
+    slope = float(better["slope, iid"].split()[0])
+    assert slope == pytest.approx(-1.0, abs=0.05)
 
 
 def _shrunk(name: str, **changes) -> tuple[object, list[dict]]:
@@ -365,6 +403,49 @@ def test_load_results_reads_or_runs_the_study(toy_studies, monkeypatch):
     assert sorted(full.value) == [1.0, 4.0, 9.0, 16.0]
     with pytest.raises(ValueError, match="unknown study"):
         study.load_results("nope")
+
+
+def test_load_results_leaves_out_rows_of_an_edited_config(toy_studies, monkeypatch):
+    """After the config changed, the old configurations' rows stay in results.csv (a rerun
+    keeps them); load_results returned them mixed with the current ones, silently."""
+    monkeypatch.setenv(study.ENV_RESULTS_DIR, "res")
+    study.run_study("toy", out=toy_studies / "res" / "toy", verbose=False)  # xs 1..4
+    toml = toy_studies / "studies" / "toy.toml"
+    toml.write_text("[full]\nxs = [5, 6, 7, 8]\n\n[quick]\nxs = [5]\n")
+    study.run_study("toy", out=toy_studies / "res" / "toy", verbose=False)
+    assert len(pd.read_csv(toy_studies / "res" / "toy" / "results.csv")) == 8
+    with pytest.warns(UserWarning, match="left out 4 rows of configurations that study 'toy'"):
+        frame = study.load_results("toy", quick=False)
+    assert sorted(frame.value) == [25.0, 36.0, 49.0, 64.0]
+
+
+def test_a_second_run_into_the_same_out_is_refused(toy_studies):
+    """Two runs into one --out each rewrote results.csv from their own copy: 3 of 6 rows
+    were lost when two halves of a study ran at once."""
+    from kernelstudy.files import FolderBusy, exclusive_folder
+
+    out = toy_studies / "out"
+    out.mkdir()
+    with exclusive_folder(out, "a test"):  # as another process's run holds it
+        script = (
+            "import sys; from kernelstudy import study; "
+            f"sys.exit(study.main('toy', ['--out', {str(out)!r}]))"
+        )
+        import os
+        import subprocess
+        import sys
+
+        env = {**os.environ, study.ENV_STUDIES_DIR: str(toy_studies / "studies")}
+        proc = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True
+        )
+        assert proc.returncode == 1, proc.stderr
+        assert "another process is running study toy in" in proc.stderr
+        assert not (out / "results.csv").exists()
+        with pytest.raises(FolderBusy), exclusive_folder(out, "a test"):
+            pass  # flock is per open file: a second open in this process is refused too
+    frame = study.run_study("toy", out=out, verbose=False)  # free again
+    assert len(frame) == 4
 
 
 RANK_TOY_TOML = """
