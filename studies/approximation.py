@@ -3,6 +3,9 @@ registered feature map at a matched feature dimension, against the uniform-atten
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import pandas as pd
 import torch
 
@@ -121,8 +124,30 @@ def _mean_sd(values: pd.Series) -> str:
     )
 
 
+def _paired_log_ratios(group: pd.DataFrame) -> pd.Series:
+    """Per seed, log(orthogonal MSE / iid MSE): the two share the seed's data, so the pair
+    cancels most of the data's variance (the MSE is heavy-tailed: one iid draw in hundreds
+    lands 10⁹ above the median, which decides a mean over 10 seeds)."""
+    maps = group[group["method"] != "uniform"]
+    orthogonal = maps["orthogonal"].astype(str) == "True"
+    iid = maps[~orthogonal].groupby("seed")["value"].mean()
+    orth = maps[orthogonal].groupby("seed")["value"].mean()
+    both = iid.index.intersection(orth.index)
+    ratio = orth[both] / iid[both]
+    return np.log(ratio[(ratio > 0) & np.isfinite(ratio)])
+
+
+def _interval(d: pd.Series) -> tuple[float, float, float]:
+    """Mean of ``d`` and its ~95% interval (± 2 standard errors); NaN bounds below 2 values."""
+    if len(d) < 2:
+        return float(d.mean()), math.nan, math.nan
+    half = 2 * d.std(ddof=1) / math.sqrt(len(d))
+    return float(d.mean()), float(d.mean() - half), float(d.mean() + half)
+
+
 def performer_table(frame: pd.DataFrame, metric: str = "attention_mse") -> pd.DataFrame:
-    """Per (map, D, std, R): iid and orthogonal mean ± sd over seeds, their ratio, uniform."""
+    """Per (map, D, std, R): iid and orthogonal mean ± sd over seeds, uniform's MSE, and the
+    paired ratio orth/iid: the geometric mean over seeds with its ~95% interval."""
     perf = frame[(frame["part"] == "performer") & (frame["metric"] == metric)]
     rows = []
     keys = ["map", "head_dim", "std", "num_features"]
@@ -131,15 +156,19 @@ def performer_table(frame: pd.DataFrame, metric: str = "attention_mse") -> pd.Da
         uniform = group[group["method"] == "uniform"]["value"].mean()
         orthogonal = maps["orthogonal"].astype(str) == "True"
         iid, orth = maps[~orthogonal]["value"], maps[orthogonal]["value"]
+        mean, lo, hi = _interval(_paired_log_ratios(group))
         row = dict(zip(keys, key, strict=True))
         row.update(
             {
                 "iid": _mean_sd(iid),
                 "orthogonal": _mean_sd(orth),
-                "orth/iid": orth.mean() / iid.mean(),
+                "orth/iid": f"{math.exp(mean):.3g} [{math.exp(lo):.3g}, {math.exp(hi):.3g}]",
                 "uniform": uniform,
                 "iid_mean": iid.mean(),
                 "orth_mean": orth.mean(),
+                "log_ratio": mean,
+                "log_ratio_lo": lo,
+                "log_ratio_hi": hi,
             }
         )
         rows.append(row)
@@ -187,23 +216,64 @@ def maps_table(frame: pd.DataFrame) -> pd.DataFrame:
     return table[["std", "method", "stage", "F", *metrics, "beats uniform (KL)"]]
 
 
-def performer_verdict(table: pd.DataFrame) -> pd.DataFrame:
-    """Per (map, D, std): does the mean MSE fall with R, and is orthogonal below iid at every R?"""
+def _slope(group: pd.DataFrame) -> tuple[float, float, float]:
+    """Least-squares slope of log MSE on log R over every seed, with its ~95% interval
+    (± 2 standard errors; the Performer bound gives −1)."""
+    x, y = np.log(group["num_features"].astype(float)), np.log(group["value"].astype(float))
+    keep = np.isfinite(y)
+    x, y = x[keep], y[keep]
+    if len(x) < 3 or x.nunique() < 2:
+        return math.nan, math.nan, math.nan
+    xc = x - x.mean()
+    slope = float((xc * (y - y.mean())).sum() / (xc**2).sum())
+    resid = y - y.mean() - slope * xc
+    se = math.sqrt(float((resid**2).sum()) / (len(x) - 2) / float((xc**2).sum()))
+    return slope, slope - 2 * se, slope + 2 * se
+
+
+def _sign(lo: float, hi: float, below: str, above: str) -> str:
+    """``below`` when the interval lies under 0, ``above`` when over it, else unresolved."""
+    if hi < 0:
+        return below
+    if lo > 0:
+        return above
+    return "not resolved"
+
+
+def performer_verdict(frame: pd.DataFrame, metric: str = "attention_mse") -> pd.DataFrame:
+    """Per (map, D, std): does the MSE fall with R (the log-log slope over every seed, iid
+    and orthogonal), and at how many R is orthogonal below iid, above it, or neither, by
+    the paired per-seed log ratio's ~95% interval."""
+    perf = frame[(frame["part"] == "performer") & (frame["metric"] == metric)]
+    perf = perf[perf["method"] != "uniform"]
+    table = performer_table(frame, metric)
     rows = []
-    for (name, d, std), g in table.groupby(["map", "head_dim", "std"]):
-        g = g.sort_values("num_features")
-        falls = g["iid_mean"].is_monotonic_decreasing and g["orth_mean"].is_monotonic_decreasing
-        below = bool((g["orth_mean"] < g["iid_mean"]).all())
-        rows.append(
-            {
-                "map": name,
-                "D": d,
-                "std": std,
-                "MSE falls with R": "yes" if falls else "no",
-                "orthogonal < iid at every R": "yes" if below else "no",
-                "mean orth/iid": (g["orth_mean"] / g["iid_mean"]).mean(),
-            }
+    for (name, d, std), group in perf.groupby(["map", "head_dim", "std"]):
+        row: dict = {"map": name, "D": d, "std": std}
+        falls = []
+        for label, orth in (("iid", False), ("orthogonal", True)):
+            slope, lo, hi = _slope(group[(group["orthogonal"].astype(str) == "True") == orth])
+            row[f"slope, {label}"] = f"{slope:.2f} [{lo:.2f}, {hi:.2f}]"
+            falls.append(_sign(lo, hi, "yes", "no (rises)"))
+        row["MSE falls with R"] = (
+            falls[0] if falls[0] == falls[1] else f"{falls[0]} (iid), {falls[1]} (orthogonal)"
         )
+        per_r = table[(table["map"] == name) & (table["head_dim"] == d) & (table["std"] == std)]
+        signs = [
+            _sign(lo, hi, "lower", "higher")
+            for lo, hi in zip(per_r["log_ratio_lo"], per_r["log_ratio_hi"], strict=True)
+        ]
+        row["orthogonal vs iid, per R"] = (
+            ", ".join(
+                f"{signs.count(s)} {s}"
+                for s in ("lower", "higher", "not resolved")
+                if signs.count(s)
+            )
+            + f" (of {len(signs)})"
+        )
+        ratios = np.exp(per_r["log_ratio"])
+        row["orth/iid range"] = f"{ratios.min():.3g}–{ratios.max():.3g}"
+        rows.append(row)
     return pd.DataFrame(rows)
 
 
@@ -220,13 +290,19 @@ def summarize(frame: pd.DataFrame, params: dict) -> str:
         table = performer_table(frame)
         parts.append(
             "## The Performer finding (attention-matrix MSE)\n\n"
-            + markdown_table(performer_verdict(table))
+            "Slope: least squares of log MSE on log R over every seed, [~95% interval] "
+            "(± 2 SE; the Performer bound gives −1). Orthogonal vs iid: at each R, the "
+            "geometric mean over seeds of the paired ratio orth/iid (same data per seed); "
+            "lower or higher where its ~95% interval excludes 1. The MSE is heavy-tailed, so "
+            "means of a few seeds, shown below, can disagree with these.\n\n"
+            + markdown_table(performer_verdict(frame))
         )
         show = table[["map", "head_dim", "std", "num_features", "iid", "orthogonal", "orth/iid"]]
         show = show.rename(columns={"head_dim": "D", "num_features": "R"})
         parts.append(
             "## Attention-matrix MSE vs number of random features R (mean ± sd over "
-            f"{params['seeds']} seeds, N={params['seq_len']})\n\n" + markdown_table(show)
+            f"{params['seeds']} seeds, N={params['seq_len']}; orth/iid: paired geometric "
+            "mean [~95% interval])\n\n" + markdown_table(show)
         )
         ktable = performer_table(frame, "kernel_mse")
         if not ktable.empty:

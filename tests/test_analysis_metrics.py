@@ -58,6 +58,19 @@ def test_exact_map_has_zero_error_and_uniform_does_not(causal):
     assert frame.feature_dim.iloc[0] == 9
 
 
+def test_no_kernel_mse_while_a_stabilizer_rescales_the_features():
+    """FAVOR+ with its stabilizer on reported a kernel MSE of 7852 for a kernel it estimates
+    to 1e-1 with the stabilizer off: the rescaled φ is not the kernel's."""
+    q, k = ks.analysis.gaussian_qk(16, 8, std=1.0, seed=3)
+    metrics = {}
+    for stabilize in (False, True):
+        fm = ks.create_feature_map("favor", head_dim=8, num_features=32, stabilize=stabilize)
+        frame = ks.analysis.approximation_error(fm, q, k)
+        metrics[stabilize] = set(frame[frame.kind == "map"].metric)
+    assert metrics[False] == {"kernel_mse", "attention_mse", "attention_kl"}
+    assert metrics[True] == {"attention_mse", "attention_kl"}
+
+
 def test_attention_metrics_without_kernel_and_with_padding():
     q, k = ks.analysis.gaussian_qk(16, 8, std=1.0, batch=2, seed=3)
     mask = torch.ones(2, 16, dtype=torch.bool)

@@ -4,8 +4,8 @@ Metrics (all against exact softmax attention, on the entries each query may see)
 
 - ``kernel_mse``: mean of ``(φq_i·φk_j − exp(q_i·k_j/√D))²``, the error on the
   unnormalized softmax kernel; only for maps that estimate a kernel (they have a
-  ``kernel`` method; a stabilizer such as FAVOR's ``stabilize`` rescales φ and must
-  be off for this metric to mean anything).
+  ``kernel`` method, and not reported while a stabilizer such as FAVOR's ``stabilize``
+  rescales φ: it must be off for this metric to mean anything).
 - ``attention_mse``: mean squared difference of the row-normalized matrices.
 - ``attention_kl``: mean over rows of ``KL(softmax row ‖ kernel row)`` in nats (NaN
   when a kernel row has negative entries, e.g. the identity map).
@@ -176,7 +176,7 @@ def approximation_error(
         scores = kernel_scores(q64, k64, fm, key_padding_mask)  # in float64: exact metrics
         a_hat = normalize_rows(scores, allowed, eps)
         metrics: dict[str, float] = {}
-        if callable(getattr(fm, "kernel", None)):
+        if callable(getattr(fm, "kernel", None)) and not fm.keys_need_sequence:
             exact = softmax_kernel(q64, k64)
             metrics["kernel_mse"] = _masked_mean((scores - exact) ** 2, allowed)
         metrics.update(_attention_metrics(a_soft, a_hat, allowed, v64, out_soft))
