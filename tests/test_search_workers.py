@@ -275,21 +275,27 @@ def test_ctrl_c_fails_the_workers_running_trials_at_once(tmp_path):
     url, name = f"sqlite:///{tmp_path / 'study.db'}", "ctrl-c"
     study = open_study(url, name)  # the default heartbeat: stale only after minutes
 
+    done = threading.Event()
+
     def interrupt_when_both_run() -> None:
         deadline = time.time() + 60
-        while time.time() < deadline:
+        while time.time() < deadline and not done.is_set():
             running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
             if len(running) == 2 and all("x" in t.params for t in running):
                 break
             time.sleep(0.2)
-        os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C: the parent raises KeyboardInterrupt
+        if not done.is_set():
+            os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C: the parent raises KeyboardInterrupt
 
     watcher = threading.Thread(target=interrupt_when_both_run)
     watcher.start()
     start = time.time()
-    with pytest.raises(KeyboardInterrupt):
-        run_workers(url, name, hanging_objective, trials=2, workers=2)
-    watcher.join()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_workers(url, name, hanging_objective, trials=2, workers=2)
+    finally:
+        done.set()  # a failure above must not leave a SIGINT on its way to pytest
+        watcher.join()
     assert time.time() - start < 90
     states = [t.state for t in study.get_trials(deepcopy=False)]
     assert states == [TrialState.FAIL, TrialState.FAIL]
@@ -298,3 +304,37 @@ def test_ctrl_c_fails_the_workers_running_trials_at_once(tmp_path):
     run_workers(url, name, quick_objective, trials=2, workers=1)
     complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     assert {t.params["x"] for t in complete} == failed
+
+
+def test_a_stop_that_arrives_while_optuna_saves_a_result_waits_for_the_save(tmp_path, monkeypatch):
+    """The parent's SIGTERM raised inside Optuna's final save of a trial: Optuna's cleanup
+    failed with an UnboundLocalError traceback, the worker exited 1, the trial stayed
+    RUNNING. The stop now waits for the save and the worker exits 130."""
+    import signal
+
+    from kernelstudy.search import workers
+
+    url, name = f"sqlite:///{tmp_path / 'study.db'}", "stop-in-save"
+    open_study(url, name)
+    storage = optuna.storages.RDBStorage
+    real = storage.set_trial_state_values
+
+    def save_and_get_stopped(self, trial_id, state, values=None):
+        if state != TrialState.RUNNING:  # the save at the end of the trial
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(self, trial_id, state, values)
+
+    monkeypatch.setattr(storage, "set_trial_state_values", save_and_get_stopped)
+    monkeypatch.setattr(workers._StopRequest, "requested", False)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    verbosity = optuna.logging.get_verbosity()
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            workers._quiet_worker(url, name, quick_objective, 3, "median", 0)
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+        optuna.logging.set_verbosity(verbosity)
+    assert stopped.value.code == workers.STOPPED_EXIT_CODE
+    states = [t.state for t in open_study(url, name).get_trials(deepcopy=False)]
+    assert states == [TrialState.COMPLETE]  # saved, and no second trial was started

@@ -240,8 +240,8 @@ def _worker(
     while True:
         try:
             study.optimize(
-                skip_duplicates(record_failures(objective)),
-                callbacks=[stop],
+                _StopRequest.wrap(skip_duplicates(record_failures(objective))),
+                callbacks=[stop, _StopRequest.callback],
                 catch=TRIAL_ERRORS,
             )
             break
@@ -262,21 +262,59 @@ STOP_TIMEOUT = 30.0
 STOPPED_EXIT_CODE = 130
 
 
-def _stop(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
+class _StopRequest:
+    """A worker's SIGTERM: it interrupts the objective at once (Optuna then marks the trial
+    failed); arriving elsewhere (Optuna saving a result, sampling) it waits for the end of
+    that step, since an interrupt inside Optuna's own storage calls left the trial RUNNING
+    and failed with an UnboundLocalError traceback."""
+
+    requested = False
+    in_objective = False
+
+    @classmethod
+    def handle(cls, signum: int, frame: FrameType | None) -> None:
+        cls.requested = True
+        optuna.logging.set_verbosity(optuna.logging.ERROR)  # no "trial failed" traceback
+        if cls.in_objective:
+            raise KeyboardInterrupt
+
+    @classmethod
+    def wrap(cls, objective: Callable[[optuna.Trial], float]) -> Callable[[optuna.Trial], float]:
+        """``objective`` that a stop request interrupts (or does not start)."""
+
+        @functools.wraps(objective)
+        def run(trial: optuna.Trial) -> float:
+            if cls.requested:
+                raise KeyboardInterrupt
+            cls.in_objective = True
+            try:
+                return objective(trial)
+            finally:
+                cls.in_objective = False
+
+        return run
+
+    @classmethod
+    def callback(cls, study: optuna.Study, trial: FrozenTrial) -> None:
+        """Optuna callback: stop the study after a trial once a stop was requested."""
+        if cls.requested:
+            study.stop()
 
 
 def _quiet_worker(*args: Any) -> None:
     """:func:`_worker` in a child process that ignores Ctrl-C (which reaches the whole
     process group: each worker printed two tracebacks). The parent stops the workers with
-    SIGTERM and reports the interruption once; a worker takes SIGTERM as an interrupt, so
-    Optuna marks its running trial failed at once (a resumed search re-runs it) instead of
-    leaving it RUNNING until its heartbeat goes stale."""
+    SIGTERM and reports the interruption once; a worker takes SIGTERM as a stop request
+    (:class:`_StopRequest`), so Optuna marks its running trial failed at once (a resumed
+    search re-runs it) instead of leaving it RUNNING until its heartbeat goes stale."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGTERM, _StopRequest.handle)
     try:
         _worker(*args)
     except KeyboardInterrupt:
+        if not _StopRequest.requested:
+            raise
+    if _StopRequest.requested:
         sys.exit(STOPPED_EXIT_CODE)
 
 
@@ -318,15 +356,16 @@ def run_workers(
         )
         for i in range(workers)
     ]
-    for p in procs:
-        p.start()
     try:
+        for p in procs:
+            p.start()
         for p in procs:
             p.join()
     except KeyboardInterrupt:
-        for p in procs:
+        started = [p for p in procs if p.pid is not None]
+        for p in started:
             p.terminate()  # SIGTERM: each worker fails its running trial and exits
-        for p in procs:
+        for p in started:
             p.join(timeout=STOP_TIMEOUT)
             if p.is_alive():  # stuck (e.g. in a storage call): its trial goes stale instead
                 p.kill()
