@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import tempfile
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -103,6 +104,14 @@ def exclusive_folder(folder: str | os.PathLike, what: str) -> Iterator[None]:
                 f"another process is running {what} in {folder} (it holds {path}); wait for "
                 "it to end, or give another --out"
             ) from None
+        except OSError as err:  # a file system without locks (some network mounts)
+            warnings.warn(
+                f"cannot lock {path} ({err.strerror}): nothing keeps a second run out of {folder}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            yield
+            return
         try:
             yield
         finally:

@@ -284,17 +284,12 @@ def run_study(
                 f"only: no configuration of study {name!r} has {only}; values: "
                 + "; ".join(f"{k} in {', '.join(map(repr, v))}" for k, v in values.items())
             )
-    frames = {t: _read_results(path) for t, path in paths.items()}
-    held = set(frames[RESULTS].get("study", pd.Series(dtype=object)).dropna()) - {name}
-    if held:  # appending would mix the studies and overwrite the other's summary
-        raise ValueError(
-            f"{out_dir} holds results of study {sorted(held)[0]!r}, not {name!r}: "
-            "give another --out"
-        )
+    _check_held(_read_results(results_path), name, out_dir)  # before making the folder
     out_dir.mkdir(parents=True, exist_ok=True)
     with exclusive_folder(out_dir, f"study {name}"):
-        # read again under the lock: a run that ended meanwhile may have added rows
+        # read (and check) again under the lock: a run that ended meanwhile may have written
         frames = {t: _read_results(path) for t, path in paths.items()}
+        _check_held(frames[RESULTS], name, out_dir)
         done = _ids(frames[RESULTS])
         if force and done:  # recompute the selected configurations; keep every other row
             redo = {i for c, i in zip(configs, ids, strict=True) if _matches(c, only)}
@@ -388,6 +383,17 @@ def run_study(
             for p in written:
                 print(f"  {p}", file=sys.stderr)
         return result
+
+
+def _check_held(frame: pd.DataFrame, name: str, out_dir: Path) -> None:
+    """ValueError when ``frame`` holds rows of another study than ``name``: appending would
+    mix the studies and overwrite the other's summary."""
+    held = set(frame.get("study", pd.Series(dtype=object)).dropna()) - {name}
+    if held:
+        raise ValueError(
+            f"{out_dir} holds results of study {sorted(held)[0]!r}, not {name!r}: "
+            "give another --out"
+        )
 
 
 def _provenance_lines(summary: Path) -> list[str]:
@@ -499,10 +505,14 @@ def _one_run(
     if "config_id" not in frame or frame.empty:
         return frame
     module = load_study(name)
-    ids = {
-        q: {config_id(c, d) for c in module.configs(load_params(name, q)) for d in DEVICES}
-        for q in (True, False)
-    }
+    device_of = {}  # config_id → device (extra tables have no device column)
+    ids: dict[bool, set[str]] = {True: set(), False: set()}
+    for q in (True, False):
+        for c in module.configs(load_params(name, q)):
+            for d in DEVICES:
+                cid = config_id(c, d)
+                ids[q].add(cid)
+                device_of[cid] = d
     has = {q: frame["config_id"].isin(ids[q]) for q in (True, False)}
     current = has[True] | has[False]
     if not current.all():  # rows of configurations the study no longer has (edited config)
@@ -517,11 +527,14 @@ def _one_run(
     if (has[True] & ~has[False]).any() and (has[False] & ~has[True]).any():  # both runs
         frame = frame[has[quick]]  # (configurations the sizes share are the same rows)
     if "device" in frame:
-        devices = sorted(set(frame["device"].astype(str)))
-        if device is not None:
-            frame = frame[frame["device"].astype(str) == device]
-        elif len(devices) > 1:
-            raise ValueError(f"{path} holds results of devices {devices}: pass device= to pick one")
+        row_device = frame["device"].astype(str)
+    else:  # an extra table: the device is the one its config_id was made for
+        row_device = frame["config_id"].map(device_of).astype(str)
+    devices = sorted(set(row_device))
+    if device is not None:
+        frame = frame[row_device == device]
+    elif len(devices) > 1:
+        raise ValueError(f"{path} holds results of devices {devices}: pass device= to pick one")
     return frame.reset_index(drop=True)
 
 
@@ -537,6 +550,15 @@ def _save_figures(figures: dict[str, Any], out_dir: Path) -> list[Path]:
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def check_names(key: str, names: Sequence[str], known: Sequence[str]) -> list[str]:
+    """The names of config entry ``key`` as a list, else ValueError naming ``key`` and each
+    unknown one (a mistyped map used to drop out of a study without a word)."""
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"{key}: unknown name(s) {unknown}; known: {', '.join(map(str, known))}")
+    return list(names)
 
 
 def not_run_section(title: str, part: str) -> str:

@@ -10,7 +10,7 @@ import pandas as pd
 import torch
 
 import kernelstudy as ks
-from kernelstudy.study import main, markdown_table, not_run_section
+from kernelstudy.study import check_names, main, markdown_table, not_run_section
 
 PERFORMER_METRICS = ("kernel_mse", "attention_mse")
 
@@ -19,9 +19,9 @@ def configs(params: dict) -> list[dict]:
     """Part "performer": one config per (map, D, std, R, orthogonal), seeds inside.
     Part "maps": one config per (registered map, std, seed)."""
     out = []
-    for name in params["performer_maps"]:
-        if name not in ks.list_feature_maps():
-            continue
+    maps = ks.list_feature_maps()
+    excluded = check_names("exclude_maps", params["exclude_maps"], maps)
+    for name in check_names("performer_maps", params["performer_maps"], maps):
         for d in params["head_dims"]:
             for std in params["stds"]:
                 for r in params["num_features"]:
@@ -38,8 +38,8 @@ def configs(params: dict) -> list[dict]:
                                 "n": params["seq_len"],
                             }
                         )
-    for name in ks.list_feature_maps():
-        if name in params["exclude_maps"]:
+    for name in maps:
+        if name in excluded:
             continue
         for std in params["map_stds"]:
             for seed in range(params["map_seeds"]):
@@ -117,11 +117,10 @@ def _run_map(config: dict, device: str) -> pd.DataFrame:
 
 
 def _mean_sd(values: pd.Series) -> str:
-    return (
-        f"{values.mean():.3g} ± {values.std(ddof=1):.2g}"
-        if len(values) > 1
-        else f"{values.mean():.3g}"
-    )
+    if len(values) < 2:
+        return f"{values.mean():.3g}"
+    with np.errstate(invalid="ignore"):  # an inf MSE: the sd is NaN
+        return f"{values.mean():.3g} ± {values.std(ddof=1):.2g}"
 
 
 def _paired_log_ratios(group: pd.DataFrame) -> pd.Series:
@@ -133,12 +132,15 @@ def _paired_log_ratios(group: pd.DataFrame) -> pd.Series:
     iid = maps[~orthogonal].groupby("seed")["value"].mean()
     orth = maps[orthogonal].groupby("seed")["value"].mean()
     both = iid.index.intersection(orth.index)
-    ratio = orth[both] / iid[both]
-    return np.log(ratio[(ratio > 0) & np.isfinite(ratio)])
+    with np.errstate(divide="ignore", invalid="ignore"):  # an MSE of 0 or inf: ±inf or NaN
+        return pd.Series(np.log(orth[both].to_numpy()) - np.log(iid[both].to_numpy()), both)
 
 
 def _interval(d: pd.Series) -> tuple[float, float, float]:
-    """Mean of ``d`` and its ~95% interval (± 2 standard errors); NaN bounds below 2 values."""
+    """Mean of ``d`` and its ~95% interval (± 2 standard errors); all NaN where a value is not
+    finite (an MSE of 0 or inf: no interval says which kind is lower), bounds NaN below 2."""
+    if not np.isfinite(d).all():
+        return math.nan, math.nan, math.nan
     if len(d) < 2:
         return float(d.mean()), math.nan, math.nan
     half = 2 * d.std(ddof=1) / math.sqrt(len(d))
@@ -156,13 +158,17 @@ def performer_table(frame: pd.DataFrame, metric: str = "attention_mse") -> pd.Da
         uniform = group[group["method"] == "uniform"]["value"].mean()
         orthogonal = maps["orthogonal"].astype(str) == "True"
         iid, orth = maps[~orthogonal]["value"], maps[orthogonal]["value"]
-        mean, lo, hi = _interval(_paired_log_ratios(group))
+        ratios = _paired_log_ratios(group)
+        mean, lo, hi = _interval(ratios)
+        paired = f"{math.exp(mean):.3g} [{math.exp(lo):.3g}, {math.exp(hi):.3g}]"
+        if not np.isfinite(ratios).all():
+            paired = f"– ({int((~np.isfinite(ratios)).sum())} seeds with an MSE of 0 or inf)"
         row = dict(zip(keys, key, strict=True))
         row.update(
             {
                 "iid": _mean_sd(iid),
                 "orthogonal": _mean_sd(orth),
-                "orth/iid": f"{math.exp(mean):.3g} [{math.exp(lo):.3g}, {math.exp(hi):.3g}]",
+                "orth/iid": paired,
                 "uniform": uniform,
                 "iid_mean": iid.mean(),
                 "orth_mean": orth.mean(),

@@ -26,7 +26,7 @@ import pandas as pd
 import torch
 
 import kernelstudy as ks
-from kernelstudy.study import main, markdown_table, not_run_section
+from kernelstudy.study import check_names, main, markdown_table, not_run_section
 from kernelstudy.tasks import CopyTask
 from kernelstudy.train.trainer import TrainConfig, Trainer
 
@@ -35,7 +35,8 @@ TABLES = ("spectra",)  # spectra.csv beside results.csv
 
 
 def _maps(params: dict) -> list[str]:
-    return [m for m in ks.list_feature_maps() if m not in params["exclude_maps"]]
+    excluded = check_names("exclude_maps", params["exclude_maps"], ks.list_feature_maps())
+    return [m for m in ks.list_feature_maps() if m not in excluded]
 
 
 def configs(params: dict) -> list[dict]:
@@ -113,8 +114,7 @@ def _copy_configs(params: dict) -> list[dict]:
             "seed": seed,
             **{k: v for k, v in c.items() if k not in ("models", "seeds")},
         }
-        for name in c["models"]
-        if name in known
+        for name in check_names("copy.models", c["models"], known)
         for seed in range(c["seeds"])
     ]
 

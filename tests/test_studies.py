@@ -333,6 +333,14 @@ def test_performer_verdict_reports_noise_as_unresolved():
     assert better["orthogonal vs iid, per R"] == "3 lower (of 3)", better
     slope = float(better["slope, iid"].split()[0])
     assert slope == pytest.approx(-1.0, abs=0.05)
+    # A seed whose orthogonal MSE is inf was dropped, leaving "lower" from the others.
+    frame = _performer_frame(ratio=0.5, spread=0.1)
+    blown = (frame.orthogonal == True) & (frame.seed < 4) & (frame.method == "favor")  # noqa: E712
+    frame.loc[blown & (frame.num_features == 64), "value"] = float("inf")
+    row = verdict(frame).iloc[0]
+    assert row["orthogonal vs iid, per R"] == "2 lower, 1 not resolved (of 3)", row
+    table = study.load_study("approximation").performer_table(frame)
+    assert table.set_index("num_features").loc[64, "orth/iid"].startswith("– (4 seeds")
 
 
 def _shrunk(name: str, **changes) -> tuple[object, list[dict]]:
@@ -616,3 +624,66 @@ def test_load_results_gives_one_size_and_one_device(toy_studies, monkeypatch):
     with pytest.raises(ValueError, match=r"devices \['cpu', 'cuda'\]: pass device="):
         study.load_results("toy", root=root)
     assert len(study.load_results("toy", root=root, device="cpu")) == 1
+
+
+def test_a_mistyped_map_in_a_study_config_is_refused():
+    """A map name the registry does not know dropped out of the study without a word."""
+    for name, key, change in [
+        ("approximation", "performer_maps", ["favor", "favour"]),
+        ("approximation", "exclude_maps", ["glu_typo"]),
+        ("rank", "exclude_maps", ["nope"]),
+    ]:
+        params = {**study.load_params(name, quick=True), key: change}
+        with pytest.raises(ValueError, match=f"{key}: unknown name"):
+            study.load_study(name).configs(params)
+    params = study.load_params("speed", quick=True)
+    params["performer"] = {**params["performer"], "feature_map": "favour"}
+    with pytest.raises(ValueError, match="performer.feature_map: unknown name"):
+        study.load_study("speed").configs(params)
+    params = study.load_params("rank", quick=True)
+    params["copy"] = {**params["copy"], "models": ["softmax", "elu+1"]}
+    with pytest.raises(ValueError, match="copy.models: unknown name"):
+        study.load_study("rank").configs(params)
+
+
+def test_load_results_picks_the_device_in_extra_tables_too(toy_studies):
+    """Extra tables have no device column: device='cpu' returned a CUDA run's rows too."""
+    out = toy_studies / "res" / "tabled"
+    study.run_study("tabled", out=out, verbose=False)
+    params = study.load_params("tabled")
+    to_cuda = {
+        study.config_id(c, "cpu"): study.config_id(c, "cuda")
+        for c in study.load_study("tabled").configs(params)
+    }
+    for table, column in (("results", "value"), ("powers", "power")):
+        cpu = pd.read_csv(out / f"{table}.csv", dtype={"config_id": str})
+        cuda = cpu.assign(config_id=cpu["config_id"].map(to_cuda))
+        cuda[column] += 1000
+        if "device" in cuda:
+            cuda["device"] = "cuda"
+        pd.concat([cpu, cuda]).to_csv(out / f"{table}.csv", index=False)
+    root = toy_studies / "res"
+    powers = study.load_results("tabled", root=root, quick=False, table="powers", device="cpu")
+    assert len(powers) == 9 and powers["power"].max() == 27
+    with pytest.raises(ValueError, match="devices \\['cpu', 'cuda'\\]: pass device="):
+        study.load_results("tabled", root=root, quick=False, table="powers")
+
+
+def test_another_studys_rows_written_before_the_lock_is_taken_are_refused(toy_studies, monkeypatch):
+    """The other-study check ran before the lock only: a run of another study that ended
+    in between got this study's rows mixed into its results.csv."""
+    import contextlib
+
+    out, real = toy_studies / "out", study.exclusive_folder
+
+    @contextlib.contextmanager
+    def late(folder, what):
+        if "toy" in what:  # another process's run of 'tabled' ends just before the lock
+            study.run_study("tabled", out=out, verbose=False)
+        with real(folder, what):
+            yield
+
+    monkeypatch.setattr(study, "exclusive_folder", late)
+    with pytest.raises(ValueError, match="holds results of study 'tabled', not 'toy'"):
+        study.run_study("toy", out=out, verbose=False)
+    assert set(pd.read_csv(out / "results.csv")["study"]) == {"tabled"}
