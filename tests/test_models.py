@@ -333,6 +333,13 @@ def test_an_explicit_map_seed_gives_each_layer_its_own_draw():
         )
 
 
+def test_a_softmax_encoder_ignores_a_map_config_seed_in_every_layer():
+    """Layers >= 1 got a seed in their kwargs, which softmax attention refuses."""
+    favor = {"name": "favor", "seed": 3}
+    for n_layers in (1, 2):
+        ks.nn.TransformerEncoder(n_layers, 16, 2, attention="softmax", feature_map=favor)
+
+
 def test_a_state_of_another_batch_or_layer_is_refused_by_name():
     for attention in ("kernel", "softmax"):
         lm = ks.nn.CausalLM(20, attention=attention, **SMALL).eval()

@@ -72,10 +72,14 @@ def layer_map_kwargs(
     feature_map: str | Mapping[str, Any],
     feature_map_kwargs: Mapping[str, Any] | None,
     layer: int,
+    attention: str = "kernel",
 ) -> Mapping[str, Any] | None:
     """``feature_map_kwargs`` for layer ``layer``: an explicit int ``seed`` (in the kwargs or
     the config dict) becomes ``seed + layer``, so layers draw independent features (one seed
-    gave every layer the same projection) and the model stays reproducible."""
+    gave every layer the same projection) and the model stays reproducible. Softmax
+    attention has no map: its kwargs pass unchanged (the layer checks them)."""
+    if attention != "kernel":
+        return feature_map_kwargs
     if feature_map_kwargs is not None and not isinstance(feature_map_kwargs, Mapping):
         return feature_map_kwargs  # the layer refuses it, naming it
     config = feature_map if isinstance(feature_map, Mapping) else {}
@@ -130,7 +134,7 @@ class TransformerEncoder(nn.Module):
                 dropout,
                 attention,
                 feature_map,
-                layer_map_kwargs(feature_map, feature_map_kwargs, i),
+                layer_map_kwargs(feature_map, feature_map_kwargs, i, attention),
                 causal,
                 eps,
                 backend,
