@@ -21,7 +21,9 @@ package or kernel is missing, and a cell is left empty when it runs out of memor
              for fp32, reported as ``sdpa_efficient``), head dimension D = F.
 
 FLOPs counted as in ``benchmarks/core.py``: 4·B·H·N·F·M for a causal linear-attention
-forward, 3× that with the backward; softmax 2·B·H·N²·D causal forward, 2.5× with backward.
+forward, 3× that with the backward; softmax 2·B·H·N²·D causal forward, 3× with backward
+(flash's recomputed scores not counted; CSVs written before 2026-11-24 used 2.5×, so their
+sdpa TFLOP/s are 5/6 of this convention's; their times are unaffected).
 Achieved rates are also given against the GPU's measured dense matmul rate (8192³) of the
 same dtype, measured in the same run.
 
@@ -181,7 +183,7 @@ def with_backward(fn: Callable[[], torch.Tensor], inputs) -> Callable[[], None]:
 def flops(method: str, mode: str, b: int, h: int, n: int, d: int) -> float:
     if method.startswith("sdpa"):
         fwd = 2 * b * h * n * n * d
-        return fwd * (2.5 if mode == "fwd+bwd" else 1)
+        return fwd * (3 if mode == "fwd+bwd" else 1)
     fwd = 4 * b * h * n * d * d
     return fwd * (3 if mode == "fwd+bwd" else 1)
 
@@ -397,6 +399,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.n, args.shapes, args.dims, args.repeats = [1024, 8192], [(8, 16)], [64], 5
     if any(n < 1 for n in args.n) or args.repeats < 1 or args.warmup < 0:
         p.error("--n and --repeats must be positive, --warmup non-negative")
+    if any(d < 1 for d in args.dims):
+        p.error("--dims must be positive")
     if any(blocks < 1 for blocks in args.walk_blocks):
         p.error("--walk-blocks must be positive")
     return args

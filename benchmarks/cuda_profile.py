@@ -60,6 +60,10 @@ def kernel_times(
         for e in prof.key_averages()
         if e.self_device_time_total > 0  # kernels (operators own no device time)
     ]
+    if not rows:  # e.g. a profiler that recorded no device activity
+        raise RuntimeError(
+            f"the profiler recorded no CUDA kernel time for {variant} in {dtype}: nothing to report"
+        )
     frame = pd.DataFrame(rows)
     frame["us_per_call"] = frame.total_us / frame.calls
     frame["calls_per_step"] = frame.calls / steps
@@ -101,7 +105,15 @@ def main(argv: list[str] | None = None) -> int:
     frames = []
     for name in args.dtypes:
         for variant in args.variants:
-            frame = kernel_times(getattr(torch, name), b, h, args.n, args.dim, variant, args.steps)
+            try:
+                frame = kernel_times(
+                    getattr(torch, name), b, h, args.n, args.dim, variant, args.steps
+                )
+            except RuntimeError as err:
+                print(
+                    f"benchmarks/cuda_profile.py: {err}; {args.out} left as it was", file=sys.stderr
+                )
+                return 1
             frames.append(frame.assign(dtype=name, variant=variant))
     result = pd.concat(frames, ignore_index=True).assign(
         B=b,

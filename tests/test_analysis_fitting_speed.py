@@ -402,3 +402,24 @@ def test_plots_return_figures():
         ks.analysis.plots.plot_spectra(spectra.drop(columns="sigma_ratio"))
     for f in (fig, bars, curves, relabelled):
         ks.analysis.plots.close(f)
+
+
+def test_generation_repeats_do_not_hold_the_last_state(monkeypatch):
+    """The previous repeat's state (a whole KV cache) stayed alive through the next repeat,
+    so the CUDA peak counted two of them."""
+    import weakref
+
+    from kernelstudy.analysis import generation
+
+    real, previous, alive = generation.generate, [], []
+
+    def watched(*args, **kwargs):
+        alive.append(any(ref() is not None for ref in previous))
+        tokens, state = real(*args, **kwargs)
+        previous.append(weakref.ref(state))
+        return tokens, state
+
+    monkeypatch.setattr(generation, "generate", watched)
+    lm = tiny_lm("softmax").eval()
+    generation.benchmark_generation({"kv": (lm, "step")}, [4], batch=1, repeats=3, warmup=0)
+    assert alive == [False, False, False]

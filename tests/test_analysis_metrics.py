@@ -295,3 +295,39 @@ def test_capture_qk_returns_each_layers_projections():
     assert q.shape == (3, 2, 10, 8)
     with pytest.raises(ValueError, match="no kernelstudy.nn.KernelAttention"):
         ks.analysis.capture_qk(torch.nn.Linear(3, 3), torch.randn(1, 3))
+
+
+def test_capture_qk_runs_in_eval_mode_and_changes_nothing():
+    """In training mode a redrawing map counted the call and redrew its features, and
+    dropout made two captures of one batch differ."""
+    favor = {"name": "favor", "num_features": 8, "redraw_every": 1, "seed": 0}
+    lm = ks.nn.CausalLM(20, d_model=16, n_heads=2, n_layers=1, dropout=0.1, feature_map=favor)
+    lm.train()
+    fm = lm.encoder.layers[0].attn.feature_map
+    weight = fm.weight.clone()
+    ids = torch.randint(0, 20, (2, 6), generator=torch.Generator().manual_seed(0))
+    first = ks.analysis.capture_qk(lm, ids)
+    second = ks.analysis.capture_qk(lm, ids)
+    assert lm.training and torch.equal(fm.weight, weight)
+    for (q1, k1), (q2, k2) in zip(first.values(), second.values(), strict=True):
+        assert torch.equal(q1, q2) and torch.equal(k1, k2)
+
+
+def test_rank_of_half_precision_matrices_and_numpy_views():
+    """The default tolerance σ_max·max(N,S)·eps is >= σ_max for bfloat16 at N >= 128 (and
+    float16 at N >= 1024): every such matrix had numerical rank 0."""
+    import numpy as np
+
+    for dtype, n in ((torch.bfloat16, 256), (torch.float16, 1024)):
+        assert ks.analysis.attention_rank(torch.eye(n, dtype=dtype))["numerical_rank"] == n
+    low = torch.randn(256, 8, dtype=torch.float64) @ torch.randn(8, 256, dtype=torch.float64)
+    assert ks.analysis.attention_rank(low.to(torch.bfloat16))["numerical_rank"] < 64
+    reversed_view = np.eye(4)[::-1]  # negative strides: torch.from_numpy refused it
+    assert ks.analysis.attention_rank(reversed_view)["numerical_rank"] == 4
+
+
+def test_matched_map_comes_closest_where_blocks_do_not_divide_f():
+    """F = 7 for a map with two blocks per feature gave F = 14."""
+    for name, kwargs in (("favor", {"hyperbolic": True}), ("trig_rf", {})):
+        fm = ks.analysis.matched_feature_map(name, 16, 7, **kwargs)
+        assert abs(fm.feature_dim - 7) <= 1, (name, fm.feature_dim)

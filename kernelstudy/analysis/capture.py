@@ -17,8 +17,10 @@ def capture_qk(model: nn.Module, batch: Any) -> dict[str, tuple[torch.Tensor, to
 
     Forward pre-hooks on each :class:`kernelstudy.nn.KernelAttention` module
     recompute that layer's projections from its input, so nothing in the model
-    changes. ``batch`` is passed as ``model(batch)`` for a tensor, ``model(*batch)``
-    for a tuple/list and ``model(**batch)`` for a dict, keeping only the keys that
+    changes. The model runs in eval mode (no dropout; a redrawing map neither counts the
+    call nor redraws), and its mode is restored afterwards. ``batch`` is passed as
+    ``model(batch)`` for a tensor, ``model(*batch)`` for a tuple/list and
+    ``model(**batch)`` for a dict, keeping only the keys that
     ``model.forward`` takes (so a task batch with ``targets`` or ``label`` works).
 
     Returns:
@@ -43,6 +45,8 @@ def capture_qk(model: nn.Module, batch: Any) -> dict[str, tuple[torch.Tensor, to
         return hook
 
     handles = [m.register_forward_pre_hook(hook_for(n), with_kwargs=True) for n, m in layers]
+    was_training = model.training
+    model.eval()
     try:
         with torch.no_grad():
             if isinstance(batch, torch.Tensor):
@@ -58,6 +62,7 @@ def capture_qk(model: nn.Module, batch: Any) -> dict[str, tuple[torch.Tensor, to
     finally:
         for handle in handles:
             handle.remove()
+        model.train(was_training)
     return captured
 
 

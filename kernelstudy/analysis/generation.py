@@ -170,7 +170,8 @@ def benchmark_generation(
             state_box: list = []
 
             def run(m=model, p=prompt, n=length, md=mode, box=state_box) -> None:
-                box[:] = [generate(m, p, n, md)[1]]
+                box.clear()  # the last repeat's state is not held through this one's peak
+                box.append(generate(m, p, n, md)[1])
 
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)

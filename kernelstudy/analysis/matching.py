@@ -23,8 +23,8 @@ def matched_feature_map(
     """Registered map ``name`` for ``head_dim`` whose F is as close to ``feature_dim`` as it allows.
 
     The first size hyperparameter the map has (one of ``SIZE_KNOBS``) is set so that
-    ``F == feature_dim`` (trying ``feature_dim`` and the divisors 2, 3, 4 for maps
-    with several blocks per feature); maps without one keep their own F (e.g.
+    ``F == feature_dim`` (trying ``feature_dim`` divided by 2, 3 and 4, rounded down and
+    up, for maps with several blocks per feature); maps without one keep their own F (e.g.
     ``elu``: F = D). ``seed`` is passed to maps that take one; other ``kwargs``
     are hyperparameters. Unknown names raise ValueError.
     """
@@ -39,10 +39,15 @@ def matched_feature_map(
         return create_feature_map(name, head_dim=head_dim, **kwargs)
     best: FeatureMap | None = None
     first_error: Exception | None = None
-    for divisor in (1, 2, 3, 4):
-        if feature_dim % divisor:
-            continue
-        size = feature_dim // divisor
+    # F = size × blocks for a map with several blocks per feature: where the divisor does
+    # not divide F, the sizes on either side come closest (F = 7 with 2 blocks: 6 or 8).
+    sizes = dict.fromkeys(
+        size
+        for divisor in (1, 2, 3, 4)
+        for size in (feature_dim // divisor, -(-feature_dim // divisor))
+        if size >= 1
+    )
+    for size in sizes:
         try:
             fm = create_feature_map(name, head_dim=head_dim, **{**kwargs, knob: size})
         except (ValueError, TypeError) as err:

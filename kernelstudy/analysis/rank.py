@@ -4,7 +4,9 @@ Kernel attention ``D⁻¹ φ(Q) φ(K)ᵀ`` with F features has rank ≤ F; softm
 attention is generally full rank. Three measures, from strict to soft:
 
 - numerical rank: number of singular values above ``tol`` (default, as in
-  ``numpy.linalg.matrix_rank``: ``σ_max · max(N, S) · eps(dtype of A)``);
+  ``numpy.linalg.matrix_rank``: ``σ_max · max(N, S) · eps(dtype of A)``; for float16 and
+  bfloat16, whose eps makes that ≥ σ_max from N = 128 or 1024 on, ``σ_max · √max(N, S) ·
+  eps``, the spectral norm of independent roundings of relative size eps);
 - effective rank (Roy & Vetterli 2007): ``exp(H(p))`` with ``p_i = σ_i / Σ σ``;
 - stable rank: ``‖A‖_F² / ‖A‖_2² = Σ σ² / σ_max²``.
 
@@ -29,7 +31,8 @@ def attention_rank(A: torch.Tensor | np.ndarray, tol: float | None = None) -> di
     Args:
         A: the matrix, tensor or array.
         tol: singular values ``> tol`` count toward the numerical rank; None uses
-            ``σ_max · max(N, S) · eps`` of A's dtype (float32 eps for float32 input).
+            ``σ_max · max(N, S) · eps`` of A's dtype (float32 eps for float32 input), and
+            ``σ_max · √max(N, S) · eps`` for float16 and bfloat16 (see the module doc).
 
     Returns:
         ``numerical_rank`` (int), ``tol`` (the tolerance used), ``effective_rank``,
@@ -37,7 +40,7 @@ def attention_rank(A: torch.Tensor | np.ndarray, tol: float | None = None) -> di
         (numpy, descending, ``min(N, S)`` of them).
     """
     if isinstance(A, np.ndarray):
-        A = torch.from_numpy(A)
+        A = torch.from_numpy(np.ascontiguousarray(A))  # a reversed view has negative strides
     if not isinstance(A, torch.Tensor):
         raise TypeError(f"A must be a torch.Tensor or numpy array, got {type(A).__name__}")
     if A.dim() != 2:
@@ -50,7 +53,8 @@ def attention_rank(A: torch.Tensor | np.ndarray, tol: float | None = None) -> di
     sv = torch.linalg.svdvals(A.detach().double().cpu())
     smax = sv[0].item() if sv.numel() else 0.0
     if tol is None:
-        tol = smax * max(A.shape) * eps
+        half = A.dtype in (torch.float16, torch.bfloat16)
+        tol = smax * (max(A.shape) ** 0.5 if half else max(A.shape)) * eps
     else:
         tol = check_real("tol", tol)
     total = sv.sum().item()
