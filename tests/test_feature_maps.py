@@ -213,12 +213,31 @@ def test_a_refused_seed_leaves_the_map_as_it_was(name):
     fm = make(name, seed=0)
     x = randn(1, H, 4, D)
     before = fm(x)
-    with pytest.raises(ValueError, match=r"seed must be <= 18446744073709551615"):
-        fm.redraw(seed=2**64)
+    # torch's CPU generator keeps a seed's low 32 bits: 5 and 5 + 2**32 drew the same
+    # features under two names
+    with pytest.raises(ValueError, match=r"seed must be <= 4294967295"):
+        fm.redraw(seed=2**32)
     assert fm.config()["seed"] == 0
     torch.testing.assert_close(fm(x), before, rtol=0, atol=0)
     torch.testing.assert_close(ks.create_feature_map(fm.config())(x), before, rtol=0, atol=0)
-    assert make(name, seed=2**64 - 1).config()["seed"] == 2**64 - 1
+    assert make(name, seed=2**32 - 1).config()["seed"] == 2**32 - 1
+    with pytest.raises(ValueError, match=r"seed must be <= 4294967295"):
+        make(name, seed=5 + 2**32)
+
+
+def test_a_failed_load_keeps_the_seed_of_the_features_held():
+    """A size mismatch left the old features but took the file's seed, so config() named a
+    map other than the one held."""
+    a = ks.create_feature_map("favor", head_dim=4, num_features=16, seed=1)
+    b = ks.create_feature_map("favor", head_dim=4, num_features=32, seed=7)
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        a.load_state_dict(b.state_dict())
+    state = b.state_dict()
+    del state["weight"]
+    a.load_state_dict(state, strict=False)  # the draw is missing: nothing was loaded
+    x = randn(1, 1, 3, 4)
+    assert a.config()["seed"] == 1
+    torch.testing.assert_close(ks.create_feature_map(a.config())(x), a(x), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("name", NAMES)

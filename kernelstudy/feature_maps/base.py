@@ -78,7 +78,7 @@ SEED = Hyperparameter(
     int,
     None,
     low=0,
-    high=2**64 - 1,  # torch.Generator.manual_seed's range
+    high=2**32 - 1,  # torch's CPU generator keeps only a seed's low 32 bits
     nullable=True,
     search=False,
     doc="seed of the random draws (None: draw one; the config records it)",
@@ -267,12 +267,21 @@ class RandomFeatureMap(FeatureMap):
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
+        before = (self.hparams["seed"], self.calls_since_draw)
+        errors = len(error_msgs)
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
         key = prefix + "_extra_state"
         if key in missing_keys:  # saved before the seed was recorded: allowed
             missing_keys.remove(key)
+        saved = [n for n in self._buffers if n not in self._non_persistent_buffers_set]
+        saved += list(self._parameters)
+        if len(error_msgs) > errors or any(prefix + n in missing_keys for n in saved):
+            # the draw was not loaded (a size mismatch, or missing with strict=False): keep
+            # the seed that names the features still held
+            self.hparams["seed"], self.calls_since_draw = before
+            return
         self.drawn = True  # the buffers hold a saved draw
 
     def maybe_redraw(self, is_query: bool) -> None:

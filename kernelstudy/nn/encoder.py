@@ -86,7 +86,7 @@ def layer_map_kwargs(
     seed = (feature_map_kwargs or {}).get("seed", config.get("seed"))
     if layer == 0 or isinstance(seed, bool) or not isinstance(seed, int):
         return feature_map_kwargs  # None and Generators draw anew for each layer anyway
-    return {**(feature_map_kwargs or {}), "seed": (seed + layer) % 2**64}
+    return {**(feature_map_kwargs or {}), "seed": (seed + layer) % 2**32}  # the seed range
 
 
 class TransformerEncoder(nn.Module):

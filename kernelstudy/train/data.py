@@ -13,9 +13,9 @@ from .checkpoint import get_rng_state, set_rng_state
 
 
 def epoch_seed(seed: int, epoch: int) -> int:
-    """The generator seed of ``epoch``'s data order: one per (seed, epoch), within torch's
-    64-bit range for any seed."""
-    return (seed * 1_000_003 + epoch) % 2**64
+    """The generator seed of ``epoch``'s data order: one per (seed, epoch), in the 32 bits
+    that torch's CPU generator keeps of a seed (a larger one was cut to them anyway)."""
+    return (seed * 1_000_003 + epoch) % 2**32
 
 
 class EpochBatchSampler(Sampler[list[int]]):
