@@ -361,3 +361,29 @@ def test_the_quick_table_is_checked_in_full_mode_too(tmp_path, quick, match):
         with pytest.raises(ValueError, match=match):
             load_config(_write(tmp_path, text), quick=mode)
     assert load_config(_write(tmp_path, GOOD)).name == "tiny"
+
+
+def test_messages_hide_a_password_in_the_credentials_or_the_query():
+    from kernelstudy.search.storage import redact
+
+    assert redact("postgresql://u:secret@host:5432/db") == "postgresql://u:***@host:5432/db"
+    hidden = redact("postgresql://host/db?user=u&password=secret&sslmode=require")
+    assert hidden == "postgresql://host/db?user=u&password=***&sslmode=require"
+    assert redact("sqlite:///runs/optuna.db") == "sqlite:///runs/optuna.db"
+    assert redact("postgresql://u@h/db") == "postgresql://u@h/db"
+
+
+def test_the_report_warns_where_the_search_chose_on_the_test_set(tmp_path, capsys):
+    """LRA Text reads IMDB's test reviews as val: nothing said so outside the task module."""
+    import optuna
+
+    from kernelstudy.search.report import load_results
+
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    for task in ("text", "listops"):
+        study = optuna.create_study(study_name=f"{task}_demo/elu", storage=url)
+        study.set_user_attr("task", task)
+        study.add_trial(optuna.trial.create_trial(value=0.5))
+        load_results(f"{task}_demo", storage=url, out=tmp_path)
+        warned = "chose on the test set" in capsys.readouterr().err
+        assert warned == (task == "text")

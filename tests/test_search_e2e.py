@@ -542,3 +542,46 @@ def test_two_configs_of_one_task_get_their_own_column_groups(tmp_path):
     assert "| elu+1 | 25.00 | – | 25.00 | 1 | – | – | – | – |" in printed  # n not "1.00"
     with pytest.raises(ValueError, match=r"it holds: no studies\); run `kernelstudy search`"):
         load_study(f"sqlite:///{tmp_path / 'empty.db'}", "tiny/elu+1")
+
+
+def test_evaluate_does_not_reuse_runs_of_other_settings(tmp_path):
+    """A new study of a changed config numbers and samples its trials as the old one did:
+    its evaluation skipped every run and reported the old model's accuracies."""
+    out = tmp_path / "res"
+    cfg = write_config(tmp_path, ["elu+1"], d_model=16, steps=10)
+    assert ks("search", cfg, "--out", out, "--trials", "1") == 0
+    assert ks("evaluate", cfg, "--out", out, "--seeds", "1") == 0
+    cfg = write_config(tmp_path, ["elu+1"], d_model=32, steps=10)  # a new model
+    other = f"sqlite:///{tmp_path / 'other.db'}"
+    assert ks("search", cfg, "--out", out, "--trials", "1", "--storage", other) == 0
+    assert ks("evaluate", cfg, "--out", out, "--seeds", "1", "--storage", other) == 0
+    runs = read_evaluation(out / "tiny" / "evaluation.csv")
+    assert (
+        len(runs) == 2 and runs["params_model"].nunique() == 2 and runs["settings"].nunique() == 2
+    )
+    summary = pd.read_csv(out / "tiny" / "evaluation_summary.csv")
+    assert summary["n"].tolist() == [1]
+
+
+def test_two_evaluations_of_one_out_do_not_lose_rows(tmp_path):
+    """Each rewrote evaluation.csv from its own copy: running two --variant evaluations at
+    once kept one's rows."""
+    from kernelstudy.files import exclusive_folder
+
+    out = tmp_path / "res"
+    cfg = write_config(tmp_path, ["elu+1"], steps=10)
+    assert ks("search", cfg, "--out", out, "--trials", "1") == 0
+    with exclusive_folder(out / "tiny", "another evaluation"):  # as another process's run
+        assert ks("evaluate", cfg, "--out", out, "--seeds", "1") == 1
+    assert not (out / "tiny" / "evaluation.csv").exists()
+    assert ks("evaluate", cfg, "--out", out, "--seeds", "1") == 0
+
+
+def test_evaluate_skips_a_variant_not_searched_yet(tmp_path, capsys):
+    out = tmp_path / "res"
+    cfg = write_config(tmp_path, ["elu+1", "1xGLU"], steps=10)
+    assert ks("search", cfg, "--out", out, "--trials", "1", "--variant", "elu+1") == 0
+    assert ks("evaluate", cfg, "--out", out, "--seeds", "1") == 0
+    assert "1xGLU has not been searched; skipped" in capsys.readouterr().err
+    summary = pd.read_csv(out / "tiny" / "evaluation_summary.csv")
+    assert summary["variant"].tolist() == ["elu+1"]

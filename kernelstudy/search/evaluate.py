@@ -15,6 +15,7 @@ others go on; the summary counts such runs in ``diverged``, apart from ``n``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from collections.abc import Mapping, Sequence
@@ -24,7 +25,7 @@ from typing import Any
 import optuna
 import pandas as pd
 
-from ..files import atomic_write_text, read_csv_table
+from ..files import atomic_write_text, exclusive_folder, read_csv_table
 from ..progress import tqdm
 from .config import SearchConfig, load_config
 from .objective import prepare_data, suggest_settings, train_run
@@ -35,6 +36,7 @@ from .runner import (
     check_settings,
     searched_storage_url,
     select_variants,
+    variant_settings,
 )
 from .storage import load_study, open_storage
 
@@ -53,6 +55,7 @@ COLUMNS = [
     "peak_memory_bytes",
     "params",
     "status",
+    "settings",
 ]
 
 
@@ -74,17 +77,36 @@ def trial_params(trial: optuna.trial.FrozenTrial) -> str:
     return json.dumps(trial.params, sort_keys=True)
 
 
-def current_runs(runs: pd.DataFrame, best: Mapping[str, optuna.trial.FrozenTrial]) -> pd.DataFrame:
-    """The rows of ``runs`` of each variant's current ``best`` trial, any seed (rows
-    written before parameters were recorded match on the number alone)."""
+def settings_key(settings: Mapping[str, Any]) -> str:
+    """A short hash of a variant's :func:`~.runner.variant_settings`: an evaluation row
+    records the settings it was trained with."""
+    text = json.dumps(settings, sort_keys=True, default=str)
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def current_runs(
+    runs: pd.DataFrame,
+    best: Mapping[str, optuna.trial.FrozenTrial],
+    keys: Mapping[str, str] | None = None,
+) -> pd.DataFrame:
+    """The rows of ``runs`` of each variant's current ``best`` trial, any seed, trained with
+    the settings whose :func:`settings_key` ``keys`` gives for the variant (a new study of
+    a changed config numbers its trials, and seeds its sampler, as the old one did; rows
+    written before parameters or settings were recorded match without them)."""
     if runs.empty:
         return runs
-    params = runs["params"] if "params" in runs else pd.Series(None, index=runs.index)
+    missing = pd.Series(None, index=runs.index)
+    params = runs["params"] if "params" in runs else missing
+    settings = runs["settings"] if "settings" in runs else missing
+    keys = keys or {}
     keep = [
         label in best
         and int(trial) == best[label].number
         and (pd.isna(p) or p == trial_params(best[label]))
-        for label, trial, p in zip(runs["variant"], runs["trial"], params, strict=True)
+        and (pd.isna(key) or label not in keys or key == keys[label])
+        for label, trial, p, key in zip(
+            runs["variant"], runs["trial"], params, settings, strict=True
+        )
     ]
     return runs[keep]
 
@@ -138,7 +160,14 @@ def run_evaluation(
     data = prepare_data(config, out)
     plan: list[tuple[Any, optuna.trial.FrozenTrial, int]] = []
     best: dict[str, optuna.trial.FrozenTrial] = {}
+    searched = {s.study_name for s in optuna.get_all_study_summaries(open_storage(url))}
     for variant in chosen:
+        if config.study_name(variant) not in searched:  # e.g. after a --variant search
+            print(
+                f"evaluate {config.name}: {variant.label} has not been searched; skipped",
+                file=sys.stderr,
+            )
+            continue
         trial = best_trial(load_study(url, config.study_name(variant)))
         if trial is None:
             print(
@@ -150,8 +179,25 @@ def run_evaluation(
         plan += [(variant, trial, seed) for seed in range(seeds)]
     path = evaluation_path(config, out)
     path.parent.mkdir(parents=True, exist_ok=True)
+    keys = {v.label: settings_key(variant_settings(config, v)) for v in config.variants}
+    with exclusive_folder(path.parent, f"evaluate {config.name}"):
+        return _evaluate(config, url, data, plan, best, keys, path, device)
+
+
+def _evaluate(
+    config: SearchConfig,
+    url: str,
+    data: Any,
+    plan: list[tuple[Any, optuna.trial.FrozenTrial, int]],
+    best: dict[str, optuna.trial.FrozenTrial],
+    keys: dict[str, str],
+    path: Path,
+    device: str | None,
+) -> pd.DataFrame:
+    """The runs of ``plan`` not yet in ``path``, then the summaries (under the folder lock:
+    two evaluations each rewrote the whole file from their own copy)."""
     runs = read_evaluation(path)
-    done = {(r.variant, int(r.seed)) for r in current_runs(runs, best).itertuples()}
+    done = {(r.variant, int(r.seed)) for r in current_runs(runs, best, keys).itertuples()}
     todo = [p for p in plan if (p[0].label, p[2]) not in done]
     for variant, trial, seed in tqdm(todo, desc=f"evaluate {config.name}", unit="run"):
         settings = suggest_settings(optuna.trial.FixedTrial(trial.params), config, variant)
@@ -162,16 +208,17 @@ def run_evaluation(
             print(f"evaluate {config.name}: {variant.label} seed {seed}: {err}", file=sys.stderr)
             result = {"test_accuracy": float("nan"), "status": f"diverged: {err}"}
         row = {"variant": variant.label, "trial": trial.number, "seed": seed, **result}
-        row["params"] = trial_params(trial)
+        row["params"], row["settings"] = trial_params(trial), keys[variant.label]
         new = pd.DataFrame([{k: row.get(k) for k in COLUMNS}])
         runs = new if runs.empty else pd.concat([runs, new], ignore_index=True)
         atomic_write_text(path, runs.to_csv(index=False))
     # the summary file covers every variant evaluated so far, not only those chosen now
     every = {**_searched_best(config, url, exclude=best), **best}
     atomic_write_text(
-        path.parent / SUMMARY, summarize_evaluation(current_runs(runs, every)).to_csv(index=False)
+        path.parent / SUMMARY,
+        summarize_evaluation(current_runs(runs, every, keys)).to_csv(index=False),
     )
-    return summarize_evaluation(current_runs(runs, best))
+    return summarize_evaluation(current_runs(runs, best, keys))
 
 
 def _searched_best(

@@ -30,10 +30,26 @@ import pandas as pd
 
 from ..files import atomic_write, atomic_write_text
 from .config import load_config
-from .evaluate import EVALUATION, current_runs, read_evaluation, summarize_evaluation
-from .runner import DEFAULT_OUT, best_trial, searched_storage_url, study_row, unshared_settings
+from .evaluate import (
+    EVALUATION,
+    current_runs,
+    read_evaluation,
+    settings_key,
+    summarize_evaluation,
+)
+from .runner import (
+    DEFAULT_OUT,
+    SETTINGS_ATTR,
+    best_trial,
+    searched_storage_url,
+    study_row,
+    unshared_settings,
+)
 from .storage import existing_storage_url, open_storage, redact
 from .workers import is_duplicate
+
+#: Tasks whose ``val`` split reads the test data (IMDB has none: ``tasks/text.py``, as LRA).
+VAL_IS_TEST = ("text",)
 
 #: Yorsh & Kovalenko's published test accuracies (%, mean of five runs, their Table 1); their
 #: Matching is LRA Retrieval. Their "linear kernel" is the single-layer FFN Softplus(XW), not
@@ -106,6 +122,13 @@ def load_results(
         if n in names
     }
     task = next(iter(studies.values())).user_attrs.get("task", "?")
+    if task in VAL_IS_TEST:
+        print(
+            f"report {name}: warning: task {task!r} has no validation split (its val reads "
+            "the test data), so the search chose on the test set and test accuracies are "
+            "optimistic",
+            file=sys.stderr,
+        )
     unshared = unshared_settings(studies)
     if unshared:
         print(
@@ -114,9 +137,15 @@ def load_results(
             file=sys.stderr,
         )
     best = {label: best_trial(study) for label, study in studies.items()}
+    keys = {  # the settings each study's trials ran with: evaluation rows of others are left
+        label: settings_key(study.user_attrs[SETTINGS_ATTR])
+        for label, study in studies.items()
+        if SETTINGS_ATTR in study.user_attrs
+    }
     evaluation = current_runs(
         read_evaluation(Path(out) / name / EVALUATION),
         {label: trial for label, trial in best.items() if trial is not None},
+        keys,
     )
     return StudySet(name, task, studies, evaluation)
 

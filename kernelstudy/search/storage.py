@@ -7,6 +7,7 @@ looks, and is re-queued with the same parameters, so no trial is lost.
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 
@@ -84,13 +85,16 @@ def open_storage(
 
 
 def redact(url: str) -> str:
-    """The URL without its password, for messages."""
+    """The URL without its password (in the credentials or a ``password=`` query
+    parameter), for messages."""
     scheme, _, rest = url.partition("://")
-    if "@" in rest:
-        creds, _, host = rest.rpartition("@")
+    if "@" in rest.split("?", 1)[0]:
+        creds, _, host = rest.partition("?")[0].rpartition("@")
         user = creds.split(":", 1)[0]
-        return f"{scheme}://{user}:***@{host}" if ":" in creds else url
-    return url
+        if ":" in creds:
+            query = rest.partition("?")[2]
+            rest = f"{user}:***@{host}" + (f"?{query}" if query else "")
+    return re.sub(r"(?i)([?&]password=)[^&]*", r"\1***", f"{scheme}://{rest}" if rest else url)
 
 
 def load_study(url: str, name: str) -> optuna.Study:
