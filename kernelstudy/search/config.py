@@ -99,7 +99,8 @@ class SearchConfig:
 
     @property
     def budget(self) -> float:
-        """Largest allowed feature-map share of the model's parameters."""
+        """Largest allowed feature-map parameters, as a fraction of the parameters of the
+        model without its maps (the paper's "additional parametrization below 10%")."""
         return float(self.search.get("budget", 0.10))
 
     def variant(self, label: str) -> Variant:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -162,18 +163,22 @@ def build_model(
         "params_model": total,
         "params_feature_map": fm,
         "feature_map_fraction": fm / total if total else 0.0,
+        # the paper's "additional parametrization": over the model without the maps
+        "feature_map_extra": fm / (total - fm) if total > fm else (math.inf if fm else 0.0),
         "feature_dim": feature_dim_of(model),
     }
     return model, sizes
 
 
 def over_budget(sizes: dict[str, Any], budget: float) -> str | None:
-    """Why a model with ``sizes`` exceeds the feature-map ``budget``, or None when it fits."""
-    if sizes["feature_map_fraction"] <= budget:
+    """Why a model with ``sizes`` exceeds the feature-map ``budget`` (a fraction of the
+    parameters of the model without its maps), or None when it fits."""
+    if sizes["feature_map_extra"] <= budget:
         return None
+    base = sizes["params_model"] - sizes["params_feature_map"]
     return (
         f"feature-map parameters {sizes['params_feature_map']} are "
-        f"{sizes['feature_map_fraction']:.1%} of the model's {sizes['params_model']}, "
+        f"{sizes['feature_map_extra']:.1%} extra over the model's {base} without them, "
         f"over the budget of {budget:.0%}"
     )
 
