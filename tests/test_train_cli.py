@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kernelstudy.cli import main
+from kernelstudy.files import exclusive_folder
 from kernelstudy.tasks import write_listops
 from kernelstudy.train import commands
 from kernelstudy.train.commands import load_splits, parse_key_values, parse_value
@@ -83,6 +84,7 @@ def test_tiny_listops_run_writes_checkpoint_metrics_and_summary(
     assert "completed after 8/8 steps" in printed and "test accuracy" in printed
     names = {p.name for p in out.iterdir()}
     assert names == {
+        ".lock",  # kept out of --out while another `kernelstudy train` runs there
         "config.json",
         "checkpoint.pt",
         "metrics.csv",
@@ -423,3 +425,42 @@ def test_learned_positions_cover_a_longer_val_split(
     assert main(args) == 1
     assert "max_len=30 is below the longest sequence of the splits (40)" in capsys.readouterr().err
     assert not short.exists()  # refused before anything was written
+
+
+@pytest.mark.parametrize("failure", [KeyboardInterrupt, FloatingPointError])
+def test_a_continuation_that_does_not_return_leaves_no_stale_summary(
+    listops: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    failure: type[BaseException],
+) -> None:
+    """The summary of an earlier pause survived an interrupted or failed continuation,
+    disagreeing with its run.json."""
+    out = tmp_path / "run"
+    assert main(listops_args(listops, out, "--stop-after", "4")) == 0
+    assert json.loads((out / "summary.json").read_text())["status"] == "paused"
+
+    def fails(self, **kwargs):
+        raise failure("stopped")
+
+    monkeypatch.setattr(commands.Trainer, "fit", fails)
+    assert main(listops_args(listops, out)) == (130 if failure is KeyboardInterrupt else 1)
+    assert not (out / "summary.json").exists()
+    assert (out / "checkpoint.pt").exists()  # the pause is still there to resume
+
+
+def test_a_second_train_in_the_same_out_exits_1_and_deletes_nothing(
+    listops: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two processes training into one --out both ran, each over the other's checkpoint."""
+    out = tmp_path / "run"
+    assert main(listops_args(listops, out, "--steps", "4")) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+    with exclusive_folder(out, "kernelstudy train"):  # a lock is per open file: this holds
+        for extra in ((), ("--overwrite",)):
+            assert main(listops_args(listops, out, "--steps", "4", *extra)) == 1
+            err = capsys.readouterr().err
+            assert f"another process is running kernelstudy train in {out}" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert main(listops_args(listops, out, "--steps", "4", "--overwrite")) == 0

@@ -401,10 +401,9 @@ def test_bad_configuration_fails_before_training():
         TrainConfig(lr=-1.0)
     with pytest.raises(ValueError, match="schedule"):
         TrainConfig(schedule="exponential")
-    with pytest.raises(ValueError, match="clip_norm"):
-        TrainConfig(clip_norm=0.0)
-    with pytest.raises(ValueError, match="clip_norm"):
-        TrainConfig(clip_norm=True)
+    for clip_norm in (-1.0, True, "off"):
+        with pytest.raises(ValueError, match="clip_norm must be > 0, or None, 0 or 'none'"):
+            TrainConfig(clip_norm=clip_norm)
     with pytest.raises(ValueError, match="seed must be < 2"):
         TrainConfig(seed=2**63)
     for flag in ("amp", "progress", "restore_best"):  # "false" read as True
@@ -654,3 +653,101 @@ def test_ctrl_c_to_the_process_group_with_loader_workers_still_checkpoints(tmp_p
     again.fit(resume=True)
     a, b = _params(straight.model), _params(again.model)
     assert again.step == cfg["steps"] and all(torch.equal(a[k], b[k]) for k in a)
+
+
+class _TwoTowers(nn.Module):
+    """A custom model whose layers use maps of two feature dims (elu: 8, FAVOR+: 16)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = _classifier()
+        self.b = _classifier("favor", feature_map_kwargs={"num_features": 16})
+
+    def forward(self, ids, mask=None):
+        return self.a(ids, mask) + self.b(ids, mask)
+
+
+def test_a_model_with_maps_of_several_feature_dims_records_them_all(tmp_path):
+    """The run record called feature_dim_of, which raised after the whole run trained."""
+    trainer = Trainer(_TwoTowers(), ContainsTask(32), _config(steps=2, out_dir=str(tmp_path)))
+    assert trainer.fit()["status"] == "completed"
+    assert json.loads((tmp_path / "run.json").read_text())["feature_dim"] == [8, 16]
+    softmax = Trainer(_classifier("softmax"), ContainsTask(32), _config(steps=1)).fit()
+    assert softmax["feature_dim"] is None
+
+
+def test_extending_a_finished_run_rescoring_the_test_set_from_the_last_weights(tmp_path):
+    """A finished run resumed with more steps went on from the restored best weights (the
+    checkpoint held them, with the last step's optimizer moments) and kept the test
+    metrics of the first finish."""
+    train, val = ContainsTask(64), ContainsTask(32, seed=1)
+    cfg = {"eval_every": 3, "lr": 3e-2, "schedule": "constant", "monitor": "val_loss"}
+    cfg.update(mode="min", out_dir=str(tmp_path))
+
+    def build(steps):
+        torch.manual_seed(0)
+        model = _classifier(dropout=0.1)
+        return Trainer(model, train, _config(steps=steps, **cfg), val_data=val, test_data=val)
+
+    first = build(9)
+    last_step = {}
+    finish = first._finish
+    first._finish = lambda: (last_step.update(_params(first.model)), finish())
+    record = first.fit()
+    assert record["best"]["step"] < 9  # so the best and the last weights differ
+    saved = torch.load(tmp_path / "checkpoint.pt", weights_only=False)["model"]
+    assert all(torch.equal(saved[k], last_step[k]) for k in last_step)
+    best = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert all(torch.equal(best[k], first.best_state[k]) for k in best)
+
+    longer = build(15)
+    with pytest.warns(UserWarning, match=r"changed config field\(s\) \['steps'\]"):
+        extended = longer.fit(resume=True)
+    assert extended["status"] == "completed" and extended["steps_completed"] == 15
+    assert extended["test"] == longer.evaluate(val)  # the final model's, not step 9's
+    assert extended["test"] != record["test"]
+    # it went on from the last step's weights: its last weights are a straight run's
+    extended_last = torch.load(tmp_path / "checkpoint.pt", weights_only=False)["model"]
+    cfg["out_dir"] = str(tmp_path / "straight")
+    build(15).fit()
+    straight_last = torch.load(tmp_path / "straight" / "checkpoint.pt", weights_only=False)
+    assert all(torch.equal(extended_last[k], v) for k, v in straight_last["model"].items())
+
+
+def test_resume_refuses_a_changed_lr_weight_decay_or_betas(tmp_path):
+    """The optimizer and schedule state restored the saved values: the change was ignored
+    while run.json recorded it."""
+    cfg = {"steps": 8, "schedule": "constant", "out_dir": str(tmp_path)}
+    Trainer(_classifier(), ContainsTask(32), _config(**cfg)).fit(stop_after=4)
+    changes = ({"lr": 1e-2}, {"weight_decay": 0.5}, {"betas": (0.8, 0.99)})
+    for change in changes:
+        trainer = Trainer(_classifier(), ContainsTask(32), _config(**cfg, **change))
+        with pytest.raises(ValueError, match=f"cannot resume .* with changed {next(iter(change))}"):
+            trainer.fit(resume=True)
+    with pytest.raises(ValueError, match="changed lr, weight_decay"):
+        Trainer(_classifier(), ContainsTask(32), _config(**cfg, **changes[0], **changes[1])).fit(
+            resume=True
+        )
+    # other changes still resume, with a warning
+    with pytest.warns(UserWarning, match=r"changed config field\(s\) \['seed'\]"):
+        record = Trainer(_classifier(), ContainsTask(32), _config(**cfg, seed=1)).fit(resume=True)
+    assert record["steps_completed"] == 8
+
+
+def test_clip_norm_0_or_none_turns_clipping_off():
+    """TOML has no null: clipping could not be turned off from a config file or the CLI."""
+    for off in (0, 0.0, "none", "None", None):
+        assert TrainConfig(clip_norm=off).clip_norm is None
+    assert TrainConfig.from_dict({"clip_norm": "none"}).to_dict()["clip_norm"] is None
+    record = Trainer(_classifier(), ContainsTask(32), _config(steps=4, clip_norm=0)).fit()
+    assert "grad_norm" not in record["final"]
+
+
+def test_patience_on_a_training_metric_needs_no_val_data():
+    cfg = _config(steps=40, eval_every=2, lr=1e-9, patience=2, monitor="train_loss", mode="min")
+    record = Trainer(_classifier(), ContainsTask(32), cfg).fit()
+    assert record["status"] == "early_stopped" and record["steps_completed"] < 40
+    with pytest.raises(ValueError, match="patience .* on monitor 'val_loss' needs val_data"):
+        Trainer(
+            _classifier(), ContainsTask(32), _config(patience=2, monitor="val_loss", mode="min")
+        )

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from ..files import write_json
+from ..files import exclusive_folder, write_json
 from ..nn.models import CausalLM, MatchingClassifier, SequenceClassifier
 from ..tasks import SPLITS, load_task, needs_path, task_class, task_options
 from ..tasks.base import SequenceTask
@@ -427,9 +427,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     config = train_config_of(settings, args.progress)
     resolved = config.to_dict()
     settings["train"] = {k: v for k, v in resolved.items() if k not in ("out_dir", "progress")}
-    resume = check_resume(
-        settings, "require" if args.resume else "never" if args.overwrite else "auto"
-    )
+    resume_mode = "require" if args.resume else "never" if args.overwrite else "auto"
+    check_resume(settings, resume_mode)  # before the folder is made
     splits = load_splits(settings)
     longest = max(int(getattr(split, "max_length", 0)) for split in splits.values())
     model = build_model(settings, splits["train"], config.seed, longest or None)
@@ -439,19 +438,26 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     out = Path(settings["out"])
     out.mkdir(parents=True, exist_ok=True)
-    if args.overwrite:  # the old run's files go before the new settings are recorded
-        for name in RUN_FILES:
+    with exclusive_folder(out, "kernelstudy train"):  # FolderBusy (a ValueError): exit 1
+        # check again under the lock: a run that ended meanwhile may have written
+        resume = check_resume(settings, resume_mode)
+        # the old run's files go before the new settings are recorded; a continuation
+        # drops the old summary too: one is left only by a fit that returned
+        for name in RUN_FILES if args.overwrite else (SUMMARY,):
             (out / name).unlink(missing_ok=True)
-    write_json(out / CONFIG, settings)
-    if resume:
-        print(f"resuming {out} from {out / CHECKPOINT}", file=sys.stderr)
-    try:
-        record = trainer.fit(stop_after=args.stop_after, resume=resume)
-    except FloatingPointError as err:
-        print(f"kernelstudy train: run failed: {err} (record in {out / RECORD})", file=sys.stderr)
-        return 1
-    summary = summarize(record, settings, splits)
-    write_json(out / SUMMARY, summary)
+        write_json(out / CONFIG, settings)
+        if resume:
+            print(f"resuming {out} from {out / CHECKPOINT}", file=sys.stderr)
+        try:
+            record = trainer.fit(stop_after=args.stop_after, resume=resume)
+        except FloatingPointError as err:
+            print(
+                f"kernelstudy train: run failed: {err} (record in {out / RECORD})",
+                file=sys.stderr,
+            )
+            return 1
+        summary = summarize(record, settings, splits)
+        write_json(out / SUMMARY, summary)
     best = record["best"]
     print(
         f"{summary['status']} after {record['steps_completed']}/{record['steps']} steps: "

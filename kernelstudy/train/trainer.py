@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from ..files import write_json
-from ..nn.models import feature_dim_of, feature_map_parameter_count, parameter_count
+from ..nn.models import feature_map_parameter_count, feature_maps_of, parameter_count
 from ..progress import tqdm
 from .checkpoint import (
     get_rng_state,
@@ -43,6 +43,9 @@ MODEL = "model.pt"
 #: config fields that may change between a run and its resume without changing results
 #: (``eval_batch_size`` only while ``eval_batches`` is None: see :func:`resume_changes`)
 RESUME_FREE = {"out_dir", "progress", "device", "num_workers", "eval_batch_size"}
+#: config fields a resume refuses to change: the optimizer and schedule state saved in
+#: the checkpoint hold their values, which would silently stay in force
+RESUME_FIXED = ("betas", "lr", "weight_decay")
 
 
 def eval_size(fields: Mapping[str, Any]) -> int:
@@ -74,7 +77,8 @@ class TrainConfig:
         lr, weight_decay, betas: AdamW (no decay on biases and norms, i.e. 1-d parameters).
         warmup_steps, schedule, min_lr_ratio: linear warm-up then ``constant``, ``linear``,
             ``cosine`` or ``inverse_sqrt`` decay (see :class:`~.schedule.WarmupDecay`).
-        clip_norm: max global gradient norm (None: no clipping).
+        clip_norm: max global gradient norm; None, 0 or ``"none"`` (for TOML, which has
+            no null): no clipping.
         eval_every: evaluate every k steps (and at the last step); 0: only at the end.
         eval_batches: evaluate on at most this many batches (None: all).
         patience: stop after this many evaluations without improvement of ``monitor``
@@ -148,12 +152,14 @@ class TrainConfig:
                 raise ValueError(f"{name} must be finite, got {value!r}")
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr!r}")
-        if self.clip_norm is not None and not (
-            isinstance(self.clip_norm, int | float)
-            and not isinstance(self.clip_norm, bool)
-            and self.clip_norm > 0
-        ):
-            raise ValueError(f"clip_norm must be > 0 or None, got {self.clip_norm!r}")
+        clip = self.clip_norm
+        number = isinstance(clip, int | float) and not isinstance(clip, bool)
+        if (number and clip == 0) or (isinstance(clip, str) and clip.lower() == "none"):
+            self.clip_norm = None  # clipping off
+        elif clip is not None and not (number and clip > 0):
+            raise ValueError(
+                f"clip_norm must be > 0, or None, 0 or 'none' for no clipping, got {clip!r}"
+            )
         betas = self.betas
         if (
             not isinstance(betas, list | tuple)
@@ -264,6 +270,23 @@ def _to_device(batch: Any, device: torch.device) -> Any:
     raise TypeError(f"batches must be dicts of tensors, got {type(batch).__name__}")
 
 
+def _feature_dim(model: nn.Module) -> int | list[int] | None:
+    """F of the model's feature maps: an int, None without maps (softmax), or the sorted
+    dims when the maps differ (e.g. two towers with other maps)."""
+    dims = sorted({fm.feature_dim for fm in feature_maps_of(model)})
+    if not dims:
+        return None
+    return dims[0] if len(dims) == 1 else dims
+
+
+def _state_copy(model: nn.Module) -> dict[str, Any]:
+    """A CPU copy of ``model.state_dict()``: tensors, and extra state (a random map's seed)."""
+    return {
+        k: v.detach().to("cpu", copy=True) if torch.is_tensor(v) else copy.deepcopy(v)
+        for k, v in model.state_dict().items()
+    }
+
+
 def _param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
@@ -290,8 +313,9 @@ class Trainer:
             :meth:`fit` after the run record is written.
 
     Outputs in ``config.out_dir``: ``checkpoint.pt`` (after every evaluation and at the
-    end), ``metrics.csv`` (one row per evaluation), ``run.json`` (the run record) and
-    ``model.pt`` (the final state dict: the best evaluation's with ``restore_best``).
+    end, with the last step's weights), ``metrics.csv`` (one row per evaluation),
+    ``run.json`` (the run record) and ``model.pt`` (the final state dict: the best
+    evaluation's with ``restore_best``).
     """
 
     def __init__(
@@ -308,8 +332,10 @@ class Trainer:
         self.config = config = config if config is not None else TrainConfig()
         if not isinstance(config, TrainConfig):
             raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
-        if config.patience is not None and val_data is None:
-            raise ValueError("patience (early stopping) needs val_data")
+        if config.patience is not None and val_data is None and config.monitor.startswith("val_"):
+            raise ValueError(
+                f"patience (early stopping) on monitor {config.monitor!r} needs val_data"
+            )
         self.device = resolve_device(config.device)
         self.model = model.to(self.device)
         self.train_loader = make_loader(
@@ -364,6 +390,7 @@ class Trainer:
         self.best_state: dict[str, torch.Tensor] | None = None
         self.elapsed = 0.0
         self.test_metrics: dict[str, float] | None = None
+        self.test_step: int | None = None  # the step test_metrics were taken at
         self.status = "new"
         self._last_lr = config.lr
         self.out_dir = Path(config.out_dir) if config.out_dir is not None else None
@@ -422,14 +449,17 @@ class Trainer:
                             self.save_checkpoint()
                         raise KeyboardInterrupt
             finished = self.step >= cfg.steps or self.stopped_early
+            last_weights = None  # None: the model's
             if finished:
                 self.status = "early_stopped" if self.stopped_early else "completed"
+                if cfg.restore_best and self.best_state is not None:  # _finish loads them
+                    last_weights = _state_copy(self.model)
                 self._finish()
             else:
                 self.status = "paused"
             self.elapsed += time.perf_counter() - start
-            if self.out_dir is not None:
-                self.save_checkpoint()
+            if self.out_dir is not None:  # the last step's weights, to extend the run from
+                self._save_checkpoint(self._path(CHECKPOINT), last_weights)
             return self._write_record()
         except BaseException as err:
             self.elapsed += time.perf_counter() - start
@@ -470,11 +500,15 @@ class Trainer:
     def save_checkpoint(self, path: str | Path | None = None) -> Path:
         """Save all an exact resume needs, atomically (default ``out_dir/checkpoint.pt``)."""
         path = self._path(CHECKPOINT) if path is None else Path(path)
+        return self._save_checkpoint(path)
+
+    def _save_checkpoint(self, path: Path, weights: Mapping[str, Any] | None = None) -> Path:
+        """:meth:`save_checkpoint` with ``weights`` (default: the model's) as the model state."""
         state = {
             "format": 1,
             "config": self.config.to_dict(),
             "step": self.step,
-            "model": self.model.state_dict(),
+            "model": self.model.state_dict() if weights is None else weights,
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
@@ -489,6 +523,7 @@ class Trainer:
             "elapsed": self.elapsed,
             "last_lr": self._last_lr,
             "test_metrics": self.test_metrics,
+            "test_step": self.test_step,
             "status": self.status,
         }
         return save_checkpoint(path, state)
@@ -507,6 +542,13 @@ class Trainer:
         saved = dict(state["config"])
         now = self.config.to_dict()
         changed = resume_changes(saved, now)
+        fixed = [name for name in RESUME_FIXED if name in changed]
+        if fixed:
+            raise ValueError(
+                f"cannot resume {path} with changed {', '.join(fixed)} (saved: "
+                + ", ".join(f"{name}={saved[name]!r}" for name in fixed)
+                + "): the optimizer state holds the saved values; start a new run instead"
+            )
         if changed:
             warnings.warn(
                 f"resuming {path} with changed config field(s) {changed}; "
@@ -533,6 +575,9 @@ class Trainer:
         self.elapsed = float(state["elapsed"])
         self._last_lr = float(state["last_lr"])
         self.test_metrics = state["test_metrics"]
+        # (older checkpoints lack test_step: their test metrics were taken at their step)
+        had_test = self.test_metrics is not None
+        self.test_step = state.get("test_step", self.step if had_test else None)
         self.stream.load_state_dict(state["data"])
         set_rng_state(state["rng"])  # after the data stream, which may use the generators
 
@@ -551,14 +596,14 @@ class Trainer:
             "task_type": self.task_type,
             "best": self.best,
             "final": rows[-1] if rows else None,
-            "test": self.test_metrics,
+            "test": self.test_metrics if self.test_step == self.step else None,
             "parameters": {
                 "total": total,
                 "trainable": parameter_count(self.model, trainable_only=True),
                 "feature_map": fm,
                 "feature_map_fraction": fm / total if total else 0.0,
             },
-            "feature_dim": feature_dim_of(self.model),
+            "feature_dim": _feature_dim(self.model),
             **peak_memory(self.device),
             "device": str(self.device),
             "amp": self.config.amp_dtype if self.use_amp else None,
@@ -669,22 +714,23 @@ class Trainer:
             self.best = {"monitor": cfg.monitor, "value": value, "step": self.step}
             self.bad_evals = 0
             if cfg.restore_best:
-                self.best_state = {  # tensors, and extra state (a random map's seed)
-                    k: v.detach().to("cpu", copy=True) if torch.is_tensor(v) else copy.deepcopy(v)
-                    for k, v in self.model.state_dict().items()
-                }
+                self.best_state = _state_copy(self.model)
         else:
             self.bad_evals += 1
             if cfg.patience is not None and self.bad_evals >= cfg.patience:
                 self.stopped_early = True
 
     def _finish(self) -> None:
+        """Load the best weights (with ``restore_best``), save them as ``model.pt`` and
+        score the test data (again if steps ran since it was scored). The checkpoint keeps
+        the last step's weights (see :meth:`fit`): an extended run goes on from them."""
         if self.config.restore_best and self.best_state is not None:
             self.model.load_state_dict(self.best_state)
         if self.out_dir is not None:
             save_checkpoint(self._path(MODEL), self.model.state_dict())
-        if self.test_data is not None and self.test_metrics is None:
+        if self.test_data is not None and self.test_step != self.step:
             self.test_metrics = self.evaluate(self.test_data)
+            self.test_step = self.step
 
     def _write_record(self, error: str | None = None) -> dict[str, Any]:
         record = self.record(error)
