@@ -495,3 +495,21 @@ def test_feature_map_table():
     assert "Choromanski" in row["paper"]
     assert table.set_index("name").loc["trig_rf", "positive"] == False  # noqa: E712
     assert (table["paper"].str.len() > 0).all()
+
+
+def test_numpy_numbers_are_taken_as_sizes_and_hyperparameters():
+    """head_dim=np.int64(8) was refused as "not a positive int", and numpy hyperparameters
+    as the wrong type; the core takes numpy ints."""
+    import numpy as np
+
+    fm = ks.create_feature_map(
+        "favor", head_dim=np.int64(8), num_features=np.int32(16), seed=np.int64(3)
+    )
+    assert fm.head_dim == 8 and type(fm.head_dim) is int
+    config = fm.config()
+    assert config["num_features"] == 16 and type(config["num_features"]) is int
+    assert type(config["seed"]) is int
+    ffn = ks.create_feature_map("softplus_ffn", head_dim=8, reg_weight=np.float32(0.5))
+    assert type(ffn.config()["reg_weight"]) is float
+    with pytest.raises(TypeError, match="num_features must be int"):
+        ks.create_feature_map("favor", head_dim=8, num_features=np.float64(16.0))

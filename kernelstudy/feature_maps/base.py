@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -35,8 +37,11 @@ class Hyperparameter:
         """Return ``value`` (ints accepted for floats) or raise naming ``name``."""
         if value is None and self.nullable:
             return None
-        if self.type is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
+        if isinstance(value, numbers.Real) and not isinstance(value, bool | np.bool_):
+            if self.type is float:  # ints and numpy numbers too; the config keeps Python's
+                value = float(value)
+            elif self.type is int and isinstance(value, numbers.Integral):
+                value = int(value)
         ok_type = isinstance(value, self.type) and not (
             self.type is not bool and isinstance(value, bool)
         )
@@ -105,8 +110,9 @@ class FeatureMap(nn.Module):
     def __init__(self, head_dim: int, num_heads: int = 1, **hparams: Any) -> None:
         super().__init__()
         for arg, value in (("head_dim", head_dim), ("num_heads", num_heads)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{arg} must be a positive int, got {value!r}")
+        head_dim, num_heads = int(head_dim), int(num_heads)  # numpy ints too
         unknown = sorted(set(hparams) - set(self.hyperparameters))
         if unknown:
             known = ", ".join(sorted(self.hyperparameters)) or "none"
