@@ -6,6 +6,7 @@ Exit codes: 0 success, 1 a run failed, 2 bad usage (argparse's convention).
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Callable, Sequence
 
@@ -61,20 +62,36 @@ def _cmd_study(args: argparse.Namespace) -> int:
     return 0
 
 
+#: ``write_listops`` arguments and the ``kernelstudy data listops`` flags that set them.
+LISTOPS_FLAGS = {
+    "n_train": "--train",
+    "n_val": "--val",
+    "n_test": "--test",
+    "min_length": "--min-length",
+    "max_length": "--max-length",
+}
+
+
 def _cmd_data_listops(args: argparse.Namespace) -> int:
     from kernelstudy.tasks import write_listops
 
-    paths = write_listops(
-        args.out,
-        n_train=args.train,
-        n_val=args.val,
-        n_test=args.test,
-        min_length=args.min_length,
-        max_length=args.max_length,
-        seed=args.seed,
-        progress=True,
-        overwrite=args.overwrite,
-    )
+    try:
+        paths = write_listops(
+            args.out,
+            n_train=args.train,
+            n_val=args.val,
+            n_test=args.test,
+            min_length=args.min_length,
+            max_length=args.max_length,
+            seed=args.seed,
+            progress=True,
+            overwrite=args.overwrite,
+        )
+    except ValueError as err:  # name the flags, not write_listops' arguments
+        message = str(err)
+        for name, flag in LISTOPS_FLAGS.items():
+            message = re.sub(rf"\b{name}\b", flag, message)
+        raise ValueError(message) from err
     for split, path in paths.items():
         print(f"{split}: {path}")
     return 0

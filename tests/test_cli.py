@@ -106,13 +106,13 @@ def test_data_listops_writes_lra_files(tmp_path, capsys):
         assert lines[0].split("\t") == ["Source", "Target"] and len(lines) == n + 1
     bad = ["data", "listops", "--out", str(tmp_path), "--min-length", "50", "--max-length", "10"]
     assert main(bad) == 1
-    capsys.readouterr()
+    assert "need --max-length >= --min-length + 2" in capsys.readouterr().err  # the flags
     assert main(["data", "listops", "--out", str(tmp_path / "s"), "--seed", "-3"]) == 1
     assert "seed must be an int >= 0, got -3" in capsys.readouterr().err
     assert not (tmp_path / "s").exists()
     # an empty split was written as a header alone, which train then refused
     assert main(["data", "listops", "--out", str(tmp_path / "e"), "--val", "0"]) == 1
-    assert "n_val must be an int >= 1, got 0" in capsys.readouterr().err
+    assert "--val must be an int >= 1, got 0" in capsys.readouterr().err
     # existing files (LRA's release has the same names) are kept unless --overwrite
     before = (tmp_path / "basic_train.tsv").read_bytes()
     assert main([*args[:-1], "4"]) == 1
