@@ -104,7 +104,8 @@ def test_data_listops_writes_lra_files(tmp_path, capsys):
     for split, n in (("train", 20), ("val", 3), ("test", 3)):
         lines = (tmp_path / f"basic_{split}.tsv").read_text().splitlines()
         assert lines[0].split("\t") == ["Source", "Target"] and len(lines) == n + 1
-    bad = ["data", "listops", "--out", str(tmp_path), "--min-length", "50", "--max-length", "10"]
+    bad = ["data", "listops", "--out", str(tmp_path / "b"), "--min-length", "50"]
+    bad += ["--max-length", "10"]
     assert main(bad) == 1
     assert "need --max-length >= --min-length + 2" in capsys.readouterr().err  # the flags
     assert main(["data", "listops", "--out", str(tmp_path / "s"), "--seed", "-3"]) == 1
