@@ -1,6 +1,8 @@
 """The ``kernelstudy`` command: inspect backends and maps, run studies, benchmarks and searches.
 
-Exit codes: 0 success, 1 a run failed, 2 bad usage (argparse's convention).
+Exit codes: 0 success; 1 a run failed, or a value was refused after parsing (a bad
+size, a busy or foreign output folder), with a one-line message; 2 the command line
+does not parse (argparse's convention); 130 interrupted by Ctrl-C.
 """
 
 from __future__ import annotations
