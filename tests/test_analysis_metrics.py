@@ -309,6 +309,9 @@ def test_capture_qk_runs_in_eval_mode_and_changes_nothing():
     first = ks.analysis.capture_qk(lm, ids)
     second = ks.analysis.capture_qk(lm, ids)
     assert lm.training and torch.equal(fm.weight, weight)
+    lm.encoder.layers[0].eval()  # a frozen block stays in eval: each module's mode comes back
+    ks.analysis.capture_qk(lm, ids)
+    assert lm.training and not lm.encoder.layers[0].training and lm.head.training
     for (q1, k1), (q2, k2) in zip(first.values(), second.values(), strict=True):
         assert torch.equal(q1, q2) and torch.equal(k1, k2)
 
@@ -322,6 +325,15 @@ def test_rank_of_half_precision_matrices_and_numpy_views():
         assert ks.analysis.attention_rank(torch.eye(n, dtype=dtype))["numerical_rank"] == n
     low = torch.randn(256, 8, dtype=torch.float64) @ torch.randn(8, 256, dtype=torch.float64)
     assert ks.analysis.attention_rank(low.to(torch.bfloat16))["numerical_rank"] < 64
+    # entries ~1/S are rounded relative to their size, not to σ_max: an exact rank-16
+    # kernel attention matrix keeps rank 16, and a long softmax row block is not rank 0
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.rand(512, 16, generator=gen), torch.rand(512, 16, generator=gen)
+    kernel = q @ k.T
+    kernel = kernel / kernel.sum(-1, keepdim=True)
+    assert ks.analysis.attention_rank(kernel.to(torch.bfloat16))["numerical_rank"] == 16
+    wide = torch.softmax(torch.randn(16, 16384, generator=gen), -1).to(torch.bfloat16)
+    assert ks.analysis.attention_rank(wide)["numerical_rank"] == 16
     reversed_view = np.eye(4)[::-1]  # negative strides: torch.from_numpy refused it
     assert ks.analysis.attention_rank(reversed_view)["numerical_rank"] == 4
 

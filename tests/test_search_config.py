@@ -371,6 +371,7 @@ def test_messages_hide_a_password_in_the_credentials_or_the_query():
     assert hidden == "postgresql://host/db?user=u&password=***&sslmode=require"
     assert redact("sqlite:///runs/optuna.db") == "sqlite:///runs/optuna.db"
     assert redact("postgresql://u@h/db") == "postgresql://u@h/db"
+    assert redact("postgresql://a:pa?ss@h/db") == "postgresql://a:***@h/db"  # ? in it
 
 
 def test_the_report_warns_where_the_search_chose_on_the_test_set(tmp_path, capsys):

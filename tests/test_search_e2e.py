@@ -586,3 +586,52 @@ def test_evaluate_skips_a_variant_not_searched_yet(tmp_path, capsys):
     assert "1xGLU has not been searched; skipped" in capsys.readouterr().err
     summary = pd.read_csv(out / "tiny" / "evaluation_summary.csv")
     assert summary["variant"].tolist() == ["elu+1"]
+
+
+def test_evaluation_rows_with_a_numeric_looking_settings_key_still_count(tmp_path):
+    """The key column was type-inferred: an all-digit key came back as an int and its rows
+    never matched again (every evaluate re-trained them)."""
+    out = tmp_path / "res"
+    cfg = write_config(tmp_path, ["elu+1"], steps=10)
+    assert ks("search", cfg, "--out", out, "--trials", "1") == 0
+    assert ks("evaluate", cfg, "--out", out, "--seeds", "1") == 0
+    path = out / "tiny" / "evaluation.csv"
+    runs = read_evaluation(path)
+    config = load_config(cfg)
+    best = {"elu+1": load_study(storage_url(config, None, out), "tiny/elu+1").best_trial}
+    for key in ("0123456789012345", "12345678e1234567"):
+        runs["settings"] = key
+        runs.to_csv(path, index=False)
+        back = read_evaluation(path)
+        assert back["settings"].tolist() == [key]
+        assert len(current_runs(back, best, {"elu+1": key})) == 1
+    runs["settings"] = None  # rows from before keys were recorded still count
+    runs.to_csv(path, index=False)
+    assert len(current_runs(read_evaluation(path), best, {"elu+1": "abc"})) == 1
+
+
+def test_evaluate_with_a_storage_of_no_study_fails_and_keeps_the_summary(tmp_path, capsys):
+    out = tmp_path / "res"
+    cfg = write_config(tmp_path, ["elu+1"], steps=10)
+    assert ks("search", cfg, "--out", out, "--trials", "1") == 0
+    assert ks("evaluate", cfg, "--out", out, "--seeds", "1") == 0
+    summary = (out / "tiny" / "evaluation_summary.csv").read_bytes()
+    empty = f"sqlite:///{tmp_path / 'typo.db'}"
+    assert ks("evaluate", cfg, "--out", out, "--seeds", "1", "--storage", empty) == 1
+    assert "holds no study of tiny" in capsys.readouterr().err
+    assert (out / "tiny" / "evaluation_summary.csv").read_bytes() == summary
+
+
+def test_the_summary_keeps_other_variants_evaluated_with_their_studys_settings(tmp_path):
+    """Evaluating A after B's config changed dropped B's results from the summary file,
+    which the report still showed."""
+    out = tmp_path / "res"
+    cfg = write_config(tmp_path, ["elu+1", "1xGLU"], steps=10)
+    assert ks("search", cfg, "--out", out, "--trials", "1") == 0
+    assert ks("evaluate", cfg, "--out", out, "--seeds", "1") == 0
+    text = cfg.read_text().replace("fixed = { depth = 1 }", "fixed = { depth = 1, shared = true }")
+    assert text != cfg.read_text()
+    cfg.write_text(text)  # 1xGLU's settings change; its study keeps the old ones
+    assert ks("evaluate", cfg, "--out", out, "--seeds", "1", "--variant", "elu+1") == 0
+    summary = pd.read_csv(out / "tiny" / "evaluation_summary.csv")
+    assert set(summary["variant"]) == {"elu+1", "1xGLU"}

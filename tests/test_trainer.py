@@ -692,11 +692,15 @@ def test_extending_a_finished_run_rescoring_the_test_set_from_the_last_weights(t
     first = build(9)
     last_step = {}
     finish = first._finish
-    first._finish = lambda: (last_step.update(_params(first.model)), finish())
+    first._finish = lambda: (last_step or last_step.update(_params(first.model)), finish())
     record = first.fit()
     assert record["best"]["step"] < 9  # so the best and the last weights differ
     saved = torch.load(tmp_path / "checkpoint.pt", weights_only=False)["model"]
     assert all(torch.equal(saved[k], last_step[k]) for k in last_step)
+    for again in (first.fit, first.save_checkpoint):  # the model holds the best weights now
+        again()
+        saved = torch.load(tmp_path / "checkpoint.pt", weights_only=False)["model"]
+        assert all(torch.equal(saved[k], last_step[k]) for k in last_step), again
     best = torch.load(tmp_path / "model.pt", weights_only=True)
     assert all(torch.equal(best[k], first.best_state[k]) for k in best)
 

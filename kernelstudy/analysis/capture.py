@@ -18,7 +18,7 @@ def capture_qk(model: nn.Module, batch: Any) -> dict[str, tuple[torch.Tensor, to
     Forward pre-hooks on each :class:`kernelstudy.nn.KernelAttention` module
     recompute that layer's projections from its input, so nothing in the model
     changes. The model runs in eval mode (no dropout; a redrawing map neither counts the
-    call nor redraws), and its mode is restored afterwards. ``batch`` is passed as
+    call nor redraws), and every module's mode is restored afterwards. ``batch`` is passed as
     ``model(batch)`` for a tensor, ``model(*batch)`` for a tuple/list and
     ``model(**batch)`` for a dict, keeping only the keys that
     ``model.forward`` takes (so a task batch with ``targets`` or ``label`` works).
@@ -45,7 +45,7 @@ def capture_qk(model: nn.Module, batch: Any) -> dict[str, tuple[torch.Tensor, to
         return hook
 
     handles = [m.register_forward_pre_hook(hook_for(n), with_kwargs=True) for n, m in layers]
-    was_training = model.training
+    modes = {m: m.training for m in model.modules()}  # each module's, not the top one's
     model.eval()
     try:
         with torch.no_grad():
@@ -62,7 +62,8 @@ def capture_qk(model: nn.Module, batch: Any) -> dict[str, tuple[torch.Tensor, to
     finally:
         for handle in handles:
             handle.remove()
-        model.train(was_training)
+        for module, training in modes.items():
+            module.training = training
     return captured
 
 

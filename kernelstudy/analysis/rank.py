@@ -5,8 +5,9 @@ attention is generally full rank. Three measures, from strict to soft:
 
 - numerical rank: number of singular values above ``tol`` (default, as in
   ``numpy.linalg.matrix_rank``: ``σ_max · max(N, S) · eps(dtype of A)``; for float16 and
-  bfloat16, whose eps makes that ≥ σ_max from N = 128 or 1024 on, ``σ_max · √max(N, S) ·
-  eps``, the spectral norm of independent roundings of relative size eps);
+  bfloat16, whose eps makes that ≥ σ_max from N = 128 or 1024 on, ``eps · ‖A‖_F ·
+  (√N + √S) / √(N·S)``, the spectral norm of independent roundings of relative size eps
+  of entries of A's root-mean-square size);
 - effective rank (Roy & Vetterli 2007): ``exp(H(p))`` with ``p_i = σ_i / Σ σ``;
 - stable rank: ``‖A‖_F² / ‖A‖_2² = Σ σ² / σ_max²``.
 
@@ -32,7 +33,8 @@ def attention_rank(A: torch.Tensor | np.ndarray, tol: float | None = None) -> di
         A: the matrix, tensor or array.
         tol: singular values ``> tol`` count toward the numerical rank; None uses
             ``σ_max · max(N, S) · eps`` of A's dtype (float32 eps for float32 input), and
-            ``σ_max · √max(N, S) · eps`` for float16 and bfloat16 (see the module doc).
+            ``eps · ‖A‖_F · (√N + √S) / √(N·S)`` for float16 and bfloat16 (see the
+            module doc).
 
     Returns:
         ``numerical_rank`` (int), ``tol`` (the tolerance used), ``effective_rank``,
@@ -53,8 +55,11 @@ def attention_rank(A: torch.Tensor | np.ndarray, tol: float | None = None) -> di
     sv = torch.linalg.svdvals(A.detach().double().cpu())
     smax = sv[0].item() if sv.numel() else 0.0
     if tol is None:
-        half = A.dtype in (torch.float16, torch.bfloat16)
-        tol = smax * (max(A.shape) ** 0.5 if half else max(A.shape)) * eps
+        if A.dtype in (torch.float16, torch.bfloat16):
+            n, s = A.shape
+            tol = eps * float(sv.square().sum().sqrt()) * (n**0.5 + s**0.5) / (n * s) ** 0.5
+        else:
+            tol = smax * max(A.shape) * eps
     else:
         tol = check_real("tol", tol)
     total = sv.sum().item()

@@ -31,6 +31,7 @@ from .config import SearchConfig, load_config
 from .objective import prepare_data, suggest_settings, train_run
 from .runner import (
     DEFAULT_OUT,
+    SETTINGS_ATTR,
     best_trial,
     check_device,
     check_settings,
@@ -38,7 +39,7 @@ from .runner import (
     select_variants,
     variant_settings,
 )
-from .storage import load_study, open_storage
+from .storage import load_study, open_storage, redact
 
 EVALUATION = "evaluation.csv"
 SUMMARY = "evaluation_summary.csv"
@@ -67,8 +68,12 @@ def evaluation_path(config: SearchConfig, out: str | Path = DEFAULT_OUT) -> Path
 def read_evaluation(path: str | Path) -> pd.DataFrame:
     """The per-seed rows written so far (an empty frame when there are none); variant
     labels read as written ("256" and "NA" stay text)."""
-    table = read_csv_table(path, text_columns=["variant"])
-    return pd.DataFrame(columns=COLUMNS) if table is None else table
+    table = read_csv_table(path, text_columns=["variant", "settings"])
+    if table is None:
+        return pd.DataFrame(columns=COLUMNS)
+    if "settings" in table:  # read as text (a key of digits is no number); "" = not recorded
+        table["settings"] = table["settings"].replace("", None)
+    return table
 
 
 def trial_params(trial: optuna.trial.FrozenTrial) -> str:
@@ -161,6 +166,12 @@ def run_evaluation(
     plan: list[tuple[Any, optuna.trial.FrozenTrial, int]] = []
     best: dict[str, optuna.trial.FrozenTrial] = {}
     searched = {s.study_name for s in optuna.get_all_study_summaries(open_storage(url))}
+    if not any(config.study_name(v) in searched for v in chosen):
+        raise ValueError(
+            f"{redact(url)} holds no study of {config.name} "
+            f"({', '.join(v.label for v in chosen)}): run `kernelstudy search` first, or give "
+            "the --storage/--out it used"
+        )
     for variant in chosen:
         if config.study_name(variant) not in searched:  # e.g. after a --variant search
             print(
@@ -180,6 +191,7 @@ def run_evaluation(
     path = evaluation_path(config, out)
     path.parent.mkdir(parents=True, exist_ok=True)
     keys = {v.label: settings_key(variant_settings(config, v)) for v in config.variants}
+    keys.update(_searched_keys(config, url, exclude=best))  # the others': as their studies ran
     with exclusive_folder(path.parent, f"evaluate {config.name}"):
         return _evaluate(config, url, data, plan, best, keys, path, device)
 
@@ -219,6 +231,20 @@ def _evaluate(
         summarize_evaluation(current_runs(runs, every, keys)).to_csv(index=False),
     )
     return summarize_evaluation(current_runs(runs, best, keys))
+
+
+def _searched_keys(config: SearchConfig, url: str, exclude: Mapping[str, Any]) -> dict[str, str]:
+    """The :func:`settings_key` of the settings each searched variant's study recorded (not
+    ``exclude``'s): the summary file keeps the evaluations of those settings, as the report
+    does, though the config may have changed since."""
+    out = {}
+    for summary in optuna.get_all_study_summaries(open_storage(url)):
+        for variant in config.variants:
+            if summary.study_name == config.study_name(variant) and variant.label not in exclude:
+                stored = summary.user_attrs.get(SETTINGS_ATTR)
+                if stored is not None:
+                    out[variant.label] = settings_key(stored)
+    return out
 
 
 def _searched_best(

@@ -85,16 +85,10 @@ def open_storage(
 
 
 def redact(url: str) -> str:
-    """The URL without its password (in the credentials or a ``password=`` query
-    parameter), for messages."""
-    scheme, _, rest = url.partition("://")
-    if "@" in rest.split("?", 1)[0]:
-        creds, _, host = rest.partition("?")[0].rpartition("@")
-        user = creds.split(":", 1)[0]
-        if ":" in creds:
-            query = rest.partition("?")[2]
-            rest = f"{user}:***@{host}" + (f"?{query}" if query else "")
-    return re.sub(r"(?i)([?&]password=)[^&]*", r"\1***", f"{scheme}://{rest}" if rest else url)
+    """The URL without its password (in the credentials, which may hold ``?``, or a
+    ``password=`` query parameter), for messages."""
+    url = re.sub(r"^([\w+.-]+://[^:/@?#]*:)[^@]*@", r"\1***@", url)
+    return re.sub(r"(?i)([?&]password=)[^&]*", r"\1***", url)
 
 
 def load_study(url: str, name: str) -> optuna.Study:

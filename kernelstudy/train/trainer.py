@@ -391,6 +391,8 @@ class Trainer:
         self.elapsed = 0.0
         self.test_metrics: dict[str, float] | None = None
         self.test_step: int | None = None  # the step test_metrics were taken at
+        # the last step's weights while the model holds the restored best ones (_finish)
+        self._last_weights: dict[str, Any] | None = None
         self.status = "new"
         self._last_lr = config.lr
         self.out_dir = Path(config.out_dir) if config.out_dir is not None else None
@@ -424,6 +426,9 @@ class Trainer:
         bar = tqdm(
             total=cfg.steps, initial=self.step, disable=not cfg.progress, desc="train", leave=False
         )
+        if self._last_weights is not None and self.step < cfg.steps and not self.stopped_early:
+            self.model.load_state_dict(self._last_weights)  # train on from the last step's
+            self._last_weights = None
         interrupt = DeferredInterrupt()
         try:
             self.status = "running"
@@ -449,17 +454,14 @@ class Trainer:
                             self.save_checkpoint()
                         raise KeyboardInterrupt
             finished = self.step >= cfg.steps or self.stopped_early
-            last_weights = None  # None: the model's
             if finished:
                 self.status = "early_stopped" if self.stopped_early else "completed"
-                if cfg.restore_best and self.best_state is not None:  # _finish loads them
-                    last_weights = _state_copy(self.model)
                 self._finish()
             else:
                 self.status = "paused"
             self.elapsed += time.perf_counter() - start
             if self.out_dir is not None:  # the last step's weights, to extend the run from
-                self._save_checkpoint(self._path(CHECKPOINT), last_weights)
+                self.save_checkpoint()
             return self._write_record()
         except BaseException as err:
             self.elapsed += time.perf_counter() - start
@@ -500,10 +502,7 @@ class Trainer:
     def save_checkpoint(self, path: str | Path | None = None) -> Path:
         """Save all an exact resume needs, atomically (default ``out_dir/checkpoint.pt``)."""
         path = self._path(CHECKPOINT) if path is None else Path(path)
-        return self._save_checkpoint(path)
-
-    def _save_checkpoint(self, path: Path, weights: Mapping[str, Any] | None = None) -> Path:
-        """:meth:`save_checkpoint` with ``weights`` (default: the model's) as the model state."""
+        weights = self._last_weights  # the last step's, while the model holds the best ones
         state = {
             "format": 1,
             "config": self.config.to_dict(),
@@ -556,6 +555,7 @@ class Trainer:
                 stacklevel=2,
             )
         self.model.load_state_dict(state["model"])
+        self._last_weights = None  # the model holds the checkpoint's (last step's) weights
         self.optimizer.load_state_dict(state["optimizer"])
         sched = dict(state["scheduler"])
         sched["lr_lambdas"] = [None] * len(self.scheduler.lr_lambdas)  # keep this config's
@@ -725,6 +725,8 @@ class Trainer:
         score the test data (again if steps ran since it was scored). The checkpoint keeps
         the last step's weights (see :meth:`fit`): an extended run goes on from them."""
         if self.config.restore_best and self.best_state is not None:
+            if self._last_weights is None:  # kept for the checkpoint (a second fit too)
+                self._last_weights = _state_copy(self.model)
             self.model.load_state_dict(self.best_state)
         if self.out_dir is not None:
             save_checkpoint(self._path(MODEL), self.model.state_dict())
