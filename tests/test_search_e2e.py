@@ -635,3 +635,23 @@ def test_the_summary_keeps_other_variants_evaluated_with_their_studys_settings(t
     assert ks("evaluate", cfg, "--out", out, "--seeds", "1", "--variant", "elu+1") == 0
     summary = pd.read_csv(out / "tiny" / "evaluation_summary.csv")
     assert set(summary["variant"]) == {"elu+1", "1xGLU"}
+
+
+def test_evaluate_skips_a_best_trial_over_the_current_budget(tmp_path, capsys, monkeypatch):
+    """A study searched under the older budget rule can hold a best trial that the current
+    one refuses: evaluate stopped there with exit 1."""
+    out = tmp_path / "res"
+    cfg = write_config(tmp_path, ["elu+1", "1xGLU"], steps=10)
+    assert ks("search", cfg, "--out", out, "--trials", "1") == 0
+    real = objective_module.over_budget
+
+    def glu_over(sizes, budget):
+        return "a test's rule" if sizes["params_feature_map"] else real(sizes, budget)
+
+    monkeypatch.setattr(objective_module, "over_budget", glu_over)
+    assert ks("evaluate", cfg, "--out", out, "--seeds", "2") == 0
+    assert "1xGLU: its best trial 0 is over the budget (a test's rule); skipped" in (
+        capsys.readouterr().err
+    )
+    runs = read_evaluation(out / "tiny" / "evaluation.csv")
+    assert runs["variant"].tolist() == ["elu+1", "elu+1"]

@@ -28,7 +28,7 @@ import pandas as pd
 from ..files import atomic_write_text, exclusive_folder, read_csv_table
 from ..progress import tqdm
 from .config import SearchConfig, load_config
-from .objective import prepare_data, suggest_settings, train_run
+from .objective import OverBudget, prepare_data, suggest_settings, train_run
 from .runner import (
     DEFAULT_OUT,
     SETTINGS_ATTR,
@@ -211,10 +211,21 @@ def _evaluate(
     runs = read_evaluation(path)
     done = {(r.variant, int(r.seed)) for r in current_runs(runs, best, keys).itertuples()}
     todo = [p for p in plan if (p[0].label, p[2]) not in done]
+    over: set[str] = set()
     for variant, trial, seed in tqdm(todo, desc=f"evaluate {config.name}", unit="run"):
+        if variant.label in over:
+            continue
         settings = suggest_settings(optuna.trial.FixedTrial(trial.params), config, variant)
         try:
             result = {**train_run(config, variant, settings, data, seed, device), "status": "ok"}
+        except OverBudget as err:  # a study searched under the older rule (share of the whole)
+            print(
+                f"evaluate {config.name}: {variant.label}: its best trial {trial.number} is over "
+                f"the budget ({err}); skipped",
+                file=sys.stderr,
+            )
+            over.add(variant.label)
+            continue
         except FloatingPointError as err:  # recorded, so the other runs go on and a rerun
             # does not repeat it (the same seed diverges again)
             print(f"evaluate {config.name}: {variant.label} seed {seed}: {err}", file=sys.stderr)
