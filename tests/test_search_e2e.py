@@ -214,6 +214,14 @@ def test_a_diverging_evaluation_run_is_recorded_and_the_others_go_on(tmp_path, c
     assert summary.loc["Transformer", "n"] == 2 and summary.loc["Transformer", "diverged"] == 0
     monkeypatch.setattr(evaluate_module, "train_run", None)  # a rerun trains nothing
     assert ks("evaluate", cfg, "--seeds", "2", "--out", tmp_path / "res") == 0
+    assert "summary counts" not in capsys.readouterr().err
+    # fewer seeds than were run: the summary still counts them all, and says so
+    assert ks("evaluate", cfg, "--seeds", "1", "--out", tmp_path / "res") == 0
+    err = capsys.readouterr().err
+    assert "Transformer has runs of 2 seeds; the summary counts them all, not the first 1" in err
+    assert pd.read_csv(tmp_path / "res" / "tiny" / "evaluation_summary.csv").equals(
+        summary.reset_index()
+    )
     # one variant re-evaluated: the summary file keeps the other (it was left with one)
     assert ks("evaluate", cfg, "--seeds", "2", "--variant", "elu+1", "--out", tmp_path / "res") == 0
     again = pd.read_csv(tmp_path / "res" / "tiny" / "evaluation_summary.csv")
@@ -226,8 +234,11 @@ def test_a_diverging_evaluation_run_is_recorded_and_the_others_go_on(tmp_path, c
     assert ks("report", cfg, "--out", tmp_path / "res") == 0
     table = pd.read_csv(tmp_path / "res" / "tiny" / "table.csv", header=[0, 1], index_col=0)
     assert table.loc["elu+1", ("listops", "n")] == 0
+    assert table.loc["elu+1", ("listops", "diverged")] == 2
     assert math.isnan(table.loc["elu+1", ("listops", "mean")])
     assert table.loc["Transformer", ("listops", "n")] == 2
+    assert table.loc["Transformer", ("listops", "diverged")] == 0
+    assert "| elu+1 | – | – | – | 0 | 2 |" in (tmp_path / "res" / "tiny" / "table.md").read_text()
 
 
 def test_report_before_the_first_trial(tmp_path, capsys):
@@ -540,7 +551,9 @@ def test_two_configs_of_one_task_get_their_own_column_groups(tmp_path):
     mixed = results_table([study_set("small", 0.25), other])
     assert str(mixed[("listops (small)", "n")].dtype) == "Int64"
     printed = markdown(mixed)
-    assert "| elu+1 | 25.00 | – | 25.00 | 1 | – | – | – | – |" in printed  # n not "1.00"
+    # n not "1.00"; diverged missing: no evaluation runs
+    assert "| elu+1 | 25.00 | – | 25.00 | 1 | – | – | – | – | – | – |" in printed
+    assert str(mixed[("listops (small)", "diverged")].dtype) == "Int64"
     with pytest.raises(ValueError, match=r"it holds: no studies\); run `kernelstudy search`"):
         load_study(f"sqlite:///{tmp_path / 'empty.db'}", "tiny/elu+1")
 

@@ -561,6 +561,39 @@ def test_ctrl_c_saves_the_step_it_ends_and_the_run_resumes_exactly(tmp_path, mon
     assert again.step == 12 and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_ctrl_c_after_the_last_steps_check_is_not_lost(tmp_path, monkeypatch):
+    """A Ctrl-C that arrived after the last step's check, while the loop was being left,
+    only set the request: the test evaluation then ran and the run reported completed."""
+    import kernelstudy.train.trainer as trainer_module
+
+    class LateInterrupt(DeferredInterrupt):
+        def __exit__(self, *exc):
+            self._handle(signal.SIGINT, None)  # the signal lands as the loop is left
+            return super().__exit__(*exc)
+
+    monkeypatch.setattr(trainer_module, "DeferredInterrupt", LateInterrupt)
+    out = tmp_path / "run"
+    trainer = Trainer(
+        _classifier(),
+        ContainsTask(32),
+        _config(steps=3, eval_every=3, out_dir=str(out)),
+        test_data=ContainsTask(16),
+    )
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit()
+    record = json.loads((out / "run.json").read_text())
+    assert record["status"] == "interrupted" and record["steps_completed"] == 3
+    assert record["test"] is None and trainer.test_metrics is None
+    monkeypatch.undo()
+    again = Trainer(
+        _classifier(),
+        ContainsTask(32),
+        _config(steps=3, eval_every=3, out_dir=str(out)),
+        test_data=ContainsTask(16),
+    )
+    assert again.fit(resume=True)["status"] == "completed"
+
+
 def test_a_second_ctrl_c_interrupts_at_once():
     with DeferredInterrupt() as interrupt:
         os.kill(os.getpid(), signal.SIGINT)

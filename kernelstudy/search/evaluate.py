@@ -8,7 +8,8 @@ scored on the test split. One row per run goes to ``<out>/<name>/evaluation.csv`
 runs already there for the same trial (number and parameters) and seed are skipped.
 The summary (``evaluation_summary.csv``, and the report) has the mean, std and best
 test accuracy per variant over the runs of its current best trial: runs of a trial
-that a longer search has since beaten stay in the file but count no more. A run whose
+that a longer search has since beaten stay in the file but count no more, and every
+seed run so far counts (``--seeds 2`` after ``--seeds 5`` still has n = 5). A run whose
 training diverges is recorded (``status`` "diverged: …", no test accuracy) and the
 others go on; the summary counts such runs in ``diverged``, apart from ``n``.
 """
@@ -235,6 +236,14 @@ def _evaluate(
         new = pd.DataFrame([{k: row.get(k) for k in COLUMNS}])
         runs = new if runs.empty else pd.concat([runs, new], ignore_index=True)
         atomic_write_text(path, runs.to_csv(index=False))
+    seeds = 1 + max((p[2] for p in plan), default=-1)
+    for label, count in current_runs(runs, best, keys).groupby("variant")["seed"].nunique().items():
+        if count > seeds:  # the summary, as the report, counts every seed evaluated so far
+            print(
+                f"evaluate {config.name}: {label} has runs of {count} seeds; the summary counts "
+                f"them all, not the first {seeds}",
+                file=sys.stderr,
+            )
     # the summary file covers every variant evaluated so far, not only those chosen now
     every = {**_searched_best(config, url, exclude=best), **best}
     atomic_write_text(

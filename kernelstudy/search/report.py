@@ -5,9 +5,10 @@ CSV when :mod:`.evaluate` has run) of one or more configs and writes, under
 ``<out>/<name>/`` (``<out>/report/`` for several):
 
 - ``table.csv`` / ``table.md``: rows are variants, columns are tasks × (mean, std,
-  best, n) of test accuracy in %, as in Yorsh & Kovalenko's table, plus their
-  published number (``paper``) where the variant and task match. Without an
-  evaluation a variant's entry is its best trial's test accuracy (n = 1).
+  best, n) of test accuracy in %, as in Yorsh & Kovalenko's table, the number of
+  evaluation runs that diverged (``diverged``, not counted in n), and the published
+  number (``paper``) where the variant and task match. Without an evaluation a
+  variant's entry is its best trial's test accuracy (n = 1, diverged missing).
 - ``paper_reference.csv`` / ``.md``: the published table itself.
 - ``trials.csv``: every trial of every study, with its sizes and costs (re-queued
   duplicates, pruned before they ran, left out).
@@ -179,7 +180,9 @@ def trials_frame(results: Sequence[StudySet]) -> pd.DataFrame:
 
 
 def results_table(results: Sequence[StudySet]) -> pd.DataFrame:
-    """The paper-shaped table: index variants; columns (task, mean/std/best/n[/paper]), in %.
+    """The paper-shaped table: index variants; columns (task, mean/std/best/n/diverged
+    [/paper]), accuracies in %; ``n`` counts the evaluation runs that finished and
+    ``diverged`` those whose training diverged (missing before ``evaluate``).
     A task reported by two configs is headed ``task (config name)``."""
     tasks = [res.task for res in results]
     frames = []
@@ -194,11 +197,18 @@ def results_table(results: Sequence[StudySet]) -> pd.DataFrame:
                     "std": 100 * s["std"],
                     "best": 100 * s["best"],
                     "n": int(s["n"]),
+                    "diverged": int(s["diverged"]),
                 }
             else:  # not evaluated (yet): the search trial's test accuracy, one run
                 acc = study_row(study, label)["test_accuracy"]
                 pct = math.nan if acc is None else 100 * acc
-                rows[label] = {"mean": pct, "std": math.nan, "best": pct, "n": int(acc is not None)}
+                rows[label] = {
+                    "mean": pct,
+                    "std": math.nan,
+                    "best": pct,
+                    "n": int(acc is not None),
+                    "diverged": math.nan,  # no evaluation runs to count
+                }
             paper = PAPER.get(PAPER_LABELS.get(label, ""), {}).get(res.task)
             if paper is not None:
                 rows[label]["paper"] = paper
@@ -209,7 +219,7 @@ def results_table(results: Sequence[StudySet]) -> pd.DataFrame:
     table = pd.concat(frames, axis=1)
     order = list(dict.fromkeys(label for res in results for label in res.studies))
     table = table.reindex(order).rename_axis("variant")
-    for column in [c for c in table.columns if c[1] == "n"]:  # NaN made them float
+    for column in [c for c in table.columns if c[1] in ("n", "diverged")]:  # NaN: float
         table[column] = table[column].astype("Int64")
     return table
 

@@ -453,6 +453,10 @@ class Trainer:
                         if self.out_dir is not None:
                             self.save_checkpoint()
                         raise KeyboardInterrupt
+            if interrupt.requested:  # a Ctrl-C after the last step's check, before leaving
+                if self.out_dir is not None:
+                    self.save_checkpoint()
+                raise KeyboardInterrupt
             finished = self.step >= cfg.steps or self.stopped_early
             if finished:
                 self.status = "early_stopped" if self.stopped_early else "completed"
