@@ -39,6 +39,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shlex
 import sys
 import time
@@ -370,11 +371,30 @@ def run_study(
             + [f"--only {shlex.quote(f'{k}={v}')}" for k, v in only.items()]
         )
         # Rows kept from earlier runs keep those runs' lines; this run adds one if it computed.
-        lines = _provenance_lines(out_dir / SUMMARY_FILE) if done & set(ids) else []
+        # The lines of runs (another size or device) whose rows this summary does not use but
+        # results.csv still holds are kept apart: a summary of theirs written again finds them.
+        earlier = _provenance_lines(out_dir / SUMMARY_FILE)
+        lines = earlier if done & set(ids) else []
+        others = earlier if not lines and done - set(ids) else []
         if todo or not lines:
             verb = "Written" if todo else "Summarized (nothing computed)"
             lines.append(provenance(name, quick, device, options=" ".join(options), verb=verb))
         text += "\n" + "\n\n".join(lines) + "\n"
+        if others:
+            text += (
+                "\nEarlier runs with other rows in these tables (another size or device; "
+                "this summary does not use them):\n\n" + "\n\n".join(others) + "\n"
+            )
+        replaced = _summary_run(out_dir / SUMMARY_FILE)
+        if replaced not in (None, (quick, device)):
+            size, was = ("quick", " --quick") if replaced[0] else ("full", "")
+            print(
+                f"note: {out_dir / SUMMARY_FILE} and the figures were the {size} "
+                f"{replaced[1]} run's; this run's replace them (its rows stay in "
+                f"{results_path}: `kernelstudy study {name}{was} --device {replaced[1]} "
+                f"--out {out_dir}` writes them again without computing)",
+                file=sys.stderr,
+            )
         atomic_write_text(out_dir / SUMMARY_FILE, text)
         written.append(out_dir / SUMMARY_FILE)
         if verbose:
@@ -396,12 +416,24 @@ def _check_held(frame: pd.DataFrame, name: str, out_dir: Path) -> None:
         )
 
 
+_TITLE = re.compile(r"# \S+ \((quick|full), (\S+)\)$")
+
+
 def _provenance_lines(summary: Path) -> list[str]:
     """The "Written ..." provenance lines of the summary being replaced (each once)."""
     if not summary.is_file():
         return []
     lines = [line for line in summary.read_text().splitlines() if line.startswith("Written ")]
     return list(dict.fromkeys(lines))
+
+
+def _summary_run(summary: Path) -> tuple[bool, str] | None:
+    """(quick, device) of the run whose summary ``summary`` is, from its title (or None)."""
+    if not summary.is_file():
+        return None
+    with open(summary) as f:
+        match = _TITLE.match(f.readline().strip())
+    return None if match is None else (match.group(1) == "quick", match.group(2))
 
 
 def _ids(frame: pd.DataFrame) -> set[str]:

@@ -140,6 +140,36 @@ def test_summary_provenance_names_the_runs_that_computed_the_rows(toy_studies, m
     assert len(lines()) == 1 and lines()[0].startswith("Summarized (nothing computed) ")
 
 
+def test_a_run_of_the_other_size_keeps_the_first_runs_provenance(toy_studies, capsys):
+    """A quick run into a folder of a full run whose configurations it does not share
+    replaced the summary and dropped the full run's "Written" line: written again, the full
+    summary named no run that computed its rows. The line is kept apart, and a note says how
+    to write the full summary again."""
+    (toy_studies / "studies" / "toy.toml").write_text("[full]\nxs = [1, 2]\n\n[quick]\nxs = [5]\n")
+    out = toy_studies / "out"
+    written = lambda: [  # noqa: E731
+        x for x in (out / "summary.md").read_text().splitlines() if x.startswith("Written ")
+    ]
+    study.run_study("toy", quick=False, out=out, verbose=False)
+    (full_line,) = written()
+    assert "--quick" not in full_line
+    capsys.readouterr()
+    study.run_study("toy", quick=True, out=out, verbose=False)
+    err = capsys.readouterr().err
+    assert "summary.md and the figures were the full cpu run's" in err
+    assert f"`kernelstudy study toy --device cpu --out {out}`" in err
+    text = (out / "summary.md").read_text()
+    assert text.startswith("# toy (quick, cpu)") and "Earlier runs with other rows" in text
+    assert full_line in written() and len(written()) == 2
+    study.run_study("toy", quick=False, out=out, verbose=False)  # nothing computed
+    assert (out / "summary.md").read_text().startswith("# toy (full, cpu)")
+    assert full_line in written()
+    assert "Summarized (nothing computed)" not in (out / "summary.md").read_text()
+    assert "were the quick cpu run's" in capsys.readouterr().err
+    study.run_study("toy", quick=False, out=out, verbose=False)  # same size: no note
+    assert "and the figures were" not in capsys.readouterr().err
+
+
 def _powers(out) -> pd.DataFrame:
     return pd.read_csv(out / "powers.csv")
 
