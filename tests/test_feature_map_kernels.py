@@ -375,8 +375,25 @@ def test_registering_a_user_map():
         assert isinstance(fm, Square) and fm.config()["name"] == name
         x = torch.randn(2, 4)
         torch.testing.assert_close(fm(x), x.square())
-        with pytest.raises(ValueError, match="already registered"):
+        with pytest.raises(ValueError, match="already registered .*Square"):
             register_feature_map(name)(DoubledElu)
+        # the cell that defines it run again (a notebook): the new class takes the name over
+        first = Square
+
+        @register_feature_map(name)
+        class Square(FeatureMap):  # noqa: F811
+            positive = False
+
+            @property
+            def feature_dim(self) -> int:
+                return self.head_dim
+
+            def features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
+                return 2 * x.square()
+
+        fm = ks.create_feature_map(name, head_dim=4)
+        assert type(fm) is Square and type(fm) is not first
+        torch.testing.assert_close(fm(x), 2 * x.square())
     finally:
         registry_module._REGISTRY.pop(name, None)
     assert name not in ks.list_feature_maps()

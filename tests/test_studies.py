@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import textwrap
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -334,7 +335,6 @@ def test_quick_approximation_reproduces_performer(tmp_path):
 def _performer_frame(ratio: float, spread: float, seeds: int = 40) -> pd.DataFrame:
     """Performer rows whose MSE is c/R·(heavy-tailed noise), orthogonal = ratio × iid in
     distribution but drawn independently of it."""
-    import numpy as np
 
     rng = np.random.default_rng(0)
     rows = []
@@ -350,6 +350,26 @@ def _performer_frame(ratio: float, spread: float, seeds: int = 40) -> pd.DataFra
                          "orthogonal": orth, "seed": seed, "value": v}
                     )  # fmt: skip
     return pd.DataFrame(rows)
+
+
+def test_performer_slope_interval_is_over_seeds_not_rows():
+    """The interval treated every (seed, R) row as independent, though a seed's rows share
+    its data. Each seed here lies exactly on its own line (slopes −1 ± 0.1): the interval
+    is that of the mean of the 10 seeds' slopes."""
+    slope_of = study.load_study("approximation")._slope
+    rng = np.random.default_rng(0)
+    slopes = -1 + 0.1 * rng.standard_normal(10)
+    rows = [
+        {"seed": seed, "num_features": r, "value": float(np.exp(seed + s * np.log(r)))}
+        for seed, s in enumerate(slopes)
+        for r in (16, 64, 256, 1024)
+    ]
+    slope, lo, hi = slope_of(pd.DataFrame(rows))
+    se = slopes.std(ddof=1) / np.sqrt(10)
+    assert slope == pytest.approx(slopes.mean(), rel=1e-9)
+    assert (lo, hi) == pytest.approx((slopes.mean() - 2 * se, slopes.mean() + 2 * se), rel=1e-9)
+    one_seed = pd.DataFrame([r for r in rows if r["seed"] == 0])
+    assert all(np.isnan(slope_of(one_seed)))  # no spread to measure from one seed
 
 
 def test_performer_verdict_reports_noise_as_unresolved():

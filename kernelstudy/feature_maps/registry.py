@@ -22,13 +22,25 @@ def register_feature_map(name: str) -> Callable[[type[FeatureMap]], type[Feature
     def decorate(cls: type[FeatureMap]) -> type[FeatureMap]:
         if not (isinstance(cls, type) and issubclass(cls, FeatureMap)):
             raise TypeError(f"@register_feature_map({name!r}) needs a FeatureMap subclass")
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise ValueError(f"a feature map named {name!r} is already registered")
+        old = _REGISTRY.get(name)
+        redefined = old is not None and _qualified(old) == _qualified(cls)
+        if old is not None and old is not cls and not redefined:
+            raise ValueError(
+                f"a feature map named {name!r} is already registered "
+                f"({_qualified(old)}); choose another name"
+            )
+        # a class of the same qualified name (a notebook cell run again, a module reloaded)
+        # takes its name over
         cls.name = name
         _REGISTRY[name] = cls
         return cls
 
     return decorate
+
+
+def _qualified(cls: type) -> str:
+    """``module.QualName`` of a class."""
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def list_feature_maps(pattern: str | None = None) -> list[str]:
