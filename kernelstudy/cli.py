@@ -149,13 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--min-length",
         type=int,
         default=500,
-        help="shortest sequence, tokens (default %(default)s)",
+        help="sequences are longer than this many tokens, as in LRA (default %(default)s)",
     )
     p.add_argument(
         "--max-length",
         type=int,
         default=2000,
-        help="longest sequence, tokens (default %(default)s)",
+        help="sequences are shorter than this many tokens, as in LRA (default %(default)s)",
     )
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument(

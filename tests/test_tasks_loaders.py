@@ -108,11 +108,32 @@ def test_text_tables(tmp_path: Path) -> None:
     assert_error(err, tmp_path / "test.tsv", 2)
     (tmp_path / "test.tsv").write_text("Source\tTarget\nsome text\t1\n", encoding="utf-8")
     assert decode_bytes(TextTask(tmp_path, "val")[0]) == b"some text"  # val falls back to test
-    single = TextTask(tmp_path / "train.csv", "test")  # a file is used for any split
+    with pytest.warns(UserWarning, match="'test' holds the same rows as 'train'"):
+        single = TextTask(tmp_path / "train.csv", "test")  # a file is used for any split
     assert len(single) == 2
     # a byte-order mark (a spreadsheet's UTF-8 export) is not part of the header
     (tmp_path / "bom.csv").write_text("\ufefftext,label\nplain,0\n", encoding="utf-8")
     assert decode_bytes(TextTask(tmp_path / "bom.csv", "train")[0]) == b"plain"
+
+
+def test_a_tsv_text_is_one_row_per_line_with_quotes_as_text(tmp_path: Path) -> None:
+    """A TSV row whose text opened with a quote swallowed the rows after it up to the next
+    quote (csv quoting), with the wrong label and no error. TSVs are read as LRA writes
+    them: one row per line, split at tabs, quotes kept."""
+    rows = ['"Best film ever\t1', "Awful.\t0", 'Boring, "meh" he said\t0', "Loved it\t1"]
+    (tmp_path / "train.tsv").write_text("text\tlabel\n" + "\n".join(rows) + "\n")
+    ds = TextTask(tmp_path, "train")
+    assert [decode_bytes(ds[i]) for i in range(len(ds))] == [
+        b'"Best film ever',
+        b"Awful.",
+        b'Boring, "meh" he said',
+        b"Loved it",
+    ]
+    assert ds.labels.tolist() == [1, 0, 0, 1]
+    # a CSV keeps csv quoting: a quoted field may hold the delimiter and doubled quotes
+    (tmp_path / "train.tsv").unlink()
+    (tmp_path / "train.csv").write_text('text,label\n"say ""hi"", then go",1\n')
+    assert decode_bytes(TextTask(tmp_path, "train")[0]) == b'say "hi", then go'
 
 
 @pytest.mark.parametrize(
@@ -315,10 +336,10 @@ def test_cifar_errors(tmp_path: Path) -> None:
 def write_pathfinder(
     root: Path, n_files: int = 2, per_file: int = 10, resolution: int = 32
 ) -> dict[str, np.ndarray]:
-    """pathfinder<resolution>/curv_baseline with metadata/<i>.npy text files and
+    """pathfinder<resolution>/curv_contour_length_14 with metadata/<i>.npy text files and
     imgs/<i>/sample_<k>.png."""
     rng = np.random.default_rng(2)
-    base = root / f"pathfinder{resolution}" / "curv_baseline"
+    base = root / f"pathfinder{resolution}" / "curv_contour_length_14"
     (base / "metadata").mkdir(parents=True)
     images = {}
     for i in range(n_files):
@@ -336,6 +357,7 @@ def write_pathfinder(
 
 
 def test_pathfinder(tmp_path: Path) -> None:
+    """The default difficulty is LRA's (its pathfinder32_hard task): curv_contour_length_14."""
     images = write_pathfinder(tmp_path)
     splits = {s: load_task("pathfinder", tmp_path, s) for s in ("train", "val", "test")}
     assert [len(splits[s]) for s in ("train", "val", "test")] == [16, 2, 2]
@@ -351,14 +373,14 @@ def test_pathfinder(tmp_path: Path) -> None:
             seen.append(key)
     assert sorted(seen) == sorted(images)  # the splits partition the samples
     # the difficulty directory itself works too, with the same split
-    same = PathfinderTask(tmp_path / "pathfinder32" / "curv_baseline", "val")
+    same = PathfinderTask(tmp_path / "pathfinder32" / "curv_contour_length_14", "val")
     assert same.images == splits["val"].images
 
 
 def test_pathfinder_leaves_out_empty_images_as_lra_does(tmp_path: Path) -> None:
     """The published curv_baseline lists an empty imgs/0/sample_172.png; LRA filters it."""
     images = write_pathfinder(tmp_path, n_files=1, per_file=20)
-    base = tmp_path / "pathfinder32" / "curv_baseline"
+    base = tmp_path / "pathfinder32" / "curv_contour_length_14"
     (base / "imgs" / "0" / "sample_7.png").write_bytes(b"")
     with pytest.warns(UserWarning, match="left out 1 sample.*sample_7.png"):
         splits = [PathfinderTask(tmp_path, s) for s in ("train", "val", "test")]
@@ -374,9 +396,12 @@ def test_pathfinder_finds_the_resolution_directory(tmp_path: Path) -> None:
     write_pathfinder(tmp_path, n_files=1, per_file=10)
     write_pathfinder(tmp_path, n_files=1, per_file=10, resolution=64)
     ds = PathfinderTask(tmp_path, "train", resolution=64)
-    assert ds.root == tmp_path / "pathfinder64" / "curv_baseline"
+    assert ds.root == tmp_path / "pathfinder64" / "curv_contour_length_14"
     assert ds[0]["input_ids"].shape == (64 * 64,)
-    assert PathfinderTask(tmp_path, "train").root == tmp_path / "pathfinder32" / "curv_baseline"
+    assert (
+        PathfinderTask(tmp_path, "train").root
+        == tmp_path / "pathfinder32" / "curv_contour_length_14"
+    )
     assert PathfinderTask(tmp_path / "pathfinder64", resolution=64).root == ds.root
 
 
@@ -386,16 +411,16 @@ def test_pathfinder_refuses_a_directory_of_another_difficulty_or_resolution(
     """A difficulty or resolution directory given as the path must match the options:
     it used to be taken whatever ``difficulty`` asked for."""
     write_pathfinder(tmp_path, n_files=1, per_file=10)
-    base = tmp_path / "pathfinder32" / "curv_baseline"
-    with pytest.raises(ValueError, match="'curv_baseline' directory, but difficulty is"):
-        PathfinderTask(base, difficulty="curv_contour_length_14")
+    base = tmp_path / "pathfinder32" / "curv_contour_length_14"
+    with pytest.raises(ValueError, match="'curv_contour_length_14' directory, but difficulty is"):
+        PathfinderTask(base, difficulty="curv_baseline")
     with pytest.raises(ValueError, match="lies in pathfinder32/, but resolution is 64"):
         PathfinderTask(base, resolution=64)
     with pytest.raises(ValueError, match="resolution is 64"):
         PathfinderTask(tmp_path / "pathfinder32", resolution=64)
     monkeypatch.chdir(base)  # "." has no name of its own
-    with pytest.raises(ValueError, match="'curv_baseline' directory, but difficulty is"):
-        PathfinderTask(".", difficulty="curv_contour_length_14")
+    with pytest.raises(ValueError, match="'curv_contour_length_14' directory, but difficulty is"):
+        PathfinderTask(".", difficulty="curv_baseline")
     assert PathfinderTask(".").root == Path(".")
     monkeypatch.chdir(tmp_path)
     own = tmp_path / "mine"  # a directory of the user's own naming is taken as it is
@@ -413,7 +438,7 @@ def test_pathfinder_refuses_a_directory_of_another_difficulty_or_resolution(
 )
 def test_pathfinder_metadata_errors(tmp_path: Path, line: str, match: str) -> None:
     write_pathfinder(tmp_path, n_files=1, per_file=3)
-    meta = tmp_path / "pathfinder32" / "curv_baseline" / "metadata" / "0.npy"
+    meta = tmp_path / "pathfinder32" / "curv_contour_length_14" / "metadata" / "0.npy"
     meta.write_text(meta.read_text() + line)
     with pytest.raises(ValueError, match=match) as err:
         PathfinderTask(tmp_path)
@@ -422,7 +447,7 @@ def test_pathfinder_metadata_errors(tmp_path: Path, line: str, match: str) -> No
 
 def test_pathfinder_bad_images_and_missing_dirs(tmp_path: Path) -> None:
     write_pathfinder(tmp_path, n_files=1, per_file=10)
-    base = tmp_path / "pathfinder32" / "curv_baseline"
+    base = tmp_path / "pathfinder32" / "curv_contour_length_14"
     ds = PathfinderTask(tmp_path, "train")
     bad = ds.images[0]
     bad.write_bytes(bad.read_bytes()[:50])
@@ -433,7 +458,7 @@ def test_pathfinder_bad_images_and_missing_dirs(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="expected 32x32"):
         ds[1]
     with pytest.raises(FileNotFoundError, match="metadata"):
-        PathfinderTask(tmp_path, difficulty="curv_contour_length_14")
+        PathfinderTask(tmp_path, difficulty="curv_baseline")
     for f in (base / "metadata").iterdir():
         f.unlink()
     with pytest.raises(FileNotFoundError, match="no \\*.npy"):
@@ -509,10 +534,29 @@ def test_pathfinder_too_few_samples_for_a_split(tmp_path: Path) -> None:
 
 def test_pathfinder_binary_metadata_names_the_file(tmp_path: Path) -> None:
     write_pathfinder(tmp_path, n_files=1, per_file=3)
-    meta = tmp_path / "pathfinder32" / "curv_baseline" / "metadata" / "0.npy"
+    meta = tmp_path / "pathfinder32" / "curv_contour_length_14" / "metadata" / "0.npy"
     lines = meta.read_bytes().split(b"\n")
     lines[1] = b"\x93NUMPY\x01\x00 not text"
     meta.write_bytes(b"\n".join(lines))
     with pytest.raises(ValueError, match="not UTF-8 text.*despite the .npy name") as err:
         PathfinderTask(tmp_path)
     assert_error(err, meta, 2)
+
+
+def test_a_byte_order_mark_is_not_data_in_any_text_file(tmp_path: Path) -> None:
+    """Text tables took a UTF-8 byte-order mark (an editor's or a spreadsheet's export), the
+    other loaders refused it with confusing messages: ListOps a header of '\\ufeffSource',
+    AAN a bad label, Pathfinder an image path starting with an invisible character."""
+    bom = "\ufeff"
+    (tmp_path / "basic_train.tsv").write_text(
+        bom + "Source\tTarget\n( ( ( [MIN 1 ) 2 ) ] )\t1\n", encoding="utf-8"
+    )
+    assert load_task("listops", tmp_path, "train").labels.tolist() == [1]
+    path = write_aan(tmp_path / "tsv_data", ["1\tA\tB\tx\ty", "0\tC\tD\tz\tw"])
+    path.write_bytes(bom.encode() + path.read_bytes())
+    assert load_task("retrieval", tmp_path, "train").labels.tolist() == [1, 0]
+    write_pathfinder(tmp_path, n_files=1, per_file=10)
+    meta = tmp_path / "pathfinder32" / "curv_contour_length_14" / "metadata" / "0.npy"
+    meta.write_text(bom + meta.read_text(), encoding="utf-8")
+    splits = [load_task("pathfinder", tmp_path, s) for s in ("train", "val", "test")]
+    assert sum(len(ds) for ds in splits) == 10

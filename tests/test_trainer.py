@@ -788,3 +788,38 @@ def test_patience_on_a_training_metric_needs_no_val_data():
         Trainer(
             _classifier(), ContainsTask(32), _config(patience=2, monitor="val_loss", mode="min")
         )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"batch_size": 0}, ValueError, "batch_size must be an int >= 1, got 0"),
+        ({"batch_size": 2.5}, ValueError, "batch_size must be an int >= 1"),
+        ({"batch_size": True}, ValueError, "batch_size must be an int >= 1, got True"),
+        ({"batch_size": "4"}, ValueError, "batch_size must be an int >= 1"),
+        ({"seed": -1}, ValueError, "seed must be an int >= 0"),
+        ({"seed": 2**70}, ValueError, "seed must be an int <= 9223372036854775807"),
+        ({"seed": 1.5}, ValueError, "seed must be an int"),
+        ({"shuffle": "no"}, TypeError, "shuffle must be a bool"),
+        ({"num_workers": -1}, ValueError, "num_workers must be an int >= 0"),
+    ],
+)
+def test_make_loader_names_a_bad_argument(kwargs, error, match):
+    """The public make_loader failed deep inside (ZeroDivisionError for batch_size 0, an
+    overflow for a huge seed) or took True as batch size 1."""
+    from kernelstudy.train import make_loader
+
+    with pytest.raises(error, match=match):
+        make_loader(ContainsTask(8), **{"batch_size": 4, **kwargs})
+
+
+def test_epoch_batch_sampler_names_a_bad_argument():
+    from kernelstudy.train.data import EpochBatchSampler
+
+    with pytest.raises(ValueError, match="the training data is empty"):
+        EpochBatchSampler(0, 4, 0)
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1, got 0"):
+        EpochBatchSampler(8, 0, 0)
+    with pytest.raises(ValueError, match="size must be an int >= 1, got -2"):
+        EpochBatchSampler(-2, 4, 0)
+    assert len(EpochBatchSampler(8, 3, 0)) == 2  # drop_last: 2 full batches

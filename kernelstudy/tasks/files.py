@@ -86,14 +86,18 @@ def _large_csv_fields() -> Iterator[None]:
         csv.field_size_limit(old)
 
 
-def read_table(path: PathArg, delimiter: str) -> Iterator[tuple[int, list[str]]]:
-    """Rows of a CSV/TSV file (csv-module quoting) as ``(line number, fields)``.
+def read_table(
+    path: PathArg, delimiter: str, quoted: bool = True
+) -> Iterator[tuple[int, list[str]]]:
+    """Rows of a CSV/TSV file as ``(line number, fields)``: with csv-module quoting
+    (``quoted``), or one row per line split at ``delimiter`` with quotes as text (LRA's TSVs).
 
     The line number is that of the row's first line. Blank rows are skipped.
     """
+    quoting = csv.QUOTE_MINIMAL if quoted else csv.QUOTE_NONE
     # utf-8-sig: a byte-order mark (spreadsheet exports) is not part of the first field
     with open(path, encoding="utf-8-sig", newline="") as f, _large_csv_fields():
-        reader = csv.reader(f, delimiter=delimiter)
+        reader = csv.reader(f, delimiter=delimiter, quoting=quoting)
         start = 1
         try:
             for row in reader:

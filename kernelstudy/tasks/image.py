@@ -4,8 +4,9 @@
 ``test_batch``; each is a pickled dict with ``data`` (N, 3072) uint8 (the red,
 green, blue planes of a 32×32 image, row-major) and ``labels`` (N ints 0–9).
 Pixels are converted to gray as ``tf.image.rgb_to_grayscale`` does in LRA and
-used directly as tokens 0–255. As in LRA, ``val`` is the last 10% of the
-training batches and ``train`` the first 90%.
+used directly as tokens 0–255. ``val`` is 10% of the training images, as in LRA:
+here the last 10% of the training batches and ``train`` the first 90% (LRA's
+TFDS split takes its 10% in TFDS's own record order, so not these same images).
 """
 
 from __future__ import annotations

@@ -394,7 +394,8 @@ def read_listops_tsv(path: PathArg) -> tuple[PackedSequences, np.ndarray]:
 def _read_listops_tsv(path: PathArg) -> tuple[PackedSequences, np.ndarray]:
     sequences: list[np.ndarray] = []
     labels: list[int] = []
-    with open(path, encoding="utf-8", newline="") as f:
+    # utf-8-sig: a byte-order mark (a file saved by an editor) is not part of the header
+    with open(path, encoding="utf-8-sig", newline="") as f:
         header = f.readline().rstrip("\r\n")
         if header.split("\t") != ["Source", "Target"]:
             raise data_error(path, f"expected the header 'Source<TAB>Target', got {header!r}", 1)

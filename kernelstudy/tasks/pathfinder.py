@@ -1,10 +1,11 @@
 """LRA Pathfinder: are the two dots joined by a path? From the pathfinder32 images and metadata.
 
-Layout (one directory per difficulty, ``curv_baseline`` the easy one LRA uses by
-default, ``curv_contour_length_9`` and ``curv_contour_length_14`` harder)::
+Layout (one directory per difficulty: ``curv_baseline`` the easy one,
+``curv_contour_length_9``, and ``curv_contour_length_14`` the hard one that LRA's
+published Pathfinder results use, its ``pathfinder32_hard`` task; the default)::
 
-    pathfinder32/curv_baseline/metadata/0.npy, 1.npy, ...   # text, despite the name
-    pathfinder32/curv_baseline/imgs/0/sample_0.png, ...
+    pathfinder32/curv_contour_length_14/metadata/0.npy, 1.npy, ...  # text, despite the name
+    pathfinder32/curv_contour_length_14/imgs/0/sample_0.png, ...
 
 Each metadata line is space-separated: image subdirectory (``imgs/0``), file name
 (``sample_0.png``), an index, the label (0/1), then generation parameters. Images
@@ -82,7 +83,7 @@ def read_metadata(root: Path) -> tuple[list[Path], np.ndarray, list[str]]:
     empty: list[str] = []
     for meta in files:
         try:
-            lines = meta.read_text(encoding="utf-8").split("\n")
+            lines = meta.read_text(encoding="utf-8-sig").split("\n")  # a BOM is no text
         except UnicodeDecodeError as err:
             hint = "; Pathfinder metadata files are text, despite the .npy name"
             raise decode_error(meta, err, hint) from None
@@ -137,7 +138,7 @@ class PathfinderTask(SequenceTask):
         self,
         path: PathArg,
         split: str = "train",
-        difficulty: str = "curv_baseline",
+        difficulty: str = "curv_contour_length_14",
         resolution: int = 32,
         split_seed: int = 0,
     ) -> None:

@@ -8,6 +8,7 @@ and truncated to ``max_length`` (4000 in LRA).
 
 from __future__ import annotations
 
+import codecs
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,8 @@ def read_aan_tsv(path: PathArg, max_length: int) -> tuple[list[bytes], list[byte
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, start=1):
             line = raw.rstrip(b"\r\n")
+            if line_no == 1 and line.startswith(codecs.BOM_UTF8):  # a BOM is not the label
+                line = line[len(codecs.BOM_UTF8) :]
             if not line:
                 continue
             fields = line.split(b"\t")

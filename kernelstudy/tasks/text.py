@@ -6,6 +6,7 @@ LRA's byte encoder does. Reviews are truncated to ``max_length`` (4000 in LRA).
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -41,10 +42,11 @@ def read_imdb_dir(root: Path, split: str, max_length: int) -> tuple[list[bytes],
 def read_text_table(
     path: PathArg, max_length: int, num_classes: int
 ) -> tuple[list[bytes], list[int]]:
-    """Texts and labels of a CSV (``,``) or TSV (tab) file with a header naming
-    a ``text`` (or ``Source``) column and a ``label`` (or ``Target``) column."""
-    delimiter = "\t" if str(path).lower().endswith(".tsv") else ","
-    rows = read_table(path, delimiter)
+    """Texts and labels of a CSV (``,``, csv quoting) or TSV (tab; one row per line, quotes
+    are text, as in LRA's TSV files) file with a header naming a ``text`` (or ``Source``)
+    column and a ``label`` (or ``Target``) column."""
+    tsv = str(path).lower().endswith(".tsv")
+    rows = read_table(path, "\t" if tsv else ",", quoted=not tsv)
     first = next(rows, None)
     if first is None:
         raise data_error(path, "empty file (expected a header with text and label columns)", 1)
@@ -107,6 +109,14 @@ class TextTask(SequenceTask):
         self.max_length = check_count("max_length", max_length, 1)
         self.num_classes = check_count("num_classes", num_classes, 2)
         kind, self.source = find_text_source(path, split)
+        if Path(path).is_file() and split != "train":
+            warnings.warn(
+                f"text data {self.source} is one file, read for every split: split "
+                f"{split!r} holds the same rows as 'train', so its scores are on training "
+                "data (give a directory of train/val/test .tsv or .csv files to hold data out)",
+                UserWarning,
+                stacklevel=2,
+            )
         if kind == "imdb":
             split_dir = "test" if split == "val" else split
             texts, labels = read_imdb_dir(self.source, split_dir, self.max_length)

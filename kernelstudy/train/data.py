@@ -9,7 +9,11 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 from torch.utils.data.dataloader import default_collate
 
+from ..core.validation import check_count, check_flag
 from .checkpoint import get_rng_state, set_rng_state
+
+#: The largest seed torch's generators take.
+MAX_SEED = 2**63 - 1
 
 
 def epoch_seed(seed: int, epoch: int) -> int:
@@ -28,10 +32,13 @@ class EpochBatchSampler(Sampler[list[int]]):
     def __init__(
         self, size: int, batch_size: int, seed: int, shuffle: bool = True, drop_last: bool = True
     ) -> None:
-        if size < 1:
+        if isinstance(size, int) and not isinstance(size, bool) and size == 0:
             raise ValueError("the training data is empty")
-        self.size, self.batch_size, self.seed = size, batch_size, seed
-        self.shuffle, self.drop_last = shuffle, drop_last and size >= batch_size
+        self.size = check_count("size", size, 1)
+        self.batch_size = check_count("batch_size", batch_size, 1)
+        self.seed = check_count("seed", seed, 0, MAX_SEED)
+        self.shuffle = check_flag("shuffle", shuffle)
+        self.drop_last = check_flag("drop_last", drop_last) and size >= batch_size
         self.epoch, self.start = 0, 0
 
     def __len__(self) -> int:
@@ -66,6 +73,10 @@ def make_loader(
     through :class:`EpochBatchSampler` (training) or in order (evaluation)."""
     if isinstance(data, DataLoader):
         return data
+    check_count("batch_size", batch_size, 1)
+    check_count("seed", seed, 0, MAX_SEED)
+    check_flag("shuffle", shuffle)
+    check_count("num_workers", num_workers, 0)
     if not isinstance(data, Dataset):
         raise TypeError(f"{name} must be a torch Dataset or DataLoader, got {type(data).__name__}")
     generator = torch.Generator().manual_seed(seed)
