@@ -89,6 +89,10 @@ def _cmd_data_listops(args: argparse.Namespace) -> int:
             progress=True,
             overwrite=args.overwrite,
         )
+    except FileExistsError as err:
+        raise FileExistsError(
+            str(err).replace("overwrite=True (--overwrite)", "--overwrite")
+        ) from None
     except ValueError as err:  # name the flags, not write_listops' arguments
         message = str(err)
         for name, flag in LISTOPS_FLAGS.items():
@@ -174,6 +178,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` is an allocation failure (Python's, or torch's on a CPU or a GPU)."""
+    text = str(err).lower()
+    return (
+        isinstance(err, MemoryError)
+        or type(err).__name__ == "OutOfMemoryError"
+        or "can't allocate memory" in text
+        or "out of memory" in text
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit code."""
     parser = build_parser()
@@ -185,6 +200,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except (ValueError, TypeError, OSError) as err:  # OSError: files (--out, --data, ...)
         print(f"kernelstudy {args.command}: error: {err}", file=sys.stderr)
+        return 1
+    except (RuntimeError, MemoryError) as err:  # torch's allocation failures: no traceback
+        if not out_of_memory(err):
+            raise
+        first = (str(err).strip().splitlines() or [type(err).__name__])[-1]
+        print(
+            f"kernelstudy {args.command}: error: out of memory ({first}); use smaller sizes",
+            file=sys.stderr,
+        )
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

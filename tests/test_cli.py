@@ -118,7 +118,8 @@ def test_data_listops_writes_lra_files(tmp_path, capsys):
     before = (tmp_path / "basic_train.tsv").read_bytes()
     assert main([*args[:-1], "4"]) == 1
     err = capsys.readouterr().err
-    assert "basic_train.tsv" in err and "--overwrite" in err
+    assert "basic_train.tsv" in err and "pass --overwrite to replace" in err
+    assert "overwrite=True" not in err  # the flag, not write_listops' argument
     assert (tmp_path / "basic_train.tsv").read_bytes() == before
     assert main([*args[:-1], "4", "--overwrite"]) == 0
     assert (tmp_path / "basic_train.tsv").read_bytes() != before
@@ -141,3 +142,36 @@ def test_a_study_refuses_another_studys_results(tmp_path, capsys):
     )
     assert not (tmp_path / "x").exists()  # nothing made for a refused run
     assert not (tmp_path / "e").exists()
+
+
+def test_a_bad_count_names_no_function(tmp_path, capsys):
+    """argparse printed "invalid _positive value: 'abc'" for --trials abc."""
+    with pytest.raises(SystemExit) as done:
+        main(["search", str(tmp_path / "x.toml"), "--trials", "abc"])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert "--trials: must be a positive int, got 'abc'" in err and "_positive" not in err
+
+
+def test_out_of_memory_is_a_one_line_error(monkeypatch, capsys):
+    """torch's allocation failure (a RuntimeError) escaped main() as a traceback."""
+    import kernelstudy.cli as cli
+
+    def allocate(args):
+        raise RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:127] data. DefaultCPUAllocator: can't allocate "
+            "memory: you tried to allocate 400000000000000 bytes."
+        )
+
+    monkeypatch.setattr(cli, "_cmd_backends", allocate)  # build_parser binds it when called
+    assert main(["backends"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kernelstudy backends: error: out of memory (") and "\n" == err[-1]
+    assert err.count("\n") == 1 and "you tried to allocate" in err
+
+    def broken(args):
+        raise RuntimeError("an unexpected failure")  # a bug keeps its traceback
+
+    monkeypatch.setattr(cli, "_cmd_backends", broken)
+    with pytest.raises(RuntimeError, match="unexpected"):
+        main(["backends"])

@@ -42,7 +42,11 @@ def _variants(p: argparse.ArgumentParser) -> None:
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    """An argparse type: a positive int (the message names no function)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive int, got {value}")
     return value

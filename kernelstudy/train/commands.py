@@ -338,7 +338,7 @@ def build_model(
 ) -> torch.nn.Module:
     """The model for ``task`` with the settings' attention, map and model options.
 
-    ``longest``: the longest sequence of any split (a val or test split may be longer than
+    ``longest``: the length the longest split pads to (a val or test split may be longer than
     train's); ``max_len`` defaults to it, and a learned encoding's ``max_len`` must reach it
     (else the run would fail at its first evaluation, after training had started)."""
     allowed = _model_options(_model_class(task))
@@ -353,8 +353,8 @@ def build_model(
         kwargs.setdefault("max_len", longest)
         if kwargs.get("positions") == "learned" and kwargs["max_len"] < longest:
             raise ValueError(
-                f"model option max_len={kwargs['max_len']} is below the longest sequence of "
-                f"the splits ({longest}), which learned positions must cover"
+                f"model option max_len={kwargs['max_len']} is below the length the splits pad "
+                f"to (the task's max_length, {longest}), which learned positions must cover"
             )
     kwargs["attention"] = settings["attention"]
     if settings["feature_map"]:
