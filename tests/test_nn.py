@@ -214,6 +214,86 @@ def test_step_with_large_keys_stays_finite_and_matches_forward_on_the_prefix():
     assert state.log_scale.max() > 100  # exp(100) overflows float32: the scale is needed
 
 
+def _key_below_the_range() -> tuple:
+    """FAVOR+ (D=8, R=16) with q, k, v of 6 steps whose first key has a largest exponent
+    near -30, below float32's safe range (-20), while later keys lie inside it."""
+    torch.manual_seed(0)
+    fm = ks.create_feature_map("favor", head_dim=8, num_features=16, seed=0)
+    q, k = (torch.randn(1, 1, 6, 8) for _ in "qk")
+    directions = torch.nn.functional.normalize(torch.randn(200, 8), dim=-1)
+    k[0, 0, 0] = 12 * directions[(directions @ fm.weight.T).amax(-1).argmin()]
+    v = torch.randn(1, 1, 6, 3)
+    _, log_scale = fm.key_features(k)
+    assert log_scale[0, 0, 0] < -20 < log_scale.max()
+    return fm, q, k, v
+
+
+def test_causal_rows_are_normalized_at_their_own_prefix():
+    """A first key below the safe range was lifted by the recurrent state and by a prefix
+    forward, but not by the whole sequence's forward, where a later in-range key kept the
+    shift at 0: row 0 came out as ~1e-7·v0 (swamped by eps) against v0, so stepping, the
+    prefix, float32 and float64 all disagreed. Each causal row now uses its prefix's shift."""
+    fm, q, k, v = _key_below_the_range()
+    whole = ks.kernel_attention(q, k, v, fm, causal=True)
+    prefix = ks.kernel_attention(q[:, :, :1], k[:, :, :1], v[:, :, :1], fm, causal=True)
+    assert rel_err(prefix[:, :, 0], whole[:, :, 0]) <= 1e-5  # causal: later keys change nothing
+    torch.testing.assert_close(whole[:, :, 0], v[:, :, 0], rtol=1e-4, atol=1e-5)  # one key: v0
+    state = ks.RecurrentState.zeros(1, 1, fm.feature_dim, 3, scaled=True)
+    phi_q = fm(q, is_query=True)
+    phi_hat, log_scale = fm.key_features(k)
+    for t in range(6):
+        out, state = state.step(phi_q[:, :, t], phi_hat[:, :, t], v[:, :, t], log_scale[:, :, t])
+        assert rel_err(out, whole[:, :, t]) <= 1e-4, t
+    exact = ks.kernel_attention(q.double(), k.double(), v.double(), fm.double(), causal=True)
+    assert rel_err(whole, exact) <= 1e-4  # float64 shifts where float32 does
+    # the explicit matrix normalizes as the core does
+    matrix = ks.analysis.attention_matrix(q, k, fm, causal=True)
+    assert rel_err(matrix @ v, whole) <= 1e-5
+
+
+@pytest.mark.parametrize("norm", [20.0, 40.0])
+def test_a_row_far_below_a_later_key_stays_finite(norm):
+    """The row factor is capped against overflow: a first key whose exponents lie hundreds
+    below the later keys' gives finite outputs and gradients (its row keeps eps, or its
+    key underflows to nothing in float32), never inf or NaN."""
+    fm, q, k, v = _key_below_the_range()
+    k[0, 0, 0] *= norm / 12
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = ks.kernel_attention(q, k, v, fm, causal=True)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
+    exact = ks.kernel_attention(q.double(), k.double(), v.double(), fm.double(), causal=True)
+    assert rel_err(out[:, :, 1:], exact[:, :, 1:]) <= 1e-4  # later rows as in float64
+
+
+@pytest.mark.parametrize(
+    ("name", "kw"),
+    [
+        ("favor", {}),
+        ("favor", {"num_features": 32, "seed": 0, "hyperbolic": True}),
+        ("hedgehog", {}),
+    ],
+)
+def test_step_equals_forward_at_large_inputs_in_float32(name, kw):
+    """At 8·randn inputs some early rows' keys lie below float32's range: the layer's
+    forward and its steps differed by 43% of the output's largest entry for FAVOR+.
+    (trig_rf's signed features cancel at this scale: float32 and float64 disagree in
+    every mode, so it is no test of the shift.)"""
+    torch.manual_seed(0)
+    layer = ks.nn.KernelAttention(16, 2, feature_map=name, feature_map_kwargs=kw, causal=True)
+    x = 8 * torch.randn(2, 20, 16)
+    with torch.no_grad():
+        full, state = layer(x), None
+        steps = []
+        for t in range(20):
+            y_t, state = layer.step(x[:, t], state)
+            steps.append(y_t)
+        exact = layer.double()(x.double()).float()
+    steps = torch.stack(steps, 1)
+    assert rel_err(steps, full) <= 1e-4
+    assert rel_err(full, exact) <= 1e-3
+
+
 def test_layer_decides_the_head_count_of_a_config():
     """A config recorded from a 1-head map gets per-head weights for every head of the layer."""
     config = ks.create_feature_map("hedgehog", head_dim=8).config()

@@ -24,7 +24,12 @@ from ..core.validation import (
     check_tensor,
 )
 from ..feature_maps import FeatureMap, RandomFeatureMap
-from ..nn.functional import padded_key_features, resolve_feature_map
+from ..nn.functional import (
+    causal_key_features,
+    padded_key_features,
+    resolve_feature_map,
+    scale_rows,
+)
 
 MAX_N = 4096
 SOFTMAX = "softmax"
@@ -127,7 +132,7 @@ def attention_matrix(
     if feature_map == UNIFORM:
         weights = allowed.to(q.dtype).expand(q.shape[0], q.shape[1], n, s)
         return weights / weights.sum(-1, keepdim=True).clamp_min(1.0)
-    scores = kernel_scores(q, k, feature_map, key_padding_mask)  # float32 for half inputs
+    scores = kernel_scores(q, k, feature_map, key_padding_mask, causal)  # float32 if half
     return normalize_rows(scores, allowed, eps).to(q.dtype)
 
 
@@ -136,24 +141,29 @@ def kernel_scores(
     k: torch.Tensor,
     feature_map: MapSpec,
     key_padding_mask: torch.Tensor | None = None,
+    causal: bool = False,
 ) -> torch.Tensor:
     """The unnormalized kernel matrix ``φ(q) φ(k)ᵀ``: ``(B,H,N,S)``, no masking applied,
     in float32 for half-precision inputs (a float16 score can pass 65504) and in the
     inputs' dtype otherwise.
 
     Padded keys are treated as in ``kernel_attention`` (zeroed first; a per-sequence key
-    stabilizer sees the real keys only). A map whose parameters or buffers have another
+    stabilizer sees the real keys only); ``causal`` scales each query row of such a map
+    as ``kernel_attention`` does (:func:`~kernelstudy.nn.functional.causal_key_features`),
+    so the matrix normalizes as the core output. A map whose parameters or buffers have another
     dtype than ``q`` runs on copies cast to it (``torch.func.functional_call``): float64
     analysis of a float32 map is exact, and gradients still reach the map's parameters.
     """
     fm = _as_feature_map(feature_map, q)
+    if check_flag("causal", causal) and q.shape[2] != k.shape[2]:
+        raise ValueError(f"causal attention needs N == S, got N={q.shape[2]}, S={k.shape[2]}")
     mask = None
     if key_padding_mask is not None:
         mask = check_key_padding_mask(key_padding_mask, k.shape[0], k.shape[2], k.device)
     scores = _KernelScores(fm)
     tensors = [*fm.named_parameters(), *fm.named_buffers()]
     if not any(t.is_floating_point() and t.dtype != q.dtype for _, t in tensors):
-        return scores(q, k, mask)
+        return scores(q, k, mask, causal)
     random = isinstance(fm, RandomFeatureMap)
     if random:  # count the query call, and redraw if due, on the map itself: a redraw inside
         fm.maybe_redraw(True)  # functional_call would land on the copies and be lost
@@ -162,7 +172,7 @@ def kernel_scores(
     training = fm.training
     fm.train(training and not random)  # the copies must not count or redraw again
     try:
-        return torch.func.functional_call(scores, cast, (q, k, mask))
+        return torch.func.functional_call(scores, cast, (q, k, mask, causal))
     finally:
         fm.train(training)
 
@@ -175,12 +185,20 @@ class _KernelScores(nn.Module):
         super().__init__()
         self.fm = fm
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, causal: bool = False
+    ) -> torch.Tensor:
         phi_q = self.fm(q, is_query=True)
-        phi_k = (
-            self.fm(k, is_query=False) if mask is None else padded_key_features(self.fm, k, mask)
-        )
         acc = accumulation_dtype(phi_q.dtype)  # each dot product summed in float32
+        if (
+            causal and self.fm.keys_need_sequence and k.shape[-2] > 0
+        ):  # rows scaled in float32 (float16: e^30)
+            phi_k, log_factor = causal_key_features(self.fm, k.to(acc), mask)
+            phi_q = scale_rows(phi_q.to(acc), log_factor, phi_k)
+        elif mask is None:
+            phi_k = self.fm(k, is_query=False)
+        else:
+            phi_k = padded_key_features(self.fm, k, mask)
         with autocast_off(phi_q):
             return phi_q.to(acc) @ phi_k.to(acc).transpose(-1, -2)
 

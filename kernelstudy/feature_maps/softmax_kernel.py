@@ -29,10 +29,15 @@ def stabilizer(logits: torch.Tensor, is_query: bool, dtype: torch.dtype) -> torc
     - keys, per sequence ``(..., 1, 1)``: the largest exponent of the whole sequence
       moves to 0 only when it leaves the safe range. Ordinary keys keep their exact
       features, so a key does not depend on later keys (causality) or on padding.
-      Beyond the range (very large inputs) the shift is set by the largest key of the
-      sequence, later ones included: early rows of causal attention computed over the
-      whole sequence can then be swamped by ``eps``; stepping a scaled
-      :class:`~kernelstudy.core.RecurrentState` (a running maximum) or float64 avoids it.
+      Beyond the range (very large or very small exponents) the shift is set by the
+      largest key of the sequence, later ones included. Causal
+      :func:`~kernelstudy.nn.kernel_attention` therefore normalizes each row at the
+      shift of its own prefix (:func:`~kernelstudy.nn.functional.causal_key_features`),
+      as a scaled :class:`~kernelstudy.core.RecurrentState` (a running maximum) does;
+      features of φ(k) alone, summed by the core directly, are at the whole sequence's
+      shift. In float32 a row whose keys lie about e^50 below a later key's keeps part
+      of ``eps`` (the factor is capped against overflow), and e^87 below its keys
+      underflow; float64 avoids both.
     """
     dims = (-1,) if is_query or logits.dim() < 2 else (-2, -1)
     logits = logits.detach()

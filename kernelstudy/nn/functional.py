@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -84,7 +85,10 @@ def kernel_attention(
     Padded keys are zeroed before the map sees them, and a map that stabilizes keys
     per sequence (``keys_need_sequence``) takes its shift over the real keys only
     (:func:`padded_key_features`): the output equals that of the real keys alone,
-    whatever the padding holds.
+    whatever the padding holds. Causal, such a map normalizes each row at the shift of
+    its own prefix (:func:`causal_key_features`), as a
+    :class:`~kernelstudy.core.RecurrentState` stepping the keys does: a later key does not
+    change how much ``eps`` weighs in an earlier row.
 
     float16 inputs are mapped and attended in float32 (with autocast off) and the output
     cast back: the gradient with respect to a feature grows as 1/normalizer and
@@ -101,10 +105,15 @@ def kernel_attention(
     fm = resolve_feature_map(feature_map, q.shape[-1], q.shape[1])
     with context:
         phi_q = fm(q, is_query=True)
-        if key_padding_mask is None:
+        mask = None
+        if key_padding_mask is not None:
+            mask = check_key_padding_mask(key_padding_mask, k.shape[0], k.shape[2], k.device)
+        if causal and fm.keys_need_sequence and k.shape[-2] > 0:
+            phi_k, log_factor = causal_key_features(fm, k, mask)
+            phi_q = scale_rows(phi_q, log_factor, phi_k)
+        elif mask is None:
             phi_k = fm(k, is_query=False)
         else:
-            mask = check_key_padding_mask(key_padding_mask, k.shape[0], k.shape[2], k.device)
             phi_k = padded_key_features(fm, k, mask)
     phi_q, phi_k = phi_q.to(v.dtype), phi_k.to(v.dtype)
     out = linear_attention(
@@ -131,3 +140,51 @@ def padded_key_features(fm: FeatureMap, k: torch.Tensor, mask: torch.Tensor) -> 
     scale = torch.exp((log_scale - shift).masked_fill(~real, -torch.inf))
     dtype = torch.promote_types(phi_hat.dtype, scale.dtype)
     return (phi_hat.to(dtype) * scale[..., None].to(dtype)).to(k.dtype)
+
+
+def causal_key_features(
+    fm: FeatureMap, k: torch.Tensor, mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys for causal attention with a map that shifts keys per sequence: ``(φ(k):
+    (B,H,S,F), log_factor: (B,H,S))``.
+
+    φ(k) is taken at the shift c of the sequence's real keys, as
+    :func:`padded_key_features` does (``mask: (B,S)``, True = real; None: all real).
+    Row t's query features are to be multiplied by ``exp(log_factor_t) = exp(c − c_t)``
+    (:func:`scale_rows`), c_t the shift of the real keys up to t: numerator and
+    normalizer of row t then equal those at c_t, so ``eps`` weighs in it as in the
+    :class:`~kernelstudy.core.RecurrentState` that steps the keys, whatever later keys
+    hold."""
+    if mask is None:
+        mask = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device)
+    real = mask[:, None, :]  # (B,1,S)
+    k = k.masked_fill(~real[..., None], 0.0)
+    phi_hat, log_scale = fm.key_features(k)  # (B,H,S,F), (B,H,S)
+    logs = log_scale.detach().masked_fill(~real, -torch.inf)
+    prefix = exp_shift(logs.cummax(-1).values, k.dtype)  # c_t: non-decreasing in t
+    shift = exp_shift(logs.amax(-1, keepdim=True), k.dtype)  # c (0 without real keys)
+    scale = torch.exp((log_scale - shift).masked_fill(~real, -torch.inf))
+    dtype = torch.promote_types(phi_hat.dtype, scale.dtype)
+    phi_k = (phi_hat.to(dtype) * scale[..., None].to(dtype)).to(k.dtype)
+    # rows before the first real key have no keys (c_t = 0): their factor is moot
+    return phi_k, (shift - prefix).clamp_min(0.0)
+
+
+#: e^SPARE of room kept in :func:`scale_rows` for sums over features, keys and values.
+SPARE = 18.0
+
+
+def scale_rows(phi_q: torch.Tensor, log_factor: torch.Tensor, phi_k: torch.Tensor) -> torch.Tensor:
+    """``phi_q: (B,H,N,F)`` with row t multiplied by ``exp(log_factor: (B,H,N))``, the
+    factor capped so that no product of the row with a feature of ``phi_k: (B,H,S,F)``
+    (later keys included: a chunk multiplies them before masking) comes within e^SPARE
+    of ``phi_q``'s largest value. A capped row keeps part of ``eps`` (its prefix lies
+    about e^50 below the sequence's largest key in float32)."""
+    dtype = torch.promote_types(phi_q.dtype, log_factor.dtype)
+    top = math.log(torch.finfo(phi_q.dtype).max) - SPARE
+    with torch.no_grad():
+        q_max = phi_q.detach().abs().amax(-1).to(dtype).clamp_min(1e-30).log()  # (B,H,N)
+        k_max = phi_k.detach().abs().amax((-2, -1)).to(dtype).clamp_min(1e-30).log()  # (B,H)
+        cap = (top - q_max - k_max[..., None]).clamp(0.0, top)
+        factor = torch.minimum(log_factor.to(dtype), cap).exp()
+    return (phi_q.to(dtype) * factor[..., None]).to(phi_q.dtype)
