@@ -22,7 +22,8 @@ def test_recurrent_steps_equal_causal_output(dtype, b, h, n, f, m):
     for t in range(n):
         out_t, state = state.step(q[:, :, t], k[:, :, t], v[:, :, t])
         assert out_t.shape == (b, h, m)
-        assert rel_err(out_t, batch[:, :, t]) <= 1e-5
+        # float64 to 1e-12: a state summing float64 inputs in float32 passed at 1e-5
+        assert rel_err(out_t, batch[:, :, t]) <= (1e-12 if dtype == torch.float64 else 1e-5)
     assert state.S.shape == (b, h, f, m) and state.Z.shape == (b, h, f)
 
 
