@@ -423,7 +423,8 @@ def test_learned_positions_cover_a_longer_val_split(
     short = tmp_path / "short"
     args = listops_args(listops, short, *longer, *learned, "--model-arg", "max_len=30")
     assert main(args) == 1
-    assert "max_len=30 is below the length the splits pad to (the task's max_length, 40)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "max_len=30 is below the length the splits pad to (the task's max_length, 40)" in err
     assert not short.exists()  # refused before anything was written
 
 
