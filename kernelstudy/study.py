@@ -374,8 +374,17 @@ def run_study(
         # The lines of runs (another size or device) whose rows this summary does not use but
         # results.csv still holds are kept apart: a summary of theirs written again finds them.
         earlier = _provenance_lines(out_dir / SUMMARY_FILE)
-        lines = earlier if done & set(ids) else []
-        others = earlier if not lines and done - set(ids) else []
+        used = done & set(ids)
+
+        def uses(run: tuple[bool, str] | None) -> bool:
+            """Whether this summary uses rows that a run of that (size, device) computed."""
+            if run is None or run == (quick, device):
+                return bool(used)
+            sizes = module.configs(load_params(name, run[0]))
+            return bool(used & {config_id(c, run[1]) for c in sizes})
+
+        lines = [line for line in earlier if uses(_run_of(line))]
+        others = [line for line in earlier if line not in lines] if done - set(ids) else []
         if todo or not lines:
             verb = "Written" if todo else "Summarized (nothing computed)"
             lines.append(provenance(name, quick, device, options=" ".join(options), verb=verb))
@@ -417,6 +426,13 @@ def _check_held(frame: pd.DataFrame, name: str, out_dir: Path) -> None:
 
 
 _TITLE = re.compile(r"# \S+ \((quick|full), (\S+)\)$")
+_COMMAND = re.compile(r"`kernelstudy study \S+( --quick)? --device ([^\s`]+)")
+
+
+def _run_of(line: str) -> tuple[bool, str] | None:
+    """(quick, device) of the run a provenance line names (None if it names none)."""
+    match = _COMMAND.search(line)
+    return None if match is None else (match.group(1) is not None, match.group(2))
 
 
 def _provenance_lines(summary: Path) -> list[str]:

@@ -162,9 +162,16 @@ def test_a_run_of_the_other_size_keeps_the_first_runs_provenance(toy_studies, ca
     text = (out / "summary.md").read_text()
     assert text.startswith("# toy (quick, cpu)") and "Earlier runs with other rows" in text
     assert full_line in written() and len(written()) == 2
+    own = lambda: (out / "summary.md").read_text().split("Earlier runs")[0]  # noqa: E731
+    quick_line = next(x for x in written() if x != full_line)
+    assert quick_line in own() and full_line not in own()
+    study.run_study("toy", quick=True, out=out, verbose=False)  # nothing computed: the
+    assert quick_line in own() and full_line not in own()  # full line stays apart
+    assert full_line in written()
     study.run_study("toy", quick=False, out=out, verbose=False)  # nothing computed
     assert (out / "summary.md").read_text().startswith("# toy (full, cpu)")
-    assert full_line in written()
+    assert full_line in own() and quick_line not in own()  # not the quick run's command
+    assert quick_line in written()
     assert "Summarized (nothing computed)" not in (out / "summary.md").read_text()
     assert "were the quick cpu run's" in capsys.readouterr().err
     study.run_study("toy", quick=False, out=out, verbose=False)  # same size: no note

@@ -130,6 +130,9 @@ def test_a_tsv_text_is_one_row_per_line_with_quotes_as_text(tmp_path: Path) -> N
         b"Loved it",
     ]
     assert ds.labels.tolist() == [1, 0, 0, 1]
+    (tmp_path / "train.tsv").write_text("text\tlabel\na\ttab\t1\n")  # says what to do
+    with pytest.raises(ValueError, match="got 3 .*write texts that hold tabs or newlines to a CSV"):
+        TextTask(tmp_path, "train")
     # a CSV keeps csv quoting: a quoted field may hold the delimiter and doubled quotes
     (tmp_path / "train.tsv").unlink()
     (tmp_path / "train.csv").write_text('text,label\n"say ""hi"", then go",1\n')

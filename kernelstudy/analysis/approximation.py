@@ -173,7 +173,8 @@ def approximation_error(
         raise ValueError("softmax attention of v is all zero: output_rel_error is undefined")
     rows = []
     with torch.no_grad():
-        scores = kernel_scores(q64, k64, fm, key_padding_mask)  # in float64: exact metrics
+        # in float64 (exact metrics), rows scaled as causal kernel_attention scales them
+        scores = kernel_scores(q64, k64, fm, key_padding_mask, causal)
         a_hat = normalize_rows(scores, allowed, eps)
         metrics: dict[str, float] = {}
         if callable(getattr(fm, "kernel", None)) and not fm.keys_need_sequence:

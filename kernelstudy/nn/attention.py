@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ from torch import nn
 from ..core.backends import check_backend_name
 from ..core.recurrent import RecurrentState
 from ..core.softmax import softmax_attention
-from ..core.validation import accumulation_dtype, check_eps, check_flag
+from ..core.validation import accumulation_dtype, autocast_off, check_eps, check_flag
 from ..feature_maps import FeatureMap
 from .functional import kernel_attention, resolve_feature_map
 
@@ -182,10 +183,15 @@ class KernelAttention(nn.Module):
             y = softmax_attention(q, state.k, state.v)
         else:
             # A per-sequence key stabilizer (FAVOR+, Hedgehog) becomes a running maximum
-            # kept by a scaled state: the same output as the batch forward.
+            # kept by a scaled state: the same output as the batch forward. float16 is
+            # mapped and summed in float32, as kernel_attention does (its shift range too).
             scaled = self.feature_map.keys_need_sequence
-            phi_q = self.feature_map(q, is_query=True)[:, :, 0]
-            phi_k, log_scale = self.feature_map.key_features(k)
+            dtype = q.dtype
+            if dtype == torch.float16:
+                q, k, v = q.float(), k.float(), v.float()
+            with autocast_off(q) if dtype == torch.float16 else contextlib.nullcontext():
+                phi_q = self.feature_map(q, is_query=True)[:, :, 0]
+                phi_k, log_scale = self.feature_map.key_features(k)
             if state is None:
                 b, h, f = phi_q.shape
                 state = RecurrentState.zeros(
@@ -201,7 +207,7 @@ class KernelAttention(nn.Module):
             y_t, state = state.step(
                 phi_q, phi_k[:, :, 0], v[:, :, 0], log_scale[:, :, 0] if scaled else None
             )
-            y = y_t.unsqueeze(2)
+            y = y_t.unsqueeze(2).to(dtype)
         return self._merge(y)[:, 0], state
 
     def _check_state(self, state: RecurrentState | KVCache, batch: int) -> None:

@@ -160,7 +160,8 @@ def causal_key_features(
     real = mask[:, None, :]  # (B,1,S)
     k = k.masked_fill(~real[..., None], 0.0)
     phi_hat, log_scale = fm.key_features(k)  # (B,H,S,F), (B,H,S)
-    logs = log_scale.detach().masked_fill(~real, -torch.inf)
+    # a NaN key (non-finite input) neither sets the shift nor reaches rows before it
+    logs = log_scale.detach().masked_fill(~real | log_scale.detach().isnan(), -torch.inf)
     prefix = exp_shift(logs.cummax(-1).values, k.dtype)  # c_t: non-decreasing in t
     shift = exp_shift(logs.amax(-1, keepdim=True), k.dtype)  # c (0 without real keys)
     scale = torch.exp((log_scale - shift).masked_fill(~real, -torch.inf))
@@ -183,8 +184,12 @@ def scale_rows(phi_q: torch.Tensor, log_factor: torch.Tensor, phi_k: torch.Tenso
     dtype = torch.promote_types(phi_q.dtype, log_factor.dtype)
     top = math.log(torch.finfo(phi_q.dtype).max) - SPARE
     with torch.no_grad():
-        q_max = phi_q.detach().abs().amax(-1).to(dtype).clamp_min(1e-30).log()  # (B,H,N)
-        k_max = phi_k.detach().abs().amax((-2, -1)).to(dtype).clamp_min(1e-30).log()  # (B,H)
+
+        def finite(x: torch.Tensor) -> torch.Tensor:  # non-finite features set no cap
+            return x.detach().abs().nan_to_num(0.0, 0.0, 0.0)
+
+        q_max = finite(phi_q).amax(-1).to(dtype).clamp_min(1e-30).log()  # (B,H,N)
+        k_max = finite(phi_k).amax((-2, -1)).to(dtype).clamp_min(1e-30).log()  # (B,H)
         cap = (top - q_max - k_max[..., None]).clamp(0.0, top)
         factor = torch.minimum(log_factor.to(dtype), cap).exp()
     return (phi_q.to(dtype) * factor[..., None]).to(phi_q.dtype)

@@ -60,7 +60,13 @@ def read_text_table(
     labels: list[int] = []
     for line, row in rows:
         if len(row) != len(header):
-            raise data_error(path, f"expected {len(header)} columns, got {len(row)}", line)
+            hint = (
+                " (a TSV row is one line split at tabs, quotes are text: write texts that hold "
+                "tabs or newlines to a CSV, which csv quoting reads)"
+                if tsv
+                else ""
+            )
+            raise data_error(path, f"expected {len(header)} columns, got {len(row)}{hint}", line)
         labels.append(parse_label(row[label_col], path, line, num_classes))
         texts.append(row[text_col].encode("utf-8")[:max_length])
     if not texts:

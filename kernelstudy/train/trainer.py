@@ -454,6 +454,8 @@ class Trainer:
                             self.save_checkpoint()
                         raise KeyboardInterrupt
             if interrupt.requested:  # a Ctrl-C after the last step's check, before leaving
+                self.elapsed += time.perf_counter() - start
+                start = time.perf_counter()
                 if self.out_dir is not None:
                     self.save_checkpoint()
                 raise KeyboardInterrupt
