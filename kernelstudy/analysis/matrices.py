@@ -148,9 +148,10 @@ def kernel_scores(
     inputs' dtype otherwise.
 
     Padded keys are treated as in ``kernel_attention`` (zeroed first; a per-sequence key
-    stabilizer sees the real keys only); ``causal`` scales each query row of such a map
-    as ``kernel_attention`` does (:func:`~kernelstudy.nn.functional.causal_key_features`),
-    so the matrix normalizes as the core output. A map whose parameters or buffers have another
+    stabilizer sees the real keys only; float16 inputs are mapped in float32); ``causal``
+    scales each query row of such a map as ``kernel_attention`` does
+    (:func:`~kernelstudy.nn.functional.causal_key_features`), so the matrix normalizes as
+    the core output. A map whose parameters or buffers have another
     dtype than ``q`` runs on copies cast to it (``torch.func.functional_call``): float64
     analysis of a float32 map is exact, and gradients still reach the map's parameters.
     """
@@ -160,6 +161,8 @@ def kernel_scores(
     mask = None
     if key_padding_mask is not None:
         mask = check_key_padding_mask(key_padding_mask, k.shape[0], k.shape[2], k.device)
+    if q.dtype == torch.float16:  # mapped in float32, as kernel_attention maps them
+        q, k = q.float(), k.float()
     scores = _KernelScores(fm)
     tensors = [*fm.named_parameters(), *fm.named_buffers()]
     if not any(t.is_floating_point() and t.dtype != q.dtype for _, t in tensors):
