@@ -373,7 +373,7 @@ def run_study(
         # Rows kept from earlier runs keep those runs' lines; this run adds one if it computed.
         # The lines of runs (another size or device) whose rows this summary does not use but
         # results.csv still holds are kept apart: a summary of theirs written again finds them.
-        earlier = _provenance_lines(out_dir / SUMMARY_FILE)
+        replaced, earlier = _read_summary(out_dir / SUMMARY_FILE)
         used = done & set(ids)
 
         def uses(run: tuple[bool, str] | None) -> bool:
@@ -383,7 +383,8 @@ def run_study(
             sizes = module.configs(load_params(name, run[0]))
             return bool(used & {config_id(c, run[1]) for c in sizes})
 
-        lines = [line for line in earlier if uses(_run_of(line))]
+        kept = {run: uses(run) for run in {_run_of(line) for line in earlier}}
+        lines = [line for line in earlier if kept[_run_of(line)]]
         others = [line for line in earlier if line not in lines] if done - set(ids) else []
         if todo or not lines:
             verb = "Written" if todo else "Summarized (nothing computed)"
@@ -394,7 +395,6 @@ def run_study(
                 "\nEarlier runs with other rows in these tables (another size or device; "
                 "this summary does not use them):\n\n" + "\n\n".join(others) + "\n"
             )
-        replaced = _summary_run(out_dir / SUMMARY_FILE)
         if replaced not in (None, (quick, device)):
             size, was = ("quick", " --quick") if replaced[0] else ("full", "")
             print(
@@ -435,21 +435,16 @@ def _run_of(line: str) -> tuple[bool, str] | None:
     return None if match is None else (match.group(1) is not None, match.group(2))
 
 
-def _provenance_lines(summary: Path) -> list[str]:
-    """The "Written ..." provenance lines of the summary being replaced (each once)."""
+def _read_summary(summary: Path) -> tuple[tuple[bool, str] | None, list[str]]:
+    """Of the summary being replaced: (quick, device) of the run it is of, from its title
+    (None without one), and its "Written ..." provenance lines (each once)."""
     if not summary.is_file():
-        return []
-    lines = [line for line in summary.read_text().splitlines() if line.startswith("Written ")]
-    return list(dict.fromkeys(lines))
-
-
-def _summary_run(summary: Path) -> tuple[bool, str] | None:
-    """(quick, device) of the run whose summary ``summary`` is, from its title (or None)."""
-    if not summary.is_file():
-        return None
-    with open(summary) as f:
-        match = _TITLE.match(f.readline().strip())
-    return None if match is None else (match.group(1) == "quick", match.group(2))
+        return None, []
+    text = summary.read_text().splitlines()
+    match = _TITLE.match(text[0].strip()) if text else None
+    run = None if match is None else (match.group(1) == "quick", match.group(2))
+    lines = [line for line in text if line.startswith("Written ")]
+    return run, list(dict.fromkeys(lines))
 
 
 def _ids(frame: pd.DataFrame) -> set[str]:

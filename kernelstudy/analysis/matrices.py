@@ -24,12 +24,7 @@ from ..core.validation import (
     check_tensor,
 )
 from ..feature_maps import FeatureMap, RandomFeatureMap
-from ..nn.functional import (
-    causal_key_features,
-    padded_key_features,
-    resolve_feature_map,
-    scale_rows,
-)
+from ..nn.functional import query_and_key_features, resolve_feature_map
 
 MAX_N = 4096
 SOFTMAX = "softmax"
@@ -191,17 +186,8 @@ class _KernelScores(nn.Module):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, causal: bool = False
     ) -> torch.Tensor:
-        phi_q = self.fm(q, is_query=True)
+        phi_q, phi_k = query_and_key_features(self.fm, q, k, mask, causal)
         acc = accumulation_dtype(phi_q.dtype)  # each dot product summed in float32
-        if (
-            causal and self.fm.keys_need_sequence and k.shape[-2] > 0
-        ):  # rows scaled in float32 (float16: e^30)
-            phi_k, log_factor = causal_key_features(self.fm, k.to(acc), mask)
-            phi_q = scale_rows(phi_q.to(acc), log_factor, phi_k)
-        elif mask is None:
-            phi_k = self.fm(k, is_query=False)
-        else:
-            phi_k = padded_key_features(self.fm, k, mask)
         with autocast_off(phi_q):
             return phi_q.to(acc) @ phi_k.to(acc).transpose(-1, -2)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -14,9 +13,9 @@ from torch import nn
 from ..core.backends import check_backend_name
 from ..core.recurrent import RecurrentState
 from ..core.softmax import softmax_attention
-from ..core.validation import accumulation_dtype, autocast_off, check_eps, check_flag
+from ..core.validation import accumulation_dtype, check_eps, check_flag
 from ..feature_maps import FeatureMap
-from .functional import kernel_attention, resolve_feature_map
+from .functional import float16_in_float32, kernel_attention, resolve_feature_map
 
 ATTENTION_KINDS = ("kernel", "softmax")
 
@@ -187,9 +186,8 @@ class KernelAttention(nn.Module):
             # mapped and summed in float32, as kernel_attention does (its shift range too).
             scaled = self.feature_map.keys_need_sequence
             dtype = q.dtype
-            if dtype == torch.float16:
-                q, k, v = q.float(), k.float(), v.float()
-            with autocast_off(q) if dtype == torch.float16 else contextlib.nullcontext():
+            q, k, v, context = float16_in_float32(q, k, v)
+            with context:
                 phi_q = self.feature_map(q, is_query=True)[:, :, 0]
                 phi_k, log_scale = self.feature_map.key_features(k)
             if state is None:

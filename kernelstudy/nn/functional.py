@@ -98,28 +98,50 @@ def kernel_attention(
     """
     check_qkv(q, k, v, names=("q", "k", "v"), causal=causal)
     dtype = q.dtype
-    context: contextlib.AbstractContextManager = contextlib.nullcontext()
-    if dtype == torch.float16:
-        q, k, v = q.float(), k.float(), v.float()
-        context = autocast_off(q)
+    q, k, v, context = float16_in_float32(q, k, v)
     fm = resolve_feature_map(feature_map, q.shape[-1], q.shape[1])
+    mask = None
+    if key_padding_mask is not None:
+        mask = check_key_padding_mask(key_padding_mask, k.shape[0], k.shape[2], k.device)
     with context:
-        phi_q = fm(q, is_query=True)
-        mask = None
-        if key_padding_mask is not None:
-            mask = check_key_padding_mask(key_padding_mask, k.shape[0], k.shape[2], k.device)
-        if causal and fm.keys_need_sequence and k.shape[-2] > 0:
-            phi_k, log_factor = causal_key_features(fm, k, mask)
-            phi_q = scale_rows(phi_q, log_factor, phi_k)
-        elif mask is None:
-            phi_k = fm(k, is_query=False)
-        else:
-            phi_k = padded_key_features(fm, k, mask)
+        phi_q, phi_k = query_and_key_features(fm, q, k, mask, causal)
     phi_q, phi_k = phi_q.to(v.dtype), phi_k.to(v.dtype)
     out = linear_attention(
         phi_q, phi_k, v, causal=causal, key_padding_mask=key_padding_mask, eps=eps, backend=backend
     )
     return out.to(dtype)
+
+
+def float16_in_float32(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, contextlib.AbstractContextManager]:
+    """float16 ``q, k, v`` in float32, with a context that turns autocast off for mapping
+    them (other dtypes as they are, with a context that does nothing): a map's float16
+    features and their gradients overflow, and float16's exponent range is narrower."""
+    if q.dtype != torch.float16:
+        return q, k, v, contextlib.nullcontext()
+    q, k, v = q.float(), k.float(), v.float()
+    return q, k, v, autocast_off(q)
+
+
+def query_and_key_features(
+    fm: FeatureMap,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(φ(q), φ(k))`` as :func:`kernel_attention` hands them to the core: padded keys
+    (``mask: (B,S)``, True = real, or None) as :func:`padded_key_features` maps them, and,
+    causal with a per-sequence key stabilizer, each query row scaled to its prefix's shift
+    (:func:`causal_key_features`, :func:`scale_rows`)."""
+    phi_q = fm(q, is_query=True)
+    if causal and fm.keys_need_sequence and k.shape[-2] > 0:
+        phi_k, log_factor = causal_key_features(fm, k, mask)
+        return scale_rows(phi_q, log_factor, phi_k), phi_k
+    if mask is None:
+        return phi_q, fm(k, is_query=False)
+    return phi_q, padded_key_features(fm, k, mask)
 
 
 def padded_key_features(fm: FeatureMap, k: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -137,9 +159,20 @@ def padded_key_features(fm: FeatureMap, k: torch.Tensor, mask: torch.Tensor) -> 
     phi_hat, log_scale = fm.key_features(k)  # (B,H,S,F), (B,H,S)
     top = log_scale.detach().masked_fill(~real, -torch.inf).amax(-1, keepdim=True)
     shift = exp_shift(top, k.dtype)  # 0 for a sequence without real keys (top = -inf)
+    return _keys_at_shift(phi_hat, log_scale, shift, real, k.dtype)
+
+
+def _keys_at_shift(
+    phi_hat: torch.Tensor,
+    log_scale: torch.Tensor,
+    shift: torch.Tensor,
+    real: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """φ = φ̂·exp(log_scale − shift) in ``dtype``, 0 where ``real: (B,1,S)`` is False."""
     scale = torch.exp((log_scale - shift).masked_fill(~real, -torch.inf))
-    dtype = torch.promote_types(phi_hat.dtype, scale.dtype)
-    return (phi_hat.to(dtype) * scale[..., None].to(dtype)).to(k.dtype)
+    promoted = torch.promote_types(phi_hat.dtype, scale.dtype)
+    return (phi_hat.to(promoted) * scale[..., None].to(promoted)).to(dtype)
 
 
 def causal_key_features(
@@ -164,9 +197,7 @@ def causal_key_features(
     logs = log_scale.detach().masked_fill(~real | log_scale.detach().isnan(), -torch.inf)
     prefix = exp_shift(logs.cummax(-1).values, k.dtype)  # c_t: non-decreasing in t
     shift = exp_shift(logs.amax(-1, keepdim=True), k.dtype)  # c (0 without real keys)
-    scale = torch.exp((log_scale - shift).masked_fill(~real, -torch.inf))
-    dtype = torch.promote_types(phi_hat.dtype, scale.dtype)
-    phi_k = (phi_hat.to(dtype) * scale[..., None].to(dtype)).to(k.dtype)
+    phi_k = _keys_at_shift(phi_hat, log_scale, shift, real, k.dtype)
     # rows before the first real key have no keys (c_t = 0): their factor is moot
     return phi_k, (shift - prefix).clamp_min(0.0)
 

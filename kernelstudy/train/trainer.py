@@ -448,12 +448,9 @@ class Trainer:
                         start = time.perf_counter()
                         self._evaluate_and_log()
                     if interrupt.requested:  # between steps: the state is consistent
-                        self.elapsed += time.perf_counter() - start
-                        start = time.perf_counter()
-                        if self.out_dir is not None:
-                            self.save_checkpoint()
-                        raise KeyboardInterrupt
-            if interrupt.requested:  # a Ctrl-C after the last step's check, before leaving
+                        break
+            # a Ctrl-C in a step, or after the last step's check as the loop was left
+            if interrupt.requested:
                 self.elapsed += time.perf_counter() - start
                 start = time.perf_counter()
                 if self.out_dir is not None:
