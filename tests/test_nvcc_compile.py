@@ -41,12 +41,17 @@ SPILL_BUDGET = {
     "chunk_output_kernel<__nv_bfloat16, float, __nv_bfloat16>": 4,
     "chunk_output_kernel<__nv_bfloat16, float, float>": 4,
     "chunk_output_kernel<float, float, float>": 28,
-    "chunk_dqk_kernel<__half, __nv_bfloat16, __half>": 12,
-    "chunk_dqk_kernel<__half, __nv_bfloat16, float>": 12,
-    "chunk_dqk_kernel<float, float, float>": 352,  # 128-register cap (2 blocks per SM)
+    "chunk_output_kernel<__half, float, __half>": 16,
+    "chunk_output_kernel<__half, float, float>": 16,
+    # 128-register cap (2 blocks per SM) with fp32 operand tiles (fp32 and fp16 inputs)
+    "chunk_dqk_kernel<float, float, float>": 352,
+    "chunk_dqk_kernel<__half, float, __half>": 372,
+    "chunk_dqk_kernel<__half, float, float>": 368,
     "chunk_dv_kernel<float, float, float>": 4,
-    "chunk_walk_kernel<__half, __half, 1>": 16,
-    "chunk_walk_kernel<__half, float, 1>": 16,
+    "chunk_dv_kernel<__half, float, __half>": 8,
+    "chunk_dv_kernel<__half, float, float>": 8,
+    "chunk_walk_kernel<__half, __half, 2>": 4,
+    "chunk_walk_kernel<__half, float, 2>": 4,
 }
 ENTRY = re.compile(
     r"Compiling entry function '(\S+)' for '(\w+)'.*?(\d+) bytes spill stores.*?"

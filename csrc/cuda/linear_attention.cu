@@ -12,7 +12,8 @@
 //                            thread blocks run: B·H = 1 at long N still fills the GPU); a thread
 //                            block walks its chunks in order with the running state in fp32
 //                            accumulator fragments, writes each chunk's block-local exclusive
-//                            prefix (S: fp32 for fp32 inputs, bf16 for half inputs; z = sum k_t
+//                            prefix (S in the operand type: fp32 for fp32 and fp16 inputs, bf16
+//                            for bf16 inputs; z = sum k_t
 //                            in fp32) and the block total (fp32);
 //   2. state_scan_kernel     exclusive prefix over the nblk block totals (the carries), fp32, in
 //                            block order;
@@ -48,15 +49,18 @@
 //
 // Tensor cores via WMMA (sm_80+), accumulation always in fp32:
 //   * bf16 inputs:  bf16 x bf16 -> fp32 (m16n16k16).
-//   * fp16 inputs:  converted to bf16 on the way into shared memory. The fp32 intermediates
-//     that enter a product (masked scores, chunk states summed over long sequences) can exceed
-//     fp16's range (65504), so every operand is bf16 (fp32's range); the precision is bf16's.
+//   * fp16 inputs:  converted to fp32 on the way into shared memory, one TF32 product each
+//     (m16n16k8). Every fp16 value is exact in tf32 (10 mantissa bits, fp32's range), so
+//     products of two inputs (Q K^T, K^T V, G V^T) are exact, and the intermediates that
+//     enter a product (masked scores, chunk states), which can exceed fp16's range (65504),
+//     are rounded to tf32 (relative 2^-11, as fine as fp16 itself). With bf16 operands, a
+//     product whose terms cancel (g.v at N = 1) lost the inputs' last three bits in full.
 //   * fp32 inputs:  3xTF32 (m16n16k8): x = big + small with big = tf32(x),
 //     small = tf32(x - big), a*b ~ big*big + big*small + small*big, which keeps fp32 accuracy
 //     (relative error ~1e-6) at tensor-core speed.
 // Tiles of bf16 and fp32 inputs load with cp.async (all tiles of a step in flight at once; the
 // state pass prefetches the next chunk into a second buffer while it multiplies this one); fp16
-// inputs are converted to bf16 in registers on the way.
+// inputs are converted to fp32 in registers on the way.
 // Intermediates that are rounded to the operand type: masked intra-chunk scores and the chunk
 // states (block-local prefixes stored in the operand type, carries and z in fp32).
 //
@@ -123,15 +127,22 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);
 }
 
-// Shared-memory operand type of the tensor-core products for an input type.
+// Shared-memory operand type of the tensor-core products for an input type, and whether the
+// products split their operands (3xTF32).
 template <typename Tin>
 struct OperandOf {
-  using type = __nv_bfloat16;  // fp16 and bf16 inputs
+  using type = __nv_bfloat16;  // bf16 inputs
 };
 template <>
 struct OperandOf<float> {
   using type = float;  // 3xTF32
 };
+template <>
+struct OperandOf<__half> {
+  using type = float;  // 1xTF32: every fp16 value is exact in tf32
+};
+template <typename Tin>
+constexpr bool kSplitOf = std::is_same_v<Tin, float>;
 
 // Leading dimension of a 64-wide shared tile of operands: a multiple of 16 bytes (WMMA) that
 // shifts consecutive rows across banks.
@@ -153,7 +164,7 @@ struct Mma<__nv_bfloat16> {
   using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, L>;
   using Acc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
 
-  template <typename LA, typename LB>
+  template <typename LA, typename LB, bool kSplit>
   static __device__ __forceinline__ void step(Acc (&acc)[2], const __nv_bfloat16* a, int lda,
                                               const __nv_bfloat16* b0, const __nv_bfloat16* b1,
                                               int ldb) {
@@ -168,7 +179,7 @@ struct Mma<__nv_bfloat16> {
 };
 
 template <>
-struct Mma<float> {  // 3xTF32
+struct Mma<float> {  // 3xTF32 (kSplit) or 1xTF32
   static constexpr int kK = 8;
   template <typename L>
   using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, L>;
@@ -187,20 +198,39 @@ struct Mma<float> {  // 3xTF32
     }
   }
 
-  template <typename LA, typename LB>
+  template <typename Frag>
+  static __device__ __forceinline__ void round(Frag& frag) {
+#pragma unroll
+    for (int i = 0; i < frag.num_elements; ++i) frag.x[i] = wmma::__float_to_tf32(frag.x[i]);
+  }
+
+  template <typename LA, typename LB, bool kSplit>
   static __device__ __forceinline__ void step(Acc (&acc)[2], const float* a, int lda,
                                               const float* b0, const float* b1, int ldb) {
-    FragA<LA> a_big, a_small;
-    FragB<LB> b_big, b_small;
-    wmma::load_matrix_sync(a_big, a, lda);
-    split(a_big, a_small);
+    if constexpr (kSplit) {
+      FragA<LA> a_big, a_small;
+      FragB<LB> b_big, b_small;
+      wmma::load_matrix_sync(a_big, a, lda);
+      split(a_big, a_small);
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      wmma::load_matrix_sync(b_big, j == 0 ? b0 : b1, ldb);
-      split(b_big, b_small);
-      wmma::mma_sync(acc[j], a_small, b_big, acc[j]);
-      wmma::mma_sync(acc[j], a_big, b_small, acc[j]);
-      wmma::mma_sync(acc[j], a_big, b_big, acc[j]);
+      for (int j = 0; j < 2; ++j) {
+        wmma::load_matrix_sync(b_big, j == 0 ? b0 : b1, ldb);
+        split(b_big, b_small);
+        wmma::mma_sync(acc[j], a_small, b_big, acc[j]);
+        wmma::mma_sync(acc[j], a_big, b_small, acc[j]);
+        wmma::mma_sync(acc[j], a_big, b_big, acc[j]);
+      }
+    } else {
+      FragA<LA> fa;
+      FragB<LB> fb;
+      wmma::load_matrix_sync(fa, a, lda);
+      round(fa);
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        wmma::load_matrix_sync(fb, j == 0 ? b0 : b1, ldb);
+        round(fb);
+        wmma::mma_sync(acc[j], fa, fb, acc[j]);
+      }
     }
   }
 };
@@ -226,15 +256,17 @@ __device__ __forceinline__ Slab warp_slab() {
 }
 
 // The warp's 16 x 32 slab of a 64 x 64 product:  acc[j] += A[r0:r0+16, 0:64] B[0:64, c0+16j:+16].
-// A (64 x 64) and B (64 x 64) live in shared memory with layouts LA and LB.
-template <typename Op, typename LA, typename LB>
+// A (64 x 64) and B (64 x 64) live in shared memory with layouts LA and LB, in the operand type
+// of input type Tin.
+template <typename Tin, typename LA, typename LB, typename Op = typename OperandOf<Tin>::type>
 __device__ __forceinline__ void warp_gemm(typename Mma<Op>::Acc (&acc)[2], const Op* A, int lda,
                                           const Op* B, int ldb) {
   const Slab w = warp_slab();
 #pragma unroll
   for (int kk = 0; kk < kTile; kk += Mma<Op>::kK) {
-    Mma<Op>::template step<LA, LB>(acc, at<LA>(A, lda, w.r0, kk), lda, at<LB>(B, ldb, kk, w.c0),
-                                   at<LB>(B, ldb, kk, w.c0 + 16), ldb);
+    Mma<Op>::template step<LA, LB, kSplitOf<Tin>>(acc, at<LA>(A, lda, w.r0, kk), lda,
+                                                  at<LB>(B, ldb, kk, w.c0),
+                                                  at<LB>(B, ldb, kk, w.c0 + 16), ldb);
   }
 }
 
@@ -301,7 +333,9 @@ __device__ __forceinline__ void load_tile(Op* __restrict__ dst, int ldd,
                                           const float* __restrict__ add = nullptr) {
   constexpr int V = 16 / sizeof(Tin);  // elements per vector: 4 (fp32) or 8 (16-bit)
   constexpr int kVecPerRow = kTile / V;
-  struct alignas(sizeof(Op) * V) Pack {
+  // 8 (fp32 -> bf16), 16, or 32 (fp16 -> fp32) bytes, aligned to at most 16: rows of fp32
+  // tiles are 16-byte aligned only (32 bytes are stored as two 16-byte vectors)
+  struct alignas(sizeof(Op) * V < 16 ? sizeof(Op) * V : 16) Pack {
     Op e[V];
   };
   for (int i = threadIdx.x; i < kTile * kVecPerRow; i += kThreads) {
@@ -482,7 +516,7 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
     // K^T (F slice x rows) is K's tile read column-major.
-    warp_gemm<Op, wmma::col_major, wmma::row_major>(acc, Ks, LD, Vs, LD);
+    warp_gemm<Tin, wmma::col_major, wmma::row_major>(acc, Ks, LD, Vs, LD);
     if (with_z && z_block && threadIdx.x < kTile) {
       for (int t = 0; t < kTile; ++t) z += to_float(Ks[t * LD + threadIdx.x]);
     }
@@ -555,7 +589,7 @@ __global__ void __launch_bounds__(kThreads)
 // output blocks with 16-bit operands and 2 with fp32 ones (an A100's 164 KB holds 1 of fp32).
 // For fp32 the cap of 128 registers costs a small spill; the GPU session should time 1 vs 2.
 template <typename Tin>
-constexpr int kOutputBlocksPerSm = std::is_same_v<Tin, float> ? 2 : 3;
+constexpr int kOutputBlocksPerSm = std::is_same_v<typename OperandOf<Tin>::type, float> ? 2 : 3;
 
 template <typename Tin, typename Tstate, typename Tout>
 __global__ void __launch_bounds__(kThreads, kOutputBlocksPerSm<Tin>)
@@ -610,8 +644,8 @@ __global__ void __launch_bounds__(kThreads, kOutputBlocksPerSm<Tin>)
     }
     cp_async_wait_all();  // this thread's copies of V, Q, K (and S) have landed
     __syncthreads();
-    if (intra) warp_gemm<Op, wmma::row_major, wmma::col_major>(acc_a, Qs, LD, Ks, LD);
-    warp_gemm<Op, wmma::row_major, wmma::row_major>(acc_o, Qs, LD, Ss, LD);
+    if (intra) warp_gemm<Tin, wmma::row_major, wmma::col_major>(acc_a, Qs, LD, Ks, LD);
+    warp_gemm<Tin, wmma::row_major, wmma::row_major>(acc_o, Qs, LD, Ss, LD);
     if (need_den && threadIdx.x < kTile) {
       float s = 0.f;
       for (int j = 0; j < kTile; ++j) s += to_float(Qs[threadIdx.x * LD + j]) * zs[j];
@@ -624,7 +658,7 @@ __global__ void __launch_bounds__(kThreads, kOutputBlocksPerSm<Tin>)
     __syncthreads();
     mask_scores(Af, As, mode == kCausal, need_den);
     __syncthreads();
-    warp_gemm<Op, wmma::row_major, wmma::row_major>(acc_o, As, LD, Vs, LD);
+    warp_gemm<Tin, wmma::row_major, wmma::row_major>(acc_o, As, LD, Vs, LD);
     if (need_den && threadIdx.x < kTile) {
       float s = 0.f;
       for (int j = 0; j < kTile; ++j) s += Af[threadIdx.x * kLdF + j];
@@ -729,9 +763,9 @@ __global__ void __launch_bounds__(kThreads, 2)  // three accumulator pairs: up t
     load_tile<Tstate, Op>(Rs, LD, rp, m, f, m, f0, m0, nullptr, vec_s, rc);
     cp_async_wait_all();
     __syncthreads();
-    warp_gemm<Op, wmma::row_major, wmma::col_major>(acc_a, Gs, LD, Vs, LD);   // G V^T
-    warp_gemm<Op, wmma::row_major, wmma::col_major>(acc_dq, Gs, LD, Ss, LD);  // G S^T
-    warp_gemm<Op, wmma::row_major, wmma::col_major>(acc_dk, Vs, LD, Rs, LD);  // V R^T
+    warp_gemm<Tin, wmma::row_major, wmma::col_major>(acc_a, Gs, LD, Vs, LD);   // G V^T
+    warp_gemm<Tin, wmma::row_major, wmma::col_major>(acc_dq, Gs, LD, Ss, LD);  // G S^T
+    warp_gemm<Tin, wmma::row_major, wmma::col_major>(acc_dk, Vs, LD, Rs, LD);  // V R^T
   }
   __syncthreads();  // G, V, S, R consumed
   Op* Qs = T0;  // Q rows x F slice
@@ -744,8 +778,8 @@ __global__ void __launch_bounds__(kThreads, 2)  // three accumulator pairs: up t
   mask_scores(Af, As, true, false);
   cp_async_wait_all();
   __syncthreads();
-  warp_gemm<Op, wmma::row_major, wmma::row_major>(acc_dq, As, LD, Ks, LD);  // A K
-  warp_gemm<Op, wmma::col_major, wmma::row_major>(acc_dk, As, LD, Qs, LD);  // A^T Q
+  warp_gemm<Tin, wmma::row_major, wmma::row_major>(acc_dq, As, LD, Ks, LD);  // A K
+  warp_gemm<Tin, wmma::col_major, wmma::row_major>(acc_dk, As, LD, Qs, LD);  // A^T Q
 
   warp_store(Af, acc_dq);
   __syncthreads();
@@ -791,8 +825,8 @@ __global__ void __launch_bounds__(kThreads, kOutputBlocksPerSm<Tin>)
     load_tile<Tstate, Op>(Rs, LD, rp, m, f, m, f0, m0, nullptr, vec_s, rc);
     cp_async_wait_all();
     __syncthreads();
-    warp_gemm<Op, wmma::row_major, wmma::col_major>(acc_b, Qs, LD, Ks, LD);   // Q K^T
-    warp_gemm<Op, wmma::row_major, wmma::row_major>(acc_dv, Ks, LD, Rs, LD);  // K R
+    warp_gemm<Tin, wmma::row_major, wmma::col_major>(acc_b, Qs, LD, Ks, LD);   // Q K^T
+    warp_gemm<Tin, wmma::row_major, wmma::row_major>(acc_dv, Ks, LD, Rs, LD);  // K R
   }
   __syncthreads();  // Q, K, R consumed
   Op* Gs = T0;  // G rows x M slice
@@ -803,7 +837,7 @@ __global__ void __launch_bounds__(kThreads, kOutputBlocksPerSm<Tin>)
   mask_scores(Af, Bs, true, false);
   cp_async_wait_all();
   __syncthreads();
-  warp_gemm<Op, wmma::col_major, wmma::row_major>(acc_dv, Bs, LD, Gs, LD);  // B^T G
+  warp_gemm<Tin, wmma::col_major, wmma::row_major>(acc_dv, Bs, LD, Gs, LD);  // B^T G
 
   warp_store(Af, acc_dv);
   __syncthreads();
@@ -861,7 +895,7 @@ __device__ __forceinline__ void init_state(float* s32, Op* copy, int tiles, int 
 // Adds A^T B (A: 64 rows x F slice, B: 64 rows x M slice, operand tiles) to the warp's slab of
 // one state tile, then rounds the slab into the tile's copy. No other warp touches the slab,
 // so no barrier is needed until others read the state.
-template <typename Op>
+template <typename Tin, typename Op = typename OperandOf<Tin>::type>
 __device__ __forceinline__ void accumulate_state(float* tile32, Op* copy, const Op* A,
                                                  const Op* B) {
   constexpr int LD = ld_of<Op>();
@@ -870,7 +904,7 @@ __device__ __forceinline__ void accumulate_state(float* tile32, Op* copy, const 
   typename Mma<Op>::Acc acc[2];
   wmma::load_matrix_sync(acc[0], st, kLdF, wmma::mem_row_major);
   wmma::load_matrix_sync(acc[1], st + 16, kLdF, wmma::mem_row_major);
-  warp_gemm<Op, wmma::col_major, wmma::row_major>(acc, A, LD, B, LD);
+  warp_gemm<Tin, wmma::col_major, wmma::row_major>(acc, A, LD, B, LD);
   wmma::store_matrix_sync(st, acc[0], kLdF, wmma::mem_row_major);
   wmma::store_matrix_sync(st + 16, acc[1], kLdF, wmma::mem_row_major);
   if constexpr (kStateCopy<Op>) {
@@ -1022,8 +1056,8 @@ __global__ void __launch_bounds__(kThreads, kWalkBlocksPerSm<typename OperandOf<
 #pragma unroll
     for (int ft = 0; ft < FT; ++ft) {
       const Op* Qs = q_tile(buf, ft);
-      warp_gemm<Op, wmma::row_major, wmma::col_major>(acc_a, Qs, LD, k_tile(buf, ft), LD);
-      warp_gemm<Op, wmma::row_major, wmma::row_major>(acc_o, Qs, LD,
+      warp_gemm<Tin, wmma::row_major, wmma::col_major>(acc_a, Qs, LD, k_tile(buf, ft), LD);
+      warp_gemm<Tin, wmma::row_major, wmma::row_major>(acc_o, Qs, LD,
                                                       tile_operand(s_tile(ft), s_copy_tile(ft)),
                                                       LD);
       if (need_den) {
@@ -1040,7 +1074,7 @@ __global__ void __launch_bounds__(kThreads, kWalkBlocksPerSm<typename OperandOf<
       round_slab(Af, As);
     }
     __syncthreads();  // masked scores complete; Q and S read by every warp
-    warp_gemm<Op, wmma::row_major, wmma::row_major>(acc_o, tile_operand(Af, As), LD, v_tile(buf),
+    warp_gemm<Tin, wmma::row_major, wmma::row_major>(acc_o, tile_operand(Af, As), LD, v_tile(buf),
                                                     LD);
     if (need_den) {
       for (int j = part; j < kTile; j += 4) dpart += Af[row * kLdF + j];
@@ -1052,7 +1086,7 @@ __global__ void __launch_bounds__(kThreads, kWalkBlocksPerSm<typename OperandOf<
     // S += K^T V (no other warp reads S until the next step)
 #pragma unroll
     for (int ft = 0; ft < FT; ++ft) {
-      accumulate_state<Op>(s_tile(ft), s_copy_tile(ft), k_tile(buf, ft), v_tile(buf));
+      accumulate_state<Tin>(s_tile(ft), s_copy_tile(ft), k_tile(buf, ft), v_tile(buf));
     }
     if (need_den) {  // z += column sums of K: kParts neighbouring lanes per column
       constexpr int kParts = kThreads / (FT * kTile);  // 4 (FT = 1) or 2
@@ -1180,11 +1214,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     // the masked scores U(V G^T) (over the M slices) and U(K Q^T) (over the F slices)
     zero(acc_a, acc_b);
     for (int mt = 0; mt < mt_n; ++mt) {
-      warp_gemm<Op, wmma::row_major, wmma::col_major>(acc_a, v_tile(buf, mt), LD,
+      warp_gemm<Tin, wmma::row_major, wmma::col_major>(acc_a, v_tile(buf, mt), LD,
                                                       g_tile(buf, mt), LD);
     }
     for (int ft = 0; ft < ft_n; ++ft) {
-      warp_gemm<Op, wmma::row_major, wmma::col_major>(acc_b, k_tile(buf, ft), LD,
+      warp_gemm<Tin, wmma::row_major, wmma::col_major>(acc_b, k_tile(buf, ft), LD,
                                                       q_tile(buf, ft), LD);
     }
     // masked in registers and rounded by each warp on its own slab (of staging tile 0)
@@ -1215,9 +1249,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     // dk = U(V G^T) Q + V R^T, one F slice at a time
     for (int ft = 0; ft < ft_n; ++ft) {
       zero(acc_o);
-      warp_gemm<Op, wmma::row_major, wmma::row_major>(acc_o, As, LD, q_tile(buf, ft), LD);
+      warp_gemm<Tin, wmma::row_major, wmma::row_major>(acc_o, As, LD, q_tile(buf, ft), LD);
       for (int mt = 0; mt < mt_n; ++mt) {  // R^T (M slice x F slice) is R's tile read col-major
-        warp_gemm<Op, wmma::row_major, wmma::col_major>(acc_o, v_tile(buf, mt), LD,
+        warp_gemm<Tin, wmma::row_major, wmma::col_major>(acc_o, v_tile(buf, mt), LD,
                                                         r_operand(ft, mt), LD);
       }
       store_tile(dk + bh * n * f, f, n, f, row0, ft * kTile, stage(acc_o));
@@ -1225,9 +1259,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     // dv = U(K Q^T) G + K R, one M slice at a time
     for (int mt = 0; mt < mt_n; ++mt) {
       zero(acc_o);
-      warp_gemm<Op, wmma::row_major, wmma::row_major>(acc_o, Bs, LD, g_tile(buf, mt), LD);
+      warp_gemm<Tin, wmma::row_major, wmma::row_major>(acc_o, Bs, LD, g_tile(buf, mt), LD);
       for (int ft = 0; ft < ft_n; ++ft) {
-        warp_gemm<Op, wmma::row_major, wmma::row_major>(acc_o, k_tile(buf, ft), LD,
+        warp_gemm<Tin, wmma::row_major, wmma::row_major>(acc_o, k_tile(buf, ft), LD,
                                                         r_operand(ft, mt), LD);
       }
       store_tile(dv + bh * n * m, m, n, m, row0, mt * kTile, stage(acc_o));
@@ -1236,7 +1270,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // R += Q^T G (every warp's dk, dv products have read R: the barrier of the last slice)
     for (int t = 0; t < ft_n * mt_n; ++t) {
       const int ft = t / mt_n, mt = t % mt_n;
-      accumulate_state<Op>(r_state(ft, mt), r_copy_tile(ft, mt), q_tile(buf, ft),
+      accumulate_state<Tin>(r_state(ft, mt), r_copy_tile(ft, mt), q_tile(buf, ft),
                            g_tile(buf, mt));
     }
     if (lay.nbuf == 1 && i + 1 < count) {
@@ -1360,8 +1394,8 @@ CausalLayout causal_layout(int64_t bh, int64_t n, int64_t f, int64_t m, size_t s
   return l;
 }
 
-// Chunk states are stored in the operand type: fp32 for fp32 inputs, bf16 for half inputs
-// (they are rounded to bf16 as MMA operands anyway).
+// Chunk states are stored in the operand type: fp32 for fp32 and fp16 inputs, bf16 for bf16
+// inputs (they are rounded to bf16 as MMA operands anyway).
 template <typename Tin>
 using StateOf = typename OperandOf<Tin>::type;
 
@@ -1717,10 +1751,11 @@ cudaError_t cumsum_typed(const void* x, const float* pre, const float* post, flo
 // ------------------------------------------------------------------ entry points
 int64_t causal_workspace_floats(DType dtype, int64_t bh, int64_t n, int64_t f, int64_t m,
                                 int64_t walk_blocks) {
-  const bool fp32 = dtype == DType::kFloat32;
-  const bool walk = fp32 ? use_walk<float>(f, walk_blocks) : use_walk<__nv_bfloat16>(f, walk_blocks);
+  const bool bf16 = dtype == DType::kBFloat16;  // fp32 and fp16 inputs have fp32 operands
+  const bool walk =
+      bf16 ? use_walk<__nv_bfloat16>(f, walk_blocks) : use_walk<float>(f, walk_blocks);
   if (walk) return walk_layout(bh, n, f, m, walk_blocks, cdiv(m, kTile)).floats;
-  return causal_layout(bh, n, f, m, fp32 ? sizeof(float) : sizeof(__nv_bfloat16)).floats;
+  return causal_layout(bh, n, f, m, bf16 ? sizeof(__nv_bfloat16) : sizeof(float)).floats;
 }
 
 cudaError_t causal_product(DType dtype, const void* q, const void* k, const void* v, void* out,

@@ -21,9 +21,10 @@ Kernels (``csrc/cuda/linear_attention.cu`` documents tiles and precision):
   attention reduces ``S = Σ_j φk_j v_jᵀ`` and ``z = Σ_j φk_j`` over unmasked keys, then reads
   ``φq_i·S / (φq_i·z + eps)``.
 
-Half-precision inputs run as bf16 on the tensor cores (fp16 inputs are rounded to bf16: fp32
-intermediates such as the chunk states outgrow fp16's range); float32 inputs use 3xTF32 and
-keep float32 accuracy.
+Operands on the tensor cores: bfloat16 inputs run as bf16; float16 inputs as tf32, in which
+every fp16 value is exact and the fp32 intermediates (scores, chunk states), which can outgrow
+fp16's range, keep fp32's range; float32 inputs use 3xTF32 and keep float32 accuracy. The
+normalized causal backward runs float16 in float32 (``g/d`` can outgrow fp16's range).
 """
 
 from __future__ import annotations
@@ -280,9 +281,8 @@ class _CausalAttention(torch.autograd.Function):
         dden = -(g * out.float()).sum(-1) / d
         dtype = q.dtype
         if dtype == torch.float16:  # dnum = g/d passes 65504 where d ~ eps (a row with no
-            # real key): inf, then inf·0 = NaN. The kernels compute float16 in bfloat16
-            # anyway, so the products run on bfloat16 operands: the same numbers, no overflow.
-            q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+            # real key): inf, then inf·0 = NaN. The products run in float32 (3xTF32) instead.
+            q, k, v = q.float(), k.float(), v.float()
         dnum = dnum32.to(q.dtype)
         if _fused():
             dq, dk, dv = _fused_backward(ext, q, k, v, dnum, out_fp32=True)

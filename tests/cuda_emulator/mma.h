@@ -119,11 +119,27 @@ void fill_fragment(fragment<Use, M, N, K, T, Layout>& a, float value) {
   for (auto& e : a.x) e = value;
 }
 
+// A tf32 operand must hold tf32 values (__float_to_tf32): the GPU ignores the low 13 bits of an
+// fp32 operand, so an unrounded one would be truncated there and kept whole here.
+inline void check_tf32(const float* x, int count) {
+  for (int i = 0; i < count; ++i) {
+    uint32_t u;
+    std::memcpy(&u, &x[i], 4);
+    if ((u & 0x7f800000u) != 0x7f800000u && (u & 0x1fffu) != 0) {
+      ks_emu::fail("wmma: a tf32 operand not rounded with __float_to_tf32");
+    }
+  }
+}
+
 template <int M, int N, int K, typename T, typename LA, typename LB>
 void mma_sync(fragment<accumulator, M, N, K, float>& d,
               const fragment<matrix_a, M, N, K, T, LA>& a,
               const fragment<matrix_b, M, N, K, T, LB>& b,
               const fragment<accumulator, M, N, K, float>& c) {
+  if constexpr (std::is_same_v<T, precision::tf32>) {
+    check_tf32(a.x, M * K);
+    check_tf32(b.x, K * N);
+  }
   float out[M * N];
   ks_emu::warp_product(out, M * N, [&](float* o) {
     float fa[M * K], fb[N * K];  // b transposed: both walked along k
