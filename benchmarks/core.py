@@ -37,16 +37,10 @@ import pandas as pd
 import torch
 
 import kernelstudy as ks
-from kernelstudy.core import registered_backends
+from kernelstudy.core import registered_backends, runs_own_noncausal_attention
 
 # Above this, the reference backend's N×N matrix costs too much memory to benchmark.
 REFERENCE_MAX_N = 4096
-
-
-def _runs_its_own_attention(backend: str) -> bool:
-    """Whether non-causal ``linear_attention`` with ``backend`` runs code of its own: the
-    core computes it with the torch path for every backend without a fused attention."""
-    return backend in ("reference", "torch") or registered_backends()[backend].attention is not None
 
 
 def _sync(device: torch.device) -> None:
@@ -108,12 +102,14 @@ def matmul_rate(device: torch.device, size: int = 2048, repeats: int = 5) -> flo
 
 
 def _run(fn: Callable[[], torch.Tensor], inputs: list[torch.Tensor], backward: bool):
+    """One call of ``fn`` and, with ``backward``, the gradients of ``inputs``. They are returned
+    by ``torch.autograd.grad`` and dropped with the call: gradients left in ``.grad`` by one call
+    would be freed inside the next one's memory measurement and lower its peak by their size."""
+
     def call() -> None:
-        for t in inputs:
-            t.grad = None
         out = fn()
         if backward:
-            out.backward(torch.ones_like(out))
+            torch.autograd.grad(out, inputs, torch.ones_like(out))
 
     return call
 
@@ -149,7 +145,7 @@ def benchmark(args: argparse.Namespace, linear_backends: list[str]) -> pd.DataFr
                 )
             )
             for causal in (True, False):
-                if not causal and not _runs_its_own_attention(backend):
+                if not causal and not runs_own_noncausal_attention(backend):
                     continue  # non-causal attention there is the torch path under a new label
                 cases.append(
                     (
@@ -259,7 +255,9 @@ def summary(frame: pd.DataFrame) -> pd.DataFrame:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--n", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    p.add_argument(
+        "--n", type=int, nargs="+", help="sequence lengths (default 1024 2048 4096 8192 16384)"
+    )
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--features", type=int, default=64, help="F, feature dimension")
@@ -269,13 +267,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu")
     p.add_argument("--backends", nargs="*", default=[], help="linear backends (default: all)")
     p.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, help="timed calls per case (default 5)")
     p.add_argument("--no-softmax", action="store_true", help="skip the softmax baseline")
-    p.add_argument("--quick", action="store_true", help="N in {1024, 4096}, 3 repeats")
+    p.add_argument(
+        "--quick", action="store_true", help="N in {1024, 4096}, 3 repeats, unless --n/--repeats"
+    )
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/core.csv"))
     args = p.parse_args(argv)
-    if args.quick:
-        args.n, args.repeats = [1024, 4096], 3
+    if args.n is None:
+        args.n = [1024, 4096] if args.quick else [1024, 2048, 4096, 8192, 16384]
+    if args.repeats is None:
+        args.repeats = 3 if args.quick else 5
     sizes = {
         "--n": min(args.n),
         "--repeats": args.repeats,

@@ -39,6 +39,8 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import importlib
+import inspect
+import math
 import statistics
 import sys
 from collections.abc import Callable
@@ -100,6 +102,15 @@ def load_fla() -> Callable | None:
     return None
 
 
+def takes_head_first(fn: Callable) -> bool:
+    """Whether ``fn`` has a ``head_first`` argument (older fla releases, where it defaults to
+    True: (B, H, N, D) inputs; without it, fla reads (B, N, H, D))."""
+    try:
+        return "head_first" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def package_version(name: str) -> str:
     try:
         from importlib.metadata import version
@@ -144,11 +155,12 @@ def make_case(
             return ks.causal_dot_product(q, k, v, backend=backend)
 
         return method, run, (q, k, v)
-    if method == "fla":
+    if method == "fla":  # (B, N, H, D): fla's layout; releases before 0.3 take head_first
         q, k, v = rand(b, n, h, d, positive=True), rand(b, n, h, d, positive=True), rand(b, n, h, d)
+        layout = {"head_first": False} if takes_head_first(fla_fn) else {}
         return (
             "fla",
-            lambda: fla_fn(q, k, v, scale=1.0, normalize=False)[0],
+            lambda: fla_fn(q, k, v, scale=1.0, normalize=False, **layout)[0],
             (q, k, v),
         )
     if method == "sdpa":
@@ -312,17 +324,29 @@ def targets(frame: pd.DataFrame) -> str:
             f"N=8192 bf16 {m}/sdpa: {t(m, 'bfloat16', 8192) / sdpa:.3f} (target < 1.0)",
             f"N=16384 fp32 torch/{m}: {torch32 / t(m, 'float32', 16384):.2f} (target >= 10)",
         ]
-        crossover = [
-            n for n in sorted(frame.N.unique()) if t(m, "bfloat16", n) <= t("sdpa", "bfloat16", n)
-        ]
         lines.append(
             f"crossover of {m} with sdpa flash (bf16): N = "
-            f"{crossover[0] if crossover else 'none'} (target <= 2048)"
+            f"{crossover(frame, m, t) or 'none'} (target <= 2048)"
         )
     return "\n".join(lines)
 
 
-def plot(frame: pd.DataFrame, path: Path) -> None:
+def crossover(frame: pd.DataFrame, method: str, t: Callable[..., float]) -> int | None:
+    """The smallest N from which ``method`` is no slower than sdpa flash (bf16 fwd+bwd) at that
+    N and at every larger N where both were measured; None if it is slower at the largest.
+    ``t(method, dtype, n)`` gives a median time (NaN where not measured)."""
+    found = None
+    for n in sorted(frame.N.unique(), reverse=True):
+        ours, sdpa = t(method, "bfloat16", n), t("sdpa", "bfloat16", n)
+        if math.isnan(ours) or math.isnan(sdpa):
+            continue
+        if ours > sdpa:
+            break
+        found = int(n)
+    return found
+
+
+def plot(frame: pd.DataFrame, path: Path) -> bool:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -332,7 +356,7 @@ def plot(frame: pd.DataFrame, path: Path) -> None:
         shape=lambda f: "B·H=" + f.BH.astype(str) + ", D=" + f.F.astype(str)
     )
     if data.empty:
-        return
+        return False
     grid = sns.relplot(
         data=data,
         x="N",
@@ -349,7 +373,10 @@ def plot(frame: pd.DataFrame, path: Path) -> None:
     grid.set(xscale="log", yscale="log")
     grid.set_axis_labels("N (tokens)", "time (ms, median)")
     grid.figure.suptitle(f"causal attention on {frame.device.iloc[0]}", y=1.02)
-    grid.savefig(path, dpi=120, bbox_inches="tight")
+    tmp = path.with_name(path.stem + ".tmp" + path.suffix)  # written whole, then renamed
+    grid.savefig(tmp, dpi=120, bbox_inches="tight")
+    tmp.replace(path)
+    return True
 
 
 def _shape(text: str) -> tuple[int, int]:
@@ -366,15 +393,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--n", type=int, nargs="+", default=DEFAULT_N, help="sequence lengths")
+    p.add_argument("--n", type=int, nargs="+", help=f"sequence lengths (default {DEFAULT_N})")
     p.add_argument(
         "--shapes",
         type=_shape,
         nargs="+",
-        default=[(1, 8), (4, 16), (8, 16)],
-        help="batch x heads, e.g. 1x8 (B·H=8), 4x16 (B·H=64), 8x16 (the issue's targets)",
+        help="batch x heads, e.g. 1x8 (B·H=8), 4x16 (B·H=64), 8x16 (the issue's targets); "
+        "default 1x8 4x16 8x16",
     )
-    p.add_argument("--dims", type=int, nargs="+", default=[64, 128], help="F = M = D")
+    p.add_argument("--dims", type=int, nargs="+", help="F = M = D (default 64 128)")
     p.add_argument(
         "--dtypes",
         nargs="+",
@@ -390,13 +417,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[cuda_backend.WALK_BLOCKS],
         help="cuda_backend.WALK_BLOCKS values for the walk methods (several: one column each)",
     )
-    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--repeats", type=int, help="timed calls per case (default 10)")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--quick", action="store_true", help="N in {1024, 8192}, B×H = 8x16, D = 64")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="N in {1024, 8192}, B×H = 8x16, D = 64, 5 repeats (where not given)",
+    )
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/cuda.csv"))
     args = p.parse_args(argv)
-    if args.quick:
-        args.n, args.shapes, args.dims, args.repeats = [1024, 8192], [(8, 16)], [64], 5
+    defaults = (
+        {"n": [1024, 8192], "shapes": [(8, 16)], "dims": [64], "repeats": 5}
+        if args.quick
+        else {
+            "n": DEFAULT_N,
+            "shapes": [(1, 8), (4, 16), (8, 16)],
+            "dims": [64, 128],
+            "repeats": 10,
+        }
+    )
+    for name, value in defaults.items():  # what the user gave stands, also with --quick
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     if any(n < 1 for n in args.n) or args.repeats < 1 or args.warmup < 0:
         p.error("--n and --repeats must be positive, --warmup non-negative")
     if any(d < 1 for d in args.dims):
@@ -416,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     frame = benchmark(args)
-    if frame.empty:
+    if frame.empty or frame["time_ms"].isna().all():  # every case skipped, or every one failed
         print(
             f"benchmarks/cuda_core.py: nothing was measured (see above); {args.out} left as it was",
             file=sys.stderr,
@@ -426,14 +468,15 @@ def main(argv: list[str] | None = None) -> int:
     tmp = args.out.with_suffix(args.out.suffix + ".tmp")
     frame.to_csv(tmp, index=False)
     tmp.replace(args.out)
-    plot(frame, args.out.with_suffix(".png"))
+    png = args.out.with_suffix(".png")
+    plotted = plot(frame, png)
     table = frame.pivot_table(
         index=["dtype", "BH", "F", "mode", "method"], columns="N", values="time_ms"
     ).round(3)
     with pd.option_context("display.width", 250, "display.max_columns", 30):
         print(table.to_string())
     print(targets(frame))
-    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    print(f"wrote {args.out} and {png}" if plotted else f"wrote {args.out}")
     return 0
 
 

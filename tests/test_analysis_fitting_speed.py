@@ -166,6 +166,32 @@ def test_default_backends_are_those_that_take_the_device():
         unregister_backend("gpu_only")
 
 
+def test_non_causal_runs_backends_with_their_own_attention():
+    """Non-causal attention ran only torch and reference: a backend's fused attention (the
+    cuda backend's non-causal kernels) was never timed. A backend without one is still not
+    timed there (it would time the torch path again)."""
+    from kernelstudy.core.backends import Backend, register_backend, unregister_backend
+
+    calls = []
+
+    def fused(q, k, v, causal, mask, eps):
+        calls.append(causal)
+        return ks.linear_attention(q, k, v, causal=causal, key_padding_mask=mask, eps=eps)
+
+    product = ks.core.registered_backends()["torch"].product
+    register_backend(Backend("fused_test", product, attention=fused))
+    register_backend(Backend("plain_test", product))
+    try:
+        frame = ks.analysis.benchmark_attention(
+            [8], head_dim=4, methods=["linear"], causal=[False], passes=["fwd"], repeats=1,
+            memory=False, matmul=False, backends=["torch", "fused_test", "plain_test"],
+        )  # fmt: skip
+    finally:
+        unregister_backend("fused_test")
+        unregister_backend("plain_test")
+    assert set(frame.backend) == {"torch", "fused_test"} and False in calls
+
+
 def test_profiler_lines_are_silenced_where_sys_stderr_is_not_fd_2():
     """Under ipykernel ``sys.stderr.fileno()`` is a copy of the terminal's descriptor while
     fd 2 feeds the notebook: the profiler's USDT lines reached the notebook's output."""

@@ -62,19 +62,38 @@ def test_targets_report_the_issue_ratios(cuda_core):
     assert "crossover of cuda with sdpa flash (bf16): N = 2048" in text
     assert "N=8192 bf16 cuda_walk/fla: 0.500" in text
     assert "N=16384 fp32 torch/cuda_walk: 12.50" in text
-    assert "crossover of cuda_walk with sdpa flash (bf16): N = 1024" in text
+    # faster at 1024, slower at 2048, faster from 8192: the crossover is where it stays ahead
+    assert "crossover of cuda_walk with sdpa flash (bf16): N = 8192" in text
 
 
 def test_plot_writes_a_png(cuda_core, tmp_path):
     path = tmp_path / "cuda.png"
-    cuda_core.plot(_frame(), path)
-    assert path.stat().st_size > 1000
+    assert cuda_core.plot(_frame(), path)
+    assert path.stat().st_size > 1000 and [p.name for p in tmp_path.iterdir()] == ["cuda.png"]
+    assert not cuda_core.plot(_frame().assign(time_ms=float("nan")), tmp_path / "none.png")
+    assert not (tmp_path / "none.png").exists()
+
+
+def test_fla_layout_argument(cuda_core):
+    """fla releases before 0.3 default to head_first=True, (B, H, N, D): the (B, N, H, D)
+    inputs would be read as N heads of H tokens; they are told head_first=False."""
+
+    def old_fla(q, k, v, scale=None, normalize=True, head_first=True): ...
+
+    def new_fla(q, k, v, scale=None, normalize=True): ...
+
+    assert cuda_core.takes_head_first(old_fla) and not cuda_core.takes_head_first(new_fla)
 
 
 def test_arguments(cuda_core):
     args = cuda_core.parse_args(["--shapes", "1x8", "4x16", "--methods", "cuda", "cuda_fused"])
     assert args.shapes == [(1, 8), (4, 16)] and args.methods == ["cuda", "cuda_fused"]
-    assert cuda_core.parse_args(["--quick"]).n == [1024, 8192]
+    quick = cuda_core.parse_args(["--quick"])
+    assert (quick.n, quick.shapes, quick.dims, quick.repeats) == ([1024, 8192], [(8, 16)], [64], 5)
+    given = cuda_core.parse_args(["--quick", "--n", "512", "--repeats", "2", "--dims", "128"])
+    assert (given.n, given.shapes, given.dims, given.repeats) == ([512], [(8, 16)], [128], 2)
+    full = cuda_core.parse_args([])
+    assert full.n == cuda_core.DEFAULT_N and full.repeats == 10 and len(full.shapes) == 3
     assert cuda_core.parse_args(["--walk-blocks", "128", "512"]).walk_blocks == [128, 512]
     for bad in (
         ["--shapes", "8by16"],
@@ -125,6 +144,28 @@ def test_nothing_measured_is_one_line_and_keeps_out(
     assert out.read_text() == "earlier results\n"
 
 
+def test_every_case_failing_is_one_line_and_keeps_out(cuda_core, monkeypatch, tmp_path, capsys):
+    """A run whose every case failed (out of memory, say) wrote a CSV of NaN rows over --out,
+    exited 0 and named a PNG it never wrote."""
+    monkeypatch.setattr(cuda_core.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda_core, "matmul_tflops", lambda dtype: 100.0)
+    monkeypatch.setattr(cuda_core.torch.cuda, "get_device_name", lambda *args: "test GPU")
+    monkeypatch.setattr(cuda_core.ks, "backends", lambda: ["reference", "torch"])
+    monkeypatch.setattr(
+        cuda_core,
+        "measure",
+        lambda method, mode, b, h, n, d, name, *rest: (
+            dict(method=method, mode=mode, dtype=name, B=b, H=h, BH=b * h, N=n, F=d, M=d)
+            | {"time_ms": float("nan"), "tflops": float("nan"), "error": "out of memory"}
+        ),
+    )
+    out = tmp_path / "cuda.csv"
+    out.write_text("earlier results\n")
+    assert cuda_core.main(["--quick", "--methods", "torch", "--out", str(out)]) == 1
+    assert "nothing was measured" in capsys.readouterr().err
+    assert out.read_text() == "earlier results\n" and not out.with_suffix(".png").exists()
+
+
 # ---------------------------------------------------------------- benchmarks/core.py (CPU)
 @pytest.fixture(scope="module")
 def core():
@@ -168,6 +209,24 @@ def test_core_runs_only_backends_that_take_the_device(core, tmp_path, capsys, mo
     assert core.main([*argv, "--backends", "cuda"]) == 1
     assert "cuda cannot run float32 on cpu here" in capsys.readouterr().err
     assert out.read_text() == "earlier results\n"
+
+
+def test_core_quick_keeps_what_is_given(core):
+    assert (core.parse_args(["--quick"]).n, core.parse_args(["--quick"]).repeats) == (
+        [1024, 4096],
+        3,
+    )
+    given = core.parse_args(["--quick", "--n", "64", "--repeats", "1"])
+    assert (given.n, given.repeats) == ([64], 1)
+    assert core.parse_args([]).n == [1024, 2048, 4096, 8192, 16384]
+
+
+def test_core_calls_leave_no_gradients_behind(core):
+    """A call that left .grad on the shared inputs had them freed inside the next call's
+    memory measurement, which then came out low by their size (0 MiB for a forward)."""
+    x = [torch.rand(1, 1, 8, 4, requires_grad=True) for _ in range(3)]
+    core._run(lambda: ks.causal_dot_product(*x, backend="torch"), x, backward=True)()
+    assert all(t.grad is None for t in x)
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from ..core.attention import linear_attention
 from ..core.backends import backends as available_backends
-from ..core.backends import registered_backends
+from ..core.backends import registered_backends, runs_own_noncausal_attention
 from ..core.validation import check_count, check_real
 from ..nn.functional import resolve_feature_map
 from .matrices import MapSpec
@@ -226,8 +226,9 @@ def benchmark_attention(
         passes: ``fwd`` (under ``no_grad``) and/or ``fwd+bwd`` (gradients of q, k, v).
         backends: core backends for ``linear`` (default: those of :func:`kernelstudy.backends`
             that take ``dtype`` tensors on ``device``).
-            Non-causal linear attention does not use a causal-product backend, so
-            it runs once as ``torch`` (plus ``reference``, the explicit matrix, if listed).
+            Non-causal linear attention takes no causal product: it runs with ``torch``,
+            ``reference`` (the explicit matrix) and backends with a fused ``attention``
+            (e.g. ``cuda``) among those listed; the others would time the torch path again.
         device, dtype: where and in what precision.
         repeats, warmup: timed and untimed calls per measurement.
         memory: also measure peak memory (one extra call).
@@ -312,9 +313,7 @@ def benchmark_attention(
         if method != "linear":
             variants.append((method, "", is_causal, pass_))
             continue
-        names = (
-            list(backends) if is_causal else [b for b in ("torch", "reference") if b in backends]
-        )
+        names = [b for b in backends if is_causal or runs_own_noncausal_attention(b)]
         for backend in names or ["torch"]:
             variants.append((method, backend, is_causal, pass_))
 

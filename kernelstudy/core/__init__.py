@@ -9,6 +9,7 @@ from .backends import (
     register_backend,
     registered_backends,
     resolve_backend,
+    runs_own_noncausal_attention,
     unregister_backend,
 )
 from .chunked import DEFAULT_CHUNK_SIZE, causal_dot_product_chunked
@@ -33,6 +34,7 @@ __all__ = [
     "linear_attention_reference",
     "register_backend",
     "registered_backends",
+    "runs_own_noncausal_attention",
     "resolve_backend",
     "softmax_attention",
     "softmax_attention_reference",

@@ -96,6 +96,13 @@ def registered_backends() -> dict[str, Backend]:
     return dict(_BACKENDS)
 
 
+def runs_own_noncausal_attention(name: str) -> bool:
+    """Whether non-causal ``linear_attention`` with backend ``name`` runs code of its own:
+    ``reference``, ``torch`` and every backend with a fused ``attention``. The others compute
+    it with the torch path (it takes no causal product), so timing them there times torch."""
+    return name in ("reference", "torch") or _BACKENDS[name].attention is not None
+
+
 def backends() -> list[str]:
     """Names of the backends that run on this machine, e.g. ``['reference', 'torch', 'cpu']``."""
     return [name for name, b in _BACKENDS.items() if b.available()]
