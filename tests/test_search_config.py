@@ -329,6 +329,28 @@ def test_check_override_accepts_declared_ranges():
     assert suggest(study.ask(), "x", flag) in (False, True)
 
 
+@pytest.mark.parametrize(
+    "spec, override",
+    [
+        # choices with a range: the range was silently dropped (choices won)
+        (TRAINING_SPACE["lr"], {"choices": [1e-4, 1e-3], "low": 1e-5}),
+        (TRAINING_SPACE["lr"], {"choices": [1e-4, 1e-3], "log": True}),
+        # a log scale on a categorical: silently ignored
+        (None, {"log": True}),
+        (None, {"choices": ["a"], "log": False}),
+    ],
+)
+def test_check_override_refuses_ranges_that_would_be_ignored(spec, override):
+    from kernelstudy.feature_maps.base import Hyperparameter
+    from kernelstudy.search.space import check_override
+
+    spec = spec or Hyperparameter(str, "a", choices=("a", "b"))
+    with pytest.raises(ValueError, match=r"'?x'?.*choices"):
+        check_override("x", spec, override)
+    with pytest.raises(ValueError, match="choices"):
+        check_override("flag", Hyperparameter(bool, False), {"log": True})
+
+
 def test_valid_names_ranges_and_studies_still_load(tmp_path):
     text = GOOD.replace('name = "tiny"', 'name = "lra-listops_v1.2"')
     text += "[space]\ndropout = 0.0\nlr = { low = 1e-4, high = 1e-3, log = true }\n"
@@ -400,3 +422,27 @@ def test_the_budget_is_extra_parameters_over_the_model_without_its_maps():
     reason = over_budget(sizes, 0.10)
     assert reason is not None and "10.8% extra over the model's 19050" in reason
     assert over_budget(sizes, 0.11) is None
+
+
+def test_optimization_history_counts_complete_trials_only():
+    """A pruned trial's value is its last intermediate report: the best-so-far curve showed
+    it though the search's best trial (complete only) never can be that trial."""
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    from kernelstudy.search.report import figures
+
+    trials = pd.DataFrame(
+        {
+            "config": "c",
+            "task": "listops",
+            "variant": "elu",
+            "number": [0, 1, 2],
+            "state": ["COMPLETE", "PRUNED", "COMPLETE"],
+            "val_accuracy": [0.30, 0.90, 0.40],
+        }
+    )
+    fig = figures(trials)["optimization_history"]
+    ys = [y for line in fig.axes[0].lines for y in line.get_ydata()]
+    plt.close("all")
+    assert ys and max(ys) == pytest.approx(40.0)

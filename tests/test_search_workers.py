@@ -190,6 +190,74 @@ def test_a_resumed_study_does_not_replay_the_first_runs_points(tmp_path):
     assert len(set(xs)) == 8  # TPE's 10 random start-up draws: none repeated
 
 
+def test_two_commands_started_together_propose_different_points(tmp_path):
+    """Samplers seeded once per worker (``seed + index``) gave worker 0 of two commands
+    started together on one study the same points, trial after trial."""
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        a, b = open_study(url, "shared", seed=0), open_study(url, "shared", seed=0)
+        xs = []
+        for _ in range(4):  # interleaved, as two machines' workers are
+            for study in (a, b):
+                trial = study.ask()
+                xs.append(trial.suggest_float("x", -1.0, 1.0))
+                study.tell(trial, -(xs[-1] ** 2))
+    assert len(set(xs)) == len(xs)
+
+
+def test_one_worker_with_one_seed_proposes_the_same_points_again(tmp_path):
+    """Per-trial seeding keeps a single worker's search reproducible, past TPE's 10
+    random start-up trials."""
+    runs = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for run in ("a", "b"):
+            study = open_study(f"sqlite:///{tmp_path / run}.db", "s", seed=3)
+            study.optimize(quick_objective, n_trials=13)
+            runs.append([t.params["x"] for t in study.get_trials()])
+        other = open_study(f"sqlite:///{tmp_path / 'c'}.db", "s", seed=4)
+        other.optimize(quick_objective, n_trials=3)
+    assert runs[0] == runs[1]
+    assert [t.params["x"] for t in other.get_trials()] != runs[0][:3]
+
+
+def test_a_finished_search_still_fails_and_requeues_a_dead_workers_trial(tmp_path):
+    """A rerun that found the study finished returned at once, leaving the trial of a
+    worker killed meanwhile RUNNING for good (Optuna checks heartbeats only when a trial
+    starts), and the summary did not show it."""
+    from kernelstudy.search.runner import study_row
+
+    url, name = f"sqlite:///{tmp_path / 'study.db'}", "dead"
+    run_workers(url, name, quick_objective, trials=2, workers=1, heartbeat=FAST_HEARTBEAT)
+    study = open_study(url, name, heartbeat=FAST_HEARTBEAT)
+    proc = mp.get_context("spawn").Process(
+        target=_worker, args=(url, name, hanging_objective, 3, "median", 0, FAST_HEARTBEAT)
+    )
+    proc.start()
+    deadline = time.time() + 60
+    while True:  # until the worker's trial runs past its suggestion (and heartbeat)
+        running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        if running and "x" in running[0].params:
+            break
+        if time.time() > deadline:
+            proc.kill()
+            pytest.fail("the worker never started a trial")
+        time.sleep(0.2)
+    proc.kill()
+    proc.join()
+    killed = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))[0]
+    assert study_row(study, "v")["running"] == 1
+    time.sleep(FAST_HEARTBEAT[1] + 1)
+    run_workers(url, name, quick_objective, trials=2, workers=1, heartbeat=FAST_HEARTBEAT)
+    trials = study.get_trials(deepcopy=False)
+    assert trials[killed.number].state == TrialState.FAIL
+    waiting = [t for t in trials if t.state == TrialState.WAITING]
+    assert [retried_from(t) for t in waiting] == [killed.number]
+    row = study_row(study, "v")
+    assert (row["finished"], row["failed"], row["running"], row["waiting"]) == (2, 1, 0, 1)
+
+
 def failing_objective(trial: optuna.Trial) -> float:
     trial.suggest_float("x", -1.0, 1.0)
     raise FloatingPointError("non-finite training loss nan at step 3")

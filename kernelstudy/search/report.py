@@ -278,7 +278,9 @@ def figures(trials: pd.DataFrame) -> dict[str, Any]:
         ax.set(xlabel=xlabel, ylabel="test accuracy (%)", title=f"accuracy vs {xlabel}")
         out[stem] = fig
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    hist = trials.dropna(subset=["val_accuracy"]).sort_values(["config", "variant", "number"])
+    # complete trials only, as best_trial: a pruned trial's value is its last report
+    hist = trials[trials["state"] == "COMPLETE"].dropna(subset=["val_accuracy"])
+    hist = hist.sort_values(["config", "variant", "number"])
     if len(hist):
         hist = hist.assign(
             best=hist.groupby(["config", "variant"])["val_accuracy"].cummax() * 100,

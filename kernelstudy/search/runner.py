@@ -250,6 +250,9 @@ def study_row(study: optuna.Study, label: str) -> dict[str, Any]:
         "pruned": int(states.get("PRUNED", 0)),
         "over_budget": len(over),
         "failed": int(states.get("FAIL", 0)),
+        # another worker's, or re-queued copies a finished search left to a longer one
+        "running": int(states.get("RUNNING", 0)),
+        "waiting": int(states.get("WAITING", 0)),
         "finished": sum(t.state in FINISHED for t in trials),
         "best_trial": None if best is None else best.number,
         "val_accuracy": None if best is None else best.value,

@@ -33,8 +33,9 @@ def check_override(name: str, spec: Hyperparameter, override: Any) -> None:
     """Raise ValueError/TypeError naming ``name`` unless ``override`` fits ``spec``.
 
     A fixed value must pass ``spec.validate``; a range dict may use only
-    :data:`RANGE_KEYS`, with ``choices`` a non-empty list of valid values, ``low``
-    and ``high`` within the declared bounds, and ``log`` a bool.
+    :data:`RANGE_KEYS`, with ``choices`` a non-empty list of valid values (and then no
+    ``low``/``high``/``log``), ``low`` and ``high`` within the declared bounds, and ``log``
+    a bool (numeric ranges only).
     """
     if not isinstance(override, Mapping):
         spec.validate(name, override)
@@ -49,6 +50,12 @@ def check_override(name: str, spec: Hyperparameter, override: Any) -> None:
     if not isinstance(log, bool):
         raise TypeError(f"{name}.log must be true or false, got {log!r}")
     if "choices" in override:
+        mixed = sorted(set(override) & {"low", "high", "log"})
+        if mixed:
+            raise ValueError(
+                f"search range for {name!r} gives choices with {mixed}: choices are searched "
+                "as a list (categorical), give either choices or low/high/log"
+            )
         choices = override["choices"]
         if not isinstance(choices, list | tuple) or not choices:
             raise TypeError(f"{name}.choices must be a non-empty list, got {choices!r}")
@@ -56,8 +63,11 @@ def check_override(name: str, spec: Hyperparameter, override: Any) -> None:
             spec.validate(f"{name}.choices", choice)
         return
     if spec.choices is not None or spec.type is bool:
-        if "low" in override or "high" in override:
-            raise ValueError(f"{name} is searched over its choices; narrow it with choices = [..]")
+        if set(override) & {"low", "high", "log"}:
+            raise ValueError(
+                f"{name} is searched over its choices (no range or log scale); "
+                "narrow it with choices = [..]"
+            )
         return
     if spec.type not in (int, float):
         raise ValueError(f"{name} ({spec.type.__name__}) has no range to search; fix its value")

@@ -22,7 +22,7 @@ import multiprocessing as mp
 import signal
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
 
@@ -51,6 +51,56 @@ def make_pruner(kind: str) -> optuna.pruners.BasePruner:
     raise ValueError(f"pruner must be 'median', 'hyperband' or 'none', got {kind!r}")
 
 
+class TrialSeededSampler(optuna.samplers.BaseSampler):
+    """Optuna's TPE sampler with a random state drawn afresh for each trial from
+    ``(seed, trial number)``.
+
+    Trial numbers are unique within a study, so workers that share a seed (the workers of
+    one command, or the same command run on two machines at once) never draw from the
+    same random state, and a resumed search does not replay the random start-up points of
+    the first. A single worker stays reproducible: trial ``n`` sees the same history and
+    the same random state on every run. (Seeding each worker once, from ``seed`` and its
+    index, gave worker 0 of two commands started together the same proposals.)
+    """
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+        self._tpe = self._tpe_for(0)
+
+    def _tpe_for(self, number: int) -> optuna.samplers.TPESampler:
+        mixed = int(np.random.SeedSequence([self.seed, number]).generate_state(1)[0])
+        return optuna.samplers.TPESampler(seed=mixed)
+
+    def before_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        self._tpe = self._tpe_for(trial.number)
+        self._tpe.before_trial(study, trial)
+
+    def infer_relative_search_space(self, study: optuna.Study, trial: FrozenTrial) -> dict:
+        return self._tpe.infer_relative_search_space(study, trial)
+
+    def sample_relative(
+        self, study: optuna.Study, trial: FrozenTrial, search_space: dict
+    ) -> dict[str, Any]:
+        return self._tpe.sample_relative(study, trial, search_space)
+
+    def sample_independent(
+        self, study: optuna.Study, trial: FrozenTrial, param_name: str, param_distribution: Any
+    ) -> Any:
+        return self._tpe.sample_independent(study, trial, param_name, param_distribution)
+
+    def after_trial(
+        self,
+        study: optuna.Study,
+        trial: FrozenTrial,
+        state: TrialState,
+        values: Sequence[float] | None,
+    ) -> None:
+        self._tpe.after_trial(study, trial, state, values)
+
+    def reseed_rng(self) -> None:
+        self._tpe.reseed_rng()
+
+
 def open_study(
     url: str,
     name: str,
@@ -59,25 +109,16 @@ def open_study(
     seed: int = 0,
     heartbeat: tuple[int, int] = (HEARTBEAT_INTERVAL, GRACE_PERIOD),
 ) -> optuna.Study:
-    """Create study ``name`` in ``url`` or join it if it exists (TPE sampler, seeded).
-
-    A study that already holds trials gets a sampler seeded from ``seed`` and their
-    number, so a resumed search does not replay the random start-up points of the first.
-    ``heartbeat`` is (interval, grace period) in seconds.
-    """
-    study = optuna.create_study(
+    """Create study ``name`` in ``url`` or join it if it exists (TPE, seeded per trial by
+    :class:`TrialSeededSampler`). ``heartbeat`` is (interval, grace period) in seconds."""
+    return optuna.create_study(
         study_name=name,
         storage=open_storage(url, heartbeat_interval=heartbeat[0], grace_period=heartbeat[1]),
         direction=direction,
-        sampler=optuna.samplers.TPESampler(seed=seed),
+        sampler=TrialSeededSampler(seed),
         pruner=make_pruner(pruner),
         load_if_exists=True,
     )
-    existing = len(study.get_trials(deepcopy=False))
-    if existing:  # mixed, so that (seed, existing) pairs of other workers do not collide
-        mixed = int(np.random.SeedSequence([seed, existing]).generate_state(1)[0])
-        study.sampler = optuna.samplers.TPESampler(seed=mixed)
-    return study
 
 
 def is_duplicate(trial: FrozenTrial) -> bool:
@@ -331,9 +372,10 @@ def run_workers(
     """Optimize study ``name`` with ``workers`` processes until ``trials`` trials are finished.
 
     ``objective`` must be picklable (a module-level function or a
-    ``functools.partial`` of one). Worker ``i`` seeds its sampler with
-    ``seed + i`` so workers do not propose the same points. A worker that exits with
-    an error raises ``ChildProcessError`` once all have ended.
+    ``functools.partial`` of one). Every worker samples with :class:`TrialSeededSampler`
+    of ``seed`` (distinct draws per trial number). A trial of a dead worker (stale
+    heartbeat) is failed and re-queued first, even when the study is already finished.
+    A worker that exits with an error raises ``ChildProcessError`` once all have ended.
     """
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be a positive int, got {workers!r}")
@@ -341,6 +383,10 @@ def run_workers(
         raise ValueError(f"trials must be a positive int, got {trials!r}")
     # Creates the study once (checking the URL) before any worker starts.
     study = open_study(url, name, pruner=pruner, seed=seed, heartbeat=heartbeat)
+    # Optuna fails stale trials only when a trial starts: a finished study kept them RUNNING.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)
     requeue_failed(study)
     if workers == 1:
         _worker(url, name, objective, trials, pruner, seed, heartbeat)
@@ -352,9 +398,9 @@ def run_workers(
     procs = [
         ctx.Process(
             target=_quiet_worker,
-            args=(url, name, objective, trials, pruner, seed + i, heartbeat, threads),
+            args=(url, name, objective, trials, pruner, seed, heartbeat, threads),
         )
-        for i in range(workers)
+        for _ in range(workers)
     ]
     try:
         for p in procs:
