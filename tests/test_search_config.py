@@ -226,6 +226,11 @@ def _minimal(top: str, variants: str = '[[variants]]\nlabel = "elu"\nfeature_map
         (GOOD + "[space]\nlr = { low = 1e-3, high = 1e-4 }\n", r"\[space\].*lr.*above"),
         (GOOD.replace("d_model = 16", "d_model = 16\ndropout = 2.0"), r"\[model\].*dropout"),
         (
+            GOOD.replace("d_model = 16", "d_model = 16\ndropout = 0.2")
+            + "[space]\ndropout = 0.1\n",
+            r"dropout is set in both \[model\] \(0\.2\) and \[space\] \(0\.1\)",
+        ),
+        (
             GOOD + PERFORMER.replace("low = 16", "low = 0"),
             r"variant 'Performer'.*num_features\.low must be >= 1",
         ),

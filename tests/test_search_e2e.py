@@ -554,8 +554,13 @@ def test_two_configs_of_one_task_get_their_own_column_groups(tmp_path):
     # n not "1.00"; diverged missing: no evaluation runs
     assert "| elu+1 | 25.00 | – | 25.00 | 1 | – | – | – | – | – | – |" in printed
     assert str(mixed[("listops (small)", "diverged")].dtype) == "Int64"
+    empty = f"sqlite:///{tmp_path / 'empty.db'}"
+    made = optuna.create_study(storage=empty).study_name  # a database that holds no study
+    optuna.delete_study(study_name=made, storage=empty)
     with pytest.raises(ValueError, match=r"it holds: no studies\); run `kernelstudy search`"):
-        load_study(f"sqlite:///{tmp_path / 'empty.db'}", "tiny/elu+1")
+        load_study(empty, "tiny/elu+1")
+    with pytest.raises(ValueError, match=r"'small' given more than once"):  # duplicate columns
+        results_table([study_set("small", 0.25), study_set("small", 0.25)])
 
 
 def test_evaluate_does_not_reuse_runs_of_other_settings(tmp_path):
@@ -629,9 +634,19 @@ def test_evaluate_with_a_storage_of_no_study_fails_and_keeps_the_summary(tmp_pat
     assert ks("search", cfg, "--out", out, "--trials", "1") == 0
     assert ks("evaluate", cfg, "--out", out, "--seeds", "1") == 0
     summary = (out / "tiny" / "evaluation_summary.csv").read_bytes()
-    empty = f"sqlite:///{tmp_path / 'typo.db'}"
+    empty = f"sqlite:///{tmp_path / 'empty.db'}"
+    optuna.create_study(storage=empty, study_name="other")
     assert ks("evaluate", cfg, "--out", out, "--seeds", "1", "--storage", empty) == 1
     assert "holds no study of tiny" in capsys.readouterr().err
+    assert (out / "tiny" / "evaluation_summary.csv").read_bytes() == summary
+    # a mistyped SQLite file is named, not created empty (by evaluate, report or load_study)
+    typo = tmp_path / "typo.db"
+    for command in (["evaluate", cfg, "--seeds", "1"], ["report", cfg], ["report", "tiny"]):
+        assert ks(*command, "--out", out, "--storage", f"sqlite:///{typo}") == 1
+        assert f"no study database {typo}" in capsys.readouterr().err
+    with pytest.raises(FileNotFoundError, match="no study database"):
+        load_study(f"sqlite:///{typo}", "tiny/elu+1")
+    assert not typo.exists()
     assert (out / "tiny" / "evaluation_summary.csv").read_bytes() == summary
 
 

@@ -250,6 +250,25 @@ def test_optuna_pruning_propagates(tmp_path):
     assert seen == [4]
 
 
+def test_the_last_evaluation_reports_but_does_not_prune(tmp_path):
+    """Pruning at the run's last evaluation saved no training and lost a finished run."""
+    data = ContainsTask(32)
+    reports = []
+
+    class Recording(_AlwaysPrune):
+        def report(self, value: float, step: int) -> None:
+            reports.append(step)
+
+    callback = OptunaPruningCallback(Recording(), "val_accuracy", last_step=4)
+    record = Trainer(_classifier(), data, _config(steps=4), val_data=data, on_eval=callback).fit()
+    assert record["status"] == "completed" and reports == [4]
+    with pytest.raises(optuna.TrialPruned, match="step 4"):  # a longer run prunes there
+        callback.last_step = 8
+        Trainer(_classifier(), data, _config(steps=8), val_data=data, on_eval=callback).fit()
+    with pytest.raises(TypeError, match="last_step"):
+        OptunaPruningCallback(Recording(), "val_accuracy", last_step=4.0)
+
+
 class _AlwaysPrune:
     def report(self, value: float, step: int) -> None:
         assert math.isfinite(value)

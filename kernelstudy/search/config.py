@@ -371,6 +371,11 @@ def parse_config(raw: dict[str, Any], path: Path) -> SearchConfig:
         )
     for key, value in space.items():
         _check_override(f"{path}: [space]", key, TRAINING_SPACE[key], value)
+    if "dropout" in model and "dropout" in space:  # [space] won, silently
+        raise ValueError(
+            f"{path}: dropout is set in both [model] ({model['dropout']!r}) and [space] "
+            f"({space['dropout']!r}); give it in one of them"
+        )
     entries = raw["variants"]
     if not isinstance(entries, list) or not entries:
         raise ValueError(

@@ -216,8 +216,8 @@ def train_run(
             raise OverBudget(reason)
         trial.set_user_attr("pruned_reason", reason)
         raise optuna.TrialPruned(reason)
-    callbacks = [] if trial is None else [OptunaPruningCallback(trial, "val_accuracy")]
     cfg = settings.train_config(config, seed, device)
+    callbacks = [] if trial is None else [OptunaPruningCallback(trial, "val_accuracy", cfg.steps)]
     trainer = Trainer(model, train, cfg, val_data=val, test_data=test, on_eval=callbacks)
     record = trainer.fit()
     return {

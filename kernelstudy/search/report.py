@@ -46,7 +46,7 @@ from .runner import (
     study_row,
     unshared_settings,
 )
-from .storage import existing_storage_url, open_storage, redact
+from .storage import existing_database, existing_storage_url, open_storage, redact
 from .workers import is_duplicate
 
 #: Tasks whose ``val`` split reads the test data (IMDB has none: ``tasks/text.py``, as LRA).
@@ -105,7 +105,7 @@ def load_results(
     else:
         name = str(target)
         hint = f"{target!r} is no config file either; give one, or a study name with --storage URL"
-        url = storage or existing_storage_url(out, name, hint)
+        url = existing_database(storage, hint) if storage else existing_storage_url(out, name, hint)
         labels = None
     store = open_storage(url)
     names = [s.study_name for s in optuna.get_all_study_summaries(store)]
@@ -183,7 +183,12 @@ def results_table(results: Sequence[StudySet]) -> pd.DataFrame:
     """The paper-shaped table: index variants; columns (task, mean/std/best/n/diverged
     [/paper]), accuracies in %; ``n`` counts the evaluation runs that finished and
     ``diverged`` those whose training diverged (missing before ``evaluate``).
-    A task reported by two configs is headed ``task (config name)``."""
+    A task reported by two configs is headed ``task (config name)``; two results of one
+    name (a config given twice) raise ValueError, as their columns would share a heading."""
+    names = [res.name for res in results]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"report: {', '.join(map(repr, twice))} given more than once")
     tasks = [res.task for res in results]
     frames = []
     for res in results:

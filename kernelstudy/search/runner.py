@@ -27,7 +27,14 @@ from ..progress import tqdm
 from ..train import resolve_device
 from .config import SearchConfig, Variant, load_config
 from .objective import check_variants, objective, prepare_data
-from .storage import default_storage_url, existing_storage_url, load_study, open_storage, redact
+from .storage import (
+    default_storage_url,
+    existing_database,
+    existing_storage_url,
+    load_study,
+    open_storage,
+    redact,
+)
 from .workers import FINISHED, is_duplicate, open_study, run_workers
 
 DEFAULT_OUT = "results"
@@ -50,14 +57,16 @@ def searched_storage_url(
     out: str | Path = DEFAULT_OUT,
     quick: bool = False,
 ) -> str:
-    """:func:`storage_url` for commands that read a search (evaluate, report): the default
-    SQLite file must exist (FileNotFoundError, naming the search command to run), so
-    that none is created empty."""
+    """:func:`storage_url` for commands that read a search (evaluate, report): its SQLite
+    file, the default or a given one, must exist (FileNotFoundError, naming the search
+    command to run), so that none is created empty."""
     command = f"kernelstudy search {shlex.quote(str(config.path))}"
     command += " --quick" if quick else ""
     command += "" if Path(out) == Path(DEFAULT_OUT) else f" --out {shlex.quote(str(out))}"
     hint = f"run `{command}` first, or give --storage URL"
-    return storage or existing_storage_url(out, config.name, hint)
+    if storage:
+        return existing_database(storage, f"run `{command} --storage URL` first")
+    return existing_storage_url(out, config.name, hint)
 
 
 def check_device(config: SearchConfig, device: str | None) -> None:

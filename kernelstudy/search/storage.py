@@ -41,6 +41,18 @@ def existing_storage_url(results_dir: str | Path, study: str, hint: str) -> str:
     return f"sqlite:///{path.resolve()}"
 
 
+def existing_database(url: str, hint: str) -> str:
+    """``url`` for commands that only read a study: FileNotFoundError (``no study database
+    PATH: hint``) when it names an SQLite file that does not exist, which opening it would
+    create empty (other databases are checked when opened)."""
+    if isinstance(url, str) and url.startswith("sqlite") and "://" in url:
+        path = url.partition("://")[2].partition("?")[0]
+        path = path[1:] if path.startswith("/") else path  # sqlite:///rel, sqlite:////abs
+        if path not in ("", ":memory:") and not Path(path).is_file():
+            raise FileNotFoundError(f"no study database {path}: {hint}")
+    return url
+
+
 def open_storage(
     url: str,
     heartbeat_interval: int = HEARTBEAT_INTERVAL,
@@ -93,7 +105,7 @@ def redact(url: str) -> str:
 
 def load_study(url: str, name: str) -> optuna.Study:
     """An existing study ``name`` from ``url`` (``ValueError`` listing the studies there)."""
-    storage = open_storage(url)
+    storage = open_storage(existing_database(url, "run `kernelstudy search` first"))
     names = [s.study_name for s in optuna.get_all_study_summaries(storage)]
     if name not in names:
         held = ", ".join(names) or "no studies"
