@@ -208,7 +208,7 @@ def test_two_commands_started_together_propose_different_points(tmp_path):
 
 def test_one_worker_with_one_seed_proposes_the_same_points_again(tmp_path):
     """Per-trial seeding keeps a single worker's search reproducible, past TPE's 10
-    random start-up trials."""
+    random start-up trials; another seed, or another study (variant), draws otherwise."""
     runs = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -218,8 +218,11 @@ def test_one_worker_with_one_seed_proposes_the_same_points_again(tmp_path):
             runs.append([t.params["x"] for t in study.get_trials()])
         other = open_study(f"sqlite:///{tmp_path / 'c'}.db", "s", seed=4)
         other.optimize(quick_objective, n_trials=3)
+        renamed = open_study(f"sqlite:///{tmp_path / 'd'}.db", "another variant", seed=3)
+        renamed.optimize(quick_objective, n_trials=3)
     assert runs[0] == runs[1]
     assert [t.params["x"] for t in other.get_trials()] != runs[0][:3]
+    assert [t.params["x"] for t in renamed.get_trials()] != runs[0][:3]
 
 
 def test_a_finished_search_still_fails_and_requeues_a_dead_workers_trial(tmp_path):

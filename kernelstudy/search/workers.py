@@ -22,6 +22,7 @@ import multiprocessing as mp
 import signal
 import sys
 import warnings
+import zlib
 from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
@@ -53,26 +54,26 @@ def make_pruner(kind: str) -> optuna.pruners.BasePruner:
 
 class TrialSeededSampler(optuna.samplers.BaseSampler):
     """Optuna's TPE sampler with a random state drawn afresh for each trial from
-    ``(seed, trial number)``.
+    ``(seed, study name, trial number)``.
 
     Trial numbers are unique within a study, so workers that share a seed (the workers of
     one command, or the same command run on two machines at once) never draw from the
     same random state, and a resumed search does not replay the random start-up points of
     the first. A single worker stays reproducible: trial ``n`` sees the same history and
     the same random state on every run. (Seeding each worker once, from ``seed`` and its
-    index, gave worker 0 of two commands started together the same proposals.)
+    index, gave worker 0 of two commands started together the same proposals.) The study
+    name keeps the variants of one config (one study each) from drawing alike.
     """
 
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
-        self._tpe = self._tpe_for(0)
-
-    def _tpe_for(self, number: int) -> optuna.samplers.TPESampler:
-        mixed = int(np.random.SeedSequence([self.seed, number]).generate_state(1)[0])
-        return optuna.samplers.TPESampler(seed=mixed)
+        self._tpe = optuna.samplers.TPESampler(seed=seed)  # replaced before each trial
 
     def before_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
-        self._tpe = self._tpe_for(trial.number)
+        name = zlib.crc32(study.study_name.encode())
+        entropy = [self.seed, name, trial.number]
+        mixed = int(np.random.SeedSequence(entropy).generate_state(1)[0])
+        self._tpe = optuna.samplers.TPESampler(seed=mixed)
         self._tpe.before_trial(study, trial)
 
     def infer_relative_search_space(self, study: optuna.Study, trial: FrozenTrial) -> dict:
