@@ -38,6 +38,7 @@ import torch
 
 import kernelstudy as ks
 from kernelstudy.core import registered_backends, runs_own_noncausal_attention
+from kernelstudy.files import atomic_write_text
 
 # Above this, the reference backend's N×N matrix costs too much memory to benchmark.
 REFERENCE_MAX_N = 4096
@@ -93,10 +94,13 @@ def peak_memory_mib(fn: Callable[[], object], device: torch.device) -> float:
     return max(_status_kib("VmHWM") - before, 0) / 1024
 
 
-def matmul_rate(device: torch.device, size: int = 2048, repeats: int = 5) -> float:
-    """Measured fp32 matmul rate in FLOP/s (``size``² by ``size``² product)."""
-    a = torch.randn(size, size, device=device)
-    b = torch.randn(size, size, device=device)
+def matmul_rate(
+    device: torch.device, dtype: torch.dtype = torch.float32, size: int = 2048, repeats: int = 5
+) -> float:
+    """Measured matmul rate in FLOP/s of ``dtype`` (``size``² by ``size``² product): the
+    yardstick of runs in that dtype (bfloat16 and float32 rates differ many-fold)."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
     seconds = median_time(lambda: a @ b, device, repeats)
     return 2 * size**3 / seconds
 
@@ -119,8 +123,11 @@ def benchmark(args: argparse.Namespace, linear_backends: list[str]) -> pd.DataFr
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     b, h, f, m, d = args.batch, args.heads, args.features, args.values, args.head_dim
-    rate = matmul_rate(device)
-    print(f"fp32 matmul rate: {rate / 1e9:.1f} GFLOP/s on {device_name(device)}", file=sys.stderr)
+    rate = matmul_rate(device, dtype)
+    print(
+        f"{args.dtype} matmul rate: {rate / 1e9:.1f} GFLOP/s on {device_name(device)}",
+        file=sys.stderr,
+    )
     rows = []
     for n in args.n:
         gen = torch.Generator(device="cpu").manual_seed(n)
@@ -232,14 +239,6 @@ def device_name(device: torch.device) -> str:
     return f"{platform.processor() or platform.machine()} ({os.cpu_count()} cpus)"
 
 
-def write_csv_atomic(frame: pd.DataFrame, path: Path) -> None:
-    """Write ``frame`` to ``path`` through a temporary file so a crash never leaves half a CSV."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    frame.to_csv(tmp, index=False)
-    os.replace(tmp, path)
-
-
 def summary(frame: pd.DataFrame) -> pd.DataFrame:
     """Wide table: time (ms) and peak memory (MiB) per op/backend/mode vs N."""
     frame = frame.assign(
@@ -321,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     if frame.empty:  # nothing ran: keep whatever --out holds
         print(f"benchmarks/core.py: no case ran; {args.out} left as it was", file=sys.stderr)
         return 1
-    write_csv_atomic(frame, args.out)
+    atomic_write_text(args.out, frame.to_csv(index=False))
     with pd.option_context("display.width", 200, "display.max_columns", 50):
         print(summary(frame).to_string())
     print(f"wrote {args.out}")

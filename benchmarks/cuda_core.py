@@ -51,6 +51,7 @@ import torch
 
 import kernelstudy as ks
 from kernelstudy.core import cuda_backend
+from kernelstudy.files import atomic_write, atomic_write_text
 
 DEFAULT_N = [512, 1024, 2048, 4096, 8192, 16384, 32768]
 METHODS = ["cuda", "cuda_fused", "cuda_walk", "cuda_walk_fused", "torch", "fla", "sdpa"]
@@ -373,9 +374,7 @@ def plot(frame: pd.DataFrame, path: Path) -> bool:
     grid.set(xscale="log", yscale="log")
     grid.set_axis_labels("N (tokens)", "time (ms, median)")
     grid.figure.suptitle(f"causal attention on {frame.device.iloc[0]}", y=1.02)
-    tmp = path.with_name(path.stem + ".tmp" + path.suffix)  # written whole, then renamed
-    grid.savefig(tmp, dpi=120, bbox_inches="tight")
-    tmp.replace(path)
+    atomic_write(path, lambda f: grid.savefig(f, format="png", dpi=120, bbox_inches="tight"))
     return True
 
 
@@ -464,10 +463,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(args.out.suffix + ".tmp")
-    frame.to_csv(tmp, index=False)
-    tmp.replace(args.out)
+    atomic_write_text(args.out, frame.to_csv(index=False))
     png = args.out.with_suffix(".png")
     plotted = plot(frame, png)
     table = frame.pivot_table(

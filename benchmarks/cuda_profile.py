@@ -26,6 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import kernelstudy as ks
 from kernelstudy.core import cuda_backend
+from kernelstudy.files import atomic_write_text
 
 VARIANTS = tuple(cuda_backend.VARIANTS)
 
@@ -125,10 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         torch=torch.__version__,
         command=" ".join(["python", *sys.argv]),
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(args.out.suffix + ".tmp")  # never half a CSV over results
-    result.to_csv(tmp, index=False)
-    tmp.replace(args.out)
+    atomic_write_text(args.out, result.to_csv(index=False))  # never half a CSV over results
     cols = ["dtype", "variant", "kernel", "calls_per_step", "us_per_call", "us_per_step", "share"]
     with pd.option_context("display.max_colwidth", 60, "display.width", 200):
         print(result[cols].round(3).to_string(index=False))

@@ -97,7 +97,7 @@ def benchmark_generation(
     batch: int = 1,
     prompt_len: int = 1,
     device: str | torch.device = "cpu",
-    repeats: int = 1,
+    repeats: int = 3,
     warmup: int = 1,
     time_limit_s: float | None = None,
     vocab_size: int | None = None,
@@ -111,7 +111,7 @@ def benchmark_generation(
         lengths: numbers of generated tokens (ascending: see ``time_limit_s``).
         batch, prompt_len: B sequences, each with a random prompt of this length.
         device: models are moved there.
-        repeats, warmup: timed and untimed generations per measurement (warm-up
+        repeats, warmup: timed (median taken) and untimed generations per measurement (warm-up
             generates ``min(lengths)`` tokens).
         time_limit_s: once a run takes longer than this, skip its longer lengths.
         vocab_size: prompt tokens are drawn from ``[0, vocab_size)`` (default: the
