@@ -22,7 +22,8 @@ import math
 import pandas as pd
 import torch
 
-from ..core.validation import check_count, check_flag, check_real, check_tensor, zero_padded_keys
+from ..arguments import check_count, check_flag, check_real
+from ..core.validation import check_tensor, zero_padded_keys
 from ..feature_maps import FeatureMap
 from ..nn.functional import resolve_feature_map
 from .matrices import (

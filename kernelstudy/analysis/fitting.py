@@ -5,7 +5,8 @@ from __future__ import annotations
 import pandas as pd
 import torch
 
-from ..core.validation import accumulation_dtype, check_count, check_real
+from ..arguments import check_count, check_real
+from ..core.validation import accumulation_dtype
 from ..feature_maps import FeatureMap
 from .matrices import MAX_N, attention_matrix, check_qk
 

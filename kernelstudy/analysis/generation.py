@@ -24,7 +24,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from ..core.validation import check_count, check_real
+from ..arguments import check_count, check_real
 from .speed import time_call
 
 MODES = ("step", "full")

@@ -14,15 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.validation import (
-    accumulation_dtype,
-    autocast_off,
-    check_count,
-    check_flag,
-    check_key_padding_mask,
-    check_real,
-    check_tensor,
-)
+from ..arguments import check_count, check_flag, check_real
+from ..core.validation import accumulation_dtype, autocast_off, check_key_padding_mask, check_tensor
 from ..feature_maps import FeatureMap, RandomFeatureMap
 from ..nn.functional import query_and_key_features, resolve_feature_map
 

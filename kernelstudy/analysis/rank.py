@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..core.validation import check_real
+from ..arguments import check_real
 
 
 def attention_rank(A: torch.Tensor | np.ndarray, tol: float | None = None) -> dict[str, Any]:

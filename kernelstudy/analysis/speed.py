@@ -23,10 +23,10 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
+from ..arguments import check_count, check_real
 from ..core.attention import linear_attention
 from ..core.backends import backends as available_backends
 from ..core.backends import registered_backends, runs_own_noncausal_attention
-from ..core.validation import check_count, check_real
 from ..nn.functional import resolve_feature_map
 from .matrices import MapSpec
 

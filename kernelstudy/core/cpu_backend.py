@@ -18,9 +18,10 @@ from types import ModuleType
 
 import torch
 
+from ..arguments import check_count
 from .backends import Backend, register_backend
 from .extensions import csrc_dir, host_tag, load_extension, native_cflags
-from .validation import FLOAT_DTYPES, accumulation_dtype, check_count, check_qkv
+from .validation import FLOAT_DTYPES, accumulation_dtype, check_qkv
 
 EXTENSION_NAME = "kernelstudy_cpu"  # built as kernelstudy_cpu_<host_tag()> (-march=native)
 

@@ -38,8 +38,9 @@ from typing import Any
 
 import torch
 
+from ..arguments import check_count, check_flag
 from .backends import Backend, register_backend
-from .validation import check_count, check_eps, check_flag, check_key_padding_mask, check_qkv
+from .validation import check_eps, check_key_padding_mask, check_qkv
 
 EXTENSION_NAME = "kernelstudy_cuda"
 SOURCES = ("binding.cpp", "linear_attention.cu")

@@ -18,13 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..arguments import check_count, check_flag
 from .exp_range import exp_shift
 from .validation import (
     accumulation_dtype,
     autocast_off,
-    check_count,
     check_eps,
-    check_flag,
     check_same_dtype_and_device,
     check_tensor,
 )

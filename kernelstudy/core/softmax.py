@@ -7,12 +7,12 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..arguments import check_real
 from .validation import (
     accumulation_dtype,
     autocast_off,
     check_key_padding_mask,
     check_qkv,
-    check_real,
     zero_padded_keys,
 )
 

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..core.validation import check_flag
+from ..arguments import check_flag
 
 
 @dataclass(frozen=True)

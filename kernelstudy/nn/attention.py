@@ -10,10 +10,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..arguments import check_flag
 from ..core.backends import check_backend_name
 from ..core.recurrent import RecurrentState
 from ..core.softmax import softmax_attention
-from ..core.validation import accumulation_dtype, check_eps, check_flag
+from ..core.validation import accumulation_dtype, check_eps
 from ..feature_maps import FeatureMap
 from .functional import float16_in_float32, kernel_attention, resolve_feature_map
 

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..arguments import check_flag
 from ..core.recurrent import RecurrentState
-from ..core.validation import check_flag
 from ..feature_maps import FeatureMap
 from .attention import KernelAttention, KVCache
 

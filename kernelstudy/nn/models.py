@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.validation import check_count, check_flag, check_real
+from ..arguments import check_count, check_flag, check_real
 from ..feature_maps import FeatureMap
 from .attention import check_dropout
 from .encoder import LayerState, TransformerEncoder

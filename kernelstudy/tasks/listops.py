@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..core.validation import check_count, check_flag
+from ..arguments import check_count, check_flag
 from .base import PackedSequences, SequenceTask, check_split, pad_tokens
 from .files import PathArg, data_error, decode_error, locate
 

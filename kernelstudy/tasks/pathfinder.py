@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..core.validation import check_count
+from ..arguments import check_count
 from .base import SequenceTask, check_split
 from .files import PathArg, data_error, decode_error, parse_label
 from .image import PIXEL_PAD_ID, PIXEL_VOCAB_SIZE, rgb_to_gray

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..core.validation import check_count
+from ..arguments import check_count
 from .base import PackedSequences, SequenceTask, check_split, pad_tokens
 from .files import PathArg, data_error, locate, parse_label
 from .text import BYTE_PAD_ID, BYTE_VOCAB_SIZE

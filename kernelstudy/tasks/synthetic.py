@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..core.validation import check_count
+from ..arguments import check_count
 from .base import SPLITS, SequenceTask, check_split
 
 DEFAULT_SAMPLES = {"train": 10_000, "val": 1_000, "test": 1_000}

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..core.validation import check_count
+from ..arguments import check_count
 from .base import PackedSequences, SequenceTask, check_split, pad_tokens
 from .files import PathArg, data_error, parse_label, read_table, require_dir
 

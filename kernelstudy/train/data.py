@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 from torch.utils.data.dataloader import default_collate
 
-from ..core.validation import check_count, check_flag
+from ..arguments import check_count, check_flag
 from .checkpoint import get_rng_state, set_rng_state
 
 #: The largest seed torch's generators take.

@@ -1,0 +1,42 @@
+"""Checks of plain arguments (counts, flags, non-negative reals) shared by every layer.
+
+Each returns the value in its plain Python type or raises a ``ValueError``/``TypeError``
+naming the argument. Tensor checks of the core are in :mod:`kernelstudy.core.validation`.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+
+def check_real(name: str, value: object, strict: bool = False) -> float:
+    """``value`` as a float, finite and >= 0 (> 0 with ``strict``), else TypeError/ValueError
+    naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy's too
+        raise TypeError(f"{name} must be a float, got {value!r}")
+    if not (math.isfinite(value) and (value > 0 if strict else value >= 0)):
+        raise ValueError(
+            f"{name} must be a finite float {'>' if strict else '>='} 0, got {value!r}"
+        )
+    return float(value)
+
+
+def check_count(name: str, value: object, minimum: int, maximum: int | None = None) -> int:
+    """``value`` as an int if it is one (numpy's too, not a bool) >= ``minimum`` (and <=
+    ``maximum`` when given), else ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be an int <= {maximum}, got {value!r}")
+    return int(value)
+
+
+def check_flag(name: str, value: object) -> bool:
+    """``value`` as a bool: True or False (also numpy's bool, and the ints 0 and 1), else
+    TypeError naming ``name``, so that a string such as ``"no"`` is not read as True."""
+    if isinstance(value, bool) or type(value).__name__ in ("bool", "bool_"):
+        return bool(value)
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool (True or False), got {value!r}")
