@@ -513,3 +513,22 @@ def test_numpy_numbers_are_taken_as_sizes_and_hyperparameters():
     assert type(ffn.config()["reg_weight"]) is float
     with pytest.raises(TypeError, match="num_features must be int"):
         ks.create_feature_map("favor", head_dim=8, num_features=np.float64(16.0))
+    # numpy's bools for bool hyperparameters (as check_flag takes them)
+    assert ks.create_feature_map("glu", head_dim=8, shared=np.True_).config()["shared"] is True
+    # a numpy rank above head_dim was let through, and config() then could not rebuild it
+    with pytest.raises(ValueError, match="rank must be <= head_dim=8"):
+        ks.create_feature_map("aoglu", head_dim=8, rank=np.int64(12))
+    aoglu = ks.create_feature_map("aoglu", head_dim=np.int64(8), rank=np.int64(4))
+    assert ks.create_feature_map(aoglu.config()).rank == 4
+
+
+def test_bad_inputs_and_hyperparameters_are_named():
+    """float8 inputs crashed deep inside the maps (or passed identity through); a float
+    hyperparameter given as a huge int raised OverflowError."""
+    for name in NAMES:
+        with pytest.raises(TypeError, match=r"x must be a float16.*float8_e4m3fn"):
+            make(name)(randn(1, H, 3, D).to(torch.float8_e4m3fn))
+        with pytest.raises(TypeError, match=r"x must be a float16.*int64"):
+            make(name)(torch.ones(1, H, 3, D, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"reg_weight must be finite"):
+        ks.create_feature_map("oglu", head_dim=8, reg_weight=10**400)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..arguments import check_flag
+from ..core.validation import FLOAT_DTYPES
 
 
 @dataclass(frozen=True)
@@ -37,9 +38,14 @@ class Hyperparameter:
         """Return ``value`` (ints accepted for floats) or raise naming ``name``."""
         if value is None and self.nullable:
             return None
+        if self.type is bool and isinstance(value, np.bool_):  # numpy's, as check_flag
+            value = bool(value)
         if isinstance(value, numbers.Real) and not isinstance(value, bool | np.bool_):
             if self.type is float:  # ints and numpy numbers too; the config keeps Python's
-                value = float(value)
+                try:
+                    value = float(value)
+                except OverflowError:  # an int beyond float's range
+                    raise ValueError(f"{name} must be finite, got {value!r}") from None
             elif self.type is int and isinstance(value, numbers.Integral):
                 value = int(value)
         ok_type = isinstance(value, self.type) and not (
@@ -146,8 +152,10 @@ class FeatureMap(nn.Module):
     def _check_input(self, x: object) -> None:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if not x.is_floating_point():
-            raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
+        if x.dtype not in FLOAT_DTYPES:  # float8 too: no map's operations take it
+            raise TypeError(
+                f"x must be a float16, bfloat16, float32 or float64 tensor, got dtype {x.dtype}"
+            )
         if x.dim() < 1 or x.shape[-1] != self.head_dim:
             raise ValueError(
                 f"x must have last dimension head_dim={self.head_dim}, got shape {tuple(x.shape)}"

@@ -6,8 +6,10 @@ stack is Softplus(XW_f) ⊙ σ(XW_g), so φ > 0. ``depth`` stacks 1–3 units.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -131,7 +133,10 @@ class AOGLUFeatureMap(OGLUFeatureMap):
 
     def __init__(self, head_dim: int, num_heads: int = 1, **hparams: Any) -> None:
         rank = hparams.get("rank")
-        valid = [isinstance(x, int) and not isinstance(x, bool) for x in (rank, head_dim)]
+        valid = [  # numpy's ints too (the base takes them): rebuilt from config() it refused
+            isinstance(x, numbers.Integral) and not isinstance(x, bool | np.bool_)
+            for x in (rank, head_dim)
+        ]
         if all(valid) and head_dim >= 1 and rank > head_dim:  # else the base names the bad one
             raise ValueError(f"rank must be <= head_dim={head_dim}, got {rank}")
         super().__init__(head_dim, num_heads, **hparams)
