@@ -532,3 +532,15 @@ def test_bad_inputs_and_hyperparameters_are_named():
             make(name)(torch.ones(1, H, 3, D, dtype=torch.long))
     with pytest.raises(ValueError, match=r"reg_weight must be finite"):
         ks.create_feature_map("oglu", head_dim=8, reg_weight=10**400)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_cuda_generator_seeds_a_map():
+    """torch.randint drew from the generator on the CPU: a CUDA generator raised."""
+    seeds = [
+        make("favor", seed=torch.Generator(device="cuda").manual_seed(5)).config()["seed"]
+        for _ in range(2)
+    ]
+    assert seeds[0] == seeds[1] and isinstance(seeds[0], int)
+    cpu = make("favor", seed=torch.Generator().manual_seed(5)).config()["seed"]
+    assert cpu == make("favor", seed=torch.Generator().manual_seed(5)).config()["seed"]

@@ -79,8 +79,10 @@ def resolve_seed(seed: Any) -> Any:
     """An int seed from ``seed``: None draws one from torch's global RNG (so
     ``torch.manual_seed`` makes it reproducible), a ``torch.Generator`` draws one
     from that generator; anything else is returned for validation."""
-    if seed is None or isinstance(seed, torch.Generator):
-        return int(torch.randint(0, 2**31 - 1, (), generator=seed))
+    if seed is None:
+        return int(torch.randint(0, 2**31 - 1, ()))
+    if isinstance(seed, torch.Generator):  # a CUDA generator draws on its own device
+        return int(torch.randint(0, 2**31 - 1, (), generator=seed, device=seed.device))
     return seed
 
 
