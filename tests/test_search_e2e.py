@@ -190,6 +190,24 @@ def test_a_search_whose_every_trial_runs_out_of_memory_exits_1(tmp_path, capsys,
     assert len(trials) == 5 and all(t.state == TrialState.FAIL for t in trials)
 
 
+def test_a_trial_whose_validation_accuracy_is_never_finite_fails_as_diverged(
+    tmp_path, capsys, monkeypatch
+):
+    """A NaN validation score is never the best; a run with no finite one has no best
+    value, which the objective took as float(None) (a TypeError ending the search)."""
+
+    def nan_accuracy(self, data, max_batches=None):
+        return {"loss": math.nan, "accuracy": math.nan}
+
+    monkeypatch.setattr("kernelstudy.train.trainer.Trainer.evaluate", nan_accuracy)
+    cfg = write_config(tmp_path, ["elu+1"], steps=2)
+    assert ks("search", cfg, "--out", tmp_path / "res") == 1
+    assert "no finite validation accuracy in 2 steps" in capsys.readouterr().err
+    trials = studies(tmp_path / "res")["tiny/elu+1"].get_trials()
+    assert trials and all(t.state == TrialState.FAIL for t in trials)
+    assert all(t.user_attrs["fail_reason"].startswith("FloatingPointError") for t in trials)
+
+
 def test_a_diverging_evaluation_run_is_recorded_and_the_others_go_on(tmp_path, capsys, monkeypatch):
     """A FloatingPointError (divergence) in one seed used to end `evaluate` with a traceback,
     skipping every later seed and variant, and a rerun hit the same seed again."""

@@ -269,6 +269,69 @@ def test_the_last_evaluation_reports_but_does_not_prune(tmp_path):
         OptunaPruningCallback(Recording(), "val_accuracy", last_step=4.0)
 
 
+def _scripted_val_losses(trainer: Trainer, losses: list[float]) -> None:
+    """Make ``trainer``'s evaluations (of its validation data: it has no test data) report
+    ``losses`` in turn."""
+    real, script = trainer.evaluate, iter(losses)
+
+    def evaluate(data, max_batches=None):
+        return {**real(data, max_batches), "loss": next(script)}
+
+    trainer.evaluate = evaluate
+
+
+def test_a_nan_evaluation_is_never_the_best():
+    """A NaN first val_loss became the best; every later comparison with it was False, so
+    the run stopped early while improving and restore_best loaded the NaN step."""
+    data = ContainsTask(32)
+    cfg = _config(steps=8, eval_every=2, patience=2, monitor="val_loss", mode="min")
+    trainer = Trainer(_classifier(), data, cfg, val_data=data)
+    _scripted_val_losses(trainer, [math.nan, 0.4, 0.3, 0.2])
+    record = trainer.fit()
+    assert record["status"] == "completed" and record["best"] == {
+        "monitor": "val_loss",
+        "value": 0.2,
+        "step": 8,
+    }
+    trainer = Trainer(_classifier(), data, _config(steps=4, eval_every=2), val_data=data)
+    _scripted_val_losses(trainer, [math.nan, math.nan])  # monitor val_accuracy: unaffected
+    assert trainer.fit()["best"]["step"] == 4
+    cfg = _config(steps=4, eval_every=2, monitor="val_loss", mode="min")
+    trainer = Trainer(_classifier(), data, cfg, val_data=data)
+    _scripted_val_losses(trainer, [math.nan, math.nan])
+    assert trainer.fit()["best"]["value"] is None  # never finite: no best
+
+
+def test_patience_running_out_at_the_last_step_is_a_completed_run():
+    data = ContainsTask(32)
+    cfg = _config(steps=6, eval_every=2, patience=2, monitor="val_loss", mode="min")
+    trainer = Trainer(_classifier(), data, cfg, val_data=data)
+    _scripted_val_losses(trainer, [0.5, 0.6, 0.7])
+    record = trainer.fit()
+    assert record["status"] == "completed" and record["steps_completed"] == 6
+    cfg8 = _config(steps=8, eval_every=2, patience=2, monitor="val_loss", mode="min")
+    trainer = Trainer(_classifier(), data, cfg8, val_data=data)
+    _scripted_val_losses(trainer, [0.5, 0.6, 0.7, 0.8])
+    record = trainer.fit()  # cut short at step 6 of 8
+    assert record["status"] == "early_stopped" and record["steps_completed"] == 6
+
+
+def test_a_checkpoint_cut_anywhere_is_named(tmp_path):
+    """A checkpoint cut short mostly raised a bare "[Errno 22] Invalid argument" (OSError
+    from the zip reader), not naming the file."""
+    from kernelstudy.train.checkpoint import load_checkpoint, save_checkpoint
+
+    path = tmp_path / "checkpoint.pt"
+    save_checkpoint(path, {"model": _classifier().state_dict(), "step": 3})
+    whole = path.read_bytes()
+    cut = tmp_path / "cut.pt"
+    for length in range(0, len(whole), max(1, len(whole) // 60)):
+        cut.write_bytes(whole[:length])
+        with pytest.raises(ValueError, match=r"cut\.pt is not a (readable )?checkpoint"):
+            load_checkpoint(cut)
+    assert load_checkpoint(path)["step"] == 3
+
+
 class _AlwaysPrune:
     def report(self, value: float, step: int) -> None:
         assert math.isfinite(value)

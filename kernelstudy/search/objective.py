@@ -220,6 +220,10 @@ def train_run(
     callbacks = [] if trial is None else [OptunaPruningCallback(trial, "val_accuracy", cfg.steps)]
     trainer = Trainer(model, train, cfg, val_data=val, test_data=test, on_eval=callbacks)
     record = trainer.fit()
+    if record["best"]["value"] is None:  # every validation score NaN: as a diverged run
+        raise FloatingPointError(
+            f"no finite validation accuracy in {record['steps_completed']} steps"
+        )
     return {
         **sizes,
         "val_accuracy": record["best"]["value"],

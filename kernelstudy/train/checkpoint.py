@@ -27,7 +27,8 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[
         raise FileNotFoundError(f"no checkpoint at {path}")
     try:
         state = torch.load(path, map_location=map_location, weights_only=False)
-    except (RuntimeError, EOFError, pickle.UnpicklingError, ValueError) as err:
+    # a file cut short raises any of these, OSError (errno 22) from the zip reader too
+    except (RuntimeError, EOFError, pickle.UnpicklingError, ValueError, OSError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(f"{path} is not a readable checkpoint ({first})") from None
     if not isinstance(state, dict):

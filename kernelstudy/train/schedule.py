@@ -16,9 +16,10 @@ class WarmupDecay:
 
     Warm-up: ``(s+1)/warmup_steps`` for ``s < warmup_steps``. Then, with progress
     ``p = (s - warmup) / (total_steps - warmup)`` in [0, 1]: ``constant`` 1,
-    ``linear`` 1 - p, ``cosine`` (1 + cos πp)/2, each floored at ``min_ratio``
-    (``linear``/``cosine`` reach it at ``total_steps``); ``inverse_sqrt``
-    ``sqrt(max(warmup, 1) / (s + 1))``.
+    ``linear`` 1 - p, ``cosine`` (1 + cos πp)/2, each rescaled to ``[min_ratio, 1]``
+    as ``min_ratio + (1 - min_ratio)·decay`` (so they reach ``min_ratio`` at
+    ``total_steps``); ``inverse_sqrt``
+    ``sqrt(max(warmup, 1) / (s + 1))``, floored at ``min_ratio``.
     """
 
     schedule: str

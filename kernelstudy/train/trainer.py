@@ -222,7 +222,9 @@ def metric_columns(task_type: str, validation: bool, regularized: bool, clipped:
 def check_stop_after(stop_after: object, name: str = "stop_after") -> None:
     """ValueError naming ``name`` unless ``stop_after`` (the steps after which ``fit``
     pauses) is None or an int >= 0."""
-    if stop_after is not None and (not isinstance(stop_after, int) or stop_after < 0):
+    if stop_after is not None and (
+        isinstance(stop_after, bool) or not isinstance(stop_after, int) or stop_after < 0
+    ):
         raise ValueError(f"{name} must be >= 0 (an int), got {stop_after!r}")
 
 
@@ -712,7 +714,11 @@ class Trainer:
             raise ValueError(f"monitor {cfg.monitor!r} is not a metric; have {sorted(row)}")
         value = float(row[cfg.monitor])
         best = self.best["value"]
-        better = best is None or (value > best if cfg.mode == "max" else value < best)
+        # NaN is never an improvement: a NaN best compared False with every later value
+        # (early stopping fired, restore_best loaded the NaN step's weights)
+        better = not math.isnan(value) and (
+            best is None or (value > best if cfg.mode == "max" else value < best)
+        )
         if better:
             self.best = {"monitor": cfg.monitor, "value": value, "step": self.step}
             self.bad_evals = 0
@@ -720,8 +726,9 @@ class Trainer:
                 self.best_state = _state_copy(self.model)
         else:
             self.bad_evals += 1
+            # at the last step nothing is cut short: the run completed
             if cfg.patience is not None and self.bad_evals >= cfg.patience:
-                self.stopped_early = True
+                self.stopped_early = self.step < cfg.steps
 
     def _finish(self) -> None:
         """Load the best weights (with ``restore_best``), save them as ``model.pt`` and
