@@ -28,7 +28,11 @@ rows in an extra table, writing only those rows (``results.csv`` is kept as it i
 rerun that does not reproduce its stored rows is reported); ``only`` (``--only
 KEY=VALUE``) restricts the configurations run to those matching. The summary ends
 with one provenance line ("Written <date> by `<command>` on <machine> ...") per run
-that computed rows still in the table: a rerun that computes nothing keeps the lines.
+that computed rows it uses: ``runs.json`` records the run of each config's rows as they
+are written (so an interrupted run's rows keep theirs), and a rerun that computes
+nothing keeps the lines. ``--force`` replaces a config's rows when its new ones are
+written (an interrupted forced run loses none), and figures the replaced summary showed
+that this run does not draw are deleted.
 """
 
 from __future__ import annotations
@@ -61,6 +65,8 @@ ENV_RESULTS_DIR = "KERNELSTUDY_RESULTS"
 RESULTS = "results"
 RESULTS_FILE = f"{RESULTS}.csv"
 SUMMARY_FILE = "summary.md"
+#: ``{"TABLE/CONFIG_ID": provenance line}``: the run that computed each config's rows.
+RUNS_FILE = "runs.json"
 DEVICES = ("cpu", "cuda")
 
 
@@ -244,7 +250,8 @@ def run_study(
         quick: the ``[quick]`` sizes (a few minutes at most on a laptop CPU).
         out: output directory (default ``results/NAME`` under the working directory);
             gets ``results.csv``, one ``TABLE.csv`` per extra table of the study,
-            ``summary.md`` and ``*.png``.
+            ``runs.json`` (the run that computed each config's rows), ``summary.md`` and
+            ``*.png``.
         device: ``"cpu"`` or ``"cuda"``.
         force: recompute configurations already in ``results.csv``.
         verbose: show tqdm progress and print the summary table and file paths.
@@ -293,11 +300,9 @@ def run_study(
         _check_held(frames[RESULTS], name, out_dir)
         done = _ids(frames[RESULTS])
         if force and done:  # recompute the selected configurations; keep every other row
-            redo = {i for c, i in zip(configs, ids, strict=True) if _matches(c, only)}
-            for t, frame in frames.items():
-                if "config_id" in frame:
-                    frames[t] = frame[~frame["config_id"].isin(redo)]
-            done -= redo
+            # and each old row until its config's new rows replace it: an interrupted
+            # --force run lost the old rows of every config it had not reached
+            done -= {i for c, i in zip(configs, ids, strict=True) if _matches(c, only)}
         unfilled = set()  # finished configs with no rows in an extra table
         for t in tables:
             unfilled |= done - _ids(frames[t])
@@ -323,10 +328,24 @@ def run_study(
                     + ("(not matching --only)" if fill_tables else "(--fill-tables computes them)"),
                     file=sys.stderr,
                 )
+        options = (
+            (["--force"] if force else [])
+            + (["--fill-tables"] if fill_tables else [])
+            + [f"--only {shlex.quote(f'{k}={v}')}" for k, v in only.items()]
+            + ([f"--out {shlex.quote(str(out))}"] if out is not None else [])
+        )
+        this_run = provenance(name, quick, device, options=" ".join(options)) if todo else ""
+        runs_path = out_dir / RUNS_FILE
+        runs = _read_runs(runs_path)
         not_reproduced = []
         start = time.perf_counter()
         for config, cid in tqdm(todo, desc=name, unit="config", disable=not verbose or not todo):
             new = _split_rows(module.run_config(dict(config), device), tables)
+            # the run's line first: a config's rows in any table have it (an interrupted
+            # run's rows kept no line when lines were made only at the end)
+            computed = [*tables, *([] if cid in done else [RESULTS])]
+            runs.update({f"{t}/{cid}": this_run for t in computed})
+            atomic_write_text(runs_path, json.dumps(runs, indent=0, sort_keys=True) + "\n")
             for t in tables:  # extra tables first: a config in results.csv has its rows there
                 rows = new[t].copy()
                 rows.insert(0, "config_id", cid)
@@ -365,30 +384,38 @@ def run_study(
         figs = [p.name for p in written if p.suffix == ".png"]
         if figs:
             text += "\n" + "\n".join(f"![{Path(f).stem}]({f})" for f in figs) + "\n"
-        options = (
-            (["--force"] if force else [])
-            + (["--fill-tables"] if fill_tables else [])
-            + [f"--only {shlex.quote(f'{k}={v}')}" for k, v in only.items()]
-        )
-        # Rows kept from earlier runs keep those runs' lines; this run adds one if it computed.
-        # The lines of runs (another size or device) whose rows this summary does not use but
-        # results.csv still holds are kept apart: a summary of theirs written again finds them.
+        # One line per run that computed rows this summary uses, from runs.json; rows from
+        # before runs.json keep the lines of the summary being replaced that fit them. The
+        # lines of runs (another size or device) of rows this summary does not use but the
+        # tables still hold are kept apart: a summary of theirs written again finds them.
         replaced, earlier = _read_summary(out_dir / SUMMARY_FILE)
-        used = done & set(ids)
+        held = {t: _ids(_read_results(paths[t])) for t in paths}
+        mine = {f"{t}/{i}" for t in paths for i in held[t] & set(ids)}
+        lines = list(dict.fromkeys(runs[k] for k in sorted(mine, key=_row_order(ids)) if k in runs))
+        unrecorded = {k.partition("/")[2] for k in mine if k not in runs}
 
         def uses(run: tuple[bool, str] | None) -> bool:
-            """Whether this summary uses rows that a run of that (size, device) computed."""
+            """Whether rows of this summary without a runs.json line may be that run's."""
             if run is None or run == (quick, device):
-                return bool(used)
+                return bool(unrecorded)
             sizes = module.configs(load_params(name, run[0]))
-            return bool(used & {config_id(c, run[1]) for c in sizes})
+            return bool(unrecorded & {config_id(c, run[1]) for c in sizes})
 
         kept = {run: uses(run) for run in {_run_of(line) for line in earlier}}
-        lines = [line for line in earlier if kept[_run_of(line)]]
-        others = [line for line in earlier if line not in lines] if done - set(ids) else []
-        if todo or not lines:
-            verb = "Written" if todo else "Summarized (nothing computed)"
-            lines.append(provenance(name, quick, device, options=" ".join(options), verb=verb))
+        lines = list(dict.fromkeys([x for x in earlier if kept[_run_of(x)]] + lines))
+        theirs = {f"{t}/{i}" for t in paths for i in held[t] - set(ids)}
+        others = [runs[k] for k in sorted(theirs) if k in runs]
+        if held[RESULTS] - set(ids):
+            others += [x for x in earlier if not kept[_run_of(x)]]
+        others = [x for x in dict.fromkeys(others) if x not in lines]
+        if todo and this_run not in lines:  # it filled tables' rows of configs run before
+            lines.append(this_run)
+        if not lines:
+            lines.append(
+                provenance(
+                    name, quick, device, " ".join(options), verb="Summarized (nothing computed)"
+                )
+            )
         text += "\n" + "\n\n".join(lines) + "\n"
         if others:
             text += (
@@ -404,7 +431,10 @@ def run_study(
                 f"--out {out_dir}` writes them again without computing)",
                 file=sys.stderr,
             )
+        stale = set(_linked_figures(out_dir / SUMMARY_FILE)) - set(figs)
         atomic_write_text(out_dir / SUMMARY_FILE, text)
+        for fig in stale:  # the replaced summary's, which this run did not draw again
+            (out_dir / fig).unlink(missing_ok=True)
         written.append(out_dir / SUMMARY_FILE)
         if verbose:
             print(text)
@@ -445,6 +475,36 @@ def _read_summary(summary: Path) -> tuple[tuple[bool, str] | None, list[str]]:
     run = None if match is None else (match.group(1) == "quick", match.group(2))
     lines = [line for line in text if line.startswith("Written ")]
     return run, list(dict.fromkeys(lines))
+
+
+def _read_runs(path: Path) -> dict[str, str]:
+    """``runs.json``: ``{"TABLE/CONFIG_ID": provenance line}`` ({} when missing); ValueError
+    naming the file when it is not such a mapping."""
+    if not path.is_file():
+        return {}
+    try:
+        runs = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not readable JSON ({err}); delete it to go on") from None
+    if not isinstance(runs, dict) or not all(isinstance(v, str) for v in runs.values()):
+        raise ValueError(f"{path} is not a mapping of rows to runs; delete it to go on")
+    return runs
+
+
+def _row_order(ids: list[str]):
+    """Sort key of ``TABLE/CONFIG_ID`` keys: by the config's place in ``ids``."""
+    place = {cid: n for n, cid in enumerate(ids)}
+    return lambda key: (place.get(key.partition("/")[2], len(place)), key)
+
+
+_FIGURE = re.compile(r"^!\[[^\]]*\]\(([\w.-]+\.png)\)$")
+
+
+def _linked_figures(summary: Path) -> list[str]:
+    """The PNG file names a summary links (``![stem](stem.png)`` lines)."""
+    if not summary.is_file():
+        return []
+    return [m.group(1) for x in summary.read_text().splitlines() if (m := _FIGURE.match(x))]
 
 
 def _ids(frame: pd.DataFrame) -> set[str]:

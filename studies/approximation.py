@@ -213,7 +213,8 @@ def maps_table(frame: pd.DataFrame) -> pd.DataFrame:
     )
     uniform = table[table["method"] == "uniform"].set_index("std")["attention_kl"]
     table["beats uniform (KL)"] = [
-        "–" if m == "uniform" else ("yes" if kl < uniform[s] else "no")
+        # KL is NaN for signed maps (no distribution to compare): no verdict, not "no"
+        "–" if m == "uniform" or pd.isna(kl) else ("yes" if kl < uniform[s] else "no")
         for s, m, kl in zip(table["std"], table["method"], table["attention_kl"], strict=True)
     ]
     order = {"baseline": 0, "fixed": 1, "random": 2, "init": 3, "fitted": 4}

@@ -136,9 +136,105 @@ def test_summary_provenance_names_the_runs_that_computed_the_rows(toy_studies, m
     assert lines()[0] == first[0] and len(lines()) == 2 and "--quick" not in lines()[1]
     study.run_study("toy", quick=False, out=out, force=True, verbose=False)  # all afresh
     assert len(lines()) == 1 and lines()[0] not in first
-    (out / "summary.md").unlink()  # results without a summary: summarized, not "Written"
+    forced = lines()
+    (out / "summary.md").unlink()  # the rows' runs are in runs.json, not only the summary
+    study.run_study("toy", quick=False, out=out, verbose=False)
+    assert lines() == forced
+    (out / "summary.md").unlink()  # results with no record of their runs: summarized
+    (out / "runs.json").unlink()
     study.run_study("toy", quick=False, out=out, verbose=False)
     assert len(lines()) == 1 and lines()[0].startswith("Summarized (nothing computed) ")
+
+
+def _interrupt_at(monkeypatch, x: int) -> None:
+    """Make the toy study's run_config raise KeyboardInterrupt at config ``x``."""
+    module = study.load_study("toy")
+    real = module.run_config
+
+    def run_config(config, device):
+        if config["x"] == x:
+            raise KeyboardInterrupt
+        return real(config, device)
+
+    monkeypatch.setattr(module, "run_config", run_config)
+    monkeypatch.setattr(study, "load_study", lambda name: module)
+
+
+def _written(out) -> list[str]:
+    text = (out / "summary.md").read_text().split("Earlier runs")[0]
+    return [x for x in text.splitlines() if x.startswith("Written ")]
+
+
+def test_an_interrupted_force_run_keeps_the_rows_it_did_not_reach(toy_studies, monkeypatch):
+    """--force dropped every selected config's rows before running any: interrupted at
+    the third config, the old rows of the third and fourth were gone from results.csv."""
+    out = toy_studies / "out"
+    study.run_study("toy", quick=False, out=out, verbose=False)
+    _interrupt_at(monkeypatch, 3)
+    with pytest.raises(KeyboardInterrupt):
+        study.run_study("toy", quick=False, out=out, force=True, verbose=False)
+    assert sorted(pd.read_csv(out / "results.csv").x) == [1, 2, 3, 4]
+
+
+def test_an_interrupted_runs_rows_keep_its_provenance(toy_studies, monkeypatch):
+    """Lines were made only at the end: the rows of a run stopped before its summary
+    (Ctrl-C, or an error in figures) stayed in results.csv with no line naming their run."""
+    out = toy_studies / "out"
+    stamps, real = iter(range(100)), study.provenance  # one line per run, minutes apart
+    stamped = lambda *a, **k: real(*a, **k).replace(" UTC", f" UTC #{next(stamps)}", 1)  # noqa: E731
+    _interrupt_at(monkeypatch, 3)
+    monkeypatch.setattr(study, "provenance", stamped)
+    with pytest.raises(KeyboardInterrupt):
+        study.run_study("toy", quick=False, out=out, device="cpu", verbose=False)
+    monkeypatch.undo()
+    monkeypatch.setenv(study.ENV_STUDIES_DIR, str(toy_studies / "studies"))
+    monkeypatch.setattr(study, "provenance", stamped)
+    study.run_study("toy", quick=False, out=out, force=False, verbose=False, only={"x": 3})
+    study.run_study("toy", quick=False, out=out, verbose=False)
+    lines = _written(out)
+    assert len(lines) == 3  # the interrupted run (x = 1, 2), --only x=3, the last (x = 4)
+    assert "--only x=3" in lines[1] and "--only" not in lines[0] + lines[2]
+
+
+def test_a_summary_names_only_the_runs_that_computed_its_rows(toy_studies):
+    """A line of another size's run was kept when that size shared any config with this
+    summary, even if that run computed none of its rows."""
+    (toy_studies / "studies" / "toy.toml").write_text(
+        "[full]\nxs = [1, 2, 3, 4]\n\n[quick]\nxs = [1, 2]\n"
+    )
+    out = toy_studies / "out"
+    study.run_study("toy", quick=True, out=out, verbose=False)  # x = 1, 2
+    (quick_line,) = _written(out)
+    study.run_study("toy", quick=False, out=out, verbose=False)  # x = 3, 4 only
+    assert len(_written(out)) == 2
+    study.run_study("toy", quick=True, out=out, verbose=False)  # nothing computed
+    assert _written(out) == [quick_line]
+    text = (out / "summary.md").read_text()
+    assert "Earlier runs with other rows" in text and "Summarized" not in text
+
+
+def test_figures_of_the_replaced_summary_are_removed(toy_studies, monkeypatch):
+    """A figure only the earlier run drew stayed beside a summary that does not show it,
+    though the note said this run's figures replace the earlier run's."""
+    out = toy_studies / "out"
+    module = study.load_study("toy")
+    real = module.figures
+
+    def figures(frame, params):
+        figs = real(frame, params)
+        if len(frame) > 2:  # the full size draws one more
+            figs["big_only"] = real(frame, params)["squares"]
+        return figs
+
+    monkeypatch.setattr(module, "figures", figures)
+    monkeypatch.setattr(study, "load_study", lambda name: module)
+    (out / "keep.png").parent.mkdir(parents=True)
+    (out / "keep.png").write_bytes(b"not the study's")
+    study.run_study("toy", quick=False, out=out, verbose=False)
+    assert (out / "big_only.png").is_file()
+    study.run_study("toy", quick=True, out=out, verbose=False)
+    assert not (out / "big_only.png").exists() and (out / "squares.png").is_file()
+    assert (out / "keep.png").is_file()  # not linked by the replaced summary: kept
 
 
 def test_a_run_of_the_other_size_keeps_the_first_runs_provenance(toy_studies, capsys):
@@ -377,6 +473,24 @@ def test_performer_slope_interval_is_over_seeds_not_rows():
     assert (lo, hi) == pytest.approx((slopes.mean() - 2 * se, slopes.mean() + 2 * se), rel=1e-9)
     one_seed = pd.DataFrame([r for r in rows if r["seed"] == 0])
     assert all(np.isnan(slope_of(one_seed)))  # no spread to measure from one seed
+
+
+def test_maps_without_a_kl_get_no_verdict_against_uniform():
+    """Signed maps (identity, trig_rf) have no KL; their NaN compared as "no"."""
+    rows = [
+        {"part": "maps", "std": 1.0, "method": m, "stage": st, "feature_dim": f,
+         "metric": metric, "value": v, "seed": 0}
+        for m, st, f, kl in [
+            ("uniform", "baseline", np.nan, 0.5),
+            ("elu", "fixed", 8, 0.4),
+            ("relu", "fixed", 8, 0.6),
+            ("trig_rf", "random", 16, np.nan),
+        ]
+        for metric, v in (("attention_kl", kl), ("attention_mse", 1.0), ("output_rel_error", 1.0))
+    ]  # fmt: skip
+    table = study.load_study("approximation").maps_table(pd.DataFrame(rows))
+    verdicts = dict(zip(table["method"], table["beats uniform (KL)"], strict=True))
+    assert verdicts == {"uniform": "–", "elu": "yes", "relu": "no", "trig_rf": "–"}
 
 
 def test_performer_verdict_reports_noise_as_unresolved():
