@@ -325,7 +325,8 @@ def _spectra_summary(spectra: pd.DataFrame, params: dict) -> str:
     n, d = params["fixed_n"], params["head_dim"]
     return (
         f"## Singular-value spectra (N = {n}; spectra.csv)\n\n"
-        f"σ_i / σ_1 at i = F and F + 1, median over seeds (softmax, F = 0: i = D = {d} and "
+        f"σ_i / σ_1 at i = F and F + 1, median over seeds (the figures plot the mean; "
+        f"softmax, F = 0: i = D = {d} and "
         "D + 1; maps with F ≥ N have no such row). A kernel map with F < N drops to round-off "
         "(~1e-15) after F values; softmax does not.\n\n"
         + markdown_table(spectra_table(spectra, n, d))
