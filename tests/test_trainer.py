@@ -905,3 +905,33 @@ def test_epoch_batch_sampler_names_a_bad_argument():
     with pytest.raises(ValueError, match="size must be an int >= 1, got -2"):
         EpochBatchSampler(-2, 4, 0)
     assert len(EpochBatchSampler(8, 3, 0)) == 2  # drop_last: 2 full batches
+
+
+def test_cuda_generators_resume_on_the_training_device(monkeypatch):
+    """Every visible GPU's state was restored by index: IndexError on a machine with fewer
+    GPUs, and a run moved from cuda:1 to cuda:0 drew on from cuda:0's old stream."""
+    from kernelstudy.train import checkpoint
+
+    states = {0: torch.tensor([0], dtype=torch.uint8), 1: torch.tensor([1], dtype=torch.uint8)}
+    restored = {}
+    cuda = torch.cuda
+    monkeypatch.setattr(cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(cuda, "get_rng_state_all", lambda: [states[0], states[1]])
+    monkeypatch.setattr(cuda, "get_rng_state", lambda device: states[torch.device(device).index])
+    monkeypatch.setattr(
+        cuda,
+        "set_rng_state",
+        lambda s, device: restored.update(
+            {torch.device("cuda", device) if isinstance(device, int) else device: s}
+        ),
+    )
+    monkeypatch.setattr(cuda, "device_count", lambda: 1)
+    saved = checkpoint.get_rng_state(torch.device("cuda:1"))
+    assert saved["cuda_device"] is states[1]
+    checkpoint.set_rng_state(saved, torch.device("cuda:0"))  # one GPU here
+    assert restored == {torch.device("cuda:0"): states[1]}
+    restored.clear()
+    del saved["cuda_device"]  # a checkpoint from before: each GPU by index, those that exist
+    checkpoint.set_rng_state(saved)
+    assert restored == {torch.device("cuda:0"): states[0]}

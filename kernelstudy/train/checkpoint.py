@@ -36,8 +36,9 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[
     return state
 
 
-def get_rng_state() -> dict[str, Any]:
-    """The states of Python's, NumPy's, torch's CPU and (when present) CUDA generators."""
+def get_rng_state(device: torch.device | str | None = None) -> dict[str, Any]:
+    """The states of Python's, NumPy's, torch's CPU and (when present) CUDA generators;
+    with a CUDA ``device`` (the one training runs on), its generator's apart too."""
     state = {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
@@ -45,16 +46,26 @@ def get_rng_state() -> dict[str, Any]:
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
+        if device is not None and torch.device(device).type == "cuda":
+            state["cuda_device"] = torch.cuda.get_rng_state(torch.device(device))
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore the generators saved by :func:`get_rng_state`."""
+def set_rng_state(state: dict[str, Any], device: torch.device | str | None = None) -> None:
+    """Restore the generators saved by :func:`get_rng_state`. With a CUDA ``device``, the
+    saved training device's generator goes to it (a run resumed on ``cuda:0`` after
+    ``cuda:1`` draws on), else each saved GPU's to the GPU of its index that exists here
+    (restoring all of them raised IndexError on a machine with fewer GPUs)."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if not torch.cuda.is_available():
+        return
+    if device is not None and torch.device(device).type == "cuda" and "cuda_device" in state:
+        torch.cuda.set_rng_state(state["cuda_device"], torch.device(device))
+    elif "cuda" in state:
+        for index, gpu_state in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(gpu_state, index)
 
 
 def seed_everything(seed: int) -> None:

@@ -517,7 +517,7 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
             "data": self.stream.state_dict(),
-            "rng": get_rng_state(),
+            "rng": get_rng_state(self.device),
             "history": self.history.rows,
             "sums": self.sums.state_dict(),
             "best": self.best,
@@ -584,7 +584,9 @@ class Trainer:
         had_test = self.test_metrics is not None
         self.test_step = state.get("test_step", self.step if had_test else None)
         self.stream.load_state_dict(state["data"])
-        set_rng_state(state["rng"])  # after the data stream, which may use the generators
+        set_rng_state(
+            state["rng"], self.device
+        )  # after the data stream, which may use the generators
 
     def record(self, error: str | None = None) -> dict[str, Any]:
         """The run record: status, sizes (parameters, feature dimension), peak memory, metrics."""
