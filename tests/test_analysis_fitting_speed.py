@@ -449,3 +449,28 @@ def test_generation_repeats_do_not_hold_the_last_state(monkeypatch):
     lm = tiny_lm("softmax").eval()
     generation.benchmark_generation({"kv": (lm, "step")}, [4], batch=1, repeats=3, warmup=0)
     assert alive == [False, False, False]
+
+
+def test_a_bad_generation_run_fails_before_any_model_is_touched():
+    """A mistyped mode was found after the model was moved and put in eval mode, which it
+    kept; fit_to_softmax likewise left its map in train mode after an error."""
+    lm = ks.nn.CausalLM(vocab_size=8, d_model=8, n_heads=2, n_layers=1, attention="elu")
+    lm.train()
+    with pytest.raises(ValueError, match=r"runs\['a'\]: mode must be one of"):
+        ks.analysis.benchmark_generation({"a": (lm, "stepp")}, [2], warmup=0)
+    assert lm.training
+    fm = ks.create_feature_map("hedgehog", head_dim=4).eval()
+    q = torch.randn(1, 1, 5, 4)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    import kernelstudy.analysis.fitting as fitting
+
+    real, fitting.distillation_loss = fitting.distillation_loss, broken
+    try:
+        with pytest.raises(RuntimeError, match="out of memory"):
+            ks.analysis.fit_to_softmax(fm, q, q, steps=2)
+    finally:
+        fitting.distillation_loss = real
+    assert not fm.training

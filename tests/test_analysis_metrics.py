@@ -123,6 +123,30 @@ def test_row_kl_identical_rows_is_zero_and_matches_formula():
         torch.tensor([[0.5, 0.5], [1.0, 0.0]]), torch.tensor([[1.0, 0], [1, 0]])
     )
     assert kl.tolist() == [math.inf, 0.0]
+    # a kernel weight below 1e-30 was logged as 1e-30 (45.36 nats read as 33.85)
+    f64 = torch.float64
+    kl = ks.analysis.row_kl(
+        torch.tensor([[0.5, 0.5]], dtype=f64), torch.tensor([[1.0, 1e-40]], dtype=f64)
+    )
+    exact = 0.5 * math.log(0.5 / (1 / (1 + 1e-40))) + 0.5 * math.log(0.5 / 1e-40)
+    assert kl.item() == pytest.approx(exact, rel=1e-12)
+
+
+def test_row_kl_and_approximation_error_name_bad_inputs():
+    """numpy arrays were an AttributeError, a negative softmax weight was silently
+    dropped, and empty q or k blamed a key_padding_mask nobody gave."""
+    with pytest.raises(TypeError, match="p must be a floating-point torch.Tensor"):
+        ks.analysis.row_kl(np.ones((2, 3)), torch.ones(2, 3))
+    with pytest.raises(ValueError, match="p must be non-negative"):
+        ks.analysis.row_kl(torch.tensor([[0.9, -0.4, 0.5]]), torch.ones(1, 3))
+    q, k = torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4)
+    for qq, kk, name in ((q[:, :, :0], k, "q"), (q, k[:, :, :0], "k")):
+        with pytest.raises(ValueError, match=rf"^{name} has no positions"):
+            ks.analysis.approximation_error("elu", qq, kk)
+    # numpy's ints, as the rest of the package takes them
+    assert ks.analysis.matched_feature_map("favor", 4, np.int64(8)).feature_dim == 8
+    spectrum = ks.analysis.normalized_spectrum(np.array([2.0, 1.0]), digits=np.int64(2))
+    assert list(spectrum) == [1.0, 0.5]
 
 
 @pytest.mark.parametrize("name", ["softmax", "elu", "hedgehog"])
@@ -245,7 +269,7 @@ def test_bad_input_errors():
         ks.analysis.attention_matrix(q, k[..., :3])
     with pytest.raises(ValueError, match="feature_dim"):
         ks.analysis.matched_feature_map("elu", 8, 0)
-    with pytest.raises(ValueError, match="feature_dim must be a positive int, got True"):
+    with pytest.raises(ValueError, match="feature_dim must be an int >= 1, got True"):
         ks.analysis.matched_feature_map("elu", 8, True)
     with pytest.raises(ValueError, match="not a random-feature map"):
         ks.analysis.random_feature_map("elu", 8, 16)

@@ -82,8 +82,14 @@ def row_kl(p: torch.Tensor, q: torch.Tensor, tiny: float = 1e-30) -> torch.Tenso
     terms with ``p = 0`` contribute 0, and a row where ``q`` is 0 but ``p`` is not is
     +inf (``q`` misses mass ``p`` has: e.g. relu features with disjoint supports).
     Rows where ``q`` has negative entries are NaN; all-zero rows (queries without keys)
-    are 0. ``tiny`` only guards the renormalization of all-zero rows.
+    are 0. ``tiny`` only guards the renormalization of all-zero rows. ``p`` (softmax
+    rows) must be non-negative.
     """
+    for name, x in (("p", p), ("q", q)):
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point torch.Tensor, got {type(x).__name__}")
+    if (p < 0).any():
+        raise ValueError("p must be non-negative (attention weights)")
     if p.shape != q.shape:
         raise ValueError(
             f"p and q must have the same shape, got {tuple(p.shape)}, {tuple(q.shape)}"
@@ -93,7 +99,12 @@ def row_kl(p: torch.Tensor, q: torch.Tensor, tiny: float = 1e-30) -> torch.Tenso
     p = p / p.sum(-1, keepdim=True).clamp_min(tiny)
     q = q.clamp_min(0.0)
     q = q / q.sum(-1, keepdim=True).clamp_min(tiny)
-    log_ratio = torch.where(q > 0, p.clamp_min(tiny).log() - q.clamp_min(tiny).log(), math.inf)
+    # logs of positive entries only: clamping q at tiny logged a weight of 1e-40 as 1e-30,
+    # capping each such term at p·69 nats (peaked rows read far too low)
+    one = torch.ones((), dtype=p.dtype, device=p.device)
+    log_ratio = torch.where(
+        q > 0, torch.where(p > 0, p, one).log() - torch.where(q > 0, q, one).log(), math.inf
+    )
     terms = torch.where(p > 0, p * log_ratio, 0.0)
     return terms.sum(-1).masked_fill(negative, math.nan)
 
@@ -157,6 +168,11 @@ def approximation_error(
                 f"{tuple(v.shape)} on {v.device}"
             )
     n, s = q.shape[2], k.shape[2]
+    if n == 0 or s == 0:
+        raise ValueError(
+            f"{'q' if n == 0 else 'k'} has no positions (shape {tuple((q if n == 0 else k).shape)})"
+            ": nothing to measure"
+        )
     allowed = allowed_keys(n, s, causal, key_padding_mask, q.shape[0], q.device)
     if not allowed.any():
         raise ValueError("key_padding_mask leaves no query a key to attend to: nothing to measure")

@@ -108,16 +108,18 @@ def fit_to_softmax(
     was_training = feature_map.training
     feature_map.train()
     optimizer = torch.optim.Adam(params, lr=lr)
-    record_val(0)
-    for step in range(1, steps + 1):
-        optimizer.zero_grad(set_to_none=True)
-        loss = distillation_loss(feature_map, q, k, causal, target)
-        reg = feature_map.regularization()
-        (loss + reg_weight * reg).backward()
-        optimizer.step()
-        history.append((step, "train_loss", loss.item()))
-        history.append((step, "regularization", float(reg.detach())))
-        if step % eval_every == 0 or step == steps:
-            record_val(step)
-    feature_map.train(was_training)
+    try:  # the caller's mode back, on an error (or Ctrl-C) too
+        record_val(0)
+        for step in range(1, steps + 1):
+            optimizer.zero_grad(set_to_none=True)
+            loss = distillation_loss(feature_map, q, k, causal, target)
+            reg = feature_map.regularization()
+            (loss + reg_weight * reg).backward()
+            optimizer.step()
+            history.append((step, "train_loss", loss.item()))
+            history.append((step, "regularization", float(reg.detach())))
+            if step % eval_every == 0 or step == steps:
+                record_val(step)
+    finally:
+        feature_map.train(was_training)
     return pd.DataFrame(history, columns=["step", "metric", "value"])

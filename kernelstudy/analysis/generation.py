@@ -135,6 +135,13 @@ def benchmark_generation(
             raise TypeError(f"runs[{label!r}] must be a (model, mode) pair, got {entry!r}")
         if not isinstance(entry[0], nn.Module):
             raise TypeError(f"runs[{label!r}]: model must be a torch.nn.Module, got {entry[0]!r}")
+        mode = entry[1]  # before any model is moved or run
+        if mode not in MODES:
+            raise ValueError(f"runs[{label!r}]: mode must be one of {MODES}, got {mode!r}")
+        if mode == "step" and not callable(getattr(entry[0], "step", None)):
+            raise ValueError(
+                f"runs[{label!r}]: mode='step' needs a model with a step(token_ids, state) method"
+            )
     if isinstance(lengths, str | int) or not lengths:
         raise TypeError(f"lengths must be a non-empty list of ints, got {lengths!r}")
     for n in lengths:
@@ -150,51 +157,75 @@ def benchmark_generation(
     rows = []
     for label, (model, mode) in runs.items():
         was_training = model.training
-        model = model.to(device).eval()
-        if vocab_size is None:
-            probe = torch.zeros(1, 1, dtype=torch.long, device=device)
-            with torch.no_grad():
-                vocab = model(probe).shape[-1]
-        else:
-            vocab = vocab_size
-        prompt = torch.randint(vocab, (batch, prompt_len), generator=gen).to(device)
-        _check_lm(model, prompt, 0, mode)
-        for _ in range(warmup):
-            generate(model, prompt, min(lengths), mode)
-        skip = ""
-        for length in lengths:
-            base = {"label": label, "mode": mode, "length": length, "batch": batch}
-            if skip:
-                rows.append({**base, "metric": "time_s", "value": math.nan, "note": skip})
-                continue
-            state_box: list = []
-
-            def run(m=model, p=prompt, n=length, md=mode, box=state_box) -> None:
-                box.clear()  # the last repeat's state is not held through this one's peak
-                box.append(generate(m, p, n, md)[1])
-
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-                before = torch.cuda.memory_allocated(device)
-            seconds = statistics.median(time_call(run, device, repeats, warmup=0))
-            rows.append({**base, "metric": "time_s", "value": seconds, "note": ""})
-            rows.append(
-                {**base, "metric": "tokens_per_s", "value": batch * length / seconds, "note": ""}
-            )
-            if mode == "step":
-                mb, note = state_bytes(state_box[0]) / 2**20, ""
-            else:
-                mb, note = math.nan, "no state kept: the prefix is recomputed"
-            rows.append({**base, "metric": "state_mb", "value": mb, "note": note})
-            if device.type == "cuda":
-                peak = (torch.cuda.max_memory_allocated(device) - before) / 2**20
-                rows.append({**base, "metric": "peak_memory_mb", "value": peak, "note": ""})
-            if time_limit_s is not None and seconds > time_limit_s:
-                skip = f"skipped: a shorter length took longer than time_limit_s={time_limit_s}"
-        model.train(was_training)  # the caller's mode back (it stays on ``device``)
+        try:
+            rows += _generation_rows(
+                label, model.to(device).eval(), mode, lengths, batch, prompt_len, device,
+                repeats, warmup, time_limit_s, vocab_size, gen,
+            )  # fmt: skip
+        finally:
+            model.train(was_training)  # the caller's mode back (it stays on ``device``)
     return pd.DataFrame(
         rows, columns=["label", "mode", "length", "batch", "metric", "value", "note"]
     )
+
+
+def _generation_rows(
+    label: str,
+    model: nn.Module,
+    mode: str,
+    lengths: list[int],
+    batch: int,
+    prompt_len: int,
+    device: torch.device,
+    repeats: int,
+    warmup: int,
+    time_limit_s: float | None,
+    vocab_size: int | None,
+    gen: torch.Generator,
+) -> list[dict]:
+    """The rows of :func:`benchmark_generation` for one labelled (model, mode)."""
+    rows = []
+    if vocab_size is None:
+        probe = torch.zeros(1, 1, dtype=torch.long, device=device)
+        with torch.no_grad():
+            vocab = model(probe).shape[-1]
+    else:
+        vocab = vocab_size
+    prompt = torch.randint(vocab, (batch, prompt_len), generator=gen).to(device)
+    _check_lm(model, prompt, 0, mode)
+    for _ in range(warmup):
+        generate(model, prompt, min(lengths), mode)
+    skip = ""
+    for length in lengths:
+        base = {"label": label, "mode": mode, "length": length, "batch": batch}
+        if skip:
+            rows.append({**base, "metric": "time_s", "value": math.nan, "note": skip})
+            continue
+        state_box: list = []
+
+        def run(m=model, p=prompt, n=length, md=mode, box=state_box) -> None:
+            box.clear()  # the last repeat's state is not held through this one's peak
+            box.append(generate(m, p, n, md)[1])
+
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+        seconds = statistics.median(time_call(run, device, repeats, warmup=0))
+        rows.append({**base, "metric": "time_s", "value": seconds, "note": ""})
+        rows.append(
+            {**base, "metric": "tokens_per_s", "value": batch * length / seconds, "note": ""}
+        )
+        if mode == "step":
+            mb, note = state_bytes(state_box[0]) / 2**20, ""
+        else:
+            mb, note = math.nan, "no state kept: the prefix is recomputed"
+        rows.append({**base, "metric": "state_mb", "value": mb, "note": note})
+        if device.type == "cuda":
+            peak = (torch.cuda.max_memory_allocated(device) - before) / 2**20
+            rows.append({**base, "metric": "peak_memory_mb", "value": peak, "note": ""})
+        if time_limit_s is not None and seconds > time_limit_s:
+            skip = f"skipped: a shorter length took longer than time_limit_s={time_limit_s}"
+    return rows
 
 
 def speedups(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..arguments import check_count
 from ..feature_maps import FeatureMap, create_feature_map, get_feature_map_class
 
 # Integer hyperparameters that set a map's size, tried in this order.
@@ -28,8 +29,7 @@ def matched_feature_map(
     ``elu``: F = D). ``seed`` is passed to maps that take one; other ``kwargs``
     are hyperparameters. Unknown names raise ValueError.
     """
-    if isinstance(feature_dim, bool) or not isinstance(feature_dim, int) or feature_dim < 1:
-        raise ValueError(f"feature_dim must be a positive int, got {feature_dim!r}")
+    feature_dim = check_count("feature_dim", feature_dim, 1)  # numpy's ints too
     cls = get_feature_map_class(name)
     hp = cls.hyperparameters
     if "seed" in hp:

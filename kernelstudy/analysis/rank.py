@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..arguments import check_real
+from ..arguments import check_count, check_real
 
 
 def attention_rank(A: torch.Tensor | np.ndarray, tol: float | None = None) -> dict[str, Any]:
@@ -101,7 +101,6 @@ def normalized_spectrum(
         raise ValueError("singular_values: the largest is 0 (a zero matrix has no spectrum)")
     ratio = sv / sv[0]
     if digits is not None:
-        if isinstance(digits, bool) or not (isinstance(digits, int) and digits >= 1):
-            raise ValueError(f"digits must be a positive int or None, got {digits!r}")
+        digits = check_count("digits", digits, 1)  # numpy's ints too
         ratio = np.array([float(f"{r:.{digits - 1}e}") for r in ratio])
     return ratio
