@@ -474,3 +474,12 @@ def test_a_bad_generation_run_fails_before_any_model_is_touched():
     finally:
         fitting.distillation_loss = real
     assert not fm.training
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_time_call_times_on_the_devices_stream():
+    """Events were recorded on the current device's stream, not ``device``'s."""
+    device = torch.device("cuda", torch.cuda.device_count() - 1)
+    a = torch.randn(512, 512, device=device)
+    times = ks.analysis.time_call(lambda: a @ a, device, repeats=3)
+    assert len(times) == 3 and all(t > 0 for t in times)

@@ -69,9 +69,10 @@ def time_call(
     for _ in range(repeats):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            stream = torch.cuda.current_stream(device)  # device's, not the current device's
+            start.record(stream)
             fn()
-            end.record()
+            end.record(stream)
             torch.cuda.synchronize(device)
             times.append(start.elapsed_time(end) / 1e3)
         else:
