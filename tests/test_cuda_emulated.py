@@ -291,15 +291,26 @@ def test_largest_head_dims_and_one_long_split_sequence(ext, shape, dtype, walk_b
         assert close_in_dtype(a, w, dtype)
 
 
-def test_chunk_kernels_group_chunks(ext):
-    """B·H·(F/64)·(M/64) = 36 tiles over 31 chunks give the chunk kernels' state pass 2 chunks
-    per thread block (the last block of each sequence 1): block-local prefixes and carries."""
-    q, k, v, g = _inputs(4, 1950, 192, 192, torch.bfloat16, extra=1)
+@pytest.mark.parametrize(
+    "shape, dtype",
+    [
+        ((4, 1950, 192, 192), torch.bfloat16),
+        # fp16 takes fp32's layouts (tf32 operands, scores read from Af) at a third of the
+        # emulator's time (one TF32 product, not three)
+        ((20, 700, 130, 70), torch.float16),
+    ],
+    ids=["bfloat16", "float16"],
+)
+def test_chunk_kernels_group_chunks(ext, shape, dtype):
+    """B·H·(F/64)·(M/64) = 36 tiles over 31 chunks (bf16; 120 over 11 for fp16) give
+    the chunk kernels' state pass 2 chunks per thread block (the last block of each sequence
+    1): block-local prefixes and carries."""
+    q, k, v, g = _inputs(*shape, dtype, extra=1)
     want, _ = _reference_product(q, k, v)
-    assert close_in_dtype(ext.causal_product(q, k, v)[0], want, torch.bfloat16)
+    assert close_in_dtype(ext.causal_product(q, k, v)[0], want, dtype)
     grads = _reference_grads(q, k, v, g)
     for a, w in zip(ext.causal_backward(q, k, v, g, out_fp32=True), grads, strict=True):
-        assert close_in_dtype(a, w, torch.bfloat16)
+        assert close_in_dtype(a, w, dtype)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=str)
@@ -326,12 +337,13 @@ def test_scaled_cumsum(ext, reverse):
     assert rel_err(out, want) <= 1e-5
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=str)
 @pytest.mark.parametrize("walk_blocks", [0, 5], ids=["chunks", "walk"])
-def test_results_do_not_depend_on_the_thread_schedule(emu, ext, walk_blocks):
+def test_results_do_not_depend_on_the_thread_schedule(emu, ext, walk_blocks, dtype):
     """Threads run in a different order between barriers, and blocks in a different order,
     under each seed; a race (a barrier missing, blocks sharing an output) would change the
-    results."""
-    q, k, v, g = _inputs(2, 200, 96, 70, torch.bfloat16, extra=1)
+    results. Every dtype: fp32 and fp16 take other buffers (scores read from Af)."""
+    q, k, v, g = _inputs(2, 200, 96, 70, dtype, extra=1)
     runs = []
     for seed in (1, 2, 3):
         emu.ks_emu_configure(seed, H100_SMEM)
