@@ -243,21 +243,28 @@ def test_the_cpu_extension_builds_once_for_threads_racing_to_it(monkeypatch):
 def test_autocast_changes_nothing(backend, amp):
     """The core's sums ignore autocast: under float16 autocast every product of the
     float32 accumulation was rounded to float16, and a normalizer over 4096 keys
-    (~2.6e5) overflowed to inf (NaN output). Outputs and gradients are bit-identical."""
+    (~2.6e5) overflowed to inf (NaN output). Outputs and gradients are bit-identical,
+    also for a backward called inside the autocast region at a loss scale of 2**16 (the
+    non-causal sums and the reference ran theirs in half precision: inf gradients)."""
     torch.manual_seed(0)
     q, k = (torch.rand(1, 2, 4096, 16) + 0.5 for _ in range(2))
     v = torch.randn(1, 2, 4096, 8) + 1
     for causal in (False, True):
         results = []
-        for enabled in (False, True):
+        for enabled, backward_inside in ((False, False), (True, False), (True, True)):
             inputs = [t.clone().requires_grad_() for t in (q, k, v)]
             with torch.autocast("cpu", dtype=amp, enabled=enabled):
                 out = ks.linear_attention(*inputs, causal=causal, backend=backend)
                 prod = ks.causal_dot_product(*inputs, backend=backend)
-            grads = torch.autograd.grad((out.sum() + prod.sum() / 4096), inputs)
+                loss = (out.sum() + prod.sum() / 4096) * 2**16
+                if backward_inside:
+                    grads = torch.autograd.grad(loss, inputs)
+            if not backward_inside:
+                grads = torch.autograd.grad(loss, inputs)
             results.append((out, prod, *grads))
-        for plain, cast in zip(*results, strict=True):
-            assert plain.dtype == cast.dtype and torch.equal(plain, cast), causal
+        for plain, *cast in zip(*results, strict=True):
+            for x in cast:
+                assert plain.dtype == x.dtype and torch.equal(plain, x), causal
     plain = ks.core.softmax_attention_reference(q * 9, k * 9, v)
     with torch.autocast("cpu", dtype=amp):
         assert torch.equal(ks.core.softmax_attention_reference(q * 9, k * 9, v), plain)
@@ -266,6 +273,26 @@ def test_autocast_changes_nothing(backend, amp):
             out, state = state.step(q[:, :, t], k[:, :, t], v[:, :, t])
     ref = ks.linear_attention(q[:, :, :3], k[:, :, :3], v[:, :, :3], causal=True)
     torch.testing.assert_close(out, ref[:, :, 2], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("amp", [torch.float16, torch.bfloat16])
+def test_recurrent_steps_backward_inside_autocast_changes_nothing(amp):
+    """The recurrent read-out turned autocast off for its forward only: a backward called
+    inside the autocast region ran its matmul in half precision."""
+    torch.manual_seed(0)
+    q, k = (torch.rand(1, 2, 64, 16) + 0.5 for _ in range(2))
+    v = torch.randn(1, 2, 64, 16) + 1
+    grads = []
+    for enabled in (False, True):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        with torch.autocast("cpu", dtype=amp, enabled=enabled):
+            state, total = ks.RecurrentState.zeros(1, 2, 16, 16), 0
+            for t in range(64):
+                out, state = state.step(*(x[:, :, t] for x in inputs))
+                total = total + out.sum()
+            grads.append(torch.autograd.grad(total * 2**16, inputs))
+    for plain, cast in zip(*grads, strict=True):
+        assert torch.equal(plain, cast)
 
 
 def test_causal_output_in_input_dtype():

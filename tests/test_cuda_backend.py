@@ -537,3 +537,20 @@ def test_offsets_past_2_to_the_31(monkeypatch, fused):
         assert close_in_dtype(got, want, torch.bfloat16)
     for z in zeros:
         assert not z.any()
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_a_backward_inside_autocast_changes_nothing(causal):
+    """The backwards' float32 matmuls ran in half precision when backward() was called
+    inside an autocast region (inf at a loss scale of 2**16)."""
+    torch.manual_seed(0)
+    q, k = (torch.rand(2, 2, 2048, 32, device="cuda") + 0.5 for _ in range(2))
+    v = torch.randn(2, 2, 2048, 32, device="cuda") + 1
+    grads = []
+    for enabled in (False, True):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=enabled):
+            out = ks.linear_attention(*inputs, causal=causal, backend="cuda")
+            grads.append(torch.autograd.grad(out.sum() * 2**16, inputs))
+    for plain, cast in zip(*grads, strict=True):
+        assert torch.isfinite(cast).all() and torch.equal(plain, cast)

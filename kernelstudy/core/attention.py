@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .autocast import without_autocast
 from .backends import check_backend_name, resolve_backend
 from .chunked import causal_dot_product_chunked, check_chunk_size
 from .validation import (
@@ -112,11 +113,52 @@ def _attend(phi_q, phi_k, v, causal, key_padding_mask, eps, backend, chunk_size)
     else:
         if backend is not None:
             resolve_backend(backend, phi_q)  # validate the name even where it is not needed
-        qa, ka = phi_q.to(acc), phi_k.to(acc)
-        kv = ka.transpose(-1, -2) @ v.to(acc)  # (B,H,F,M)
-        num = qa @ kv
-        den = qa @ ka.sum(2).unsqueeze(-1)
+        num, den = _noncausal_sums(phi_q, phi_k, v)
     return (num / (den + eps)).to(phi_q.dtype)
+
+
+def _noncausal_sums(phi_q, phi_k, v) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(φq·Σ φk vᵀ, φq·Σ φk)`` in the accumulation dtype, autocast off in both passes."""
+    both = _NoncausalSums.apply(phi_q, phi_k, v)
+    return both[..., :-1], both[..., -1:]
+
+
+class _NoncausalSums(torch.autograd.Function):
+    """``φq · Σ_j φk_j [v_j, 1]ᵀ``: ``(B,H,N,M+1)`` in the accumulation dtype, with the
+    backward written out and run with autocast off too (plain autograd ops ran theirs in
+    half precision when ``backward()`` was called inside an autocast region)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):  # type: ignore[override]
+        acc = accumulation_dtype(q.dtype)
+        with autocast_off(q):
+            kv = k.to(acc).transpose(-1, -2) @ _with_ones(v, acc)  # (B,H,F,M+1)
+            out = q.to(acc) @ kv
+        ctx.save_for_backward(q, k, v, kv)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        q, k, v, kv = ctx.saved_tensors
+        acc, m = grad.dtype, v.shape[-1]
+        dq = dk = dv = None
+        with autocast_off(grad):
+            if torch.is_grad_enabled():  # create_graph: kv again, with a graph to k and v
+                kv = k.to(acc).transpose(-1, -2) @ _with_ones(v, acc)
+            if ctx.needs_input_grad[0]:
+                dq = (grad @ kv.transpose(-1, -2)).to(q.dtype)
+            if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+                dkv = q.to(acc).transpose(-1, -2) @ grad  # (B,H,F,M+1)
+                if ctx.needs_input_grad[1]:
+                    dk = (_with_ones(v, acc) @ dkv.transpose(-1, -2)).to(k.dtype)
+                if ctx.needs_input_grad[2]:
+                    dv = (k.to(acc) @ dkv[..., :m]).to(v.dtype)
+        return dq, dk, dv
+
+
+def _with_ones(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[v, 1]``: ``(..., M) → (..., M+1)`` in ``dtype``."""
+    return torch.cat([v.to(dtype), torch.ones(*v.shape[:-1], 1, dtype=dtype, device=v.device)], -1)
 
 
 def linear_attention_reference(
@@ -132,10 +174,11 @@ def linear_attention_reference(
     eps = check_eps(eps, phi_q.dtype)
     acc = accumulation_dtype(phi_q.dtype)
     phi_k, v = zero_padded_keys(phi_k, v, key_padding_mask)  # before any product: no 0·NaN
-    with autocast_off(phi_q):
-        scores = phi_q.to(acc) @ phi_k.to(acc).transpose(-1, -2)
-        values = v.to(acc)
+
+    def attention(q, k, v):
+        scores = q.to(acc) @ k.to(acc).transpose(-1, -2)
         if causal:
             scores = torch.tril(scores)
-        out = (scores @ values) / (scores.sum(-1, keepdim=True) + eps)
-    return out.to(phi_q.dtype)
+        return (scores @ v.to(acc)) / (scores.sum(-1, keepdim=True) + eps)
+
+    return without_autocast(attention, phi_q, phi_k, v).to(phi_q.dtype)

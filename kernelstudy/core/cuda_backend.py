@@ -40,7 +40,7 @@ import torch
 
 from ..arguments import check_count, check_flag
 from .backends import Backend, register_backend
-from .validation import check_eps, check_key_padding_mask, check_qkv
+from .validation import autocast_off, check_eps, check_key_padding_mask, check_qkv
 
 EXTENSION_NAME = "kernelstudy_cuda"
 SOURCES = ("binding.cpp", "linear_attention.cu")
@@ -179,7 +179,9 @@ def _check_inputs(*tensors: torch.Tensor) -> None:
 
 def _first_order(backward: Callable[..., Any]) -> Callable[..., Any]:
     """Mark a backward that builds no graph: under ``create_graph=True`` (a double backward)
-    it raises a RuntimeError saying so, instead of gradients that silently come back None."""
+    it raises a RuntimeError saying so, instead of gradients that silently come back None.
+    It runs with autocast off: its float32 matmuls would run in half precision when
+    ``backward()`` is called inside an autocast region."""
 
     @functools.wraps(backward)
     def checked(ctx: Any, *grads: torch.Tensor) -> Any:
@@ -188,7 +190,8 @@ def _first_order(backward: Callable[..., Any]) -> Callable[..., Any]:
                 "the 'cuda' backend has no double backward (create_graph=True); use "
                 "backend='torch' for gradients of gradients"
             )
-        return backward(ctx, *grads)
+        with autocast_off(grads[0]):
+            return backward(ctx, *grads)
 
     return checked
 

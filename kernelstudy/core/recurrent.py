@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import torch
 
 from ..arguments import check_count, check_flag
+from .autocast import without_autocast
 from .exp_range import exp_shift
 from .validation import (
     accumulation_dtype,
-    autocast_off,
     check_eps,
     check_same_dtype_and_device,
     check_tensor,
@@ -139,8 +139,8 @@ class RecurrentState:
             k = k * torch.exp(new - shift)[..., None]  # new - shift <= the safe maximum
         s = s + k.unsqueeze(-1) * v.unsqueeze(-2)
         z = z + k
-        with autocast_off(q):  # autocast would read the float32 state in float16
-            num = (q.unsqueeze(-2) @ s).squeeze(-2)
+        # autocast would read the float32 state in float16 (forward, or a backward in it)
+        num = without_autocast(lambda q, s: (q.unsqueeze(-2) @ s).squeeze(-2), q, s)
         den = (q * z).sum(-1, keepdim=True)
         out = num / (den + self.eps)
         return out.to(phi_q_t.dtype), RecurrentState(s, z, self.eps, log_scale)
