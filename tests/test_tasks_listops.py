@@ -367,3 +367,38 @@ def test_max_depth_bounds_the_written_trees(tmp_path: Path) -> None:
         assert 5 < tokens < 60 and evaluate_listops(source) == value
         depths.append(depth)
     assert max(depths) == 3  # digits at depth 3 under operators at depths 1 and 2
+
+
+def test_two_writers_to_one_folder_both_finish(tmp_path: Path) -> None:
+    """Both wrote fixed-name .partial files and the first to finish deleted the other's:
+    two searches preparing the same data crashed one of them (FileNotFoundError)."""
+    import os
+    import threading
+
+    out = tmp_path / "data"
+    out.mkdir()
+    other = out / "basic_train.tsv.partial"  # e.g. another writer's file in progress
+    other.write_text("not mine")
+    start, errors = threading.Barrier(2), []
+
+    def write() -> None:
+        start.wait()
+        try:
+            write_listops(out, 1500, 200, 200, min_length=5, max_length=60, overwrite=True)
+        except Exception as err:  # noqa: BLE001 (reported below)
+            errors.append(err)
+
+    threads = [threading.Thread(target=write) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert other.read_text() == "not mine"
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["basic_train.tsv", "basic_val.tsv", "basic_test.tsv", other.name]
+    )
+    assert len(ListOpsTask(out, "train", max_length=100)) == 1500
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (out / "basic_val.tsv").stat().st_mode & 0o777 == 0o666 & ~mask

@@ -19,6 +19,8 @@ from __future__ import annotations
 import csv
 import hashlib
 import itertools
+import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -358,10 +360,15 @@ def write_listops(
         raise
     rows = itertools.chain([first], generated)
     out.mkdir(parents=True, exist_ok=True)
-    partial = {split: path.with_name(path.name + ".partial") for split, path in paths.items()}
+    # temporary files of this call's own: two writers to one folder (two searches started
+    # together) deleted each other's fixed-name .partial files, and one crashed
+    partial = {}
     try:
         for split, count in counts.items():
-            with open(partial[split], "w", encoding="utf-8", newline="") as f:
+            fd, name = tempfile.mkstemp(dir=out, prefix=f".basic_{split}.", suffix=".partial")
+            partial[split] = Path(name)
+            os.fchmod(fd, 0o666 & ~_umask())  # as open() would make it, not mkstemp's 0o600
+            with open(fd, "w", encoding="utf-8", newline="") as f:
                 writer = csv.writer(f, delimiter="\t")
                 writer.writerow(["Source", "Target"])
                 for _ in range(count):
@@ -373,6 +380,12 @@ def write_listops(
         for path in partial.values():
             path.unlink(missing_ok=True)
     return paths
+
+
+def _umask() -> int:
+    mask = os.umask(0)  # reading the umask means setting it: restore at once
+    os.umask(mask)
+    return mask
 
 
 # ---------------------------------------------------------------------------- loading
