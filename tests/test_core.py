@@ -428,6 +428,7 @@ def _ok():
         (lambda q, k, v: (q, k, v.long()), TypeError, "v"),
         (lambda q, k, v: (q.double(), k, v), TypeError, "dtype"),
         (lambda q, k, v: (q.numpy(), k, v), TypeError, "phi_q"),
+        (lambda q, k, v: (q, k.to_sparse(), v), TypeError, "phi_k must be a dense"),
     ],
 )
 def test_bad_input_names_the_argument(mutate, error, match):

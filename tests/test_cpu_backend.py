@@ -119,10 +119,15 @@ def test_half_inputs_computed_in_float32(dtype):
     assert rel_err(out, _exact(q, k, v)) <= 1e-5
 
 
-def test_empty_sequence():
+def test_empty_sequence_and_no_features():
     q, k, v = _features(2, 1, 0, 4, 3)
     out = causal_dot_product_cpu(q, k, v)
     assert out.shape == (2, 1, 0, 3)
+    q, k, v = _features(2, 1, 7, 0, 3)  # F = 0: every score 0 (the kernel is not entered)
+    out = causal_dot_product_cpu(q, k, v)
+    assert out.shape == (2, 1, 7, 3) and not out.any()
+    dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
+    assert dq.shape == q.shape and not dv.any()
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -30,6 +30,8 @@ def check_tensor(x: object, name: str, ndim: int) -> torch.Tensor:
             f"{name} must be a floating-point tensor (float16, bfloat16, float32 or "
             f"float64), got dtype {x.dtype}"
         )
+    if x.layout != torch.strided:  # sparse layouts failed deep inside the products
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {x.layout}")
     if x.dim() != ndim:
         raise ValueError(
             f"{name} must have {ndim} dimensions {AXES.get(ndim, '')}, got shape {tuple(x.shape)}"
