@@ -75,6 +75,19 @@ def test_options_that_divide_the_samples_are_refused_per_split(name, option, val
     assert split_options(name, {option: value}, "val") == {option: value}
 
 
+@pytest.mark.parametrize(
+    ("name", "option", "value"),
+    [("mqar", "vocab_size", 64), ("copy", "n_symbols", 4), ("text", "num_classes", 3)],
+)
+def test_options_that_say_what_tokens_mean_are_refused_per_split(name, option, value):
+    """A per-split MQAR vocab_size trained and scored on different token meanings (val
+    accuracy 0.002, no error)."""
+    for split in ("train", "val", "test"):
+        with pytest.raises(ValueError, match=f"task option test.{option}: .*tokens or labels"):
+            split_options(name, {"test": {option: value}}, split)
+    assert split_options(name, {option: value}, "test") == {option: value}
+
+
 @pytest.mark.parametrize("name", ["listops", "copy", "mqar"])
 def test_every_task_batches_through_a_dataloader(tmp_path: Path, name: str) -> None:
     if name == "listops":

@@ -38,6 +38,9 @@ class SequenceTask(Dataset):
     #: options that divide one pool of samples into train/val/test: they must be the
     #: same for every split, or the splits would overlap
     partition_options: tuple[str, ...] = ()
+    #: options that say what tokens or labels mean: the same for every split, or the model
+    #: (sized by the train split) would read the other splits' tokens as other ones
+    vocabulary_options: tuple[str, ...] = ()
 
     def __len__(self) -> int:
         raise NotImplementedError

@@ -74,7 +74,8 @@ def split_options(name: str, options: Mapping[str, Any], split: str) -> dict[str
     ``val`` and ``test``, tables of options for one split. Every table is checked, not only
     ``split``'s: an unknown option, a table that is not a mapping, or a per-split value of
     an option that divides the samples into the splits (``partition_options``, e.g.
-    Pathfinder's ``split_seed``: the splits would overlap) raises ValueError.
+    Pathfinder's ``split_seed``: the splits would overlap) or says what tokens or labels
+    mean (``vocabulary_options``, e.g. MQAR's ``vocab_size``) raises ValueError.
     """
     check_split(split)
     allowed = task_options(name)
@@ -94,13 +95,22 @@ def split_options(name: str, options: Mapping[str, Any], split: str) -> dict[str
                 f"(accepted: {', '.join(allowed)}; per split under {', '.join(SPLITS)})"
             )
     for split_name, table in tables.items():
-        shared_only = sorted(set(table) & set(task_class(name).partition_options))
+        cls = task_class(name)
+        shared_only = sorted(set(table) & set(cls.partition_options))
         if shared_only:
             key = shared_only[0]
             raise ValueError(
                 f"task option {split_name}.{key}: {key} divides the samples into "
                 f"{', '.join(SPLITS)}, so a per-split value would make the splits overlap; "
                 "give it once, for all splits"
+            )
+        vocabulary = sorted(set(table) & set(cls.vocabulary_options))
+        if vocabulary:
+            key = vocabulary[0]
+            raise ValueError(
+                f"task option {split_name}.{key}: {key} says what the tokens or labels mean, "
+                "so a per-split value would score that split on other tokens than the model "
+                "learned; give it once, for all splits"
             )
     return {**shared, **tables.get(split, {})}
 

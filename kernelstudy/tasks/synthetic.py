@@ -63,6 +63,7 @@ class CopyTask(_LMTask):
     """
 
     name = "copy"
+    vocabulary_options = ("n_symbols",)
 
     def __init__(
         self,
@@ -117,6 +118,7 @@ class MQARTask(_LMTask):
     """
 
     name = "mqar"
+    vocabulary_options = ("vocab_size",)
 
     def __init__(
         self,

@@ -104,6 +104,7 @@ class TextTask(SequenceTask):
     """Byte-level text classification (LRA Text): ``input_ids`` (L,), ``mask`` (L,), ``label``."""
 
     name = "text"
+    vocabulary_options = ("num_classes",)
     vocab_size = BYTE_VOCAB_SIZE
     pad_id = BYTE_PAD_ID
     pairs = False
