@@ -410,6 +410,30 @@ def test_unavailable_backend_falls_back_with_one_warning():
     assert "ghost" not in registered_backends()
 
 
+def test_a_non_causal_call_builds_no_backend_it_does_not_run():
+    """Non-causal attention resolved the backend fully: "auto" built the CPU extension
+    (compiling it on a first call), which non-causal attention never runs."""
+    from kernelstudy.core import Backend, register_backend, unregister_backend
+
+    built = []
+
+    def available() -> bool:
+        built.append(1)
+        return True
+
+    product = ks.core.registered_backends()["torch"].product
+    register_backend(Backend("eager", product, available=available, priority=99))
+    try:
+        q = torch.rand(1, 1, 5, 2)
+        for backend in (None, "eager"):
+            ks.linear_attention(q, q, q, causal=False, backend=backend)
+        assert built == []
+        ks.linear_attention(q, q, q, causal=True)  # the causal product runs on it
+        assert built
+    finally:
+        unregister_backend("eager")
+
+
 # --- bad input ---------------------------------------------------------------------------
 
 

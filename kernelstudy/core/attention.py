@@ -99,7 +99,7 @@ def _attend(phi_q, phi_k, v, causal, key_padding_mask, eps, backend, chunk_size)
     if backend == "reference":
         return linear_attention_reference(phi_q, phi_k, v, causal, key_padding_mask, eps)
     if chunk_size is None:
-        chosen = resolve_backend(backend, phi_q)
+        chosen = resolve_backend(backend, phi_q, for_attention=True)
         if chosen.attention is not None:
             return chosen.attention(phi_q, phi_k, v, causal, key_padding_mask, eps)
     phi_k, v = zero_padded_keys(phi_k, v, key_padding_mask)
@@ -112,7 +112,7 @@ def _attend(phi_q, phi_k, v, causal, key_padding_mask, eps, backend, chunk_size)
         num, den = both[..., :-1].to(acc), both[..., -1:].to(acc)
     else:
         if backend is not None:
-            resolve_backend(backend, phi_q)  # validate the name even where it is not needed
+            resolve_backend(backend, phi_q, for_attention=True)  # the name, checked
         num, den = _noncausal_sums(phi_q, phi_k, v)
     return (num / (den + eps)).to(phi_q.dtype)
 

@@ -126,13 +126,18 @@ def check_backend_name(name: object, source: str = "backend") -> None:
         raise ValueError(f"{source} must be one of {known}; got {name!r}")
 
 
-def resolve_backend(name: str | None, example: torch.Tensor) -> Backend:
+def resolve_backend(
+    name: str | None, example: torch.Tensor, for_attention: bool = False
+) -> Backend:
     """The backend to run ``example``-like inputs on.
 
     ``name`` None reads ``KERNELSTUDY_BACKEND`` (default ``"auto"``). A named
     backend that cannot run here (no compiler, no device) falls back to
     ``torch`` with a one-time warning; a named backend that does not take this
-    input (e.g. CUDA tensors to ``cpu``) raises ``ValueError``.
+    input (e.g. CUDA tensors to ``cpu``) raises ``ValueError``. ``for_attention``: the
+    caller uses only a fused ``attention``, so backends without one are not built
+    (``auto`` passes them over; a named one comes back unbuilt): a non-causal call
+    compiled the CPU extension, which it never runs.
     """
     source = "backend"
     if name is None:
@@ -140,7 +145,13 @@ def resolve_backend(name: str | None, example: torch.Tensor) -> Backend:
         source = ENV_VAR
     check_backend_name(name, source)
     if name == "auto":
-        candidates = [b for b in _BACKENDS.values() if b.priority > 0 and b.supports(example)]
+        candidates = [
+            b
+            for b in _BACKENDS.values()
+            if b.priority > 0
+            and b.supports(example)
+            and (b.attention is not None or not for_attention)
+        ]
         for b in sorted(candidates, key=lambda b: -b.priority):
             if b.available():
                 return b
@@ -150,6 +161,8 @@ def resolve_backend(name: str | None, example: torch.Tensor) -> Backend:
         raise ValueError(
             f"{source}={name!r} does not take {example.dtype} tensors on {example.device}"
         )
+    if for_attention and backend.attention is None:
+        return backend
     if not backend.available():
         _warn_once(name, f"kernelstudy: backend {name!r} is not available here; using 'torch'")
         return _BACKENDS["torch"]
