@@ -2,8 +2,8 @@
 
 For every N, backend and mode (forward, forward+backward) it reports the median
 time over repeats (after a warm-up), the peak memory above the inputs, and the
-achieved FLOP rate as a fraction of the fp32 matmul rate measured in the same
-run. FLOPs counted: 4·B·H·N·F·M for a forward of the causal product or of
+achieved FLOP rate as a fraction of the matmul rate in the run's dtype measured
+in the same run. FLOPs counted: 4·B·H·N·F·M for a forward of the causal product or of
 linear attention, 12·B·H·N·F·M for forward+backward; softmax counts
 4·B·H·N·S·D (halved when causal) and 3× that for forward+backward (the six N×N
 products; flash attention's recomputed scores are not counted, as no kernel's

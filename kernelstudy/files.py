@@ -6,13 +6,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import tempfile
+import secrets
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
-import pandas as pd
+if TYPE_CHECKING:
+    import pandas as pd
+
 
 try:
     import fcntl
@@ -27,12 +29,11 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
     the umask), not the temp file's 0o600."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = new_temporary_file(path.parent, f".{path.name}.", ".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            os.fchmod(
-                f.fileno(), path.stat().st_mode & 0o7777 if path.exists() else 0o666 & ~_umask()
-            )
+            if path.exists():
+                os.fchmod(f.fileno(), path.stat().st_mode & 0o7777)
             write(f)
             f.flush()
             os.fsync(f.fileno())
@@ -43,10 +44,17 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
     return path
 
 
-def _umask() -> int:
-    mask = os.umask(0)  # reading the umask means setting it: restore at once
-    os.umask(mask)
-    return mask
+def new_temporary_file(folder: str | os.PathLike, prefix: str, suffix: str) -> tuple[int, Path]:
+    """A new file ``folder/<prefix><random><suffix>`` opened for writing: ``(fd, path)``.
+    Made with mode 0o666 less the umask, as ``open`` makes files (mkstemp's are 0o600, and
+    reading the umask means setting it, which races with other threads)."""
+    for _ in range(100):
+        path = Path(folder) / f"{prefix}{secrets.token_hex(8)}{suffix}"
+        try:
+            return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name {prefix}*{suffix} in {folder}")
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
@@ -60,6 +68,8 @@ def read_csv_table(
     """A results table written by this package: None when the file is missing or empty
     (0 bytes: no rows); ValueError naming the file when it is not a readable CSV.
     ``text_columns`` are read verbatim as str (a label "256" stays "256", "NA" stays "NA")."""
+    import pandas as pd  # here: the tasks layer uses this module's writers without pandas
+
     path = Path(path)
     if not path.is_file() or path.stat().st_size == 0:
         return None

@@ -251,7 +251,8 @@ def test_optuna_pruning_propagates(tmp_path):
 
 
 def test_the_last_evaluation_reports_but_does_not_prune(tmp_path):
-    """Pruning at the run's last evaluation saved no training and lost a finished run."""
+    """Pruning at the run's last evaluation (its last step, or an early stop) saved no
+    training and lost a finished run."""
     data = ContainsTask(32)
     reports = []
 
@@ -259,14 +260,23 @@ def test_the_last_evaluation_reports_but_does_not_prune(tmp_path):
         def report(self, value: float, step: int) -> None:
             reports.append(step)
 
-    callback = OptunaPruningCallback(Recording(), "val_accuracy", last_step=4)
+    callback = OptunaPruningCallback(Recording(), "val_accuracy")
     record = Trainer(_classifier(), data, _config(steps=4), val_data=data, on_eval=callback).fit()
     assert record["status"] == "completed" and reports == [4]
     with pytest.raises(optuna.TrialPruned, match="step 4"):  # a longer run prunes there
-        callback.last_step = 8
         Trainer(_classifier(), data, _config(steps=8), val_data=data, on_eval=callback).fit()
-    with pytest.raises(TypeError, match="last_step"):
-        OptunaPruningCallback(Recording(), "val_accuracy", last_step=4.0)
+    reports.clear()  # an early stop at step 6 of 100: its last evaluation does not prune
+    cfg = _config(steps=100, eval_every=2, patience=2, monitor="val_loss", mode="min")
+    trainer = Trainer(_classifier(), data, cfg, val_data=data)
+    _scripted_val_losses(trainer, [0.5, 0.6, 0.7])
+
+    class PruneFromStep6(Recording):
+        def should_prune(self) -> bool:
+            return reports[-1] >= 6
+
+    trainer.callbacks = [OptunaPruningCallback(PruneFromStep6(), "val_loss")]
+    record = trainer.fit()
+    assert record["status"] == "early_stopped" and reports == [2, 4, 6]
 
 
 def _scripted_val_losses(trainer: Trainer, losses: list[float]) -> None:

@@ -1,8 +1,10 @@
 """Analyses of feature maps against softmax attention.
 
-Every analysis returns a pandas DataFrame in long format (one row per
-configuration, seed and metric); every function of :mod:`.plots` takes such a
-frame and returns a matplotlib Figure drawn with seaborn.
+The table-producing analyses (``approximation_error``, ``fit_to_softmax``,
+``benchmark_attention``, ``benchmark_generation``) return a pandas DataFrame in long
+format (one row per configuration, seed and metric); ``attention_rank`` returns a dict
+of measures and ``attention_matrix`` a tensor. Every function of :mod:`.plots` takes
+such a frame and returns a matplotlib Figure drawn with seaborn.
 
 - approximation error: :func:`approximation_error`, :func:`gaussian_qk`,
   :func:`capture_qk`, :func:`fit_to_softmax`;

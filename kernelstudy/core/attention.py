@@ -99,7 +99,8 @@ def _attend(phi_q, phi_k, v, causal, key_padding_mask, eps, backend, chunk_size)
     if backend == "reference":
         return linear_attention_reference(phi_q, phi_k, v, causal, key_padding_mask, eps)
     if chunk_size is None:
-        chosen = resolve_backend(backend, phi_q, for_attention=True)
+        # non-causal: only a fused attention runs (the causal product resolves fully)
+        chosen = resolve_backend(backend, phi_q, for_attention=not causal)
         if chosen.attention is not None:
             return chosen.attention(phi_q, phi_k, v, causal, key_padding_mask, eps)
     phi_k, v = zero_padded_keys(phi_k, v, key_padding_mask)

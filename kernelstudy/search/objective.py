@@ -217,7 +217,7 @@ def train_run(
         trial.set_user_attr("pruned_reason", reason)
         raise optuna.TrialPruned(reason)
     cfg = settings.train_config(config, seed, device)
-    callbacks = [] if trial is None else [OptunaPruningCallback(trial, "val_accuracy", cfg.steps)]
+    callbacks = [] if trial is None else [OptunaPruningCallback(trial, "val_accuracy")]
     trainer = Trainer(model, train, cfg, val_data=val, test_data=test, on_eval=callbacks)
     record = trainer.fit()
     if record["best"]["value"] is None:  # every validation score NaN: as a diverged run

@@ -19,8 +19,6 @@ from __future__ import annotations
 import csv
 import hashlib
 import itertools
-import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,6 +26,7 @@ import numpy as np
 import torch
 
 from ..arguments import check_count, check_flag
+from ..files import new_temporary_file
 from .base import PackedSequences, SequenceTask, check_split, pad_tokens
 from .files import PathArg, data_error, decode_error, locate
 
@@ -365,9 +364,7 @@ def write_listops(
     partial = {}
     try:
         for split, count in counts.items():
-            fd, name = tempfile.mkstemp(dir=out, prefix=f".basic_{split}.", suffix=".partial")
-            partial[split] = Path(name)
-            os.fchmod(fd, 0o666 & ~_umask())  # as open() would make it, not mkstemp's 0o600
+            fd, partial[split] = new_temporary_file(out, f".basic_{split}.", ".partial")
             with open(fd, "w", encoding="utf-8", newline="") as f:
                 writer = csv.writer(f, delimiter="\t")
                 writer.writerow(["Source", "Target"])
@@ -380,12 +377,6 @@ def write_listops(
         for path in partial.values():
             path.unlink(missing_ok=True)
     return paths
-
-
-def _umask() -> int:
-    mask = os.umask(0)  # reading the umask means setting it: restore at once
-    os.umask(mask)
-    return mask
 
 
 # ---------------------------------------------------------------------------- loading

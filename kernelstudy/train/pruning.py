@@ -6,22 +6,18 @@ from typing import Any
 
 
 class OptunaPruningCallback:
-    """``Trainer(..., on_eval=OptunaPruningCallback(trial, "val_accuracy", last_step=steps))``.
+    """``Trainer(..., on_eval=OptunaPruningCallback(trial, "val_accuracy"))``.
 
     After each evaluation: ``trial.report(metrics[monitor], step)``, then raise
     ``optuna.TrialPruned`` when ``trial.should_prune()``; the exception leaves
     :meth:`Trainer.fit` unchanged (after the run record is written, status ``pruned``).
-    The evaluation at ``last_step`` (the run's last step) is reported but never prunes:
-    the training it would save is done, and pruning there dropped a finished run's
-    result (no test accuracy, not a candidate for the best trial).
+    The run's last evaluation (``metrics["final"]``: its last step, or an early stop) is
+    reported but never prunes: the training it would save is done, and pruning there
+    dropped a finished run's result (no test accuracy, not a candidate for the best trial).
     """
 
-    def __init__(self, trial: Any, monitor: str = "val_accuracy", last_step: int | None = None):
-        if last_step is not None and (
-            isinstance(last_step, bool) or not isinstance(last_step, int)
-        ):
-            raise TypeError(f"last_step must be an int or None, got {last_step!r}")
-        self.trial, self.monitor, self.last_step = trial, monitor, last_step
+    def __init__(self, trial: Any, monitor: str = "val_accuracy") -> None:
+        self.trial, self.monitor = trial, monitor
 
     def __call__(self, step: int, metrics: dict[str, float]) -> None:
         import optuna
@@ -30,7 +26,5 @@ class OptunaPruningCallback:
             raise ValueError(f"monitor {self.monitor!r} is not a metric; have {sorted(metrics)}")
         value = float(metrics[self.monitor])
         self.trial.report(value, step)
-        if self.last_step is not None and step >= self.last_step:
-            return
-        if self.trial.should_prune():
+        if not metrics.get("final") and self.trial.should_prune():
             raise optuna.TrialPruned(f"pruned at step {step} ({self.monitor}={value:.4g})")

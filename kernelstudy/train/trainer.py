@@ -311,7 +311,8 @@ class Trainer:
             evaluated every ``eval_every`` steps, ``test_data`` once at the end.
         config: a :class:`TrainConfig`.
         on_eval: callback(s) ``f(step, metrics)`` called after every evaluation, with the
-            metrics row; exceptions (e.g. ``optuna.TrialPruned``) propagate out of
+            metrics row plus ``final`` (True at the run's last evaluation: its last step, or
+            an early stop); exceptions (e.g. ``optuna.TrialPruned``) propagate out of
             :meth:`fit` after the run record is written.
 
     Outputs in ``config.out_dir``: ``checkpoint.pt`` (after every evaluation and at the
@@ -697,8 +698,9 @@ class Trainer:
         if self.out_dir is not None:
             self.history.write_csv(self._path(METRICS))
             self.save_checkpoint()
+        final = self.stopped_early or self.step >= cfg.steps  # no evaluation follows
         for callback in self.callbacks:
-            callback(self.step, dict(row))
+            callback(self.step, {**row, "final": final})
 
     def _epoch(self) -> float:
         """Epochs done, fractional (whole epochs only for loaders without a length)."""
