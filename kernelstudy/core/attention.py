@@ -120,33 +120,42 @@ def _attend(phi_q, phi_k, v, causal, key_padding_mask, eps, backend, chunk_size)
 
 def _noncausal_sums(phi_q, phi_k, v) -> tuple[torch.Tensor, torch.Tensor]:
     """``(φq·Σ φk vᵀ, φq·Σ φk)`` in the accumulation dtype, autocast off in both passes."""
-    both = _NoncausalSums.apply(phi_q, phi_k, v)
+    both, _ = _NoncausalSums.apply(phi_q, phi_k, v)
     return both[..., :-1], both[..., -1:]
 
 
 class _NoncausalSums(torch.autograd.Function):
     """``φq · Σ_j φk_j [v_j, 1]ᵀ``: ``(B,H,N,M+1)`` in the accumulation dtype, with the
-    backward written out and run with autocast off too (plain autograd ops ran theirs in
-    half precision when ``backward()`` was called inside an autocast region)."""
+    backward (and forward-mode jvp) written out and run with autocast off too (plain
+    autograd ops ran theirs in half precision when ``backward()`` was called inside an
+    autocast region). The sums ``kv = Σ_j φk_j [v_j, 1]ᵀ`` ``(B,H,F,M+1)`` are a second,
+    non-differentiable output, so the backward reuses them; the vmap rule is generated, so
+    ``torch.func`` transforms work through it."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, q, k, v):  # type: ignore[override]
+    def forward(q, k, v):  # type: ignore[override]
         acc = accumulation_dtype(q.dtype)
         with autocast_off(q):
-            kv = k.to(acc).transpose(-1, -2) @ _with_ones(v, acc)  # (B,H,F,M+1)
-            out = q.to(acc) @ kv
-        ctx.save_for_backward(q, k, v, kv)
-        return out
+            kv = k.to(acc).transpose(-1, -2) @ _with_ones(v, acc)
+            return q.to(acc) @ kv, kv
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def setup_context(ctx, inputs, output):  # type: ignore[override]
+        ctx.mark_non_differentiable(output[1])
+        ctx.save_for_backward(*inputs, output[1])
+        ctx.save_for_forward(*inputs, output[1])
+
+    @staticmethod
+    def backward(ctx, grad, _grad_kv):  # type: ignore[override]
         q, k, v, kv = ctx.saved_tensors
         acc, m = grad.dtype, v.shape[-1]
         dq = dk = dv = None
         with autocast_off(grad):
-            if torch.is_grad_enabled():  # create_graph: kv again, with a graph to k and v
-                kv = k.to(acc).transpose(-1, -2) @ _with_ones(v, acc)
             if ctx.needs_input_grad[0]:
+                if torch.is_grad_enabled():  # create_graph: kv again, with a graph to k and v
+                    kv = k.to(acc).transpose(-1, -2) @ _with_ones(v, acc)
                 dq = (grad @ kv.transpose(-1, -2)).to(q.dtype)
             if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
                 dkv = q.to(acc).transpose(-1, -2) @ grad  # (B,H,F,M+1)
@@ -155,6 +164,22 @@ class _NoncausalSums(torch.autograd.Function):
                 if ctx.needs_input_grad[2]:
                     dv = (k.to(acc) @ dkv[..., :m]).to(v.dtype)
         return dq, dk, dv
+
+    @staticmethod
+    def jvp(ctx, dq, dk, dv):  # type: ignore[override]
+        q, k, v, kv = ctx.saved_tensors
+        acc = kv.dtype
+        with autocast_off(q):
+            dkv = torch.zeros_like(kv)  # the tangent of kv
+            if dk is not None:
+                dkv = dkv + dk.to(acc).transpose(-1, -2) @ _with_ones(v, acc)
+            if dv is not None:
+                dv1 = torch.cat([dv.to(acc), torch.zeros_like(dv[..., :1], dtype=acc)], -1)
+                dkv = dkv + k.to(acc).transpose(-1, -2) @ dv1
+            out = q.to(acc) @ dkv
+            if dq is not None:
+                out = out + dq.to(acc) @ kv
+        return out, None  # kv is not differentiable
 
 
 def _with_ones(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

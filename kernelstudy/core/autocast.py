@@ -17,24 +17,35 @@ from .validation import autocast_off
 
 
 class _WithoutAutocast(torch.autograd.Function):
+    generate_vmap_rule = True  # torch.func.vmap and jacrev work through it
+
     @staticmethod
-    def forward(ctx, fn, *tensors):  # type: ignore[override]
-        ctx.fn = fn
-        ctx.save_for_backward(*tensors)
+    def forward(fn, *tensors):  # type: ignore[override]
         with autocast_off(tensors[0]):
             return fn(*tensors)
 
     @staticmethod
+    def setup_context(ctx, inputs, output):  # type: ignore[override]
+        ctx.fn = inputs[0]
+        ctx.save_for_backward(*inputs[1:])
+
+    @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         need = ctx.needs_input_grad[1:]
-        create_graph = torch.is_grad_enabled()  # a backward with create_graph=True
-        inputs = list(ctx.saved_tensors)  # reached by the graph only for create_graph
-        if not create_graph:
-            inputs = [t.detach().requires_grad_(n) for t, n in zip(inputs, need, strict=True)]
-        with torch.enable_grad(), autocast_off(grad):
-            out = ctx.fn(*inputs)
-            wanted = [t for t, n in zip(inputs, need, strict=True) if n]
-            grads = iter(torch.autograd.grad(out, wanted, grad, create_graph=create_graph))
+        inputs = ctx.saved_tensors
+        wanted = [i for i, n in enumerate(need) if n]
+
+        def of_wanted(*tensors: torch.Tensor) -> torch.Tensor:
+            args = list(inputs)
+            for i, t in zip(wanted, tensors, strict=True):
+                args[i] = t
+            return ctx.fn(*args)
+
+        # torch.func.vjp rather than autograd.grad: it nests inside torch.func transforms,
+        # and under create_graph=True its result stays differentiable (gradients of gradients)
+        with autocast_off(grad):
+            _, pull = torch.func.vjp(of_wanted, *(inputs[i] for i in wanted))
+            grads = iter(pull(grad))
         return (None, *(next(grads) if n else None for n in need))
 
 

@@ -64,14 +64,23 @@ def _chunked_product(
 
 class _ChunkedProduct(torch.autograd.Function):
     """The causal (or anti-causal) product with a backward of three such products, each
-    again a ``_ChunkedProduct``: gradients of gradients (``create_graph=True``) work too."""
+    again a ``_ChunkedProduct``: gradients of gradients (``create_graph=True``) work too.
+    The product is linear in each of q, k, v, so its jvp is three products as well; the vmap
+    rule is generated, so ``torch.func`` transforms (vmap, jacrev, jvp) work through it."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, q, k, v, chunk, reverse):  # type: ignore[override]
+    def forward(q, k, v, chunk, reverse):  # type: ignore[override]
         acc = accumulation_dtype(q.dtype)
-        ctx.save_for_backward(q, k, v)
-        ctx.chunk, ctx.reverse = chunk, reverse
         return _chunked_product(q.to(acc), k.to(acc), v.to(acc), chunk, reverse)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # type: ignore[override]
+        q, k, v, chunk, reverse = inputs
+        ctx.save_for_backward(q, k, v)
+        ctx.save_for_forward(q, k, v)
+        ctx.chunk, ctx.reverse = chunk, reverse
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
@@ -93,6 +102,19 @@ class _ChunkedProduct(torch.autograd.Function):
         if ctx.needs_input_grad[2]:
             dv = _ChunkedProduct.apply(ka, qa, grad, chunk, not rev).to(v.dtype)
         return dq, dk, dv, None, None
+
+    @staticmethod
+    def jvp(ctx, dq, dk, dv, _chunk, _reverse):  # type: ignore[override]
+        q, k, v = ctx.saved_tensors
+        chunk, rev = ctx.chunk, ctx.reverse
+        with autocast_off(q):
+            out = None
+            for i, tangent in enumerate((dq, dk, dv)):
+                if tangent is not None:
+                    args = [tangent if j == i else x for j, x in enumerate((q, k, v))]
+                    term = _ChunkedProduct.apply(*args, chunk, rev)
+                    out = term if out is None else out + term
+        return out
 
 
 def causal_dot_product_chunked(

@@ -67,13 +67,20 @@ def supports(x: torch.Tensor) -> bool:
 class _CpuProduct(torch.autograd.Function):
     """The compiled causal (or anti-causal) product. A first-order backward of the causal
     product is one fused pass (dk and dv share it); under ``create_graph=True`` the
-    gradients are three such products again, so double backward works too."""
+    gradients are three such products again, so double backward works too. ``torch.func``
+    works through it: the product is linear in each of q, k, v (a jvp of three products),
+    and vmap folds the mapped dimension into the batch."""
 
     @staticmethod
-    def forward(ctx, q, k, v, threads, reverse):  # type: ignore[override]
-        ctx.save_for_backward(q, k, v)
-        ctx.threads, ctx.reverse = threads, reverse
+    def forward(q, k, v, threads, reverse):  # type: ignore[override]
         return extension().causal_product(q, k, v, reverse=reverse, threads=threads)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # type: ignore[override]
+        q, k, v, threads, reverse = inputs
+        ctx.save_for_backward(q, k, v)
+        ctx.save_for_forward(q, k, v)
+        ctx.threads, ctx.reverse = threads, reverse
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
@@ -89,6 +96,30 @@ class _CpuProduct(torch.autograd.Function):
         dk = _CpuProduct.apply(v, grad, q, threads, not rev) if need[1] else None
         dv = _CpuProduct.apply(k, q, grad, threads, not rev) if need[2] else None
         return dq, dk, dv, None, None
+
+    @staticmethod
+    def jvp(ctx, dq, dk, dv, _threads, _reverse):  # type: ignore[override]
+        q, k, v = ctx.saved_tensors
+        out = None
+        for i, tangent in enumerate((dq, dk, dv)):
+            if tangent is not None:
+                args = [tangent if j == i else x for j, x in enumerate((q, k, v))]
+                term = _CpuProduct.apply(*args, ctx.threads, ctx.reverse)
+                out = term if out is None else out + term
+        return out
+
+    @staticmethod
+    def vmap(info, in_dims, q, k, v, threads, reverse):  # type: ignore[override]
+        """``torch.func.vmap``: the mapped dimension (size V) joins the batch,
+        ``(V,B,H,N,F) → (V·B,H,N,F)``, and is split off the output again."""
+        size = info.batch_size
+
+        def fold(t: torch.Tensor, dim: int | None) -> torch.Tensor:
+            t = t.expand(size, *t.shape) if dim is None else t.movedim(dim, 0)
+            return t.reshape(size * t.shape[1], *t.shape[2:])
+
+        out = _CpuProduct.apply(*map(fold, (q, k, v), in_dims[:3]), threads, reverse)
+        return out.reshape(size, -1, *out.shape[1:]), 0
 
 
 def causal_dot_product_cpu(
