@@ -107,6 +107,28 @@ def test_fit_to_softmax_trains_a_float32_map_on_inputs_of_either_dtype(dtype):
     assert all(p.dtype == torch.float32 for p in fm.parameters())
 
 
+def test_quadratic_skip_sizes_the_reference_matrix_in_float32():
+    """The reference's N×N kernel matrix is float32 for bfloat16 inputs, the explicit
+    softmax's stays bfloat16: at N=64 (fwd, B=H=1) they take 32.8 and 16.4 kB, so a
+    limit of 25 kB skips the reference only (it was sized at 16.4 kB, about 2x low)."""
+    frame = ks.analysis.benchmark_attention(
+        [64],
+        head_dim=8,
+        repeats=1,
+        dtype=torch.bfloat16,
+        methods=["softmax_explicit", "linear"],
+        causal=[False],
+        passes=["fwd"],
+        backends=["reference", "torch"],
+        max_quadratic_gb=25e-6,
+        matmul=False,
+    )
+    times = frame[frame.metric == "time_ms"].set_index(["method", "backend"])
+    assert times.loc[("linear", "reference"), "note"].startswith("skipped: N×N buffers")
+    assert times.loc[("softmax_explicit", ""), "value"] > 0
+    assert times.loc[("linear", "torch"), "value"] > 0
+
+
 def test_benchmark_attention_rows_and_skips():
     frame = ks.analysis.benchmark_attention(
         [16, 64], head_dim=8, repeats=2, max_quadratic_gb=1e-6, memory=True

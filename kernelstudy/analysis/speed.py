@@ -27,6 +27,7 @@ from ..arguments import check_count, check_real
 from ..core.attention import linear_attention
 from ..core.backends import backends as available_backends
 from ..core.backends import registered_backends, runs_own_noncausal_attention
+from ..core.validation import accumulation_dtype
 from ..nn.functional import resolve_feature_map
 from .matrices import MapSpec
 
@@ -233,7 +234,8 @@ def benchmark_attention(
         device, dtype: where and in what precision.
         repeats, warmup: timed and untimed calls per measurement.
         memory: also measure peak memory (one extra call).
-        max_quadratic_gb: skip explicit-matrix methods whose N×N buffers would exceed this.
+        max_quadratic_gb: skip explicit-matrix methods whose N×N buffers would exceed this
+            (GB; the reference's matrix counted in its accumulation dtype).
         time_limit_s: once a method's median time exceeds this, skip its larger N.
         matmul: add a ``matmul`` row with the measured GFLOP/s of this run.
 
@@ -319,7 +321,12 @@ def benchmark_attention(
             variants.append((method, backend, is_causal, pass_))
 
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    elem = torch.finfo(dtype).bits // 8
+    # bytes per N×N entry: the explicit softmax keeps the inputs' dtype; the reference's
+    # kernel matrix is in the accumulation dtype (float32 for half inputs)
+    elem = {
+        "softmax_explicit": torch.finfo(dtype).bits // 8,
+        "linear": torch.finfo(accumulation_dtype(dtype)).bits // 8,
+    }
     for method, backend, is_causal, pass_ in variants:
         too_slow = False
         for n in seq_lens:
@@ -333,7 +340,9 @@ def benchmark_attention(
                 "feature_dim": fm.feature_dim if method == "linear" else 0,
             }
             note = ""
-            quad_gb = batch * heads * n * n * elem * (4 if pass_ == "fwd+bwd" else 2) / 1e9
+            quad_gb = (
+                batch * heads * n * n * elem.get(method, 0) * (4 if pass_ == "fwd+bwd" else 2) / 1e9
+            )
             if too_slow:
                 note = f"skipped: a shorter N took longer than time_limit_s={time_limit_s}"
             elif _quadratic(method, backend) and quad_gb > max_quadratic_gb:
