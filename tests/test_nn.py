@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -405,3 +406,64 @@ def test_module_forward_and_parameter_grads_match_explicit(name, causal):
     ):
         assert torch.isfinite(a).all()
         assert rel_err(a, w, floor=1e-6) <= 1e-10
+
+
+@pytest.mark.parametrize("attention", ["kernel", "softmax"])
+def test_encoder_names_a_bad_input_instead_of_layer_norm_failing(attention):
+    """LayerNorm ran before the attention's checks: a wrong width or dtype raised
+    RuntimeError ("Given normalized_shape", "mixed dtype") and a list a TypeError from
+    layer_norm(), none naming x."""
+    enc = ks.nn.TransformerEncoder(2, 16, 2, attention=attention, causal=True)
+    with pytest.raises(ValueError, match=r"x must have shape \(batch, seq, 16\)"):
+        enc(torch.randn(2, 5, 15))
+    with pytest.raises(TypeError, match="x has dtype torch.float64"):
+        enc(torch.randn(2, 5, 16, dtype=torch.float64))
+    with pytest.raises(TypeError, match="x must be a torch.Tensor, got list"):
+        enc([[0.0] * 16])
+    with pytest.raises(TypeError, match="x must be a float tensor"):
+        enc(torch.ones(2, 5, 16, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"x_t must have shape \(batch, 16\)"):
+        enc.step(torch.randn(2, 15))
+    with pytest.raises(TypeError, match="x_t has dtype torch.float64"):
+        enc.step(torch.randn(2, 16, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"x must have shape \(batch, seq, 16\)"):
+        enc.layers[0](torch.randn(2, 5, 15))
+
+
+@pytest.mark.parametrize("d_model", [-16, "16", 16.0])
+def test_a_bad_d_model_is_named_not_d_ff(d_model):
+    """The default d_ff = 4·d_model was checked first: d_model=-16 raised "d_ff must be a
+    positive int, got -64" ('16' gave '16161616'); EncoderLayer hit LayerNorm's errors."""
+    with pytest.raises(ValueError, match="d_model must be a positive int"):
+        ks.nn.TransformerEncoder(2, d_model, 2)
+    with pytest.raises(ValueError, match="d_model must be a positive int"):
+        ks.nn.EncoderLayer(d_model, 2, 32)
+
+
+def test_a_numpy_seed_gives_each_layer_its_own_draw():
+    """A numpy int seed (which the maps accept) skipped the per-layer offset: every layer
+    drew the same FAVOR+ projection."""
+    encoders = [
+        ks.nn.TransformerEncoder(3, 16, 2, feature_map="favor", feature_map_kwargs={"seed": s})
+        for s in (np.int64(5), 5)
+    ]
+    maps = [[layer.attn.feature_map for layer in enc.layers] for enc in encoders]
+    assert [int(m.hparams["seed"]) for m in maps[0]] == [5, 6, 7]
+    assert not torch.equal(maps[0][0].weight, maps[0][1].weight)
+    assert all(torch.equal(a.weight, b.weight) for a, b in zip(*maps, strict=True))
+
+
+def test_masked_mean_pooling_of_a_float16_model_does_not_overflow():
+    """The masked mean summed 4096 float16 vectors in float16: a channel at 20 summed to
+    81920 > 65504 = inf, so logits were NaN with a mask of all True and finite without."""
+    torch.manual_seed(0)
+    model = ks.nn.SequenceClassifier(20, 3, d_model=16, n_heads=2, n_layers=1, dropout=0.0)
+    with torch.no_grad():
+        model.encoder.norm.bias[0] = 20.0  # one large channel after the final norm
+    model = model.half().eval()
+    ids = torch.randint(0, 20, (1, 4096))
+    with torch.no_grad():
+        free = model(ids)
+        masked = model(ids, torch.ones_like(ids, dtype=torch.bool))
+    assert torch.isfinite(free).all()
+    torch.testing.assert_close(masked, free, rtol=1e-2, atol=1e-2)

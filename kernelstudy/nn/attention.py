@@ -29,6 +29,13 @@ class KVCache:
     v: torch.Tensor
 
 
+def check_size(name: str, value: object) -> int:
+    """``value`` if it is a positive int (not a bool), else ValueError naming ``name``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
 def check_dropout(dropout: object) -> float:
     """``dropout`` as a float in [0, 1), else TypeError/ValueError naming it."""
     if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real):  # numpy floats too
@@ -53,6 +60,7 @@ class KernelAttention(nn.Module):
         feature_map_kwargs: hyperparameters for a map given by name.
         eps: normalizer guard of linear attention.
         backend: core backend (None: ``KERNELSTUDY_BACKEND`` or auto).
+        bias: biases in the q/k/v and output projections.
 
     Input ``x: (B,N,d_model)``, optional ``key_padding_mask: (B,N)`` bool (True =
     real token); output ``(B,N,d_model)``.
@@ -72,9 +80,8 @@ class KernelAttention(nn.Module):
         bias: bool = True,
     ) -> None:
         super().__init__()
-        for arg, value in (("d_model", d_model), ("n_heads", n_heads)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{arg} must be a positive int, got {value!r}")
+        check_size("d_model", d_model)
+        check_size("n_heads", n_heads)
         if d_model % n_heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
         if attention not in ATTENTION_KINDS:
@@ -107,7 +114,9 @@ class KernelAttention(nn.Module):
         b, h, n, d = y.shape
         return self.out(self.dropout(y.transpose(1, 2).reshape(b, n, h * d)))
 
-    def _check_input(self, x: object, name: str = "x", shape: str = "batch, seq") -> None:
+    def check_input(self, x: object, name: str = "x", shape: str = "batch, seq") -> None:
+        """TypeError/ValueError naming ``name`` unless ``x`` is a tensor of shape
+        ``(shape, d_model)`` in the layer's dtype (or under autocast) and on its device."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() != shape.count(",") + 2 or x.shape[-1] != self.d_model:
@@ -115,6 +124,8 @@ class KernelAttention(nn.Module):
                 f"{name} must have shape ({shape}, {self.d_model}), got {tuple(x.shape)}"
             )
         weight = self.qkv.weight
+        if not x.is_floating_point():
+            raise TypeError(f"{name} must be a float tensor (token features), got {x.dtype}")
         if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
             raise TypeError(
                 f"{name} has dtype {x.dtype} but the layer's weights are {weight.dtype}: convert "
@@ -130,7 +141,7 @@ class KernelAttention(nn.Module):
     ) -> torch.Tensor:
         """Self-attention over ``x: (B,N,d_model)`` (float) → ``(B,N,d_model)``;
         ``key_padding_mask: (B,N)`` bool, True = real token."""
-        self._check_input(x)
+        self.check_input(x)
         q, k, v = self._heads(x)
         if self.feature_map is None:
             y = softmax_attention(q, k, v, causal=self.causal, key_padding_mask=key_padding_mask)
@@ -164,7 +175,7 @@ class KernelAttention(nn.Module):
                 "step() of a layer whose feature map redraws in training (redraw_every > 0) "
                 "needs eval mode (layer.eval()): a redraw would mix two draws in the state"
             )
-        self._check_input(x_t, "x_t", "batch")
+        self.check_input(x_t, "x_t", "batch")
         kind = KVCache if self.feature_map is None else RecurrentState
         if state is not None and not isinstance(state, kind):
             raise TypeError(

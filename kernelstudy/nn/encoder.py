@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -11,7 +12,7 @@ from torch import nn
 from ..arguments import check_flag
 from ..core.recurrent import RecurrentState
 from ..feature_maps import FeatureMap
-from .attention import KernelAttention, KVCache
+from .attention import KernelAttention, KVCache, check_size
 
 LayerState = RecurrentState | KVCache | None
 
@@ -33,8 +34,8 @@ class EncoderLayer(nn.Module):
         backend: str | None = None,
     ) -> None:
         super().__init__()
-        if not isinstance(d_ff, int) or isinstance(d_ff, bool) or d_ff < 1:
-            raise ValueError(f"d_ff must be a positive int, got {d_ff!r}")
+        check_size("d_model", d_model)  # before d_ff and LayerNorm(d_model) use it
+        check_size("d_ff", d_ff)
         self.norm1 = nn.LayerNorm(d_model)
         self.attn = KernelAttention(
             d_model,
@@ -58,11 +59,13 @@ class EncoderLayer(nn.Module):
     ) -> torch.Tensor:
         """Pre-norm block: attention then feed-forward, each residual.
         ``x: (B,N,d_model)`` → ``(B,N,d_model)``; ``key_padding_mask: (B,N)`` bool."""
+        self.attn.check_input(x)  # named errors, not LayerNorm's RuntimeError
         x = x + self.drop(self.attn(self.norm1(x), key_padding_mask))
         return x + self.drop(self.ffn(self.norm2(x)))
 
     def step(self, x_t: torch.Tensor, state: LayerState) -> tuple[torch.Tensor, LayerState]:
-        """One autoregressive step, ``x_t: (B,d_model)``."""
+        """One autoregressive step, ``x_t: (B,d_model)`` → ``(B,d_model)``."""
+        self.attn.check_input(x_t, "x_t", "batch")
         a, state = self.attn.step(self.norm1(x_t), state)
         x_t = x_t + self.drop(a)
         return x_t + self.drop(self.ffn(self.norm2(x_t))), state
@@ -74,19 +77,20 @@ def layer_map_kwargs(
     layer: int,
     attention: str = "kernel",
 ) -> Mapping[str, Any] | None:
-    """``feature_map_kwargs`` for layer ``layer``: an explicit int ``seed`` (in the kwargs or
-    the config dict) becomes ``seed + layer``, so layers draw independent features (one seed
-    gave every layer the same projection) and the model stays reproducible. Softmax
-    attention has no map: its kwargs pass unchanged (the layer checks them)."""
+    """``feature_map_kwargs`` for layer ``layer``: an explicit int ``seed`` (numpy's too; in
+    the kwargs or the config dict) becomes ``seed + layer``, so layers draw independent
+    features (one seed gave every layer the same projection) and the model stays
+    reproducible. Softmax attention has no map: its kwargs pass unchanged (the layer
+    checks them)."""
     if attention != "kernel":
         return feature_map_kwargs
     if feature_map_kwargs is not None and not isinstance(feature_map_kwargs, Mapping):
         return feature_map_kwargs  # the layer refuses it, naming it
     config = feature_map if isinstance(feature_map, Mapping) else {}
     seed = (feature_map_kwargs or {}).get("seed", config.get("seed"))
-    if layer == 0 or isinstance(seed, bool) or not isinstance(seed, int):
+    if layer == 0 or isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         return feature_map_kwargs  # None and Generators draw anew for each layer anyway
-    return {**(feature_map_kwargs or {}), "seed": (seed + layer) % 2**32}  # the seed range
+    return {**(feature_map_kwargs or {}), "seed": (int(seed) + layer) % 2**32}  # the seed range
 
 
 class TransformerEncoder(nn.Module):
@@ -119,8 +123,8 @@ class TransformerEncoder(nn.Module):
         backend: str | None = None,
     ) -> None:
         super().__init__()
-        if not isinstance(n_layers, int) or isinstance(n_layers, bool) or n_layers < 1:
-            raise ValueError(f"n_layers must be a positive int, got {n_layers!r}")
+        check_size("n_layers", n_layers)
+        check_size("d_model", d_model)  # before the default d_ff = 4·d_model
         if isinstance(feature_map, FeatureMap):
             raise TypeError(
                 "feature_map must be a name or config dict (each layer builds its own map)"

@@ -336,8 +336,10 @@ class SequenceClassifier(_SequenceModel):
             return h[:, 0]
         if mask is None:
             return h.mean(1)
-        w = mask.unsqueeze(-1).to(h.dtype)
-        return (h * w).sum(1) / w.sum(1).clamp_min(1.0)
+        # summed in float32 at least: a float16 sum of 4K tokens overflows to inf
+        acc = torch.promote_types(h.dtype, torch.float32)
+        w = mask.unsqueeze(-1).to(acc)
+        return ((h.to(acc) * w).sum(1) / w.sum(1).clamp_min(1.0)).to(h.dtype)
 
     def forward(self, input_ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Class logits ``(B, num_classes)`` of token ids ``input_ids: (B,N)`` (long);
@@ -410,8 +412,10 @@ class LMState:
 class CausalLM(_SequenceModel):
     """A causal language model: embedding + positions + causal encoder + output head.
 
-    Args: as :class:`SequenceClassifier`, plus ``tie_weights`` (the output head reuses
-    the embedding matrix, no bias).
+    Args: ``vocab_size``, the encoder's sizes, ``attention``/``feature_map``/
+    ``feature_map_kwargs`` and ``positions``/``max_len`` as in :class:`SequenceClassifier`
+    (no classes, pooling or MLP head), plus ``tie_weights`` (the output head reuses the
+    embedding matrix, no bias).
 
     ``forward(input_ids (B,N), mask (B,N) | None) → logits (B,N,vocab_size)``, the
     prediction of token ``t+1`` at position ``t``. :meth:`step` runs one token with
