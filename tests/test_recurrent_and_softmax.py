@@ -187,3 +187,68 @@ def test_softmax_reference_in_float16_stays_finite():
         assert got.dtype == torch.float16 and torch.isfinite(got).all()
         want = ks.core.softmax_attention_reference(q.float(), q.float(), v.float(), causal)
         assert rel_err(got, want) <= 1e-2
+
+
+def test_softmax_reference_takes_a_mask_on_another_device():
+    """softmax_attention moves key_padding_mask to q's device; the reference checked the mask
+    but built its allowed matrix from the original one (a CPU mask with meta or CUDA
+    tensors: RuntimeError 'Tensor on device cpu is not on the expected device')."""
+    q, v = torch.randn(2, 1, 5, 3, device="meta"), torch.randn(2, 1, 5, 4, device="meta")
+    mask = torch.tensor([[True, True, False, True, False], [False] * 5])
+    for causal in (False, True):
+        for fn in (ks.softmax_attention, ks.core.softmax_attention_reference):
+            out = fn(q, q, v, causal, mask)
+            assert out.device.type == "meta" and out.shape == (2, 1, 5, 4)
+
+
+def test_scaled_state_keeps_one_shift_across_input_dtypes():
+    """The shift was taken in the range of each step's feature dtype (float16: e^±9), but
+    the sums are float32 and record no dtype: a key at e^15 stepped in float16 was stored
+    at shift 15, read back in a float32 step at shift 0, and that step's key was added
+    e^15 too high (relative error 1.48 against the exact output)."""
+    f, m = 4, 3
+    q, k_hat = torch.rand(2, 1, 1, 2, f, dtype=torch.float64).unbind(0)
+    v = torch.randn(1, 1, 2, m, dtype=torch.float64)
+    shift = torch.tensor([[[15.0, 0.0]]], dtype=torch.float64)
+    exact = ks.linear_attention(q, k_hat * shift.exp()[..., None], v, causal=True)
+    state = ks.RecurrentState.zeros(1, 1, f, m, scaled=True)
+    for t, dtype in enumerate((torch.float16, torch.float32)):
+        step = (x[:, :, t].to(dtype) for x in (q, k_hat, v))
+        out, state = state.step(*step, shift[:, :, t])
+        assert rel_err(out, exact[:, :, t]) <= 1e-3
+
+
+def test_softmax_reference_keeps_a_nan_query_nan_with_a_mask():
+    """Given any key_padding_mask, the reference zeroed every NaN weight (nan_to_num), so a
+    NaN query came out as 0 there, and NaN without a mask and in softmax_attention."""
+    q, k, v = torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 2)
+    q[0, 0, 1, 0] = float("nan")
+    mask = torch.tensor([[True, True, False]])
+    for causal in (False, True):
+        for fn in (ks.softmax_attention, ks.core.softmax_attention_reference):
+            out = fn(q, k, v, causal, mask)
+            assert out[0, 0, 1].isnan().all() and torch.isfinite(out[0, 0, [0, 2]]).all()
+
+
+def test_a_state_built_directly_is_checked():
+    """``ks.RecurrentState(S, Z, ...)`` skipped every check that ``zeros`` makes: eps=0 (a
+    NaN at the first empty read-out) or mismatched sums were accepted."""
+    s, z = torch.zeros(2, 3, 4, 5), torch.zeros(2, 3, 4)
+    state = ks.RecurrentState(s, z)
+    assert state.eps == 1e-6 and state != ks.RecurrentState(s, z)  # identity, not field-wise ==
+    bad = [
+        ({"S": s.numpy()}, TypeError, "S must be a torch.Tensor"),
+        ({"S": s.half()}, TypeError, "S must be float32 or float64"),
+        ({"S": s[0]}, ValueError, r"S must have shape \(B,H,F,M\)"),
+        ({"Z": z[..., :3]}, ValueError, r"Z must have shape \(2, 3, 4\)"),
+        ({"Z": z.double()}, ValueError, "Z must be torch.float32"),
+        ({"eps": 0.0}, ValueError, "eps must be a finite float > 0"),
+        ({"log_scale": torch.zeros(2)}, ValueError, r"log_scale must have shape \(2, 3\)"),
+        ({"log_scale": [0.0]}, TypeError, "log_scale must be a torch.Tensor"),
+    ]
+    for change, error, match in bad:
+        args = {"S": s, "Z": z, "eps": 1e-6, "log_scale": None, **change}
+        with pytest.raises(error, match=match):
+            ks.RecurrentState(**args)
+    with pytest.raises(TypeError, match="log_max must be a torch.Tensor"):
+        ks.core.exp_shift(3.0, torch.float32)

@@ -40,6 +40,8 @@ def exp_shift(
     negative maximum to 0 (for query rows, whose factor cancels: a larger normalizer
     only shrinks the share of ``eps``). Non-decreasing in ``log_max``.
     """
+    if not isinstance(log_max, torch.Tensor):
+        raise TypeError(f"log_max must be a torch.Tensor, got {type(log_max).__name__}")
     if dtype not in SAFE_EXPONENTS:
         raise TypeError(f"dtype must be one of {list(SAFE_EXPONENTS)}, got {dtype}")
     lo, hi = SAFE_EXPONENTS[dtype]

@@ -6,10 +6,11 @@ sequence reproduces ``linear_attention(..., causal=True)``.
 
 A *scaled* state (``zeros(..., scaled=True)``) also keeps ``log_scale``, the
 running maximum of the keys' log scales ``m``, and holds ``S·exp(−c)`` and
-``Z·exp(−c)`` with ``c = exp_shift(m)``: 0 while ``m`` lies in the features' safe
-range (:mod:`kernelstudy.core.exp_range`), as the batch key stabilizer of FAVOR+ and
-Hedgehog, so stepping gives the batch output; beyond it, keys whose features are exp
-of large exponents do not overflow. The factor cancels in the normalized output.
+``Z·exp(−c)`` with ``c = exp_shift(m)``: 0 while ``m`` lies in the safe range of the
+sums' dtype (:mod:`kernelstudy.core.exp_range`; float32's for half inputs, which are
+summed in float32, as ``kernel_attention`` maps them), as the batch key stabilizer of
+FAVOR+ and Hedgehog, so stepping gives the batch output; beyond it, keys whose features
+are exp of large exponents do not overflow. The factor cancels in the normalized output.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from .validation import (
 )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # no field-wise ==: tensors have no single truth value
 class RecurrentState:
     """Running sums ``S: (B,H,F,M)`` and ``Z: (B,H,F)``; immutable, ``step`` returns a new one.
 
@@ -42,6 +43,30 @@ class RecurrentState:
     Z: torch.Tensor
     eps: float = 1e-6
     log_scale: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        """Checks a state built directly (``zeros`` and ``step`` build valid ones)."""
+        for name, t in (("S", self.S), ("Z", self.Z), ("log_scale", self.log_scale)):
+            if not (isinstance(t, torch.Tensor) or (name == "log_scale" and t is None)):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        s, z = self.S, self.Z
+        if s.dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"S must be float32 or float64 (the sums' dtype), got {s.dtype}")
+        if s.dim() != 4:
+            raise ValueError(f"S must have shape (B,H,F,M), got {tuple(s.shape)}")
+        expected = {"Z": s.shape[:3], "log_scale": s.shape[:2]}
+        for name, t in (("Z", z), ("log_scale", self.log_scale)):
+            if t is None:
+                continue
+            if t.shape != expected[name]:
+                raise ValueError(
+                    f"{name} must have shape {tuple(expected[name])} (from S), got {tuple(t.shape)}"
+                )
+            if t.dtype != s.dtype or t.device != s.device:
+                raise ValueError(
+                    f"{name} must be {s.dtype} on {s.device} as S, got {t.dtype} on {t.device}"
+                )
+        object.__setattr__(self, "eps", check_eps(self.eps, s.dtype))
 
     @classmethod
     def zeros(
@@ -130,9 +155,10 @@ class RecurrentState:
                 )
             old, new = self.log_scale.to(acc), k_log_scale.to(acc)
             log_scale = torch.maximum(old, new)
-            shift = exp_shift(log_scale, phi_k_t.dtype)
+            # the sums' dtype, not the step's: the sums keep one shift whatever each step holds
+            shift = exp_shift(log_scale, acc)
             # exp_shift grows with its argument, so decay <= 1 (1 while the state is empty)
-            shift_old = torch.where(old == -torch.inf, shift, exp_shift(old, phi_k_t.dtype))
+            shift_old = torch.where(old == -torch.inf, shift, exp_shift(old, acc))
             decay = torch.exp(shift_old - shift)
             s = s * decay[..., None, None]
             z = z * decay[..., None]

@@ -82,6 +82,10 @@ def softmax_attention_reference(
     """The same as :func:`softmax_attention`, written out with an explicit ``(B,H,N,S)`` matrix."""
     causal = check_qkv(q, k, v, names=("q", "k", "v"), causal=causal)
     scale = _check_scale(q, scale)
+    if key_padding_mask is not None:  # on q's device, as softmax_attention takes it
+        key_padding_mask = check_key_padding_mask(
+            key_padding_mask, k.shape[0], k.shape[2], k.device
+        )
     k, v = zero_padded_keys(k, v, key_padding_mask)
     acc = accumulation_dtype(q.dtype)  # float16 scores overflowed to inf, then NaN
     allowed = _allowed(q.shape[2], k.shape[2], causal, key_padding_mask, q.device)
@@ -90,5 +94,7 @@ def softmax_attention_reference(
         if allowed is None:
             return (torch.softmax(scores, dim=-1) @ v.to(acc)).to(q.dtype)
         scores = scores.masked_fill(~allowed, float("-inf"))
-        weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+        # rows with no key are 0/0 = NaN: zero those only (a NaN query stays NaN, as in SDPA)
+        empty = ~allowed.any(-1, keepdim=True)
+        weights = torch.softmax(scores, dim=-1).masked_fill(empty, 0.0)
         return (weights @ v.to(acc)).to(q.dtype)
