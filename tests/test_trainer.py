@@ -419,6 +419,32 @@ def test_classification_labels_are_checked_before_the_loss():
         assert loss.item() == want.item() and stats["count"] == 2
 
 
+def test_objective_refuses_malformed_batches_by_name():
+    """A 0-dim label (one uncollated item) failed with IndexError, a non-tensor value with
+    AttributeError, a tuple batch with a RuntimeError from sorting its tensors."""
+
+    class Fixed(nn.Module):
+        def forward(self, ids, mask=None):
+            return torch.zeros(ids.shape[0], 3)
+
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"label must have shape \(batch,\), got \(\)"):
+        Objective("classification")(Fixed(), {"input_ids": ids, "label": torch.tensor(2)})
+    for batch, key in (
+        ({"input_ids": ids, "label": 2}, "label"),
+        ({"input_ids": ids, "label": [2]}, "label"),
+        ({"input_ids": ids.tolist(), "label": torch.tensor([2])}, "input_ids"),
+        ({"input_ids": ids, "mask": [[True] * 4], "label": torch.tensor([2])}, "mask"),
+    ):
+        with pytest.raises(TypeError, match=rf"batch\['{key}'\] must be a tensor"):
+            Objective("classification")(Fixed(), batch)
+    lm_batch = {"input_ids": ids, "targets": ids, "loss_mask": [[True] * 4]}
+    with pytest.raises(TypeError, match=r"batch\['loss_mask'\] must be a tensor"):
+        Objective("lm")(Fixed(), lm_batch)
+    with pytest.raises(TypeError, match="batch must be a dict of tensors, got tuple"):
+        Objective("classification")(Fixed(), (torch.zeros(4, 6), torch.zeros(4)))
+
+
 def test_lm_and_matching_tasks_train():
     torch.manual_seed(0)
     copy = CopyTask("train", seq_len=12, n_symbols=4, num_samples=64)
@@ -477,6 +503,17 @@ def test_schedules():
     assert WarmupDecay("constant", 0, 5)(4) == 1.0
     with pytest.raises(ValueError, match="schedule"):
         WarmupDecay("step", 0, 5)
+    # bools passed as counts, a string min_ratio (a TypeError from `<=`), and the message
+    # named min_lr_ratio (TrainConfig's field), not this argument
+    for kwargs, error, match in (
+        ({"warmup_steps": True}, ValueError, "warmup_steps must be an int"),
+        ({"total_steps": True}, ValueError, "total_steps must be an int"),
+        ({"min_ratio": "0.1"}, TypeError, "min_ratio must be a float"),
+        ({"min_ratio": True}, TypeError, "min_ratio must be a float"),
+        ({"min_ratio": 1.5}, ValueError, r"^min_ratio must be in \[0, 1\]"),
+    ):
+        with pytest.raises(error, match=match):
+            WarmupDecay(**{"schedule": "linear", "warmup_steps": 0, "total_steps": 5, **kwargs})
     trainer = Trainer(
         _classifier(), ContainsTask(32), _config(steps=8, eval_every=1, warmup_steps=4)
     )

@@ -25,6 +25,12 @@ REQUIRED_KEYS = {
     "matching": ("input_ids_1", "input_ids_2", "label"),
     "lm": ("input_ids", "targets"),
 }
+#: optional mask keys each task type reads
+MASK_KEYS = {
+    "classification": ("mask",),
+    "matching": ("mask_1", "mask_2"),
+    "lm": ("loss_mask", "mask"),
+}
 
 Batch = Mapping[str, torch.Tensor]
 
@@ -85,26 +91,32 @@ class Objective:
         self.task_type = task_type
 
     def __call__(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, dict]:
+        if not isinstance(batch, Mapping):
+            raise TypeError(f"batch must be a dict of tensors, got {type(batch).__name__}")
         missing = [k for k in REQUIRED_KEYS[self.task_type] if k not in batch]
         if missing:
             raise ValueError(
                 f"a {self.task_type} batch needs key(s) {missing}; got {sorted(batch)}"
             )
+        for key in (*REQUIRED_KEYS[self.task_type], *MASK_KEYS[self.task_type]):
+            value = batch.get(key)
+            if value is not None and not isinstance(value, torch.Tensor):
+                raise TypeError(f"batch[{key!r}] must be a tensor, got {type(value).__name__}")
         if self.task_type == "lm":
             return self._lm(model, batch)
+        label = batch["label"]
+        if label.dim() != 1:  # checked before the model runs
+            raise ValueError(f"label must have shape (batch,), got {tuple(label.shape)}")
         if self.task_type == "matching":
             logits = model(
                 batch["input_ids_1"], batch.get("mask_1"), batch["input_ids_2"], batch.get("mask_2")
             )
         else:
             logits = model(batch["input_ids"], batch.get("mask"))
-        label = batch["label"]
         if logits.dim() != 2 or logits.shape[0] != label.shape[0]:
             raise ValueError(
                 f"the model must return (batch, classes) logits, got {tuple(logits.shape)}"
             )
-        if label.dim() != 1:
-            raise ValueError(f"label must have shape (batch,), got {tuple(label.shape)}")
         check_classes("label", label, logits.shape[1])
         label = label.long()  # cross_entropy takes int64 (int32 labels come from NumPy)
         loss = F.cross_entropy(logits.float(), label)

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..arguments import check_count, check_real
+
 SCHEDULES = ("constant", "linear", "cosine", "inverse_sqrt")
 
 
@@ -30,12 +32,10 @@ class WarmupDecay:
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        if not isinstance(self.total_steps, int) or self.total_steps < 1:
-            raise ValueError(f"total_steps must be a positive int, got {self.total_steps!r}")
-        if not isinstance(self.warmup_steps, int) or not 0 <= self.warmup_steps:
-            raise ValueError(f"warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
-        if not 0.0 <= self.min_ratio <= 1.0:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_ratio!r}")
+        check_count("total_steps", self.total_steps, 1)
+        check_count("warmup_steps", self.warmup_steps, 0)
+        if check_real("min_ratio", self.min_ratio) > 1.0:
+            raise ValueError(f"min_ratio must be in [0, 1], got {self.min_ratio!r}")
 
     def __call__(self, step: int) -> float:
         w = self.warmup_steps
