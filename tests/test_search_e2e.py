@@ -174,6 +174,20 @@ def test_a_suggested_combination_the_model_refuses_is_pruned(tmp_path, monkeypat
     assert row.loc[0, "over_budget"] == 0 and row.loc[0, "pruned"] == len(by_degree[3])
 
 
+def test_learned_positions_cover_a_longer_val_split(tmp_path):
+    """A val split padded longer than train's (a per-split max_length) with learned
+    positions: the model was sized from the train split only, so every trial trained and
+    then failed at its first evaluation ("position 47 is beyond max_len=32")."""
+    cfg = write_config(tmp_path, ["elu+1"], steps=2)
+    text = cfg.read_text().replace(
+        "[model]\n", '[task_options.val]\nmax_length = 48\n[model]\npositions = "learned"\n'
+    )
+    cfg.write_text(text.replace("trials = 2", "trials = 1"))
+    assert ks("search", cfg, "--out", tmp_path / "res") == 0
+    (trial,) = studies(tmp_path / "res")["tiny/elu+1"].get_trials()
+    assert trial.state == TrialState.COMPLETE
+
+
 def test_a_search_whose_every_trial_runs_out_of_memory_exits_1(tmp_path, capsys, monkeypatch):
     """Every trial failing (here: out of memory in the first step) used to keep the search
     running forever; it stops after a few in a row, naming the error, and a rerun retries."""

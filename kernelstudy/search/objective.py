@@ -153,11 +153,23 @@ def load_split(config: SearchConfig, path: Path | None, split: str) -> SequenceT
 # ----------------------------------------------------------------------------- one run
 
 
+def longest_split(config: SearchConfig, data: Path | None) -> int | None:
+    """The length the config's longest split pads to (None for tasks without one): a val or
+    test split may be longer than train's (per-split ``max_length``)."""
+    splits = [load_split(config, data, split) for split in ("train", "val", "test")]
+    return max(int(getattr(split, "max_length", 0)) for split in splits) or None
+
+
 def build_model(
-    config: SearchConfig, variant: Variant, settings: TrialSettings, task: SequenceTask
+    config: SearchConfig,
+    variant: Variant,
+    settings: TrialSettings,
+    task: SequenceTask,
+    longest: int | None = None,
 ) -> tuple[nn.Module, dict[str, Any]]:
-    """The model and its sizes (parameters of model and feature maps, feature dimension)."""
-    model = model_for_task(task, **settings.model_kwargs(config, variant))
+    """The model and its sizes (parameters of model and feature maps, feature dimension);
+    ``longest``: as in :func:`kernelstudy.train.model_for_task`."""
+    model = model_for_task(task, longest, **settings.model_kwargs(config, variant))
     total, fm = parameter_count(model), feature_map_parameter_count(model)
     sizes = {
         "params_model": total,
@@ -201,7 +213,7 @@ def train_run(
     val, test = load_split(config, data, "val"), load_split(config, data, "test")
     seed_everything(seed)  # the model's initialization too
     try:
-        model, sizes = build_model(config, variant, settings, train)
+        model, sizes = build_model(config, variant, settings, train, longest_split(config, data))
     except ValueError as err:  # the defaults built (check_variants): a suggested combination
         if trial is None:  # the model refuses, such as too many polynomial features
             raise
@@ -276,11 +288,12 @@ def default_settings(config: SearchConfig, variant: Variant) -> TrialSettings:
 def check_variants(config: SearchConfig, data: Path | None) -> dict[str, str]:
     """Build every variant's model once at its defaults (no training): bad model settings
     fail here, before any worker starts. Returns ``{label: reason}`` of over-budget ones."""
-    task = load_split(config, data, "train")
+    task, longest = load_split(config, data, "train"), longest_split(config, data)
     over = {}
     for variant in config.variants:
         try:
-            _, sizes = build_model(config, variant, default_settings(config, variant), task)
+            settings = default_settings(config, variant)
+            _, sizes = build_model(config, variant, settings, task, longest)
         except (TypeError, ValueError) as err:
             raise ValueError(f"{config.path}: variant {variant.label!r}: {err}") from err
         reason = over_budget(sizes, config.budget)

@@ -349,19 +349,12 @@ def build_model(
             f"known: {sorted(allowed)}"
         )
     kwargs = dict(settings["model"])
-    if longest is not None:
-        kwargs.setdefault("max_len", longest)
-        if kwargs.get("positions") == "learned" and kwargs["max_len"] < longest:
-            raise ValueError(
-                f"model option max_len={kwargs['max_len']} is below the length the splits pad "
-                f"to (the task's max_length, {longest}), which learned positions must cover"
-            )
     kwargs["attention"] = settings["attention"]
     if settings["feature_map"]:
         kwargs["feature_map_kwargs"] = dict(settings["feature_map"])
     seed_everything(seed)
     try:
-        return model_for_task(task, **kwargs)
+        return model_for_task(task, longest, **kwargs)
     except (ValueError, TypeError) as err:
         raise type(err)(f"bad model configuration: {err}") from err
 

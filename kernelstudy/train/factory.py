@@ -21,14 +21,27 @@ def task_type_of(task: Any) -> str:
     return "lm" if task.num_classes is None else "classification"
 
 
-def model_for_task(task: Any, **model_kwargs: Any) -> nn.Module:
+def model_for_task(task: Any, longest: int | None = None, **model_kwargs: Any) -> nn.Module:
     """Build the model for ``task`` with its vocabulary, classes and ``max_len``.
 
     ``model_kwargs`` go to :class:`SequenceClassifier`, :class:`MatchingClassifier` or
     :class:`CausalLM` (e.g. ``d_model``, ``attention``, ``feature_map``, ``pooling``).
+    ``longest``: the length the longest split pads to (a val or test split may be longer
+    than ``task``'s); ``max_len`` defaults to it, and a learned encoding's ``max_len`` must
+    reach it (else a run fails at its first evaluation, after training has started).
     """
     kind = task_type_of(task)
-    model_kwargs.setdefault("max_len", int(getattr(task, "max_length", 4096)))
+    own = int(getattr(task, "max_length", 4096))
+    if longest is None:
+        model_kwargs.setdefault("max_len", own)
+    else:
+        model_kwargs.setdefault("max_len", max(own, longest))
+        if model_kwargs.get("positions") == "learned" and model_kwargs["max_len"] < longest:
+            raise ValueError(
+                f"model option max_len={model_kwargs['max_len']} is below the length the "
+                f"splits pad to (the task's max_length, {longest}), which learned positions "
+                "must cover"
+            )
     if kind == "lm":
         return CausalLM(task.vocab_size, **model_kwargs)
     cls = MatchingClassifier if kind == "matching" else SequenceClassifier
