@@ -10,6 +10,7 @@ import pandas as pd
 import torch
 
 import kernelstudy as ks
+from kernelstudy.arguments import check_count
 from kernelstudy.study import check_names, main, markdown_table, not_run_section
 
 PERFORMER_METRICS = ("kernel_mse", "attention_mse")
@@ -19,6 +20,9 @@ def configs(params: dict) -> list[dict]:
     """Part "performer": one config per (map, D, std, R, orthogonal), seeds inside.
     Part "maps": one config per (registered map, std, seed)."""
     out = []
+    # 0 seeds left a part without configs (or failed later as "No objects to concatenate")
+    seeds = check_count("seeds", params["seeds"], 1)
+    map_seeds = check_count("map_seeds", params["map_seeds"], 1)
     maps = ks.list_feature_maps()
     excluded = check_names("exclude_maps", params["exclude_maps"], maps)
     for name in check_names("performer_maps", params["performer_maps"], maps):
@@ -34,7 +38,7 @@ def configs(params: dict) -> list[dict]:
                                 "std": std,
                                 "num_features": r,
                                 "orthogonal": orthogonal,
-                                "seeds": params["seeds"],
+                                "seeds": seeds,
                                 "n": params["seq_len"],
                             }
                         )
@@ -42,7 +46,7 @@ def configs(params: dict) -> list[dict]:
         if name in excluded:
             continue
         for std in params["map_stds"]:
-            for seed in range(params["map_seeds"]):
+            for seed in range(map_seeds):
                 out.append(
                     {
                         "part": "maps",
@@ -182,16 +186,22 @@ def performer_table(frame: pd.DataFrame, metric: str = "attention_mse") -> pd.Da
 
 
 def smallest_r_beating_uniform(table: pd.DataFrame) -> pd.DataFrame:
-    """Per (map, D, std) and feature kind: the smallest R whose mean MSE is below uniform's."""
+    """Per (map, D, std) and feature kind: the smallest R whose mean MSE is below uniform's,
+    among the R that kind was run at ("> R_max" when none is; "–" when it has no rows)."""
     rows = []
     for (name, d, std), group in table.groupby(["map", "head_dim", "std"]):
         group = group.sort_values("num_features")
         row = {"map": name, "D": d, "std": std, "uniform MSE": group["uniform"].iloc[0]}
         for label, col in (("iid", "iid_mean"), ("orthogonal", "orth_mean")):
-            beats = group[group[col] < group["uniform"]]["num_features"]
-            row[f"smallest R, {label}"] = (
-                int(beats.min()) if len(beats) else f"> {int(group.num_features.max())}"
-            )
+            # only the R this kind was run at (a run with --only may have left some out)
+            measured = group[group[col].notna()]
+            beats = measured[measured[col] < measured["uniform"]]["num_features"]
+            if len(beats):
+                row[f"smallest R, {label}"] = int(beats.min())
+            elif len(measured):
+                row[f"smallest R, {label}"] = f"> {int(measured.num_features.max())}"
+            else:
+                row[f"smallest R, {label}"] = "–"  # not run yet: no verdict
         rows.append(row)
     return pd.DataFrame(rows)
 

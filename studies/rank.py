@@ -26,6 +26,7 @@ import pandas as pd
 import torch
 
 import kernelstudy as ks
+from kernelstudy.arguments import check_count
 from kernelstudy.study import check_names, main, markdown_table, not_run_section
 from kernelstudy.tasks import CopyTask
 from kernelstudy.train.trainer import TrainConfig, Trainer
@@ -52,8 +53,9 @@ def configs(params: dict) -> list[dict]:
             f = ks.analysis.matched_feature_map(name, d, target).feature_dim
             todo.append((name, f, n))
     out = _copy_configs(params)
+    seeds = check_count("seeds", params["seeds"], 1)  # 0 left the part out without a word
     for method, f, n in sorted(set(todo)):
-        for seed in range(params["seeds"]):
+        for seed in range(seeds):
             out.append(
                 {
                     "part": "gaussian",
@@ -115,7 +117,7 @@ def _copy_configs(params: dict) -> list[dict]:
             **{k: v for k, v in c.items() if k not in ("models", "seeds")},
         }
         for name in check_names("copy.models", c["models"], known)
-        for seed in range(c["seeds"])
+        for seed in range(check_count("copy.seeds", c["seeds"], 1))
     ]
 
 

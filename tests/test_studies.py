@@ -514,6 +514,22 @@ def test_performer_verdict_reports_noise_as_unresolved():
     assert table.set_index("num_features").loc[64, "orth/iid"].startswith("– (4 seeds")
 
 
+def test_smallest_r_beating_uniform_counts_only_the_r_each_kind_was_run_at():
+    """A partial run (--only) left orthogonal rows at R=16 only, or none: the table said
+    orthogonal does not beat uniform up to the largest R of the iid rows ("> 256")."""
+    module = study.load_study("approximation")
+    frame = _performer_frame(ratio=0.5, spread=0.1)  # MSE ~1/R (iid), 0.5/R (orthogonal)
+    frame.loc[frame.method == "uniform", "value"] = 0.01
+    smallest = lambda f: module.smallest_r_beating_uniform(module.performer_table(f)).iloc[0]  # noqa: E731
+    full = smallest(frame)
+    assert (full["smallest R, iid"], full["smallest R, orthogonal"]) == (256, 64)
+    orth = (frame.orthogonal == True) & (frame.method != "uniform")  # noqa: E712
+    row = smallest(frame[~(orth & (frame.num_features > 16))])
+    assert (row["smallest R, iid"], row["smallest R, orthogonal"]) == (256, "> 16")
+    row = smallest(frame[~orth])
+    assert (row["smallest R, iid"], row["smallest R, orthogonal"]) == (256, "–")
+
+
 def _shrunk(name: str, **changes) -> tuple[object, list[dict]]:
     """A repo study's module and its quick configs with sizes overridden (smoke tests)."""
     module = study.load_study(name)
@@ -815,6 +831,29 @@ def test_a_mistyped_map_in_a_study_config_is_refused():
     params["copy"] = {**params["copy"], "models": ["softmax", "elu+1"]}
     with pytest.raises(ValueError, match="copy.models: unknown name"):
         study.load_study("rank").configs(params)
+    params = {**study.load_params("generation", quick=True), "feature_map": "elu+1"}
+    with pytest.raises(ValueError, match="feature_map: unknown name"):
+        study.load_study("generation").configs(params)
+
+
+def test_a_study_config_with_no_seeds_is_refused():
+    """0 seeds dropped a part without a word (its summary section then said `--only part=...`
+    runs it, which found no configuration) or failed as "No objects to concatenate"."""
+    for name, key, part in [
+        ("approximation", "seeds", "performer"),
+        ("approximation", "map_seeds", "maps"),
+        ("rank", "seeds", "gaussian"),
+        ("rank", "copy.seeds", "copy"),
+    ]:
+        params = study.load_params(name, quick=True)
+        if key.startswith("copy."):
+            params["copy"] = {**params["copy"], "seeds": 0}
+        else:
+            params[key] = 0
+        with pytest.raises(ValueError, match=f"{key} must be an int >= 1, got 0"):
+            study.load_study(name).configs(params)
+        params = study.load_params(name, quick=True)  # the shipped ones run every part
+        assert part in {c["part"] for c in study.load_study(name).configs(params)}
 
 
 def test_load_results_picks_the_device_in_extra_tables_too(toy_studies):
