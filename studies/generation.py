@@ -102,7 +102,11 @@ def figures(frame: pd.DataFrame, params: dict) -> dict:
         sub = rows[rows["metric"] == metric]
         if not sub.empty:
             figs[f"generation_{metric}"] = ks.analysis.plots.line_plot(
-                sub, "length", hue="run", errorbar=None, ylabel=metric
+                sub,
+                "length",
+                hue="run",
+                errorbar=None,
+                ylabel=ks.analysis.plots.metric_label(metric),
             )
     return figs
 

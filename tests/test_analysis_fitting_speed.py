@@ -419,7 +419,8 @@ def test_plots_return_figures():
     bars = ks.analysis.plots.plot_map_comparison(frame.assign(stage="x"), metric="attention_kl")
     assert isinstance(bars, Figure)
     speed = ks.analysis.benchmark_attention([16, 32], head_dim=4, repeats=1, memory=False)
-    assert isinstance(ks.analysis.plots.plot_speed(speed), Figure)
+    fig = ks.analysis.plots.plot_speed(speed)
+    assert isinstance(fig, Figure) and fig.axes[0].get_ylabel() == "time (ms)"  # with its unit
     read_back = speed.assign(backend=speed.backend.replace("", np.nan))  # as from a CSV
     relabelled = ks.analysis.plots.plot_speed(read_back)
     labels = [t.get_text() for legend in relabelled.legends for t in legend.get_texts()]

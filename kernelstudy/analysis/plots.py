@@ -11,6 +11,20 @@ import pandas as pd
 import seaborn as sns
 from matplotlib.figure import Figure
 
+#: Axis labels of the metrics the analyses and studies write (their names end in the unit;
+#: ``_mb`` columns hold MiB, 2**20 bytes).
+METRIC_LABELS = {
+    "time_ms": "time (ms)",
+    "peak_memory_mb": "peak memory (MiB)",
+    "state_mb": "state (MiB)",
+    "tokens_per_s": "tokens per second",
+}
+
+
+def metric_label(metric: str) -> str:
+    """The axis label of ``metric`` (the name itself when it has none)."""
+    return METRIC_LABELS.get(metric, metric)
+
 
 def _check_columns(frame: pd.DataFrame, columns: Sequence[str | None], what: str) -> None:
     if not isinstance(frame, pd.DataFrame):
@@ -255,7 +269,7 @@ def plot_speed(
     if hue == "label" and "label" not in rows:  # read back from CSV, "" backends are NaN
         backend = rows["backend"].fillna("").astype(str)
         rows = rows.assign(label=rows["method"] + backend.map(lambda b: f"[{b}]" if b else ""))
-    return line_plot(rows, x, hue=hue, col=col, row=row, ylabel=metric, errorbar=None)
+    return line_plot(rows, x, hue=hue, col=col, row=row, ylabel=metric_label(metric), errorbar=None)
 
 
 def plot_history(
