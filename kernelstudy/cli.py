@@ -55,6 +55,7 @@ def _cmd_study(args: argparse.Namespace) -> int:
     if args.name is None:
         options = ("quick", "force", "fill_tables", "only", "out")
         given = [f"--{k.replace('_', '-')}" for k in options if getattr(args, k)]
+        given += ["--device"] if args.device != "cpu" else []
         if given:  # options without a study: say so rather than list and ignore them
             raise ValueError(f"{', '.join(given)} need(s) a study NAME (kernelstudy study NAME)")
         for name in list_studies():

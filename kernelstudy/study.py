@@ -574,9 +574,9 @@ def load_results(
     """The rows of study ``name`` from ``ROOT/NAME/results.csv`` (``root`` defaults to
     :func:`results_dir`), or from ``ROOT/NAME/TABLE.csv`` for one of the study's extra tables
     (e.g. ``table="spectra"`` for the rank study's singular-value spectra). When that file is
-    missing, runs the study first (``quick`` sizes by default; for an extra table with
-    ``fill_tables=True``, so finished configurations get their rows too) and writes its
-    outputs there.
+    missing or empty (0 bytes), runs the study first (``quick`` sizes by default; for an extra
+    table with ``fill_tables=True``, so finished configurations get their rows too) and writes
+    its outputs there.
 
     Rows of configurations the study no longer has (its config was edited since) are left
     out, with a warning. The quick and the full run share the file, so rows of one size
@@ -593,9 +593,12 @@ def load_results(
             known = ", ".join(repr(t) for t in (RESULTS, *tables))
             raise ValueError(f"study {name!r} has no table {table!r}; tables: {known}")
     path = Path(root if root is not None else results_dir()) / name / f"{table}.csv"
-    if not path.is_file():
+    # an empty file (0 bytes) is no rows, as for run_study: read as a frame without columns,
+    # it failed every notebook with a KeyError
+    if not path.is_file() or path.stat().st_size == 0:
         size = "quick" if quick else "full"
-        print(f"no {path}: running the {size} '{name}' study", file=sys.stderr)
+        state = "empty" if path.is_file() else "no"
+        print(f"{state} {path}: running the {size} '{name}' study", file=sys.stderr)
         run_study(name, quick=quick, out=path.parent, verbose=False, fill_tables=table != RESULTS)
     return _one_run(_read_results(path), name, quick, device, path)
 
@@ -743,4 +746,7 @@ def main(name: str, argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError, OSError) as err:  # OSError: an unusable --out
         print(f"study {name}: error: {err}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # as `kernelstudy study`: the rows written so far are kept
+        print("interrupted", file=sys.stderr)
+        return 130
     return 0

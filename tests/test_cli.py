@@ -175,3 +175,10 @@ def test_out_of_memory_is_a_one_line_error(monkeypatch, capsys):
     monkeypatch.setattr(cli, "_cmd_backends", broken)
     with pytest.raises(RuntimeError, match="unexpected"):
         main(["backends"])
+
+
+def test_study_device_without_a_name_is_refused(capsys) -> None:
+    """`kernelstudy study --device cuda` listed the studies and ignored --device."""
+    assert main(["study", "--device", "cuda"]) == 1
+    captured = capsys.readouterr()
+    assert "--device need(s) a study NAME" in captured.err and captured.out == ""

@@ -56,6 +56,23 @@ def _ids(path: Path) -> str:
     return path.stem
 
 
+def _execute(path: Path, work: Path) -> tuple[nbformat.NotebookNode, str]:
+    """Run notebook ``path`` in a fresh kernel with working directory ``work``; the executed
+    notebook and all it printed. Raises CellExecutionError (with the traceback) on an error."""
+    nb = nbformat.read(path, as_version=4)
+    client = NotebookClient(
+        nb,
+        timeout=CELL_TIMEOUT_S,
+        kernel_name=KERNEL_NAME,
+        resources={"metadata": {"path": str(work)}},
+    )
+    client.execute()
+    printed = "".join(
+        o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+    )
+    return nb, printed
+
+
 def test_the_notebooks_are_there() -> None:
     assert EXPECTED <= {p.stem for p in NOTEBOOKS}, f"notebooks found: {NOTEBOOKS}"
 
@@ -110,14 +127,7 @@ def test_notebook_runs(
     monkeypatch.setenv("JUPYTER_PATH", str(kernel_path))
     monkeypatch.setenv("KERNELSTUDY_RESULTS", str(results_dir))
     monkeypatch.setenv("KERNELSTUDY_STUDIES_DIR", str(REPO / "studies"))
-    nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(
-        nb,
-        timeout=CELL_TIMEOUT_S,
-        kernel_name=KERNEL_NAME,
-        resources={"metadata": {"path": str(tmp_path)}},
-    )
-    client.execute()  # raises CellExecutionError (with the traceback) on an error
+    nb, _ = _execute(path, tmp_path)
     skipped = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and not c.execution_count]
     assert not skipped, f"{path.name}: cells {skipped} did not run"
 
@@ -160,17 +170,84 @@ def test_notebook_runs_on_partial_results(
     monkeypatch.setenv("JUPYTER_PATH", str(kernel_path))
     monkeypatch.setenv("KERNELSTUDY_RESULTS", str(results))
     monkeypatch.setenv("KERNELSTUDY_STUDIES_DIR", str(REPO / "studies"))
-    nb = nbformat.read(NOTEBOOK_DIR / f"{name}.ipynb", as_version=4)
     work = tmp_path / "work"
     work.mkdir()
-    client = NotebookClient(
-        nb,
-        timeout=CELL_TIMEOUT_S,
-        kernel_name=KERNEL_NAME,
-        resources={"metadata": {"path": str(work)}},
-    )
-    client.execute()
-    printed = "".join(
-        o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
-    )
+    _, printed = _execute(NOTEBOOK_DIR / f"{name}.ipynb", work)
     assert "Not run yet" in printed or "Not enough runs" in printed
+
+
+def _on_both_devices(folder: Path, study: str) -> None:
+    """Add a copy of every row of ``folder/results.csv`` as if run with ``--device cuda``."""
+    import pandas as pd
+
+    from kernelstudy.study import config_id, load_params, load_study
+
+    module = load_study(study)
+    cuda_id = {
+        config_id(c, "cpu"): config_id(c, "cuda")
+        for quick in (True, False)
+        for c in module.configs(load_params(study, quick))
+    }
+    frame = pd.read_csv(folder / "results.csv", dtype={"config_id": str}, low_memory=False)
+    cuda = frame.assign(device="cuda", config_id=frame["config_id"].map(cuda_id))
+    pd.concat([frame, cuda], ignore_index=True).to_csv(folder / "results.csv", index=False)
+
+
+def _of_an_earlier_config(folder: Path, study: str) -> None:
+    """Make every row of ``folder/results.csv`` one of a configuration the study no longer
+    has (its config was edited since): load_results leaves them all out."""
+    import pandas as pd
+
+    frame = pd.read_csv(folder / "results.csv", dtype={"config_id": str}, low_memory=False)
+    frame.assign(config_id="0" + frame["config_id"].str[1:]).to_csv(
+        folder / "results.csv", index=False
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("change", "printed"),
+    [
+        (_on_both_devices, ["RNN-mode speed-up on cpu", "RNN-mode speed-up on cuda"]),
+        (_of_an_earlier_config, ["Not run yet: the generation study"]),
+    ],
+    ids=["two_devices", "no_current_rows"],
+)
+def test_speed_notebook_on_other_results(
+    change, printed: list[str], kernel_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The speed notebook groups its rows by device, but load_results refuses rows of two
+    devices without device=: after `kernelstudy study speed --device cuda` beside the CPU
+    run it failed at its first cell; a generation table with no current rows failed with
+    "line_plot: frame is empty"."""
+    results = tmp_path / "results"
+    for study in ("speed", "generation"):
+        shutil.copytree(COMMITTED_RESULTS / study, results / study)
+        change(results / study, study)
+    monkeypatch.setenv("JUPYTER_PATH", str(kernel_path))
+    monkeypatch.setenv("KERNELSTUDY_RESULTS", str(results))
+    monkeypatch.setenv("KERNELSTUDY_STUDIES_DIR", str(REPO / "studies"))
+    work = tmp_path / "work"
+    work.mkdir()
+    _, text = _execute(NOTEBOOK_DIR / "speed.ipynb", work)
+    for line in printed:
+        assert line in text
+
+
+@pytest.mark.slow
+def test_lra_notebook_runs_no_search_in_a_given_storage(
+    kernel_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With KERNELSTUDY_STORAGE set, the notebook reads the full config's studies; where the
+    storage had none (a mistyped URL) it started a full-size search there (3 trials of each
+    headline variant, 6 layers at length 2000), or failed asking for the LRA data."""
+    from nbclient.exceptions import CellExecutionError
+
+    storage = f"sqlite:///{tmp_path / 'empty.db'}"
+    monkeypatch.setenv("JUPYTER_PATH", str(kernel_path))
+    monkeypatch.setenv("KERNELSTUDY_RESULTS", str(tmp_path / "results"))
+    monkeypatch.setenv("KERNELSTUDY_STORAGE", storage)
+    monkeypatch.setenv("KERNELSTUDY_STUDIES_DIR", str(REPO / "studies"))
+    with pytest.raises(CellExecutionError, match="holds no study lra_listops/"):
+        _execute(NOTEBOOK_DIR / "lra_results.ipynb", tmp_path)
+    assert not (tmp_path / "results").exists()

@@ -897,3 +897,34 @@ def test_another_studys_rows_written_before_the_lock_is_taken_are_refused(toy_st
     with pytest.raises(ValueError, match="holds results of study 'tabled', not 'toy'"):
         study.run_study("toy", out=out, verbose=False)
     assert set(pd.read_csv(out / "results.csv")["study"]) == {"tabled"}
+
+
+def test_load_results_runs_the_study_over_an_empty_results_file(toy_studies, capsys) -> None:
+    """An empty results.csv (0 bytes) is no rows to run_study, but load_results returned it
+    as a frame without columns, and the notebooks failed on it (KeyError 'part', 'n')."""
+    folder = toy_studies / "results" / "toy"
+    folder.mkdir(parents=True)
+    (folder / "results.csv").write_text("")
+    frame = study.load_results("toy", root=toy_studies / "results")
+    assert sorted(frame["value"]) == [1.0, 4.0]
+    assert (
+        f"empty {folder / 'results.csv'}: running the quick 'toy' study" in capsys.readouterr().err
+    )
+
+
+def test_a_study_script_interrupted_exits_130_without_a_traceback(
+    toy_studies, monkeypatch, capsys
+) -> None:
+    """`python studies/NAME.py` ended a Ctrl-C with a traceback; `kernelstudy study NAME`
+    says "interrupted" and exits 130."""
+
+    def interrupted(name, args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(study, "run_from_args", interrupted)
+    try:
+        code = study.main("toy", ["--quick", "--out", str(toy_studies / "out")])
+    except KeyboardInterrupt:
+        pytest.fail("the interrupt escaped main() (a traceback)")
+    assert code == 130
+    assert capsys.readouterr().err == "interrupted\n"
