@@ -282,7 +282,7 @@ def _generate(
     seen: set[bytes] = set()
     bar = None
     if progress:
-        from tqdm import tqdm
+        from ..progress import tqdm  # the notebook bar where it can be drawn, as elsewhere
 
         bar = tqdm(total=n, desc="listops", unit="seq")
     produced, idle_batches = 0, 0
