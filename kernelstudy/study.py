@@ -57,6 +57,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from .feature_maps.registry import ENV_FEATURE_MAPS
 from .files import atomic_write, atomic_write_text, exclusive_folder, read_csv_table
 from .progress import tqdm
 
@@ -536,6 +537,9 @@ def provenance(
     else:
         machine = _cpu_model() or platform.machine()
     command = f"kernelstudy study {name}" + (" --quick" if quick else "") + f" --device {device}"
+    plugins = os.environ.get(ENV_FEATURE_MAPS, "").strip()
+    if plugins:  # maps defined outside kernelstudy: the command needs them to reproduce
+        command = f"{ENV_FEATURE_MAPS}={plugins} {command}"
     command += f" {options}" if options else ""
     date = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     return (

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -544,3 +547,100 @@ def test_a_cuda_generator_seeds_a_map():
     assert seeds[0] == seeds[1] and isinstance(seeds[0], int)
     cpu = make("favor", seed=torch.Generator().manual_seed(5)).config()["seed"]
     assert cpu == make("favor", seed=torch.Generator().manual_seed(5)).config()["seed"]
+
+
+PLUGIN = """
+import torch
+from kernelstudy.feature_maps import FeatureMap, register_feature_map
+
+
+@register_feature_map("plugin_sq_relu")
+class SquaredReLU(FeatureMap):
+    @property
+    def feature_dim(self):
+        return self.head_dim
+
+    def features(self, x, is_query):
+        return torch.relu(x) ** 2 + 1e-6
+"""
+
+
+def _run(code: str, tmp_path, **env: str) -> subprocess.CompletedProcess:
+    (tmp_path / "user_maps.py").write_text(PLUGIN)
+    environ = {**os.environ, "PYTHONPATH": str(tmp_path), **env}
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=environ, timeout=300
+    )
+
+
+def test_maps_of_a_module_listed_in_the_environment_join_the_registry(tmp_path):
+    """A map registered in a user's module was unknown to every other process (the CLI,
+    studies, search workers, a saved config): KERNELSTUDY_FEATURE_MAPS imports it first."""
+    code = (
+        "import json, sys, kernelstudy as ks\n"
+        "config = json.loads(sys.argv[1] if len(sys.argv) > 1 else "
+        '\'{"name": "plugin_sq_relu", "head_dim": 4}\')\n'
+        "print(ks.list_feature_maps('plugin*'), ks.create_feature_map(config).feature_dim)\n"
+    )
+    done = _run(code, tmp_path, KERNELSTUDY_FEATURE_MAPS=" user_maps ,")
+    assert done.returncode == 0, done.stderr
+    assert "['plugin_sq_relu'] 4" in done.stdout
+    unknown = _run(code, tmp_path)  # not listed: the error says how to make it known
+    assert "unknown feature map 'plugin_sq_relu'" in unknown.stderr
+    assert "KERNELSTUDY_FEATURE_MAPS" in unknown.stderr and "'module:Class'" in unknown.stderr
+    bad = _run(code, tmp_path, KERNELSTUDY_FEATURE_MAPS="no_such_module")
+    assert "KERNELSTUDY_FEATURE_MAPS lists 'no_such_module', which cannot be imported" in (
+        bad.stderr
+    )
+
+
+def test_a_map_whose_features_are_not_feature_dim_wide_is_named():
+    """A map returning 2D features while claiming D ran through attention and a first
+    step, and failed at the second with a message about the state."""
+
+    class TooWide(ks.feature_maps.FeatureMap):
+        @property
+        def feature_dim(self):
+            return self.head_dim
+
+        def features(self, x, is_query):
+            return torch.cat([x, x], -1).exp()
+
+    with pytest.raises(RuntimeError, match="TooWide returned 8 features per token, but its "):
+        TooWide(head_dim=4)(torch.randn(1, 1, 3, 4))
+
+
+def test_a_random_map_gets_seed_and_redraw_every_without_declaring_them():
+    """A RandomFeatureMap subclass that declared only its own hyperparameters failed in
+    redraw() with a bare KeyError('seed')."""
+
+    class Draws(ks.feature_maps.RandomFeatureMap):
+        hyperparameters = {"width": ks.feature_maps.Hyperparameter(int, 3, low=1)}
+        size_hyperparameter = "width"
+
+        def __init__(self, head_dim, num_heads=1, **hparams):
+            super().__init__(head_dim, num_heads, **hparams)
+            self.register_buffer("w", torch.empty(head_dim, self.hparams["width"]))
+            self.redraw(self.hparams["seed"])
+
+        @property
+        def feature_dim(self):
+            return self.hparams["width"]
+
+        def draw(self, generator):
+            self.w.copy_(torch.randn(self.w.shape, generator=generator))
+
+        def features(self, x, is_query):
+            self.maybe_redraw(is_query)
+            return (x @ self.w).exp()
+
+    assert set(Draws.hyperparameters) == {"width", "seed", "redraw_every"}
+    a, b = Draws(head_dim=4, seed=5), Draws(head_dim=4, seed=5)
+    assert torch.equal(a.w, b.w) and a.config()["seed"] == 5
+    # size_hyperparameter: the studies match F through it (the built-in names do not fit)
+    from kernelstudy.analysis.matching import size_knob
+
+    assert size_knob(Draws) == "width"
+    Draws.size_hyperparameter = "nope"
+    with pytest.raises(ValueError, match="size_hyperparameter 'nope' is not one of"):
+        size_knob(Draws)

@@ -75,4 +75,8 @@ def test_readme_commands_parse():
 def test_readme_lists_every_registered_map():
     section = TEXT.split("## Feature maps", 1)[1].split("\n## ", 1)[0].split("\n### ", 1)[0]
     table = re.findall(r"^\| `([a-z_0-9]+)` \|", section, re.M)
-    assert sorted(table) == sorted(ks.list_feature_maps())
+    registered = ks.list_feature_maps()
+    missing, extra = sorted(set(registered) - set(table)), sorted(set(table) - set(registered))
+    assert not missing, f"add a row for {missing} to the README's '## Feature maps' table"
+    assert not extra, f"the README's '## Feature maps' table lists unregistered maps {extra}"
+    assert len(table) == len(set(table)), "a map has two rows in the README's table"

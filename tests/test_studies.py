@@ -928,3 +928,10 @@ def test_a_study_script_interrupted_exits_130_without_a_traceback(
         pytest.fail("the interrupt escaped main() (a traceback)")
     assert code == 130
     assert capsys.readouterr().err == "interrupted\n"
+
+
+def test_provenance_records_the_modules_of_user_maps(monkeypatch):
+    """A study over maps of a user's module reproduces only with that module imported."""
+    monkeypatch.setenv("KERNELSTUDY_FEATURE_MAPS", "user_maps")
+    line = study.provenance("approximation", True, "cpu")
+    assert "`KERNELSTUDY_FEATURE_MAPS=user_maps kernelstudy study approximation --quick" in line

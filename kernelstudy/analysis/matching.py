@@ -11,6 +11,19 @@ from ..feature_maps import FeatureMap, create_feature_map, get_feature_map_class
 SIZE_KNOBS = ("num_features", "feature_dim", "n_features", "hidden_dim", "num_hidden")
 
 
+def size_knob(cls: type[FeatureMap]) -> str | None:
+    """The hyperparameter that sets a map's F: its ``size_hyperparameter``, else the first of
+    ``SIZE_KNOBS`` it has, else None (F is fixed by the head dimension, e.g. ``elu``)."""
+    if cls.size_hyperparameter is not None:
+        if cls.size_hyperparameter not in cls.hyperparameters:
+            raise ValueError(
+                f"{cls.__name__}.size_hyperparameter {cls.size_hyperparameter!r} is not one "
+                f"of its hyperparameters ({', '.join(cls.hyperparameters)})"
+            )
+        return cls.size_hyperparameter
+    return next((k for k in SIZE_KNOBS if k in cls.hyperparameters), None)
+
+
 def map_kind(feature_map: FeatureMap | type[FeatureMap]) -> str:
     """``"learned"`` (trainable), ``"random"`` (random features) or ``"fixed"``."""
     if feature_map.trainable:
@@ -23,7 +36,7 @@ def matched_feature_map(
 ) -> FeatureMap:
     """Registered map ``name`` for ``head_dim`` whose F is as close to ``feature_dim`` as it allows.
 
-    The first size hyperparameter the map has (one of ``SIZE_KNOBS``) is set so that
+    The map's size hyperparameter (:func:`size_knob`) is set so that
     ``F == feature_dim`` (trying ``feature_dim`` divided by 2, 3 and 4, rounded down and
     up, for maps with several blocks per feature); maps without one keep their own F (e.g.
     ``elu``: F = D). ``seed`` is passed to maps that take one; other ``kwargs``
@@ -34,8 +47,8 @@ def matched_feature_map(
     hp = cls.hyperparameters
     if "seed" in hp:
         kwargs.setdefault("seed", seed)
-    knob = next((k for k in SIZE_KNOBS if k in hp and k not in kwargs), None)
-    if knob is None:
+    knob = size_knob(cls)
+    if knob is None or knob in kwargs:
         return create_feature_map(name, head_dim=head_dim, **kwargs)
     best: FeatureMap | None = None
     first_error: Exception | None = None
@@ -81,9 +94,12 @@ def random_feature_map(
     if not cls.random:
         raise ValueError(f"feature map {name!r} is not a random-feature map")
     hp = cls.hyperparameters
-    knob = next((k for k in SIZE_KNOBS if k in hp), None)
+    knob = size_knob(cls)
     if knob is None:
-        raise ValueError(f"feature map {name!r} has no size hyperparameter ({SIZE_KNOBS})")
+        raise ValueError(
+            f"feature map {name!r} has no size hyperparameter (size_hyperparameter, or one "
+            f"of {SIZE_KNOBS})"
+        )
     kwargs[knob] = num_features
     if "orthogonal" in hp:
         kwargs["orthogonal"] = orthogonal

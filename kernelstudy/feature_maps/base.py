@@ -113,6 +113,9 @@ class FeatureMap(nn.Module):
     random: ClassVar[bool] = False
     positive: ClassVar[bool] = True
     feature_dim_formula: ClassVar[str] = "D"
+    #: the hyperparameter that sets F, through which studies match maps at one F (None: the
+    #: first of ``kernelstudy.analysis.matching.SIZE_KNOBS`` the map has, if any)
+    size_hyperparameter: ClassVar[str | None] = None
     hyperparameters: ClassVar[dict[str, Hyperparameter]] = {}
 
     def __init__(self, head_dim: int, num_heads: int = 1, **hparams: Any) -> None:
@@ -166,7 +169,13 @@ class FeatureMap(nn.Module):
     def forward(self, x: torch.Tensor, is_query: bool = True) -> torch.Tensor:
         """φ(x): ``(B,H,N,D) → (B,H,N,F)``. ``is_query`` picks query/key behaviour."""
         self._check_input(x)
-        return self.features(x, check_flag("is_query", is_query))
+        out = self.features(x, check_flag("is_query", is_query))
+        if out.shape[-1] != self.feature_dim:  # a map's own bug, named before a state holds it
+            raise RuntimeError(
+                f"feature map {type(self).__name__} returned {out.shape[-1]} features per "
+                f"token, but its feature_dim is {self.feature_dim}"
+            )
+        return out
 
     def key_features(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys mapped one at a time (RNN mode): ``(φ̂: (B,H,N,F), log_scale: (B,H,N))``.
@@ -236,6 +245,18 @@ class RandomFeatureMap(FeatureMap):
             doc="in training, redraw after this many query calls (0: never)",
         ),
     }
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A subclass's ``hyperparameters`` get ``seed`` and ``redraw_every`` when it left
+        them out (``redraw`` reads them)."""
+        super().__init_subclass__(**kwargs)
+        missing = {
+            k: v
+            for k, v in RandomFeatureMap.hyperparameters.items()
+            if k not in cls.hyperparameters
+        }
+        if missing:
+            cls.hyperparameters = {**cls.hyperparameters, **missing}
 
     def __init__(self, head_dim: int, num_heads: int = 1, **hparams: Any) -> None:
         super().__init__(head_dim, num_heads, **hparams)

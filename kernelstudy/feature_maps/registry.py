@@ -6,12 +6,20 @@ import difflib
 import fnmatch
 import functools
 import importlib
+import importlib.metadata
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from .base import FeatureMap
 
 _REGISTRY: dict[str, type[FeatureMap]] = {}
+
+#: Modules of feature maps defined outside kernelstudy, comma-separated, imported before the
+#: registry is first read (so the CLI, studies and saved configs know their maps).
+ENV_FEATURE_MAPS = "KERNELSTUDY_FEATURE_MAPS"
+#: Entry-point group: an installed package lists ``name = "its.module"`` under it.
+ENTRY_POINT_GROUP = "kernelstudy.feature_maps"
 
 
 def register_feature_map(name: str) -> Callable[[type[FeatureMap]], type[FeatureMap]]:
@@ -38,13 +46,44 @@ def register_feature_map(name: str) -> Callable[[type[FeatureMap]], type[Feature
     return decorate
 
 
+@functools.cache
+def load_plugins() -> tuple[str, ...]:
+    """Import the modules of feature maps defined outside kernelstudy, once per process:
+    those listed in ``$KERNELSTUDY_FEATURE_MAPS`` (comma-separated) and the entry points of
+    group ``kernelstudy.feature_maps``. Their ``@register_feature_map`` classes then join the
+    registry. Returns the modules imported; ValueError naming one that fails to import."""
+    names = [m.strip() for m in os.environ.get(ENV_FEATURE_MAPS, "").split(",") if m.strip()]
+    points = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+    loaded = []
+    for module in names:
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            raise ValueError(
+                f"{ENV_FEATURE_MAPS} lists {module!r}, which cannot be imported: {err}"
+            ) from err
+        loaded.append(module)
+    for point in points:
+        try:
+            point.load()
+        except ImportError as err:
+            raise ValueError(
+                f"entry point {point.name!r} of group {ENTRY_POINT_GROUP!r} ({point.value}) "
+                f"cannot be imported: {err}"
+            ) from err
+        loaded.append(point.value)
+    return tuple(loaded)
+
+
 def _qualified(cls: type) -> str:
     """``module.QualName`` of a class."""
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def list_feature_maps(pattern: str | None = None) -> list[str]:
-    """Sorted names of the registered maps, optionally filtered by a glob ``pattern``."""
+    """Sorted names of the registered maps (with those of :func:`load_plugins`), optionally
+    filtered by a glob ``pattern``."""
+    load_plugins()
     names = sorted(_REGISTRY)
     if pattern is not None and not isinstance(pattern, str):
         raise TypeError(f"pattern must be a glob str such as 'favor*', got {pattern!r}")
@@ -67,11 +106,14 @@ def get_feature_map_class(name: str) -> type[FeatureMap]:
         if not (isinstance(cls, type) and issubclass(cls, FeatureMap)):
             raise TypeError(f"{name!r} is not a FeatureMap subclass")
         return cls
+    load_plugins()
     if name not in _REGISTRY:
         close = difflib.get_close_matches(name, _REGISTRY, n=3, cutoff=0.5)
         hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
         raise ValueError(
-            f"unknown feature map {name!r}{hint} (known: {', '.join(sorted(_REGISTRY))})"
+            f"unknown feature map {name!r}{hint} (known: {', '.join(sorted(_REGISTRY))}); a "
+            f"map defined outside kernelstudy is known once its module is imported: list the "
+            f"module in ${ENV_FEATURE_MAPS}, or name the map 'module:Class'"
         )
     return _REGISTRY[name]
 
