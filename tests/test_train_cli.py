@@ -465,3 +465,17 @@ def test_a_second_train_in_the_same_out_exits_1_and_deletes_nothing(
             assert f"another process is running kernelstudy train in {out}" in err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert main(listops_args(listops, out, "--steps", "4", "--overwrite")) == 0
+
+
+def test_feature_map_penalties_count_by_default(listops: Path, tmp_path: Path) -> None:
+    """`kernelstudy train` ran with reg_weight 0, so an OGLU map's orthogonality penalty,
+    which the README says is added to the loss (and searches add), was silently left out."""
+    for extra, regularized in (([], True), (["--reg-weight", "0"], False)):
+        out = tmp_path / f"oglu{len(extra)}"
+        args = listops_args(listops, out, "--attention", "oglu", "--steps", "2", map_args=False)
+        assert main([*args, *extra]) == 0
+        metrics = pd.read_csv(out / "metrics.csv")
+        assert ("train_reg" in metrics.columns) == regularized
+        assert json.loads((out / "config.json").read_text())["train"]["reg_weight"] == (
+            1.0 if regularized else 0.0
+        )

@@ -216,7 +216,7 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
                 "disagree; give one"
             )
         s["task_options"][key] = args.max_length
-    for key in ("steps", "batch_size", "lr", "seed", "eval_every", "device"):
+    for key in ("steps", "batch_size", "lr", "seed", "eval_every", "device", "reg_weight"):
         if getattr(args, key) is not None:
             s["train"][key] = getattr(args, key)
     if "out_dir" in s["train"]:
@@ -502,6 +502,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr", type=float, help="peak learning rate")
     g.add_argument("--seed", type=int)
     g.add_argument("--eval-every", type=int, help="evaluate every N steps (0: at the end)")
+    g.add_argument(
+        "--reg-weight",
+        type=float,
+        help="weight of the feature maps' penalties in the loss (default 1: each at its own "
+        "reg_weight; 0: off)",
+    )
     g.add_argument(
         "--resume", action="store_true", help="require a checkpoint in --out to resume from"
     )

@@ -86,7 +86,9 @@ class TrainConfig:
         seed: seeds the global generators at the start and the data order.
         device: ``auto`` (CUDA when available), ``cpu``, ``cuda``, ``cuda:1``...
         amp, amp_dtype: autocast (``bfloat16`` or ``float16`` with a GradScaler), CUDA only.
-        reg_weight: weight of ``model.regularization()`` in the loss.
+        reg_weight: weight of ``model.regularization()`` in the loss (1: each map's penalty
+            at its own ``reg_weight`` hyperparameter, as searches and ``fit_to_softmax`` use;
+            0 switches penalties off).
         task_type: ``auto`` (from the data), ``classification``, ``matching`` or ``lm``.
         out_dir: where checkpoint, metrics CSV and run record go (None: nothing written).
         num_workers: DataLoader workers for Datasets.
@@ -113,7 +115,7 @@ class TrainConfig:
     device: str = "auto"
     amp: bool = True
     amp_dtype: str = "bfloat16"
-    reg_weight: float = 0.0
+    reg_weight: float = 1.0
     task_type: str = "auto"
     out_dir: str | None = None
     num_workers: int = 0
