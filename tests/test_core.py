@@ -179,9 +179,12 @@ def _plain_attention(q, k, v, causal):
 @pytest.mark.parametrize("backend", ["reference", *FAST_BACKENDS])
 @pytest.mark.parametrize("causal", [False, True])
 def test_torch_func_transforms_match_plain_autograd(backend, causal):
-    """``torch.func`` (jacrev, jacfwd, jvp, vmap, vmap of grad) works through the core's
-    autograd Functions (they had no ``setup_context``, so every transform raised) and gives
-    what plain ops give; float64, max abs error ≤ 1e-10. N=9 with chunk 4 crosses chunks."""
+    """``torch.func`` (jacrev, jacfwd, jvp, vmap, vmap of grad, jacfwd of jacrev) and
+    forward-mode AD work through the core's autograd Functions (they had no
+    ``setup_context``, so every transform raised; the reference had no jvp; the chunked
+    product returned a view, which broke dual tensors when N is not a multiple of the
+    chunk) and give what plain ops give; float64, max abs error ≤ 1e-10. N=9 with chunk 4
+    crosses chunks."""
     q, k, v = _features(2, 1, 9, 3, 4, dtype=torch.float64, requires_grad=False)
     extra = {"chunk_size": 4} if backend == "torch" else {}
 
@@ -219,6 +222,12 @@ def test_torch_func_transforms_match_plain_autograd(backend, causal):
         )
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g[i], w, **close)
+    # forward over reverse (a Hessian), and forward-mode AD on dual tensors (gradcheck)
+    got = torch.func.jacfwd(torch.func.jacrev(lambda q: (fn(q, k, v) * weights).sum()))(q)
+    want = torch.autograd.functional.hessian(lambda q: (plain(q, k, v) * weights).sum(), q)
+    torch.testing.assert_close(got, want, **close)
+    q_dual = q.clone().requires_grad_()  # N=9 with chunk 4: a padded tail
+    assert torch.autograd.gradcheck(lambda q: fn(q, k, v), q_dual, check_forward_ad=True)
 
 
 def test_chunked_gradcheck_small_chunk():

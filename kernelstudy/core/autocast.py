@@ -28,6 +28,7 @@ class _WithoutAutocast(torch.autograd.Function):
     def setup_context(ctx, inputs, output):  # type: ignore[override]
         ctx.fn = inputs[0]
         ctx.save_for_backward(*inputs[1:])
+        ctx.save_for_forward(*inputs[1:])
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
@@ -47,6 +48,15 @@ class _WithoutAutocast(torch.autograd.Function):
             _, pull = torch.func.vjp(of_wanted, *(inputs[i] for i in wanted))
             grads = iter(pull(grad))
         return (None, *(next(grads) if n else None for n in need))
+
+    @staticmethod
+    def jvp(ctx, _fn_tangent, *tangents):  # type: ignore[override]
+        inputs = ctx.saved_tensors
+        filled = tuple(
+            torch.zeros_like(t) if d is None else d for t, d in zip(inputs, tangents, strict=True)
+        )
+        with autocast_off(inputs[0]):  # forward mode (jvp, jacfwd, forward-over-reverse)
+            return torch.func.jvp(ctx.fn, inputs, filled)[1]
 
 
 def without_autocast(fn: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:

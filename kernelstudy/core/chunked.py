@@ -59,7 +59,10 @@ def _chunked_product(
         prefix = torch.cat([torch.zeros_like(states[:, :, :1]), states[:, :, :-1]], dim=2)
     del states
     out = out + qc @ prefix
-    return out.reshape(b, h, c * chunk, m)[:, :, :n]
+    out = out.reshape(b, h, c * chunk, m)
+    # the padded tail sliced off in a copy: a view returned by an autograd Function breaks
+    # forward-mode AD (an internal assert on the tangent's layout)
+    return out[:, :, :n].clone() if pad else out
 
 
 class _ChunkedProduct(torch.autograd.Function):
