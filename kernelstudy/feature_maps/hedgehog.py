@@ -19,8 +19,10 @@ class HedgehogFeatureMap(ExpFeatures, HeadwiseFeatureMap):
     Starts at W = I, b = 0; per head by default (``shared=False``), as in the paper.
     ``stabilize`` shifts exponents as ``favor`` does (per query row; per key
     sequence only beyond the dtype's range): normalized attention is unchanged,
-    kernel values φ(q)·φ(k) only up to that factor. Positive, F = 2D.
-    ``(B,H,N,D) → (B,H,N,2D)``.
+    kernel values φ(q)·φ(k) only up to that factor. Positive, F = 2D. With the query's
+    shift a row's normalizer can fall below ``eps`` (1e-6) when its keys lie far below
+    its largest exponent (inputs at ~20σ), even in float64: the row then shrinks towards
+    0; pass a smaller ``eps`` there. ``(B,H,N,D) → (B,H,N,2D)``.
     """
 
     paper = "Zhang et al. 2024, The Hedgehog & the Porcupine"
