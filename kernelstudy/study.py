@@ -408,6 +408,7 @@ def run_study(
         others = [runs[k] for k in sorted(theirs) if k in runs]
         if held[RESULTS] - set(ids):
             others += [x for x in earlier if not kept[_run_of(x)]]
+            _note_rows_of_no_config(name, module, held[RESULTS], results_path)
         others = [x for x in dict.fromkeys(others) if x not in lines]
         if todo and this_run not in lines:  # it filled tables' rows of configs run before
             lines.append(this_run)
@@ -420,8 +421,10 @@ def run_study(
         text += "\n" + "\n\n".join(lines) + "\n"
         if others:
             text += (
-                "\nEarlier runs with other rows in these tables (another size or device; "
-                "this summary does not use them):\n\n" + "\n\n".join(others) + "\n"
+                "\nEarlier runs with other rows in these tables (another size or device, or "
+                "configurations the config no longer has; this summary does not use them):\n\n"
+                + "\n\n".join(others)
+                + "\n"
             )
         if replaced not in (None, (quick, device)):
             size, was = ("quick", " --quick") if replaced[0] else ("full", "")
@@ -518,6 +521,26 @@ def _current(frame: pd.DataFrame, ids: list[str]) -> pd.DataFrame:
     if "config_id" not in frame:
         return frame
     return frame[frame["config_id"].isin(ids)].reset_index(drop=True)
+
+
+def _note_rows_of_no_config(name: str, module: ModuleType, held: set[str], path: Path) -> None:
+    """Say on stderr when ``path`` holds rows of configurations that neither size of the
+    study has on any device (an edited config, or a feature map not registered now): the
+    summary leaves them out without a word otherwise."""
+    known = {
+        config_id(c, device)
+        for quick in (True, False)
+        for c in module.configs(load_params(name, quick))
+        for device in DEVICES
+    }
+    unknown = held - known
+    if unknown:
+        print(
+            f"note: {path} holds rows of {len(unknown)} configuration(s) that study {name!r} "
+            "no longer has (its config changed, or a feature map they name is not registered "
+            "now); the summary leaves them out, and the rows stay",
+            file=sys.stderr,
+        )
 
 
 def provenance(

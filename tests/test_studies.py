@@ -935,3 +935,20 @@ def test_provenance_records_the_modules_of_user_maps(monkeypatch):
     monkeypatch.setenv("KERNELSTUDY_FEATURE_MAPS", "user_maps")
     line = study.provenance("approximation", True, "cpu")
     assert "`KERNELSTUDY_FEATURE_MAPS=user_maps kernelstudy study approximation --quick" in line
+
+
+def test_rows_of_configurations_the_study_no_longer_has_are_noted(toy_studies, capsys):
+    """Rows of a map no longer registered (or an edited config) were left out of the
+    summary without a word; they are kept, and the run says so."""
+    out = toy_studies / "out"
+    study.run_study("toy", quick=True, out=out, verbose=False)
+    config = toy_studies / "studies" / "toy.toml"
+    config.write_text("[full]\nxs = [1, 3]\n\n[quick]\nxs = [1]\n")  # x=2 is gone
+    capsys.readouterr()
+    study.run_study("toy", quick=True, out=out, verbose=False)
+    err = capsys.readouterr().err
+    assert "holds rows of 1 configuration(s) that study 'toy' no longer has" in err
+    assert len(pd.read_csv(out / "results.csv")) == 2  # kept
+    config.write_text("[full]\nxs = [1, 2]\n\n[quick]\nxs = [1]\n")  # x=2 is the full size's
+    study.run_study("toy", quick=True, out=out, verbose=False)
+    assert "no longer has" not in capsys.readouterr().err
