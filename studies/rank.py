@@ -176,6 +176,12 @@ def _run_copy(config: dict, device: str) -> dict[str, list[dict]]:
     return {"results": rows + ranks, "spectra": spectra}
 
 
+def _captured_maps() -> list[str]:
+    """The maps the softmax copy model's q/k run through: every registered one except the
+    non-positive ``identity`` (its rows are not distributions)."""
+    return [name for name in ks.list_feature_maps() if name != "identity"]
+
+
 def _captured_ranks(
     model: ks.nn.CausalLM, ids: torch.Tensor, config: dict, f: int
 ) -> tuple[list[dict], list[dict]]:
@@ -186,11 +192,10 @@ def _captured_ranks(
     q, k = q.double(), k.double()
     if config["method"] == "softmax":
         maps = {"softmax": "softmax"}
-        for name in ks.list_feature_maps():
-            if name != "identity":
-                maps[name] = ks.analysis.matched_feature_map(
-                    name, q.shape[-1], config["feature_dim"], seed=config["seed"]
-                )
+        for name in _captured_maps():
+            maps[name] = ks.analysis.matched_feature_map(
+                name, q.shape[-1], config["feature_dim"], seed=config["seed"]
+            )
     else:
         maps = {config["method"]: model.encoder.layers[0].attn.feature_map}
     rows, spectra = [], []
@@ -278,11 +283,19 @@ def summarize(frame: pd.DataFrame, params: dict, tables: dict | None = None) -> 
             f"accuracy on the copied half, mean over {c['seeds']} seed(s)\n\n"
             + markdown_table(copy_table(frame))
         )
-        parts.append(
+        captured = (
             "## Ranks on captured q/k (trained copy models, one validation sequence of "
             f"N={2 * c['copy_len'] + 2}; non-causal matrices; the softmax model's q/k also run "
             "through every map at the same F)\n\n" + markdown_table(captured_table(frame))
         )
+        softmax = frame[(frame["part"] == "copy") & (frame["method"] == "softmax")]
+        missing = sorted(set(_captured_maps()) - set(softmax["captured_with"].dropna()))
+        if len(softmax) and missing:  # registered after the softmax model's run
+            captured += (
+                f"\n\nNot in this table: {', '.join(missing)} (registered after the softmax "
+                "copy model ran; `--force --only part=copy --only method=softmax` retrains it)."
+            )
+        parts.append(captured)
     return "\n\n".join(parts)
 
 

@@ -952,3 +952,15 @@ def test_rows_of_configurations_the_study_no_longer_has_are_noted(toy_studies, c
     config.write_text("[full]\nxs = [1, 2]\n\n[quick]\nxs = [1]\n")  # x=2 is the full size's
     study.run_study("toy", quick=True, out=out, verbose=False)
     assert "no longer has" not in capsys.readouterr().err
+
+
+def test_rank_summary_names_maps_missing_from_the_captured_table():
+    """The softmax copy model's q/k run through every map registered when it ran; a map
+    registered later never got a row, and the table did not say so."""
+    rank = study.load_study("rank")
+    root = study.studies_dir() / "results" / "rank"  # the committed full run
+    frame = pd.read_csv(root / "results.csv", low_memory=False)
+    params = study.load_params("rank", False)
+    assert "Not in this table" not in rank.summarize(frame, params)
+    without = frame[~((frame["method"] == "softmax") & (frame["captured_with"] == "elu"))]
+    assert "Not in this table: elu (registered after" in rank.summarize(without, params)
