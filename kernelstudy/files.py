@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -96,12 +97,31 @@ class FolderBusy(ValueError):
     """Another process holds the lock of a folder (see :func:`exclusive_folder`)."""
 
 
+#: The temporary files of :func:`atomic_write`: ``.<name>.<16 hex digits>.tmp``.
+_TEMPORARY = re.compile(r"\..+\.[0-9a-f]{16}\.tmp")
+
+
+def remove_stale_temporary_files(folder: str | os.PathLike) -> list[Path]:
+    """Delete the temporary files that writers killed mid-write (SIGKILL skips their
+    clean-up) left in ``folder``, and return them. Only for a folder whose every writer
+    holds its :func:`exclusive_folder` lock, called with the lock held: another writer's
+    file in progress would go too."""
+    removed = []
+    for path in Path(folder).glob(".*.tmp"):
+        if _TEMPORARY.fullmatch(path.name) and path.is_file():
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
 @contextlib.contextmanager
-def exclusive_folder(folder: str | os.PathLike, what: str) -> Iterator[None]:
+def exclusive_folder(folder: str | os.PathLike, what: str, clean: bool = False) -> Iterator[None]:
     """Hold an advisory lock on ``folder`` (a ``.lock`` file in it) for the block, or raise
     :class:`FolderBusy` at once if another process holds it: two runs that each rewrite
     a whole table there from their own copy would drop each other's rows. ``what`` names
-    the work in the message. The lock goes with the process (also when it is killed)."""
+    the work in the message. The lock goes with the process (also when it is killed).
+    ``clean``: the folder's writers all take the lock, so temporary files there are left by
+    killed ones and are deleted once it is held (:func:`remove_stale_temporary_files`)."""
     if fcntl is None:
         yield
         return
@@ -123,6 +143,8 @@ def exclusive_folder(folder: str | os.PathLike, what: str) -> Iterator[None]:
             yield
             return
         try:
+            if clean:
+                remove_stale_temporary_files(folder)
             yield
         finally:
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)

@@ -295,7 +295,7 @@ def run_study(
             )
     _check_held(_read_results(results_path), name, out_dir)  # before making the folder
     out_dir.mkdir(parents=True, exist_ok=True)
-    with exclusive_folder(out_dir, f"study {name}"):
+    with exclusive_folder(out_dir, f"study {name}", clean=True):
         # read (and check) again under the lock: a run that ended meanwhile may have written
         frames = {t: _read_results(path) for t, path in paths.items()}
         _check_held(frames[RESULTS], name, out_dir)

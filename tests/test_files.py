@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from kernelstudy.files import atomic_write, atomic_write_text
+from kernelstudy.files import atomic_write, atomic_write_text, exclusive_folder
 
 
 def mode(path) -> int:
@@ -47,3 +47,18 @@ def test_a_failed_write_leaves_the_old_file_and_no_temp_file(tmp_path):
     with pytest.raises(RuntimeError, match="disk full"):
         atomic_write(path, fail)
     assert path.read_text() == "old\n" and sorted(os.listdir(tmp_path)) == ["table.csv"]
+
+
+def test_a_locked_folder_loses_the_temporary_files_of_killed_writers(tmp_path):
+    """A SIGKILL mid-write left `.checkpoint.pt.<hex>.tmp` (127 MB) or a figure's temp file
+    for good: nothing removed them, and they are hidden."""
+    stale = tmp_path / ".checkpoint.pt.89d33ad718475313.tmp"
+    stale.write_bytes(b"half a checkpoint")
+    other = [tmp_path / ".notes.tmp", tmp_path / "run.89d33ad718475313.tmp"]  # not ours
+    for path in other:
+        path.write_text("keep")
+    with exclusive_folder(tmp_path, "a test"):  # clean=False: another writer's may be live
+        assert stale.exists()
+    with exclusive_folder(tmp_path, "a test", clean=True):
+        assert not stale.exists()
+    assert all(path.exists() for path in other)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import copy
 import multiprocessing as mp
 import os
+import subprocess
+import sys
 import time
 import uuid
 import warnings
@@ -409,3 +411,49 @@ def test_a_stop_that_arrives_while_optuna_saves_a_result_waits_for_the_save(tmp_
     assert stopped.value.code == workers.STOPPED_EXIT_CODE
     states = [t.state for t in open_study(url, name).get_trials(deepcopy=False)]
     assert states == [TrialState.COMPLETE]  # saved, and no second trial was started
+
+
+ORPHAN_SCRIPT = """
+import os, sys, time
+from kernelstudy.search.workers import run_workers
+
+def objective(trial):
+    open(os.path.join(sys.argv[1], f"pid{os.getpid()}"), "w").close()
+    time.sleep(120)
+    return 0.0
+
+if __name__ == "__main__":
+    run_workers(f"sqlite:///{sys.argv[1]}/s.db", "s", objective, trials=4, workers=2)
+"""
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie no longer does)."""
+    try:
+        status = open(f"/proc/{pid}/status").read()
+    except FileNotFoundError:
+        return False
+    return "State:\tZ" not in status
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux-only")
+def test_workers_stop_when_the_search_is_killed(tmp_path):
+    """A SIGKILL of `kernelstudy search --workers 2` left both workers training on their
+    own (a re-run then ran beside them)."""
+    script = tmp_path / "search.py"
+    script.write_text(ORPHAN_SCRIPT)
+    parent = subprocess.Popen([sys.executable, str(script), str(tmp_path)])
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("pid*"))) < 2 and time.monotonic() < deadline:
+            assert parent.poll() is None, "the search ended early"
+            time.sleep(0.2)
+        workers = [int(p.name[3:]) for p in tmp_path.glob("pid*")]
+        assert len(workers) == 2, "the workers did not start their trials"
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 60
+    while any(map(_alive, workers)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(map(_alive, workers))

@@ -887,10 +887,10 @@ def test_another_studys_rows_written_before_the_lock_is_taken_are_refused(toy_st
     out, real = toy_studies / "out", study.exclusive_folder
 
     @contextlib.contextmanager
-    def late(folder, what):
+    def late(folder, what, **kwargs):
         if "toy" in what:  # another process's run of 'tabled' ends just before the lock
             study.run_study("tabled", out=out, verbose=False)
-        with real(folder, what):
+        with real(folder, what, **kwargs):
             yield
 
     monkeypatch.setattr(study, "exclusive_folder", late)
@@ -964,3 +964,14 @@ def test_rank_summary_names_maps_missing_from_the_captured_table():
     assert "Not in this table" not in rank.summarize(frame, params)
     without = frame[~((frame["method"] == "softmax") & (frame["captured_with"] == "elu"))]
     assert "Not in this table: elu (registered after" in rank.summarize(without, params)
+
+
+def test_a_study_run_removes_temporary_files_of_a_killed_run(toy_studies):
+    """A run killed while saving a figure left `.squares.png.<hex>.tmp` in the folder for
+    good; the next run (holding the folder's lock) removes it."""
+    out = toy_studies / "out"
+    out.mkdir()
+    stale = out / ".squares.png.4a65e785ebd92961.tmp"
+    stale.write_bytes(b"half a figure")
+    study.run_study("toy", quick=True, out=out, verbose=False)
+    assert not stale.exists() and (out / "squares.png").is_file()

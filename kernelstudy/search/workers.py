@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import functools
 import multiprocessing as mp
+import os
 import signal
 import sys
 import warnings
@@ -343,14 +344,29 @@ class _StopRequest:
             study.stop()
 
 
-def _quiet_worker(*args: Any) -> None:
+def _stop_with_parent(parent: int) -> None:
+    """A SIGTERM (a stop request) for this worker when its parent dies: a ``kill -9`` of the
+    search left its workers training on their own. Linux only (``prctl``); elsewhere a
+    worker finishes its trials."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+        if os.getppid() != parent:  # it died before that: no signal will come
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _quiet_worker(parent: int, *args: Any) -> None:
     """:func:`_worker` in a child process that ignores Ctrl-C (which reaches the whole
     process group: each worker printed two tracebacks). The parent stops the workers with
     SIGTERM and reports the interruption once; a worker takes SIGTERM as a stop request
     (:class:`_StopRequest`), so Optuna marks its running trial failed at once (a resumed
-    search re-runs it) instead of leaving it RUNNING until its heartbeat goes stale."""
+    search re-runs it) instead of leaving it RUNNING until its heartbeat goes stale. The
+    parent's death, even by SIGKILL, stops it too (:func:`_stop_with_parent`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _StopRequest.handle)
+    _stop_with_parent(parent)
     try:
         _worker(*args)
     except KeyboardInterrupt:
@@ -399,7 +415,7 @@ def run_workers(
     procs = [
         ctx.Process(
             target=_quiet_worker,
-            args=(url, name, objective, trials, pruner, seed, heartbeat, threads),
+            args=(os.getpid(), url, name, objective, trials, pruner, seed, heartbeat, threads),
         )
         for _ in range(workers)
     ]

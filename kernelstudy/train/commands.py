@@ -431,7 +431,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     out = Path(settings["out"])
     out.mkdir(parents=True, exist_ok=True)
-    with exclusive_folder(out, "kernelstudy train"):  # FolderBusy (a ValueError): exit 1
+    with exclusive_folder(
+        out, "kernelstudy train", clean=True
+    ):  # FolderBusy (a ValueError): exit 1
         # check again under the lock: a run that ended meanwhile may have written
         resume = check_resume(settings, resume_mode)
         # the old run's files go before the new settings are recorded; a continuation
