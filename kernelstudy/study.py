@@ -651,7 +651,8 @@ def _one_run(
     if not current.all():  # rows of configurations the study no longer has (edited config)
         warnings.warn(
             f"{path}: left out {int((~current).sum())} rows of configurations that study "
-            f"{name!r} no longer has (its config changed); rerun it to replace them",
+            f"{name!r} no longer has (its config changed, or a feature map they name is not "
+            "registered now); rerun it to replace them",
             UserWarning,
             stacklevel=3,
         )
