@@ -403,7 +403,7 @@ def test_a_stop_that_arrives_while_optuna_saves_a_result_waits_for_the_save(tmp_
     verbosity = optuna.logging.get_verbosity()
     try:
         with pytest.raises(SystemExit) as stopped:
-            workers._quiet_worker(url, name, quick_objective, 3, "median", 0)
+            workers._quiet_worker(None, url, name, quick_objective, 3, "median", 0)
     finally:
         for s, handler in handlers.items():
             signal.signal(s, handler)

@@ -357,7 +357,7 @@ def _stop_with_parent(parent: int) -> None:
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _quiet_worker(parent: int, *args: Any) -> None:
+def _quiet_worker(parent: int | None, *args: Any) -> None:
     """:func:`_worker` in a child process that ignores Ctrl-C (which reaches the whole
     process group: each worker printed two tracebacks). The parent stops the workers with
     SIGTERM and reports the interruption once; a worker takes SIGTERM as a stop request
@@ -366,7 +366,8 @@ def _quiet_worker(parent: int, *args: Any) -> None:
     parent's death, even by SIGKILL, stops it too (:func:`_stop_with_parent`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _StopRequest.handle)
-    _stop_with_parent(parent)
+    if parent is not None:  # the pid of the process that started it
+        _stop_with_parent(parent)
     try:
         _worker(*args)
     except KeyboardInterrupt:
