@@ -627,7 +627,35 @@ def load_results(
         state = "empty" if path.is_file() else "no"
         print(f"{state} {path}: running the {size} '{name}' study", file=sys.stderr)
         run_study(name, quick=quick, out=path.parent, verbose=False, fill_tables=table != RESULTS)
-    return _one_run(_read_results(path), name, quick, device, path)
+    frame = _one_run(_read_results(path), name, quick, device, path)
+    if table == RESULTS:
+        _note_incomplete(frame, name, quick, path)
+    return frame
+
+
+def _note_incomplete(frame: pd.DataFrame, name: str, quick: bool, path: Path) -> None:
+    """Say on stderr when the rows of one run cover only part of its configurations (an
+    interrupted or ``--only`` run): a notebook would otherwise show a partial study as if
+    complete. The run is the size (``quick``'s first) whose configurations hold every row."""
+    if frame.empty or "config_id" not in frame:
+        return
+    devices = sorted(set(frame["device"].astype(str))) if "device" in frame else ["cpu"]
+    if len(devices) != 1:
+        return
+    module, present = load_study(name), set(frame["config_id"])
+    for size in (quick, not quick):
+        expected = {config_id(c, devices[0]) for c in module.configs(load_params(name, size))}
+        if present <= expected:
+            if len(present) < len(expected):
+                flag = " --quick" if size else ""
+                print(
+                    f"note: {path} has rows of {len(present)} of the {len(expected)} "
+                    f"configurations of the {'quick' if size else 'full'} {devices[0]} run (an "
+                    f"interrupted or --only run); `kernelstudy study {name}{flag} --device "
+                    f"{devices[0]} --out {path.parent}` runs the rest",
+                    file=sys.stderr,
+                )
+            return
 
 
 def _one_run(

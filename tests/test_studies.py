@@ -975,3 +975,19 @@ def test_a_study_run_removes_temporary_files_of_a_killed_run(toy_studies):
     stale.write_bytes(b"half a figure")
     study.run_study("toy", quick=True, out=out, verbose=False)
     assert not stale.exists() and (out / "squares.png").is_file()
+
+
+def test_load_results_says_when_a_run_covers_part_of_its_configurations(toy_studies, capsys):
+    """A folder of an interrupted or --only run was returned as if complete."""
+    root = toy_studies / "res"
+    study.run_study("toy", quick=False, out=root / "toy", verbose=False, only={"x": 2})
+    capsys.readouterr()
+    frame = study.load_results("toy", root=root, quick=False)
+    assert list(frame["x"]) == [2]
+    err = capsys.readouterr().err
+    assert "has rows of 1 of the 4 configurations of the full cpu run" in err
+    assert "`kernelstudy study toy --device cpu --out" in err
+    study.run_study("toy", quick=False, out=root / "toy", verbose=False)
+    capsys.readouterr()
+    assert len(study.load_results("toy", root=root, quick=False)) == 4
+    assert "note:" not in capsys.readouterr().err
