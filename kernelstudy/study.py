@@ -723,6 +723,20 @@ def check_names(key: str, names: Sequence[str], known: Sequence[str]) -> list[st
     return list(names)
 
 
+def check_map_names(key: str, names: Sequence[str]) -> list[str]:
+    """:func:`check_names` over the registered feature maps, also taking ``"module:Class"``
+    names of FeatureMap classes (a map of the user's own, as ``create_feature_map`` does)."""
+    from .feature_maps import get_feature_map_class, list_feature_maps
+
+    dotted = [n for n in names if isinstance(n, str) and ":" in n]
+    for name in dotted:
+        try:
+            get_feature_map_class(name)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"{key}: {err}") from err
+    return check_names(key, names, [*list_feature_maps(), *dotted])
+
+
 def not_run_section(title: str, part: str) -> str:
     """A summary section for a study part with no rows yet (left out by ``--only``, or
     interrupted before it)."""

@@ -7,7 +7,7 @@ import pandas as pd
 import torch
 
 import kernelstudy as ks
-from kernelstudy.study import check_names, main, markdown_table
+from kernelstudy.study import check_map_names, main, markdown_table
 
 RUNS = {
     "linear, RNN state": ("kernel", "step"),
@@ -20,7 +20,7 @@ def configs(params: dict) -> list[dict]:
     """One config per way of generating; all lengths inside (longer ones skipped once slow)."""
     keys = ("n_layers", "d_model", "n_heads", "vocab_size", "feature_map", "batch", "prompt_len")
     # a mistyped map failed only once the linear run started (never under --only run=softmax…)
-    check_names("feature_map", [params["feature_map"]], ks.list_feature_maps())
+    check_map_names("feature_map", [params["feature_map"]])
     return [
         {
             "run": label,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pandas as pd
 
 import kernelstudy as ks
-from kernelstudy.study import check_names, main, markdown_table
+from kernelstudy.study import check_map_names, main, markdown_table
 
 SETTINGS = ("rnn_benchmark", "performer")
 
@@ -18,7 +18,7 @@ def configs(params: dict) -> list[dict]:
     out = []
     for setting in SETTINGS:
         s = params[setting]
-        check_names(f"{setting}.feature_map", [s["feature_map"]], ks.list_feature_maps())
+        check_map_names(f"{setting}.feature_map", [s["feature_map"]])
         for method in s["methods"]:
             for causal in s["causal"]:
                 for pass_ in s["passes"]:

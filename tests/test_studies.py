@@ -834,6 +834,12 @@ def test_a_mistyped_map_in_a_study_config_is_refused():
     params = {**study.load_params("generation", quick=True), "feature_map": "elu+1"}
     with pytest.raises(ValueError, match="feature_map: unknown name"):
         study.load_study("generation").configs(params)
+    # a map of one's own as "module:Class" (it was refused, as not registered)
+    params["feature_map"] = "kernelstudy.feature_maps.elementary:EluFeatureMap"
+    assert study.load_study("generation").configs(params)
+    params["feature_map"] = "no_such_module:Map"
+    with pytest.raises(ValueError, match="feature_map: cannot import feature map"):
+        study.load_study("generation").configs(params)
 
 
 def test_a_study_config_with_no_seeds_is_refused():
