@@ -13,6 +13,7 @@ linear in N: activations ``O(N·(F+M))`` plus
 from __future__ import annotations
 
 import numbers
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +66,21 @@ def _chunked_product(
     return out[:, :, :n].clone() if pad else out
 
 
+def trilinear_jvp(
+    product: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    primals: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    tangents: tuple[torch.Tensor | None, ...],
+) -> torch.Tensor:
+    """The jvp of a ``product(q, k, v)`` linear in each input: the sum, over the inputs with
+    a tangent, of the product with that input replaced by its tangent."""
+    out = None
+    for i, tangent in enumerate(tangents):
+        if tangent is not None:
+            term = product(*(tangent if j == i else x for j, x in enumerate(primals)))
+            out = term if out is None else out + term
+    return out
+
+
 class _ChunkedProduct(torch.autograd.Function):
     """The causal (or anti-causal) product with a backward of three such products, each
     again a ``_ChunkedProduct``: gradients of gradients (``create_graph=True``) work too.
@@ -108,16 +124,11 @@ class _ChunkedProduct(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, dq, dk, dv, _chunk, _reverse):  # type: ignore[override]
-        q, k, v = ctx.saved_tensors
-        chunk, rev = ctx.chunk, ctx.reverse
-        with autocast_off(q):
-            out = None
-            for i, tangent in enumerate((dq, dk, dv)):
-                if tangent is not None:
-                    args = [tangent if j == i else x for j, x in enumerate((q, k, v))]
-                    term = _ChunkedProduct.apply(*args, chunk, rev)
-                    out = term if out is None else out + term
-        return out
+        def product(q, k, v):
+            return _ChunkedProduct.apply(q, k, v, ctx.chunk, ctx.reverse)
+
+        with autocast_off(ctx.saved_tensors[0]):
+            return trilinear_jvp(product, ctx.saved_tensors, (dq, dk, dv))
 
 
 def causal_dot_product_chunked(

@@ -20,6 +20,7 @@ import torch
 
 from ..arguments import check_count
 from .backends import Backend, register_backend
+from .chunked import trilinear_jvp
 from .extensions import csrc_dir, host_tag, load_extension, native_cflags
 from .validation import FLOAT_DTYPES, accumulation_dtype, check_qkv
 
@@ -99,14 +100,10 @@ class _CpuProduct(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, dq, dk, dv, _threads, _reverse):  # type: ignore[override]
-        q, k, v = ctx.saved_tensors
-        out = None
-        for i, tangent in enumerate((dq, dk, dv)):
-            if tangent is not None:
-                args = [tangent if j == i else x for j, x in enumerate((q, k, v))]
-                term = _CpuProduct.apply(*args, ctx.threads, ctx.reverse)
-                out = term if out is None else out + term
-        return out
+        def product(q, k, v):
+            return _CpuProduct.apply(q, k, v, ctx.threads, ctx.reverse)
+
+        return trilinear_jvp(product, ctx.saved_tensors, (dq, dk, dv))
 
     @staticmethod
     def vmap(info, in_dims, q, k, v, threads, reverse):  # type: ignore[override]
