@@ -32,7 +32,14 @@ from ..files import atomic_write_text
 from ..nn.models import feature_dim_of, feature_map_parameter_count, parameter_count
 from ..tasks import load_task, write_listops
 from ..tasks.base import SequenceTask
-from ..train import OptunaPruningCallback, TrainConfig, Trainer, model_for_task, seed_everything
+from ..train import (
+    OptunaPruningCallback,
+    TrainConfig,
+    Trainer,
+    longest_split,
+    model_for_task,
+    seed_everything,
+)
 from .config import SearchConfig, Variant
 from .space import suggest_feature_map, suggest_training
 
@@ -153,13 +160,6 @@ def load_split(config: SearchConfig, path: Path | None, split: str) -> SequenceT
 # ----------------------------------------------------------------------------- one run
 
 
-def longest_split(config: SearchConfig, data: Path | None) -> int | None:
-    """The length the config's longest split pads to (None for tasks without one): a val or
-    test split may be longer than train's (per-split ``max_length``)."""
-    splits = [load_split(config, data, split) for split in ("train", "val", "test")]
-    return max(int(getattr(split, "max_length", 0)) for split in splits) or None
-
-
 def build_model(
     config: SearchConfig,
     variant: Variant,
@@ -213,7 +213,8 @@ def train_run(
     val, test = load_split(config, data, "val"), load_split(config, data, "test")
     seed_everything(seed)  # the model's initialization too
     try:
-        model, sizes = build_model(config, variant, settings, train, longest_split(config, data))
+        longest = longest_split((train, val, test))
+        model, sizes = build_model(config, variant, settings, train, longest)
     except ValueError as err:  # the defaults built (check_variants): a suggested combination
         if trial is None:  # the model refuses, such as too many polynomial features
             raise
@@ -288,7 +289,8 @@ def default_settings(config: SearchConfig, variant: Variant) -> TrialSettings:
 def check_variants(config: SearchConfig, data: Path | None) -> dict[str, str]:
     """Build every variant's model once at its defaults (no training): bad model settings
     fail here, before any worker starts. Returns ``{label: reason}`` of over-budget ones."""
-    task, longest = load_split(config, data, "train"), longest_split(config, data)
+    splits = [load_split(config, data, split) for split in ("train", "val", "test")]
+    task, longest = splits[0], longest_split(splits)
     over = {}
     for variant in config.variants:
         try:

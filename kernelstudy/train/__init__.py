@@ -10,7 +10,7 @@ from .checkpoint import (
     set_rng_state,
 )
 from .data import BatchStream, EpochBatchSampler, make_loader
-from .factory import model_for_task, task_type_of
+from .factory import longest_split, model_for_task, task_type_of
 from .metrics import MetricsHistory, MetricSums, peak_memory, reset_peak_memory
 from .objectives import TASK_TYPES, Objective, infer_task_type
 from .pruning import OptunaPruningCallback
@@ -37,6 +37,7 @@ __all__ = [
     "make_loader",
     "make_scheduler",
     "read_csv_table",
+    "longest_split",
     "model_for_task",
     "peak_memory",
     "reset_peak_memory",

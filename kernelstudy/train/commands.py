@@ -43,7 +43,7 @@ from ..nn.models import CausalLM, MatchingClassifier, SequenceClassifier
 from ..tasks import SPLITS, load_task, needs_path, task_class, task_options
 from ..tasks.base import SequenceTask
 from .checkpoint import seed_everything
-from .factory import model_for_task, task_type_of
+from .factory import longest_split, model_for_task, task_type_of
 from .trainer import (
     CHECKPOINT,
     METRICS,
@@ -423,17 +423,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     resume_mode = "require" if args.resume else "never" if args.overwrite else "auto"
     check_resume(settings, resume_mode)  # before the folder is made
     splits = load_splits(settings)
-    longest = max(int(getattr(split, "max_length", 0)) for split in splits.values())
-    model = build_model(settings, splits["train"], config.seed, longest or None)
+    model = build_model(settings, splits["train"], config.seed, longest_split(splits.values()))
     trainer = Trainer(
         model, splits["train"], config, val_data=splits["val"], test_data=splits["test"]
     )
 
     out = Path(settings["out"])
     out.mkdir(parents=True, exist_ok=True)
-    with exclusive_folder(
-        out, "kernelstudy train", clean=True
-    ):  # FolderBusy (a ValueError): exit 1
+    # FolderBusy (a ValueError): exit 1
+    with exclusive_folder(out, "kernelstudy train", clean=True):
         # check again under the lock: a run that ended meanwhile may have written
         resume = check_resume(settings, resume_mode)
         # the old run's files go before the new settings are recorded; a continuation

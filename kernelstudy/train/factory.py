@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from torch import nn
@@ -19,6 +20,13 @@ def task_type_of(task: Any) -> str:
     if getattr(task, "pairs", False):
         return "matching"
     return "lm" if task.num_classes is None else "classification"
+
+
+def longest_split(splits: Iterable[Any]) -> int | None:
+    """The length the longest of ``splits`` pads to (their ``max_length``; a val or test
+    split may be longer than train's), None when none has one: ``longest`` of
+    :func:`model_for_task`."""
+    return max((int(getattr(split, "max_length", 0)) for split in splits), default=0) or None
 
 
 def model_for_task(task: Any, longest: int | None = None, **model_kwargs: Any) -> nn.Module:
