@@ -527,13 +527,7 @@ def _note_rows_of_no_config(name: str, module: ModuleType, held: set[str], path:
     """Say on stderr when ``path`` holds rows of configurations that neither size of the
     study has on any device (an edited config, or a feature map not registered now): the
     summary leaves them out without a word otherwise."""
-    known = {
-        config_id(c, device)
-        for quick in (True, False)
-        for c in module.configs(load_params(name, quick))
-        for device in DEVICES
-    }
-    unknown = held - known
+    unknown = held - set().union(*_known_ids(name, module).values())
     if unknown:
         print(
             f"note: {path} holds rows of {len(unknown)} configuration(s) that study {name!r} "
@@ -627,24 +621,46 @@ def load_results(
         state = "empty" if path.is_file() else "no"
         print(f"{state} {path}: running the {size} '{name}' study", file=sys.stderr)
         run_study(name, quick=quick, out=path.parent, verbose=False, fill_tables=table != RESULTS)
-    frame = _one_run(_read_results(path), name, quick, device, path)
+    frame = _read_results(path)
+    if "config_id" not in frame or frame.empty:
+        return frame
+    known = _known_ids(name, load_study(name))
+    frame = _one_run(frame, name, quick, device, path, known)
     if table == RESULTS:
-        _note_incomplete(frame, name, quick, path)
+        _note_incomplete(frame, name, quick, path, known)
     return frame
 
 
-def _note_incomplete(frame: pd.DataFrame, name: str, quick: bool, path: Path) -> None:
+def _known_ids(name: str, module: ModuleType) -> dict[tuple[bool, str], set[str]]:
+    """``{(quick, device): config ids}`` of the study's configurations, for both sizes and
+    every device of :data:`DEVICES`."""
+    known = {}
+    for quick in (True, False):
+        configs = module.configs(load_params(name, quick))
+        for device in DEVICES:
+            known[(quick, device)] = {config_id(c, device) for c in configs}
+    return known
+
+
+def _note_incomplete(
+    frame: pd.DataFrame,
+    name: str,
+    quick: bool,
+    path: Path,
+    known: dict[tuple[bool, str], set[str]],
+) -> None:
     """Say on stderr when the rows of one run cover only part of its configurations (an
     interrupted or ``--only`` run): a notebook would otherwise show a partial study as if
-    complete. The run is the size (``quick``'s first) whose configurations hold every row."""
-    if frame.empty or "config_id" not in frame:
+    complete. The run is the size (``quick``'s first) whose configurations hold every row;
+    ``known``: :func:`_known_ids`."""
+    if frame.empty:
         return
     devices = sorted(set(frame["device"].astype(str))) if "device" in frame else ["cpu"]
     if len(devices) != 1:
         return
-    module, present = load_study(name), set(frame["config_id"])
+    present = set(frame["config_id"])
     for size in (quick, not quick):
-        expected = {config_id(c, devices[0]) for c in module.configs(load_params(name, size))}
+        expected = known.get((size, devices[0]), set())
         if present <= expected:
             if len(present) < len(expected):
                 flag = " --quick" if size else ""
@@ -659,21 +675,19 @@ def _note_incomplete(frame: pd.DataFrame, name: str, quick: bool, path: Path) ->
 
 
 def _one_run(
-    frame: pd.DataFrame, name: str, quick: bool, device: str | None, path: Path
+    frame: pd.DataFrame,
+    name: str,
+    quick: bool,
+    device: str | None,
+    path: Path,
+    known: dict[tuple[bool, str], set[str]],
 ) -> pd.DataFrame:
-    """The rows of the current configurations (a warning says how many others were left
-    out), of one size (``quick``'s where both sizes are there) and one device."""
-    if "config_id" not in frame or frame.empty:
-        return frame
-    module = load_study(name)
-    device_of = {}  # config_id → device (extra tables have no device column)
-    ids: dict[bool, set[str]] = {True: set(), False: set()}
-    for q in (True, False):
-        for c in module.configs(load_params(name, q)):
-            for d in DEVICES:
-                cid = config_id(c, d)
-                ids[q].add(cid)
-                device_of[cid] = d
+    """The rows (with config ids) of the current configurations (a warning says how many
+    others were left out), of one size (``quick``'s where both sizes are there) and one
+    device; ``known``: :func:`_known_ids`."""
+    # config_id → device (extra tables have no device column)
+    device_of = {cid: d for (_, d), cids in known.items() for cid in cids}
+    ids = {q: set().union(*(known[(q, d)] for d in DEVICES)) for q in (True, False)}
     has = {q: frame["config_id"].isin(ids[q]) for q in (True, False)}
     current = has[True] | has[False]
     if not current.all():  # rows of configurations the study no longer has (edited config)
