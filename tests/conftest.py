@@ -60,3 +60,31 @@ def shifted(t: torch.Tensor, elements: int) -> torch.Tensor:
         return t
     flat = torch.empty(t.numel() + elements, dtype=t.dtype, device=t.device)[elements:]
     return flat.view(t.shape).copy_(t)
+
+
+def torch_func_results(fn, xs, small_fn, small_xs, w, u, tangents) -> list[torch.Tensor]:
+    """Derivatives of ``fn(q, k, v)`` by every route, for comparing a backend with the
+    reference: the jvp along ``tangents``; vmap over two copies of q (k and v unmapped); vmap
+    of grad of ``L = Σ fn·w``; jacrev and the Hessian of L (jacfwd of jacrev) on the small
+    inputs ``small_xs`` (``small_fn`` takes them, e.g. with a mask cut to their length); the
+    gradient of ``dL/dq · u`` by autograd with ``create_graph=True``. Inputs are cast to
+    ``xs``' dtype and device."""
+    dtype, device = xs[0].dtype, xs[0].device
+
+    def cast(t):
+        return t.to(device, dtype)
+
+    def loss_of(fn):
+        return lambda *x: (fn(*x) * cast(w)[:, :, : x[0].shape[2]]).sum()
+
+    inputs = [t.detach().clone().requires_grad_() for t in xs]
+    (dq,) = torch.autograd.grad(loss_of(fn)(*inputs), inputs[0], create_graph=True)
+    per_copy_grads = torch.func.vmap(torch.func.grad(loss_of(fn), argnums=(0, 1, 2)))
+    return [
+        torch.func.jvp(fn, tuple(xs), tuple(map(cast, tangents)))[1],
+        torch.func.vmap(fn, in_dims=(0, None, None))(torch.stack([xs[0], 2 * xs[0]]), *xs[1:]),
+        *per_copy_grads(*(t[None] for t in xs)),
+        torch.func.jacrev(small_fn)(*small_xs),
+        torch.func.jacfwd(torch.func.jacrev(loss_of(small_fn)))(*small_xs),
+        *torch.autograd.grad((dq * cast(u)).sum(), inputs, materialize_grads=True),
+    ]

@@ -3,9 +3,10 @@
 Tolerances: float32 outputs and gradients max relative error ≤ 1e-4; float16/bfloat16
 relative RMS error ≤ 1e-2 (against the reference in float64 on the same rounded inputs).
 Also: awkward shapes (N=1, N not a multiple of the chunk, F≠M, F=M=256, B·H=1 at long N),
-key padding, recurrent-state consistency, dispatch, bit-identical reruns (also for inputs off
-16-byte addresses), offsets past 2**31 elements, peak memory (no O(N·F·M) tensor), and the
-fused backward (``ext.causal_backward``) against the reference and the three-product backward.
+key padding, recurrent-state consistency, dispatch, torch.func and gradients of gradients,
+bit-identical reruns (also for inputs off 16-byte addresses), offsets past 2**31 elements, peak
+memory (no O(N·F·M) tensor), and the fused backward (``ext.causal_backward``) against the
+reference and the three-product backward.
 Every test runs under both causal kernels (``cuda_backend.CAUSAL_KERNEL``: "chunks" and
 "walk"); the walk and its fused backward are also checked with sequences cut into 1, several and
 one-chunk segments.
@@ -25,7 +26,7 @@ from kernelstudy.core import (
     resolve_backend,
 )
 
-from .conftest import close_in_dtype, rel_err, rel_rms, shifted
+from .conftest import close_in_dtype, rel_err, rel_rms, shifted, torch_func_results
 
 pytestmark = [
     pytest.mark.gpu,
@@ -270,15 +271,34 @@ def test_public_linear_attention_on_cuda(causal):
     assert rel_err(got, want) <= 1e-4
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_double_backward_is_refused_by_name(causal):
-    q, k, v = _features(1, 2, 70, 8, 4)
-    for out in (
-        cuda_backend.linear_attention(q, k, v, causal=causal),
-        cuda_backend.causal_product(q, k, v),
-    ):
-        with pytest.raises(RuntimeError, match="'cuda' backend has no double backward"):
-            torch.autograd.grad(out.pow(2).sum(), q, create_graph=True)
+@pytest.mark.parametrize("case", ["product", "causal", "full"])
+def test_torch_func_and_double_backward(case):
+    """jvp, vmap, vmap of grad, jacrev, the Hessian (jacfwd of jacrev) and gradients of
+    gradients (create_graph=True) through the cuda backend's Functions, float32, against the
+    float64 reference on the GPU: max relative error ≤ 1e-4 (scale at least 1)."""
+    b, h, n, f, m = 2, 1, 70, 6, 5
+    q, k, v = (t.detach() for t in _features(b, h, n, f, m))
+    w, u = _upstream((b, h, n, m)), _upstream((b, h, n, f), seed=2)
+    tangents = [_upstream(t.shape, seed=3 + i) for i, t in enumerate((q, k, v))]
+    mask = torch.ones(b, n, dtype=torch.bool, device=DEVICE)
+    mask[0, :3] = mask[1, 40:] = False
+
+    def pair(mask):
+        if case == "product":
+            return cuda_backend.causal_product, causal_dot_product_reference
+        c = case == "causal"
+        return (
+            lambda *x: cuda_backend.linear_attention(*x, causal=c, key_padding_mask=mask),
+            lambda *x: linear_attention_reference(*x, causal=c, key_padding_mask=mask),
+        )
+
+    (fn, ref), (small_fn, small_ref) = pair(mask), pair(mask[:1, 1:5])
+    x32, x64 = (q, k, v), _as64((q, k, v))
+    small32, small64 = ([t[:1, :, 1:5].detach() for t in x] for x in (x32, x64))
+    got = torch_func_results(fn, x32, small_fn, small32, w, u, tangents)
+    want = torch_func_results(ref, [t.detach() for t in x64], small_ref, small64, w, u, tangents)
+    for i, (a, e) in enumerate(zip(got, want, strict=True)):
+        assert a.dtype == torch.float32 and rel_err(a, e, floor=1.0) <= 1e-4, i
 
 
 def test_cross_attention_lengths():
