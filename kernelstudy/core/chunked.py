@@ -13,11 +13,11 @@ linear in N: activations ``O(N·(F+M))`` plus
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from .transforms import trilinear_jvp
 from .validation import accumulation_dtype, autocast_off, check_qkv
 
 DEFAULT_CHUNK_SIZE = 64
@@ -64,21 +64,6 @@ def _chunked_product(
     # the padded tail sliced off in a copy: a view returned by an autograd Function breaks
     # forward-mode AD (an internal assert on the tangent's layout)
     return out[:, :, :n].clone() if pad else out
-
-
-def trilinear_jvp(
-    product: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-    primals: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    tangents: tuple[torch.Tensor | None, ...],
-) -> torch.Tensor:
-    """The jvp of a ``product(q, k, v)`` linear in each input: the sum, over the inputs with
-    a tangent, of the product with that input replaced by its tangent."""
-    out = None
-    for i, tangent in enumerate(tangents):
-        if tangent is not None:
-            term = product(*(tangent if j == i else x for j, x in enumerate(primals)))
-            out = term if out is None else out + term
-    return out
 
 
 class _ChunkedProduct(torch.autograd.Function):

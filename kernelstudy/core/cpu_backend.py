@@ -20,8 +20,8 @@ import torch
 
 from ..arguments import check_count
 from .backends import Backend, register_backend
-from .chunked import trilinear_jvp
 from .extensions import csrc_dir, host_tag, load_extension, native_cflags
+from .transforms import fold_mapped, trilinear_jvp, unfold_mapped
 from .validation import FLOAT_DTYPES, accumulation_dtype, check_qkv
 
 EXTENSION_NAME = "kernelstudy_cpu"  # built as kernelstudy_cpu_<host_tag()> (-march=native)
@@ -110,13 +110,8 @@ class _CpuProduct(torch.autograd.Function):
         """``torch.func.vmap``: the mapped dimension (size V) joins the batch,
         ``(V,B,H,N,F) → (V·B,H,N,F)``, and is split off the output again."""
         size = info.batch_size
-
-        def fold(t: torch.Tensor, dim: int | None) -> torch.Tensor:
-            t = t.expand(size, *t.shape) if dim is None else t.movedim(dim, 0)
-            return t.reshape(size * t.shape[1], *t.shape[2:])
-
-        out = _CpuProduct.apply(*map(fold, (q, k, v), in_dims[:3]), threads, reverse)
-        return out.reshape(size, -1, *out.shape[1:]), 0
+        q, k, v = (fold_mapped(size, t, d) for t, d in zip((q, k, v), in_dims[:3], strict=True))
+        return unfold_mapped(size, _CpuProduct.apply(q, k, v, threads, reverse)), 0
 
 
 def causal_dot_product_cpu(

@@ -42,7 +42,7 @@ import torch
 
 from ..arguments import check_count, check_flag
 from .backends import Backend, register_backend
-from .chunked import trilinear_jvp
+from .transforms import fold_mapped, trilinear_jvp, unfold_mapped
 from .validation import autocast_off, check_eps, check_key_padding_mask, check_qkv
 
 EXTENSION_NAME = "kernelstudy_cuda"
@@ -180,20 +180,6 @@ def _check_inputs(*tensors: torch.Tensor) -> None:
             )
 
 
-def _fold(size: int, t: torch.Tensor | None, dim: int | None) -> torch.Tensor | None:
-    """A ``vmap`` rule's input with the mapped dimension (size V) folded into the batch:
-    ``(V,B,...) → (V·B,...)``; an unmapped input is repeated V times (None stays None)."""
-    if t is None:
-        return None
-    t = t.expand(size, *t.shape) if dim is None else t.movedim(dim, 0)
-    return t.reshape(size * t.shape[1], *t.shape[2:])
-
-
-def _unfold(size: int, t: torch.Tensor) -> torch.Tensor:
-    """``(V·B,...) → (V,B,...)``: the inverse of :func:`_fold` on a result."""
-    return t.reshape(size, -1, *t.shape[1:])
-
-
 # ---------------------------------------------------------------- unnormalized causal product
 class _CausalProduct(torch.autograd.Function):
     """The causal (``reverse``: anti-causal) product on the kernels.
@@ -249,8 +235,8 @@ class _CausalProduct(torch.autograd.Function):
     @staticmethod
     def vmap(info, in_dims, q, k, v, reverse):  # type: ignore[override]
         size = info.batch_size
-        q, k, v = (_fold(size, t, d) for t, d in zip((q, k, v), in_dims, strict=False))
-        return _unfold(size, _CausalProduct.apply(q, k, v, reverse)), 0
+        q, k, v = (fold_mapped(size, t, d) for t, d in zip((q, k, v), in_dims, strict=False))
+        return unfold_mapped(size, _CausalProduct.apply(q, k, v, reverse)), 0
 
 
 def causal_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -342,9 +328,9 @@ class _FusedAttention(torch.autograd.Function):
     @classmethod
     def vmap(cls, info, in_dims, q, k, v, mask, eps):  # type: ignore[override]
         size = info.batch_size
-        folded = (_fold(size, t, d) for t, d in zip((q, k, v, mask), in_dims, strict=False))
+        folded = (fold_mapped(size, t, d) for t, d in zip((q, k, v, mask), in_dims, strict=False))
         outputs = cls.apply(*folded, eps)
-        return tuple(_unfold(size, t) for t in outputs), (0,) * len(outputs)
+        return tuple(unfold_mapped(size, t) for t in outputs), (0,) * len(outputs)
 
 
 class _CausalAttention(_FusedAttention):
