@@ -402,3 +402,25 @@ def test_two_writers_to_one_folder_both_finish(tmp_path: Path) -> None:
     mask = os.umask(0)
     os.umask(mask)
     assert (out / "basic_val.tsv").stat().st_mode & 0o777 == 0o666 & ~mask
+
+
+def test_loader_finds_the_files_under_the_release_directory(written: Path, tmp_path: Path) -> None:
+    """The release unpacks to lra_release/listops-1000/: the directory holding it worked for
+    retrieval (lra_release/tsv_data) but not for ListOps."""
+    folder = tmp_path / "lra_release" / "listops-1000"
+    folder.mkdir(parents=True)
+    (folder / "basic_val.tsv").write_bytes((written / "basic_val.tsv").read_bytes())
+    for path in (tmp_path, tmp_path / "lra_release", folder):
+        assert (
+            ListOpsTask(path, "val").labels.tolist() == ListOpsTask(written, "val").labels.tolist()
+        )
+
+
+def test_evaluator_and_tokenizer_refuse_other_types() -> None:
+    """``evaluate_listops(5)`` failed as "'int' object is not iterable" and
+    ``tokenize_listops(None)`` with an AttributeError."""
+    with pytest.raises(TypeError, match="source must be a str or a list or tuple of tokens"):
+        evaluate_listops(5)
+    with pytest.raises(TypeError, match=r"source must be a str \(a ListOps Source\), got None"):
+        tokenize_listops(None)
+    assert evaluate_listops(("[SM", "7", "5", "]")) == 2 == evaluate_listops("[SM 7 5 ]")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 from pathlib import Path
 
@@ -563,3 +564,71 @@ def test_a_byte_order_mark_is_not_data_in_any_text_file(tmp_path: Path) -> None:
     meta.write_text(bom + meta.read_text(), encoding="utf-8")
     splits = [load_task("pathfinder", tmp_path, s) for s in ("train", "val", "test")]
     assert sum(len(ds) for ds in splits) == 10
+
+
+def test_packed_sequences_refuse_ids_their_dtype_cannot_hold() -> None:
+    """Ids were cast to uint8 unchecked: 300 came back as 44, -1 as 255, 1.7 as 1."""
+    with pytest.raises(ValueError, match=r"token ids in \[5, 300\] do not fit dtype uint8"):
+        PackedSequences([np.array([300, 5])])
+    with pytest.raises(ValueError, match="do not fit dtype uint8"):
+        PackedSequences([[3], np.array([-1])])
+    with pytest.raises(TypeError, match="integer token ids, got dtype float64"):
+        PackedSequences([np.array([1.7, 2.0])])
+    wide = PackedSequences([np.array([300, 5]), []], dtype=np.int16)
+    assert wide[0].tolist() == [300, 5] and wide[1].dtype == np.int16 and len(wide[1]) == 0
+    mixed = PackedSequences([[], b"ab", np.array([], dtype=np.int64), [7]])  # [] is float64
+    assert [mixed[i].tolist() for i in range(4)] == [[], [97, 98], [], [7]]
+    assert mixed.lengths().tolist() == [0, 2, 0, 1] and mixed.data.dtype == np.uint8
+
+
+def test_a_path_of_the_wrong_type_is_a_type_error_naming_it(tmp_path: Path) -> None:
+    """An int path failed inside pathlib ('expected str, bytes or os.PathLike object, not
+    int'), and the public readers took it for a file descriptor: they read that descriptor's
+    file and closed it, under the caller."""
+    from kernelstudy.tasks import read_aan_tsv, read_cifar_batch, read_listops_tsv, read_png
+
+    for name in ("listops", "text", "retrieval", "image", "pathfinder"):
+        with pytest.raises(TypeError, match=r"path must be a path \(str or os.PathLike\), got 3"):
+            load_task(name, 3)
+        with pytest.raises(ValueError, match="path must not be empty"):
+            load_task(name, "")  # was the current directory
+    table = tmp_path / "basic_train.tsv"
+    table.write_text("Source\tTarget\n( ( [MIN 1 ) 2 ] )\t1\n", encoding="utf-8")
+    fd = os.open(table, os.O_RDONLY)
+    try:
+        for read in (read_listops_tsv, lambda p: read_aan_tsv(p, 10), read_cifar_batch, read_png):
+            with pytest.raises(TypeError, match="path must be a path"):
+                read(fd)
+        os.fstat(fd)  # still open
+    finally:
+        os.close(fd)
+    # a negative max_length sliced the last byte off every document, silently
+    path = write_aan(tmp_path, ["1\ta\tb\txyz\tuvw"])
+    with pytest.raises(ValueError, match="max_length must be an int >= 1, got -1"):
+        read_aan_tsv(path, -1)
+
+
+def test_a_file_where_a_directory_is_expected_is_named_as_such(tmp_path: Path) -> None:
+    """A file passed as the data directory was reported 'not found' (it exists), or as
+    missing '<file>/basic_train.tsv'."""
+    path = write_aan(tmp_path, ["1\ta\tb\tx\ty"])
+    for name in ("listops", "retrieval", "image"):  # (a text table is a file by design)
+        with pytest.raises(NotADirectoryError, match="is a file") as err:
+            load_task(name, path)
+        assert_error(err, path)
+
+
+def test_val_fraction_takes_numpy_floats(tmp_path: Path) -> None:
+    """np.float32(0.5) (e.g. from a NumPy grid of fractions) was refused as not a float."""
+    write_cifar(tmp_path / "cifar-10-batches-py")
+    assert len(ImageTask(tmp_path, "val", val_fraction=np.float32(0.5))) == 10
+    with pytest.raises(TypeError, match="val_fraction must be a float"):
+        ImageTask(tmp_path, "val", val_fraction=True)
+
+
+def test_pathfinder_under_the_release_directory(tmp_path: Path) -> None:
+    """The release unpacks to lra_release/pathfinder32/...: the directory holding it worked
+    for retrieval (lra_release/tsv_data) but not for Pathfinder."""
+    write_pathfinder(tmp_path / "lra_release", n_files=1, per_file=10)
+    direct = PathfinderTask(tmp_path / "lra_release", "val")
+    assert PathfinderTask(tmp_path, "val").images == direct.images

@@ -105,3 +105,9 @@ def test_every_task_batches_through_a_dataloader(tmp_path: Path, name: str) -> N
     else:
         assert batch["label"].shape == (4,)
     assert task.info()["size"] == 8
+
+
+def test_options_that_are_not_a_mapping_are_a_type_error() -> None:
+    """A list of options failed as "'list' object has no attribute 'items'"."""
+    with pytest.raises(TypeError, match=r"options must be a mapping of task options, got \["):
+        split_options("copy", ["seq_len", 6], "train")

@@ -83,7 +83,8 @@ class PackedSequences:
     """Variable-length token sequences stored in one flat array plus offsets.
 
     Sequence ``i`` is ``data[offsets[i]:offsets[i + 1]]``. Far smaller than a list of
-    arrays when there are many sequences.
+    arrays when there are many sequences. Token ids must be integers that ``dtype`` holds
+    (else ValueError/TypeError: a cast would wrap 300 to 44 in uint8).
     """
 
     def __init__(self, sequences: Sequence[np.ndarray | bytes], dtype: type = np.uint8) -> None:
@@ -94,9 +95,18 @@ class PackedSequences:
         lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
         self.offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
         np.cumsum(lengths, out=self.offsets[1:])
-        self.data = (
-            np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
-        )
+        # empty sequences left out: np.asarray([]) is float64
+        data = np.concatenate([a for a in arrays if a.size] or [np.zeros(0, dtype)])
+        if data.dtype.kind not in "iu":
+            raise TypeError(f"sequences must hold integer token ids, got dtype {data.dtype}")
+        limits = np.iinfo(dtype)
+        checked = np.can_cast(data.dtype, dtype) or not data.size  # every value fits
+        if not checked and (data.min() < limits.min or data.max() > limits.max):
+            raise ValueError(
+                f"token ids in [{data.min()}, {data.max()}] do not fit dtype "
+                f"{np.dtype(dtype).name} ([{limits.min}, {limits.max}])"
+            )
+        self.data = data.astype(dtype, copy=False)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1

@@ -34,19 +34,36 @@ def decode_error(path: PathArg, err: UnicodeDecodeError, hint: str = "") -> Valu
     return data_error(path, f"not UTF-8 text ({err.reason}){hint}")
 
 
+def check_path(name: str, value: object) -> Path:
+    """``value`` as a Path if it is a str or os.PathLike, else TypeError naming ``name``
+    (``open`` would take an int for a file descriptor, and read or close that); an empty
+    string (an unset variable) is a ValueError, not the current directory."""
+    if not isinstance(value, str | PathLike):
+        raise TypeError(f"{name} must be a path (str or os.PathLike), got {value!r}")
+    if not str(value):
+        raise ValueError(f"{name} must not be empty")
+    return Path(value)
+
+
 def require_dir(path: PathArg, what: str = "data directory") -> Path:
-    """``path`` as a Path if it is a directory, else FileNotFoundError."""
+    """``path`` as a Path if it is a directory, else FileNotFoundError (NotADirectoryError
+    for a file)."""
     p = Path(path)
     if not p.is_dir():
+        if p.exists():
+            raise NotADirectoryError(f"{what} is a file, not a directory: {p}")
         raise FileNotFoundError(f"{what} not found: {p}")
     return p
 
 
 def locate(root: PathArg, candidates: Sequence[str], what: str) -> Path:
-    """The first of ``root/c`` (c in ``candidates``) that exists, else FileNotFoundError."""
+    """The first of ``root/c`` (c in ``candidates``) that exists, else FileNotFoundError
+    (NotADirectoryError if ``root`` is a file)."""
     base = Path(root)
     if not base.exists():
         raise FileNotFoundError(f"{what}: {base} does not exist")
+    if not base.is_dir():
+        raise NotADirectoryError(f"{what}: {base} is a file; pass the directory that holds it")
     for candidate in candidates:
         p = base / candidate
         if p.exists():

@@ -11,15 +11,15 @@ TFDS split takes its 10% in TFDS's own record order, so not these same images).
 
 from __future__ import annotations
 
+import numbers
 import pickle
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from .base import SequenceTask, check_split
-from .files import PathArg, data_error, locate, require_dir
+from .files import PathArg, check_path, data_error, locate, require_dir
 
 PIXEL_VOCAB_SIZE = 257
 PIXEL_PAD_ID = 256  # never present: pixel sequences have a fixed length
@@ -68,6 +68,7 @@ def rgb_to_gray(rgb: np.ndarray, channel_axis: int = -1) -> np.ndarray:
 
 def read_cifar_batch(path: PathArg) -> tuple[np.ndarray, np.ndarray]:
     """Gray pixels (N, 1024) uint8 and labels (N,) int64 of one pickle batch."""
+    check_path("path", path)
     try:
         with open(path, "rb") as f:
             batch = _SafeUnpickler(f, encoding="bytes").load()
@@ -113,11 +114,11 @@ class ImageTask(SequenceTask):
 
     def __init__(self, path: PathArg, split: str = "train", val_fraction: float = 0.1) -> None:
         check_split(split)
-        if isinstance(val_fraction, bool) or not isinstance(val_fraction, int | float):
+        if isinstance(val_fraction, bool) or not isinstance(val_fraction, numbers.Real):
             raise TypeError(f"val_fraction must be a float in (0, 1), got {val_fraction!r}")
         if not 0.0 < val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
-        root = Path(path)
+        root = check_path("path", path)
         require_dir(root, "CIFAR-10 directory")
         if (root / "cifar-10-batches-py").is_dir():
             root = root / "cifar-10-batches-py"

@@ -28,7 +28,7 @@ import torch
 from ..arguments import check_count, check_flag
 from ..files import new_temporary_file
 from .base import PackedSequences, SequenceTask, check_split, pad_tokens
-from .files import PathArg, data_error, decode_error, locate
+from .files import PathArg, check_path, data_error, decode_error, locate
 
 OPERATORS = ("[MIN", "[MAX", "[MED", "[SM")
 END = "]"
@@ -50,6 +50,8 @@ _MAX_IDLE_BATCHES = 200
 
 def tokenize_listops(source: str) -> list[str]:
     """LRA's ListOps tokenizer: parentheses removed, split on whitespace (``]`` is a token)."""
+    if not isinstance(source, str):
+        raise TypeError(f"source must be a str (a ListOps Source), got {source!r}")
     return source.translate(_DROP_PARENS).split()
 
 
@@ -58,6 +60,8 @@ def evaluate_listops(source: str | list[str]) -> int:
 
     Raises ValueError on an unknown token or an unbalanced expression.
     """
+    if not isinstance(source, str | list | tuple):
+        raise TypeError(f"source must be a str or a list or tuple of tokens, got {source!r}")
     tokens = tokenize_listops(source) if isinstance(source, str) else source
     stack: list[tuple[str, list[int]]] = []
     result: int | None = None
@@ -339,10 +343,10 @@ def write_listops(
     Existing files (e.g. the LRA release's, which have the same names) are a
     FileExistsError unless ``overwrite``. Returns ``{"train": path, ...}``.
     """
+    out = check_path("out_dir", out_dir)
     counts = {"train": n_train, "val": n_val, "test": n_test}
     for split, count in counts.items():
         check_count(f"n_{split}", count, 1)  # an empty split could not be read back
-    out = Path(out_dir)
     paths = {split: out / f"basic_{split}.tsv" for split in counts}
     existing = [str(p) for p in paths.values() if p.exists()]
     if existing and not check_flag("overwrite", overwrite):
@@ -389,6 +393,7 @@ def encode_listops(tokens: list[str]) -> np.ndarray:
 
 def read_listops_tsv(path: PathArg) -> tuple[PackedSequences, np.ndarray]:
     """Token ids and labels of an LRA ListOps TSV file; ValueError naming file and line."""
+    check_path("path", path)
     try:
         return _read_listops_tsv(path)
     except UnicodeDecodeError as err:
@@ -435,7 +440,8 @@ class ListOpsTask(SequenceTask):
 
     Vocabulary: ``VOCAB`` (16 tokens, pad 0). Sequences longer than
     ``max_length`` are truncated (as LRA does), shorter ones padded.
-    ``path`` is the directory holding the files (or its ``listops-1000`` parent).
+    ``path`` is the directory holding the files (the release's ``listops-1000``), its
+    parent, or the directory holding ``lra_release/`` (as for the other LRA tasks).
     """
 
     name = "listops"
@@ -446,9 +452,11 @@ class ListOpsTask(SequenceTask):
 
     def __init__(self, path: PathArg, split: str = "train", max_length: int = 2000) -> None:
         check_split(split)
+        check_path("path", path)
         self.max_length = check_count("max_length", max_length, 1)
         name = f"basic_{split}.tsv"
-        self.file = locate(path, [name, f"listops-1000/{name}"], f"ListOps {split} file")
+        candidates = [name, f"listops-1000/{name}", f"lra_release/listops-1000/{name}"]
+        self.file = locate(path, candidates, f"ListOps {split} file")
         self.sequences, self.labels = read_listops_tsv(self.file)
 
     def __len__(self) -> int:

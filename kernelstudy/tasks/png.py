@@ -12,7 +12,7 @@ import zlib
 
 import numpy as np
 
-from .files import PathArg, data_error
+from .files import PathArg, check_path, data_error
 
 SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}  # color type → samples per pixel
@@ -125,6 +125,7 @@ def decode_png(data: bytes) -> np.ndarray:
 
 def read_png(path: PathArg) -> np.ndarray:
     """(H, W, C) uint8 pixels of a PNG file; ValueError naming the file if it is malformed."""
+    check_path("path", path)
     with open(path, "rb") as f:
         data = f.read()
     try:

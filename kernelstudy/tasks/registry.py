@@ -78,6 +78,8 @@ def split_options(name: str, options: Mapping[str, Any], split: str) -> dict[str
     mean (``vocabulary_options``, e.g. MQAR's ``vocab_size``) raises ValueError.
     """
     check_split(split)
+    if not isinstance(options, Mapping):
+        raise TypeError(f"options must be a mapping of task options, got {options!r}")
     allowed = task_options(name)
     shared = {key: value for key, value in options.items() if key not in SPLITS}
     tables = {key: value for key, value in options.items() if key in SPLITS}

@@ -16,7 +16,7 @@ import torch
 
 from ..arguments import check_count
 from .base import PackedSequences, SequenceTask, check_split, pad_tokens
-from .files import PathArg, data_error, locate, parse_label
+from .files import PathArg, check_path, data_error, locate, parse_label
 from .text import BYTE_PAD_ID, BYTE_VOCAB_SIZE
 
 _FILE_SPLIT = {"train": "train", "val": "eval", "test": "test"}
@@ -25,6 +25,8 @@ _COLUMNS = 5
 
 def read_aan_tsv(path: PathArg, max_length: int) -> tuple[list[bytes], list[bytes], list[int]]:
     """Documents 1, documents 2 (bytes, truncated) and labels of an AAN pairs file."""
+    check_path("path", path)
+    check_count("max_length", max_length, 1)  # a slice [:-1] would drop a byte silently
     docs1: list[bytes] = []
     docs2: list[bytes] = []
     labels: list[int] = []
@@ -68,6 +70,7 @@ class RetrievalTask(SequenceTask):
 
     def __init__(self, path: PathArg, split: str = "train", max_length: int = 4000) -> None:
         check_split(split)
+        check_path("path", path)
         self.max_length = check_count("max_length", max_length, 1)
         name = f"new_aan_pairs.{_FILE_SPLIT[split]}.tsv"
         candidates = [name, f"tsv_data/{name}", f"lra_release/tsv_data/{name}"]

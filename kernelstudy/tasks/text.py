@@ -14,7 +14,7 @@ import torch
 
 from ..arguments import check_count
 from .base import PackedSequences, SequenceTask, check_split, pad_tokens
-from .files import PathArg, data_error, parse_label, read_table, require_dir
+from .files import PathArg, check_path, data_error, parse_label, read_table, require_dir
 
 BYTE_VOCAB_SIZE = 257
 BYTE_PAD_ID = 0
@@ -26,6 +26,7 @@ _LABEL_COLUMNS = ("label", "target")
 def read_imdb_dir(root: Path, split: str, max_length: int) -> tuple[list[bytes], list[int]]:
     """Reviews of ``root/<split>/{neg,pos}/*.txt`` (label 0 = neg, 1 = pos), sorted by name,
     with surrounding whitespace stripped as TFDS's ``imdb_reviews`` (LRA's source) does."""
+    check_count("max_length", max_length, 1)  # a slice [:-1] would drop a byte silently
     texts: list[bytes] = []
     labels: list[int] = []
     for label, polarity in enumerate(("neg", "pos")):
@@ -45,7 +46,9 @@ def read_text_table(
     """Texts and labels of a CSV (``,``, csv quoting) or TSV (tab; one row per line, quotes
     are text, as in LRA's TSV files) file with a header naming a ``text`` (or ``Source``)
     column and a ``label`` (or ``Target``) column."""
-    tsv = str(path).lower().endswith(".tsv")
+    check_count("max_length", max_length, 1)
+    check_count("num_classes", num_classes, 1)
+    tsv = str(check_path("path", path)).lower().endswith(".tsv")
     rows = read_table(path, "\t" if tsv else ",", quoted=not tsv)
     first = next(rows, None)
     if first is None:
@@ -81,7 +84,7 @@ def find_text_source(path: PathArg, split: str) -> tuple[str, Path]:
     or its parent, or a directory of ``{split}.tsv``/``{split}.csv`` files. IMDB has
     no validation split: as in LRA, ``val`` reads the test data.
     """
-    p = Path(path)
+    p = check_path("path", path)
     if p.is_file():
         return "table", p
     require_dir(p, "text data directory")
