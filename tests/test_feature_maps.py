@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -644,3 +645,10 @@ def test_a_random_map_gets_seed_and_redraw_every_without_declaring_them():
     Draws.size_hyperparameter = "nope"
     with pytest.raises(ValueError, match="size_hyperparameter 'nope' is not one of"):
         size_knob(Draws)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_map_docstring_states_its_shapes(name):
+    """elu, relu, identity, oglu and aoglu said nothing of their input and output shapes."""
+    doc = get_feature_map_class(name).__doc__ or ""
+    assert re.search(r"``\((B,H|\.\.\.), ?N, ?D\) → \((B,H|\.\.\.), ?N, ?[^)]+\)``", doc), name

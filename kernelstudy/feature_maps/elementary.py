@@ -15,6 +15,7 @@ class EluFeatureMap(FeatureMap):
 
     Computed as x + 1 for x > 0 and exp(x) below, not as (exp(x) − 1) + 1, which
     cancels to exactly 0 in bfloat16 below x ≈ −6.3 (float32: −17).
+    ``(..., N, D) → (..., N, D)``.
     """
 
     paper = "Katharopoulos et al. 2020, Transformers are RNNs"
@@ -30,7 +31,8 @@ class EluFeatureMap(FeatureMap):
 
 @register_feature_map("relu")
 class ReluFeatureMap(FeatureMap):
-    """φ(x) = relu(x): non-negative; all-negative inputs give a zero normalizer (eps guards it)."""
+    """φ(x) = relu(x): non-negative; all-negative inputs give a zero normalizer (eps guards it).
+    ``(..., N, D) → (..., N, D)``."""
 
     paper = "common baseline (e.g. Qin et al. 2022, cosFormer)"
 
@@ -45,7 +47,8 @@ class ReluFeatureMap(FeatureMap):
 @register_feature_map("identity")
 class IdentityFeatureMap(FeatureMap):
     """φ(x) = x, for studies only: kernel values q·k can be negative, so the
-    normalizer Σ_j q·k_j can vanish or change sign and outputs blow up."""
+    normalizer Σ_j q·k_j can vanish or change sign and outputs blow up.
+    ``(..., N, D) → (..., N, D)``."""
 
     paper = "baseline (plain linear attention without a feature map)"
     positive = False

@@ -99,7 +99,8 @@ class GLUFeatureMap(HeadwiseFeatureMap):
 @register_feature_map("oglu")
 class OGLUFeatureMap(GLUFeatureMap):
     """GLU kernel with orthogonal W_f: orthogonal init and ``regularization()`` =
-    ``reg_weight``·Σ_units ‖W_fᵀW_f − I‖²_F. 2n² parameters per unit, F = D."""
+    ``reg_weight``·Σ_units ‖W_fᵀW_f − I‖²_F. 2n² parameters per unit, F = D.
+    ``(B,H,N,D) → (B,H,N,D)``."""
 
     orthogonal_f = True
     hyperparameters: ClassVar[dict[str, Hyperparameter]] = {
@@ -119,7 +120,7 @@ class OGLUFeatureMap(GLUFeatureMap):
 class AOGLUFeatureMap(OGLUFeatureMap):
     """OGLU whose gate is a rank-r product W_g = A B (A: n×r, B: r×n), r = ``rank``
     (default n//4, at least 1): exactly n² + 2nr parameters per unit (per head if
-    ``shared=False``). F = D."""
+    ``shared=False``). F = D. ``(B,H,N,D) → (B,H,N,D)``."""
 
     hyperparameters: ClassVar[dict[str, Hyperparameter]] = {
         "depth": DEPTH,
