@@ -451,3 +451,48 @@ def test_optimization_history_counts_complete_trials_only():
     ys = [y for line in fig.axes[0].lines for y in line.get_ydata()]
     plt.close("all")
     assert ys and max(ys) == pytest.approx(40.0)
+
+
+@pytest.mark.parametrize("folder", ["runs?2", "run %41"])
+def test_a_results_folder_with_url_characters_keeps_its_study_there(tmp_path, folder):
+    """The default SQLite URL put the path in unencoded: SQLAlchemy read ``runs?2/..`` as the
+    file ``runs`` (the study written beside the results folder, where no report looked for
+    it) and decoded ``%41`` (a file in a folder that does not exist)."""
+    from kernelstudy.search.storage import (
+        default_storage_url,
+        existing_database,
+        existing_storage_url,
+        load_study,
+    )
+
+    url = default_storage_url(tmp_path / folder, "tiny")
+    optuna.create_study(study_name="tiny/elu", storage=open_storage(url))
+    assert (tmp_path / folder / "tiny" / "optuna.db").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [folder]  # nothing beside it
+    again = existing_storage_url(tmp_path / folder, "tiny", "search first")
+    assert load_study(again, "tiny/elu").study_name == "tiny/elu"
+    assert existing_database(again, "search first") == again
+    with pytest.raises(FileNotFoundError, match="no study database"):
+        existing_database(url.replace("tiny/optuna.db", "other.db"), "search first")
+
+
+def test_a_config_that_is_not_utf8_is_named(tmp_path):
+    """A Latin-1 byte in a config raised a bare UnicodeDecodeError naming no file."""
+    path = tmp_path / "cfg.toml"
+    path.write_bytes(GOOD.replace('"elu"\n', '"élu"\n', 1).encode("latin-1"))
+    with pytest.raises(ValueError, match=r"cfg\.toml is not valid TOML \(not UTF-8\)"):
+        load_config(path)
+
+
+def test_variants_given_as_one_str_are_refused(tmp_path):
+    """``run_search(cfg, variants="ab")`` took each character for a label and searched
+    variants ``a`` and ``b``."""
+    from kernelstudy.search.runner import select_variants
+
+    two = GOOD.replace('label = "Transformer"', 'label = "a"').replace(
+        'label = "elu"', 'label = "b"'
+    )
+    config = load_config(_write(tmp_path, two))
+    assert [v.label for v in select_variants(config, ["b", "b"])] == ["b"]
+    with pytest.raises(TypeError, match="variants must be a list of labels, got the str 'ab'"):
+        select_variants(config, "ab")

@@ -3,6 +3,7 @@ parameter budget, interrupt and resume, bad inputs, and --help."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
@@ -715,3 +716,45 @@ def test_evaluate_skips_a_best_trial_over_the_current_budget(tmp_path, capsys, m
     )
     runs = read_evaluation(out / "tiny" / "evaluation.csv")
     assert runs["variant"].tolist() == ["elu+1", "elu+1"]
+
+
+def _reports(db: Path) -> int:
+    """How many intermediate values the trials in SQLite file ``db`` reported (0 before
+    its tables exist)."""
+    import sqlite3
+
+    if not db.is_file():
+        return 0
+    try:
+        with contextlib.closing(sqlite3.connect(db, timeout=5)) as con:
+            return con.execute("SELECT COUNT(*) FROM trial_intermediate_values").fetchone()[0]
+    except sqlite3.Error:
+        return 0
+
+
+def test_ctrl_c_of_a_one_worker_search_prints_no_traceback(tmp_path):
+    """Ctrl-C of `kernelstudy search` with one worker printed Optuna's "Trial 0 failed ...
+    KeyboardInterrupt" warning and traceback before the search's own "interrupted"; the
+    trial is failed as a worker's is, so a resume re-runs it."""
+    cfg, out = write_config(tmp_path, ["elu+1"], steps=100_000), tmp_path / "res"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "kernelstudy.cli", "search", str(cfg), "--out", str(out)]
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    db = out / "tiny" / "optuna.db"
+    deadline = time.time() + 120
+    while time.time() < deadline:  # until the first trial trains (read without Optuna,
+        if _reports(db):  # which would create the tables as the search does)
+            break
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        time.sleep(0.2)
+    else:
+        proc.kill()
+        pytest.fail("the search never started training")
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    assert err.rstrip().endswith("interrupted")
+    assert "Traceback" not in err and "failed" not in err, err[-2000:]
+    study = optuna.load_study(study_name="tiny/elu+1", storage=f"sqlite:///{db}")
+    assert [t.state for t in study.get_trials()] == [TrialState.FAIL]
+    assert requeue_failed(study) == [0]  # what a resumed search does first

@@ -398,7 +398,6 @@ def test_a_stop_that_arrives_while_optuna_saves_a_result_waits_for_the_save(tmp_
         return real(self, trial_id, state, values)
 
     monkeypatch.setattr(storage, "set_trial_state_values", save_and_get_stopped)
-    monkeypatch.setattr(workers._StopRequest, "requested", False)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     verbosity = optuna.logging.get_verbosity()
     try:
@@ -457,3 +456,69 @@ def test_workers_stop_when_the_search_is_killed(tmp_path):
     while any(map(_alive, workers)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(map(_alive, workers))
+
+
+def test_ctrl_c_of_one_worker_while_optuna_saves_a_result_waits_for_the_save(tmp_path, monkeypatch):
+    """A one-worker search runs in the caller's process: a Ctrl-C that arrived inside
+    Optuna's final save of a trial raised there, and Optuna's cleanup failed with an
+    UnboundLocalError traceback and left the trial RUNNING. It now stops the search after the
+    save, with KeyboardInterrupt, and leaves Ctrl-C and Optuna's verbosity as they were."""
+    import signal
+
+    url, name = f"sqlite:///{tmp_path / 'study.db'}", "ctrl-c-in-save"
+    storage = optuna.storages.RDBStorage
+    real = storage.set_trial_state_values
+
+    def save_and_get_interrupted(self, trial_id, state, values=None):
+        if state != TrialState.RUNNING:  # the save at the end of the trial
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(self, trial_id, state, values)
+
+    monkeypatch.setattr(storage, "set_trial_state_values", save_and_get_interrupted)
+    verbosity = optuna.logging.get_verbosity()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with pytest.raises(KeyboardInterrupt):
+        run_workers(url, name, quick_objective, trials=3, workers=1)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert optuna.logging.get_verbosity() == verbosity
+    states = [t.state for t in open_study(url, name).get_trials(deepcopy=False)]
+    assert states == [TrialState.COMPLETE]  # saved, and no second trial was started
+
+
+def interrupting_objective(trial: optuna.Trial) -> float:
+    """Ctrl-C during the first trial's training."""
+    import signal
+
+    trial.suggest_float("x", -1.0, 1.0)
+    if trial.number == 0:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(30)  # interrupted
+    return 0.0
+
+
+def test_ctrl_c_of_one_worker_fails_its_trial_without_optunas_traceback(tmp_path):
+    """Optuna logged "Trial 0 failed ... KeyboardInterrupt()" and its traceback before the
+    search's own "interrupted"."""
+    import logging
+
+    url, name = f"sqlite:///{tmp_path / 'study.db'}", "ctrl-c-in-trial"
+    logged: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = logged.append  # type: ignore[method-assign]
+    logger = logging.getLogger("optuna")
+    logger.addHandler(handler)
+    start = time.time()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_workers(url, name, interrupting_objective, trials=2, workers=1)
+    finally:
+        logger.removeHandler(handler)
+    assert time.time() - start < 20  # at once, not after the trial
+    assert not [r.getMessage() for r in logged if r.levelno >= logging.WARNING]
+    study = open_study(url, name)
+    assert [t.state for t in study.get_trials(deepcopy=False)] == [TrialState.FAIL]
+    # A resumed search re-runs it, with its parameters.
+    failed = study.get_trials(deepcopy=False)[0].params
+    run_workers(url, name, quick_objective, trials=2, workers=1)
+    complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    assert len(complete) == 2 and failed in [t.params for t in complete]

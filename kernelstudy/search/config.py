@@ -133,7 +133,9 @@ def load_config(path: str | Path, quick: bool = False) -> SearchConfig:
     if not path.is_file():
         raise FileNotFoundError(f"search config {path} does not exist")
     try:
-        raw = tomllib.loads(path.read_text())
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))  # TOML is UTF-8
+    except UnicodeDecodeError as err:  # its message named neither the file nor TOML
+        raise ValueError(f"search config {path} is not valid TOML (not UTF-8): {err}") from err
     except tomllib.TOMLDecodeError as err:
         raise ValueError(f"search config {path} is not valid TOML: {err}") from err
     quick_table = raw.pop("quick", {})

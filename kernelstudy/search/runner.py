@@ -83,7 +83,10 @@ def check_device(config: SearchConfig, device: str | None) -> None:
 
 def select_variants(config: SearchConfig, labels: Sequence[str] | None) -> list[Variant]:
     """The variants named in ``labels`` (all when None; a label given twice counts once);
-    ValueError for an unknown label."""
+    ValueError for an unknown label, TypeError for a single str (its characters were taken
+    for labels: ``"ab"`` chose variants ``a`` and ``b``)."""
+    if isinstance(labels, str):
+        raise TypeError(f"variants must be a list of labels, got the str {labels!r}")
     if not labels:
         return list(config.variants)
     return [config.variant(label) for label in dict.fromkeys(labels)]

@@ -10,9 +10,11 @@ from __future__ import annotations
 import re
 import warnings
 from pathlib import Path
+from urllib.parse import quote
 
 import optuna
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
+from sqlalchemy.engine import make_url
 
 #: Seconds between heartbeats of a running trial, and after which a silent one is failed.
 HEARTBEAT_INTERVAL = 10
@@ -24,11 +26,18 @@ def _default_path(results_dir: str | Path, study: str) -> Path:
     return Path(results_dir) / study / "optuna.db"
 
 
+def sqlite_url(path: str | Path) -> str:
+    """The ``sqlite:///`` URL of the file ``path`` (absolute), percent-encoded: SQLAlchemy
+    reads ``?`` in a URL as the start of its query and decodes ``%XX``, so a results folder
+    ``runs?2`` had its study written to a file ``runs`` beside it."""
+    return "sqlite:///" + quote(str(Path(path).resolve()), safe="/")
+
+
 def default_storage_url(results_dir: str | Path, study: str) -> str:
     """``sqlite:///results_dir/study/optuna.db`` (the directory is created)."""
     path = _default_path(results_dir, study)
     path.parent.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{path.resolve()}"
+    return sqlite_url(path)
 
 
 def existing_storage_url(results_dir: str | Path, study: str, hint: str) -> str:
@@ -38,7 +47,7 @@ def existing_storage_url(results_dir: str | Path, study: str, hint: str) -> str:
     path = _default_path(results_dir, study)
     if not path.is_file():
         raise FileNotFoundError(f"no study database {path}: {hint}")
-    return f"sqlite:///{path.resolve()}"
+    return sqlite_url(path)
 
 
 def existing_database(url: str, hint: str) -> str:
@@ -46,8 +55,10 @@ def existing_database(url: str, hint: str) -> str:
     PATH: hint``) when it names an SQLite file that does not exist, which opening it would
     create empty (other databases are checked when opened)."""
     if isinstance(url, str) and url.startswith("sqlite") and "://" in url:
-        path = url.partition("://")[2].partition("?")[0]
-        path = path[1:] if path.startswith("/") else path  # sqlite:///rel, sqlite:////abs
+        try:  # as SQLAlchemy reads it: without the query, %XX decoded
+            path = make_url(url).database or ""
+        except Exception:  # malformed: open_storage says so
+            return url
         if path not in ("", ":memory:") and not Path(path).is_file():
             raise FileNotFoundError(f"no study database {path}: {hint}")
     return url

@@ -22,6 +22,7 @@ import multiprocessing as mp
 import os
 import signal
 import sys
+import threading
 import warnings
 import zlib
 from collections.abc import Callable, Sequence
@@ -272,7 +273,11 @@ def _worker(
     seed: int,
     heartbeat: tuple[int, int] = (HEARTBEAT_INTERVAL, GRACE_PERIOD),
     threads: int | None = None,
+    request: _StopRequest | None = None,
 ) -> None:
+    """Optimize study ``name`` until it holds ``trials`` finished trials. ``request``: the
+    stop request its signal handler sets (none: nothing stops it but an exception)."""
+    request = _StopRequest() if request is None else request
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     if threads is not None:  # several workers share the cores
         torch.set_num_threads(threads)
@@ -281,10 +286,12 @@ def _worker(
         return
     stop = StopAtFinished(trials)
     while True:
+        if request.requested:  # before any trial: none is started only to be failed
+            raise KeyboardInterrupt
         try:
             study.optimize(
-                _StopRequest.wrap(skip_duplicates(record_failures(objective))),
-                callbacks=[stop, _StopRequest.callback],
+                request.wrap(skip_duplicates(record_failures(objective))),
+                callbacks=[stop, request.callback],
                 catch=TRIAL_ERRORS,
             )
             break
@@ -306,41 +313,46 @@ STOPPED_EXIT_CODE = 130
 
 
 class _StopRequest:
-    """A worker's SIGTERM: it interrupts the objective at once (Optuna then marks the trial
-    failed); arriving elsewhere (Optuna saving a result, sampling) it waits for the end of
-    that step, since an interrupt inside Optuna's own storage calls left the trial RUNNING
-    and failed with an UnboundLocalError traceback."""
+    """A stop signal (a worker's SIGTERM, the Ctrl-C of a one-worker search): it interrupts
+    the objective at once (Optuna then marks the trial failed, so a resumed search re-runs
+    it); arriving elsewhere (Optuna saving a result, sampling) it waits for the end of that
+    step, since an interrupt inside Optuna's own storage calls left the trial RUNNING and
+    failed with an UnboundLocalError traceback. Either way Optuna's "trial failed" warning
+    and its traceback are silenced: the interruption is reported once, by the caller.
 
-    requested = False
-    in_objective = False
+    ``second_at_once``: a second signal interrupts at once wherever it arrives (a user's
+    second Ctrl-C when a storage call hangs)."""
 
-    @classmethod
-    def handle(cls, signum: int, frame: FrameType | None) -> None:
-        cls.requested = True
+    def __init__(self, second_at_once: bool = False) -> None:
+        self.requested = False
+        self.in_objective = False
+        self.second_at_once = second_at_once
+
+    def handle(self, signum: int, frame: FrameType | None) -> None:
+        again = self.requested
+        self.requested = True
         optuna.logging.set_verbosity(optuna.logging.ERROR)  # no "trial failed" traceback
-        if cls.in_objective:
+        if self.in_objective or (again and self.second_at_once):
             raise KeyboardInterrupt
 
-    @classmethod
-    def wrap(cls, objective: Callable[[optuna.Trial], float]) -> Callable[[optuna.Trial], float]:
+    def wrap(self, objective: Callable[[optuna.Trial], float]) -> Callable[[optuna.Trial], float]:
         """``objective`` that a stop request interrupts (or does not start)."""
 
         @functools.wraps(objective)
         def run(trial: optuna.Trial) -> float:
-            if cls.requested:
+            if self.requested:
                 raise KeyboardInterrupt
-            cls.in_objective = True
+            self.in_objective = True
             try:
                 return objective(trial)
             finally:
-                cls.in_objective = False
+                self.in_objective = False
 
         return run
 
-    @classmethod
-    def callback(cls, study: optuna.Study, trial: FrozenTrial) -> None:
+    def callback(self, study: optuna.Study, trial: FrozenTrial) -> None:
         """Optuna callback: stop the study after a trial once a stop was requested."""
-        if cls.requested:
+        if self.requested:
             study.stop()
 
 
@@ -364,17 +376,42 @@ def _quiet_worker(parent: int | None, *args: Any) -> None:
     (:class:`_StopRequest`), so Optuna marks its running trial failed at once (a resumed
     search re-runs it) instead of leaving it RUNNING until its heartbeat goes stale. The
     parent's death, even by SIGKILL, stops it too (:func:`_stop_with_parent`)."""
+    request = _StopRequest()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _StopRequest.handle)
+    signal.signal(signal.SIGTERM, request.handle)
     if parent is not None:  # the pid of the process that started it
         _stop_with_parent(parent)
     try:
-        _worker(*args)
+        _worker(*args, request=request)
     except KeyboardInterrupt:
-        if not _StopRequest.requested:
+        if not request.requested:
             raise
-    if _StopRequest.requested:
+    if request.requested:
         sys.exit(STOPPED_EXIT_CODE)
+
+
+def _interruptible_worker(*args: Any) -> None:
+    """:func:`_worker` in this process (a one-worker search) with Ctrl-C as a stop request
+    (:class:`_StopRequest`), as the workers of a multi-worker search take their SIGTERM:
+    the running trial is failed (a resumed search re-runs it), without Optuna's "trial
+    failed" traceback, which Ctrl-C printed before the search's own "interrupted"; then
+    KeyboardInterrupt is raised. A second Ctrl-C interrupts at once. Where SIGINT is not
+    Python's default (ignored, or a caller's handler), or off the main thread, it is left
+    alone."""
+    in_main = threading.current_thread() is threading.main_thread()
+    if not in_main or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        _worker(*args)
+        return
+    request = _StopRequest(second_at_once=True)
+    verbosity = optuna.logging.get_verbosity()
+    signal.signal(signal.SIGINT, request.handle)
+    try:
+        _worker(*args, request=request)
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        optuna.logging.set_verbosity(verbosity)  # the handler's ERROR too
+    if request.requested:  # the study stopped after its trial: the caller reports it
+        raise KeyboardInterrupt
 
 
 def run_workers(
@@ -407,7 +444,7 @@ def run_workers(
         optuna.storages.fail_stale_trials(study)
     requeue_failed(study)
     if workers == 1:
-        _worker(url, name, objective, trials, pruner, seed, heartbeat)
+        _interruptible_worker(url, name, objective, trials, pruner, seed, heartbeat)
         return study
     ctx = mp.get_context("spawn")
     # each worker would take torch's default thread count (all cores): 2 workers on 2
