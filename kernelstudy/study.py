@@ -26,13 +26,15 @@ rows are replaced, never duplicated, so an interrupted study resumes cleanly.
 ``fill_tables=True`` (``--fill-tables``) reruns the finished configurations that have no
 rows in an extra table, writing only those rows (``results.csv`` is kept as it is, and a
 rerun that does not reproduce its stored rows is reported); ``only`` (``--only
-KEY=VALUE``) restricts the configurations run to those matching. The summary ends
-with one provenance line ("Written <date> by `<command>` on <machine> ...") per run
-that computed rows it uses: ``runs.json`` records the run of each config's rows as they
-are written (so an interrupted run's rows keep theirs), and a rerun that computes
-nothing keeps the lines. ``--force`` replaces a config's rows when its new ones are
-written (an interrupted forced run loses none), and figures the replaced summary showed
-that this run does not draw are deleted.
+KEY=VALUE``) restricts the configurations run to those matching; ``tables_only=True``
+(what :func:`load_results` does for an extra table missing beside rows in ``results.csv``)
+fills the extra tables of finished configurations only, leaving ``results.csv``, the
+summary and figures as they are. The summary ends with one provenance line ("Written
+<date> by `<command>` on <machine> ...") per run that computed rows it uses: ``runs.json``
+records the run of each config's rows as they are written (so an interrupted run's rows
+keep theirs), and a rerun that computes nothing keeps the lines. ``--force`` replaces a
+config's rows when its new ones are written (an interrupted forced run loses none), and
+figures the replaced summary showed that this run does not draw are deleted.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import hashlib
 import importlib.util
 import json
 import math
+import numbers
 import os
 import re
 import shlex
@@ -230,6 +233,11 @@ def parse_only(items: Sequence[str] | None) -> dict[str, str]:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"--only takes KEY=VALUE (a config entry), got {item!r}")
+        if key in only and only[key] != value:  # the last one won, without a word
+            raise ValueError(
+                f"--only {key}= given twice ({only[key]!r}, {value!r}): a configuration has "
+                "one value per entry; run each value on its own"
+            )
         only[key] = value
     return only
 
@@ -243,6 +251,7 @@ def run_study(
     verbose: bool = True,
     fill_tables: bool = False,
     only: dict[str, Any] | None = None,
+    tables_only: bool = False,
 ) -> pd.DataFrame:
     """Run study ``name`` and return the result rows of its current configurations.
 
@@ -261,6 +270,12 @@ def run_study(
             ``results.csv`` rows are kept; reruns that do not reproduce them are reported).
         only: run only the configurations whose entries equal these (compared as strings),
             e.g. ``{"part": "gaussian"}``; the summary and figures still cover all of them.
+        tables_only: fill the extra tables only: as ``fill_tables``, rerun the configurations
+            already in ``results.csv`` (of this size, matching ``only``; with ``force``,
+            every one of them) that have no rows in one of the tables, but run no other
+            configuration and write only those tables' rows (and their ``runs.json``
+            lines): ``results.csv``, ``summary.md`` and the figures stay as they are (they
+            may be another size's run: see :func:`load_results`).
     """
     if device not in DEVICES:
         raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
@@ -272,6 +287,8 @@ def run_study(
     only = {str(k): str(v) for k, v in (only or {}).items()}
     module = load_study(name)
     tables = study_tables(module)
+    if tables_only and not tables:
+        raise ValueError(f"tables_only: study {name!r} has no extra tables (TABLES)")
     params = load_params(name, quick)
     out_dir = Path(out) if out is not None else Path("results") / name
     if out_dir.exists() and not out_dir.is_dir():
@@ -299,7 +316,8 @@ def run_study(
         # read (and check) again under the lock: a run that ended meanwhile may have written
         frames = {t: _read_results(path) for t, path in paths.items()}
         _check_held(frames[RESULTS], name, out_dir)
-        done = _ids(frames[RESULTS])
+        finished = _ids(frames[RESULTS])
+        done = set(finished)
         if force and done:  # recompute the selected configurations; keep every other row
             # and each old row until its config's new rows replace it: an interrupted
             # --force run lost the old rows of every config it had not reached
@@ -307,11 +325,19 @@ def run_study(
         unfilled = set()  # finished configs with no rows in an extra table
         for t in tables:
             unfilled |= done - _ids(frames[t])
-        todo = [
-            (c, i)
-            for c, i in zip(configs, ids, strict=True)
-            if (i not in done or (fill_tables and i in unfilled)) and _matches(c, only)
-        ]
+        if tables_only:  # finished configs only: results.csv gets no rows
+            lacking = set().union(*(finished - _ids(frames[t]) for t in tables))
+            todo = [
+                (c, i)
+                for c, i in zip(configs, ids, strict=True)
+                if i in finished and (force or i in lacking) and _matches(c, only)
+            ]
+        else:
+            todo = [
+                (c, i)
+                for c, i in zip(configs, ids, strict=True)
+                if (i not in done or (fill_tables and i in unfilled)) and _matches(c, only)
+            ]
         if verbose:
             refill = sum(i in done for _, i in todo)
             print(
@@ -319,7 +345,13 @@ def run_study(
                 f"configurations, {len(done & set(ids))} already in {results_path}; running "
                 f"{len(todo)}"
                 + (f" matching {only}" if only else "")
-                + (f", {refill} of them only to fill {', '.join(tables)}" if refill else ""),
+                + (
+                    f" for {', '.join(tables)} only (results.csv and summary.md kept)"
+                    if tables_only
+                    else f", {refill} of them only to fill {', '.join(tables)}"
+                    if refill
+                    else ""
+                ),
                 file=sys.stderr,
             )
             left = (unfilled & set(ids)) - {i for _, i in todo}
@@ -331,7 +363,7 @@ def run_study(
                 )
         options = (
             (["--force"] if force else [])
-            + (["--fill-tables"] if fill_tables else [])
+            + (["--fill-tables"] if fill_tables or tables_only else [])
             + [f"--only {shlex.quote(f'{k}={v}')}" for k, v in only.items()]
             + ([f"--out {shlex.quote(str(out))}"] if out is not None else [])
         )
@@ -344,7 +376,7 @@ def run_study(
             new = _split_rows(module.run_config(dict(config), device), tables)
             # the run's line first: a config's rows in any table have it (an interrupted
             # run's rows kept no line when lines were made only at the end)
-            computed = [*tables, *([] if cid in done else [RESULTS])]
+            computed = [*tables, *([] if cid in done or tables_only else [RESULTS])]
             runs.update({f"{t}/{cid}": this_run for t in computed})
             atomic_write_text(runs_path, json.dumps(runs, indent=0, sort_keys=True) + "\n")
             for t in tables:  # extra tables first: a config in results.csv has its rows there
@@ -357,6 +389,8 @@ def run_study(
                 stored = frames[RESULTS][frames[RESULTS]["config_id"] == cid]
                 if not _reproduces(stored, rows):
                     not_reproduced.append(cid)
+                continue
+            if tables_only:  # results.csv is another run's: left as it is
                 continue
             frames[RESULTS] = _append(frames[RESULTS], rows, cid)
             atomic_write_text(results_path, frames[RESULTS].to_csv(index=False))
@@ -371,6 +405,12 @@ def run_study(
             )
 
         result = _current(_read_results(results_path), ids)
+        if tables_only:  # no figures, no summary: those of the folder's run stay
+            if verbose:
+                print(f"ran {len(todo)} configurations in {elapsed:.1f} s; wrote:", file=sys.stderr)
+                for t in tables:
+                    print(f"  {paths[t]}", file=sys.stderr)
+            return result
         extra = {t: _current(_read_results(paths[t]), ids) for t in tables}
         written = [results_path, *(paths[t] for t in tables if paths[t].is_file())]
         figures = getattr(module, "figures", None)
@@ -595,16 +635,17 @@ def load_results(
     """The rows of study ``name`` from ``ROOT/NAME/results.csv`` (``root`` defaults to
     :func:`results_dir`), or from ``ROOT/NAME/TABLE.csv`` for one of the study's extra tables
     (e.g. ``table="spectra"`` for the rank study's singular-value spectra). When that file is
-    missing or empty (0 bytes), runs the study first (``quick`` sizes by default; for an extra
-    table with ``fill_tables=True``, so finished configurations get their rows too) and writes
-    its outputs there.
+    missing or empty (0 bytes), runs the study first (``quick`` sizes by default, on
+    ``device``, else the CPU) and writes its outputs there; an extra table missing beside
+    rows in ``results.csv`` is filled alone for the configurations those rows are of
+    (``quick``'s size first; ``tables_only``), so the folder's results, summary and figures,
+    perhaps of a full run, are not replaced.
 
     Rows of configurations the study no longer has (its config was edited since) are left
     out, with a warning. The quick and the full run share the file, so rows of one size
-    come back: where rows
-    only the quick and rows only the full size has are both there, those of ``quick``'s
-    size. Rows of several devices raise a ValueError unless ``device`` picks one (their
-    timings are not to be averaged together)."""
+    come back: where rows only the quick and rows only the full size has are both there,
+    those of ``quick``'s size. Rows of several devices raise a ValueError unless ``device``
+    picks one (their timings are not to be averaged together)."""
     _check_name(name)
     if device is not None and device not in DEVICES:
         raise ValueError(f"device must be one of {DEVICES} or None, got {device!r}")
@@ -616,19 +657,61 @@ def load_results(
     path = Path(root if root is not None else results_dir()) / name / f"{table}.csv"
     # an empty file (0 bytes) is no rows, as for run_study: read as a frame without columns,
     # it failed every notebook with a KeyError
+    known = None
     if not path.is_file() or path.stat().st_size == 0:
-        size = "quick" if quick else "full"
         state = "empty" if path.is_file() else "no"
-        print(f"{state} {path}: running the {size} '{name}' study", file=sys.stderr)
-        run_study(name, quick=quick, out=path.parent, verbose=False, fill_tables=table != RESULTS)
+        held = set() if table == RESULTS else _ids(_read_results(path.parent / RESULTS_FILE))
+        if held:  # beside another run's results (a full one, say): fill the table alone
+            known = _known_ids(name, load_study(name))
+            _fill_table(name, quick, device, path, held, known, state)
+        else:
+            size = "quick" if quick else "full"
+            print(f"{state} {path}: running the {size} '{name}' study", file=sys.stderr)
+            run_study(name, quick=quick, out=path.parent, device=device or "cpu", verbose=False)
     frame = _read_results(path)
     if "config_id" not in frame or frame.empty:
         return frame
-    known = _known_ids(name, load_study(name))
+    known = known or _known_ids(name, load_study(name))
     frame = _one_run(frame, name, quick, device, path, known)
     if table == RESULTS:
         _note_incomplete(frame, name, quick, path, known)
     return frame
+
+
+def _fill_table(
+    name: str,
+    quick: bool,
+    device: str | None,
+    path: Path,
+    held: set[str],
+    known: dict[tuple[bool, str], set[str]],
+    state: str,
+) -> None:
+    """Write extra table ``path`` (missing or empty) for the configurations with rows in
+    ``results.csv`` beside it (``held``: their ids) of one run: ``quick``'s size first, on
+    ``device`` (else the first device that has some), with ``tables_only``. Running the quick
+    study there to fill it replaced a full run's summary.md and figures with quick ones, and
+    added the quick-only configurations' rows to its results.csv. ``known``: :func:`_known_ids`."""
+    for size in (quick, not quick):
+        for dev in [device] if device is not None else DEVICES:
+            if known[(size, dev)] & held:
+                print(
+                    f"{state} {path}: filling it for the {'quick' if size else 'full'} {dev} "
+                    f"run's configurations in {path.parent / RESULTS_FILE} (kept, as are "
+                    f"{SUMMARY_FILE} and the figures)",
+                    file=sys.stderr,
+                )
+                run_study(
+                    name, quick=size, out=path.parent, device=dev, verbose=False, tables_only=True
+                )
+                return
+    print(
+        f"note: {state} {path}, and no rows in {path.parent / RESULTS_FILE} are of a current "
+        f"configuration of study {name!r}" + (f" on {device}" if device else "") + ": "
+        f"`kernelstudy study {name} --fill-tables --out {path.parent}` (with --quick for the "
+        "quick size) runs them and fills it",
+        file=sys.stderr,
+    )
 
 
 def _known_ids(name: str, module: ModuleType) -> dict[tuple[bool, str], set[str]]:
@@ -735,6 +818,27 @@ def check_names(key: str, names: Sequence[str], known: Sequence[str]) -> list[st
     if unknown:
         raise ValueError(f"{key}: unknown name(s) {unknown}; known: {', '.join(map(str, known))}")
     return list(names)
+
+
+def check_lengths(key: str, values: Any) -> list[int]:
+    """The sequence lengths of config entry ``key`` (a list of positive ints in strictly
+    ascending order, unchanged), else ValueError naming ``key`` and what was expected. The
+    time-limit skip of the speed and generation studies assumes the order: once a length
+    runs past the limit the longer ones are skipped, so in another order lengths shorter than
+    a slow one were skipped (a duplicate ran twice, or was skipped as if too slow)."""
+    expected = f"{key} must be a non-empty list of positive ints in strictly ascending order"
+    if isinstance(values, str | bytes) or not isinstance(values, Sequence) or not values:
+        raise ValueError(f"{expected}, got {values!r}")
+    bad = [
+        v for v in values if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v <= 0
+    ]
+    if bad:
+        raise ValueError(f"{expected}, got {values!r} (not a positive int: {bad})")
+    for before, after in zip(values, values[1:], strict=False):
+        if after <= before:
+            how = "repeats" if after == before else f"comes after the larger {before}"
+            raise ValueError(f"{expected}, got {values!r} ({after} {how})")
+    return list(values)
 
 
 def check_map_names(key: str, names: Sequence[str]) -> list[str]:

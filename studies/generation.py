@@ -7,7 +7,7 @@ import pandas as pd
 import torch
 
 import kernelstudy as ks
-from kernelstudy.study import check_map_names, main, markdown_table
+from kernelstudy.study import check_lengths, check_map_names, main, markdown_table
 
 RUNS = {
     "linear, RNN state": ("kernel", "step"),
@@ -21,6 +21,8 @@ def configs(params: dict) -> list[dict]:
     keys = ("n_layers", "d_model", "n_heads", "vocab_size", "feature_map", "batch", "prompt_len")
     # a mistyped map failed only once the linear run started (never under --only run=softmax…)
     check_map_names("feature_map", [params["feature_map"]])
+    # the time-limit skip assumes ascending lengths (a slow one skips all after it)
+    check_lengths("lengths", params["lengths"])
     return [
         {
             "run": label,

@@ -251,3 +251,25 @@ def test_lra_notebook_runs_no_search_in_a_given_storage(
     with pytest.raises(CellExecutionError, match="holds no study lra_listops/"):
         _execute(NOTEBOOK_DIR / "lra_results.ipynb", tmp_path)
     assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.slow
+def test_rank_notebook_fills_spectra_beside_full_results_without_rewriting_them(
+    kernel_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Given full results without spectra.csv, the rank notebook filled the spectra by running
+    the quick study into that folder: the full run's summary.md and figures were replaced by
+    the quick run's (and results.csv got the quick-only configurations' rows)."""
+    folder = tmp_path / "results" / "rank"
+    shutil.copytree(COMMITTED_RESULTS / "rank", folder)
+    (folder / "spectra.csv").unlink()
+    kept = {p.name: p.read_bytes() for p in folder.iterdir() if p.suffix in (".csv", ".md", ".png")}
+    monkeypatch.setenv("JUPYTER_PATH", str(kernel_path))
+    monkeypatch.setenv("KERNELSTUDY_RESULTS", str(folder.parent))
+    monkeypatch.setenv("KERNELSTUDY_STUDIES_DIR", str(REPO / "studies"))
+    work = tmp_path / "work"
+    work.mkdir()
+    _execute(NOTEBOOK_DIR / "rank.ipynb", work)
+    for name, data in kept.items():
+        assert (folder / name).read_bytes() == data, f"{name} was rewritten"
+    assert (folder / "spectra.csv").is_file()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import textwrap
 
@@ -997,3 +998,144 @@ def test_load_results_says_when_a_run_covers_part_of_its_configurations(toy_stud
     capsys.readouterr()
     assert len(study.load_results("toy", root=root, quick=False)) == 4
     assert "note:" not in capsys.readouterr().err
+
+
+def test_load_results_fills_a_missing_table_without_replacing_the_runs_summary(toy_studies, capsys):
+    """A notebook reading an extra table missing beside a full run's results ran the quick
+    study into that folder to fill it: the full run's summary.md (and figures) became the
+    quick run's, and results.csv got the quick-only configurations' rows. The table is now
+    filled alone, for the configurations results.csv holds."""
+    toml = toy_studies / "studies" / "tabled.toml"
+    toml.write_text("[full]\nxs = [1, 2, 3]\n\n[quick]\nxs = [1, 4]\n")  # 4: quick only
+    root = toy_studies / "res"
+    out = root / "tabled"
+    study.run_study("tabled", quick=False, out=out, verbose=False)
+    (out / "powers.csv").unlink()
+    kept = {f: (out / f).read_bytes() for f in ("results.csv", "summary.md")}
+    assert kept["summary.md"].startswith(b"# tabled (full, cpu)")
+    capsys.readouterr()
+    powers = study.load_results("tabled", root=root, table="powers")  # quick, as notebooks do
+    for name, data in kept.items():
+        assert (out / name).read_bytes() == data, f"{name} was rewritten"
+    assert "filling it for the quick cpu run's configurations" in capsys.readouterr().err
+    assert sorted(powers.x.unique()) == [1]  # the quick configuration results.csv has
+    runs = json.loads((out / "runs.json").read_text())
+    line = runs[f"powers/{powers.config_id[0]}"]
+    assert "--quick --device cpu --fill-tables" in line  # a command that writes these rows
+    assert not list(out.glob(".*.tmp"))
+    assert len(study.load_results("tabled", root=root, table="powers")) == 3  # read, not rerun
+    # results.csv has no configuration of the quick size: those of the full run are filled
+    toml.write_text("[full]\nxs = [1, 2, 3]\n\n[quick]\nxs = [4, 5]\n")
+    (out / "powers.csv").unlink()
+    powers = study.load_results("tabled", root=root, table="powers")
+    assert sorted(powers.x.unique()) == [1, 2, 3]
+    for name, data in kept.items():
+        assert (out / name).read_bytes() == data, f"{name} was rewritten"
+    # rows of no current configuration: nothing to fill, and load_results says so
+    toml.write_text("[full]\nxs = [6]\n\n[quick]\nxs = [7]\n")
+    (out / "powers.csv").unlink()
+    capsys.readouterr()
+    with pytest.warns(UserWarning, match="left out"):
+        study.load_results("tabled", root=root)
+    assert study.load_results("tabled", root=root, table="powers").empty
+    assert "no rows in" in capsys.readouterr().err and not (out / "powers.csv").exists()
+    with pytest.raises(ValueError, match="tables_only: study 'toy' has no extra tables"):
+        study.run_study("toy", out=toy_studies / "toy", tables_only=True)
+
+
+def test_rank_spectra_filled_beside_a_full_run_keep_its_summary(rank_toy, one_thread):
+    """The rank notebook's load("rank", table="spectra") over full results without
+    spectra.csv rewrote their summary.md at the quick size (and its figures)."""
+    out = rank_toy
+    study.run_study("rank", quick=False, out=out, verbose=False)
+    (out / "spectra.csv").unlink()
+    files = ["results.csv", "summary.md", *(p.name for p in out.glob("*.png"))]
+    kept = {f: (out / f).read_bytes() for f in files}
+    spectra = study.load_results("rank", root=out.parent, table="spectra")
+    assert list(spectra.columns) == SPECTRA_COLUMNS and set(spectra.part) == {"gaussian", "copy"}
+    for name, data in kept.items():
+        assert (out / name).read_bytes() == data, f"{name} was rewritten"
+    assert sorted(p.name for p in out.glob("*.png")) == sorted(f for f in files if ".png" in f)
+
+
+@pytest.mark.parametrize(
+    ("name", "key", "value", "why"),
+    [
+        ("generation", "lengths", [64, 512, 128], "128 comes after the larger 512"),
+        ("generation", "lengths", [64, 128, 128], "128 repeats"),
+        ("generation", "lengths", [0, 64], r"not a positive int: \[0\]"),
+        ("speed", "seq_lens", [1024, 256, 4096], "256 comes after the larger 1024"),
+        ("speed", "seq_lens_cuda", [1024, 4096, 4096], "4096 repeats"),
+        ("speed", "seq_lens", [256, 512.0], r"not a positive int: \[512.0\]"),
+        ("speed", "seq_lens", [], r"\[\]"),
+        ("rank", "seq_lens", [64, -128], r"not a positive int: \[-128\]"),
+    ],
+)
+def test_sequence_lengths_must_ascend(tmp_path, monkeypatch, capsys, name, key, value, why):
+    """The time-limit skip assumes ascending lengths (once one runs past the limit, the
+    longer ones are skipped): [64, 512, 128] skipped 128 after a slow 512, as too slow."""
+    params = {**study.load_params(name, quick=True), key: value}
+    expected = f"{key} must be a non-empty list of positive ints in strictly ascending order"
+    with pytest.raises(ValueError, match=f"{expected}, got .*{why}"):
+        study.load_study(name).configs(params)
+    # a run refuses the config before computing anything, and the script says so
+    monkeypatch.setattr(study, "load_params", lambda *args, **kwargs: params)
+    out = tmp_path / "out"
+    assert study.main(name, ["--quick", "--out", str(out)]) == 1
+    assert expected in capsys.readouterr().err
+    assert not (out / "results.csv").exists()
+
+
+def test_committed_results_are_rows_of_the_current_configurations():
+    """The checks of the configs change no configuration: every committed row's config_id is
+    still one of the study's (else load_results leaves the rows out)."""
+    for name in ("approximation", "generation", "rank", "speed"):
+        path = study.studies_dir() / "results" / name / "results.csv"
+        held = set(pd.read_csv(path, dtype={"config_id": str}, low_memory=False).config_id)
+        known = set().union(*study._known_ids(name, study.load_study(name)).values())
+        assert held <= known, f"{name}: {len(held - known)} configurations changed"
+
+
+def test_rank_summary_checks_the_bound_on_every_matrix_not_on_means():
+    """ "Kernel rank ≤ F holds in every row" was checked on the means over seeds: a matrix of
+    rank 9 under F = 8 beside one of rank 7 averaged to 8 and read "yes"."""
+    rank = study.load_study("rank")
+    params = {**study.load_params("rank", quick=True), "fixed_n": 16, "seeds": 2}
+
+    def frame(ranks):
+        rows = [
+            {"part": "gaussian", "method": m, "feature_dim": f, "n": 16, "seed": seed}
+            | {"metric": metric, "value": float(r if metric == "numerical_rank" else 4)}
+            for m, f, by_seed in (("softmax", 0, (16, 16)), ("elu", 8, ranks))
+            for seed, r in enumerate(by_seed)
+            for metric in rank.MEASURES
+        ]
+        return pd.DataFrame(rows)
+
+    holds = "Kernel rank ≤ F holds in every row: "
+    assert holds + "yes" in rank.summarize(frame((8, 7)), params)
+    assert holds + "**no**" in rank.summarize(frame((9, 7)), params)
+
+
+def test_only_with_one_key_twice_is_refused(toy_studies, capsys):
+    """`--only x=1 --only x=2` ran x=2 alone (the last value won, without a word)."""
+    out = toy_studies / "out"
+    assert study.main("toy", ["--out", str(out), "--only", "x=1", "--only", "x=2"]) == 1
+    assert "--only x= given twice ('1', '2')" in capsys.readouterr().err
+    assert not (out / "results.csv").exists()
+    assert study.parse_only(["x=1", "x=1"]) == {"x": "1"}  # the same value twice is harmless
+
+
+def test_load_results_runs_a_missing_study_on_the_device_asked_for(toy_studies, monkeypatch):
+    """load_results(device="cuda") over a missing results.csv ran the study on the CPU, then
+    left every row out as not CUDA's: an empty frame, and a CPU run written in its place."""
+    devices = []
+    real = study.run_study
+
+    def run_study(*args, **kwargs):
+        devices.append(kwargs.get("device", "cpu"))
+        return real(*args, **{**kwargs, "device": "cpu"})  # as if on CUDA (none here)
+
+    monkeypatch.setattr(study, "run_study", run_study)
+    study.load_results("toy", root=toy_studies / "res", device="cuda")
+    assert devices == ["cuda"]
