@@ -252,6 +252,7 @@ def run_study(
     fill_tables: bool = False,
     only: dict[str, Any] | None = None,
     tables_only: bool = False,
+    progress: bool | None = None,
 ) -> pd.DataFrame:
     """Run study ``name`` and return the result rows of its current configurations.
 
@@ -276,6 +277,7 @@ def run_study(
             configuration and write only those tables' rows (and their ``runs.json``
             lines): ``results.csv``, ``summary.md`` and the figures stay as they are (they
             may be another size's run: see :func:`load_results`).
+        progress: show a tqdm bar over the configurations run (default: ``verbose``).
     """
     if device not in DEVICES:
         raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
@@ -372,7 +374,8 @@ def run_study(
         runs = _read_runs(runs_path)
         not_reproduced = []
         start = time.perf_counter()
-        for config, cid in tqdm(todo, desc=name, unit="config", disable=not verbose or not todo):
+        bar = verbose if progress is None else progress
+        for config, cid in tqdm(todo, desc=name, unit="config", disable=not bar or not todo):
             new = _split_rows(module.run_config(dict(config), device), tables)
             # the run's line first: a config's rows in any table have it (an interrupted
             # run's rows kept no line when lines were made only at the end)
@@ -667,7 +670,14 @@ def load_results(
         else:
             size = "quick" if quick else "full"
             print(f"{state} {path}: running the {size} '{name}' study", file=sys.stderr)
-            run_study(name, quick=quick, out=path.parent, device=device or "cpu", verbose=False)
+            run_study(
+                name,
+                quick=quick,
+                out=path.parent,
+                device=device or "cpu",
+                verbose=False,
+                progress=True,  # a notebook waits minutes here: show how far it is
+            )
     frame = _read_results(path)
     if "config_id" not in frame or frame.empty:
         return frame
@@ -702,7 +712,13 @@ def _fill_table(
                     file=sys.stderr,
                 )
                 run_study(
-                    name, quick=size, out=path.parent, device=dev, verbose=False, tables_only=True
+                    name,
+                    quick=size,
+                    out=path.parent,
+                    device=dev,
+                    verbose=False,
+                    tables_only=True,
+                    progress=True,
                 )
                 return
     print(

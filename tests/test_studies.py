@@ -914,9 +914,10 @@ def test_load_results_runs_the_study_over_an_empty_results_file(toy_studies, cap
     (folder / "results.csv").write_text("")
     frame = study.load_results("toy", root=toy_studies / "results")
     assert sorted(frame["value"]) == [1.0, 4.0]
-    assert (
-        f"empty {folder / 'results.csv'}: running the quick 'toy' study" in capsys.readouterr().err
-    )
+    err = capsys.readouterr().err
+    assert f"empty {folder / 'results.csv'}: running the quick 'toy' study" in err
+    # a progress bar over the configurations: a notebook waited minutes with no sign of it
+    assert "toy: 100%" in err and "2/2" in err
 
 
 def test_a_study_script_interrupted_exits_130_without_a_traceback(
