@@ -92,6 +92,31 @@ def test_failed_workers_raise_as_a_single_failed_worker_does(tmp_path):
         run_workers(url, "two", broken_objective, trials=2, workers=2)
 
 
+def self_killing_objective(trial: optuna.Trial) -> float:
+    """Dies as the out-of-memory killer ends a process: SIGKILL, no traceback."""
+    import signal
+
+    trial.suggest_float("x", -1.0, 1.0)
+    os.kill(os.getpid(), signal.SIGKILL)
+    return 0.0
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX signals")
+def test_workers_killed_by_a_signal_are_named_as_such(tmp_path):
+    """A worker killed by a signal prints nothing, yet the error said "exited with an error
+    (above)": it now names the signal, and says where a traceback is."""
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    with pytest.raises(ChildProcessError) as err:
+        run_workers(url, "killed", self_killing_objective, trials=2, workers=2)
+    assert str(err.value).endswith("2 of 2 worker(s) failed: 2 were killed by signal 9 (SIGKILL)")
+    from kernelstudy.search import workers
+
+    assert workers._exits([1, -9, 1], 4) == (
+        "3 of 4 worker(s) failed: 2 exited with an error (traceback above), "
+        "1 was killed by signal 9 (SIGKILL)"
+    )
+
+
 @pytest.mark.parametrize("kind", ["sqlite", "postgres"])
 def test_two_workers_record_every_trial_once(kind, tmp_path):
     url, name = _url(kind, tmp_path), f"workers-{uuid.uuid4().hex[:8]}"

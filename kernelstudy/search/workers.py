@@ -472,9 +472,26 @@ def run_workers(
                 p.kill()
                 p.join()
         raise
-    failed = sum(p.exitcode != 0 for p in procs)
+    failed = [p.exitcode for p in procs if p.exitcode != 0]
     if failed:  # as one worker's error ends a single-process search
-        raise ChildProcessError(
-            f"search {name}: {failed} of {workers} worker(s) exited with an error (above)"
-        )
+        raise ChildProcessError(f"search {name}: {_exits(failed, workers)}")
     return study
+
+
+def _exits(codes: Sequence[int], workers: int) -> str:
+    """What ended the failed workers, from their exit codes: an error (its traceback is
+    above) or a signal (nothing is printed then: killed by the system's out-of-memory
+    killer, say), e.g. ``"2 of 3 worker(s) failed: 1 exited with an error (traceback above),
+    1 was killed by signal 9 (SIGKILL)"``."""
+    parts = []
+    errors = sum(c > 0 for c in codes)
+    if errors:
+        parts.append(f"{errors} exited with an error (traceback above)")
+    for code in sorted({c for c in codes if c < 0}):
+        try:
+            signame = f" ({signal.Signals(-code).name})"
+        except ValueError:
+            signame = ""
+        count = sum(c == code for c in codes)
+        parts.append(f"{count} {'was' if count == 1 else 'were'} killed by signal {-code}{signame}")
+    return f"{len(codes)} of {workers} worker(s) failed: " + ", ".join(parts)
