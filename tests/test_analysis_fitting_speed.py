@@ -506,3 +506,53 @@ def test_time_call_times_on_the_devices_stream():
     a = torch.randn(512, 512, device=device)
     times = ks.analysis.time_call(lambda: a @ a, device, repeats=3)
     assert len(times) == 3 and all(t > 0 for t in times)
+
+
+def test_benchmark_and_timing_arguments_are_named():
+    """A string list read as its letters ('methods must be among ... got ['l', 'i', ...]'),
+    memory="no" and matmul="no" taken as True, torch's own errors for a device name, an
+    integer dtype, a string of singular values or a non-callable ('normal_kernel_cpu not
+    implemented for Int', "'int' object is not callable"): now each names its argument."""
+    speed = ks.analysis.benchmark_attention
+    bad = [
+        (lambda: speed([8], methods="linear"), TypeError, "methods must be a non-empty list"),
+        (lambda: speed([8], passes="fwd"), TypeError, "passes must be a non-empty list"),
+        (lambda: speed([8], backends="torch"), TypeError, "backends must be a non-empty list"),
+        (lambda: speed([8], methods=["linear"], memory="no"), TypeError, "memory must be"),
+        (lambda: speed([8], methods=["linear"], matmul="no"), TypeError, "matmul must be"),
+        (lambda: speed([8], device="gpu0"), ValueError, "device must name a device"),
+        (lambda: ks.analysis.matmul_rate(dtype=torch.int32), TypeError, "dtype must be"),
+        (lambda: ks.analysis.matmul_rate(size=8, repeats=0), ValueError, "repeats must be"),
+        (lambda: ks.analysis.time_call(3), TypeError, "fn must be a callable"),
+        (lambda: ks.analysis.peak_memory_bytes(None), TypeError, "fn must be a callable"),
+        (lambda: ks.analysis.time_call(lambda: None, "bogus"), ValueError, "device must"),
+        (lambda: ks.analysis.gaussian_qk(4, 2, device="bogus"), ValueError, "device must"),
+        (lambda: ks.analysis.normalized_spectrum("abc"), TypeError, "singular_values must"),
+        (lambda: ks.analysis.normalized_spectrum([1.0, None]), TypeError, "singular_values"),
+        (lambda: ks.analysis.benchmark_generation({"a": (tiny_lm("kernel"), "step")}, [2],
+                                                  device=["cpu"]), TypeError, "device must"),
+    ]  # fmt: skip
+    for call, error, match in bad:
+        with pytest.raises(error, match=match):
+            call()
+
+
+def test_matmul_rate_leaves_the_global_rng_alone():
+    """The yardstick drew its matrices from the global RNG: a benchmark run moved every
+    later unseeded draw (a model's init after it came out different)."""
+    torch.manual_seed(123)
+    want = torch.rand(4)
+    torch.manual_seed(123)
+    assert ks.analysis.matmul_rate(size=16, repeats=1) > 0
+    assert torch.equal(torch.rand(4), want)
+
+
+def test_distillation_loss_takes_a_map_not_a_name():
+    """A name built a new, randomly initialized map on every call: the same inputs gave
+    2.04 and then 2.11 nats, and no gradient reached anything the caller holds."""
+    q, k = ks.analysis.gaussian_qk(8, 4)
+    with pytest.raises(TypeError, match="feature_map must be a FeatureMap, got str"):
+        ks.analysis.distillation_loss("glu", q, k)
+    fm = ks.create_feature_map("glu", head_dim=4, seed=0)
+    a, b = (ks.analysis.distillation_loss(fm, q, k) for _ in range(2))
+    assert torch.equal(a, b)

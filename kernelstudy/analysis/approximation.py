@@ -36,6 +36,7 @@ from .matrices import (
     normalize_rows,
     softmax_kernel,
 )
+from .speed import check_device
 
 METRICS = ("kernel_mse", "attention_mse", "attention_kl", "output_rel_error")
 
@@ -58,6 +59,7 @@ def gaussian_qk(
     check_real("std", std, strict=True)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+    device = check_device("device", device)
     gen = torch.Generator().manual_seed(check_count("seed", seed, 0))
     shape = (2, batch, heads, n, head_dim)
     qk = torch.randn(shape, generator=gen, dtype=torch.float64) * std

@@ -24,8 +24,11 @@ def distillation_loss(
     ``P`` is softmax attention of ``q: (B,H,N,D)``, ``k: (B,H,S,D)`` (or ``target``,
     precomputed, ``(B,H,N,S)``) and ``Â`` the map's kernel attention. Differentiable
     in the map's parameters. Minimizing it minimizes ``KL(P ‖ Â)``; its floor is the
-    mean entropy of the softmax rows.
+    mean entropy of the softmax rows. ``feature_map`` must be a FeatureMap: a name or
+    config would build a new map, with new random weights, on every call.
     """
+    if not isinstance(feature_map, FeatureMap):
+        raise TypeError(f"feature_map must be a FeatureMap, got {type(feature_map).__name__}")
     check_qk(q, k)
     if target is not None:
         want = (*q.shape[:3], k.shape[2])

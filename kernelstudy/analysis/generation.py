@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..arguments import check_count, check_real
-from .speed import time_call
+from .speed import check_device, time_call
 
 MODES = ("step", "full")
 
@@ -125,7 +125,7 @@ def benchmark_generation(
         ``peak_memory_mb`` on CUDA, MiB),
         ``value``, ``note``.
     """
-    device = torch.device(device)
+    device = check_device("device", device)
     if not runs:
         raise ValueError("runs must name at least one (model, mode)")
     if not isinstance(runs, Mapping):

@@ -139,9 +139,11 @@ def kernel_scores(
     stabilizer sees the real keys only; float16 inputs are mapped in float32); ``causal``
     scales each query row of such a map as ``kernel_attention`` does
     (:func:`~kernelstudy.nn.functional.causal_key_features`), so the matrix normalizes as
-    the core output. A map whose parameters or buffers have another
-    dtype than ``q`` runs on copies cast to it (``torch.func.functional_call``): float64
-    analysis of a float32 map is exact, and gradients still reach the map's parameters.
+    the core output. A map whose parameters or buffers have a narrower dtype than ``q``
+    runs on copies cast up to it (``torch.func.functional_call``): float64 analysis of a
+    float32 map is exact, and gradients still reach the map's parameters. Wider ones are
+    kept, as the core keeps them: bfloat16 inputs meet a float32 map's own weights (cast
+    down to bfloat16, FAVOR+'s projections moved the kernel 5× further from float64's).
     """
     fm = _as_feature_map(feature_map, q)
     if check_flag("causal", causal) and q.shape[2] != k.shape[2]:
@@ -152,14 +154,22 @@ def kernel_scores(
     if q.dtype == torch.float16:  # mapped in float32, as kernel_attention maps them
         q, k = q.float(), k.float()
     scores = _KernelScores(fm)
+
+    def narrower(t: torch.Tensor) -> bool:  # exactly representable in q's dtype
+        return (
+            t.is_floating_point()
+            and t.dtype != q.dtype
+            and torch.promote_types(t.dtype, q.dtype) == q.dtype
+        )
+
     tensors = [*fm.named_parameters(), *fm.named_buffers()]
-    if not any(t.is_floating_point() and t.dtype != q.dtype for _, t in tensors):
+    if not any(narrower(t) for _, t in tensors):
         return scores(q, k, mask, causal)
     random = isinstance(fm, RandomFeatureMap)
     if random:  # count the query call, and redraw if due, on the map itself: a redraw inside
         fm.maybe_redraw(True)  # functional_call would land on the copies and be lost
         tensors = [*fm.named_parameters(), *fm.named_buffers()]
-    cast = {f"fm.{n}": t.to(q.dtype) if t.is_floating_point() else t for n, t in tensors}
+    cast = {f"fm.{n}": t.to(q.dtype) if narrower(t) else t for n, t in tensors}
     training = fm.training
     fm.train(training and not random)  # the copies must not count or redraw again
     try:

@@ -5,7 +5,7 @@ attention is generally full rank. Three measures, from strict to soft:
 
 - numerical rank: number of singular values above ``tol`` (default, as in
   ``numpy.linalg.matrix_rank``: ``σ_max · max(N, S) · eps(dtype of A)``; for float16 and
-  bfloat16, whose eps makes that ≥ σ_max from N = 128 or 1024 on, ``eps · ‖A‖_F ·
+  bfloat16, whose eps makes that ≥ σ_max from max(N, S) = 1024 or 128 on, ``eps · ‖A‖_F ·
   (√N + √S) / √(N·S)``, the spectral norm of independent roundings of relative size eps
   of entries of A's root-mean-square size);
 - effective rank (Roy & Vetterli 2007): ``exp(H(p))`` with ``p_i = σ_i / Σ σ``;
@@ -92,7 +92,13 @@ def normalized_spectrum(
         ValueError: if the values are not a non-empty 1-D descending non-negative sequence
             with a positive largest value.
     """
-    sv = torch.as_tensor(singular_values).detach().double().cpu().numpy()
+    try:
+        sv = torch.as_tensor(singular_values).detach().double().cpu().numpy()
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise TypeError(
+            "singular_values must be a 1-D tensor, array or list of numbers, got "
+            f"{type(singular_values).__name__}"
+        ) from err
     if sv.ndim != 1 or sv.size == 0:
         raise ValueError(f"singular_values must be a non-empty 1-D sequence, got shape {sv.shape}")
     if not np.isfinite(sv).all() or (sv < 0).any() or (np.diff(sv) > 0).any():

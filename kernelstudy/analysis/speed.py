@@ -23,7 +23,7 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from ..arguments import check_count, check_real
+from ..arguments import check_count, check_flag, check_real
 from ..core.attention import linear_attention
 from ..core.backends import backends as available_backends
 from ..core.backends import registered_backends, runs_own_noncausal_attention
@@ -51,6 +51,43 @@ COLUMNS = [
 ]
 
 
+def check_device(name: str, device: object) -> torch.device:
+    """``device`` as a torch.device, else TypeError/ValueError naming ``name`` (torch's own
+    RuntimeError names neither the argument nor the function)."""
+    if isinstance(device, torch.device):
+        return device
+    if not isinstance(device, str | int) or isinstance(device, bool):
+        raise TypeError(
+            f"{name} must be a torch.device or a string such as 'cuda:0', got {device!r}"
+        )
+    try:
+        return torch.device(device)
+    except RuntimeError as err:
+        raise ValueError(
+            f"{name} must name a device such as 'cpu' or 'cuda:0', got {device!r}"
+        ) from err
+
+
+def _check_fn(fn: object) -> None:
+    if not callable(fn):
+        raise TypeError(f"fn must be a callable taking no arguments, got {type(fn).__name__}")
+
+
+def _check_dtype(dtype: object) -> None:
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+
+
+def _check_names(name: str, values: object, allowed: Sequence[str] | None = None) -> None:
+    """A non-empty list of names (a bare string was read as its letters), among ``allowed``."""
+    if isinstance(values, str) or not isinstance(values, Sequence) or not values:
+        raise TypeError(f"{name} must be a non-empty list of names, got {values!r}")
+    if allowed is not None:
+        bad = [v for v in values if v not in allowed]
+        if bad:
+            raise ValueError(f"{name} must be among {tuple(allowed)}, got {bad}")
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -60,9 +97,10 @@ def time_call(
     fn: Callable[[], object], device: str | torch.device = "cpu", repeats: int = 5, warmup: int = 1
 ) -> list[float]:
     """Seconds per call of ``fn`` for each of ``repeats`` timed calls (warm-up calls untimed)."""
+    _check_fn(fn)
     check_count("repeats", repeats, 1)
     check_count("warmup", warmup, 0)
-    device = torch.device(device)
+    device = check_device("device", device)
     for _ in range(warmup):
         fn()
     _sync(device)
@@ -112,7 +150,8 @@ def peak_memory_bytes(fn: Callable[[], object], device: str | torch.device = "cp
     gradients, garbage the collector finds) used to count as negative, so the peak came
     out low, even below 0. The cyclic garbage collector is paused for the call.
     """
-    device = torch.device(device)
+    _check_fn(fn)
+    device = check_device("device", device)
     if device.type == "cuda":
         _sync(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -168,13 +207,16 @@ def matmul_rate(
     size: int | None = None,
     repeats: int = 5,
 ) -> float:
-    """Measured dense matmul throughput in GFLOP/s (``size×size`` square products)."""
-    device = torch.device(device)
+    """Measured dense matmul throughput in GFLOP/s (``size×size`` square products of
+    random matrices from a fixed seed of their own: the global RNG is left as it was)."""
+    device = check_device("device", device)
+    _check_dtype(dtype)
     if size is None:
         size = 4096 if device.type == "cuda" else 1024
     size = check_count("size", size, 1)
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
+    check_count("repeats", repeats, 1)
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(size, size, generator=gen).to(device, dtype) for _ in range(2))
     seconds = statistics.median(time_call(lambda: a @ b, device, repeats, warmup=2))
     return 2 * size**3 / seconds / 1e9
 
@@ -244,15 +286,14 @@ def benchmark_attention(
         ``peak_memory_mb`` (MiB, 2**20 bytes); skipped measurements get one row with NaN and
         a ``note``.
     """
-    device = torch.device(device)
+    device = check_device("device", device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but CUDA is not available here")
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise ValueError(f"methods must be among {METHODS}, got {unknown}")
-    bad = [p for p in passes if p not in PASSES]
-    if bad:
-        raise ValueError(f"passes must be among {PASSES}, got {bad}")
+    _check_names("methods", methods, METHODS)
+    _check_names("passes", passes, PASSES)
+    if backends is not None:
+        _check_names("backends", backends)
+    memory, matmul = check_flag("memory", memory), check_flag("matmul", matmul)
     for name, values, kind in (("seq_lens", seq_lens, int), ("causal", causal, bool)):
         if not isinstance(values, Sequence) or isinstance(values, str) or not values:
             raise TypeError(f"{name} must be a non-empty list of {kind.__name__}, got {values!r}")
@@ -269,8 +310,7 @@ def benchmark_attention(
         check_real("time_limit_s", time_limit_s, strict=True)
     max_quadratic_gb = check_real("max_quadratic_gb", max_quadratic_gb, strict=True)
     seed = check_count("seed", seed, 0)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+    _check_dtype(dtype)
     known = available_backends()
     example = torch.empty(0, device=device, dtype=dtype)
     takes = [b for b in known if registered_backends()[b].supports(example)]
