@@ -278,7 +278,8 @@ def summarize(frame: pd.DataFrame, params: dict, tables: dict | None = None) -> 
         parts.append(not_run_section("Copy task", "copy"))
     else:
         c = params["copy"]
-        kernel = frame[(frame["part"] == "copy") & (frame["method"] != "softmax")]
+        kernel_and_softmax = frame[frame["part"] == "copy"]
+        kernel = kernel_and_softmax[kernel_and_softmax["method"] != "softmax"]
         copy_f = kernel.groupby("method")["feature_dim"].max()
         own = ", ".join(
             f"{m} F={int(f)}" for m, f in copy_f.items() if f and int(f) != c["feature_dim"]
@@ -287,8 +288,8 @@ def summarize(frame: pd.DataFrame, params: dict, tables: dict | None = None) -> 
             f"## Copy task (sequences of {c['copy_len']} symbols, 1 layer, 1 head, "
             f"d_model={c['d_model']}, kernel maps at F={c['feature_dim']}"
             f"{f'; {own}' if own else ''}): validation token "
-            f"accuracy on the copied half, mean over {c['seeds']} seed(s)\n\n"
-            + markdown_table(copy_table(frame))
+            f"accuracy on the copied half, mean over {seed_count(kernel_and_softmax, c['seeds'])}"
+            " seed(s)\n\n" + markdown_table(copy_table(frame))
         )
         captured = (
             "## Ranks on captured q/k (trained copy models, one validation sequence of "
@@ -304,6 +305,19 @@ def summarize(frame: pd.DataFrame, params: dict, tables: dict | None = None) -> 
             )
         parts.append(captured)
     return "\n\n".join(parts)
+
+
+def seed_count(rows: pd.DataFrame, configured: int) -> str:
+    """How many seeds the means of ``rows`` are over, per (method, F, N): ``configured``
+    when every group has that many, else their range and the configured count (a partial
+    run, e.g. interrupted or ``--only seed=0``, has fewer)."""
+    keys = [c for c in ("method", "feature_dim", "n") if c in rows]  # a copy-only run: no n
+    counts = rows.groupby(keys, dropna=False)["seed"].nunique()
+    lo, hi = (int(counts.min()), int(counts.max())) if len(counts) else (0, 0)
+    if lo == hi == configured:
+        return str(configured)
+    have = str(lo) if lo == hi else f"{lo}–{hi}"
+    return f"{have} (of {configured} configured: a partial run)"
 
 
 def rank_bound_holds(frame: pd.DataFrame) -> bool:
@@ -322,12 +336,14 @@ def _gaussian_summary(frame: pd.DataFrame, params: dict) -> str:
     by_n = table[_swept_n(table, "F", "N")]
     by_f = table[(table["N"] == n_fixed) & ~softmax]
     holds = rank_bound_holds(frame)
+    gaussian = frame[(frame["part"] == "gaussian") & (frame["metric"] == "numerical_rank")]
     return "\n\n".join(
         [
             f"Gaussian q/k (D={d}, entries ~ N(0, {params['std']}²)); mean over "
-            f"{params['seeds']} seeds. Numerical rank counts singular values above "
-            "σ_max·N·eps(float64); bound = min(F, N) for kernel maps (F = 0 means softmax, bound "
-            "N). Kernel rank ≤ F holds in every row: " + ("yes" if holds else "**no**"),
+            f"{seed_count(gaussian, params['seeds'])} seeds. Numerical rank counts singular "
+            "values above σ_max·N·eps(float64); bound = min(F, N) for kernel maps (F = 0 means "
+            "softmax, bound N). Kernel rank ≤ F holds in every row: "
+            + ("yes" if holds else "**no**"),
             f"## Rank vs N (maps at F = D = {d}, or at their own fixed F)\n\n"
             + markdown_table(by_n.sort_values(["method", "N"])),
             f"## Rank vs F (N = {n_fixed})\n\n" + markdown_table(by_f.sort_values(["method", "F"])),

@@ -1140,3 +1140,23 @@ def test_load_results_runs_a_missing_study_on_the_device_asked_for(toy_studies, 
     monkeypatch.setattr(study, "run_study", run_study)
     study.load_results("toy", root=toy_studies / "res", device="cuda")
     assert devices == ["cuda"]
+
+
+def test_rank_summary_counts_the_seeds_its_means_are_over():
+    """The summary said "mean over {seeds} seeds" from the config, also for a partial run
+    (interrupted, or --only seed=0) whose means are over fewer."""
+    rank = study.load_study("rank")
+    rows = pd.DataFrame(
+        [
+            {"part": "gaussian", "method": m, "feature_dim": 8, "n": 16, "seed": seed}
+            | {"metric": metric, "value": 4.0}
+            for m, seeds in (("elu", (0, 1)), ("favor", (0,)))
+            for seed in seeds
+            for metric in rank.MEASURES
+        ]
+    )
+    params = {**study.load_params("rank", quick=True), "fixed_n": 16, "seeds": 2}
+    assert "mean over 1–2 (of 2 configured: a partial run) seeds" in rank.summarize(rows, params)
+    full = rows[rows["method"] == "elu"]
+    assert "mean over 2 seeds." in rank.summarize(full, params)
+    assert rank.seed_count(full, 3) == "2 (of 3 configured: a partial run)"
