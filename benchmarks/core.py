@@ -131,12 +131,16 @@ def benchmark(args: argparse.Namespace, linear_backends: list[str]) -> pd.DataFr
     rows = []
     for n in args.n:
         gen = torch.Generator(device="cpu").manual_seed(n)
-        phi_q = torch.rand(b, h, n, f, generator=gen).to(device, dtype)
-        phi_k = torch.rand(b, h, n, f, generator=gen).to(device, dtype)
-        v = torch.randn(b, h, n, m, generator=gen).to(device, dtype)
-        q = torch.randn(b, h, n, d, generator=gen).to(device, dtype)
-        k = torch.randn(b, h, n, d, generator=gen).to(device, dtype)
-        vs = torch.randn(b, h, n, d, generator=gen).to(device, dtype)
+        try:
+            phi_q = torch.rand(b, h, n, f, generator=gen).to(device, dtype)
+            phi_k = torch.rand(b, h, n, f, generator=gen).to(device, dtype)
+            v = torch.randn(b, h, n, m, generator=gen).to(device, dtype)
+            q = torch.randn(b, h, n, d, generator=gen).to(device, dtype)
+            k = torch.randn(b, h, n, d, generator=gen).to(device, dtype)
+            vs = torch.randn(b, h, n, d, generator=gen).to(device, dtype)
+        except torch.OutOfMemoryError:
+            print(f"N={n:>6} the inputs do not fit in memory: skipped", file=sys.stderr)
+            continue
         cases = []
         for backend in linear_backends:
             if backend == "reference" and n > REFERENCE_MAX_N:
@@ -185,8 +189,14 @@ def benchmark(args: argparse.Namespace, linear_backends: list[str]) -> pd.DataFr
                     t.requires_grad_(backward)
                 call = _run(fn, list(inputs), backward)
                 call_flops = 3 * flops if backward else flops
-                seconds = median_time(call, device, args.repeats)
-                memory = peak_memory_mib(call, device)
+                error = ""
+                try:
+                    seconds = median_time(call, device, args.repeats)
+                    memory = peak_memory_mib(call, device)
+                except torch.OutOfMemoryError:  # this size only: the others still run
+                    seconds, memory, error = float("nan"), float("nan"), "out of memory"
+                if error and device.type == "cuda":  # after the except: its traceback held
+                    torch.cuda.empty_cache()  # the failed call's tensors
                 rows.append(
                     {
                         "op": op,
@@ -204,11 +214,12 @@ def benchmark(args: argparse.Namespace, linear_backends: list[str]) -> pd.DataFr
                         "peak_mib": memory,
                         "gflops": call_flops / seconds / 1e9,
                         "frac_matmul": call_flops / seconds / rate,
+                        "error": error,
                     }
                 )
                 print(
                     f"N={n:>6} {op:<18} {backend:<9} causal={causal!s:<5} {mode:<7} "
-                    f"{seconds * 1e3:9.2f} ms {memory:8.1f} MiB",
+                    f"{seconds * 1e3:9.2f} ms {memory:8.1f} MiB {error}",
                     file=sys.stderr,
                 )
     frame = pd.DataFrame(rows)
@@ -317,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     if unusable:
         print(f"skipped (not built, or not for {device}): {', '.join(unusable)}", file=sys.stderr)
     frame = benchmark(args, usable)
-    if frame.empty:  # nothing ran: keep whatever --out holds
+    if frame.empty or frame.time_ms.isna().all():  # nothing ran: keep whatever --out holds
         print(f"benchmarks/core.py: no case ran; {args.out} left as it was", file=sys.stderr)
         return 1
     atomic_write_text(args.out, frame.to_csv(index=False))

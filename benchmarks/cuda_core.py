@@ -31,7 +31,10 @@ same dtype, measured in the same run.
     python benchmarks/cuda_core.py --out benchmarks/results/cuda_h100.csv
 
 The CSV records the device, date, versions and command; a seaborn plot of time vs N is
-written beside it (same name, ``.png``).
+written beside it (same name, ``.png``). The CSV is rewritten (atomically) after every case, so
+a run killed at a time limit keeps what it measured. A case that breaks the CUDA context (an
+illegal address: every later CUDA call fails) stops the run; what ran before it is written and
+the exit status is 1.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import argparse
 import datetime as dt
 import importlib
 import inspect
+import itertools
 import math
 import statistics
 import sys
@@ -63,6 +67,17 @@ CUDA_METHODS = {
     "cuda_walk_fused": "walk_fused",
 }
 WALK_METHODS = tuple(m for m, variant in CUDA_METHODS.items() if variant.startswith("walk"))
+# where the cases' tensors live: "cuda" (the tests run the pipeline on "cpu" with a fake timer)
+DEVICE = "cuda"
+
+
+class ContextLost(RuntimeError):
+    """A case left the CUDA context broken (an illegal address is sticky: every later CUDA call
+    fails), so no later case can be measured in this process. ``row`` is that case's row."""
+
+    def __init__(self, row: dict):
+        super().__init__(row["error"])
+        self.row = row
 
 
 def cuda_time_ms(fn: Callable[[], object], repeats: int, warmup: int) -> float:
@@ -83,23 +98,32 @@ def cuda_time_ms(fn: Callable[[], object], repeats: int, warmup: int) -> float:
 
 
 def matmul_tflops(dtype: torch.dtype, size: int = 8192, repeats: int = 10) -> float:
-    """Dense matmul rate of this GPU in TFLOP/s for ``dtype`` (fp32 without TF32)."""
-    a = torch.randn(size, size, device="cuda", dtype=dtype)
-    b = torch.randn(size, size, device="cuda", dtype=dtype)
-    ms = cuda_time_ms(lambda: a @ b, repeats, warmup=3)
+    """Dense matmul rate of this GPU in TFLOP/s for ``dtype`` (fp32 without TF32, whatever the
+    process's setting: an import that turned TF32 on would make the fp32 yardstick ~7x high)."""
+    a = torch.randn(size, size, device=DEVICE, dtype=dtype)
+    b = torch.randn(size, size, device=DEVICE, dtype=dtype)
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        ms = cuda_time_ms(lambda: a @ b, repeats, warmup=3)
+    finally:
+        torch.set_float32_matmul_precision(precision)
     return 2 * size**3 / (ms * 1e-3) / 1e12
 
 
 def load_fla() -> Callable | None:
-    """flash-linear-attention's chunked linear attention, or None if it is not installed."""
+    """flash-linear-attention's chunked linear attention, or None if it is not importable (the
+    reason, e.g. a dependency missing beside wheels installed with --no-deps, goes to stderr)."""
+    reasons = []
     for module, name in (
         ("fla.ops.linear_attn", "chunk_linear_attn"),
         ("fla.ops.linear_attn.chunk", "chunk_linear_attn"),
     ):
         try:
             return getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError):
-            continue
+        except (ImportError, AttributeError) as err:
+            reasons.append(f"{module}.{name}: {type(err).__name__}: {err}")
+    print("\n".join(reasons), file=sys.stderr)
     return None
 
 
@@ -140,10 +164,10 @@ def make_case(
     walk_blocks: int = cuda_backend.WALK_BLOCKS,
 ):
     """(label, fn, inputs) for one method: fn() runs the causal forward and returns the output."""
-    gen = torch.Generator(device="cuda").manual_seed(n)
+    gen = torch.Generator(device=DEVICE).manual_seed(n)
 
     def rand(*shape, positive=False):
-        x = torch.rand(*shape, device="cuda", generator=gen, dtype=torch.float32)
+        x = torch.rand(*shape, device=DEVICE, generator=gen, dtype=torch.float32)
         return (x if positive else 2 * x - 1).to(dtype)
 
     if method in (*CUDA_METHODS, "torch"):
@@ -201,7 +225,12 @@ def flops(method: str, mode: str, b: int, h: int, n: int, d: int) -> float:
     return fwd * (3 if mode == "fwd+bwd" else 1)
 
 
-def benchmark(args: argparse.Namespace) -> pd.DataFrame:
+def benchmark(
+    args: argparse.Namespace, progress: Callable[[pd.DataFrame], None] | None = None
+) -> tuple[pd.DataFrame, str]:
+    """Every case, as a frame (empty when every method asked for was skipped), and why the run
+    stopped early ("" when it did not). ``progress(frame)`` gets the rows so far after each
+    case, so a run killed at a time limit leaves what it measured."""
     fla_fn = load_fla() if "fla" in args.methods else None
     if "fla" in args.methods and fla_fn is None:
         print("flash-linear-attention is not importable: skipping the fla column", file=sys.stderr)
@@ -216,48 +245,87 @@ def benchmark(args: argparse.Namespace) -> pd.DataFrame:
         dtype = getattr(torch, name)
         rates[name] = matmul_tflops(dtype)
         print(f"{name} matmul: {rates[name]:.1f} TFLOP/s", file=sys.stderr)
-    rows = []
-    for name in args.dtypes:
-        dtype = getattr(torch, name)
-        for b, h in args.shapes:
-            for d in args.dims:
-                for n in args.n:
-                    for method in args.methods:
-                        if method == "fla" and fla_fn is None:
-                            continue
-                        if method.startswith("cuda") and "cuda" not in ks.backends():
-                            continue
-                        for mode in args.modes:
-                            if method.endswith("_fused") and mode == "fwd":
-                                continue  # the forward is that of the unfused method
-                            walk = method in WALK_METHODS
-                            for blocks in args.walk_blocks if walk else [cuda_backend.WALK_BLOCKS]:
-                                row = measure(
-                                    method, mode, b, h, n, d, name, dtype, fla_fn, args, blocks
-                                )
-                                if walk and len(args.walk_blocks) > 1:
-                                    row["method"] = f"{method}_{blocks}"
-                                rows.append(row)
+    about: dict[str, str] = {}  # filled with the first row
+    rows: list[dict] = []
+
+    def record(row: dict, walk: bool, blocks: int) -> None:
+        if not about:
+            about.update(provenance())
+        if walk and len(args.walk_blocks) > 1:
+            row["method"] = f"{row['method']}_{blocks}"
+        rows.append(row)
+        if progress is not None:
+            progress(table(rows, rates, about))
+
+    try:
+        for name, (b, h), d, n, method, mode in itertools.product(
+            args.dtypes, args.shapes, args.dims, args.n, args.methods, args.modes
+        ):
+            if method == "fla" and fla_fn is None:
+                continue
+            if method.startswith("cuda") and "cuda" not in ks.backends():
+                continue
+            if method.endswith("_fused") and mode == "fwd":
+                continue  # the forward is that of the unfused method
+            walk = method in WALK_METHODS
+            for blocks in args.walk_blocks if walk else [cuda_backend.WALK_BLOCKS]:
+                dtype = getattr(torch, name)
+                try:
+                    row = measure(method, mode, b, h, n, d, name, dtype, fla_fn, args, blocks)
+                except ContextLost as lost:
+                    record(lost.row, walk, blocks)
+                    raise
+                record(row, walk, blocks)
+    except ContextLost as lost:
+        row = lost.row
+        stopped = (
+            f"the CUDA context broke in {row['method']} {row['mode']} {row['dtype']} "
+            f"B={row['B']} H={row['H']} N={row['N']} D={row['F']} ({row['error']}); no later "
+            "case could run in this process, so the run stopped there. Run the other methods "
+            "without it (--methods) to measure them."
+        )
+        return table(rows, rates, about), stopped
+    return table(rows, rates, about), ""
+
+
+def provenance() -> dict[str, str]:
+    """The columns that say where and with what a run was measured (the same on every row)."""
+    return {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": package_version("triton"),
+        "fla": package_version("fla-core") or package_version("flash-linear-attention"),
+        "kernelstudy": ks.__version__,
+        "command": " ".join(["python", *sys.argv]),
+    }
+
+
+def table(rows: list[dict], rates: dict[str, float], about: dict[str, str]) -> pd.DataFrame:
+    """The CSV's frame: one row per case, with the matmul yardstick and ``about`` the run."""
     if not rows:  # every method asked for was skipped: the caller reports it
         return pd.DataFrame()
     frame = pd.DataFrame(rows)
     frame["matmul_tflops"] = frame["dtype"].map(rates)
     frame["frac_matmul"] = frame["tflops"] / frame["matmul_tflops"]
-    frame["device"] = torch.cuda.get_device_name()
-    frame["date"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
-    frame["torch"] = torch.__version__
-    frame["cuda"] = torch.version.cuda
-    frame["triton"] = package_version("triton")
-    frame["fla"] = package_version("fla-core") or package_version("flash-linear-attention")
-    frame["kernelstudy"] = ks.__version__
-    frame["command"] = " ".join(["python", *sys.argv])
-    return frame
+    return frame.assign(**about)
+
+
+def context_alive() -> bool:
+    """Whether CUDA still runs work in this process (after an illegal address it never does)."""
+    try:
+        torch.cuda.synchronize()
+        return torch.ones(1, device=DEVICE).add_(1).item() == 2
+    except Exception:
+        return False
 
 
 def measure(
     method, mode, b, h, n, d, dtype_name, dtype, fla_fn, args, walk_blocks=cuda_backend.WALK_BLOCKS
 ) -> dict:
-    label, ms, error = method, float("nan"), ""
+    """One case's row; an error other than running out of memory leaves NaN and its message,
+    and raises :class:`ContextLost` with the row when CUDA no longer works after it."""
+    label, ms, error, lost = method, float("nan"), "", False
     try:
         label, fn, inputs = make_case(method, b, h, n, d, dtype, fla_fn, walk_blocks)
         if mode == "fwd+bwd":
@@ -275,15 +343,19 @@ def measure(
         error = "out of memory"
     except Exception as err:  # a baseline that does not take this shape or dtype
         error = f"{type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''}"
+        lost = not context_alive()
     finally:
-        torch.cuda.empty_cache()
+        try:  # raises itself once the context is broken
+            torch.cuda.empty_cache()
+        except Exception:
+            lost = True
     tflops = flops(label, mode, b, h, n, d) / (ms * 1e-3) / 1e12 if ms == ms else float("nan")
     print(
         f"{dtype_name:<9} B={b:<3} H={h:<3} D={d:<4} N={n:<6} {label:<15} {mode:<8}"
         f"{ms:10.3f} ms {tflops:8.2f} TFLOP/s {error}",
         file=sys.stderr,
     )
-    return {
+    row = {
         "method": label,
         "mode": mode,
         "causal": True,
@@ -294,10 +366,15 @@ def measure(
         "N": n,
         "F": d,
         "M": d,
+        "walk_blocks": walk_blocks if method in WALK_METHODS else None,
         "time_ms": ms,
         "tflops": tflops,
         "error": error,
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     }
+    if lost:
+        raise ContextLost(row)
+    return row
 
 
 def targets(frame: pd.DataFrame) -> str:
@@ -456,14 +533,21 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
-    frame = benchmark(args)
+
+    def save(frame: pd.DataFrame) -> None:  # as it goes, once a case has a time
+        if not frame.empty and frame["time_ms"].notna().any():
+            atomic_write_text(args.out, frame.to_csv(index=False))
+
+    frame, stopped = benchmark(args, progress=save)
     if frame.empty or frame["time_ms"].isna().all():  # every case skipped, or every one failed
         print(
             f"benchmarks/cuda_core.py: nothing was measured (see above); {args.out} left as it was",
             file=sys.stderr,
         )
+        if stopped:
+            print(f"benchmarks/cuda_core.py: {stopped}", file=sys.stderr)
         return 1
-    atomic_write_text(args.out, frame.to_csv(index=False))
+    save(frame)
     png = args.out.with_suffix(".png")
     plotted = plot(frame, png)
     table = frame.pivot_table(
@@ -473,6 +557,9 @@ def main(argv: list[str] | None = None) -> int:
         print(table.to_string())
     print(targets(frame))
     print(f"wrote {args.out} and {png}" if plotted else f"wrote {args.out}")
+    if stopped:
+        print(f"benchmarks/cuda_core.py: {stopped}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -94,6 +94,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def context_alive() -> bool:
+    """Whether CUDA still runs work in this process (after an illegal address it never does)."""
+    try:
+        torch.cuda.synchronize()
+        return torch.ones(1, device="cuda").add_(1).item() == 2
+    except Exception:
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available() or "cuda" not in ks.backends():
@@ -103,34 +112,54 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     b, h = args.batch, args.heads
-    frames = []
-    for name in args.dtypes:
-        for variant in args.variants:
-            try:
-                frame = kernel_times(
-                    getattr(torch, name), b, h, args.n, args.dim, variant, args.steps
-                )
-            except RuntimeError as err:
+    frames, failed = [], []
+    date = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    for name, variant in ((name, variant) for name in args.dtypes for variant in args.variants):
+        try:
+            frame = kernel_times(getattr(torch, name), b, h, args.n, args.dim, variant, args.steps)
+        except Exception as err:  # one variant failing keeps the others' tables
+            message = str(err).splitlines()[0] if str(err) else ""
+            print(
+                f"benchmarks/cuda_profile.py: {variant} in {name} failed: "
+                f"{type(err).__name__}: {message}",
+                file=sys.stderr,
+            )
+            failed.append(f"{variant} ({name})")
+            if not context_alive():  # an illegal address: nothing later can run here
                 print(
-                    f"benchmarks/cuda_profile.py: {err}; {args.out} left as it was", file=sys.stderr
+                    "benchmarks/cuda_profile.py: the CUDA context is broken; the variants "
+                    "after it were not run (leave the failing one out with --variants)",
+                    file=sys.stderr,
                 )
-                return 1
-            frames.append(frame.assign(dtype=name, variant=variant))
-    result = pd.concat(frames, ignore_index=True).assign(
-        B=b,
-        H=h,
-        N=args.n,
-        F=args.dim,
-        device=torch.cuda.get_device_name(),
-        date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        torch=torch.__version__,
-        command=" ".join(["python", *sys.argv]),
-    )
-    atomic_write_text(args.out, result.to_csv(index=False))  # never half a CSV over results
+                break
+            continue
+        frames.append(frame.assign(dtype=name, variant=variant))
+        result = pd.concat(frames, ignore_index=True).assign(
+            B=b,
+            H=h,
+            N=args.n,
+            F=args.dim,
+            device=torch.cuda.get_device_name(),
+            date=date,
+            torch=torch.__version__,
+            command=" ".join(["python", *sys.argv]),
+        )
+        # as it goes (a run killed at a time limit keeps what it profiled); atomically: never
+        # half a CSV over results
+        atomic_write_text(args.out, result.to_csv(index=False))
+    if not frames:
+        print(
+            f"benchmarks/cuda_profile.py: nothing profiled; {args.out} left as it was",
+            file=sys.stderr,
+        )
+        return 1
     cols = ["dtype", "variant", "kernel", "calls_per_step", "us_per_call", "us_per_step", "share"]
     with pd.option_context("display.max_colwidth", 60, "display.width", 200):
         print(result[cols].round(3).to_string(index=False))
     print(f"wrote {args.out}", file=sys.stderr)
+    if failed:
+        print(f"benchmarks/cuda_profile.py: failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -4,6 +4,7 @@ clean refusal without a GPU (the measurements themselves need one)."""
 from __future__ import annotations
 
 import importlib.util
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -299,3 +300,248 @@ def test_core_runs_non_causal_attention_only_where_a_backend_has_its_own(core, t
     assert non_causal <= {"torch", "reference", "cuda"} and "torch" in non_causal
     if "cpu" in ks.backends():
         assert "cpu" in set(attention[attention.causal].backend)
+
+
+# ------------------------------------------- the GPU paths, run on the CPU with a fake timer
+class _FakeEvent:
+    """torch.cuda.Event on the CPU: record() reads a clock, elapsed_time() is in ms."""
+
+    clock = time.perf_counter
+
+    def __init__(self, enable_timing=False):
+        self.at = None
+
+    def record(self, stream=None):
+        self.at = type(self).clock()
+
+    def elapsed_time(self, end):
+        return (end.at - self.at) * 1e3
+
+
+@pytest.fixture
+def gpu_on_cpu(cuda_core, monkeypatch):
+    """cuda_core as on a GPU machine, its tensors on the CPU and its events a CPU clock."""
+    import functools
+
+    monkeypatch.setattr(cuda_core, "DEVICE", "cpu")
+    monkeypatch.setattr(cuda_core.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda_core.torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(cuda_core.torch.cuda, "synchronize", lambda *args: None)
+    monkeypatch.setattr(cuda_core.torch.cuda, "get_device_name", lambda *args: "test GPU")
+    small = functools.partial(cuda_core.matmul_tflops, size=64, repeats=2)
+    monkeypatch.setattr(cuda_core, "matmul_tflops", small)
+    return cuda_core
+
+
+def test_cuda_time_ms_is_the_median_after_the_warmup(cuda_core, monkeypatch):
+    durations = iter([50.0, 50.0, 3.0, 1.0, 2.0, 9.0, 4.0])  # ms: two warm-ups, then five
+    now = [0.0]
+
+    def fn():
+        now[0] += next(durations) / 1e3
+
+    monkeypatch.setattr(_FakeEvent, "clock", lambda: now[0])
+    monkeypatch.setattr(cuda_core.torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(cuda_core.torch.cuda, "synchronize", lambda *args: None)
+    assert cuda_core.cuda_time_ms(fn, repeats=5, warmup=2) == pytest.approx(3.0)
+
+
+def test_gpu_pipeline_runs_on_cpu(gpu_on_cpu, monkeypatch, tmp_path):
+    """The whole measurement (cases, warm-up, events, backward, FLOPs, CSV, plot) on CPU
+    tensors; fla is a stand-in that checks the call it gets and computes in (B, N, H, D)."""
+    cuda_core = gpu_on_cpu
+    calls = []
+
+    def chunk_linear_attn(q, k, v, scale=None, normalize=True, head_first=False):
+        calls.append((tuple(q.shape), scale, normalize, head_first))
+        out = ks.causal_dot_product(*(t.transpose(1, 2) for t in (q, k, v)), backend="torch")
+        return out.transpose(1, 2), None
+
+    monkeypatch.setattr(cuda_core, "load_fla", lambda: chunk_linear_attn)
+    out = tmp_path / "cuda.csv"
+    argv = ["--n", "64", "96", "--shapes", "1x2", "--dims", "16", "--repeats", "2"]
+    argv += ["--warmup", "1", "--methods", "torch", "fla", "sdpa", "--out", str(out)]
+    assert cuda_core.main(argv) == 0
+    frame = pd.read_csv(out)
+    assert len(frame) == 2 * 2 * 3 * 2  # dtypes × N × methods × modes
+    assert set(frame.method) == {"torch", "fla", "sdpa", "sdpa_efficient"}
+    assert calls and all(c[1:] == (1.0, False, False) for c in calls)
+    assert {c[0] for c in calls} == {(1, 64, 2, 16), (1, 96, 2, 16)}  # (B, N, H, D)
+    ok = frame[frame.method != "sdpa_efficient"]  # no memory-efficient kernel on the CPU
+    assert (ok.time_ms > 0).all() and ok.error.isna().all()
+    failed = frame[frame.method == "sdpa_efficient"]
+    assert failed.time_ms.isna().all() and failed.error.str.contains("RuntimeError").all()
+    for row in ok.itertuples():
+        flop = cuda_core.flops(row.method, row.mode, row.B, row.H, row.N, row.F)
+        assert row.tflops == pytest.approx(flop / (row.time_ms * 1e-3) / 1e12)
+        assert row.frac_matmul == pytest.approx(row.tflops / row.matmul_tflops)
+    assert cuda_core.flops("sdpa", "fwd+bwd", 1, 1, 8, 4) == 3 * 2 * 8 * 8 * 4
+    assert cuda_core.flops("fla", "fwd+bwd", 1, 1, 8, 4) == 3 * 4 * 8 * 4 * 4
+    columns = {"device", "date", "torch", "command", "matmul_tflops", "walk_blocks", "error"}
+    assert columns <= set(frame.columns) and (frame.device == "test GPU").all()
+    assert out.with_suffix(".png").stat().st_size > 1000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cuda.csv", "cuda.png"]
+
+
+def _row(method, mode, b, h, n, d, name, *rest):
+    return dict(method=method, mode=mode, dtype=name, B=b, H=h, BH=b * h, N=n, F=d, M=d) | {
+        "walk_blocks": None,
+        "time_ms": 1.0,
+        "tflops": 1.0,
+        "error": "",
+    }
+
+
+def test_partial_results_are_written_as_they_go(cuda_core, monkeypatch, tmp_path):
+    """The CSV was written only at the end: a run killed at the device's time limit (or by
+    Ctrl-C) left nothing of what it had measured."""
+    monkeypatch.setattr(cuda_core.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda_core.torch.cuda, "get_device_name", lambda *args: "test GPU")
+    monkeypatch.setattr(cuda_core, "matmul_tflops", lambda dtype: 100.0)
+    done = []
+
+    def measure(*case):
+        if len(done) == 3:
+            raise KeyboardInterrupt  # as a kill in the fourth case
+        done.append(case)
+        return _row(*case)
+
+    monkeypatch.setattr(cuda_core, "measure", measure)
+    out = tmp_path / "cuda.csv"
+    out.write_text("earlier results\n")
+    with pytest.raises(KeyboardInterrupt):
+        cuda_core.main(["--quick", "--methods", "torch", "sdpa", "--out", str(out)])
+    frame = pd.read_csv(out)
+    assert len(frame) == 3 and (frame.time_ms == 1.0).all() and (frame.device == "test GPU").all()
+    assert [p.name for p in tmp_path.iterdir()] == ["cuda.csv"]  # no temp file left
+
+
+@pytest.mark.parametrize("seen_by", ["empty_cache", "probe"])
+def test_a_broken_cuda_context_stops_the_run_and_keeps_what_ran(
+    gpu_on_cpu, monkeypatch, tmp_path, capsys, seen_by
+):
+    """An illegal address in one case (the walk has never run on a GPU) breaks the process's
+    CUDA context: torch.cuda.empty_cache() in measure's cleanup then raised, and the run ended
+    in a traceback with nothing written; where it did not raise, every later case, baselines
+    included, failed with the same error."""
+    cuda_core = gpu_on_cpu
+    broken = []
+    make_case = cuda_core.make_case
+
+    def faulty_case(method, *rest):
+        if method == "cuda_walk":
+            broken.append(True)
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return make_case("torch" if method == "cuda" else method, *rest)
+
+    def empty_cache():
+        if broken:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(cuda_core, "make_case", faulty_case)
+    if seen_by == "empty_cache":
+        monkeypatch.setattr(cuda_core.torch.cuda, "empty_cache", empty_cache)
+    else:
+        monkeypatch.setattr(cuda_core, "context_alive", lambda: not broken)
+    monkeypatch.setattr(cuda_core.ks, "backends", lambda: ["reference", "torch", "cuda"])
+    out = tmp_path / "cuda.csv"
+    argv = ["--n", "64", "--shapes", "1x2", "--dims", "16", "--dtypes", "bfloat16"]
+    argv += ["--repeats", "1", "--warmup", "0", "--methods", "cuda", "cuda_walk", "sdpa"]
+    assert cuda_core.main([*argv, "--walk-blocks", "4", "8", "--out", str(out)]) == 1
+    frame = pd.read_csv(out)
+    assert frame.method.tolist() == ["torch", "torch", "cuda_walk_4"]  # cuda ran as torch
+    assert frame.time_ms.notna().tolist() == [True, True, False]
+    assert "illegal memory access" in frame.error.iloc[-1]
+    assert out.with_suffix(".png").exists()
+    assert "the CUDA context broke in cuda_walk_4 fwd" in capsys.readouterr().err
+
+
+def test_the_context_check_sees_a_working_device(gpu_on_cpu):
+    assert gpu_on_cpu.context_alive()
+
+
+def test_the_fp32_yardstick_runs_without_tf32(cuda_core, monkeypatch):
+    """matmul_tflops relied on the process's TF32 setting: with TF32 on (an import, or the
+    environment, sets it), the fp32 yardstick would be the TF32 rate, ~7x the fp32 one."""
+    seen = []
+    randn = torch.randn
+    monkeypatch.setattr(
+        cuda_core.torch, "randn", lambda *shape, device=None, dtype=None: randn(*shape, dtype=dtype)
+    )
+
+    def timer(fn, repeats, warmup):
+        fn()
+        seen.append(torch.get_float32_matmul_precision())
+        return 1.0
+
+    monkeypatch.setattr(cuda_core, "cuda_time_ms", timer)
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        assert cuda_core.matmul_tflops(torch.float32, size=8) == pytest.approx(2 * 8**3 / 1e9)
+        assert torch.get_float32_matmul_precision() == "high"  # restored
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert seen == ["highest"]
+
+
+def test_fla_import_failure_says_why(cuda_core, monkeypatch, capsys):
+    """A missing dependency of fla (the wheels are installed with --no-deps) dropped the fla
+    column with no reason given, costing a device call to find out."""
+
+    def import_module(name):
+        raise ModuleNotFoundError("No module named 'einops'")
+
+    monkeypatch.setattr(cuda_core.importlib, "import_module", import_module)
+    assert cuda_core.load_fla() is None
+    assert "No module named 'einops'" in capsys.readouterr().err
+
+
+# --------------------------------------------------------- benchmarks/cuda_profile.py's loop
+def test_profile_keeps_the_variants_that_ran(monkeypatch, tmp_path, capsys):
+    """One variant failing (a kernel that has never run on a GPU) made the script return
+    without writing the others' tables (RuntimeError), or crash (any other error)."""
+    profile = _script("cuda_profile")
+    monkeypatch.setattr(profile.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(profile.torch.cuda, "get_device_name", lambda *args: "test GPU")
+    monkeypatch.setattr(profile.ks, "backends", lambda: ["reference", "torch", "cuda"])
+    monkeypatch.setattr(profile, "context_alive", lambda: True)
+
+    def kernel_times(dtype, b, h, n, d, variant, steps):
+        if variant == "walk":
+            raise ValueError("too many resources requested for launch")
+        return pd.DataFrame(
+            {"kernel": [f"{variant}_kernel"], "total_us": [10.0], "calls": [2]}
+            | {"us_per_call": [5.0], "calls_per_step": [2], "us_per_step": [10.0], "share": [1.0]}
+        )
+
+    monkeypatch.setattr(profile, "kernel_times", kernel_times)
+    out = tmp_path / "profile.csv"
+    argv = ["--dtypes", "bfloat16", "--variants", "chunks", "walk", "walk_fused"]
+    assert profile.main([*argv, "--out", str(out)]) == 1
+    assert "walk (bfloat16)" in capsys.readouterr().err
+    assert pd.read_csv(out).variant.tolist() == ["chunks", "walk_fused"]
+    monkeypatch.setattr(profile, "context_alive", lambda: False)  # stop after a broken context
+    assert profile.main([*argv, "--out", str(out)]) == 1
+    assert pd.read_csv(out).variant.tolist() == ["chunks"]
+
+
+def test_core_out_of_memory_loses_one_size_only(core, tmp_path, monkeypatch, capsys):
+    """One case running out of memory (a large N on a GPU) ended the run in a traceback, and
+    the sizes measured before it were never written."""
+    product = ks.causal_dot_product
+
+    def causal_dot_product(phi_q, *args, **kwargs):
+        if phi_q.shape[2] == 96:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
+        return product(phi_q, *args, **kwargs)
+
+    monkeypatch.setattr(core.ks, "causal_dot_product", causal_dot_product)
+    out = tmp_path / "core.csv"
+    argv = ["--n", "64", "96", "128", "--repeats", "1", "--backends", "torch", "--no-softmax"]
+    assert core.main([*argv, "--out", str(out)]) == 0
+    frame = pd.read_csv(out)
+    failed = (frame.op == "causal_product") & (frame.N == 96)
+    assert failed.sum() == 2 and (frame[failed].error == "out of memory").all()
+    assert frame[failed].time_ms.isna().all() and (frame[~failed].time_ms > 0).all()
+    assert set(frame.N) == {64, 96, 128} and "out of memory" in capsys.readouterr().err
