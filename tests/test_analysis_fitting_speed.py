@@ -556,3 +556,19 @@ def test_distillation_loss_takes_a_map_not_a_name():
     fm = ks.create_feature_map("glu", head_dim=4, seed=0)
     a, b = (ks.analysis.distillation_loss(fm, q, k) for _ in range(2))
     assert torch.equal(a, b)
+
+
+def test_speedups_keep_batch_sizes_and_devices_apart():
+    """A frame of two batch sizes gave one speed-up per length, of tokens/s averaged over
+    both batches (here 2.5 instead of 2 and 3)."""
+    rows = [
+        {"label": label, "length": 8, "batch": batch, "device": "cpu"}
+        | {"metric": "tokens_per_s", "value": float(batch * (2 + batch) if label == "a" else batch)}
+        for label in ("a", "b")
+        for batch in (1, 2)
+    ]
+    ratio = ks.analysis.speedups(pd.DataFrame(rows), "a", "b")
+    assert list(ratio.columns) == ["length", "batch", "speedup"]
+    assert ratio.set_index("batch")["speedup"].to_dict() == {1: 3.0, 2: 4.0}
+    one = ks.analysis.speedups(pd.DataFrame(rows[::2]), "a", "b")  # batch 1 only
+    assert list(one.columns) == ["length", "speedup"] and one["speedup"].tolist() == [3.0]

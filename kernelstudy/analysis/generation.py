@@ -231,13 +231,16 @@ def _generation_rows(
 def speedups(
     frame: pd.DataFrame, numerator: str, denominator: str, by: str = "label"
 ) -> pd.DataFrame:
-    """Per length: ``tokens_per_s`` of run ``numerator`` divided by that of ``denominator``;
-    ``by`` is the column naming the runs (``"run"`` in the generation study's results)."""
+    """Per length: ``tokens_per_s`` of run ``numerator`` divided by that of ``denominator``
+    (repeats averaged); ``by`` is the column naming the runs (``"run"`` in the generation
+    study's results). Columns ``batch`` and ``device`` that vary in ``frame`` are kept as
+    keys beside ``length``: a speed-up is taken within one batch size and one device, never
+    of timings averaged across them."""
     if by not in frame:
         raise ValueError(f"frame has no column {by!r} naming the runs (has {list(frame.columns)})")
-    tps = frame[frame["metric"] == "tokens_per_s"].pivot_table(
-        index="length", columns=by, values="value", aggfunc="mean"
-    )
+    rows = frame[frame["metric"] == "tokens_per_s"]
+    keys = ["length", *(c for c in ("batch", "device") if c in rows and rows[c].nunique() > 1)]
+    tps = rows.pivot_table(index=keys, columns=by, values="value", aggfunc="mean")
     for label in (numerator, denominator):
         if label not in tps:
             raise ValueError(f"no tokens_per_s rows for run {label!r} (runs: {list(tps.columns)})")
