@@ -572,3 +572,18 @@ def test_speedups_keep_batch_sizes_and_devices_apart():
     assert ratio.set_index("batch")["speedup"].to_dict() == {1: 3.0, 2: 4.0}
     one = ks.analysis.speedups(pd.DataFrame(rows[::2]), "a", "b")  # batch 1 only
     assert list(one.columns) == ["length", "speedup"] and one["speedup"].tolist() == [3.0]
+
+
+def test_benchmark_attention_leaves_the_callers_map_alone():
+    """The caller's FeatureMap was timed itself, moved to the device in place, and a map that
+    redraws (redraw_every=1) came back with a new projection and seed."""
+    fm = ks.create_feature_map("favor", head_dim=8, redraw_every=1)
+    before = {k: v.clone() if torch.is_tensor(v) else dict(v) for k, v in fm.state_dict().items()}
+    frame = ks.analysis.benchmark_attention(
+        [16], head_dim=8, feature_map=fm, methods=["linear"], causal=[False], passes=["fwd"],
+        repeats=2, memory=False, matmul=False,
+    )  # fmt: skip
+    assert (frame["metric"] == "time_ms").any()
+    after = fm.state_dict()
+    assert torch.equal(after["weight"], before["weight"])
+    assert after["_extra_state"] == before["_extra_state"]
