@@ -1,4 +1,5 @@
-"""Every CUDA kernel under csrc/ compiles with nvcc for sm_80 and sm_90a.
+"""Every CUDA kernel under csrc/ compiles with nvcc for sm_80 and sm_90a, with the flags torch
+gives nvcc when it builds the extension.
 
 ``.cu`` files hold kernels and launchers only (CUDA headers, no torch), so they compile
 without PyTorch's include paths; a kernel that does not compile fails CI even on machines
@@ -21,6 +22,19 @@ CU_FILES = sorted(CSRC.rglob("*.cu"))
 NVCC = shutil.which("nvcc")
 CXXFILT = shutil.which("c++filt")
 ARCHS = ["-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90a,code=sm_90a"]
+# The flags torch's cpp_extension gives nvcc when it builds the extension on a GPU machine
+# (COMMON_NVCC_FLAGS): among them __CUDA_NO_HALF_CONVERSIONS__ and
+# __CUDA_NO_BFLOAT16_CONVERSIONS__, under which an implicit float <-> __half / __nv_bfloat16
+# conversion or a __half operator does not compile. Without them here, such a change would pass
+# this test and fail only at the GPU session's first build (the core then falls back to torch).
+try:
+    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS as TORCH_NVCC_FLAGS
+except ImportError:  # no torch: the defines torch 2.x passes
+    TORCH_NVCC_FLAGS = [
+        "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
+        "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__",
+        "--expt-relaxed-constexpr",
+    ]  # fmt: skip
 TORCH_INCLUDE = re.compile(r'^\s*#\s*include\s*[<"](torch|ATen|c10|pybind11)/', re.MULTILINE)
 
 
@@ -69,7 +83,7 @@ def ptxas_reports(tmp_path_factory) -> dict:
     reports = {}
     for source in CU_FILES:
         command = [
-            NVCC, "-c", "-std=c++17", *ARCHS, "-Xptxas", "-v", "-I", str(CSRC),
+            NVCC, "-c", "-std=c++17", *ARCHS, *TORCH_NVCC_FLAGS, "-Xptxas", "-v", "-I", str(CSRC),
             "-I", str(source.parent), str(source), "-o", str(out / f"{source.stem}.o"),
         ]  # fmt: skip
         reports[source] = subprocess.run(command, capture_output=True, text=True, timeout=900)
