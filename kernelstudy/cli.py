@@ -129,7 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("maps", help="list the feature-map registry")
     p.add_argument("pattern", nargs="?", help="glob pattern on map names, e.g. 'favor*'")
-    p.add_argument("--format", choices=("table", "csv"), default="table")
+    p.add_argument(
+        "--format",
+        choices=("table", "csv"),
+        default="table",
+        help="plain-text table or CSV on stdout (default %(default)s)",
+    )
     p.set_defaults(func=_cmd_maps)
 
     from kernelstudy.study import add_arguments

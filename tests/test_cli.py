@@ -182,3 +182,11 @@ def test_study_device_without_a_name_is_refused(capsys) -> None:
     assert main(["study", "--device", "cuda"]) == 1
     captured = capsys.readouterr()
     assert "--device need(s) a study NAME" in captured.err and captured.out == ""
+
+
+def test_maps_format_option_is_described(capsys):
+    """`kernelstudy maps --help` showed --format with no description or default."""
+    with pytest.raises(SystemExit):
+        main(["maps", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--format {table,csv} plain-text table or CSV on stdout (default table)" in out
