@@ -909,7 +909,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     to ``parser``."""
     parser.add_argument("--quick", action="store_true", help="small sizes (minutes on a CPU)")
     parser.add_argument("--out", default=None, help="output directory (default results/NAME)")
-    parser.add_argument("--device", choices=DEVICES, default="cpu")
+    parser.add_argument(
+        "--device", choices=DEVICES, default="cpu", help="where to run (default %(default)s)"
+    )
     parser.add_argument("--force", action="store_true", help="recompute finished configurations")
     parser.add_argument(
         "--fill-tables",

@@ -496,3 +496,19 @@ def test_variants_given_as_one_str_are_refused(tmp_path):
     assert [v.label for v in select_variants(config, ["b", "b"])] == ["b"]
     with pytest.raises(TypeError, match="variants must be a list of labels, got the str 'ab'"):
         select_variants(config, "ab")
+
+
+def test_missing_listops_data_says_how_to_make_them(tmp_path):
+    """Missing ListOps data told the user of the ListOps config to "use the ListOps config";
+    it now names --quick and the command that writes the files where the config reads them."""
+    from kernelstudy.search.objective import prepare_data
+
+    cfg = load_config(_write(tmp_path, GOOD))
+    with pytest.raises(FileNotFoundError) as err:
+        prepare_data(cfg, tmp_path / "out")
+    message = str(err.value)
+    assert "--quick" in message and "use the ListOps config" not in message
+    assert f"kernelstudy data listops --out {tmp_path / 'data'}" in message
+    text = GOOD.replace('task = "listops"', 'task = "text"')
+    with pytest.raises(FileNotFoundError, match="Long Range Arena release"):
+        prepare_data(load_config(_write(tmp_path, text)), tmp_path / "out")

@@ -138,10 +138,19 @@ def prepare_data(config: SearchConfig, out: str | Path) -> Path | None:
     if path is None:
         raise ValueError(f"{config.path}: task {config.task!r} needs `data = DIR` in the config")
     if not path.exists():
+        if config.task == "listops":  # the ListOps files can be made here
+            how = (
+                "run with --quick (its [quick] table generates small data), or write full-size "
+                f"data there with `kernelstudy data listops --out {path}`, or unpack the Long "
+                "Range Arena release there"
+            )
+        else:
+            how = (
+                "download the Long Range Arena release (see the comment at the top of the "
+                "config) or use the ListOps config, whose --quick variant generates its data"
+            )
         raise FileNotFoundError(
-            f"{config.path}: data for task {config.task!r} not found at {path}; download the "
-            "Long Range Arena release (see the comment at the top of the config) or use the "
-            "ListOps config, whose --quick variant generates its data"
+            f"{config.path}: data for task {config.task!r} not found at {path}; {how}"
         )
     return path
 
