@@ -8,6 +8,7 @@ results must not depend on the thread count.
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 
 import numpy as np
@@ -243,3 +244,54 @@ def test_stale_build_lock_is_removed(tmp_path, monkeypatch, baton):
     assert any("does not compile" in m for m in messages)  # the compiler's error line
     if not baton:
         assert os.stat(lock).st_mtime == 0  # the old file, not removed and made anew
+
+
+def _baton_build(tmp_path, monkeypatch, name):
+    """A FileBaton torch (simulated), a fresh build directory and a source that fails fast;
+    returns the lock file of torch's build and the source."""
+    monkeypatch.setattr(extensions, "_lock_is_a_baton", lambda: True)
+    monkeypatch.setattr(extensions, "_LOADED", {})
+    monkeypatch.setenv(extensions.BUILD_DIR_ENV, str(tmp_path / "build"))
+    lock = tmp_path / "build" / name / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()  # fresh: the build that left it was killed a moment ago
+    source = tmp_path / "broken.cpp"
+    source.write_text("#error this extension does not compile\n")
+    return lock, source
+
+
+@pytest.mark.skipif(os.name != "posix", reason="kernelstudy's build lock needs flock")
+def test_fresh_baton_lock_of_a_killed_build_is_removed(tmp_path, monkeypatch):
+    """Where torch's lock is a FileBaton, a build killed (SIGKILL, OOM, a job's time limit)
+    leaves the file and torch waits while it exists. Removing it only when older than
+    STALE_LOCK_SECONDS left a job restarted soon after the kill waiting forever; under
+    kernelstudy's own OS lock no live build can own it, so it goes at once."""
+    lock, source = _baton_build(tmp_path, monkeypatch, "kernelstudy_test_fresh")
+    with pytest.warns(RuntimeWarning) as record:
+        assert extensions.load_extension("kernelstudy_test_fresh", [source]) is None
+    messages = [str(w.message) for w in record]
+    assert any("stale build lock" in m for m in messages)
+    assert any("does not compile" in m for m in messages)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="kernelstudy's build lock needs flock")
+def test_build_waits_for_a_live_build_and_keeps_its_lock(tmp_path, monkeypatch):
+    """While another builder holds kernelstudy's lock (a live build), its baton stays and
+    the second load waits for it instead of building beside it."""
+    lock, source = _baton_build(tmp_path, monkeypatch, "kernelstudy_test_live")
+    done = threading.Event()
+
+    def second_process():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            extensions.load_extension("kernelstudy_test_live", [source])
+        done.set()
+
+    with extensions._build_lock(str(lock.parent)) as held:
+        assert held
+        thread = threading.Thread(target=second_process)
+        thread.start()
+        thread.join(timeout=1.0)
+        assert not done.is_set() and lock.exists()  # waiting, the live build's lock kept
+    thread.join()
+    assert done.is_set()

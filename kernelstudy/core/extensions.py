@@ -10,6 +10,7 @@ backend.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
@@ -18,6 +19,7 @@ import sys
 import sysconfig
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -86,25 +88,63 @@ def _lock_is_a_baton() -> bool:
     return hasattr(cpp_extension, "FileBaton")
 
 
-def _remove_stale_lock(name: str, build_directory: str | None) -> None:
+def _torch_build_directory(name: str) -> str | None:
+    """Where torch builds ``name`` when no build directory is given (None if unknown)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return _get_build_directory(name, verbose=False)
+    except Exception:  # private torch API: no directory if it changed
+        return None
+
+
+@contextlib.contextmanager
+def _build_lock(build_directory: str | None) -> Iterator[bool]:
+    """Hold an OS lock (flock) on ``<build_directory>/kernelstudy.lock`` while this process
+    builds or loads an extension; yields whether it is held. The OS releases it when its
+    holder dies, so it is never stale; while it is held, no other kernelstudy process is
+    inside torch's build of that directory (no lock where flock is missing, e.g. Windows)."""
+    try:
+        import fcntl
+    except ImportError:
+        fcntl = None
+    f = None
+    if fcntl is not None and build_directory is not None:
+        try:
+            f = open(Path(build_directory) / "kernelstudy.lock", "a")  # noqa: SIM115
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        except BaseException as err:
+            if f is not None:
+                f.close()
+            f = None
+            if not isinstance(err, OSError):  # Ctrl-C while waiting
+                raise
+            # OSError: a read-only cache, a file system without locks: build unlocked
+    if f is None:
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        f.close()  # closing the file releases its lock
+
+
+def _remove_stale_lock(build_directory: str | None, exclusive: bool = False) -> None:
     """Delete the build lock of a killed build (torch would otherwise wait on it forever).
 
     Only for torch versions whose lock is a file that exists while a build runs (FileBaton).
-    Newer ones take an OS lock (flock) on a file that stays after the build, so its age says
-    nothing and removing it would let a second build run beside a live one; the OS releases
-    that lock when its holder dies, so it is never stale."""
-    if not _lock_is_a_baton():
+    With ``exclusive`` (this process holds :func:`_build_lock`, so no other kernelstudy build
+    of this directory is running) any such file was left by a killed build and goes at once:
+    an age rule alone left a process started soon after the kill waiting forever. Without
+    it, only a file older than :data:`STALE_LOCK_SECONDS` goes.
+    Newer torch versions take an OS lock (flock) on a file that stays after the build, so
+    its age says nothing and removing it would let a second build run beside a live one;
+    the OS releases that lock when its holder dies, so it is never stale."""
+    if build_directory is None or not _lock_is_a_baton():
         return
-    if build_directory is None:
-        try:
-            from torch.utils.cpp_extension import _get_build_directory
-
-            build_directory = _get_build_directory(name, verbose=False)
-        except Exception:  # private torch API: skip the check if it changed
-            return
     lock = Path(build_directory) / "lock"
     try:
-        if time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
+        if exclusive or time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
             lock.unlink()
             warnings.warn(f"kernelstudy: removed a stale build lock {lock}", RuntimeWarning, 3)
     except OSError:
@@ -172,18 +212,20 @@ def load_extension(
             from torch.utils import cpp_extension
 
             build_directory = _build_directory(name)
-            _remove_stale_lock(name, build_directory)
-            module = cpp_extension.load(
-                name=name,
-                sources=[str(s) for s in sources],
-                extra_cflags=list(extra_cflags or []),
-                extra_cuda_cflags=list(extra_cuda_cflags or []),
-                extra_ldflags=list(extra_ldflags or []),
-                extra_include_paths=[str(csrc_dir())],
-                build_directory=build_directory,
-                with_cuda=cuda,
-                verbose=False,
-            )
+            directory = build_directory or _torch_build_directory(name)
+            with _build_lock(directory) as exclusive:
+                _remove_stale_lock(directory, exclusive)
+                module = cpp_extension.load(
+                    name=name,
+                    sources=[str(s) for s in sources],
+                    extra_cflags=list(extra_cflags or []),
+                    extra_cuda_cflags=list(extra_cuda_cflags or []),
+                    extra_ldflags=list(extra_ldflags or []),
+                    extra_include_paths=[str(csrc_dir())],
+                    build_directory=build_directory,
+                    with_cuda=cuda,
+                    verbose=False,
+                )
         except Exception as err:  # compiler errors, missing headers, import errors
             reason = f"build failed: {_first_error(err)}"
     if module is None:
