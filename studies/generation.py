@@ -84,9 +84,33 @@ def summary_table(frame: pd.DataFrame) -> pd.DataFrame:
     return table.reset_index()
 
 
+def superquadratic_growth(frame: pd.DataFrame, run: str = "softmax, KV cache") -> list[str]:
+    """Steps between consecutive lengths L1 < L2 where ``run``'s generation time grew by more
+    than (L2/L1)², the most its O(L²) work allows: time spent on something else than the
+    attention's reads (for the KV cache: copying the whole cache into a new tensor at every
+    step, as the cache grows by concatenation), "L1→L2: x.x× (≤ y× for O(L²))"."""
+    times = frame[(frame["run"] == run) & (frame["metric"] == "time_s")]
+    times = times.groupby("length")["value"].median().dropna().sort_index()
+    out = []
+    for (l1, t1), (l2, t2) in zip(times.items(), list(times.items())[1:], strict=False):
+        if t2 / t1 > (l2 / l1) ** 2:
+            out.append(f"{l1}→{l2}: {t2 / t1:.1f}× (≤ {(l2 / l1) ** 2:.0f}× for O(L²))")
+    return out
+
+
 def summarize(frame: pd.DataFrame, params: dict) -> str:
     missing = ", ".join(f"run={label!r}" for label in RUNS if label not in set(frame["run"]))
     note = f"\n\nNot run yet (no rows; their columns are left out): {missing}" if missing else ""
+    grown = superquadratic_growth(frame)
+    if grown:
+        note += (
+            "\n\nThe KV cache's generation time grew faster than its O(length²) work allows at "
+            + "; ".join(grown)
+            + ". Something besides attention's arithmetic sets it there: memory traffic, which "
+            "the cache's growth by concatenation adds to (every step copies the whole cache "
+            "into a new tensor). The speed-up against it at those lengths is not attention's "
+            "alone; a preallocated cache would show how much of it is the copying."
+        )
     return (
         f"Model: {params['n_layers']} layers, d_model={params['d_model']}, {params['n_heads']} "
         f"heads, vocab {params['vocab_size']}, map {params['feature_map']}; batch "

@@ -227,13 +227,20 @@ def _captured_ranks(
 
 
 def copy_table(frame: pd.DataFrame) -> pd.DataFrame:
-    """Validation accuracy of each model at a few steps (mean over seeds)."""
+    """Validation accuracy of each model at a few steps (mean over seeds), and each seed's
+    accuracy at the last step: with a few seeds the spread, not the mean, says whether two
+    maps differ (e.g. one seed near chance, another near 100 %)."""
     rows = frame[(frame["part"] == "copy") & (frame["metric"] == "val_accuracy")]
     table = rows.pivot_table(index="method", columns="step", values="value", aggfunc="mean")
     steps = list(table.columns)
     keep = sorted({steps[len(steps) * i // 4] for i in range(1, 4)} | {steps[-1]})
     table = table[keep]
     table.columns = [f"step {int(s)}" for s in keep]
+    last = rows[rows["step"] == steps[-1]].groupby(["method", "seed"])["value"].mean()
+    table[f"step {int(steps[-1])}, per seed"] = [
+        ", ".join(f"{v:.2f}" for v in last[m].sort_values()) if m in last.index else "–"
+        for m in table.index
+    ]
     return table.reset_index()
 
 
@@ -288,8 +295,9 @@ def summarize(frame: pd.DataFrame, params: dict, tables: dict | None = None) -> 
             f"## Copy task (sequences of {c['copy_len']} symbols, 1 layer, 1 head, "
             f"d_model={c['d_model']}, kernel maps at F={c['feature_dim']}"
             f"{f'; {own}' if own else ''}): validation token "
-            f"accuracy on the copied half, mean over {seed_count(kernel_and_softmax, c['seeds'])}"
-            " seed(s)\n\n" + markdown_table(copy_table(frame))
+            f"accuracy on the copied half (chance: 1/{c['n_symbols']}), mean over "
+            f"{seed_count(kernel_and_softmax, c['seeds'])} seed(s), and each seed's at the "
+            "last step (sorted)\n\n" + markdown_table(copy_table(frame))
         )
         captured = (
             "## Ranks on captured q/k (trained copy models, one validation sequence of "

@@ -5,6 +5,7 @@ Performer poster's setting (one head, R=100 FAVOR+ features, d=50)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 
 import kernelstudy as ks
@@ -82,6 +83,23 @@ def _table(frame: pd.DataFrame, metric: str) -> pd.DataFrame:
     return table.reset_index()
 
 
+def exponent_table(frame: pd.DataFrame, metric: str = "time_ms", points: int = 3) -> pd.DataFrame:
+    """The claim is about growth with N (O(N) vs O(N²)), which no single N shows: per
+    (causal, pass, method), the least-squares slope k of log ``metric`` on log N over the
+    ``points`` largest N it was measured at (metric ∝ N^k there; fixed costs dominate small
+    N), with that N range. NaN where fewer than 2 N were measured."""
+    rows = frame[(frame["metric"] == metric) & (frame["n"] > 0)].dropna(subset=["value"])
+    rows = rows.assign(label=_label(rows))
+    rows["causal"] = rows["causal"].map(lambda c: "causal" if str(c) == "True" else "non-causal")
+    out = []
+    for (causal, pass_, label), g in rows.groupby(["causal", "pass", "label"]):
+        g = g.groupby("n")["value"].median().sort_index().iloc[-points:]
+        k = np.polyfit(np.log(g.index), np.log(g.to_numpy()), 1)[0] if len(g) > 1 else np.nan
+        n_range = f"{int(g.index[0])}–{int(g.index[-1])}" if len(g) else "–"
+        out.append({"causal": causal, "pass": pass_, "label": label, "N": n_range, "k": k})
+    return pd.DataFrame(out)
+
+
 def summarize(frame: pd.DataFrame, params: dict) -> str:
     parts = []
     for setting in SETTINGS:
@@ -103,6 +121,14 @@ def summarize(frame: pd.DataFrame, params: dict) -> str:
         )
         parts.append(
             "Peak memory above the inputs (MiB)\n\n" + markdown_table(_table(sub, "peak_memory_mb"))
+        )
+        time_k = exponent_table(sub, "time_ms").rename(columns={"k": "time ∝ N^k"})
+        memory_k = exponent_table(sub, "peak_memory_mb")[["causal", "pass", "label", "k"]]
+        both = time_k.merge(memory_k.rename(columns={"k": "memory ∝ N^k"}), how="left")
+        parts.append(
+            "Growth with N: slope k of log time (and of log memory) on log N over the 3 "
+            "largest N each method ran at (N column); O(N) is k = 1, O(N²) is k = 2\n\n"
+            + markdown_table(both, floatfmt=".2f")
         )
     return "\n\n".join(parts)
 

@@ -431,7 +431,12 @@ def test_quick_approximation_reproduces_performer(tmp_path):
     assert summary.count("smallest R") >= 1
     verdict = study.load_study("approximation").performer_verdict(frame).iloc[0]
     assert verdict["MSE falls with R"] == "yes"
-    assert verdict["orthogonal vs iid, per R"] == "7 lower (of 7)", verdict
+    # with 20 seeds the ratio of 0.92 at R=16 is not resolved once the 7 R's intervals
+    # must hold together (simultaneous intervals); every other R is lower
+    assert verdict["orthogonal vs iid, per R"] in (
+        "7 lower (of 7)",
+        "6 lower, 1 not resolved (of 7)",
+    ), verdict
     assert list(tmp_path.glob("performer_attention_mse.png"))
     assert set(frame[frame.part == "maps"]["map"]) >= {"elu", "favor"}
 
@@ -1160,3 +1165,126 @@ def test_rank_summary_counts_the_seeds_its_means_are_over():
     full = rows[rows["method"] == "elu"]
     assert "mean over 2 seeds." in rank.summarize(full, params)
     assert rank.seed_count(full, 3) == "2 (of 3 configured: a partial run)"
+
+
+def _paired_frame(log_ratios: np.ndarray, metric: str = "attention_mse") -> pd.DataFrame:
+    """Performer rows at R = 16, 64, 256 whose per-seed log(orth/iid) are ``log_ratios``."""
+    rows = []
+    for r in (16, 64, 256):
+        for seed, d in enumerate(log_ratios):
+            for orth, value in ((False, 1.0 / r), (True, float(np.exp(d)) / r)):
+                rows.append(
+                    {"part": "performer", "metric": metric, "method": "favor", "map": "favor",
+                     "head_dim": 8, "std": 0.5, "num_features": r, "orthogonal": orth,
+                     "seed": seed, "value": value}
+                )  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def test_performer_verdict_counts_r_by_simultaneous_intervals():
+    """Each R's own ~95% interval decided "lower"/"higher": over 7 R × 12 settings about 4
+    calls come by chance. A paired ratio 2.3 standard errors below 1 at each of 3 R reads
+    "lower" per R, but not when the 3 intervals must hold together (Bonferroni: 2.5 SE)."""
+    module = study.load_study("approximation")
+    e = np.random.default_rng(0).standard_normal(40)
+    e = (e - e.mean()) / e.std(ddof=1)  # mean 0, sd 1 exactly
+    frame = _paired_frame(-2.3 / np.sqrt(40) + e)
+    table = module.performer_table(frame)
+    assert (table["log_ratio_hi"] < 0).all()  # each R's own interval excludes 1
+    row = module.performer_verdict(frame).iloc[0]
+    assert row["orthogonal vs iid, per R"] == "3 not resolved (of 3)", row
+    clear = module.performer_verdict(_paired_frame(-4 / np.sqrt(40) + e)).iloc[0]
+    assert clear["orthogonal vs iid, per R"] == "3 lower (of 3)", clear
+
+
+def test_approximation_summary_gives_the_verdict_on_the_kernel_mse():
+    """The Performer's 1/R rate and orthogonal-vs-iid theorem are about the kernel MSE; the
+    summary's verdict was on the attention MSE only (the kernel MSE had a table, no test)."""
+    module = study.load_study("approximation")
+    e = np.random.default_rng(0).standard_normal(40)
+    frame = pd.concat([_paired_frame(0.1 * e), _paired_frame(-0.5 + 0.1 * e, metric="kernel_mse")])
+    params = study.load_params("approximation", quick=True)
+    summary = module.summarize(frame, params)
+    kernel = summary.split("## The Performer finding on the kernel MSE", 1)[1].split("\n## ")[0]
+    assert "| 3 lower (of 3)" in kernel
+    attention = summary.split("## The Performer finding (attention-matrix MSE)")[1]
+    assert "| 3 not resolved (of 3)" in attention.split("\n## ")[0]
+
+
+def test_maps_beat_uniform_only_where_the_paired_seeds_agree():
+    """ "beats uniform (KL)" compared the mean KL over 3 seeds with uniform's, with no
+    interval: a map below uniform on one seed and above it on two read "yes"."""
+    rows = [
+        {"part": "maps", "std": 1.0, "method": m, "stage": st, "feature_dim": f,
+         "metric": metric, "value": v, "seed": seed}
+        for m, st, f, kls in [
+            ("uniform", "baseline", np.nan, (0.5, 0.5, 0.5)),
+            ("elu", "fixed", 8, (0.1, 0.55, 0.55)),  # mean 0.40 < 0.5
+            ("relu", "fixed", 8, (0.40, 0.41, 0.39)),
+        ]
+        for seed, kl in enumerate(kls)
+        for metric, v in (("attention_kl", kl), ("attention_mse", 1.0), ("output_rel_error", 1.0))
+    ]  # fmt: skip
+    table = study.load_study("approximation").maps_table(pd.DataFrame(rows))
+    verdicts = dict(zip(table["method"], table["beats uniform (KL)"], strict=True))
+    assert verdicts == {"uniform": "–", "elu": "not resolved", "relu": "yes"}
+
+
+def test_rank_copy_table_shows_each_seeds_final_accuracy():
+    """The copy table gave means over 3 seeds only (FAVOR+ 54 %, hedgehog 62 %), which hid
+    seeds at 26 %–83 % and 30 %–95 %: an ordering of the maps the seeds do not support."""
+    rank = study.load_study("rank")
+    rows = pd.DataFrame(
+        [
+            {"part": "copy", "method": m, "seed": seed, "step": step, "metric": "val_accuracy",
+             "value": acc * step / 400}
+            for m, accs in (("favor", (0.26, 0.54, 0.83)), ("elu", (0.72, 0.73, 0.85)))
+            for seed, acc in enumerate(accs)
+            for step in (100, 200, 300, 400)
+        ]
+    )  # fmt: skip
+    table = rank.copy_table(rows).set_index("method")
+    assert table.loc["favor", "step 400, per seed"] == "0.26, 0.54, 0.83"
+    assert table.loc["elu", "step 400"] == pytest.approx(0.7667, abs=1e-3)
+
+
+def test_speed_summary_fits_the_growth_with_n():
+    """The study tests "linear attention is O(N)" but its summary gave times per N only:
+    the exponent, the claim's quantity, was left to the reader."""
+    speed = study.load_study("speed")
+    rows = [
+        {"setting": "rnn_benchmark", "method": m, "backend": b, "causal": True, "pass": "fwd",
+         "n": n, "metric": metric, "value": c * n**k}
+        for m, b, k in (("linear", "torch", 1.0), ("softmax_sdpa", None, 2.0))
+        for n in (256, 512, 1024, 2048)
+        for metric, c in (("time_ms", 1e-3), ("peak_memory_mb", 1e-2))
+    ] + [{"setting": "rnn_benchmark", "method": "matmul", "backend": None, "causal": False,
+          "pass": "fwd", "n": 0, "metric": "gflops", "value": 100.0}]  # fmt: skip
+    table = speed.exponent_table(pd.DataFrame(rows)).set_index("label")
+    assert table.loc["linear [torch]", "k"] == pytest.approx(1.0)
+    assert table.loc["softmax_sdpa", "k"] == pytest.approx(2.0)
+    assert table.loc["linear [torch]", "N"] == "512–2048"
+    summary = speed.summarize(pd.DataFrame(rows), study.load_params("speed", quick=True))
+    assert "time ∝ N^k" in summary
+
+
+def test_generation_summary_flags_a_kv_cache_slower_than_its_quadratic_work():
+    """KV-cache generation took 6.3× longer at 4096 tokens than at 2048, beyond the 4× its
+    O(L²) work allows (the cache is grown by torch.cat, copying it every step); the summary
+    read the 11.5× speed-up against it as attention's alone."""
+    gen = study.load_study("generation")
+    rows = [
+        {"run": run, "length": n, "metric": "time_s", "value": t}
+        for run, times in (
+            ("linear, RNN state", (1.0, 2.0, 4.0)),
+            ("softmax, KV cache", (1.0, 3.5, 22.0)),
+        )
+        for n, t in zip((1024, 2048, 4096), times, strict=True)
+    ]
+    rows += [{**r, "metric": "tokens_per_s", "value": 8 * r["length"] / r["value"]} for r in rows]
+    frame = pd.DataFrame(rows)
+    assert gen.superquadratic_growth(frame) == ["2048→4096: 6.3× (≤ 4× for O(L²))"]
+    summary = gen.summarize(frame, study.load_params("generation"))
+    assert "faster than its O(length²) work allows at 2048→4096" in summary
+    quadratic = frame[~((frame.length == 4096) & (frame.run == "softmax, KV cache"))]
+    assert "O(length²) work allows" not in gen.summarize(quadratic, study.load_params("generation"))
