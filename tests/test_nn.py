@@ -467,3 +467,49 @@ def test_masked_mean_pooling_of_a_float16_model_does_not_overflow():
         masked = model(ids, torch.ones_like(ids, dtype=torch.bool))
     assert torch.isfinite(free).all()
     torch.testing.assert_close(masked, free, rtol=1e-2, atol=1e-2)
+
+
+def test_kv_cache_grows_in_place_and_branches_safely():
+    """The softmax layer's KVCache grew by torch.cat, copying the whole cache every step (at
+    4096 tokens that copying set the generation study's KV-cache time). It now writes each
+    step into buffers with room (the same storage step after step, no copy); an earlier
+    cache stays valid, and a second step from it (a branch) does not overwrite the first."""
+    torch.manual_seed(2)
+    layer = ks.nn.KernelAttention(16, 2, attention="softmax", causal=True).eval()
+    x = torch.randn(3, 150, 16)  # past the first buffer's 64 steps: one regrowth at least
+    full = layer(x)
+    state, storages = None, set()
+    with torch.no_grad():
+        for t in range(x.shape[1]):
+            y_t, state = layer.step(x[:, t], state)
+            assert rel_err(y_t, full[:, t]) <= 1e-5
+            storages.add(state.k.untyped_storage().data_ptr())
+            if t == 9:
+                at_ten = state
+    assert len(storages) == 4  # the first step's, then room for 64, 130 and 262: not 150
+    assert (
+        state.k.shape == (3, 2, 150, 8)
+        and ks.analysis.state_bytes(state) == 2 * 3 * 2 * 150 * 8 * 4
+    )
+    with torch.no_grad():  # two branches from the cache after 10 steps
+        a, state_a = layer.step(x[:, 10], at_ten)
+        b, state_b = layer.step(torch.zeros(3, 16), at_ten)
+        a_again, _ = layer.step(x[:, 11], state_a)
+    assert rel_err(a, full[:, 10]) <= 1e-5 and rel_err(a_again, full[:, 11]) <= 1e-5
+    assert not torch.equal(state_a.k[:, :, 10], state_b.k[:, :, 10])
+    assert state_a.k.shape[2] == state_b.k.shape[2] == 11
+
+
+def test_kv_cache_steps_stay_differentiable():
+    """Under autograd the cache grows by concatenation: in-place writes would invalidate what
+    the earlier steps saved for the backward."""
+    torch.manual_seed(3)
+    layer = ks.nn.KernelAttention(8, 2, attention="softmax", causal=True)
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    state, outs = None, []
+    for t in range(5):
+        y_t, state = layer.step(x[:, t], state)
+        outs.append(y_t)
+    (g,) = torch.autograd.grad(torch.stack(outs, 1).square().sum(), x)
+    (want,) = torch.autograd.grad(layer(x).square().sum(), x)
+    assert rel_err(g, want) <= 1e-5
