@@ -512,3 +512,21 @@ def test_missing_listops_data_says_how_to_make_them(tmp_path):
     text = GOOD.replace('task = "listops"', 'task = "text"')
     with pytest.raises(FileNotFoundError, match="Long Range Arena release"):
         prepare_data(load_config(_write(tmp_path, text)), tmp_path / "out")
+
+
+def test_a_search_that_fails_its_checks_leaves_no_empty_database(tmp_path):
+    """A search whose data were missing left OUT/NAME/optuna.db behind, empty of studies, and
+    `report` then said "no studies ... run search first"; a database that held studies before
+    is kept."""
+    from kernelstudy.search import run_search
+
+    cfg = load_config(_write(tmp_path, GOOD))
+    out = tmp_path / "out"
+    with pytest.raises(FileNotFoundError, match="not found at"):
+        run_search(cfg, out=out)
+    assert not (out / "tiny" / "optuna.db").exists()
+    db = tmp_path / "kept.db"
+    optuna.create_study(storage=f"sqlite:///{db}", study_name="other")
+    with pytest.raises(FileNotFoundError, match="not found at"):
+        run_search(cfg, out=out, storage=f"sqlite:///{db}")
+    assert db.is_file()

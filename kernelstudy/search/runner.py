@@ -34,6 +34,7 @@ from .storage import (
     load_study,
     open_storage,
     redact,
+    sqlite_file,
 )
 from .workers import FINISHED, is_duplicate, open_study, run_workers
 
@@ -205,10 +206,17 @@ def run_search(
     check_device(config, device)
     chosen = select_variants(config, variants)
     url = storage_url(config, storage, out)
-    open_storage(url)  # unreachable or malformed URL: ValueError now
-    check_settings(config, chosen, url)  # before generated data may be rewritten
-    data = prepare_data(config, out)
-    over = check_variants(config, data)
+    database = sqlite_file(url)
+    created = database is not None and not database.exists()
+    try:
+        open_storage(url)  # unreachable or malformed URL: ValueError now
+        check_settings(config, chosen, url)  # before generated data may be rewritten
+        data = prepare_data(config, out)
+        over = check_variants(config, data)
+    except BaseException:  # an SQLite file this call made holds no study: not left behind
+        if created:  # (`report` then said "no studies ... run search first")
+            database.unlink(missing_ok=True)
+        raise
     for label, reason in over.items():
         if any(v.label == label for v in chosen):
             print(f"search {config.name}: {label} at its defaults: {reason}", file=sys.stderr)

@@ -50,17 +50,25 @@ def existing_storage_url(results_dir: str | Path, study: str, hint: str) -> str:
     return sqlite_url(path)
 
 
+def sqlite_file(url: str) -> Path | None:
+    """The file an ``sqlite://`` URL names, as SQLAlchemy reads it (without the query, %XX
+    decoded); None for other databases, an in-memory one or a malformed URL."""
+    if not (isinstance(url, str) and url.startswith("sqlite") and "://" in url):
+        return None
+    try:
+        path = make_url(url).database or ""
+    except Exception:  # malformed: open_storage says so
+        return None
+    return None if path in ("", ":memory:") else Path(path)
+
+
 def existing_database(url: str, hint: str) -> str:
     """``url`` for commands that only read a study: FileNotFoundError (``no study database
     PATH: hint``) when it names an SQLite file that does not exist, which opening it would
     create empty (other databases are checked when opened)."""
-    if isinstance(url, str) and url.startswith("sqlite") and "://" in url:
-        try:  # as SQLAlchemy reads it: without the query, %XX decoded
-            path = make_url(url).database or ""
-        except Exception:  # malformed: open_storage says so
-            return url
-        if path not in ("", ":memory:") and not Path(path).is_file():
-            raise FileNotFoundError(f"no study database {path}: {hint}")
+    path = sqlite_file(url)
+    if path is not None and not path.is_file():
+        raise FileNotFoundError(f"no study database {path}: {hint}")
     return url
 
 
