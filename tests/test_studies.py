@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import textwrap
 
@@ -1288,3 +1289,28 @@ def test_generation_summary_flags_a_kv_cache_slower_than_its_quadratic_work():
     assert "faster than its O(length²) work allows at 2048→4096" in summary
     quadratic = frame[~((frame.length == 4096) & (frame.run == "softmax, KV cache"))]
     assert "O(length²) work allows" not in gen.summarize(quadratic, study.load_params("generation"))
+
+
+def test_approximation_kernel_table_gives_the_ratio_of_mean_mses():
+    """The Performer's theorem bounds the expected MSE, so its ratio orth/iid (mean over
+    mean, seeds resampled in pairs) sits beside the geometric mean of the paired ratios; the
+    two part where one seed's MSE dwarfs the others (heavy tails)."""
+    approximation = study.load_study("approximation")
+    rows = [
+        {"part": "performer", "metric": "kernel_mse", "map": "favor", "head_dim": 4, "std": 1,
+         "num_features": 8, "method": "favor", "orthogonal": orth, "seed": seed,
+         "value": (2.0 if orth else 4.0) * (1000.0 if (seed, orth) == (0, True) else 1.0)}
+        for seed in range(10)
+        for orth in (False, True)
+    ]  # fmt: skip
+    frame = pd.DataFrame(rows)
+    table = approximation.performer_table(frame, "kernel_mse")
+    ratio, interval = table["ratio of means"].iloc[0].split(" ", 1)
+    assert float(ratio) == pytest.approx((2000 + 9 * 2) / 40, rel=1e-3)  # mean / mean
+    assert math.exp(table["log_ratio"].iloc[0]) == pytest.approx(1000**0.1 / 2, rel=1e-6)
+    lo, hi = (float(x) for x in interval.strip("[]").split(", "))
+    assert lo < float(ratio) < hi
+    assert (
+        table["ratio of means"].iloc[0]
+        == approximation.performer_table(frame, "kernel_mse")["ratio of means"].iloc[0]
+    )  # a fixed generator: the same text every time
