@@ -336,7 +336,12 @@ def test_value_parsing() -> None:
 BAD = [
     (["--task", "listop"], "unknown task 'listop'; did you mean 'listops'", True),
     (["--attention", "favr"], "unknown feature map 'favr'; did you mean 'favor'", False),
-    (["--d-model", "30", "--heads", "4"], "d_model (30) must be divisible by n_heads (4)", True),
+    (
+        ["--d-model", "30", "--heads", "4"],
+        # the fields, then the flags that set them (the user typed --heads, not n_heads)
+        "d_model (30) must be divisible by n_heads (4) (set by --d-model, --heads or [model]",
+        True,
+    ),
     (["--data", "{tmp}/missing"], "data directory not found", True),
     (["--map-arg", "num_features"], "--map-arg expects KEY=VALUE", False),
     (["--map-arg", "num_feature=8"], "unknown hyperparameter(s) ['num_feature']", False),

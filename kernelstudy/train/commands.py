@@ -356,7 +356,14 @@ def build_model(
     try:
         return model_for_task(task, longest, **kwargs)
     except (ValueError, TypeError) as err:
-        raise type(err)(f"bad model configuration: {err}") from err
+        flags = [flag for name, flag in _MODEL_FLAGS.items() if re.search(rf"\b{name}\b", str(err))]
+        where = f" (set by {', '.join(flags)} or [model] in --config)" if flags else ""
+        raise type(err)(f"bad model configuration: {err}{where}") from err
+
+
+# The model options that `kernelstudy train` sets by flag: an error names the field, the hint
+# the flag a user typed.
+_MODEL_FLAGS = {"d_model": "--d-model", "n_heads": "--heads", "n_layers": "--layers"}
 
 
 def majority_accuracy(task: SequenceTask) -> float | None:
