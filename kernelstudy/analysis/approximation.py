@@ -36,7 +36,7 @@ from .matrices import (
     normalize_rows,
     softmax_kernel,
 )
-from .speed import check_device
+from .speed import check_device, check_float_dtype
 
 METRICS = ("kernel_mse", "attention_mse", "attention_kl", "output_rel_error")
 
@@ -57,8 +57,7 @@ def gaussian_qk(
         for name, value in (("n", n), ("head_dim", head_dim), ("batch", batch), ("heads", heads))
     )
     check_real("std", std, strict=True)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+    check_float_dtype(dtype)
     device = check_device("device", device)
     gen = torch.Generator().manual_seed(check_count("seed", seed, 0))
     shape = (2, batch, heads, n, head_dim)

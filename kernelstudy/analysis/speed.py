@@ -74,7 +74,8 @@ def _check_fn(fn: object) -> None:
         raise TypeError(f"fn must be a callable taking no arguments, got {type(fn).__name__}")
 
 
-def _check_dtype(dtype: object) -> None:
+def check_float_dtype(dtype: object) -> None:
+    """TypeError unless ``dtype`` is a floating-point torch.dtype."""
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
 
@@ -211,7 +212,7 @@ def matmul_rate(
     """Measured dense matmul throughput in GFLOP/s (``size×size`` square products of
     random matrices from a fixed seed of their own: the global RNG is left as it was)."""
     device = check_device("device", device)
-    _check_dtype(dtype)
+    check_float_dtype(dtype)
     if size is None:
         size = 4096 if device.type == "cuda" else 1024
     size = check_count("size", size, 1)
@@ -311,7 +312,7 @@ def benchmark_attention(
         check_real("time_limit_s", time_limit_s, strict=True)
     max_quadratic_gb = check_real("max_quadratic_gb", max_quadratic_gb, strict=True)
     seed = check_count("seed", seed, 0)
-    _check_dtype(dtype)
+    check_float_dtype(dtype)
     known = available_backends()
     example = torch.empty(0, device=device, dtype=dtype)
     takes = [b for b in known if registered_backends()[b].supports(example)]

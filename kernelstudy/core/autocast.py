@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from .transforms import jvp_filled, vjp_of_needed
 from .validation import autocast_off
 
 
@@ -32,31 +33,15 @@ class _WithoutAutocast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        need = ctx.needs_input_grad[1:]
-        inputs = ctx.saved_tensors
-        wanted = [i for i, n in enumerate(need) if n]
-
-        def of_wanted(*tensors: torch.Tensor) -> torch.Tensor:
-            args = list(inputs)
-            for i, t in zip(wanted, tensors, strict=True):
-                args[i] = t
-            return ctx.fn(*args)
-
-        # torch.func.vjp rather than autograd.grad: it nests inside torch.func transforms,
-        # and under create_graph=True its result stays differentiable (gradients of gradients)
         with autocast_off(grad):
-            _, pull = torch.func.vjp(of_wanted, *(inputs[i] for i in wanted))
-            grads = iter(pull(grad))
-        return (None, *(next(grads) if n else None for n in need))
+            grads = vjp_of_needed(ctx.fn, ctx.saved_tensors, ctx.needs_input_grad[1:], grad)
+        return (None, *grads)
 
     @staticmethod
     def jvp(ctx, _fn_tangent, *tangents):  # type: ignore[override]
         inputs = ctx.saved_tensors
-        filled = tuple(
-            torch.zeros_like(t) if d is None else d for t, d in zip(inputs, tangents, strict=True)
-        )
         with autocast_off(inputs[0]):  # forward mode (jvp, jacfwd, forward-over-reverse)
-            return torch.func.jvp(ctx.fn, inputs, filled)[1]
+            return jvp_filled(ctx.fn, inputs, tangents)
 
 
 def without_autocast(fn: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:

@@ -42,7 +42,7 @@ import torch
 
 from ..arguments import check_count, check_flag
 from .backends import Backend, register_backend
-from .transforms import fold_mapped, trilinear_jvp, unfold_mapped
+from .transforms import fold_mapped, jvp_filled, trilinear_jvp, unfold_mapped, vjp_of_needed
 from .validation import autocast_off, check_eps, check_key_padding_mask, check_qkv
 
 EXTENSION_NAME = "kernelstudy_cuda"
@@ -293,36 +293,28 @@ class _FusedAttention(torch.autograd.Function):
         ctx.eps, ctx.outputs = eps, len(output)
 
     @classmethod
+    def _composed(cls, ctx):
+        """:func:`_composed_attention` of q, k, v with this call's mask and eps, in q's dtype."""
+        mask, dtype = ctx.saved_tensors[3], ctx.saved_tensors[0].dtype
+
+        def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return _composed_attention(q, k, v, mask, ctx.eps, cls.causal).to(dtype)
+
+        return fn
+
+    @classmethod
     def _composed_vjp(cls, ctx, grad):
         """Gradients through :func:`_composed_attention`, differentiable themselves."""
-        q, k, v, mask = ctx.saved_tensors[:4]
-        need = ctx.needs_input_grad[:3]
-        wanted = [i for i, n in enumerate(need) if n]
-
-        def of_wanted(*tensors: torch.Tensor) -> torch.Tensor:
-            args = [q, k, v]
-            for i, t in zip(wanted, tensors, strict=True):
-                args[i] = t
-            return _composed_attention(*args, mask, ctx.eps, cls.causal).to(q.dtype)
-
-        # torch.func.vjp rather than autograd.grad: it nests inside torch.func transforms
-        _, pull = torch.func.vjp(of_wanted, *((q, k, v)[i] for i in wanted))
-        grads = iter(pull(grad))
-        return (*(next(grads) if n else None for n in need), None, None)
+        grads = vjp_of_needed(
+            cls._composed(ctx), ctx.saved_tensors[:3], ctx.needs_input_grad[:3], grad
+        )
+        return (*grads, None, None)
 
     @classmethod
     def jvp(cls, ctx, dq, dk, dv, _mask, _eps):  # type: ignore[override]
-        q, k, v, mask = ctx.saved_tensors
-        tangents = tuple(
-            torch.zeros_like(x) if d is None else d
-            for x, d in zip((q, k, v), (dq, dk, dv), strict=True)
-        )
-        with autocast_off(q):
-
-            def fn(*x: torch.Tensor) -> torch.Tensor:
-                return _composed_attention(*x, mask, ctx.eps, cls.causal).to(q.dtype)
-
-            tangent = torch.func.jvp(fn, (q, k, v), tangents)[1]
+        inputs = ctx.saved_tensors[:3]
+        with autocast_off(inputs[0]):
+            tangent = jvp_filled(cls._composed(ctx), inputs, (dq, dk, dv))
         return (tangent, *(None,) * (ctx.outputs - 1))
 
     @classmethod

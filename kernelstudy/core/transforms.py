@@ -1,10 +1,11 @@
 """What the core's autograd Functions share for ``torch.func``: the jvp of a product linear
-in each input, and the fold of a ``vmap``-ed dimension into the batch for kernels that take
-plain tensors (the compiled CPU and CUDA products)."""
+in each input, the fold of a ``vmap``-ed dimension into the batch for kernels that take
+plain tensors (the compiled CPU and CUDA products), and the vjp and jvp of a function the
+Function recomputes (the autocast-free sums, the CUDA attention's higher derivatives)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -37,3 +38,38 @@ def fold_mapped(size: int, t: torch.Tensor | None, dim: int | None) -> torch.Ten
 def unfold_mapped(size: int, t: torch.Tensor) -> torch.Tensor:
     """``(V·B,...) → (V,B,...)``: a result's mapped dimension split off the batch again."""
     return t.reshape(size, -1, *t.shape[1:])
+
+
+def vjp_of_needed(
+    fn: Callable[..., torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    need: Sequence[bool],
+    grad: torch.Tensor,
+) -> list[torch.Tensor | None]:
+    """The gradients of ``fn(*inputs)`` against ``grad`` for the inputs with ``need[i]``
+    (None for the others). By ``torch.func.vjp`` rather than ``autograd.grad``: it nests
+    inside torch.func transforms, and under ``create_graph=True`` its result stays
+    differentiable (gradients of gradients)."""
+    wanted = [i for i, n in enumerate(need) if n]
+
+    def of_wanted(*tensors: torch.Tensor) -> torch.Tensor:
+        args = list(inputs)
+        for i, t in zip(wanted, tensors, strict=True):
+            args[i] = t
+        return fn(*args)
+
+    _, pull = torch.func.vjp(of_wanted, *(inputs[i] for i in wanted))
+    grads = iter(pull(grad))
+    return [next(grads) if n else None for n in need]
+
+
+def jvp_filled(
+    fn: Callable[..., torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    tangents: Sequence[torch.Tensor | None],
+) -> torch.Tensor:
+    """The jvp of ``fn(*inputs)`` along ``tangents``, a None tangent taken as zeros."""
+    filled = tuple(
+        torch.zeros_like(x) if d is None else d for x, d in zip(inputs, tangents, strict=True)
+    )
+    return torch.func.jvp(fn, tuple(inputs), filled)[1]
