@@ -128,32 +128,34 @@ def _mean_sd(values: pd.Series) -> str:
         return f"{values.mean():.3g} ± {values.std(ddof=1):.2g}"
 
 
-def _paired_log_ratios(group: pd.DataFrame) -> pd.Series:
-    """Per seed, log(orthogonal MSE / iid MSE): the two share the seed's data, so the pair
-    cancels most of the data's variance (the MSE is heavy-tailed: one iid draw in hundreds
-    lands 10⁹ above the median, which decides a mean over 10 seeds)."""
+def _paired_mses(group: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, pd.Index]:
+    """Per seed with both kinds: the orthogonal and the iid MSE (same data per seed), and the
+    seeds."""
     maps = group[group["method"] != "uniform"]
     orthogonal = maps["orthogonal"].astype(str) == "True"
     iid = maps[~orthogonal].groupby("seed")["value"].mean()
     orth = maps[orthogonal].groupby("seed")["value"].mean()
     both = iid.index.intersection(orth.index)
+    return orth[both].to_numpy(float), iid[both].to_numpy(float), both
+
+
+def _paired_log_ratios(group: pd.DataFrame) -> pd.Series:
+    """Per seed, log(orthogonal MSE / iid MSE): the two share the seed's data, so the pair
+    cancels most of the data's variance (the MSE is heavy-tailed: one iid draw in hundreds
+    lands 10⁹ above the median, which decides a mean over 10 seeds)."""
+    orth, iid, seeds = _paired_mses(group)
     with np.errstate(divide="ignore", invalid="ignore"):  # an MSE of 0 or inf: ±inf or NaN
-        return pd.Series(np.log(orth[both].to_numpy()) - np.log(iid[both].to_numpy()), both)
+        return pd.Series(np.log(orth) - np.log(iid), seeds)
 
 
 def _ratio_of_means(group: pd.DataFrame, resamples: int = 2000) -> str:
     """mean(orthogonal MSE) / mean(iid MSE) over the paired seeds, the ratio of expected MSEs
     that the Performer's theorem bounds, with a ~95% percentile interval from resampling the
     seeds (pairs kept together; a fixed generator, so the text is reproducible)."""
-    maps = group[group["method"] != "uniform"]
-    orthogonal = maps["orthogonal"].astype(str) == "True"
-    iid = maps[~orthogonal].groupby("seed")["value"].mean()
-    orth = maps[orthogonal].groupby("seed")["value"].mean()
-    both = iid.index.intersection(orth.index)
-    a, b = orth[both].to_numpy(float), iid[both].to_numpy(float)
-    if len(both) < 2 or not (np.isfinite(a).all() and np.isfinite(b).all()) or b.sum() <= 0:
+    a, b, seeds = _paired_mses(group)
+    if len(seeds) < 2 or not (np.isfinite(a).all() and np.isfinite(b).all()) or b.sum() <= 0:
         return "–"
-    picks = np.random.default_rng(0).integers(0, len(both), size=(resamples, len(both)))
+    picks = np.random.default_rng(0).integers(0, len(seeds), size=(resamples, len(seeds)))
     with np.errstate(divide="ignore", invalid="ignore"):
         boot = a[picks].mean(1) / b[picks].mean(1)
     lo, hi = np.nanpercentile(boot, [2.5, 97.5])
