@@ -327,12 +327,12 @@ def run_study(
         unfilled = set()  # finished configs with no rows in an extra table
         for t in tables:
             unfilled |= done - _ids(frames[t])
-        if tables_only:  # finished configs only: results.csv gets no rows
-            lacking = set().union(*(finished - _ids(frames[t]) for t in tables))
+        if tables_only:  # finished configs only: results.csv gets no rows (without
+            # force, done is finished, so unfilled is what the tables lack)
             todo = [
                 (c, i)
                 for c, i in zip(configs, ids, strict=True)
-                if i in finished and (force or i in lacking) and _matches(c, only)
+                if i in finished and (force or i in unfilled) and _matches(c, only)
             ]
         else:
             todo = [
