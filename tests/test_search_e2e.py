@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import optuna
@@ -324,26 +325,36 @@ def test_budget_prunes_three_glus_before_training(tmp_path, monkeypatch):
     assert looser.budget == 0.2 and check_variants(looser, data_dir(looser, tmp_path / "res")) == {}
 
 
+def _ctrl_c_when(proc: subprocess.Popen, ready: Callable[[], bool], what: str) -> str:
+    """Ctrl-C (SIGINT) the search ``proc`` once ``ready()`` (within 120 s, while it runs);
+    its stderr (text) after it exited 130."""
+    deadline = time.time() + 120
+    while not ready():
+        if time.time() > deadline:
+            proc.kill()
+            pytest.fail(f"the search never {what}")
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    return err
+
+
 def test_interrupt_and_resume_loses_and_duplicates_nothing(tmp_path):
     cfg, out = write_config(tmp_path, ["elu+1"], steps=400), tmp_path / "res"
     assert ks("search", cfg, "--out", out, "--trials", "1") == 0
     db = out / "tiny" / "optuna.db"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "kernelstudy.cli", "search", str(cfg), "--out", str(out)]
-    proc = subprocess.Popen([*cmd, "--trials", "3"], env=env, stderr=subprocess.PIPE)
+    proc = subprocess.Popen([*cmd, "--trials", "3"], env=env, stderr=subprocess.PIPE, text=True)
     study = optuna.load_study(study_name="tiny/elu+1", storage=f"sqlite:///{db}")
-    deadline = time.time() + 120
-    while time.time() < deadline:  # wait until the second trial is training
+
+    def second_trial_trains() -> bool:
         running = study.get_trials(states=(TrialState.RUNNING,))
-        if running and running[0].intermediate_values:
-            break
-        time.sleep(0.2)
-    else:
-        proc.kill()
-        pytest.fail("the search never started training a second trial")
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err.decode()[-2000:]
+        return bool(running and running[0].intermediate_values)
+
+    _ctrl_c_when(proc, second_trial_trains, "started training a second trial")
     killed = [t for t in study.get_trials() if t.state == TrialState.FAIL]
     assert len(killed) == 1 and not study.get_trials(states=(TrialState.RUNNING,))
 
@@ -741,18 +752,9 @@ def test_ctrl_c_of_a_one_worker_search_prints_no_traceback(tmp_path):
     cmd = [sys.executable, "-m", "kernelstudy.cli", "search", str(cfg), "--out", str(out)]
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
     db = out / "tiny" / "optuna.db"
-    deadline = time.time() + 120
-    while time.time() < deadline:  # until the first trial trains (read without Optuna,
-        if _reports(db):  # which would create the tables as the search does)
-            break
-        assert proc.poll() is None, proc.communicate()[1][-2000:]
-        time.sleep(0.2)
-    else:
-        proc.kill()
-        pytest.fail("the search never started training")
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err[-2000:]
+    # until the first trial trains (read without Optuna, which would create the tables as
+    # the search does)
+    err = _ctrl_c_when(proc, lambda: _reports(db) > 0, "started training")
     assert err.rstrip().endswith("interrupted")
     assert "Traceback" not in err and "failed" not in err, err[-2000:]
     study = optuna.load_study(study_name="tiny/elu+1", storage=f"sqlite:///{db}")

@@ -404,6 +404,19 @@ def test_ctrl_c_fails_the_workers_running_trials_at_once(tmp_path):
     assert {t.params["x"] for t in complete} == failed
 
 
+def _signal_in_the_final_save(monkeypatch, signum: int) -> None:
+    """Send this process ``signum`` from inside Optuna's save of a trial's final state."""
+    storage = optuna.storages.RDBStorage
+    real = storage.set_trial_state_values
+
+    def save_and_get_signalled(self, trial_id, state, values=None):
+        if state != TrialState.RUNNING:  # the save at the end of the trial
+            os.kill(os.getpid(), signum)
+        return real(self, trial_id, state, values)
+
+    monkeypatch.setattr(storage, "set_trial_state_values", save_and_get_signalled)
+
+
 def test_a_stop_that_arrives_while_optuna_saves_a_result_waits_for_the_save(tmp_path, monkeypatch):
     """The parent's SIGTERM raised inside Optuna's final save of a trial: Optuna's cleanup
     failed with an UnboundLocalError traceback, the worker exited 1, the trial stayed
@@ -414,15 +427,7 @@ def test_a_stop_that_arrives_while_optuna_saves_a_result_waits_for_the_save(tmp_
 
     url, name = f"sqlite:///{tmp_path / 'study.db'}", "stop-in-save"
     open_study(url, name)
-    storage = optuna.storages.RDBStorage
-    real = storage.set_trial_state_values
-
-    def save_and_get_stopped(self, trial_id, state, values=None):
-        if state != TrialState.RUNNING:  # the save at the end of the trial
-            os.kill(os.getpid(), signal.SIGTERM)
-        return real(self, trial_id, state, values)
-
-    monkeypatch.setattr(storage, "set_trial_state_values", save_and_get_stopped)
+    _signal_in_the_final_save(monkeypatch, signal.SIGTERM)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     verbosity = optuna.logging.get_verbosity()
     try:
@@ -491,15 +496,7 @@ def test_ctrl_c_of_one_worker_while_optuna_saves_a_result_waits_for_the_save(tmp
     import signal
 
     url, name = f"sqlite:///{tmp_path / 'study.db'}", "ctrl-c-in-save"
-    storage = optuna.storages.RDBStorage
-    real = storage.set_trial_state_values
-
-    def save_and_get_interrupted(self, trial_id, state, values=None):
-        if state != TrialState.RUNNING:  # the save at the end of the trial
-            os.kill(os.getpid(), signal.SIGINT)
-        return real(self, trial_id, state, values)
-
-    monkeypatch.setattr(storage, "set_trial_state_values", save_and_get_interrupted)
+    _signal_in_the_final_save(monkeypatch, signal.SIGINT)
     verbosity = optuna.logging.get_verbosity()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     with pytest.raises(KeyboardInterrupt):
