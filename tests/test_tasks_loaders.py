@@ -632,3 +632,47 @@ def test_pathfinder_under_the_release_directory(tmp_path: Path) -> None:
     write_pathfinder(tmp_path / "lra_release", n_files=1, per_file=10)
     direct = PathfinderTask(tmp_path / "lra_release", "val")
     assert PathfinderTask(tmp_path, "val").images == direct.images
+
+
+def test_retrieval_holds_its_documents_once_while_reading(tmp_path: Path) -> None:
+    """The reader packs the documents as it reads them: its peak traced memory stays under
+    1.5× the packed size (a list of bytes then a concatenation peaked at 2×), and the
+    items are those of the list-based reader."""
+    import tracemalloc
+
+    from kernelstudy.tasks import read_aan_tsv
+
+    rng = np.random.default_rng(0)
+    rows = [
+        "\t".join([str(i % 2), f"a{i}", f"b{i}", "x" * int(rng.integers(1500, 2500)), "y" * 2000])
+        for i in range(1500)
+    ]
+    write_aan(tmp_path, rows)
+    tracemalloc.start()
+    try:
+        task = RetrievalTask(tmp_path, "train", max_length=2200)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    packed = task.docs1.data.nbytes + task.docs2.data.nbytes
+    assert packed > 5e6
+    assert peak < 1.5 * packed, (peak, packed)
+    docs1, docs2, labels = read_aan_tsv(task.file, 2200)
+    assert len(task) == len(docs1) == 1500
+    for i in (0, 1, 777, 1499):
+        assert task.docs1[i].tobytes() == docs1[i] and task.docs2[i].tobytes() == docs2[i]
+        assert int(task[i]["label"]) == labels[i]
+    assert task.docs1.lengths().max() == 2200  # truncated
+
+
+def test_packed_sequences_from_flat_checks_its_offsets() -> None:
+    from kernelstudy.tasks.base import PackedSequences
+
+    packed = PackedSequences.from_flat(np.arange(5, dtype=np.uint8), np.array([0, 2, 2, 5]))
+    assert [packed[i].tolist() for i in range(3)] == [[0, 1], [], [2, 3, 4]]
+    with pytest.raises(ValueError, match="offsets must run from 0"):
+        PackedSequences.from_flat(np.arange(5, dtype=np.uint8), np.array([0, 2]))
+    with pytest.raises(ValueError, match="must not decrease"):
+        PackedSequences.from_flat(np.arange(5, dtype=np.uint8), np.array([0, 3, 2, 5]))
+    with pytest.raises(TypeError, match="1-D integer array"):
+        PackedSequences.from_flat(np.zeros(5), np.array([0, 5]))

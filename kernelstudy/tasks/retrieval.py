@@ -9,13 +9,14 @@ and truncated to ``max_length`` (4000 in LRA).
 from __future__ import annotations
 
 import codecs
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..arguments import check_count
-from .base import PackedSequences, SequenceTask, check_split, pad_tokens
+from .base import PackedBytesBuilder, SequenceTask, check_split, pad_tokens
 from .files import PathArg, check_path, data_error, locate, parse_label
 from .text import BYTE_PAD_ID, BYTE_VOCAB_SIZE
 
@@ -23,13 +24,12 @@ _FILE_SPLIT = {"train": "train", "val": "eval", "test": "test"}
 _COLUMNS = 5
 
 
-def read_aan_tsv(path: PathArg, max_length: int) -> tuple[list[bytes], list[bytes], list[int]]:
-    """Documents 1, documents 2 (bytes, truncated) and labels of an AAN pairs file."""
+def _aan_rows(path: PathArg, max_length: int) -> Iterator[tuple[int, memoryview, memoryview]]:
+    """(label, document 1, document 2) of each row of an AAN pairs file, the documents
+    truncated to ``max_length`` bytes (views into the line: no copy)."""
     check_path("path", path)
     check_count("max_length", max_length, 1)  # a slice [:-1] would drop a byte silently
-    docs1: list[bytes] = []
-    docs2: list[bytes] = []
-    labels: list[int] = []
+    rows = 0
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, start=1):
             line = raw.rstrip(b"\r\n")
@@ -46,11 +46,25 @@ def read_aan_tsv(path: PathArg, max_length: int) -> tuple[list[bytes], list[byte
                     line_no,
                 )
             label = fields[0].decode("utf-8", errors="replace")
-            labels.append(parse_label(label, path, line_no, 2, allow_float=True))
-            docs1.append(fields[3][:max_length])
-            docs2.append(fields[4][:max_length])
-    if not labels:
+            rows += 1
+            yield (
+                parse_label(label, path, line_no, 2, allow_float=True),
+                memoryview(fields[3])[:max_length],
+                memoryview(fields[4])[:max_length],
+            )
+    if not rows:
         raise data_error(path, "no rows")
+
+
+def read_aan_tsv(path: PathArg, max_length: int) -> tuple[list[bytes], list[bytes], list[int]]:
+    """Documents 1, documents 2 (bytes, truncated) and labels of an AAN pairs file."""
+    docs1: list[bytes] = []
+    docs2: list[bytes] = []
+    labels: list[int] = []
+    for label, doc1, doc2 in _aan_rows(path, max_length):
+        labels.append(label)
+        docs1.append(bytes(doc1))
+        docs2.append(bytes(doc2))
     return docs1, docs2, labels
 
 
@@ -75,9 +89,14 @@ class RetrievalTask(SequenceTask):
         name = f"new_aan_pairs.{_FILE_SPLIT[split]}.tsv"
         candidates = [name, f"tsv_data/{name}", f"lra_release/tsv_data/{name}"]
         self.file: Path = locate(path, candidates, f"AAN {split} file")
-        docs1, docs2, labels = read_aan_tsv(self.file, self.max_length)
-        self.docs1 = PackedSequences(docs1)
-        self.docs2 = PackedSequences(docs2)
+        # packed as read: the documents are held once, not as a list and then a copy
+        docs1, docs2, labels = PackedBytesBuilder(), PackedBytesBuilder(), []
+        for label, doc1, doc2 in _aan_rows(self.file, self.max_length):
+            labels.append(label)
+            docs1.append(doc1)
+            docs2.append(doc2)
+        self.docs1 = docs1.build()
+        self.docs2 = docs2.build()
         self.labels = np.asarray(labels, dtype=np.int64)
 
     def __len__(self) -> int:
