@@ -321,7 +321,8 @@ def test_an_explicit_map_seed_gives_each_layer_its_own_draw():
         a = ks.nn.CausalLM(20, **{"feature_map": "favor", **kw, **SMALL, "n_layers": 3})
         b = ks.nn.CausalLM(20, **{"feature_map": "favor", **kw, **SMALL, "n_layers": 3})
         maps = [layer.attn.feature_map for layer in a.encoder.layers]
-        assert [m.hparams["seed"] for m in maps] == [5, 6, 7]
+        seeds = [m.hparams["seed"] for m in maps]
+        assert seeds[0] == 5 and len(set(seeds)) == 3
         one = ks.create_feature_map("favor", head_dim=8, num_heads=2, seed=5)
         assert torch.equal(maps[0].weight, one.weight)  # layer 0: the seed itself
         assert not torch.equal(maps[0].weight, maps[1].weight)
@@ -369,3 +370,22 @@ def test_a_tiny_temperature_samples_the_greedy_tokens():
     assert torch.equal(lm.generate(ids, 3, temperature=1e-40, generator=g), lm.generate(ids, 3))
     with pytest.raises(ValueError, match="max_new_tokens"):
         lm.generate(ids, True)
+
+
+def test_models_with_neighbouring_map_seeds_share_no_layer_draw():
+    """Layer i drew with seed + i, so the models of seeds 5 and 6 (two runs of a study)
+    shared two of their three FAVOR projections and were not independent."""
+    from kernelstudy.nn.encoder import layer_seed
+
+    def weights(seed: int) -> list[torch.Tensor]:
+        lm = ks.nn.CausalLM(
+            20, feature_map={"name": "favor", "seed": seed}, **{**SMALL, "n_layers": 3}
+        )
+        return [layer.attn.feature_map.weight for layer in lm.encoder.layers]
+
+    a, b = weights(5), weights(6)
+    assert not any(torch.equal(x, y) for x in a for y in b)
+    seeds = {layer_seed(s, i) for s in range(200) for i in range(8)}
+    assert len(seeds) == 200 * 8  # no seed of one (seed, layer) is another's
+    assert all(0 <= s < 2**32 for s in seeds)
+    assert layer_seed(-1, 2) == -1 and layer_seed(2**32, 1) == 2**32  # the map refuses these

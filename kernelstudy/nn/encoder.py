@@ -6,6 +6,7 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -78,10 +79,10 @@ def layer_map_kwargs(
     attention: str = "kernel",
 ) -> Mapping[str, Any] | None:
     """``feature_map_kwargs`` for layer ``layer``: an explicit int ``seed`` (numpy's too; in
-    the kwargs or the config dict) becomes ``seed + layer``, so layers draw independent
-    features (one seed gave every layer the same projection) and the model stays
-    reproducible. Softmax attention has no map: its kwargs pass unchanged (the layer
-    checks them)."""
+    the kwargs or the config dict) is layer 0's; layer i > 0 draws with
+    :func:`layer_seed`, so layers draw independent features (one seed gave every layer
+    the same projection) and the model stays reproducible. Softmax attention has no map:
+    its kwargs pass unchanged (the layer checks them)."""
     if attention != "kernel":
         return feature_map_kwargs
     if feature_map_kwargs is not None and not isinstance(feature_map_kwargs, Mapping):
@@ -90,7 +91,17 @@ def layer_map_kwargs(
     seed = (feature_map_kwargs or {}).get("seed", config.get("seed"))
     if layer == 0 or isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         return feature_map_kwargs  # None and Generators draw anew for each layer anyway
-    return {**(feature_map_kwargs or {}), "seed": (int(seed) + layer) % 2**32}  # the seed range
+    return {**(feature_map_kwargs or {}), "seed": layer_seed(int(seed), layer)}
+
+
+def layer_seed(seed: int, layer: int) -> int:
+    """The map seed of layer ``layer`` of a model whose map seed is ``seed``: ``seed`` for
+    layer 0, else a hash of (seed, layer) in [0, 2**32). Not ``seed + layer``: then runs
+    with seeds 0 and 1 shared all but one layer's draws, and were not independent. A
+    seed outside [0, 2**32) is returned as is (the map refuses it by name)."""
+    if layer == 0 or not 0 <= seed < 2**32:
+        return seed
+    return int(np.random.SeedSequence([seed, layer]).generate_state(1)[0])
 
 
 class TransformerEncoder(nn.Module):
@@ -102,7 +113,7 @@ class TransformerEncoder(nn.Module):
         dropout: dropout rate in attention output, FFN and residual branches.
         attention: ``"kernel"`` or ``"softmax"``.
         feature_map, feature_map_kwargs: the map of every layer (each layer gets its own copy;
-            an explicit int ``seed`` is layer 0's, layer i draws with ``seed + i``).
+            an explicit int ``seed`` is layer 0's, layer i draws with :func:`layer_seed`).
         causal: causal self-attention; enables :meth:`step`.
 
     ``forward(x: (B,N,d_model), key_padding_mask: (B,N) | None) → (B,N,d_model)``.
