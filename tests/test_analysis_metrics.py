@@ -417,3 +417,155 @@ def test_a_bfloat16_kernel_matrix_keeps_the_maps_float32_weights(name):
     assert rel_err(got, core) <= 1e-5
     exact = kernel_scores(q.double(), k.double(), fm)
     assert rel_err(got, exact) <= 2 * rel_err(core, exact) + 1e-3
+
+
+def _sliced_metrics(fm, q, k, v, q_lens, k_lens, causal):
+    """approximation_error recomputed in float64 on each batch element's unpadded slice
+    (queries ``:q_lens[b]``, keys and values ``:k_lens[b]``), pooled with each metric's own
+    weights: entries for the MSEs, rows for the KL, squared norms for the output error."""
+    sums: dict[tuple[str, str], list[float]] = {}
+
+    def add(key, num, den):
+        acc = sums.setdefault(key, [0.0, 0.0])
+        acc[0] += float(num)
+        acc[1] += float(den)
+
+    heads, d = q.shape[1], q.shape[-1]
+    for b, (nq, nk) in enumerate(zip(q_lens, k_lens, strict=True)):
+        qb, kb, vb = q[b : b + 1, :, :nq], k[b : b + 1, :, :nk], v[b : b + 1, :, :nk]
+        seen = torch.ones(nq, nk, dtype=torch.bool)
+        if causal:
+            seen = seen.tril()
+        logits = qb @ kb.transpose(-1, -2) / math.sqrt(d)
+        p = torch.softmax(logits.masked_fill(~seen, -math.inf), -1)
+        with torch.no_grad():
+            scores = fm(qb, is_query=True) @ fm(kb, is_query=False).transpose(-1, -2)
+        scores = scores.masked_fill(~seen, 0.0)
+        entries = int(seen.sum()) * heads
+        add(("map", "kernel_mse"), ((scores - logits.exp()) ** 2)[seen.expand_as(p)].sum(), entries)
+        a_map = scores / scores.sum(-1, keepdim=True)
+        a_uni = seen.double() / seen.sum(-1, keepdim=True)
+        for method, a in (("map", a_map), ("baseline", a_uni)):
+            add((method, "attention_mse"), ((a - p) ** 2).sum(), entries)
+            kl = torch.where(seen, p * (p / a).log(), 0.0).sum(-1)
+            add((method, "attention_kl"), kl.sum(), kl.numel())
+            out = p @ vb
+            add((method, "output_rel_error"), ((a @ vb - out) ** 2).sum(), (out**2).sum())
+    got = {key: num / den for key, (num, den) in sums.items()}
+    for method in ("map", "baseline"):
+        got[method, "output_rel_error"] **= 0.5
+    return got
+
+
+def _padded_case(case):
+    """(q, k, v, query lengths, key lengths, causal) for a batch of 2 of different lengths."""
+    gen = torch.Generator().manual_seed(7)
+    n, s, q_lens, k_lens, causal = {
+        "self": (10, 10, [7, 4], [7, 4], False),
+        "self_causal": (10, 10, [7, 4], [7, 4], True),
+        "cross": (9, 12, [9, 5], [8, 12], False),
+    }[case]
+    q = torch.randn(2, 3, n, 8, generator=gen, dtype=torch.float64)
+    k = torch.randn(2, 3, s, 8, generator=gen, dtype=torch.float64)
+    v = torch.randn(2, 3, s, 5, generator=gen, dtype=torch.float64)
+    return q, k, v, q_lens, k_lens, causal
+
+
+def _lengths_mask(lengths, size):
+    return torch.arange(size)[None, :] < torch.tensor(lengths)[:, None]
+
+
+def _by_key(frame):
+    return {(row.kind, row.metric): row.value for row in frame.itertuples()}
+
+
+@pytest.mark.parametrize("case", ["self", "self_causal", "cross"])
+@pytest.mark.parametrize("name", ["favor", "elu"])
+def test_query_padding_mask_averages_over_real_queries_only(name, case):
+    """Every metric averaged over the rows of padded queries too: with query_padding_mask
+    each is the float64 metric of the unpadded slices, pooled with the metric's weights
+    (entries, rows, squared norms), and padded positions may hold anything."""
+    q, k, v, q_lens, k_lens, causal = _padded_case(case)
+    config = {"name": name, "head_dim": 8}
+    if name == "favor":
+        config.update(num_features=16, stabilize=False, seed=0)
+    fm = ks.create_feature_map(config).double()
+    qmask, kmask = _lengths_mask(q_lens, q.shape[2]), _lengths_mask(k_lens, k.shape[2])
+
+    def measure(q, k, v, **kw):
+        return ks.analysis.approximation_error(
+            fm, q, k, v, causal=causal, key_padding_mask=kmask, **kw
+        )
+
+    frame = measure(q, k, v, query_padding_mask=qmask)
+    got, want = _by_key(frame), _sliced_metrics(fm, q, k, v, q_lens, k_lens, causal)
+    if name == "elu":
+        del want["map", "kernel_mse"]  # elu estimates no kernel
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-10, abs=0), key
+    # garbage (huge, NaN, inf) in padded queries, keys and values changes nothing
+    dirty = [t.clone() for t in (q, k, v)]
+    for t, mask in zip(dirty, (qmask, kmask, kmask), strict=True):
+        t.masked_fill_(~mask[:, None, :, None], 1e30)
+    dirty[0][1, 0, -1, 0], dirty[1][0, 2, -1, 3], dirty[2][0, 1, -1, 1] = (
+        math.nan,
+        -math.inf,
+        math.nan,
+    )
+    pd.testing.assert_frame_equal(measure(*dirty, query_padding_mask=qmask), frame)
+    # without a query mask every row counts, padded queries included (the default, unchanged)
+    everyone = _by_key(measure(q, k, v))
+    all_rows = _sliced_metrics(fm, q, k, v, [q.shape[2]] * 2, k_lens, causal)
+    for key, value in everyone.items():
+        assert value == pytest.approx(all_rows[key], rel=1e-10, abs=0), key
+        assert value != pytest.approx(got[key], rel=1e-6), key  # the mask matters
+
+
+def test_query_padding_mask_a_batch_element_without_real_queries_counts_for_nothing():
+    q, k = ks.analysis.gaussian_qk(6, 4, batch=2, seed=2, dtype=torch.float64)
+    v = torch.randn(2, 1, 6, 3, dtype=torch.float64)
+    qmask = torch.tensor([[True] * 6, [False] * 6])
+    both = ks.analysis.approximation_error("elu", q, k, v, query_padding_mask=qmask)
+    first = ks.analysis.approximation_error("elu", q[:1], k[:1], v[:1])
+    assert np.isfinite(both.value).all()
+    np.testing.assert_allclose(both.value, first.value, rtol=1e-12, atol=0)
+
+
+def test_query_padding_mask_bad_input_and_nothing_to_measure():
+    q, k = ks.analysis.gaussian_qk(6, 4, batch=2, seed=1)
+    v = torch.randn(2, 1, 6, 3)
+    ok = torch.ones(2, 6, dtype=torch.bool)
+    first3 = _lengths_mask([3, 3], 6)
+    nan_q = q.clone()
+    nan_q[0, 0, 1, 2] = math.nan  # a real query
+    v_late = torch.zeros_like(v)
+    v_late[:, :, 4:] = 1.0  # only queries 4 and 5 (padded) see these values causally
+    cases = [
+        ({"query_padding_mask": ok.tolist()}, TypeError,
+         "query_padding_mask must be a bool torch.Tensor, got list"),
+        ({"query_padding_mask": ok.float()}, TypeError,
+         "query_padding_mask must have dtype torch.bool, got torch.float32"),
+        ({"query_padding_mask": ok[:1]}, ValueError,
+         r"query_padding_mask must have shape \(batch, seq\) = \(2, 6\), got \(1, 6\)"),
+        ({"q": q[:, :, :4], "query_padding_mask": ok}, ValueError,
+         r"query_padding_mask must have shape \(batch, seq\) = \(2, 4\), got \(2, 6\)"),
+        ({"query_padding_mask": ~ok}, ValueError,
+         "query_padding_mask marks no query as real: nothing to measure"),
+        ({"query_padding_mask": torch.tensor([[False] * 6, [True] * 6]),
+          "key_padding_mask": torch.tensor([[True] * 6, [False] * 6])}, ValueError,
+         "no real query .query_padding_mask. has a key to attend to"),
+        ({"q": nan_q, "query_padding_mask": first3}, ValueError,
+         r"q holds NaN or inf \(outside padded queries\)"),
+        ({"v": v_late, "causal": True, "query_padding_mask": first3}, ValueError,
+         "softmax attention of v is all zero on the real queries: output_rel_error is undefined"),
+    ]  # fmt: skip
+    for change, error, match in cases:
+        args = {"q": q, "k": k, "v": v, **change}
+        with pytest.raises(error, match=match):
+            ks.analysis.approximation_error("elu", **args)
+    # the last two measure without the mask (padded queries do count there)
+    ks.analysis.approximation_error("elu", q, k, v_late, causal=True)
+    nan_q[0, 0, 1, 2] = 0.0
+    nan_q[1, 0, 4, 0] = math.nan  # a padded query: ignored
+    ks.analysis.approximation_error("elu", nan_q, k, v, query_padding_mask=first3)

@@ -1,15 +1,24 @@
 """How well a feature map's attention approximates softmax attention.
 
-Metrics (all against exact softmax attention, on the entries each query may see):
+Metrics (all against exact softmax attention, on the entries each measured query may
+see, pooled over the whole batch and every head):
 
-- ``kernel_mse``: mean of ``(φq_i·φk_j − exp(q_i·k_j/√D))²``, the error on the
-  unnormalized softmax kernel; only for maps that estimate a kernel (they have a
+- ``kernel_mse``: mean of ``(φq_i·φk_j − exp(q_i·k_j/√D))²`` over those entries, the error
+  on the unnormalized softmax kernel; only for maps that estimate a kernel (they have a
   ``kernel`` method, and not reported while a stabilizer such as FAVOR's ``stabilize``
   rescales φ: it must be off for this metric to mean anything).
-- ``attention_mse``: mean squared difference of the row-normalized matrices.
-- ``attention_kl``: mean over rows of ``KL(softmax row ‖ kernel row)`` in nats (NaN
-  when a kernel row has negative entries, e.g. the identity map).
-- ``output_rel_error``: ``‖A_kernel V − A_softmax V‖_F / ‖A_softmax V‖_F`` when v is given.
+- ``attention_mse``: mean squared difference of the row-normalized matrices over those
+  entries.
+- ``attention_kl``: mean over rows (measured queries with at least one key) of
+  ``KL(softmax row ‖ kernel row)`` in nats (NaN when a kernel row has negative entries,
+  e.g. the identity map).
+- ``output_rel_error``: ``‖A_kernel V − A_softmax V‖_F / ‖A_softmax V‖_F`` over the rows of
+  the measured queries when v is given (one ratio of norms, not a mean of ratios).
+
+The measured queries are all N rows by default, and the real ones only with a
+``query_padding_mask``: a padded batch element then weighs by its real entries, rows or
+squared norms, exactly as if each element's unpadded slice were measured on its own and
+the sums pooled.
 
 Every table also carries the ``uniform`` baseline (``1/#keys`` per key): a map
 whose attention error is above it is worse than no attention at all.
@@ -32,6 +41,7 @@ from .matrices import (
     allowed_keys,
     attention_matrix,
     check_qk,
+    check_query_padding_mask,
     kernel_scores,
     normalize_rows,
     softmax_kernel,
@@ -113,19 +123,22 @@ def row_kl(p: torch.Tensor, q: torch.Tensor, tiny: float = 1e-30) -> torch.Tenso
 def _attention_metrics(
     a_soft: torch.Tensor,
     a_hat: torch.Tensor,
-    allowed: torch.Tensor,
+    measured: torch.Tensor,
+    queries: torch.Tensor,
     v: torch.Tensor | None,
     out_soft: torch.Tensor | None,
 ) -> dict[str, float]:
-    rows_with_keys = allowed.any(-1).expand(a_soft.shape[:-1])
+    """``measured: (B|1,1,N,S)`` the entries measured (keys each measured query sees),
+    ``queries: (B|1,1,N)`` the measured queries, ``out_soft`` zero on the other rows."""
+    rows_with_keys = measured.any(-1).expand(a_soft.shape[:-1])
     metrics = {
-        "attention_mse": _masked_mean((a_hat - a_soft) ** 2, allowed),
+        "attention_mse": _masked_mean((a_hat - a_soft) ** 2, measured),
         "attention_kl": row_kl(a_soft, a_hat)[rows_with_keys].mean().item(),
     }
     if v is not None:
-        out = a_hat @ v
+        diff = torch.where(queries[..., None], a_hat @ v - out_soft, 0.0)
         metrics["output_rel_error"] = (
-            torch.linalg.vector_norm(out - out_soft) / torch.linalg.vector_norm(out_soft)
+            torch.linalg.vector_norm(diff) / torch.linalg.vector_norm(out_soft)
         ).item()
     return metrics
 
@@ -140,6 +153,7 @@ def approximation_error(
     baseline: bool = True,
     max_n: int = MAX_N,
     eps: float = 0.0,
+    query_padding_mask: torch.Tensor | None = None,
 ) -> pd.DataFrame:
     """Errors of a feature map's attention against exact softmax attention.
 
@@ -147,11 +161,25 @@ def approximation_error(
         feature_map: a FeatureMap, a registered name or a config dict.
         q, k: ``(B,H,N,D)``, ``(B,H,S,D)``; computed in float64 for exact metrics.
         v: optional values ``(B,H,S,M)`` for the output error.
-        causal, key_padding_mask: which keys each query sees (as in the core).
+        causal, key_padding_mask: which keys each query sees (as in the core;
+            ``key_padding_mask: (B,S)`` bool, True = real key).
         baseline: add the ``uniform`` rows.
         max_n: cap on N and S (the matrices are explicit).
         eps: normalizer guard of the kernel attention; 0 (default) measures the map
             itself, 1e-6 reproduces the core's guard.
+        query_padding_mask: ``(B,N)`` bool, True = real query: every metric is averaged
+            over the real queries' rows only (see the module doc for each metric's
+            weights), and padded queries may hold anything (NaN included). None
+            (default) measures all N rows: ``key_padding_mask`` alone does not drop any,
+            so for a padded self-attention batch pass the same mask as both (the rows
+            of padded queries attend to the real keys and would count otherwise). A
+            batch element without real queries counts for nothing.
+
+    Raises:
+        ValueError: bad shapes or values, or nothing left to measure: no real query
+            (``query_padding_mask``), no real query with a key to attend to, or
+            (with v) softmax outputs that are all zero on the measured rows.
+        TypeError: a mask that is not a bool tensor, a flag that is not a bool.
 
     Returns:
         Long table, one row per (method, metric): columns ``method`` (map name or
@@ -177,18 +205,33 @@ def approximation_error(
     allowed = allowed_keys(n, s, causal, key_padding_mask, q.shape[0], q.device)
     if not allowed.any():
         raise ValueError("key_padding_mask leaves no query a key to attend to: nothing to measure")
+    queries = torch.ones(1, 1, n, dtype=torch.bool, device=q.device)  # the queries measured
+    if query_padding_mask is not None:
+        real = check_query_padding_mask(query_padding_mask, q.shape[0], n, q.device)
+        if not real.any():
+            raise ValueError("query_padding_mask marks no query as real: nothing to measure")
+        queries = real[:, None, :]
+        if not (allowed & queries[..., None]).any():
+            raise ValueError(
+                "no real query (query_padding_mask) has a key to attend to (key_padding_mask"
+                f"{', causal' if causal else ''}): nothing to measure"
+            )
+    measured = allowed & queries[..., None]
     # Padded keys and values may hold anything (NaN included): zeroed, as in the core
-    # (k stands in for the values when there are none).
+    # (k stands in for the values when there are none); so are padded queries.
     k64, v64 = zero_padded_keys(k.double(), (k if v is None else v).double(), key_padding_mask)
     v64 = None if v is None else v64
-    q64 = q.double()
-    for name, t in (("q", q64), ("k", k64), ("v", v64)):
+    q64 = torch.where(queries[..., None], q.double(), 0.0)
+    for name, t, what in (("q", q64, "queries"), ("k", k64, "keys"), ("v", v64, "keys")):
         if t is not None and not torch.isfinite(t).all():
-            raise ValueError(f"{name} holds NaN or inf (outside padded keys)")
+            raise ValueError(f"{name} holds NaN or inf (outside padded {what})")
     a_soft = attention_matrix(q64, k64, "softmax", causal, key_padding_mask, max_n)
-    out_soft = a_soft @ v64 if v64 is not None else None
+    out_soft = None if v64 is None else torch.where(queries[..., None], a_soft @ v64, 0.0)
     if out_soft is not None and not out_soft.any():
-        raise ValueError("softmax attention of v is all zero: output_rel_error is undefined")
+        where = "" if query_padding_mask is None else " on the real queries"
+        raise ValueError(
+            f"softmax attention of v is all zero{where}: output_rel_error is undefined"
+        )
     rows = []
     with torch.no_grad():
         # in float64 (exact metrics), rows scaled as causal kernel_attention scales them
@@ -197,14 +240,15 @@ def approximation_error(
         metrics: dict[str, float] = {}
         if callable(getattr(fm, "kernel", None)) and not fm.keys_need_sequence:
             exact = softmax_kernel(q64, k64)
-            metrics["kernel_mse"] = _masked_mean((scores - exact) ** 2, allowed)
-        metrics.update(_attention_metrics(a_soft, a_hat, allowed, v64, out_soft))
+            metrics["kernel_mse"] = _masked_mean((scores - exact) ** 2, measured)
+        metrics.update(_attention_metrics(a_soft, a_hat, measured, queries, v64, out_soft))
     label = map_label(fm)
     for metric, value in metrics.items():
         rows.append(("map", label, fm.feature_dim, metric, value))
     if check_flag("baseline", baseline):
         a_uni = attention_matrix(q64, k64, "uniform", causal, key_padding_mask, max_n)
-        for metric, value in _attention_metrics(a_soft, a_uni, allowed, v64, out_soft).items():
+        uniform = _attention_metrics(a_soft, a_uni, measured, queries, v64, out_soft)
+        for metric, value in uniform.items():
             rows.append(("baseline", "uniform", pd.NA, metric, value))
     frame = pd.DataFrame(rows, columns=["kind", "method", "feature_dim", "metric", "value"])
     return frame[["method", "kind", "feature_dim", "metric", "value"]]

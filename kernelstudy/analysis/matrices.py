@@ -3,6 +3,9 @@
 Everything here materializes the full matrix, so sizes are capped by ``max_n``;
 the fast paths live in the core. Inputs follow the core's conventions:
 ``q: (B,H,N,D)``, ``k: (B,H,S,D)``, ``key_padding_mask: (B,S)`` bool (True = real key).
+Padded keys get weight 0; the rows of padded queries are kept (they attend to the real keys
+like any query): the analyses that average over rows take a ``query_padding_mask``
+(:func:`check_query_padding_mask`) to leave them out.
 """
 
 from __future__ import annotations
@@ -63,6 +66,14 @@ def allowed_keys(
     return allowed
 
 
+def check_query_padding_mask(
+    mask: object, batch: int, n: int, device: torch.device
+) -> torch.Tensor:
+    """Check a ``(B, N)`` bool mask of the queries, True for real ones; returned on
+    ``device`` (as ``key_padding_mask`` is moved there)."""
+    return check_key_padding_mask(mask, batch, n, device, name="query_padding_mask")
+
+
 def softmax_kernel(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """The unnormalized softmax kernel ``exp(q·k/√D)``: ``(B,H,N,S)``."""
     check_qk(q, k)
@@ -96,7 +107,8 @@ def attention_matrix(
         eps: the kernel normalizer's guard (kernel maps only; the core's default is
             1e-6; 0 normalizes exactly, leaving rows without mass at zero).
 
-    Rows with no key to attend to are all zero. Half-precision inputs are scored and
+    Rows with no key to attend to are all zero; rows of padded queries are not masked
+    (there is no query mask: slice the real rows out). Half-precision inputs are scored and
     normalized in float32 (as the core sums them) and the matrix returned in their
     dtype. Raises ValueError when N or S exceeds ``max_n`` or the map name is not
     registered.

@@ -13,6 +13,14 @@ attention is generally full rank. Three measures, from strict to soft:
 
 :func:`normalized_spectrum` gives the singular values divided by the largest, the curve
 behind all three (a kernel map's drops to round-off after F values).
+
+Padding: the measures take one matrix as it is and no masks. Measure a padded sequence on
+its real block, ``A[b, h][real_q][:, real_k]`` (``[:L, :L]`` for right padding) of
+:func:`~kernelstudy.analysis.attention_matrix`. Padded keys are zero columns there: they
+leave every nonzero singular value (so the effective and stable ranks) as it is, but add
+zero singular values and raise the default ``tol`` (∝ ``max(N, S)``). Padded queries are
+rows of their own (they attend to the real keys like any query) and change the spectrum
+(softmax, 40 real of 64: effective rank 14.09 with them, 12.47 without).
 """
 
 from __future__ import annotations
@@ -27,7 +35,8 @@ from ..arguments import check_count, check_real
 
 def attention_rank(A: torch.Tensor | np.ndarray, tol: float | None = None) -> dict[str, Any]:
     """Rank measures of an ``(N, S)`` attention matrix, N queries by S keys (computed in
-    float64; cross-attention matrices need not be square).
+    float64; cross-attention matrices need not be square). Every row and column counts: for
+    a padded sequence pass its real block (see the module doc).
 
     Args:
         A: the matrix, tensor or array.

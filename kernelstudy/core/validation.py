@@ -106,17 +106,17 @@ def check_qkv(
 
 
 def check_key_padding_mask(
-    mask: object, batch: int, seq: int, device: torch.device
+    mask: object, batch: int, seq: int, device: torch.device, name: str = "key_padding_mask"
 ) -> torch.Tensor:
-    """Check a ``(B, S)`` bool mask, True for real tokens."""
+    """Check a ``(B, S)`` bool mask, True for real tokens (``name`` says which mask, as the
+    analyses also check a ``query_padding_mask``)."""
     if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"key_padding_mask must be a bool torch.Tensor, got {type(mask).__name__}")
+        raise TypeError(f"{name} must be a bool torch.Tensor, got {type(mask).__name__}")
     if mask.dtype != torch.bool:
-        raise TypeError(f"key_padding_mask must have dtype torch.bool, got {mask.dtype}")
+        raise TypeError(f"{name} must have dtype torch.bool, got {mask.dtype}")
     if tuple(mask.shape) != (batch, seq):
         raise ValueError(
-            f"key_padding_mask must have shape (batch, seq) = ({batch}, {seq}), "
-            f"got {tuple(mask.shape)}"
+            f"{name} must have shape (batch, seq) = ({batch}, {seq}), got {tuple(mask.shape)}"
         )
     return mask.to(device)
 
