@@ -40,6 +40,7 @@ figures the replaced summary showed that this run does not draw are deleted.
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
 import importlib.util
 import json
@@ -52,7 +53,7 @@ import sys
 import time
 import tomllib
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -869,6 +870,116 @@ def check_map_names(key: str, names: Sequence[str]) -> list[str]:
         except (ValueError, TypeError) as err:
             raise ValueError(f"{key}: {err}") from err
     return check_names(key, names, [*list_feature_maps(), *dotted])
+
+
+#: Entries a study's feature-map table may not set: the study sets them (its model's or
+#: setting's head dimension and number of heads).
+STUDY_SET_MAP_ENTRIES = ("head_dim", "num_heads")
+_MAP_TABLE_EXAMPLE = '{ name = "favor", num_features = 64 }'
+
+
+def check_map_spec(key: str, spec: Any) -> str | dict[str, Any]:
+    """The feature map of config entry ``key``: a name (registered, or ``"module:Class"``; as
+    :func:`check_map_names`), returned unchanged, or a table of a name and hyperparameters
+    (TOML ``{ name = "favor", num_features = 64, orthogonal = false }``, the config dict
+    ``ks.create_feature_map`` takes), returned as a dict: ``name`` first, then the
+    hyperparameters sorted by name, each checked against the map's declaration (an int for a
+    float one becomes a float). ``head_dim`` and ``num_heads`` are refused (the study sets
+    them). Else ValueError or TypeError naming ``key`` (``key.HYPERPARAMETER`` for a bad
+    value) and what was expected, before anything runs."""
+    from .feature_maps import get_feature_map_class
+
+    if isinstance(spec, str):
+        return check_map_names(key, [spec])[0]
+    if not isinstance(spec, Mapping):
+        raise TypeError(
+            f"{key} must be a feature-map name or a table such as {_MAP_TABLE_EXAMPLE}, "
+            f"got {spec!r}"
+        )
+    if "name" not in spec:
+        raise ValueError(
+            f"{key}: a feature-map table needs a 'name' entry, e.g. {_MAP_TABLE_EXAMPLE}; "
+            f"got {dict(spec)!r}"
+        )
+    name = spec["name"]
+    if not isinstance(name, str):
+        raise TypeError(f"{key}.name must be a feature-map name (a str), got {name!r}")
+    check_map_names(f"{key}.name", [name])
+    declared = get_feature_map_class(name).hyperparameters
+    hparams = {k: v for k, v in spec.items() if k != "name"}
+    fixed = [k for k in STUDY_SET_MAP_ENTRIES if k in hparams]
+    if fixed:
+        raise ValueError(
+            f"{key}: the table may not set {' or '.join(fixed)}: the study sets "
+            f"{'it' if len(fixed) == 1 else 'them'} (the head dimension and heads of its "
+            "model or setting)"
+        )
+    unknown = [k for k in hparams if k not in declared]
+    if unknown:
+        raise ValueError(
+            f"{key}: feature map {name!r} has no hyperparameter(s) {unknown}; it takes: "
+            f"{', '.join(sorted(declared)) or 'none'}"
+        )
+    out: dict[str, Any] = {"name": name}
+    for k in sorted(hparams):
+        out[k] = declared[k].validate(f"{key}.{k}", hparams[k])
+    return out
+
+
+def map_label(spec: Any, key: str = "feature_map") -> str:
+    """The text that stands for a study's feature map (:func:`check_map_spec` checks ``spec``,
+    naming ``key``) in its configurations, so in ``results.csv``'s column, ``--only`` and the
+    config id, and in summaries and figures: a name as it is (``"favor"``), a table as
+    ``NAME(KEY=VALUE, ...)`` with the hyperparameters sorted and Python literals for values
+    (``"favor(num_features=64, orthogonal=False)"``); a table of a name alone is the name.
+    One map has one label, however the table was ordered or its numbers typed;
+    :func:`parse_map_label` turns it back into the name or dict."""
+    spec = check_map_spec(key, spec)
+    if isinstance(spec, str) or len(spec) == 1:
+        return spec if isinstance(spec, str) else spec["name"]
+    args = ", ".join(f"{k}={v!r}" for k, v in spec.items() if k != "name")
+    return f"{spec['name']}({args})"
+
+
+def parse_map_label(label: str) -> str | dict[str, Any]:
+    """The feature map a :func:`map_label` stands for: the name, or the config dict
+    (``{"name": ..., hyperparameters}``) that ``ks.create_feature_map`` takes. ValueError
+    for text that is no such label."""
+    from .feature_maps import list_feature_maps
+
+    if not isinstance(label, str):
+        raise TypeError(f"a feature-map label must be a str, got {type(label).__name__}")
+    name, paren, args = label.partition("(")
+    if not paren or label in list_feature_maps():
+        return label
+    expected = "a feature-map label such as 'favor' or 'favor(num_features=64)'"
+    try:
+        call = ast.parse(f"f({args}", mode="eval").body
+        if not name or not isinstance(call, ast.Call) or call.args:
+            raise ValueError
+        hparams = {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}
+    except (SyntaxError, ValueError, TypeError):
+        raise ValueError(f"expected {expected}, got {label!r}") from None
+    if None in hparams or "name" in hparams:  # **mapping, or a second name
+        raise ValueError(f"expected {expected}, got {label!r}")
+    return {"name": name, **hparams}
+
+
+def check_map_builds(key: str, make: Callable[[], Any]) -> Any:
+    """``make()``, which builds the feature map of config entry ``key`` as a study's run
+    will (so hyperparameters that are each valid but not together, such as a rank above the
+    head dimension, are refused before any run), leaving torch's global random state as it
+    was (a map without a ``seed`` draws one from it). Its ValueError or TypeError is raised
+    again with ``key`` in front."""
+    import torch
+
+    try:
+        with torch.random.fork_rng(devices=[]):
+            return make()
+    except ValueError as err:
+        raise ValueError(f"{key}: {err}") from None
+    except TypeError as err:
+        raise TypeError(f"{key}: {err}") from None
 
 
 def not_run_section(title: str, part: str) -> str:

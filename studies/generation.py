@@ -7,7 +7,14 @@ import pandas as pd
 import torch
 
 import kernelstudy as ks
-from kernelstudy.study import check_lengths, check_map_names, main, markdown_table
+from kernelstudy.study import (
+    check_lengths,
+    check_map_builds,
+    main,
+    map_label,
+    markdown_table,
+    parse_map_label,
+)
 
 RUNS = {
     "linear, RNN state": ("kernel", "step"),
@@ -19,14 +26,28 @@ RUNS = {
 def configs(params: dict) -> list[dict]:
     """One config per way of generating; all lengths inside (longer ones skipped once slow)."""
     keys = ("n_layers", "d_model", "n_heads", "vocab_size", "feature_map", "batch", "prompt_len")
-    # a mistyped map failed only once the linear run started (never under --only run=softmax…)
-    check_map_names("feature_map", [params["feature_map"]])
+    # a mistyped map failed only once the linear run started (never under --only run=softmax…);
+    # a name stays as it is (the committed rows' ids), a table becomes its label, e.g.
+    # "favor(num_features=64, orthogonal=False)": CSV column, --only and id alike
+    values = {**params, "feature_map": map_label(params["feature_map"], "feature_map")}
+    d_model, n_heads = params["d_model"], params["n_heads"]
+    sizes = [d_model, n_heads]
+    if all(isinstance(x, int) and x > 0 for x in sizes) and d_model % n_heads == 0:  # else
+        # the model names the bad sizes when it is built
+        check_map_builds(  # as each layer of the linear run builds it, before any runs
+            "feature_map",
+            lambda: ks.create_feature_map(
+                parse_map_label(values["feature_map"]),
+                head_dim=d_model // n_heads,
+                num_heads=n_heads,
+            ),
+        )
     # the time-limit skip assumes ascending lengths (a slow one skips all after it)
     check_lengths("lengths", params["lengths"])
     return [
         {
             "run": label,
-            **{k: params[k] for k in keys},
+            **{k: values[k] for k in keys},
             "lengths": params["lengths"],
             "repeats": params["repeats"],
             "time_limit_s": params["time_limit_s"],
@@ -45,7 +66,7 @@ def run_config(config: dict, device: str) -> pd.DataFrame:
         n_layers=config["n_layers"],
         dropout=0.0,
         attention=attention,
-        feature_map=config["feature_map"] if attention == "kernel" else None,
+        feature_map=parse_map_label(config["feature_map"]) if attention == "kernel" else None,
         positions="sinusoidal",
     ).eval()
     frame = ks.analysis.benchmark_generation(
@@ -113,7 +134,7 @@ def summarize(frame: pd.DataFrame, params: dict) -> str:
         )
     return (
         f"Model: {params['n_layers']} layers, d_model={params['d_model']}, {params['n_heads']} "
-        f"heads, vocab {params['vocab_size']}, map {params['feature_map']}; batch "
+        f"heads, vocab {params['vocab_size']}, map {map_label(params['feature_map'])}; batch "
         f"{params['batch']}, greedy decoding, throughput = batch·length/time. '–' = skipped "
         "(a shorter length already took longer than time_limit_s).\n\n"
         + markdown_table(summary_table(frame))
@@ -122,6 +143,7 @@ def summarize(frame: pd.DataFrame, params: dict) -> str:
 
 
 def figures(frame: pd.DataFrame, params: dict) -> dict:
+    title = f"linear attention: map {map_label(params['feature_map'])}"
     rows = frame.dropna(subset=["value"])
     figs = {}
     for metric in ("tokens_per_s", "state_mb"):
@@ -133,6 +155,7 @@ def figures(frame: pd.DataFrame, params: dict) -> dict:
                 hue="run",
                 errorbar=None,
                 ylabel=ks.analysis.plots.metric_label(metric),
+                title=title,
             )
     return figs
 

@@ -5,11 +5,20 @@ Performer poster's setting (one head, R=100 FAVOR+ features, d=50)."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pandas as pd
 
 import kernelstudy as ks
-from kernelstudy.study import check_lengths, check_map_names, main, markdown_table
+from kernelstudy.study import (
+    check_lengths,
+    check_map_builds,
+    main,
+    map_label,
+    markdown_table,
+    parse_map_label,
+)
 
 SETTINGS = ("rnn_benchmark", "performer")
 
@@ -22,7 +31,18 @@ def configs(params: dict) -> list[dict]:
     out = []
     for setting in SETTINGS:
         s = params[setting]
-        check_map_names(f"{setting}.feature_map", [s["feature_map"]])
+        # a name as it is (the committed rows' ids), a table as its label, e.g.
+        # "favor(num_features=64, orthogonal=False)": CSV column, --only and id alike
+        label = map_label(s["feature_map"], f"{setting}.feature_map")
+        num_features = _num_features(setting, s, parse_map_label(label))
+        check_map_builds(  # what each run builds, before any runs
+            f"{setting}.feature_map",
+            functools.partial(
+                _build,
+                {"feature_map": label, "num_features": num_features, "head_dim": s["head_dim"]},
+                s["heads"],
+            ),
+        )
         for method in s["methods"]:
             for causal in s["causal"]:
                 for pass_ in s["passes"]:
@@ -35,8 +55,8 @@ def configs(params: dict) -> list[dict]:
                             "batch": s["batch"],
                             "heads": s["heads"],
                             "head_dim": s["head_dim"],
-                            "feature_map": s["feature_map"],
-                            "num_features": s.get("num_features", 0),
+                            "feature_map": label,
+                            "num_features": num_features,
                             "seq_lens": params["seq_lens"],
                             "seq_lens_cuda": params["seq_lens_cuda"],
                             "repeats": params["repeats"],
@@ -48,10 +68,53 @@ def configs(params: dict) -> list[dict]:
     return out
 
 
+def _num_features(setting: str, s: dict, spec: str | dict) -> int:
+    """The setting's ``num_features``: the feature dimension F its map is matched to (through
+    the map's size hyperparameter, ``matched_feature_map``); 0 or absent: the map's own. A
+    feature-map table that sets that hyperparameter itself is refused beside it."""
+    value = s.get("num_features", 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(
+            f"{setting}.num_features must be an int >= 0 (the feature dimension F the map is "
+            f"matched to; 0 or absent: the map's own), got {value!r}"
+        )
+    if value and isinstance(spec, dict):
+        cls = ks.feature_maps.get_feature_map_class(spec["name"])
+        knob = ks.analysis.matching.size_knob(cls)
+        if knob in spec:
+            raise ValueError(
+                f"{setting}: num_features = {value} and feature_map's {knob} = {spec[knob]} "
+                f"both set the map's size; give one (num_features = 0 in [{setting}], or "
+                f"no {knob} in its feature_map table)"
+            )
+    return value
+
+
+def feature_map(config: dict) -> str | dict | ks.FeatureMap:
+    """The map of a config's linear attention: its ``feature_map`` label as the name or
+    config dict it stands for, matched to F = ``num_features`` when that is set (the table's
+    other hyperparameters kept)."""
+    spec = parse_map_label(config["feature_map"])
+    if not config["num_features"]:
+        return spec
+    name, hparams = (spec, {}) if isinstance(spec, str) else (spec["name"], spec)
+    hparams = {k: v for k, v in hparams.items() if k != "name"}
+    return ks.analysis.matched_feature_map(
+        name, config["head_dim"], config["num_features"], **hparams
+    )
+
+
+def _build(config: dict, heads: int) -> ks.FeatureMap:
+    """The FeatureMap of :func:`feature_map` (a name or dict built for ``heads`` heads, as
+    ``benchmark_attention`` builds it)."""
+    fm = feature_map(config)
+    if isinstance(fm, ks.FeatureMap):
+        return fm
+    return ks.create_feature_map(fm, head_dim=config["head_dim"], num_heads=heads)
+
+
 def run_config(config: dict, device: str) -> pd.DataFrame:
-    fm = config["feature_map"]
-    if config["num_features"]:
-        fm = ks.analysis.matched_feature_map(fm, config["head_dim"], config["num_features"])
+    fm = feature_map(config)
     return ks.analysis.benchmark_attention(
         config["seq_lens_cuda"] if device == "cuda" else config["seq_lens"],
         head_dim=config["head_dim"],
@@ -100,6 +163,15 @@ def exponent_table(frame: pd.DataFrame, metric: str = "time_ms", points: int = 3
     return pd.DataFrame(out)
 
 
+def _setting_text(setting: str, s: dict) -> str:
+    """``B=1, H=1, D=50, map=favor (R=100)``: a setting's sizes and map (its label)."""
+    return (
+        f"B={s['batch']}, H={s['heads']}, D={s['head_dim']}, "
+        f"map={map_label(s['feature_map'], f'{setting}.feature_map')}"
+        + (f" (R={s['num_features']})" if s.get("num_features") else "")
+    )
+
+
 def summarize(frame: pd.DataFrame, params: dict) -> str:
     parts = []
     for setting in SETTINGS:
@@ -109,10 +181,8 @@ def summarize(frame: pd.DataFrame, params: dict) -> str:
         s = params[setting]
         rate = sub[sub["metric"] == "gflops"]["value"]
         head = (
-            f"## {setting}: B={s['batch']}, H={s['heads']}, D={s['head_dim']}, "
-            f"map={s['feature_map']}"
-            + (f" (R={s['num_features']})" if s.get("num_features") else "")
-            + f"; matmul rate measured in this run: {rate.median():.0f} GFLOP/s"
+            f"## {setting}: {_setting_text(setting, s)}; matmul rate measured in this run: "
+            f"{rate.median():.0f} GFLOP/s"
         )
         parts.append(
             head
@@ -141,7 +211,9 @@ def figures(frame: pd.DataFrame, params: dict) -> dict:
             continue
         sub = sub.assign(label=_label(sub))
         for metric, stem in (("time_ms", "time"), ("peak_memory_mb", "memory")):
-            figs[f"{setting}_{stem}"] = ks.analysis.plots.plot_speed(sub, metric=metric)
+            fig = ks.analysis.plots.plot_speed(sub, metric=metric)
+            fig.suptitle(f"{setting}: {_setting_text(setting, params[setting])}", y=1.02)
+            figs[f"{setting}_{stem}"] = fig
     return figs
 
 

@@ -1314,3 +1314,220 @@ def test_approximation_kernel_table_gives_the_ratio_of_mean_mses():
         table["ratio of means"].iloc[0]
         == approximation.performer_table(frame, "kernel_mse")["ratio of means"].iloc[0]
     )  # a fixed generator: the same text every time
+
+
+# A feature map given as a table (the config dict ks.create_feature_map takes) in the
+# generation and speed studies: one label per map in configs, CSV, --only and summaries.
+
+FAVOR_TABLE = {"name": "favor", "num_features": 16, "orthogonal": False}
+FAVOR_LABEL = "favor(num_features=16, orthogonal=False)"
+
+
+def test_a_feature_map_table_has_one_label_that_round_trips():
+    """However a table is ordered or its numbers typed, one map has one label, and the label
+    gives the map back (a dict in a CSV column must compare and parse)."""
+    reordered = {"orthogonal": False, "num_features": 16, "name": "favor"}
+    assert study.map_label(FAVOR_TABLE) == study.map_label(reordered) == FAVOR_LABEL
+    assert study.parse_map_label(FAVOR_LABEL) == FAVOR_TABLE
+    assert list(study.check_map_spec("feature_map", reordered)) == list(FAVOR_TABLE)
+    # an int for a float hyperparameter is the float it stands for
+    one = study.map_label({"name": "softplus_ffn", "reg_weight": 0})
+    assert one == study.map_label({"name": "softplus_ffn", "reg_weight": 0.0})
+    assert one == "softplus_ffn(reg_weight=0.0)"
+    for spec in (
+        {"name": "glu", "depth": 2, "seed": 3},
+        {"name": "favor", "row_norms": "sqrt_d", "num_features": 8},
+        {"name": "kernelstudy.feature_maps.glu:GLUFeatureMap", "depth": 3},  # a map of one's own
+    ):
+        label = study.map_label(spec)
+        parsed = study.parse_map_label(label)
+        assert study.check_map_spec("x", parsed) == study.check_map_spec("x", spec)
+        assert study.map_label(parsed) == label
+    # a name, and a table of a name alone, are the name (the ids of string maps stay)
+    assert study.map_label("elu") == study.map_label({"name": "elu"}) == "elu"
+    assert study.parse_map_label("elu") == "elu"
+    for bad in ("favor(16)", "favor(num_features=16", "favor(name='elu')", "(depth=2)"):
+        with pytest.raises(ValueError, match="expected a feature-map label"):
+            study.parse_map_label(bad)
+
+
+@pytest.mark.parametrize(
+    ("spec", "error", "message"),
+    [
+        ({"name": "favour"}, ValueError, r"feature_map\.name: unknown name\(s\) \['favour'\]"),
+        (
+            {"name": "favor", "nm_features": 8},
+            ValueError,
+            r"feature_map: feature map 'favor' has no hyperparameter\(s\) \['nm_features'\]; "
+            "it takes: .*num_features",
+        ),
+        (
+            {"name": "favor", "num_features": 0},
+            ValueError,
+            r"feature_map\.num_features must be >= 1",
+        ),
+        ({"name": "favor", "orthogonal": "no"}, TypeError, r"feature_map\.orthogonal must be bool"),
+        ({"name": "glu", "head_dim": 8}, ValueError, "feature_map: the table may not set head_dim"),
+        ({"num_features": 8}, ValueError, "feature_map: a feature-map table needs a 'name'"),
+        ({"name": 3}, TypeError, r"feature_map\.name must be a feature-map name \(a str\)"),
+        (["favor"], TypeError, "feature_map must be a feature-map name or a table such as"),
+        # each value is valid, but not together at the head dimension: refused when built
+        ({"name": "aoglu", "rank": 1000}, ValueError, "feature_map: rank must be <= head_dim="),
+    ],
+)
+@pytest.mark.parametrize("name", ["generation", "speed"])
+def test_a_bad_feature_map_table_is_refused_before_any_run(
+    tmp_path, monkeypatch, capsys, name, spec, error, message
+):
+    params = study.load_params(name, quick=True)
+    if name == "speed":  # the setting's map, without the setting's own F beside it
+        params["performer"] = {**params["performer"], "feature_map": spec, "num_features": 0}
+        message = message.replace("feature_map", "performer.feature_map", 1)
+    else:
+        params["feature_map"] = spec
+    with pytest.raises(error, match=message):
+        study.load_study(name).configs(params)
+    monkeypatch.setattr(study, "load_params", lambda *args, **kwargs: params)
+    out = tmp_path / "out"
+    assert study.main(name, ["--quick", "--out", str(out)]) == 1
+    assert "feature_map" in capsys.readouterr().err
+    assert not (out / "results.csv").exists()
+
+
+def test_speed_num_features_beside_a_map_table():
+    """The setting's num_features is the F the map is matched to; a table that sets the map's
+    size itself is refused beside it (which one would win?); one that does not keeps its
+    other hyperparameters."""
+    speed = study.load_study("speed")
+    params = study.load_params("speed", quick=True)
+    params["performer"] = {**params["performer"], "feature_map": FAVOR_TABLE}  # R = 100 too
+    with pytest.raises(
+        ValueError,
+        match="performer: num_features = 100 and feature_map's num_features = 16 both set the "
+        r"map's size; give one \(num_features = 0 in \[performer\], or no num_features",
+    ):
+        speed.configs(params)
+    params["performer"]["num_features"] = -1
+    with pytest.raises(ValueError, match=r"performer\.num_features must be an int >= 0"):
+        speed.configs(params)
+    params["performer"]["num_features"] = 0
+    table = [c for c in speed.configs(params) if c["setting"] == "performer"]
+    assert {c["feature_map"] for c in table} == {FAVOR_LABEL}
+    fm = speed.feature_map(table[0])
+    assert fm == FAVOR_TABLE  # built by benchmark_attention, as a name is
+    params["performer"].update(feature_map={"name": "favor", "orthogonal": False}, num_features=24)
+    matched = [c for c in speed.configs(params) if c["setting"] == "performer"][0]
+    fm = speed.feature_map(matched)
+    assert fm.feature_dim == 24 and fm.hparams["orthogonal"] is False
+    assert matched["feature_map"] == "favor(orthogonal=False)"
+
+
+SPEED_TOY_TOML = """
+repeats = 1
+warmup = 0
+time_limit_s = 60.0
+max_quadratic_gb = 1.0
+
+[rnn_benchmark]
+batch = 1
+heads = 2
+head_dim = 8
+feature_map = "elu"
+methods = ["linear"]
+causal = [false]
+passes = ["fwd"]
+
+[performer]
+batch = 1
+heads = 1
+head_dim = 8
+feature_map = { name = "favor", orthogonal = false, num_features = 16 }
+methods = ["linear"]
+causal = [false]
+passes = ["fwd"]
+
+[full]
+seq_lens = [16, 32, 64]
+seq_lens_cuda = [16, 32, 64]
+
+[quick]
+seq_lens = [16, 32]
+seq_lens_cuda = [16, 32]
+"""
+
+
+def test_speed_study_runs_a_map_table(tmp_path, monkeypatch, one_thread, capsys):
+    _toy_copy(tmp_path, monkeypatch, "speed", SPEED_TOY_TOML)
+    out = tmp_path / "speed"
+    # --only takes the label as the CSV column shows it
+    summary = _partial("speed", out, f"feature_map={FAVOR_LABEL}")
+    rows = pd.read_csv(out / "results.csv")
+    assert set(rows.setting) == {"performer"} and set(rows.feature_map) == {FAVOR_LABEL}
+    assert study.parse_map_label(rows.feature_map.iloc[0]) == FAVOR_TABLE
+    assert set(rows[rows.method == "linear"].feature_dim) == {16}  # the table's R
+    assert f"## performer: B=1, H=1, D=8, map={FAVOR_LABEL}; matmul" in summary
+    summary = _partial("speed", out, "feature_map=elu")  # a name, as before
+    rows = pd.read_csv(out / "results.csv")
+    assert dict(zip(rows.setting, rows.feature_map, strict=False)) == {
+        "rnn_benchmark": "elu",
+        "performer": FAVOR_LABEL,
+    }
+    assert "## rnn_benchmark: B=1, H=2, D=8, map=elu; matmul" in summary
+    speed = study.load_study("speed")
+    figures = speed.figures(
+        study.load_results("speed", root=tmp_path), study.load_params("speed", True)
+    )
+    assert (
+        figures["performer_time"]._suptitle.get_text()
+        == f"performer: B=1, H=1, D=8, map={FAVOR_LABEL}"
+    )
+    for fig in figures.values():
+        ks.analysis.plots.close(fig)
+
+
+def test_generation_study_runs_a_map_table(tmp_path, monkeypatch, one_thread, capsys):
+    toml = GENERATION_TOY_TOML.replace(
+        'feature_map = "elu"',
+        'feature_map = { num_features = 16, name = "favor", orthogonal = false }',
+    )
+    _toy_copy(tmp_path, monkeypatch, "generation", toml)
+    out = tmp_path / "out"
+    summary = _partial("generation", out, "run=linear, RNN state", f"feature_map={FAVOR_LABEL}")
+    assert f"vocab 16, map {FAVOR_LABEL}; batch 2" in summary
+    rows = pd.read_csv(out / "results.csv")
+    assert set(rows.feature_map) == {FAVOR_LABEL} and set(rows.run) == {"linear, RNN state"}
+    # the linear run's RNN state holds F = 16 features per head, not elu's F = D = 8
+    gen = study.load_study("generation")
+    params = study.load_params("generation", quick=True)
+    config = gen.configs({**params, "feature_map": "elu"})[0]
+    assert config["run"] == "linear, RNN state"
+    elu = pd.DataFrame(gen.run_config(config, "cpu"))
+    state = rows[rows.metric == "state_mb"].value.to_numpy()
+    assert (state > elu[elu.metric == "state_mb"].value.to_numpy()).all()
+    figures = gen.figures(rows, params)
+    assert figures["generation_tokens_per_s"]._suptitle.get_text() == (
+        f"linear attention: map {FAVOR_LABEL}"
+    )
+    for fig in figures.values():
+        ks.analysis.plots.close(fig)
+
+
+def test_map_names_keep_their_config_ids():
+    """A map given by name is in its configurations as before (the committed rows keep their
+    ids), and a table of a name alone is that name: same configurations, same ids."""
+    for name in ("generation", "speed"):
+        module = study.load_study(name)
+        path = study.studies_dir() / "results" / name / "results.csv"
+        held = set(pd.read_csv(path, dtype={"config_id": str}, low_memory=False).config_id)
+        params = study.load_params(name, quick=False)
+        ids = {study.config_id(c, "cpu") for c in module.configs(params)}
+        assert ids == held  # the committed full CPU run: every configuration, same ids
+        if name == "speed":
+            for setting in module.SETTINGS:
+                params[setting] = {
+                    **params[setting],
+                    "feature_map": {"name": params[setting]["feature_map"]},
+                }
+        else:
+            params["feature_map"] = {"name": params["feature_map"]}
+        assert {study.config_id(c, "cpu") for c in module.configs(params)} == held
