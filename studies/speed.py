@@ -70,23 +70,30 @@ def configs(params: dict) -> list[dict]:
 
 def _num_features(setting: str, s: dict, spec: str | dict) -> int:
     """The setting's ``num_features``: the feature dimension F its map is matched to (through
-    the map's size hyperparameter, ``matched_feature_map``); 0 or absent: the map's own. A
-    feature-map table that sets that hyperparameter itself is refused beside it."""
+    the map's size hyperparameter, ``matched_feature_map``); 0 or absent: the map's own. It is
+    refused for a map without a size hyperparameter, and beside a feature-map table that
+    sets that hyperparameter itself."""
     value = s.get("num_features", 0)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(
             f"{setting}.num_features must be an int >= 0 (the feature dimension F the map is "
             f"matched to; 0 or absent: the map's own), got {value!r}"
         )
-    if value and isinstance(spec, dict):
-        cls = ks.feature_maps.get_feature_map_class(spec["name"])
-        knob = ks.analysis.matching.size_knob(cls)
-        if knob in spec:
-            raise ValueError(
-                f"{setting}: num_features = {value} and feature_map's {knob} = {spec[knob]} "
-                f"both set the map's size; give one (num_features = 0 in [{setting}], or "
-                f"no {knob} in its feature_map table)"
-            )
+    if not value:
+        return value
+    name = spec if isinstance(spec, str) else spec["name"]
+    knob = ks.analysis.matching.size_knob(ks.feature_maps.get_feature_map_class(name))
+    if knob is None:  # the summary would show an R the map does not have
+        raise ValueError(
+            f"{setting}: num_features = {value}, but feature map {name!r} has no size "
+            "hyperparameter (its F is its own): leave num_features out or at 0"
+        )
+    if isinstance(spec, dict) and knob in spec:
+        raise ValueError(
+            f"{setting}: num_features = {value} and feature_map's {knob} = {spec[knob]} "
+            f"both set the map's size; give one (num_features = 0 in [{setting}], or "
+            f"no {knob} in its feature_map table)"
+        )
     return value
 
 

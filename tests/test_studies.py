@@ -1420,6 +1420,10 @@ def test_speed_num_features_beside_a_map_table():
     fm = speed.feature_map(matched)
     assert fm.feature_dim == 24 and fm.hparams["orthogonal"] is False
     assert matched["feature_map"] == "favor(orthogonal=False)"
+    for spec in ("elu", {"name": "elu"}):  # elu's F is D: "R=24" would be shown, not used
+        params["performer"].update(feature_map=spec, num_features=24)
+        with pytest.raises(ValueError, match="feature map 'elu' has no size hyperparameter"):
+            speed.configs(params)
 
 
 SPEED_TOY_TOML = """
