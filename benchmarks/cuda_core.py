@@ -1,7 +1,10 @@
-"""Benchmark the CUDA linear-attention core on a GPU: time vs N against the baselines.
+"""Benchmark the CUDA linear-attention core on a GPU: time and memory vs N against baselines.
 
 Causal attention, forward and forward+backward, median of CUDA-event timings after a
-warm-up, for every N, (B, H), F = M = D and dtype. Methods (a column is skipped when its
+warm-up, for every N, (B, H), F = M = D and dtype, and the peak GPU memory of one call above
+what is allocated before it (the inputs), as ``benchmarks/core.py`` measures it: column
+``peak_mib``, ``torch.cuda.max_memory_allocated`` around one more call after the timed ones,
+so the timings carry no reset of the statistics. Methods (a column is skipped when its
 package or kernel is missing, and a cell is left empty when it runs out of memory):
 
 - ``cuda``   this project's CUDA backend, ``ks.causal_dot_product(..., backend="cuda")``;
@@ -30,11 +33,11 @@ same dtype, measured in the same run.
     python benchmarks/cuda_core.py --quick                      # a minute: smoke run
     python benchmarks/cuda_core.py --out benchmarks/results/cuda_h100.csv
 
-The CSV records the device, date, versions and command; a seaborn plot of time vs N is
-written beside it (same name, ``.png``). The CSV is rewritten (atomically) after every case, so
-a run killed at a time limit keeps what it measured. A case that breaks the CUDA context (an
-illegal address: every later CUDA call fails) stops the run; what ran before it is written and
-the exit status is 1.
+The CSV records the device, date, versions and command; a seaborn plot of time and peak
+memory vs N is written beside it (same name, ``.png``). The CSV is rewritten (atomically) after
+every case, so a run killed at a time limit keeps what it measured. A case that breaks the CUDA
+context (an illegal address: every later CUDA call fails) stops the run; what ran before it is
+written and the exit status is 1.
 """
 
 from __future__ import annotations
@@ -95,6 +98,17 @@ def cuda_time_ms(fn: Callable[[], object], repeats: int, warmup: int) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def peak_memory_mib(call: Callable[[], object], inputs) -> float:
+    """Peak GPU memory in MiB that one call of ``call`` allocates above what is allocated
+    before it (the inputs; the upstream gradient of ``with_backward``), measured by
+    ``ks.analysis.peak_memory_bytes``. For a call of its own, after the timed ones. Gradients
+    the timed calls left in ``.grad`` are dropped first: the call drops them itself
+    (``with_backward``), and inside the measurement that lowered the peak by their size."""
+    for t in inputs:
+        t.grad = None
+    return ks.analysis.peak_memory_bytes(call, "cuda") / 2**20
 
 
 def matmul_tflops(dtype: torch.dtype, size: int = 8192, repeats: int = 10) -> float:
@@ -324,8 +338,10 @@ def measure(
     method, mode, b, h, n, d, dtype_name, dtype, fla_fn, args, walk_blocks=cuda_backend.WALK_BLOCKS
 ) -> dict:
     """One case's row; an error other than running out of memory leaves NaN and its message,
-    and raises :class:`ContextLost` with the row when CUDA no longer works after it."""
-    label, ms, error, lost = method, float("nan"), "", False
+    and raises :class:`ContextLost` with the row when CUDA no longer works after it. The peak
+    memory is measured in one more call after the timed ones; if that call fails, the time
+    stays and the error says ``peak memory: ...``."""
+    label, ms, mib, error, lost = method, float("nan"), float("nan"), "", False
     try:
         label, fn, inputs = make_case(method, b, h, n, d, dtype, fla_fn, walk_blocks)
         if mode == "fwd+bwd":
@@ -339,6 +355,7 @@ def measure(
                     fn()
 
         ms = cuda_time_ms(call, args.repeats, args.warmup)
+        mib = peak_memory_mib(call, inputs)  # untimed: the timings see no reset or extra sync
     except torch.cuda.OutOfMemoryError:
         error = "out of memory"
     except Exception as err:  # a baseline that does not take this shape or dtype
@@ -349,10 +366,12 @@ def measure(
             torch.cuda.empty_cache()
         except Exception:
             lost = True
+    if error and ms == ms:  # timed, then the memory's call failed
+        error = f"peak memory: {error}"
     tflops = flops(label, mode, b, h, n, d) / (ms * 1e-3) / 1e12 if ms == ms else float("nan")
     print(
         f"{dtype_name:<9} B={b:<3} H={h:<3} D={d:<4} N={n:<6} {label:<15} {mode:<8}"
-        f"{ms:10.3f} ms {tflops:8.2f} TFLOP/s {error}",
+        f"{ms:10.3f} ms {tflops:8.2f} TFLOP/s {mib:9.1f} MiB {error}",
         file=sys.stderr,
     )
     row = {
@@ -369,6 +388,7 @@ def measure(
         "walk_blocks": walk_blocks if method in WALK_METHODS else None,
         "time_ms": ms,
         "tflops": tflops,
+        "peak_mib": mib,
         "error": error,
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     }
@@ -424,24 +444,49 @@ def crossover(frame: pd.DataFrame, method: str, t: Callable[..., float]) -> int 
     return found
 
 
+# what the plot and the printed tables show of a case, where the frame has it
+QUANTITIES = {"time_ms": "time (ms, median)", "peak_mib": "peak memory (MiB)"}
+
+
+def plot_rows(frame: pd.DataFrame) -> pd.DataFrame:
+    """The plot's points: one row per case and quantity of :data:`QUANTITIES` the frame has
+    (CSVs before peak memory have only the time), with its ``value`` and the plot row it goes
+    in (``panel``: dtype and quantity); a quantity not measured in a case is left out."""
+    quantities = [q for q in QUANTITIES if q in frame.columns]
+    data = frame.assign(shape=lambda f: "B·H=" + f.BH.astype(str) + ", D=" + f.F.astype(str))
+    data = data.melt(
+        id_vars=["dtype", "shape", "method", "mode", "N"],
+        value_vars=quantities,
+        var_name="quantity",
+        value_name="value",
+    ).dropna(subset=["value"])
+    return data.assign(panel=data["dtype"] + ": " + data["quantity"].map(QUANTITIES))
+
+
 def plot(frame: pd.DataFrame, path: Path) -> bool:
     import matplotlib
 
     matplotlib.use("Agg")
     import seaborn as sns
 
-    data = frame.dropna(subset=["time_ms"]).assign(
-        shape=lambda f: "B·H=" + f.BH.astype(str) + ", D=" + f.F.astype(str)
-    )
+    data = plot_rows(frame)
     if data.empty:
         return False
+    present = set(data.panel)
+    panels = [  # each dtype's time, then its memory
+        panel
+        for dtype in data["dtype"].unique()
+        for panel in (f"{dtype}: {label}" for label in QUANTITIES.values())
+        if panel in present
+    ]
     grid = sns.relplot(
         data=data,
         x="N",
-        y="time_ms",
+        y="value",
         hue="method",
         style="mode",
-        row="dtype",
+        row="panel",
+        row_order=panels,
         col="shape",
         kind="line",
         markers=True,
@@ -449,7 +494,8 @@ def plot(frame: pd.DataFrame, path: Path) -> bool:
         facet_kws={"sharey": False},
     )
     grid.set(xscale="log", yscale="log")
-    grid.set_axis_labels("N (tokens)", "time (ms, median)")
+    grid.set_titles(row_template="{row_name}", col_template="{col_name}")
+    grid.set_axis_labels("N (tokens)", "")
     grid.figure.suptitle(f"causal attention on {frame.device.iloc[0]}", y=1.02)
     atomic_write(path, lambda f: grid.savefig(f, format="png", dpi=120, bbox_inches="tight"))
     return True
@@ -550,11 +596,12 @@ def main(argv: list[str] | None = None) -> int:
     save(frame)
     png = args.out.with_suffix(".png")
     plotted = plot(frame, png)
-    table = frame.pivot_table(
-        index=["dtype", "BH", "F", "mode", "method"], columns="N", values="time_ms"
-    ).round(3)
     with pd.option_context("display.width", 250, "display.max_columns", 30):
-        print(table.to_string())
+        for quantity, label in QUANTITIES.items():
+            table = frame.pivot_table(
+                index=["dtype", "BH", "F", "mode", "method"], columns="N", values=quantity
+            ).round(3)
+            print(f"{label}:\n{table.to_string()}")
     print(targets(frame))
     print(f"wrote {args.out} and {png}" if plotted else f"wrote {args.out}")
     if stopped:

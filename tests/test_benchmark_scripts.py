@@ -4,6 +4,7 @@ clean refusal without a GPU (the measurements themselves need one)."""
 from __future__ import annotations
 
 import importlib.util
+import math
 import time
 from pathlib import Path
 
@@ -69,6 +70,7 @@ def test_targets_report_the_issue_ratios(cuda_core):
 
 def test_plot_writes_a_png(cuda_core, tmp_path):
     path = tmp_path / "cuda.png"
+    assert set(cuda_core.plot_rows(_frame()).quantity) == {"time_ms"}  # a CSV before memory
     assert cuda_core.plot(_frame(), path)
     assert path.stat().st_size > 1000 and [p.name for p in tmp_path.iterdir()] == ["cuda.png"]
     assert not cuda_core.plot(_frame().assign(time_ms=float("nan")), tmp_path / "none.png")
@@ -318,9 +320,46 @@ class _FakeEvent:
         return (end.at - self.at) * 1e3
 
 
+class _FakeCudaMemory:
+    """torch.cuda's allocator statistics on the CPU. ``allocated`` bytes stay live throughout,
+    plus what ``held()`` says (e.g. gradients); ``allocate(nbytes)`` marks that many bytes
+    live for a moment above them (a call's tensors), raising the peak since the last reset.
+    ``log`` records resets, reads of the peak and whatever the test adds, in order."""
+
+    def __init__(self, allocated: int = 0, held=lambda: 0):
+        self.allocated, self.held = allocated, held
+        self.peak = self.memory_allocated()
+        self.log: list[str] = []
+
+    def memory_allocated(self, device=None) -> int:
+        return self.allocated + self.held()
+
+    def allocate(self, nbytes: int) -> None:
+        self.peak = max(self.peak, self.memory_allocated() + nbytes)
+
+    def reset_peak_memory_stats(self, device=None) -> None:
+        self.log.append("reset")
+        self.peak = self.memory_allocated()
+
+    def max_memory_allocated(self, device=None) -> int:
+        self.log.append("read")
+        return self.peak
+
+
 @pytest.fixture
-def gpu_on_cpu(cuda_core, monkeypatch):
-    """cuda_core as on a GPU machine, its tensors on the CPU and its events a CPU clock."""
+def cuda_memory(monkeypatch):
+    """The fake allocator statistics in place of torch.cuda's (3 MiB live outside the calls)."""
+    memory = _FakeCudaMemory(allocated=3 * 2**20)
+    for name in ("memory_allocated", "reset_peak_memory_stats", "max_memory_allocated"):
+        monkeypatch.setattr(torch.cuda, name, getattr(memory, name))
+    return memory
+
+
+@pytest.fixture
+def gpu_on_cpu(cuda_core, monkeypatch, cuda_memory):
+    """cuda_core as on a GPU machine, its tensors on the CPU, its events a CPU clock and its
+    memory statistics ``cuda_memory``, where each call of a case allocates its output (the
+    sizes of a case's calls go to ``cuda_memory.cases``, one list per case)."""
     import functools
 
     monkeypatch.setattr(cuda_core, "DEVICE", "cpu")
@@ -330,6 +369,25 @@ def gpu_on_cpu(cuda_core, monkeypatch):
     monkeypatch.setattr(cuda_core.torch.cuda, "get_device_name", lambda *args: "test GPU")
     small = functools.partial(cuda_core.matmul_tflops, size=64, repeats=2)
     monkeypatch.setattr(cuda_core, "matmul_tflops", small)
+    make_case = cuda_core.make_case
+    cuda_memory.cases = []
+
+    def case_allocating_its_output(*args, **kwargs):
+        label, fn, inputs = make_case(*args, **kwargs)
+        sizes = []
+        cuda_memory.cases.append(sizes)
+        cuda_memory.log.append("case")
+
+        def run():
+            out = fn()
+            cuda_memory.allocate(out.nbytes)
+            cuda_memory.log.append("call")
+            sizes.append(out.nbytes)
+            return out
+
+        return label, run, inputs
+
+    monkeypatch.setattr(cuda_core, "make_case", case_allocating_its_output)
     return cuda_core
 
 
@@ -346,11 +404,20 @@ def test_cuda_time_ms_is_the_median_after_the_warmup(cuda_core, monkeypatch):
     assert cuda_core.cuda_time_ms(fn, repeats=5, warmup=2) == pytest.approx(3.0)
 
 
-def test_gpu_pipeline_runs_on_cpu(gpu_on_cpu, monkeypatch, tmp_path):
-    """The whole measurement (cases, warm-up, events, backward, FLOPs, CSV, plot) on CPU
-    tensors; fla is a stand-in that checks the call it gets and computes in (B, N, H, D)."""
+def test_gpu_pipeline_runs_on_cpu(gpu_on_cpu, cuda_memory, monkeypatch, tmp_path, capsys):
+    """The whole measurement (cases, warm-up, events, backward, FLOPs, peak memory, CSV, plot,
+    printed tables) on CPU tensors; fla is a stand-in that checks the call it gets and computes
+    in (B, N, H, D)."""
     cuda_core = gpu_on_cpu
     calls = []
+    timer = cuda_core.cuda_time_ms
+
+    def logged_timer(*args, **kwargs):
+        ms = timer(*args, **kwargs)
+        cuda_memory.log.append("timed")
+        return ms
+
+    monkeypatch.setattr(cuda_core, "cuda_time_ms", logged_timer)
 
     def chunk_linear_attn(q, k, v, scale=None, normalize=True, head_first=False):
         calls.append((tuple(q.shape), scale, normalize, head_first))
@@ -381,6 +448,24 @@ def test_gpu_pipeline_runs_on_cpu(gpu_on_cpu, monkeypatch, tmp_path):
     assert columns <= set(frame.columns) and (frame.device == "test GPU").all()
     assert out.with_suffix(".png").stat().st_size > 1000
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cuda.csv", "cuda.png"]
+    # peak memory: one call after the timed ones (warm-up 1, repeats 2), above the 3 MiB live
+    # before it, in MiB; none where the case failed
+    assert len(cuda_memory.cases) == len(frame)
+    per_case = "|".join(cuda_memory.log).split("case|")[1:]
+    for row, sizes, log in zip(frame.itertuples(), cuda_memory.cases, per_case, strict=True):
+        if row.method == "sdpa_efficient":
+            assert math.isnan(row.peak_mib) and not sizes and log.strip("|") == ""
+        else:
+            assert log.strip("|") == "call|call|call|timed|reset|call|read"
+            assert row.peak_mib == sizes[-1] / 2**20 > 0
+    printed = capsys.readouterr().out
+    assert "peak memory (MiB):" in printed and "time (ms, median):" in printed
+    assert f"{frame.peak_mib.max():.3f}".rstrip("0") in printed
+    drawn = cuda_core.plot_rows(frame)
+    memory = drawn[drawn.quantity == "peak_mib"]
+    assert len(memory) == frame.peak_mib.notna().sum()
+    assert set(memory.panel) == {"float32: peak memory (MiB)", "bfloat16: peak memory (MiB)"}
+    assert sorted(memory.value) == sorted(frame.peak_mib.dropna())
 
 
 def _row(method, mode, b, h, n, d, name, *rest):
@@ -458,6 +543,62 @@ def test_a_broken_cuda_context_stops_the_run_and_keeps_what_ran(
 
 def test_the_context_check_sees_a_working_device(gpu_on_cpu):
     assert gpu_on_cpu.context_alive()
+
+
+def test_peak_memory_leaves_out_the_gradients_of_the_timed_calls(
+    cuda_core, cuda_memory, monkeypatch
+):
+    """The timed fwd+bwd calls leave gradients in .grad, and the next call drops them first
+    (with_backward): measured around that call, they counted in what was allocated before it
+    but not in its peak, which came out low by their size (here below zero)."""
+    monkeypatch.setattr(cuda_core.torch.cuda, "synchronize", lambda *args: None)
+    x = [torch.rand(1, 2, 64, 16, requires_grad=True) for _ in range(3)]
+    cuda_memory.held = lambda: sum(t.grad.nbytes for t in x if t.grad is not None)
+
+    def forward():
+        out = ks.causal_dot_product(*x, backend="torch")
+        cuda_memory.allocate(out.nbytes)
+        return out
+
+    call = cuda_core.with_backward(forward, x)
+    call()  # as the timed calls: the gradients stay
+    assert all(t.grad is not None for t in x) and cuda_memory.held() == 3 * 2 * 64 * 16 * 4
+    assert cuda_core.peak_memory_mib(call, x) == 2 * 64 * 16 * 4 / 2**20  # the output
+
+
+@pytest.mark.parametrize("failure", ["out of memory", "illegal address"])
+def test_a_failing_memory_call_keeps_the_time(gpu_on_cpu, monkeypatch, tmp_path, capsys, failure):
+    """The peak memory's call comes after the timed ones, under the same handling: running out
+    of memory there keeps the case's time and the run goes on; an illegal address there stops
+    the run as in a timed call, with what ran written."""
+    cuda_core = gpu_on_cpu
+    measured = cuda_core.peak_memory_mib
+    failed = []
+
+    def peak_memory_mib(call, inputs):
+        if failed:
+            return measured(call, inputs)
+        failed.append(True)
+        if failure == "out of memory":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(cuda_core, "peak_memory_mib", peak_memory_mib)
+    monkeypatch.setattr(cuda_core, "context_alive", lambda: failure == "out of memory")
+    out = tmp_path / "cuda.csv"
+    argv = ["--n", "64", "96", "--shapes", "1x2", "--dims", "16", "--dtypes", "float32"]
+    argv += ["--repeats", "1", "--warmup", "0", "--methods", "torch", "--modes", "fwd"]
+    code = cuda_core.main([*argv, "--out", str(out)])
+    frame = pd.read_csv(out)
+    first = frame.iloc[0]
+    assert first.time_ms > 0 and math.isnan(first.peak_mib)
+    if failure == "out of memory":
+        assert code == 0 and first.error == "peak memory: out of memory"
+        assert frame.N.tolist() == [64, 96] and frame.peak_mib.iloc[1] > 0
+    else:
+        assert code == 1 and frame.N.tolist() == [64]
+        assert first.error.startswith("peak memory: RuntimeError: CUDA error: an illegal")
+        assert "the CUDA context broke in torch fwd" in capsys.readouterr().err
 
 
 def test_the_fp32_yardstick_runs_without_tf32(cuda_core, monkeypatch):
