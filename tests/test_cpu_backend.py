@@ -7,7 +7,11 @@ results must not depend on the thread count.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import subprocess
+import sys
 import threading
 import warnings
 
@@ -295,3 +299,66 @@ def test_build_waits_for_a_live_build_and_keeps_its_lock(tmp_path, monkeypatch):
         assert not done.is_set() and lock.exists()  # waiting, the live build's lock kept
     thread.join()
     assert done.is_set()
+
+
+# A CUDA build of torch without a usable GPU (this CPU build of torch stands in for one),
+# with a CUDA toolkit ($CUDA_HOME): torch.utils.cpp_extension gives its line at import.
+_AS_CUDA_TORCH_WITHOUT_A_GPU = """
+import importlib, sys
+import torch
+torch.cuda._is_compiled = lambda: True
+torch.cuda.is_available = lambda: False
+torch.version.cuda = "12.8"
+import kernelstudy as ks
+x = torch.rand(2, 1, 70, 4, dtype=torch.float64)
+got = ks.causal_dot_product(x, x, x, backend="cpu")
+assert "cpu" in ks.backends(), ks.backends()
+assert torch.allclose(got, ks.causal_dot_product(x, x, x, backend="reference"))
+print("LOADED", file=sys.stderr, flush=True)
+importlib.reload(sys.modules["torch.utils.cpp_extension"])  # its import, not kernelstudy's
+"""
+
+
+def test_cpu_backend_loads_without_the_no_cuda_runtime_line(tmp_path):
+    """A CUDA build of torch on a machine with nvcc (or $CUDA_HOME) but no GPU logs "No CUDA
+    runtime is found, using CUDA_HOME=..." when torch.utils.cpp_extension is imported: loading
+    the CPU extension, which uses no CUDA, printed it. The extension still loads; torch's own
+    import of that module, outside kernelstudy's, still gives the line."""
+    name = f"{cpu_backend.EXTENSION_NAME}_{extensions.host_tag()}"
+    built = extensions._build_directory(name) or extensions._torch_build_directory(name)
+    env = {**os.environ, "CUDA_HOME": str(tmp_path)}
+    if built is not None:  # the build this module made: only loaded (torch's default
+        env[extensions.BUILD_DIR_ENV] = os.path.dirname(built)  # folder names the CUDA version)
+    run = subprocess.run(
+        [sys.executable, "-c", _AS_CUDA_TORCH_WITHOUT_A_GPU],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr
+    before, loaded, after = run.stderr.partition("LOADED")
+    assert loaded and "No CUDA runtime" not in before + run.stdout, before
+    assert f"No CUDA runtime is found, using CUDA_HOME='{tmp_path}'" in after
+
+
+def test_only_the_no_cuda_runtime_line_is_dropped():
+    """The record is dropped from torch's cpp_extension logger; every other record passes,
+    and after the block the line does too."""
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    records: list[str] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger.addHandler(handler)
+    propagate, logger.propagate = logger.propagate, False  # its records to records only
+    line = "No CUDA runtime is found, using CUDA_HOME='%s'"
+    try:
+        for quiet in (True, False):
+            with extensions._without_no_cuda_runtime_line() if quiet else contextlib.nullcontext():
+                logger.warning(line, "/usr/local/cuda")
+                logger.warning("Error checking compiler version for %s", "c++")
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
+    assert records[:1] == ["Error checking compiler version for c++"]
+    assert records[1:] == [line % "/usr/local/cuda", "Error checking compiler version for c++"]

@@ -6,12 +6,17 @@ backend needs them and cached on disk, in the default torch extensions directory
 is compiled at install time. If the compiler is missing or the build fails,
 :func:`load_extension` returns None after one warning, and the core falls back to the ``torch``
 backend.
+
+torch's ``cpp_extension`` is imported through :func:`cpp_extension`, which drops the "No CUDA
+runtime is found, using CUDA_HOME=..." line that a CUDA build of torch gives at that import on
+a machine with a CUDA toolkit but no usable GPU (the CPU extension uses no CUDA).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -27,6 +32,41 @@ BUILD_DIR_ENV = "KERNELSTUDY_BUILD_DIR"
 STALE_LOCK_SECONDS = 600  # a build lock this old was left by a killed build
 
 _LOADED: dict[str, ModuleType | None] = {}
+# The record torch's cpp_extension logs at its import (``_find_cuda_home``) when torch has
+# CUDA but no device is usable.
+_CPP_EXTENSION_LOGGER = "torch.utils.cpp_extension"
+_NO_CUDA_RUNTIME = "No CUDA runtime is found"
+
+
+class _DropNoCudaRuntime(logging.Filter):
+    """Drops torch's "No CUDA runtime is found, using CUDA_HOME=..." record, passes the rest."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(_NO_CUDA_RUNTIME)
+
+
+@contextlib.contextmanager
+def _without_no_cuda_runtime_line() -> Iterator[None]:
+    """Within the block, the cpp_extension logger drops the "No CUDA runtime is found" record
+    and nothing else (torch releases before about 2.8 printed it instead: it shows there)."""
+    logger = logging.getLogger(_CPP_EXTENSION_LOGGER)
+    drop = _DropNoCudaRuntime()
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
+
+
+def cpp_extension() -> ModuleType:
+    """``torch.utils.cpp_extension``, imported without its "No CUDA runtime is found, using
+    CUDA_HOME=..." line. A CUDA build of torch gives that line at the import on a machine with
+    a CUDA toolkit (nvcc on PATH, /usr/local/cuda, ``$CUDA_HOME``) but no usable GPU, where
+    kernelstudy builds only the CPU extension, which uses no CUDA; with a GPU it never appears.
+    Every other message of the import stays."""
+    with _without_no_cuda_runtime_line():
+        from torch.utils import cpp_extension as module
+    return module
 
 
 def csrc_dir() -> Path:
@@ -83,17 +123,13 @@ def _build_directory(name: str) -> str | None:
 
 def _lock_is_a_baton() -> bool:
     """Whether torch's build lock is a file that exists only while a build runs (FileBaton)."""
-    from torch.utils import cpp_extension
-
-    return hasattr(cpp_extension, "FileBaton")
+    return hasattr(cpp_extension(), "FileBaton")
 
 
 def _torch_build_directory(name: str) -> str | None:
     """Where torch builds ``name`` when no build directory is given (None if unknown)."""
     try:
-        from torch.utils.cpp_extension import _get_build_directory
-
-        return _get_build_directory(name, verbose=False)
+        return cpp_extension()._get_build_directory(name, verbose=False)
     except Exception:  # private torch API: no directory if it changed
         return None
 
@@ -158,11 +194,10 @@ def _missing_tool(cuda: bool) -> str | None:
         return f"no C++ compiler ({compiler!r} not on PATH; set CXX)"
     if cuda:
         import torch
-        from torch.utils import cpp_extension
 
         if torch.version.cuda is None:
             return "this PyTorch build has no CUDA"
-        if cpp_extension.CUDA_HOME is None:
+        if cpp_extension().CUDA_HOME is None:
             return "no CUDA toolkit (nvcc) found; set CUDA_HOME"
     return None
 
@@ -209,13 +244,11 @@ def load_extension(
     reason = _missing_tool(cuda)
     if reason is None:
         try:
-            from torch.utils import cpp_extension
-
             build_directory = _build_directory(name)
             directory = build_directory or _torch_build_directory(name)
             with _build_lock(directory) as exclusive:
                 _remove_stale_lock(directory, exclusive)
-                module = cpp_extension.load(
+                module = cpp_extension().load(
                     name=name,
                     sources=[str(s) for s in sources],
                     extra_cflags=list(extra_cflags or []),
