@@ -652,3 +652,171 @@ def test_every_map_docstring_states_its_shapes(name):
     """elu, relu, identity, oglu and aoglu said nothing of their input and output shapes."""
     doc = get_feature_map_class(name).__doc__ or ""
     assert re.search(r"``\((B,H|\.\.\.), ?N, ?D\) → \((B,H|\.\.\.), ?N, ?[^)]+\)``", doc), name
+
+
+#: Maps and the hyperparameters (not visible in tensor shapes) that decide their tensors'
+#: values: the saved map's value, and another value that the load must refuse.
+DRAW_DEFINING = [
+    ("favor", "orthogonal", True, False),
+    ("favor", "row_norms", "chi", "sqrt_d"),
+    ("trig_rf", "orthogonal", True, False),
+    ("trig_rf", "row_norms", "chi", "sqrt_d"),
+    ("softplus_ffn", "orthogonal", True, False),
+]
+
+
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("name, hparam, saved_value, other", DRAW_DEFINING)
+def test_a_state_dict_refuses_a_map_built_with_other_draw_defining_hyperparameters(
+    name, hparam, saved_value, other, strict
+):
+    """An orthogonal FAVOR+ draw loaded silently into a map built with orthogonal=False (or
+    other row norms), whose config() then described a draw it did not hold."""
+    x = randn(1, H, 5, D)
+    saved = make(name, seed=3, **{hparam: saved_value})
+    target = make(name, seed=4, **{hparam: other})
+    before, config = target(x), target.config()
+    with pytest.raises(RuntimeError, match=rf"{hparam}={saved_value!r}.*{hparam}={other!r}"):
+        target.load_state_dict(saved.state_dict(), strict=strict)
+    # nothing was loaded: the map still holds what its config names
+    assert target.config() == config
+    torch.testing.assert_close(target(x), before, rtol=0, atol=0)
+    torch.testing.assert_close(ks.create_feature_map(config)(x), before, rtol=0, atol=0)
+    # the same hyperparameters (another seed) load, and the config names the saved seed
+    same = make(name, seed=4, **{hparam: saved_value})
+    same.load_state_dict(saved.state_dict(), strict=strict)
+    assert same.config() == saved.config()
+    torch.testing.assert_close(same(x), saved(x), rtol=0, atol=0)
+    # state dicts saved before the config was recorded cannot be checked: they load as before
+    state = saved.state_dict()
+    state["_extra_state"] = {k: v for k, v in state["_extra_state"].items() if k != "config"}
+    old = make(name, seed=4, **{hparam: other})
+    old.load_state_dict(state, strict=strict)
+    assert old.config()["seed"] == 3
+    torch.testing.assert_close(old(x), saved(x), rtol=0, atol=0)
+
+
+def test_hyperparameters_that_leave_the_draw_alone_still_load_across():
+    """iid rows ignore row_norms, and stabilize, hyperbolic, redraw_every and reg_weight only
+    use the tensors: a state dict loads across them."""
+    x = randn(1, H, 5, D)
+    iid = make("favor", orthogonal=False, row_norms="chi", seed=1)
+    other = make("favor", orthogonal=False, row_norms="sqrt_d", seed=2)
+    other.load_state_dict(iid.state_dict())
+    torch.testing.assert_close(ks.create_feature_map(other.config())(x), iid(x), rtol=0, atol=0)
+    pairs = [
+        ("favor", {"stabilize": False, "hyperbolic": True, "redraw_every": 3}),
+        ("trig_rf", {"stabilize": False}),
+        ("softplus_ffn", {"reg_weight": 0.5}),
+        ("oglu", {"reg_weight": 0.5}),
+        ("hedgehog", {"stabilize": False}),
+    ]
+    for name, changed in pairs:
+        target = make(name, **changed)
+        target.load_state_dict(make(name).state_dict())
+        assert {k: target.config()[k] for k in changed} == changed
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if get_feature_map_class(n).trainable])
+def test_trained_weights_load_into_a_map_of_the_same_config(name, tmp_path):
+    """Trained weights load into a map rebuilt from the config, and into one built with
+    another seed, whose config() then names the saved map's seed (it named its own)."""
+    x = randn(2, H, 5, D)
+    seeded = "seed" in get_feature_map_class(name).hyperparameters
+    trained = make(name, **({"seed": 3} if seeded else {}))
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    torch.save(trained.state_dict(), tmp_path / "map.pt")
+    state = torch.load(tmp_path / "map.pt", weights_only=True)
+    rebuilt = ks.create_feature_map(trained.config())
+    rebuilt.load_state_dict(state)
+    torch.testing.assert_close(rebuilt(x), trained(x), rtol=0, atol=0)
+    if not seeded:
+        assert "_extra_state" not in state  # nothing to carry: the keys are as they were
+        return
+    other = make(name, seed=9)
+    other.load_state_dict(state)
+    assert other.config() == trained.config() and other.config()["seed"] == 3
+    torch.testing.assert_close(other(x), trained(x), rtol=0, atol=0)
+    # a state dict saved before the config was recorded (no extra state) loads strictly
+    legacy = {k: v for k, v in state.items() if not k.endswith("_extra_state")}
+    again = make(name, seed=9)
+    again.load_state_dict(legacy)
+    torch.testing.assert_close(again(x), trained(x), rtol=0, atol=0)
+    assert again.config()["seed"] == 9  # nothing says otherwise
+
+
+@pytest.mark.parametrize("name", ["favor", "trig_rf"])
+def test_a_redrawn_map_saves_and_loads_its_current_draw(name):
+    """After redraw(seed=5) config() names seed 5; its state loads into a map built with the
+    first seed (adopting 5), and into the map its config() rebuilds."""
+    x = randn(1, H, 5, D)
+    fm = make(name, seed=0, orthogonal=True)
+    fm.redraw(seed=5)
+    assert fm.config()["seed"] == 5
+    for target in (make(name, seed=0, orthogonal=True), ks.create_feature_map(fm.config())):
+        target.load_state_dict(fm.state_dict())
+        assert target.config() == fm.config()
+        torch.testing.assert_close(target(x), fm(x), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="orthogonal=True"):
+        make(name, seed=5, orthogonal=False).load_state_dict(fm.state_dict())
+
+
+def test_a_model_state_dict_round_trips_and_names_the_layer_that_does_not_fit():
+    """Every layer's map carries its config: a model rebuilt from model.config() loads (each
+    map adopting its layer's seed); one built with iid FAVOR+ refuses, naming the layer."""
+    small = {"d_model": 16, "n_heads": 2, "n_layers": 2, "d_ff": 32, "dropout": 0.0}
+    ids = torch.randint(0, 20, (2, 7))
+    for fm_name, kwargs in (
+        ("favor", {"num_features": 8, "orthogonal": True}),
+        ("glu", {"depth": 2}),
+        ("softplus_ffn", {}),
+    ):
+        model = ks.nn.CausalLM(20, feature_map=fm_name, feature_map_kwargs=kwargs, **small)
+        model.eval()
+        rebuilt = type(model)(**model.config()).eval()  # no seed: other draws per layer
+        rebuilt.load_state_dict(model.state_dict())
+        maps = [m for m in model.modules() if isinstance(m, ks.FeatureMap)]
+        again = [m for m in rebuilt.modules() if isinstance(m, ks.FeatureMap)]
+        assert [m.config() for m in again] == [m.config() for m in maps]
+        torch.testing.assert_close(rebuilt(ids), model(ids), rtol=0, atol=0)
+        legacy = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+        type(model)(**model.config()).load_state_dict(legacy)  # older checkpoints, strict
+    kwargs = {"num_features": 8, "orthogonal": True}
+    model = ks.nn.CausalLM(20, feature_map="favor", feature_map_kwargs=kwargs, **small)
+    iid = ks.nn.CausalLM(
+        20, feature_map="favor", feature_map_kwargs={**kwargs, "orthogonal": False}, **small
+    )
+    with pytest.raises(RuntimeError, match=r"layers\.1\.attn\.feature_map.*orthogonal"):
+        iid.load_state_dict(model.state_dict())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "name, kw", [("softplus_ffn", {}), ("glu", {"depth": 3}), ("oglu", {"depth": 2}), ("aoglu", {})]
+)
+def test_learned_features_of_half_inputs_are_computed_in_float32(name, kw, dtype):
+    """σ(z) and softplus(z) of a negative z are about e^z, and a half z is off by up to
+    |z|/256 (bfloat16): features were up to 4% off at |x| ≈ 3, attention at |x| ≈ 100 (D=64)
+    0.04 (one GLU unit) to 0.14 (three) off, also under autocast. Now: the float32 features
+    rounded once."""
+    fm = make(name, seed=0, **kw)
+    with torch.no_grad():
+        for p in fm.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    exact_map = ks.create_feature_map(fm.config()).double()
+    exact_map.load_state_dict(fm.state_dict())
+    for scale in (3.0, 30.0):
+        x = randn(2, H, 64, D, scale=scale).to(dtype)
+        got, exact = fm(x), exact_map(x.double())
+        assert got.dtype == dtype
+        # far from underflow in dtype, and in float32, which shares bfloat16's range
+        tiny = max(torch.finfo(dtype).tiny, torch.finfo(torch.float32).tiny * 2**24)
+        normal = exact.abs() >= tiny
+        rel = ((got.double() - exact).abs() / exact.abs())[normal].max()
+        assert rel <= (2**-8 if dtype == torch.bfloat16 else 2**-11) * 1.01, scale
+    x = randn(2, H, 9, D, scale=3.0)
+    with torch.autocast("cpu", dtype=dtype):  # the float32 features, as without autocast
+        cast = fm(x)
+    assert cast.dtype == torch.float32 and torch.equal(cast, fm(x))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -86,6 +87,11 @@ def resolve_seed(seed: Any) -> Any:
     return seed
 
 
+def compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """At least float32 (half inputs are computed in float32), float64 if either is."""
+    return torch.promote_types(torch.promote_types(x.dtype, weight.dtype), torch.float32)
+
+
 #: The ``seed`` hyperparameter of every map with random draws or a random init.
 SEED = Hyperparameter(
     int,
@@ -117,6 +123,10 @@ class FeatureMap(nn.Module):
     #: first of ``kernelstudy.analysis.matching.SIZE_KNOBS`` the map has, if any)
     size_hyperparameter: ClassVar[str | None] = None
     hyperparameters: ClassVar[dict[str, Hyperparameter]] = {}
+    #: hyperparameters that decide the values of the saved tensors (how they are drawn or
+    #: initialized) without showing in their shapes: a state dict loads only into a map that
+    #: agrees on them (``seed`` is not one: a load adopts the saved seed)
+    state_hyperparameters: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, head_dim: int, num_heads: int = 1, **hparams: Any) -> None:
         super().__init__()
@@ -209,6 +219,119 @@ class FeatureMap(nn.Module):
             **self.hparams,
         }
 
+    @classmethod
+    def state_hparams(cls, hparams: Mapping[str, Any]) -> dict[str, Any]:
+        """The entries of ``hparams`` (a map's, or a saved config's) that its tensors' values
+        depend on: those of ``state_hyperparameters`` that it has."""
+        return {k: hparams[k] for k in cls.state_hyperparameters if k in hparams}
+
+    @property
+    def _has_extra_state(self) -> bool:
+        """Whether the state dict carries this map's config (maps with a seed or
+        ``state_hyperparameters``; others keep the keys they always had)."""
+        return "seed" in self.hparams or bool(self.state_hyperparameters)
+
+    def get_extra_state(self) -> dict[str, Any]:
+        """Saved in the state dict of maps with a seed or ``state_hyperparameters``: the seed
+        of the tensors held and the map's ``config()``. A load adopts the seed (so
+        ``config()`` names the tensors held) and refuses other ``state_hyperparameters``."""
+        state: dict[str, Any] = {"config": self.config()}
+        if "seed" in self.hparams:
+            state["seed"] = self.hparams["seed"]
+        return state
+
+    #: the keys that the saved extra state must have (older state dicts lack ``config``)
+    _extra_state_keys: ClassVar[tuple[str, ...]] = ()
+
+    def _checked_extra_state(self, state: Any) -> dict[str, Any]:
+        """``state`` if it is an extra state this map can load, else ValueError."""
+        keys = self._extra_state_keys
+        if (
+            not isinstance(state, dict)
+            or not set(keys) <= set(state)
+            or not isinstance(state.get("config", {}), dict)
+        ):
+            needs = f" with {', '.join(map(repr, keys))}" if keys else ""
+            raise ValueError(
+                f"{type(self).__name__}: the state dict's extra state must be a dict{needs} "
+                f"(and the saved map's 'config' dict), got {state!r}"
+            )
+        return state
+
+    def set_extra_state(self, state: Any) -> None:
+        """Adopt the saved seed (the saved config was checked by the load)."""
+        state = self._checked_extra_state(state)
+        if "seed" in self.hparams and "seed" in state:
+            self.hparams["seed"] = self.hyperparameters["seed"].validate("seed", state["seed"])
+
+    def _save_to_state_dict(
+        self, destination: dict[str, Any], prefix: str, keep_vars: bool
+    ) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if not self._has_extra_state and type(self).get_extra_state is FeatureMap.get_extra_state:
+            del destination[prefix + "_extra_state"]  # (a map's own extra state stays)
+
+    def _state_mismatch(self, saved: dict[str, Any]) -> str | None:
+        """Why this map cannot hold the tensors of the map whose config is ``saved`` (its
+        ``state_hyperparameters`` differ), or None."""
+        ours, theirs = self.state_hparams(self.hparams), self.state_hparams(saved)
+        differ = [k for k in ours if k in theirs and ours[k] != theirs[k]]
+        if not differ:
+            return None
+        saved_values = ", ".join(f"{k}={theirs[k]!r}" for k in differ)
+        return (
+            f"the saved tensors were drawn or initialized by {saved.get('name', 'a map')} "
+            f"with {saved_values}, but this {type(self).__name__} was built with "
+            + ", ".join(f"{k}={ours[k]!r}" for k in differ)
+            + f" (its config() would describe other tensors): create it with {saved_values}"
+        )
+
+    def _tensors_fit(self, state_dict: Mapping[str, Any], prefix: str) -> bool:
+        """Whether ``state_dict`` holds every saved tensor of this map (its submodules' too)
+        at its shape, so that the load replaces them all."""
+        return all(
+            torch.is_tensor(saved := state_dict.get(prefix + key)) and saved.shape == t.shape
+            for key, t in self.state_dict(keep_vars=True).items()
+            if torch.is_tensor(t)
+        )
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        """Load as ``nn.Module`` does, but: a saved config whose ``state_hyperparameters``
+        differ adds an error and loads nothing of this map's own; the saved seed is adopted
+        only when every tensor loads; a missing extra state (state dicts saved before it
+        existed, maps that carry none) is allowed."""
+        key = prefix + "_extra_state"
+        if key in state_dict and self._has_extra_state:  # refused before anything loads
+            saved = self._checked_extra_state(state_dict[key])
+            why = self._state_mismatch(saved.get("config", {}))
+            if why is not None:
+                error_msgs.append(f"{prefix.rstrip('.') or 'the feature map'}: {why}")
+                return
+        before = self.get_extra_state() if self._has_extra_state else None
+        fits = self._tensors_fit(state_dict, prefix)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        if key in missing_keys:
+            missing_keys.remove(key)
+        if not fits and before is not None:
+            # the tensors were not all loaded (a size mismatch, or missing with strict=False):
+            # keep the seed that names the tensors still held
+            self.set_extra_state(before)
+        self._state_loaded(fits)
+
+    def _state_loaded(self, loaded: bool) -> None:
+        """Called at the end of a load: ``loaded`` says every tensor was replaced."""
+
     def regularization(self) -> torch.Tensor:
         """A scalar penalty to add to the training loss (0 for maps without one)."""
         ref = next(iter(self.parameters()), None)
@@ -279,47 +402,21 @@ class RandomFeatureMap(FeatureMap):
         self.calls_since_draw = 0
         self.drawn = True
 
-    def get_extra_state(self) -> dict[str, int]:
-        """Saved in the state dict: the seed of the current draw and the query calls since,
-        so that a loaded map's ``config()`` names the features it holds and a resumed
-        training redraws where the original would have."""
-        return {"seed": int(self.hparams["seed"]), "calls_since_draw": int(self.calls_since_draw)}
+    _extra_state_keys: ClassVar[tuple[str, ...]] = ("seed", "calls_since_draw")
+
+    def get_extra_state(self) -> dict[str, Any]:
+        """Saved in the state dict: the seed of the current draw, the query calls since
+        and the config, so that a loaded map's ``config()`` names the features it holds and
+        a resumed training redraws where the original would have."""
+        return {**super().get_extra_state(), "calls_since_draw": int(self.calls_since_draw)}
 
     def set_extra_state(self, state: Any) -> None:
-        if not isinstance(state, dict) or not {"seed", "calls_since_draw"} <= set(state):
-            raise ValueError(
-                f"{type(self).__name__}: the state dict's extra state must be a dict with "
-                f"'seed' and 'calls_since_draw', got {state!r}"
-            )
-        self.hparams["seed"] = self.hyperparameters["seed"].validate("seed", state["seed"])
+        super().set_extra_state(state)
         self.calls_since_draw = int(state["calls_since_draw"])
 
-    def _load_from_state_dict(
-        self,
-        state_dict: dict[str, Any],
-        prefix: str,
-        local_metadata: dict[str, Any],
-        strict: bool,
-        missing_keys: list[str],
-        unexpected_keys: list[str],
-        error_msgs: list[str],
-    ) -> None:
-        before = (self.hparams["seed"], self.calls_since_draw)
-        errors = len(error_msgs)
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
-        key = prefix + "_extra_state"
-        if key in missing_keys:  # saved before the seed was recorded: allowed
-            missing_keys.remove(key)
-        saved = [n for n in self._buffers if n not in self._non_persistent_buffers_set]
-        saved += list(self._parameters)
-        if len(error_msgs) > errors or any(prefix + n in missing_keys for n in saved):
-            # the draw was not loaded (a size mismatch, or missing with strict=False): keep
-            # the seed that names the features still held
-            self.hparams["seed"], self.calls_since_draw = before
-            return
-        self.drawn = True  # the buffers hold a saved draw
+    def _state_loaded(self, loaded: bool) -> None:
+        if loaded:
+            self.drawn = True  # the buffers hold a saved draw
 
     def maybe_redraw(self, is_query: bool) -> None:
         """Count a query call in training mode and redraw when ``redraw_every`` calls are done.

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
 
 from ..core.validation import autocast_off
-from .base import Hyperparameter, RandomFeatureMap
+from .base import Hyperparameter, RandomFeatureMap, compute_dtype
 from .orthogonal import ROW_NORMS, gaussian_projection
 from .registry import register_feature_map
-from .softmax_kernel import ExpFeatures, compute_dtype, softmax_kernel
+from .softmax_kernel import ExpFeatures, softmax_kernel
 
 #: Hyperparameters shared by the random-feature maps of the softmax kernel.
 PROJECTION_HPARAMS: dict[str, Hyperparameter] = {
@@ -43,6 +44,17 @@ class SoftmaxRandomFeatures(ExpFeatures, RandomFeatureMap):
 
     Inputs are scaled as x̂ = x / D^{1/4}, so that exp(q̂·k̂) = exp(q·k/√D).
     """
+
+    state_hyperparameters: ClassVar[tuple[str, ...]] = ("orthogonal", "row_norms")
+
+    @classmethod
+    def state_hparams(cls, hparams: Mapping[str, Any]) -> dict[str, Any]:
+        """``orthogonal`` and ``row_norms``, the latter only for orthogonal rows (iid rows
+        ignore it)."""
+        found = super().state_hparams(hparams)
+        if found.get("orthogonal") is False:
+            found.pop("row_norms", None)
+        return found
 
     def __init__(self, head_dim: int, num_heads: int = 1, **hparams: Any) -> None:
         super().__init__(head_dim, num_heads, **hparams)

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import SEED, HeadwiseFeatureMap, Hyperparameter
+from ..core.validation import autocast_off
+from .base import SEED, HeadwiseFeatureMap, Hyperparameter, compute_dtype
 from .orthogonal import orthogonal_init_, orthogonality_penalty
 from .registry import register_feature_map
 from .softplus_ffn import REG_WEIGHT, SHARED, YORSH_KOVALENKO
@@ -87,13 +88,19 @@ class GLUFeatureMap(HeadwiseFeatureMap):
         return self.head_dim
 
     def features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
-        for i, unit in enumerate(self.units):
-            value = self.headwise(x, unit.w_f.to(x.dtype))
-            gate = torch.sigmoid(self.headwise(x, unit.gate_weight().to(x.dtype)))
-            if i == len(self.units) - 1:
-                value = F.softplus(value)
-            x = value * gate
-        return x
+        """Computed in at least float32 with autocast off, returned in ``x``'s dtype: σ(z) and
+        softplus(z) of a negative z are about e^z, and a bfloat16 z is off by up to |z|/256
+        (z ≈ −30: features 6% off from that rounding alone)."""
+        dtype = compute_dtype(x, self.units[0].w_f)
+        with autocast_off(x):
+            h = x.to(dtype)
+            for i, unit in enumerate(self.units):
+                value = self.headwise(h, unit.w_f.to(dtype))
+                gate = torch.sigmoid(self.headwise(h, unit.gate_weight().to(dtype)))
+                if i == len(self.units) - 1:
+                    value = F.softplus(value)
+                h = value * gate
+        return h.to(x.dtype)
 
 
 @register_feature_map("oglu")

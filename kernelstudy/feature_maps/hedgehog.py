@@ -7,9 +7,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from .base import HeadwiseFeatureMap, Hyperparameter
+from .base import HeadwiseFeatureMap, Hyperparameter, compute_dtype
 from .registry import register_feature_map
-from .softmax_kernel import ExpFeatures, compute_dtype
+from .softmax_kernel import ExpFeatures
 
 
 @register_feature_map("hedgehog")

@@ -14,11 +14,6 @@ def softmax_kernel(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.exp(x @ y.transpose(-1, -2) / x.shape[-1] ** 0.5)
 
 
-def compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
-    """At least float32 (half inputs are computed in float32), float64 if either is."""
-    return torch.promote_types(torch.promote_types(x.dtype, weight.dtype), torch.float32)
-
-
 def stabilizer(logits: torch.Tensor, is_query: bool, dtype: torch.dtype) -> torch.Tensor:
     """The shift to subtract from ``logits: (..., N, F)`` before ``exp`` into ``dtype``.
 

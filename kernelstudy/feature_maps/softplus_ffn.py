@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import SEED, HeadwiseFeatureMap, Hyperparameter
+from ..core.validation import autocast_off
+from .base import SEED, HeadwiseFeatureMap, Hyperparameter, compute_dtype
 from .orthogonal import orthogonal_init_, orthogonality_penalty
 from .registry import register_feature_map
 
@@ -41,6 +42,7 @@ class SoftplusFFNFeatureMap(HeadwiseFeatureMap):
         "shared": SHARED,
         "seed": SEED,
     }
+    state_hyperparameters: ClassVar[tuple[str, ...]] = ("orthogonal",)  # W's initialization
 
     def __init__(self, head_dim: int, num_heads: int = 1, **hparams: Any) -> None:
         super().__init__(head_dim, num_heads, **hparams)
@@ -57,7 +59,11 @@ class SoftplusFFNFeatureMap(HeadwiseFeatureMap):
         return self.head_dim
 
     def features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
-        return F.softplus(self.headwise(x, self.weight.to(x.dtype)))
+        """Computed in at least float32 with autocast off, returned in ``x``'s dtype
+        (softplus(z) ≈ e^z for negative z: a bfloat16 z is off by up to |z|/256)."""
+        dtype = compute_dtype(x, self.weight)
+        with autocast_off(x):
+            return F.softplus(self.headwise(x.to(dtype), self.weight.to(dtype))).to(x.dtype)
 
     def regularization(self) -> torch.Tensor:
         """``reg_weight``·‖WᵀW − I‖²_F, a scalar (≈ 0 at the orthogonal init)."""
