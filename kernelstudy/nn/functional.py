@@ -93,9 +93,10 @@ def kernel_attention(
     float16 inputs are mapped and attended in float32 (with autocast off) and the output
     cast back: the gradient with respect to a feature grows as 1/normalizer and
     overflows float16 (to inf, then NaN through the map) where float32's stays small.
-    bfloat16 keeps its dtype (float32's range). The built-in maps compute their
-    features in at least float32 with autocast off; under autocast, a user's map with
-    linear layers may return features in the autocast dtype: they are cast to ``v``'s dtype.
+    bfloat16 keeps its dtype (float32's range). The built-in maps with weights compute
+    their features in at least float32 with autocast off; under autocast, a user's map
+    with linear layers may return features in the autocast dtype: they are cast to ``v``'s
+    dtype.
     """
     check_qkv(q, k, v, names=("q", "k", "v"), causal=causal)
     dtype = q.dtype
