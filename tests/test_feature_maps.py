@@ -820,3 +820,23 @@ def test_learned_features_of_half_inputs_are_computed_in_float32(name, kw, dtype
     with torch.autocast("cpu", dtype=dtype):  # the float32 features, as without autocast
         cast = fm(x)
     assert cast.dtype == torch.float32 and torch.equal(cast, fm(x))
+
+
+@pytest.mark.parametrize(
+    ("saved", "into"),
+    [("glu", "oglu"), ("oglu", "glu"), ("favor", "trig_rf"), ("glu", "softplus_ffn")],
+)
+def test_a_state_dict_of_another_registered_map_is_refused(saved, into):
+    """glu and oglu (and favor and trig_rf) hold tensors of the same shapes: one's state
+    loaded into the other, whose config() then named a map those tensors were not of."""
+    kwargs = {"num_features": 8} if saved == "favor" else {}
+    source = ks.create_feature_map(saved, head_dim=8, seed=0, **kwargs)
+    target = ks.create_feature_map(into, head_dim=8, seed=1, **kwargs)
+    with pytest.raises(
+        RuntimeError, match=f"the saved tensors are those of feature map '{saved}', but this is"
+    ):
+        target.load_state_dict(source.state_dict(), strict=False)
+    assert target.hparams["seed"] == 1
+    twin = ks.create_feature_map(saved, head_dim=8, seed=1, **kwargs)
+    twin.load_state_dict(source.state_dict())  # the same map loads, adopting the seed
+    assert twin.hparams["seed"] == 0

@@ -272,8 +272,17 @@ class FeatureMap(nn.Module):
             del destination[prefix + "_extra_state"]  # (a map's own extra state stays)
 
     def _state_mismatch(self, saved: dict[str, Any]) -> str | None:
-        """Why this map cannot hold the tensors of the map whose config is ``saved`` (its
-        ``state_hyperparameters`` differ), or None."""
+        """Why this map cannot hold the tensors of the map whose config is ``saved`` (another
+        registered map, or ``state_hyperparameters`` that differ), or None. A user's map
+        (``"module:Class"``) is not checked by name: a class moved to another module still
+        loads its saved states."""
+        name, saved_name = self.config()["name"], saved.get("name")
+        registered = isinstance(saved_name, str) and ":" not in name + saved_name
+        if registered and saved_name != name:  # glu into oglu, favor into trig_rf: same shapes
+            return (
+                f"the saved tensors are those of feature map {saved_name!r}, but this is a "
+                f"{name!r} map ({type(self).__name__}): create a {saved_name!r} map"
+            )
         ours, theirs = self.state_hparams(self.hparams), self.state_hparams(saved)
         differ = [k for k in ours if k in theirs and ours[k] != theirs[k]]
         if not differ:
