@@ -143,7 +143,7 @@ def summarize(frame: pd.DataFrame, params: dict) -> str:
 
 
 def figures(frame: pd.DataFrame, params: dict) -> dict:
-    title = f"linear attention: map {map_label(params['feature_map'])}"
+    title = f"feature map of the linear run: {map_label(params['feature_map'])}"
     rows = frame.dropna(subset=["value"])
     figs = {}
     for metric in ("tokens_per_s", "state_mb"):

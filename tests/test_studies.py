@@ -1510,7 +1510,7 @@ def test_generation_study_runs_a_map_table(tmp_path, monkeypatch, one_thread, ca
     assert (state > elu[elu.metric == "state_mb"].value.to_numpy()).all()
     figures = gen.figures(rows, params)
     assert figures["generation_tokens_per_s"]._suptitle.get_text() == (
-        f"linear attention: map {FAVOR_LABEL}"
+        f"feature map of the linear run: {FAVOR_LABEL}"
     )
     for fig in figures.values():
         ks.analysis.plots.close(fig)
