@@ -840,3 +840,147 @@ def test_a_state_dict_of_another_registered_map_is_refused(saved, into):
     twin = ks.create_feature_map(saved, head_dim=8, seed=1, **kwargs)
     twin.load_state_dict(source.state_dict())  # the same map loads, adopting the seed
     assert twin.hparams["seed"] == 0
+
+
+@pytest.mark.parametrize("assign", [False, True])
+@pytest.mark.parametrize(("saved", "into"), [("glu", "oglu"), ("oglu", "glu"), ("aoglu", "oglu")])
+def test_a_refused_state_dict_loads_none_of_the_maps_submodules(saved, into, assign):
+    """The GLU family keeps its weights in submodules (``units.0.w_f``), which torch loads
+    after the map itself: glu's state into an oglu map was refused, yet the oglu map then held
+    glu's weights under its own config (and aoglu's w_f, with errors about its gate's keys)."""
+    x = randn(2, H, 5, D)
+    source, target = make(saved, seed=0), make(into, seed=1)
+    before, config = target(x), target.config()
+    tensors = list(target.parameters())
+    with pytest.raises(RuntimeError) as err:
+        target.load_state_dict(source.state_dict(), strict=False, assign=assign)
+    lines = str(err.value).splitlines()[1:]
+    assert len(lines) == 1 and f"are those of feature map '{saved}'" in lines[0], lines
+    assert target.config() == config
+    torch.testing.assert_close(target(x), before, rtol=0, atol=0)
+    assert all(a is b for a, b in zip(tensors, target.parameters(), strict=True))  # optimizers
+    # in a model: each layer's map keeps its weights
+    small = {"d_model": 16, "n_heads": 2, "n_layers": 2, "d_ff": 32, "dropout": 0.0}
+    model = ks.nn.CausalLM(20, feature_map=into, **small)
+    maps = [m for m in model.modules() if isinstance(m, ks.FeatureMap)]
+    held = [{k: v.clone() for k, v in m.state_dict().items() if torch.is_tensor(v)} for m in maps]
+    other = ks.nn.CausalLM(20, feature_map=saved, **small)
+    with pytest.raises(RuntimeError, match=r"layers\.1\.attn\.feature_map: the saved tensors"):
+        model.load_state_dict(other.state_dict(), assign=assign)
+    for fm, kept in zip(maps, held, strict=True):
+        now = fm.state_dict()
+        assert all(torch.equal(now[k], v) for k, v in kept.items())
+
+
+class CountingMap(ks.FeatureMap):
+    """A user's seeded map with its own extra state: an int (how often it was called)."""
+
+    hyperparameters = {"seed": ks.feature_maps.base.SEED}
+
+    def __init__(self, head_dim, num_heads=1, **hparams):
+        super().__init__(head_dim, num_heads, **hparams)
+        generator = torch.Generator().manual_seed(self.hparams["seed"])
+        self.weight = torch.nn.Parameter(torch.randn(head_dim, head_dim, generator=generator))
+        self.calls = 0
+
+    @property
+    def feature_dim(self):
+        return self.head_dim
+
+    def features(self, x, is_query):
+        self.calls += 1
+        return torch.nn.functional.softplus(x @ self.weight)
+
+    def get_extra_state(self):
+        return self.calls
+
+    def set_extra_state(self, state):
+        self.calls = int(state)
+
+
+def test_a_users_map_with_its_own_extra_state_still_loads():
+    """A user's map with a seed and its own get/set_extra_state (an int) was refused with
+    'the state dict's extra state must be a dict': the load checked the format of
+    FeatureMap's extra state before the map's own set_extra_state could take it."""
+    x = randn(1, H, 3, D)
+    saved, loaded = CountingMap(D, seed=1), CountingMap(D, seed=2)
+    saved(x), saved(x)
+    state = saved.state_dict()
+    assert state["_extra_state"] == 2
+    loaded.load_state_dict(state)
+    assert loaded.calls == 2
+    torch.testing.assert_close(loaded(x), saved(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["elu", "identity", "hedgehog"])
+def test_an_extra_state_given_to_a_map_without_one_is_an_unexpected_key(name):
+    """Every FeatureMap defines set_extra_state, so torch gave an ``_extra_state`` to maps
+    that save none (elu, hedgehog) and reported nothing: a strict load of another map's
+    state dict (a seeded map's, of a model with other maps) passed with that key unused."""
+    fm = make(name)
+    state = {**fm.state_dict(), "_extra_state": make("favor").state_dict()["_extra_state"]}
+    with pytest.raises(RuntimeError, match=r'Unexpected key\(s\) in state_dict: "_extra_state"'):
+        fm.load_state_dict(state)
+    assert fm.load_state_dict(state, strict=False).unexpected_keys == ["_extra_state"]
+    fm.load_state_dict(fm.state_dict())  # its own state dict has no such key
+    assert "_extra_state" not in fm.state_dict()
+
+
+class SubclassedFavor(ks.feature_maps.favor.FavorFeatureMap):
+    """A user's subclass of a registered map: its config names it ``module:Class``."""
+
+
+class SubclassedOGLU(ks.feature_maps.glu.OGLUFeatureMap):
+    """A user's subclass of oglu, a registered subclass of glu."""
+
+
+def test_a_users_subclass_of_a_registered_map_is_checked_as_that_map():
+    """A subclass of favor (config name ``module:Class``) was not checked by name, so it
+    loaded trig_rf's projection (and a subclass of oglu glu's weights) under its own config.
+    It loads its parent's state, and its parent loads its state, as before."""
+    x = randn(1, H, 5, D)
+    kwargs = {"num_features": 16}
+    mine = SubclassedFavor(D, H, seed=1, **kwargs)
+    assert mine.config()["name"] == f"{__name__}:SubclassedFavor"
+    trig = make("trig_rf", seed=2, **kwargs)
+    with pytest.raises(
+        RuntimeError,
+        match=r"are those of feature map 'trig_rf', but this is a '.*:SubclassedFavor' map "
+        r"\(SubclassedFavor, a subclass of 'favor'\)",
+    ):
+        mine.load_state_dict(trig.state_dict())
+    assert mine.config()["seed"] == 1
+    torch.testing.assert_close(mine(x), SubclassedFavor(D, H, seed=1, **kwargs)(x))
+    favor = make("favor", seed=3, **kwargs)
+    mine.load_state_dict(favor.state_dict())  # its parent's state
+    assert mine.config()["seed"] == 3
+    torch.testing.assert_close(mine(x), favor(x), rtol=0, atol=0)
+    mine.redraw(seed=4)
+    favor.load_state_dict(mine.state_dict())  # and the reverse
+    assert favor.config()["seed"] == 4
+    torch.testing.assert_close(favor(x), mine(x), rtol=0, atol=0)
+    oglu = SubclassedOGLU(D, H, seed=1)
+    with pytest.raises(RuntimeError, match="feature map 'glu', .* a subclass of 'oglu'"):
+        oglu.load_state_dict(make("glu", seed=2).state_dict())
+    oglu.load_state_dict(make("oglu", seed=2).state_dict())
+    assert oglu.config()["seed"] == 2
+
+
+@pytest.mark.parametrize("name", ["favor", "glu", "softplus_ffn"])
+def test_a_map_built_on_the_meta_device_loads_with_assign(name):
+    """``with torch.device("meta")`` (build without memory, then load_state_dict(...,
+    assign=True)) failed in __init__ for a map without an explicit seed: the seed was drawn
+    on the default device, and a meta tensor has no value ('Tensor.item() cannot be called
+    on meta tensors')."""
+    x = randn(1, H, 5, D)
+    saved = make(name, seed=3)
+    torch.manual_seed(0)
+    on_cpu = make(name).config()["seed"]
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        fm = make(name)
+    assert fm.config()["seed"] == on_cpu  # the CPU generator's draw, as without the context
+    assert all(t.is_meta for t in fm.state_dict().values() if torch.is_tensor(t))
+    fm.load_state_dict(saved.state_dict(), assign=True)
+    assert fm.config() == saved.config()
+    torch.testing.assert_close(fm(x), saved(x), rtol=0, atol=0)

@@ -77,11 +77,12 @@ class Hyperparameter:
 
 
 def resolve_seed(seed: Any) -> Any:
-    """An int seed from ``seed``: None draws one from torch's global RNG (so
-    ``torch.manual_seed`` makes it reproducible), a ``torch.Generator`` draws one
-    from that generator; anything else is returned for validation."""
+    """An int seed from ``seed``: None draws one from torch's global CPU RNG (so
+    ``torch.manual_seed`` makes it reproducible, whatever the default device: a map built
+    on the meta device too), a ``torch.Generator`` draws one from that generator; anything
+    else is returned for validation."""
     if seed is None:
-        return int(torch.randint(0, 2**31 - 1, ()))
+        return int(torch.randint(0, 2**31 - 1, (), device="cpu"))
     if isinstance(seed, torch.Generator):  # a CUDA generator draws on its own device
         return int(torch.randint(0, 2**31 - 1, (), generator=seed, device=seed.device))
     return seed
@@ -102,6 +103,16 @@ SEED = Hyperparameter(
     search=False,
     doc="seed of the random draws (None: draw one; the config records it)",
 )
+
+
+def _registered_name(cls: type) -> str | None:
+    """The registered name of ``cls`` or, for a class that is not registered itself, of the
+    nearest registered class it derives from; None if there is none."""
+    for base in cls.__mro__:
+        name = base.__dict__.get("name")
+        if isinstance(name, str) and name and ":" not in name:
+            return name
+    return None
 
 
 class FeatureMap(nn.Module):
@@ -227,9 +238,11 @@ class FeatureMap(nn.Module):
 
     @property
     def _has_extra_state(self) -> bool:
-        """Whether the state dict carries this map's config (maps with a seed or
-        ``state_hyperparameters``; others keep the keys they always had)."""
-        return "seed" in self.hparams or bool(self.state_hyperparameters)
+        """Whether the state dict carries an extra state for this map: its config (maps with a
+        seed or ``state_hyperparameters``), or a subclass's own ``get_extra_state``. Others
+        keep the keys they always had."""
+        own = type(self).get_extra_state is not FeatureMap.get_extra_state
+        return own or "seed" in self.hparams or bool(self.state_hyperparameters)
 
     def get_extra_state(self) -> dict[str, Any]:
         """Saved in the state dict of maps with a seed or ``state_hyperparameters``: the seed
@@ -243,8 +256,8 @@ class FeatureMap(nn.Module):
     #: the keys that the saved extra state must have (older state dicts lack ``config``)
     _extra_state_keys: ClassVar[tuple[str, ...]] = ()
 
-    def _checked_extra_state(self, state: Any) -> dict[str, Any]:
-        """``state`` if it is an extra state this map can load, else ValueError."""
+    def set_extra_state(self, state: Any) -> None:
+        """Adopt the saved seed (the saved config was checked by the load)."""
         keys = self._extra_state_keys
         if (
             not isinstance(state, dict)
@@ -256,11 +269,6 @@ class FeatureMap(nn.Module):
                 f"{type(self).__name__}: the state dict's extra state must be a dict{needs} "
                 f"(and the saved map's 'config' dict), got {state!r}"
             )
-        return state
-
-    def set_extra_state(self, state: Any) -> None:
-        """Adopt the saved seed (the saved config was checked by the load)."""
-        state = self._checked_extra_state(state)
         if "seed" in self.hparams and "seed" in state:
             self.hparams["seed"] = self.hyperparameters["seed"].validate("seed", state["seed"])
 
@@ -268,20 +276,23 @@ class FeatureMap(nn.Module):
         self, destination: dict[str, Any], prefix: str, keep_vars: bool
     ) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        if not self._has_extra_state and type(self).get_extra_state is FeatureMap.get_extra_state:
-            del destination[prefix + "_extra_state"]  # (a map's own extra state stays)
+        if not self._has_extra_state:
+            del destination[prefix + "_extra_state"]
 
     def _state_mismatch(self, saved: dict[str, Any]) -> str | None:
         """Why this map cannot hold the tensors of the map whose config is ``saved`` (another
-        registered map, or ``state_hyperparameters`` that differ), or None. A user's map
-        (``"module:Class"``) is not checked by name: a class moved to another module still
-        loads its saved states."""
+        registered map, or ``state_hyperparameters`` that differ), or None. A saved user's map
+        (``"module:Class"``) is not checked by name (a class moved to another module still
+        loads its saved states), nor is a user's map that subclasses no registered map; a
+        user's subclass of a registered map is checked as that map."""
         name, saved_name = self.config()["name"], saved.get("name")
-        registered = isinstance(saved_name, str) and ":" not in name + saved_name
-        if registered and saved_name != name:  # glu into oglu, favor into trig_rf: same shapes
+        kind = _registered_name(type(self))  # a user's subclass of oglu is checked as an oglu
+        registered = isinstance(saved_name, str) and ":" not in saved_name
+        if registered and kind not in (None, saved_name):  # glu into oglu, favor into trig_rf
+            parent = "" if kind == name else f", a subclass of {kind!r}"
             return (
                 f"the saved tensors are those of feature map {saved_name!r}, but this is a "
-                f"{name!r} map ({type(self).__name__}): create a {saved_name!r} map"
+                f"{name!r} map ({type(self).__name__}{parent}): create a {saved_name!r} map"
             )
         ours, theirs = self.state_hparams(self.hparams), self.state_hparams(saved)
         differ = [k for k in ours if k in theirs and ours[k] != theirs[k]]
@@ -314,18 +325,29 @@ class FeatureMap(nn.Module):
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
-        """Load as ``nn.Module`` does, but: a saved config whose ``state_hyperparameters``
-        differ adds an error and loads nothing of this map's own; the saved seed is adopted
-        only when every tensor loads; a missing extra state (state dicts saved before it
-        existed, maps that carry none) is allowed."""
+        """Load as ``nn.Module`` does, but: a saved config naming another registered map or
+        other ``state_hyperparameters`` adds an error and loads nothing of this map (its
+        submodules' tensors neither); the saved seed is adopted only when every tensor loads;
+        a missing extra state (state dicts saved before it existed) is allowed, and one given
+        to a map without extra state is an unexpected key, as for any module."""
         key = prefix + "_extra_state"
-        if key in state_dict and self._has_extra_state:  # refused before anything loads
-            saved = self._checked_extra_state(state_dict[key])
-            why = self._state_mismatch(saved.get("config", {}))
+        if not self._has_extra_state:
+            if key in state_dict:  # (torch calls set_extra_state of every FeatureMap)
+                del state_dict[key]
+                if strict:
+                    unexpected_keys.append(key)
+        else:  # refused before anything loads
+            saved = state_dict.get(key)
+            config = saved.get("config") if isinstance(saved, dict) else None
+            why = self._state_mismatch(config) if isinstance(config, dict) else None
             if why is not None:
                 error_msgs.append(f"{prefix.rstrip('.') or 'the feature map'}: {why}")
+                # the submodules load next, from state_dict: they get back what they hold
+                for k in [k for k in state_dict if k.startswith(prefix)]:
+                    del state_dict[k]
+                state_dict.update(self.state_dict(prefix=prefix, keep_vars=True))
                 return
-        before = self.get_extra_state() if self._has_extra_state else None
+        before = self.get_extra_state() if "seed" in self.hparams else None
         fits = self._tensors_fit(state_dict, prefix)
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
