@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -100,3 +101,22 @@ def test_mqar_configuration_errors() -> None:
         MQARTask(num_kv_pairs=8, vocab_size=10)
     few = MQARTask(num_kv_pairs=8, num_queries=2, num_samples=5)
     assert int(few[0]["loss_mask"].sum()) == 2
+
+
+def test_synthetic_token_ids_are_held_compact_and_come_out_as_int64():
+    """The (N, L) ids were held as int64: 8 bytes a token where Copy's 12 ids need one byte
+    and MQAR's 8192 two. Items are int64 as before, and the same sequences."""
+    copy = CopyTask("train", seq_len=64, n_symbols=10, num_samples=50, seed=3)
+    mqar = MQARTask("train", seq_len=64, num_kv_pairs=8, vocab_size=8192, num_samples=50, seed=3)
+    big = MQARTask("train", seq_len=16, num_kv_pairs=2, vocab_size=70_000, num_samples=5)
+    assert (copy.inputs.dtype, mqar.inputs.dtype, big.inputs.dtype) == (
+        np.uint8,
+        np.uint16,
+        np.uint32,
+    )
+    for task in (copy, mqar, big):
+        item = task[len(task) - 1]
+        assert item["input_ids"].dtype == item["targets"].dtype == torch.int64
+        assert int(item["input_ids"].max()) < task.vocab_size
+        assert torch.equal(item["targets"][:-1], item["input_ids"][1:])
+    assert int(big.inputs.max()) > 2**16  # ids above uint16 kept

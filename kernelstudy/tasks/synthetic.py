@@ -28,12 +28,18 @@ def _num_samples(num_samples: int | None, split: str) -> int:
     return check_count("num_samples", num_samples, 1)
 
 
+def _compact(x: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Token ids ``x`` in the smallest unsigned dtype that holds ``vocab_size`` ids (uint8 for
+    Copy, uint16 for MQAR's 8192): 1/8 to 1/4 of int64's memory; items come out int64."""
+    return x.astype(np.min_scalar_type(vocab_size - 1))
+
+
 class _LMTask(SequenceTask):
     """Holds generated ``inputs`` (N, L) and derives targets by shifting."""
 
     num_classes = None
     pad_id = 0
-    inputs: np.ndarray  # (N, L) int64
+    inputs: np.ndarray  # (N, L) token ids, the smallest unsigned dtype (see _compact)
     loss_masks: np.ndarray  # (N, L) bool
     masks: np.ndarray  # (N, L) bool
 
@@ -41,7 +47,7 @@ class _LMTask(SequenceTask):
         return len(self.inputs)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        x = torch.from_numpy(self.inputs[index])
+        x = torch.from_numpy(self.inputs[index].astype(np.int64))
         targets = torch.full_like(x, self.pad_id)
         targets[:-1] = x[1:]
         return {
@@ -101,7 +107,7 @@ class CopyTask(_LMTask):
         copied = np.take_along_axis(symbols, np.minimum(index, hi - 1), axis=1)
         x = np.where(first | second, copied, self.pad_id)
         x[(pos == 0) | (pos == length + 1)] = self.separator_id
-        self.inputs = x.astype(np.int64)
+        self.inputs = _compact(x, self.vocab_size)
         self.loss_masks = (pos >= length + 1) & (pos <= 2 * length)
         self.masks = pos < 2 * length + 2
 
@@ -163,7 +169,7 @@ class MQARTask(_LMTask):
         rows = np.arange(n)[:, None]
         x[rows, starts] = keys[rows, asked]
         x[rows, starts + 1] = values[rows, asked]
-        self.inputs = x
+        self.inputs = _compact(x, self.vocab_size)
         self.loss_masks = np.zeros_like(x, dtype=bool)
         self.loss_masks[rows, starts] = True
         self.masks = np.ones_like(x, dtype=bool)
