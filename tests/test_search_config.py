@@ -530,3 +530,22 @@ def test_a_search_that_fails_its_checks_leaves_no_empty_database(tmp_path):
     with pytest.raises(FileNotFoundError, match="not found at"):
         run_search(cfg, out=out, storage=f"sqlite:///{db}")
     assert db.is_file()
+
+
+def test_the_connect_timeout_goes_only_to_drivers_that_take_it():
+    """Every server URL got psycopg2's connect_timeout=10: a driver without that argument
+    (Oracle's, SQL Server's pyodbc) failed every connect with a TypeError from the driver."""
+    from kernelstudy.search.storage import engine_options
+
+    assert engine_options("sqlite:///s.db") == {"connect_args": {"timeout": 60}}
+    expected = {
+        "postgresql://u@h/db": {"connect_timeout": 10},
+        "postgresql+psycopg://u@h/db": {"connect_timeout": 10},
+        "postgresql+pg8000://u@h/db": {"timeout": 10},
+        "mysql+pymysql://u@h/db": {"connect_timeout": 10},
+        "mysql+mysqlconnector://u@h/db": {"connection_timeout": 10},
+    }
+    for url, connect_args in expected.items():
+        assert engine_options(url) == {"pool_pre_ping": True, "connect_args": connect_args}, url
+    for url in ("oracle+oracledb://u@h/db", "mssql+pyodbc://u@dsn", "not a url://"):
+        assert engine_options(url) == {"pool_pre_ping": True}, url

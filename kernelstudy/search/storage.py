@@ -72,6 +72,36 @@ def existing_database(url: str, hint: str) -> str:
     return url
 
 
+#: The connect-timeout argument of the database drivers that take one (seconds), by
+#: SQLAlchemy driver name; other drivers get none (an unknown argument fails their connect).
+CONNECT_TIMEOUT_ARGUMENT = {
+    "psycopg2": "connect_timeout",
+    "psycopg": "connect_timeout",
+    "pg8000": "timeout",
+    "mysqldb": "connect_timeout",
+    "pymysql": "connect_timeout",
+    "mysqlconnector": "connection_timeout",
+}
+
+
+def engine_options(url: str) -> dict:
+    """SQLAlchemy engine keyword arguments for the storage at ``url``: SQLite waits 60 s for
+    a lock (several worker processes write to one file); a server database is pinged before
+    a pooled connection is reused, and its driver, where it takes one, gives up connecting
+    after 10 s (PostgreSQL's and MySQL's drivers name that argument differently)."""
+    if url.startswith("sqlite"):
+        return {"connect_args": {"timeout": 60}}
+    options: dict = {"pool_pre_ping": True}
+    try:
+        driver = make_url(url).get_driver_name()
+    except Exception:  # a malformed URL: open_storage names it when the engine is made
+        return options
+    argument = CONNECT_TIMEOUT_ARGUMENT.get(driver)
+    if argument is not None:
+        options["connect_args"] = {argument: 10}
+    return options
+
+
 def open_storage(
     url: str,
     heartbeat_interval: int = HEARTBEAT_INTERVAL,
@@ -90,12 +120,7 @@ def open_storage(
             f"storage {url!r} is an in-memory database, which every worker and command opens "
             "afresh (the trials would be lost): give a file, e.g. sqlite:///results/study.db"
         )
-    engine_kwargs = {}
-    if url.startswith("sqlite"):
-        # Several worker processes write to one file: wait for locks instead of failing.
-        engine_kwargs = {"connect_args": {"timeout": 60}}
-    else:
-        engine_kwargs = {"pool_pre_ping": True, "connect_args": {"connect_timeout": 10}}
+    engine_kwargs = engine_options(url)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
