@@ -389,3 +389,33 @@ def test_models_with_neighbouring_map_seeds_share_no_layer_draw():
     assert len(seeds) == 200 * 8  # no seed of one (seed, layer) is another's
     assert all(0 <= s < 2**32 for s in seeds)
     assert layer_seed(-1, 2) == -1 and layer_seed(2**32, 1) == 2**32  # the map refuses these
+
+
+def test_generate_checks_learned_positions_before_any_step(monkeypatch):
+    """A generation past max_len of learned positions failed only at the step that reached
+    it, after every step before it had run, naming a position but not the request."""
+    model = ks.nn.CausalLM(20, positions="learned", max_len=16, **SMALL).eval()
+    prompt = _ids(2, 10)
+    assert model.generate(prompt, 7).shape == (2, 17)  # 16 positions read: the last is not fed
+    calls = []
+    step = model.step
+    monkeypatch.setattr(model, "step", lambda *a: calls.append(1) or step(*a))
+    with pytest.raises(ValueError, match=r"prompt length 10 \+ max_new_tokens 8 needs 17 pos"):
+        model.generate(prompt, 8)
+    assert calls == []
+
+
+@pytest.mark.parametrize("mode", ["step", "full"])
+def test_analysis_generate_decodes_in_eval_mode(mode):
+    """ks.analysis.generate ran in the caller's mode: in training, dropout made greedy decoding
+    random, a redrawing map redrew its features at every "full" forward (and changed the
+    model's seed) and refused "step"."""
+    torch.manual_seed(0)
+    favor = {"name": "favor", "num_features": 8, "redraw_every": 1, "seed": 0}
+    model = ks.nn.CausalLM(20, feature_map=favor, **{**SMALL, "dropout": 0.5}).train()
+    seeds = [fm.hparams["seed"] for fm in ks.nn.models.feature_maps_of(model)]
+    prompt = _ids(3, 4)
+    tokens, _ = ks.analysis.generate(model, prompt, 6, mode=mode)
+    assert model.training  # the caller's mode back
+    assert [fm.hparams["seed"] for fm in ks.nn.models.feature_maps_of(model)] == seeds
+    assert torch.equal(tokens, model.generate(prompt, 6))

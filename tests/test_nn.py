@@ -515,3 +515,72 @@ def test_kv_cache_steps_stay_differentiable():
     (g,) = torch.autograd.grad(torch.stack(outs, 1).square().sum(), x)
     (want,) = torch.autograd.grad(layer(x).square().sum(), x)
     assert rel_err(g, want) <= 1e-5
+
+
+def test_a_kv_cache_made_under_inference_mode_goes_on_outside_it():
+    """The cache's buffers were written in place whatever mode made them: a prompt read under
+    torch.inference_mode and continued under no_grad failed with 'Inplace update to
+    inference tensor outside InferenceMode' (a RecurrentState, rebuilt every step, went on)."""
+    torch.manual_seed(4)
+    layer = ks.nn.KernelAttention(16, 2, attention="softmax", causal=True).eval()
+    x = torch.randn(2, 8, 16)
+    full = layer(x)
+    with torch.inference_mode():
+        state = None
+        for t in range(4):
+            _, state = layer.step(x[:, t], state)
+    with torch.no_grad():
+        for t in range(4, 8):
+            y_t, state = layer.step(x[:, t], state)
+            assert rel_err(y_t, full[:, t]) <= 1e-5
+    assert not state.k.is_inference()
+
+
+def test_a_kv_cache_refuses_keys_of_another_shape_or_device_by_name():
+    """KVCache.append broadcast a batch-1 step into every sequence of a batch-3 cache, and
+    copied keys from another device into the cache's buffers (the error came later, from the
+    attention, or as a meta-tensor copy error); a cache built with k and v of different
+    lengths was accepted."""
+    k, v = torch.randn(3, 2, 5, 8), torch.randn(3, 2, 5, 4)
+    cache = ks.nn.KVCache(k, v)
+    with torch.no_grad():
+        grown = cache.append(k[:, :, :1], v[:, :, :1])  # a buffer with room
+        for kk, vv, match in [
+            (k[:1, :, :1], v[:1, :, :1], r"k must have shape \(3, 2, S, 8\)"),
+            (k[:, :, :1], v[:, :, :1, :3], r"v must have shape \(3, 2, S, 4\)"),
+            (k[:, :, :1].to("meta"), v[:, :, :1].to("meta"), "k is on meta but the cache"),
+        ]:
+            for base in (cache, grown):
+                with pytest.raises(ValueError, match=match):
+                    base.append(kk, vv)
+    with pytest.raises(ValueError, match=r"k and v must agree in \(batch, heads, seq\)"):
+        ks.nn.KVCache(k, v[:, :, :4])
+    layer = ks.nn.KernelAttention(16, 2, attention="softmax", causal=True).eval()
+    with torch.no_grad():
+        _, state = layer.step(torch.randn(3, 16))
+        moved = ks.nn.KVCache(state.k.to("meta"), state.v.to("meta"))
+        with pytest.raises(ValueError, match="state is on meta but the layer is on cpu"):
+            layer.step(torch.randn(3, 16), moved)
+
+
+def test_step_follows_the_feature_maps_own_mode_for_redraws():
+    """The redraw check read the layer's mode, not the map's: an eval layer whose map was put
+    back in training redrew at every step (two draws mixed in one state), while a training
+    layer whose map is in eval mode (no redraw) was refused."""
+    favor = {"num_features": 8, "redraw_every": 1, "seed": 0}
+    layer = ks.nn.KernelAttention(
+        16, 2, feature_map="favor", feature_map_kwargs=favor, causal=True
+    ).eval()
+    layer.feature_map.train()
+    x = torch.randn(2, 3, 16)
+    with torch.no_grad(), pytest.raises(ValueError, match="needs eval mode"):
+        layer.step(x[:, 0])
+    assert layer.feature_map.hparams["seed"] == 0  # not redrawn
+    layer.train()
+    layer.feature_map.eval()
+    full, state = layer(x), None
+    with torch.no_grad():
+        for t in range(3):
+            y_t, state = layer.step(x[:, t], state)
+            assert rel_err(y_t, full[:, t]) <= 1e-5
+    assert layer.feature_map.hparams["seed"] == 0

@@ -70,8 +70,25 @@ def generate(
     tokens and the state after every token but the last (after the whole prompt
     when ``steps`` is 0; None for ``"full"``): feed the last token to ``model.step``
     with it to go on.
+
+    Runs in eval mode (the model's mode is restored): in training, dropout would make the
+    decoding random, and a map that redraws its features (``redraw_every``) would redraw at
+    every ``"full"`` forward and refuse ``"step"``. Every prompt has P real tokens (no
+    padding mask).
     """
     _check_lm(model, prompt, steps, mode)
+    was_training = model.training
+    model.eval()
+    try:
+        return _generate(model, prompt, steps, mode)
+    finally:
+        model.train(was_training)
+
+
+def _generate(
+    model: nn.Module, prompt: torch.Tensor, steps: int, mode: str
+) -> tuple[torch.Tensor, object]:
+    """:func:`generate` on a checked model in eval mode."""
     tokens = prompt
     if mode == "full":
         for _ in range(steps):
@@ -119,9 +136,12 @@ def benchmark_generation(
 
     Returns:
         Long table: ``label``, ``mode``, ``length``, ``batch``, ``metric``
-        (``time_s`` median, ``tokens_per_s`` = B·length/time, ``state_mb`` = size of
+        (``time_s`` median of one :func:`generate` call, which reads the prompt too: P steps
+        for ``"step"``, a forward over it for ``"full"``; ``tokens_per_s`` = B·length/time,
+        new tokens only; ``state_mb`` = size of
         the RNN state or KV cache at the end, over ``prompt_len + length - 1`` tokens,
-        in MiB (2**20 bytes), NaN for ``"full"``;
+        in MiB (2**20 bytes), NaN for ``"full"``; the tokens held, while a KV cache's
+        buffers have room for up to twice as many (capacity doubling);
         ``peak_memory_mb`` on CUDA, MiB),
         ``value``, ``note``.
     """

@@ -45,11 +45,26 @@ class KVCache:
     v: torch.Tensor
     _room: _Room | None = field(default=None, repr=False)
 
+    def __post_init__(self) -> None:
+        """Checks a cache built directly (``append`` builds valid ones)."""
+        _check_keys_and_values(self.k, self.v, "k", "v")
+
     def append(self, k: torch.Tensor, v: torch.Tensor) -> KVCache:
-        """This cache with ``k: (B,H,S,D)``, ``v: (B,H,S,M)`` after it. Where autograd
+        """This cache with ``k: (B,H,S,D)``, ``v: (B,H,S,M)`` after it (same B, H, D, M and
+        device as the cache; another dtype converts the cache to it). Where autograd
         records the step (an in-place write would invalidate what earlier steps saved for
         the backward), by concatenation instead."""
-        t, s = self.k.shape[2], k.shape[2]
+        _check_keys_and_values(k, v, "k", "v")
+        b, h, t, d = self.k.shape
+        for name, x, last in (("k", k, d), ("v", v, self.v.shape[-1])):
+            if (*x.shape[:2], x.shape[-1]) != (b, h, last):  # else broadcast into the cache
+                raise ValueError(
+                    f"{name} must have shape ({b}, {h}, S, {last}) as the cache's, "
+                    f"got {tuple(x.shape)}"
+                )
+        if k.device != self.k.device:  # an in-place write would copy it across silently
+            raise ValueError(f"k is on {k.device} but the cache is on {self.k.device}")
+        s = k.shape[2]
         tensors = (self.k, self.v, k, v)
         if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
             return KVCache(torch.cat([self.k, k], 2), torch.cat([self.v, v], 2))
@@ -59,6 +74,8 @@ class KVCache:
             and room.end == t  # no later step was written after this one (else: a branch)
             and room.keys.shape[2] >= t + s
             and (room.keys.dtype, room.values.dtype) == (k.dtype, v.dtype)
+            # buffers made under inference_mode take no in-place write outside it
+            and (torch.is_inference_mode_enabled() or not room.keys.is_inference())
         )
         if not fits:
             capacity = max(_MIN_CAPACITY, 2 * (t + s))
@@ -75,6 +92,26 @@ class KVCache:
 
 
 _MIN_CAPACITY = 64  # steps a new KVCache buffer holds at least
+
+
+def _check_keys_and_values(k: object, v: object, nk: str, nv: str) -> None:
+    """TypeError/ValueError naming ``nk``/``nv`` unless they are ``(B,H,S,D)`` and
+    ``(B,H,S,M)`` float tensors on one device."""
+    for name, x in ((nk, k), (nv, v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 4 or not x.is_floating_point():
+            raise ValueError(
+                f"{name} must be a float tensor (batch, heads, seq, dim), got "
+                f"{x.dtype} of shape {tuple(x.shape)}"
+            )
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(
+            f"{nk} and {nv} must agree in (batch, heads, seq), got {tuple(k.shape)} and "
+            f"{tuple(v.shape)}"
+        )
+    if k.device != v.device:
+        raise ValueError(f"{nk} is on {k.device} but {nv} on {v.device}")
 
 
 def check_size(name: str, value: object) -> int:
@@ -218,7 +255,8 @@ class KernelAttention(nn.Module):
         """
         if not self.causal:
             raise ValueError("step() needs a causal attention layer (causal=True)")
-        if self.training and getattr(self.feature_map, "hparams", {}).get("redraw_every"):
+        fm = self.feature_map  # its own mode decides whether it redraws, not the layer's
+        if fm is not None and fm.training and getattr(fm, "hparams", {}).get("redraw_every"):
             raise ValueError(
                 "step() of a layer whose feature map redraws in training (redraw_every > 0) "
                 "needs eval mode (layer.eval()): a redraw would mix two draws in the state"
@@ -269,13 +307,21 @@ class KernelAttention(nn.Module):
         return self._merge(y)[:, 0], state
 
     def _check_state(self, state: RecurrentState | KVCache, batch: int) -> None:
-        """ValueError naming ``state`` when it is not this layer's for a batch of ``batch``."""
+        """ValueError naming ``state`` when it is not this layer's for a batch of ``batch``
+        on the layer's device."""
         if isinstance(state, KVCache):
             held, want = tuple(state.k.shape[:2]) + (state.k.shape[-1],), "(batch, heads, dim)"
             expected = (batch, self.n_heads, self.head_dim)
+            device = state.k.device
         else:
             held, want = tuple(state.S.shape), "(batch, heads, features, dim)"
             expected = (batch, self.n_heads, self.feature_map.feature_dim, self.head_dim)
+            device = state.S.device
+        if device != self.qkv.weight.device:
+            raise ValueError(
+                f"state is on {device} but the layer is on {self.qkv.weight.device}: move the "
+                "state's tensors with the layer, or start a new state"
+            )
         if held != expected:
             raise ValueError(
                 f"state holds {want} = {held}, but this layer steps {want} = {expected} "

@@ -499,6 +499,10 @@ class CausalLM(_SequenceModel):
 
         ``temperature`` 0 is greedy (argmax); > 0 samples from ``softmax(logits / T)``.
         Runs in eval mode (the previous mode is restored). Returns ``(B, P + max_new_tokens)``.
+        Every prompt has P real tokens: there is no padding mask, and a pad token would be
+        read as a token (generate prompts of different lengths separately). The model reads
+        ``P + max_new_tokens - 1`` positions; learned positions need that many below
+        ``max_len`` (checked before any step).
         """
         _check_ids(prompt, self.vocab_size, "prompt")
         if prompt.shape[1] < 1:
@@ -509,6 +513,13 @@ class CausalLM(_SequenceModel):
             or max_new_tokens < 0
         ):
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        read = prompt.shape[1] + max(max_new_tokens - 1, 0)  # the last token is not fed back
+        if self.positions.kind == "learned" and read > self.positions.max_len:
+            raise ValueError(
+                f"prompt length {prompt.shape[1]} + max_new_tokens {max_new_tokens} needs "
+                f"{read} positions, beyond max_len={self.positions.max_len} of the learned "
+                "positional encoding"
+            )
         temperature = check_real("temperature", temperature)
         was_training = self.training
         self.eval()
