@@ -409,7 +409,11 @@ def test_the_report_warns_where_the_search_chose_on_the_test_set(tmp_path, capsy
 
     url = f"sqlite:///{tmp_path / 'study.db'}"
     for task in ("text", "listops"):
-        study = optuna.create_study(study_name=f"{task}_demo/elu", storage=url)
+        study = optuna.create_study(
+            study_name=f"{task}_demo/elu",
+            storage=url,
+            direction="maximize",  # as a search's
+        )
         study.set_user_attr("task", task)
         study.add_trial(optuna.trial.create_trial(value=0.5))
         load_results(f"{task}_demo", storage=url, out=tmp_path)

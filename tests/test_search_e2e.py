@@ -132,8 +132,9 @@ def test_quick_study_search_evaluate_report(tmp_path, capsys):
     table = pd.read_csv(out / "tiny" / "table.csv", header=[0, 1], index_col=0)
     assert list(table.index) == ["Transformer", "elu+1", "1xGLU"]
     assert (table[("listops", "n")] == 2).all()
-    best, mean = table[("listops", "best")], table[("listops", "mean")]
+    best, mean = table[("listops", "max_test")], table[("listops", "mean")]
     assert ((best >= mean - 1e-9) & (mean > 0) & (best <= 100)).all()
+    assert (table[("listops", "best_by_val")] <= best).all()
     assert table.loc["Transformer", ("listops", "paper")] == 36.37  # the published number
     assert table.loc["1xGLU", ("listops", "paper")] == 18.67
     assert math.isnan(table.loc["elu+1", ("listops", "paper")])  # not in the paper's table
@@ -272,7 +273,9 @@ def test_a_diverging_evaluation_run_is_recorded_and_the_others_go_on(tmp_path, c
     assert math.isnan(table.loc["elu+1", ("listops", "mean")])
     assert table.loc["Transformer", ("listops", "n")] == 2
     assert table.loc["Transformer", ("listops", "diverged")] == 0
-    assert "| elu+1 | – | – | – | 0 | 2 |" in (tmp_path / "res" / "tiny" / "table.md").read_text()
+    assert (
+        "| elu+1 | – | – | 0 | – | – | 2 |" in (tmp_path / "res" / "tiny" / "table.md").read_text()
+    )
 
 
 def test_report_before_the_first_trial(tmp_path, capsys):
@@ -596,7 +599,7 @@ def test_two_configs_of_one_task_get_their_own_column_groups(tmp_path):
     assert str(mixed[("listops (small)", "n")].dtype) == "Int64"
     printed = markdown(mixed)
     # n not "1.00"; diverged missing: no evaluation runs
-    assert "| elu+1 | 25.00 | – | 25.00 | 1 | – | – | – | – | – | – |" in printed
+    assert "| elu+1 | 25.00 | – | 1 | 25.00 | 25.00 | – | – | – | – | – | – | – |" in printed
     assert str(mixed[("listops (small)", "diverged")].dtype) == "Int64"
     empty = f"sqlite:///{tmp_path / 'empty.db'}"
     made = optuna.create_study(storage=empty).study_name  # a database that holds no study
@@ -760,3 +763,158 @@ def test_ctrl_c_of_a_one_worker_search_prints_no_traceback(tmp_path):
     study = optuna.load_study(study_name="tiny/elu+1", storage=f"sqlite:///{db}")
     assert [t.state for t in study.get_trials()] == [TrialState.FAIL]
     assert requeue_failed(study) == [0]  # what a resumed search does first
+
+
+def test_the_summary_chooses_best_by_validation_and_counts_every_run(tmp_path):
+    """The summary's "best" was the highest *test* accuracy of the runs (chosen on the test
+    set, unlabelled); it is now the test accuracy of the run with the highest validation accuracy
+    (ties: the lowest seed), and the test-chosen maximum is labelled as such. A run recorded
+    "ok" but with no test accuracy was in neither n nor diverged (dropped silently)."""
+    from kernelstudy.search.evaluate import summarize_evaluation
+
+    nan = math.nan
+    rows = [  # variant, seed, val, test, status
+        ("a", 2, 0.9, 0.60, "ok"),
+        ("a", 0, 0.9, 0.50, "ok"),  # ties seed 2 on val: the lower seed is chosen
+        ("a", 1, 0.7, 0.80, "ok"),  # the best test, not the best validation
+        ("a", 3, 0.8, nan, "ok"),  # no test accuracy: not in n, but counted
+        ("a", 4, nan, nan, "diverged: nan loss"),
+        ("one", 0, 0.6, 0.40, "ok"),
+        ("lost", 0, nan, nan, "diverged: nan loss"),
+    ]
+    runs = pd.DataFrame(
+        rows, columns=["variant", "seed", "val_accuracy", "test_accuracy", "status"]
+    )
+    summary = summarize_evaluation(runs).set_index("variant")
+    assert list(summary.index) == ["a", "one", "lost"]
+    a = summary.loc["a"]
+    assert a["n"] == 3 and a["diverged"] == 2
+    assert a["mean"] == pytest.approx((0.6 + 0.5 + 0.8) / 3)
+    assert a["std"] == pytest.approx(pd.Series([0.6, 0.5, 0.8]).std(ddof=1))
+    assert a["best_by_val"] == 0.50 and a["max_test"] == 0.80
+    assert "best" not in summary.columns  # no unlabelled "best"
+    one = summary.loc["one"]
+    assert one["n"] == 1 and math.isnan(one["std"]) and one["best_by_val"] == 0.40
+    lost = summary.loc["lost"]
+    assert lost["n"] == 0 and lost["diverged"] == 1 and math.isnan(lost["best_by_val"])
+    assert list(summarize_evaluation(runs.iloc[:0]).columns) == list(
+        summarize_evaluation(runs).columns
+    )
+
+
+def test_report_of_a_minimized_study_is_refused(tmp_path):
+    """The best trial is the one of highest validation accuracy; a study of another
+    direction (made by another tool under the same name) would be read upside down."""
+    from kernelstudy.search.report import load_results
+
+    url = f"sqlite:///{tmp_path / 'other.db'}"
+    study = optuna.create_study(storage=url, study_name="mini/elu+1", direction="minimize")
+    for value in (0.2, 0.9):
+        study.add_trial(optuna.trial.create_trial(value=value, user_attrs={"test_accuracy": 0.5}))
+    with pytest.raises(ValueError, match="mini/elu\\+1.*minimize"):
+        load_results("mini", storage=url, out=tmp_path)
+
+
+def test_report_of_a_real_search_labels_its_numbers(tmp_path, capsys):
+    """A tiny search: one variant evaluated, one not, one with no complete trial (over the
+    budget). The table's notes say what each column is and which rows are single search
+    runs or empty; the summary gives the feature maps' share over the softmax model (checked
+    against models built by hand); the figures' legends count their runs."""
+    from kernelstudy.nn.models import SequenceClassifier
+    from kernelstudy.search.report import figures, load_results, trials_frame
+    from kernelstudy.tasks import load_task
+
+    cfg, out = (
+        write_config(tmp_path, ["Transformer", "elu+1", "1xGLU", "3xGLU"], d_model=32),
+        (tmp_path / "res"),
+    )
+    cfg.write_text(cfg.read_text().replace("steps = 20", "steps = 10"))
+    assert ks("search", cfg, "--out", out) == 0
+    assert ks("evaluate", cfg, "--out", out, "--seeds", "2", "--variant", "elu+1") == 0
+    printed = capsys.readouterr().out
+    assert "test accuracy as a fraction" in printed and "best_by_val" in printed
+    assert ks("report", cfg, "--out", out) == 0
+    printed = capsys.readouterr().out
+    md = (out / "tiny" / "table.md").read_text()
+    assert md in printed
+    assert "best_by_val" in md and "max_test" in md and "chosen on the test set" in md
+    assert "ddof=1" in md
+    assert "not evaluated" in md and "Transformer, 1xGLU" in md  # single search runs
+    assert re.search(r"3xGLU: no complete trial \(2 pruned, 2 of them over the budget", md)
+    table = pd.read_csv(out / "tiny" / "table.csv", header=[0, 1], index_col=0)
+    assert table.loc["elu+1", ("listops", "n")] == 2
+    assert table.loc["Transformer", ("listops", "n")] == 1
+    assert table.loc["3xGLU", ("listops", "n")] == 0
+    runs = read_evaluation(out / "tiny" / "evaluation.csv")
+    best = runs.sort_values(["val_accuracy", "seed"], ascending=[False, True]).iloc[0]
+    assert table.loc["elu+1", ("listops", "best_by_val")] == round(100 * best.test_accuracy, 2)
+    assert table.loc["elu+1", ("listops", "max_test")] == round(100 * runs.test_accuracy.max(), 2)
+    # parameters: by hand, a 1xGLU map is W_f and W_g of head_dim² each, one layer
+    vocab = load_task("listops", out / "tiny" / "data", "train").vocab_size
+    kw = dict(d_model=32, n_heads=2, n_layers=1, d_ff=32, max_len=32)
+    softmax = sum(
+        p.numel() for p in SequenceClassifier(vocab, 10, attention="softmax", **kw).parameters()
+    )
+    glu = SequenceClassifier(vocab, 10, attention="kernel", feature_map="glu",
+                             feature_map_kwargs={"depth": 1}, **kw)  # fmt: skip
+    assert sum(p.numel() for p in glu.parameters()) == softmax + 2 * 16 * 16
+    summary = pd.read_csv(out / "tiny" / "search_summary.csv").set_index("variant")
+    assert summary.loc["1xGLU", "params_model"] == softmax + 512
+    assert summary.loc["1xGLU", "params_feature_map"] == 512
+    assert summary.loc["1xGLU", "extra_params_pct"] == pytest.approx(100 * 512 / softmax)
+    assert summary.loc["3xGLU", "extra_params_pct"] == pytest.approx(100 * 3 * 512 / softmax)
+    assert summary.loc["Transformer", "extra_params_pct"] == 0.0
+    assert summary.loc["elu+1", "extra_params_pct"] == 0.0
+    figs = figures(trials_frame([load_results(cfg, out=out)]))
+    for stem in ("accuracy_vs_parameters", "optimization_history"):
+        labels = [t.get_text() for t in figs[stem].axes[0].get_legend().get_texts()]
+        assert "elu+1 (2 trials)" in labels, (stem, labels)
+    axis = figs["accuracy_vs_parameters"].axes[0]
+    assert "%" in axis.get_xlabel() and "(%)" in axis.get_ylabel()
+    assert "one run each" in axis.get_title()
+
+
+def test_table_notes_say_when_test_accuracies_were_chosen_on_the_test_set(tmp_path):
+    """The text task's val reads the test data, and a [train] restore_best = false scores
+    the last step's weights: both were at most a warning on stderr, while table.md (what
+    a reader keeps) said nothing. A variant evaluated and one not are told apart."""
+    from kernelstudy.search.report import table_notes
+
+    def study(settings, value=0.5):
+        s = optuna.create_study(direction="maximize")
+        s.set_user_attr("settings", settings)
+        s.add_trial(optuna.trial.create_trial(value=value, user_attrs={"test_accuracy": 0.5}))
+        return s
+
+    train = {"steps": 10}
+    text = StudySet(
+        "lra_text",
+        "text",
+        {
+            "elu+1": study({"train": train}),
+            "1xGLU": study({"train": {**train, "restore_best": False}}),
+        },
+        pd.DataFrame({"variant": ["elu+1"], "trial": [0], "seed": [0], "test_accuracy": [0.5]}),
+    )
+    notes = "\n".join(table_notes([text]))
+    assert "text: the task has no validation split" in notes and "chosen on the test set" in notes
+    assert "1xGLU: trained with restore_best = false" in notes
+    assert (
+        "not evaluated (no `kernelstudy evaluate` runs of the current best trial): 1xGLU;" in notes
+    )
+    assert "different train settings" in notes  # the two variants' [train] differ
+    listops = StudySet("tiny", "listops", {"elu+1": study({"train": train})}, text.evaluation)
+    notes = "\n".join(table_notes([listops]))
+    assert "validation split" not in notes and "restore_best" not in notes
+    assert "not evaluated" not in notes and "different" not in notes
+
+
+def test_report_names_the_variants_not_searched(tmp_path, capsys):
+    """A config's variant without a study (`search --variant` of the others) had no row and
+    no mention: it was dropped from the table silently."""
+    cfg, out = write_config(tmp_path, ["elu+1", "1xGLU"], steps=2), tmp_path / "res"
+    assert ks("search", cfg, "--out", out, "--trials", "1", "--variant", "elu+1") == 0
+    assert ks("report", cfg, "--out", out) == 0
+    md = (out / "tiny" / "table.md").read_text()
+    assert "| elu+1 |" in md and "| 1xGLU |" not in md
+    assert "listops: not searched (no study, no row): 1xGLU." in md

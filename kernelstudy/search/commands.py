@@ -85,6 +85,12 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     from .evaluate import run_evaluation
 
     summary = run_evaluation(args.config, seeds=args.seeds, **_run_options(args))
+    if len(summary):
+        print(
+            "test accuracy as a fraction (0-1) over each variant's n runs: mean, std (ddof=1); "
+            "best_by_val: the run of highest validation accuracy; max_test: the highest test "
+            "accuracy (chosen on the test set); diverged: runs not in n"
+        )
     _print(summary)
     return 0
 
@@ -130,7 +136,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "evaluate",
         help="re-train each variant's best configuration with several seeds",
         description="Re-train the best trial of each variant with seeds 0..N-1 and report "
-        "test accuracy mean, std and best (resumable: finished seeds are skipped).",
+        "test accuracy mean, std, best_by_val (the run of best validation accuracy) and "
+        "max_test (resumable: finished seeds are skipped).",
     )
     p.add_argument("config", metavar="CONFIG", help="study config")
     p.add_argument("--seeds", type=_positive, default=5, help="seeds per variant (default 5)")

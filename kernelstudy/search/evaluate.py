@@ -6,18 +6,22 @@ rebuilt (``optuna.trial.FixedTrial`` over its parameters) and trained with seeds
 scored on the test split. One row per run goes to ``<out>/<name>/evaluation.csv``
 (rewritten atomically after each run), so an interrupted evaluation resumes:
 runs already there for the same trial (number and parameters) and seed are skipped.
-The summary (``evaluation_summary.csv``, and the report) has the mean, std and best
-test accuracy per variant over the runs of its current best trial: runs of a trial
+The summary (``evaluation_summary.csv``, and the report) has, per variant, the test
+accuracy's mean, std (ddof=1) and run count ``n``, ``best_by_val`` (the test accuracy of the
+run of highest validation accuracy) and ``max_test`` (the highest test accuracy of the runs,
+chosen on the test set), over the runs of its current best trial: runs of a trial
 that a longer search has since beaten stay in the file but count no more, and every
 seed run so far counts (``--seeds 2`` after ``--seeds 5`` still has n = 5). A run whose
 training diverges is recorded (``status`` "diverged: …", no test accuracy) and the
-others go on; the summary counts such runs in ``diverged``, apart from ``n``.
+others go on; the summary counts such runs, and any without a finite test accuracy, in
+``diverged``, apart from ``n``. Accuracies here are fractions (0–1); the report gives %.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -124,20 +128,49 @@ def diverged(runs: pd.DataFrame) -> pd.Series:
     return runs["status"].astype(str).str.startswith("diverged")
 
 
+#: The columns of :func:`summarize_evaluation` (after ``variant``).
+SUMMARY_COLUMNS = ["mean", "std", "n", "best_by_val", "max_test", "diverged"]
+
+
 def summarize_evaluation(runs: pd.DataFrame) -> pd.DataFrame:
-    """Mean, std, best test accuracy and the run count ``n`` per variant (in row order),
-    over the runs that finished; ``diverged`` counts the others."""
+    """Test accuracy per variant (in row order) over its runs with a finite test accuracy:
+    ``mean``, ``std`` (ddof=1: NaN for one run) and their count ``n``; ``best_by_val``,
+    the test accuracy of the run of highest validation accuracy (ties: the lowest seed;
+    nothing is chosen on the test set); ``max_test``, the highest test accuracy of the n
+    runs (chosen on the test set: an optimistic bound). ``diverged`` counts the runs left
+    out of ``n``: training diverged, or no finite test accuracy."""
     if runs.empty:
-        return pd.DataFrame(columns=["variant", "mean", "std", "best", "n", "diverged"])
+        return pd.DataFrame(columns=["variant", *SUMMARY_COLUMNS])
     order = list(dict.fromkeys(runs["variant"]))
-    lost = diverged(runs)
-    acc = runs[~lost].groupby("variant", sort=False)["test_accuracy"]
+    test = pd.to_numeric(runs["test_accuracy"], errors="coerce")
+    counted = ~diverged(runs) & test.map(math.isfinite)
+    ok = runs[counted].assign(test_accuracy=test[counted])
+    acc = ok.groupby("variant", sort=False)["test_accuracy"]
     table = pd.DataFrame(
-        {"mean": acc.mean(), "std": acc.std(ddof=1), "best": acc.max(), "n": acc.count()}
+        {"mean": acc.mean(), "std": acc.std(ddof=1), "n": acc.count(), "max_test": acc.max()}
     ).reindex(order)
     table["n"] = table["n"].fillna(0).astype(int)
-    table["diverged"] = lost.groupby(runs["variant"], sort=False).sum().reindex(order).astype(int)
-    return table.rename_axis("variant").reset_index()
+    table["best_by_val"] = pd.Series(
+        {label: _best_by_val(group) for label, group in ok.groupby("variant", sort=False)},
+        dtype=float,
+    ).reindex(order)
+    lost = (~counted).groupby(runs["variant"], sort=False).sum().reindex(order)
+    table["diverged"] = lost.astype(int)
+    return table[SUMMARY_COLUMNS].rename_axis("variant").reset_index()
+
+
+def _best_by_val(runs: pd.DataFrame) -> float:
+    """The test accuracy of the run of highest validation accuracy (ties, and runs without
+    one: the lowest seed first); NaN when no run has a validation accuracy."""
+    if "val_accuracy" not in runs:  # rows from before it was recorded
+        return math.nan
+    val = pd.to_numeric(runs["val_accuracy"], errors="coerce")
+    if not val.notna().any():
+        return math.nan
+    ranked = runs.assign(_val=val).dropna(subset=["_val"])
+    keys = ["_val", "seed"] if "seed" in ranked else ["_val"]
+    ranked = ranked.sort_values(keys, ascending=[False, True][: len(keys)], kind="stable")
+    return float(ranked["test_accuracy"].iloc[0])
 
 
 def run_evaluation(

@@ -4,17 +4,23 @@
 CSV when :mod:`.evaluate` has run) of one or more configs and writes, under
 ``<out>/<name>/`` (``<out>/report/`` for several):
 
-- ``table.csv`` / ``table.md``: rows are variants, columns are tasks × (mean, std,
-  best, n) of test accuracy in %, as in Yorsh & Kovalenko's table, the number of
-  evaluation runs that diverged (``diverged``, not counted in n), and the published
-  number (``paper``) where the variant and task match. Without an evaluation a
-  variant's entry is its best trial's test accuracy (n = 1, diverged missing).
+- ``table.csv`` / ``table.md``: rows are variants, columns are tasks × test accuracy in %
+  over the evaluation runs (seeds) of the variant's best trial (highest validation
+  accuracy): ``mean``, ``std`` (ddof=1), their count ``n``, ``best_by_val`` (the run of
+  highest validation accuracy), ``max_test`` (the highest test accuracy: chosen on the
+  test set, labelled so), the runs left out of n (``diverged``), and the published mean
+  (``paper``) where the variant and task match. Without an evaluation a variant's entry
+  is its best trial's test accuracy (n = 1, diverged missing); a variant with no complete
+  trial has n = 0. ``table.md`` ends with notes saying so, and naming such rows.
 - ``paper_reference.csv`` / ``.md``: the published table itself.
 - ``trials.csv``: every trial of every study, with its sizes and costs (re-queued
   duplicates, pruned before they ran, left out).
-- ``search_summary.csv``: trial counts and the best trial per variant.
+- ``search_summary.csv``: trial counts and the best trial per variant, with its parameters
+  (``params_model``, ``params_feature_map`` and ``extra_params_pct``, the maps' share over
+  the same model with softmax attention, in %: the paper's budget is 10).
 - figures: ``accuracy_vs_parameters.png``, ``accuracy_vs_feature_dim.png``,
-  ``accuracy_vs_train_time.png``, ``optimization_history.png``.
+  ``accuracy_vs_train_time.png`` (one point per complete search trial, one run each),
+  ``optimization_history.png``; legends count each variant's trials.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +97,8 @@ class StudySet:
     task: str
     studies: dict[str, optuna.Study]
     evaluation: pd.DataFrame
+    #: the config's variants that have no study (not searched): no row in the table
+    unsearched: list[str] = field(default_factory=list)
 
 
 def load_results(
@@ -122,6 +130,14 @@ def load_results(
         for n in labels
         if n in names
     }
+    for study in studies.values():  # best_trial takes the highest value
+        if study.directions != [optuna.study.StudyDirection.MAXIMIZE]:
+            ways = ", ".join(d.name.lower() for d in study.directions)
+            raise ValueError(
+                f"study {study.study_name!r} in {redact(url)} is set to {ways}; a search's "
+                "studies maximize the validation accuracy, and the report takes its best "
+                "trial as the highest"
+            )
     task = next(iter(studies.values())).user_attrs.get("task", "?")
     if task in VAL_IS_TEST:
         print(
@@ -148,7 +164,8 @@ def load_results(
         {label: trial for label, trial in best.items() if trial is not None},
         keys,
     )
-    return StudySet(name, task, studies, evaluation)
+    unsearched = [n.split("/", 1)[1] for n in missing]
+    return StudySet(name, task, studies, evaluation, unsearched)
 
 
 def trials_frame(results: Sequence[StudySet]) -> pd.DataFrame:
@@ -180,9 +197,10 @@ def trials_frame(results: Sequence[StudySet]) -> pd.DataFrame:
 
 
 def results_table(results: Sequence[StudySet]) -> pd.DataFrame:
-    """The paper-shaped table: index variants; columns (task, mean/std/best/n/diverged
-    [/paper]), accuracies in %; ``n`` counts the evaluation runs that finished and
-    ``diverged`` those whose training diverged (missing before ``evaluate``).
+    """The paper-shaped table: index variants; columns (task, mean/std/n/best_by_val/
+    max_test/diverged[/paper]), accuracies in % (see :func:`summarize_evaluation`); ``n``
+    counts the evaluation runs with a test accuracy and ``diverged`` the others (missing
+    before ``evaluate``, when an entry is the search's best trial, one run).
     A task reported by two configs is headed ``task (config name)``; two results of one
     name (a config given twice) raise ValueError, as their columns would share a heading."""
     names = [res.name for res in results]
@@ -200,8 +218,9 @@ def results_table(results: Sequence[StudySet]) -> pd.DataFrame:
                 rows[label] = {
                     "mean": 100 * s["mean"],
                     "std": 100 * s["std"],
-                    "best": 100 * s["best"],
                     "n": int(s["n"]),
+                    "best_by_val": 100 * s["best_by_val"],
+                    "max_test": 100 * s["max_test"],
                     "diverged": int(s["diverged"]),
                 }
             else:  # not evaluated (yet): the search trial's test accuracy, one run
@@ -210,8 +229,9 @@ def results_table(results: Sequence[StudySet]) -> pd.DataFrame:
                 rows[label] = {
                     "mean": pct,
                     "std": math.nan,
-                    "best": pct,
                     "n": int(acc is not None),
+                    "best_by_val": pct,
+                    "max_test": pct,
                     "diverged": math.nan,  # no evaluation runs to count
                 }
             paper = PAPER.get(PAPER_LABELS.get(label, ""), {}).get(res.task)
@@ -227,6 +247,84 @@ def results_table(results: Sequence[StudySet]) -> pd.DataFrame:
     for column in [c for c in table.columns if c[1] in ("n", "diverged")]:  # NaN: float
         table[column] = table[column].astype("Int64")
     return table
+
+
+def table_notes(results: Sequence[StudySet]) -> list[str]:
+    """What :func:`results_table`'s columns are, and which of its rows are no evaluation:
+    variants not evaluated (a search run each), those with no complete trial (and why), and
+    tasks whose trials and checkpoints were chosen on the test set."""
+    notes = [
+        "Test accuracy in %. mean, std (ddof=1) and n: over the n evaluation runs (seeds) "
+        "of each variant's best trial (highest validation accuracy), each scored at its "
+        "checkpoint of highest validation accuracy (the seed equal to [train] seed, 0 by "
+        "default, repeats the search's own run of that trial); diverged: runs left out of n "
+        "(training diverged, or no finite test accuracy).",
+        "best_by_val: the test accuracy of the run of highest validation accuracy (ties: the "
+        "lowest seed). max_test: the highest test accuracy of the n runs, chosen on the "
+        "test set (an optimistic bound; the paper reports the mean and best of five runs "
+        "without saying how best was chosen).",
+    ]
+    if any(PAPER_LABELS.get(label) in PAPER for r in results for label in r.studies):
+        notes.append(
+            "paper: Yorsh & Kovalenko's Table 1, the mean of five runs (their Matching is "
+            "LRA Retrieval; their Text and Matching read BPE tokens, not bytes; their "
+            "Transformer row is LRA's published Transformer, Tay et al.)."
+        )
+    tasks = [res.task for res in results]
+    for res in results:
+        where = f"{res.task}: " if len(results) == 1 else f"{res.task} ({res.name}): "
+        evaluated = set(res.evaluation["variant"]) if len(res.evaluation) else set()
+        single, empty = [], []
+        for label, study in res.studies.items():
+            if best_trial(study) is None:
+                empty.append(_no_trial(label, study))
+            elif label not in evaluated:
+                single.append(label)
+        if single:
+            notes.append(
+                f"{where}not evaluated (no `kernelstudy evaluate` runs of the current best "
+                f"trial): {', '.join(single)}; each entry is that search trial's test "
+                "accuracy, one run (n = 1, diverged –)."
+            )
+        notes += [where + text for text in empty]
+        if res.unsearched:
+            notes.append(f"{where}not searched (no study, no row): {', '.join(res.unsearched)}.")
+        last = [
+            label
+            for label, study in res.studies.items()
+            if ((study.user_attrs.get(SETTINGS_ATTR) or {}).get("train") or {}).get("restore_best")
+            is False
+        ]
+        if last:
+            notes.append(
+                f"{where}{', '.join(last)}: trained with restore_best = false, so their test "
+                "accuracies are of the last step's weights, not of the checkpoint of highest "
+                "validation accuracy."
+            )
+        if res.task in VAL_IS_TEST:
+            notes.append(
+                f"{where}the task has no validation split (its val reads the test data): "
+                "the search's trials, every checkpoint and best_by_val were chosen on the "
+                "test set, so these test accuracies are optimistic."
+            )
+        unshared = unshared_settings(res.studies)
+        if unshared:
+            notes.append(
+                f"{where}the variants were searched with different {', '.join(unshared)} "
+                "settings: their rows are not comparable."
+            )
+    if len(set(tasks)) < len(tasks):
+        notes.append("A task of several configs is headed `task (config name)`.")
+    return notes
+
+
+def _no_trial(label: str, study: optuna.Study) -> str:
+    """Why a variant has no accuracy: its trials by state (re-queued duplicates left out)."""
+    row = study_row(study, label)
+    parts = [f"{row['pruned']} pruned, {row['over_budget']} of them over the budget"]
+    parts += [f"{row[k]} {k}" for k in ("failed", "running", "waiting") if row[k]]
+    text = f"{label}: no complete trial ({'; '.join(parts)}): no accuracy (n = 0)"
+    return text + (f"; {row['note']}." if row.get("note") else ".")
 
 
 def paper_table() -> pd.DataFrame:
@@ -257,46 +355,87 @@ def figures(trials: pd.DataFrame) -> dict[str, Any]:
     as it is (a notebook's inline backend shows them)."""
     import matplotlib.pyplot as plt
     import seaborn as sns
+    from matplotlib.ticker import MaxNLocator
 
     sns.set_theme(style="whitegrid")
     done = trials[trials["state"] == "COMPLETE"].copy()
-    if "test_accuracy" not in done:
-        done["test_accuracy"] = math.nan
+    for column in ("test_accuracy", "params_model", "params_feature_map"):
+        if column not in done:
+            done[column] = math.nan
     done["accuracy"] = 100 * done["test_accuracy"].astype(float)
-    done["label"] = done["variant"] + (" / " + done["task"] if done["task"].nunique() > 1 else "")
+    done["extra_params_pct"] = [
+        _extra_pct(m, f)
+        for m, f in zip(done["params_model"], done["params_feature_map"], strict=True)
+    ]
+    several = trials["task"].nunique() > 1 or trials["config"].nunique() > 1
+    done["variant_key"] = done["variant"] + (" / " + done["config"] if several else "")
     out: dict[str, Any] = {}
     specs = [
-        ("accuracy_vs_parameters", "params_feature_map", "extra parameters (feature maps)", True),
-        ("accuracy_vs_feature_dim", "feature_dim", "feature dimension per head", False),
-        ("accuracy_vs_train_time", "train_time_s", "training time (s)", False),
+        (
+            "accuracy_vs_parameters",
+            "extra_params_pct",
+            "feature-map parameters (% over the model with softmax attention)",
+        ),
+        ("accuracy_vs_feature_dim", "feature_dim", "feature dimension per head (features)"),
+        ("accuracy_vs_train_time", "train_time_s", "training time (s)"),
     ]
-    for stem, column, xlabel, symlog in specs:
+    for stem, column, xlabel in specs:
         fig, ax = plt.subplots(figsize=(6.5, 4))
-        data = done.dropna(subset=[column]) if column in done else done.iloc[:0]
+        data = done.dropna(subset=[column, "accuracy"]) if column in done else done.iloc[:0]
         if len(data):
+            data = data.assign(label=_counted(data["variant_key"]))
             sns.scatterplot(data=data, x=column, y="accuracy", hue="label", style="label", ax=ax)
             ax.legend(fontsize=7, loc="best")
-        if symlog:
-            ax.set_xscale("symlog", linthresh=10)
-            top = float(data[column].max()) if len(data) else 10.0
-            ax.set_xlim(-0.5, max(top, 10.0) * 2)
-        ax.set(xlabel=xlabel, ylabel="test accuracy (%)", title=f"accuracy vs {xlabel}")
+        ax.set(xlabel=xlabel, ylabel="test accuracy (%)")
+        ax.set_title(
+            f"test accuracy vs {xlabel.split(' (')[0]}: {len(data)} complete search "
+            "trials, one run each",
+            fontsize=9,
+        )
         out[stem] = fig
     fig, ax = plt.subplots(figsize=(6.5, 4))
     # complete trials only, as best_trial: a pruned trial's value is its last report
     hist = trials[trials["state"] == "COMPLETE"].dropna(subset=["val_accuracy"])
     hist = hist.sort_values(["config", "variant", "number"])
     if len(hist):
+        several = trials["task"].nunique() > 1 or trials["config"].nunique() > 1
+        key = hist["variant"] + (" / " + hist["config"] if several else "")
         hist = hist.assign(
             best=hist.groupby(["config", "variant"])["val_accuracy"].cummax() * 100,
-            label=hist["variant"] + (" / " + hist["task"] if hist["task"].nunique() > 1 else ""),
+            label=_counted(key),
         )
         sns.lineplot(data=hist, x="number", y="best", hue="label", marker="o", ax=ax)
         ax.legend(fontsize=7, loc="best")
-    ax.set(xlabel="trial", ylabel="best validation accuracy so far (%)")
-    ax.set_title("optimization history")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set(xlabel="trial number", ylabel="best validation accuracy so far (%)")
+    ax.set_title(
+        f"optimization history: {len(hist)} complete trials (pruned and failed ones left out)",
+        fontsize=9,
+    )
     out["optimization_history"] = fig
     return out
+
+
+def _counted(keys: pd.Series) -> pd.Series:
+    """Legend labels: each key with the number of its rows, ``elu+1 (5 trials)``."""
+    counts = keys.map(keys.value_counts())
+    return (
+        keys + " (" + counts.astype(str) + counts.map(lambda n: " trial)" if n == 1 else " trials)")
+    )
+
+
+def _extra_pct(params_model: Any, params_feature_map: Any) -> float:
+    """The feature maps' parameters in % of the rest of the model (the same model with
+    softmax attention: attention projections are the same in both); NaN when unknown."""
+    try:
+        total, fm = float(params_model), float(params_feature_map)
+    except (TypeError, ValueError):
+        return math.nan
+    if math.isnan(total) or math.isnan(fm):
+        return math.nan
+    if total <= fm:
+        return math.inf if fm else 0.0
+    return 100 * fm / (total - fm)
 
 
 def write_report(
@@ -314,13 +453,14 @@ def write_report(
     folder = Path(out) / (results[0].name if len(results) == 1 else "report")
     table = results_table(results)
     trials = trials_frame(results)
-    summary = pd.DataFrame(
-        [
-            {"config": r.name, "task": r.task, **study_row(s, label)}
-            for r in results
-            for label, s in r.studies.items()
-        ]
-    )
+    rows = [
+        {"config": r.name, "task": r.task, **study_row(s, label)}
+        for r in results
+        for label, s in r.studies.items()
+    ]
+    for row in rows:
+        row["extra_params_pct"] = _extra_pct(row["params_model"], row["params_feature_map"])
+    summary = pd.DataFrame(rows)
     paths = {
         "table_csv": folder / "table.csv",
         "table_md": folder / "table.md",
@@ -330,7 +470,8 @@ def write_report(
         "summary": folder / "search_summary.csv",
     }
     atomic_write_text(paths["table_csv"], table.round(2).to_csv())
-    atomic_write_text(paths["table_md"], markdown(table))
+    notes = "".join(f"- {note}\n" for note in table_notes(results))
+    atomic_write_text(paths["table_md"], markdown(table) + "\n" + notes)
     atomic_write_text(paths["paper_csv"], paper_table().to_csv())
     atomic_write_text(paths["paper_md"], markdown(paper_table()))
     atomic_write_text(paths["trials"], trials.to_csv(index=False))
