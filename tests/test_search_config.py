@@ -553,3 +553,37 @@ def test_the_connect_timeout_goes_only_to_drivers_that_take_it():
         assert engine_options(url) == {"pool_pre_ping": True, "connect_args": connect_args}, url
     for url in ("oracle+oracledb://u@h/db", "mssql+pyodbc://u@dsn", "not a url://"):
         assert engine_options(url) == {"pool_pre_ping": True}, url
+
+
+def test_the_report_follows_what_the_search_recorded_of_the_val_split(tmp_path, capsys):
+    """Whether val read the test data is recorded per study by the search (user attr
+    ``val_reads_test``); a study searched before that was recorded follows the task-name rule
+    (text: yes), and names that rule, as its data may have held a val table."""
+    from kernelstudy.search.report import StudySet, load_results, table_notes
+
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    cases = {  # name: (task, recorded attr per variant, warned, note)
+        "text_val": ("text", {"elu": False}, False, None),
+        "text_fallback": ("text", {"elu": True}, True, "text: the val split read the test"),
+        "text_old": ("text", {"elu": None}, True, "the search ran before it recorded which"),
+        "listops_old": ("listops", {"elu": None}, False, None),
+        "listops_test": ("listops", {"elu": True}, True, "listops: the val split read the test"),
+        "mixed": ("text", {"elu": True, "glu": False}, True, "text: the val split of elu read the"),
+    }
+    for name, (task, recorded, warned, note) in cases.items():
+        for label, value in recorded.items():
+            study = optuna.create_study(
+                study_name=f"{name}/{label}", storage=url, direction="maximize"
+            )
+            study.set_user_attr("task", task)
+            if value is not None:
+                study.set_user_attr("val_reads_test", value)
+            study.add_trial(optuna.trial.create_trial(value=0.5))
+        res = load_results(name, storage=url, out=tmp_path)
+        err = capsys.readouterr().err
+        assert ("chose on the test set" in err) is warned, (name, err)
+        notes = "\n".join(table_notes([res]))
+        assert ("on the test set, so" in notes) is (note is not None), (name, notes)
+        if note is not None:
+            assert note in notes, (name, notes)
+        assert isinstance(res, StudySet)

@@ -897,7 +897,9 @@ def test_table_notes_say_when_test_accuracies_were_chosen_on_the_test_set(tmp_pa
         pd.DataFrame({"variant": ["elu+1"], "trial": [0], "seed": [0], "test_accuracy": [0.5]}),
     )
     notes = "\n".join(table_notes([text]))
-    assert "text: the task has no validation split" in notes and "chosen on the test set" in notes
+    # studies without the search's record of what val read: text's may have read the test data
+    assert "text: the val split reads the test data unless the data are a directory" in notes
+    assert "chosen on the test set" in notes
     assert "1xGLU: trained with restore_best = false" in notes
     assert (
         "not evaluated (no `kernelstudy evaluate` runs of the current best trial): 1xGLU;" in notes
@@ -918,3 +920,89 @@ def test_report_names_the_variants_not_searched(tmp_path, capsys):
     md = (out / "tiny" / "table.md").read_text()
     assert "| elu+1 |" in md and "| 1xGLU |" not in md
     assert "listops: not searched (no study, no row): 1xGLU." in md
+
+
+TEXT_CONFIG = """
+name = "words"
+task = "text"
+data = {data}
+[task_options]
+max_length = 24
+[model]
+d_model = 16
+n_heads = 2
+n_layers = 1
+d_ff = 32
+[train]
+steps = 2
+batch_size = 4
+eval_every = 2
+amp = false
+[search]
+trials = 1
+seed = 0
+[[variants]]
+label = "elu+1"
+feature_map = "elu"
+"""
+
+
+def write_text_data(root: Path, layout: str) -> Path:
+    """Reviews as a directory of split tables (with or without val.tsv) or as aclImdb/."""
+    rows = ["a fine film", "dull, skip it", "loved it", "no"]
+    if layout == "aclImdb":
+        for split in ("train", "test"):
+            for label, polarity in enumerate(("neg", "pos")):
+                folder = root / "aclImdb" / split / polarity
+                folder.mkdir(parents=True)
+                for i, row in enumerate(rows):
+                    (folder / f"{i}_{label}.txt").write_text(f"{split} {row}")
+        return root / "aclImdb"
+    root.mkdir(parents=True)
+    splits = ("train", "val", "test") if layout == "val.tsv" else ("train", "test")
+    for split in splits:
+        body = "".join(f"{split} {row}\t{i % 2}\n" for i, row in enumerate(rows))
+        (root / f"{split}.tsv").write_text("text\tlabel\n" + body)
+    return root
+
+
+@pytest.mark.parametrize(
+    ("layout", "reads_test"), [("val.tsv", False), ("no val", True), ("aclImdb", True)]
+)
+def test_the_report_says_the_search_chose_on_the_test_set_only_where_val_read_it(
+    tmp_path, capsys, layout, reads_test
+):
+    """The report said of every text study that its val split read the test data, a false
+    claim for a directory with a real val.tsv; the search now records what the val split it
+    loaded read, and the warning and the note under table.md follow that."""
+    import json
+
+    data = write_text_data(tmp_path / "data", layout)
+    cfg = tmp_path / "words.toml"
+    cfg.write_text(TEXT_CONFIG.format(data=json.dumps(str(data))))
+    out = tmp_path / "res"
+    fallback = layout == "no val"  # the search is told where it loads the splits
+    with pytest.warns(UserWarning, match="no val.tsv") if fallback else contextlib.nullcontext():
+        assert ks("search", cfg, "--out", out) == 0
+    (study,) = studies(out, "words").values()
+    assert study.user_attrs["val_reads_test"] is reads_test
+    capsys.readouterr()
+    assert ks("report", cfg, "--out", out) == 0
+    err = capsys.readouterr().err
+    md = (out / "words" / "table.md").read_text()
+    assert ("chose on the test set" in err) is reads_test, err
+    assert ("chosen on the test set, so" in md) is reads_test, md
+    assert "validation split" not in md or reads_test
+
+
+def test_a_val_that_read_the_test_data_stays_recorded_while_the_study_has_trials(tmp_path):
+    """The data path is no setting: a study searched on a val split that read the test data,
+    then continued on data with a val table, still holds trials chosen on the test set."""
+    config = load_config(write_config(tmp_path, ["elu+1"], steps=2))
+    url, variant = storage_url(config, None, tmp_path / "res"), config.variants[0]
+    assert variant_study(config, variant, url, True).user_attrs["val_reads_test"] is True
+    # no trial ran on that data: what the val split reads now decides
+    assert variant_study(config, variant, url, False).user_attrs["val_reads_test"] is False
+    variant_study(config, variant, url, True).add_trial(optuna.trial.create_trial(value=0.5))
+    assert variant_study(config, variant, url, False).user_attrs["val_reads_test"] is True
+    assert variant_study(config, variant, url).user_attrs["val_reads_test"] is True  # unknown

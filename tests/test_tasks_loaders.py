@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -108,7 +109,8 @@ def test_text_tables(tmp_path: Path) -> None:
         TextTask(tmp_path, "test")
     assert_error(err, tmp_path / "test.tsv", 2)
     (tmp_path / "test.tsv").write_text("Source\tTarget\nsome text\t1\n", encoding="utf-8")
-    assert decode_bytes(TextTask(tmp_path, "val")[0]) == b"some text"  # val falls back to test
+    with pytest.warns(UserWarning, match=r"no val\.tsv or val\.csv"):  # val falls back to test
+        assert decode_bytes(TextTask(tmp_path, "val")[0]) == b"some text"
     with pytest.warns(UserWarning, match="'test' holds the same rows as 'train'"):
         single = TextTask(tmp_path / "train.csv", "test")  # a file is used for any split
     assert len(single) == 2
@@ -676,3 +678,41 @@ def test_packed_sequences_from_flat_checks_its_offsets() -> None:
         PackedSequences.from_flat(np.arange(5, dtype=np.uint8), np.array([0, 3, 2, 5]))
     with pytest.raises(TypeError, match="1-D integer array"):
         PackedSequences.from_flat(np.zeros(5), np.array([0, 5]))
+
+
+# --------------------------------------------------------------------- text: does val read test?
+
+
+def test_a_text_split_says_whether_its_val_reads_the_test_data(imdb: Path, tmp_path: Path) -> None:
+    """The report said of every text search that its val split read the test data, though a
+    directory of train/val/test tables has a validation split; and a directory without a val
+    table fell back to test.* silently. The split now says which, from the source it read."""
+    from kernelstudy.tasks.base import SequenceTask
+
+    assert SequenceTask.val_reads_test is False  # other tasks' val splits are their own
+    tables = tmp_path / "tables"
+    tables.mkdir()
+    for split in ("train", "val", "test"):
+        (tables / f"{split}.tsv").write_text(f"text\tlabel\n{split} row\t1\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a real validation split: nothing to warn of
+        splits = {split: TextTask(tables, split) for split in ("train", "val", "test")}
+    assert decode_bytes(splits["val"][0]) == b"val row"
+    assert [ds.val_reads_test for ds in splits.values()] == [False, False, False]
+    # IMDB has none: val reads aclImdb/test, as in LRA
+    assert [TextTask(imdb, s).val_reads_test for s in ("train", "val", "test")] == [
+        False,
+        True,
+        False,
+    ]
+    # without val.*, val falls back to test.*: it says so, and warns
+    (tables / "val.tsv").unlink()
+    match = r"has no val\.tsv or val\.csv: split 'val' reads test\.tsv, the test data"
+    with pytest.warns(UserWarning, match=match):
+        val = TextTask(tables, "val")
+    assert val.val_reads_test and decode_bytes(val[0]) == b"test row"
+    (tables / "val.csv").write_text("text,label\nheld out,0\n")  # a CSV is a val table too
+    assert not TextTask(tables, "val").val_reads_test
+    # one file is read for every split, the test split's too
+    with pytest.warns(UserWarning, match="one file"):
+        assert TextTask(tables / "train.tsv", "val").val_reads_test

@@ -166,6 +166,13 @@ def load_split(config: SearchConfig, path: Path | None, split: str) -> SequenceT
     return _load(config.task, None if path is None else str(path), split, options)
 
 
+def val_reads_test(config: SearchConfig, path: Path | None) -> bool:
+    """Whether the config's ``val`` split reads the test data (``SequenceTask.val_reads_test``:
+    IMDB's, a single text file, a directory of text tables without a val table), so that a
+    search on it chooses on the test set."""
+    return bool(load_split(config, path, "val").val_reads_test)
+
+
 # ----------------------------------------------------------------------------- one run
 
 

@@ -47,6 +47,7 @@ from .evaluate import (
 from .runner import (
     DEFAULT_OUT,
     SETTINGS_ATTR,
+    VAL_READS_TEST_ATTR,
     best_trial,
     searched_storage_url,
     study_row,
@@ -55,7 +56,9 @@ from .runner import (
 from .storage import existing_database, existing_storage_url, open_storage, redact
 from .workers import is_duplicate
 
-#: Tasks whose ``val`` split reads the test data (IMDB has none: ``tasks/text.py``, as LRA).
+#: Tasks whose ``val`` split read the test data in studies searched before the search
+#: recorded it (:data:`~.runner.VAL_READS_TEST_ATTR`): text's does for IMDB (as in LRA), a
+#: single file and a directory without a val table, not for a directory with one.
 VAL_IS_TEST = ("text",)
 
 #: Yorsh & Kovalenko's published test accuracies (%, mean of five runs, their Table 1); their
@@ -139,11 +142,19 @@ def load_results(
                 "trial as the highest"
             )
     task = next(iter(studies.values())).user_attrs.get("task", "?")
-    if task in VAL_IS_TEST:
+    recorded, unrecorded = val_read_test(task, studies)
+    if recorded:
         print(
-            f"report {name}: warning: task {task!r} has no validation split (its val reads "
-            "the test data), so the search chose on the test set and test accuracies are "
-            "optimistic",
+            f"report {name}: warning: the val split{_of(recorded, studies)} read the test data, "
+            "so the search chose on the test set and test accuracies are optimistic",
+            file=sys.stderr,
+        )
+    if unrecorded:
+        print(
+            f"report {name}: warning: task {task!r} reads the test data as val unless the "
+            "data are a directory holding a val.tsv or val.csv, and the search"
+            f"{_of(unrecorded, studies)} ran before it recorded which: if it read them, the "
+            "search chose on the test set and test accuracies are optimistic",
             file=sys.stderr,
         )
     unshared = unshared_settings(studies)
@@ -166,6 +177,26 @@ def load_results(
     )
     unsearched = [n.split("/", 1)[1] for n in missing]
     return StudySet(name, task, studies, evaluation, unsearched)
+
+
+def val_read_test(task: str, studies: dict[str, optuna.Study]) -> tuple[list[str], list[str]]:
+    """The variants (labels) whose search chose on a val split that read the test data, as
+    their studies recorded, and those whose studies, searched before that was recorded, hold
+    nothing to say so, of a task in :data:`VAL_IS_TEST` (where it may have)."""
+    recorded = [
+        label for label, s in studies.items() if s.user_attrs.get(VAL_READS_TEST_ATTR) is True
+    ]
+    unrecorded = [
+        label
+        for label, s in studies.items()
+        if VAL_READS_TEST_ATTR not in s.user_attrs and task in VAL_IS_TEST
+    ]
+    return recorded, unrecorded
+
+
+def _of(labels: list[str], studies: dict[str, optuna.Study]) -> str:
+    """`` of LABELS`` when ``labels`` are not all the studies, else nothing."""
+    return "" if len(labels) == len(studies) else f" of {', '.join(labels)}"
 
 
 def trials_frame(results: Sequence[StudySet]) -> pd.DataFrame:
@@ -252,7 +283,7 @@ def results_table(results: Sequence[StudySet]) -> pd.DataFrame:
 def table_notes(results: Sequence[StudySet]) -> list[str]:
     """What :func:`results_table`'s columns are, and which of its rows are no evaluation:
     variants not evaluated (a search run each), those with no complete trial (and why), and
-    tasks whose trials and checkpoints were chosen on the test set."""
+    those whose trials and checkpoints were chosen on the test set (:func:`val_read_test`)."""
     notes = [
         "Test accuracy in %. mean, std (ddof=1) and n: over the n evaluation runs (seeds) "
         "of each variant's best trial (highest validation accuracy), each scored at its "
@@ -301,11 +332,21 @@ def table_notes(results: Sequence[StudySet]) -> list[str]:
                 "accuracies are of the last step's weights, not of the checkpoint of highest "
                 "validation accuracy."
             )
-        if res.task in VAL_IS_TEST:
+        recorded, unrecorded = val_read_test(res.task, res.studies)
+        chosen = (
+            "the search's trials, every checkpoint and best_by_val were chosen on the test "
+            "set, so these test accuracies are optimistic."
+        )
+        if recorded:
             notes.append(
-                f"{where}the task has no validation split (its val reads the test data): "
-                "the search's trials, every checkpoint and best_by_val were chosen on the "
-                "test set, so these test accuracies are optimistic."
+                f"{where}the val split{_of(recorded, res.studies)} read the test data (the "
+                f"data hold no validation split): {chosen}"
+            )
+        if unrecorded:
+            notes.append(
+                f"{where}the val split{_of(unrecorded, res.studies)} reads the test data unless "
+                "the data are a directory holding a val.tsv or val.csv, and the search ran "
+                f"before it recorded which: if it read them, {chosen}"
             )
         unshared = unshared_settings(res.studies)
         if unshared:

@@ -3,8 +3,9 @@
 :func:`run_search` checks everything first (config, storage URL, data, every
 variant's model), then optimizes the variants one after another. Study
 ``<name>/<label>`` holds the trials of one variant; its user attrs name the
-config, task and feature map so :mod:`.report` can read a study on its own, and
-``settings`` records what its trials' values depend on (:func:`variant_settings`).
+config, task and feature map so :mod:`.report` can read a study on its own,
+``settings`` records what its trials' values depend on (:func:`variant_settings`), and
+``val_reads_test`` whether the val split its trials chose on read the test data.
 Re-running with the same storage continues the studies (see :mod:`.workers`), but
 only with the same settings: a study whose trials ran with another task, model,
 training, search space or generated data is refused rather than mixed.
@@ -26,7 +27,7 @@ import pandas as pd
 from ..progress import tqdm
 from ..train import resolve_device
 from .config import SearchConfig, Variant, load_config
-from .objective import check_variants, objective, prepare_data
+from .objective import check_variants, objective, prepare_data, val_reads_test
 from .storage import (
     default_storage_url,
     existing_database,
@@ -41,6 +42,9 @@ from .workers import FINISHED, is_duplicate, open_study, run_workers
 DEFAULT_OUT = "results"
 #: The study user attr that holds :func:`variant_settings`.
 SETTINGS_ATTR = "settings"
+#: The study user attr that says whether the val split of its trials read the test data
+#: (:func:`~.objective.val_reads_test`); absent from studies searched before it was recorded.
+VAL_READS_TEST_ATTR = "val_reads_test"
 #: ``[train]`` keys that change where or how visibly a run trains, not its result.
 NEUTRAL_TRAIN_KEYS = ("device", "progress", "num_workers")
 #: The :func:`variant_settings` that every variant of one table should share.
@@ -156,9 +160,16 @@ def unshared_settings(studies: dict[str, optuna.Study]) -> list[str]:
     )
 
 
-def variant_study(config: SearchConfig, variant: Variant, url: str) -> optuna.Study:
+def variant_study(
+    config: SearchConfig, variant: Variant, url: str, val_is_test: bool | None = None
+) -> optuna.Study:
     """Create or join the study of ``variant`` and record what it is in its user attrs
-    (:func:`check_settings` first, so that a joined study's settings agree)."""
+    (:func:`check_settings` first, so that a joined study's settings agree).
+
+    ``val_is_test``: whether the val split read the test data (None: not known, not
+    recorded). Once recorded True it stays True while the study holds trials: the data
+    path is no setting, and the trials run then were chosen on the test set whatever the
+    data are now."""
     study = open_study(
         url,
         config.study_name(variant),
@@ -174,6 +185,9 @@ def variant_study(config: SearchConfig, variant: Variant, url: str) -> optuna.St
         "budget": config.budget,
         SETTINGS_ATTR: variant_settings(config, variant),
     }
+    if val_is_test is not None:
+        was = study.user_attrs.get(VAL_READS_TEST_ATTR) is True
+        attrs[VAL_READS_TEST_ATTR] = val_is_test or (was and bool(study.get_trials(deepcopy=False)))
     for key, value in attrs.items():
         if study.user_attrs.get(key) != value:
             study.set_user_attr(key, value)
@@ -213,6 +227,7 @@ def run_search(
         check_settings(config, chosen, url)  # before generated data may be rewritten
         data = prepare_data(config, out)
         over = check_variants(config, data)
+        val_is_test = val_reads_test(config, data)  # the val split check_variants loaded
     except BaseException:  # an SQLite file this call made holds no study: not left behind
         if created:  # (`report` then said "no studies ... run search first")
             database.unlink(missing_ok=True)
@@ -224,7 +239,7 @@ def run_search(
     bar = tqdm(chosen, desc=f"search {config.name}", unit="variant")
     for variant in bar:
         bar.set_postfix_str(variant.label)
-        variant_study(config, variant, url)
+        variant_study(config, variant, url, val_is_test)
         fn = functools.partial(
             objective, config=config, label=variant.label, data=data, device=device
         )

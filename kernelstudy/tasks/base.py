@@ -41,6 +41,9 @@ class SequenceTask(Dataset):
     #: options that say what tokens or labels mean: the same for every split, or the model
     #: (sized by the train split) would read the other splits' tokens as other ones
     vocabulary_options: tuple[str, ...] = ()
+    #: True on a ``val`` split that reads the test data (data without a validation split):
+    #: what is chosen on it (a search's trials, the best checkpoint) is chosen on the test set
+    val_reads_test: bool = False
 
     def __len__(self) -> int:
         raise NotImplementedError

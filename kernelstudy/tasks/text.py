@@ -82,7 +82,9 @@ def find_text_source(path: PathArg, split: str) -> tuple[str, Path]:
 
     ``path`` may be a CSV/TSV file (used for any split), the ``aclImdb`` directory
     or its parent, or a directory of ``{split}.tsv``/``{split}.csv`` files. IMDB has
-    no validation split: as in LRA, ``val`` reads the test data.
+    no validation split: as in LRA, ``val`` reads the test data; so does ``val`` of a
+    directory without ``val.tsv``/``val.csv`` (it reads ``test.tsv``/``test.csv``).
+    :class:`TextTask` records either as ``val_reads_test``.
     """
     p = check_path("path", path)
     if p.is_file():
@@ -119,7 +121,8 @@ class TextTask(SequenceTask):
         self.max_length = check_count("max_length", max_length, 1)
         self.num_classes = check_count("num_classes", num_classes, 2)
         kind, self.source = find_text_source(path, split)
-        if Path(path).is_file() and split != "train":
+        one_file = Path(path).is_file()
+        if one_file and split != "train":
             warnings.warn(
                 f"text data {self.source} is one file, read for every split: split "
                 f"{split!r} holds the same rows as 'train', so its scores are on training "
@@ -127,6 +130,19 @@ class TextTask(SequenceTask):
                 UserWarning,
                 stacklevel=2,
             )
+        # a directory of tables without val.*: val read test.* (find_text_source)
+        fell_back = kind == "table" and not one_file and self.source.stem != split
+        if fell_back:
+            warnings.warn(
+                f"text data directory {self.source.parent} has no val.tsv or val.csv: split "
+                f"'val' reads {self.source.name}, the test data, so what is chosen on it (a "
+                "search's trials, the best checkpoint) is chosen on the test set (add a val.tsv "
+                "or val.csv to hold validation data out)",
+                UserWarning,
+                stacklevel=2,
+            )
+        # IMDB's val is its test split (as in LRA); one file is every split
+        self.val_reads_test = split == "val" and (kind == "imdb" or one_file or fell_back)
         if kind == "imdb":
             split_dir = "test" if split == "val" else split
             texts, labels = read_imdb_dir(self.source, split_dir, self.max_length)
