@@ -112,6 +112,8 @@ def test_quick_study_search_evaluate_report(tmp_path, capsys):
         for t in study.get_trials(states=(TrialState.COMPLETE,)):
             assert 0.0 <= t.user_attrs["test_accuracy"] <= 1.0
             assert t.user_attrs["params_model"] > 0 and t.user_attrs["train_time_s"] > 0
+            # the figures' "training time": the steps alone, not the evaluations in the wall time
+            assert t.user_attrs["train_time_s"] < t.user_attrs["wall_time_s"]
             assert t.user_attrs["peak_memory_bytes"] > 0
             assert t.intermediate_values  # reported to the pruner during training
     glu = found["tiny/1xGLU"].best_trial.user_attrs

@@ -484,3 +484,16 @@ def test_feature_map_penalties_count_by_default(listops: Path, tmp_path: Path) -
         assert json.loads((out / "config.json").read_text())["train"]["reg_weight"] == (
             1.0 if regularized else 0.0
         )
+
+
+def test_summary_gives_the_training_time_apart_from_the_wall_time(
+    listops: Path, tmp_path: Path
+) -> None:
+    """summary.json had only wall_time_s, which counts every evaluation, the test scoring
+    and the checkpoints: not the model's training time."""
+    out = tmp_path / "timed"
+    assert main(listops_args(listops, out, "--eval-every", "1")) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    record = json.loads((out / "run.json").read_text())
+    assert summary["train_time_s"] == record["train_time_s"]
+    assert 0 < summary["train_time_s"] < summary["wall_time_s"] == record["wall_time_s"]

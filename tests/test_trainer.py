@@ -6,6 +6,7 @@ import json
 import math
 import os
 import signal
+import time
 
 import optuna
 import pandas as pd
@@ -982,3 +983,84 @@ def test_cuda_generators_resume_on_the_training_device(monkeypatch):
     del saved["cuda_device"]  # a checkpoint from before: each GPU by index, those that exist
     checkpoint.set_rng_state(saved)
     assert restored == {torch.device("cuda:0"): states[0]}
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    """ContainsTask's items as an IterableDataset (its DataLoader has no generator)."""
+
+    def __init__(self, task: ContainsTask) -> None:
+        self.task = task
+
+    def __iter__(self):
+        return (self.task[i] for i in range(len(self.task)))
+
+
+@pytest.mark.parametrize("kind", ["loader", "iterable"])
+def test_evaluating_does_not_change_the_training(kind):
+    """A val DataLoader without its own generator (passed in, or made over an
+    IterableDataset) took its seed from torch's global generator at every evaluation:
+    training then drew other dropout masks, and eval_every changed the trained model
+    (final val accuracy 0.475 with eval_every=1, 0.70 with 0)."""
+    val_task = ContainsTask(40, seed=1)
+
+    def run(eval_every):
+        val = DataLoader(val_task, batch_size=8) if kind == "loader" else _Stream(val_task)
+        torch.manual_seed(0)
+        model = _classifier(dropout=0.3)
+        cfg = _config(eval_every=eval_every, restore_best=False)
+        trainer = Trainer(model, ContainsTask(64), cfg, val_data=val)
+        trainer.fit()
+        return _params(model), trainer.metrics.iloc[-1]
+
+    (often, last_often), (once, last_once) = run(1), run(0)
+    assert all(torch.equal(often[k], once[k]) for k in often)
+    assert last_often["val_loss"] == last_once["val_loss"]
+
+
+def test_weight_decay_spares_biases_of_any_shape_and_norms():
+    """Hedgehog's per-head bias (H, 1, D) is 3-d: the shape rule (decay when dim >= 2)
+    decayed it, against the stated convention (no decay on biases and norms)."""
+    model = _classifier(attention="hedgehog")
+    trainer = Trainer(model, ContainsTask(16), _config(weight_decay=0.1))
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    decayed = {
+        name_of[id(p)]
+        for group in trainer.optimizer.param_groups
+        if group["weight_decay"] > 0
+        for p in group["params"]
+    }
+    kept = set(name_of.values()) - decayed
+    biases = {n for n in name_of.values() if n.endswith("bias")}
+    assert any(model.get_parameter(n).dim() == 3 for n in biases)  # the map's bias
+    assert biases <= kept and not any(".norm" in n for n in decayed)
+    assert {"embed.weight", "head.0.weight"} <= decayed
+    assert any(n.endswith("feature_map.weight") for n in decayed)
+    # every parameter in exactly one group, in model.parameters() order (as before)
+    order = [p for group in trainer.optimizer.param_groups for p in group["params"]]
+    assert sorted(map(id, order)) == sorted(map(id, model.parameters()))
+
+
+class _SlowTask(ContainsTask):
+    """Items that take 4 ms each: a Dataset only evaluated, whose cost shows in the time."""
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        time.sleep(0.004)
+        return super().__getitem__(i)
+
+
+def test_the_training_time_leaves_out_evaluation(tmp_path):
+    """wall_time_s counts evaluations, test scoring and checkpoints (what the search's
+    figures labelled training time); train_time_s the training steps alone, summed over a
+    pause and resume."""
+    val, test = _SlowTask(100, seed=1), _SlowTask(100, seed=2)  # >= 0.4 s a scoring
+    cfg = _config(steps=8, eval_every=2, out_dir=str(tmp_path))
+    first = Trainer(_classifier(), ContainsTask(64), cfg, val_data=val, test_data=test)
+    paused = first.fit(stop_after=4)
+    second = Trainer(_classifier(), ContainsTask(64), cfg, val_data=val, test_data=test)
+    record = second.fit(resume=True)
+    scorings = 4 + 1  # val at steps 2, 4, 6, 8; test once
+    assert record["wall_time_s"] >= scorings * 0.4
+    assert 0 < paused["train_time_s"] <= record["train_time_s"]
+    assert record["train_time_s"] < record["wall_time_s"] - scorings * 0.4
+    saved = json.loads((tmp_path / "run.json").read_text())
+    assert saved["train_time_s"] == record["train_time_s"]

@@ -257,7 +257,8 @@ def train_run(
         **sizes,
         "val_accuracy": record["best"]["value"],
         "test_accuracy": (record["test"] or {}).get("accuracy"),
-        "train_time_s": record["wall_time_s"],
+        "train_time_s": record["train_time_s"],  # training steps only, not evaluation
+        "wall_time_s": record["wall_time_s"],
         "peak_memory_bytes": record["peak_memory_bytes"],
         "steps": record["steps_completed"],
         "device": record["device"],

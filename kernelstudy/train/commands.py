@@ -18,7 +18,7 @@ Everything is checked (task, data directory, map, model shape, train options) be
 anything is written. Outputs in ``--out``: ``config.json`` (the resolved settings),
 ``checkpoint.pt``, ``metrics.csv`` (one row per evaluation), ``run.json`` (the
 Trainer's record), ``model.pt`` and ``summary.json`` (accuracies, parameter counts,
-feature dimension, peak memory, wall time). Re-running the same command with the
+feature dimension, peak memory, wall and training time). Re-running the same command with the
 same ``--out`` resumes from the checkpoint; a different configuration is refused.
 """
 
@@ -403,6 +403,7 @@ def summarize(
         "peak_memory_bytes": record["peak_memory_bytes"],
         "peak_memory_source": record["peak_memory_source"],
         "wall_time_s": record["wall_time_s"],
+        "train_time_s": record["train_time_s"],
         "device": record["device"],
         "task_info": {k: v for k, v in splits["train"].info().items() if k != "task"},
     }

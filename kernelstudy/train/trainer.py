@@ -74,7 +74,8 @@ class TrainConfig:
     Attributes:
         steps: optimizer steps in total.
         batch_size: training batch size; ``eval_batch_size`` (default: the same) for evaluation.
-        lr, weight_decay, betas: AdamW (no decay on biases and norms, i.e. 1-d parameters).
+        lr, weight_decay, betas: AdamW (no decay on biases and norms: 1-d parameters,
+            parameters named ``bias`` whatever their shape, and norm layers').
         warmup_steps, schedule, min_lr_ratio: linear warm-up then ``constant``, ``linear``,
             ``cosine`` or ``inverse_sqrt`` decay (see :class:`~.schedule.WarmupDecay`).
         clip_norm: max global gradient norm; None, 0 or ``"none"`` (for TOML, which has
@@ -93,7 +94,8 @@ class TrainConfig:
         out_dir: where checkpoint, metrics CSV and run record go (None: nothing written).
         num_workers: DataLoader workers for Datasets.
         progress: show a tqdm bar.
-        restore_best: at the end, load the weights of the best evaluation.
+        restore_best: at the end, load the weights of the best evaluation (of equal
+            ones the first; a NaN is never the best).
     """
 
     steps: int = 1000
@@ -291,10 +293,28 @@ def _state_copy(model: nn.Module) -> dict[str, Any]:
     }
 
 
+#: modules whose parameters are never decayed, whatever their shape
+_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._NormBase)
+
+
+def _no_decay(module: nn.Module, name: str, param: nn.Parameter) -> bool:
+    """Whether ``param`` (called ``name`` in ``module``) is a bias, a norm's or 1-d: the
+    AdamW convention of :class:`TrainConfig`. A bias is named by name, not shape: a map's
+    per-head bias, e.g. Hedgehog's ``(H, 1, D)``, is as much a bias as a 1-d one."""
+    bias = name == "bias" or name.startswith("bias_") or name.endswith("_bias")
+    return param.dim() < 2 or bias or isinstance(module, _NORMS)
+
+
 def _param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    rest = [p for p in params if p.dim() < 2]
+    decay: list[nn.Parameter] = []
+    rest: list[nn.Parameter] = []
+    seen: set[int] = set()  # a shared (tied) parameter goes into one group, once
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            (rest if _no_decay(module, name, p) else decay).append(p)
     groups = [
         {"params": decay, "weight_decay": weight_decay},
         {"params": rest, "weight_decay": 0.0},
@@ -393,7 +413,8 @@ class Trainer:
         self.bad_evals = 0
         self.stopped_early = False
         self.best_state: dict[str, torch.Tensor] | None = None
-        self.elapsed = 0.0
+        self.elapsed = 0.0  # seconds in fit: training, evaluations, test scoring, checkpoints
+        self.train_time = 0.0  # seconds in training steps only (see _count_training)
         self.test_metrics: dict[str, float] | None = None
         self.test_step: int | None = None  # the step test_metrics were taken at
         # the last step's weights while the model holds the restored best ones (_finish)
@@ -435,6 +456,7 @@ class Trainer:
             self.model.load_state_dict(self._last_weights)  # train on from the last step's
             self._last_weights = None
         interrupt = DeferredInterrupt()
+        stretch = time.perf_counter()  # the start of the current stretch of training steps
         try:
             self.status = "running"
             with interrupt:
@@ -449,11 +471,14 @@ class Trainer:
                     if self.step == cfg.steps or (
                         cfg.eval_every and self.step % cfg.eval_every == 0
                     ):
+                        self._count_training(stretch)
                         self.elapsed += time.perf_counter() - start
                         start = time.perf_counter()
                         self._evaluate_and_log()
+                        stretch = time.perf_counter()
                     if interrupt.requested:  # between steps: the state is consistent
                         break
+            self._count_training(stretch)
             # a Ctrl-C in a step, or after the last step's check as the loop was left
             if interrupt.requested:
                 self.elapsed += time.perf_counter() - start
@@ -486,7 +511,12 @@ class Trainer:
     def evaluate(
         self, data: Dataset | DataLoader, max_batches: int | None = None
     ) -> dict[str, float]:
-        """Mean loss and accuracy (``sequence_accuracy`` too for LM) of the model on ``data``."""
+        """Mean loss and accuracy (``sequence_accuracy`` too for LM) of the model on ``data``.
+
+        The global random generators are left as they were: a DataLoader without its own
+        generator (one passed in, or over an IterableDataset) draws its seed from torch's
+        global one, which then gave training other dropout masks, so that ``eval_every``
+        changed the trained model."""
         cfg = self.config
         loader = make_loader(
             data, cfg.eval_batch_size or cfg.batch_size, cfg.seed, False, cfg.num_workers, "data"
@@ -494,6 +524,7 @@ class Trainer:
         was_training = self.model.training
         self.model.eval()
         sums = MetricSums()
+        rng = get_rng_state(self.device)
         try:
             for i, batch in enumerate(loader):
                 if max_batches is not None and i >= max_batches:
@@ -503,6 +534,7 @@ class Trainer:
                 sums.add(stats)
         finally:
             self.model.train(was_training)
+            set_rng_state(rng, self.device)
         if not sums:
             raise ValueError("evaluation data yields no batches")
         return Objective.summarize(sums.values())
@@ -528,6 +560,7 @@ class Trainer:
             "stopped_early": self.stopped_early,
             "best_state": self.best_state,
             "elapsed": self.elapsed,
+            "train_time": self.train_time,
             "last_lr": self._last_lr,
             "test_metrics": self.test_metrics,
             "test_step": self.test_step,
@@ -581,6 +614,8 @@ class Trainer:
         self.stopped_early = bool(state["stopped_early"])
         self.best_state = state["best_state"]
         self.elapsed = float(state["elapsed"])
+        # (older checkpoints lack it: their wall time, evaluations included, bounds it)
+        self.train_time = float(state.get("train_time", self.elapsed))
         self._last_lr = float(state["last_lr"])
         self.test_metrics = state["test_metrics"]
         # (older checkpoints lack test_step: their test metrics were taken at their step)
@@ -592,7 +627,11 @@ class Trainer:
         )  # after the data stream, which may use the generators
 
     def record(self, error: str | None = None) -> dict[str, Any]:
-        """The run record: status, sizes (parameters, feature dimension), peak memory, metrics."""
+        """The run record: status, sizes (parameters, feature dimension), peak memory, metrics.
+
+        Times, summed over the fits of the run: ``wall_time_s`` everything in ``fit``
+        (evaluations, test scoring and checkpoints included); ``train_time_s`` the training
+        steps alone (data, forward, backward, optimizer), the model's training cost."""
         total = parameter_count(self.model)
         fm = feature_map_parameter_count(self.model)
         config_fn = getattr(self.model, "config", None)
@@ -618,6 +657,7 @@ class Trainer:
             "device": str(self.device),
             "amp": self.config.amp_dtype if self.use_amp else None,
             "wall_time_s": self.elapsed,
+            "train_time_s": self.train_time,
             "model": {
                 "class": type(self.model).__name__,
                 "config": config_fn() if callable(config_fn) else None,
@@ -674,6 +714,14 @@ class Trainer:
         stats["steps"] = torch.ones((), device=self.device)
         self.sums.add(stats)
         return value
+
+    def _count_training(self, since: float) -> None:
+        """Add the time from ``since`` to now to ``train_time``: the training steps (data,
+        forward, backward, optimizer) of a stretch between evaluations, after waiting for
+        the GPU's queued work (a step's backward would count as the next evaluation's)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.train_time += time.perf_counter() - since
 
     def _evaluate_and_log(self) -> None:
         cfg = self.config
