@@ -982,6 +982,73 @@ def check_map_builds(key: str, make: Callable[[], Any]) -> Any:
         raise TypeError(f"{key}: {err}") from None
 
 
+def check_map_list(
+    key: str,
+    specs: Any,
+    study_sets: Mapping[str, str] | None = None,
+    size: str | None = None,
+    plain: Sequence[str] = (),
+    registered: str | None = None,
+) -> list[str]:
+    """The labels (:func:`map_label`) of config entry ``key``, a list of feature maps, each a
+    name or a table (:func:`check_map_spec`; a bad entry is named ``key[i]``), in their order.
+
+    Names in ``plain`` (e.g. ``"softmax"``) pass as they are. A table may not set the
+    hyperparameters ``study_sets`` maps to why the study sets them, nor, where ``size`` is
+    given (why), the map's size hyperparameter (the study matches F through it, as
+    ``matched_feature_map`` does). Where ``registered`` is given (why), a registered map by
+    its name alone (or a table of the name alone) is refused: a list that adds maps to every
+    registered one. One map given twice (one label) is refused. Unknown names are named all
+    at once, as :func:`check_map_names` does. Else ValueError or TypeError naming ``key``."""
+    from .analysis.matching import size_knob
+    from .feature_maps import get_feature_map_class, list_feature_maps
+
+    if isinstance(specs, str | bytes | Mapping) or not isinstance(specs, Sequence):
+        raise TypeError(
+            f"{key} must be a list of feature maps, names or tables, such as "
+            f'["favor", {{ name = "glu", depth = 2 }}]; got {specs!r}'
+        )
+    check_map_names(key, [s for s in specs if isinstance(s, str) and s not in plain])
+    labels: list[str] = []
+    for i, spec in enumerate(specs):
+        where = f"{key}[{i}]"
+        if isinstance(spec, str) and spec in plain:
+            label = spec
+        else:
+            checked = check_map_spec(where, spec)
+            if isinstance(checked, dict):
+                knob = size_knob(get_feature_map_class(checked["name"]))
+                refused = dict(study_sets or {})
+                if size is not None and knob is not None:
+                    refused[knob] = f"it is {checked['name']}'s size hyperparameter, and {size}"
+                for k, why in refused.items():
+                    if k in checked:
+                        raise ValueError(f"{where}: the table may not set {k}: {why}")
+            label = map_label(checked, where)
+            if registered is not None and label in list_feature_maps():
+                raise ValueError(f"{where}: {label!r} is a registered map, which {registered}")
+        if label in labels:
+            raise ValueError(
+                f"{where}: {label!r} is given twice (also {key}[{labels.index(label)}])"
+            )
+        labels.append(label)
+    return labels
+
+
+def matched_map(label: str, head_dim: int, feature_dim: int, seed: int = 0) -> Any:
+    """The FeatureMap a :func:`map_label` stands for, for ``head_dim``, at the feature
+    dimension ``feature_dim`` as ``ks.analysis.matched_feature_map`` sets it through the map's
+    size hyperparameter (a map without one keeps its own F), with the label's other
+    hyperparameters and ``seed`` (for a map that takes one)."""
+    from .analysis.matching import matched_feature_map
+
+    spec = parse_map_label(label)
+    if isinstance(spec, str):
+        return matched_feature_map(spec, head_dim, feature_dim, seed=seed)
+    hparams = {k: v for k, v in spec.items() if k != "name"}
+    return matched_feature_map(spec["name"], head_dim, feature_dim, seed=seed, **hparams)
+
+
 def not_run_section(title: str, part: str) -> str:
     """A summary section for a study part with no rows yet (left out by ``--only``, or
     interrupted before it)."""

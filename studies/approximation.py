@@ -12,21 +12,34 @@ from scipy import stats
 
 import kernelstudy as ks
 from kernelstudy.arguments import check_count
-from kernelstudy.study import check_names, main, markdown_table, not_run_section
+from kernelstudy.study import (
+    check_map_builds,
+    check_map_list,
+    check_names,
+    main,
+    markdown_table,
+    matched_map,
+    not_run_section,
+    parse_map_label,
+)
 
 PERFORMER_METRICS = ("kernel_mse", "attention_mse")
 
 
 def configs(params: dict) -> list[dict]:
     """Part "performer": one config per (map, D, std, R, orthogonal), seeds inside.
-    Part "maps": one config per (registered map, std, seed)."""
+    Part "maps": one config per (map, std, seed): every registered map not in
+    ``exclude_maps``, then every map of ``extra_maps`` (:func:`extra_maps`).
+
+    A map given by name is its name in ``map`` (the committed rows' ids); a table is its
+    label, e.g. ``"favor(orthogonal=False)"``: CSV column, ``--only`` and id alike."""
     out = []
     # 0 seeds left a part without configs (or failed later as "No objects to concatenate")
     seeds = check_count("seeds", params["seeds"], 1)
     map_seeds = check_count("map_seeds", params["map_seeds"], 1)
     maps = ks.list_feature_maps()
     excluded = check_names("exclude_maps", params["exclude_maps"], maps)
-    for name in check_names("performer_maps", params["performer_maps"], maps):
+    for name in performer_maps(params):
         for d in params["head_dims"]:
             for std in params["stds"]:
                 for r in params["num_features"]:
@@ -43,9 +56,7 @@ def configs(params: dict) -> list[dict]:
                                 "n": params["seq_len"],
                             }
                         )
-    for name in maps:
-        if name in excluded:
-            continue
+    for name in [m for m in maps if m not in excluded] + extra_maps(params):
         for std in params["map_stds"]:
             for seed in range(map_seeds):
                 out.append(
@@ -64,6 +75,76 @@ def configs(params: dict) -> list[dict]:
                     }
                 )
     return out
+
+
+#: Hyperparameters a ``performer_maps`` table may not set: the performer part sets them.
+PERFORMER_SETS = {
+    "orthogonal": "the performer part runs every R with iid and with orthogonal features",
+    "seed": "the performer part draws new features per seed",
+    "stabilize": "the performer part runs random maps with their stabilizer off (it rescales "
+    "φ, which would spoil the kernel MSE)",
+}
+
+
+def performer_maps(params: dict) -> list[str]:
+    """The labels of ``performer_maps``: random-feature maps by name or as tables of a name
+    and hyperparameters (not the size, ``orthogonal``, ``seed`` or ``stabilize``: the part
+    sets them), each built at every head dimension before any run."""
+    labels = check_map_list(
+        "performer_maps",
+        params["performer_maps"],
+        study_sets=PERFORMER_SETS,
+        size="the performer part sweeps R (num_features) through it",
+    )
+    for i, label in enumerate(labels):
+        for d in params["head_dims"]:
+            for orthogonal in (False, True):
+                check_map_builds(
+                    f"performer_maps[{i}]",
+                    lambda d=d, o=orthogonal, label=label: _random_map(
+                        label, d, min(params["num_features"], default=1), o, seed=0
+                    ),
+                )
+    return labels
+
+
+def extra_maps(params: dict) -> list[str]:
+    """The labels of ``extra_maps`` (absent: none): maps the "maps" part compares beside
+    the registered ones, as tables of a name and hyperparameters or ``"module:Class"`` names.
+    Each is matched to F = ``map_feature_dim`` through its size hyperparameter, as the
+    registered maps are, so a table that sets that (or ``seed``: each seed's own) is refused,
+    as is a registered map by its name alone (the part has it, unless ``exclude_maps`` names
+    it) and one map twice; each is built before any run."""
+    labels = check_map_list(
+        "extra_maps",
+        params.get("extra_maps", []),
+        study_sets={"seed": "the maps part draws each seed's own features"},
+        size="the maps part matches every map to F = map_feature_dim through it",
+        registered="the maps part has unless exclude_maps names it (take it out of "
+        "exclude_maps to add it); extra_maps adds tables with hyperparameters and "
+        "'module:Class' maps",
+    )
+    d, f = params["head_dims"][0], params["map_feature_dim"]
+    for i, label in enumerate(labels):
+        check_map_builds(f"extra_maps[{i}]", lambda label=label: matched_map(label, d, f))
+    return labels
+
+
+def _random_map(label: str, head_dim: int, num_features: int, orthogonal: bool, seed: int):
+    """The random-feature map of a ``performer_maps`` label with R = ``num_features``."""
+    spec = parse_map_label(label)
+    name, hparams = (spec, {}) if isinstance(spec, str) else (spec["name"], spec)
+    hparams = {k: v for k, v in hparams.items() if k != "name"}
+    return ks.analysis.random_feature_map(
+        name, head_dim, num_features, orthogonal=orthogonal, seed=seed, **hparams
+    )
+
+
+def _labelled(frame: pd.DataFrame, label: str) -> pd.DataFrame:
+    """``approximation_error`` rows with the map's rows' ``method`` set to the config's map
+    label: it names the registry name only, so favor(orthogonal=False) and favor (or a
+    "module:Class" map of a registered class) were one method in the summary's table."""
+    return frame.assign(method=frame["method"].where(frame["kind"] != "map", label))
 
 
 def _data(config: dict, seed: int, device: str, stream: int, batch: int = 1):
@@ -85,23 +166,22 @@ def _run_performer(config: dict, device: str) -> pd.DataFrame:
     frames = []
     for seed in range(config["seeds"]):
         q, k, _ = _data(config, seed, device, stream=1)
-        fm = ks.analysis.random_feature_map(
+        fm = _random_map(
             config["map"],
             config["head_dim"],
             config["num_features"],
             orthogonal=config["orthogonal"],
             seed=seed,
         ).to(device)
-        frame = ks.analysis.approximation_error(fm, q, k)
+        frame = _labelled(ks.analysis.approximation_error(fm, q, k), config["map"])
         frames.append(frame.assign(seed=seed))
     return pd.concat(frames, ignore_index=True)
 
 
 def _run_map(config: dict, device: str) -> pd.DataFrame:
     seed = config["seed"]
-    fm = ks.analysis.matched_feature_map(
-        config["map"], config["head_dim"], config["target_feature_dim"], seed=seed
-    ).to(device)
+    fm = matched_map(config["map"], config["head_dim"], config["target_feature_dim"], seed)
+    fm = fm.to(device)
     kind = ks.analysis.map_kind(fm)
     q, k, v = _data(config, seed, device, stream=2)  # held-out evaluation data
     frames = []
@@ -115,7 +195,7 @@ def _run_map(config: dict, device: str) -> pd.DataFrame:
         frames.append(ks.analysis.approximation_error(fm, q, k, v).assign(stage="fitted"))
     else:
         frames.append(ks.analysis.approximation_error(fm, q, k, v).assign(stage=kind))
-    return pd.concat(frames, ignore_index=True).assign(kind_of_map=kind)
+    return _labelled(pd.concat(frames, ignore_index=True), config["map"]).assign(kind_of_map=kind)
 
 
 # --- summary and figures ------------------------------------------------------------------------
@@ -431,8 +511,11 @@ def summarize(frame: pd.DataFrame, params: dict) -> str:
         parts.append(not_run_section("Every registered map at a matched F", "maps"))
     else:
         seeds = frame[frame["part"] == "maps"]["seed"].nunique()
+        extra = params.get("extra_maps") or []  # their labels name their hyperparameters
         parts.append(
-            f"## Every registered map at F = {params['map_feature_dim']} where its size can "
+            "## Every registered map"
+            + (f" and {len(extra)} configured map(s) of extra_maps" if extra else "")
+            + f" at F = {params['map_feature_dim']} where its size can "
             "be set (maps whose F follows from D keep their own: F column) (held-out data; "
             f"learned maps before/after {params['fit_steps']} steps of fit_to_softmax on "
             f"{params['fit_batch']} other sequences; means over {seeds} seed(s))\n\n"

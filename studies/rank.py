@@ -29,9 +29,12 @@ import kernelstudy as ks
 from kernelstudy.arguments import check_count
 from kernelstudy.study import (
     check_lengths,
+    check_map_builds,
+    check_map_list,
     check_names,
     main,
     markdown_table,
+    matched_map,
     not_run_section,
 )
 from kernelstudy.tasks import CopyTask
@@ -41,24 +44,50 @@ MEASURES = ("numerical_rank", "effective_rank", "stable_rank")
 TABLES = ("spectra",)  # spectra.csv beside results.csv
 
 
-def _maps(params: dict) -> list[str]:
-    excluded = check_names("exclude_maps", params["exclude_maps"], ks.list_feature_maps())
-    return [m for m in ks.list_feature_maps() if m not in excluded]
+#: Hyperparameters a map table of this study may not set: the study sets them.
+STUDY_SETS = {"seed": "the study draws each seed's own features (and copy model)"}
+
+
+def extra_maps(params: dict) -> list[str]:
+    """The labels of ``extra_maps`` (absent: none): maps the Gaussian part measures beside
+    the registered ones, as tables of a name and hyperparameters (e.g.
+    ``"glu(depth=2)"``) or ``"module:Class"`` names. Each is matched to every F of the sweep
+    through its size hyperparameter, as the registered maps are, so a table that sets that
+    (or ``seed``) is refused, as is a registered map by its name alone (the part has it,
+    unless ``exclude_maps`` names it) and one map twice."""
+    return check_map_list(
+        "extra_maps",
+        params.get("extra_maps", []),
+        study_sets=STUDY_SETS,
+        size="the Gaussian part matches every map to each F of its sweep through it",
+        registered="the Gaussian part has unless exclude_maps names it (take it out of "
+        "exclude_maps to add it); extra_maps adds tables with hyperparameters and "
+        "'module:Class' maps",
+    )
 
 
 def configs(params: dict) -> list[dict]:
     """Gaussian part: one config per (method, F, N, seed): the N sweep at F = D and the F sweep
-    at N = fixed_n. Methods: softmax (N sweep only) and every registered map (a map whose F is
-    fixed, such as elu with F = D, enters at its own F only)."""
+    at N = fixed_n. Methods: softmax (N sweep only), every registered map not in
+    ``exclude_maps`` and every map of ``extra_maps`` (a map whose F is fixed, such as elu with
+    F = D, enters at its own F only). A map given by name is its name in ``method`` (the
+    committed rows' ids); a table is its label, e.g. ``"glu(depth=2)"``."""
     d = params["head_dim"]
     check_lengths("seq_lens", params["seq_lens"])  # a 0 or a duplicate is a mistyped sweep
     points = [(d, n) for n in params["seq_lens"]]
     points += [(f, params["fixed_n"]) for f in params["feature_dims"]]
     todo = [("softmax", 0, n) for n in params["seq_lens"]]
-    for name in _maps(params):
+    excluded = check_names("exclude_maps", params["exclude_maps"], ks.list_feature_maps())
+    registered = [m for m in ks.list_feature_maps() if m not in excluded]
+    extra = extra_maps(params)
+    for name in registered + extra:
         for target, n in points:
-            f = ks.analysis.matched_feature_map(name, d, target).feature_dim
-            todo.append((name, f, n))
+            if name in extra:  # built as its runs build it, before any run (a bad one named)
+                key = f"extra_maps[{extra.index(name)}]"
+                fm = check_map_builds(key, lambda name=name, t=target: matched_map(name, d, t))
+            else:
+                fm = ks.analysis.matched_feature_map(name, d, target)
+            todo.append((name, fm.feature_dim, n))
     out = _copy_configs(params)
     seeds = check_count("seeds", params["seeds"], 1)  # 0 left the part out without a word
     for method, f, n in sorted(set(todo)):
@@ -86,9 +115,7 @@ def run_config(config: dict, device: str) -> dict[str, list[dict]]:
     q, k = ks.analysis.gaussian_qk(n, d, config["std"], seed=10_000 + seed, device=device)
     feature_map = config["method"]
     if feature_map != "softmax":
-        feature_map = ks.analysis.matched_feature_map(
-            feature_map, d, config["feature_dim"], seed=seed
-        ).to(device)
+        feature_map = matched_map(feature_map, d, config["feature_dim"], seed).to(device)
     A = ks.analysis.attention_matrix(q.double(), k.double(), feature_map)[0, 0]
     ranks = ks.analysis.attention_rank(A)
     rows = [{"metric": m, "value": float(ranks[m])} for m in MEASURES]
@@ -113,9 +140,29 @@ def spectrum_rows(
 # --- the copy experiment: "do we need full rank?" ---------------------------------------------
 
 
+def copy_models(params: dict) -> list[str]:
+    """The labels of ``copy.models``: ``"softmax"`` and feature maps by name or as tables of a
+    name and hyperparameters (matched to F = ``copy.feature_dim`` through their size
+    hyperparameter, so a table may not set that, nor ``seed``), each built before any run."""
+    c = params["copy"]
+    labels = check_map_list(
+        "copy.models",
+        c["models"],
+        study_sets=STUDY_SETS,
+        size="the copy part matches every map to F = copy.feature_dim through it",
+        plain=("softmax",),
+    )
+    for i, label in enumerate(labels):
+        if label != "softmax":
+            check_map_builds(
+                f"copy.models[{i}]",
+                lambda label=label: matched_map(label, c["d_model"], c["feature_dim"]),
+            )
+    return labels
+
+
 def _copy_configs(params: dict) -> list[dict]:
     c = params["copy"]
-    known = ["softmax", *ks.list_feature_maps()]
     return [
         {
             "part": "copy",
@@ -123,7 +170,7 @@ def _copy_configs(params: dict) -> list[dict]:
             "seed": seed,
             **{k: v for k, v in c.items() if k not in ("models", "seeds")},
         }
-        for name in check_names("copy.models", c["models"], known)
+        for name in copy_models(params)
         for seed in range(check_count("copy.seeds", c["seeds"], 1))
     ]
 
@@ -131,8 +178,8 @@ def _copy_configs(params: dict) -> list[dict]:
 def _copy_model(config: dict, vocab_size: int, max_len: int) -> ks.nn.CausalLM:
     feature_map = None
     if config["method"] != "softmax":
-        feature_map = ks.analysis.matched_feature_map(
-            config["method"], config["d_model"], config["feature_dim"], seed=config["seed"]
+        feature_map = matched_map(
+            config["method"], config["d_model"], config["feature_dim"], config["seed"]
         ).config()
     return ks.nn.CausalLM(
         vocab_size,
@@ -304,6 +351,11 @@ def summarize(frame: pd.DataFrame, params: dict, tables: dict | None = None) -> 
             f"N={2 * c['copy_len'] + 2}; non-causal matrices; the softmax model's q/k also run "
             "through every map at the same F)\n\n" + markdown_table(captured_table(frame))
         )
+        if params.get("extra_maps"):  # the softmax model's run has the registered maps only
+            captured += (
+                "\n\nThe maps of extra_maps are measured on Gaussian q/k only; a map of "
+                "copy.models has its own trained model's row here."
+            )
         softmax = frame[(frame["part"] == "copy") & (frame["method"] == "softmax")]
         missing = sorted(set(_captured_maps()) - set(softmax["captured_with"].dropna()))
         if len(softmax) and missing:  # registered after the softmax model's run

@@ -1516,22 +1516,286 @@ def test_generation_study_runs_a_map_table(tmp_path, monkeypatch, one_thread, ca
         ks.analysis.plots.close(fig)
 
 
-def test_map_names_keep_their_config_ids():
+def _maps_as_tables(name: str, params: dict) -> None:
+    """``params`` of study ``name`` with every map it names given as a table of that name."""
+    if name == "speed":
+        for setting in study.load_study(name).SETTINGS:
+            params[setting] = {
+                **params[setting],
+                "feature_map": {"name": params[setting]["feature_map"]},
+            }
+    elif name == "generation":
+        params["feature_map"] = {"name": params["feature_map"]}
+    elif name == "approximation":
+        params["performer_maps"] = [{"name": m} for m in params["performer_maps"]]
+    else:
+        models = params["copy"]["models"]
+        params["copy"] = {
+            **params["copy"],
+            "models": [m if m == "softmax" else {"name": m} for m in models],
+        }
+
+
+@pytest.mark.parametrize("name", ["generation", "speed", "approximation", "rank"])
+def test_map_names_keep_their_config_ids(name):
     """A map given by name is in its configurations as before (the committed rows keep their
     ids), and a table of a name alone is that name: same configurations, same ids."""
-    for name in ("generation", "speed"):
-        module = study.load_study(name)
-        path = study.studies_dir() / "results" / name / "results.csv"
-        held = set(pd.read_csv(path, dtype={"config_id": str}, low_memory=False).config_id)
-        params = study.load_params(name, quick=False)
-        ids = {study.config_id(c, "cpu") for c in module.configs(params)}
-        assert ids == held  # the committed full CPU run: every configuration, same ids
-        if name == "speed":
-            for setting in module.SETTINGS:
-                params[setting] = {
-                    **params[setting],
-                    "feature_map": {"name": params[setting]["feature_map"]},
-                }
-        else:
-            params["feature_map"] = {"name": params["feature_map"]}
-        assert {study.config_id(c, "cpu") for c in module.configs(params)} == held
+    module = study.load_study(name)
+    path = study.studies_dir() / "results" / name / "results.csv"
+    held = set(pd.read_csv(path, dtype={"config_id": str}, low_memory=False).config_id)
+    params = study.load_params(name, quick=False)
+    ids = {study.config_id(c, "cpu") for c in module.configs(params)}
+    assert ids == held  # the committed full CPU run: every configuration, same ids
+    _maps_as_tables(name, params)
+    assert {study.config_id(c, "cpu") for c in module.configs(params)} == held
+
+
+# approximation and rank: configured maps (tables, "module:Class") beside the registered ones.
+
+APPROXIMATION_TOY_TOML = """
+seq_len = 16
+value_dim = 8
+fit_lr = 0.01
+extra_maps = [{ orthogonal = false, name = "favor" }, { name = "glu", depth = 2 }]
+# the same sizes for the quick and the full run
+performer_maps = ["favor", { name = "favor", row_norms = "sqrt_d" }]
+head_dims = [8]
+stds = [0.5]
+num_features = [8, 16]
+seeds = 2
+map_stds = [1.0]
+map_feature_dim = 16
+map_seeds = 2
+fit_steps = 2
+fit_batch = 2
+exclude_maps = ["identity"]
+"""
+
+GLU_LABEL = "glu(depth=2)"
+IID_FAVOR_LABEL = "favor(orthogonal=False)"
+
+
+def _quick_config(name: str, **entries) -> dict:
+    """The first quick configuration of study ``name`` with these entries."""
+    configs = study.load_study(name).configs(study.load_params(name, quick=True))
+    return next(c for c in configs if all(c.get(k) == v for k, v in entries.items()))
+
+
+def test_extra_maps_join_the_parts_that_compare_every_registered_map():
+    """extra_maps adds configured maps (by label) to approximation's maps part and rank's
+    Gaussian part, matched to the part's F like the registered maps; without it (or empty)
+    every configuration is the one it was."""
+    extra = [{"orthogonal": False, "name": "favor"}, {"name": "glu", "depth": 2}]
+    user = "kernelstudy.feature_maps.glu:GLUFeatureMap"  # a map "of one's own", by name
+    approximation = study.load_study("approximation")
+    params = study.load_params("approximation", quick=True)
+    before = approximation.configs(params)
+    assert approximation.configs({**params, "extra_maps": []}) == before
+    added = approximation.configs({**params, "extra_maps": [*extra, user]})
+    assert [c for c in added if c in before] == before  # the registered maps' as they were
+    new = [c for c in added if c not in before]
+    assert {c["map"] for c in new} == {IID_FAVOR_LABEL, GLU_LABEL, user}
+    assert {c["part"] for c in new} == {"maps"}
+    assert len(new) == 3 * len(params["map_stds"]) * params["map_seeds"]
+    assert {c["target_feature_dim"] for c in new} == {params["map_feature_dim"]}
+
+    rank = study.load_study("rank")
+    params = study.load_params("rank", quick=True)
+    before = rank.configs(params)
+    assert rank.configs({**params, "extra_maps": []}) == before
+    added = rank.configs({**params, "extra_maps": extra})
+    assert [c for c in added if c in before] == before
+    new = [c for c in added if c not in before]
+    assert {c["part"] for c in new} == {"gaussian"}
+    # favor is matched to each F of the sweep (and D in the N sweep); glu keeps F = D
+    f_of = lambda label: {c["feature_dim"] for c in new if c["method"] == label}  # noqa: E731
+    assert f_of(IID_FAVOR_LABEL) == {params["head_dim"], *params["feature_dims"]}
+    assert f_of(GLU_LABEL) == {params["head_dim"]}
+    plain = {(c["feature_dim"], c["n"]) for c in before if c.get("method") == "favor"}
+    assert {(c["feature_dim"], c["n"]) for c in new if c["method"] == IID_FAVOR_LABEL} == plain
+
+
+@pytest.mark.parametrize(
+    ("extra", "error", "message"),
+    [
+        (  # the size is the study's: matched to the part's F
+            [{"name": "favor", "num_features": 8}],
+            ValueError,
+            r"extra_maps\[0\]: the table may not set num_features: it is favor's size "
+            "hyperparameter",
+        ),
+        ([{"name": "glu", "seed": 3}], ValueError, r"extra_maps\[0\]: the table may not set seed"),
+        (  # a registered map is there already (or excluded on purpose)
+            ["elu"],
+            ValueError,
+            r"extra_maps\[0\]: 'elu' is a registered map, which the .* has unless exclude_maps",
+        ),
+        ([{"name": "favor"}], ValueError, r"extra_maps\[0\]: 'favor' is a registered map"),
+        (
+            [{"name": "glu", "depth": 2}, {"depth": 2, "name": "glu"}],
+            ValueError,
+            r"extra_maps\[1\]: 'glu\(depth=2\)' is given twice \(also extra_maps\[0\]\)",
+        ),
+        ([{"name": "glu", "dpth": 2}], ValueError, r"extra_maps\[0\]: feature map 'glu' has no"),
+        ([{"name": "glu", "depth": "2"}], TypeError, r"extra_maps\[0\]\.depth must be"),
+        (["favour"], ValueError, r"extra_maps: unknown name\(s\) \['favour'\]"),
+        ({"name": "glu", "depth": 2}, TypeError, "extra_maps must be a list of feature maps"),
+        # valid values, not together at the head dimension: refused when built
+        (
+            [{"name": "aoglu", "rank": 1000}],
+            ValueError,
+            r"extra_maps\[0\]: rank must be <= head_dim",
+        ),
+    ],
+)
+@pytest.mark.parametrize("name", ["approximation", "rank"])
+def test_a_bad_extra_map_is_refused_before_any_run(
+    tmp_path, monkeypatch, capsys, name, extra, error, message
+):
+    params = {**study.load_params(name, quick=True), "extra_maps": extra}
+    with pytest.raises(error, match=message):
+        study.load_study(name).configs(params)
+    monkeypatch.setattr(study, "load_params", lambda *args, **kwargs: params)
+    out = tmp_path / "out"
+    assert study.main(name, ["--quick", "--out", str(out)]) == 1
+    assert "extra_maps" in capsys.readouterr().err
+    assert not (out / "results.csv").exists()
+
+
+@pytest.mark.parametrize(
+    ("maps", "error", "message"),
+    [
+        (  # the part sweeps R, iid and orthogonal, per seed, with the stabilizer off
+            ["favor", {"name": "favor", "num_features": 8}],
+            ValueError,
+            r"performer_maps\[1\]: the table may not set num_features: it is favor's size",
+        ),
+        (
+            [{"name": "favor", "orthogonal": False}],
+            ValueError,
+            r"performer_maps\[0\]: the table may not set orthogonal",
+        ),
+        ([{"name": "trig_rf", "seed": 1}], ValueError, r"performer_maps\[0\]: .* not set seed"),
+        (
+            [{"name": "favor", "stabilize": True}],
+            ValueError,
+            r"performer_maps\[0\]: the table may not set stabilize: .* stabilizer off",
+        ),
+        # a map without random features failed only once its run started
+        (["favor", "glu"], ValueError, r"performer_maps\[1\]: feature map 'glu' is not a random"),
+        (["favor", "favor"], ValueError, r"performer_maps\[1\]: 'favor' is given twice"),
+    ],
+)
+def test_a_bad_performer_map_is_refused_before_any_run(tmp_path, monkeypatch, maps, error, message):
+    params = {**study.load_params("approximation", quick=True), "performer_maps": maps}
+    with pytest.raises(error, match=message):
+        study.load_study("approximation").configs(params)
+    monkeypatch.setattr(study, "load_params", lambda *args, **kwargs: params)
+    assert study.main("approximation", ["--quick", "--out", str(tmp_path / "out")]) == 1
+    assert not (tmp_path / "out" / "results.csv").exists()
+
+
+def test_a_bad_copy_model_table_is_refused_before_any_run():
+    rank = study.load_study("rank")
+    params = study.load_params("rank", quick=True)
+    for models, message in [
+        (["softmax", {"name": "favor", "num_features": 8}], r"copy\.models\[1\]: .* num_features"),
+        (["softmax", {"name": "glu", "seed": 0}], r"copy\.models\[1\]: the table may not set seed"),
+        (
+            ["softmax", {"name": "aoglu", "rank": 99}],
+            r"copy\.models\[1\]: rank must be <= head_dim",
+        ),
+        (["softmax", "softmax"], r"copy\.models\[1\]: 'softmax' is given twice"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            rank.configs({**params, "copy": {**params["copy"], "models": models}})
+    configs = rank.configs(
+        {**params, "copy": {**params["copy"], "models": ["softmax", {"name": "glu", "depth": 2}]}}
+    )
+    assert {c["method"] for c in configs if c["part"] == "copy"} == {"softmax", GLU_LABEL}
+
+
+def test_approximation_study_runs_map_tables(tmp_path, monkeypatch, one_thread, capsys):
+    """An extra map and a performer-map table run with their hyperparameters, under their
+    label in results.csv, --only, the summary's tables and the figures."""
+    _toy_copy(tmp_path, monkeypatch, "approximation", APPROXIMATION_TOY_TOML)
+    approximation = study.load_study("approximation")
+    out = tmp_path / "approximation"
+    summary = _partial("approximation", out, "part=maps", f"map={IID_FAVOR_LABEL}")
+    rows = pd.read_csv(out / "results.csv")
+    maps = rows[rows.method != "uniform"]
+    assert set(rows["map"]) == {IID_FAVOR_LABEL} and set(maps.method) == {IID_FAVOR_LABEL}
+    assert set(maps.feature_dim) == {16}  # matched to map_feature_dim through num_features
+    # the table's hyperparameter reached the map: the same numbers as iid FAVOR+ built by hand
+    config = _quick_config("approximation", map=IID_FAVOR_LABEL, seed=1)
+    fm = ks.analysis.matched_feature_map("favor", 8, 16, seed=1, orthogonal=False)
+    assert fm.hparams["orthogonal"] is False
+    q, k, v = approximation._data(config, 1, "cpu", stream=2)
+    want = ks.analysis.approximation_error(fm, q, k, v).set_index(["method", "metric"]).value
+    got = rows[rows.seed == 1].set_index(["method", "metric"]).value
+    assert got[IID_FAVOR_LABEL].to_dict() == want["favor"].to_dict()
+    assert "## Every registered map and 2 configured map(s) of extra_maps at F = 16" in summary
+    assert f"| 1   | {IID_FAVOR_LABEL} | random   | 16 |" in summary
+    # a registered map of the same name is its own row, not averaged with the table's
+    _partial("approximation", out, "part=maps", "map=favor")
+    table = approximation.maps_table(pd.read_csv(out / "results.csv"))
+    assert sorted(table.method) == ["favor", IID_FAVOR_LABEL, "uniform"]
+    # a performer-map table: swept over R, iid and orthogonal, with its own row_norms
+    label = "favor(row_norms='sqrt_d')"
+    summary = _partial("approximation", out, "part=performer", f"map={label}")
+    rows = pd.read_csv(out / "results.csv")
+    perf = rows[(rows.part == "performer") & (rows.method != "uniform")]
+    assert set(perf["map"]) == set(perf.method) == {label}
+    assert set(zip(perf.num_features, perf.orthogonal, strict=True)) == {
+        (r, o) for r in (8, 16) for o in (False, True)
+    }
+    fm = ks.analysis.random_feature_map("favor", 8, 16, orthogonal=True, seed=0, row_norms="sqrt_d")
+    config = _quick_config("approximation", map=label, num_features=16, orthogonal=True)
+    q, k, _ = approximation._data(config, 0, "cpu", stream=1)
+    want = ks.analysis.approximation_error(fm, q, k).set_index(["method", "metric"]).value
+    ran = perf[(perf.num_features == 16) & perf.orthogonal & (perf.seed == 0)]
+    assert ran.set_index("metric").value.to_dict() == want["favor"].to_dict()
+    assert f"| {label} | 8 | 0.5 | 16 |" in summary
+    figures = approximation.figures(
+        study.load_results("approximation", root=tmp_path), study.load_params("approximation", True)
+    )
+    ticks = [t.get_text() for ax in figures["maps_attention_kl"].axes for t in ax.get_xticklabels()]
+    assert IID_FAVOR_LABEL in ticks and "favor" in ticks
+    titles = [ax.get_title() for ax in figures["performer_attention_mse"].axes]
+    assert any(f"{label} D=8" in t for t in titles), titles
+    for fig in figures.values():
+        ks.analysis.plots.close(fig)
+
+
+def test_rank_study_runs_map_tables(rank_toy, one_thread, capsys):
+    """An extra map in the Gaussian part and a table in copy.models run with their
+    hyperparameters, under their label in results.csv, spectra.csv and the summary."""
+    toml = RANK_TOY_TOML.replace(
+        'exclude_maps = ["identity"]',
+        'exclude_maps = ["identity"]\nextra_maps = [{ name = "favor", orthogonal = false }]',
+    ).replace('models = ["softmax", "elu"]', 'models = ["softmax", { name = "glu", depth = 2 }]')
+    (study.studies_dir() / "rank.toml").write_text(toml)
+    rank = study.load_study("rank")
+    out = rank_toy
+    summary = _partial("rank", out, "part=gaussian", f"method={IID_FAVOR_LABEL}", "n=16")
+    rows = pd.read_csv(out / "results.csv")
+    spectra = pd.read_csv(out / "spectra.csv")
+    assert set(rows.method) == set(spectra.method) == {IID_FAVOR_LABEL}
+    assert set(rows.feature_dim) == {4, 8}  # each F of the sweep, through num_features
+    config = _quick_config("rank", method=IID_FAVOR_LABEL, feature_dim=4)
+    fm = ks.analysis.matched_feature_map("favor", 8, 4, seed=0, orthogonal=False)
+    q, k = ks.analysis.gaussian_qk(16, 8, 1.0, seed=10_000, device="cpu")
+    want = ks.analysis.attention_rank(
+        ks.analysis.attention_matrix(q.double(), k.double(), fm)[0, 0]
+    )
+    got = rows[rows.config_id == study.config_id(config, "cpu")].set_index("metric").value
+    assert got["effective_rank"] == pytest.approx(float(want["effective_rank"]), rel=1e-12)
+    assert f"| {IID_FAVOR_LABEL} | 4 | 16 |" in summary
+    summary = _partial("rank", out, "part=copy", f"method={GLU_LABEL}")
+    rows = pd.read_csv(out / "results.csv")
+    copy = rows[rows.part == "copy"]
+    assert set(copy.method) == set(copy.captured_with.dropna()) == {GLU_LABEL}
+    assert f"| {GLU_LABEL} |" in summary.split("## Copy task")[1]
+    assert "The maps of extra_maps are measured on Gaussian q/k only" in summary
+    model = rank._copy_model(_quick_config("rank", method=GLU_LABEL), 8, 10)
+    assert model.encoder.layers[0].attn.feature_map.hparams["depth"] == 2
