@@ -1039,14 +1039,20 @@ def matched_map(label: str, head_dim: int, feature_dim: int, seed: int = 0) -> A
     """The FeatureMap a :func:`map_label` stands for, for ``head_dim``, at the feature
     dimension ``feature_dim`` as ``ks.analysis.matched_feature_map`` sets it through the map's
     size hyperparameter (a map without one keeps its own F), with the label's other
-    hyperparameters and ``seed`` (for a map that takes one)."""
+    hyperparameters and ``seed`` (for a map that takes one; a label's own seed first)."""
     from .analysis.matching import matched_feature_map
 
+    name, hparams = map_name_and_hparams(label)
+    seed = hparams.pop("seed", seed)  # a table's own seed (speed's tables may set one)
+    return matched_feature_map(name, head_dim, feature_dim, seed=seed, **hparams)
+
+
+def map_name_and_hparams(label: str) -> tuple[str, dict[str, Any]]:
+    """The map name and hyperparameters (a new dict) a :func:`map_label` stands for."""
     spec = parse_map_label(label)
     if isinstance(spec, str):
-        return matched_feature_map(spec, head_dim, feature_dim, seed=seed)
-    hparams = {k: v for k, v in spec.items() if k != "name"}
-    return matched_feature_map(spec["name"], head_dim, feature_dim, seed=seed, **hparams)
+        return spec, {}
+    return spec["name"], {k: v for k, v in spec.items() if k != "name"}
 
 
 def not_run_section(title: str, part: str) -> str:

@@ -17,10 +17,10 @@ from kernelstudy.study import (
     check_map_list,
     check_names,
     main,
+    map_name_and_hparams,
     markdown_table,
     matched_map,
     not_run_section,
-    parse_map_label,
 )
 
 PERFORMER_METRICS = ("kernel_mse", "attention_mse")
@@ -132,9 +132,7 @@ def extra_maps(params: dict) -> list[str]:
 
 def _random_map(label: str, head_dim: int, num_features: int, orthogonal: bool, seed: int):
     """The random-feature map of a ``performer_maps`` label with R = ``num_features``."""
-    spec = parse_map_label(label)
-    name, hparams = (spec, {}) if isinstance(spec, str) else (spec["name"], spec)
-    hparams = {k: v for k, v in hparams.items() if k != "name"}
+    name, hparams = map_name_and_hparams(label)
     return ks.analysis.random_feature_map(
         name, head_dim, num_features, orthogonal=orthogonal, seed=seed, **hparams
     )

@@ -17,6 +17,7 @@ from kernelstudy.study import (
     main,
     map_label,
     markdown_table,
+    matched_map,
     parse_map_label,
 )
 
@@ -101,14 +102,9 @@ def feature_map(config: dict) -> str | dict | ks.FeatureMap:
     """The map of a config's linear attention: its ``feature_map`` label as the name or
     config dict it stands for, matched to F = ``num_features`` when that is set (the table's
     other hyperparameters kept)."""
-    spec = parse_map_label(config["feature_map"])
     if not config["num_features"]:
-        return spec
-    name, hparams = (spec, {}) if isinstance(spec, str) else (spec["name"], spec)
-    hparams = {k: v for k, v in hparams.items() if k != "name"}
-    return ks.analysis.matched_feature_map(
-        name, config["head_dim"], config["num_features"], **hparams
-    )
+        return parse_map_label(config["feature_map"])
+    return matched_map(config["feature_map"], config["head_dim"], config["num_features"])
 
 
 def _build(config: dict, heads: int) -> ks.FeatureMap:
