@@ -439,7 +439,6 @@ def figures(trials: pd.DataFrame) -> dict[str, Any]:
     hist = trials[trials["state"] == "COMPLETE"].dropna(subset=["val_accuracy"])
     hist = hist.sort_values(["config", "variant", "number"])
     if len(hist):
-        several = trials["task"].nunique() > 1 or trials["config"].nunique() > 1
         key = hist["variant"] + (" / " + hist["config"] if several else "")
         hist = hist.assign(
             best=hist.groupby(["config", "variant"])["val_accuracy"].cummax() * 100,
