@@ -419,3 +419,74 @@ def test_analysis_generate_decodes_in_eval_mode(mode):
     assert model.training  # the caller's mode back
     assert [fm.hparams["seed"] for fm in ks.nn.models.feature_maps_of(model)] == seeds
     assert torch.equal(tokens, model.generate(prompt, 6))
+
+
+@pytest.mark.parametrize("attention", ["softmax", "elu", "favor"])
+def test_generate_continues_prompts_of_different_lengths(attention):
+    """Prompts of different lengths (a right-padded mask): each row continues as if it were
+    generated alone, whatever its padding holds, and ends in pad_id."""
+    torch.manual_seed(0)
+    model = ks.nn.CausalLM(20, attention=attention, **SMALL).eval()
+    lengths = [3, 6, 1, 6]
+    prompt = _ids(4, 7)
+    mask = torch.arange(7) < torch.tensor(lengths)[:, None]
+    prompt[~mask] = 19  # padding holds real-looking ids: only the mask says what is real
+    out = model.generate(prompt, 5, mask=mask, pad_id=2)
+    assert out.shape == (4, 12)
+    for b, n in enumerate(lengths):
+        alone = model.generate(prompt[b : b + 1, :n], 5)
+        assert torch.equal(out[b, : n + 5], alone[0])
+        assert (out[b, n + 5 :] == 2).all()
+    # all rows real: the same as no mask
+    full = torch.ones_like(prompt, dtype=torch.bool)
+    assert torch.equal(model.generate(prompt, 4, mask=full), model.generate(prompt, 4))
+    assert torch.equal(model.generate(prompt, 0, mask=mask, pad_id=2), prompt.where(mask, 2))
+
+
+def test_generate_samples_a_ragged_batch_and_keeps_unmasked_draws():
+    """Sampling draws from the generator only once some row has ended its prompt: without a
+    mask the draws are those of feeding the whole prompt, then one draw per new token."""
+    torch.manual_seed(0)
+    model = ks.nn.CausalLM(20, **SMALL).eval()
+    prompt = _ids(3, 4)
+    out = model.generate(prompt, 5, temperature=0.7, generator=torch.Generator().manual_seed(3))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        state, seq = None, [prompt]
+        for t in range(4):
+            logits, state = model.step(prompt[:, t], state)
+        for i in range(5):
+            probs = torch.softmax((logits - logits.amax(-1, keepdim=True)) / 0.7, -1)
+            token = torch.multinomial(probs, 1, generator=g)[:, 0]
+            seq.append(token[:, None])
+            if i < 4:
+                logits, state = model.step(token, state)
+    assert torch.equal(out, torch.cat(seq, 1))
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.bool)
+    g = torch.Generator().manual_seed(3)
+    ragged = model.generate(prompt, 5, temperature=1.0, generator=g, mask=mask, pad_id=0)
+    assert torch.equal(ragged[mask.sum(1) > 0, :1], prompt[:, :1])
+    for b, n in enumerate([2, 4, 1]):
+        assert torch.equal(ragged[b, :n], prompt[b, :n]) and (ragged[b, n + 5 :] == 0).all()
+
+
+def test_generate_refuses_a_bad_prompt_mask():
+    model = ks.nn.CausalLM(20, positions="learned", max_len=12, **SMALL).eval()
+    prompt = _ids(2, 8)
+    left = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1], [1] * 8], dtype=torch.bool)
+    with pytest.raises(ValueError, match="right padding"):
+        model.generate(prompt, 2, mask=left)
+    empty = torch.tensor([[0] * 8, [1] * 8], dtype=torch.bool)
+    with pytest.raises(ValueError, match="at least one real token"):
+        model.generate(prompt, 2, mask=empty)
+    with pytest.raises(ValueError, match="mask must be a bool tensor"):
+        model.generate(prompt, 2, mask=torch.ones(2, 8))
+    with pytest.raises(ValueError, match="mask must have the shape"):
+        model.generate(prompt, 2, mask=torch.ones(2, 7, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"pad_id must be an int <= 19"):
+        model.generate(prompt, 2, pad_id=20)
+    # learned positions: the longest real prompt counts, not the padded width
+    short = torch.arange(8) < torch.tensor([[5], [6]])
+    assert model.generate(prompt, 7, mask=short).shape == (2, 15)
+    with pytest.raises(ValueError, match=r"prompt length 6 \+ max_new_tokens 8 needs 13"):
+        model.generate(prompt, 8, mask=short)

@@ -74,7 +74,8 @@ def generate(
     Runs in eval mode (the model's mode is restored): in training, dropout would make the
     decoding random, and a map that redraws its features (``redraw_every``) would redraw at
     every ``"full"`` forward and refuse ``"step"``. Every prompt has P real tokens (no
-    padding mask).
+    padding mask; :meth:`kernelstudy.nn.CausalLM.generate` takes prompts of different
+    lengths).
     """
     _check_lm(model, prompt, steps, mode)
     was_training = model.training

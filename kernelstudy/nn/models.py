@@ -494,15 +494,26 @@ class CausalLM(_SequenceModel):
         max_new_tokens: int,
         temperature: float = 0.0,
         generator: torch.Generator | None = None,
+        mask: torch.Tensor | None = None,
+        pad_id: int = 0,
     ) -> torch.Tensor:
         """Continue ``prompt (B,P)`` by ``max_new_tokens`` tokens with :meth:`step`.
 
         ``temperature`` 0 is greedy (argmax); > 0 samples from ``softmax(logits / T)``.
         Runs in eval mode (the previous mode is restored). Returns ``(B, P + max_new_tokens)``.
-        Every prompt has P real tokens: there is no padding mask, and a pad token would be
-        read as a token (generate prompts of different lengths separately). The model reads
-        ``P + max_new_tokens - 1`` positions; learned positions need that many below
-        ``max_len`` (checked before any step).
+
+        Prompts of different lengths: ``mask (B,P)`` bool, True = real token, each row's
+        real tokens first (right padding, as :meth:`forward` takes it; at least one per
+        row). Row ``b`` of the result holds its ``L_b = mask[b].sum()`` prompt tokens, its
+        ``max_new_tokens`` new ones, then ``pad_id`` up to ``P + max_new_tokens``. All rows
+        step together, one position per step: a row whose prompt has ended feeds back its
+        own new tokens while longer prompts are still read, so every row sees exactly the
+        positions it would see alone (greedy decoding gives its lone result, up to float
+        rounding of the batch). Without ``mask`` every prompt token is real.
+
+        The model reads ``max L_b + max_new_tokens - 1`` positions (the last token is not
+        fed back); learned positions need that many below ``max_len`` (checked before any
+        step).
         """
         _check_ids(prompt, self.vocab_size, "prompt")
         if prompt.shape[1] < 1:
@@ -513,30 +524,74 @@ class CausalLM(_SequenceModel):
             or max_new_tokens < 0
         ):
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-        read = prompt.shape[1] + max(max_new_tokens - 1, 0)  # the last token is not fed back
+        temperature = check_real("temperature", temperature)
+        pad_id = check_count("pad_id", pad_id, 0, self.vocab_size - 1)
+        lengths = _prompt_lengths(mask, prompt)
+        longest = int(lengths.max()) if prompt.shape[0] else prompt.shape[1]
+        read = longest + max(max_new_tokens - 1, 0)  # the last token is not fed back
         if self.positions.kind == "learned" and read > self.positions.max_len:
             raise ValueError(
-                f"prompt length {prompt.shape[1]} + max_new_tokens {max_new_tokens} needs "
+                f"prompt length {longest} + max_new_tokens {max_new_tokens} needs "
                 f"{read} positions, beyond max_len={self.positions.max_len} of the learned "
                 "positional encoding"
             )
-        temperature = check_real("temperature", temperature)
         was_training = self.training
         self.eval()
         try:
-            state, out = None, [prompt]
-            for t in range(prompt.shape[1]):
-                logits, state = self.step(prompt[:, t], state)
-            for i in range(max_new_tokens):
-                if temperature == 0.0:
-                    token = logits.argmax(-1)
-                else:
-                    z = logits.float()  # shifted: a tiny temperature gives 0 and -inf, not inf
-                    probs = torch.softmax((z - z.amax(-1, keepdim=True)) / temperature, dim=-1)
-                    token = torch.multinomial(probs, 1, generator=generator)[:, 0]
-                out.append(token[:, None])
-                if i + 1 < max_new_tokens:
-                    logits, state = self.step(token, state)
-            return torch.cat(out, dim=1)
+            return self._generate(prompt, lengths, max_new_tokens, temperature, generator, pad_id)
         finally:
             self.train(was_training)
+
+    def _generate(
+        self,
+        prompt: torch.Tensor,
+        lengths: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float,
+        generator: torch.Generator | None,
+        pad_id: int,
+    ) -> torch.Tensor:
+        """:meth:`generate` on checked arguments, in eval mode, without autograd."""
+        b, p = prompt.shape
+        positions = torch.arange(p, device=prompt.device)
+        real = positions < lengths[:, None]
+        out = torch.full((b, p + max_new_tokens), pad_id, dtype=prompt.dtype, device=prompt.device)
+        out[:, :p] = torch.where(real, prompt, pad_id)
+        if max_new_tokens == 0 or b == 0:
+            return out
+        shortest, longest = int(lengths.min()), int(lengths.max())
+        state, token = None, prompt[:, 0]
+        for t in range(longest + max_new_tokens - 1):  # feeds position t, predicts t + 1
+            logits, state = self.step(token, state)
+            if t + 1 < shortest:  # every row still reads its prompt (no draw from generator)
+                token = prompt[:, t + 1]
+                continue
+            if temperature == 0.0:
+                new = logits.argmax(-1)
+            else:
+                z = logits.float()  # shifted: a tiny temperature gives 0 and -inf, not inf
+                probs = torch.softmax((z - z.amax(-1, keepdim=True)) / temperature, dim=-1)
+                new = torch.multinomial(probs, 1, generator=generator)[:, 0]
+            new = new.to(out.dtype)
+            written = (t + 1 >= lengths) & (t + 1 < lengths + max_new_tokens)
+            out[:, t + 1] = torch.where(written, new, out[:, t + 1])
+            token = torch.where(t + 1 < lengths, prompt[:, min(t + 1, p - 1)], new)
+        return out
+
+
+def _prompt_lengths(mask: torch.Tensor | None, prompt: torch.Tensor) -> torch.Tensor:
+    """The real length of each prompt row, ``(B,)`` long, from a right-padded ``mask``."""
+    if mask is None:
+        return torch.full((prompt.shape[0],), prompt.shape[1], device=prompt.device)
+    _check_mask(mask, prompt, "mask")
+    if mask.device != prompt.device:
+        raise ValueError(f"mask must be on the prompt's device {prompt.device}, got {mask.device}")
+    lengths = mask.sum(1)
+    prefix = torch.arange(prompt.shape[1], device=mask.device) < lengths[:, None]
+    if not torch.equal(mask, prefix):
+        raise ValueError(
+            "mask must hold each prompt's real tokens first (right padding: True then False)"
+        )
+    if prompt.shape[0] and int(lengths.min()) < 1:
+        raise ValueError("mask must mark at least one real token in every prompt row")
+    return lengths
