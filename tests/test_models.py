@@ -490,3 +490,28 @@ def test_generate_refuses_a_bad_prompt_mask():
     assert model.generate(prompt, 7, mask=short).shape == (2, 15)
     with pytest.raises(ValueError, match=r"prompt length 6 \+ max_new_tokens 8 needs 13"):
         model.generate(prompt, 8, mask=short)
+
+
+def test_generate_ends_rows_at_eos_and_returns_int64_ids():
+    """eos_id ends a row (the eos kept, pad_id after it); ids of a narrow prompt dtype come
+    back as int64, so new tokens beyond the prompt dtype's range are not wrapped."""
+    torch.manual_seed(0)
+    model = ks.nn.CausalLM(300, **SMALL).eval()
+    prompt = torch.randint(0, 256, (3, 4), dtype=torch.uint8)
+    free = model.generate(prompt, 8)
+    assert free.dtype == torch.int64 and torch.equal(free, model.generate(prompt.long(), 8))
+    eos = int(free[0, 6])  # row 0's third new token
+    out = model.generate(prompt, 8, eos_id=eos, pad_id=299)
+    for b in range(3):
+        new = free[b, 4:].tolist()
+        end = new.index(eos) + 1 if eos in new else 8
+        assert out[b, 4 : 4 + end].tolist() == new[:end]
+        assert (out[b, 4 + end :] == 299).all()
+    calls = []
+    step = model.step
+    model.step = lambda *a: calls.append(1) or step(*a)
+    one = model.generate(prompt[:1], 8, eos_id=eos)
+    first = free[0, 4:].tolist().index(eos)  # the new token that ends row 0
+    assert one.shape == (1, 12) and len(calls) == 4 + first  # stopped after the eos
+    with pytest.raises(ValueError, match=r"eos_id must be an int <= 299"):
+        model.generate(prompt, 2, eos_id=300)

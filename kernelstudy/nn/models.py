@@ -496,11 +496,14 @@ class CausalLM(_SequenceModel):
         generator: torch.Generator | None = None,
         mask: torch.Tensor | None = None,
         pad_id: int = 0,
+        eos_id: int | None = None,
     ) -> torch.Tensor:
         """Continue ``prompt (B,P)`` by ``max_new_tokens`` tokens with :meth:`step`.
 
         ``temperature`` 0 is greedy (argmax); > 0 samples from ``softmax(logits / T)``.
-        Runs in eval mode (the previous mode is restored). Returns ``(B, P + max_new_tokens)``.
+        Runs in eval mode (the previous mode is restored). Returns ``(B, P + max_new_tokens)``
+        int64 token ids. ``eos_id``: a row ends at the first new token equal to it (kept),
+        and is filled with ``pad_id`` after it; generation stops once every row has ended.
 
         Prompts of different lengths: ``mask (B,P)`` bool, True = real token, each row's
         real tokens first (right padding, as :meth:`forward` takes it; at least one per
@@ -526,6 +529,8 @@ class CausalLM(_SequenceModel):
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
         temperature = check_real("temperature", temperature)
         pad_id = check_count("pad_id", pad_id, 0, self.vocab_size - 1)
+        if eos_id is not None:
+            eos_id = check_count("eos_id", eos_id, 0, self.vocab_size - 1)
         lengths = _prompt_lengths(mask, prompt)
         longest = int(lengths.max()) if prompt.shape[0] else prompt.shape[1]
         read = longest + max(max_new_tokens - 1, 0)  # the last token is not fed back
@@ -538,7 +543,9 @@ class CausalLM(_SequenceModel):
         was_training = self.training
         self.eval()
         try:
-            return self._generate(prompt, lengths, max_new_tokens, temperature, generator, pad_id)
+            return self._generate(
+                prompt, lengths, max_new_tokens, temperature, generator, pad_id, eos_id
+            )
         finally:
             self.train(was_training)
 
@@ -550,17 +557,19 @@ class CausalLM(_SequenceModel):
         temperature: float,
         generator: torch.Generator | None,
         pad_id: int,
+        eos_id: int | None,
     ) -> torch.Tensor:
         """:meth:`generate` on checked arguments, in eval mode, without autograd."""
         b, p = prompt.shape
         positions = torch.arange(p, device=prompt.device)
         real = positions < lengths[:, None]
-        out = torch.full((b, p + max_new_tokens), pad_id, dtype=prompt.dtype, device=prompt.device)
-        out[:, :p] = torch.where(real, prompt, pad_id)
+        out = torch.full((b, p + max_new_tokens), pad_id, device=prompt.device)  # int64
+        out[:, :p] = torch.where(real, prompt.long(), pad_id)
         if max_new_tokens == 0 or b == 0:
             return out
         shortest, longest = int(lengths.min()), int(lengths.max())
         state, token = None, prompt[:, 0]
+        ended = torch.zeros(b, dtype=torch.bool, device=prompt.device)  # an eos was written
         for t in range(longest + max_new_tokens - 1):  # feeds position t, predicts t + 1
             logits, state = self.step(token, state)
             if t + 1 < shortest:  # every row still reads its prompt (no draw from generator)
@@ -572,10 +581,13 @@ class CausalLM(_SequenceModel):
                 z = logits.float()  # shifted: a tiny temperature gives 0 and -inf, not inf
                 probs = torch.softmax((z - z.amax(-1, keepdim=True)) / temperature, dim=-1)
                 new = torch.multinomial(probs, 1, generator=generator)[:, 0]
-            new = new.to(out.dtype)
-            written = (t + 1 >= lengths) & (t + 1 < lengths + max_new_tokens)
+            written = (t + 1 >= lengths) & (t + 1 < lengths + max_new_tokens) & ~ended
             out[:, t + 1] = torch.where(written, new, out[:, t + 1])
-            token = torch.where(t + 1 < lengths, prompt[:, min(t + 1, p - 1)], new)
+            token = torch.where(t + 1 < lengths, prompt[:, min(t + 1, p - 1)].long(), new)
+            if eos_id is not None:
+                ended |= written & (new == eos_id)
+                if bool(ended.all()):  # a host sync per step, only with eos_id
+                    break
         return out
 
 
