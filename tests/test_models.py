@@ -398,8 +398,8 @@ def test_generate_checks_learned_positions_before_any_step(monkeypatch):
     prompt = _ids(2, 10)
     assert model.generate(prompt, 7).shape == (2, 17)  # 16 positions read: the last is not fed
     calls = []
-    step = model.step
-    monkeypatch.setattr(model, "step", lambda *a: calls.append(1) or step(*a))
+    step = model._step
+    monkeypatch.setattr(model, "_step", lambda *a: calls.append(1) or step(*a))
     with pytest.raises(ValueError, match=r"prompt length 10 \+ max_new_tokens 8 needs 17 pos"):
         model.generate(prompt, 8)
     assert calls == []
@@ -508,8 +508,8 @@ def test_generate_ends_rows_at_eos_and_returns_int64_ids():
         assert out[b, 4 : 4 + end].tolist() == new[:end]
         assert (out[b, 4 + end :] == 299).all()
     calls = []
-    step = model.step
-    model.step = lambda *a: calls.append(1) or step(*a)
+    step = model._step
+    model._step = lambda *a: calls.append(1) or step(*a)
     one = model.generate(prompt[:1], 8, eos_id=eos)
     first = free[0, 4:].tolist().index(eos)  # the new token that ends row 0
     assert one.shape == (1, 12) and len(calls) == 4 + first  # stopped after the eos

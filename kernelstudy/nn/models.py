@@ -482,6 +482,10 @@ class CausalLM(_SequenceModel):
             raise TypeError(
                 f"state must be None or the LMState of an earlier step, got {type(state).__name__}"
             )
+        return self._step(token, state)
+
+    def _step(self, token: torch.Tensor, state: LMState | None) -> tuple[torch.Tensor, LMState]:
+        """:meth:`step` on checked ids (no host sync to check them)."""
         start = 0 if state is None else state.position
         x = self.drop(self._embed(token[:, None], start=start)[:, 0])
         h, layers = self.encoder.step(x, None if state is None else state.layers)
@@ -571,7 +575,7 @@ class CausalLM(_SequenceModel):
         state, token = None, prompt[:, 0]
         ended = torch.zeros(b, dtype=torch.bool, device=prompt.device)  # an eos was written
         for t in range(longest + max_new_tokens - 1):  # feeds position t, predicts t + 1
-            logits, state = self.step(token, state)
+            logits, state = self._step(token, state)  # ids checked or drawn in range
             if t + 1 < shortest:  # every row still reads its prompt (no draw from generator)
                 token = prompt[:, t + 1]
                 continue
