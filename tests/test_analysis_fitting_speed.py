@@ -587,3 +587,312 @@ def test_benchmark_attention_leaves_the_callers_map_alone():
     after = fm.state_dict()
     assert torch.equal(after["weight"], before["weight"])
     assert after["_extra_state"] == before["_extra_state"]
+
+
+# --- padded batches: distillation_loss and fit_to_softmax with key/query padding masks ---
+
+
+def _padded_learned_map(name: str, dtype: torch.dtype = torch.float64) -> FeatureMap:
+    """A learned map of 3 heads (one W per head), its weights moved off their init by a
+    seeded perturbation: the same call builds the same map."""
+    if name == "softplus_ffn":
+        fm = ks.create_feature_map(name, head_dim=8, num_heads=3, shared=False, seed=0)
+    else:  # hedgehog: a per-sequence key stabilizer (keys_need_sequence)
+        fm = ks.create_feature_map(name, head_dim=8, num_heads=3)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in fm.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=gen))
+    return fm.to(dtype)
+
+
+def _distillation_case(case: str, dtype: torch.dtype = torch.float64):
+    """(q, k, query lengths, key lengths, causal): right-padded, different real lengths."""
+    n, s, q_lens, k_lens, causal, batch = {
+        "self": (10, 10, [7, 4], [7, 4], False, 2),
+        "self_causal": (10, 10, [7, 4], [7, 4], True, 2),
+        "causal_uneven": (10, 10, [7, 10], [5, 10], True, 2),  # real queries past the keys
+        "cross": (9, 12, [9, 5], [8, 12], False, 2),
+        "one": (5, 7, [3], [6], False, 1),
+    }[case]
+    gen = torch.Generator().manual_seed(17)
+    q = torch.randn(batch, 3, n, 8, generator=gen, dtype=torch.float64).to(dtype)
+    k = torch.randn(batch, 3, s, 8, generator=gen, dtype=torch.float64).to(dtype)
+    return q, k, q_lens, k_lens, causal
+
+
+def _mask_of(lengths, size):
+    return torch.arange(size)[None, :] < torch.tensor(lengths)[:, None]
+
+
+def _sliced_distillation(fm, q, k, q_lens, k_lens, causal, eps=1e-6):
+    """The float64 loss of each sequence's unpadded slice (queries ``:q_lens[b]``, keys
+    ``:k_lens[b]``), written out from the map's features, pooled: the sum of the row
+    cross-entropies of every sequence and head over their number (rows without a key
+    left out)."""
+    total = torch.zeros((), dtype=torch.float64)
+    rows = 0
+    for b, (nq, nk) in enumerate(zip(q_lens, k_lens, strict=True)):
+        qb, kb = q[b : b + 1, :, :nq].double(), k[b : b + 1, :, :nk].double()
+        seen = torch.ones(nq, nk, dtype=torch.bool)
+        if causal:
+            seen = seen.tril()
+        logits = qb @ kb.transpose(-1, -2) / math.sqrt(q.shape[-1])
+        has_key = seen.any(-1)
+        p = torch.softmax(logits.masked_fill(~seen, -math.inf), -1)
+        p = torch.where(has_key[:, None], p, 0.0)  # rows without keys: NaN → 0
+        scores = fm(qb, is_query=True) @ fm(kb, is_query=False).transpose(-1, -2)
+        scores = scores.masked_fill(~seen, 0.0)
+        a = scores / (scores.sum(-1, keepdim=True) + eps)
+        ce = -torch.where(seen, p * a.clamp_min(1e-30).log(), 0.0).sum(-1)
+        total = total + ce.sum()
+        rows += int(has_key.sum()) * q.shape[1]
+    return total / rows
+
+
+def _garbage(t: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """``t: (B,H,L,D)`` with its padded positions (``real: (B,L)`` False) set to 1e30, and a
+    NaN, a -inf and an inf among them."""
+    out = t.masked_fill(~real[:, None, :, None], 1e30)
+    where = (~real).nonzero()
+    for i, value in zip(range(len(where)), (math.nan, -math.inf, math.inf), strict=False):
+        b, pos = where[i].tolist()
+        out[b, i % t.shape[1], pos, i % t.shape[-1]] = value
+    return out
+
+
+@pytest.mark.parametrize("case", ["self", "self_causal", "causal_uneven", "cross", "one"])
+@pytest.mark.parametrize("name", ["softplus_ffn", "hedgehog"])
+def test_masked_distillation_loss_is_the_pooled_loss_of_the_unpadded_slices(name, case):
+    """With both masks the loss is the float64 loss of the real rows and keys of each
+    sequence pooled over rows (not a mean of per-sequence means), its gradients in the
+    map's parameters those of the sliced computation, and garbage (1e30, NaN, ±inf) in
+    padded positions changes neither, bit for bit."""
+    q, k, q_lens, k_lens, causal = _distillation_case(case)
+    qmask, kmask = _mask_of(q_lens, q.shape[2]), _mask_of(k_lens, k.shape[2])
+    fm = _padded_learned_map(name)
+    params = list(fm.parameters())
+
+    def masked(q, k, **kw):
+        loss = ks.analysis.distillation_loss(
+            fm, q, k, causal, key_padding_mask=kmask, query_padding_mask=qmask, **kw
+        )
+        return loss, torch.autograd.grad(loss, params)
+
+    loss, grads = masked(q, k)
+    want = _sliced_distillation(fm, q, k, q_lens, k_lens, causal)
+    want_grads = torch.autograd.grad(want, params)
+    assert loss.dtype == torch.float64
+    assert loss.item() == pytest.approx(want.item(), rel=1e-12, abs=0)
+    for got, exp in zip(grads, want_grads, strict=True):
+        assert _rel(got, exp) < 1e-10
+    # a mean of per-sequence means would differ (the lengths differ)
+    if len(q_lens) > 1:
+        per_seq = torch.stack(
+            [_sliced_distillation(fm, q[b : b + 1], k[b : b + 1], [nq], [nk], causal)
+             for b, (nq, nk) in enumerate(zip(q_lens, k_lens, strict=True))]
+        ).mean()  # fmt: skip
+        assert per_seq.item() != pytest.approx(loss.item(), rel=1e-6)
+    # garbage in the padded queries and keys
+    dirty_loss, dirty_grads = masked(_garbage(q, qmask), _garbage(k, kmask))
+    assert torch.equal(dirty_loss, loss)
+    for got, exp in zip(dirty_grads, grads, strict=True):
+        assert torch.isfinite(got).all() and torch.equal(got, exp)
+    # the precomputed masked softmax target gives the same loss; its padded rows may hold
+    # anything
+    target = ks.analysis.attention_matrix(q, k, "softmax", causal, kmask, query_padding_mask=qmask)
+    target[~qmask[:, None, :, None].expand_as(target)] = math.nan
+    assert torch.equal(masked(q, k, target=target)[0], loss)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+@pytest.mark.parametrize("case", ["self_causal", "cross"])
+def test_masked_distillation_loss_in_float32_against_float64_slices(case):
+    q, k, q_lens, k_lens, causal = _distillation_case(case, torch.float32)
+    qmask, kmask = _mask_of(q_lens, q.shape[2]), _mask_of(k_lens, k.shape[2])
+    fm32, fm64 = (
+        _padded_learned_map("softplus_ffn", torch.float32),
+        _padded_learned_map("softplus_ffn"),
+    )
+    loss = ks.analysis.distillation_loss(
+        fm32, _garbage(q, qmask), _garbage(k, kmask), causal,
+        key_padding_mask=kmask, query_padding_mask=qmask,
+    )  # fmt: skip
+    (grad,) = torch.autograd.grad(loss, [fm32.weight])
+    want = _sliced_distillation(fm64, q, k, q_lens, k_lens, causal)
+    (want_grad,) = torch.autograd.grad(want, [fm64.weight])
+    assert loss.dtype == torch.float32
+    assert loss.item() == pytest.approx(want.item(), rel=1e-5)
+    assert torch.isfinite(grad).all() and _rel(grad, want_grad) < 1e-4
+
+
+def test_distillation_loss_without_masks_is_unchanged():
+    """No mask: every B·H·N row counts, computed exactly as before the masks (bit for bit),
+    and all-True masks agree up to rounding."""
+    for dtype, causal in ((torch.float32, False), (torch.float64, True)):
+        q, k, _, _, _ = _distillation_case("self", dtype)
+        fm = _padded_learned_map("softplus_ffn", dtype)
+        loss = ks.analysis.distillation_loss(fm, q, k, causal)
+        p = ks.analysis.attention_matrix(q, k, "softmax", causal)
+        a = ks.analysis.attention_matrix(q, k, fm, causal)
+        assert torch.equal(loss, -(p * a.clamp_min(1e-30).log()).sum(-1).mean())
+        ones = torch.ones(q.shape[0], q.shape[2], dtype=torch.bool)
+        full = ks.analysis.distillation_loss(
+            fm, q, k, causal, key_padding_mask=ones, query_padding_mask=ones
+        )
+        assert full.item() == pytest.approx(
+            loss.item(), rel=1e-6 if dtype == torch.float32 else 1e-13
+        )
+
+
+def test_masked_distillation_loss_leaves_out_rows_without_keys():
+    """A sequence whose keys are all padded has rows with nothing to match: they are left
+    out (the loss is the other sequence's); with no such row anywhere it is a ValueError."""
+    q, k, _, _, _ = _distillation_case("cross")
+    fm = _padded_learned_map("softplus_ffn")
+    qmask, kmask = _mask_of([6, 3], q.shape[2]), _mask_of([9, 0], k.shape[2])
+    loss = ks.analysis.distillation_loss(
+        fm, q, _garbage(k, kmask), key_padding_mask=kmask, query_padding_mask=qmask
+    )
+    want = _sliced_distillation(fm, q[:1], k[:1], [6], [9], False)
+    assert loss.item() == pytest.approx(want.item(), rel=1e-12)
+    # a key mask alone keeps every query's row (padded queries attend to the real keys)
+    alone = ks.analysis.distillation_loss(fm, q, k, key_padding_mask=_mask_of([9, 12], 12))
+    assert alone.item() == pytest.approx(
+        _sliced_distillation(fm, q, k, [9, 9], [9, 12], False).item(), rel=1e-12
+    )
+    for kw in (
+        {"key_padding_mask": torch.zeros(2, 12, dtype=torch.bool)},
+        {"query_padding_mask": torch.zeros(2, 9, dtype=torch.bool)},
+        {"key_padding_mask": kmask, "query_padding_mask": _mask_of([0, 3], 9)},
+    ):
+        with pytest.raises(ValueError, match=r"no real query \(query_padding_mask\) has a key"):
+            ks.analysis.distillation_loss(fm, q, k, **kw)
+
+
+def test_masked_distillation_loss_checks_its_masks_and_target():
+    q, k, _, _, _ = _distillation_case("cross")  # N=9, S=12, B=2
+    fm = _padded_learned_map("softplus_ffn")
+    kmask, qmask = _mask_of([8, 12], 12), _mask_of([9, 5], 9)
+    cases = [
+        ({"key_padding_mask": kmask.float()}, TypeError,
+         "key_padding_mask must have dtype torch.bool, got torch.float32"),
+        ({"key_padding_mask": kmask.tolist()}, TypeError,
+         "key_padding_mask must be a bool torch.Tensor, got list"),
+        ({"key_padding_mask": qmask}, ValueError,
+         r"key_padding_mask must have shape \(batch, seq\) = \(2, 12\), got \(2, 9\)"),
+        ({"query_padding_mask": kmask}, ValueError,
+         r"query_padding_mask must have shape \(batch, seq\) = \(2, 9\), got \(2, 12\)"),
+        ({"query_padding_mask": qmask.int()}, TypeError,
+         "query_padding_mask must have dtype torch.bool, got torch.int32"),
+        # a target computed without the key mask weighs padded keys
+        ({"key_padding_mask": kmask, "target": ks.analysis.attention_matrix(q, k)}, ValueError,
+         "target weighs keys its queries may not see"),
+    ]  # fmt: skip
+    for kw, error, match in cases:
+        with pytest.raises(error, match=match):
+            ks.analysis.distillation_loss(fm, q, k, **kw)
+    # causal: a non-causal target is refused too (it weighs later keys)
+    qs, ks_ = q[:, :, :9], k[:, :, :9]
+    with pytest.raises(ValueError, match=r"target weighs keys .*later keys \(causal\)"):
+        ks.analysis.distillation_loss(
+            fm, qs, ks_, True, target=ks.analysis.attention_matrix(qs, ks_)
+        )
+    causal_target = ks.analysis.attention_matrix(qs, ks_, causal=True)
+    assert torch.equal(
+        ks.analysis.distillation_loss(fm, qs, ks_, True, target=causal_target),
+        ks.analysis.distillation_loss(fm, qs, ks_, True),
+    )
+
+
+def test_fit_to_softmax_with_masks_fits_the_real_rows_only():
+    """Training and validation data padded: the history starts at the sliced losses
+    (step 0's val_loss, step 1's train_loss), garbage in padded positions changes nothing,
+    and a batch padded to one real length trains as its unpadded slice."""
+    start = _padded_learned_map("softplus_ffn")
+    for train, val in (("self_causal", "causal_uneven"), ("cross", "one")):
+        q, k, q_lens, k_lens, causal = _distillation_case(train, torch.float32)
+        qv, kv, qv_lens, kv_lens, _ = _distillation_case(val, torch.float32)
+        qv, kv = qv * 1.5, kv.flip(2)  # not the training data
+        masks = {
+            "key_padding_mask": _mask_of(k_lens, k.shape[2]),
+            "query_padding_mask": _mask_of(q_lens, q.shape[2]),
+            "key_padding_mask_val": _mask_of(kv_lens, kv.shape[2]),
+            "query_padding_mask_val": _mask_of(qv_lens, qv.shape[2]),
+        }
+
+        def fit(q, k, qv, kv, causal=causal, masks=masks):
+            fm = _padded_learned_map("softplus_ffn", torch.float32)
+            history = ks.analysis.fit_to_softmax(
+                fm, q, k, steps=6, lr=3e-2, causal=causal, q_val=qv, k_val=kv, eval_every=2,
+                reg_weight=0.0, **masks,
+            )  # fmt: skip
+            return fm, history
+
+        fm, history = fit(q, k, qv, kv)
+        assert np.isfinite(history.value).all()
+        values = history.set_index(["step", "metric"])["value"]
+        want_train = _sliced_distillation(start, q, k, q_lens, k_lens, causal).item()
+        want_val = _sliced_distillation(start, qv, kv, qv_lens, kv_lens, causal).item()
+        assert values[1, "train_loss"] == pytest.approx(want_train, rel=1e-5)
+        assert values[0, "val_loss"] == pytest.approx(want_val, rel=1e-5)
+        assert values[6, "train_loss"] < values[1, "train_loss"]
+        # garbage in every padded position: the same history and weights, bit for bit
+        dirty = [
+            _garbage(t, masks[name])
+            for t, name in (
+                (q, "query_padding_mask"), (k, "key_padding_mask"),
+                (qv, "query_padding_mask_val"), (kv, "key_padding_mask_val"),
+            )
+        ]  # fmt: skip
+        fm_dirty, history_dirty = fit(*dirty)
+        pd.testing.assert_frame_equal(history_dirty, history, check_exact=True)
+        assert torch.equal(fm_dirty.weight, fm.weight)
+    # every sequence 6 real of 10: the masked fit is the fit of the [:6] slice
+    q, k, _, _, _ = _distillation_case("self", torch.float32)
+    six = _mask_of([6, 6], 10)
+    pad = {"key_padding_mask": six, "query_padding_mask": six}
+    fm_pad, h_pad = fit(_garbage(q, six), _garbage(k, six), None, None, True, pad)
+    fm_cut, h_cut = fit(q[:, :, :6], k[:, :, :6], None, None, True, {})
+    np.testing.assert_allclose(h_pad.value, h_cut.value, rtol=1e-5, atol=1e-7)
+    assert _rel(fm_pad.weight, fm_cut.weight) < 1e-5
+
+
+def test_fit_to_softmax_checks_its_masks_before_training():
+    q, k = ks.analysis.gaussian_qk(6, 8, batch=2, heads=3, seed=1)
+    qv, kv = ks.analysis.gaussian_qk(5, 8, batch=1, heads=3, seed=2)
+    fm = _padded_learned_map("softplus_ffn", torch.float32)
+    before = fm.weight.detach().clone()
+    ok, ok_val = torch.ones(2, 6, dtype=torch.bool), torch.ones(1, 5, dtype=torch.bool)
+    nan_q = q.clone()
+    nan_q[1, 0, 2, 0] = math.nan  # a real query: refused; padded, it is not
+    cases = [
+        ({"key_padding_mask_val": ok_val}, ValueError,
+         "key_padding_mask_val needs q_val and k_val"),
+        ({"q_val": qv, "k_val": kv, "query_padding_mask_val": ok}, ValueError,
+         r"query_padding_mask_val must have shape \(batch, seq\) = \(1, 5\), got \(2, 6\)"),
+        ({"q_val": qv, "k_val": kv, "key_padding_mask_val": ok_val.float()}, TypeError,
+         "key_padding_mask_val must have dtype torch.bool"),
+        ({"key_padding_mask": ok[:, :5]}, ValueError,
+         r"key_padding_mask must have shape \(batch, seq\) = \(2, 6\), got \(2, 5\)"),
+        ({"query_padding_mask": ok.tolist()}, TypeError,
+         "query_padding_mask must be a bool torch.Tensor, got list"),
+        ({"q": nan_q, "query_padding_mask": _mask_of([6, 3], 6)}, ValueError,
+         r"q holds NaN or inf \(outside padded queries\)"),
+        ({"q_val": qv, "k_val": kv, "query_padding_mask_val": ~ok_val}, ValueError,
+         r"no real query \(query_padding_mask_val\) has a key to attend to"),
+        ({"key_padding_mask": ~ok, "query_padding_mask": ok}, ValueError,
+         r"no real query \(query_padding_mask\) has a key to attend to \(key_padding_mask\)"),
+    ]  # fmt: skip
+    for change, error, match in cases:
+        args = {"q": q, "k": k, "steps": 2, **change}
+        with pytest.raises(error, match=match):
+            ks.analysis.fit_to_softmax(fm, **args)
+    assert torch.equal(fm.weight, before)  # the caller's map untouched
+    history = ks.analysis.fit_to_softmax(
+        fm, nan_q, k, steps=2, query_padding_mask=_mask_of([6, 2], 6)
+    )
+    assert np.isfinite(history.value).all()

@@ -569,3 +569,114 @@ def test_query_padding_mask_bad_input_and_nothing_to_measure():
     nan_q[0, 0, 1, 2] = 0.0
     nan_q[1, 0, 4, 0] = math.nan  # a padded query: ignored
     ks.analysis.approximation_error("elu", nan_q, k, v, query_padding_mask=first3)
+
+
+# --- attention_matrix with a query_padding_mask ---
+
+
+def _matrix_case(case):
+    """(q, k, query lengths, key lengths, causal), float64, right-padded."""
+    if case == "one":  # a batch of 1, N != S
+        gen = torch.Generator().manual_seed(9)
+        q = torch.randn(1, 2, 5, 8, generator=gen, dtype=torch.float64)
+        k = torch.randn(1, 2, 7, 8, generator=gen, dtype=torch.float64)
+        return q, k, [3], [6], False
+    q, k, _, q_lens, k_lens, causal = _padded_case(case)
+    return q, k, q_lens, k_lens, causal
+
+
+def _matrix_map(name):
+    if name in ("softmax", "uniform"):
+        return name
+    if name == "favor":  # a per-sequence key stabilizer
+        return ks.create_feature_map("favor", head_dim=8, num_features=16, seed=0).double()
+    return ks.create_feature_map(name, head_dim=8, **({"seed": 0} if name != "elu" else {}))
+
+
+def _garbage_in(t, real):
+    """``t: (B,H,L,D)`` with 1e30 at padded positions (``real: (B,L)`` False), and a NaN,
+    a -inf and an inf among them."""
+    out = t.masked_fill(~real[:, None, :, None], 1e30)
+    for i, (b, pos) in enumerate((~real).nonzero().tolist()[:3]):
+        out[b, i % t.shape[1], pos, i] = (math.nan, -math.inf, math.inf)[i]
+    return out
+
+
+@pytest.mark.parametrize("case", ["self", "self_causal", "cross", "one"])
+@pytest.mark.parametrize("name", ["softmax", "uniform", "elu", "favor", "softplus_ffn"])
+def test_attention_matrix_query_padding_mask_zeroes_padded_rows(name, case):
+    """Real rows and keys are each sequence's unpadded matrix (float64, to 1e-12), the
+    rows of padded queries and the columns of padded keys are exactly 0, and garbage
+    (1e30, NaN, ±inf) there changes nothing, bit for bit."""
+    q, k, q_lens, k_lens, causal = _matrix_case(case)
+    qmask, kmask = _lengths_mask(q_lens, q.shape[2]), _lengths_mask(k_lens, k.shape[2])
+    fm = _matrix_map(name)
+    a = ks.analysis.attention_matrix(q, k, fm, causal, kmask, query_padding_mask=qmask)
+    assert a.shape == (*q.shape[:3], k.shape[2]) and a.dtype == torch.float64
+    for b, (nq, nk) in enumerate(zip(q_lens, k_lens, strict=True)):
+        qb, kb = q[b : b + 1, :, :nq], k[b : b + 1, :, :nk]
+        want = ks.analysis.attention_matrix(qb, kb, fm, causal)
+        if name == "softmax":  # written out
+            logits = qb @ kb.transpose(-1, -2) / math.sqrt(8)
+            if causal:
+                logits = logits.masked_fill(~torch.ones(nq, nk, dtype=torch.bool).tril(), -math.inf)
+            assert (torch.softmax(logits, -1) - want).abs().max() < 1e-15
+        assert (a[b : b + 1, :, :nq, :nk] - want).abs().max() < 1e-12
+        assert not a[b, :, nq:].any() and not a[b, :, :, nk:].any()
+    dirty = ks.analysis.attention_matrix(
+        _garbage_in(q, qmask), _garbage_in(k, kmask), fm, causal, kmask, query_padding_mask=qmask
+    )
+    assert torch.equal(dirty, a)
+    # without the query mask the padded queries' rows are kept (the default, unchanged)
+    kept = ks.analysis.attention_matrix(q, k, fm, causal, kmask)
+    real_rows = qmask[:, None, :, None].expand_as(a)
+    assert torch.equal(kept[real_rows], a[real_rows])
+    assert kept[~real_rows].abs().sum() > 0
+    ones = torch.ones_like(qmask)
+    assert torch.equal(
+        ks.analysis.attention_matrix(q, k, fm, causal, kmask, query_padding_mask=ones), kept
+    )
+
+
+@pytest.mark.parametrize("name", ["softmax", "softplus_ffn"])
+def test_attention_matrix_padding_reaches_no_gradient(name):
+    """Gradients in q and k through the masked matrix are those of the slices, 0 at padded
+    positions, and finite whatever those hold (the softmax multiplied NaN keys by 0)."""
+    q, k, q_lens, k_lens, _ = _matrix_case("cross")
+    qmask, kmask = _lengths_mask(q_lens, q.shape[2]), _lengths_mask(k_lens, k.shape[2])
+    fm = _matrix_map(name)
+    weights = torch.randn(*q.shape[:3], k.shape[2], dtype=torch.float64)
+    q_in, k_in = _garbage_in(q, qmask).requires_grad_(), _garbage_in(k, kmask).requires_grad_()
+    a = ks.analysis.attention_matrix(q_in, k_in, fm, False, kmask, query_padding_mask=qmask)
+    gq, gk = torch.autograd.grad((a * weights).sum(), (q_in, k_in))
+    assert torch.isfinite(gq).all() and torch.isfinite(gk).all()
+    assert not gq[~qmask[:, None, :, None].expand_as(gq)].any()
+    assert not gk[~kmask[:, None, :, None].expand_as(gk)].any()
+    for b, (nq, nk) in enumerate(zip(q_lens, k_lens, strict=True)):
+        qb = q[b : b + 1, :, :nq].clone().requires_grad_()
+        kb = k[b : b + 1, :, :nk].clone().requires_grad_()
+        ab = ks.analysis.attention_matrix(qb, kb, fm)
+        wq, wk = torch.autograd.grad((ab * weights[b : b + 1, :, :nq, :nk]).sum(), (qb, kb))
+        assert rel_err(gq[b : b + 1, :, :nq], wq) < 1e-12
+        assert rel_err(gk[b : b + 1, :, :nk], wk) < 1e-12
+
+
+def test_attention_matrix_query_padding_mask_bad_input():
+    q, k = ks.analysis.gaussian_qk(6, 4, batch=2, seed=1)
+    ok = torch.ones(2, 6, dtype=torch.bool)
+    cases = [
+        (ok.tolist(), TypeError, "query_padding_mask must be a bool torch.Tensor, got list"),
+        (ok.float(), TypeError,
+         "query_padding_mask must have dtype torch.bool, got torch.float32"),
+        (ok[:1], ValueError,
+         r"query_padding_mask must have shape \(batch, seq\) = \(2, 6\), got \(1, 6\)"),
+        (ok[:, :5], ValueError,
+         r"query_padding_mask must have shape \(batch, seq\) = \(2, 6\), got \(2, 5\)"),
+    ]  # fmt: skip
+    for mask, error, match in cases:
+        for fm in ("softmax", "uniform", "elu"):
+            with pytest.raises(error, match=match):
+                ks.analysis.attention_matrix(q, k, fm, query_padding_mask=mask)
+    # all padded: every row zero
+    zero = ks.analysis.attention_matrix(q, k, "elu", query_padding_mask=~ok)
+    assert zero.shape == (2, 1, 6, 6) and not zero.any()

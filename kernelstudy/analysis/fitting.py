@@ -6,9 +6,39 @@ import pandas as pd
 import torch
 
 from ..arguments import check_count, check_real
-from ..core.validation import accumulation_dtype
+from ..core.validation import accumulation_dtype, check_key_padding_mask
 from ..feature_maps import FeatureMap
-from .matrices import MAX_N, attention_matrix, check_qk
+from .matrices import MAX_N, allowed_keys, attention_matrix, check_qk
+
+
+def _loss_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    causal: bool,
+    key_padding_mask: torch.Tensor | None,
+    query_padding_mask: torch.Tensor | None,
+    names: tuple[str, str] = ("key_padding_mask", "query_padding_mask"),
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(allowed: (B|1,1,N,S), rows: (B|1,1,N), real: (B|1,1,N))``: the keys each real
+    query may see, the rows the loss averages (real queries with at least one such key)
+    and the real queries. Checks the masks (named by ``names``); ValueError when no row is
+    left."""
+    kname, qname = names
+    batch, n, s = q.shape[0], q.shape[2], k.shape[2]
+    if key_padding_mask is not None:
+        key_padding_mask = check_key_padding_mask(key_padding_mask, batch, s, k.device, kname)
+    allowed = allowed_keys(n, s, causal, key_padding_mask, batch, q.device)
+    real = torch.ones(1, 1, n, dtype=torch.bool, device=q.device)
+    if query_padding_mask is not None:
+        real = check_key_padding_mask(query_padding_mask, batch, n, q.device, qname)[:, None]
+        allowed = allowed & real[..., None]
+    rows = allowed.any(-1)
+    if not rows.any():
+        raise ValueError(
+            f"no real query ({qname}) has a key to attend to ({kname}"
+            f"{', causal' if causal else ''}): no row to average the loss over"
+        )
+    return allowed, rows, real
 
 
 def distillation_loss(
@@ -18,6 +48,8 @@ def distillation_loss(
     causal: bool = False,
     target: torch.Tensor | None = None,
     eps: float = 1e-6,
+    key_padding_mask: torch.Tensor | None = None,
+    query_padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mean over rows of the cross-entropy ``−Σ_j P_ij log Â_ij`` (nats).
 
@@ -26,6 +58,28 @@ def distillation_loss(
     in the map's parameters. Minimizing it minimizes ``KL(P ‖ Â)``; its floor is the
     mean entropy of the softmax rows. ``feature_map`` must be a FeatureMap: a name or
     config would build a new map, with new random weights, on every call.
+
+    Padded batches: ``key_padding_mask: (B,S)`` and ``query_padding_mask: (B,N)``, bool,
+    True = real. Padded keys are left out of both ``P`` and ``Â`` (as in the core), and the
+    mean is over the rows of real queries only that have a key to attend to (a row with
+    none, e.g. a sequence without real keys, has no distribution to match and is left
+    out). The mean is pooled: one mean over every such row of every sequence and head
+    (not a mean of per-sequence means), so a padded batch gives, up to rounding, what the
+    unpadded sequences give concatenated. Padded positions may hold anything (NaN and inf
+    included): they reach neither the loss nor the map's gradients. Without masks every
+    one of the ``B·H·N`` rows counts (``key_padding_mask`` alone drops no row: for a padded
+    self-attention batch pass the same mask as both).
+
+    ``target`` must be 0 outside the keys each real query may see (padded keys, and
+    later keys when causal), as ``attention_matrix(q, k, "softmax", causal,
+    key_padding_mask)`` gives it; its rows of padded queries are ignored. With a mask or
+    ``causal`` it is checked: a target that weighs a key its query may not see (one
+    computed without the key mask, say) raises ValueError.
+
+    Raises:
+        TypeError: ``feature_map`` not a FeatureMap, a mask not a bool tensor.
+        ValueError: bad shapes (masks named), a target as above, or no row to average:
+            no real query with a key to attend to.
     """
     if not isinstance(feature_map, FeatureMap):
         raise TypeError(f"feature_map must be a FeatureMap, got {type(feature_map).__name__}")
@@ -37,14 +91,37 @@ def distillation_loss(
             raise ValueError(
                 f"target must be softmax attention of shape (B,H,N,S) = {want}, got {got}"
             )
+    masked = key_padding_mask is not None or query_padding_mask is not None
+    if masked or (causal and target is not None):
+        allowed, rows, real = _loss_rows(q, k, causal, key_padding_mask, query_padding_mask)
+        if target is not None:
+            outside = (target != 0) & ~allowed & real[..., None]  # NaN there counts too
+            if outside.any():
+                raise ValueError(
+                    "target weighs keys its queries may not see (padded keys"
+                    f"{', or later keys (causal)' if causal else ''}): it must be 0 there, "
+                    "as attention_matrix(q, k, 'softmax', causal, key_padding_mask) gives it"
+                )
     if target is None:
         with torch.no_grad():
-            target = attention_matrix(q, k, "softmax", causal, max_n=MAX_N)
-    a_hat = attention_matrix(q, k, feature_map, causal, max_n=MAX_N, eps=eps)
+            target = attention_matrix(
+                q, k, "softmax", causal, key_padding_mask, MAX_N,
+                query_padding_mask=query_padding_mask,
+            )  # fmt: skip
+    a_hat = attention_matrix(
+        q, k, feature_map, causal, key_padding_mask, MAX_N, eps,
+        query_padding_mask=query_padding_mask,
+    )  # fmt: skip
     # in float32 at least: 1e-30 is 0 in float16, and log(0) made the loss inf
     acc = accumulation_dtype(a_hat.dtype)
-    ce = -(target.to(acc) * a_hat.to(acc).clamp_min(1e-30).log()).sum(-1)
-    return ce.mean()
+    log_a = a_hat.to(acc).clamp_min(1e-30).log()
+    if not masked:
+        ce = -(target.to(acc) * log_a).sum(-1)
+        return ce.mean()
+    # a padded query's row of a given target may hold anything: selected, not multiplied
+    p = torch.where(rows[..., None], target.to(acc), 0.0)
+    ce = -(p * log_a).sum(-1)  # (B,H,N), 0 on rows left out
+    return ce.sum() / rows.expand(ce.shape).sum()
 
 
 def fit_to_softmax(
@@ -58,6 +135,10 @@ def fit_to_softmax(
     k_val: torch.Tensor | None = None,
     reg_weight: float = 1.0,
     eval_every: int = 10,
+    key_padding_mask: torch.Tensor | None = None,
+    query_padding_mask: torch.Tensor | None = None,
+    key_padding_mask_val: torch.Tensor | None = None,
+    query_padding_mask_val: torch.Tensor | None = None,
 ) -> pd.DataFrame:
     """Train ``feature_map`` in place (Adam) so its attention matches softmax on ``q``, ``k``.
 
@@ -65,6 +146,12 @@ def fit_to_softmax(
     full batch over ``q: (B,H,N,D)``, ``k: (B,H,S,D)``. If ``q_val``/``k_val`` are given,
     the held-out distillation loss is recorded every ``eval_every`` steps (and at
     step 0 and the last step).
+
+    Padded batches: ``key_padding_mask: (B,S)`` and ``query_padding_mask: (B,N)`` (bool,
+    True = real) of ``q``, ``k``, and ``key_padding_mask_val``, ``query_padding_mask_val`` of
+    ``q_val``, ``k_val`` (named as the data they go with), are passed to
+    :func:`distillation_loss`: each loss is the pooled mean over the real queries' rows,
+    and padded positions may hold anything. All are checked before the first step.
 
     Returns:
         History in long format: columns ``step``, ``metric`` (``train_loss``,
@@ -84,20 +171,46 @@ def fit_to_softmax(
     check_real("reg_weight", reg_weight)
     if (q_val is None) != (k_val is None):
         raise ValueError("q_val and k_val must be given together")
+    if q_val is None:
+        for name, mask in (
+            ("key_padding_mask_val", key_padding_mask_val),
+            ("query_padding_mask_val", query_padding_mask_val),
+        ):
+            if mask is not None:
+                raise ValueError(f"{name} needs q_val and k_val (it masks them)")
     check_qk(q, k)
+    data = [("", q, k, key_padding_mask, query_padding_mask)]
     if q_val is not None:
         check_qk(q_val, k_val, ("q_val", "k_val"))
-    pairs = [("q", q), ("k", k)] + (
-        [("q_val", q_val), ("k_val", k_val)] if q_val is not None else []
-    )
-    for name, t in pairs:
-        if not torch.isfinite(t).all():  # would write NaN into the caller's map
-            raise ValueError(f"{name} holds NaN or inf")
+        data.append(("_val", q_val, k_val, key_padding_mask_val, query_padding_mask_val))
+    for suffix, qx, kx, kmask, qmask in data:
+        qname, kname = f"q{suffix}", f"k{suffix}"
+        masks = {}  # checked, named as the caller passed them
+        for what, t, mask, name in (
+            ("queries", qx, qmask, f"query_padding_mask{suffix}"),
+            ("keys", kx, kmask, f"key_padding_mask{suffix}"),
+        ):
+            if mask is not None:
+                masks[what] = check_key_padding_mask(mask, t.shape[0], t.shape[2], t.device, name)
+        for what, t, name in (("queries", qx, qname), ("keys", kx, kname)):
+            if what in masks:
+                t = t.masked_fill(~masks[what][:, None, :, None], 0.0)
+            if not torch.isfinite(t).all():  # would write NaN into the caller's map
+                outside = f" (outside padded {what})" if what in masks else ""
+                raise ValueError(f"{name} holds NaN or inf{outside}")
+        if masks:  # the same masks, checked against both tensors: rows left to fit?
+            names = (f"key_padding_mask{suffix}", f"query_padding_mask{suffix}")
+            _loss_rows(qx, kx, causal, kmask, qmask, names)
     with torch.no_grad():
-        target = attention_matrix(q, k, "softmax", causal)
+        target = attention_matrix(
+            q, k, "softmax", causal, key_padding_mask, query_padding_mask=query_padding_mask
+        )
         val_target = None
         if q_val is not None:
-            val_target = attention_matrix(q_val, k_val, "softmax", causal)
+            val_target = attention_matrix(
+                q_val, k_val, "softmax", causal, key_padding_mask_val,
+                query_padding_mask=query_padding_mask_val,
+            )  # fmt: skip
 
     history: list[tuple[int, str, float]] = []
 
@@ -105,7 +218,10 @@ def fit_to_softmax(
         if val_target is None:
             return
         with torch.no_grad():
-            loss = distillation_loss(feature_map, q_val, k_val, causal, val_target)
+            loss = distillation_loss(
+                feature_map, q_val, k_val, causal, val_target,
+                key_padding_mask=key_padding_mask_val, query_padding_mask=query_padding_mask_val,
+            )  # fmt: skip
         history.append((step, "val_loss", loss.item()))
 
     was_training = feature_map.training
@@ -115,7 +231,10 @@ def fit_to_softmax(
         record_val(0)
         for step in range(1, steps + 1):
             optimizer.zero_grad(set_to_none=True)
-            loss = distillation_loss(feature_map, q, k, causal, target)
+            loss = distillation_loss(
+                feature_map, q, k, causal, target,
+                key_padding_mask=key_padding_mask, query_padding_mask=query_padding_mask,
+            )  # fmt: skip
             reg = feature_map.regularization()
             (loss + reg_weight * reg).backward()
             optimizer.step()

@@ -3,9 +3,10 @@
 Everything here materializes the full matrix, so sizes are capped by ``max_n``;
 the fast paths live in the core. Inputs follow the core's conventions:
 ``q: (B,H,N,D)``, ``k: (B,H,S,D)``, ``key_padding_mask: (B,S)`` bool (True = real key).
-Padded keys get weight 0; the rows of padded queries are kept (they attend to the real keys
-like any query): the analyses that average over rows take a ``query_padding_mask``
-(:func:`check_query_padding_mask`) to leave them out.
+Padded keys get weight 0. The rows of padded queries are kept (they attend to the real keys
+like any query) unless a ``query_padding_mask: (B,N)`` (True = real query,
+:func:`check_query_padding_mask`) is given: :func:`attention_matrix` then zeroes them, and
+the analyses that average over rows leave them out.
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ def attention_matrix(
     key_padding_mask: torch.Tensor | None = None,
     max_n: int = MAX_N,
     eps: float = 1e-6,
+    query_padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The explicit row-normalized attention matrix ``(B,H,N,S)``.
 
@@ -106,12 +108,19 @@ def attention_matrix(
         max_n: largest N or S allowed (the matrix is N×S per head).
         eps: the kernel normalizer's guard (kernel maps only; the core's default is
             1e-6; 0 normalizes exactly, leaving rows without mass at zero).
+        query_padding_mask: ``(B,N)`` bool, True for real queries: the rows of padded
+            queries come out all zero, like rows with no key. None (default): every row is
+            computed, padded queries' included (they attend to the real keys).
 
-    Rows with no key to attend to are all zero; rows of padded queries are not masked
-    (there is no query mask: slice the real rows out). Half-precision inputs are scored and
-    normalized in float32 (as the core sums them) and the matrix returned in their
-    dtype. Raises ValueError when N or S exceeds ``max_n`` or the map name is not
-    registered.
+    Rows with no key to attend to are all zero. Padded keys and padded queries may hold
+    anything (NaN and inf included): they are zeroed before any product, so they reach
+    no other entry and no gradient. Half-precision inputs are scored and normalized in
+    float32 (as the core sums them) and the matrix returned in their dtype.
+
+    Raises:
+        ValueError: N or S exceeds ``max_n``, the map name is not registered, causal with
+            N != S, or a mask of the wrong shape (named).
+        TypeError: a mask that is not a bool tensor (named).
     """
     check_qk(q, k)
     n, s = q.shape[2], k.shape[2]
@@ -122,7 +131,13 @@ def attention_matrix(
             "(pass a larger max_n if you have the memory)"
         )
     allowed = allowed_keys(n, s, causal, key_padding_mask, q.shape[0], q.device)
+    if query_padding_mask is not None:
+        real = check_query_padding_mask(query_padding_mask, q.shape[0], n, q.device)
+        allowed = allowed & real[:, None, :, None]
+        q = q.masked_fill(~real[:, None, :, None], 0.0)  # NaN there reaches nothing
     if feature_map is None or feature_map == SOFTMAX:
+        if key_padding_mask is not None:  # garbage there made NaN gradients of q
+            k = k.masked_fill(~key_padding_mask.to(k.device)[:, None, :, None], 0.0)
         acc = accumulation_dtype(q.dtype)  # float16 scores overflow at |q·k| > 65504
         with autocast_off(q):
             scores = (q.to(acc) @ k.to(acc).transpose(-1, -2)) / math.sqrt(q.shape[-1])
