@@ -101,6 +101,11 @@ def test_tiny_listops_run_writes_checkpoint_metrics_and_summary(
     assert summary["status"] == "completed" and summary["steps_completed"] == 8
     assert summary["val_accuracy"] == pytest.approx(metrics["val_accuracy"].iloc[-1])
     assert summary["test_accuracy"] == record["test"]["accuracy"]
+    # the test scored the restored best weights: their step and validation accuracy
+    assert summary["model_step"] == record["best"]["step"] in (3, 6, 8)
+    best_row = metrics[metrics["step"] == summary["model_step"]].iloc[0]
+    assert summary["model_val_accuracy"] == pytest.approx(best_row["val_accuracy"])
+    assert f"(weights of step {summary['model_step']})" in printed
     assert 0 <= summary["test_accuracy"] <= 1
     assert 0.1 <= summary["test_majority_accuracy"] <= 1
     assert summary["parameters"]["model"] == record["parameters"]["total"] > 0

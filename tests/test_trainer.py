@@ -1064,3 +1064,29 @@ def test_the_training_time_leaves_out_evaluation(tmp_path):
     assert record["train_time_s"] < record["wall_time_s"] - scorings * 0.4
     saved = json.loads((tmp_path / "run.json").read_text())
     assert saved["train_time_s"] == record["train_time_s"]
+
+
+def test_the_record_names_the_step_whose_weights_the_model_holds(tmp_path):
+    """The record's ``final`` row is the last evaluation's while ``test`` scored the restored
+    best weights: ``model_step`` and ``model_metrics`` say which weights those are."""
+    train, val = ContainsTask(64), ContainsTask(32, seed=1)
+    cfg = {"eval_every": 3, "lr": 3e-2, "schedule": "constant", "monitor": "val_loss"}
+    cfg.update(mode="min", out_dir=str(tmp_path))
+
+    def build(steps, **kw):
+        torch.manual_seed(0)
+        config = _config(steps=steps, **{**cfg, **kw})
+        return Trainer(_classifier(dropout=0.1), train, config, val_data=val, test_data=val)
+
+    trainer = build(9)
+    paused = trainer.fit(stop_after=4)  # not finished: the model holds step 4's weights
+    assert paused["status"] == "paused" and paused["model_step"] == 4
+    assert paused["model_metrics"] is None  # step 4 was not evaluated
+    record = trainer.fit(resume=True)
+    best = record["best"]["step"]
+    assert best < 9 and record["model_step"] == best  # so the best and the last differ
+    assert record["model_metrics"]["step"] == best
+    assert record["model_metrics"]["val_loss"] == record["best"]["value"]
+    assert record["final"]["step"] == 9 and record["test"] == trainer.evaluate(val)
+    kept = build(9, restore_best=False, out_dir=str(tmp_path / "last")).fit()
+    assert kept["model_step"] == 9 and kept["model_metrics"] == kept["final"]

@@ -378,7 +378,11 @@ def majority_accuracy(task: SequenceTask) -> float | None:
 def summarize(
     record: Mapping[str, Any], settings: Mapping[str, Any], splits: Mapping[str, SequenceTask]
 ) -> dict[str, Any]:
-    """The run's summary: accuracies, sizes, memory and time (written as ``summary.json``)."""
+    """The run's summary: accuracies, sizes, memory and time (written as ``summary.json``).
+
+    ``val_accuracy`` is the last evaluation's; ``model_step`` the step whose weights
+    ``model.pt`` holds and the test scored (the best evaluation's with ``restore_best``),
+    ``model_val_accuracy`` their validation accuracy."""
     final = record.get("final") or {}
     test = record.get("test") or {}
     params = record["parameters"]
@@ -391,6 +395,8 @@ def summarize(
         "steps": record["steps"],
         "val_accuracy": final.get("val_accuracy"),
         "best": record["best"],
+        "model_step": record["model_step"],
+        "model_val_accuracy": (record["model_metrics"] or {}).get("val_accuracy"),
         "test_accuracy": test.get("accuracy"),
         "test_loss": test.get("loss"),
         "test_majority_accuracy": majority_accuracy(splits["test"]),
@@ -464,7 +470,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         f"{summary['status']} after {record['steps_completed']}/{record['steps']} steps: "
         f"val accuracy {_fmt(summary['val_accuracy'])} "
         f"(best {_fmt(best.get('value'))} at step {best.get('step')}), "
-        f"test accuracy {_fmt(summary['test_accuracy'])}"
+        f"test accuracy {_fmt(summary['test_accuracy'])} (weights of step {summary['model_step']})"
     )
     print(f"wrote {out}: " + ", ".join(n for n in RUN_FILES if (out / n).exists()))
     return 0

@@ -631,11 +631,18 @@ class Trainer:
 
         Times, summed over the fits of the run: ``wall_time_s`` everything in ``fit``
         (evaluations, test scoring and checkpoints included); ``train_time_s`` the training
-        steps alone (data, forward, backward, optimizer), the model's training cost."""
+        steps alone (data, forward, backward, optimizer), the model's training cost.
+
+        ``final`` is the last evaluation's metrics row; ``model_step`` the step whose weights
+        the model holds (``model.pt``, and the ``test`` metrics): the best evaluation's with
+        ``restore_best`` once the run has finished, else the last step; ``model_metrics``
+        the evaluation row of that step (None if it was not evaluated)."""
         total = parameter_count(self.model)
         fm = feature_map_parameter_count(self.model)
         config_fn = getattr(self.model, "config", None)
         rows = self.history.rows
+        # the model holds the best evaluation's weights while the last step's are kept aside
+        model_step = self.best["step"] if self._last_weights is not None else self.step
         return {
             "status": self.status,
             "error": error,
@@ -645,6 +652,8 @@ class Trainer:
             "task_type": self.task_type,
             "best": self.best,
             "final": rows[-1] if rows else None,
+            "model_step": model_step,
+            "model_metrics": next((r for r in rows if r["step"] == model_step), None),
             "test": self.test_metrics if self.test_step == self.step else None,
             "parameters": {
                 "total": total,
