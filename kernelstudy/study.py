@@ -1039,12 +1039,21 @@ def matched_map(label: str, head_dim: int, feature_dim: int, seed: int = 0) -> A
     """The FeatureMap a :func:`map_label` stands for, for ``head_dim``, at the feature
     dimension ``feature_dim`` as ``ks.analysis.matched_feature_map`` sets it through the map's
     size hyperparameter (a map without one keeps its own F), with the label's other
-    hyperparameters and ``seed`` (for a map that takes one; a label's own seed first)."""
+    hyperparameters and ``seed`` (for a map that takes one; a label's own seed first).
+
+    The map is built with torch's global generator seeded with ``seed`` and left as it was
+    afterwards: a user's map without a ``seed`` hyperparameter that draws its initial
+    weights from it gave other numbers in every run, and depended on which configs ran
+    before it in the process (the registered maps draw nothing from it)."""
+    import torch
+
     from .analysis.matching import matched_feature_map
 
     name, hparams = map_name_and_hparams(label)
     seed = hparams.pop("seed", seed)  # a table's own seed (speed's tables may set one)
-    return matched_feature_map(name, head_dim, feature_dim, seed=seed, **hparams)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return matched_feature_map(name, head_dim, feature_dim, seed=seed, **hparams)
 
 
 def map_name_and_hparams(label: str) -> tuple[str, dict[str, Any]]:

@@ -10,6 +10,7 @@ import textwrap
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 
 import kernelstudy as ks
 from kernelstudy import study
@@ -1799,3 +1800,33 @@ def test_rank_study_runs_map_tables(rank_toy, one_thread, capsys):
     assert "The maps of extra_maps are measured on Gaussian q/k only" in summary
     model = rank._copy_model(_quick_config("rank", method=GLU_LABEL), 8, 10)
     assert model.encoder.layers[0].attn.feature_map.hparams["depth"] == 2
+
+
+class SeedlessRandomMap(ks.feature_maps.FeatureMap):
+    """A user's map without a ``seed`` hyperparameter whose weights come from torch's global
+    generator, φ(x) = softplus(x W), F = D."""
+
+    name = "tests.test_studies:SeedlessRandomMap"
+    trainable = True
+
+    def __init__(self, head_dim: int, num_heads: int = 1, **hparams) -> None:
+        super().__init__(head_dim, num_heads, **hparams)
+        self.weight = torch.nn.Parameter(torch.randn(head_dim, head_dim))
+
+    def features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
+        return torch.nn.functional.softplus(x @ self.weight)
+
+
+def test_a_seedless_users_map_is_built_the_same_for_the_same_seed():
+    """Studies built a map without a seed hyperparameter from the global generator as it
+    happened to be: its rows changed from run to run and with the configs run before."""
+    label = SeedlessRandomMap.name
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    first = study.matched_map(label, 8, 8, seed=1)
+    assert torch.equal(torch.get_rng_state(), before)  # the caller's stream goes on as it was
+    torch.rand(7)  # another config ran before this one
+    again = study.matched_map(label, 8, 8, seed=1)
+    other = study.matched_map(label, 8, 8, seed=2)
+    assert torch.equal(first.weight, again.weight)
+    assert not torch.equal(first.weight, other.weight)
