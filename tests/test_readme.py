@@ -39,6 +39,14 @@ def test_readme_python_examples_run(tmp_path):
         "assert 'softplus_beta' in ks.list_feature_maps()\n"
         "m = ks.create_feature_map('softplus_beta', head_dim=8, beta=2.0)\n"
         "assert m(torch.randn(1, 1, 4, 8)).min() > 0\n"
+        # the learned-map example: seeded, and every float dtype through the core
+        "r = ks.create_feature_map('relu2', head_dim=8, hidden_dim=6, seed=3)\n"
+        "assert torch.equal(r.weight, ks.create_feature_map('relu2', head_dim=8, "
+        "hidden_dim=6, seed=3).weight)\n"
+        "for dt in (torch.bfloat16, torch.float16, torch.float64):\n"
+        "    x = torch.randn(1, 2, 5, 8, dtype=dt)\n"
+        "    y = ks.kernel_attention(x, x, x, feature_map=r, causal=True)\n"
+        "    assert y.dtype == dt and torch.isfinite(y).all()\n"
     )
     script = tmp_path / "readme_examples.py"
     script.write_text(code)

@@ -1090,3 +1090,49 @@ def test_the_record_names_the_step_whose_weights_the_model_holds(tmp_path):
     assert record["final"]["step"] == 9 and record["test"] == trainer.evaluate(val)
     kept = build(9, restore_best=False, out_dir=str(tmp_path / "last")).fit()
     assert kept["model_step"] == 9 and kept["model_metrics"] == kept["final"]
+
+
+def test_load_model_rebuilds_the_saved_model(tmp_path):
+    """``load_model`` rebuilds a run's model from run.json's class and config and model.pt's
+    weights: the restored best ones, in eval mode."""
+    from kernelstudy.train import load_model
+
+    train, val = ContainsTask(64), ContainsTask(32, seed=1)
+    cfg = {"steps": 9, "eval_every": 3, "lr": 3e-2, "monitor": "val_loss", "mode": "min"}
+    favor = {"name": "favor", "num_features": 6}  # its draws come back through the state
+    torch.manual_seed(0)
+    model = _classifier(attention="kernel", feature_map=favor, dropout=0.1)
+    trainer = Trainer(model, train, _config(**cfg, out_dir=str(tmp_path / "cls")), val_data=val)
+    record = trainer.fit()
+    loaded = load_model(tmp_path / "cls")
+    assert type(loaded) is ks.nn.SequenceClassifier and not loaded.training
+    ids, mask = val.ids[:8], val.mask[:8]
+    trainer.model.eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids, mask), trainer.model(ids, mask))  # the restored best
+    assert record["model_step"] == record["best"]["step"]
+
+    copy = CopyTask("train", seq_len=12, n_symbols=4, num_samples=32)
+    lm = model_for_task(copy, **SMALL)
+    Trainer(lm, copy, _config(steps=2, out_dir=str(tmp_path / "lm"))).fit()
+    again = load_model(tmp_path / "lm")
+    assert type(again) is ks.nn.CausalLM and again.config() == lm.config()
+    tokens = torch.randint(0, copy.vocab_size, (2, 5))
+    assert torch.equal(again.generate(tokens, 3), lm.generate(tokens, 3))
+
+    with pytest.raises(FileNotFoundError, match="no run.json in"):
+        load_model(tmp_path / "nothing")
+
+    class Own(nn.Module):  # a user's model: no config to rebuild it from
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.out = nn.Embedding(8, 4), nn.Linear(4, 2)
+
+        def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return self.out(self.embed(ids).mean(1))
+
+    own = Own()
+    out = tmp_path / "own"
+    Trainer(own, train, _config(steps=1, out_dir=str(out), eval_every=1)).fit()
+    with pytest.raises(ValueError, match="records model class 'Own' with no config"):
+        load_model(out)

@@ -8,7 +8,14 @@ new map is one new file.
 import importlib
 import pkgutil
 
-from .base import FeatureMap, HeadwiseFeatureMap, Hyperparameter, RandomFeatureMap
+from .base import (
+    SEED,
+    FeatureMap,
+    HeadwiseFeatureMap,
+    Hyperparameter,
+    RandomFeatureMap,
+    compute_dtype,
+)
 from .registry import (
     create_feature_map,
     get_feature_map_class,
@@ -23,10 +30,12 @@ for _module in pkgutil.iter_modules(__path__):
 from .table import feature_map_table  # noqa: E402
 
 __all__ = [
+    "SEED",
     "FeatureMap",
     "HeadwiseFeatureMap",
     "Hyperparameter",
     "RandomFeatureMap",
+    "compute_dtype",
     "create_feature_map",
     "feature_map_table",
     "get_feature_map_class",

@@ -14,6 +14,7 @@ from .factory import longest_split, model_for_task, task_type_of
 from .metrics import MetricsHistory, MetricSums, peak_memory, reset_peak_memory
 from .objectives import TASK_TYPES, Objective, infer_task_type
 from .pruning import OptunaPruningCallback
+from .saved_model import load_model
 from .schedule import SCHEDULES, WarmupDecay, make_scheduler
 from .trainer import TrainConfig, Trainer, resolve_device, train
 
@@ -34,6 +35,7 @@ __all__ = [
     "get_rng_state",
     "infer_task_type",
     "load_checkpoint",
+    "load_model",
     "make_loader",
     "make_scheduler",
     "read_csv_table",

@@ -1,0 +1,55 @@
+"""Rebuild the model a training run saved: ``run.json``'s model class and config, plus
+``model.pt``'s weights."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .. import nn as ks_nn
+from .trainer import MODEL, RECORD
+
+#: The model classes :func:`load_model` rebuilds, by the name ``run.json`` records.
+MODEL_CLASSES = ("SequenceClassifier", "MatchingClassifier", "CausalLM")
+
+
+def load_model(run_dir: str | os.PathLike, device: str | torch.device = "cpu") -> nn.Module:
+    """The model of the run in ``run_dir`` (a ``Trainer`` ``out_dir`` or a ``kernelstudy
+    train --out`` folder), in eval mode on ``device``.
+
+    Built from ``run.json`` (its model class, one of :data:`MODEL_CLASSES`, and the
+    constructor config) and loaded with ``model.pt``: the weights of the run's step
+    ``model_step`` in ``run.json`` (the best evaluation's with ``restore_best``), read with
+    ``weights_only=True``. A run of a user's own model class has no config to rebuild it
+    from: build the model yourself and load ``model.pt`` into it. A map of one's own must
+    be registered (imported, or listed in ``KERNELSTUDY_FEATURE_MAPS``) first, as for any
+    config that names it. Raises FileNotFoundError for a missing file, ValueError for a
+    record this function cannot rebuild.
+    """
+    run_dir = Path(run_dir)
+    record_path, weights_path = run_dir / RECORD, run_dir / MODEL
+    for path in (record_path, weights_path):
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"no {path.name} in {run_dir}: load_model needs a finished run's folder "
+                f"({RECORD} and {MODEL}, written when a run ends)"
+            )
+    record = json.loads(record_path.read_text())
+    saved = record.get("model") if isinstance(record, dict) else None
+    name = saved.get("class") if isinstance(saved, dict) else None
+    config = saved.get("config") if isinstance(saved, dict) else None
+    if name not in MODEL_CLASSES or not isinstance(config, dict):
+        raise ValueError(
+            f"{record_path} records model class {name!r} with "
+            f"{'a config' if isinstance(config, dict) else 'no config'}: load_model rebuilds "
+            f"{', '.join(MODEL_CLASSES)} from their config; build other models yourself and "
+            f"load {weights_path} into them"
+        )
+    model = getattr(ks_nn, name)(**config)
+    state = torch.load(weights_path, map_location=device, weights_only=True)
+    model.load_state_dict(state)
+    return model.to(device).eval()
