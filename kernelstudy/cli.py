@@ -53,7 +53,7 @@ def _cmd_study(args: argparse.Namespace) -> int:
     from kernelstudy.study import list_studies, run_from_args
 
     if args.name is None:
-        options = ("quick", "force", "fill_tables", "only", "out")
+        options = ("quick", "force", "fill_tables", "only", "out", "config")
         given = [f"--{k.replace('_', '-')}" for k in options if getattr(args, k)]
         given += ["--device"] if args.device != "cpu" else []
         if given:  # options without a study: say so rather than list and ignore them

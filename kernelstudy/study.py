@@ -107,12 +107,21 @@ def _check_name(name: str) -> Path:
     return studies_dir()
 
 
-def load_params(name: str, quick: bool = False) -> dict[str, Any]:
+def load_params(
+    name: str, quick: bool = False, config: str | os.PathLike | None = None
+) -> dict[str, Any]:
     """The parameters of study ``name``: top-level TOML entries updated (recursively) by the
-    ``[quick]`` or ``[full]`` table, plus ``quick`` (bool)."""
+    ``[quick]`` or ``[full]`` table, plus ``quick`` (bool). ``config``: a TOML file to read
+    instead of ``studies/NAME.toml`` (the same keys; a copy edited outside the checkout)."""
     root = _check_name(name)
-    with open(root / f"{name}.toml", "rb") as f:
-        raw = tomllib.load(f)
+    path = root / f"{name}.toml" if config is None else Path(config)
+    if not path.is_file():
+        raise ValueError(f"config {str(path)!r} is not a file (a study TOML such as {name}.toml)")
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except tomllib.TOMLDecodeError as err:
+        raise ValueError(f"config {str(path)!r} is not valid TOML: {err}") from None
     size = "quick" if quick else "full"
     params = {k: v for k, v in raw.items() if k not in ("quick", "full")}
     params = _merge(params, raw.get(size, {}))
@@ -254,6 +263,7 @@ def run_study(
     only: dict[str, Any] | None = None,
     tables_only: bool = False,
     progress: bool | None = None,
+    config_file: str | os.PathLike | None = None,
 ) -> pd.DataFrame:
     """Run study ``name`` and return the result rows of its current configurations.
 
@@ -279,6 +289,9 @@ def run_study(
             lines): ``results.csv``, ``summary.md`` and the figures stay as they are (they
             may be another size's run: see :func:`load_results`).
         progress: show a tqdm bar over the configurations run (default: ``verbose``).
+        config_file: a TOML file read instead of ``studies/NAME.toml`` (:func:`load_params`), for
+            other sizes without editing the checkout; its configurations get their own
+            config ids, so a shared ``out`` keeps both runs' rows apart.
     """
     if device not in DEVICES:
         raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
@@ -292,7 +305,7 @@ def run_study(
     tables = study_tables(module)
     if tables_only and not tables:
         raise ValueError(f"tables_only: study {name!r} has no extra tables (TABLES)")
-    params = load_params(name, quick)
+    params = load_params(name, quick, config_file)
     out_dir = Path(out) if out is not None else Path("results") / name
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"--out {out_dir} exists and is not a directory")
@@ -369,6 +382,7 @@ def run_study(
             + (["--fill-tables"] if fill_tables or tables_only else [])
             + [f"--only {shlex.quote(f'{k}={v}')}" for k, v in only.items()]
             + ([f"--out {shlex.quote(str(out))}"] if out is not None else [])
+            + ([f"--config {shlex.quote(str(config_file))}"] if config_file is not None else [])
         )
         this_run = provenance(name, quick, device, options=" ".join(options)) if todo else ""
         runs_path = out_dir / RUNS_FILE
@@ -443,7 +457,7 @@ def run_study(
             """Whether rows of this summary without a runs.json line may be that run's."""
             if run is None or run == (quick, device):
                 return bool(unrecorded)
-            sizes = module.configs(load_params(name, run[0]))
+            sizes = module.configs(load_params(name, run[0], config_file))
             return bool(unrecorded & {config_id(c, run[1]) for c in sizes})
 
         kept = {run: uses(run) for run in {_run_of(line) for line in earlier}}
@@ -452,7 +466,7 @@ def run_study(
         others = [runs[k] for k in sorted(theirs) if k in runs]
         if held[RESULTS] - set(ids):
             others += [x for x in earlier if not kept[_run_of(x)]]
-            _note_rows_of_no_config(name, module, held[RESULTS], results_path)
+            _note_rows_of_no_config(name, module, held[RESULTS], results_path, config_file)
         others = [x for x in dict.fromkeys(others) if x not in lines]
         if todo and this_run not in lines:  # it filled tables' rows of configs run before
             lines.append(this_run)
@@ -567,11 +581,17 @@ def _current(frame: pd.DataFrame, ids: list[str]) -> pd.DataFrame:
     return frame[frame["config_id"].isin(ids)].reset_index(drop=True)
 
 
-def _note_rows_of_no_config(name: str, module: ModuleType, held: set[str], path: Path) -> None:
+def _note_rows_of_no_config(
+    name: str,
+    module: ModuleType,
+    held: set[str],
+    path: Path,
+    config: str | os.PathLike | None = None,
+) -> None:
     """Say on stderr when ``path`` holds rows of configurations that neither size of the
     study has on any device (an edited config, or a feature map not registered now): the
     summary leaves them out without a word otherwise."""
-    unknown = held - set().union(*_known_ids(name, module).values())
+    unknown = held - set().union(*_known_ids(name, module, config).values())
     if unknown:
         print(
             f"note: {path} holds rows of {len(unknown)} configuration(s) that study {name!r} "
@@ -601,6 +621,9 @@ def provenance(
     plugins = os.environ.get(ENV_FEATURE_MAPS, "").strip()
     if plugins:  # maps defined outside kernelstudy: the command needs them to reproduce
         command = f"{ENV_FEATURE_MAPS}={plugins} {command}"
+        path = os.environ.get("PYTHONPATH", "").strip()
+        if path:  # where those modules were found
+            command = f"PYTHONPATH={shlex.quote(path)} {command}"
     command += f" {options}" if options else ""
     date = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     return (
@@ -731,12 +754,14 @@ def _fill_table(
     )
 
 
-def _known_ids(name: str, module: ModuleType) -> dict[tuple[bool, str], set[str]]:
-    """``{(quick, device): config ids}`` of the study's configurations, for both sizes and
-    every device of :data:`DEVICES`."""
+def _known_ids(
+    name: str, module: ModuleType, config: str | os.PathLike | None = None
+) -> dict[tuple[bool, str], set[str]]:
+    """``{(quick, device): config ids}`` of the study's configurations (of ``config``, a TOML
+    file, if given), for both sizes and every device of :data:`DEVICES`."""
     known = {}
     for quick in (True, False):
-        configs = module.configs(load_params(name, quick))
+        configs = module.configs(load_params(name, quick, config))
         for device in DEVICES:
             known[(quick, device)] = {config_id(c, device) for c in configs}
     return known
@@ -1098,10 +1123,16 @@ def markdown_table(frame: pd.DataFrame, floatfmt: str = ".3g") -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add ``--quick --out --device --force --fill-tables --only`` (the options of every study)
-    to ``parser``."""
+    """Add ``--quick --out --config --device --force --fill-tables --only`` (the options of
+    every study) to ``parser``."""
     parser.add_argument("--quick", action="store_true", help="small sizes (minutes on a CPU)")
     parser.add_argument("--out", default=None, help="output directory (default results/NAME)")
+    parser.add_argument(
+        "--config",
+        default=None,
+        metavar="PATH",
+        help="a TOML file read instead of studies/NAME.toml (a copy with other settings)",
+    )
     parser.add_argument(
         "--device", choices=DEVICES, default="cpu", help="where to run (default %(default)s)"
     )
@@ -1132,12 +1163,13 @@ def run_from_args(name: str, args: argparse.Namespace) -> pd.DataFrame:
         force=args.force,
         fill_tables=args.fill_tables,
         only=parse_only(args.only),
+        config_file=args.config,
     )
 
 
 def main(name: str, argv: Sequence[str] | None = None) -> int:
-    """Entry of ``python studies/NAME.py [--quick] [--out DIR] [--device D] [--force]
-    [--fill-tables] [--only KEY=VALUE]``."""
+    """Entry of ``python studies/NAME.py [--quick] [--out DIR] [--config PATH] [--device D]
+    [--force] [--fill-tables] [--only KEY=VALUE]``."""
     parser = add_arguments(argparse.ArgumentParser(prog=f"studies/{name}.py"))
     args = parser.parse_args(argv)
     try:

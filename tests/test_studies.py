@@ -1830,3 +1830,31 @@ def test_a_seedless_users_map_is_built_the_same_for_the_same_seed():
     other = study.matched_map(label, 8, 8, seed=2)
     assert torch.equal(first.weight, again.weight)
     assert not torch.equal(first.weight, other.weight)
+
+
+def test_a_study_runs_a_config_file_of_ones_own(toy_studies, capsys):
+    """--config reads a copy of the study's TOML kept outside the checkout: other sizes
+    without editing studies/NAME.toml; its configurations get their own rows."""
+    out = toy_studies / "out"
+    mine = toy_studies / "mine.toml"
+    mine.write_text("[full]\nxs = [5]\n\n[quick]\nxs = [2, 6]\n")
+    assert study.main("toy", ["--quick", "--out", str(out), "--config", str(mine)]) == 0
+    summary = (out / "summary.md").read_text()
+    assert f"--config {mine}" in summary  # the provenance line reruns it as it was
+    assert sorted(pd.read_csv(out / "results.csv").x) == [2, 6]
+    frame = study.run_study("toy", quick=True, out=out, verbose=False)  # the shipped config
+    assert sorted(frame.x) == [1, 2]  # x=2 is one configuration in both: computed once
+    assert sorted(pd.read_csv(out / "results.csv").x) == [1, 2, 6]
+    capsys.readouterr()
+    assert study.main("toy", ["--quick", "--config", str(toy_studies / "none.toml")]) == 1
+    assert "none.toml' is not a file" in capsys.readouterr().err
+    mine.write_text("xs = [\n")
+    assert study.main("toy", ["--quick", "--out", str(out), "--config", str(mine)]) == 1
+    assert "is not valid TOML" in capsys.readouterr().err
+
+
+def test_provenance_records_where_user_maps_were_found(monkeypatch):
+    monkeypatch.setenv("KERNELSTUDY_FEATURE_MAPS", "user_maps")
+    monkeypatch.setenv("PYTHONPATH", "/home/me/my maps")
+    line = study.provenance("rank", True, "cpu")
+    assert "`PYTHONPATH='/home/me/my maps' KERNELSTUDY_FEATURE_MAPS=user_maps kernelstudy" in line
