@@ -524,6 +524,20 @@ def summarize(frame: pd.DataFrame, params: dict) -> str:
     return "\n\n".join(parts)
 
 
+#: What each performer figure plots (its title's first line).
+PERFORMER_TITLES = {
+    "kernel_mse": "Kernel MSE of φ(q)·φ(k) against exp(q·k/√D) by number of random features R",
+    "attention_mse": "Attention-matrix MSE against softmax by number of random features R",
+}
+
+
+def _sizes(rows: pd.DataFrame, column: str) -> str:
+    """The values of ``column`` in ``rows``, e.g. ``"64"`` or ``"64, 100"`` (whole numbers
+    without the ``.0`` of a column read as float beside NaN)."""
+    values = sorted(rows[column].dropna().unique())
+    return ", ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in values)
+
+
 def figures(frame: pd.DataFrame, params: dict) -> dict:
     figs = {}
     perf = frame[frame["part"] == "performer"].copy()
@@ -533,14 +547,28 @@ def figures(frame: pd.DataFrame, params: dict) -> dict:
         )
         perf["setting"] = perf.apply(lambda r: f"{r['map']} D={r.head_dim}", axis=1)
         for metric in PERFORMER_METRICS:
-            figs[f"performer_{metric}"] = ks.analysis.plots.plot_approximation(
+            fig = ks.analysis.plots.plot_approximation(
                 perf, metric=metric, x="num_features", hue="features", col="std", row="setting"
             )
+            ks.analysis.plots.figure_title(
+                fig,
+                f"{PERFORMER_TITLES[metric]}\niid vs orthogonal features: mean ± 1 sd over "
+                f"{perf['seed'].nunique()} seeds; N = {_sizes(perf, 'n')}, q and k entries "
+                "iid N(0, std²)",
+            )
+            figs[f"performer_{metric}"] = fig
     maps = frame[frame["part"] == "maps"]
     if not maps.empty:
-        figs["maps_attention_kl"] = ks.analysis.plots.plot_map_comparison(
-            maps, metric="attention_kl", col="std"
+        fig = ks.analysis.plots.plot_map_comparison(maps, metric="attention_kl", col="std")
+        ks.analysis.plots.figure_title(
+            fig,
+            "Attention KL(softmax row ‖ map row) of every map at F = "
+            f"{_sizes(maps, 'target_feature_dim')} where its size can be set\n"
+            f"mean ± 1 sd over {maps['seed'].nunique()} seeds of held-out q, k (entries iid "
+            f"N(0, std²), N = {_sizes(maps, 'n')}, D = {_sizes(maps, 'head_dim')}); learned "
+            "maps at init and after fitting",
         )
+        figs["maps_attention_kl"] = fig
     return figs
 
 

@@ -142,6 +142,13 @@ def summarize(frame: pd.DataFrame, params: dict) -> str:
     )
 
 
+#: What each generation figure plots (its axes' title; the figure's names the linear map).
+WHAT = {
+    "tokens_per_s": "Greedy decoding throughput (new tokens/s)",
+    "state_mb": "RNN state or KV cache size at the end",
+}
+
+
 def figures(frame: pd.DataFrame, params: dict) -> dict:
     title = f"feature map of the linear run: {map_label(params['feature_map'])}"
     rows = frame.dropna(subset=["value"])
@@ -149,7 +156,7 @@ def figures(frame: pd.DataFrame, params: dict) -> dict:
     for metric in ("tokens_per_s", "state_mb"):
         sub = rows[rows["metric"] == metric]
         if not sub.empty:
-            figs[f"generation_{metric}"] = ks.analysis.plots.line_plot(
+            fig = ks.analysis.plots.line_plot(
                 sub,
                 "length",
                 hue="run",
@@ -157,6 +164,12 @@ def figures(frame: pd.DataFrame, params: dict) -> dict:
                 ylabel=ks.analysis.plots.metric_label(metric),
                 title=title,
             )
+            fig.axes[0].set_title(
+                f"{WHAT[metric]}\nbatch {params['batch']}; {params['n_layers']} layers, "
+                f"d_model {params['d_model']}, {params['n_heads']} heads",
+                fontsize="medium",
+            )
+            figs[f"generation_{metric}"] = fig
     return figs
 
 

@@ -450,8 +450,22 @@ def figures(frame: pd.DataFrame, params: dict, tables: dict | None = None) -> di
         figs |= _spectra_figures(spectra, params)
     curves = frame[(frame["part"] == "copy") & frame["metric"].isin(["val_accuracy", "val_loss"])]
     if not curves.empty:
-        figs["copy_accuracy"] = ks.analysis.plots.plot_history(curves, x="step", hue="method")
+        fig = ks.analysis.plots.plot_history(curves, x="step", hue="method")
+        c = params["copy"]
+        ks.analysis.plots.figure_title(
+            fig,
+            f"Copy task (sequences of {c['copy_len']} symbols): validation token accuracy on "
+            f"the copied half and loss by training step\nmean ± 1 sd over {_seeds(curves)}; "
+            f"1 layer, 1 head, d_model = {c['d_model']} (the summary gives each map's F)",
+        )
+        figs["copy_accuracy"] = fig
     return figs
+
+
+def _seeds(rows: pd.DataFrame) -> str:
+    """``"3 seeds"`` (``"1 seed"``): how many seeds ``rows`` hold, for a figure's title."""
+    k = rows["seed"].nunique()
+    return f"{k} seed{'' if k == 1 else 's'}"
 
 
 def _gaussian_figures(rows: pd.DataFrame, params: dict) -> dict:
@@ -461,13 +475,21 @@ def _gaussian_figures(rows: pd.DataFrame, params: dict) -> dict:
     by_f = rows[(rows["n"] == params["fixed_n"]) & (rows["method"] != "softmax")]
     figs = {}
     for measure in ("numerical_rank", "effective_rank"):
+        what = f"{ks.analysis.plots.metric_label(measure).capitalize()} of the N×N attention matrix"
         if not by_n.empty:
-            figs[f"{measure}_vs_n"] = ks.analysis.plots.plot_rank(by_n, measure=measure, x="n")
-            figs[f"{measure}_vs_n"].suptitle(f"D = {d}; F = D unless labelled", y=1.02)
-        if not by_f.empty:
-            figs[f"{measure}_vs_f"] = ks.analysis.plots.plot_rank(
-                by_f, measure=measure, x="feature_dim"
+            fig = ks.analysis.plots.plot_rank(by_n, measure=measure, x="n")
+            ks.analysis.plots.figure_title(
+                fig, f"{what} by N\nD = {d}, F = D unless labelled; mean ± 1 sd over {_seeds(by_n)}"
             )
+            figs[f"{measure}_vs_n"] = fig
+        if not by_f.empty:
+            fig = ks.analysis.plots.plot_rank(by_f, measure=measure, x="feature_dim")
+            ks.analysis.plots.figure_title(
+                fig,
+                f"{what} by feature dimension F\nN = {params['fixed_n']}, D = {d}; mean ± 1 sd "
+                f"over {_seeds(by_f)}",
+            )
+            figs[f"{measure}_vs_f"] = fig
     return figs
 
 
@@ -500,12 +522,22 @@ def _spectra_figures(spectra: pd.DataFrame, params: dict) -> dict:
     figs = {}
     if not at_d.empty:
         fig = ks.analysis.plots.plot_spectra(at_d, hue="method")
-        fig.suptitle(f"N = {params['fixed_n']}, D = {params['head_dim']}", y=1.02)
+        ks.analysis.plots.figure_title(
+            fig,
+            "Normalized singular values of the N×N attention matrix\n"
+            f"N = {params['fixed_n']}, D = {params['head_dim']}, F = D unless labelled; mean "
+            "over seeds",
+        )
         figs["spectra"] = fig
     several = rows.groupby("method")["feature_dim"].transform("nunique") > 1
     if several.any():
         fig = ks.analysis.plots.plot_spectra(
             rows[several].rename(columns={"feature_dim": "F"}), hue="F", col="method"
+        )
+        ks.analysis.plots.figure_title(
+            fig,
+            "Normalized singular values of the N×N attention matrix at several F\n"
+            f"N = {params['fixed_n']}, D = {params['head_dim']}; mean over seeds",
         )
         figs["spectra_vs_f"] = fig
     return figs

@@ -215,7 +215,9 @@ def figures(frame: pd.DataFrame, params: dict) -> dict:
         sub = sub.assign(label=_label(sub))
         for metric, stem in (("time_ms", "time"), ("peak_memory_mb", "memory")):
             fig = ks.analysis.plots.plot_speed(sub, metric=metric)
-            fig.suptitle(f"{setting}: {_setting_text(setting, params[setting])}", y=1.02)
+            ks.analysis.plots.figure_title(
+                fig, f"{setting}: {_setting_text(setting, params[setting])}"
+            )
             figs[f"{setting}_{stem}"] = fig
     return figs
 

@@ -896,3 +896,73 @@ def test_fit_to_softmax_checks_its_masks_before_training():
         fm, nan_q, k, steps=2, query_padding_mask=_mask_of([6, 2], 6)
     )
     assert np.isfinite(history.value).all()
+
+
+def test_wrap_title_puts_facet_parts_on_lines_and_keeps_labels_whole():
+    wrap = ks.analysis.plots.wrap_title
+    title = "setting = favor(row_norms='sqrt_d') D=8 | std = 0.5"
+    assert wrap(title, 60) == "setting = favor(row_norms='sqrt_d') D=8\nstd = 0.5"
+    assert wrap(title, 20) == "setting =\nfavor(row_norms='sqrt_d')\nD=8\nstd = 0.5"  # label whole
+    assert wrap("no parts", 3) == "no\nparts"
+    with pytest.raises(ValueError, match="width must be at least 1"):
+        wrap(title, 0)
+
+
+def test_facet_titles_and_reference_lines_stay_clear_of_the_legend():
+    """A long facet title of the right column ran into the legend beside the grid (the
+    approximation study's performer figures), and the baseline's label, written on the axes,
+    lay over the data: titles are wrapped to their axes, the legend is outside the axes and
+    names the baseline, and no text is left on the axes."""
+    rows = [
+        {"setting": s, "std": std, "features": f, "R": r, "seed": seed, "value": v}
+        for s in ("favor D=8", "favor(row_norms='sqrt_d', orthogonal=False) D=8")
+        for std in (0.5, 1.0)
+        for f in ("iid", "orthogonal")
+        for r in (8, 16, 32)
+        for seed, v in enumerate((1.0 / r, 2.0 / r))
+    ]
+    frame = pd.DataFrame(rows)
+    base = frame[["setting", "std"]].drop_duplicates().assign(value=0.01)
+    fig = ks.analysis.plots.line_plot(
+        frame, "R", hue="features", col="std", row="setting", hlines=base, hline_label="uniform"
+    )
+    fig.draw_without_rendering()
+    renderer = fig.canvas.get_renderer()
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == ["iid", "orthogonal", "uniform"]
+    box = legend.get_window_extent(renderer)
+    for ax in fig.axes:
+        title = ax.title.get_window_extent(renderer)
+        assert title.width <= ax.get_window_extent(renderer).width, ax.title.get_text()
+        assert not title.overlaps(box), ax.title.get_text()
+        assert not ax.get_window_extent(renderer).overlaps(box)
+        assert not ax.texts  # no label written over the data
+    title = " ".join(fig.axes[-1].get_title().split())  # wrapped at spaces, so whole again
+    assert title == "setting = favor(row_norms='sqrt_d', orthogonal=False) D=8 std = 1.0"
+    assert fig.axes[-1].get_xlabel() == "R" and fig.axes[0].get_ylabel() == "value"
+    ranks = pd.DataFrame(
+        [{"method": m, "n": n, "metric": "numerical_rank", "value": min(n, 8)}
+         for m in ("elu", "favor") for n in (4, 8, 16)]
+    )  # fmt: skip
+    rank = ks.analysis.plots.plot_rank(ranks)
+    labels = [t.get_text() for t in rank.legends[0].get_texts()]
+    assert labels == ["elu", "favor", "rank = N (full rank)"] and len(rank.legends) == 1
+    assert rank.axes[0].get_xlabel() == "sequence length N"
+    for f in (fig, rank):
+        ks.analysis.plots.close(f)
+
+
+def test_figure_title_widens_a_figure_narrower_than_it_and_keeps_its_text():
+    """A figure title wider than its figure ran past both edges (saved with a tight bbox, the
+    layout was redone for the wider canvas, leaving a gap before the legend)."""
+    frame = pd.DataFrame({"n": [4, 8, 4, 8], "value": [1.0, 2.0, 1.5, 2.5], "m": list("aabb")})
+    fig = ks.analysis.plots.line_plot(frame, "n", hue="m")
+    width = fig.get_figwidth()
+    title = "a title much wider than a single small panel with its legend, " * 2
+    text = ks.analysis.plots.figure_title(fig, title)
+    assert text.get_text() == title and fig.get_figwidth() > width
+    assert text.get_window_extent(fig.canvas.get_renderer()).width <= fig.bbox.width
+    width = fig.get_figwidth()
+    ks.analysis.plots.figure_title(fig, "short")  # a narrower one leaves the width alone
+    assert fig.get_figwidth() == width
+    ks.analysis.plots.close(fig)

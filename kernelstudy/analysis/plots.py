@@ -3,27 +3,157 @@ returns a matplotlib Figure drawn with seaborn (the caller saves or closes it)."
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+import re
+import textwrap
+from collections.abc import Mapping, Sequence
 
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import seaborn as sns
+from matplotlib.artist import Artist
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.text import Text
 
-#: Axis labels of the metrics the analyses and studies write (their names end in the unit;
-#: ``_mb`` columns hold MiB, 2**20 bytes).
+#: Axis labels of the metrics and columns the analyses and studies write (names with a unit
+#: end in it; ``_mb`` columns hold MiB, 2**20 bytes). MSE, KL and ranks are unitless but for
+#: the KL's nats.
 METRIC_LABELS = {
     "time_ms": "time (ms)",
     "peak_memory_mb": "peak memory (MiB)",
     "state_mb": "state (MiB)",
     "tokens_per_s": "tokens per second",
+    "kernel_mse": "kernel MSE",
+    "attention_mse": "attention-matrix MSE",
+    "attention_kl": "attention KL (nats)",
+    "output_rel_error": "relative output error",
+    "numerical_rank": "numerical rank",
+    "effective_rank": "effective rank",
+    "stable_rank": "stable rank",
+    "val_accuracy": "validation token accuracy",
+    "val_sequence_accuracy": "validation sequence accuracy",
+    "val_loss": "validation loss (nats per token)",
+    "sigma_ratio": r"$\sigma_i\,/\,\sigma_1$",
+    "n": "sequence length N",
+    "feature_dim": "feature dimension F",
+    "num_features": "random features R",
+    "length": "generated tokens",
+    "step": "training step",
+    "i": "singular value index i",
 }
+
+#: Styles of the reference lines the figures draw (each named in the legend, not on the axes).
+REFERENCE_STYLE = {"color": "0.3", "ls": "--", "lw": 1.2}
+DIAGONAL_STYLE = {"color": "0.4", "ls": ":", "lw": 1.2}
+#: The most of the figure's height the legend beside the axes takes (in more columns if need
+#: be), leaving room for a title above it.
+LEGEND_HEIGHT = 0.75
+#: The most of the figure's width its title takes (the figure is widened for a wider one).
+TITLE_WIDTH = 0.98
 
 
 def metric_label(metric: str) -> str:
     """The axis label of ``metric`` (the name itself when it has none)."""
     return METRIC_LABELS.get(metric, metric)
+
+
+def wrap_title(title: str, width: int) -> str:
+    """``title`` on lines of at most ``width`` characters where it can be: each line of it and
+    each part of a facet title (``"row = a | col = b"``) starts a line, and one longer than
+    ``width`` is broken at spaces (a word longer than ``width`` stays whole: never split inside
+    a label such as ``favor(row_norms='sqrt_d')``)."""
+    if width < 1:
+        raise ValueError(f"width must be at least 1, got {width}")
+    lines = []
+    for part in re.split(r"\n| \| ", title):
+        wrapped = textwrap.wrap(part, width, break_long_words=False, break_on_hyphens=False)
+        lines += wrapped or [part]
+    return "\n".join(lines)
+
+
+def _fit_text(text: Text, room: float) -> None:
+    """Wrap ``text`` (:func:`wrap_title`) when it is wider than ``room`` pixels, at the most
+    characters a line that fits it takes."""
+    renderer = text.figure.canvas.get_renderer()
+    title, wide = text.get_text(), text.get_window_extent(renderer).width
+    if not title or wide <= room:
+        return
+    width = max(int(max(map(len, title.split("\n"))) * room / wide), 1)  # fit, on average
+    while True:
+        text.set_text(wrap_title(title, width))
+        if width == 1 or text.get_window_extent(renderer).width <= room:
+            return
+        width -= 1
+
+
+def _fit_titles(fig: Figure) -> None:
+    """Wrap each axes title wider than its axes: a long facet title ran over the next
+    facet's or over the legend beside the grid."""
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        _fit_text(ax.title, 0.95 * ax.get_window_extent(renderer).width)
+
+
+def figure_title(fig: Figure, title: str) -> Text:
+    """Set ``fig``'s title (suptitle), widening the figure to it where it is wider: it ran
+    past both edges, and saved with ``bbox_inches="tight"`` the layout was redone for the
+    wider canvas, leaving a gap between the axes and the legend. The text stays as given
+    (break its lines with ``\\n``)."""
+    text = fig.suptitle(title)
+    wide = text.get_window_extent(fig.canvas.get_renderer()).width / TITLE_WIDTH
+    if wide > fig.bbox.width:
+        fig.set_figwidth(wide / fig.dpi)
+    return text
+
+
+def _legend_outside(
+    fig: Figure,
+    legend=None,
+    extra: Mapping[str, Artist] | None = None,
+    title: str | None = None,
+) -> None:
+    """Put the figure's entries (those of ``legend``, else of the figure's own legend, plus
+    ``extra``: label -> handle, e.g. a reference line) in one legend outside the axes, on
+    the right, under constrained layout: seaborn's legend beside the grid was placed before
+    facet titles were known, and a long title of the right column ran into it; a label
+    annotated on a reference line lay over the data."""
+    legend = legend if legend is not None else (fig.legends[0] if fig.legends else None)
+    renderer = fig.canvas.get_renderer()
+    handles, labels, before = [], [], 0.0
+    if legend is not None:
+        before = legend.get_window_extent(renderer).width  # the figure was widened for it
+        handles = list(legend.legend_handles)
+        labels = [t.get_text() for t in legend.get_texts()]
+        if title is None:
+            title = legend.get_title().get_text() or None
+        legend.remove()
+    for label, handle in (extra or {}).items():
+        if label not in labels:
+            handles.append(handle)
+            labels.append(label)
+    fig.set_layout_engine("constrained")
+    if not handles:
+        return
+    kwargs = {"loc": "outside right center", "title": title, "frameon": False}
+    new = fig.legend(handles, labels, **kwargs)
+    # centred on the figure, a legend taller than 3/4 of it reached into a figure title
+    # (two lines) over the grid: as many columns as bring it under that
+    room = LEGEND_HEIGHT * fig.bbox.height
+    tall = new.get_window_extent(renderer).height
+    if tall > room:
+        new.remove()
+        new = fig.legend(handles, labels, ncols=math.ceil(tall / room), **kwargs)
+    sns.utils.adjust_legend_subtitles(new)  # seaborn's hue/style subheadings, as it draws them
+    # wider than the legend the figure was widened for: widen it more, not squeeze the axes
+    after = new.get_window_extent(renderer).width
+    if after > before:
+        fig.set_figwidth(fig.get_figwidth() + (after - before) / fig.dpi)
+
+
+def _reference_handle(style: Mapping, label: str) -> Line2D:
+    return Line2D([], [], label=label, **style)
 
 
 def _check_columns(frame: pd.DataFrame, columns: Sequence[str | None], what: str) -> None:
@@ -63,11 +193,20 @@ def line_plot(
     ylabel: str | None = None,
     hlines: pd.DataFrame | None = None,
     hline_label: str = "uniform baseline",
+    xlabel: str | None = None,
+    legend_title: str | None = None,
+    logy_base: float = 10,
+    col_ylabels: bool = False,
 ) -> Figure:
     """Mean of ``y`` vs ``x`` (error bars over the remaining rows, e.g. seeds), faceted.
 
     ``hlines``: rows with ``y`` (and the ``col``/``row`` facet columns) drawn as dashed
-    horizontal reference lines in the matching facet, e.g. a baseline.
+    horizontal reference lines in the matching facet, e.g. a baseline, with ``hline_label``
+    in the legend. Axis labels default to :func:`metric_label` of ``x`` and ``y``; the legend
+    (title: ``legend_title``, else the hue column's name) is outside the axes, and facet
+    titles wider than their axes are wrapped. ``col_ylabels``: each facet's y label is
+    :func:`metric_label` of its ``col`` value, in place of its title (``col="metric"``: one
+    metric per facet).
     """
     _check_columns(frame, [x, y, hue, style, col, row], "line_plot")
     data = frame.reset_index(drop=True)  # seaborn needs unique labels (pd.concat repeats them)
@@ -90,6 +229,7 @@ def line_plot(
         aspect=1.25,
         facet_kws={"sharey": False, "sharex": False},
     )
+    extra = {}
     for (row_val, col_val), ax in _facets(grid, row, col):
         if hlines is not None and not hlines.empty:
             sel = hlines
@@ -98,31 +238,32 @@ def line_plot(
             if row is not None and row in hlines:
                 sel = sel[sel[row].astype(str) == row_val]
             if not sel.empty:
-                _baseline(ax, sel[y].mean(), hline_label)
+                extra[hline_label] = _baseline(ax, sel[y].mean(), hline_label)
         if logx:
             ax.set_xscale("log", base=2)
         if logy:
-            ax.set_yscale("log")
+            ax.set_yscale("log", base=logy_base)
         ax.grid(True, which="major", alpha=0.3)
-        if ylabel:
-            ax.set_ylabel(ylabel)
+    grid.set_axis_labels(
+        xlabel or metric_label(x), ylabel or (metric_label(y) if y != "value" else y)
+    )
+    if col_ylabels and col is not None:
+        for (_, col_val), ax in _facets(grid, row, col):
+            ax.set_ylabel(metric_label(col_val))
+            if row is None:
+                ax.set_title("")
+    _fit_titles(grid.figure)
+    _legend_outside(grid.figure, grid.legend, extra, title=legend_title)
     if title:
-        grid.figure.suptitle(title, y=1.02)
+        figure_title(grid.figure, title)
     return grid.figure
 
 
-def _baseline(ax, value: float, label: str) -> None:
-    """A dashed horizontal reference line, labelled at its right end."""
-    ax.axhline(value, color="0.3", ls="--", lw=1.2)
-    ax.annotate(
-        label,
-        xy=(0.99, value),
-        xycoords=("axes fraction", "data"),
-        ha="right",
-        va="bottom",
-        fontsize="small",
-        color="0.3",
-    )
+def _baseline(ax, value: float, label: str) -> Line2D:
+    """A dashed horizontal reference line (named in the legend, not on the axes, where the
+    label lay over the data); its legend handle."""
+    ax.axhline(value, **REFERENCE_STYLE)
+    return _reference_handle(REFERENCE_STYLE, label)
 
 
 def _facets(grid: sns.FacetGrid, row: str | None, col: str | None):
@@ -145,13 +286,23 @@ def plot_approximation(
     """Error ``metric`` vs ``x`` from :func:`approximation_error` rows (plus config columns),
     faceted by ``col`` and ``row``.
 
-    Rows with ``method == "uniform"`` become a dashed baseline per facet.
+    Rows with ``method == "uniform"`` become a dashed baseline per facet ("uniform
+    attention" in the legend).
     """
     _check_columns(frame, ["method", "metric", "value", x], "plot_approximation")
     rows = _metric_rows(frame, metric, "plot_approximation")
     maps, base = rows[rows["method"] != "uniform"], rows[rows["method"] == "uniform"]
     return line_plot(
-        maps, x, hue=hue, style=style, col=col, row=row, hlines=base, ylabel=metric, title=None
+        maps,
+        x,
+        hue=hue,
+        style=style,
+        col=col,
+        row=row,
+        hlines=base,
+        hline_label="uniform attention",
+        ylabel=metric_label(metric),
+        title=None,
     )
 
 
@@ -163,7 +314,8 @@ def plot_map_comparison(
     col: str | None = None,
     logy: bool = True,
 ) -> Figure:
-    """Bars of ``metric`` per map (mean, error bars over seeds); ``uniform`` as a dashed line."""
+    """Bars of ``metric`` per map (mean, error bars over seeds); ``uniform`` as a dashed line
+    ("uniform attention" in the legend, outside the axes)."""
     _check_columns(frame, ["method", "metric", "value", x, hue, col], "plot_map_comparison")
     rows = _metric_rows(frame, metric, "plot_map_comparison")
     maps, base = rows[rows["method"] != "uniform"], rows[rows["method"] == "uniform"]
@@ -183,14 +335,20 @@ def plot_map_comparison(
         aspect=1.6,
         sharey=False,
     )
+    extra = {}
     for (_, col_val), ax in _facets(grid, None, col):
         sel = base if col is None or col not in base else base[base[col].astype(str) == col_val]
         if not sel.empty:
-            _baseline(ax, sel["value"].mean(), "uniform baseline")
+            extra["uniform attention"] = _baseline(ax, sel["value"].mean(), "uniform attention")
         if logy:
             ax.set_yscale("log")
-        ax.set_ylabel(metric)
-        ax.tick_params(axis="x", rotation=30)
+        ax.grid(True, axis="y", which="major", alpha=0.3)
+        # anchored at their right end, under their bar (centred, they leaned into the next)
+        for label in ax.get_xticklabels():
+            label.set(rotation=30, ha="right", rotation_mode="anchor")
+    grid.set_axis_labels(metric_label(x) if x != "method" else "map", metric_label(metric))
+    _fit_titles(grid.figure)
+    _legend_outside(grid.figure, grid.legend, extra)
     return grid.figure
 
 
@@ -201,18 +359,21 @@ def plot_rank(
     hue: str | None = "method",
     col: str | None = None,
 ) -> Figure:
-    """Rank ``measure`` vs ``x`` (N or F) from rows with ``metric``/``value`` columns.
+    """Rank ``measure`` vs ``x`` (N or F) from rows with ``metric``/``value`` columns, on
+    base-2 log axes (ranks of power-of-2 sizes read off as such).
 
-    A dotted diagonal ``rank = x`` marks full rank (x = N) or the kernel bound (x = F).
+    A dotted diagonal ``rank = x`` marks full rank (x = N) or the kernel bound (x = F),
+    named in the legend.
     """
     _check_columns(frame, ["metric", "value", x], "plot_rank")
     rows = _metric_rows(frame, measure, "plot_rank")
-    fig = line_plot(rows, x, hue=hue, col=col, ylabel=measure, logy=True)
+    fig = line_plot(rows, x, hue=hue, col=col, ylabel=metric_label(measure), logy_base=2)
     lo, hi = float(rows[x].min()), float(rows[x].max())
     for ax in fig.axes:
-        if ax.get_xlabel() or ax.lines:
-            ax.plot([lo, hi], [lo, hi], ls=":", color="0.4", lw=1.2, zorder=0)
-            ax.annotate(f"rank = {x}", xy=(hi, hi), ha="right", va="top", fontsize="small")
+        ax.plot([lo, hi], [lo, hi], zorder=0, **DIAGONAL_STYLE)
+    label = {"n": "rank = N (full rank)", "feature_dim": "rank = F (kernel bound)"}
+    label = label.get(x, f"rank = {x}")
+    _legend_outside(fig, extra={label: _reference_handle(DIAGONAL_STYLE, label)})
     return fig
 
 
@@ -251,7 +412,9 @@ def plot_spectra(
     for ax in grid.axes.flat:
         ax.set(xscale="log", yscale="log", ylim=(floor / 2, 2))
         ax.grid(True, which="major", alpha=0.3)
-        ax.set_ylabel("σ_i / σ_1" if y == "sigma_ratio" else y)
+    grid.set_axis_labels(metric_label(x), metric_label(y))
+    _fit_titles(grid.figure)
+    _legend_outside(grid.figure, grid.legend)
     return grid.figure
 
 
@@ -269,7 +432,16 @@ def plot_speed(
     if hue == "label" and "label" not in rows:  # read back from CSV, "" backends are NaN
         backend = rows["backend"].fillna("").astype(str)
         rows = rows.assign(label=rows["method"] + backend.map(lambda b: f"[{b}]" if b else ""))
-    return line_plot(rows, x, hue=hue, col=col, row=row, ylabel=metric_label(metric), errorbar=None)
+    return line_plot(
+        rows,
+        x,
+        hue=hue,
+        col=col,
+        row=row,
+        ylabel=metric_label(metric),
+        errorbar=None,
+        legend_title="method [backend]" if hue == "label" else None,
+    )
 
 
 def plot_history(
@@ -280,9 +452,12 @@ def plot_history(
     col: str | None = "metric",
     logy: bool = False,
 ) -> Figure:
-    """Training curves (e.g. accuracy vs step), error bars over seeds."""
+    """Training curves (e.g. accuracy vs step), error bars over seeds; with ``col="metric"``
+    each facet's y axis is named by its metric."""
     _check_columns(frame, [x, y, hue, col], "plot_history")
-    return line_plot(frame, x, y, hue=hue, col=col, logx=False, logy=logy)
+    return line_plot(
+        frame, x, y, hue=hue, col=col, logx=False, logy=logy, col_ylabels=col == "metric"
+    )
 
 
 def close(fig: Figure) -> None:
