@@ -34,10 +34,17 @@ same dtype, measured in the same run.
     python benchmarks/cuda_core.py --out benchmarks/results/cuda_h100.csv
 
 The CSV records the device, date, versions and command; a seaborn plot of time and peak
-memory vs N is written beside it (same name, ``.png``). The CSV is rewritten (atomically) after
-every case, so a run killed at a time limit keeps what it measured. A case that breaks the CUDA
-context (an illegal address: every later CUDA call fails) stops the run; what ran before it is
-written and the exit status is 1.
+memory vs N is written beside it (same name, ``.png``; not with ``--no-plot``). The CSV is
+rewritten (atomically) after every case, so a run killed at a time limit keeps what it measured.
+A case that breaks the CUDA context (an illegal address: every later CUDA call fails) stops the
+run; what ran before it is written and the exit status is 1. ``--resume`` keeps the rows already
+in ``--out`` and measures only the cases they lack (a later call of a GPU session goes on where
+the last one stopped). ``--from-csv`` needs no GPU: it joins CSVs of earlier runs (a later row
+of the same case wins), writes them to ``--out`` with the plot and prints the tables and the
+issue's target ratios:
+
+    python benchmarks/cuda_core.py --from-csv targets.csv sweep.csv \
+        --out benchmarks/results/cuda_h200.csv
 """
 
 from __future__ import annotations
@@ -239,12 +246,39 @@ def flops(method: str, mode: str, b: int, h: int, n: int, d: int) -> float:
     return fwd * (3 if mode == "fwd+bwd" else 1)
 
 
+# the columns that name a case: a row of a CSV per case and key
+CASE = ["method", "mode", "dtype", "B", "H", "N", "F"]
+
+
+def row_label(method: str, dtype_name: str, blocks: int, several_blocks: bool) -> str:
+    """The ``method`` a case's row will carry: sdpa's by the backend it runs for the dtype, a
+    walk method's with its WALK_BLOCKS when several are swept."""
+    if method == "sdpa":
+        return "sdpa" if dtype_name in ("float16", "bfloat16") else "sdpa_efficient"
+    if method in WALK_METHODS and several_blocks:
+        return f"{method}_{blocks}"
+    return method
+
+
+def case_keys(frame: pd.DataFrame) -> set[tuple]:
+    """The cases of a CSV's frame as keys of :data:`CASE` (what ``--resume`` skips)."""
+    if frame.empty:
+        return set()
+    return {
+        (str(m), str(mode), str(dt_), int(b), int(h), int(n), int(f))
+        for m, mode, dt_, b, h, n, f in frame[CASE].itertuples(index=False)
+    }
+
+
 def benchmark(
-    args: argparse.Namespace, progress: Callable[[pd.DataFrame], None] | None = None
+    args: argparse.Namespace,
+    progress: Callable[[pd.DataFrame], None] | None = None,
+    done: set[tuple] = frozenset(),
 ) -> tuple[pd.DataFrame, str]:
     """Every case, as a frame (empty when every method asked for was skipped), and why the run
     stopped early ("" when it did not). ``progress(frame)`` gets the rows so far after each
-    case, so a run killed at a time limit leaves what it measured."""
+    case, so a run killed at a time limit leaves what it measured. Cases whose key
+    (:func:`case_keys`) is in ``done`` are not measured."""
     fla_fn = load_fla() if "fla" in args.methods else None
     if "fla" in args.methods and fla_fn is None:
         print("flash-linear-attention is not importable: skipping the fla column", file=sys.stderr)
@@ -283,6 +317,9 @@ def benchmark(
                 continue  # the forward is that of the unfused method
             walk = method in WALK_METHODS
             for blocks in args.walk_blocks if walk else [cuda_backend.WALK_BLOCKS]:
+                label = row_label(method, name, blocks, len(args.walk_blocks) > 1)
+                if (label, mode, name, b, h, n, d) in done:
+                    continue
                 dtype = getattr(torch, name)
                 try:
                     row = measure(method, mode, b, h, n, d, name, dtype, fla_fn, args, blocks)
@@ -547,7 +584,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="N in {1024, 8192}, B×H = 8x16, D = 64, 5 repeats (where not given)",
     )
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/cuda.csv"))
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the rows already in --out and measure only the cases they lack",
+    )
+    p.add_argument("--no-plot", action="store_true", help="write the CSV only (no PNG beside it)")
+    p.add_argument(
+        "--from-csv",
+        type=Path,
+        nargs="+",
+        metavar="CSV",
+        help="no GPU: join these CSVs of earlier runs (a later row of a case wins), write them "
+        "to --out with the plot, print the tables and the target ratios",
+    )
     args = p.parse_args(argv)
+    for path in args.from_csv or []:
+        if not path.is_file():
+            p.error(f"--from-csv: no file {str(path)!r}")
     defaults = (
         {"n": [1024, 8192], "shapes": [(8, 16)], "dims": [64], "repeats": 5}
         if args.quick
@@ -570,8 +624,58 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def read_results(path: Path) -> pd.DataFrame:
+    """A CSV this script wrote; ValueError naming the file if it is not one."""
+    try:
+        frame = pd.read_csv(path)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{path}: not a readable CSV ({err})") from None
+    missing = [c for c in (*CASE, "time_ms") if c not in frame.columns]
+    if missing:
+        raise ValueError(f"{path}: not a results CSV of this script (no column {missing[0]!r})")
+    return frame
+
+
+def join(*frames: pd.DataFrame) -> pd.DataFrame:
+    """The rows of ``frames`` in order, one per case: a later row of the same case wins."""
+    frames = tuple(f for f in frames if not f.empty)
+    if not frames:
+        return pd.DataFrame()
+    whole = pd.concat(frames, ignore_index=True)
+    return whole.drop_duplicates(subset=CASE, keep="last").reset_index(drop=True)
+
+
+def report(frame: pd.DataFrame, out: Path, draw: bool) -> None:
+    """Writes ``frame`` to ``out`` (and its plot beside it when ``draw``), prints the tables of
+    time and peak memory and the issue's target ratios."""
+    atomic_write_text(out, frame.to_csv(index=False))
+    png = out.with_suffix(".png")
+    plotted = draw and plot(frame, png)
+    with pd.option_context("display.width", 250, "display.max_columns", 30):
+        for quantity, label in QUANTITIES.items():
+            if quantity not in frame.columns:
+                continue
+            table = frame.pivot_table(
+                index=["dtype", "BH", "F", "mode", "method"], columns="N", values=quantity
+            ).round(3)
+            print(f"{label}:\n{table.to_string()}")
+    print(targets(frame))
+    print(f"wrote {out} and {png}" if plotted else f"wrote {out}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.from_csv:
+        try:
+            frame = join(*(read_results(path) for path in args.from_csv))
+        except ValueError as err:
+            print(f"benchmarks/cuda_core.py: {err}", file=sys.stderr)
+            return 1
+        if frame.empty:
+            print("benchmarks/cuda_core.py: the CSVs hold no rows", file=sys.stderr)
+            return 1
+        report(frame, args.out, draw=not args.no_plot)
+        return 0
     if not torch.cuda.is_available():
         print(
             "benchmarks/cuda_core.py needs a CUDA GPU, and none is visible here "
@@ -579,13 +683,22 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+    previous = pd.DataFrame()
+    if args.resume and args.out.is_file():
+        try:
+            previous = read_results(args.out)
+        except ValueError as err:
+            print(f"benchmarks/cuda_core.py: --resume: {err}", file=sys.stderr)
+            return 1
 
     def save(frame: pd.DataFrame) -> None:  # as it goes, once a case has a time
-        if not frame.empty and frame["time_ms"].notna().any():
-            atomic_write_text(args.out, frame.to_csv(index=False))
+        whole = join(previous, frame)
+        if not whole.empty and whole["time_ms"].notna().any():
+            atomic_write_text(args.out, whole.to_csv(index=False))
 
-    frame, stopped = benchmark(args, progress=save)
-    if frame.empty or frame["time_ms"].isna().all():  # every case skipped, or every one failed
+    frame, stopped = benchmark(args, progress=save, done=case_keys(previous))
+    whole = join(previous, frame)
+    if whole.empty or whole["time_ms"].isna().all():  # every case skipped, or every one failed
         print(
             f"benchmarks/cuda_core.py: nothing was measured (see above); {args.out} left as it was",
             file=sys.stderr,
@@ -593,17 +706,9 @@ def main(argv: list[str] | None = None) -> int:
         if stopped:
             print(f"benchmarks/cuda_core.py: {stopped}", file=sys.stderr)
         return 1
-    save(frame)
-    png = args.out.with_suffix(".png")
-    plotted = plot(frame, png)
-    with pd.option_context("display.width", 250, "display.max_columns", 30):
-        for quantity, label in QUANTITIES.items():
-            table = frame.pivot_table(
-                index=["dtype", "BH", "F", "mode", "method"], columns="N", values=quantity
-            ).round(3)
-            print(f"{label}:\n{table.to_string()}")
-    print(targets(frame))
-    print(f"wrote {args.out} and {png}" if plotted else f"wrote {args.out}")
+    if frame.empty:
+        print(f"every case asked for is already in {args.out} (--resume)", file=sys.stderr)
+    report(whole, args.out, draw=not args.no_plot)
     if stopped:
         print(f"benchmarks/cuda_core.py: {stopped}", file=sys.stderr)
         return 1

@@ -686,3 +686,83 @@ def test_core_out_of_memory_loses_one_size_only(core, tmp_path, monkeypatch, cap
     assert failed.sum() == 2 and (frame[failed].error == "out of memory").all()
     assert frame[failed].time_ms.isna().all() and (frame[~failed].time_ms > 0).all()
     assert set(frame.N) == {64, 96, 128} and "out of memory" in capsys.readouterr().err
+
+
+def test_resume_measures_only_the_cases_out_lacks(gpu_on_cpu, cuda_memory, tmp_path, capsys):
+    """A later call of a GPU session goes on where the last stopped: --resume keeps the rows in
+    --out as they are and measures only the cases they lack (sdpa in fp32 by its row label)."""
+    cuda_core = gpu_on_cpu
+    out = tmp_path / "cuda.csv"
+    base = ["--shapes", "1x2", "--dims", "16", "--repeats", "1", "--warmup", "0"]
+    base += ["--modes", "fwd", "--no-plot", "--out", str(out)]
+    assert cuda_core.main([*base, "--n", "64", "--methods", "torch", "sdpa"]) == 0
+    first = pd.read_csv(out)
+    assert len(first) == 4 and len(cuda_memory.cases) == 4  # 2 dtypes × 2 methods
+    assert [p.name for p in tmp_path.iterdir()] == ["cuda.csv"]  # --no-plot: no PNG
+    argv = [*base, "--n", "64", "96", "--methods", "torch", "sdpa", "--resume"]
+    assert cuda_core.main(argv) == 0
+    whole = pd.read_csv(out)
+    assert len(cuda_memory.cases) == 8  # only N=96's four cases ran
+    assert len(whole) == 8 and sorted(whole.N.unique()) == [64, 96]
+    pd.testing.assert_frame_equal(whole.iloc[:4], first)  # the earlier rows as they were
+    capsys.readouterr()
+    assert cuda_core.main(argv) == 0 and len(cuda_memory.cases) == 8  # nothing left to do
+    assert "already in" in capsys.readouterr().err
+    pd.testing.assert_frame_equal(pd.read_csv(out), whole)
+
+
+def test_resume_after_a_broken_context_goes_on_without_that_method(
+    gpu_on_cpu, monkeypatch, tmp_path, capsys
+):
+    """The GPU session reruns a run that a method stopped (an illegal address) without that
+    method, with --resume: the rows before the break, the broken case's row included, stay."""
+    cuda_core = gpu_on_cpu
+    make_case = cuda_core.make_case
+
+    def faulty_case(method, *rest):
+        if method == "cuda_walk":
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return make_case("torch" if method.startswith("cuda") else method, *rest)
+
+    monkeypatch.setattr(cuda_core, "make_case", faulty_case)
+    monkeypatch.setattr(cuda_core, "context_alive", lambda: False)
+    monkeypatch.setattr(cuda_core.ks, "backends", lambda: ["reference", "torch", "cuda"])
+    out = tmp_path / "cuda.csv"
+    argv = ["--n", "64", "--shapes", "1x2", "--dims", "16", "--dtypes", "bfloat16"]
+    argv += ["--repeats", "1", "--warmup", "0", "--modes", "fwd", "--out", str(out)]
+    assert cuda_core.main([*argv, "--methods", "sdpa", "cuda_walk", "torch"]) == 1
+    assert "the CUDA context broke in cuda_walk fwd" in capsys.readouterr().err
+    monkeypatch.setattr(cuda_core, "context_alive", lambda: True)
+    assert cuda_core.main([*argv, "--methods", "sdpa", "torch", "--resume"]) == 0
+    frame = pd.read_csv(out)
+    assert frame.method.tolist() == ["sdpa", "cuda_walk", "torch"]
+    assert frame.time_ms.notna().tolist() == [True, False, True]
+    assert "illegal memory access" in frame.error.iloc[1]
+
+
+def test_from_csv_joins_runs_and_reports_without_a_gpu(cuda_core, tmp_path, capsys):
+    """The session's CSVs come back from the GPU machine; --from-csv joins them here (a later
+    row of the same case wins), writes the CSV and its plot, and prints the target ratios."""
+    first, second = tmp_path / "targets.csv", tmp_path / "sweep.csv"
+    _frame().to_csv(first, index=False)
+    rerun = _frame().iloc[[0]].assign(time_ms=0.75)  # cuda bf16 2048 measured again
+    extra = _frame().iloc[[0]].assign(N=4096, time_ms=2.0)
+    pd.concat([rerun, extra]).to_csv(second, index=False)
+    out = tmp_path / "joined" / "cuda_h200.csv"
+    argv = ["--from-csv", str(first), str(second), "--out", str(out)]
+    assert cuda_core.main(argv) == 0
+    joined = pd.read_csv(out)
+    assert len(joined) == len(_frame()) + 1
+    cell = joined[(joined.method == "cuda") & (joined.N == 2048)]
+    assert cell.time_ms.tolist() == [0.75]
+    assert out.with_suffix(".png").stat().st_size > 1000
+    printed = capsys.readouterr().out
+    assert "N=8192 bf16 cuda/fla: 1.200" in printed and "time (ms, median):" in printed
+    bad = tmp_path / "bad.csv"
+    bad.write_text("method,N\ncuda,8\n")
+    assert cuda_core.main(["--from-csv", str(bad), "--out", str(tmp_path / "x.csv")]) == 1
+    assert "bad.csv: not a results CSV of this script (no column 'mode')" in capsys.readouterr().err
+    assert not (tmp_path / "x.csv").exists()
+    with pytest.raises(SystemExit) as exit_info:
+        cuda_core.parse_args(["--from-csv", str(tmp_path / "missing.csv")])
+    assert exit_info.value.code == 2

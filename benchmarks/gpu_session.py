@@ -1,0 +1,650 @@
+"""One GPU session of the CUDA core (issue 5) in one command: build, test, profile and
+benchmark, each stage held to its share of a time budget, every result under one folder.
+
+A session's device machine is lent for minutes (15 in all in late 2026, its start included; 10
+a command) and returns at most 8 files from ``$OUT``. So the whole check is one prepared
+command, run in the repository root on the GPU machine:
+
+    python3 benchmarks/gpu_session.py --budget 540 --out "$OUT"   # device run timeout_s 590
+
+(with the fla wheels carried in ``.whl/``: ``--plan`` prints how to fetch them, the stages and
+their time limits, and runs nothing). Stages, in the order of what the issue needs most:
+
+=========  ===========================================================  ==============
+stage      what                                                         writes
+=========  ===========================================================  ==============
+env        the carried wheels installed (``.whl/*.whl`` into a folder   session.json
+           on the children's PYTHONPATH); GPU, driver, versions, fla
+           importable, copy bandwidth and matmul rates
+build      the CUDA extension; if it fails, the compiler's own output   session.log
+           and the session stops (nothing after it can run the kernels)
+tests      ``pytest -v tests/test_cuda_backend.py``                     tests.log
+targets    ``cuda_core.py``: the issue's targets (B=8, H=16, D=64, N     targets.csv
+           512-16384, bf16 and fp32, every method, WALK_BLOCKS 128, 256
+           and 512)
+profile    ``cuda_profile.py`` at N=8192, bf16, fp32 and fp16           profile.csv
+sweep      ``cuda_core.py --resume`` over the issue's grid (N 512-32768,  sweep.csv
+           B·H 8 and 64, D 64 and 128), bf16 then fp32, D=64
+           first, until its time is up; ours as ``cuda`` and the fastest
+           variant of the targets stage
+racecheck  ``compute-sanitizer --tool racecheck`` on three small tests  racecheck.log
+=========  ===========================================================  ==============
+
+Every stage runs as a child process under a time limit: the smaller of its cap and what is left
+of the budget after the minimum of every later stage; a stage whose limit falls below its own
+minimum is skipped. A child that runs past its limit is killed with its process group; what it
+wrote stays. A benchmark stopped by a method that breaks the CUDA context (an illegal address)
+is rerun without that method, resuming its CSV. The last lines printed are the stages'
+outcomes, the test counts and the issue's target ratios; ``session.json`` holds the same, and is
+rewritten after every stage. A later call goes on from an earlier call's files:
+``--resume-from DIR`` copies DIR's ``targets.csv`` and ``sweep.csv`` into ``--out`` first, and
+``--stages`` picks the stages to run (env and build always run).
+
+This script imports nothing beyond the standard library, so no CUDA error can stop it; its
+children import torch. Back on a machine without a GPU, draw and report the results with
+``python benchmarks/cuda_core.py --from-csv OUT/targets.csv OUT/sweep.csv --out ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+WHEELS = REPO / ".whl"
+SITE = Path(tempfile.gettempdir()) / "kernelstudy_session_site"
+BUILD_DIR = Path(tempfile.gettempdir()) / "kernelstudy_session_build"
+# the files a session writes into --out (the device tool returns at most 8)
+FILES = (
+    "session.json",
+    "session.log",
+    "tests.log",
+    "targets.csv",
+    "profile.csv",
+    "sweep.csv",
+    "racecheck.log",
+)
+CUDA_METHODS = ("cuda", "cuda_fused", "cuda_walk", "cuda_walk_fused")
+BASELINES = ("torch", "fla", "sdpa")
+TARGET_N = (512, 1024, 2048, 4096, 8192, 16384)
+SWEEP_N = (512, 1024, 2048, 4096, 8192, 16384, 32768)
+# the sweep's parts in order: (dtype, D), each over every N and shape
+SWEEP_PARTS = (("bfloat16", 64), ("float32", 64), ("bfloat16", 128), ("float32", 128))
+SWEEP_SHAPES = ("1x8", "4x16")  # B·H = 8 and 64, the issue's grid (128: the targets stage)
+RACECHECK_TESTS = (
+    "test_walk_segments_match_reference[walk-2x2x200x33x70-torch.bfloat16-5]",
+    "test_fused_backward_matches_reference[walk-1x4x64x16x16-torch.bfloat16]",
+    "test_fused_backward_matches_reference[chunks-3x2x130x96x40-torch.float32]",
+)
+FETCH_WHEELS = (
+    "echo /.whl/ >> .git/info/exclude; python3 -m pip download --no-deps --only-binary=:all: "
+    "--python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 -d .whl "
+    "fla-core==0.5.2"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """A stage: at most ``cap_s`` seconds, skipped when fewer than ``min_s`` are left for it."""
+
+    name: str
+    min_s: float
+    cap_s: float
+    what: str
+
+
+STAGES = (
+    Stage("env", 20, 90, "wheels, GPU, versions, copy bandwidth and matmul rates"),
+    Stage("build", 60, 240, "the CUDA extension (the session stops if it fails)"),
+    Stage("tests", 60, 240, "pytest -v tests/test_cuda_backend.py"),
+    Stage("targets", 45, 180, "cuda_core.py at the issue's targets, every method"),
+    Stage("profile", 15, 60, "cuda_profile.py, per-kernel times at N=8192"),
+    Stage("sweep", 30, 600, "cuda_core.py --resume over the issue's grid"),
+    Stage("racecheck", 40, 150, "compute-sanitizer racecheck on three small tests"),
+)
+STAGE_NAMES = tuple(s.name for s in STAGES)
+ALWAYS = ("env", "build")
+
+
+def time_limit(stages: tuple[Stage, ...], index: int, left_s: float) -> float:
+    """Seconds stage ``index`` may take: its cap, or what is left after the minimum of every
+    later stage if that is less (below the stage's own minimum: the stage is skipped)."""
+    later = sum(s.min_s for s in stages[index + 1 :])
+    return min(stages[index].cap_s, left_s - later)
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What became of a stage (``status``: ok, failed, timeout or skipped)."""
+
+    name: str
+    status: str
+    seconds: float = 0.0
+    limit_s: float = 0.0
+    rc: int | None = None
+    note: str = ""
+
+
+class Session:
+    """Runs the stages into ``out``, each child's output appended to a log there."""
+
+    def __init__(self, out: Path, budget_s: float, clock: Callable[[], float] = time.monotonic):
+        self.out = out
+        self.budget_s = budget_s
+        self.clock = clock
+        self.start = clock()
+        self.record: dict = {
+            "started": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            "budget_s": budget_s,
+            "argv": sys.argv,
+            "stages": [],
+        }
+        (out / "session.log").touch()
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.env["KERNELSTUDY_BUILD_DIR"] = str(BUILD_DIR)
+        self.env["PYTHONPATH"] = os.pathsep.join(
+            [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
+        )
+
+    def left_s(self) -> float:
+        return self.budget_s - (self.clock() - self.start)
+
+    def log(self, text: str) -> None:
+        """A line on the console and in session.log."""
+        print(text, flush=True)
+        with open(self.out / "session.log", "a") as f:
+            f.write(text + "\n")
+
+    def save(self) -> None:
+        """session.json, atomically (a kill between stages leaves the last complete one)."""
+        path = self.out / "session.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.record, indent=2, default=str) + "\n")
+        os.replace(tmp, path)
+
+    def run(self, argv: list[str], limit_s: float, log: str = "session.log") -> tuple[int, bool]:
+        """Runs ``argv`` in the repository root with its output appended to ``log`` in out;
+        (exit status, timed out). Past ``limit_s`` its process group is stopped."""
+        with open(self.out / log, "a") as f:
+            f.write(f"$ {' '.join(argv)}  # limit {limit_s:.0f} s\n")
+            f.flush()
+            child = subprocess.Popen(
+                argv, cwd=REPO, env=self.env, stdout=f, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+            try:
+                return child.wait(timeout=max(limit_s, 0.1)), False
+            except subprocess.TimeoutExpired:
+                stop(child)
+                f.write(f"# stopped at its limit of {limit_s:.0f} s\n")
+                return child.returncode, True
+
+    def python(self, args: list[str], limit_s: float, log: str = "session.log"):
+        return self.run([PYTHON, *args], limit_s, log)
+
+
+def stop(child: subprocess.Popen) -> None:
+    """Stops ``child`` and everything it started: SIGTERM, then SIGKILL after 5 s."""
+    for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(child.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            child.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+# --- the stages: each takes the session and its time limit, returns (status, note) ---
+
+
+def stage_env(session: Session, limit_s: float) -> tuple[str, str]:
+    wheels = sorted(WHEELS.glob("*.whl"))
+    deadline = session.clock() + limit_s
+    note = ""
+    if wheels:
+        install = [PYTHON, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile"]
+        install += ["--no-cache-dir", "--upgrade", "--target", str(SITE), *map(str, wheels)]
+        rc, late = session.run(install, limit_s)
+        if rc == 0:
+            session.env["PYTHONPATH"] = os.pathsep.join([str(SITE), session.env["PYTHONPATH"]])
+        else:
+            note = f"installing {len(wheels)} wheels failed (rc {rc}): fla is left out; "
+    else:
+        note = "no wheels in .whl: fla is left out (fetch them with --plan's command); "
+    probe_json = session.out / "probe.json.tmp"
+    rc, late = session.python(
+        [__file__, "--probe", str(probe_json)], deadline - session.clock()
+    )  # fmt: skip
+    if probe_json.exists():
+        session.record["env"] = json.loads(probe_json.read_text())
+        probe_json.unlink()
+    if late:
+        return "timeout", note + "the probe ran past its limit"
+    if rc != 0:
+        return "failed", note + "no usable CUDA GPU (see session.log)"
+    env = session.record["env"]
+    if env.get("fla_error"):
+        note += f"fla does not import: {env['fla_error']}; "
+    return "ok", note + f"{env.get('device')}, torch {env.get('torch')}"
+
+
+def stage_build(session: Session, limit_s: float) -> tuple[str, str]:
+    rc, late = session.python([__file__, "--probe-build"], limit_s)
+    if late:
+        return "timeout", "the build ran past its limit"
+    if rc != 0:
+        return "failed", "the CUDA extension did not build: the compiler's output is in session.log"
+    return "ok", f"built in {BUILD_DIR}"
+
+
+def stage_tests(session: Session, limit_s: float) -> tuple[str, str]:
+    argv = ["-m", "pytest", "-v", "-p", "no:cacheprovider", "--durations=15"]
+    rc, late = session.python([*argv, "tests/test_cuda_backend.py"], limit_s, log="tests.log")
+    counts = test_counts((session.out / "tests.log").read_text())
+    session.record["tests"] = counts
+    text = ", ".join(f"{n} {what}" for what, n in counts.items()) or "no summary line"
+    if late:
+        return "timeout", f"stopped at its limit: {text} (the -v lines say how far it got)"
+    return ("ok" if rc == 0 else "failed"), text
+
+
+def test_counts(log: str) -> dict[str, int]:
+    """pytest's closing counts ({'passed': 390, 'failed': 2, ...}), or, for a run stopped before
+    its summary, the counts of its ``-v`` lines."""
+    summary = [line for line in log.splitlines() if re.match(r"^=+ .*\d+ \w+.* in [\d.]+s", line)]
+    if summary:
+        return {w: int(n) for n, w in re.findall(r"(\d+) (\w+)", summary[-1])}
+    counts: dict[str, int] = {}
+    for word in re.findall(r"::\S+ (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)", log):
+        counts[word.lower()] = counts.get(word.lower(), 0) + 1
+    return counts
+
+
+CONTEXT_BROKE = re.compile(r"the CUDA context broke in (\S+)")
+
+
+def broken_method(log_tail: str) -> str | None:
+    """The method of ``cuda_core.py`` whose case broke the CUDA context, from its last words
+    (a walk label carries its WALK_BLOCKS: cuda_walk_fused_256 is cuda_walk_fused)."""
+    found = CONTEXT_BROKE.findall(log_tail)
+    if not found:
+        return None
+    label = found[-1]
+    methods = sorted((*CUDA_METHODS, *BASELINES), key=len, reverse=True)
+    return next((m for m in methods if label == m or label.startswith(m + "_")), None)
+
+
+def benchmark(
+    session: Session, args: list[str], methods: list[str], deadline: float
+) -> tuple[str, str]:
+    """``cuda_core.py args --methods methods --resume --no-plot`` until it ends or the
+    deadline; a method that breaks the CUDA context is dropped and the rest rerun."""
+    dropped = []
+    while methods:
+        offset = (session.out / "session.log").stat().st_size
+        rc, late = session.python(
+            ["benchmarks/cuda_core.py", *args, "--methods", *methods, "--resume", "--no-plot"],
+            deadline - session.clock(),
+        )
+        if late:
+            return (
+                "timeout",
+                f"stopped at its limit{'; dropped ' + ', '.join(dropped) if dropped else ''}",
+            )
+        with open(session.out / "session.log") as f:
+            f.seek(offset)
+            method = broken_method(f.read())
+        if rc == 0 or method is None or method not in methods:
+            note = f"dropped {', '.join(dropped)} (broke the CUDA context)" if dropped else ""
+            return ("ok" if rc == 0 else "failed"), note
+        dropped.append(method)
+        session.record.setdefault("dropped_methods", []).append(method)
+        session.log(f"  {method} broke the CUDA context: rerunning without it")
+        methods = [m for m in methods if m != method]
+    return "failed", f"every method broke the CUDA context: {', '.join(dropped)}"
+
+
+def stage_targets(session: Session, limit_s: float) -> tuple[str, str]:
+    args = ["--n", *map(str, TARGET_N), "--shapes", "8x16", "--dims", "64"]
+    args += ["--dtypes", "bfloat16", "float32", "--walk-blocks", "128", "256", "512"]
+    args += ["--repeats", "7", "--warmup", "2", "--out", str(session.out / "targets.csv")]
+    methods = [*CUDA_METHODS, *BASELINES]
+    return benchmark(session, args, methods, session.clock() + limit_s)
+
+
+def stage_profile(session: Session, limit_s: float) -> tuple[str, str]:
+    argv = ["benchmarks/cuda_profile.py", "--n", "8192", "--dtypes", "bfloat16", "float32"]
+    argv += ["float16", "--out", str(session.out / "profile.csv")]
+    rc, late = session.python(argv, limit_s)
+    return ("timeout" if late else "ok" if rc == 0 else "failed"), ""
+
+
+def fastest_variant(targets_csv: Path) -> tuple[str, int | None] | None:
+    """Our fastest method at N=8192, bf16, fwd+bwd in the targets CSV, with its WALK_BLOCKS
+    (a walk label ends in it), or None without such a row. Read without pandas."""
+    import csv
+
+    if not targets_csv.is_file():
+        return None
+    best = None
+    with open(targets_csv) as f:
+        for row in csv.DictReader(f):
+            if (row["dtype"], row["mode"], row["N"]) != ("bfloat16", "fwd+bwd", "8192"):
+                continue
+            label, ms = row["method"], float(row["time_ms"] or "nan")
+            if not label.startswith("cuda") or ms != ms:
+                continue
+            if best is None or ms < best[0]:
+                best = (ms, label)
+    if best is None:
+        return None
+    label = best[1]
+    method = next(m for m in sorted(CUDA_METHODS, key=len, reverse=True) if label.startswith(m))
+    blocks = label[len(method) + 1 :]
+    return method, int(blocks) if blocks.isdigit() else None
+
+
+def stage_sweep(session: Session, limit_s: float) -> tuple[str, str]:
+    deadline = session.clock() + limit_s
+    methods = ["cuda"]
+    blocks: list[str] = []
+    best = fastest_variant(session.out / "targets.csv")
+    if best is not None and best[0] != "cuda":
+        methods.append(best[0])
+        blocks = ["--walk-blocks", str(best[1])] if best[1] else []
+    dropped = set(session.record.get("dropped_methods", []))
+    methods = [m for m in methods if m not in dropped] + list(BASELINES)
+    session.record["sweep_methods"] = methods + blocks[1:]
+    statuses = []
+    for dtype, dim in SWEEP_PARTS:
+        if deadline - session.clock() < 5:
+            statuses.append(f"{dtype} D={dim}: no time")
+            continue
+        args = ["--n", *map(str, SWEEP_N), "--shapes", *SWEEP_SHAPES, "--dims", str(dim)]
+        args += ["--dtypes", dtype, *blocks, "--repeats", "5", "--warmup", "2"]
+        args += ["--out", str(session.out / "sweep.csv")]
+        status, note = benchmark(session, args, methods, deadline)
+        statuses.append(f"{dtype} D={dim}: {status}{' (' + note + ')' if note else ''}")
+        methods = [m for m in methods if m not in session.record.get("dropped_methods", [])]
+    if any(": failed" in s for s in statuses):
+        return "failed", "; ".join(statuses)
+    ok = all(s.endswith(": ok") for s in statuses)  # else cut short by the budget
+    return ("ok" if ok else "partial"), "; ".join(statuses)
+
+
+def stage_racecheck(session: Session, limit_s: float) -> tuple[str, str]:
+    sanitizer = shutil.which("compute-sanitizer")
+    if sanitizer is None:
+        return "skipped", "compute-sanitizer is not on the PATH"
+    deadline = session.clock() + limit_s
+    results = []
+    for i, test in enumerate(RACECHECK_TESTS):
+        share = (deadline - session.clock()) / (len(RACECHECK_TESTS) - i)
+        argv = [sanitizer, "--tool", "racecheck", "--print-limit", "5", PYTHON, "-m", "pytest"]
+        argv += ["-q", "-p", "no:cacheprovider", f"tests/test_cuda_backend.py::{test}"]
+        rc, late = session.run(argv, share, log="racecheck.log")
+        results.append(f"{test}: {'timeout' if late else rc}")
+    log = (session.out / "racecheck.log").read_text()
+    hazards = re.findall(r"RACECHECK SUMMARY: (\d+) hazards? displayed", log)
+    note = "; ".join(results) + f"; hazards reported: {sum(map(int, hazards))}"
+    ok = all(r.endswith(": 0") for r in results) and not any(int(h) for h in hazards)
+    return ("ok" if ok else "failed"), note
+
+
+RUNNERS = {
+    "env": stage_env,
+    "build": stage_build,
+    "tests": stage_tests,
+    "targets": stage_targets,
+    "profile": stage_profile,
+    "sweep": stage_sweep,
+    "racecheck": stage_racecheck,
+}
+
+
+def run_session(
+    out: Path,
+    budget_s: float,
+    chosen: tuple[str, ...] = STAGE_NAMES,
+    resume_from: Path | None = None,
+) -> int:
+    """Runs the ``chosen`` stages (env and build always) into ``out``; 1 when a stage failed or
+    ran past its limit, else 0 (a sweep cut short by the budget is ``partial``, a stage left no
+    time ``skipped``: neither fails the session)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name in FILES:  # a session's files are its own; earlier ones come in by resume_from
+        (out / name).unlink(missing_ok=True)
+    if resume_from is not None:
+        for name in ("targets.csv", "sweep.csv"):
+            if (resume_from / name).is_file():
+                shutil.copyfile(resume_from / name, out / name)
+    session = Session(out, budget_s)
+    stages = tuple(s for s in STAGES if s.name in chosen or s.name in ALWAYS)
+    session.log(f"GPU session: budget {budget_s:.0f} s, stages {' '.join(s.name for s in stages)}")
+    failed = False
+    for i, stage in enumerate(stages):
+        limit = time_limit(stages, i, session.left_s())
+        if limit < stage.min_s:
+            outcome = Outcome(stage.name, "skipped", limit_s=limit, note="no time left")
+        else:
+            session.log(f"[{stage.name}] {stage.what} (limit {limit:.0f} s)")
+            began = session.clock()
+            status, note = RUNNERS[stage.name](session, limit)
+            outcome = Outcome(stage.name, status, session.clock() - began, limit, note=note)
+        failed |= outcome.status in ("failed", "timeout") or (
+            stage.name in ALWAYS and outcome.status != "ok"
+        )
+        session.record["stages"].append(dataclasses.asdict(outcome))
+        session.save()
+        session.log(f"[{stage.name}] {outcome.status} in {outcome.seconds:.0f} s: {outcome.note}")
+        if stage.name in ALWAYS and outcome.status != "ok":
+            session.log(f"the session stops: {stage.name} is needed by every later stage")
+            break
+    summarize(session)
+    return 1 if failed else 0
+
+
+def summarize(session: Session) -> None:
+    """The closing lines: each stage's outcome and, where measured, the target ratios."""
+    session.log("\nstage      status    seconds  limit  note")
+    for s in session.record["stages"]:
+        session.log(
+            f"{s['name']:<10} {s['status']:<9} {s['seconds']:7.0f} {s['limit_s']:6.0f}  "
+            f"{s['note'][:200]}"
+        )
+    csvs = [
+        str(session.out / n) for n in ("targets.csv", "sweep.csv") if (session.out / n).is_file()
+    ]
+    if csvs:
+        joined = Path(tempfile.gettempdir()) / "kernelstudy_session_joined.csv"
+        argv = [PYTHON, "benchmarks/cuda_core.py", "--from-csv", *csvs, "--no-plot"]
+        done = subprocess.run(
+            [*argv, "--out", str(joined)], cwd=REPO, env=session.env, capture_output=True,
+            text=True, timeout=60,
+        )  # fmt: skip
+        lines = done.stdout.splitlines()
+        session.log("\n".join(x for x in lines if "target" in x or x.startswith("crossover")))
+    files = sorted(p.name for p in session.out.iterdir())
+    session.log(f"files in {session.out}: {' '.join(files)}")
+
+
+# --- the children that import torch ---
+
+
+def probe(path: Path) -> int:
+    """Writes the device's facts to ``path`` (JSON); 1 without a usable CUDA GPU."""
+    import importlib.metadata as metadata
+    import statistics
+
+    facts: dict = {"python": sys.version.split()[0]}
+    try:
+        import torch
+    except ImportError as err:
+        facts["error"] = f"torch does not import: {err}"
+        path.write_text(json.dumps(facts))
+        return 1
+    facts["torch"], facts["cuda"] = torch.__version__, torch.version.cuda
+    for name in ("triton", "fla-core", "flash-linear-attention"):
+        try:
+            facts[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            facts[name] = None
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        text = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+        facts["nvcc"] = text.strip().splitlines()[-1] if text.strip() else ""
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        query = [smi, "--query-gpu=driver_version,clocks.sm,clocks.mem", "--format=csv,noheader"]
+        facts["nvidia_smi"] = subprocess.run(query, capture_output=True, text=True).stdout.strip()
+    if not torch.cuda.is_available():
+        facts["error"] = "torch sees no CUDA GPU"
+        path.write_text(json.dumps(facts))
+        print(facts["error"], file=sys.stderr)
+        return 1
+    props = torch.cuda.get_device_properties(0)
+    facts["device"] = props.name
+    facts["capability"] = f"{props.major}.{props.minor}"
+    facts["sms"] = props.multi_processor_count
+    facts["memory_gib"] = round(props.total_memory / 2**30, 1)
+    try:
+        import fla.ops.linear_attn  # noqa: F401
+
+        facts["fla_error"] = ""
+    except Exception as err:
+        facts["fla_error"] = f"{type(err).__name__}: {err}"[:300]
+
+    def median_ms(fn, *args, repeats=10) -> float:
+        for _ in range(3):
+            fn(*args)
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(*args)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+    src = torch.rand(2**29, device="cuda")  # 2 GiB: well past the L2
+    ms = median_ms(torch.Tensor.copy_, torch.empty_like(src), src)
+    facts["copy_tb_s"] = round(2 * src.nbytes / (ms * 1e-3) / 1e12, 2)  # read + write
+    del src
+    torch.set_float32_matmul_precision("highest")
+    for dtype in (torch.bfloat16, torch.float32):
+        a, b = (torch.randn(8192, 8192, device="cuda", dtype=dtype) for _ in range(2))
+        ms = median_ms(torch.matmul, a, b)
+        facts[f"matmul_{str(dtype).split('.')[-1]}_tflops"] = round(2 * 8192**3 / ms / 1e9, 1)
+    path.write_text(json.dumps(facts))
+    print(json.dumps(facts, indent=1))
+    return 0
+
+
+def probe_build() -> int:
+    """Builds the CUDA extension (into $KERNELSTUDY_BUILD_DIR); on failure reruns its ninja
+    build verbosely, so the compiler's own messages reach the log. 1 if it did not build."""
+    began = time.monotonic()
+    import kernelstudy as ks
+    from kernelstudy.core import cuda_backend
+
+    module = cuda_backend.extension()
+    print(f"build: {time.monotonic() - began:.1f} s; backends: {ks.backends()}")
+    if module is not None:
+        return 0
+    folder = Path(os.environ.get("KERNELSTUDY_BUILD_DIR", BUILD_DIR)) / cuda_backend.EXTENSION_NAME
+    ninja = shutil.which("ninja")
+    if ninja and (folder / "build.ninja").is_file():
+        subprocess.run([ninja, "-v", "-C", str(folder)], stderr=subprocess.STDOUT)
+    return 1
+
+
+def plan(budget_s: float) -> str:
+    """The stages with their time limits when every earlier stage takes its cap."""
+    lines = [
+        "Before the session, here (the fla wheel, pure Python; Triton is on the GPU machine):",
+        f"    {FETCH_WHEELS}",
+        "On the GPU machine (device run, carry ['.whl'], timeout_s = budget + 50):",
+        f"    python3 benchmarks/gpu_session.py --budget {budget_s:.0f} --out $OUT",
+        "",
+        "stage      min  cap  limit if every earlier stage runs to its cap (the least it gets)",
+    ]
+    left = budget_s
+    for i, s in enumerate(STAGES):
+        limit = time_limit(STAGES, i, left)
+        shown = f"{limit:.0f} s" if limit >= s.min_s else "skipped"
+        lines.append(f"{s.name:<10} {s.min_s:>3.0f} {s.cap_s:>4.0f}  {shown:<8} {s.what}")
+        left -= max(limit, 0) if limit >= s.min_s else 0
+    lines.append(f"files in --out (at most 8): {' '.join(FILES)}")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--out", type=Path, help="folder for the session's files (the device's $OUT)")
+    p.add_argument("--budget", type=float, default=540, help="seconds for all stages (540)")
+    p.add_argument(
+        "--stages",
+        nargs="+",
+        choices=STAGE_NAMES,
+        default=list(STAGE_NAMES),
+        help="stages to run (env and build always run)",
+    )
+    p.add_argument(
+        "--resume-from",
+        type=Path,
+        metavar="DIR",
+        help="an earlier call's files: its targets.csv and sweep.csv are copied into --out and "
+        "their cases are not measured again",
+    )
+    p.add_argument("--plan", action="store_true", help="print the stages and limits; run nothing")
+    p.add_argument("--probe", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--probe-build", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.budget <= 0:
+        p.error(f"--budget must be positive, got {args.budget}")
+    if not (args.plan or args.probe or args.probe_build) and args.out is None:
+        p.error("--out is required (the folder for the session's files)")
+    least = sum(s.min_s for s in STAGES if s.name in args.stages or s.name in ALWAYS)
+    if not (args.plan or args.probe or args.probe_build) and args.budget < least:
+        p.error(
+            f"--budget {args.budget:g} s is less than the stages' minimums add up to "
+            f"({least:g} s for {' '.join(s.name for s in STAGES if s.name in args.stages)})"
+        )
+    if args.resume_from is not None and not args.resume_from.is_dir():
+        p.error(f"--resume-from: no folder {str(args.resume_from)!r}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.probe:
+        return probe(args.probe)
+    if args.probe_build:
+        return probe_build()
+    if args.plan:
+        print(plan(args.budget))
+        return 0
+    return run_session(args.out, args.budget, tuple(args.stages), args.resume_from)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,350 @@
+"""benchmarks/gpu_session.py, the one-command GPU session, on the CPU: its time budget, child
+processes stopped at their limits, the restart without a method that breaks the CUDA context,
+the files it leaves (the device returns at most 8) and a clean stop without a GPU. The stages'
+own work (build, GPU tests, timings) needs a GPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def gs():
+    spec = importlib.util.spec_from_file_location("gpu_session", BENCHMARKS / "gpu_session.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_session"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_time_limits_keep_the_minimum_of_every_later_stage(gs):
+    stages = (gs.Stage("a", 10, 100, ""), gs.Stage("b", 20, 50, ""), gs.Stage("c", 30, 40, ""))
+    assert gs.time_limit(stages, 0, 1000) == 100  # its cap
+    assert gs.time_limit(stages, 0, 120) == 70  # 120 - (20 + 30)
+    assert gs.time_limit(stages, 1, 45) == 15  # below b's minimum: skipped by the session
+    assert gs.time_limit(stages, 2, 35) == 35
+
+
+def test_arguments(gs, tmp_path, capsys):
+    args = gs.parse_args(["--out", str(tmp_path), "--stages", "sweep", "--budget", "200"])
+    assert args.stages == ["sweep"] and args.budget == 200
+    for bad, message in (
+        ([], "--out is required"),
+        (["--out", str(tmp_path), "--budget", "100"], "less than the stages' minimums"),
+        (["--out", str(tmp_path), "--budget", "0"], "--budget must be positive"),
+        (["--out", str(tmp_path), "--stages", "bench"], "invalid choice"),
+        (["--out", str(tmp_path), "--resume-from", str(tmp_path / "no")], "no folder"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            gs.parse_args(bad)
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    # env and build always run: a sweep alone needs their minimums and its own
+    least = sum(s.min_s for s in gs.STAGES if s.name in ("env", "build", "sweep"))
+    gs.parse_args(["--out", str(tmp_path), "--stages", "sweep", "--budget", str(least)])
+
+
+def test_plan_names_every_stage_and_file_and_runs_nothing(gs, tmp_path, capsys):
+    assert gs.main(["--plan", "--budget", "540"]) == 0
+    printed = capsys.readouterr().out
+    assert all(s.name in printed for s in gs.STAGES) and "fla-core==" in printed
+    assert "--budget 540 --out $OUT" in printed
+    assert len(gs.FILES) <= 8  # the device returns at most 8 files
+
+
+def test_a_child_past_its_limit_is_stopped_with_what_it_started(gs, tmp_path):
+    """The child and a grandchild it started (a pytest under compute-sanitizer, say) both go."""
+    session = gs.Session(tmp_path, budget_s=60)
+    pid_file = tmp_path / "grandchild.pid"
+    script = (
+        "import subprocess, sys, time; "
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid)); print('started', flush=True); "
+        "time.sleep(60)"
+    )
+    began = time.monotonic()
+    rc, late = session.python(["-c", script], limit_s=2.0, log="child.log")
+    assert late and rc != 0 and time.monotonic() - began < 20
+    grandchild = int(pid_file.read_text())
+    for _ in range(50):  # reaped by init once killed
+        try:
+            os.kill(grandchild, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the grandchild outlived the limit")
+    log = (tmp_path / "child.log").read_text()
+    assert "started" in log and "stopped at its limit of 2 s" in log
+    assert session.python(["-c", "raise SystemExit(3)"], limit_s=10) == (3, False)
+
+
+def test_test_counts_from_the_summary_or_the_verbose_lines(gs):
+    log = "x\n=========== 2 failed, 390 passed, 4 skipped in 81.20s (0:01:21) ===========\n"
+    assert gs.test_counts(log) == {"failed": 2, "passed": 390, "skipped": 4}
+    cut = (
+        "tests/test_cuda_backend.py::test_a[walk] PASSED [ 1%]\n"
+        "tests/test_cuda_backend.py::test_b[chunks-1x1] FAILED [ 2%]\n"
+        "tests/test_cuda_backend.py::test_c PASSED [ 3%]\n# stopped at its limit of 9 s\n"
+    )
+    assert gs.test_counts(cut) == {"passed": 2, "failed": 1}
+
+
+def test_broken_method_reads_cuda_cores_last_words(gs):
+    assert gs.broken_method("x\nthe CUDA context broke in cuda_walk_fused_256 fwd+bwd") == (
+        "cuda_walk_fused"
+    )
+    assert gs.broken_method("the CUDA context broke in cuda fwd bfloat16") == "cuda"
+    assert gs.broken_method("the CUDA context broke in sdpa_efficient fwd") == "sdpa"
+    assert gs.broken_method("all well") is None
+
+
+def test_a_method_that_breaks_the_context_is_dropped_and_the_rest_rerun(gs, tmp_path):
+    session = gs.Session(tmp_path, budget_s=60)
+    session.log("start")
+    calls = []
+
+    def fake_python(args, limit_s, log="session.log"):
+        methods = args[args.index("--methods") + 1 : args.index("--resume")]
+        calls.append(methods)
+        if "cuda_walk" in methods:
+            session.log("benchmarks/cuda_core.py: the CUDA context broke in cuda_walk_128 fwd")
+            return 1, False
+        return 0, False
+
+    session.python = fake_python
+    status, note = gs.benchmark(session, ["--n", "8"], ["cuda", "cuda_walk", "fla"], 1e12)
+    assert calls == [["cuda", "cuda_walk", "fla"], ["cuda", "fla"]]
+    assert status == "ok" and "dropped cuda_walk" in note
+    assert session.record["dropped_methods"] == ["cuda_walk"]
+    # a failure that is not a broken context is not retried
+    session.python = lambda args, limit_s, log="session.log": (1, False)
+    assert gs.benchmark(session, [], ["cuda"], 1e12) == ("failed", "")
+
+
+def _targets_csv(path: Path, times: dict[str, float]) -> None:
+    rows = [
+        dict(method=m, mode="fwd+bwd", dtype="bfloat16", B=8, H=16, BH=128, N=8192, F=64, M=64)
+        | {"time_ms": ms, "device": "test GPU"}
+        for m, ms in times.items()
+    ]
+    rows.append(rows[0] | {"N": 2048, "time_ms": 0.01})  # not N=8192: not read
+    pd.DataFrame(rows).to_csv(path, index=False)
+
+
+def test_the_sweep_times_cuda_and_the_fastest_variant(gs, tmp_path):
+    csv = tmp_path / "targets.csv"
+    _targets_csv(csv, {"cuda": 3.9, "cuda_walk_fused_256": 1.5, "cuda_walk_128": 1.7, "fla": 1.0})
+    assert gs.fastest_variant(csv) == ("cuda_walk_fused", 256)
+    _targets_csv(csv, {"cuda": 3.9, "cuda_fused": 2.0, "cuda_walk": float("nan")})
+    assert gs.fastest_variant(csv) == ("cuda_fused", None)
+    assert gs.fastest_variant(tmp_path / "none.csv") is None
+
+    session = gs.Session(tmp_path, budget_s=600)
+    _targets_csv(csv, {"cuda": 3.9, "cuda_walk_fused_512": 1.5})
+    seen = []
+    session.python = lambda args, limit_s, log="session.log": (seen.append(args) or 0, False)
+    status, note = gs.stage_sweep(session, 100)
+    assert status == "ok" and len(seen) == len(gs.SWEEP_PARTS)
+    args = seen[0]
+    methods = args[args.index("--methods") + 1 : args.index("--resume")]
+    assert methods == ["cuda", "cuda_walk_fused", "torch", "fla", "sdpa"]
+    assert args[args.index("--walk-blocks") + 1] == "512" and "--no-plot" in args
+    assert [a[a.index("--dtypes") + 1] for a in seen] == [d for d, _ in gs.SWEEP_PARTS]
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _fake_runners(gs, monkeypatch, clock, took: dict[str, float], results: dict[str, str]):
+    ran = []
+
+    def runner(name):
+        def run(session, limit_s):
+            ran.append((name, limit_s))
+            clock.now += min(took.get(name, 1.0), limit_s)
+            (session.out / f"{name}.scratch").unlink(missing_ok=True)
+            return results.get(name, "ok"), f"{name} note"
+
+        return run
+
+    monkeypatch.setattr(gs, "RUNNERS", {s.name: runner(s.name) for s in gs.STAGES})
+    monkeypatch.setattr(gs, "Session", _session_on(gs, clock))
+    return ran
+
+
+def _session_on(gs, clock):
+    base = gs.Session
+
+    class Timed(base):
+        def __init__(self, out, budget_s, clock_=None):
+            super().__init__(out, budget_s, clock=clock)
+
+    return Timed
+
+
+def test_a_session_runs_its_stages_in_their_time(gs, monkeypatch, tmp_path, capsys):
+    clock = _Clock()
+    took = {"env": 10, "build": 50, "tests": 200, "targets": 100, "profile": 10}
+    ran = _fake_runners(gs, monkeypatch, clock, took, {})
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "sweep.csv").write_text("an earlier session's file\n")
+    (out / "keep.txt").write_text("not the session's\n")
+    assert gs.run_session(out, 540) == 0
+    assert [name for name, _ in ran] == list(gs.STAGE_NAMES)
+    limits = dict(ran)
+    assert limits["tests"] == 240 and limits["targets"] == 180
+    # 540 - 370 spent before the sweep - racecheck's 40: the sweep gets the rest
+    assert limits["sweep"] == pytest.approx(540 - 370 - 40)
+    record = json.loads((out / "session.json").read_text())
+    assert [s["status"] for s in record["stages"]] == ["ok"] * len(gs.STAGES)
+    assert not (out / "sweep.csv").exists() and (out / "keep.txt").exists()
+    printed = capsys.readouterr().out
+    assert "racecheck  ok" in printed and "files in" in printed
+    assert set(p.name for p in out.iterdir()) <= set(gs.FILES) | {"keep.txt"}
+
+
+def test_a_failed_build_stops_the_session(gs, monkeypatch, tmp_path, capsys):
+    clock = _Clock()
+    ran = _fake_runners(gs, monkeypatch, clock, {}, {"build": "failed"})
+    assert gs.run_session(tmp_path, 540) == 1
+    assert [name for name, _ in ran] == ["env", "build"]
+    assert "the session stops: build is needed" in capsys.readouterr().out
+    record = json.loads((tmp_path / "session.json").read_text())
+    assert [s["status"] for s in record["stages"]] == ["ok", "failed"]
+
+
+def test_stages_without_time_are_skipped_and_a_partial_sweep_is_no_failure(
+    gs, monkeypatch, tmp_path
+):
+    clock = _Clock()
+    took = {"env": 90, "build": 240, "tests": 240, "targets": 180}
+    ran = _fake_runners(gs, monkeypatch, clock, took, {"sweep": "partial"})
+    assert gs.run_session(tmp_path, 600) == 0
+    # tests: 600 - 330 spent - 130 for the later minimums = 140; each stage then gets what is
+    # left after the later stages' minimums
+    assert dict(ran) == {
+        "env": 90,
+        "build": 240,
+        "tests": 140,
+        "targets": 45,
+        "profile": 15,
+        "sweep": 44,
+        "racecheck": 83,
+    }
+    record = json.loads((tmp_path / "session.json").read_text())
+    assert record["stages"][5]["status"] == "partial"
+
+    clock.now = 0.0
+
+    def late(session, limit_s):  # a child stopped at its limit of 45 s, 55 s late
+        clock.now += 100
+        return "timeout", ""
+
+    ran.clear()
+    monkeypatch.setitem(gs.RUNNERS, "targets", late)
+    assert gs.run_session(tmp_path, 600) == 1  # a stage past its limit fails the session
+    record = json.loads((tmp_path / "session.json").read_text())
+    status = {s["name"]: s["status"] for s in record["stages"]}
+    assert status == {
+        "env": "ok",
+        "build": "ok",
+        "tests": "ok",
+        "targets": "timeout",
+        "profile": "skipped",
+        "sweep": "skipped",
+        "racecheck": "skipped",  # 30 s left, below its minimum of 40
+    }
+    assert [name for name, _ in ran] == ["env", "build", "tests"]
+
+
+def test_only_the_chosen_stages_run_and_earlier_results_come_in(gs, monkeypatch, tmp_path):
+    clock = _Clock()
+    ran = _fake_runners(gs, monkeypatch, clock, {}, {})
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / "sweep.csv").write_text("rows\n")
+    (earlier / "tests.log").write_text("not copied\n")
+    out = tmp_path / "out"
+    assert gs.run_session(out, 200, ("sweep",), resume_from=earlier) == 0
+    assert [name for name, _ in ran] == ["env", "build", "sweep"]
+    assert (out / "sweep.csv").read_text() == "rows\n" and not (out / "tests.log").exists()
+
+
+def test_the_summary_prints_the_target_ratios(gs, tmp_path, capsys):
+    """Read from the session's CSVs through cuda_core.py --from-csv (a child with pandas)."""
+    _targets_csv(tmp_path / "targets.csv", {"cuda": 3.0, "fla": 2.5, "sdpa": 12.0})
+    session = gs.Session(tmp_path, budget_s=60)
+    gs.summarize(session)
+    printed = capsys.readouterr().out
+    assert "N=8192 bf16 cuda/fla: 1.200 (target <= 1.0)" in printed
+    assert "N=8192 bf16 cuda/sdpa: 0.250" in printed
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the stop without a GPU")
+def test_without_a_gpu_the_session_stops_after_env(gs, tmp_path, capsys):
+    assert gs.main(["--out", str(tmp_path), "--budget", "400"]) == 1
+    record = json.loads((tmp_path / "session.json").read_text())
+    assert [s["name"] for s in record["stages"]] == ["env"]
+    assert record["stages"][0]["status"] == "failed"
+    assert record["env"]["error"] == "torch sees no CUDA GPU"
+    assert record["env"]["torch"] == torch.__version__
+    assert "the session stops: env" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["session.json", "session.log"]
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_stages_commands_are_ones_the_scripts_take(gs, tmp_path):
+    """The commands the stages give cuda_core.py and cuda_profile.py parse there, and the
+    racecheck's tests exist: a renamed option or test would otherwise show only on a GPU."""
+    cuda_core, profile = _script("cuda_core"), _script("cuda_profile")
+    session = gs.Session(tmp_path, budget_s=600)
+    seen = []
+    session.python = lambda args, limit_s, log="session.log": (seen.append(args) or 0, False)
+    assert gs.stage_targets(session, 100)[0] == "ok"
+    assert gs.stage_profile(session, 100)[0] == "ok"
+    assert gs.stage_sweep(session, 100)[0] == "ok"
+    targets, prof, *sweep = seen
+    args = cuda_core.parse_args(targets[1:])
+    assert args.resume and args.no_plot and args.walk_blocks == [128, 256, 512]
+    assert args.shapes == [(8, 16)] and args.dims == [64] and 8192 in args.n
+    assert set(args.methods) == set(cuda_core.METHODS)
+    assert gs.CUDA_METHODS == tuple(cuda_core.CUDA_METHODS)
+    assert set(gs.CUDA_METHODS) | set(gs.BASELINES) == set(cuda_core.METHODS)
+    assert profile.parse_args(prof[1:]).n == 8192
+    for part in sweep:
+        args = cuda_core.parse_args(part[1:])
+        assert args.resume and args.shapes == [(1, 8), (4, 16)] and args.n[-1] == 32768
+    import subprocess
+
+    collected = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
+        + [f"tests/test_cuda_backend.py::{t}" for t in gs.RACECHECK_TESTS],
+        cwd=BENCHMARKS.parent,
+        capture_output=True,
+        text=True,
+    )
+    assert collected.returncode == 0, collected.stdout + collected.stderr
+    assert f"{len(gs.RACECHECK_TESTS)} tests collected" in collected.stdout
