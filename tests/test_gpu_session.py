@@ -348,3 +348,34 @@ def test_the_stages_commands_are_ones_the_scripts_take(gs, tmp_path):
     )
     assert collected.returncode == 0, collected.stdout + collected.stderr
     assert f"{len(gs.RACECHECK_TESTS)} tests collected" in collected.stdout
+
+
+@pytest.mark.parametrize("hazards", [0, 2])
+def test_racecheck_reads_the_sanitizers_summary(gs, monkeypatch, tmp_path, hazards):
+    """A racecheck whose tests pass still fails the stage when it reports hazards."""
+    fake = tmp_path / "compute-sanitizer"
+    fake.write_text(
+        "#!/bin/sh\n"
+        'echo "tests/test_cuda_backend.py::test_x PASSED"\n'
+        f'echo "========= RACECHECK SUMMARY: {hazards} hazards displayed ({hazards} errors)"\n'
+    )
+    fake.chmod(0o755)
+    monkeypatch.setattr(gs.shutil, "which", lambda name: str(fake))
+    out = tmp_path / "out"
+    out.mkdir()
+    session = gs.Session(out, budget_s=60)
+    status, note = gs.stage_racecheck(session, 30)
+    assert status == ("ok" if hazards == 0 else "failed")
+    assert note == f"1 passed; hazards reported: {hazards}"
+    monkeypatch.setattr(gs.shutil, "which", lambda name: None)
+    assert gs.stage_racecheck(session, 30)[0] == "skipped"
+
+
+def test_the_summary_lists_the_failed_tests(gs, tmp_path, capsys):
+    (tmp_path / "tests.log").write_text(
+        "x PASSED\nFAILED tests/test_cuda_backend.py::test_a[walk] - AssertionError: 0.2\n"
+    )
+    gs.summarize(gs.Session(tmp_path, budget_s=60))
+    assert "FAILED tests/test_cuda_backend.py::test_a[walk] - AssertionError" in (
+        capsys.readouterr().out
+    )
