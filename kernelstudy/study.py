@@ -140,6 +140,15 @@ def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _table_keys(table: dict[str, Any]) -> set[Any]:
+    """The keys of ``table`` and of the tables in it, at any depth."""
+    keys = set(table)
+    for value in table.values():
+        if isinstance(value, dict):
+            keys |= _table_keys(value)
+    return keys
+
+
 def load_study(name: str) -> ModuleType:
     """Import ``studies/NAME.py`` as a module (it must define ``configs`` and ``run_config``)."""
     root = _check_name(name)
@@ -312,7 +321,17 @@ def run_study(
     paths = {t: out_dir / f"{t}.csv" for t in (RESULTS, *tables)}
     results_path = paths[RESULTS]
 
-    configs = list(module.configs(params))
+    try:
+        configs = list(module.configs(params))
+    except KeyError as err:  # a config (a copy, say) without an entry the study reads
+        key = err.args[0] if err.args else None
+        if key in _table_keys(params):
+            raise
+        source = config_file if config_file is not None else studies_dir() / f"{name}.toml"
+        raise ValueError(
+            f"config {str(source)!r} has no entry {key!r}, which study {name!r} reads "
+            f"(studies/{name}.toml has them all)"
+        ) from None
     ids = [config_id(c, device) for c in configs]
     if len(set(ids)) != len(ids):
         raise ValueError(f"study {name!r} produced duplicate configurations")
@@ -590,8 +609,12 @@ def _note_rows_of_no_config(
 ) -> None:
     """Say on stderr when ``path`` holds rows of configurations that neither size of the
     study has on any device (an edited config, or a feature map not registered now): the
-    summary leaves them out without a word otherwise."""
-    unknown = held - set().union(*_known_ids(name, module, config).values())
+    summary leaves them out without a word otherwise. With ``config`` (a TOML file of one's
+    own), the configurations of both it and ``studies/NAME.toml`` are the study's."""
+    known = set().union(*_known_ids(name, module).values())
+    if config is not None:
+        known |= set().union(*_known_ids(name, module, config).values())
+    unknown = held - known
     if unknown:
         print(
             f"note: {path} holds rows of {len(unknown)} configuration(s) that study {name!r} "
@@ -1066,18 +1089,19 @@ def matched_map(label: str, head_dim: int, feature_dim: int, seed: int = 0) -> A
     size hyperparameter (a map without one keeps its own F), with the label's other
     hyperparameters and ``seed`` (for a map that takes one; a label's own seed first).
 
-    The map is built with torch's global generator seeded with ``seed`` and left as it was
-    afterwards: a user's map without a ``seed`` hyperparameter that draws its initial
-    weights from it gave other numbers in every run, and depended on which configs ran
-    before it in the process (the registered maps draw nothing from it)."""
+    The map is built (on the CPU) with torch's global CPU generator seeded with ``seed`` and
+    left as it was afterwards, the CUDA generators untouched: a user's map without a ``seed``
+    hyperparameter that draws its initial weights from it gave other numbers in every run,
+    and depended on which configs ran before it in the process (the registered maps draw
+    nothing from it)."""
     import torch
 
     from .analysis.matching import matched_feature_map
 
     name, hparams = map_name_and_hparams(label)
     seed = hparams.pop("seed", seed)  # a table's own seed (speed's tables may set one)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with torch.random.fork_rng(devices=[]):  # restores the CPU generator only
+        torch.default_generator.manual_seed(seed)  # torch.manual_seed would seed CUDA's too
         return matched_feature_map(name, head_dim, feature_dim, seed=seed, **hparams)
 
 

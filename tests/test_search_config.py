@@ -587,3 +587,35 @@ def test_the_report_follows_what_the_search_recorded_of_the_val_split(tmp_path, 
         if note is not None:
             assert note in notes, (name, notes)
         assert isinstance(res, StudySet)
+
+
+@pytest.mark.parametrize("name", ["lra_text", "lra_retrieval", "lra_listops"])
+def test_lra_configs_state_the_map_budgets_their_full_models_have(name):
+    """The configs' comments give what per-head GLU and AOGLU stacks add to the full-size
+    model (the paper's budget remarks); lra_retrieval's gave the text model's numbers."""
+    import re
+    from pathlib import Path
+
+    from kernelstudy.search.objective import build_model, default_settings
+
+    path = Path(__file__).parents[1] / "studies" / f"{name}.toml"
+    text = " ".join(line.lstrip("# ") for line in path.read_text().splitlines())
+    stated = re.search(
+        r"one GLU unit adds ([\d.]+)% to the parameters, two ([\d.]+)%, three ([\d.]+)%, "
+        r"and three AOGLU units ([\d.]+)%",
+        text,
+    )
+    assert stated is not None
+    config = load_config(path)
+
+    class Task:  # the sizes the model takes from the task
+        vocab_size, num_classes = (16, 10) if name == "lra_listops" else (257, 2)
+        pairs = name == "lra_retrieval"
+        max_length = config.task_options["max_length"]
+
+    extra = []
+    for label in ("1xGLU", "2xGLU", "3xGLU", "3xAOGLU"):
+        variant = config.variant(label)
+        _, sizes = build_model(config, variant, default_settings(config, variant), Task())
+        extra.append(f"{sizes['feature_map_extra']:.1%}")
+    assert [f"{float(x):.1f}%" for x in stated.groups()] == extra

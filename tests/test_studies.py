@@ -1832,6 +1832,17 @@ def test_a_seedless_users_map_is_built_the_same_for_the_same_seed():
     assert not torch.equal(first.weight, other.weight)
 
 
+def test_matched_map_leaves_the_cuda_generators_alone(monkeypatch):
+    """torch.manual_seed seeds every CUDA generator too, and fork_rng(devices=[]) restores
+    only the CPU one: on a GPU machine each map built reset the CUDA stream to its seed."""
+    seeded = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", seeded.append)
+    monkeypatch.setattr(torch.cuda, "manual_seed", seeded.append)
+    first = study.matched_map(SeedlessRandomMap.name, 8, 8, seed=1)
+    assert seeded == []
+    assert torch.equal(first.weight, study.matched_map(SeedlessRandomMap.name, 8, 8, seed=1).weight)
+
+
 def test_a_study_runs_a_config_file_of_ones_own(toy_studies, capsys):
     """--config reads a copy of the study's TOML kept outside the checkout: other sizes
     without editing studies/NAME.toml; its configurations get their own rows."""
@@ -1858,3 +1869,26 @@ def test_provenance_records_where_user_maps_were_found(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", "/home/me/my maps")
     line = study.provenance("rank", True, "cpu")
     assert "`PYTHONPATH='/home/me/my maps' KERNELSTUDY_FEATURE_MAPS=user_maps kernelstudy" in line
+
+
+def test_a_config_file_of_ones_own_takes_the_studys_rows_as_known(toy_studies, capsys):
+    """Run with --config beside rows of studies/NAME.toml, the note said the study "no longer
+    has" configurations its own config has."""
+    out = toy_studies / "out"
+    mine = toy_studies / "mine.toml"
+    mine.write_text("[full]\nxs = [5]\n\n[quick]\nxs = [2, 6]\n")
+    study.run_study("toy", quick=True, out=out, verbose=False)  # x = 1, 2
+    capsys.readouterr()
+    study.run_study("toy", quick=True, out=out, verbose=False, config_file=mine)
+    assert "no longer has" not in capsys.readouterr().err
+    (toy_studies / "studies" / "toy.toml").write_text("[full]\nxs = [3]\n\n[quick]\nxs = [3]\n")
+    study.run_study("toy", quick=True, out=out, verbose=False, config_file=mine)
+    assert "rows of 1 configuration(s) that study 'toy' no longer has" in capsys.readouterr().err
+
+
+def test_a_config_file_without_an_entry_the_study_reads_is_named(toy_studies, capsys):
+    """A copy with a misspelled key failed with a KeyError traceback naming no file."""
+    mine = toy_studies / "mine.toml"
+    mine.write_text("[full]\nxs = [5]\n\n[quick]\nx = [2]\n")  # xs misspelled
+    assert study.main("toy", ["--quick", "--config", str(mine)]) == 1
+    assert f"config '{mine}' has no entry 'xs', which study 'toy' reads" in capsys.readouterr().err

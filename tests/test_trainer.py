@@ -1136,3 +1136,24 @@ def test_load_model_rebuilds_the_saved_model(tmp_path):
     Trainer(own, train, _config(steps=1, out_dir=str(out), eval_every=1)).fit()
     with pytest.raises(ValueError, match="records model class 'Own' with no config"):
         load_model(out)
+
+
+def test_load_model_refuses_a_run_continued_past_its_finish(tmp_path, recwarn):
+    """A finished run continued with more steps and paused keeps the first finish's model.pt,
+    while run.json names the paused step: ``load_model`` returned those stale weights."""
+    from kernelstudy.train import load_model
+
+    train, val = ContainsTask(64), ContainsTask(32, seed=1)
+    out = str(tmp_path / "run")
+
+    def trainer(steps: int) -> Trainer:
+        torch.manual_seed(0)
+        cfg = _config(steps=steps, eval_every=2, lr=3e-2, out_dir=out)
+        return Trainer(_classifier(), train, cfg, val_data=val)
+
+    trainer(4).fit()
+    load_model(out)  # finished: model.pt holds model_step's weights
+    record = trainer(8).fit(stop_after=6, resume=True)
+    assert record["status"] == "paused" and record["model_step"] == 6
+    with pytest.raises(ValueError, match="records status 'paused', not a finished run"):
+        load_model(out)

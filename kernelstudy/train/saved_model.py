@@ -15,6 +15,8 @@ from .trainer import MODEL, RECORD
 
 #: The model classes :func:`load_model` rebuilds, by the name ``run.json`` records.
 MODEL_CLASSES = ("SequenceClassifier", "MatchingClassifier", "CausalLM")
+#: The statuses of a run whose ``model.pt`` holds the weights of ``run.json``'s ``model_step``.
+FINISHED = ("completed", "early_stopped")
 
 
 def load_model(run_dir: str | os.PathLike, device: str | torch.device = "cpu") -> nn.Module:
@@ -28,7 +30,9 @@ def load_model(run_dir: str | os.PathLike, device: str | torch.device = "cpu") -
     from: build the model yourself and load ``model.pt`` into it. A map of one's own must
     be registered (imported, or listed in ``KERNELSTUDY_FEATURE_MAPS``) first, as for any
     config that names it. Raises FileNotFoundError for a missing file, ValueError for a
-    record this function cannot rebuild.
+    record this function cannot rebuild or a run that has not finished (paused, failed or
+    interrupted after an earlier finish: its ``model.pt`` is that finish's, not
+    ``model_step``'s).
     """
     run_dir = Path(run_dir)
     record_path, weights_path = run_dir / RECORD, run_dir / MODEL
@@ -48,6 +52,12 @@ def load_model(run_dir: str | os.PathLike, device: str | torch.device = "cpu") -
             f"{'a config' if isinstance(config, dict) else 'no config'}: load_model rebuilds "
             f"{', '.join(MODEL_CLASSES)} from their config; build other models yourself and "
             f"load {weights_path} into them"
+        )
+    if record.get("status") not in FINISHED:  # model.pt is written when a run ends
+        raise ValueError(
+            f"{record_path} records status {record.get('status')!r}, not a finished run: "
+            f"{weights_path} holds an earlier finish's weights, not step "
+            f"{record.get('model_step')!r}'s (continue the run to its end first)"
         )
     model = getattr(ks_nn, name)(**config)
     state = torch.load(weights_path, map_location=device, weights_only=True)
