@@ -227,7 +227,7 @@ def stage_env(session: Session, limit_s: float) -> tuple[str, str]:
             note = f"installing {len(wheels)} wheels failed (rc {rc}): fla is left out; "
     else:
         note = "no wheels in .whl: fla is left out (fetch them with --plan's command); "
-    probe_json = session.out / "probe.json.tmp"
+    probe_json = Path(tempfile.gettempdir()) / f"kernelstudy_probe_{os.getpid()}.json"
     rc, late = session.python(
         [__file__, "--probe", str(probe_json)], deadline - session.clock()
     )  # fmt: skip
