@@ -31,14 +31,16 @@ racecheck  ``compute-sanitizer --tool racecheck``, three small tests     raceche
 =========  ===========================================================  ==============
 
 Every stage runs as a child process under a time limit: the smaller of its cap and what is left
-of the budget after the minimum of every later stage; a stage whose limit falls below its own
-minimum is skipped. A child that runs past its limit is killed with its process group; what it
-wrote stays. A benchmark stopped by a method that breaks the CUDA context (an illegal address)
-is rerun without that method, resuming its CSV. The last lines printed are the stages'
-outcomes, the test counts and the issue's target ratios; ``session.json`` holds the same, and is
-rewritten after every stage. A later call goes on from an earlier call's files:
-``--resume-from DIR`` copies DIR's ``targets.csv`` and ``sweep.csv`` into ``--out`` first, and
-``--stages`` picks the stages to run (env and build always run).
+of the budget after the minimum of every later stage; a stage whose limit falls more than
+``STOP_S`` below its own minimum (what stopping the stage before it may take) is skipped. A
+child that runs past its limit is killed with its process group; what it wrote stays. A
+benchmark stopped by a method that breaks the CUDA context (an illegal address) is rerun without
+that method, resuming its CSV. The last lines printed are the stages' outcomes, the test counts
+and the issue's target ratios; ``session.json`` holds the same, and is rewritten after every
+stage. A later call goes on from an earlier call's files: ``--resume-from DIR`` copies DIR's
+``targets.csv`` and ``sweep.csv`` into ``--out`` first (the methods its ``session.json`` says
+broke the CUDA context stay out), and ``--stages`` picks the stages to run (env and build always
+run).
 
 This script imports nothing beyond the standard library, so no CUDA error can stop it; its
 children import torch. Back on a machine without a GPU, draw and report the results with
@@ -98,7 +100,8 @@ FETCH_WHEELS = (
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
-    """A stage: at most ``cap_s`` seconds, skipped when fewer than ``min_s`` are left for it."""
+    """A stage: at most ``cap_s`` seconds, skipped when fewer than ``min_s`` (less ``STOP_S``)
+    are left for it."""
 
     name: str
     min_s: float
@@ -117,11 +120,14 @@ STAGES = (
 )
 STAGE_NAMES = tuple(s.name for s in STAGES)
 ALWAYS = ("env", "build")
+# a child stopped at its limit may take this long to go (the grace after SIGTERM), so the next
+# stage may find up to this much less than its minimum left and still runs
+STOP_S = 5
 
 
 def time_limit(stages: tuple[Stage, ...], index: int, left_s: float) -> float:
     """Seconds stage ``index`` may take: its cap, or what is left after the minimum of every
-    later stage if that is less (below the stage's own minimum: the stage is skipped)."""
+    later stage if that is less (more than ``STOP_S`` below its minimum: the stage is skipped)."""
     later = sum(s.min_s for s in stages[index + 1 :])
     return min(stages[index].cap_s, left_s - later)
 
@@ -181,9 +187,11 @@ class Session:
         with open(self.out / log, "a") as f:
             f.write(f"$ {' '.join(argv)}  # limit {limit_s:.0f} s\n")
             f.flush()
+            # its own process group (to stop it with what it starts) in this session: a
+            # new session would outlive the device command that runs this script
             child = subprocess.Popen(
                 argv, cwd=REPO, env=self.env, stdout=f, stderr=subprocess.STDOUT,
-                start_new_session=True,
+                process_group=0,
             )  # fmt: skip
             try:
                 return child.wait(timeout=max(limit_s, 0.1)), False
@@ -191,14 +199,17 @@ class Session:
                 stop(child)
                 f.write(f"# stopped at its limit of {limit_s:.0f} s\n")
                 return child.returncode, True
+            except BaseException:  # SIGTERM (see run_session) or Ctrl-C: the child goes too
+                stop(child)
+                raise
 
     def python(self, args: list[str], limit_s: float, log: str = "session.log"):
         return self.run([PYTHON, *args], limit_s, log)
 
 
 def stop(child: subprocess.Popen) -> None:
-    """Stops ``child`` and everything it started: SIGTERM, then SIGKILL after 5 s."""
-    for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
+    """Stops ``child`` and everything it started: SIGTERM, then SIGKILL after ``STOP_S``."""
+    for sig, wait in ((signal.SIGTERM, STOP_S), (signal.SIGKILL, 5)):
         try:
             os.killpg(child.pid, sig)
         except ProcessLookupError:
@@ -324,7 +335,8 @@ def stage_targets(session: Session, limit_s: float) -> tuple[str, str]:
     args = ["--n", *map(str, TARGET_N), "--shapes", "8x16", "--dims", "64"]
     args += ["--dtypes", "bfloat16", "float32", "--walk-blocks", "128", "256", "512"]
     args += ["--repeats", "7", "--warmup", "2", "--out", str(session.out / "targets.csv")]
-    methods = [*CUDA_METHODS, *BASELINES]
+    dropped = session.record.get("dropped_methods", [])
+    methods = [m for m in (*CUDA_METHODS, *BASELINES) if m not in dropped]
     return benchmark(session, args, methods, session.clock() + limit_s)
 
 
@@ -438,29 +450,53 @@ def run_session(
             if (resume_from / name).is_file():
                 shutil.copyfile(resume_from / name, out / name)
     session = Session(out, budget_s)
-    stages = tuple(s for s in STAGES if s.name in chosen or s.name in ALWAYS)
-    session.log(f"GPU session: budget {budget_s:.0f} s, stages {' '.join(s.name for s in stages)}")
-    failed = False
-    for i, stage in enumerate(stages):
-        limit = time_limit(stages, i, session.left_s())
-        if limit < stage.min_s:
-            outcome = Outcome(stage.name, "skipped", limit_s=limit, note="no time left")
-        else:
-            session.log(f"[{stage.name}] {stage.what} (limit {limit:.0f} s)")
-            began = session.clock()
-            status, note = RUNNERS[stage.name](session, limit)
-            outcome = Outcome(stage.name, status, session.clock() - began, limit, note=note)
-        failed |= outcome.status in ("failed", "timeout") or (
-            stage.name in ALWAYS and outcome.status != "ok"
+    # a kill of this script (the device command's limit) stops the running child first
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        if resume_from is not None:  # a method that broke the CUDA context there stays out
+            session.record["dropped_methods"] = earlier_dropped(resume_from / "session.json")
+        stages = tuple(s for s in STAGES if s.name in chosen or s.name in ALWAYS)
+        session.log(
+            f"GPU session: budget {budget_s:.0f} s, stages {' '.join(s.name for s in stages)}"
         )
-        session.record["stages"].append(dataclasses.asdict(outcome))
-        session.save()
-        session.log(f"[{stage.name}] {outcome.status} in {outcome.seconds:.0f} s: {outcome.note}")
-        if stage.name in ALWAYS and outcome.status != "ok":
-            session.log(f"the session stops: {stage.name} is needed by every later stage")
-            break
-    summarize(session)
+        failed = False
+        for i, stage in enumerate(stages):
+            limit = time_limit(stages, i, session.left_s())
+            if limit < stage.min_s - STOP_S:
+                outcome = Outcome(stage.name, "skipped", limit_s=limit, note="no time left")
+            else:
+                session.log(f"[{stage.name}] {stage.what} (limit {limit:.0f} s)")
+                began = session.clock()
+                status, note = RUNNERS[stage.name](session, limit)
+                outcome = Outcome(stage.name, status, session.clock() - began, limit, note=note)
+            failed |= outcome.status in ("failed", "timeout") or (
+                stage.name in ALWAYS and outcome.status != "ok"
+            )
+            session.record["stages"].append(dataclasses.asdict(outcome))
+            session.save()
+            session.log(
+                f"[{stage.name}] {outcome.status} in {outcome.seconds:.0f} s: {outcome.note}"
+            )
+            if stage.name in ALWAYS and outcome.status != "ok":
+                session.log(f"the session stops: {stage.name} is needed by every later stage")
+                break
+        summarize(session)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 1 if failed else 0
+
+
+def _terminated(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def earlier_dropped(path: Path) -> list[str]:
+    """The methods an earlier call's ``session.json`` dropped ([] without a readable one)."""
+    try:
+        dropped = json.loads(path.read_text()).get("dropped_methods", [])
+        return [m for m in dropped if m in (*CUDA_METHODS, *BASELINES)]
+    except (OSError, ValueError, AttributeError, TypeError):
+        return []
 
 
 def summarize(session: Session) -> None:

@@ -274,6 +274,48 @@ def test_stages_without_time_are_skipped_and_a_partial_sweep_is_no_failure(
     assert [name for name, _ in ran] == ["env", "build", "tests"]
 
 
+def test_a_stage_stopped_at_its_limit_leaves_the_next_one_its_turn(gs, monkeypatch, tmp_path):
+    """A child stopped at its limit goes a moment later; that moment left the next stage just
+    under its minimum, so a sweep cut by the budget always skipped the racecheck."""
+    clock = _Clock()
+    ran = _fake_runners(gs, monkeypatch, clock, {}, {})
+
+    def cut(session, limit_s):  # the sweep runs to its limit and its child takes 1 s to go
+        ran.append(("sweep", limit_s))
+        clock.now += limit_s + 1
+        return "partial", ""
+
+    monkeypatch.setitem(gs.RUNNERS, "sweep", cut)
+    assert gs.run_session(tmp_path, 540) == 0
+    assert [name for name, _ in ran] == list(gs.STAGE_NAMES)
+    assert dict(ran)["racecheck"] == pytest.approx(39)
+
+
+def test_a_later_call_leaves_out_the_methods_that_broke_the_context(gs, monkeypatch, tmp_path):
+    """--resume-from: a method that broke the CUDA context in the earlier call (its session.json
+    says so) was swept again, from the first N, to break the context again."""
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    _targets_csv(earlier / "targets.csv", {"cuda": 3.9, "cuda_walk_fused_256": 1.5})
+    (earlier / "session.json").write_text(json.dumps({"dropped_methods": ["cuda_walk_fused"]}))
+    seen = []
+
+    def python(self, args, limit_s, log="session.log"):
+        seen.append(args)
+        return 0, False
+
+    monkeypatch.setattr(gs.Session, "python", python)
+    monkeypatch.setitem(gs.RUNNERS, "env", lambda session, limit_s: ("ok", ""))
+    monkeypatch.setitem(gs.RUNNERS, "build", lambda session, limit_s: ("ok", ""))
+    monkeypatch.setattr(gs, "summarize", lambda session: None)
+    assert gs.run_session(tmp_path / "out", 300, ("targets", "sweep"), resume_from=earlier) == 0
+    for args in seen:
+        assert "cuda_walk_fused" not in args[args.index("--methods") + 1 : args.index("--resume")]
+    assert len(seen) == 1 + len(gs.SWEEP_PARTS)
+    (earlier / "session.json").write_text("{not json")  # an unreadable one drops nothing
+    assert gs.earlier_dropped(earlier / "session.json") == []
+
+
 def test_only_the_chosen_stages_run_and_earlier_results_come_in(gs, monkeypatch, tmp_path):
     clock = _Clock()
     ran = _fake_runners(gs, monkeypatch, clock, {}, {})
@@ -379,3 +421,43 @@ def test_the_summary_lists_the_failed_tests(gs, tmp_path, capsys):
     assert "FAILED tests/test_cuda_backend.py::test_a[walk] - AssertionError" in (
         capsys.readouterr().out
     )
+
+
+def test_a_killed_session_takes_its_running_child_along(gs, tmp_path):
+    """The device tool stops its command at the limit; a child in a session of its own
+    (start_new_session) outlived it and held the GPU into the next call. Children now share
+    the script's session, and a SIGTERM to the script stops the running child first."""
+    import signal
+    import subprocess
+
+    pids = tmp_path / "pids"
+    script = f"""
+import os, sys, time
+sys.path.insert(0, {str(BENCHMARKS)!r})
+import gpu_session as gs
+gs.STAGES = (gs.Stage("env", 0, 60, ""),)
+def env(session, limit_s):
+    child = ("import os, time; open({str(pids)!r}, 'w').write(f'{{os.getpid()}} {{os.getsid(0)}}');"
+             " time.sleep(60)")
+    return ("ok" if session.python(["-c", child], limit_s)[0] == 0 else "failed"), ""
+gs.RUNNERS = {{"env": env}}
+gs.run_session(gs.Path({str(tmp_path / "out")!r}), 60)
+"""
+    main = subprocess.Popen([sys.executable, "-c", script])
+    for _ in range(200):
+        if pids.exists() and pids.read_text():
+            break
+        time.sleep(0.05)
+    child, child_session = (int(x) for x in pids.read_text().split())
+    assert child_session == os.getsid(main.pid)  # not a session of its own
+    main.send_signal(signal.SIGTERM)
+    assert main.wait(timeout=20) == 128 + signal.SIGTERM
+    for _ in range(100):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(child, signal.SIGKILL)
+        pytest.fail("the child outlived the killed session")
