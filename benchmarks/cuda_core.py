@@ -254,7 +254,7 @@ def row_label(method: str, dtype_name: str, blocks: int, several_blocks: bool) -
     """The ``method`` a case's row will carry: sdpa's by the backend it runs for the dtype, a
     walk method's with its WALK_BLOCKS when several are swept."""
     if method == "sdpa":
-        return "sdpa" if dtype_name in ("float16", "bfloat16") else "sdpa_efficient"
+        return _sdpa_backend(getattr(torch, dtype_name))[0]
     if method in WALK_METHODS and several_blocks:
         return f"{method}_{blocks}"
     return method

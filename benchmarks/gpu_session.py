@@ -134,13 +134,13 @@ def time_limit(stages: tuple[Stage, ...], index: int, left_s: float) -> float:
 
 @dataclasses.dataclass
 class Outcome:
-    """What became of a stage (``status``: ok, failed, timeout or skipped)."""
+    """What became of a stage (``status``: ok, failed, timeout, skipped, or partial: a sweep
+    cut short by the budget)."""
 
     name: str
     status: str
     seconds: float = 0.0
     limit_s: float = 0.0
-    rc: int | None = None
     note: str = ""
 
 
@@ -290,15 +290,24 @@ def test_counts(log: str) -> dict[str, int]:
 CONTEXT_BROKE = re.compile(r"the CUDA context broke in (\S+)")
 
 
-def broken_method(log_tail: str) -> str | None:
-    """The method of ``cuda_core.py`` whose case broke the CUDA context, from its last words
-    (a walk label carries its WALK_BLOCKS: cuda_walk_fused_256 is cuda_walk_fused)."""
-    found = CONTEXT_BROKE.findall(log_tail)
-    if not found:
-        return None
-    label = found[-1]
+def method_of(label: str) -> str | None:
+    """The ``cuda_core.py`` method a row label stands for (a walk label carries its
+    WALK_BLOCKS: cuda_walk_fused_256 is cuda_walk_fused; sdpa_efficient is sdpa)."""
     methods = sorted((*CUDA_METHODS, *BASELINES), key=len, reverse=True)
     return next((m for m in methods if label == m or label.startswith(m + "_")), None)
+
+
+def broken_method(log_tail: str) -> str | None:
+    """The method of ``cuda_core.py`` whose case broke the CUDA context, from its last words."""
+    found = CONTEXT_BROKE.findall(log_tail)
+    return method_of(found[-1]) if found else None
+
+
+def not_dropped(session: Session, methods) -> list[str]:
+    """``methods`` less those that broke the CUDA context in this session (or the one it
+    resumes)."""
+    dropped = session.record.get("dropped_methods", [])
+    return [m for m in methods if m not in dropped]
 
 
 def benchmark(
@@ -335,8 +344,7 @@ def stage_targets(session: Session, limit_s: float) -> tuple[str, str]:
     args = ["--n", *map(str, TARGET_N), "--shapes", "8x16", "--dims", "64"]
     args += ["--dtypes", "bfloat16", "float32", "--walk-blocks", "128", "256", "512"]
     args += ["--repeats", "7", "--warmup", "2", "--out", str(session.out / "targets.csv")]
-    dropped = session.record.get("dropped_methods", [])
-    methods = [m for m in (*CUDA_METHODS, *BASELINES) if m not in dropped]
+    methods = not_dropped(session, (*CUDA_METHODS, *BASELINES))
     return benchmark(session, args, methods, session.clock() + limit_s)
 
 
@@ -367,7 +375,7 @@ def fastest_variant(targets_csv: Path) -> tuple[str, int | None] | None:
     if best is None:
         return None
     label = best[1]
-    method = next(m for m in sorted(CUDA_METHODS, key=len, reverse=True) if label.startswith(m))
+    method = method_of(label)
     blocks = label[len(method) + 1 :]
     return method, int(blocks) if blocks.isdigit() else None
 
@@ -380,8 +388,7 @@ def stage_sweep(session: Session, limit_s: float) -> tuple[str, str]:
     if best is not None and best[0] != "cuda":
         methods.append(best[0])
         blocks = ["--walk-blocks", str(best[1])] if best[1] else []
-    dropped = set(session.record.get("dropped_methods", []))
-    methods = [m for m in methods if m not in dropped] + list(BASELINES)
+    methods = not_dropped(session, methods) + list(BASELINES)
     session.record["sweep_methods"] = methods + blocks[1:]
     statuses = []
     for dtype, dim in SWEEP_PARTS:
@@ -393,7 +400,7 @@ def stage_sweep(session: Session, limit_s: float) -> tuple[str, str]:
         args += ["--out", str(session.out / "sweep.csv")]
         status, note = benchmark(session, args, methods, deadline)
         statuses.append(f"{dtype} D={dim}: {status}{' (' + note + ')' if note else ''}")
-        methods = [m for m in methods if m not in session.record.get("dropped_methods", [])]
+        methods = not_dropped(session, methods)
     if any(": failed" in s for s in statuses):
         return "failed", "; ".join(statuses)
     ok = all(s.endswith(": ok") for s in statuses)  # else cut short by the budget
