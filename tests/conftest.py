@@ -2,8 +2,22 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (``-n``), the workers share the cores: each runs torch, and the
+    processes it starts, on its share of them (every worker on all of them oversubscribes
+    the cores, and torch's threads then spin waiting for each other)."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        threads = max(1, (cores or os.cpu_count() or 1) // int(workers))
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
 @pytest.fixture(autouse=True)
