@@ -360,6 +360,8 @@ def test_benchmark_generation_and_speedups():
             ks.analysis.benchmark_generation(**{"runs": runs, "lengths": [2], **change})
     with pytest.raises(ValueError, match="steps must be an int >= 0"):
         ks.analysis.generate(lin, torch.zeros(1, 1, dtype=torch.long), True)
+    with pytest.raises(ValueError, match=r"prompt must lie in \[0, "):  # it named "token"
+        ks.analysis.generate(lin, torch.full((1, 2), lin.vocab_size), 2)
 
 
 def test_analysis_inputs_are_named():
@@ -966,3 +968,46 @@ def test_figure_title_widens_a_figure_narrower_than_it_and_keeps_its_text():
     ks.analysis.plots.figure_title(fig, "short")  # a narrower one leaves the width alone
     assert fig.get_figwidth() == width
     ks.analysis.plots.close(fig)
+
+
+def test_analysis_helpers_name_bad_arguments():
+    """speedups of a non-frame raised AttributeError, of a frame without the metric column
+    KeyError; map_label and map_kind of a name AttributeError; a distillation target of a
+    complex dtype lost its imaginary part silently; a seed beyond 2**64 failed in torch
+    ("Overflow when unpacking long long")."""
+    A = ks.analysis
+    with pytest.raises(TypeError, match="frame must be a pandas DataFrame"):
+        A.speedups("results.csv", "a", "b")
+    with pytest.raises(ValueError, match=r"frame has no column\(s\) \['metric', 'value'"):
+        A.speedups(pd.DataFrame({"label": ["a"], "length": [1]}), "a", "b")
+    with pytest.raises(TypeError, match="feature_map must be a FeatureMap, got str"):
+        A.map_label("elu")
+    with pytest.raises(TypeError, match="feature_map must be a FeatureMap or a FeatureMap class"):
+        A.map_kind("elu")
+    assert A.map_kind(ks.create_feature_map("favor", head_dim=4)) == "random"
+    with pytest.raises(ValueError, match="seed must be an int <= "):
+        A.gaussian_qk(4, 4, seed=2**70)
+    q, k = A.gaussian_qk(4, 4)
+    fm = ks.create_feature_map("glu", head_dim=4, seed=0)
+    target = A.attention_matrix(q, k)
+    for dtype in (torch.complex64, torch.int64, torch.bool):
+        with pytest.raises(TypeError, match="target must be a floating-point tensor"):
+            A.distillation_loss(fm, q, k, target=target.to(dtype))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_device_this_machine_lacks_is_named():
+    """check_device parsed the name only: gaussian_qk, time_call, peak_memory_bytes,
+    matmul_rate and benchmark_generation then failed in torch with AssertionError ("Torch
+    not compiled with CUDA enabled")."""
+    A = ks.analysis
+    lm = ks.nn.CausalLM(10, d_model=8, n_heads=2, n_layers=1)
+    for call in (
+        lambda: A.gaussian_qk(4, 4, device="cuda"),
+        lambda: A.time_call(lambda: None, device="cuda:1"),
+        lambda: A.peak_memory_bytes(lambda: None, device=torch.device("cuda")),
+        lambda: A.matmul_rate(device="cuda"),
+        lambda: A.benchmark_generation({"a": (lm, "step")}, [2], device="cuda", repeats=1),
+    ):
+        with pytest.raises(ValueError, match="device='cuda(:1)?' is not usable here"):
+            call()

@@ -26,6 +26,14 @@ def test_help_lists_commands(capsys):
     assert "backends" in out and "maps" in out
 
 
+def test_python_dash_m_runs_the_command():
+    """``python -m kernelstudy`` is the ``kernelstudy`` command (it had no __main__)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "kernelstudy", "frobnicate"], capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and "usage: kernelstudy" in proc.stderr
+
+
 def test_no_command_prints_help_and_fails(capsys):
     assert main([]) == 2
     assert "usage" in capsys.readouterr().out

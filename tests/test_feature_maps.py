@@ -984,3 +984,12 @@ def test_a_map_built_on_the_meta_device_loads_with_assign(name):
     fm.load_state_dict(saved.state_dict(), assign=True)
     assert fm.config() == saved.config()
     torch.testing.assert_close(fm(x), saved(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ks.list_feature_maps())
+def test_a_sparse_input_is_refused_by_name(name):
+    """A sparse x reached the maps' reshapes and elementwise ops: RuntimeError ("reshape
+    is not implemented for sparse tensors") or NotImplementedError from deep inside."""
+    fm = ks.create_feature_map(name, head_dim=4)
+    with pytest.raises(TypeError, match="x must be a dense \\(strided\\) tensor, got layout"):
+        fm(torch.randn(2, 1, 3, 4).to_sparse())

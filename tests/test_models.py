@@ -515,3 +515,17 @@ def test_generate_ends_rows_at_eos_and_returns_int64_ids():
     assert one.shape == (1, 12) and len(calls) == 4 + first  # stopped after the eos
     with pytest.raises(ValueError, match=r"eos_id must be an int <= 299"):
         model.generate(prompt, 2, eos_id=300)
+
+
+@pytest.mark.parametrize("cls", ["SequenceClassifier", "CausalLM"])
+@pytest.mark.parametrize(("max_len", "pooling"), [("64", "mean"), (True, "mean"), (0, "cls")])
+def test_a_bad_max_len_is_named_before_the_cls_position_is_added(cls, max_len, pooling):
+    """max_len + extra_positions ran before any check: a str failed with "can only
+    concatenate str (not "int") to str" (also from ``kernelstudy train --model-arg
+    max_len=x``), True was read as max_len 1 and 0 with pooling="cls" as 1."""
+    kwargs = {"pooling": pooling} if cls == "SequenceClassifier" else {}
+    args = (20, 2) if cls == "SequenceClassifier" else (20,)
+    if cls == "CausalLM" and pooling == "cls":
+        pytest.skip("a CausalLM has no pooling")
+    with pytest.raises(ValueError, match=rf"max_len must be a positive int, got {max_len!r}"):
+        getattr(ks.nn, cls)(*args, positions="learned", max_len=max_len, **kwargs, **SMALL)

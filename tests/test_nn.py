@@ -584,3 +584,14 @@ def test_step_follows_the_feature_maps_own_mode_for_redraws():
             y_t, state = layer.step(x[:, t], state)
             assert rel_err(y_t, full[:, t]) <= 1e-5
     assert layer.feature_map.hparams["seed"] == 0
+
+
+@pytest.mark.parametrize("attention", ["kernel", "softmax"])
+def test_a_sparse_input_is_refused_by_name(attention):
+    """A sparse x failed inside the q/k/v projection (RuntimeError: reshape is not
+    implemented for sparse tensors)."""
+    layer = ks.nn.KernelAttention(8, 2, attention=attention, causal=True)
+    with pytest.raises(TypeError, match=r"x must be a dense \(strided\) tensor"):
+        layer(torch.randn(2, 5, 8).to_sparse())
+    with pytest.raises(TypeError, match=r"x_t must be a dense \(strided\) tensor"):
+        layer.step(torch.randn(2, 8).to_sparse())

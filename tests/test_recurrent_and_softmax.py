@@ -252,3 +252,12 @@ def test_a_state_built_directly_is_checked():
             ks.RecurrentState(**args)
     with pytest.raises(TypeError, match="log_max must be a torch.Tensor"):
         ks.core.exp_shift(3.0, torch.float32)
+
+
+def test_zeros_names_a_bad_device():
+    """torch's RuntimeError ("Expected one of cpu, cuda, ...") named no argument."""
+    with pytest.raises(ValueError, match="device must name a device.*got 'gpu0'"):
+        ks.RecurrentState.zeros(1, 1, 2, 3, device="gpu0")
+    with pytest.raises(ValueError, match="device must name a device.*got 1.5"):
+        ks.RecurrentState.zeros(1, 1, 2, 3, device=1.5)
+    assert ks.RecurrentState.zeros(1, 1, 2, 3, device="cpu").S.device.type == "cpu"

@@ -716,3 +716,14 @@ def test_a_text_split_says_whether_its_val_reads_the_test_data(imdb: Path, tmp_p
     # one file is read for every split, the test split's too
     with pytest.warns(UserWarning, match="one file"):
         assert TextTask(tables / "train.tsv", "val").val_reads_test
+
+
+def test_rgb_to_gray_needs_three_channels() -> None:
+    """Other channel counts were read as r, g, b (4 or 5: silently, the rest dropped) or
+    failed indexing (IndexError for 1 or 2)."""
+    for shape, axis in (((2, 5), -1), ((2, 2), -1), ((4, 2, 2), 0)):
+        with pytest.raises(ValueError, match="rgb must have 3 channels"):
+            rgb_to_gray(np.zeros(shape, dtype=np.uint8), channel_axis=axis)
+    with pytest.raises(ValueError, match="channel_axis=3 is not an axis"):
+        rgb_to_gray(np.zeros((2, 3), dtype=np.uint8), channel_axis=3)
+    assert rgb_to_gray(np.zeros((3, 2), dtype=np.uint8), channel_axis=0).shape == (2,)

@@ -69,7 +69,7 @@ def gaussian_qk(
     check_real("std", std, strict=True)
     check_float_dtype(dtype)
     device = check_device("device", device)
-    gen = torch.Generator().manual_seed(check_count("seed", seed, 0))
+    gen = torch.Generator().manual_seed(check_count("seed", seed, 0, 2**64 - 1))
     shape = (2, batch, heads, n, head_dim)
     qk = torch.randn(shape, generator=gen, dtype=torch.float64) * std
     qk = qk.to(dtype=dtype, device=device)
@@ -78,6 +78,8 @@ def gaussian_qk(
 
 def map_label(feature_map: FeatureMap) -> str:
     """The registry name of a map, or its class name for unregistered maps."""
+    if not isinstance(feature_map, FeatureMap):
+        raise TypeError(f"feature_map must be a FeatureMap, got {type(feature_map).__name__}")
     return feature_map.name or type(feature_map).__name__
 
 

@@ -91,6 +91,10 @@ def distillation_loss(
             raise ValueError(
                 f"target must be softmax attention of shape (B,H,N,S) = {want}, got {got}"
             )
+        if not target.is_floating_point():  # a complex one lost its imaginary part silently
+            raise TypeError(
+                f"target must be a floating-point tensor (softmax attention), got {target.dtype}"
+            )
     masked = key_padding_mask is not None or query_padding_mask is not None
     if masked or (causal and target is not None):
         allowed, rows, real = _loss_rows(q, k, causal, key_padding_mask, query_padding_mask)

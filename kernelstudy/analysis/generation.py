@@ -54,6 +54,11 @@ def _check_lm(model: nn.Module, prompt: torch.Tensor, steps: int, mode: str) -> 
         raise ValueError("prompt must be a (batch, length) long tensor of token ids")
     if prompt.shape[1] < 1:
         raise ValueError("prompt must hold at least one token")
+    vocab = getattr(model, "vocab_size", None)
+    if isinstance(vocab, int) and prompt.numel():  # else the step's check names "token"
+        lo, hi = int(prompt.min()), int(prompt.max())
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"prompt must lie in [0, {vocab}), got values in [{lo}, {hi}]")
     check_count("steps", steps, 0)
 
 
@@ -257,6 +262,16 @@ def speedups(
     study's results). Columns ``batch`` and ``device`` that vary in ``frame`` are kept as
     keys beside ``length``: a speed-up is taken within one batch size and one device, never
     of timings averaged across them."""
+    if not isinstance(frame, pd.DataFrame):
+        raise TypeError(
+            f"frame must be a pandas DataFrame (benchmark_generation's), got {type(frame).__name__}"
+        )
+    missing = [c for c in ("metric", "value", "length") if c not in frame]
+    if missing:
+        raise ValueError(
+            f"frame has no column(s) {missing} of benchmark_generation's table "
+            f"(has {list(frame.columns)})"
+        )
     if by not in frame:
         raise ValueError(f"frame has no column {by!r} naming the runs (has {list(frame.columns)})")
     rows = frame[frame["metric"] == "tokens_per_s"]

@@ -26,6 +26,11 @@ def size_knob(cls: type[FeatureMap]) -> str | None:
 
 def map_kind(feature_map: FeatureMap | type[FeatureMap]) -> str:
     """``"learned"`` (trainable), ``"random"`` (random features) or ``"fixed"``."""
+    is_class = isinstance(feature_map, type) and issubclass(feature_map, FeatureMap)
+    if not (is_class or isinstance(feature_map, FeatureMap)):
+        raise TypeError(
+            f"feature_map must be a FeatureMap or a FeatureMap class, got {feature_map!r}"
+        )
     if feature_map.trainable:
         return "learned"
     return "random" if feature_map.random else "fixed"

@@ -52,21 +52,27 @@ COLUMNS = [
 ]
 
 
-def check_device(name: str, device: object) -> torch.device:
+def check_device(name: str, device: object, usable: bool = True) -> torch.device:
     """``device`` as a torch.device, else TypeError/ValueError naming ``name`` (torch's own
-    RuntimeError names neither the argument nor the function)."""
-    if isinstance(device, torch.device):
-        return device
-    if not isinstance(device, str | int) or isinstance(device, bool):
+    RuntimeError names neither the argument nor the function); with ``usable``, also
+    ValueError for a device this machine lacks (torch raised AssertionError for CUDA)."""
+    if not isinstance(device, torch.device | str | int) or isinstance(device, bool):
         raise TypeError(
             f"{name} must be a torch.device or a string such as 'cuda:0', got {device!r}"
         )
     try:
-        return torch.device(device)
+        dev = torch.device(device)
     except RuntimeError as err:
         raise ValueError(
             f"{name} must name a device such as 'cpu' or 'cuda:0', got {device!r}"
         ) from err
+    if usable and dev.type not in ("cpu", "meta"):
+        try:
+            torch.empty(0, device=dev)
+        except (RuntimeError, AssertionError) as err:  # "Torch not compiled with CUDA"
+            first = (str(err).strip() or type(err).__name__).splitlines()[0]
+            raise ValueError(f"{name}={str(dev)!r} is not usable here: {first}") from None
+    return dev
 
 
 def _check_fn(fn: object) -> None:
@@ -211,12 +217,13 @@ def matmul_rate(
 ) -> float:
     """Measured dense matmul throughput in GFLOP/s (``size×size`` square products of
     random matrices from a fixed seed of their own: the global RNG is left as it was)."""
-    device = check_device("device", device)
+    device = check_device("device", device, usable=False)
     check_float_dtype(dtype)
     if size is None:
         size = 4096 if device.type == "cuda" else 1024
     size = check_count("size", size, 1)
     check_count("repeats", repeats, 1)
+    check_device("device", device)  # here, once the arguments are checked
     gen = torch.Generator().manual_seed(0)
     a, b = (torch.randn(size, size, generator=gen).to(device, dtype) for _ in range(2))
     seconds = statistics.median(time_call(lambda: a @ b, device, repeats, warmup=2))

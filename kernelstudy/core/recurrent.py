@@ -97,6 +97,13 @@ class RecurrentState:
         if dtype not in (torch.float32, torch.float64):
             raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
         scaled = check_flag("scaled", scaled)
+        if device is not None:
+            try:
+                device = torch.device(device)
+            except (RuntimeError, TypeError) as err:  # torch's message names no argument
+                raise ValueError(
+                    f"device must name a device such as 'cpu' or 'cuda:0', got {device!r}"
+                ) from err
         s = torch.zeros(batch, heads, feature_dim, value_dim, dtype=dtype, device=device)
         z = torch.zeros(batch, heads, feature_dim, dtype=dtype, device=device)
         log_scale = None

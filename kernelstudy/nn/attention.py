@@ -204,6 +204,8 @@ class KernelAttention(nn.Module):
         ``(shape, d_model)`` in the layer's dtype (or under autocast) and on its device."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.layout != torch.strided:  # sparse layouts failed inside the projections
+            raise TypeError(f"{name} must be a dense (strided) tensor, got layout {x.layout}")
         if x.dim() != shape.count(",") + 2 or x.shape[-1] != self.d_model:
             raise ValueError(
                 f"{name} must have shape ({shape}, {self.d_model}), got {tuple(x.shape)}"

@@ -196,6 +196,10 @@ class _SequenceModel(nn.Module):
             raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
         if not isinstance(d_model, int) or isinstance(d_model, bool) or d_model < 1:
             raise ValueError(f"d_model must be a positive int, got {d_model!r}")
+        # before max_len + extra_positions: a str failed in the sum, True was read as 1 and
+        # 0 with pooling="cls" as 1
+        if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
+            raise ValueError(f"max_len must be a positive int, got {max_len!r}")
         dropout = check_dropout(dropout)
         kind, fmap = resolve_attention(attention, feature_map)
         self.vocab_size, self.d_model = vocab_size, d_model

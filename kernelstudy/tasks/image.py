@@ -60,6 +60,14 @@ def rgb_to_gray(rgb: np.ndarray, channel_axis: int = -1) -> np.ndarray:
     shape), then floor(gray · 255.5). TF sums with a matmul whose rounding order may
     differ, which can move a few colours in 2^24 by one level.
     """
+    rgb = np.asarray(rgb)
+    if rgb.ndim == 0 or not -rgb.ndim <= channel_axis < rgb.ndim:
+        raise ValueError(f"channel_axis={channel_axis!r} is not an axis of rgb {rgb.shape}")
+    if rgb.shape[channel_axis] != 3:  # other sizes were read as r, g, b or failed indexing
+        raise ValueError(
+            f"rgb must have 3 channels (r, g, b) along channel_axis={channel_axis}, got shape "
+            f"{rgb.shape}"
+        )
     scaled = np.moveaxis(rgb, channel_axis, -1).astype(np.float32) * np.float32(1 / 255)
     w = GRAY_WEIGHTS
     gray = scaled[..., 0] * w[0] + scaled[..., 1] * w[1] + scaled[..., 2] * w[2]
