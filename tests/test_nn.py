@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -9,7 +11,7 @@ import torch
 import kernelstudy as ks
 from kernelstudy.core import linear_attention_reference
 
-from .conftest import rel_err
+from .conftest import close_in_dtype, rel_err
 
 
 @pytest.mark.parametrize("attention", ["kernel", "softmax"])
@@ -299,6 +301,69 @@ def test_a_row_far_below_a_later_key_stays_finite(norm):
     assert rel_err(out[:, :, 1:], exact[:, :, 1:]) <= 1e-4  # later rows as in float64
 
 
+def _keys_across_the_range(name: str) -> tuple:
+    """A map and q, k, v (B=3, D=8, M=3, N=6) whose causal rows get per-prefix factors:
+    FAVOR+ (R=16) with the first key's exponents near -30 (below float32's safe range) and
+    later keys inside it; Hedgehog (per head, W and b moved off their init) with the last
+    key's exponents near +60 (above it). Sequence 1 is left-padded (2 keys holding 1e4),
+    sequence 2 fully padded."""
+    if name == "favor":
+        fm, q, k, v = _key_below_the_range()
+    else:
+        torch.manual_seed(0)
+        fm = ks.create_feature_map("hedgehog", head_dim=8)
+        with torch.no_grad():
+            for p in fm.parameters():
+                p.add_(0.1 * torch.randn_like(p))
+        q, k, v = torch.randn(1, 1, 6, 8), torch.randn(1, 1, 6, 8), torch.randn(1, 1, 6, 3)
+        k[0, 0, -1] *= 60 / fm(k, is_query=False)[0, 0, -1].log().max()
+    q, k, v = (t.expand(3, -1, -1, -1).clone() for t in (q, k, v))
+    k[1, :, :2] = 1e4
+    mask = torch.ones(3, 6, dtype=torch.bool)
+    mask[1, :2] = False
+    mask[2] = False
+    _, log_factor = ks.nn.functional.causal_key_features(fm, k, mask)
+    assert log_factor[0, 0, 0] > 20  # the per-prefix row scaling is in use
+    return fm, q, k, v, mask
+
+
+def _outputs_and_all_grads(fm, q, k, v, mask, eps, dtype, seed=1):
+    """Causal kernel_attention in ``dtype`` and its gradients w.r.t. q, k, v and every
+    parameter of a ``dtype`` copy of ``fm``, for an upstream gradient drawn from ``seed``."""
+    fm = copy.deepcopy(fm).to(dtype)
+    inputs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    out = ks.kernel_attention(*inputs, fm, causal=True, key_padding_mask=mask, eps=eps)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return (out, *torch.autograd.grad(out, [*inputs, *fm.parameters()], g.to(dtype)))
+
+
+@pytest.mark.parametrize("name", ["favor", "hedgehog"])
+def test_causal_prefix_scaled_rows_match_with_all_gradients(name):
+    """Causal kernel_attention of a map with a per-sequence key stabilizer scales each row to
+    its prefix's shift (causal_key_features, scale_rows); tests checked that path's outputs,
+    and of its gradients only that they are finite. Here, with left padding, a fully padded
+    sequence, batch 3 and batch 1, outputs and the gradients w.r.t. q, k, v and every map
+    parameter: float64 against the unstabilized map (eps=1e-300 in both: nothing leaves
+    float64's range, the factors cancel), max rel err <= 1e-10; float32 against float64 at
+    the default eps (float64 shifts where float32 does), the core's 1e-4."""
+    fm, q, k, v, mask = _keys_across_the_range(name)
+    plain = ks.create_feature_map({**fm.config(), "stabilize": False})
+    plain.load_state_dict(fm.state_dict())
+    f64 = torch.float64
+    for b in (3, 1):
+        x = (q[:b], k[:b], v[:b], mask[:b])
+        exact = _outputs_and_all_grads(plain, *x, eps=1e-300, dtype=f64)
+        scaled = _outputs_and_all_grads(fm, *x, eps=1e-300, dtype=f64)
+        wide = _outputs_and_all_grads(fm, *x, eps=1e-6, dtype=f64)
+        narrow = _outputs_and_all_grads(fm, *x, eps=1e-6, dtype=torch.float32)
+        for i, (a, w) in enumerate(zip(scaled, exact, strict=True)):
+            assert rel_err(a, w, floor=1.0) <= 1e-10, (b, i)
+        for i, (a, w) in enumerate(zip(narrow, wide, strict=True)):
+            assert close_in_dtype(a, w, torch.float32), (b, i, rel_err(a, w, floor=1.0))
+        if b == 3:  # the fully padded sequence: zero output and input gradients
+            assert all(torch.all(t[2] == 0) for t in narrow[:4])
+
+
 @pytest.mark.parametrize(
     ("name", "kw"),
     [
@@ -368,6 +433,39 @@ def test_step_equals_forward_for_every_kind_of_map(name, kw, batch):
         for t in range(11):
             y_t, state = layer.step(x[:, t], state)
             assert rel_err(y_t, full[:, t]) <= 1e-10, t
+
+
+@pytest.mark.parametrize(
+    ("name", "kw"),
+    [("glu", {"shared": False}), ("hedgehog", {}), ("favor", {"num_features": 12, "seed": 0})],
+)
+def test_step_gradients_equal_the_forwards_for_every_parameter(name, kw):
+    """Steps equal the forward in value (tests above); their gradients were compared only for
+    softmax's KV cache. Kernel layers, float64, batch 1 (F≠D for Hedgehog and FAVOR+): the
+    gradients of the stepped outputs w.r.t. the input and every parameter (projections and
+    map weights, through a plain state for GLU and through key_features and a scaled state
+    for Hedgehog and FAVOR+, whose keys at 20·randn cross the safe range mid-sequence, so
+    the state's decay acts) equal the forward's (1e-10)."""
+    torch.manual_seed(0)
+    layer = ks.nn.KernelAttention(
+        12, 2, feature_map=name, feature_map_kwargs=kw, causal=True, eps=1e-12
+    ).double()
+    with torch.no_grad():
+        for p in layer.feature_map.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    x = (20 * torch.randn(1, 7, 12, dtype=torch.float64)).requires_grad_()
+    params = [x, *layer.parameters()]
+    state, steps = None, []
+    for t in range(7):
+        y_t, state = layer.step(x[:, t], state)
+        steps.append(y_t)
+    assert state.log_scale is None or (state.log_scale.abs() > 20).any()
+    steps, full = torch.stack(steps, 1), layer(x)
+    g = torch.randn_like(full)
+    got, want = (torch.autograd.grad(y, params, g) for y in (steps, full))
+    assert rel_err(steps, full) <= 1e-10
+    for i, (a, w) in enumerate(zip(got, want, strict=True)):
+        assert rel_err(a, w, floor=1e-6) <= 1e-10, i
 
 
 def _explicit(layer, x, mask):

@@ -9,7 +9,7 @@ import torch
 
 import kernelstudy as ks
 
-from .conftest import rel_err
+from .conftest import close_in_dtype, rel_err
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -43,6 +43,55 @@ def test_scaled_state_equals_plain_state_on_rescaled_keys():
         assert torch.isfinite(out_t).all()
         assert rel_err(out_t, batch[:, :, t]) <= 1e-5
     torch.testing.assert_close(state.log_scale, shift.amax(-1).float())
+
+
+def _stepped(state, q, k, v, shift=None):
+    """Every output of ``state`` stepped through ``(B,H,N,·)`` inputs, ``(B,H,N,M)``."""
+    outs = []
+    for t in range(q.shape[2]):
+        scale = None if shift is None else shift[:, :, t]
+        out, state = state.step(q[:, :, t], k[:, :, t], v[:, :, t], scale)
+        outs.append(out)
+    return torch.stack(outs, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_recurrent_step_gradients_equal_the_reference(dtype):
+    """The steps are differentiable (the read-out runs through an autograd Function), but only
+    their outputs were compared: the gradients w.r.t. every step's φq, φk and v against the
+    float64 causal reference, batch 1, F≠M, float32 state (max rel err <= 1e-4 / 1e-10);
+    and a scaled state (keys φ̂·exp(s), s up to ±40, so its decay and shifts act) against
+    the reference on the keys themselves."""
+    b, h, n, f, m = 1, 2, 11, 5, 3
+    q, k = (torch.rand(b, h, n, f, dtype=dtype).requires_grad_() for _ in "qk")
+    v = torch.randn(b, h, n, m, dtype=dtype).requires_grad_()
+    got = _stepped(ks.RecurrentState.zeros(b, h, f, m), q, k, v)
+    want = ks.core.linear_attention_reference(*(t.double() for t in (q, k, v)), causal=True)
+    g = torch.randn(want.shape, dtype=torch.float64)
+    tol = 1e-4 if dtype == torch.float32 else 1e-10
+    pairs = zip(
+        (got, *torch.autograd.grad(got, (q, k, v), g.to(dtype))),
+        (want, *torch.autograd.grad(want, (q, k, v), g)),
+        strict=True,
+    )
+    for i, (a, w) in enumerate(pairs):
+        assert rel_err(a, w, floor=1.0) <= tol, i
+    # a scaled state (float64: the exact keys stay in range), batch 2
+    q, k_hat = (torch.rand(2, 1, 9, 4, dtype=torch.float64).requires_grad_() for _ in "qk")
+    v = torch.randn(2, 1, 9, 3, dtype=torch.float64).requires_grad_()
+    shift = 40 * torch.randn(2, 1, 9, dtype=torch.float64).clamp(-1, 1)
+    state = ks.RecurrentState.zeros(2, 1, 4, 3, dtype=torch.float64, scaled=True, eps=1e-300)
+    got = _stepped(state, q, k_hat, v, shift)
+    k = k_hat * shift.exp()[..., None]
+    want = ks.core.linear_attention_reference(q, k, v, causal=True, eps=1e-300)
+    g = torch.randn_like(want)
+    pairs = zip(
+        (got, *torch.autograd.grad(got, (q, k_hat, v), g)),
+        (want, *torch.autograd.grad(want, (q, k_hat, v), g)),
+        strict=True,
+    )
+    for i, (a, w) in enumerate(pairs):
+        assert rel_err(a, w, floor=1.0) <= 1e-10, i
 
 
 def test_scaled_and_plain_states_refuse_the_other_kind_of_step():
@@ -159,6 +208,32 @@ def test_softmax_equals_explicit(causal, masked):
     want = _explicit_softmax(q, k, v, causal, mask)
     assert rel_err(got, want) <= 1e-5
     assert rel_err(ks.core.softmax_attention_reference(q, k, v, causal, mask), want) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+def test_softmax_outputs_and_all_gradients_match_the_reference(causal, dtype):
+    """softmax_attention (SDPA, with the empty rows' mask trick) against the float64 explicit
+    reference, outputs and the gradients w.r.t. q, k, v: D≠M, N=9, batch 3 with left padding
+    (causal rows before the first real key see nothing) and a fully padded sequence, and
+    batch 1; the core's tolerances (close_in_dtype). Before, outputs only, right padding."""
+    q, k = (torch.randn(3, 2, 9, 5) for _ in "qk")
+    v = torch.randn(3, 2, 9, 7)
+    mask = torch.ones(3, 9, dtype=torch.bool)
+    mask[1, :3] = False
+    mask[2] = False
+    for b in (3, 1):
+        inputs = [t[:b].to(dtype).requires_grad_() for t in (q, k, v)]
+        ref = [t.detach().double().requires_grad_() for t in inputs]
+        got = ks.softmax_attention(*inputs, causal=causal, key_padding_mask=mask[:b])
+        want = ks.core.softmax_attention_reference(*ref, causal, mask[:b])
+        g = torch.randn(want.shape, dtype=torch.float64)
+        got = (got, *torch.autograd.grad(got, inputs, g.to(dtype)))
+        want = (want, *torch.autograd.grad(want, ref, g))
+        for i, (a, w) in enumerate(zip(got, want, strict=True)):
+            assert a.dtype == dtype and close_in_dtype(a, w, dtype), (b, i)
+        if b == 3:  # the fully padded sequence: zero output and gradients
+            assert all(torch.all(t[2] == 0) for t in got)
 
 
 def test_softmax_fully_masked_rows_are_zero_not_nan():
