@@ -348,8 +348,10 @@ class _FakeCudaMemory:
 
 @pytest.fixture
 def cuda_memory(monkeypatch):
-    """The fake allocator statistics in place of torch.cuda's (3 MiB live outside the calls)."""
+    """The fake allocator statistics in place of torch.cuda's (3 MiB live outside the calls),
+    on a machine that says it has a GPU."""
     memory = _FakeCudaMemory(allocated=3 * 2**20)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for name in ("memory_allocated", "reset_peak_memory_stats", "max_memory_allocated"):
         monkeypatch.setattr(torch.cuda, name, getattr(memory, name))
     return memory

@@ -66,10 +66,13 @@ def check_device(name: str, device: object, usable: bool = True) -> torch.device
         raise ValueError(
             f"{name} must name a device such as 'cpu' or 'cuda:0', got {device!r}"
         ) from err
-    if usable and dev.type not in ("cpu", "meta"):
+    if usable and dev.type == "cuda" and not torch.cuda.is_available():
+        # torch raised AssertionError("Torch not compiled with CUDA enabled") at first use
+        raise ValueError(f"{name}={str(dev)!r} is not usable here: torch finds no CUDA device")
+    if usable and dev.type not in ("cpu", "meta", "cuda"):
         try:
             torch.empty(0, device=dev)
-        except (RuntimeError, AssertionError) as err:  # "Torch not compiled with CUDA"
+        except (RuntimeError, AssertionError) as err:
             first = (str(err).strip() or type(err).__name__).splitlines()[0]
             raise ValueError(f"{name}={str(dev)!r} is not usable here: {first}") from None
     return dev
