@@ -354,6 +354,11 @@ def test_benchmark_generation_and_speedups():
         ({"lengths": [True]}, ValueError, "lengths entries must be an int >= 1"),
         ({"lengths": 8}, TypeError, "lengths must be a non-empty list"),
         ({"batch": 0}, ValueError, "batch must be an int >= 1"),
+        (
+            {"vocab_size": 10**6},
+            ValueError,
+            r"vocab_size must be <= the vocabulary of runs\['rnn'\]",
+        ),
     ]
     for change, error, match in bad:
         with pytest.raises(error, match=match):

@@ -177,6 +177,13 @@ def benchmark_generation(
     check_count("warmup", warmup, 0)
     if vocab_size is not None:
         check_count("vocab_size", vocab_size, 1)
+        for label, (model, _) in runs.items():  # the prompts' check would name "prompt"
+            own = getattr(model, "vocab_size", None)
+            if isinstance(own, int) and vocab_size > own:
+                raise ValueError(
+                    f"vocab_size must be <= the vocabulary of runs[{label!r}] ({own}), "
+                    f"got {vocab_size}"
+                )
     if time_limit_s is not None:
         check_real("time_limit_s", time_limit_s, strict=True)
     gen = torch.Generator().manual_seed(check_count("seed", seed, 0))
