@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..arguments import check_count, check_real
+from ..nn.models import check_token_ids
 from .speed import check_device, time_call
 
 MODES = ("step", "full")
@@ -55,10 +56,8 @@ def _check_lm(model: nn.Module, prompt: torch.Tensor, steps: int, mode: str) -> 
     if prompt.shape[1] < 1:
         raise ValueError("prompt must hold at least one token")
     vocab = getattr(model, "vocab_size", None)
-    if isinstance(vocab, int) and prompt.numel():  # else the step's check names "token"
-        lo, hi = int(prompt.min()), int(prompt.max())
-        if lo < 0 or hi >= vocab:
-            raise ValueError(f"prompt must lie in [0, {vocab}), got values in [{lo}, {hi}]")
+    if isinstance(vocab, int):  # else the step's check names "token"
+        check_token_ids(prompt, vocab, "prompt")
     check_count("steps", steps, 0)
 
 

@@ -52,10 +52,10 @@ COLUMNS = [
 ]
 
 
-def check_device(name: str, device: object, usable: bool = True) -> torch.device:
+def check_device(name: str, device: object) -> torch.device:
     """``device`` as a torch.device, else TypeError/ValueError naming ``name`` (torch's own
-    RuntimeError names neither the argument nor the function); with ``usable``, also
-    ValueError for a device this machine lacks (torch raised AssertionError for CUDA)."""
+    RuntimeError names neither the argument nor the function), also for a device this machine
+    lacks (torch raised AssertionError for CUDA)."""
     if not isinstance(device, torch.device | str | int) or isinstance(device, bool):
         raise TypeError(
             f"{name} must be a torch.device or a string such as 'cuda:0', got {device!r}"
@@ -66,10 +66,10 @@ def check_device(name: str, device: object, usable: bool = True) -> torch.device
         raise ValueError(
             f"{name} must name a device such as 'cpu' or 'cuda:0', got {device!r}"
         ) from err
-    if usable and dev.type == "cuda" and not torch.cuda.is_available():
+    if dev.type == "cuda" and not torch.cuda.is_available():
         # torch raised AssertionError("Torch not compiled with CUDA enabled") at first use
         raise ValueError(f"{name}={str(dev)!r} is not usable here: torch finds no CUDA device")
-    if usable and dev.type not in ("cpu", "meta", "cuda"):
+    if dev.type not in ("cpu", "meta", "cuda"):
         try:
             torch.empty(0, device=dev)
         except (RuntimeError, AssertionError) as err:
@@ -220,13 +220,13 @@ def matmul_rate(
 ) -> float:
     """Measured dense matmul throughput in GFLOP/s (``size×size`` square products of
     random matrices from a fixed seed of their own: the global RNG is left as it was)."""
-    device = check_device("device", device, usable=False)
     check_float_dtype(dtype)
+    if size is not None:  # before the device: a bad size is named on any machine
+        size = check_count("size", size, 1)
+    check_count("repeats", repeats, 1)
+    device = check_device("device", device)
     if size is None:
         size = 4096 if device.type == "cuda" else 1024
-    size = check_count("size", size, 1)
-    check_count("repeats", repeats, 1)
-    check_device("device", device)  # here, once the arguments are checked
     gen = torch.Generator().manual_seed(0)
     a, b = (torch.randn(size, size, generator=gen).to(device, dtype) for _ in range(2))
     seconds = statistics.median(time_call(lambda: a @ b, device, repeats, warmup=2))
@@ -299,8 +299,6 @@ def benchmark_attention(
         a ``note``.
     """
     device = check_device("device", device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but CUDA is not available here")
     _check_names("methods", methods, METHODS)
     _check_names("passes", passes, PASSES)
     if backends is not None:

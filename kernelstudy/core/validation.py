@@ -21,6 +21,13 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 AXES = {2: "(batch, heads)", 3: "(batch, heads, dim)", 4: "(batch, heads, seq, dim)"}
 
 
+def check_dense(x: torch.Tensor, name: str) -> None:
+    """TypeError naming ``name`` unless the tensor ``x`` is dense (strided): sparse layouts
+    failed deep inside the products, the maps and the projections."""
+    if x.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {x.layout}")
+
+
 def check_tensor(x: object, name: str, ndim: int) -> torch.Tensor:
     """Check that ``x`` is a floating-point tensor of rank ``ndim``."""
     if not isinstance(x, torch.Tensor):
@@ -30,8 +37,7 @@ def check_tensor(x: object, name: str, ndim: int) -> torch.Tensor:
             f"{name} must be a floating-point tensor (float16, bfloat16, float32 or "
             f"float64), got dtype {x.dtype}"
         )
-    if x.layout != torch.strided:  # sparse layouts failed deep inside the products
-        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {x.layout}")
+    check_dense(x, name)
     if x.dim() != ndim:
         raise ValueError(
             f"{name} must have {ndim} dimensions {AXES.get(ndim, '')}, got shape {tuple(x.shape)}"

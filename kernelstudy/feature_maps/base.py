@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..arguments import check_flag
-from ..core.validation import FLOAT_DTYPES
+from ..core.validation import FLOAT_DTYPES, check_dense
 
 
 @dataclass(frozen=True)
@@ -182,8 +182,7 @@ class FeatureMap(nn.Module):
             raise TypeError(
                 f"x must be a float16, bfloat16, float32 or float64 tensor, got dtype {x.dtype}"
             )
-        if x.layout != torch.strided:  # sparse layouts failed deep inside the maps
-            raise TypeError(f"x must be a dense (strided) tensor, got layout {x.layout}")
+        check_dense(x, "x")
         if x.dim() < 1 or x.shape[-1] != self.head_dim:
             raise ValueError(
                 f"x must have last dimension head_dim={self.head_dim}, got shape {tuple(x.shape)}"

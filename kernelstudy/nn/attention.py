@@ -14,7 +14,7 @@ from ..arguments import check_flag
 from ..core.backends import check_backend_name
 from ..core.recurrent import RecurrentState
 from ..core.softmax import softmax_attention
-from ..core.validation import accumulation_dtype, check_eps
+from ..core.validation import accumulation_dtype, check_dense, check_eps
 from ..feature_maps import FeatureMap
 from .functional import float16_in_float32, kernel_attention, resolve_feature_map
 
@@ -204,8 +204,7 @@ class KernelAttention(nn.Module):
         ``(shape, d_model)`` in the layer's dtype (or under autocast) and on its device."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.layout != torch.strided:  # sparse layouts failed inside the projections
-            raise TypeError(f"{name} must be a dense (strided) tensor, got layout {x.layout}")
+        check_dense(x, name)
         if x.dim() != shape.count(",") + 2 or x.shape[-1] != self.d_model:
             raise ValueError(
                 f"{name} must have shape ({shape}, {self.d_model}), got {tuple(x.shape)}"

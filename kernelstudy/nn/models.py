@@ -126,7 +126,9 @@ class PositionalEncoding(nn.Module):
 ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
-def _check_ids(input_ids: torch.Tensor, vocab_size: int, name: str = "input_ids") -> None:
+def check_token_ids(input_ids: torch.Tensor, vocab_size: int, name: str = "input_ids") -> None:
+    """ValueError naming ``name`` unless ``input_ids`` is a (batch, seq) tensor of ids in
+    ``[0, vocab_size)`` of one of ``ID_DTYPES``."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else input_ids
         raise ValueError(f"{name} must be a (batch, seq) tensor of token ids, got {shape!r}")
@@ -322,7 +324,7 @@ class SequenceClassifier(_SequenceModel):
 
         ``names`` are the argument names that error messages use.
         """
-        _check_ids(input_ids, self.vocab_size, names[0])
+        check_token_ids(input_ids, self.vocab_size, names[0])
         _check_mask(mask, input_ids, names[1])
         if input_ids.shape[1] == 0 and self.cls is None:  # a mean over nothing is NaN
             raise ValueError(f"{names[0]} must hold at least one token for mean pooling")
@@ -380,8 +382,8 @@ class MatchingClassifier(SequenceClassifier):
         ``input_ids_2: (B,N2)`` (long) with their ``(B,N)`` bool masks."""
         if input_ids_2 is None:
             raise ValueError("input_ids_2 is required: the matching model compares two documents")
-        _check_ids(input_ids_1, self.vocab_size, "input_ids_1")
-        _check_ids(input_ids_2, self.vocab_size, "input_ids_2")
+        check_token_ids(input_ids_1, self.vocab_size, "input_ids_1")
+        check_token_ids(input_ids_2, self.vocab_size, "input_ids_2")
         if input_ids_1.shape[0] != input_ids_2.shape[0]:
             raise ValueError(
                 f"input_ids_1 and input_ids_2 must have the same batch size, got "
@@ -469,7 +471,7 @@ class CausalLM(_SequenceModel):
     def forward(self, input_ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Next-token logits ``(B,N,vocab_size)`` of ``input_ids: (B,N)`` (long);
         ``mask: (B,N)`` bool, True = real token."""
-        _check_ids(input_ids, self.vocab_size)
+        check_token_ids(input_ids, self.vocab_size)
         _check_mask(mask, input_ids, "mask")
         h = self.encoder(self.drop(self._embed(input_ids)), key_padding_mask=mask)
         return self.head(h)
@@ -481,7 +483,7 @@ class CausalLM(_SequenceModel):
         if not isinstance(token, torch.Tensor) or token.dim() != 1:
             shape = tuple(token.shape) if isinstance(token, torch.Tensor) else token
             raise ValueError(f"token must be a (batch,) tensor of ids, got {shape!r}")
-        _check_ids(token[:, None], self.vocab_size, "token")
+        check_token_ids(token[:, None], self.vocab_size, "token")
         if state is not None and not isinstance(state, LMState):
             raise TypeError(
                 f"state must be None or the LMState of an earlier step, got {type(state).__name__}"
@@ -526,7 +528,7 @@ class CausalLM(_SequenceModel):
         fed back); learned positions need that many below ``max_len`` (checked before any
         step).
         """
-        _check_ids(prompt, self.vocab_size, "prompt")
+        check_token_ids(prompt, self.vocab_size, "prompt")
         if prompt.shape[1] < 1:
             raise ValueError("prompt must hold at least one token per sequence")
         if (
