@@ -527,11 +527,12 @@ def plot(frame: pd.DataFrame, path: Path) -> bool:
         col="shape",
         kind="line",
         markers=True,
+        palette="tab20",
         height=3,
         facet_kws={"sharey": False},
     )
     grid.set(xscale="log", yscale="log")
-    grid.set_titles(row_template="{row_name}", col_template="{col_name}")
+    grid.set_titles("{row_name}\n{col_name}")
     grid.set_axis_labels("N (tokens)", "")
     grid.figure.suptitle(f"causal attention on {frame.device.iloc[0]}", y=1.02)
     atomic_write(path, lambda f: grid.savefig(f, format="png", dpi=120, bbox_inches="tight"))
@@ -637,11 +638,22 @@ def read_results(path: Path) -> pd.DataFrame:
 
 
 def join(*frames: pd.DataFrame) -> pd.DataFrame:
-    """The rows of ``frames`` in order, one per case: a later row of the same case wins."""
+    """The rows of ``frames`` in order, one per case: a later row of the same case wins.
+
+    A run that swept one WALK_BLOCKS value labels its walk rows ``cuda_walk`` (its
+    ``walk_blocks`` column holds the value); where another run swept several
+    (``cuda_walk_128``, ...), those rows take the same label, so that one case is one row."""
     frames = tuple(f for f in frames if not f.empty)
     if not frames:
         return pd.DataFrame()
     whole = pd.concat(frames, ignore_index=True)
+    if "walk_blocks" in whole.columns:
+        labels = set(whole["method"].astype(str))
+        for method in WALK_METHODS:
+            rows = (whole["method"] == method) & whole["walk_blocks"].notna()
+            suffixed = method + "_" + whole.loc[rows, "walk_blocks"].astype(int).astype(str)
+            if labels & set(suffixed):
+                whole.loc[rows, "method"] = suffixed
     return whole.drop_duplicates(subset=CASE, keep="last").reset_index(drop=True)
 
 

@@ -768,3 +768,32 @@ def test_from_csv_joins_runs_and_reports_without_a_gpu(cuda_core, tmp_path, caps
     with pytest.raises(SystemExit) as exit_info:
         cuda_core.parse_args(["--from-csv", str(tmp_path / "missing.csv")])
     assert exit_info.value.code == 2
+
+
+def test_join_labels_walk_rows_by_their_blocks(cuda_core):
+    """The targets run sweeps several WALK_BLOCKS (``cuda_walk_fused_128``, ...); the sweep
+    runs one (``cuda_walk_fused``, walk_blocks 128). Joined, a case is one row, labelled with
+    its blocks; a walk method no run labelled with blocks keeps its name."""
+    case = dict(mode="fwd+bwd", dtype="float32", B=8, H=16, BH=128, F=64, M=64)
+    targets = pd.DataFrame(
+        [
+            case | dict(method="cuda_walk_fused_128", walk_blocks=128, N=4096, time_ms=3.0),
+            case | dict(method="cuda_walk_fused_256", walk_blocks=256, N=4096, time_ms=4.0),
+            case | dict(method="cuda_walk", walk_blocks=512, N=4096, time_ms=5.0),
+        ]
+    )
+    sweep = pd.DataFrame(
+        [
+            case | dict(method="cuda_walk_fused", walk_blocks=128, N=4096, time_ms=2.5),
+            case | dict(method="cuda_walk_fused", walk_blocks=128, N=16384, time_ms=9.0),
+            case | dict(method="torch", walk_blocks=None, N=16384, time_ms=18.0),
+        ]
+    )
+    joined = cuda_core.join(targets, sweep).set_index(["method", "N"]).time_ms.to_dict()
+    assert joined == {
+        ("cuda_walk_fused_128", 4096): 2.5,
+        ("cuda_walk_fused_256", 4096): 4.0,
+        ("cuda_walk", 4096): 5.0,
+        ("cuda_walk_fused_128", 16384): 9.0,
+        ("torch", 16384): 18.0,
+    }

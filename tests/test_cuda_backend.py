@@ -426,11 +426,20 @@ def test_walk_segments_match_reference(monkeypatch, shape, dtype, walk_blocks):
     mask = torch.ones(b, n, dtype=torch.bool, device=DEVICE)
     mask[-1, n // 2 + 1 :] = False
     g = _upstream((b, h, n, m)).to(dtype)
-    for fn, ref in (
-        (lambda *x: ks.causal_dot_product(*x, backend="cuda"), causal_dot_product_reference),
+    # Normalized over one key (N = 1) the φq-gradient is eps·k/(φq·k + eps)², about 1e-7 here,
+    # below float16's normal range: in half precision it is met on the scale of its terms (the
+    # O(1) products whose difference it is; bfloat16's rounding of the saved output leaves
+    # 2e-4), not relative to itself. Same inputs in float32 keep the 1e-4 check.
+    for fn, ref, floor in (
+        (
+            lambda *x: ks.causal_dot_product(*x, backend="cuda"),
+            causal_dot_product_reference,
+            1e-12,
+        ),
         (
             lambda *x: cuda_backend.linear_attention(*x, causal=True, key_padding_mask=mask),
             lambda *x: linear_attention_reference(*x, causal=True, key_padding_mask=mask),
+            1.0 if n == 1 else 1e-12,
         ),
     ):
         got, want = fn(q, k, v), ref(q64, k64, v64)
@@ -438,7 +447,7 @@ def test_walk_segments_match_reference(monkeypatch, shape, dtype, walk_blocks):
         pairs = [(got, want)]
         pairs += zip(_grads(got, (q, k, v), g), _grads(want, (q64, k64, v64), g), strict=True)
         for a, w in pairs:
-            assert torch.isfinite(a).all() and close_in_dtype(a, w, dtype)
+            assert torch.isfinite(a).all() and close_in_dtype(a, w, dtype, half_floor=floor)
     ext = cuda_backend.extension()
     q, k, v, g = (t.detach() for t in (q, k, v, g))
     for a, w in zip(

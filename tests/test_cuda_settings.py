@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kernelstudy.core import cuda_backend
 
@@ -79,14 +80,25 @@ def test_use_variant_refuses_bad_settings_by_name(monkeypatch, name, blocks, mat
     assert after == before
 
 
-@pytest.mark.parametrize("value", ["False", "no", None, 2])
-def test_fused_backward_must_be_a_bool(monkeypatch, value):
+@pytest.mark.parametrize("value", ["False", "no", None, 2, (torch.float64,), ("bfloat16",)])
+def test_fused_backward_must_be_a_bool_or_dtypes(monkeypatch, value):
     """A string such as "False" used to select the fused backward (read by truthiness)."""
     monkeypatch.setattr(cuda_backend, "FUSED_BACKWARD", value)
     with pytest.raises(TypeError, match="cuda_backend.FUSED_BACKWARD must be"):
-        cuda_backend._fused()
+        cuda_backend._fused(torch.float32)
     monkeypatch.setattr(cuda_backend, "FUSED_BACKWARD", True)
-    assert cuda_backend._fused() is True
+    assert cuda_backend._fused(torch.float32) is True
+
+
+def test_fused_backward_by_operand_dtype(monkeypatch):
+    """The default fuses the half types' backward only (measured faster there, slower in
+    float32); a bool applies to every dtype, as use_variant sets it."""
+    assert [cuda_backend._fused(d) for d in cuda_backend.DTYPES] == [False, True, True]
+    monkeypatch.setattr(cuda_backend, "FUSED_BACKWARD", (torch.float32,))
+    assert [cuda_backend._fused(d) for d in cuda_backend.DTYPES] == [True, False, False]
+    for flag in (True, False):
+        monkeypatch.setattr(cuda_backend, "FUSED_BACKWARD", flag)
+        assert {cuda_backend._fused(d) for d in cuda_backend.DTYPES} == {flag}
 
 
 def test_a_missing_csrc_folder_warns_once_and_falls_back(monkeypatch):

@@ -12,10 +12,11 @@ Kernels (``csrc/cuda/linear_attention.cu`` documents tiles and precision):
   per-chunk outputs, so one sequence (B·H = 1) at any N still fills the GPU; the backward
   pass recomputes with the same kernels, ``dq = causal(g, v, k)``,
   ``dk = anticausal(v, g, q)``, ``dv = anticausal(k, q, g)``, and keeps no per-step state
-  (:data:`FUSED_BACKWARD` selects a fused backward instead: one pass over the chunks for all
-  three, or with the walk one walk for dq and one for dk and dv); with :data:`CAUSAL_KERNEL`
-  ``= "walk"`` each thread block instead walks a segment of chunks with the state in shared
-  memory (one launch, no per-chunk state in global memory);
+  (:data:`FUSED_BACKWARD` selects a fused backward instead, by default for float16 and
+  bfloat16: one pass over the chunks for all three, or with the walk one walk for dq and one
+  for dk and dv); with :data:`CAUSAL_KERNEL` ``= "walk"`` (the default, for F ≤ 128) each
+  thread block instead walks a segment of chunks with the state in shared memory (one launch,
+  no per-chunk state in global memory);
 - normalized attention (:func:`linear_attention`): the normalizer ``φq_i·Σ_{j≤i} φk_j`` comes
   out of the same kernel, so neither direction builds an ``O(N·F·M)`` tensor; non-causal
   attention reduces ``S = Σ_j φk_j v_jᵀ`` and ``z = Σ_j φk_j`` over unmasked keys, then reads
@@ -52,24 +53,25 @@ MIN_CAPABILITY = (8, 0)  # bf16 and tf32 tensor cores (Ampere and newer)
 
 # The fused backward (``ext.causal_backward``) replaces three separate causal products: with the
 # chunk kernels, two state passes and one pass over the chunks for dq, dk and dv; with the walk,
-# dq by one walk and dk, dv together by one reverse walk. It has run only on the CPU emulator
-# (tests/test_cuda_emulated.py), not on a GPU, so the three-product backward stays the default
-# until tests/test_cuda_backend.py (which checks both against the float64 reference) has passed
-# on one.
-FUSED_BACKWARD = False
+# dq by one walk and dk, dv together by one reverse walk. True or False for every dtype, or the
+# operand dtypes whose backward is fused. On an H200 (benchmarks/results/cuda_h200.md,
+# 2026-11-28; B·H = 128, F = M = 64, walk, fwd+bwd) it saves 10 % in bfloat16 at N = 8192 and
+# costs 15-25 % in float32 (3xTF32 operands) at every N, so it is on for the half types only
+# (float16 normalized attention runs its backward on float32 operands, so unfused too).
+FUSED_BACKWARD: bool | tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
 
 # The causal kernels. "chunks": kernels 1-3 of csrc/cuda/linear_attention.cu (every chunk's state
 # written to global memory, then every chunk's output in parallel). "walk": kernel 6 (each thread
 # block walks a segment of chunks with the state in shared memory; F <= 128, the chunk kernels
-# elsewhere), for the forward and the backward products (see FUSED_BACKWARD). The walk has run
-# only on the CPU emulator, so "chunks" stays the default until tests/test_cuda_backend.py (which
-# runs every causal test under both) has passed on a GPU and benchmarks/cuda_core.py has timed
-# both.
+# elsewhere), for the forward and the backward products (see FUSED_BACKWARD). Both pass
+# tests/test_cuda_backend.py on an H200; the walk is the faster at the issue's shape (bfloat16
+# fwd+bwd N = 8192: 2.49 ms against 2.63 ms; float32 N = 4096: 3.28 against 3.87 ms).
 CAUSAL_KERNELS = ("chunks", "walk")
-CAUSAL_KERNEL = "chunks"
+CAUSAL_KERNEL = "walk"
 # Thread blocks the walk aims for: a sequence is cut into segments (one extra pass over k and v
-# gives their carries) until B·H·ceil(M/64)·segments reaches this; 1 never cuts it.
-WALK_BLOCKS = 256
+# gives their carries) until B·H·ceil(M/64)·segments reaches this; 1 never cuts it. 128 was the
+# fastest of 128, 256 and 512 at B·H = 128 on the H200 in both dtypes.
+WALK_BLOCKS = 128
 
 # The kernel variants by name: (CAUSAL_KERNEL, FUSED_BACKWARD).
 VARIANTS = {
@@ -136,8 +138,16 @@ def supports(x: torch.Tensor) -> bool:
     return torch.cuda.get_device_capability(x.device) >= MIN_CAPABILITY
 
 
-def _fused() -> bool:
-    """:data:`FUSED_BACKWARD`, checked: a string such as ``"False"`` is not read as True."""
+def _fused(dtype: torch.dtype) -> bool:
+    """Whether the backward of a product on ``dtype`` operands is fused, by
+    :data:`FUSED_BACKWARD`, checked: a string such as ``"False"`` is not read as True."""
+    if isinstance(FUSED_BACKWARD, tuple):
+        if not all(d in DTYPES for d in FUSED_BACKWARD):
+            raise TypeError(
+                "cuda_backend.FUSED_BACKWARD must be a bool or a tuple of dtypes from "
+                f"{DTYPES}, got {FUSED_BACKWARD!r}"
+            )
+        return dtype in FUSED_BACKWARD
     return check_flag("cuda_backend.FUSED_BACKWARD", FUSED_BACKWARD)
 
 
@@ -214,7 +224,7 @@ class _CausalProduct(torch.autograd.Function):
                 dv = _CausalProduct.apply(k, q, g, not rev) if need[2] else None
                 return dq, dk, dv, None
             ext = _require()
-            if _fused() and not rev and all(need[:3]):
+            if _fused(q.dtype) and not rev and all(need[:3]):
                 return (*_fused_backward(ext, q, k, v, g, out_fp32=False), None)
             dq = dk = dv = None
             if need[0]:  # dq_i = Σ_{j≤i} (g_i·v_j) k_j
@@ -373,7 +383,7 @@ class _CausalAttention(_FusedAttention):
                 # real key): inf, then inf·0 = NaN. The products run in float32 (3xTF32) instead.
                 q, k, v = q.float(), k.float(), v.float()
             dnum = dnum32.to(q.dtype)
-            if _fused():
+            if _fused(q.dtype):
                 dq, dk, dv = _fused_backward(ext, q, k, v, dnum, out_fp32=True)
             else:
                 dq = _product(ext, dnum, v, k, reverse=False, out_fp32=True)
