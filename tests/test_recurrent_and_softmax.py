@@ -330,9 +330,13 @@ def test_a_state_built_directly_is_checked():
 
 
 def test_zeros_names_a_bad_device():
-    """torch's RuntimeError ("Expected one of cpu, cuda, ...") named no argument."""
+    """torch's RuntimeError ("Expected one of cpu, cuda, ...") named no argument; on a
+    machine without CUDA, "cuda" failed in torch with AssertionError."""
     with pytest.raises(ValueError, match="device must name a device.*got 'gpu0'"):
         ks.RecurrentState.zeros(1, 1, 2, 3, device="gpu0")
-    with pytest.raises(ValueError, match="device must name a device.*got 1.5"):
+    with pytest.raises(TypeError, match="device must be a torch.device or a string.*got 1.5"):
         ks.RecurrentState.zeros(1, 1, 2, 3, device=1.5)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device='cuda' is not usable here"):
+            ks.RecurrentState.zeros(1, 1, 2, 3, device="cuda")
     assert ks.RecurrentState.zeros(1, 1, 2, 3, device="cpu").S.device.type == "cpu"

@@ -32,7 +32,7 @@ import pandas as pd
 import torch
 
 from ..arguments import check_count, check_flag, check_real
-from ..core.validation import check_tensor, zero_padded_keys
+from ..core.validation import check_device, check_tensor, zero_padded_keys
 from ..feature_maps import FeatureMap
 from ..nn.functional import resolve_feature_map
 from .matrices import (
@@ -46,7 +46,7 @@ from .matrices import (
     normalize_rows,
     softmax_kernel,
 )
-from .speed import check_device, check_float_dtype
+from .speed import check_float_dtype
 
 METRICS = ("kernel_mse", "attention_mse", "attention_kl", "output_rel_error")
 

@@ -25,8 +25,9 @@ import torch
 from torch import nn
 
 from ..arguments import check_count, check_real
+from ..core.validation import check_device
 from ..nn.models import check_token_ids
-from .speed import check_device, time_call
+from .speed import time_call
 
 MODES = ("step", "full")
 

@@ -28,7 +28,7 @@ from ..arguments import check_count, check_flag, check_real
 from ..core.attention import linear_attention
 from ..core.backends import backends as available_backends
 from ..core.backends import registered_backends, runs_own_noncausal_attention
-from ..core.validation import accumulation_dtype
+from ..core.validation import accumulation_dtype, check_device
 from ..nn.functional import resolve_feature_map
 from .matrices import MapSpec
 
@@ -50,32 +50,6 @@ COLUMNS = [
     "value",
     "note",
 ]
-
-
-def check_device(name: str, device: object) -> torch.device:
-    """``device`` as a torch.device, else TypeError/ValueError naming ``name`` (torch's own
-    RuntimeError names neither the argument nor the function), also for a device this machine
-    lacks (torch raised AssertionError for CUDA)."""
-    if not isinstance(device, torch.device | str | int) or isinstance(device, bool):
-        raise TypeError(
-            f"{name} must be a torch.device or a string such as 'cuda:0', got {device!r}"
-        )
-    try:
-        dev = torch.device(device)
-    except RuntimeError as err:
-        raise ValueError(
-            f"{name} must name a device such as 'cpu' or 'cuda:0', got {device!r}"
-        ) from err
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        # torch raised AssertionError("Torch not compiled with CUDA enabled") at first use
-        raise ValueError(f"{name}={str(dev)!r} is not usable here: torch finds no CUDA device")
-    if dev.type not in ("cpu", "meta", "cuda"):
-        try:
-            torch.empty(0, device=dev)
-        except (RuntimeError, AssertionError) as err:
-            first = (str(err).strip() or type(err).__name__).splitlines()[0]
-            raise ValueError(f"{name}={str(dev)!r} is not usable here: {first}") from None
-    return dev
 
 
 def _check_fn(fn: object) -> None:

@@ -24,6 +24,7 @@ from .autocast import without_autocast
 from .exp_range import exp_shift
 from .validation import (
     accumulation_dtype,
+    check_device,
     check_eps,
     check_same_dtype_and_device,
     check_tensor,
@@ -98,12 +99,7 @@ class RecurrentState:
             raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
         scaled = check_flag("scaled", scaled)
         if device is not None:
-            try:
-                device = torch.device(device)
-            except (RuntimeError, TypeError) as err:  # torch's message names no argument
-                raise ValueError(
-                    f"device must name a device such as 'cpu' or 'cuda:0', got {device!r}"
-                ) from err
+            device = check_device("device", device)
         s = torch.zeros(batch, heads, feature_dim, value_dim, dtype=dtype, device=device)
         z = torch.zeros(batch, heads, feature_dim, dtype=dtype, device=device)
         log_scale = None

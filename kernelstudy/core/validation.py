@@ -28,6 +28,32 @@ def check_dense(x: torch.Tensor, name: str) -> None:
         raise TypeError(f"{name} must be a dense (strided) tensor, got layout {x.layout}")
 
 
+def check_device(name: str, device: object) -> torch.device:
+    """``device`` as a torch.device, else TypeError/ValueError naming ``name`` (torch's own
+    RuntimeError names neither the argument nor the function), also for a device this machine
+    lacks (torch raised AssertionError for CUDA)."""
+    if not isinstance(device, torch.device | str | int) or isinstance(device, bool):
+        raise TypeError(
+            f"{name} must be a torch.device or a string such as 'cuda:0', got {device!r}"
+        )
+    try:
+        dev = torch.device(device)
+    except RuntimeError as err:
+        raise ValueError(
+            f"{name} must name a device such as 'cpu' or 'cuda:0', got {device!r}"
+        ) from err
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        # torch raised AssertionError("Torch not compiled with CUDA enabled") at first use
+        raise ValueError(f"{name}={str(dev)!r} is not usable here: torch finds no CUDA device")
+    if dev.type not in ("cpu", "meta", "cuda"):
+        try:
+            torch.empty(0, device=dev)
+        except (RuntimeError, AssertionError) as err:
+            first = (str(err).strip() or type(err).__name__).splitlines()[0]
+            raise ValueError(f"{name}={str(dev)!r} is not usable here: {first}") from None
+    return dev
+
+
 def check_tensor(x: object, name: str, ndim: int) -> torch.Tensor:
     """Check that ``x`` is a floating-point tensor of rank ``ndim``."""
     if not isinstance(x, torch.Tensor):
