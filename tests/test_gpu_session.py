@@ -311,7 +311,7 @@ def test_a_later_call_leaves_out_the_methods_that_broke_the_context(gs, monkeypa
     assert gs.run_session(tmp_path / "out", 300, ("targets", "sweep"), resume_from=earlier) == 0
     for args in seen:
         assert "cuda_walk_fused" not in args[args.index("--methods") + 1 : args.index("--resume")]
-    assert len(seen) == 1 + len(gs.SWEEP_PARTS)
+    assert len(seen) == len(gs.TARGET_FIRST) + 1 + len(gs.SWEEP_PARTS)
     (earlier / "session.json").write_text("{not json")  # an unreadable one drops nothing
     assert gs.earlier_dropped(earlier / "session.json") == []
 
@@ -368,11 +368,19 @@ def test_the_stages_commands_are_ones_the_scripts_take(gs, tmp_path):
     assert gs.stage_targets(session, 100)[0] == "ok"
     assert gs.stage_profile(session, 100)[0] == "ok"
     assert gs.stage_sweep(session, 100)[0] == "ok"
-    targets, prof, *sweep = seen
-    args = cuda_core.parse_args(targets[1:])
-    assert args.resume and args.no_plot and args.walk_blocks == [128, 256, 512]
-    assert args.shapes == [(8, 16)] and args.dims == [64] and 8192 in args.n
-    assert set(args.methods) == set(cuda_core.METHODS)
+    *targets, prof = seen[:4]
+    sweep = seen[4:]
+    parsed = [cuda_core.parse_args(part[1:]) for part in targets]
+    # the target cases first (bf16 to N=8192, then fp32 N=16384), then the whole grid
+    assert [(a.dtypes, a.n) for a in parsed] == [
+        (["bfloat16"], [512, 1024, 2048, 8192]),
+        (["float32"], [16384]),
+        (["bfloat16", "float32"], list(gs.TARGET_N)),
+    ]
+    for args in parsed:
+        assert args.resume and args.no_plot and args.walk_blocks == [128, 256, 512]
+        assert args.shapes == [(8, 16)] and args.dims == [64]
+        assert args.out == parsed[0].out and set(args.methods) == set(cuda_core.METHODS)
     assert gs.CUDA_METHODS == tuple(cuda_core.CUDA_METHODS)
     assert set(gs.CUDA_METHODS) | set(gs.BASELINES) == set(cuda_core.METHODS)
     assert profile.parse_args(prof[1:]).n == 8192
