@@ -7,7 +7,9 @@ what is allocated before it (the inputs), as ``benchmarks/core.py`` measures it:
 so the timings carry no reset of the statistics. Methods (a column is skipped when its
 package or kernel is missing, and a cell is left empty when it runs out of memory):
 
-- ``cuda``   this project's CUDA backend, ``ks.causal_dot_product(..., backend="cuda")``;
+- ``cuda``   this project's CUDA backend, ``ks.causal_dot_product(..., backend="cuda")``, with
+             the chunk kernels and the three-product backward (``cuda_backend`` variant
+             ``chunks``; the backend's defaults are the walk's, see ``cuda_walk_fused``);
 - ``cuda_fused``  the same with the fused backward (``cuda_backend.FUSED_BACKWARD``): one
              pass for dq, dk and dv instead of three causal products (same forward);
 - ``cuda_walk``  the same with the walk kernel (``cuda_backend.CAUSAL_KERNEL = "walk"``: each
@@ -15,7 +17,8 @@ package or kernel is missing, and a cell is left empty when it runs out of memor
              three backward products; ``--walk-blocks`` sweeps ``cuda_backend.WALK_BLOCKS``
              (columns ``cuda_walk_<blocks>`` when more than one value is given);
 - ``cuda_walk_fused``  the walk with its fused backward (dq by one walk, dk and dv together by
-             one reverse walk; same forward as ``cuda_walk``);
+             one reverse walk; same forward as ``cuda_walk``): the backend's default in bf16
+             and fp16 (in fp32 its default is ``cuda_walk``);
 - ``torch``  this project's chunked PyTorch backend on the same GPU;
 - ``fla``    flash-linear-attention's ``chunk_linear_attn`` (``normalize=False``, scale 1:
              the same unnormalized causal product), inputs made in its (B, N, H, D) layout;
