@@ -546,6 +546,7 @@ def test_causal_must_be_a_bool(fn):
         (torch.ones(3, 5, dtype=torch.bool), ValueError),
         (torch.ones(2, 5), TypeError),
         ([[True] * 5] * 2, TypeError),
+        (torch.ones(2, 5, dtype=torch.bool, device="meta"), ValueError),  # NotImplementedError
     ],
 )
 def test_bad_mask(mask, error):

@@ -529,3 +529,21 @@ def test_a_bad_max_len_is_named_before_the_cls_position_is_added(cls, max_len, p
         pytest.skip("a CausalLM has no pooling")
     with pytest.raises(ValueError, match=rf"max_len must be a positive int, got {max_len!r}"):
         getattr(ks.nn, cls)(*args, positions="learned", max_len=max_len, **kwargs, **SMALL)
+
+
+def test_ids_on_another_device_than_the_model_are_named():
+    """torch's "Expected all tensors to be on the same device" named no argument (here: a
+    model on the meta device stands for one on a GPU; the ids stay on the CPU)."""
+    lm = ks.nn.CausalLM(10, d_model=8, n_heads=2, n_layers=1).to("meta")
+    clf = ks.nn.SequenceClassifier(10, 3, d_model=8, n_heads=2, n_layers=1).to("meta")
+    pair = ks.nn.MatchingClassifier(10, 3, d_model=8, n_heads=2, n_layers=1).to("meta")
+    ids = torch.zeros(2, 4, dtype=torch.long)
+    for call, name in (
+        (lambda: lm(ids), "input_ids"),
+        (lambda: lm.step(ids[:, 0]), "token"),
+        (lambda: lm.generate(ids, max_new_tokens=1), "prompt"),
+        (lambda: clf(ids), "input_ids"),
+        (lambda: pair(ids, input_ids_2=ids), "input_ids_1"),
+    ):
+        with pytest.raises(ValueError, match=rf"{name} is on cpu, the model on meta: move"):
+            call()

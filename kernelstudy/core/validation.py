@@ -150,6 +150,8 @@ def check_key_padding_mask(
         raise ValueError(
             f"{name} must have shape (batch, seq) = ({batch}, {seq}), got {tuple(mask.shape)}"
         )
+    if mask.device.type == "meta" and torch.device(device).type != "meta":  # no data to move
+        raise ValueError(f"{name} is a meta tensor (no values) for inputs on {device}")
     return mask.to(device)
 
 

@@ -126,9 +126,14 @@ class PositionalEncoding(nn.Module):
 ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
-def check_token_ids(input_ids: torch.Tensor, vocab_size: int, name: str = "input_ids") -> None:
+def check_token_ids(
+    input_ids: torch.Tensor,
+    vocab_size: int,
+    name: str = "input_ids",
+    device: torch.device | None = None,
+) -> None:
     """ValueError naming ``name`` unless ``input_ids`` is a (batch, seq) tensor of ids in
-    ``[0, vocab_size)`` of one of ``ID_DTYPES``."""
+    ``[0, vocab_size)`` of one of ``ID_DTYPES`` (on ``device``, the model's, when given)."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else input_ids
         raise ValueError(f"{name} must be a (batch, seq) tensor of token ids, got {shape!r}")
@@ -136,6 +141,11 @@ def check_token_ids(input_ids: torch.Tensor, vocab_size: int, name: str = "input
         raise ValueError(
             f"{name} must hold token ids as int64, int32, int16, int8 or uint8, "
             f"got dtype {input_ids.dtype}"
+        )
+    if device is not None and input_ids.device != device:  # torch's error names neither
+        raise ValueError(
+            f"{name} is on {input_ids.device}, the model on {device}: move the ids "
+            f"({name}.to({str(device)!r})) or the model"
         )
     if input_ids.numel():
         lo, hi = int(input_ids.min()), int(input_ids.max())
@@ -324,7 +334,7 @@ class SequenceClassifier(_SequenceModel):
 
         ``names`` are the argument names that error messages use.
         """
-        check_token_ids(input_ids, self.vocab_size, names[0])
+        check_token_ids(input_ids, self.vocab_size, names[0], self.embed.weight.device)
         _check_mask(mask, input_ids, names[1])
         if input_ids.shape[1] == 0 and self.cls is None:  # a mean over nothing is NaN
             raise ValueError(f"{names[0]} must hold at least one token for mean pooling")
@@ -382,8 +392,8 @@ class MatchingClassifier(SequenceClassifier):
         ``input_ids_2: (B,N2)`` (long) with their ``(B,N)`` bool masks."""
         if input_ids_2 is None:
             raise ValueError("input_ids_2 is required: the matching model compares two documents")
-        check_token_ids(input_ids_1, self.vocab_size, "input_ids_1")
-        check_token_ids(input_ids_2, self.vocab_size, "input_ids_2")
+        check_token_ids(input_ids_1, self.vocab_size, "input_ids_1", self.embed.weight.device)
+        check_token_ids(input_ids_2, self.vocab_size, "input_ids_2", self.embed.weight.device)
         if input_ids_1.shape[0] != input_ids_2.shape[0]:
             raise ValueError(
                 f"input_ids_1 and input_ids_2 must have the same batch size, got "
@@ -471,7 +481,7 @@ class CausalLM(_SequenceModel):
     def forward(self, input_ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Next-token logits ``(B,N,vocab_size)`` of ``input_ids: (B,N)`` (long);
         ``mask: (B,N)`` bool, True = real token."""
-        check_token_ids(input_ids, self.vocab_size)
+        check_token_ids(input_ids, self.vocab_size, device=self.embed.weight.device)
         _check_mask(mask, input_ids, "mask")
         h = self.encoder(self.drop(self._embed(input_ids)), key_padding_mask=mask)
         return self.head(h)
@@ -483,7 +493,7 @@ class CausalLM(_SequenceModel):
         if not isinstance(token, torch.Tensor) or token.dim() != 1:
             shape = tuple(token.shape) if isinstance(token, torch.Tensor) else token
             raise ValueError(f"token must be a (batch,) tensor of ids, got {shape!r}")
-        check_token_ids(token[:, None], self.vocab_size, "token")
+        check_token_ids(token[:, None], self.vocab_size, "token", self.embed.weight.device)
         if state is not None and not isinstance(state, LMState):
             raise TypeError(
                 f"state must be None or the LMState of an earlier step, got {type(state).__name__}"
@@ -528,7 +538,7 @@ class CausalLM(_SequenceModel):
         fed back); learned positions need that many below ``max_len`` (checked before any
         step).
         """
-        check_token_ids(prompt, self.vocab_size, "prompt")
+        check_token_ids(prompt, self.vocab_size, "prompt", self.embed.weight.device)
         if prompt.shape[1] < 1:
             raise ValueError("prompt must hold at least one token per sequence")
         if (
