@@ -711,7 +711,8 @@ def main(argv: list[str] | None = None) -> int:
         if not whole.empty and whole["time_ms"].notna().any():
             atomic_write_text(args.out, whole.to_csv(index=False))
 
-    frame, stopped = benchmark(args, progress=save, done=case_keys(previous))
+    with cuda_backend.settings_kept():  # each CUDA method selects its variant
+        frame, stopped = benchmark(args, progress=save, done=case_keys(previous))
     whole = join(previous, frame)
     if whole.empty or whole["time_ms"].isna().all():  # every case skipped, or every one failed
         print(

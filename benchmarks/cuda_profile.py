@@ -42,20 +42,21 @@ def kernel_times(
     )
     v = torch.randn(b, h, n, d, device="cuda", generator=gen).to(dtype).requires_grad_()
     g = torch.randn(b, h, n, d, device="cuda", generator=gen).to(dtype)
-    cuda_backend.use_variant(variant)
 
     def step() -> None:
         for t in (q, k, v):
             t.grad = None
         ks.causal_dot_product(q, k, v, backend="cuda").backward(g)
 
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
+    with cuda_backend.settings_kept():  # the backend's defaults again afterwards
+        cuda_backend.use_variant(variant)
+        for _ in range(3):
             step()
         torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
     rows = [
         {"kernel": e.key, "total_us": e.self_device_time_total, "calls": e.count}
         for e in prof.key_averages()

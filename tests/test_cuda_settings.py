@@ -115,3 +115,21 @@ def test_a_missing_csrc_folder_warns_once_and_falls_back(monkeypatch):
     with pytest.warns(RuntimeWarning, match="csrc/ not found; falling back to the 'torch'"):
         assert cuda_backend.extension() is None
     assert cuda_backend.extension() is None  # tried once
+
+
+def test_settings_kept_restores_the_defaults(monkeypatch):
+    """cuda_core.py and cuda_profile.py try every variant; the defaults come back after, also
+    when the block raises."""
+    for name in ("CAUSAL_KERNEL", "FUSED_BACKWARD", "WALK_BLOCKS"):
+        monkeypatch.setattr(cuda_backend, name, getattr(cuda_backend, name))
+    before = (cuda_backend.CAUSAL_KERNEL, cuda_backend.FUSED_BACKWARD, cuda_backend.WALK_BLOCKS)
+    with cuda_backend.settings_kept():
+        cuda_backend.use_variant("chunks_fused", walk_blocks=7)
+        assert cuda_backend.CAUSAL_KERNEL == "chunks" and cuda_backend.WALK_BLOCKS == 7
+    after = (cuda_backend.CAUSAL_KERNEL, cuda_backend.FUSED_BACKWARD, cuda_backend.WALK_BLOCKS)
+    assert after == before
+    with pytest.raises(RuntimeError), cuda_backend.settings_kept():
+        cuda_backend.use_variant("walk_fused", walk_blocks=3)
+        raise RuntimeError("a variant failed")
+    after = (cuda_backend.CAUSAL_KERNEL, cuda_backend.FUSED_BACKWARD, cuda_backend.WALK_BLOCKS)
+    assert after == before

@@ -35,8 +35,10 @@ causal product (or matrix products) in float32, while its first-order backward s
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
+from collections.abc import Iterator
 from types import ModuleType
 
 import torch
@@ -92,6 +94,19 @@ def use_variant(name: str, walk_blocks: int | None = None) -> None:
     if walk_blocks is not None:
         WALK_BLOCKS = check_count("walk_blocks", walk_blocks, 1)
     CAUSAL_KERNEL, FUSED_BACKWARD = VARIANTS[name]
+
+
+@contextlib.contextmanager
+def settings_kept() -> Iterator[None]:
+    """Restores :data:`CAUSAL_KERNEL`, :data:`FUSED_BACKWARD` and :data:`WALK_BLOCKS` on
+    exit, so that a benchmark trying each variant (:func:`use_variant`) leaves the defaults
+    as they were."""
+    global CAUSAL_KERNEL, FUSED_BACKWARD, WALK_BLOCKS
+    saved = CAUSAL_KERNEL, FUSED_BACKWARD, WALK_BLOCKS
+    try:
+        yield
+    finally:
+        CAUSAL_KERNEL, FUSED_BACKWARD, WALK_BLOCKS = saved
 
 
 _module: ModuleType | None = None
