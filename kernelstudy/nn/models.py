@@ -234,6 +234,10 @@ class _SequenceModel(nn.Module):
         )
         self.attention_kind = kind
 
+    def _check_ids(self, input_ids: torch.Tensor, name: str = "input_ids") -> None:
+        """:func:`check_token_ids` against this model's vocabulary and device."""
+        check_token_ids(input_ids, self.vocab_size, name, self.embed.weight.device)
+
     def _embed(self, input_ids: torch.Tensor, start: int = 0) -> torch.Tensor:
         """``(B,N)`` ids → ``(B,N,d_model)`` token + position vectors (positions from ``start``)."""
         pos = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
@@ -334,7 +338,7 @@ class SequenceClassifier(_SequenceModel):
 
         ``names`` are the argument names that error messages use.
         """
-        check_token_ids(input_ids, self.vocab_size, names[0], self.embed.weight.device)
+        self._check_ids(input_ids, names[0])
         _check_mask(mask, input_ids, names[1])
         if input_ids.shape[1] == 0 and self.cls is None:  # a mean over nothing is NaN
             raise ValueError(f"{names[0]} must hold at least one token for mean pooling")
@@ -392,8 +396,8 @@ class MatchingClassifier(SequenceClassifier):
         ``input_ids_2: (B,N2)`` (long) with their ``(B,N)`` bool masks."""
         if input_ids_2 is None:
             raise ValueError("input_ids_2 is required: the matching model compares two documents")
-        check_token_ids(input_ids_1, self.vocab_size, "input_ids_1", self.embed.weight.device)
-        check_token_ids(input_ids_2, self.vocab_size, "input_ids_2", self.embed.weight.device)
+        self._check_ids(input_ids_1, "input_ids_1")
+        self._check_ids(input_ids_2, "input_ids_2")
         if input_ids_1.shape[0] != input_ids_2.shape[0]:
             raise ValueError(
                 f"input_ids_1 and input_ids_2 must have the same batch size, got "
@@ -481,7 +485,7 @@ class CausalLM(_SequenceModel):
     def forward(self, input_ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Next-token logits ``(B,N,vocab_size)`` of ``input_ids: (B,N)`` (long);
         ``mask: (B,N)`` bool, True = real token."""
-        check_token_ids(input_ids, self.vocab_size, device=self.embed.weight.device)
+        self._check_ids(input_ids)
         _check_mask(mask, input_ids, "mask")
         h = self.encoder(self.drop(self._embed(input_ids)), key_padding_mask=mask)
         return self.head(h)
@@ -493,7 +497,7 @@ class CausalLM(_SequenceModel):
         if not isinstance(token, torch.Tensor) or token.dim() != 1:
             shape = tuple(token.shape) if isinstance(token, torch.Tensor) else token
             raise ValueError(f"token must be a (batch,) tensor of ids, got {shape!r}")
-        check_token_ids(token[:, None], self.vocab_size, "token", self.embed.weight.device)
+        self._check_ids(token[:, None], "token")
         if state is not None and not isinstance(state, LMState):
             raise TypeError(
                 f"state must be None or the LMState of an earlier step, got {type(state).__name__}"
@@ -538,7 +542,7 @@ class CausalLM(_SequenceModel):
         fed back); learned positions need that many below ``max_len`` (checked before any
         step).
         """
-        check_token_ids(prompt, self.vocab_size, "prompt", self.embed.weight.device)
+        self._check_ids(prompt, "prompt")
         if prompt.shape[1] < 1:
             raise ValueError("prompt must hold at least one token per sequence")
         if (
