@@ -19,6 +19,9 @@ package or kernel is missing, and a cell is left empty when it runs out of memor
 - ``cuda_walk_fused``  the walk with its fused backward (dq by one walk, dk and dv together by
              one reverse walk; same forward as ``cuda_walk``): the backend's default in bf16
              and fp16 (in fp32 its default is ``cuda_walk``);
+- ``cuda_walk_mma``, ``cuda_walk_mma_fused``  the same two with ``CAUSAL_KERNEL = "walk_mma"``:
+             bf16 with F <= 64 walks by kernel 8 (mma.sync, operands in registers), every
+             other case as ``cuda_walk``;
 - ``torch``  this project's chunked PyTorch backend on the same GPU;
 - ``fla``    flash-linear-attention's ``chunk_linear_attn`` (``normalize=False``, scale 1:
              the same unnormalized causal product), inputs made in its (B, N, H, D) layout;
@@ -71,13 +74,16 @@ from kernelstudy.core import cuda_backend
 from kernelstudy.files import atomic_write, atomic_write_text
 
 DEFAULT_N = [512, 1024, 2048, 4096, 8192, 16384, 32768]
-METHODS = ["cuda", "cuda_fused", "cuda_walk", "cuda_walk_fused", "torch", "fla", "sdpa"]
+METHODS = ["cuda", "cuda_fused", "cuda_walk", "cuda_walk_fused", "cuda_walk_mma"]
+METHODS += ["cuda_walk_mma_fused", "torch", "fla", "sdpa"]
 # this project's CUDA methods and their cuda_backend.VARIANTS
 CUDA_METHODS = {
     "cuda": "chunks",
     "cuda_fused": "chunks_fused",
     "cuda_walk": "walk",
     "cuda_walk_fused": "walk_fused",
+    "cuda_walk_mma": "walk_mma",
+    "cuda_walk_mma_fused": "walk_mma_fused",
 }
 WALK_METHODS = tuple(m for m, variant in CUDA_METHODS.items() if variant.startswith("walk"))
 # where the cases' tensors live: "cuda" (the tests run the pipeline on "cpu" with a fake timer)

@@ -20,14 +20,14 @@ build      the CUDA extension; if it fails, the compiler's own output   session.
            and the session stops (nothing after it can run the kernels)
 tests      ``pytest -v tests/test_cuda_backend.py``                     tests.log
 targets    ``cuda_core.py``: the issue's targets (B=8, H=16, D=64, N     targets.csv
-           512-16384, bf16 and fp32, every method, WALK_BLOCKS 128, 256
-           and 512)
+           512-16384, bf16 and fp32, every method, WALK_BLOCKS 128
+           and 256)
 profile    ``cuda_profile.py`` at N=8192, bf16, fp32 and fp16           profile.csv
 sweep      ``cuda_core.py --resume`` over the issue's grid (N 512-32768,  sweep.csv
            B·H 8 and 64, D 64 and 128), bf16 then fp32, D=64
            first, until its time is up; ours as ``cuda`` and the fastest
            variant of the targets stage
-racecheck  ``compute-sanitizer --tool racecheck``, three small tests     racecheck.log
+racecheck  ``compute-sanitizer --tool racecheck``, four small tests      racecheck.log
 =========  ===========================================================  ==============
 
 Every stage runs as a child process under a time limit: the smaller of its cap and what is left
@@ -79,7 +79,8 @@ FILES = (
     "sweep.csv",
     "racecheck.log",
 )
-CUDA_METHODS = ("cuda", "cuda_fused", "cuda_walk", "cuda_walk_fused")
+CUDA_METHODS = ("cuda", "cuda_fused", "cuda_walk", "cuda_walk_fused", "cuda_walk_mma")
+CUDA_METHODS += ("cuda_walk_mma_fused",)
 BASELINES = ("torch", "fla", "sdpa")
 TARGET_N = (512, 1024, 2048, 4096, 8192, 16384)
 # what the issue's ratios read: the crossover with SDPA and N=8192 in bfloat16, N=16384 in float32
@@ -90,6 +91,7 @@ SWEEP_PARTS = (("bfloat16", 64), ("float32", 64), ("bfloat16", 128), ("float32",
 SWEEP_SHAPES = ("1x8", "4x16")  # B·H = 8 and 64, the issue's grid (128: the targets stage)
 RACECHECK_TESTS = (
     "test_walk_segments_match_reference[walk-2x2x200x33x70-torch.bfloat16-5]",
+    "test_walk_segments_match_reference[walk_mma-2x2x200x33x70-torch.bfloat16-5]",
     "test_fused_backward_matches_reference[walk-1x4x64x16x16-torch.bfloat16]",
     "test_fused_backward_matches_reference[chunks-3x2x130x96x40-torch.float32]",
 )
@@ -118,7 +120,7 @@ STAGES = (
     Stage("targets", 45, 180, "cuda_core.py at the issue's targets, every method"),
     Stage("profile", 15, 60, "cuda_profile.py, per-kernel times at N=8192"),
     Stage("sweep", 30, 600, "cuda_core.py --resume over the issue's grid"),
-    Stage("racecheck", 40, 150, "compute-sanitizer racecheck on three small tests"),
+    Stage("racecheck", 40, 150, "compute-sanitizer racecheck on four small tests"),
 )
 STAGE_NAMES = tuple(s.name for s in STAGES)
 ALWAYS = ("env", "build")
@@ -347,7 +349,8 @@ def stage_targets(session: Session, limit_s: float) -> tuple[str, str]:
     grid, resuming the same CSV: on 2026-11-28 the whole grid in one pass ran out of time
     before float32 N=16384."""
     deadline = session.clock() + limit_s
-    common = ["--shapes", "8x16", "--dims", "64", "--walk-blocks", "128", "256", "512"]
+    # WALK_BLOCKS 512 was never the fastest with each dtype's default backward (2026-11-28)
+    common = ["--shapes", "8x16", "--dims", "64", "--walk-blocks", "128", "256"]
     common += ["--repeats", "7", "--warmup", "2", "--out", str(session.out / "targets.csv")]
     methods = not_dropped(session, (*CUDA_METHODS, *BASELINES))
     passes = [((dtype,), ns) for dtype, ns in TARGET_FIRST]

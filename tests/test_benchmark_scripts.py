@@ -121,7 +121,9 @@ def test_refuses_without_a_gpu(name, tmp_path, capsys):
 def test_profile_arguments():
     profile = _script("cuda_profile")
     assert profile.parse_args(["--n", "1024", "--batch", "1"]).heads == 16
-    assert profile.parse_args([]).variants == ["chunks", "chunks_fused", "walk", "walk_fused"]
+    assert profile.parse_args([]).variants == [
+        "chunks", "chunks_fused", "walk", "walk_fused", "walk_mma", "walk_mma_fused"
+    ]  # fmt: skip
     with pytest.raises(SystemExit):
         profile.parse_args(["--steps", "0"])
     with pytest.raises(SystemExit):

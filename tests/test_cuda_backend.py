@@ -7,9 +7,9 @@ key padding, recurrent-state consistency, dispatch, torch.func and gradients of 
 bit-identical reruns (also for inputs off 16-byte addresses), offsets past 2**31 elements, peak
 memory (no O(N·F·M) tensor), and the fused backward (``ext.causal_backward``) against the
 reference and the three-product backward.
-Every test runs under both causal kernels (``cuda_backend.CAUSAL_KERNEL``: "chunks" and
-"walk"); the walk and its fused backward are also checked with sequences cut into 1, several and
-one-chunk segments.
+Every test runs under each causal kernel (``cuda_backend.CAUSAL_KERNEL``: "chunks", "walk" and
+"walk_mma", whose kernel 8 takes bfloat16 with F ≤ 64); the walks and their fused backward are
+also checked with sequences cut into 1, several and one-chunk segments.
 """
 
 from __future__ import annotations
@@ -414,12 +414,14 @@ WALK_IDS = ["x".join(map(str, s)) for s in WALK_SHAPES]
 @pytest.mark.parametrize("walk_blocks", [1, 5, 10**6], ids=["one_segment", "5", "per_chunk"])
 @pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=str)
 @pytest.mark.parametrize("shape", WALK_SHAPES, ids=WALK_IDS)
-def test_walk_segments_match_reference(monkeypatch, shape, dtype, walk_blocks):
+def test_walk_segments_match_reference(monkeypatch, causal_kernel, shape, dtype, walk_blocks):
     """Segments of every length (the whole sequence, ragged groups, one chunk each) give the
     product, the normalized attention and their gradients (three products and the fused
-    backward), forward and anti-causal, with the normalizer."""
-    monkeypatch.setattr(cuda_backend, "CAUSAL_KERNEL", "walk")
+    backward), forward and anti-causal, with the normalizer; under each walk kernel."""
+    if causal_kernel == "chunks":
+        pytest.skip("segments are the walks'")
     monkeypatch.setattr(cuda_backend, "WALK_BLOCKS", walk_blocks)
+    kernel = cuda_backend._kernel_args()
     b, h, n, f, m = shape
     q, k, v = _features(*shape, dtype=dtype)
     q64, k64, v64 = _as64((q, k, v))
@@ -451,14 +453,14 @@ def test_walk_segments_match_reference(monkeypatch, shape, dtype, walk_blocks):
     ext = cuda_backend.extension()
     q, k, v, g = (t.detach() for t in (q, k, v, g))
     for a, w in zip(
-        ext.causal_backward(q, k, v, g, out_fp32=True, walk_blocks=walk_blocks),
+        ext.causal_backward(q, k, v, g, out_fp32=True, **kernel),
         _grads(causal_dot_product_reference(q64, k64, v64), (q64, k64, v64), g),
         strict=True,
     ):  # the walk's fused backward: dq by one walk, dk and dv by one reverse walk
         assert a.dtype == torch.float32 and torch.isfinite(a).all() and close_in_dtype(a, w, dtype)
     for reverse in (False, True):
         out, den = ext.causal_product(
-            q, k, v, reverse=reverse, out_fp32=True, with_den=True, walk_blocks=walk_blocks
+            q, k, v, reverse=reverse, out_fp32=True, with_den=True, **kernel
         )
         flip = (lambda x: x.flip(2)) if reverse else (lambda x: x)
         want = flip(causal_dot_product_reference(flip(q64), flip(k64), flip(v64)))
@@ -479,18 +481,22 @@ def _by_kernel(monkeypatch, fn) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=str)
 def test_walk_falls_back_to_chunks_above_f_128(monkeypatch, dtype):
-    """F > 128 is outside the walk: it runs the chunk kernels, bit for bit."""
+    """F > 128 is outside the walks: they run the chunk kernels, bit for bit."""
     q, k, v = (t.detach() for t in _features(1, 2, 129, 130, 20, dtype=dtype))
     got = _by_kernel(monkeypatch, lambda: ks.causal_dot_product(q, k, v, backend="cuda"))
-    assert torch.equal(got["walk"], got["chunks"])
+    assert torch.equal(got["walk"], got["chunks"]) and torch.equal(got["walk_mma"], got["chunks"])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=str)
 def test_walk_matches_chunk_kernels(monkeypatch, dtype):
-    """The two kernels agree to the precision of their operands on a long, many-head case."""
+    """The kernels agree to the precision of their operands on a long, many-head case (kernel
+    8 for walk_mma in bfloat16, kernel 6 in the other dtypes: bit for bit the walk's)."""
     q, k, v = (t.detach() for t in _features(2, 8, 2500, 64, 64, dtype=dtype))
     got = _by_kernel(monkeypatch, lambda: cuda_backend.linear_attention(q, k, v, causal=True))
     assert close_in_dtype(got["walk"], got["chunks"], dtype)
+    assert close_in_dtype(got["walk_mma"], got["chunks"], dtype)
+    if dtype != torch.bfloat16:
+        assert torch.equal(got["walk_mma"], got["walk"])
 
 
 # ---------------------------------------------------------------- 64-bit indexing
@@ -620,14 +626,14 @@ def test_kernels_run_on_the_current_stream():
     stream bit for bit; a kernel enqueued on the legacy default stream (or any other) would run
     before the inputs are written and read zeros."""
     ext = cuda_backend.extension()
-    walk_blocks = cuda_backend._walk_blocks()
+    kernel = cuda_backend._kernel_args()
     q, k, v = (t.detach() for t in _features(2, 3, 300, 32, 24, dtype=torch.bfloat16))
     g = _upstream((2, 3, 300, 24)).to(torch.bfloat16)
 
     def run(q, k, v, g):
         return [
-            *ext.causal_product(q, k, v, with_den=True, normalize=True, walk_blocks=walk_blocks),
-            *ext.causal_backward(q, k, v, g, out_fp32=True, walk_blocks=walk_blocks),
+            *ext.causal_product(q, k, v, with_den=True, normalize=True, **kernel),
+            *ext.causal_backward(q, k, v, g, out_fp32=True, **kernel),
             *ext.full_apply(q, ext.full_state(k, v), v.shape[-1], with_den=True),
             ext.scaled_cumsum(k, None, None, reverse=True),
         ]

@@ -64,8 +64,8 @@ def emu(tmp_path_factory) -> ctypes.CDLL:
     module.ks_emu_configure.argtypes = [ctypes.c_uint64, i64]
     module.ks_emu_last_launch_smem.restype = i64
     module.ks_emu_causal_product.argtypes = [i32, p, p, p, p, i32, p, i32, f32, *[i64] * 4]
-    module.ks_emu_causal_product.argtypes += [i32, i64]
-    module.ks_emu_causal_backward.argtypes = [i32, *[p] * 7, i32, *[i64] * 5]
+    module.ks_emu_causal_product.argtypes += [i32, i64, i32]
+    module.ks_emu_causal_backward.argtypes = [i32, *[p] * 7, i32, *[i64] * 5, i32]
     module.ks_emu_full_state.argtypes = [i32, p, p, p, i64, p, *[i64] * 4]
     module.ks_emu_full_apply.argtypes = [i32, p, p, p, i32, p, i32, f32, *[i64] * 4]
     module.ks_emu_scaled_cumsum.argtypes = [i32, p, p, p, p, i64, i64, i64, i32]
@@ -123,7 +123,7 @@ class EmulatedExtension:
             assert (guards == OUT_GUARD).all(), "a kernel wrote outside its output"
 
     def causal_product(self, q, k, v, reverse=False, out_fp32=True, with_den=False,
-                       normalize=False, eps=1e-6, walk_blocks=0):  # fmt: skip
+                       normalize=False, eps=1e-6, walk_blocks=0, mma_walk=False):  # fmt: skip
         q, k, v = (self._input(t) for t in (q, k, v))
         b, h, n, f = q.shape
         m = v.shape[-1]
@@ -132,11 +132,11 @@ class EmulatedExtension:
         self._run(
             self.lib.ks_emu_causal_product,
             DTYPES[q.dtype], _ptr(q), _ptr(k), _ptr(v), _ptr(out), int(out_fp32), _ptr(den),
-            int(normalize), eps, b * h, n, f, m, int(reverse), walk_blocks,
+            int(normalize), eps, b * h, n, f, m, int(reverse), walk_blocks, int(mma_walk),
         )  # fmt: skip
         return [out, den]
 
-    def causal_backward(self, q, k, v, g, out_fp32=False, walk_blocks=0):
+    def causal_backward(self, q, k, v, g, out_fp32=False, walk_blocks=0, mma_walk=False):
         q, k, v, g = (self._input(t) for t in (q, k, v, g))
         b, h, n, f = q.shape
         m = v.shape[-1]
@@ -145,7 +145,7 @@ class EmulatedExtension:
         self._run(
             self.lib.ks_emu_causal_backward,
             DTYPES[q.dtype], *map(_ptr, (q, k, v, g, *grads)), int(out_fp32), b * h, n, f, m,
-            walk_blocks,
+            walk_blocks, int(mma_walk),
         )  # fmt: skip
         return grads
 
@@ -428,6 +428,91 @@ def test_misaligned_tensors_give_the_same_bits(emu, ext, dtype, walk_blocks):
         assert torch.equal(a, b)
 
 
+# ---------------------------------------------------------------- kernel 8: the register walk
+MMA_WALK_SMEM = 74240  # kernel 8's shared memory (bytes): how a test sees that it ran
+# bf16 with F <= 64: one row; N not a multiple of the chunk with odd F and M; F = M = 64 with a
+# partial last chunk; F ≠ M with two M slices (the second ragged).
+MMA_SHAPES = [(2, 1, 4, 3), (6, 37, 8, 5), (3, 130, 64, 64), (2, 200, 33, 70)]
+MMA_IDS = ["x".join(map(str, s)) for s in MMA_SHAPES]
+
+
+@pytest.mark.parametrize("walk_blocks", [1, 5, 10**6], ids=["whole", "segments_5", "per_chunk"])
+@pytest.mark.parametrize("shape", MMA_SHAPES, ids=MMA_IDS)
+def test_mma_walk_product_normalizer_and_gradients(emu, ext, shape, walk_blocks):
+    """Kernel 8 (mma.sync on operands in registers, emulated lane by lane as the PTX ISA lays
+    out the fragments) against float64: the causal and anti-causal product, its normalizer, the
+    normalized output in bf16 and fp32, and the gradients by three products and by the fused
+    backward (kernel 8 for dq), with whole sequences, ragged segments (carries) and one chunk
+    per segment; and within bf16's tolerance of kernel 6."""
+    dtype = torch.bfloat16
+    q, k, v, g = _inputs(*shape, dtype, extra=1)
+    for reverse in (False, True):
+        want, want_den = _reference_product(q, k, v, reverse)
+        out, den = ext.causal_product(
+            q, k, v, reverse, with_den=True, walk_blocks=walk_blocks, mma_walk=True
+        )
+        assert emu.ks_emu_last_launch_smem() == MMA_WALK_SMEM
+        assert close_in_dtype(out, want, dtype) and close_in_dtype(den, want_den, dtype)
+        wmma, wmma_den = ext.causal_product(
+            q, k, v, reverse, with_den=True, walk_blocks=walk_blocks
+        )
+        assert close_in_dtype(out, wmma.double(), dtype)
+        assert close_in_dtype(den, wmma_den.double(), dtype)
+        for out_fp32 in (False, True):
+            normalized, _ = ext.causal_product(
+                q, k, v, reverse, out_fp32=out_fp32, normalize=True, walk_blocks=walk_blocks,
+                mma_walk=True,
+            )  # fmt: skip
+            assert normalized.dtype == (torch.float32 if out_fp32 else dtype)
+            assert close_in_dtype(normalized, want / (want_den[..., None] + 1e-6), dtype)
+    want = _reference_grads(q, k, v, g)
+    three = [
+        ext.causal_product(*x, reverse=r, walk_blocks=walk_blocks, mma_walk=True)[0]
+        for x, r in (((g, v, k), False), ((v, g, q), True), ((k, q, g), True))
+    ]
+    fused = ext.causal_backward(q, k, v, g, out_fp32=True, walk_blocks=walk_blocks, mma_walk=True)
+    for got in (three, fused):
+        for a, w in zip(got, want, strict=True):
+            assert close_in_dtype(a, w, dtype)
+
+
+def test_mma_walk_applies_to_bfloat16_up_to_64_features_only(emu, ext):
+    """mma_walk leaves every other case to kernel 6, bit for bit: F = 65 in bf16, and F = 64 in
+    float32 and float16."""
+    for shape, dtype in [((2, 70, 65, 8), torch.bfloat16), ((2, 70, 64, 8), torch.float32),
+                         ((2, 70, 64, 8), torch.float16)]:  # fmt: skip
+        q, k, v = _inputs(*shape, dtype)
+        a = ext.causal_product(q, k, v, with_den=True, walk_blocks=1, mma_walk=True)
+        assert emu.ks_emu_last_launch_smem() != MMA_WALK_SMEM
+        b = ext.causal_product(q, k, v, with_den=True, walk_blocks=1)
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_mma_walk_is_schedule_independent_and_alignment_blind(emu, ext):
+    """Kernel 8 under three thread schedules, and on tensors one element past an aligned
+    address (outputs written element-wise, tiles loaded without cp.async): bit-identical."""
+    q, k, v = _inputs(2, 150, 40, 72, torch.bfloat16)
+
+    def run(x):
+        return [
+            *x.causal_product(q, k, v, with_den=True, walk_blocks=5, mma_walk=True),
+            *x.causal_product(
+                q, k, v, reverse=True, out_fp32=False, normalize=True, walk_blocks=5,
+                mma_walk=True,
+            )[:1],
+        ]  # fmt: skip
+
+    runs = []
+    for seed in (1, 2, 3):
+        emu.ks_emu_configure(seed, H100_SMEM)
+        runs.append(run(ext))
+    emu.ks_emu_configure(0, H100_SMEM)
+    runs.append(run(EmulatedExtension(emu, misalign=1)))
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other, strict=True):
+            assert torch.equal(a, b)
+
+
 # ---------------------------------------------------------------- the backend on the kernels
 @pytest.fixture
 def backend(ext, monkeypatch):
@@ -437,9 +522,16 @@ def backend(ext, monkeypatch):
     return cuda_backend
 
 
+# (dtype, kernel): every dtype on the chunk kernels and the walk; walk_mma differs from the walk
+# in bfloat16 only
+BACKEND_KERNELS = [(d, k) for d in DTYPES for k in ("chunks", "walk")]
+BACKEND_KERNELS.append((torch.bfloat16, "walk_mma"))
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["three_products", "fused_backward"])
-@pytest.mark.parametrize("kernel", ["chunks", "walk"])
-@pytest.mark.parametrize("dtype", list(DTYPES), ids=str)
+@pytest.mark.parametrize(
+    "dtype, kernel", BACKEND_KERNELS, ids=[f"{d}-{k}" for d, k in BACKEND_KERNELS]
+)
 @pytest.mark.parametrize("shape", [(2, 3, 37, 8, 5), (1, 2, 150, 33, 70)], ids=["small", "ragged"])
 def test_backend_matches_reference(backend, monkeypatch, shape, dtype, kernel, fused):
     """The autograd functions of the cuda backend (products, normalizer, masks, the float16

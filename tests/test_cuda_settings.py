@@ -10,17 +10,26 @@ from kernelstudy.core import cuda_backend
 
 def test_defaults_are_valid_settings():
     assert cuda_backend.CAUSAL_KERNEL in cuda_backend.CAUSAL_KERNELS
-    assert cuda_backend._walk_blocks() == (
-        cuda_backend.WALK_BLOCKS if cuda_backend.CAUSAL_KERNEL == "walk" else 0
-    )
+    walk = cuda_backend.CAUSAL_KERNEL != "chunks"
+    assert cuda_backend._kernel_args() == {
+        "walk_blocks": cuda_backend.WALK_BLOCKS if walk else 0,
+        "mma_walk": cuda_backend.CAUSAL_KERNEL == "walk_mma",
+    }
 
 
-def test_walk_passes_its_block_target(monkeypatch):
-    monkeypatch.setattr(cuda_backend, "CAUSAL_KERNEL", "walk")
+def test_each_kernel_passes_its_arguments(monkeypatch):
+    """walk_blocks = 0 selects the chunk kernels; the walks pass their block target, and
+    walk_mma asks for kernel 8 (mma_walk)."""
     monkeypatch.setattr(cuda_backend, "WALK_BLOCKS", 96)
-    assert cuda_backend._walk_blocks() == 96
-    monkeypatch.setattr(cuda_backend, "CAUSAL_KERNEL", "chunks")
-    assert cuda_backend._walk_blocks() == 0
+    want = {
+        "chunks": {"walk_blocks": 0, "mma_walk": False},
+        "walk": {"walk_blocks": 96, "mma_walk": False},
+        "walk_mma": {"walk_blocks": 96, "mma_walk": True},
+    }
+    assert set(want) == set(cuda_backend.CAUSAL_KERNELS)
+    for kernel, args in want.items():
+        monkeypatch.setattr(cuda_backend, "CAUSAL_KERNEL", kernel)
+        assert cuda_backend._kernel_args() == args
 
 
 def test_fused_backward_passes_the_kernel_choice(monkeypatch):
@@ -28,21 +37,21 @@ def test_fused_backward_passes_the_kernel_choice(monkeypatch):
     calls = []
 
     class Ext:
-        def causal_backward(self, *tensors, out_fp32, walk_blocks):
-            calls.append((len(tensors), out_fp32, walk_blocks))
+        def causal_backward(self, *tensors, out_fp32, walk_blocks, mma_walk):
+            calls.append((len(tensors), out_fp32, walk_blocks, mma_walk))
             return []
 
     monkeypatch.setattr(cuda_backend, "WALK_BLOCKS", 64)
-    for kernel, blocks in (("walk", 64), ("chunks", 0)):
+    for kernel, blocks, mma in (("walk", 64, False), ("chunks", 0, False), ("walk_mma", 64, True)):
         monkeypatch.setattr(cuda_backend, "CAUSAL_KERNEL", kernel)
         cuda_backend._fused_backward(Ext(), 1, 2, 3, 4, out_fp32=True)
-        assert calls[-1] == (4, True, blocks)
+        assert calls[-1] == (4, True, blocks, mma)
 
 
 def test_unknown_kernel_is_refused_by_name(monkeypatch):
     monkeypatch.setattr(cuda_backend, "CAUSAL_KERNEL", "fast")
     with pytest.raises(ValueError, match=r"CAUSAL_KERNEL must be one of .*'fast'"):
-        cuda_backend._walk_blocks()
+        cuda_backend._kernel_args()
 
 
 @pytest.mark.parametrize("blocks", [0, -3, True, 2.0, "256"])
@@ -50,7 +59,7 @@ def test_walk_blocks_must_be_a_positive_int(monkeypatch, blocks):
     monkeypatch.setattr(cuda_backend, "CAUSAL_KERNEL", "walk")
     monkeypatch.setattr(cuda_backend, "WALK_BLOCKS", blocks)
     with pytest.raises(ValueError, match="WALK_BLOCKS must be an int >= 1"):
-        cuda_backend._walk_blocks()
+        cuda_backend._kernel_args()
 
 
 def test_use_variant_sets_the_kernel_and_the_backward(monkeypatch):
@@ -61,9 +70,12 @@ def test_use_variant_sets_the_kernel_and_the_backward(monkeypatch):
         assert (cuda_backend.CAUSAL_KERNEL, cuda_backend.FUSED_BACKWARD) == (kernel, fused)
         assert kernel in cuda_backend.CAUSAL_KERNELS
     cuda_backend.use_variant("walk", walk_blocks=96)
-    assert cuda_backend._walk_blocks() == 96
+    assert cuda_backend._kernel_args() == {"walk_blocks": 96, "mma_walk": False}
     cuda_backend.use_variant("chunks_fused")
-    assert cuda_backend.WALK_BLOCKS == 96 and cuda_backend._walk_blocks() == 0
+    assert cuda_backend.WALK_BLOCKS == 96
+    assert cuda_backend._kernel_args() == {"walk_blocks": 0, "mma_walk": False}
+    cuda_backend.use_variant("walk_mma_fused")
+    assert cuda_backend._kernel_args() == {"walk_blocks": 96, "mma_walk": True}
 
 
 @pytest.mark.parametrize(

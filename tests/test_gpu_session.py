@@ -378,7 +378,7 @@ def test_the_stages_commands_are_ones_the_scripts_take(gs, tmp_path):
         (["bfloat16", "float32"], list(gs.TARGET_N)),
     ]
     for args in parsed:
-        assert args.resume and args.no_plot and args.walk_blocks == [128, 256, 512]
+        assert args.resume and args.no_plot and args.walk_blocks == [128, 256]
         assert args.shapes == [(8, 16)] and args.dims == [64]
         assert args.out == parsed[0].out and set(args.methods) == set(cuda_core.METHODS)
     assert gs.CUDA_METHODS == tuple(cuda_core.CUDA_METHODS)

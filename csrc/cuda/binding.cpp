@@ -82,10 +82,11 @@ Readout readout(const at::Tensor& q, int64_t m, bool out_fp32, bool with_den) {
 
 // out (B,H,N,M) = sum_{j<=i} (q_i . k_j) v_j (j >= i with `reverse`), in fp32 if `out_fp32`
 // else in the inputs' dtype; den (B,H,N) fp32 = sum_{j<=i} q_i . k_j if `with_den` (else None).
-// `normalize` divides out by den + eps. walk_blocks > 0 selects the walk kernel (launchers.h).
+// `normalize` divides out by den + eps. walk_blocks > 0 selects the walk kernel, `mma_walk` its
+// register form for bf16 with F <= 64 (launchers.h).
 std::vector<at::Tensor> causal_product(at::Tensor q, at::Tensor k, at::Tensor v, bool reverse,
                                        bool out_fp32, bool with_den, bool normalize, double eps,
-                                       int64_t walk_blocks) {
+                                       int64_t walk_blocks, bool mma_walk) {
   TORCH_CHECK_VALUE(walk_blocks >= 0, "walk_blocks must be >= 0, got ", walk_blocks);
   check_sequence(q, "q", q);
   check_sequence(k, "k", q);
@@ -106,7 +107,7 @@ std::vector<at::Tensor> causal_product(at::Tensor q, at::Tensor k, at::Tensor v,
                                        out.data_ptr(), out_fp32,
                                        with_den ? den.data_ptr<float>() : nullptr, normalize,
                                        static_cast<float>(eps), ws.data_ptr<float>(), b * h, n, f,
-                                       m, reverse, walk_blocks,
+                                       m, reverse, walk_blocks, mma_walk,
                                        c10::cuda::getCurrentCUDAStream()),
                "causal_product");
   return {out, den};
@@ -114,9 +115,9 @@ std::vector<at::Tensor> causal_product(at::Tensor q, at::Tensor k, at::Tensor v,
 
 // [dq, dk, dv] of the causal product for g = dL/dout (B,H,N,M), from the fused backward: dq, dk
 // (B,H,N,F), dv (B,H,N,M), in fp32 if `out_fp32` else in the inputs' dtype. walk_blocks > 0
-// selects the walk's fused backward (launchers.h).
+// selects the walk's fused backward, `mma_walk` the register walk for its dq (launchers.h).
 std::vector<at::Tensor> causal_backward(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor g,
-                                        bool out_fp32, int64_t walk_blocks) {
+                                        bool out_fp32, int64_t walk_blocks, bool mma_walk) {
   TORCH_CHECK_VALUE(walk_blocks >= 0, "walk_blocks must be >= 0, got ", walk_blocks);
   check_sequence(q, "q", q);
   check_sequence(k, "k", q);
@@ -145,7 +146,7 @@ std::vector<at::Tensor> causal_backward(at::Tensor q, at::Tensor k, at::Tensor v
   check_launch(ks_cuda::causal_backward(dtype_of(q), q.data_ptr(), k.data_ptr(), v.data_ptr(),
                                         g.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
                                         out_fp32, ws.data_ptr<float>(), b * h, n, f, m,
-                                        walk_blocks, c10::cuda::getCurrentCUDAStream()),
+                                        walk_blocks, mma_walk, c10::cuda::getCurrentCUDAStream()),
                "causal_backward");
   return {dq, dk, dv};
 }
@@ -233,10 +234,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("causal_product", &causal_product, "causal (or anti-causal) product, optional normalizer",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("reverse") = false,
         py::arg("out_fp32") = true, py::arg("with_den") = false, py::arg("normalize") = false,
-        py::arg("eps") = 1e-6, py::arg("walk_blocks") = 0);
+        py::arg("eps") = 1e-6, py::arg("walk_blocks") = 0, py::arg("mma_walk") = false);
   m.def("causal_backward", &causal_backward, "fused gradients [dq, dk, dv] of the causal product",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("out_fp32") = false,
-        py::arg("walk_blocks") = 0);
+        py::arg("walk_blocks") = 0, py::arg("mma_walk") = false);
   m.def("full_state", &full_state, "non-causal state [S | z] with key padding", py::arg("k"),
         py::arg("v"), py::arg("key_padding_mask") = py::none());
   m.def("full_apply", &full_apply, "non-causal read-out q . S (optionally normalized)",

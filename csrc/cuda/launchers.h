@@ -32,13 +32,16 @@ constexpr int64_t kReduceRows = 1024;  // rows per partial state of the non-caus
 // blocks run (the per-chunk kernels where the walk does not apply). `workspace` holds
 // causal_workspace_floats(...) floats (same arguments, on the device that runs the product):
 // per-chunk states (S: F x M in fp32 for fp32 inputs, bf16 for half inputs; z: F in fp32) and
-// per-block carries (fp32), or for the walk the segments' carries only.
+// per-block carries (fp32), or for the walk the segments' carries only. `mma_walk` (with
+// walk_blocks > 0): bf16 inputs with F <= 64 walk on mma.sync with the operands in registers
+// (kernel 8) instead of WMMA tiles in shared memory; same results up to the order of sums,
+// same workspace; other inputs ignore it.
 int64_t causal_workspace_floats(DType dtype, int64_t bh, int64_t n, int64_t f, int64_t m,
                                 int64_t walk_blocks);
 cudaError_t causal_product(DType dtype, const void* q, const void* k, const void* v, void* out,
                            bool out_fp32, float* den, bool normalize, float eps, float* workspace,
                            int64_t bh, int64_t n, int64_t f, int64_t m, bool reverse,
-                           int64_t walk_blocks, cudaStream_t stream);
+                           int64_t walk_blocks, bool mma_walk, cudaStream_t stream);
 
 // Gradients of the causal product for g = dL/dout (BH, N, M), fused:
 // dq_i = sum_{j<=i} (g_i . v_j) k_j,  dk_j = sum_{i>=j} (g_i . v_j) q_i,
@@ -46,14 +49,15 @@ cudaError_t causal_product(DType dtype, const void* q, const void* k, const void
 // (BH, N, F), dv: (BH, N, M), in fp32 if `out_fp32` else in `dtype`.
 // walk_blocks = 0: the chunk states of (k, v) and of (q, g), then one pass over all chunks for
 // dq, dk and dv. walk_blocks > 0: dq by the walk, then dk and dv together by one reverse walk
-// (F, M <= 128; separate walks otherwise). `workspace` holds
+// (F, M <= 128; separate walks otherwise); `mma_walk` as in causal_product, for dq (and for dk
+// and dv where they walk separately). `workspace` holds
 // causal_backward_workspace_floats(...) floats (same arguments, on the device that runs it).
 int64_t causal_backward_workspace_floats(DType dtype, int64_t bh, int64_t n, int64_t f,
                                          int64_t m, int64_t walk_blocks);
 cudaError_t causal_backward(DType dtype, const void* q, const void* k, const void* v,
                             const void* g, void* dq, void* dk, void* dv, bool out_fp32,
                             float* workspace, int64_t bh, int64_t n, int64_t f, int64_t m,
-                            int64_t walk_blocks, cudaStream_t stream);
+                            int64_t walk_blocks, bool mma_walk, cudaStream_t stream);
 
 // ------------------------------------------------------------------ non-causal attention
 // state (fp32, (BH, F*M + F)): S = sum_j keep_j k_j v_j^T (row-major F x M) followed by

@@ -38,6 +38,9 @@
 //                            and dv together by one reverse walk with R = sum Q^T G on chip.
 //   Kernels 1 and 3 write and read one F x M state per chunk (at N = 8192, B·H = 128, F = M = 64
 //   in bf16: 134 MB each way); the walk keeps it on chip and launches once.
+//   8. chunk_walk_mma_kernel kernel 6 for bf16 with F <= 64 and mma_walk: mma.sync with each
+//                            warp's operands in registers (scores to P V without shared memory,
+//                            S in fp32 accumulators), one barrier per chunk.
 //
 // ------------------------------------------------------------------ tiles
 // Thread block: 256 threads = 8 warps. Every matrix product is on 64 x 64 tiles staged in
@@ -73,6 +76,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "launchers.h"
@@ -91,6 +95,12 @@
 #define KS_HOST_ASYNC_COPY16(dst, src) \
   (*static_cast<uint4*>(dst) = *static_cast<const uint4*>(src))
 #define KS_HOST_ASYNC_WAIT()
+#endif
+// ... and for kernel 8, the warp-collective ldmatrix and mma.sync (the emulator gathers the
+// lanes' registers as the PTX ISA lays them out); nvcc's host pass never runs them.
+#ifndef KS_HOST_LDMATRIX_X4
+#define KS_HOST_LDMATRIX_X4(regs, ptr, trans)
+#define KS_HOST_MMA_BF16(acc, a, b)
 #endif
 
 namespace ks_cuda {
@@ -315,6 +325,71 @@ __device__ __forceinline__ void cp_async_wait_all() {
 #endif
 }
 
+// ------------------------------------------------------------------ mma.sync fragments
+// Kernel 8 multiplies with mma.sync m16n8k16 (bf16 x bf16 -> fp32) on operands in registers, laid
+// out as the PTX ISA specifies; g = lane / 4, t = lane % 4, pairs of bf16 packed low element
+// first into a 32-bit register:
+//   A (16 x 16, row):  a[0] = A[g][2t, 2t+1], a[1] = A[g+8][2t, 2t+1], a[2] = A[g][2t+8, 2t+9],
+//                      a[3] = A[g+8][2t+8, 2t+9];
+//   B (16 x 8, col):   b[0] = B[2t, 2t+1][g], b[1] = B[2t+8, 2t+9][g];
+//   C (16 x 8, fp32):  c[0], c[1] = C[g][2t, 2t+1], c[2], c[3] = C[g+8][2t, 2t+1].
+// ldmatrix.x4 loads four 8 x 8 bf16 matrices from shared memory, lane 8i + r giving the address
+// of row r of matrix i (16-byte aligned); register i of a lane receives matrix i's row g, columns
+// 2t and 2t+1, or with `trans` its column g, rows 2t and 2t+1.
+
+// Two floats rounded to bf16 and packed (lo in the low half).
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat16 a = from_float<__nv_bfloat16>(lo), b = from_float<__nv_bfloat16>(hi);
+  uint16_t ua, ub;
+  memcpy(&ua, &a, 2);
+  memcpy(&ub, &b, 2);
+  return static_cast<uint32_t>(ua) | (static_cast<uint32_t>(ub) << 16);
+}
+
+// The two bf16 of a packed register as floats: {low, high}.
+__device__ __forceinline__ float2 unpack_bf16(uint32_t u) {
+  const uint32_t lo = u << 16, hi = u & 0xffff0000u;
+  float2 x;
+  memcpy(&x.x, &lo, 4);
+  memcpy(&x.y, &hi, 4);
+  return x;
+}
+
+template <bool kTrans>
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const __nv_bfloat16* p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  if constexpr (kTrans) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a)
+                 : "memory");
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a)
+                 : "memory");
+  }
+#elif !defined(__CUDA_ARCH__)
+  KS_HOST_LDMATRIX_X4(r, p, kTrans);
+#endif
+}
+
+// acc += A B for one m16n8k16 step (a: A's four registers, b0, b1: B's two).
+__device__ __forceinline__ void mma_bf16(float (&acc)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#elif !defined(__CUDA_ARCH__)
+  const uint32_t b[2] = {b0, b1};
+  KS_HOST_MMA_BF16(acc, a, b);
+#endif
+}
+
 // ------------------------------------------------------------------ global -> shared tiles
 // Copies rows [row0, row0+64) x columns [col0, col0+64) of a row-major global matrix
 // (rows x cols, leading dimension ld) into a 64 x 64 shared tile (leading dimension ldd),
@@ -446,6 +521,24 @@ __device__ __forceinline__ void mask_scores(float* __restrict__ Af, Op* __restri
   }
 }
 
+// ------------------------------------------------------------------ segments
+// The segment a thread block walks in kernels 1, 6, 7 and 8 (grid.x = BH * nblk): sequence bh,
+// segment blk, the chunks [first, first + count) of the sequence's nc (cpb per segment, the
+// last segment shorter), visited first to last or, with `reverse`, last to first.
+struct WalkSegment {
+  int64_t nc, bh, blk, first, count;
+  bool reverse;
+  __device__ WalkSegment(int64_t n, int64_t nblk, int64_t cpb, bool reverse_)
+      : nc((n + kTile - 1) / kTile),
+        bh(blockIdx.x / nblk),
+        blk(blockIdx.x % nblk),
+        first(blk * cpb),
+        count((first + cpb < nc ? first + cpb : nc) - first),  // >= 1
+        reverse(reverse_) {}
+  // the i-th chunk visited
+  __device__ int64_t chunk(int64_t i) const { return reverse ? first + count - 1 - i : first + i; }
+};
+
 // ------------------------------------------------------------------ kernel 1: chunk states
 // grid.x = BH * nblk: block b walks the chunks [b*cpb, min(nc, (b+1)*cpb)) of sequence bh in
 // order (last to first with `reverse`), cpb = chunks per block; grid.y = ceil(F/64) *
@@ -474,9 +567,8 @@ __global__ void __launch_bounds__(kThreads)
   Op* tiles = reinterpret_cast<Op*>(smem);  // buffer b: K at 2b, V at 2b + 1 (64 x LD each)
   float* St = reinterpret_cast<float*>(tiles + 4 * kTile * LD);  // 64 x kLdF: fp32 state tile
 
-  const int64_t nc = (n + kTile - 1) / kTile;
-  const int64_t bh = blockIdx.x / nblk;
-  const int64_t blk = blockIdx.x % nblk;
+  const WalkSegment seg(n, nblk, cpb, reverse);
+  const int64_t nc = seg.nc, bh = seg.bh, blk = seg.blk;
   const int64_t m_tiles = (m + kTile - 1) / kTile;
   const int64_t f0 = (blockIdx.y / m_tiles) * kTile;
   const int64_t m0 = (blockIdx.y % m_tiles) * kTile;
@@ -489,9 +581,8 @@ __global__ void __launch_bounds__(kThreads)
   zero(acc);
   float z = 0.f;  // thread t < 64: running z of feature f0 + t
 
-  const int64_t first = blk * cpb;
-  const int64_t count = (first + cpb < nc ? first + cpb : nc) - first;  // >= 1
-  auto chunk = [&](int64_t i) { return reverse ? first + count - 1 - i : first + i; };
+  const int64_t count = seg.count;
+  auto chunk = [&](int64_t i) { return seg.chunk(i); };
   auto load_chunk = [&](int64_t i, int buf) {
     const int64_t row0 = chunk(i) * kTile;
     load_tile<Tin, Op>(tiles + (2 * buf) * kTile * LD, LD, kb, f, n, f, row0, f0, keep, vec_k);
@@ -1010,17 +1101,15 @@ __global__ void __launch_bounds__(kThreads, kWalkBlocksPerSm<typename OperandOf<
   auto s_tile = [&](int ft) { return s32 + ft * kTile * kLdF; };
   auto s_copy_tile = [&](int ft) { return s_copy + ft * Smem::kOpTile; };
 
-  const int64_t nc = (n + kTile - 1) / kTile;
-  const int64_t bh = blockIdx.x / nblk;
-  const int64_t blk = blockIdx.x % nblk;
+  const WalkSegment seg(n, nblk, cpb, reverse);
+  const int64_t bh = seg.bh, blk = seg.blk;
   const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kTile;
   const bool need_den = normalize || den != nullptr;
   const Tin* qb = q + bh * n * f;
   const Tin* kb = k + bh * n * f;
   const Tin* vb = v + bh * n * m;
-  const int64_t first = blk * cpb;
-  const int64_t count = (first + cpb < nc ? first + cpb : nc) - first;  // >= 1
-  auto chunk = [&](int64_t i) { return reverse ? first + count - 1 - i : first + i; };
+  const int64_t count = seg.count;
+  auto chunk = [&](int64_t i) { return seg.chunk(i); };
   auto load_chunk = [&](int64_t i, int buf) {
     const int64_t row0 = chunk(i) * kTile;
 #pragma unroll
@@ -1174,16 +1263,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     return tile_operand(r_state(ft, mt), r_copy_tile(ft, mt));
   };
 
-  const int64_t nc = (n + kTile - 1) / kTile;
-  const int64_t bh = blockIdx.x / nblk;
-  const int64_t blk = blockIdx.x % nblk;
+  const WalkSegment seg(n, nblk, cpb, true);
+  const int64_t bh = seg.bh, blk = seg.blk;
   const Tin* qb = q + bh * n * f;
   const Tin* kb = k + bh * n * f;
   const Tin* vb = v + bh * n * m;
   const Tin* gb = g + bh * n * m;
-  const int64_t first = blk * cpb;
-  const int64_t count = (first + cpb < nc ? first + cpb : nc) - first;  // >= 1
-  auto chunk = [&](int64_t i) { return first + count - 1 - i; };        // last to first
+  const int64_t count = seg.count;
+  auto chunk = [&](int64_t i) { return seg.chunk(i); };  // last to first
   auto load_chunk = [&](int64_t i, int buf) {
     const int64_t row0 = chunk(i) * kTile;
     for (int ft = 0; ft < ft_n; ++ft) {
@@ -1276,6 +1363,260 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (lay.nbuf == 1 && i + 1 < count) {
       __syncthreads();  // every warp has read this chunk's tiles
       load_chunk(i + 1, 0);
+    }
+  }
+#endif
+}
+
+// ------------------------------------------------------------------ kernel 8: register walk
+// Kernel 6 for bf16 inputs with F <= 64 (selected by mma_walk), on mma.sync with each warp's
+// operands in registers: the masked scores go from the accumulators of Q K^T straight into the
+// A operand of P V, and the state S stays in fp32 accumulators for the whole walk, so per chunk
+// only the Q, K, V tiles and one bf16 copy of S pass through shared memory, with one barrier.
+// grid and segments as in kernel 6 (grid.x = BH * nblk, grid.y = ceil(M/64); carries from
+// kernels 1 and 2). Warp w owns rows r0 = 16*(w%4) .. +16 of the chunk (outputs) and of S
+// (features), and columns c0 = 32*(w/4) .. +32 of the M slice; the two warps of each row band
+// both compute its 16 x 64 scores. Chunk c (rows of chunk i are j, i within the chunk):
+//     P = mask(Q_c K_c^T)            (fp32 accumulators; bf16 A fragments)
+//     out_c = P V_c + Q_c S,  den_c = row sums of P + Q_c z
+//     S += K_c^T V_c,  z += column sums of K_c,
+// then S (rounded to bf16) and z go to the other of two shared copies, which the next chunk
+// reads after the barrier that also publishes its tiles. Score and value steps that the mask
+// zeroes for a whole warp are skipped.
+// Shared: two buffers of (Q, K, V: 64 x LD bf16 each), two copies of S (64 x LD bf16) and of z
+// (64 fp32). Outputs and den go from registers to global memory.
+constexpr int kMmaWalkTiles = 2 * 3 + 2;
+
+constexpr size_t mma_walk_smem() {
+  return static_cast<size_t>(kMmaWalkTiles) * kTile * ld_of<__nv_bfloat16>() *
+             sizeof(__nv_bfloat16) +
+         2 * kTile * sizeof(float);
+}
+
+template <typename Tout>
+__device__ __forceinline__ void store_pair(Tout* dst, float a, float b, bool both, bool pair) {
+  if (pair) {  // both in range, and dst aligned to the pair
+    if constexpr (std::is_same_v<Tout, float>) {
+      *reinterpret_cast<float2*>(dst) = float2{a, b};
+    } else {
+      *reinterpret_cast<uint32_t*>(dst) = pack_bf16(a, b);
+    }
+    return;
+  }
+  dst[0] = from_float<Tout>(a);
+  if (both) dst[1] = from_float<Tout>(b);
+}
+
+template <typename Tout>
+__global__ void __launch_bounds__(kThreads, 2)
+    chunk_walk_mma_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
+                          const __nv_bfloat16* __restrict__ v, const float* __restrict__ carry,
+                          Tout* __restrict__ out, float* __restrict__ den, int64_t n, int64_t f,
+                          int64_t m, int64_t nblk, int64_t cpb, bool reverse, bool normalize,
+                          float eps, bool vec_qk, bool vec_v) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  using Op = __nv_bfloat16;
+  constexpr int LD = ld_of<Op>();
+  constexpr int kOpTile = kTile * LD;
+  KS_DYNAMIC_SMEM(smem);
+  Op* bufs = reinterpret_cast<Op*>(smem);  // buffer b: Q, K, V at tiles 3b, 3b + 1, 3b + 2
+  Op* s_copies = bufs + 6 * kOpTile;       // S in bf16, two copies
+  float* z_copies = reinterpret_cast<float*>(s_copies + 2 * kOpTile);  // two copies of z
+  auto tile = [&](int buf, int i) { return bufs + (buf * 3 + i) * kOpTile; };
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int r0 = (warp % 4) * 16, c0 = (warp / 4) * 32;
+  // ldmatrix row addresses: lane l gives row l % 8 of matrix l / 8
+  const int lr = lane % 8, lm0 = (lane / 8) % 2, lm1 = lane / 16;
+
+  const WalkSegment seg(n, nblk, cpb, reverse);
+  const int64_t bh = seg.bh, blk = seg.blk;
+  const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kTile;
+  const bool need_den = normalize || den != nullptr;
+  const Op* qb = q + bh * n * f;
+  const Op* kb = k + bh * n * f;
+  const Op* vb = v + bh * n * m;
+  const int64_t count = seg.count;
+  auto chunk = [&](int64_t i) { return seg.chunk(i); };
+  auto load_chunk = [&](int64_t i, int buf) {
+    const int64_t row0 = chunk(i) * kTile;
+    load_tile<Op, Op>(tile(buf, 0), LD, qb, f, n, f, row0, 0, nullptr, vec_qk);
+    load_tile<Op, Op>(tile(buf, 1), LD, kb, f, n, f, row0, 0, nullptr, vec_qk);
+    load_tile<Op, Op>(tile(buf, 2), LD, vb, m, n, m, row0, m0, nullptr, vec_v);
+    cp_async_commit();
+  };
+  load_chunk(0, 0);
+
+  // S: the warp's 16 x 32 slab in fp32 accumulators (n-tile j: columns c0 + 8j ..), from the
+  // segment's carry (S row-major F x M, then z) or zero; z: column zc of K, summed by the four
+  // threads zp = 0..3 (rows zp, zp + 4, ...), held by all four.
+  const float* cs = carry == nullptr ? nullptr : carry + (bh * nblk + blk) * (f * m + f);
+  float s[4][4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int64_t fi = r0 + g + 8 * (e / 2), mj = m0 + c0 + 8 * j + 2 * t + e % 2;
+      s[j][e] = (cs != nullptr && fi < f && mj < m) ? cs[fi * m + mj] : 0.f;
+    }
+  }
+  const int zc = threadIdx.x / 4, zp = threadIdx.x % 4;
+  float z = (cs != nullptr && need_den && zc < f) ? cs[f * m + zc] : 0.f;
+  auto publish_state = [&](int copy) {  // S and z for the next chunk
+    Op* sc = s_copies + copy * kOpTile;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        *reinterpret_cast<uint32_t*>(sc + (r0 + g + 8 * h) * LD + c0 + 8 * j + 2 * t) =
+            pack_bf16(s[j][2 * h], s[j][2 * h + 1]);
+      }
+    }
+    if (zp == 0) z_copies[copy * kTile + zc] = z;
+  };
+  publish_state(0);
+
+  const bool pairs = reinterpret_cast<uintptr_t>(out) % (2 * sizeof(Tout)) == 0 && m % 2 == 0;
+  for (int64_t i = 0; i < count; ++i) {
+    const int buf = static_cast<int>(i & 1);
+    const int64_t row0 = chunk(i) * kTile;
+    cp_async_wait_all();  // chunk i's tiles (the only copies in flight)
+    __syncthreads();      // ... visible to all, with S and z; step i-1 is complete
+    if (i + 1 < count) load_chunk(i + 1, buf ^ 1);
+    const Op* Qs = tile(buf, 0);
+    const Op* Ks = tile(buf, 1);
+    const Op* Vs = tile(buf, 2);
+    const Op* Ss = s_copies + buf * kOpTile;
+    const float* zs = z_copies + buf * kTile;
+
+    // the warp's 16 rows of Q as A fragments, one per 16 features
+    uint32_t qa[4][4];
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      ldmatrix_x4<false>(qa[kk], Qs + (r0 + lr + 8 * lm0) * LD + 16 * kk + 8 * lm1);
+    }
+    // scores P = Q K^T (n-tile j: keys 8j ..), masked to keys <= rows (>= with reverse); an
+    // n-tile wholly outside the mask for the warp's rows is skipped
+    auto tile_on = [&](int j) { return reverse ? 8 * j + 7 >= r0 : 8 * j <= r0 + 15; };
+    float p[8][4];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) p[j][e] = 0.f;
+    }
+#pragma unroll
+    for (int jp = 0; jp < 4; ++jp) {
+      if (!tile_on(2 * jp) && !tile_on(2 * jp + 1)) continue;
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        uint32_t b[4];
+        ldmatrix_x4<false>(b, Ks + (16 * jp + lr + 8 * lm1) * LD + 16 * kk + 8 * lm0);
+        mma_bf16(p[2 * jp], qa[kk], b[0], b[1]);
+        mma_bf16(p[2 * jp + 1], qa[kk], b[2], b[3]);
+      }
+    }
+    float rs[2] = {0.f, 0.f};  // row sums of the masked scores: rows g, g + 8
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = r0 + g + 8 * (e / 2), key = 8 * j + 2 * t + e % 2;
+        if (reverse ? key < row : key > row) p[j][e] = 0.f;
+        rs[e / 2] += p[j][e];
+      }
+    }
+    uint32_t pa[4][4];  // P as A fragments, one per 16 keys
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      pa[kk][0] = pack_bf16(p[2 * kk][0], p[2 * kk][1]);
+      pa[kk][1] = pack_bf16(p[2 * kk][2], p[2 * kk][3]);
+      pa[kk][2] = pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+      pa[kk][3] = pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+    }
+
+    // out = Q S + P V (the warp's 16 x 32: n-tile j at columns c0 + 8j), and S += K^T V with
+    // the same V fragments
+    float o[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[j][e] = 0.f;
+    }
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+      for (int jp = 0; jp < 2; ++jp) {
+        uint32_t b[4];
+        ldmatrix_x4<true>(b, Ss + (16 * kk + lr + 8 * lm0) * LD + c0 + 16 * jp + 8 * lm1);
+        mma_bf16(o[2 * jp], qa[kk], b[0], b[1]);
+        mma_bf16(o[2 * jp + 1], qa[kk], b[2], b[3]);
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      uint32_t vf[2][4];
+#pragma unroll
+      for (int jp = 0; jp < 2; ++jp) {
+        ldmatrix_x4<true>(vf[jp], Vs + (16 * kk + lr + 8 * lm0) * LD + c0 + 16 * jp + 8 * lm1);
+      }
+      if (tile_on(2 * kk) || tile_on(2 * kk + 1)) {
+#pragma unroll
+        for (int jp = 0; jp < 2; ++jp) {
+          mma_bf16(o[2 * jp], pa[kk], vf[jp][0], vf[jp][1]);
+          mma_bf16(o[2 * jp + 1], pa[kk], vf[jp][2], vf[jp][3]);
+        }
+      }
+      uint32_t ka[4];  // K^T: the warp's 16 features x keys 16kk ..
+      ldmatrix_x4<true>(ka, Ks + (16 * kk + lr + 8 * lm1) * LD + r0 + 8 * lm0);
+#pragma unroll
+      for (int jp = 0; jp < 2; ++jp) {
+        mma_bf16(s[2 * jp], ka, vf[jp][0], vf[jp][1]);
+        mma_bf16(s[2 * jp + 1], ka, vf[jp][2], vf[jp][3]);
+      }
+    }
+
+    // den = row sums + q . z (z before this chunk), summed over the four lanes of a row
+    float dn[2] = {rs[0], rs[1]};
+    if (need_den) {
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // a[h]: columns 2t, 2t+1; a[h + 2]: 2t + 8, 2t + 9
+          const float2 lo = unpack_bf16(qa[kk][h]), hi = unpack_bf16(qa[kk][h + 2]);
+          const int c = 16 * kk + 2 * t;
+          dn[h] += lo.x * zs[c] + lo.y * zs[c + 1] + hi.x * zs[c + 8] + hi.y * zs[c + 9];
+        }
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        dn[h] += __shfl_xor_sync(0xffffffffu, dn[h], 1);
+        dn[h] += __shfl_xor_sync(0xffffffffu, dn[h], 2);
+      }
+      float zsum = 0.f;
+      for (int r = zp; r < kTile; r += 4) zsum += to_float(Ks[r * LD + zc]);
+      zsum += __shfl_xor_sync(0xffffffffu, zsum, 1);
+      zsum += __shfl_xor_sync(0xffffffffu, zsum, 2);
+      z += zsum;
+    }
+    if (i + 1 < count) publish_state(buf ^ 1);  // the other copies: read in step i - 1
+
+    // outputs (divided by den + eps with `normalize`) and den, from registers
+    Tout* ob = out + bh * n * m;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t row = row0 + r0 + g + 8 * h;
+      if (row >= n) continue;
+      const float d = normalize ? dn[h] + eps : 1.f;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int64_t col = m0 + c0 + 8 * j + 2 * t;
+        if (col >= m) continue;
+        const float a = o[j][2 * h], b = o[j][2 * h + 1];
+        store_pair(ob + row * m + col, normalize ? a / d : a, normalize ? b / d : b, col + 1 < m,
+                   pairs && col + 1 < m);
+      }
+      if (den != nullptr && blockIdx.y == 0 && c0 == 0 && t == 0) den[bh * n + row] = dn[h];
     }
   }
 #endif
@@ -1551,18 +1892,48 @@ cudaError_t launch_walk(const Tin* q, const Tin* k, const Tin* v, const float* c
                       vec_v);
 }
 
-// The causal product by kernel 6: the carries of the segments (kernels 1 and 2, totals only)
-// where the sequence is split, then one walk per segment.
+template <typename Tout>
+cudaError_t launch_walk_mma(const __nv_bfloat16* q, const __nv_bfloat16* k,
+                            const __nv_bfloat16* v, const float* carry, Tout* out, float* den,
+                            int64_t bh, int64_t n, int64_t f, int64_t m, int64_t nblk,
+                            int64_t cpb, bool reverse, bool normalize, float eps,
+                            cudaStream_t stream) {
+  const bool vec_qk = rows_vectorizable<__nv_bfloat16>(q, f) &&
+                      rows_vectorizable<__nv_bfloat16>(k, f);
+  const bool vec_v = rows_vectorizable<__nv_bfloat16>(v, m);
+  return launch_tiles(chunk_walk_mma_kernel<Tout>, bh * nblk, cdiv(m, kTile), mma_walk_smem(),
+                      stream, q, k, v, carry, out, den, n, f, m, nblk, cpb, reverse, normalize,
+                      eps, vec_qk, vec_v);
+}
+
+// True where kernel 8 replaces kernel 6: bf16 inputs, F <= 64, and mma_walk.
+template <typename Tin>
+constexpr bool use_walk_mma(int64_t f, bool mma_walk) {
+  return std::is_same_v<Tin, __nv_bfloat16> && mma_walk && f <= kTile;
+}
+
+// The causal product by kernel 6 (or 8): the carries of the segments (kernels 1 and 2, totals
+// only) where the sequence is split, then one walk per segment.
 template <typename Tin>
 cudaError_t walk_typed(const Tin* q, const Tin* k, const Tin* v, void* out, bool out_fp32,
                        float* den, bool normalize, float eps, float* ws, int64_t bh, int64_t n,
-                       int64_t f, int64_t m, bool reverse, int64_t walk_blocks,
+                       int64_t f, int64_t m, bool reverse, int64_t walk_blocks, bool mma_walk,
                        cudaStream_t stream) {
   const WalkLayout l = walk_layout(bh, n, f, m, walk_blocks, cdiv(m, kTile));
   const float* carry;
   const cudaError_t err = walk_carries(k, v, ws, l, bh, n, f, m, reverse,
                                        normalize || den != nullptr, &carry, stream);
   if (err != cudaSuccess) return err;
+  if constexpr (std::is_same_v<Tin, __nv_bfloat16>) {
+    if (use_walk_mma<Tin>(f, mma_walk)) {
+      if (out_fp32) {
+        return launch_walk_mma<float>(q, k, v, carry, static_cast<float*>(out), den, bh, n, f,
+                                      m, l.nblk, l.cpb, reverse, normalize, eps, stream);
+      }
+      return launch_walk_mma<Tin>(q, k, v, carry, static_cast<Tin*>(out), den, bh, n, f, m,
+                                  l.nblk, l.cpb, reverse, normalize, eps, stream);
+    }
+  }
   if (out_fp32) {
     return launch_walk<Tin, float>(q, k, v, carry, static_cast<float*>(out), den, bh, n, f, m,
                                    l.nblk, l.cpb, reverse, normalize, eps, stream);
@@ -1575,14 +1946,14 @@ template <typename Tin>
 cudaError_t causal_typed(const void* q, const void* k, const void* v, void* out, bool out_fp32,
                          float* den, bool normalize, float eps, float* ws, int64_t bh, int64_t n,
                          int64_t f, int64_t m, bool reverse, int64_t walk_blocks,
-                         cudaStream_t stream) {
+                         bool mma_walk, cudaStream_t stream) {
   using Tstate = StateOf<Tin>;
   const Tin* qt = static_cast<const Tin*>(q);
   const Tin* kt = static_cast<const Tin*>(k);
   const Tin* vt = static_cast<const Tin*>(v);
   if (use_walk<Tin>(f, walk_blocks)) {
     return walk_typed<Tin>(qt, kt, vt, out, out_fp32, den, normalize, eps, ws, bh, n, f, m,
-                           reverse, walk_blocks, stream);
+                           reverse, walk_blocks, mma_walk, stream);
   }
   const CausalLayout l = causal_layout(bh, n, f, m, sizeof(Tstate));
   float* totals = ws + l.totals;
@@ -1648,17 +2019,17 @@ template <typename Tin>
 cudaError_t walk_backward_typed(const Tin* q, const Tin* k, const Tin* v, const Tin* g, void* dq,
                                 void* dk, void* dv, bool out_fp32, float* ws, int64_t bh,
                                 int64_t n, int64_t f, int64_t m, int64_t walk_blocks,
-                                cudaStream_t stream) {
+                                bool mma_walk, cudaStream_t stream) {
   cudaError_t err = causal_typed<Tin>(g, v, k, dq, out_fp32, nullptr, false, 0.f, ws, bh, n, m,
-                                      f, false, walk_blocks, stream);
+                                      f, false, walk_blocks, mma_walk, stream);
   if (err != cudaSuccess) return err;
   const auto lay = dkv_smem<Tin>(f, m);
   if (lay.nbuf == 0) {
     err = causal_typed<Tin>(v, g, q, dk, out_fp32, nullptr, false, 0.f, ws, bh, n, m, f, true,
-                            walk_blocks, stream);
+                            walk_blocks, mma_walk, stream);
     if (err != cudaSuccess) return err;
     return causal_typed<Tin>(k, q, g, dv, out_fp32, nullptr, false, 0.f, ws, bh, n, f, m, true,
-                             walk_blocks, stream);
+                             walk_blocks, mma_walk, stream);
   }
   const WalkLayout l = walk_layout(bh, n, f, m, walk_blocks, 1);
   const float* carry;
@@ -1680,14 +2051,14 @@ template <typename Tin>
 cudaError_t causal_backward_typed(const void* q, const void* k, const void* v, const void* g,
                                   void* dq, void* dk, void* dv, bool out_fp32, float* ws,
                                   int64_t bh, int64_t n, int64_t f, int64_t m,
-                                  int64_t walk_blocks, cudaStream_t stream) {
+                                  int64_t walk_blocks, bool mma_walk, cudaStream_t stream) {
   const Tin* qt = static_cast<const Tin*>(q);
   const Tin* kt = static_cast<const Tin*>(k);
   const Tin* vt = static_cast<const Tin*>(v);
   const Tin* gt = static_cast<const Tin*>(g);
   if (walk_blocks > 0) {
     return walk_backward_typed<Tin>(qt, kt, vt, gt, dq, dk, dv, out_fp32, ws, bh, n, f, m,
-                                    walk_blocks, stream);
+                                    walk_blocks, mma_walk, stream);
   }
   if (out_fp32) {
     return backward_typed<Tin, float>(qt, kt, vt, gt, static_cast<float*>(dq),
@@ -1761,19 +2132,19 @@ int64_t causal_workspace_floats(DType dtype, int64_t bh, int64_t n, int64_t f, i
 cudaError_t causal_product(DType dtype, const void* q, const void* k, const void* v, void* out,
                            bool out_fp32, float* den, bool normalize, float eps, float* workspace,
                            int64_t bh, int64_t n, int64_t f, int64_t m, bool reverse,
-                           int64_t walk_blocks, cudaStream_t stream) {
+                           int64_t walk_blocks, bool mma_walk, cudaStream_t stream) {
   if (bh <= 0 || n <= 0 || m <= 0) return cudaSuccess;
   if (f <= 0) return cudaErrorInvalidValue;
   switch (dtype) {
     case DType::kFloat32:
       return causal_typed<float>(q, k, v, out, out_fp32, den, normalize, eps, workspace, bh, n, f,
-                                 m, reverse, walk_blocks, stream);
+                                 m, reverse, walk_blocks, mma_walk, stream);
     case DType::kFloat16:
       return causal_typed<__half>(q, k, v, out, out_fp32, den, normalize, eps, workspace, bh, n,
-                                  f, m, reverse, walk_blocks, stream);
+                                  f, m, reverse, walk_blocks, mma_walk, stream);
     case DType::kBFloat16:
       return causal_typed<__nv_bfloat16>(q, k, v, out, out_fp32, den, normalize, eps, workspace,
-                                         bh, n, f, m, reverse, walk_blocks, stream);
+                                         bh, n, f, m, reverse, walk_blocks, mma_walk, stream);
   }
   return cudaErrorInvalidValue;
 }
@@ -1791,19 +2162,19 @@ int64_t causal_backward_workspace_floats(DType dtype, int64_t bh, int64_t n, int
 cudaError_t causal_backward(DType dtype, const void* q, const void* k, const void* v,
                             const void* g, void* dq, void* dk, void* dv, bool out_fp32,
                             float* workspace, int64_t bh, int64_t n, int64_t f, int64_t m,
-                            int64_t walk_blocks, cudaStream_t stream) {
+                            int64_t walk_blocks, bool mma_walk, cudaStream_t stream) {
   if (bh <= 0 || n <= 0) return cudaSuccess;
   if (f <= 0 || m <= 0) return cudaErrorInvalidValue;
   switch (dtype) {
     case DType::kFloat32:
       return causal_backward_typed<float>(q, k, v, g, dq, dk, dv, out_fp32, workspace, bh, n, f,
-                                          m, walk_blocks, stream);
+                                          m, walk_blocks, mma_walk, stream);
     case DType::kFloat16:
       return causal_backward_typed<__half>(q, k, v, g, dq, dk, dv, out_fp32, workspace, bh, n, f,
-                                           m, walk_blocks, stream);
+                                           m, walk_blocks, mma_walk, stream);
     case DType::kBFloat16:
       return causal_backward_typed<__nv_bfloat16>(q, k, v, g, dq, dk, dv, out_fp32, workspace, bh,
-                                                  n, f, m, walk_blocks, stream);
+                                                  n, f, m, walk_blocks, mma_walk, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -16,7 +16,8 @@ Kernels (``csrc/cuda/linear_attention.cu`` documents tiles and precision):
   bfloat16: one pass over the chunks for all three, or with the walk one walk for dq and one
   for dk and dv); with :data:`CAUSAL_KERNEL` ``= "walk"`` (the default, for F ≤ 128) each
   thread block instead walks a segment of chunks with the state in shared memory (one launch,
-  no per-chunk state in global memory);
+  no per-chunk state in global memory); ``"walk_mma"`` walks bfloat16 with F ≤ 64 on
+  ``mma.sync`` with each warp's operands in registers (opt-in: not yet run on a GPU);
 - normalized attention (:func:`linear_attention`): the normalizer ``φq_i·Σ_{j≤i} φk_j`` comes
   out of the same kernel, so neither direction builds an ``O(N·F·M)`` tensor; non-causal
   attention reduces ``S = Σ_j φk_j v_jᵀ`` and ``z = Σ_j φk_j`` over unmasked keys, then reads
@@ -68,7 +69,10 @@ FUSED_BACKWARD: bool | tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
 # elsewhere), for the forward and the backward products (see FUSED_BACKWARD). Both pass
 # tests/test_cuda_backend.py on an H200; the walk is the faster at the issue's shape (bfloat16
 # fwd+bwd N = 8192: 2.49 ms against 2.63 ms; float32 N = 4096: 3.28 against 3.87 ms).
-CAUSAL_KERNELS = ("chunks", "walk")
+# "walk_mma": kernel 8 in place of kernel 6 for bfloat16 operands with F <= 64 (mma.sync on
+# operands in registers, one barrier a chunk; kernel 6 elsewhere). It passes the emulated kernel
+# tests (tests/test_cuda_emulated.py) but has not yet run on a GPU, so it is not the default.
+CAUSAL_KERNELS = ("chunks", "walk", "walk_mma")
 CAUSAL_KERNEL = "walk"
 # Thread blocks the walk aims for: a sequence is cut into segments (one extra pass over k and v
 # gives their carries) until B·H·ceil(M/64)·segments reaches this; 1 never cuts it. 128 was the
@@ -82,6 +86,8 @@ VARIANTS = {
     "chunks_fused": ("chunks", True),
     "walk": ("walk", False),
     "walk_fused": ("walk", True),
+    "walk_mma": ("walk_mma", False),
+    "walk_mma_fused": ("walk_mma", True),
 }
 
 
@@ -167,27 +173,27 @@ def _fused(dtype: torch.dtype) -> bool:
     return check_flag("cuda_backend.FUSED_BACKWARD", FUSED_BACKWARD)
 
 
-def _walk_blocks() -> int:
-    """The extension's ``walk_blocks`` argument for :data:`CAUSAL_KERNEL` (0: the chunk kernels)."""
+def _kernel_args() -> dict[str, int | bool]:
+    """The extension's ``walk_blocks`` (0: the chunk kernels) and ``mma_walk`` arguments for
+    :data:`CAUSAL_KERNEL`."""
     if CAUSAL_KERNEL not in CAUSAL_KERNELS:
         raise ValueError(
             f"cuda_backend.CAUSAL_KERNEL must be one of {CAUSAL_KERNELS}, got {CAUSAL_KERNEL!r}"
         )
     if CAUSAL_KERNEL == "chunks":
-        return 0
-    return check_count("cuda_backend.WALK_BLOCKS", WALK_BLOCKS, 1)
+        return {"walk_blocks": 0, "mma_walk": False}
+    blocks = check_count("cuda_backend.WALK_BLOCKS", WALK_BLOCKS, 1)
+    return {"walk_blocks": blocks, "mma_walk": CAUSAL_KERNEL == "walk_mma"}
 
 
 def _fused_backward(ext: ModuleType, q, k, v, g, out_fp32: bool) -> list[torch.Tensor]:
     """``[dq, dk, dv]`` of the causal product by :data:`CAUSAL_KERNEL`'s fused backward."""
-    return ext.causal_backward(q, k, v, g, out_fp32=out_fp32, walk_blocks=_walk_blocks())
+    return ext.causal_backward(q, k, v, g, out_fp32=out_fp32, **_kernel_args())
 
 
 def _product(ext: ModuleType, q, k, v, reverse: bool, out_fp32: bool) -> torch.Tensor:
     """The unnormalized causal (``reverse``: anti-causal) product by :data:`CAUSAL_KERNEL`."""
-    return ext.causal_product(
-        q, k, v, reverse=reverse, out_fp32=out_fp32, walk_blocks=_walk_blocks()
-    )[0]
+    return ext.causal_product(q, k, v, reverse=reverse, out_fp32=out_fp32, **_kernel_args())[0]
 
 
 def _require() -> ModuleType:
@@ -377,7 +383,7 @@ class _CausalAttention(_FusedAttention):
             with_den=True,
             normalize=True,
             eps=eps,
-            walk_blocks=_walk_blocks(),
+            **_kernel_args(),
         )
         return out, den
 
