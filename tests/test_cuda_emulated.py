@@ -429,9 +429,10 @@ def test_misaligned_tensors_give_the_same_bits(emu, ext, dtype, walk_blocks):
 
 
 # ---------------------------------------------------------------- kernel 8: the register walk
-MMA_WALK_SMEM = 74240  # kernel 8's shared memory (bytes): how a test sees that it ran
+# kernels 8 and 9's shared memory (bytes): how a test sees that they ran
+MMA_WALK_SMEM, MMA_DKV_SMEM = 74240, 92160
 # bf16 with F <= 64: one row; N not a multiple of the chunk with odd F and M; F = M = 64 with a
-# partial last chunk; F ≠ M with two M slices (the second ragged).
+# partial last chunk; F ≠ M with two M slices (the second ragged; kernel 7 for dk and dv).
 MMA_SHAPES = [(2, 1, 4, 3), (6, 37, 8, 5), (3, 130, 64, 64), (2, 200, 33, 70)]
 MMA_IDS = ["x".join(map(str, s)) for s in MMA_SHAPES]
 
@@ -439,11 +440,12 @@ MMA_IDS = ["x".join(map(str, s)) for s in MMA_SHAPES]
 @pytest.mark.parametrize("walk_blocks", [1, 5, 10**6], ids=["whole", "segments_5", "per_chunk"])
 @pytest.mark.parametrize("shape", MMA_SHAPES, ids=MMA_IDS)
 def test_mma_walk_product_normalizer_and_gradients(emu, ext, shape, walk_blocks):
-    """Kernel 8 (mma.sync on operands in registers, emulated lane by lane as the PTX ISA lays
-    out the fragments) against float64: the causal and anti-causal product, its normalizer, the
-    normalized output in bf16 and fp32, and the gradients by three products and by the fused
-    backward (kernel 8 for dq), with whole sequences, ragged segments (carries) and one chunk
-    per segment; and within bf16's tolerance of kernel 6."""
+    """Kernels 8 and 9 (mma.sync on operands in registers, emulated lane by lane as the PTX ISA
+    lays out the fragments) against float64: the causal and anti-causal product, its
+    normalizer, the normalized output in bf16 and fp32, and the gradients by three products and
+    by the fused backward (kernel 8 for dq, kernel 9 for dk and dv where M <= 64), with whole
+    sequences, ragged segments (carries) and one chunk per segment; and within bf16's tolerance
+    of kernel 6."""
     dtype = torch.bfloat16
     q, k, v, g = _inputs(*shape, dtype, extra=1)
     for reverse in (False, True):
@@ -471,6 +473,8 @@ def test_mma_walk_product_normalizer_and_gradients(emu, ext, shape, walk_blocks)
         for x, r in (((g, v, k), False), ((v, g, q), True), ((k, q, g), True))
     ]
     fused = ext.causal_backward(q, k, v, g, out_fp32=True, walk_blocks=walk_blocks, mma_walk=True)
+    dkv_smem = emu.ks_emu_last_launch_smem()
+    assert dkv_smem == MMA_DKV_SMEM if shape[3] <= 64 else dkv_smem != MMA_DKV_SMEM
     for got in (three, fused):
         for a, w in zip(got, want, strict=True):
             assert close_in_dtype(a, w, dtype)
@@ -489,9 +493,9 @@ def test_mma_walk_applies_to_bfloat16_up_to_64_features_only(emu, ext):
 
 
 def test_mma_walk_is_schedule_independent_and_alignment_blind(emu, ext):
-    """Kernel 8 under three thread schedules, and on tensors one element past an aligned
+    """Kernels 8 and 9 under three thread schedules, and on tensors one element past an aligned
     address (outputs written element-wise, tiles loaded without cp.async): bit-identical."""
-    q, k, v = _inputs(2, 150, 40, 72, torch.bfloat16)
+    q, k, v, g = _inputs(2, 150, 40, 56, torch.bfloat16, extra=1)
 
     def run(x):
         return [
@@ -500,6 +504,7 @@ def test_mma_walk_is_schedule_independent_and_alignment_blind(emu, ext):
                 q, k, v, reverse=True, out_fp32=False, normalize=True, walk_blocks=5,
                 mma_walk=True,
             )[:1],
+            *x.causal_backward(q, k, v, g, walk_blocks=5, mma_walk=True),
         ]  # fmt: skip
 
     runs = []

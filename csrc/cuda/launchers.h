@@ -49,8 +49,8 @@ cudaError_t causal_product(DType dtype, const void* q, const void* k, const void
 // (BH, N, F), dv: (BH, N, M), in fp32 if `out_fp32` else in `dtype`.
 // walk_blocks = 0: the chunk states of (k, v) and of (q, g), then one pass over all chunks for
 // dq, dk and dv. walk_blocks > 0: dq by the walk, then dk and dv together by one reverse walk
-// (F, M <= 128; separate walks otherwise); `mma_walk` as in causal_product, for dq (and for dk
-// and dv where they walk separately). `workspace` holds
+// (F, M <= 128; separate walks otherwise); `mma_walk` as in causal_product: for bf16 with F,
+// M <= 64, dq by kernel 8 and dk, dv by its reverse-walk counterpart (kernel 9). `workspace` holds
 // causal_backward_workspace_floats(...) floats (same arguments, on the device that runs it).
 int64_t causal_backward_workspace_floats(DType dtype, int64_t bh, int64_t n, int64_t f,
                                          int64_t m, int64_t walk_blocks);

@@ -41,6 +41,7 @@
 //   8. chunk_walk_mma_kernel kernel 6 for bf16 with F <= 64 and mma_walk: mma.sync with each
 //                            warp's operands in registers (scores to P V without shared memory,
 //                            S in fp32 accumulators), one barrier per chunk.
+//   9. chunk_walk_mma_dkv_kernel  kernel 7 in the same form (bf16, F, M <= 64, mma_walk).
 //
 // ------------------------------------------------------------------ tiles
 // Thread block: 256 threads = 8 warps. Every matrix product is on 64 x 64 tiles staged in
@@ -1368,6 +1369,212 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
+// ------------------------------------------------------------------ register walks
+// Kernels 8 and 9 work on 64 x LD bf16 tiles (chunk rows x a 64-wide slice, zero-padded), a warp
+// on a band of 16 rows r0 .. r0 + 15 (see "mma.sync fragments"; lr, lm0, lm1: the lane's row of
+// an ldmatrix matrix and the matrix's two index bits).
+struct Lane {
+  int g, t, lr, lm0, lm1;
+  __device__ Lane()
+      : g(threadIdx.x % 32 / 4),
+        t(threadIdx.x % 4),
+        lr(threadIdx.x % 8),
+        lm0(threadIdx.x % 32 / 8 % 2),
+        lm1(threadIdx.x % 32 / 16) {}
+};
+
+// Rows r0 .. r0 + 15 of tile T as A fragments, one per 16 columns.
+__device__ __forceinline__ void band_fragments(uint32_t (&a)[4][4], const __nv_bfloat16* T, int r0,
+                                               const Lane& l) {
+  constexpr int LD = ld_of<__nv_bfloat16>();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    ldmatrix_x4<false>(a[kk], T + (r0 + l.lr + 8 * l.lm0) * LD + 16 * kk + 8 * l.lm1);
+  }
+}
+
+// Whether n-tile j (columns 8j .. 8j + 7 of the 64 x 64 scores) has an element kept by the mask
+// for some row of the band: key <= row, or key >= row with `reverse`.
+__device__ __forceinline__ bool tile_kept(int j, int r0, bool reverse) {
+  return reverse ? 8 * j + 7 >= r0 : 8 * j <= r0 + 15;
+}
+
+// The band's masked scores p = A Y^T (n-tile j: rows 8j .. of tile Y), tiles wholly outside the
+// mask skipped, and their row sums rs (rows g, g + 8; this lane's columns only).
+__device__ __forceinline__ void band_scores(float (&p)[8][4], float (&rs)[2],
+                                            const uint32_t (&a)[4][4], const __nv_bfloat16* Y,
+                                            int r0, bool reverse, const Lane& l) {
+  constexpr int LD = ld_of<__nv_bfloat16>();
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) p[j][e] = 0.f;
+  }
+#pragma unroll
+  for (int jp = 0; jp < 4; ++jp) {
+    if (!tile_kept(2 * jp, r0, reverse) && !tile_kept(2 * jp + 1, r0, reverse)) continue;
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      uint32_t b[4];
+      ldmatrix_x4<false>(b, Y + (16 * jp + l.lr + 8 * l.lm1) * LD + 16 * kk + 8 * l.lm0);
+      mma_bf16(p[2 * jp], a[kk], b[0], b[1]);
+      mma_bf16(p[2 * jp + 1], a[kk], b[2], b[3]);
+    }
+  }
+  rs[0] = rs[1] = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = r0 + l.g + 8 * (e / 2), key = 8 * j + 2 * l.t + e % 2;
+      if (reverse ? key < row : key > row) p[j][e] = 0.f;
+      rs[e / 2] += p[j][e];
+    }
+  }
+}
+
+// The scores as A fragments (rounded to bf16), one per 16 keys.
+__device__ __forceinline__ void score_fragments(uint32_t (&pa)[4][4], const float (&p)[8][4]) {
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    pa[kk][0] = pack_bf16(p[2 * kk][0], p[2 * kk][1]);
+    pa[kk][1] = pack_bf16(p[2 * kk][2], p[2 * kk][3]);
+    pa[kk][2] = pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+    pa[kk][3] = pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+  }
+}
+
+// acc (n-tile j: columns c0 + 8j) += A B over 64 rows of B: B = tile T as stored (kAsStored;
+// ldmatrix.trans) or T^T (B's columns c0 .. are T's rows); a: A's fragments per 16 rows of B.
+// With `skip`, the 16-row steps whose scores the band's mask zeroes are left out.
+template <int NT, bool kAsStored>
+__device__ __forceinline__ void band_product(float (&acc)[NT][4], const uint32_t (&a)[4][4],
+                                             const __nv_bfloat16* T, int c0, const Lane& l,
+                                             bool skip = false, int r0 = 0, bool reverse = false) {
+  constexpr int LD = ld_of<__nv_bfloat16>();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    if (skip && !tile_kept(2 * kk, r0, reverse) && !tile_kept(2 * kk + 1, r0, reverse)) continue;
+#pragma unroll
+    for (int jp = 0; jp < NT / 2; ++jp) {
+      uint32_t b[4];
+      if constexpr (kAsStored) {
+        ldmatrix_x4<true>(b, T + (16 * kk + l.lr + 8 * l.lm0) * LD + c0 + 16 * jp + 8 * l.lm1);
+      } else {
+        ldmatrix_x4<false>(b, T + (c0 + 16 * jp + l.lr + 8 * l.lm1) * LD + 16 * kk + 8 * l.lm0);
+      }
+      mma_bf16(acc[2 * jp], a[kk], b[0], b[1]);
+      mma_bf16(acc[2 * jp + 1], a[kk], b[2], b[3]);
+    }
+  }
+}
+
+// acc += a B and acc2 += a2 B with one load of each fragment of B = tile T as stored (columns
+// c0 ..); the 16-row steps whose scores the band's mask zeroes are left out of acc only.
+template <int NT>
+__device__ __forceinline__ void band_products_sharing_b(float (&acc)[NT][4],
+                                                        const uint32_t (&a)[4][4],
+                                                        float (&acc2)[NT][4],
+                                                        const uint32_t (&a2)[4][4],
+                                                        const __nv_bfloat16* T, int c0,
+                                                        const Lane& l, int r0, bool reverse) {
+  constexpr int LD = ld_of<__nv_bfloat16>();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    const bool kept = tile_kept(2 * kk, r0, reverse) || tile_kept(2 * kk + 1, r0, reverse);
+#pragma unroll
+    for (int jp = 0; jp < NT / 2; ++jp) {
+      uint32_t b[4];
+      ldmatrix_x4<true>(b, T + (16 * kk + l.lr + 8 * l.lm0) * LD + c0 + 16 * jp + 8 * l.lm1);
+      if (kept) {
+        mma_bf16(acc[2 * jp], a[kk], b[0], b[1]);
+        mma_bf16(acc[2 * jp + 1], a[kk], b[2], b[3]);
+      }
+      mma_bf16(acc2[2 * jp], a2[kk], b[0], b[1]);
+      mma_bf16(acc2[2 * jp + 1], a2[kk], b[2], b[3]);
+    }
+  }
+}
+
+// The band's K^T-like A fragments: columns r0 .. r0 + 15 of tile T as rows, one per 16 rows of T.
+__device__ __forceinline__ void transposed_band_fragments(uint32_t (&a)[4][4],
+                                                          const __nv_bfloat16* T, int r0,
+                                                          const Lane& l) {
+  constexpr int LD = ld_of<__nv_bfloat16>();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    ldmatrix_x4<true>(a[kk], T + (16 * kk + l.lr + 8 * l.lm1) * LD + r0 + 8 * l.lm0);
+  }
+}
+
+// Writes the warp's 16 x 32 slab (n-tile j: columns c0 + 8j) of an fp32 state in accumulators
+// to a 64 x LD bf16 copy.
+__device__ __forceinline__ void publish_slab(__nv_bfloat16* copy, const float (&s)[4][4], int r0,
+                                             int c0, const Lane& l) {
+  constexpr int LD = ld_of<__nv_bfloat16>();
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      *reinterpret_cast<uint32_t*>(copy + (r0 + l.g + 8 * h) * LD + c0 + 8 * j + 2 * l.t) =
+          pack_bf16(s[j][2 * h], s[j][2 * h + 1]);
+    }
+  }
+}
+
+// Sets the warp's slab of a state from a segment's carry (fp32 row-major rows x cols, null: 0).
+__device__ __forceinline__ void carry_slab(float (&s)[4][4], const float* carry, int64_t rows,
+                                           int64_t cols, int r0, int64_t c0, const Lane& l) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int64_t r = r0 + l.g + 8 * (e / 2), c = c0 + 8 * j + 2 * l.t + e % 2;
+      s[j][e] = (carry != nullptr && r < rows && c < cols) ? carry[r * cols + c] : 0.f;
+    }
+  }
+}
+
+template <typename Tout>
+__device__ __forceinline__ void store_pair(Tout* dst, float a, float b, bool both, bool pair) {
+  if (pair) {  // both in range, and dst aligned to the pair
+    if constexpr (std::is_same_v<Tout, float>) {
+      *reinterpret_cast<float2*>(dst) = float2{a, b};
+    } else {
+      *reinterpret_cast<uint32_t*>(dst) = pack_bf16(a, b);
+    }
+    return;
+  }
+  dst[0] = from_float<Tout>(a);
+  if (both) dst[1] = from_float<Tout>(b);
+}
+
+// Writes the band's rows of acc (n-tile j: columns col0 + 8j) to rows row0 + g, row0 + g + 8 of a
+// row-major (rows x cols) matrix, with `divide` each divided by its d (d.x, d.y); `pairs`: the
+// matrix is aligned for two-element stores.
+template <int NT, typename Tout>
+__device__ __forceinline__ void store_band(Tout* out, const float (&acc)[NT][4], int64_t rows,
+                                           int64_t cols, int64_t row0, int64_t col0, bool divide,
+                                           float2 d, bool pairs, const Lane& l) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t row = row0 + l.g + 8 * h;
+    if (row >= rows) continue;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      const int64_t col = col0 + 8 * j + 2 * l.t;
+      if (col >= cols) continue;
+      float a = acc[j][2 * h], b = acc[j][2 * h + 1];
+      if (divide) {
+        const float dh = h == 0 ? d.x : d.y;
+        a /= dh;
+        b /= dh;
+      }
+      store_pair(out + row * cols + col, a, b, col + 1 < cols, pairs && col + 1 < cols);
+    }
+  }
+}
+
 // ------------------------------------------------------------------ kernel 8: register walk
 // Kernel 6 for bf16 inputs with F <= 64 (selected by mma_walk), on mma.sync with each warp's
 // operands in registers: the masked scores go from the accumulators of Q K^T straight into the
@@ -1385,27 +1592,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 // zeroes for a whole warp are skipped.
 // Shared: two buffers of (Q, K, V: 64 x LD bf16 each), two copies of S (64 x LD bf16) and of z
 // (64 fp32). Outputs and den go from registers to global memory.
-constexpr int kMmaWalkTiles = 2 * 3 + 2;
+constexpr size_t kMmaTileBytes = kTile * ld_of<__nv_bfloat16>() * sizeof(__nv_bfloat16);
 
-constexpr size_t mma_walk_smem() {
-  return static_cast<size_t>(kMmaWalkTiles) * kTile * ld_of<__nv_bfloat16>() *
-             sizeof(__nv_bfloat16) +
-         2 * kTile * sizeof(float);
-}
-
-template <typename Tout>
-__device__ __forceinline__ void store_pair(Tout* dst, float a, float b, bool both, bool pair) {
-  if (pair) {  // both in range, and dst aligned to the pair
-    if constexpr (std::is_same_v<Tout, float>) {
-      *reinterpret_cast<float2*>(dst) = float2{a, b};
-    } else {
-      *reinterpret_cast<uint32_t*>(dst) = pack_bf16(a, b);
-    }
-    return;
-  }
-  dst[0] = from_float<Tout>(a);
-  if (both) dst[1] = from_float<Tout>(b);
-}
+constexpr size_t mma_walk_smem() { return (2 * 3 + 2) * kMmaTileBytes + 2 * kTile * sizeof(float); }
 
 template <typename Tout>
 __global__ void __launch_bounds__(kThreads, 2)
@@ -1424,12 +1613,9 @@ __global__ void __launch_bounds__(kThreads, 2)
   float* z_copies = reinterpret_cast<float*>(s_copies + 2 * kOpTile);  // two copies of z
   auto tile = [&](int buf, int i) { return bufs + (buf * 3 + i) * kOpTile; };
 
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int g = lane / 4, t = lane % 4;
+  const Lane l;
+  const int warp = threadIdx.x / 32;
   const int r0 = (warp % 4) * 16, c0 = (warp / 4) * 32;
-  // ldmatrix row addresses: lane l gives row l % 8 of matrix l / 8
-  const int lr = lane % 8, lm0 = (lane / 8) % 2, lm1 = lane / 16;
-
   const WalkSegment seg(n, nblk, cpb, reverse);
   const int64_t bh = seg.bh, blk = seg.blk;
   const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kTile;
@@ -1437,10 +1623,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   const Op* qb = q + bh * n * f;
   const Op* kb = k + bh * n * f;
   const Op* vb = v + bh * n * m;
-  const int64_t count = seg.count;
-  auto chunk = [&](int64_t i) { return seg.chunk(i); };
   auto load_chunk = [&](int64_t i, int buf) {
-    const int64_t row0 = chunk(i) * kTile;
+    const int64_t row0 = seg.chunk(i) * kTile;
     load_tile<Op, Op>(tile(buf, 0), LD, qb, f, n, f, row0, 0, nullptr, vec_qk);
     load_tile<Op, Op>(tile(buf, 1), LD, kb, f, n, f, row0, 0, nullptr, vec_qk);
     load_tile<Op, Op>(tile(buf, 2), LD, vb, m, n, m, row0, m0, nullptr, vec_v);
@@ -1448,133 +1632,42 @@ __global__ void __launch_bounds__(kThreads, 2)
   };
   load_chunk(0, 0);
 
-  // S: the warp's 16 x 32 slab in fp32 accumulators (n-tile j: columns c0 + 8j ..), from the
-  // segment's carry (S row-major F x M, then z) or zero; z: column zc of K, summed by the four
-  // threads zp = 0..3 (rows zp, zp + 4, ...), held by all four.
+  // S: the warp's 16 x 32 slab (features r0 .., columns m0 + c0 ..) in fp32 accumulators, from
+  // the segment's carry (S row-major F x M, then z) or zero; z: column zc of K, summed by the
+  // four threads zp = 0..3 (rows zp, zp + 4, ...), held by all four.
   const float* cs = carry == nullptr ? nullptr : carry + (bh * nblk + blk) * (f * m + f);
   float s[4][4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int64_t fi = r0 + g + 8 * (e / 2), mj = m0 + c0 + 8 * j + 2 * t + e % 2;
-      s[j][e] = (cs != nullptr && fi < f && mj < m) ? cs[fi * m + mj] : 0.f;
-    }
-  }
+  carry_slab(s, cs, f, m, r0, m0 + c0, l);
   const int zc = threadIdx.x / 4, zp = threadIdx.x % 4;
   float z = (cs != nullptr && need_den && zc < f) ? cs[f * m + zc] : 0.f;
-  auto publish_state = [&](int copy) {  // S and z for the next chunk
-    Op* sc = s_copies + copy * kOpTile;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        *reinterpret_cast<uint32_t*>(sc + (r0 + g + 8 * h) * LD + c0 + 8 * j + 2 * t) =
-            pack_bf16(s[j][2 * h], s[j][2 * h + 1]);
-      }
-    }
-    if (zp == 0) z_copies[copy * kTile + zc] = z;
-  };
-  publish_state(0);
+  publish_slab(s_copies, s, r0, c0, l);
+  if (zp == 0) z_copies[zc] = z;
 
   const bool pairs = reinterpret_cast<uintptr_t>(out) % (2 * sizeof(Tout)) == 0 && m % 2 == 0;
-  for (int64_t i = 0; i < count; ++i) {
+  for (int64_t i = 0; i < seg.count; ++i) {
     const int buf = static_cast<int>(i & 1);
-    const int64_t row0 = chunk(i) * kTile;
     cp_async_wait_all();  // chunk i's tiles (the only copies in flight)
     __syncthreads();      // ... visible to all, with S and z; step i-1 is complete
-    if (i + 1 < count) load_chunk(i + 1, buf ^ 1);
+    if (i + 1 < seg.count) load_chunk(i + 1, buf ^ 1);
     const Op* Qs = tile(buf, 0);
     const Op* Ks = tile(buf, 1);
     const Op* Vs = tile(buf, 2);
-    const Op* Ss = s_copies + buf * kOpTile;
     const float* zs = z_copies + buf * kTile;
 
-    // the warp's 16 rows of Q as A fragments, one per 16 features
-    uint32_t qa[4][4];
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      ldmatrix_x4<false>(qa[kk], Qs + (r0 + lr + 8 * lm0) * LD + 16 * kk + 8 * lm1);
+    uint32_t qa[4][4], pa[4][4];
+    band_fragments(qa, Qs, r0, l);
+    float rs[2];
+    {
+      float p[8][4];
+      band_scores(p, rs, qa, Ks, r0, reverse, l);
+      score_fragments(pa, p);
     }
-    // scores P = Q K^T (n-tile j: keys 8j ..), masked to keys <= rows (>= with reverse); an
-    // n-tile wholly outside the mask for the warp's rows is skipped
-    auto tile_on = [&](int j) { return reverse ? 8 * j + 7 >= r0 : 8 * j <= r0 + 15; };
-    float p[8][4];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) p[j][e] = 0.f;
-    }
-#pragma unroll
-    for (int jp = 0; jp < 4; ++jp) {
-      if (!tile_on(2 * jp) && !tile_on(2 * jp + 1)) continue;
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        uint32_t b[4];
-        ldmatrix_x4<false>(b, Ks + (16 * jp + lr + 8 * lm1) * LD + 16 * kk + 8 * lm0);
-        mma_bf16(p[2 * jp], qa[kk], b[0], b[1]);
-        mma_bf16(p[2 * jp + 1], qa[kk], b[2], b[3]);
-      }
-    }
-    float rs[2] = {0.f, 0.f};  // row sums of the masked scores: rows g, g + 8
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int row = r0 + g + 8 * (e / 2), key = 8 * j + 2 * t + e % 2;
-        if (reverse ? key < row : key > row) p[j][e] = 0.f;
-        rs[e / 2] += p[j][e];
-      }
-    }
-    uint32_t pa[4][4];  // P as A fragments, one per 16 keys
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      pa[kk][0] = pack_bf16(p[2 * kk][0], p[2 * kk][1]);
-      pa[kk][1] = pack_bf16(p[2 * kk][2], p[2 * kk][3]);
-      pa[kk][2] = pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]);
-      pa[kk][3] = pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3]);
-    }
-
-    // out = Q S + P V (the warp's 16 x 32: n-tile j at columns c0 + 8j), and S += K^T V with
-    // the same V fragments
-    float o[4][4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o[j][e] = 0.f;
-    }
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-#pragma unroll
-      for (int jp = 0; jp < 2; ++jp) {
-        uint32_t b[4];
-        ldmatrix_x4<true>(b, Ss + (16 * kk + lr + 8 * lm0) * LD + c0 + 16 * jp + 8 * lm1);
-        mma_bf16(o[2 * jp], qa[kk], b[0], b[1]);
-        mma_bf16(o[2 * jp + 1], qa[kk], b[2], b[3]);
-      }
-    }
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      uint32_t vf[2][4];
-#pragma unroll
-      for (int jp = 0; jp < 2; ++jp) {
-        ldmatrix_x4<true>(vf[jp], Vs + (16 * kk + lr + 8 * lm0) * LD + c0 + 16 * jp + 8 * lm1);
-      }
-      if (tile_on(2 * kk) || tile_on(2 * kk + 1)) {
-#pragma unroll
-        for (int jp = 0; jp < 2; ++jp) {
-          mma_bf16(o[2 * jp], pa[kk], vf[jp][0], vf[jp][1]);
-          mma_bf16(o[2 * jp + 1], pa[kk], vf[jp][2], vf[jp][3]);
-        }
-      }
-      uint32_t ka[4];  // K^T: the warp's 16 features x keys 16kk ..
-      ldmatrix_x4<true>(ka, Ks + (16 * kk + lr + 8 * lm1) * LD + r0 + 8 * lm0);
-#pragma unroll
-      for (int jp = 0; jp < 2; ++jp) {
-        mma_bf16(s[2 * jp], ka, vf[jp][0], vf[jp][1]);
-        mma_bf16(s[2 * jp + 1], ka, vf[jp][2], vf[jp][3]);
-      }
-    }
+    // out = Q S + P V (the warp's 16 x 32), then S += K^T V
+    float o[4][4] = {};
+    band_product<4, true>(o, qa, s_copies + buf * kOpTile, c0, l);
+    uint32_t ka[4][4];
+    transposed_band_fragments(ka, Ks, r0, l);
+    band_products_sharing_b(o, pa, s, ka, Vs, c0, l, r0, reverse);
 
     // den = row sums + q . z (z before this chunk), summed over the four lanes of a row
     float dn[2] = {rs[0], rs[1]};
@@ -1584,7 +1677,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {  // a[h]: columns 2t, 2t+1; a[h + 2]: 2t + 8, 2t + 9
           const float2 lo = unpack_bf16(qa[kk][h]), hi = unpack_bf16(qa[kk][h + 2]);
-          const int c = 16 * kk + 2 * t;
+          const int c = 16 * kk + 2 * l.t;
           dn[h] += lo.x * zs[c] + lo.y * zs[c + 1] + hi.x * zs[c + 8] + hi.y * zs[c + 9];
         }
       }
@@ -1599,25 +1692,119 @@ __global__ void __launch_bounds__(kThreads, 2)
       zsum += __shfl_xor_sync(0xffffffffu, zsum, 2);
       z += zsum;
     }
-    if (i + 1 < count) publish_state(buf ^ 1);  // the other copies: read in step i - 1
+    if (i + 1 < seg.count) {  // the other copies: read in step i - 1
+      publish_slab(s_copies + (buf ^ 1) * kOpTile, s, r0, c0, l);
+      if (zp == 0) z_copies[(buf ^ 1) * kTile + zc] = z;
+    }
 
     // outputs (divided by den + eps with `normalize`) and den, from registers
-    Tout* ob = out + bh * n * m;
+    const int64_t row0 = seg.chunk(i) * kTile + r0;
+    store_band(out + bh * n * m, o, n, m, row0, m0 + c0, normalize, float2{dn[0] + eps, dn[1] + eps},
+               pairs, l);
+    if (den != nullptr && blockIdx.y == 0 && c0 == 0 && l.t == 0) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int64_t row = row0 + r0 + g + 8 * h;
-      if (row >= n) continue;
-      const float d = normalize ? dn[h] + eps : 1.f;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int64_t col = m0 + c0 + 8 * j + 2 * t;
-        if (col >= m) continue;
-        const float a = o[j][2 * h], b = o[j][2 * h + 1];
-        store_pair(ob + row * m + col, normalize ? a / d : a, normalize ? b / d : b, col + 1 < m,
-                   pairs && col + 1 < m);
+      for (int h = 0; h < 2; ++h) {
+        if (row0 + l.g + 8 * h < n) den[bh * n + row0 + l.g + 8 * h] = dn[h];
       }
-      if (den != nullptr && blockIdx.y == 0 && c0 == 0 && t == 0) den[bh * n + row] = dn[h];
     }
+  }
+#endif
+}
+
+// ------------------------------------------------------------------ kernel 9: register dk, dv
+// Kernel 7 for bf16 inputs with F, M <= 64 (selected by mma_walk), as kernel 8 is kernel 6: one
+// walk from the last chunk to the first with R = sum_{c' > c} Q_c'^T G_c' (F x M) in fp32
+// accumulators, starting from the segment's carry (kernels 1 and 2 over (q, g) in reverse).
+// Warps 0-3 give dk, warps 4-7 dv, each for its band of 16 rows r0 = 16*(w%4) of the chunk:
+//     dk_c = U(V_c G_c^T) Q_c + V_c R^T      dv_c = U(K_c Q_c^T) G_c + K_c R
+// (U keeps the scores (j, i) with i >= j), then every warp adds its 16 x 32 slab of
+// Q_c^T G_c to R (features r0 .., columns 32*(w/4) ..), and R's bf16 copy for the next chunk
+// goes to the other of two shared copies. One barrier per chunk.
+// Shared: two buffers of (Q, K, V, G: 64 x LD bf16 each) and two copies of R.
+constexpr size_t mma_dkv_smem() { return (2 * 4 + 2) * kMmaTileBytes; }
+
+template <typename Tout>
+__global__ void __launch_bounds__(kThreads, 2)
+    chunk_walk_mma_dkv_kernel(const __nv_bfloat16* __restrict__ q,
+                              const __nv_bfloat16* __restrict__ k,
+                              const __nv_bfloat16* __restrict__ v,
+                              const __nv_bfloat16* __restrict__ g, const float* __restrict__ carry,
+                              Tout* __restrict__ dk, Tout* __restrict__ dv, int64_t n, int64_t f,
+                              int64_t m, int64_t nblk, int64_t cpb, bool vec_f, bool vec_m) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  using Op = __nv_bfloat16;
+  constexpr int LD = ld_of<Op>();
+  constexpr int kOpTile = kTile * LD;
+  KS_DYNAMIC_SMEM(smem);
+  Op* bufs = reinterpret_cast<Op*>(smem);  // buffer b: Q, K, V, G at tiles 4b .. 4b + 3
+  Op* r_copies = bufs + 8 * kOpTile;       // R in bf16, two copies
+  auto tile = [&](int buf, int i) { return bufs + (buf * 4 + i) * kOpTile; };
+
+  const Lane l;
+  const int warp = threadIdx.x / 32;
+  const int r0 = (warp % 4) * 16, c0 = (warp / 4) * 32;
+  const bool dk_warp = warp < 4;
+  const WalkSegment seg(n, nblk, cpb, true);
+  const int64_t bh = seg.bh, blk = seg.blk;
+  const Op* qb = q + bh * n * f;
+  const Op* kb = k + bh * n * f;
+  const Op* vb = v + bh * n * m;
+  const Op* gb = g + bh * n * m;
+  auto load_chunk = [&](int64_t i, int buf) {
+    const int64_t row0 = seg.chunk(i) * kTile;
+    load_tile<Op, Op>(tile(buf, 0), LD, qb, f, n, f, row0, 0, nullptr, vec_f);
+    load_tile<Op, Op>(tile(buf, 1), LD, kb, f, n, f, row0, 0, nullptr, vec_f);
+    load_tile<Op, Op>(tile(buf, 2), LD, vb, m, n, m, row0, 0, nullptr, vec_m);
+    load_tile<Op, Op>(tile(buf, 3), LD, gb, m, n, m, row0, 0, nullptr, vec_m);
+    cp_async_commit();
+  };
+  load_chunk(0, 0);
+
+  float r[4][4];
+  carry_slab(r, carry == nullptr ? nullptr : carry + (bh * nblk + blk) * (f * m + f), f, m, r0,
+             c0, l);
+  publish_slab(r_copies, r, r0, c0, l);
+
+  Tout* grad = dk_warp ? dk + bh * n * f : dv + bh * n * m;
+  const int64_t width = dk_warp ? f : m;
+  const bool pairs =
+      reinterpret_cast<uintptr_t>(grad) % (2 * sizeof(Tout)) == 0 && width % 2 == 0;
+  for (int64_t i = 0; i < seg.count; ++i) {
+    const int buf = static_cast<int>(i & 1);
+    cp_async_wait_all();  // chunk i's tiles (the only copies in flight)
+    __syncthreads();      // ... visible to all, with R; step i-1 is complete
+    if (i + 1 < seg.count) load_chunk(i + 1, buf ^ 1);
+    const Op* Qs = tile(buf, 0);
+    const Op* Ks = tile(buf, 1);
+    const Op* Vs = tile(buf, 2);
+    const Op* Gs = tile(buf, 3);
+    const Op* Rs = r_copies + buf * kOpTile;
+
+    // the band's gradient: X = V (dk) or K (dv), scored against Y = G or Q, whose partner
+    // Z = Q or G the scores multiply
+    const Op* X = dk_warp ? Vs : Ks;
+    uint32_t xa[4][4], pa[4][4];
+    band_fragments(xa, X, r0, l);
+    {
+      float p[8][4], rs[2];
+      band_scores(p, rs, xa, dk_warp ? Gs : Qs, r0, true, l);
+      score_fragments(pa, p);
+    }
+    float o[8][4] = {};
+    if (dk_warp) {
+      band_product<8, true>(o, pa, Qs, 0, l, true, r0, true);
+      band_product<8, false>(o, xa, Rs, 0, l);  // V R^T
+    } else {
+      band_product<8, true>(o, pa, Gs, 0, l, true, r0, true);
+      band_product<8, true>(o, xa, Rs, 0, l);  // K R
+    }
+    // R += Q^T G (the warp's slab)
+    uint32_t qta[4][4];
+    transposed_band_fragments(qta, Qs, r0, l);
+    band_product<4, true>(r, qta, Gs, c0, l);
+    if (i + 1 < seg.count) publish_slab(r_copies + (buf ^ 1) * kOpTile, r, r0, c0, l);
+
+    store_band(grad, o, n, width, seg.chunk(i) * kTile + r0, 0, false, float2{1.f, 1.f}, pairs, l);
   }
 #endif
 }
@@ -2012,7 +2199,8 @@ cudaError_t backward_typed(const Tin* q, const Tin* k, const Tin* v, const Tin* 
 }
 
 // The walk's fused backward: dq = causal(g, v, k) by kernel 6, then dk and dv by kernel 7 (one
-// reverse walk with the carries of (q, g) where a sequence is cut into segments), or, where
+// reverse walk with the carries of (q, g) where a sequence is cut into segments; with mma_walk,
+// kernels 8 and 9 for bf16 with F, M <= 64), or, where
 // kernel 7 does not fit, dk = anticausal(v, g, q) and dv = anticausal(k, q, g). The steps run in
 // order on `stream` and share the workspace.
 template <typename Tin>
@@ -2037,6 +2225,18 @@ cudaError_t walk_backward_typed(const Tin* q, const Tin* k, const Tin* v, const 
   if (err != cudaSuccess) return err;
   const bool vec_f = rows_vectorizable<Tin>(q, f) && rows_vectorizable<Tin>(k, f);
   const bool vec_m = rows_vectorizable<Tin>(v, m) && rows_vectorizable<Tin>(g, m);
+  if constexpr (std::is_same_v<Tin, __nv_bfloat16>) {
+    if (use_walk_mma<Tin>(f, mma_walk) && m <= kTile) {  // kernel 9
+      if (out_fp32) {
+        return launch_tiles(chunk_walk_mma_dkv_kernel<float>, bh * l.nblk, 1, mma_dkv_smem(),
+                            stream, q, k, v, g, carry, static_cast<float*>(dk),
+                            static_cast<float*>(dv), n, f, m, l.nblk, l.cpb, vec_f, vec_m);
+      }
+      return launch_tiles(chunk_walk_mma_dkv_kernel<Tin>, bh * l.nblk, 1, mma_dkv_smem(), stream,
+                          q, k, v, g, carry, static_cast<Tin*>(dk), static_cast<Tin*>(dv), n, f,
+                          m, l.nblk, l.cpb, vec_f, vec_m);
+    }
+  }
   if (out_fp32) {
     return launch_tiles(chunk_walk_dkv_kernel<Tin, float>, bh * l.nblk, 1, lay.bytes(), stream,
                         q, k, v, g, carry, static_cast<float*>(dk), static_cast<float*>(dv), n,

@@ -69,9 +69,10 @@ FUSED_BACKWARD: bool | tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
 # elsewhere), for the forward and the backward products (see FUSED_BACKWARD). Both pass
 # tests/test_cuda_backend.py on an H200; the walk is the faster at the shape (bfloat16
 # fwd+bwd N = 8192: 2.49 ms against 2.63 ms; float32 N = 4096: 3.28 against 3.87 ms).
-# "walk_mma": kernel 8 in place of kernel 6 for bfloat16 operands with F <= 64 (mma.sync on
-# operands in registers, one barrier a chunk; kernel 6 elsewhere). It passes the emulated kernel
-# tests (tests/test_cuda_emulated.py) but has not yet run on a GPU, so it is not the default.
+# "walk_mma": kernels 8 and 9 in place of kernels 6 and 7 for bfloat16 operands with F (and, for
+# kernel 9, M) <= 64: mma.sync on operands in registers, one barrier a chunk; kernels 6 and 7
+# elsewhere. It passes the emulated kernel tests (tests/test_cuda_emulated.py) but has not yet
+# run on a GPU, so it is not the default.
 CAUSAL_KERNELS = ("chunks", "walk", "walk_mma")
 CAUSAL_KERNEL = "walk"
 # Thread blocks the walk aims for: a sequence is cut into segments (one extra pass over k and v
