@@ -492,6 +492,21 @@ def test_mma_walk_applies_to_bfloat16_up_to_64_features_only(emu, ext):
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
+def test_mma_walk_backward_falls_back_where_shared_memory_is_short(emu, ext):
+    """Below kernel 9's 90 KB of shared memory the fused backward takes kernel 7 (in a layout
+    that fits), and the gradients still match float64."""
+    q, k, v, g = _inputs(2, 100, 16, 16, torch.bfloat16, extra=1)
+    want = _reference_grads(q, k, v, g)
+    try:
+        emu.ks_emu_configure(0, MMA_DKV_SMEM - 1)
+        got = ext.causal_backward(q, k, v, g, out_fp32=True, walk_blocks=1, mma_walk=True)
+        assert emu.ks_emu_last_launch_smem() < MMA_DKV_SMEM
+    finally:
+        emu.ks_emu_configure(0, H100_SMEM)
+    for a, w in zip(got, want, strict=True):
+        assert close_in_dtype(a, w, torch.bfloat16)
+
+
 def test_mma_walk_is_schedule_independent_and_alignment_blind(emu, ext):
     """Kernels 8 and 9 under three thread schedules, and on tensors one element past an aligned
     address (outputs written element-wise, tiles loaded without cp.async): bit-identical."""

@@ -2093,11 +2093,13 @@ cudaError_t launch_walk_mma(const __nv_bfloat16* q, const __nv_bfloat16* k,
                       eps, vec_qk, vec_v);
 }
 
-// True where kernel 8 replaces kernel 6: bf16 inputs, F <= 64, and mma_walk.
+// True where kernel 8 replaces kernel 6: bf16 inputs, F <= 64, and mma_walk (where kernel 6 fits,
+// so does kernel 8: it takes less shared memory).
 template <typename Tin>
 constexpr bool use_walk_mma(int64_t f, bool mma_walk) {
   return std::is_same_v<Tin, __nv_bfloat16> && mma_walk && f <= kTile;
 }
+static_assert(mma_walk_smem() <= WalkSmem<__nv_bfloat16, 1>::bytes());
 
 // The causal product by kernel 6 (or 8): the carries of the segments (kernels 1 and 2, totals
 // only) where the sequence is split, then one walk per segment.
@@ -2226,7 +2228,7 @@ cudaError_t walk_backward_typed(const Tin* q, const Tin* k, const Tin* v, const 
   const bool vec_f = rows_vectorizable<Tin>(q, f) && rows_vectorizable<Tin>(k, f);
   const bool vec_m = rows_vectorizable<Tin>(v, m) && rows_vectorizable<Tin>(g, m);
   if constexpr (std::is_same_v<Tin, __nv_bfloat16>) {
-    if (use_walk_mma<Tin>(f, mma_walk) && m <= kTile) {  // kernel 9
+    if (use_walk_mma<Tin>(f, mma_walk) && m <= kTile && mma_dkv_smem() <= smem_optin()) {
       if (out_fp32) {
         return launch_tiles(chunk_walk_mma_dkv_kernel<float>, bh * l.nblk, 1, mma_dkv_smem(),
                             stream, q, k, v, g, carry, static_cast<float*>(dk),
