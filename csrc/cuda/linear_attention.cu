@@ -582,10 +582,8 @@ __global__ void __launch_bounds__(kThreads)
   zero(acc);
   float z = 0.f;  // thread t < 64: running z of feature f0 + t
 
-  const int64_t count = seg.count;
-  auto chunk = [&](int64_t i) { return seg.chunk(i); };
   auto load_chunk = [&](int64_t i, int buf) {
-    const int64_t row0 = chunk(i) * kTile;
+    const int64_t row0 = seg.chunk(i) * kTile;
     load_tile<Tin, Op>(tiles + (2 * buf) * kTile * LD, LD, kb, f, n, f, row0, f0, keep, vec_k);
     load_tile<Tin, Op>(tiles + (2 * buf + 1) * kTile * LD, LD, vb, m, n, m, row0, m0, keep,
                        vec_v);
@@ -593,14 +591,14 @@ __global__ void __launch_bounds__(kThreads)
   };
 
   load_chunk(0, 0);
-  for (int64_t i = 0; i < count; ++i) {
+  for (int64_t i = 0; i < seg.count; ++i) {
     const int buf = static_cast<int>(i & 1);
-    const int64_t c = chunk(i);
+    const int64_t c = seg.chunk(i);
     const Op* Ks = tiles + (2 * buf) * kTile * LD;
     const Op* Vs = Ks + kTile * LD;
     cp_async_wait_all();  // chunk i's tiles (the only copies in flight)
     __syncthreads();      // ... visible to all; chunk i-1's buffer and the staging tile are free
-    if (i + 1 < count) load_chunk(i + 1, buf ^ 1);
+    if (i + 1 < seg.count) load_chunk(i + 1, buf ^ 1);
     if (prefix_s != nullptr) {
       warp_store(St, acc);  // the block-local exclusive prefix of chunk c
       if (z_block && threadIdx.x < kTile && f0 + threadIdx.x < f) {
@@ -1109,10 +1107,8 @@ __global__ void __launch_bounds__(kThreads, kWalkBlocksPerSm<typename OperandOf<
   const Tin* qb = q + bh * n * f;
   const Tin* kb = k + bh * n * f;
   const Tin* vb = v + bh * n * m;
-  const int64_t count = seg.count;
-  auto chunk = [&](int64_t i) { return seg.chunk(i); };
   auto load_chunk = [&](int64_t i, int buf) {
-    const int64_t row0 = chunk(i) * kTile;
+    const int64_t row0 = seg.chunk(i) * kTile;
 #pragma unroll
     for (int ft = 0; ft < FT; ++ft) {
       load_tile<Tin, Op>(q_tile(buf, ft), LD, qb, f, n, f, row0, ft * kTile, nullptr, vec_qk);
@@ -1133,12 +1129,12 @@ __global__ void __launch_bounds__(kThreads, kWalkBlocksPerSm<typename OperandOf<
 
   const int row = threadIdx.x / 4, part = threadIdx.x % 4;  // den: 4 threads per row
   typename Mma<Op>::Acc acc_a[2], acc_o[2];
-  for (int64_t i = 0; i < count; ++i) {
+  for (int64_t i = 0; i < seg.count; ++i) {
     const int buf = static_cast<int>(i & 1);
-    const int64_t row0 = chunk(i) * kTile;
+    const int64_t row0 = seg.chunk(i) * kTile;
     cp_async_wait_all();  // chunk i's tiles (the only copies in flight)
     __syncthreads();      // ... visible to all; step i-1 is complete (its buffer is free)
-    if (i + 1 < count) load_chunk(i + 1, buf ^ 1);
+    if (i + 1 < seg.count) load_chunk(i + 1, buf ^ 1);
 
     // scores Q K^T and Q S over the F slices; this thread's share of q . z
     zero(acc_a, acc_o);
@@ -1270,10 +1266,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const Tin* kb = k + bh * n * f;
   const Tin* vb = v + bh * n * m;
   const Tin* gb = g + bh * n * m;
-  const int64_t count = seg.count;
-  auto chunk = [&](int64_t i) { return seg.chunk(i); };  // last to first
   auto load_chunk = [&](int64_t i, int buf) {
-    const int64_t row0 = chunk(i) * kTile;
+    const int64_t row0 = seg.chunk(i) * kTile;
     for (int ft = 0; ft < ft_n; ++ft) {
       load_tile<Tin, Op>(q_tile(buf, ft), LD, qb, f, n, f, row0, ft * kTile, nullptr, vec_f);
       load_tile<Tin, Op>(k_tile(buf, ft), LD, kb, f, n, f, row0, ft * kTile, nullptr, vec_f);
@@ -1292,12 +1286,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   init_positions(pos);
 
   typename Mma<Op>::Acc acc_a[2], acc_b[2], acc_o[2];
-  for (int64_t i = 0; i < count; ++i) {
+  for (int64_t i = 0; i < seg.count; ++i) {
     const int buf = lay.nbuf == 2 ? static_cast<int>(i & 1) : 0;
-    const int64_t row0 = chunk(i) * kTile;
+    const int64_t row0 = seg.chunk(i) * kTile;
     cp_async_wait_all();  // chunk i's tiles (the only copies in flight)
     __syncthreads();      // ... visible to all; step i-1 is complete
-    if (lay.nbuf == 2 && i + 1 < count) load_chunk(i + 1, buf ^ 1);
+    if (lay.nbuf == 2 && i + 1 < seg.count) load_chunk(i + 1, buf ^ 1);
 
     // the masked scores U(V G^T) (over the M slices) and U(K Q^T) (over the F slices)
     zero(acc_a, acc_b);
@@ -1361,7 +1355,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       accumulate_state<Tin>(r_state(ft, mt), r_copy_tile(ft, mt), q_tile(buf, ft),
                            g_tile(buf, mt));
     }
-    if (lay.nbuf == 1 && i + 1 < count) {
+    if (lay.nbuf == 1 && i + 1 < seg.count) {
       __syncthreads();  // every warp has read this chunk's tiles
       load_chunk(i + 1, 0);
     }
@@ -2093,12 +2087,9 @@ cudaError_t launch_walk_mma(const __nv_bfloat16* q, const __nv_bfloat16* k,
                       eps, vec_qk, vec_v);
 }
 
-// True where kernel 8 replaces kernel 6: bf16 inputs, F <= 64, and mma_walk (where kernel 6 fits,
-// so does kernel 8: it takes less shared memory).
-template <typename Tin>
-constexpr bool use_walk_mma(int64_t f, bool mma_walk) {
-  return std::is_same_v<Tin, __nv_bfloat16> && mma_walk && f <= kTile;
-}
+// True where kernel 8 replaces kernel 6 for bf16 inputs: F <= 64 and mma_walk (where kernel 6
+// fits, so does kernel 8: it takes less shared memory).
+constexpr bool use_walk_mma(int64_t f, bool mma_walk) { return mma_walk && f <= kTile; }
 static_assert(mma_walk_smem() <= WalkSmem<__nv_bfloat16, 1>::bytes());
 
 // The causal product by kernel 6 (or 8): the carries of the segments (kernels 1 and 2, totals
@@ -2114,7 +2105,7 @@ cudaError_t walk_typed(const Tin* q, const Tin* k, const Tin* v, void* out, bool
                                        normalize || den != nullptr, &carry, stream);
   if (err != cudaSuccess) return err;
   if constexpr (std::is_same_v<Tin, __nv_bfloat16>) {
-    if (use_walk_mma<Tin>(f, mma_walk)) {
+    if (use_walk_mma(f, mma_walk)) {
       if (out_fp32) {
         return launch_walk_mma<float>(q, k, v, carry, static_cast<float*>(out), den, bh, n, f,
                                       m, l.nblk, l.cpb, reverse, normalize, eps, stream);
@@ -2228,7 +2219,7 @@ cudaError_t walk_backward_typed(const Tin* q, const Tin* k, const Tin* v, const 
   const bool vec_f = rows_vectorizable<Tin>(q, f) && rows_vectorizable<Tin>(k, f);
   const bool vec_m = rows_vectorizable<Tin>(v, m) && rows_vectorizable<Tin>(g, m);
   if constexpr (std::is_same_v<Tin, __nv_bfloat16>) {
-    if (use_walk_mma<Tin>(f, mma_walk) && m <= kTile && mma_dkv_smem() <= smem_optin()) {
+    if (use_walk_mma(f, mma_walk) && m <= kTile && mma_dkv_smem() <= smem_optin()) {
       if (out_fp32) {
         return launch_tiles(chunk_walk_mma_dkv_kernel<float>, bh * l.nblk, 1, mma_dkv_smem(),
                             stream, q, k, v, g, carry, static_cast<float*>(dk),

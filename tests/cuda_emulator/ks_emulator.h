@@ -21,9 +21,10 @@
 // unspecified, and the kernels only apply the same function to every element). Products
 // accumulate in float, as the tensor cores do, and are computed once per warp (warp_product);
 // bf16 and tf32 operands are rounded as on a GPU.
-// ldmatrix and mma.sync (kernel 8), whose register layouts the kernels do depend on, are
-// emulated lane by lane as the PTX ISA lays them out: each lane posts its address or registers,
-// waits for the warp, and takes its own result from what the others posted.
+// ldmatrix and mma.sync (kernels 8 and 9), whose register layouts the kernels do depend on, are
+// emulated lane by lane as the PTX ISA lays them out (mma.h, on Collective below): each lane
+// posts its address or registers, waits for the warp, and takes its own result from what the
+// others posted.
 #pragma once
 
 #include <ucontext.h>
@@ -362,67 +363,6 @@ class Collective {
   int base_;
 };
 
-inline uint16_t bits16(const void* p, int element) {
-  uint16_t u;
-  std::memcpy(&u, static_cast<const unsigned char*>(p) + 2 * element, 2);
-  return u;
-}
-
-inline float bf16_bits_to_float(uint32_t bits16) {
-  const uint32_t u = bits16 << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-// ldmatrix.sync.aligned.m8n8.x4(.trans).shared.b16: lane 8i + r gives row r of matrix i (eight
-// 16-bit elements at a 16-byte aligned address); register i of lane l = 4g + t receives row g,
-// elements 2t and 2t+1 (trans: elements g of rows 2t and 2t+1), the lower in the low half.
-inline void ldmatrix_x4(uint32_t (&regs)[4], const void* row, bool trans) {
-  check_aligned(row, 16, "ldmatrix: row address not 16-byte aligned");
-  Posted mine;
-  mine.ptr = row;
-  const Collective c(mine);
-  const int l = lane(), g = l / 4, t = l % 4;
-  for (int i = 0; i < 4; ++i) {
-    uint32_t lo, hi;
-    if (trans) {
-      lo = bits16(c.posted(8 * i + 2 * t).ptr, g);
-      hi = bits16(c.posted(8 * i + 2 * t + 1).ptr, g);
-    } else {
-      lo = bits16(c.posted(8 * i + g).ptr, 2 * t);
-      hi = bits16(c.posted(8 * i + g).ptr, 2 * t + 1);
-    }
-    regs[i] = lo | (hi << 16);
-  }
-}
-
-// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, acc += A B with the PTX ISA's fragments
-// (linear_attention.cu, "mma.sync fragments"); the products of bf16 are exact in float, summed
-// in float in k order.
-inline void mma_bf16(float (&acc)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  Posted mine;
-  for (int i = 0; i < 4; ++i) mine.reg[i] = a[i];
-  mine.reg[4] = b[0];
-  mine.reg[5] = b[1];
-  const Collective c(mine);
-  const auto half = [](uint32_t u, int h) { return bf16_bits_to_float(h ? u >> 16 : u & 0xffffu); };
-  const auto A = [&](int row, int col) {  // 16 x 16
-    const int reg = (row < 8 ? 0 : 1) + (col < 8 ? 0 : 2);
-    return half(c.posted((row % 8) * 4 + (col % 8) / 2).reg[reg], col % 2);
-  };
-  const auto B = [&](int k, int col) {  // 16 x 8
-    return half(c.posted(col * 4 + (k % 8) / 2).reg[4 + (k < 8 ? 0 : 1)], k % 2);
-  };
-  const int l = lane(), g = l / 4, t = l % 4;
-  for (int e = 0; e < 4; ++e) {
-    const int row = g + 8 * (e / 2), col = 2 * t + e % 2;
-    float s = 0.f;
-    for (int k = 0; k < 16; ++k) s += A(row, k) * B(k, col);
-    acc[e] += s;
-  }
-}
-
 }  // namespace ks_emu
 
 // ------------------------------------------------------------------ CUDA built-ins
@@ -439,7 +379,5 @@ inline float __shfl_xor_sync(unsigned, float value, int lane_mask, int = 32) {
 
 #define KS_LAUNCH(kernel, grid, block, smem, stream) ::ks_emu::launch(kernel, grid, block, smem)
 #define KS_HOST_ASYNC_COPY16(dst, src) ::ks_emu::async_copy16(dst, src)
-#define KS_HOST_LDMATRIX_X4(regs, ptr, trans) ::ks_emu::ldmatrix_x4(regs, ptr, trans)
-#define KS_HOST_MMA_BF16(acc, a, b) ::ks_emu::mma_bf16(acc, a, b)
 #define KS_HOST_ASYNC_WAIT() ::ks_emu::async_wait()
 #define KS_DYNAMIC_SMEM(name) unsigned char* name = ::ks_emu::dynamic_smem()
