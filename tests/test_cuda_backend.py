@@ -8,7 +8,7 @@ bit-identical reruns (also for inputs off 16-byte addresses), offsets past 2**31
 memory (no O(N·F·M) tensor), and the fused backward (``ext.causal_backward``) against the
 reference and the three-product backward.
 Every test runs under each causal kernel (``cuda_backend.CAUSAL_KERNEL``: "chunks", "walk" and
-"walk_mma", whose kernel 8 takes bfloat16 with F ≤ 64); the walks and their fused backward are
+"walk_mma", whose kernel 8 takes F ≤ 64); the walks and their fused backward are
 also checked with sequences cut into 1, several and one-chunk segments.
 """
 
@@ -490,13 +490,14 @@ def test_walk_falls_back_to_chunks_above_f_128(monkeypatch, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=str)
 def test_walk_matches_chunk_kernels(monkeypatch, dtype):
     """The kernels agree to the precision of their operands on a long, many-head case (kernel
-    8 for walk_mma in bfloat16, kernel 6 in the other dtypes: bit for bit the walk's)."""
+    8 for walk_mma at F = 64; at F = 80 walk_mma runs kernel 6, bit for bit the walk's)."""
     q, k, v = (t.detach() for t in _features(2, 8, 2500, 64, 64, dtype=dtype))
     got = _by_kernel(monkeypatch, lambda: cuda_backend.linear_attention(q, k, v, causal=True))
     assert close_in_dtype(got["walk"], got["chunks"], dtype)
     assert close_in_dtype(got["walk_mma"], got["chunks"], dtype)
-    if dtype != torch.bfloat16:
-        assert torch.equal(got["walk_mma"], got["walk"])
+    q, k, v = (t.detach() for t in _features(1, 2, 300, 80, 24, dtype=dtype))
+    got = _by_kernel(monkeypatch, lambda: cuda_backend.linear_attention(q, k, v, causal=True))
+    assert torch.equal(got["walk_mma"], got["walk"])
 
 
 # ---------------------------------------------------------------- 64-bit indexing

@@ -429,31 +429,46 @@ def test_misaligned_tensors_give_the_same_bits(emu, ext, dtype, walk_blocks):
 
 
 # ---------------------------------------------------------------- kernel 8: the register walk
-# kernels 8 and 9's shared memory (bytes): how a test sees that they ran
-MMA_WALK_SMEM, MMA_DKV_SMEM = 74240, 92160
-# bf16 with F <= 64: one row; N not a multiple of the chunk with odd F and M; F = M = 64 with a
-# partial last chunk; F ≠ M with two M slices (the second ragged; kernel 7 for dk and dv).
+# kernels 8 and 9's shared memory (bytes) by dtype: how a test sees that they ran (bf16 tiles for
+# bf16 inputs, fp32 tiles for the tf32 products of float32 and float16 inputs)
+MMA_SMEM = {torch.bfloat16: (74240, 92160), torch.float32: (139776, 174080)}
+MMA_SMEM[torch.float16] = MMA_SMEM[torch.float32]
+SM86_SMEM = 101376  # an RTX 30x0's opt-in shared memory per block: no room for the walks
+# F <= 64: one row; N not a multiple of the chunk with odd F and M; F = M = 64 with a partial
+# last chunk; F ≠ M with two M slices (the second ragged; kernel 7 for dk and dv).
 MMA_SHAPES = [(2, 1, 4, 3), (6, 37, 8, 5), (3, 130, 64, 64), (2, 200, 33, 70)]
 MMA_IDS = ["x".join(map(str, s)) for s in MMA_SHAPES]
+# walk_blocks: whole sequences, segments of 5 chunks, one chunk per segment
+MMA_WALKS = {"whole": 1, "segments_5": 5, "per_chunk": 10**6}
+# bf16 (mma.sync m16n8k16) on every shape and walk; the tf32 kinds (m16n8k8; 3xTF32 or one
+# product), whose emulation costs 2-6 times more, on the shapes that reach every fragment and
+# state slab, once whole and once in segments (the segments' carries are the same code)
+MMA_CASES = [(torch.bfloat16, s, w) for s in MMA_SHAPES for w in MMA_WALKS]
+MMA_CASES += [(d, s, w) for d in (torch.float32, torch.float16)
+              for s, w in ((MMA_SHAPES[2], "whole"), (MMA_SHAPES[3], "segments_5"))]  # fmt: skip
 
 
-@pytest.mark.parametrize("walk_blocks", [1, 5, 10**6], ids=["whole", "segments_5", "per_chunk"])
-@pytest.mark.parametrize("shape", MMA_SHAPES, ids=MMA_IDS)
-def test_mma_walk_product_normalizer_and_gradients(emu, ext, shape, walk_blocks):
+@pytest.mark.parametrize(
+    "dtype, shape, walk",
+    MMA_CASES,
+    ids=[f"{d}-{'x'.join(map(str, s))}-{w}" for d, s, w in MMA_CASES],
+)
+def test_mma_walk_product_normalizer_and_gradients(emu, ext, dtype, shape, walk):
     """Kernels 8 and 9 (mma.sync on operands in registers, emulated lane by lane as the PTX ISA
     lays out the fragments) against float64: the causal and anti-causal product, its
-    normalizer, the normalized output in bf16 and fp32, and the gradients by three products and
-    by the fused backward (kernel 8 for dq, kernel 9 for dk and dv where M <= 64), with whole
-    sequences, ragged segments (carries) and one chunk per segment; and within bf16's tolerance
-    of kernel 6."""
-    dtype = torch.bfloat16
+    normalizer, the normalized output in the input dtype and fp32, and the gradients by three
+    products and by the fused backward (kernel 8 for dq, kernel 9 for dk and dv where M <= 64),
+    with whole sequences, ragged segments (carries) and one chunk per segment; and within the
+    dtype's tolerance of kernel 6."""
+    walk_smem, dkv_smem_want = MMA_SMEM[dtype]
+    walk_blocks = MMA_WALKS[walk]
     q, k, v, g = _inputs(*shape, dtype, extra=1)
     for reverse in (False, True):
         want, want_den = _reference_product(q, k, v, reverse)
         out, den = ext.causal_product(
             q, k, v, reverse, with_den=True, walk_blocks=walk_blocks, mma_walk=True
         )
-        assert emu.ks_emu_last_launch_smem() == MMA_WALK_SMEM
+        assert emu.ks_emu_last_launch_smem() == walk_smem
         assert close_in_dtype(out, want, dtype) and close_in_dtype(den, want_den, dtype)
         wmma, wmma_den = ext.causal_product(
             q, k, v, reverse, with_den=True, walk_blocks=walk_blocks
@@ -474,43 +489,52 @@ def test_mma_walk_product_normalizer_and_gradients(emu, ext, shape, walk_blocks)
     ]
     fused = ext.causal_backward(q, k, v, g, out_fp32=True, walk_blocks=walk_blocks, mma_walk=True)
     dkv_smem = emu.ks_emu_last_launch_smem()
-    assert dkv_smem == MMA_DKV_SMEM if shape[3] <= 64 else dkv_smem != MMA_DKV_SMEM
+    assert dkv_smem == dkv_smem_want if shape[3] <= 64 else dkv_smem != dkv_smem_want
     for got in (three, fused):
         for a, w in zip(got, want, strict=True):
             assert close_in_dtype(a, w, dtype)
 
 
-def test_mma_walk_applies_to_bfloat16_up_to_64_features_only(emu, ext):
-    """mma_walk leaves every other case to kernel 6, bit for bit: F = 65 in bf16, and F = 64 in
-    float32 and float16."""
-    for shape, dtype in [((2, 70, 65, 8), torch.bfloat16), ((2, 70, 64, 8), torch.float32),
-                         ((2, 70, 64, 8), torch.float16)]:  # fmt: skip
-        q, k, v = _inputs(*shape, dtype)
-        a = ext.causal_product(q, k, v, with_den=True, walk_blocks=1, mma_walk=True)
-        assert emu.ks_emu_last_launch_smem() != MMA_WALK_SMEM
-        b = ext.causal_product(q, k, v, with_den=True, walk_blocks=1)
-        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+def test_mma_walk_applies_up_to_64_features_only(emu, ext):
+    """mma_walk leaves every other case to kernel 6 or the chunk kernels, bit for bit: F = 65
+    in each dtype, and F = 64 where the walks' shared memory does not fit (an sm_86's 99 KB)."""
+    cases = [((2, 70, 65, 8), d, H100_SMEM) for d in DTYPES]
+    cases += [((2, 70, 64, 8), d, SM86_SMEM) for d in DTYPES]
+    try:
+        for shape, dtype, smem in cases:
+            emu.ks_emu_configure(0, smem)
+            q, k, v = _inputs(*shape, dtype)
+            a = ext.causal_product(q, k, v, with_den=True, walk_blocks=1, mma_walk=True)
+            assert emu.ks_emu_last_launch_smem() != MMA_SMEM[dtype][0]
+            b = ext.causal_product(q, k, v, with_den=True, walk_blocks=1)
+            assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    finally:
+        emu.ks_emu_configure(0, H100_SMEM)
 
 
-def test_mma_walk_backward_falls_back_where_shared_memory_is_short(emu, ext):
-    """Below kernel 9's 90 KB of shared memory the fused backward takes kernel 7 (in a layout
-    that fits), and the gradients still match float64."""
-    q, k, v, g = _inputs(2, 100, 16, 16, torch.bfloat16, extra=1)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_mma_walk_backward_falls_back_where_shared_memory_is_short(emu, ext, dtype):
+    """Below kernel 9's shared memory (90 KB for bf16 tiles, 170 KB for fp32 tiles: an A100 has
+    163 KB) the fused backward takes kernel 7 (in a layout that fits), and the gradients still
+    match float64."""
+    walk_smem, dkv_smem = MMA_SMEM[dtype]
+    q, k, v, g = _inputs(2, 100, 16, 16, dtype, extra=1)
     want = _reference_grads(q, k, v, g)
     try:
-        emu.ks_emu_configure(0, MMA_DKV_SMEM - 1)
+        emu.ks_emu_configure(0, dkv_smem - 1)
         got = ext.causal_backward(q, k, v, g, out_fp32=True, walk_blocks=1, mma_walk=True)
-        assert emu.ks_emu_last_launch_smem() < MMA_DKV_SMEM
+        assert emu.ks_emu_last_launch_smem() < dkv_smem
     finally:
         emu.ks_emu_configure(0, H100_SMEM)
     for a, w in zip(got, want, strict=True):
-        assert close_in_dtype(a, w, torch.bfloat16)
+        assert close_in_dtype(a, w, dtype)
 
 
-def test_mma_walk_is_schedule_independent_and_alignment_blind(emu, ext):
+@pytest.mark.parametrize("dtype", list(MMA_SMEM), ids=str)
+def test_mma_walk_is_schedule_independent_and_alignment_blind(emu, ext, dtype):
     """Kernels 8 and 9 under three thread schedules, and on tensors one element past an aligned
     address (outputs written element-wise, tiles loaded without cp.async): bit-identical."""
-    q, k, v, g = _inputs(2, 150, 40, 56, torch.bfloat16, extra=1)
+    q, k, v, g = _inputs(2, 150, 40, 56, dtype, extra=1)
 
     def run(x):
         return [
@@ -542,24 +566,29 @@ def backend(ext, monkeypatch):
     return cuda_backend
 
 
-# (dtype, kernel): every dtype on the chunk kernels and the walk; walk_mma differs from the walk
-# in bfloat16 only
-BACKEND_KERNELS = [(d, k) for d in DTYPES for k in ("chunks", "walk")]
-BACKEND_KERNELS.append((torch.bfloat16, "walk_mma"))
+# (shape, dtype, kernel): every dtype on each kernel; walk_mma's tf32 kinds (slow to emulate)
+# on the small shape only
+BACKEND_SHAPES = {"small": (2, 3, 37, 8, 5), "ragged": (1, 2, 150, 33, 70)}
+BACKEND_CASES = [
+    (s, d, k)
+    for s in BACKEND_SHAPES
+    for d in DTYPES
+    for k in cuda_backend.CAUSAL_KERNELS
+    if s == "small" or k != "walk_mma" or d == torch.bfloat16
+]
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["three_products", "fused_backward"])
 @pytest.mark.parametrize(
-    "dtype, kernel", BACKEND_KERNELS, ids=[f"{d}-{k}" for d, k in BACKEND_KERNELS]
+    "shape, dtype, kernel", BACKEND_CASES, ids=[f"{s}-{d}-{k}" for s, d, k in BACKEND_CASES]
 )
-@pytest.mark.parametrize("shape", [(2, 3, 37, 8, 5), (1, 2, 150, 33, 70)], ids=["small", "ragged"])
 def test_backend_matches_reference(backend, monkeypatch, shape, dtype, kernel, fused):
     """The autograd functions of the cuda backend (products, normalizer, masks, the float16
     normalized backward in float32) on each kernel and backward: outputs and every gradient."""
     monkeypatch.setattr(backend, "CAUSAL_KERNEL", kernel)
     monkeypatch.setattr(backend, "WALK_BLOCKS", 3)
     monkeypatch.setattr(backend, "FUSED_BACKWARD", fused)
-    b, h, n, f, m = shape
+    b, h, n, f, m = BACKEND_SHAPES[shape]
     gen = torch.Generator().manual_seed(0)
     q, k = (torch.rand(b, h, n, f, generator=gen).to(dtype) for _ in "qk")
     v, g = (torch.randn(b, h, n, m, generator=gen).to(dtype) for _ in "vg")

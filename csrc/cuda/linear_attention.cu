@@ -38,10 +38,10 @@
 //                            and dv together by one reverse walk with R = sum Q^T G on chip.
 //   Kernels 1 and 3 write and read one F x M state per chunk (at N = 8192, B·H = 128, F = M = 64
 //   in bf16: 134 MB each way); the walk keeps it on chip and launches once.
-//   8. chunk_walk_mma_kernel kernel 6 for bf16 with F <= 64 and mma_walk: mma.sync with each
+//   8. chunk_walk_mma_kernel kernel 6 for F <= 64 with mma_walk: mma.sync with each
 //                            warp's operands in registers (scores to P V without shared memory,
 //                            S in fp32 accumulators), one barrier per chunk.
-//   9. chunk_walk_mma_dkv_kernel  kernel 7 in the same form (bf16, F, M <= 64, mma_walk).
+//   9. chunk_walk_mma_dkv_kernel  kernel 7 in the same form (F, M <= 64, mma_walk).
 //
 // ------------------------------------------------------------------ tiles
 // Thread block: 256 threads = 8 warps. Every matrix product is on 64 x 64 tiles staged in
@@ -97,11 +97,12 @@
   (*static_cast<uint4*>(dst) = *static_cast<const uint4*>(src))
 #define KS_HOST_ASYNC_WAIT()
 #endif
-// ... and for kernel 8, the warp-collective ldmatrix and mma.sync (the emulator gathers the
+// ... and for kernels 8 and 9, the warp-collective ldmatrix and mma.sync (the emulator gathers the
 // lanes' registers as the PTX ISA lays them out); nvcc's host pass never runs them.
 #ifndef KS_HOST_LDMATRIX_X4
 #define KS_HOST_LDMATRIX_X4(regs, ptr, trans)
 #define KS_HOST_MMA_BF16(acc, a, b)
+#define KS_HOST_MMA_TF32(acc, a, b)
 #endif
 
 namespace ks_cuda {
@@ -327,9 +328,9 @@ __device__ __forceinline__ void cp_async_wait_all() {
 }
 
 // ------------------------------------------------------------------ mma.sync fragments
-// Kernel 8 multiplies with mma.sync m16n8k16 (bf16 x bf16 -> fp32) on operands in registers, laid
-// out as the PTX ISA specifies; g = lane / 4, t = lane % 4, pairs of bf16 packed low element
-// first into a 32-bit register:
+// Kernels 8 and 9 multiply with mma.sync on operands in registers, laid out as the PTX ISA
+// specifies; g = lane / 4, t = lane % 4. bf16 inputs: m16n8k16 (bf16 x bf16 -> fp32), pairs of
+// bf16 packed low element first into a 32-bit register:
 //   A (16 x 16, row):  a[0] = A[g][2t, 2t+1], a[1] = A[g+8][2t, 2t+1], a[2] = A[g][2t+8, 2t+9],
 //                      a[3] = A[g+8][2t+8, 2t+9];
 //   B (16 x 8, col):   b[0] = B[2t, 2t+1][g], b[1] = B[2t+8, 2t+9][g];
@@ -337,14 +338,41 @@ __device__ __forceinline__ void cp_async_wait_all() {
 // ldmatrix.x4 loads four 8 x 8 bf16 matrices from shared memory, lane 8i + r giving the address
 // of row r of matrix i (16-byte aligned); register i of a lane receives matrix i's row g, columns
 // 2t and 2t+1, or with `trans` its column g, rows 2t and 2t+1.
+// fp32 and fp16 inputs: m16n8k8 (tf32 x tf32 -> fp32), one fp32 bit pattern per register,
+// rounded to tf32 (cvt.rna) before it enters a product:
+//   A (16 x 8, row):   a[0] = A[g][t], a[1] = A[g+8][t], a[2] = A[g][t+4], a[3] = A[g+8][t+4];
+//   B (8 x 8, col):    b[0] = B[t][g], b[1] = B[t+4][g];
+//   C (16 x 8, fp32):  as for bf16.
+// A sum over k does not depend on the order of its terms, so the kernels place index 2t of each
+// k-step in slot t and 2t + 1 in slot t + 4, in A and B alike: A's a[0], a[2] are then C's c[0],
+// c[1] (scores pass from accumulators to A fragments in place), and a row's pair loads as one
+// float2.
 
-// Two floats rounded to bf16 and packed (lo in the low half).
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  const __nv_bfloat16 a = from_float<__nv_bfloat16>(lo), b = from_float<__nv_bfloat16>(hi);
+// Two floats rounded to a 16-bit type T and packed (lo in the low half).
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  static_assert(sizeof(T) == 2, "two 16-bit elements");
+  const T a = from_float<T>(lo), b = from_float<T>(hi);
   uint16_t ua, ub;
   memcpy(&ua, &a, 2);
   memcpy(&ub, &b, 2);
   return static_cast<uint32_t>(ua) | (static_cast<uint32_t>(ub) << 16);
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  return pack2<__nv_bfloat16>(lo, hi);
+}
+
+__device__ __forceinline__ uint32_t float_bits(float x) {
+  uint32_t u;
+  memcpy(&u, &x, 4);
+  return u;
+}
+
+__device__ __forceinline__ float bits_float(uint32_t u) {
+  float x;
+  memcpy(&x, &u, 4);
+  return x;
 }
 
 // The two bf16 of a packed register as floats: {low, high}.
@@ -389,6 +417,50 @@ __device__ __forceinline__ void mma_bf16(float (&acc)[4], const uint32_t (&a)[4]
   const uint32_t b[2] = {b0, b1};
   KS_HOST_MMA_BF16(acc, a, b);
 #endif
+}
+
+// acc += A B for one m16n8k8 step on tf32 operands (registers rounded to tf32).
+__device__ __forceinline__ void mma_tf32_rounded(float (&acc)[4], const uint32_t (&a)[4],
+                                                 uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#elif !defined(__CUDA_ARCH__)
+  const uint32_t b[2] = {b0, b1};
+  KS_HOST_MMA_TF32(acc, a, b);
+#endif
+}
+
+// The fp32 value of register x rounded to tf32 (cvt.rna: to nearest, ties away from zero).
+__device__ __forceinline__ uint32_t tf32_bits(uint32_t x) {
+  return float_bits(wmma::__float_to_tf32(bits_float(x)));
+}
+
+// acc += A B for one m16n8k8 step on fp32 registers: with kSplit as 3xTF32 (x = big + small,
+// big = tf32(x), small = tf32(x - big); A B ~ small big + big small + big big, as Mma<float>),
+// else on the operands rounded to tf32.
+template <bool kSplit>
+__device__ __forceinline__ void mma_tf32(float (&acc)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  uint32_t a_big[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) a_big[i] = tf32_bits(a[i]);
+  const uint32_t b0_big = tf32_bits(b0), b1_big = tf32_bits(b1);
+  if constexpr (kSplit) {
+    uint32_t a_small[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      a_small[i] = tf32_bits(float_bits(bits_float(a[i]) - bits_float(a_big[i])));
+    }
+    const uint32_t b0_small = tf32_bits(float_bits(bits_float(b0) - bits_float(b0_big)));
+    const uint32_t b1_small = tf32_bits(float_bits(bits_float(b1) - bits_float(b1_big)));
+    mma_tf32_rounded(acc, a_small, b0_big, b1_big);
+    mma_tf32_rounded(acc, a_big, b0_small, b1_small);
+  }
+  mma_tf32_rounded(acc, a_big, b0_big, b1_big);
 }
 
 // ------------------------------------------------------------------ global -> shared tiles
@@ -1364,9 +1436,15 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // ------------------------------------------------------------------ register walks
-// Kernels 8 and 9 work on 64 x LD bf16 tiles (chunk rows x a 64-wide slice, zero-padded), a warp
-// on a band of 16 rows r0 .. r0 + 15 (see "mma.sync fragments"; lr, lm0, lm1: the lane's row of
-// an ldmatrix matrix and the matrix's two index bits).
+// Kernels 8 and 9 work on 64 x LD tiles of the operand type (chunk rows x a 64-wide slice,
+// zero-padded), a warp on a band of 16 rows r0 .. r0 + 15: the band over 64 columns is kSteps A
+// fragments (one per k-step), and B fragments come in pairs of n-tiles (16 columns) per k-step.
+// Band<Op, kSplit> holds what differs between the two kinds of operands:
+//   bf16 (m16n8k16): k-steps of 16, fragments by ldmatrix (see "mma.sync fragments"; lr, lm0,
+//     lm1: the lane's row of an ldmatrix matrix and the matrix's two index bits);
+//   fp32 tiles (m16n8k8 on tf32; fp32 inputs as 3xTF32, fp16 inputs as 1xTF32): k-steps of 8,
+//     fragments by 32-bit shared loads, each k-step's 8 indices taken in the order
+//     0, 2, 4, 6, 1, 3, 5, 7 in both operands (see "mma.sync fragments").
 struct Lane {
   int g, t, lr, lm0, lm1;
   __device__ Lane()
@@ -1377,28 +1455,197 @@ struct Lane {
         lm1(threadIdx.x % 32 / 16) {}
 };
 
-// Rows r0 .. r0 + 15 of tile T as A fragments, one per 16 columns.
-__device__ __forceinline__ void band_fragments(uint32_t (&a)[4][4], const __nv_bfloat16* T, int r0,
-                                               const Lane& l) {
-  constexpr int LD = ld_of<__nv_bfloat16>();
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
-    ldmatrix_x4<false>(a[kk], T + (r0 + l.lr + 8 * l.lm0) * LD + 16 * kk + 8 * l.lm1);
-  }
-}
-
 // Whether n-tile j (columns 8j .. 8j + 7 of the 64 x 64 scores) has an element kept by the mask
 // for some row of the band: key <= row, or key >= row with `reverse`.
 __device__ __forceinline__ bool tile_kept(int j, int r0, bool reverse) {
   return reverse ? 8 * j + 7 >= r0 : 8 * j <= r0 + 15;
 }
 
+template <typename Op, bool kSplit>
+struct Band;
+
+template <bool kSplit>
+struct Band<__nv_bfloat16, kSplit> {
+  using Op = __nv_bfloat16;
+  static constexpr int kSteps = 4, LD = ld_of<Op>();
+  using Frags = uint32_t[kSteps][4];
+
+  // k-step kk of A = rows r0 .. r0 + 15 of T
+  static __device__ __forceinline__ void rows(uint32_t (&a)[4], const Op* T, int r0, int kk,
+                                              const Lane& l) {
+    ldmatrix_x4<false>(a, T + (r0 + l.lr + 8 * l.lm0) * LD + 16 * kk + 8 * l.lm1);
+  }
+  // k-step kk of A = columns r0 .. r0 + 15 of T as rows (the k index runs over T's rows)
+  static __device__ __forceinline__ void columns(uint32_t (&a)[4], const Op* T, int r0, int kk,
+                                                 const Lane& l) {
+    ldmatrix_x4<true>(a, T + (16 * kk + l.lr + 8 * l.lm1) * LD + r0 + 8 * l.lm0);
+  }
+  // k-step kk of columns c0 .. c0 + 15 of B (b[0], b[1]: n-tile c0; b[2], b[3]: c0 + 8), with
+  // B = T as stored, or T^T (B's columns are T's rows)
+  template <bool kAsStored>
+  static __device__ __forceinline__ void pair(uint32_t (&b)[4], const Op* T, int c0, int kk,
+                                              const Lane& l) {
+    if constexpr (kAsStored) {
+      ldmatrix_x4<true>(b, T + (16 * kk + l.lr + 8 * l.lm0) * LD + c0 + 8 * l.lm1);
+    } else {
+      ldmatrix_x4<false>(b, T + (c0 + l.lr + 8 * l.lm1) * LD + 16 * kk + 8 * l.lm0);
+    }
+  }
+  static __device__ __forceinline__ void mma(float (&acc)[4], const uint32_t (&a)[4],
+                                             uint32_t b0, uint32_t b1) {
+    mma_bf16(acc, a, b0, b1);
+  }
+  // whether k-step kk (keys 16 kk ..) holds a key the band's mask keeps
+  static __device__ __forceinline__ bool step_kept(int kk, int r0, bool reverse) {
+    return tile_kept(2 * kk, r0, reverse) || tile_kept(2 * kk + 1, r0, reverse);
+  }
+  // the scores (n-tile j: keys 8j ..) as A fragments, rounded to bf16
+  static __device__ __forceinline__ void scores(Frags& pa, const float (&p)[8][4]) {
+#pragma unroll
+    for (int kk = 0; kk < kSteps; ++kk) {
+      pa[kk][0] = pack_bf16(p[2 * kk][0], p[2 * kk][1]);
+      pa[kk][1] = pack_bf16(p[2 * kk][2], p[2 * kk][3]);
+      pa[kk][2] = pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+      pa[kk][3] = pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+    }
+  }
+  // d[h] += row g + 8h of the band . z over this lane's columns
+  static __device__ __forceinline__ void dot(float (&d)[2], const Frags& a, const float* z,
+                                             const Lane& l) {
+#pragma unroll
+    for (int kk = 0; kk < kSteps; ++kk) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {  // a[h]: columns 2t, 2t+1; a[h + 2]: 2t + 8, 2t + 9
+        const float2 lo = unpack_bf16(a[kk][h]), hi = unpack_bf16(a[kk][h + 2]);
+        const int c = 16 * kk + 2 * l.t;
+        d[h] += lo.x * z[c] + lo.y * z[c + 1] + hi.x * z[c + 8] + hi.y * z[c + 9];
+      }
+    }
+  }
+  // the warp's 16 x 32 slab (n-tile j: columns c0 + 8j) of a state in accumulators to a copy
+  static __device__ __forceinline__ void publish(Op* copy, const float (&s)[4][4], int r0, int c0,
+                                                 const Lane& l) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        *reinterpret_cast<uint32_t*>(copy + (r0 + l.g + 8 * h) * LD + c0 + 8 * j + 2 * l.t) =
+            pack_bf16(s[j][2 * h], s[j][2 * h + 1]);
+      }
+    }
+  }
+};
+
+template <bool kSplit>
+struct Band<float, kSplit> {
+  using Op = float;
+  static constexpr int kSteps = 8, LD = ld_of<Op>();
+  using Frags = uint32_t[kSteps][4];
+
+  static __device__ __forceinline__ void rows(uint32_t (&a)[4], const Op* T, int r0, int kk,
+                                              const Lane& l) {
+    const float* p = T + (r0 + l.g) * LD + 8 * kk + 2 * l.t;
+    const float2 x = *reinterpret_cast<const float2*>(p);
+    const float2 y = *reinterpret_cast<const float2*>(p + 8 * LD);
+    a[0] = float_bits(x.x);
+    a[1] = float_bits(y.x);
+    a[2] = float_bits(x.y);
+    a[3] = float_bits(y.y);
+  }
+  static __device__ __forceinline__ void columns(uint32_t (&a)[4], const Op* T, int r0, int kk,
+                                                 const Lane& l) {
+    const float* p = T + (8 * kk + 2 * l.t) * LD + r0 + l.g;
+    a[0] = float_bits(p[0]);
+    a[1] = float_bits(p[8]);
+    a[2] = float_bits(p[LD]);
+    a[3] = float_bits(p[LD + 8]);
+  }
+  template <bool kAsStored>
+  static __device__ __forceinline__ void pair(uint32_t (&b)[4], const Op* T, int c0, int kk,
+                                              const Lane& l) {
+    if constexpr (kAsStored) {
+      const float* p = T + (8 * kk + 2 * l.t) * LD + c0 + l.g;
+      b[0] = float_bits(p[0]);
+      b[1] = float_bits(p[LD]);
+      b[2] = float_bits(p[8]);
+      b[3] = float_bits(p[LD + 8]);
+    } else {
+      const float* p = T + (c0 + l.g) * LD + 8 * kk + 2 * l.t;
+      const float2 x = *reinterpret_cast<const float2*>(p);
+      const float2 y = *reinterpret_cast<const float2*>(p + 8 * LD);
+      b[0] = float_bits(x.x);
+      b[1] = float_bits(x.y);
+      b[2] = float_bits(y.x);
+      b[3] = float_bits(y.y);
+    }
+  }
+  static __device__ __forceinline__ void mma(float (&acc)[4], const uint32_t (&a)[4],
+                                             uint32_t b0, uint32_t b1) {
+    mma_tf32<kSplit>(acc, a, b0, b1);
+  }
+  static __device__ __forceinline__ bool step_kept(int kk, int r0, bool reverse) {
+    return tile_kept(kk, r0, reverse);
+  }
+  // C's c[0], c[1] (keys 2t, 2t + 1) are A's slots t and t + 4: the scores stay in place
+  static __device__ __forceinline__ void scores(Frags& pa, const float (&p)[8][4]) {
+#pragma unroll
+    for (int kk = 0; kk < kSteps; ++kk) {
+      pa[kk][0] = float_bits(p[kk][0]);
+      pa[kk][1] = float_bits(p[kk][2]);
+      pa[kk][2] = float_bits(p[kk][1]);
+      pa[kk][3] = float_bits(p[kk][3]);
+    }
+  }
+  static __device__ __forceinline__ void dot(float (&d)[2], const Frags& a, const float* z,
+                                             const Lane& l) {
+#pragma unroll
+    for (int kk = 0; kk < kSteps; ++kk) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {  // a[h]: column 2t (row g + 8h); a[h + 2]: 2t + 1
+        const int c = 8 * kk + 2 * l.t;
+        d[h] += bits_float(a[kk][h]) * z[c] + bits_float(a[kk][h + 2]) * z[c + 1];
+      }
+    }
+  }
+  static __device__ __forceinline__ void publish(Op* copy, const float (&s)[4][4], int r0, int c0,
+                                                 const Lane& l) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        *reinterpret_cast<float2*>(copy + (r0 + l.g + 8 * h) * LD + c0 + 8 * j + 2 * l.t) =
+            float2{s[j][2 * h], s[j][2 * h + 1]};
+      }
+    }
+  }
+};
+
+template <typename Tin>
+using BandOf = Band<typename OperandOf<Tin>::type, kSplitOf<Tin>>;
+
+// Rows r0 .. r0 + 15 of tile T as A fragments.
+template <typename B>
+__device__ __forceinline__ void band_fragments(typename B::Frags& a, const typename B::Op* T,
+                                               int r0, const Lane& l) {
+#pragma unroll
+  for (int kk = 0; kk < B::kSteps; ++kk) B::rows(a[kk], T, r0, kk, l);
+}
+
+// The band's K^T-like A fragments: columns r0 .. r0 + 15 of tile T as rows.
+template <typename B>
+__device__ __forceinline__ void transposed_band_fragments(typename B::Frags& a,
+                                                          const typename B::Op* T, int r0,
+                                                          const Lane& l) {
+#pragma unroll
+  for (int kk = 0; kk < B::kSteps; ++kk) B::columns(a[kk], T, r0, kk, l);
+}
+
 // The band's masked scores p = A Y^T (n-tile j: rows 8j .. of tile Y), tiles wholly outside the
 // mask skipped, and their row sums rs (rows g, g + 8; this lane's columns only).
+template <typename B>
 __device__ __forceinline__ void band_scores(float (&p)[8][4], float (&rs)[2],
-                                            const uint32_t (&a)[4][4], const __nv_bfloat16* Y,
+                                            const typename B::Frags& a, const typename B::Op* Y,
                                             int r0, bool reverse, const Lane& l) {
-  constexpr int LD = ld_of<__nv_bfloat16>();
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
 #pragma unroll
@@ -1408,11 +1655,11 @@ __device__ __forceinline__ void band_scores(float (&p)[8][4], float (&rs)[2],
   for (int jp = 0; jp < 4; ++jp) {
     if (!tile_kept(2 * jp, r0, reverse) && !tile_kept(2 * jp + 1, r0, reverse)) continue;
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
+    for (int kk = 0; kk < B::kSteps; ++kk) {
       uint32_t b[4];
-      ldmatrix_x4<false>(b, Y + (16 * jp + l.lr + 8 * l.lm1) * LD + 16 * kk + 8 * l.lm0);
-      mma_bf16(p[2 * jp], a[kk], b[0], b[1]);
-      mma_bf16(p[2 * jp + 1], a[kk], b[2], b[3]);
+      B::template pair<false>(b, Y, 16 * jp, kk, l);
+      B::mma(p[2 * jp], a[kk], b[0], b[1]);
+      B::mma(p[2 * jp + 1], a[kk], b[2], b[3]);
     }
   }
   rs[0] = rs[1] = 0.f;
@@ -1427,91 +1674,48 @@ __device__ __forceinline__ void band_scores(float (&p)[8][4], float (&rs)[2],
   }
 }
 
-// The scores as A fragments (rounded to bf16), one per 16 keys.
-__device__ __forceinline__ void score_fragments(uint32_t (&pa)[4][4], const float (&p)[8][4]) {
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
-    pa[kk][0] = pack_bf16(p[2 * kk][0], p[2 * kk][1]);
-    pa[kk][1] = pack_bf16(p[2 * kk][2], p[2 * kk][3]);
-    pa[kk][2] = pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]);
-    pa[kk][3] = pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3]);
-  }
-}
-
-// acc (n-tile j: columns c0 + 8j) += A B over 64 rows of B: B = tile T as stored (kAsStored;
-// ldmatrix.trans) or T^T (B's columns c0 .. are T's rows); a: A's fragments per 16 rows of B.
-// With `skip`, the 16-row steps whose scores the band's mask zeroes are left out.
-template <int NT, bool kAsStored>
-__device__ __forceinline__ void band_product(float (&acc)[NT][4], const uint32_t (&a)[4][4],
-                                             const __nv_bfloat16* T, int c0, const Lane& l,
+// acc (n-tile j: columns c0 + 8j) += A B over 64 rows of B: B = tile T as stored (kAsStored)
+// or T^T (B's columns c0 .. are T's rows); a: A's fragments. With `skip`, the k-steps whose
+// scores the band's mask zeroes are left out.
+template <typename B, int NT, bool kAsStored>
+__device__ __forceinline__ void band_product(float (&acc)[NT][4], const typename B::Frags& a,
+                                             const typename B::Op* T, int c0, const Lane& l,
                                              bool skip = false, int r0 = 0, bool reverse = false) {
-  constexpr int LD = ld_of<__nv_bfloat16>();
 #pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
-    if (skip && !tile_kept(2 * kk, r0, reverse) && !tile_kept(2 * kk + 1, r0, reverse)) continue;
+  for (int kk = 0; kk < B::kSteps; ++kk) {
+    if (skip && !B::step_kept(kk, r0, reverse)) continue;
 #pragma unroll
     for (int jp = 0; jp < NT / 2; ++jp) {
       uint32_t b[4];
-      if constexpr (kAsStored) {
-        ldmatrix_x4<true>(b, T + (16 * kk + l.lr + 8 * l.lm0) * LD + c0 + 16 * jp + 8 * l.lm1);
-      } else {
-        ldmatrix_x4<false>(b, T + (c0 + 16 * jp + l.lr + 8 * l.lm1) * LD + 16 * kk + 8 * l.lm0);
-      }
-      mma_bf16(acc[2 * jp], a[kk], b[0], b[1]);
-      mma_bf16(acc[2 * jp + 1], a[kk], b[2], b[3]);
+      B::template pair<kAsStored>(b, T, c0 + 16 * jp, kk, l);
+      B::mma(acc[2 * jp], a[kk], b[0], b[1]);
+      B::mma(acc[2 * jp + 1], a[kk], b[2], b[3]);
     }
   }
 }
 
 // acc += a B and acc2 += a2 B with one load of each fragment of B = tile T as stored (columns
-// c0 ..); the 16-row steps whose scores the band's mask zeroes are left out of acc only.
-template <int NT>
+// c0 ..); the k-steps whose scores the band's mask zeroes are left out of acc only.
+template <typename B, int NT>
 __device__ __forceinline__ void band_products_sharing_b(float (&acc)[NT][4],
-                                                        const uint32_t (&a)[4][4],
+                                                        const typename B::Frags& a,
                                                         float (&acc2)[NT][4],
-                                                        const uint32_t (&a2)[4][4],
-                                                        const __nv_bfloat16* T, int c0,
+                                                        const typename B::Frags& a2,
+                                                        const typename B::Op* T, int c0,
                                                         const Lane& l, int r0, bool reverse) {
-  constexpr int LD = ld_of<__nv_bfloat16>();
 #pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
-    const bool kept = tile_kept(2 * kk, r0, reverse) || tile_kept(2 * kk + 1, r0, reverse);
+  for (int kk = 0; kk < B::kSteps; ++kk) {
+    const bool kept = B::step_kept(kk, r0, reverse);
 #pragma unroll
     for (int jp = 0; jp < NT / 2; ++jp) {
       uint32_t b[4];
-      ldmatrix_x4<true>(b, T + (16 * kk + l.lr + 8 * l.lm0) * LD + c0 + 16 * jp + 8 * l.lm1);
+      B::template pair<true>(b, T, c0 + 16 * jp, kk, l);
       if (kept) {
-        mma_bf16(acc[2 * jp], a[kk], b[0], b[1]);
-        mma_bf16(acc[2 * jp + 1], a[kk], b[2], b[3]);
+        B::mma(acc[2 * jp], a[kk], b[0], b[1]);
+        B::mma(acc[2 * jp + 1], a[kk], b[2], b[3]);
       }
-      mma_bf16(acc2[2 * jp], a2[kk], b[0], b[1]);
-      mma_bf16(acc2[2 * jp + 1], a2[kk], b[2], b[3]);
-    }
-  }
-}
-
-// The band's K^T-like A fragments: columns r0 .. r0 + 15 of tile T as rows, one per 16 rows of T.
-__device__ __forceinline__ void transposed_band_fragments(uint32_t (&a)[4][4],
-                                                          const __nv_bfloat16* T, int r0,
-                                                          const Lane& l) {
-  constexpr int LD = ld_of<__nv_bfloat16>();
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
-    ldmatrix_x4<true>(a[kk], T + (16 * kk + l.lr + 8 * l.lm1) * LD + r0 + 8 * l.lm0);
-  }
-}
-
-// Writes the warp's 16 x 32 slab (n-tile j: columns c0 + 8j) of an fp32 state in accumulators
-// to a 64 x LD bf16 copy.
-__device__ __forceinline__ void publish_slab(__nv_bfloat16* copy, const float (&s)[4][4], int r0,
-                                             int c0, const Lane& l) {
-  constexpr int LD = ld_of<__nv_bfloat16>();
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      *reinterpret_cast<uint32_t*>(copy + (r0 + l.g + 8 * h) * LD + c0 + 8 * j + 2 * l.t) =
-          pack_bf16(s[j][2 * h], s[j][2 * h + 1]);
+      B::mma(acc2[2 * jp], a2[kk], b[0], b[1]);
+      B::mma(acc2[2 * jp + 1], a2[kk], b[2], b[3]);
     }
   }
 }
@@ -1535,7 +1739,7 @@ __device__ __forceinline__ void store_pair(Tout* dst, float a, float b, bool bot
     if constexpr (std::is_same_v<Tout, float>) {
       *reinterpret_cast<float2*>(dst) = float2{a, b};
     } else {
-      *reinterpret_cast<uint32_t*>(dst) = pack_bf16(a, b);
+      *reinterpret_cast<uint32_t*>(dst) = pack2<Tout>(a, b);
     }
     return;
   }
@@ -1569,41 +1773,56 @@ __device__ __forceinline__ void store_band(Tout* out, const float (&acc)[NT][4],
   }
 }
 
+// Shared memory of kernels 8 and 9: `tiles` 64 x LD operand tiles and `floats` floats.
+template <typename Op>
+constexpr size_t mma_smem(int tiles, int floats) {
+  return static_cast<size_t>(tiles) * kTile * ld_of<Op>() * sizeof(Op) + floats * sizeof(float);
+}
+
+// Two blocks per SM for bf16 tiles (74 and 90 KB), one for fp32 tiles (137 and 170 KB), whose
+// 3xTF32 products also hold more registers.
+template <typename Op>
+constexpr int kMmaBlocksPerSm = sizeof(Op) == 2 ? 2 : 1;
+
 // ------------------------------------------------------------------ kernel 8: register walk
-// Kernel 6 for bf16 inputs with F <= 64 (selected by mma_walk), on mma.sync with each warp's
-// operands in registers: the masked scores go from the accumulators of Q K^T straight into the
-// A operand of P V, and the state S stays in fp32 accumulators for the whole walk, so per chunk
-// only the Q, K, V tiles and one bf16 copy of S pass through shared memory, with one barrier.
+// Kernel 6 for F <= 64 (selected by mma_walk), on mma.sync with each warp's operands in
+// registers: the masked scores go from the accumulators of Q K^T straight into the A operand of
+// P V, and the state S stays in fp32 accumulators for the whole walk, so per chunk only the Q, K,
+// V tiles and one copy of S pass through shared memory, with one barrier. bf16 inputs multiply
+// in bf16 (S's copy rounded to bf16), fp32 inputs in 3xTF32 and fp16 inputs in 1xTF32 (as kernel
+// 6; S's copy and the tiles in fp32).
 // grid and segments as in kernel 6 (grid.x = BH * nblk, grid.y = ceil(M/64); carries from
 // kernels 1 and 2). Warp w owns rows r0 = 16*(w%4) .. +16 of the chunk (outputs) and of S
 // (features), and columns c0 = 32*(w/4) .. +32 of the M slice; the two warps of each row band
 // both compute its 16 x 64 scores. Chunk c (rows of chunk i are j, i within the chunk):
-//     P = mask(Q_c K_c^T)            (fp32 accumulators; bf16 A fragments)
+//     P = mask(Q_c K_c^T)            (fp32 accumulators; A fragments)
 //     out_c = P V_c + Q_c S,  den_c = row sums of P + Q_c z
 //     S += K_c^T V_c,  z += column sums of K_c,
-// then S (rounded to bf16) and z go to the other of two shared copies, which the next chunk
-// reads after the barrier that also publishes its tiles. Score and value steps that the mask
-// zeroes for a whole warp are skipped.
-// Shared: two buffers of (Q, K, V: 64 x LD bf16 each), two copies of S (64 x LD bf16) and of z
-// (64 fp32). Outputs and den go from registers to global memory.
-constexpr size_t kMmaTileBytes = kTile * ld_of<__nv_bfloat16>() * sizeof(__nv_bfloat16);
+// then S's copy and z go to the other of two shared copies, which the next chunk reads after
+// the barrier that also publishes its tiles. Score and value steps that the mask zeroes for a
+// whole warp are skipped.
+// Shared: two buffers of (Q, K, V: 64 x LD operand tiles each), two copies of S (64 x LD) and of
+// z (64 fp32). Outputs and den go from registers to global memory.
+template <typename Op>
+constexpr size_t mma_walk_smem() {
+  return mma_smem<Op>(2 * 3 + 2, 2 * kTile);
+}
 
-constexpr size_t mma_walk_smem() { return (2 * 3 + 2) * kMmaTileBytes + 2 * kTile * sizeof(float); }
-
-template <typename Tout>
-__global__ void __launch_bounds__(kThreads, 2)
-    chunk_walk_mma_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
-                          const __nv_bfloat16* __restrict__ v, const float* __restrict__ carry,
+template <typename Tin, typename Tout>
+__global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm<typename OperandOf<Tin>::type>)
+    chunk_walk_mma_kernel(const Tin* __restrict__ q, const Tin* __restrict__ k,
+                          const Tin* __restrict__ v, const float* __restrict__ carry,
                           Tout* __restrict__ out, float* __restrict__ den, int64_t n, int64_t f,
                           int64_t m, int64_t nblk, int64_t cpb, bool reverse, bool normalize,
                           float eps, bool vec_qk, bool vec_v) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-  using Op = __nv_bfloat16;
+  using Op = typename OperandOf<Tin>::type;
+  using B = BandOf<Tin>;
   constexpr int LD = ld_of<Op>();
   constexpr int kOpTile = kTile * LD;
   KS_DYNAMIC_SMEM(smem);
   Op* bufs = reinterpret_cast<Op*>(smem);  // buffer b: Q, K, V at tiles 3b, 3b + 1, 3b + 2
-  Op* s_copies = bufs + 6 * kOpTile;       // S in bf16, two copies
+  Op* s_copies = bufs + 6 * kOpTile;       // S in the operand type, two copies
   float* z_copies = reinterpret_cast<float*>(s_copies + 2 * kOpTile);  // two copies of z
   auto tile = [&](int buf, int i) { return bufs + (buf * 3 + i) * kOpTile; };
 
@@ -1614,14 +1833,14 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int64_t bh = seg.bh, blk = seg.blk;
   const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kTile;
   const bool need_den = normalize || den != nullptr;
-  const Op* qb = q + bh * n * f;
-  const Op* kb = k + bh * n * f;
-  const Op* vb = v + bh * n * m;
+  const Tin* qb = q + bh * n * f;
+  const Tin* kb = k + bh * n * f;
+  const Tin* vb = v + bh * n * m;
   auto load_chunk = [&](int64_t i, int buf) {
     const int64_t row0 = seg.chunk(i) * kTile;
-    load_tile<Op, Op>(tile(buf, 0), LD, qb, f, n, f, row0, 0, nullptr, vec_qk);
-    load_tile<Op, Op>(tile(buf, 1), LD, kb, f, n, f, row0, 0, nullptr, vec_qk);
-    load_tile<Op, Op>(tile(buf, 2), LD, vb, m, n, m, row0, m0, nullptr, vec_v);
+    load_tile<Tin, Op>(tile(buf, 0), LD, qb, f, n, f, row0, 0, nullptr, vec_qk);
+    load_tile<Tin, Op>(tile(buf, 1), LD, kb, f, n, f, row0, 0, nullptr, vec_qk);
+    load_tile<Tin, Op>(tile(buf, 2), LD, vb, m, n, m, row0, m0, nullptr, vec_v);
     cp_async_commit();
   };
   load_chunk(0, 0);
@@ -1634,7 +1853,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   carry_slab(s, cs, f, m, r0, m0 + c0, l);
   const int zc = threadIdx.x / 4, zp = threadIdx.x % 4;
   float z = (cs != nullptr && need_den && zc < f) ? cs[f * m + zc] : 0.f;
-  publish_slab(s_copies, s, r0, c0, l);
+  B::publish(s_copies, s, r0, c0, l);
   if (zp == 0) z_copies[zc] = z;
 
   const bool pairs = reinterpret_cast<uintptr_t>(out) % (2 * sizeof(Tout)) == 0 && m % 2 == 0;
@@ -1648,33 +1867,25 @@ __global__ void __launch_bounds__(kThreads, 2)
     const Op* Vs = tile(buf, 2);
     const float* zs = z_copies + buf * kTile;
 
-    uint32_t qa[4][4], pa[4][4];
-    band_fragments(qa, Qs, r0, l);
+    typename B::Frags qa, pa;
+    band_fragments<B>(qa, Qs, r0, l);
     float rs[2];
     {
       float p[8][4];
-      band_scores(p, rs, qa, Ks, r0, reverse, l);
-      score_fragments(pa, p);
+      band_scores<B>(p, rs, qa, Ks, r0, reverse, l);
+      B::scores(pa, p);
     }
     // out = Q S + P V (the warp's 16 x 32), then S += K^T V
     float o[4][4] = {};
-    band_product<4, true>(o, qa, s_copies + buf * kOpTile, c0, l);
-    uint32_t ka[4][4];
-    transposed_band_fragments(ka, Ks, r0, l);
-    band_products_sharing_b(o, pa, s, ka, Vs, c0, l, r0, reverse);
+    band_product<B, 4, true>(o, qa, s_copies + buf * kOpTile, c0, l);
+    typename B::Frags ka;
+    transposed_band_fragments<B>(ka, Ks, r0, l);
+    band_products_sharing_b<B>(o, pa, s, ka, Vs, c0, l, r0, reverse);
 
     // den = row sums + q . z (z before this chunk), summed over the four lanes of a row
     float dn[2] = {rs[0], rs[1]};
     if (need_den) {
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {  // a[h]: columns 2t, 2t+1; a[h + 2]: 2t + 8, 2t + 9
-          const float2 lo = unpack_bf16(qa[kk][h]), hi = unpack_bf16(qa[kk][h + 2]);
-          const int c = 16 * kk + 2 * l.t;
-          dn[h] += lo.x * zs[c] + lo.y * zs[c + 1] + hi.x * zs[c + 8] + hi.y * zs[c + 9];
-        }
-      }
+      B::dot(dn, qa, zs, l);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         dn[h] += __shfl_xor_sync(0xffffffffu, dn[h], 1);
@@ -1687,7 +1898,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       z += zsum;
     }
     if (i + 1 < seg.count) {  // the other copies: read in step i - 1
-      publish_slab(s_copies + (buf ^ 1) * kOpTile, s, r0, c0, l);
+      B::publish(s_copies + (buf ^ 1) * kOpTile, s, r0, c0, l);
       if (zp == 0) z_copies[(buf ^ 1) * kTile + zc] = z;
     }
 
@@ -1706,32 +1917,35 @@ __global__ void __launch_bounds__(kThreads, 2)
 }
 
 // ------------------------------------------------------------------ kernel 9: register dk, dv
-// Kernel 7 for bf16 inputs with F, M <= 64 (selected by mma_walk), as kernel 8 is kernel 6: one
-// walk from the last chunk to the first with R = sum_{c' > c} Q_c'^T G_c' (F x M) in fp32
-// accumulators, starting from the segment's carry (kernels 1 and 2 over (q, g) in reverse).
+// Kernel 7 for F, M <= 64 (selected by mma_walk), as kernel 8 is kernel 6: one walk from the
+// last chunk to the first with R = sum_{c' > c} Q_c'^T G_c' (F x M) in fp32 accumulators,
+// starting from the segment's carry (kernels 1 and 2 over (q, g) in reverse).
 // Warps 0-3 give dk, warps 4-7 dv, each for its band of 16 rows r0 = 16*(w%4) of the chunk:
 //     dk_c = U(V_c G_c^T) Q_c + V_c R^T      dv_c = U(K_c Q_c^T) G_c + K_c R
 // (U keeps the scores (j, i) with i >= j), then every warp adds its 16 x 32 slab of
-// Q_c^T G_c to R (features r0 .., columns 32*(w/4) ..), and R's bf16 copy for the next chunk
-// goes to the other of two shared copies. One barrier per chunk.
-// Shared: two buffers of (Q, K, V, G: 64 x LD bf16 each) and two copies of R.
-constexpr size_t mma_dkv_smem() { return (2 * 4 + 2) * kMmaTileBytes; }
+// Q_c^T G_c to R (features r0 .., columns 32*(w/4) ..), and R's copy for the next chunk goes to
+// the other of two shared copies. One barrier per chunk.
+// Shared: two buffers of (Q, K, V, G: 64 x LD operand tiles each) and two copies of R.
+template <typename Op>
+constexpr size_t mma_dkv_smem() {
+  return mma_smem<Op>(2 * 4 + 2, 0);
+}
 
-template <typename Tout>
-__global__ void __launch_bounds__(kThreads, 2)
-    chunk_walk_mma_dkv_kernel(const __nv_bfloat16* __restrict__ q,
-                              const __nv_bfloat16* __restrict__ k,
-                              const __nv_bfloat16* __restrict__ v,
-                              const __nv_bfloat16* __restrict__ g, const float* __restrict__ carry,
-                              Tout* __restrict__ dk, Tout* __restrict__ dv, int64_t n, int64_t f,
-                              int64_t m, int64_t nblk, int64_t cpb, bool vec_f, bool vec_m) {
+template <typename Tin, typename Tout>
+__global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm<typename OperandOf<Tin>::type>)
+    chunk_walk_mma_dkv_kernel(const Tin* __restrict__ q, const Tin* __restrict__ k,
+                              const Tin* __restrict__ v, const Tin* __restrict__ g,
+                              const float* __restrict__ carry, Tout* __restrict__ dk,
+                              Tout* __restrict__ dv, int64_t n, int64_t f, int64_t m,
+                              int64_t nblk, int64_t cpb, bool vec_f, bool vec_m) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-  using Op = __nv_bfloat16;
+  using Op = typename OperandOf<Tin>::type;
+  using B = BandOf<Tin>;
   constexpr int LD = ld_of<Op>();
   constexpr int kOpTile = kTile * LD;
   KS_DYNAMIC_SMEM(smem);
   Op* bufs = reinterpret_cast<Op*>(smem);  // buffer b: Q, K, V, G at tiles 4b .. 4b + 3
-  Op* r_copies = bufs + 8 * kOpTile;       // R in bf16, two copies
+  Op* r_copies = bufs + 8 * kOpTile;       // R in the operand type, two copies
   auto tile = [&](int buf, int i) { return bufs + (buf * 4 + i) * kOpTile; };
 
   const Lane l;
@@ -1740,16 +1954,16 @@ __global__ void __launch_bounds__(kThreads, 2)
   const bool dk_warp = warp < 4;
   const WalkSegment seg(n, nblk, cpb, true);
   const int64_t bh = seg.bh, blk = seg.blk;
-  const Op* qb = q + bh * n * f;
-  const Op* kb = k + bh * n * f;
-  const Op* vb = v + bh * n * m;
-  const Op* gb = g + bh * n * m;
+  const Tin* qb = q + bh * n * f;
+  const Tin* kb = k + bh * n * f;
+  const Tin* vb = v + bh * n * m;
+  const Tin* gb = g + bh * n * m;
   auto load_chunk = [&](int64_t i, int buf) {
     const int64_t row0 = seg.chunk(i) * kTile;
-    load_tile<Op, Op>(tile(buf, 0), LD, qb, f, n, f, row0, 0, nullptr, vec_f);
-    load_tile<Op, Op>(tile(buf, 1), LD, kb, f, n, f, row0, 0, nullptr, vec_f);
-    load_tile<Op, Op>(tile(buf, 2), LD, vb, m, n, m, row0, 0, nullptr, vec_m);
-    load_tile<Op, Op>(tile(buf, 3), LD, gb, m, n, m, row0, 0, nullptr, vec_m);
+    load_tile<Tin, Op>(tile(buf, 0), LD, qb, f, n, f, row0, 0, nullptr, vec_f);
+    load_tile<Tin, Op>(tile(buf, 1), LD, kb, f, n, f, row0, 0, nullptr, vec_f);
+    load_tile<Tin, Op>(tile(buf, 2), LD, vb, m, n, m, row0, 0, nullptr, vec_m);
+    load_tile<Tin, Op>(tile(buf, 3), LD, gb, m, n, m, row0, 0, nullptr, vec_m);
     cp_async_commit();
   };
   load_chunk(0, 0);
@@ -1757,7 +1971,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   float r[4][4];
   carry_slab(r, carry == nullptr ? nullptr : carry + (bh * nblk + blk) * (f * m + f), f, m, r0,
              c0, l);
-  publish_slab(r_copies, r, r0, c0, l);
+  B::publish(r_copies, r, r0, c0, l);
 
   Tout* grad = dk_warp ? dk + bh * n * f : dv + bh * n * m;
   const int64_t width = dk_warp ? f : m;
@@ -1777,26 +1991,26 @@ __global__ void __launch_bounds__(kThreads, 2)
     // the band's gradient: X = V (dk) or K (dv), scored against Y = G or Q, whose partner
     // Z = Q or G the scores multiply
     const Op* X = dk_warp ? Vs : Ks;
-    uint32_t xa[4][4], pa[4][4];
-    band_fragments(xa, X, r0, l);
+    typename B::Frags xa, pa;
+    band_fragments<B>(xa, X, r0, l);
     {
       float p[8][4], rs[2];
-      band_scores(p, rs, xa, dk_warp ? Gs : Qs, r0, true, l);
-      score_fragments(pa, p);
+      band_scores<B>(p, rs, xa, dk_warp ? Gs : Qs, r0, true, l);
+      B::scores(pa, p);
     }
     float o[8][4] = {};
     if (dk_warp) {
-      band_product<8, true>(o, pa, Qs, 0, l, true, r0, true);
-      band_product<8, false>(o, xa, Rs, 0, l);  // V R^T
+      band_product<B, 8, true>(o, pa, Qs, 0, l, true, r0, true);
+      band_product<B, 8, false>(o, xa, Rs, 0, l);  // V R^T
     } else {
-      band_product<8, true>(o, pa, Gs, 0, l, true, r0, true);
-      band_product<8, true>(o, xa, Rs, 0, l);  // K R
+      band_product<B, 8, true>(o, pa, Gs, 0, l, true, r0, true);
+      band_product<B, 8, true>(o, xa, Rs, 0, l);  // K R
     }
     // R += Q^T G (the warp's slab)
-    uint32_t qta[4][4];
-    transposed_band_fragments(qta, Qs, r0, l);
-    band_product<4, true>(r, qta, Gs, c0, l);
-    if (i + 1 < seg.count) publish_slab(r_copies + (buf ^ 1) * kOpTile, r, r0, c0, l);
+    typename B::Frags qta;
+    transposed_band_fragments<B>(qta, Qs, r0, l);
+    band_product<B, 4, true>(r, qta, Gs, c0, l);
+    if (i + 1 < seg.count) B::publish(r_copies + (buf ^ 1) * kOpTile, r, r0, c0, l);
 
     store_band(grad, o, n, width, seg.chunk(i) * kTile + r0, 0, false, float2{1.f, 1.f}, pairs, l);
   }
@@ -2073,24 +2287,23 @@ cudaError_t launch_walk(const Tin* q, const Tin* k, const Tin* v, const float* c
                       vec_v);
 }
 
-template <typename Tout>
-cudaError_t launch_walk_mma(const __nv_bfloat16* q, const __nv_bfloat16* k,
-                            const __nv_bfloat16* v, const float* carry, Tout* out, float* den,
-                            int64_t bh, int64_t n, int64_t f, int64_t m, int64_t nblk,
-                            int64_t cpb, bool reverse, bool normalize, float eps,
+template <typename Tin, typename Tout>
+cudaError_t launch_walk_mma(const Tin* q, const Tin* k, const Tin* v, const float* carry,
+                            Tout* out, float* den, int64_t bh, int64_t n, int64_t f, int64_t m,
+                            int64_t nblk, int64_t cpb, bool reverse, bool normalize, float eps,
                             cudaStream_t stream) {
-  const bool vec_qk = rows_vectorizable<__nv_bfloat16>(q, f) &&
-                      rows_vectorizable<__nv_bfloat16>(k, f);
-  const bool vec_v = rows_vectorizable<__nv_bfloat16>(v, m);
-  return launch_tiles(chunk_walk_mma_kernel<Tout>, bh * nblk, cdiv(m, kTile), mma_walk_smem(),
-                      stream, q, k, v, carry, out, den, n, f, m, nblk, cpb, reverse, normalize,
-                      eps, vec_qk, vec_v);
+  const bool vec_qk = rows_vectorizable<Tin>(q, f) && rows_vectorizable<Tin>(k, f);
+  const bool vec_v = rows_vectorizable<Tin>(v, m);
+  return launch_tiles(chunk_walk_mma_kernel<Tin, Tout>, bh * nblk, cdiv(m, kTile),
+                      mma_walk_smem<typename OperandOf<Tin>::type>(), stream, q, k, v, carry, out,
+                      den, n, f, m, nblk, cpb, reverse, normalize, eps, vec_qk, vec_v);
 }
 
-// True where kernel 8 replaces kernel 6 for bf16 inputs: F <= 64 and mma_walk (where kernel 6
-// fits, so does kernel 8: it takes less shared memory).
+// True where kernel 8 replaces kernel 6: F <= 64 and mma_walk (where kernel 6 fits, so does
+// kernel 8: it takes less shared memory).
 constexpr bool use_walk_mma(int64_t f, bool mma_walk) { return mma_walk && f <= kTile; }
-static_assert(mma_walk_smem() <= WalkSmem<__nv_bfloat16, 1>::bytes());
+static_assert(mma_walk_smem<__nv_bfloat16>() <= WalkSmem<__nv_bfloat16, 1>::bytes());
+static_assert(mma_walk_smem<float>() <= WalkSmem<float, 1>::bytes());
 
 // The causal product by kernel 6 (or 8): the carries of the segments (kernels 1 and 2, totals
 // only) where the sequence is split, then one walk per segment.
@@ -2104,15 +2317,13 @@ cudaError_t walk_typed(const Tin* q, const Tin* k, const Tin* v, void* out, bool
   const cudaError_t err = walk_carries(k, v, ws, l, bh, n, f, m, reverse,
                                        normalize || den != nullptr, &carry, stream);
   if (err != cudaSuccess) return err;
-  if constexpr (std::is_same_v<Tin, __nv_bfloat16>) {
-    if (use_walk_mma(f, mma_walk)) {
-      if (out_fp32) {
-        return launch_walk_mma<float>(q, k, v, carry, static_cast<float*>(out), den, bh, n, f,
-                                      m, l.nblk, l.cpb, reverse, normalize, eps, stream);
-      }
-      return launch_walk_mma<Tin>(q, k, v, carry, static_cast<Tin*>(out), den, bh, n, f, m,
-                                  l.nblk, l.cpb, reverse, normalize, eps, stream);
+  if (use_walk_mma(f, mma_walk)) {
+    if (out_fp32) {
+      return launch_walk_mma<Tin, float>(q, k, v, carry, static_cast<float*>(out), den, bh, n, f,
+                                         m, l.nblk, l.cpb, reverse, normalize, eps, stream);
     }
+    return launch_walk_mma<Tin, Tin>(q, k, v, carry, static_cast<Tin*>(out), den, bh, n, f, m,
+                                     l.nblk, l.cpb, reverse, normalize, eps, stream);
   }
   if (out_fp32) {
     return launch_walk<Tin, float>(q, k, v, carry, static_cast<float*>(out), den, bh, n, f, m,
@@ -2193,7 +2404,7 @@ cudaError_t backward_typed(const Tin* q, const Tin* k, const Tin* v, const Tin* 
 
 // The walk's fused backward: dq = causal(g, v, k) by kernel 6, then dk and dv by kernel 7 (one
 // reverse walk with the carries of (q, g) where a sequence is cut into segments; with mma_walk,
-// kernels 8 and 9 for bf16 with F, M <= 64), or, where
+// kernels 8 and 9 for F, M <= 64), or, where
 // kernel 7 does not fit, dk = anticausal(v, g, q) and dv = anticausal(k, q, g). The steps run in
 // order on `stream` and share the workspace.
 template <typename Tin>
@@ -2218,17 +2429,16 @@ cudaError_t walk_backward_typed(const Tin* q, const Tin* k, const Tin* v, const 
   if (err != cudaSuccess) return err;
   const bool vec_f = rows_vectorizable<Tin>(q, f) && rows_vectorizable<Tin>(k, f);
   const bool vec_m = rows_vectorizable<Tin>(v, m) && rows_vectorizable<Tin>(g, m);
-  if constexpr (std::is_same_v<Tin, __nv_bfloat16>) {
-    if (use_walk_mma(f, mma_walk) && m <= kTile && mma_dkv_smem() <= smem_optin()) {
-      if (out_fp32) {
-        return launch_tiles(chunk_walk_mma_dkv_kernel<float>, bh * l.nblk, 1, mma_dkv_smem(),
-                            stream, q, k, v, g, carry, static_cast<float*>(dk),
-                            static_cast<float*>(dv), n, f, m, l.nblk, l.cpb, vec_f, vec_m);
-      }
-      return launch_tiles(chunk_walk_mma_dkv_kernel<Tin>, bh * l.nblk, 1, mma_dkv_smem(), stream,
-                          q, k, v, g, carry, static_cast<Tin*>(dk), static_cast<Tin*>(dv), n, f,
-                          m, l.nblk, l.cpb, vec_f, vec_m);
+  constexpr size_t mma_dkv = mma_dkv_smem<typename OperandOf<Tin>::type>();
+  if (mma_walk && f <= kTile && m <= kTile && mma_dkv <= smem_optin()) {
+    if (out_fp32) {
+      return launch_tiles(chunk_walk_mma_dkv_kernel<Tin, float>, bh * l.nblk, 1, mma_dkv, stream,
+                          q, k, v, g, carry, static_cast<float*>(dk), static_cast<float*>(dv), n,
+                          f, m, l.nblk, l.cpb, vec_f, vec_m);
     }
+    return launch_tiles(chunk_walk_mma_dkv_kernel<Tin, Tin>, bh * l.nblk, 1, mma_dkv, stream, q,
+                        k, v, g, carry, static_cast<Tin*>(dk), static_cast<Tin*>(dv), n, f, m,
+                        l.nblk, l.cpb, vec_f, vec_m);
   }
   if (out_fp32) {
     return launch_tiles(chunk_walk_dkv_kernel<Tin, float>, bh * l.nblk, 1, lay.bytes(), stream,

@@ -8,7 +8,7 @@
 // tile after another lane stored its share gets a mixed copy, but only where it reaches no
 // product first: in the kernels a tile is stored only after the products that read it.)
 // Below WMMA: ldmatrix and mma.sync, lane by lane in the PTX ISA's register layouts (the
-// .cu's hooks KS_HOST_LDMATRIX_X4 and KS_HOST_MMA_BF16).
+// .cu's hooks KS_HOST_LDMATRIX_X4, KS_HOST_MMA_BF16 and KS_HOST_MMA_TF32).
 #pragma once
 
 #include <cstdint>
@@ -123,12 +123,13 @@ void fill_fragment(fragment<Use, M, N, K, T, Layout>& a, float value) {
 
 // A tf32 operand must hold tf32 values (__float_to_tf32): the GPU ignores the low 13 bits of an
 // fp32 operand, so an unrounded one would be truncated there and kept whole here.
-inline void check_tf32(const float* x, int count) {
+inline void check_tf32(const float* x, int count,
+                       const char* what = "wmma: a tf32 operand not rounded with __float_to_tf32") {
   for (int i = 0; i < count; ++i) {
     uint32_t u;
     std::memcpy(&u, &x[i], 4);
     if ((u & 0x7f800000u) != 0x7f800000u && (u & 0x1fffu) != 0) {
-      ks_emu::fail("wmma: a tf32 operand not rounded with __float_to_tf32");
+      ks_emu::fail(what);
     }
   }
 }
@@ -194,15 +195,33 @@ inline void ldmatrix_x4(uint32_t (&regs)[4], const void* row, bool trans) {
   }
 }
 
-// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, acc += A B with the PTX ISA's fragments
-// (linear_attention.cu, "mma.sync fragments"); the products of bf16 are exact in float, summed
-// in float in k order.
-inline void mma_bf16(float (&acc)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+// What a lane posts for mma.sync: A's four registers, then B's two.
+inline Posted operands(const uint32_t (&a)[4], const uint32_t (&b)[2]) {
   Posted mine;
   for (int i = 0; i < 4; ++i) mine.reg[i] = a[i];
   mine.reg[4] = b[0];
   mine.reg[5] = b[1];
-  const Collective c(mine);
+  return mine;
+}
+
+// acc += this lane's elements of C = A B (c[0], c[1]: row g, columns 2t, 2t + 1; c[2], c[3]:
+// row g + 8), A(row, k) and B(k, col) over k < K, summed in float in k order.
+template <typename FA, typename FB>
+void accumulate(float (&acc)[4], int K, const FA& A, const FB& B) {
+  const int l = lane(), g = l / 4, t = l % 4;
+  for (int e = 0; e < 4; ++e) {
+    const int row = g + 8 * (e / 2), col = 2 * t + e % 2;
+    float s = 0.f;
+    for (int k = 0; k < K; ++k) s += A(row, k) * B(k, col);
+    acc[e] += s;
+  }
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, acc += A B with the PTX ISA's fragments
+// (linear_attention.cu, "mma.sync fragments"); the products of bf16 are exact in float, summed
+// in float in k order.
+inline void mma_bf16(float (&acc)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  const Collective c(operands(a, b));
   const auto half = [](uint32_t u, int h) {
     return __bfloat162float(__nv_bfloat16{static_cast<uint16_t>(h ? u >> 16 : u & 0xffffu)});
   };
@@ -213,16 +232,38 @@ inline void mma_bf16(float (&acc)[4], const uint32_t (&a)[4], const uint32_t (&b
   const auto B = [&](int k, int col) {  // 16 x 8
     return half(c.posted(col * 4 + (k % 8) / 2).reg[4 + (k < 8 ? 0 : 1)], k % 2);
   };
-  const int l = lane(), g = l / 4, t = l % 4;
-  for (int e = 0; e < 4; ++e) {
-    const int row = g + 8 * (e / 2), col = 2 * t + e % 2;
-    float s = 0.f;
-    for (int k = 0; k < 16; ++k) s += A(row, k) * B(k, col);
-    acc[e] += s;
+  accumulate(acc, 16, A, B);
+}
+
+// mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32, acc += A B with the PTX ISA's fragments
+// (linear_attention.cu, "mma.sync fragments"): A (16 x 8) a[0] = A[g][t], a[1] = A[g+8][t],
+// a[2] = A[g][t+4], a[3] = A[g+8][t+4]; B (8 x 8) b[0] = B[t][g], b[1] = B[t+4][g]. Every
+// operand register must hold a tf32 value (the GPU ignores the low 13 bits); the products are
+// exact in float, summed in float in k order.
+inline void mma_tf32(float (&acc)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  const Posted mine = operands(a, b);
+  for (int i = 0; i < 6; ++i) {
+    float x;
+    std::memcpy(&x, &mine.reg[i], 4);
+    nvcuda::wmma::check_tf32(&x, 1, "mma.sync: a tf32 operand not rounded (cvt.rna.tf32.f32)");
   }
+  const Collective c(mine);
+  const auto value = [](uint32_t u) {
+    float x;
+    std::memcpy(&x, &u, 4);
+    return x;
+  };
+  const auto A = [&](int row, int col) {  // 16 x 8
+    return value(c.posted((row % 8) * 4 + col % 4).reg[(row < 8 ? 0 : 1) + (col < 4 ? 0 : 2)]);
+  };
+  const auto B = [&](int k, int col) {  // 8 x 8
+    return value(c.posted(col * 4 + k % 4).reg[4 + (k < 4 ? 0 : 1)]);
+  };
+  accumulate(acc, 8, A, B);
 }
 
 }  // namespace ks_emu
 
 #define KS_HOST_LDMATRIX_X4(regs, ptr, trans) ::ks_emu::ldmatrix_x4(regs, ptr, trans)
 #define KS_HOST_MMA_BF16(acc, a, b) ::ks_emu::mma_bf16(acc, a, b)
+#define KS_HOST_MMA_TF32(acc, a, b) ::ks_emu::mma_tf32(acc, a, b)
