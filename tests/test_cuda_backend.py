@@ -115,6 +115,43 @@ def test_causal_product_fp32_matches_reference(shape):
         assert rel_err(g_got, g_want) <= 1e-4
 
 
+def _where_wrong(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> str:
+    """Which elements of (..., rows, columns) results are off, by row mod 16 and column mod 8:
+    the pattern a wrong mma.sync fragment layout leaves (kernels 8 and 9 keep 16-row bands of
+    8-column tiles in registers)."""
+    err = (got.double() - want.double()).abs()
+    tol = (1e-4 if dtype == torch.float32 else 3e-2) * max(want.abs().max().item(), 1.0)
+    bad = (~(err <= tol)).nonzero()  # NaN counts as off
+    if len(bad) == 0:
+        return "no element beyond the tolerance"
+    rows, cols = bad[:, -2] % 16, bad[:, -1] % 8
+    return (
+        f"{len(bad)} of {err.numel()} elements off; rows mod 16: {sorted(set(rows.tolist()))}; "
+        f"columns mod 8: {sorted(set(cols.tolist()))}; first at {tuple(bad[0].tolist())}"
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=str)
+def test_one_chunk_points_at_wrong_elements(monkeypatch, dtype):
+    """One whole chunk (N = F = M = 64), forward and fused backward, against float64; a failure
+    names the wrong elements' rows mod 16 and columns mod 8, which locate a fragment layout of
+    kernels 8 and 9 (walk_mma) that only a GPU can check."""
+    monkeypatch.setattr(cuda_backend, "FUSED_BACKWARD", True)
+    q, k, v = _features(1, 2, 64, 64, 64, dtype=dtype)
+    got = ks.causal_dot_product(q, k, v, backend="cuda")
+    x64 = _as64((q, k, v))
+    want = causal_dot_product_reference(*x64)
+    g = _upstream(got.shape).to(dtype)
+    results = zip(
+        ("out", "dq", "dk", "dv"),
+        (got, *_grads(got, (q, k, v), g)),
+        (want, *_grads(want, x64, g)),
+        strict=True,
+    )
+    for name, a, w in results:
+        assert close_in_dtype(a, w, dtype), f"{name}: {_where_wrong(a, w, dtype)}"
+
+
 @pytest.mark.parametrize("shape", SHAPES[1:4] + SHAPES[5:], ids=SHAPE_IDS[1:4] + SHAPE_IDS[5:])
 def test_causal_product_fp32_matches_torch_backend(shape):
     q, k, v = _features(*shape)
