@@ -139,12 +139,12 @@ void mma_sync(fragment<accumulator, M, N, K, float>& d,
               const fragment<matrix_a, M, N, K, T, LA>& a,
               const fragment<matrix_b, M, N, K, T, LB>& b,
               const fragment<accumulator, M, N, K, float>& c) {
-  if constexpr (std::is_same_v<T, precision::tf32>) {
-    check_tf32(a.x, M * K);
-    check_tf32(b.x, K * N);
-  }
   float out[M * N];
-  ks_emu::warp_product(out, M * N, [&](float* o) {
+  ks_emu::warp_product(out, M * N, [&](float* o) {  // on the copies of the lane that computes
+    if constexpr (std::is_same_v<T, precision::tf32>) {
+      check_tf32(a.x, M * K);
+      check_tf32(b.x, K * N);
+    }
     float fa[M * K], fb[N * K];  // b transposed: both walked along k
     for (int i = 0; i < M * K; ++i) fa[i] = as_float(a.x[i]);
     for (int t = 0; t < K; ++t) {
