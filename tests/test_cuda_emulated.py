@@ -253,8 +253,10 @@ def test_fused_backward(ext, shape, dtype, walk_blocks):
         assert close_in_dtype(a, w, dtype)
 
 
-@pytest.mark.parametrize("walk_blocks", [0, 5], ids=["chunks", "walk"])
-def test_float16_inputs_keep_their_bits_in_products(ext, walk_blocks):
+@pytest.mark.parametrize(
+    "walk_blocks, mma_walk", [(0, False), (5, False), (5, True)], ids=["chunks", "walk", "walk_mma"]
+)
+def test_float16_inputs_keep_their_bits_in_products(ext, walk_blocks, mma_walk):
     """float16 inputs are exact in tf32, so a product of two inputs loses nothing: at N = 1,
     dq = (g·v) k, and a g·v that cancels showed bfloat16 operands' rounding of g and v in full
     (relative RMS error 0.017 over these seeds, past the 1e-2 tolerance). Every gradient, by
@@ -264,9 +266,11 @@ def test_float16_inputs_keep_their_bits_in_products(ext, walk_blocks):
         q, k, v, g = _inputs(2, 1, 4, 3, torch.float16, seed=seed, extra=1)
         want = _reference_grads(q, k, v, g)
         for got in (
-            [ext.causal_product(*x, reverse=r, walk_blocks=walk_blocks)[0]
+            [ext.causal_product(*x, reverse=r, walk_blocks=walk_blocks, mma_walk=mma_walk)[0]
              for x, r in (((g, v, k), False), ((v, g, q), True), ((k, q, g), True))],
-            ext.causal_backward(q, k, v, g, out_fp32=True, walk_blocks=walk_blocks),
+            ext.causal_backward(
+                q, k, v, g, out_fp32=True, walk_blocks=walk_blocks, mma_walk=mma_walk
+            ),
         ):  # fmt: skip
             worst = max(worst, *(rel_rms(a, w) for a, w in zip(got, want, strict=True)))
     assert worst <= 2e-3
