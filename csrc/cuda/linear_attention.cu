@@ -1439,7 +1439,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 // Kernels 8 and 9 work on 64 x LD tiles of the operand type (chunk rows x a 64-wide slice,
 // zero-padded), a warp on a band of 16 rows r0 .. r0 + 15: the band over 64 columns is kSteps A
 // fragments (one per k-step), and B fragments come in pairs of n-tiles (16 columns) per k-step.
-// Band<Op, kSplit> holds what differs between the two kinds of operands:
+// Band<Op, kSplit> holds what differs between the two kinds of operands (B fragments come from
+// its A fragment loads, b_pair):
 //   bf16 (m16n8k16): k-steps of 16, fragments by ldmatrix (see "mma.sync fragments"; lr, lm0,
 //     lm1: the lane's row of an ldmatrix matrix and the matrix's two index bits);
 //   fp32 tiles (m16n8k8 on tf32; fp32 inputs as 3xTF32, fp16 inputs as 1xTF32): k-steps of 8,
@@ -1479,17 +1480,6 @@ struct Band<__nv_bfloat16, kSplit> {
   static __device__ __forceinline__ void columns(uint32_t (&a)[4], const Op* T, int r0, int kk,
                                                  const Lane& l) {
     ldmatrix_x4<true>(a, T + (16 * kk + l.lr + 8 * l.lm1) * LD + r0 + 8 * l.lm0);
-  }
-  // k-step kk of columns c0 .. c0 + 15 of B (b[0], b[1]: n-tile c0; b[2], b[3]: c0 + 8), with
-  // B = T as stored, or T^T (B's columns are T's rows)
-  template <bool kAsStored>
-  static __device__ __forceinline__ void pair(uint32_t (&b)[4], const Op* T, int c0, int kk,
-                                              const Lane& l) {
-    if constexpr (kAsStored) {
-      ldmatrix_x4<true>(b, T + (16 * kk + l.lr + 8 * l.lm0) * LD + c0 + 8 * l.lm1);
-    } else {
-      ldmatrix_x4<false>(b, T + (c0 + l.lr + 8 * l.lm1) * LD + 16 * kk + 8 * l.lm0);
-    }
   }
   static __device__ __forceinline__ void mma(float (&acc)[4], const uint32_t (&a)[4],
                                              uint32_t b0, uint32_t b1) {
@@ -1560,25 +1550,6 @@ struct Band<float, kSplit> {
     a[2] = float_bits(p[LD]);
     a[3] = float_bits(p[LD + 8]);
   }
-  template <bool kAsStored>
-  static __device__ __forceinline__ void pair(uint32_t (&b)[4], const Op* T, int c0, int kk,
-                                              const Lane& l) {
-    if constexpr (kAsStored) {
-      const float* p = T + (8 * kk + 2 * l.t) * LD + c0 + l.g;
-      b[0] = float_bits(p[0]);
-      b[1] = float_bits(p[LD]);
-      b[2] = float_bits(p[8]);
-      b[3] = float_bits(p[LD + 8]);
-    } else {
-      const float* p = T + (c0 + l.g) * LD + 8 * kk + 2 * l.t;
-      const float2 x = *reinterpret_cast<const float2*>(p);
-      const float2 y = *reinterpret_cast<const float2*>(p + 8 * LD);
-      b[0] = float_bits(x.x);
-      b[1] = float_bits(x.y);
-      b[2] = float_bits(y.x);
-      b[3] = float_bits(y.y);
-    }
-  }
   static __device__ __forceinline__ void mma(float (&acc)[4], const uint32_t (&a)[4],
                                              uint32_t b0, uint32_t b1) {
     mma_tf32<kSplit>(acc, a, b0, b1);
@@ -1640,6 +1611,26 @@ __device__ __forceinline__ void transposed_band_fragments(typename B::Frags& a,
   for (int kk = 0; kk < B::kSteps; ++kk) B::columns(a[kk], T, r0, kk, l);
 }
 
+// k-step kk of columns c0 .. c0 + 15 of B (b[0], b[1]: n-tile c0; b[2], b[3]: c0 + 8), with
+// B = T as stored, or T^T (B's columns are T's rows). Both operands hold a 16 x k-step block
+// the same way, rows g, g + 8 and k slots of the lane: the A fragment of T's columns (rows)
+// c0 .., with the two middle registers (row g + 8 at the low slots, row g at the high ones)
+// trading places.
+template <typename B, bool kAsStored>
+__device__ __forceinline__ void b_pair(uint32_t (&b)[4], const typename B::Op* T, int c0, int kk,
+                                       const Lane& l) {
+  uint32_t a[4];
+  if constexpr (kAsStored) {
+    B::columns(a, T, c0, kk, l);
+  } else {
+    B::rows(a, T, c0, kk, l);
+  }
+  b[0] = a[0];
+  b[1] = a[2];
+  b[2] = a[1];
+  b[3] = a[3];
+}
+
 // The band's masked scores p = A Y^T (n-tile j: rows 8j .. of tile Y), tiles wholly outside the
 // mask skipped, and their row sums rs (rows g, g + 8; this lane's columns only).
 template <typename B>
@@ -1657,7 +1648,7 @@ __device__ __forceinline__ void band_scores(float (&p)[8][4], float (&rs)[2],
 #pragma unroll
     for (int kk = 0; kk < B::kSteps; ++kk) {
       uint32_t b[4];
-      B::template pair<false>(b, Y, 16 * jp, kk, l);
+      b_pair<B, false>(b, Y, 16 * jp, kk, l);
       B::mma(p[2 * jp], a[kk], b[0], b[1]);
       B::mma(p[2 * jp + 1], a[kk], b[2], b[3]);
     }
@@ -1687,7 +1678,7 @@ __device__ __forceinline__ void band_product(float (&acc)[NT][4], const typename
 #pragma unroll
     for (int jp = 0; jp < NT / 2; ++jp) {
       uint32_t b[4];
-      B::template pair<kAsStored>(b, T, c0 + 16 * jp, kk, l);
+      b_pair<B, kAsStored>(b, T, c0 + 16 * jp, kk, l);
       B::mma(acc[2 * jp], a[kk], b[0], b[1]);
       B::mma(acc[2 * jp + 1], a[kk], b[2], b[3]);
     }
@@ -1709,7 +1700,7 @@ __device__ __forceinline__ void band_products_sharing_b(float (&acc)[NT][4],
 #pragma unroll
     for (int jp = 0; jp < NT / 2; ++jp) {
       uint32_t b[4];
-      B::template pair<true>(b, T, c0 + 16 * jp, kk, l);
+      b_pair<B, true>(b, T, c0 + 16 * jp, kk, l);
       if (kept) {
         B::mma(acc[2 * jp], a[kk], b[0], b[1]);
         B::mma(acc[2 * jp + 1], a[kk], b[2], b[3]);
@@ -1999,11 +1990,10 @@ __global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm<typename OperandOf<T
       B::scores(pa, p);
     }
     float o[8][4] = {};
+    band_product<B, 8, true>(o, pa, dk_warp ? Qs : Gs, 0, l, true, r0, true);
     if (dk_warp) {
-      band_product<B, 8, true>(o, pa, Qs, 0, l, true, r0, true);
       band_product<B, 8, false>(o, xa, Rs, 0, l);  // V R^T
     } else {
-      band_product<B, 8, true>(o, pa, Gs, 0, l, true, r0, true);
       band_product<B, 8, true>(o, xa, Rs, 0, l);  // K R
     }
     // R += Q^T G (the warp's slab)
@@ -2430,7 +2420,7 @@ cudaError_t walk_backward_typed(const Tin* q, const Tin* k, const Tin* v, const 
   const bool vec_f = rows_vectorizable<Tin>(q, f) && rows_vectorizable<Tin>(k, f);
   const bool vec_m = rows_vectorizable<Tin>(v, m) && rows_vectorizable<Tin>(g, m);
   constexpr size_t mma_dkv = mma_dkv_smem<typename OperandOf<Tin>::type>();
-  if (mma_walk && f <= kTile && m <= kTile && mma_dkv <= smem_optin()) {
+  if (use_walk_mma(f, mma_walk) && m <= kTile && mma_dkv <= smem_optin()) {
     if (out_fp32) {
       return launch_tiles(chunk_walk_mma_dkv_kernel<Tin, float>, bh * l.nblk, 1, mma_dkv, stream,
                           q, k, v, g, carry, static_cast<float*>(dk), static_cast<float*>(dv), n,

@@ -71,8 +71,8 @@ FUSED_BACKWARD: bool | tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
 # fwd+bwd N = 8192: 2.49 ms against 2.63 ms; float32 N = 4096: 3.28 against 3.87 ms).
 # "walk_mma": kernels 8 and 9 in place of kernels 6 and 7 for F (and, for kernel 9, M) <= 64:
 # mma.sync on operands in registers (bf16, or tf32 as kernel 6 uses it: 3xTF32 for float32, one
-# tf32 product for float16), one barrier a chunk; kernels 6 and 7 elsewhere and where their
-# shared memory does not fit (float32 tiles: 137 and 170 KB). It passes the emulated kernel tests
+# tf32 product for float16), one barrier a chunk; kernels 6 and 7 elsewhere, and kernel 7 where
+# kernel 9's shared memory does not fit (170 KB with float32 tiles). It passes the emulated tests
 # (tests/test_cuda_emulated.py) but has not yet run on a GPU, so it is not the default.
 CAUSAL_KERNELS = ("chunks", "walk", "walk_mma")
 CAUSAL_KERNEL = "walk"

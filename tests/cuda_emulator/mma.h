@@ -242,11 +242,9 @@ inline void mma_bf16(float (&acc)[4], const uint32_t (&a)[4], const uint32_t (&b
 // exact in float, summed in float in k order.
 inline void mma_tf32(float (&acc)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
   const Posted mine = operands(a, b);
-  for (int i = 0; i < 6; ++i) {
-    float x;
-    std::memcpy(&x, &mine.reg[i], 4);
-    nvcuda::wmma::check_tf32(&x, 1, "mma.sync: a tf32 operand not rounded (cvt.rna.tf32.f32)");
-  }
+  float x[6];
+  std::memcpy(x, mine.reg, sizeof(x));
+  nvcuda::wmma::check_tf32(x, 6, "mma.sync: a tf32 operand not rounded (cvt.rna.tf32.f32)");
   const Collective c(mine);
   const auto value = [](uint32_t u) {
     float x;
