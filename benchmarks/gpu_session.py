@@ -27,7 +27,7 @@ sweep      ``cuda_core.py --resume`` over the issue's grid (N 512-32768,  sweep.
            B·H 8 and 64, D 64 and 128), bf16 then fp32, D=64
            first, until its time is up; ours as ``cuda`` and the fastest
            variant of the targets stage
-racecheck  ``compute-sanitizer --tool racecheck``, five small tests      racecheck.log
+racecheck  ``compute-sanitizer --tool racecheck``, six small tests       racecheck.log
 =========  ===========================================================  ==============
 
 Every stage runs as a child process under a time limit: the smaller of its cap and what is left
@@ -92,6 +92,7 @@ SWEEP_SHAPES = ("1x8", "4x16")  # B·H = 8 and 64, the issue's grid (128: the ta
 RACECHECK_TESTS = (
     "test_walk_segments_match_reference[walk-2x2x200x33x70-torch.bfloat16-5]",
     "test_walk_segments_match_reference[walk_mma-2x2x200x33x70-torch.bfloat16-5]",
+    "test_walk_segments_match_reference[walk_mma-3x2x130x96x40-torch.bfloat16-5]",  # 2 slices
     "test_fused_backward_matches_reference[walk_mma-1x4x64x16x16-torch.bfloat16]",
     "test_fused_backward_matches_reference[walk_mma-1x4x64x16x16-torch.float32]",
     "test_fused_backward_matches_reference[chunks-3x2x130x96x40-torch.float32]",
@@ -121,7 +122,7 @@ STAGES = (
     Stage("targets", 45, 180, "cuda_core.py at the issue's targets, every method"),
     Stage("profile", 15, 60, "cuda_profile.py, per-kernel times at N=8192"),
     Stage("sweep", 30, 600, "cuda_core.py --resume over the issue's grid"),
-    Stage("racecheck", 40, 150, "compute-sanitizer racecheck on five small tests"),
+    Stage("racecheck", 40, 150, "compute-sanitizer racecheck on six small tests"),
 )
 STAGE_NAMES = tuple(s.name for s in STAGES)
 ALWAYS = ("env", "build")
@@ -426,8 +427,8 @@ def stage_sweep(session: Session, limit_s: float) -> tuple[str, str]:
 
 
 def stage_racecheck(session: Session, limit_s: float) -> tuple[str, str]:
-    """The three tests in one process: starting torch under the sanitizer costs more than a
-    small test, so one start serves all three."""
+    """The tests in one process: starting torch under the sanitizer costs more than a small
+    test, so one start serves them all."""
     sanitizer = shutil.which("compute-sanitizer")
     if sanitizer is None:
         return "skipped", "compute-sanitizer is not on the PATH"

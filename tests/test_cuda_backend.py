@@ -8,7 +8,7 @@ bit-identical reruns (also for inputs off 16-byte addresses), offsets past 2**31
 memory (no O(N·F·M) tensor), and the fused backward (``ext.causal_backward``) against the
 reference and the three-product backward.
 Every test runs under each causal kernel (``cuda_backend.CAUSAL_KERNEL``: "chunks", "walk" and
-"walk_mma", whose kernel 8 takes F ≤ 64); the walks and their fused backward are
+"walk_mma", whose kernel 8 takes F ≤ 64, bfloat16 F ≤ 128); the walks and their fused backward are
 also checked with sequences cut into 1, several and one-chunk segments.
 """
 
@@ -131,13 +131,18 @@ def _where_wrong(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> s
     )
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=str)
-def test_one_chunk_points_at_wrong_elements(monkeypatch, dtype):
-    """One whole chunk (N = F = M = 64), forward and fused backward, against float64; a failure
-    names the wrong elements' rows mod 16 and columns mod 8, which locate a fragment layout of
-    kernels 8 and 9 (walk_mma) that only a GPU can check."""
+@pytest.mark.parametrize(
+    "dtype, f",
+    [(torch.float32, 64), *((d, 64) for d in HALF), (torch.bfloat16, 128)],
+    ids=["float32", *map(str, HALF), "bfloat16-F=128"],
+)
+def test_one_chunk_points_at_wrong_elements(monkeypatch, dtype, f):
+    """One whole chunk (N = M = 64, F = 64, and F = 128: kernel 8's two feature slices in
+    bf16), forward and fused backward, against float64; a failure names the wrong elements'
+    rows mod 16 and columns mod 8, which locate a fragment layout of kernels 8 and 9 (walk_mma)
+    that only a GPU can check."""
     monkeypatch.setattr(cuda_backend, "FUSED_BACKWARD", True)
-    q, k, v = _features(1, 2, 64, 64, 64, dtype=dtype)
+    q, k, v = _features(1, 2, 64, f, 64, dtype=dtype)
     got = ks.causal_dot_product(q, k, v, backend="cuda")
     x64 = _as64((q, k, v))
     want = causal_dot_product_reference(*x64)
@@ -527,14 +532,18 @@ def test_walk_falls_back_to_chunks_above_f_128(monkeypatch, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=str)
 def test_walk_matches_chunk_kernels(monkeypatch, dtype):
     """The kernels agree to the precision of their operands on a long, many-head case (kernel
-    8 for walk_mma at F = 64; at F = 80 walk_mma runs kernel 6, bit for bit the walk's)."""
+    8 for walk_mma at F = 64); at F = 80 walk_mma runs kernel 8 on two feature slices in
+    bfloat16, and kernel 6 in the other dtypes, bit for bit the walk's."""
     q, k, v = (t.detach() for t in _features(2, 8, 2500, 64, 64, dtype=dtype))
     got = _by_kernel(monkeypatch, lambda: cuda_backend.linear_attention(q, k, v, causal=True))
     assert close_in_dtype(got["walk"], got["chunks"], dtype)
     assert close_in_dtype(got["walk_mma"], got["chunks"], dtype)
     q, k, v = (t.detach() for t in _features(1, 2, 300, 80, 24, dtype=dtype))
     got = _by_kernel(monkeypatch, lambda: cuda_backend.linear_attention(q, k, v, causal=True))
-    assert torch.equal(got["walk_mma"], got["walk"])
+    if dtype == torch.bfloat16:
+        assert close_in_dtype(got["walk_mma"], got["chunks"], dtype)
+    else:
+        assert torch.equal(got["walk_mma"], got["walk"])
 
 
 # ---------------------------------------------------------------- 64-bit indexing

@@ -433,21 +433,33 @@ def test_misaligned_tensors_give_the_same_bits(emu, ext, dtype, walk_blocks):
 
 
 # ---------------------------------------------------------------- kernel 8: the register walk
-# kernels 8 and 9's shared memory (bytes) by dtype: how a test sees that they ran (bf16 tiles for
-# bf16 inputs, fp32 tiles for the tf32 products of float32 and float16 inputs)
-MMA_SMEM = {torch.bfloat16: (74240, 92160), torch.float32: (139776, 174080)}
+# kernels 8 and 9's shared memory (bytes): how a test sees that they ran (bf16 tiles for bf16
+# inputs, fp32 tiles for the tf32 products of float32 and float16 inputs); kernel 8 with one
+# feature slice (F <= 64) or two (64 < F <= 128, bf16 only), kernel 9
+MMA_SMEM = {torch.bfloat16: (74240, 130048, 92160), torch.float32: (139776, None, 174080)}
 MMA_SMEM[torch.float16] = MMA_SMEM[torch.float32]
-SM86_SMEM = 101376  # an RTX 30x0's opt-in shared memory per block: no room for the walks
+SM86_SMEM = 101376  # an RTX 30x0's opt-in shared memory per block: kernels 6 and 7 do not fit
+
+
+def _mma_walk_smem(dtype: torch.dtype, f: int) -> int | None:
+    """Kernel 8's shared memory for F features, None where it does not apply."""
+    return MMA_SMEM[dtype][0] if f <= 64 else MMA_SMEM[dtype][1] if f <= 128 else None
+
+
 # F <= 64: one row; N not a multiple of the chunk with odd F and M; F = M = 64 with a partial
 # last chunk; F ≠ M with two M slices (the second ragged; kernel 7 for dk and dv).
 MMA_SHAPES = [(2, 1, 4, 3), (6, 37, 8, 5), (3, 130, 64, 64), (2, 200, 33, 70)]
-MMA_IDS = ["x".join(map(str, s)) for s in MMA_SHAPES]
+# 64 < F <= 128, two feature slices (bf16): F = 128 with M = 64; F = 100 (the second slice
+# ragged) with two M slices.
+MMA_SHAPES_WIDE = [(2, 130, 128, 64), (2, 200, 100, 70)]
 # walk_blocks: whole sequences, segments of 5 chunks, one chunk per segment
 MMA_WALKS = {"whole": 1, "segments_5": 5, "per_chunk": 10**6}
-# bf16 (mma.sync m16n8k16) on every shape and walk; the tf32 kinds (m16n8k8; 3xTF32 or one
-# product), whose emulation costs 2-6 times more, on the shapes that reach every fragment and
-# state slab, once whole and once in segments (the segments' carries are the same code)
+# bf16 (mma.sync m16n8k16) on every shape and walk, and with two feature slices once whole and
+# once in segments (the segments' carries are the same code); the tf32 kinds (m16n8k8; 3xTF32
+# or one product), whose emulation costs 2-6 times more, on the shapes that reach every
+# fragment and state slab, once whole and once in segments
 MMA_CASES = [(torch.bfloat16, s, w) for s in MMA_SHAPES for w in MMA_WALKS]
+MMA_CASES += [(torch.bfloat16, s, w) for s, w in zip(MMA_SHAPES_WIDE, MMA_WALKS, strict=False)]
 MMA_CASES += [(d, s, w) for d in (torch.float32, torch.float16)
               for s, w in ((MMA_SHAPES[2], "whole"), (MMA_SHAPES[3], "segments_5"))]  # fmt: skip
 
@@ -461,10 +473,10 @@ def test_mma_walk_product_normalizer_and_gradients(emu, ext, dtype, shape, walk)
     """Kernels 8 and 9 (mma.sync on operands in registers, emulated lane by lane as the PTX ISA
     lays out the fragments) against float64: the causal and anti-causal product, its
     normalizer, the normalized output in the input dtype and fp32, and the gradients by three
-    products and by the fused backward (kernel 8 for dq, kernel 9 for dk and dv where M <= 64),
-    with whole sequences, ragged segments (carries) and one chunk per segment; and within the
-    dtype's tolerance of kernel 6."""
-    walk_smem, dkv_smem_want = MMA_SMEM[dtype]
+    products and by the fused backward (kernel 8 for dq, kernel 9 for dk and dv where F and M
+    are <= 64, kernel 7 otherwise), with whole sequences, ragged segments (carries) and one
+    chunk per segment; and within the dtype's tolerance of kernel 6."""
+    walk_smem, dkv_smem_want = _mma_walk_smem(dtype, shape[2]), MMA_SMEM[dtype][2]
     walk_blocks = MMA_WALKS[walk]
     q, k, v, g = _inputs(*shape, dtype, extra=1)
     for reverse in (False, True):
@@ -493,27 +505,56 @@ def test_mma_walk_product_normalizer_and_gradients(emu, ext, dtype, shape, walk)
     ]
     fused = ext.causal_backward(q, k, v, g, out_fp32=True, walk_blocks=walk_blocks, mma_walk=True)
     dkv_smem = emu.ks_emu_last_launch_smem()
-    assert dkv_smem == dkv_smem_want if shape[3] <= 64 else dkv_smem != dkv_smem_want
+    assert (dkv_smem == dkv_smem_want) == (max(shape[2:]) <= 64)
     for got in (three, fused):
         for a, w in zip(got, want, strict=True):
             assert close_in_dtype(a, w, dtype)
 
 
-def test_mma_walk_applies_up_to_64_features_only(emu, ext):
-    """mma_walk leaves every other case to kernel 6 or the chunk kernels, bit for bit: F = 65
-    in each dtype, and F = 64 where the walks' shared memory does not fit (an sm_86's 99 KB)."""
-    cases = [((2, 70, 65, 8), d, H100_SMEM) for d in DTYPES]
-    cases += [((2, 70, 64, 8), d, SM86_SMEM) for d in DTYPES]
+def test_mma_walk_leaves_other_cases_to_the_other_kernels(emu, ext):
+    """mma_walk leaves every case kernel 8 does not cover or fit to kernel 6 or the chunk
+    kernels, bit for bit: F = 65 in fp32 tiles, F = 129 in bf16, and on an sm_86 (99 KB) F = 64
+    in fp32 tiles (137 KB) and F = 128 in bf16 (127 KB)."""
+    cases = [((2, 70, 65, 8), d, H100_SMEM) for d in (torch.float32, torch.float16)]
+    cases += [((2, 70, 129, 8), torch.bfloat16, H100_SMEM)]
+    cases += [((2, 70, 64, 8), d, SM86_SMEM) for d in (torch.float32, torch.float16)]
+    cases += [((2, 70, 128, 8), torch.bfloat16, SM86_SMEM)]
     try:
         for shape, dtype, smem in cases:
             emu.ks_emu_configure(0, smem)
             q, k, v = _inputs(*shape, dtype)
             a = ext.causal_product(q, k, v, with_den=True, walk_blocks=1, mma_walk=True)
-            assert emu.ks_emu_last_launch_smem() != MMA_SMEM[dtype][0]
+            assert emu.ks_emu_last_launch_smem() not in MMA_SMEM[dtype]
             b = ext.causal_product(q, k, v, with_den=True, walk_blocks=1)
             assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     finally:
         emu.ks_emu_configure(0, H100_SMEM)
+
+
+@pytest.mark.parametrize(
+    "shape, smem", [((2, 100, 64, 48), SM86_SMEM), ((2, 100, 128, 48), A100_SMEM)],
+    ids=["F=64-sm_86", "F=128-A100"],
+)  # fmt: skip
+def test_mma_walk_runs_where_only_it_fits(emu, ext, shape, smem):
+    """bf16 kernel 8 takes less shared memory than kernel 6: on an sm_86 (99 KB) it runs (73 KB)
+    where kernel 6 (108 KB) does not fit, and kernel 9 (90 KB) in place of kernel 7's
+    single-buffered layout (98 KB); with two feature slices it fits an A100's 163 KB (127 KB,
+    kernel 6 170 KB). Products and gradients against float64."""
+    dtype = torch.bfloat16
+    q, k, v, g = _inputs(*shape, dtype, extra=1)
+    want, want_den = _reference_product(q, k, v)
+    try:
+        emu.ks_emu_configure(0, smem)
+        out, den = ext.causal_product(q, k, v, with_den=True, walk_blocks=1, mma_walk=True)
+        assert emu.ks_emu_last_launch_smem() == _mma_walk_smem(dtype, shape[2])
+        grads = ext.causal_backward(q, k, v, g, out_fp32=True, walk_blocks=1, mma_walk=True)
+        if shape[2] <= 64:
+            assert emu.ks_emu_last_launch_smem() == MMA_SMEM[dtype][2]
+    finally:
+        emu.ks_emu_configure(0, H100_SMEM)
+    assert close_in_dtype(out, want, dtype) and close_in_dtype(den, want_den, dtype)
+    for a, w in zip(grads, _reference_grads(q, k, v, g), strict=True):
+        assert close_in_dtype(a, w, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
@@ -521,7 +562,7 @@ def test_mma_walk_backward_falls_back_where_shared_memory_is_short(emu, ext, dty
     """Below kernel 9's shared memory (90 KB for bf16 tiles, 170 KB for fp32 tiles: an A100 has
     163 KB) the fused backward takes kernel 7 (in a layout that fits), and the gradients still
     match float64."""
-    walk_smem, dkv_smem = MMA_SMEM[dtype]
+    dkv_smem = MMA_SMEM[dtype][2]
     q, k, v, g = _inputs(2, 100, 16, 16, dtype, extra=1)
     want = _reference_grads(q, k, v, g)
     try:
@@ -534,11 +575,15 @@ def test_mma_walk_backward_falls_back_where_shared_memory_is_short(emu, ext, dty
         assert close_in_dtype(a, w, dtype)
 
 
-@pytest.mark.parametrize("dtype", list(MMA_SMEM), ids=str)
-def test_mma_walk_is_schedule_independent_and_alignment_blind(emu, ext, dtype):
+@pytest.mark.parametrize(
+    "dtype, f", [(d, 40) for d in MMA_SMEM] + [(torch.bfloat16, 100)],
+    ids=[*map(str, MMA_SMEM), "torch.bfloat16-two_slices"],
+)  # fmt: skip
+def test_mma_walk_is_schedule_independent_and_alignment_blind(emu, ext, dtype, f):
     """Kernels 8 and 9 under three thread schedules, and on tensors one element past an aligned
-    address (outputs written element-wise, tiles loaded without cp.async): bit-identical."""
-    q, k, v, g = _inputs(2, 150, 40, 56, dtype, extra=1)
+    address (outputs written element-wise, tiles loaded without cp.async): bit-identical. bf16
+    also with two feature slices (F = 100; kernel 7 for dk and dv)."""
+    q, k, v, g = _inputs(2, 150, f, 56, dtype, extra=1)
 
     def run(x):
         return [

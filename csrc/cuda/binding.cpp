@@ -83,7 +83,7 @@ Readout readout(const at::Tensor& q, int64_t m, bool out_fp32, bool with_den) {
 // out (B,H,N,M) = sum_{j<=i} (q_i . k_j) v_j (j >= i with `reverse`), in fp32 if `out_fp32`
 // else in the inputs' dtype; den (B,H,N) fp32 = sum_{j<=i} q_i . k_j if `with_den` (else None).
 // `normalize` divides out by den + eps. walk_blocks > 0 selects the walk kernel, `mma_walk` its
-// register form for F <= 64 (launchers.h).
+// register form (launchers.h).
 std::vector<at::Tensor> causal_product(at::Tensor q, at::Tensor k, at::Tensor v, bool reverse,
                                        bool out_fp32, bool with_den, bool normalize, double eps,
                                        int64_t walk_blocks, bool mma_walk) {
@@ -101,7 +101,8 @@ std::vector<at::Tensor> causal_product(at::Tensor q, at::Tensor k, at::Tensor v,
   v = v.contiguous();
   auto [out, den, done] = readout(q, m, out_fp32, with_den);
   if (done) return {out, den};
-  auto ws = at::empty({ks_cuda::causal_workspace_floats(dtype_of(q), b * h, n, f, m, walk_blocks)},
+  auto ws = at::empty({ks_cuda::causal_workspace_floats(dtype_of(q), b * h, n, f, m, walk_blocks,
+                                                    mma_walk)},
                       f32(q));
   check_launch(ks_cuda::causal_product(dtype_of(q), q.data_ptr(), k.data_ptr(), v.data_ptr(),
                                        out.data_ptr(), out_fp32,
@@ -115,7 +116,7 @@ std::vector<at::Tensor> causal_product(at::Tensor q, at::Tensor k, at::Tensor v,
 
 // [dq, dk, dv] of the causal product for g = dL/dout (B,H,N,M), from the fused backward: dq, dk
 // (B,H,N,F), dv (B,H,N,M), in fp32 if `out_fp32` else in the inputs' dtype. walk_blocks > 0
-// selects the walk's fused backward, `mma_walk` its register form (F, M <= 64; launchers.h).
+// selects the walk's fused backward, `mma_walk` its register form (launchers.h).
 std::vector<at::Tensor> causal_backward(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor g,
                                         bool out_fp32, int64_t walk_blocks, bool mma_walk) {
   TORCH_CHECK_VALUE(walk_blocks >= 0, "walk_blocks must be >= 0, got ", walk_blocks);
@@ -141,7 +142,8 @@ std::vector<at::Tensor> causal_backward(at::Tensor q, at::Tensor k, at::Tensor v
   if (b * h * n == 0) return {dq, dk, dv};
   if (f == 0 || m == 0) return {dq.zero_(), dk.zero_(), dv.zero_()};
   auto ws = at::empty(
-      {ks_cuda::causal_backward_workspace_floats(dtype_of(q), b * h, n, f, m, walk_blocks)},
+      {ks_cuda::causal_backward_workspace_floats(dtype_of(q), b * h, n, f, m, walk_blocks,
+                                                 mma_walk)},
       f32(q));
   check_launch(ks_cuda::causal_backward(dtype_of(q), q.data_ptr(), k.data_ptr(), v.data_ptr(),
                                         g.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),

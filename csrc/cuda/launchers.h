@@ -33,12 +33,12 @@ constexpr int64_t kReduceRows = 1024;  // rows per partial state of the non-caus
 // causal_workspace_floats(...) floats (same arguments, on the device that runs the product):
 // per-chunk states (S: F x M in fp32 for fp32 inputs, bf16 for half inputs; z: F in fp32) and
 // per-block carries (fp32), or for the walk the segments' carries only. `mma_walk` (with
-// walk_blocks > 0): inputs with F <= 64 walk on mma.sync with the operands in registers
-// (kernel 8) instead of WMMA tiles in shared memory (bf16 products for bf16 inputs, 3xTF32 for
-// fp32, tf32 for fp16, as the WMMA walk); same results up to the order of sums and where the
-// operands are rounded, same workspace; larger F ignores it.
+// walk_blocks > 0): inputs with F <= 64 (bf16: F <= 128) walk on mma.sync with the operands in
+// registers (kernel 8) instead of WMMA tiles in shared memory (bf16 products for bf16 inputs,
+// 3xTF32 for fp32, tf32 for fp16, as the WMMA walk), where its shared memory fits the device;
+// same results up to the order of sums and where the operands are rounded; larger F ignores it.
 int64_t causal_workspace_floats(DType dtype, int64_t bh, int64_t n, int64_t f, int64_t m,
-                                int64_t walk_blocks);
+                                int64_t walk_blocks, bool mma_walk);
 cudaError_t causal_product(DType dtype, const void* q, const void* k, const void* v, void* out,
                            bool out_fp32, float* den, bool normalize, float eps, float* workspace,
                            int64_t bh, int64_t n, int64_t f, int64_t m, bool reverse,
@@ -50,11 +50,12 @@ cudaError_t causal_product(DType dtype, const void* q, const void* k, const void
 // (BH, N, F), dv: (BH, N, M), in fp32 if `out_fp32` else in `dtype`.
 // walk_blocks = 0: the chunk states of (k, v) and of (q, g), then one pass over all chunks for
 // dq, dk and dv. walk_blocks > 0: dq by the walk, then dk and dv together by one reverse walk
-// (F, M <= 128; separate walks otherwise); `mma_walk` as in causal_product: with F, M <= 64,
-// dq by kernel 8 and dk, dv by its reverse-walk counterpart (kernel 9). `workspace` holds
+// (F, M <= 128; separate walks otherwise); `mma_walk` as in causal_product: dq by kernel 8
+// where it applies, and with F, M <= 64 dk and dv by its reverse-walk counterpart (kernel 9).
+// `workspace` holds
 // causal_backward_workspace_floats(...) floats (same arguments, on the device that runs it).
 int64_t causal_backward_workspace_floats(DType dtype, int64_t bh, int64_t n, int64_t f,
-                                         int64_t m, int64_t walk_blocks);
+                                         int64_t m, int64_t walk_blocks, bool mma_walk);
 cudaError_t causal_backward(DType dtype, const void* q, const void* k, const void* v,
                             const void* g, void* dq, void* dk, void* dv, bool out_fp32,
                             float* workspace, int64_t bh, int64_t n, int64_t f, int64_t m,

@@ -38,9 +38,9 @@
 //                            and dv together by one reverse walk with R = sum Q^T G on chip.
 //   Kernels 1 and 3 write and read one F x M state per chunk (at N = 8192, B·H = 128, F = M = 64
 //   in bf16: 134 MB each way); the walk keeps it on chip and launches once.
-//   8. chunk_walk_mma_kernel kernel 6 for F <= 64 with mma_walk: mma.sync with each
-//                            warp's operands in registers (scores to P V without shared memory,
-//                            S in fp32 accumulators), one barrier per chunk.
+//   8. chunk_walk_mma_kernel kernel 6 for F <= 64 (bf16: F <= 128) with mma_walk: mma.sync
+//                            with each warp's operands in registers (scores to P V without
+//                            shared memory, S in fp32 accumulators), one barrier per chunk.
 //   9. chunk_walk_mma_dkv_kernel  kernel 7 in the same form (F, M <= 64, mma_walk).
 //
 // ------------------------------------------------------------------ tiles
@@ -1468,7 +1468,7 @@ struct Band;
 template <bool kSplit>
 struct Band<__nv_bfloat16, kSplit> {
   using Op = __nv_bfloat16;
-  static constexpr int kSteps = 4, LD = ld_of<Op>();
+  static constexpr int kSteps = 4, LD = ld_of<Op>(), kTileElems = kTile * LD;
   using Frags = uint32_t[kSteps][4];
 
   // k-step kk of A = rows r0 .. r0 + 15 of T
@@ -1529,7 +1529,7 @@ struct Band<__nv_bfloat16, kSplit> {
 template <bool kSplit>
 struct Band<float, kSplit> {
   using Op = float;
-  static constexpr int kSteps = 8, LD = ld_of<Op>();
+  static constexpr int kSteps = 8, LD = ld_of<Op>(), kTileElems = kTile * LD;
   using Frags = uint32_t[kSteps][4];
 
   static __device__ __forceinline__ void rows(uint32_t (&a)[4], const Op* T, int r0, int kk,
@@ -1631,12 +1631,14 @@ __device__ __forceinline__ void b_pair(uint32_t (&b)[4], const typename B::Op* T
   b[3] = a[3];
 }
 
-// The band's masked scores p = A Y^T (n-tile j: rows 8j .. of tile Y), tiles wholly outside the
-// mask skipped, and their row sums rs (rows g, g + 8; this lane's columns only).
-template <typename B>
+// The band's masked scores p = A Y^T (n-tile j: rows 8j .. of Y) over FT feature slices (a[ft]:
+// the band's fragments of slice ft; Y: FT 64 x LD tiles one after another), tiles wholly
+// outside the mask skipped, and their row sums rs (rows g, g + 8; this lane's columns only).
+template <typename B, int FT>
 __device__ __forceinline__ void band_scores(float (&p)[8][4], float (&rs)[2],
-                                            const typename B::Frags& a, const typename B::Op* Y,
-                                            int r0, bool reverse, const Lane& l) {
+                                            const typename B::Frags (&a)[FT],
+                                            const typename B::Op* Y, int r0, bool reverse,
+                                            const Lane& l) {
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
 #pragma unroll
@@ -1646,11 +1648,14 @@ __device__ __forceinline__ void band_scores(float (&p)[8][4], float (&rs)[2],
   for (int jp = 0; jp < 4; ++jp) {
     if (!tile_kept(2 * jp, r0, reverse) && !tile_kept(2 * jp + 1, r0, reverse)) continue;
 #pragma unroll
-    for (int kk = 0; kk < B::kSteps; ++kk) {
-      uint32_t b[4];
-      b_pair<B, false>(b, Y, 16 * jp, kk, l);
-      B::mma(p[2 * jp], a[kk], b[0], b[1]);
-      B::mma(p[2 * jp + 1], a[kk], b[2], b[3]);
+    for (int ft = 0; ft < FT; ++ft) {
+#pragma unroll
+      for (int kk = 0; kk < B::kSteps; ++kk) {
+        uint32_t b[4];
+        b_pair<B, false>(b, Y + ft * B::kTileElems, 16 * jp, kk, l);
+        B::mma(p[2 * jp], a[ft][kk], b[0], b[1]);
+        B::mma(p[2 * jp + 1], a[ft][kk], b[2], b[3]);
+      }
     }
   }
   rs[0] = rs[1] = 0.f;
@@ -1685,13 +1690,14 @@ __device__ __forceinline__ void band_product(float (&acc)[NT][4], const typename
   }
 }
 
-// acc += a B and acc2 += a2 B with one load of each fragment of B = tile T as stored (columns
-// c0 ..); the k-steps whose scores the band's mask zeroes are left out of acc only.
-template <typename B, int NT>
+// acc += a B and acc2[ft] += a2[ft] B (ft < FT) with one load of each fragment of B = tile T as
+// stored (columns c0 ..); the k-steps whose scores the band's mask zeroes are left out of acc
+// only.
+template <typename B, int NT, int FT>
 __device__ __forceinline__ void band_products_sharing_b(float (&acc)[NT][4],
                                                         const typename B::Frags& a,
-                                                        float (&acc2)[NT][4],
-                                                        const typename B::Frags& a2,
+                                                        float (&acc2)[FT][NT][4],
+                                                        const typename B::Frags (&a2)[FT],
                                                         const typename B::Op* T, int c0,
                                                         const Lane& l, int r0, bool reverse) {
 #pragma unroll
@@ -1705,8 +1711,11 @@ __device__ __forceinline__ void band_products_sharing_b(float (&acc)[NT][4],
         B::mma(acc[2 * jp], a[kk], b[0], b[1]);
         B::mma(acc[2 * jp + 1], a[kk], b[2], b[3]);
       }
-      B::mma(acc2[2 * jp], a2[kk], b[0], b[1]);
-      B::mma(acc2[2 * jp + 1], a2[kk], b[2], b[3]);
+#pragma unroll
+      for (int ft = 0; ft < FT; ++ft) {
+        B::mma(acc2[ft][2 * jp], a2[ft][kk], b[0], b[1]);
+        B::mma(acc2[ft][2 * jp + 1], a2[ft][kk], b[2], b[3]);
+      }
     }
   }
 }
@@ -1770,37 +1779,46 @@ constexpr size_t mma_smem(int tiles, int floats) {
   return static_cast<size_t>(tiles) * kTile * ld_of<Op>() * sizeof(Op) + floats * sizeof(float);
 }
 
-// Two blocks per SM for bf16 tiles (74 and 90 KB), one for fp32 tiles (137 and 170 KB), whose
-// 3xTF32 products also hold more registers.
-template <typename Op>
-constexpr int kMmaBlocksPerSm = sizeof(Op) == 2 ? 2 : 1;
+// Two blocks per SM for bf16 tiles with F <= 64 (74 and 90 KB), one for fp32 tiles (137 and
+// 170 KB), whose 3xTF32 products also hold more registers, and for two feature slices (127 KB).
+template <typename Op, int FT = 1>
+constexpr int kMmaBlocksPerSm = sizeof(Op) == 2 && FT == 1 ? 2 : 1;
 
 // ------------------------------------------------------------------ kernel 8: register walk
-// Kernel 6 for F <= 64 (selected by mma_walk), on mma.sync with each warp's operands in
-// registers: the masked scores go from the accumulators of Q K^T straight into the A operand of
-// P V, and the state S stays in fp32 accumulators for the whole walk, so per chunk only the Q, K,
-// V tiles and one copy of S pass through shared memory, with one barrier. bf16 inputs multiply
-// in bf16 (S's copy rounded to bf16), fp32 inputs in 3xTF32 and fp16 inputs in 1xTF32 (as kernel
-// 6; S's copy and the tiles in fp32).
+// Kernel 6 on mma.sync with each warp's operands in registers (selected by mma_walk; FT feature
+// slices: F <= 64 in every dtype, F <= 128 for bf16): the masked scores go from the accumulators
+// of Q K^T straight into the A operand of P V, and the state S stays in fp32 accumulators for
+// the whole walk, so per chunk only the Q, K, V tiles and one copy of S pass through shared
+// memory, with one barrier. bf16 inputs multiply in bf16 (S's copy rounded to bf16), fp32
+// inputs in 3xTF32 and fp16 inputs in 1xTF32 (as kernel 6; S's copy and the tiles in fp32).
 // grid and segments as in kernel 6 (grid.x = BH * nblk, grid.y = ceil(M/64); carries from
-// kernels 1 and 2). Warp w owns rows r0 = 16*(w%4) .. +16 of the chunk (outputs) and of S
-// (features), and columns c0 = 32*(w/4) .. +32 of the M slice; the two warps of each row band
-// both compute its 16 x 64 scores. Chunk c (rows of chunk i are j, i within the chunk):
+// kernels 1 and 2). Warp w owns rows r0 = 16*(w%4) .. +16 of the chunk (outputs) and of each
+// feature slice of S (features 64 ft + r0 ..), and columns c0 = 32*(w/4) .. +32 of the M slice;
+// the two warps of each row band both compute its 16 x 64 scores. Chunk c (rows of chunk i are
+// j, i within the chunk):
 //     P = mask(Q_c K_c^T)            (fp32 accumulators; A fragments)
 //     out_c = P V_c + Q_c S,  den_c = row sums of P + Q_c z
 //     S += K_c^T V_c,  z += column sums of K_c,
 // then S's copy and z go to the other of two shared copies, which the next chunk reads after
 // the barrier that also publishes its tiles. Score and value steps that the mask zeroes for a
 // whole warp are skipped.
-// Shared: two buffers of (Q, K, V: 64 x LD operand tiles each), two copies of S (64 x LD) and of
-// z (64 fp32). Outputs and den go from registers to global memory.
+// Shared: two buffers of (Q: FT tiles, K: FT tiles, V: one tile; 64 x LD operand tiles), two
+// copies of S (FT tiles) and of z (FT * 64 fp32). Outputs and den go from registers to global
+// memory.
 template <typename Op>
-constexpr size_t mma_walk_smem() {
-  return mma_smem<Op>(2 * 3 + 2, 2 * kTile);
+constexpr size_t mma_walk_smem(int ft) {
+  return mma_smem<Op>(2 * (2 * ft + 1) + 2 * ft, 2 * ft * kTile);
 }
 
-template <typename Tin, typename Tout>
-__global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm<typename OperandOf<Tin>::type>)
+// Kernel 8's feature slices for F, 0 where it does not apply: the fp32 tiles of two slices
+// (238 KB) exceed every GPU's shared memory.
+template <typename Op>
+constexpr int mma_walk_slices(int64_t f) {
+  return f <= kTile ? 1 : (sizeof(Op) == 2 && f <= 2 * kTile ? 2 : 0);
+}
+
+template <typename Tin, typename Tout, int FT>
+__global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm<typename OperandOf<Tin>::type, FT>)
     chunk_walk_mma_kernel(const Tin* __restrict__ q, const Tin* __restrict__ k,
                           const Tin* __restrict__ v, const float* __restrict__ carry,
                           Tout* __restrict__ out, float* __restrict__ den, int64_t n, int64_t f,
@@ -1811,11 +1829,12 @@ __global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm<typename OperandOf<T
   using B = BandOf<Tin>;
   constexpr int LD = ld_of<Op>();
   constexpr int kOpTile = kTile * LD;
+  constexpr int kBufTiles = 2 * FT + 1;
   KS_DYNAMIC_SMEM(smem);
-  Op* bufs = reinterpret_cast<Op*>(smem);  // buffer b: Q, K, V at tiles 3b, 3b + 1, 3b + 2
-  Op* s_copies = bufs + 6 * kOpTile;       // S in the operand type, two copies
-  float* z_copies = reinterpret_cast<float*>(s_copies + 2 * kOpTile);  // two copies of z
-  auto tile = [&](int buf, int i) { return bufs + (buf * 3 + i) * kOpTile; };
+  Op* bufs = reinterpret_cast<Op*>(smem);  // buffer b: Q slices, K slices, V
+  Op* s_copies = bufs + 2 * kBufTiles * kOpTile;  // S in the operand type, two copies of FT tiles
+  float* z_copies = reinterpret_cast<float*>(s_copies + 2 * FT * kOpTile);  // two copies of z
+  auto tile = [&](int buf, int i) { return bufs + (buf * kBufTiles + i) * kOpTile; };
 
   const Lane l;
   const int warp = threadIdx.x / 32;
@@ -1829,23 +1848,31 @@ __global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm<typename OperandOf<T
   const Tin* vb = v + bh * n * m;
   auto load_chunk = [&](int64_t i, int buf) {
     const int64_t row0 = seg.chunk(i) * kTile;
-    load_tile<Tin, Op>(tile(buf, 0), LD, qb, f, n, f, row0, 0, nullptr, vec_qk);
-    load_tile<Tin, Op>(tile(buf, 1), LD, kb, f, n, f, row0, 0, nullptr, vec_qk);
-    load_tile<Tin, Op>(tile(buf, 2), LD, vb, m, n, m, row0, m0, nullptr, vec_v);
+#pragma unroll
+    for (int ft = 0; ft < FT; ++ft) {
+      load_tile<Tin, Op>(tile(buf, ft), LD, qb, f, n, f, row0, ft * kTile, nullptr, vec_qk);
+      load_tile<Tin, Op>(tile(buf, FT + ft), LD, kb, f, n, f, row0, ft * kTile, nullptr, vec_qk);
+    }
+    load_tile<Tin, Op>(tile(buf, 2 * FT), LD, vb, m, n, m, row0, m0, nullptr, vec_v);
     cp_async_commit();
   };
   load_chunk(0, 0);
 
-  // S: the warp's 16 x 32 slab (features r0 .., columns m0 + c0 ..) in fp32 accumulators, from
-  // the segment's carry (S row-major F x M, then z) or zero; z: column zc of K, summed by the
-  // four threads zp = 0..3 (rows zp, zp + 4, ...), held by all four.
+  // S: the warp's 16 x 32 slab of each feature slice (features 64 ft + r0 .., columns
+  // m0 + c0 ..) in fp32 accumulators, from the segment's carry (S row-major F x M, then z) or
+  // zero; z: column 64 ft + zc of K, summed by the four threads zp = 0..3 (rows zp, zp + 4,
+  // ...), held by all four.
   const float* cs = carry == nullptr ? nullptr : carry + (bh * nblk + blk) * (f * m + f);
-  float s[4][4];
-  carry_slab(s, cs, f, m, r0, m0 + c0, l);
   const int zc = threadIdx.x / 4, zp = threadIdx.x % 4;
-  float z = (cs != nullptr && need_den && zc < f) ? cs[f * m + zc] : 0.f;
-  B::publish(s_copies, s, r0, c0, l);
-  if (zp == 0) z_copies[zc] = z;
+  float s[FT][4][4], z[FT];
+#pragma unroll
+  for (int ft = 0; ft < FT; ++ft) {
+    carry_slab(s[ft], cs, f, m, ft * kTile + r0, m0 + c0, l);
+    const int64_t col = ft * kTile + zc;
+    z[ft] = (cs != nullptr && need_den && col < f) ? cs[f * m + col] : 0.f;
+    B::publish(s_copies + ft * kOpTile, s[ft], r0, c0, l);
+    if (zp == 0) z_copies[ft * kTile + zc] = z[ft];
+  }
 
   const bool pairs = reinterpret_cast<uintptr_t>(out) % (2 * sizeof(Tout)) == 0 && m % 2 == 0;
   for (int64_t i = 0; i < seg.count; ++i) {
@@ -1854,43 +1881,54 @@ __global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm<typename OperandOf<T
     __syncthreads();      // ... visible to all, with S and z; step i-1 is complete
     if (i + 1 < seg.count) load_chunk(i + 1, buf ^ 1);
     const Op* Qs = tile(buf, 0);
-    const Op* Ks = tile(buf, 1);
-    const Op* Vs = tile(buf, 2);
-    const float* zs = z_copies + buf * kTile;
+    const Op* Ks = tile(buf, FT);
+    const Op* Vs = tile(buf, 2 * FT);
+    const Op* Ss = s_copies + buf * FT * kOpTile;
+    const float* zs = z_copies + buf * FT * kTile;
 
-    typename B::Frags qa, pa;
-    band_fragments<B>(qa, Qs, r0, l);
+    typename B::Frags qa[FT], pa;
+#pragma unroll
+    for (int ft = 0; ft < FT; ++ft) band_fragments<B>(qa[ft], Qs + ft * kOpTile, r0, l);
     float rs[2];
     {
       float p[8][4];
-      band_scores<B>(p, rs, qa, Ks, r0, reverse, l);
+      band_scores<B, FT>(p, rs, qa, Ks, r0, reverse, l);
       B::scores(pa, p);
     }
     // out = Q S + P V (the warp's 16 x 32), then S += K^T V
     float o[4][4] = {};
-    band_product<B, 4, true>(o, qa, s_copies + buf * kOpTile, c0, l);
-    typename B::Frags ka;
-    transposed_band_fragments<B>(ka, Ks, r0, l);
+#pragma unroll
+    for (int ft = 0; ft < FT; ++ft) band_product<B, 4, true>(o, qa[ft], Ss + ft * kOpTile, c0, l);
+    typename B::Frags ka[FT];
+#pragma unroll
+    for (int ft = 0; ft < FT; ++ft) transposed_band_fragments<B>(ka[ft], Ks + ft * kOpTile, r0, l);
     band_products_sharing_b<B>(o, pa, s, ka, Vs, c0, l, r0, reverse);
 
     // den = row sums + q . z (z before this chunk), summed over the four lanes of a row
     float dn[2] = {rs[0], rs[1]};
     if (need_den) {
-      B::dot(dn, qa, zs, l);
+#pragma unroll
+      for (int ft = 0; ft < FT; ++ft) B::dot(dn, qa[ft], zs + ft * kTile, l);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         dn[h] += __shfl_xor_sync(0xffffffffu, dn[h], 1);
         dn[h] += __shfl_xor_sync(0xffffffffu, dn[h], 2);
       }
-      float zsum = 0.f;
-      for (int r = zp; r < kTile; r += 4) zsum += to_float(Ks[r * LD + zc]);
-      zsum += __shfl_xor_sync(0xffffffffu, zsum, 1);
-      zsum += __shfl_xor_sync(0xffffffffu, zsum, 2);
-      z += zsum;
+#pragma unroll
+      for (int ft = 0; ft < FT; ++ft) {
+        float zsum = 0.f;
+        for (int r = zp; r < kTile; r += 4) zsum += to_float(Ks[ft * kOpTile + r * LD + zc]);
+        zsum += __shfl_xor_sync(0xffffffffu, zsum, 1);
+        zsum += __shfl_xor_sync(0xffffffffu, zsum, 2);
+        z[ft] += zsum;
+      }
     }
     if (i + 1 < seg.count) {  // the other copies: read in step i - 1
-      B::publish(s_copies + (buf ^ 1) * kOpTile, s, r0, c0, l);
-      if (zp == 0) z_copies[(buf ^ 1) * kTile + zc] = z;
+#pragma unroll
+      for (int ft = 0; ft < FT; ++ft) {
+        B::publish(s_copies + ((buf ^ 1) * FT + ft) * kOpTile, s[ft], r0, c0, l);
+        if (zp == 0) z_copies[((buf ^ 1) * FT + ft) * kTile + zc] = z[ft];
+      }
     }
 
     // outputs (divided by den + eps with `normalize`) and den, from registers
@@ -1982,19 +2020,19 @@ __global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm<typename OperandOf<T
     // the band's gradient: X = V (dk) or K (dv), scored against Y = G or Q, whose partner
     // Z = Q or G the scores multiply
     const Op* X = dk_warp ? Vs : Ks;
-    typename B::Frags xa, pa;
-    band_fragments<B>(xa, X, r0, l);
+    typename B::Frags xa[1], pa;
+    band_fragments<B>(xa[0], X, r0, l);
     {
       float p[8][4], rs[2];
-      band_scores<B>(p, rs, xa, dk_warp ? Gs : Qs, r0, true, l);
+      band_scores<B, 1>(p, rs, xa, dk_warp ? Gs : Qs, r0, true, l);
       B::scores(pa, p);
     }
     float o[8][4] = {};
     band_product<B, 8, true>(o, pa, dk_warp ? Qs : Gs, 0, l, true, r0, true);
     if (dk_warp) {
-      band_product<B, 8, false>(o, xa, Rs, 0, l);  // V R^T
+      band_product<B, 8, false>(o, xa[0], Rs, 0, l);  // V R^T
     } else {
-      band_product<B, 8, true>(o, xa, Rs, 0, l);  // K R
+      band_product<B, 8, true>(o, xa[0], Rs, 0, l);  // K R
     }
     // R += Q^T G (the warp's slab)
     typename B::Frags qta;
@@ -2213,11 +2251,20 @@ size_t smem_optin() {
   return static_cast<size_t>(optin);
 }
 
-// True where kernel 6 is selected (walk_blocks > 0), covers F and fits the device's shared memory.
+// The walk that computes a causal product: with walk_blocks > 0, kernel 8 where mma_walk asks
+// for it, it covers F and its shared memory fits the device, else kernel 6 where it covers F
+// and fits; none (the chunk kernels) otherwise.
+enum class Walk { kNone, kWmma, kMma };
+
 template <typename Tin>
-bool use_walk(int64_t f, int64_t walk_blocks) {
-  if (walk_blocks <= 0 || cdiv(f, kTile) > kWalkMaxSlices) return false;
-  return walk_smem<Tin>(f) <= smem_optin();
+Walk causal_walk(int64_t f, int64_t walk_blocks, bool mma_walk) {
+  using Op = typename OperandOf<Tin>::type;
+  if (walk_blocks <= 0) return Walk::kNone;
+  const size_t optin = smem_optin();
+  const int ft = mma_walk ? mma_walk_slices<Op>(f) : 0;
+  if (ft > 0 && mma_walk_smem<Op>(ft) <= optin) return Walk::kMma;
+  if (cdiv(f, kTile) <= kWalkMaxSlices && walk_smem<Tin>(f) <= optin) return Walk::kWmma;
+  return Walk::kNone;
 }
 
 // Kernel 7's shared-memory layout for F and M: two buffers where they fit, else one, and with
@@ -2282,32 +2329,32 @@ cudaError_t launch_walk_mma(const Tin* q, const Tin* k, const Tin* v, const floa
                             Tout* out, float* den, int64_t bh, int64_t n, int64_t f, int64_t m,
                             int64_t nblk, int64_t cpb, bool reverse, bool normalize, float eps,
                             cudaStream_t stream) {
+  using Op = typename OperandOf<Tin>::type;
   const bool vec_qk = rows_vectorizable<Tin>(q, f) && rows_vectorizable<Tin>(k, f);
   const bool vec_v = rows_vectorizable<Tin>(v, m);
-  return launch_tiles(chunk_walk_mma_kernel<Tin, Tout>, bh * nblk, cdiv(m, kTile),
-                      mma_walk_smem<typename OperandOf<Tin>::type>(), stream, q, k, v, carry, out,
-                      den, n, f, m, nblk, cpb, reverse, normalize, eps, vec_qk, vec_v);
+  const int ft = mma_walk_slices<Op>(f);
+  auto kernel = chunk_walk_mma_kernel<Tin, Tout, 1>;
+  if constexpr (mma_walk_slices<Op>(2 * kTile) == 2) {
+    if (ft == 2) kernel = chunk_walk_mma_kernel<Tin, Tout, 2>;
+  }
+  return launch_tiles(kernel, bh * nblk, cdiv(m, kTile), mma_walk_smem<Op>(ft), stream, q, k, v,
+                      carry, out, den, n, f, m, nblk, cpb, reverse, normalize, eps, vec_qk,
+                      vec_v);
 }
 
-// True where kernel 8 replaces kernel 6: F <= 64 and mma_walk (where kernel 6 fits, so does
-// kernel 8: it takes less shared memory).
-constexpr bool use_walk_mma(int64_t f, bool mma_walk) { return mma_walk && f <= kTile; }
-static_assert(mma_walk_smem<__nv_bfloat16>() <= WalkSmem<__nv_bfloat16, 1>::bytes());
-static_assert(mma_walk_smem<float>() <= WalkSmem<float, 1>::bytes());
-
-// The causal product by kernel 6 (or 8): the carries of the segments (kernels 1 and 2, totals
-// only) where the sequence is split, then one walk per segment.
+// The causal product by kernel 6 or 8 (`mma`): the carries of the segments (kernels 1 and 2,
+// totals only) where the sequence is split, then one walk per segment.
 template <typename Tin>
 cudaError_t walk_typed(const Tin* q, const Tin* k, const Tin* v, void* out, bool out_fp32,
                        float* den, bool normalize, float eps, float* ws, int64_t bh, int64_t n,
-                       int64_t f, int64_t m, bool reverse, int64_t walk_blocks, bool mma_walk,
+                       int64_t f, int64_t m, bool reverse, int64_t walk_blocks, bool mma,
                        cudaStream_t stream) {
   const WalkLayout l = walk_layout(bh, n, f, m, walk_blocks, cdiv(m, kTile));
   const float* carry;
   const cudaError_t err = walk_carries(k, v, ws, l, bh, n, f, m, reverse,
                                        normalize || den != nullptr, &carry, stream);
   if (err != cudaSuccess) return err;
-  if (use_walk_mma(f, mma_walk)) {
+  if (mma) {
     if (out_fp32) {
       return launch_walk_mma<Tin, float>(q, k, v, carry, static_cast<float*>(out), den, bh, n, f,
                                          m, l.nblk, l.cpb, reverse, normalize, eps, stream);
@@ -2332,9 +2379,10 @@ cudaError_t causal_typed(const void* q, const void* k, const void* v, void* out,
   const Tin* qt = static_cast<const Tin*>(q);
   const Tin* kt = static_cast<const Tin*>(k);
   const Tin* vt = static_cast<const Tin*>(v);
-  if (use_walk<Tin>(f, walk_blocks)) {
+  const Walk walk = causal_walk<Tin>(f, walk_blocks, mma_walk);
+  if (walk != Walk::kNone) {
     return walk_typed<Tin>(qt, kt, vt, out, out_fp32, den, normalize, eps, ws, bh, n, f, m,
-                           reverse, walk_blocks, mma_walk, stream);
+                           reverse, walk_blocks, walk == Walk::kMma, stream);
   }
   const CausalLayout l = causal_layout(bh, n, f, m, sizeof(Tstate));
   float* totals = ws + l.totals;
@@ -2392,11 +2440,11 @@ cudaError_t backward_typed(const Tin* q, const Tin* k, const Tin* v, const Tin* 
                       vec_m, vec_s);
 }
 
-// The walk's fused backward: dq = causal(g, v, k) by kernel 6, then dk and dv by kernel 7 (one
-// reverse walk with the carries of (q, g) where a sequence is cut into segments; with mma_walk,
-// kernels 8 and 9 for F, M <= 64), or, where
-// kernel 7 does not fit, dk = anticausal(v, g, q) and dv = anticausal(k, q, g). The steps run in
-// order on `stream` and share the workspace.
+// The walk's fused backward: dq = causal(g, v, k) by kernel 6 (or 8, as causal_walk selects),
+// then dk and dv by one reverse walk with the carries of (q, g) where a sequence is cut into
+// segments: kernel 9 with mma_walk where F, M <= 64 and it fits, else kernel 7; where neither
+// fits, dk = anticausal(v, g, q) and dv = anticausal(k, q, g). The steps run in order on
+// `stream` and share the workspace.
 template <typename Tin>
 cudaError_t walk_backward_typed(const Tin* q, const Tin* k, const Tin* v, const Tin* g, void* dq,
                                 void* dk, void* dv, bool out_fp32, float* ws, int64_t bh,
@@ -2405,8 +2453,10 @@ cudaError_t walk_backward_typed(const Tin* q, const Tin* k, const Tin* v, const 
   cudaError_t err = causal_typed<Tin>(g, v, k, dq, out_fp32, nullptr, false, 0.f, ws, bh, n, m,
                                       f, false, walk_blocks, mma_walk, stream);
   if (err != cudaSuccess) return err;
+  constexpr size_t mma_dkv = mma_dkv_smem<typename OperandOf<Tin>::type>();
+  const bool mma = mma_walk && f <= kTile && m <= kTile && mma_dkv <= smem_optin();
   const auto lay = dkv_smem<Tin>(f, m);
-  if (lay.nbuf == 0) {
+  if (!mma && lay.nbuf == 0) {
     err = causal_typed<Tin>(v, g, q, dk, out_fp32, nullptr, false, 0.f, ws, bh, n, m, f, true,
                             walk_blocks, mma_walk, stream);
     if (err != cudaSuccess) return err;
@@ -2419,8 +2469,7 @@ cudaError_t walk_backward_typed(const Tin* q, const Tin* k, const Tin* v, const 
   if (err != cudaSuccess) return err;
   const bool vec_f = rows_vectorizable<Tin>(q, f) && rows_vectorizable<Tin>(k, f);
   const bool vec_m = rows_vectorizable<Tin>(v, m) && rows_vectorizable<Tin>(g, m);
-  constexpr size_t mma_dkv = mma_dkv_smem<typename OperandOf<Tin>::type>();
-  if (use_walk_mma(f, mma_walk) && m <= kTile && mma_dkv <= smem_optin()) {
+  if (mma) {
     if (out_fp32) {
       return launch_tiles(chunk_walk_mma_dkv_kernel<Tin, float>, bh * l.nblk, 1, mma_dkv, stream,
                           q, k, v, g, carry, static_cast<float*>(dk), static_cast<float*>(dv), n,
@@ -2514,11 +2563,11 @@ cudaError_t cumsum_typed(const void* x, const float* pre, const float* post, flo
 
 // ------------------------------------------------------------------ entry points
 int64_t causal_workspace_floats(DType dtype, int64_t bh, int64_t n, int64_t f, int64_t m,
-                                int64_t walk_blocks) {
+                                int64_t walk_blocks, bool mma_walk) {
   const bool bf16 = dtype == DType::kBFloat16;  // fp32 and fp16 inputs have fp32 operands
-  const bool walk =
-      bf16 ? use_walk<__nv_bfloat16>(f, walk_blocks) : use_walk<float>(f, walk_blocks);
-  if (walk) return walk_layout(bh, n, f, m, walk_blocks, cdiv(m, kTile)).floats;
+  const Walk walk = bf16 ? causal_walk<__nv_bfloat16>(f, walk_blocks, mma_walk)
+                         : causal_walk<float>(f, walk_blocks, mma_walk);
+  if (walk != Walk::kNone) return walk_layout(bh, n, f, m, walk_blocks, cdiv(m, kTile)).floats;
   return causal_layout(bh, n, f, m, bf16 ? sizeof(__nv_bfloat16) : sizeof(float)).floats;
 }
 
@@ -2543,11 +2592,11 @@ cudaError_t causal_product(DType dtype, const void* q, const void* k, const void
 }
 
 int64_t causal_backward_workspace_floats(DType dtype, int64_t bh, int64_t n, int64_t f,
-                                         int64_t m, int64_t walk_blocks) {
-  if (walk_blocks <= 0) return 2 * causal_workspace_floats(dtype, bh, n, f, m, 0);
+                                         int64_t m, int64_t walk_blocks, bool mma_walk) {
+  if (walk_blocks <= 0) return 2 * causal_workspace_floats(dtype, bh, n, f, m, 0, false);
   // the steps of walk_backward_typed run one after another on one workspace
-  const int64_t dq_dk = causal_workspace_floats(dtype, bh, n, m, f, walk_blocks);
-  const int64_t dv = causal_workspace_floats(dtype, bh, n, f, m, walk_blocks);
+  const int64_t dq_dk = causal_workspace_floats(dtype, bh, n, m, f, walk_blocks, mma_walk);
+  const int64_t dv = causal_workspace_floats(dtype, bh, n, f, m, walk_blocks, mma_walk);
   const int64_t dkv = walk_layout(bh, n, f, m, walk_blocks, 1).floats;
   return std::max({dq_dk, dv, dkv});
 }

@@ -57,7 +57,7 @@ int ks_emu_causal_product(int dtype, const void* q, const void* k, const void* v
                           int64_t n, int64_t f, int64_t m, int reverse, int64_t walk_blocks,
                           int mma_walk) {
   const DType dt = static_cast<DType>(dtype);
-  Workspace ws(ks_cuda::causal_workspace_floats(dt, bh, n, f, m, walk_blocks));
+  Workspace ws(ks_cuda::causal_workspace_floats(dt, bh, n, f, m, walk_blocks, mma_walk != 0));
   return ws.checked(ks_cuda::causal_product(dt, q, k, v, out, out_fp32 != 0, den, normalize != 0,
                                             eps, ws.data(), bh, n, f, m, reverse != 0,
                                             walk_blocks, mma_walk != 0, nullptr));
@@ -67,7 +67,8 @@ int ks_emu_causal_backward(int dtype, const void* q, const void* k, const void* 
                            void* dq, void* dk, void* dv, int out_fp32, int64_t bh, int64_t n,
                            int64_t f, int64_t m, int64_t walk_blocks, int mma_walk) {
   const DType dt = static_cast<DType>(dtype);
-  Workspace ws(ks_cuda::causal_backward_workspace_floats(dt, bh, n, f, m, walk_blocks));
+  Workspace ws(ks_cuda::causal_backward_workspace_floats(dt, bh, n, f, m, walk_blocks,
+                                                                 mma_walk != 0));
   return ws.checked(ks_cuda::causal_backward(dt, q, k, v, g, dq, dk, dv, out_fp32 != 0,
                                              ws.data(), bh, n, f, m, walk_blocks, mma_walk != 0,
                                              nullptr));
