@@ -20,8 +20,9 @@ package or kernel is missing, and a cell is left empty when it runs out of memor
              one reverse walk; same forward as ``cuda_walk``): the backend's default in bf16
              and fp16 (in fp32 its default is ``cuda_walk``);
 - ``cuda_walk_mma``, ``cuda_walk_mma_fused``  the same two with ``CAUSAL_KERNEL = "walk_mma"``:
-             F <= 64 walks by kernel 8 (mma.sync, operands in registers; bf16, or tf32 as
-             ``cuda_walk``: 3xTF32 for fp32), every other case as ``cuda_walk``;
+             F <= 64 (bf16: F <= 128) walks by kernel 8 (mma.sync, operands in registers;
+             bf16, or tf32 as ``cuda_walk``: 3xTF32 for fp32), every other case as
+             ``cuda_walk``;
 - ``torch``  this project's chunked PyTorch backend on the same GPU;
 - ``fla``    flash-linear-attention's ``chunk_linear_attn`` (``normalize=False``, scale 1:
              the same unnormalized causal product), inputs made in its (B, N, H, D) layout;

@@ -5,7 +5,8 @@ Runs ``ks.causal_dot_product(..., backend="cuda")`` forward + backward under
 the chunk kernels with three causal products in the backward; ``chunks_fused``: the chunk
 kernels with their fused backward; ``walk``: the walk kernel, forward and three backward
 products; ``walk_fused``: the walk with its fused backward; ``walk_mma``, ``walk_mma_fused``: the
-same on kernels 8 and 9, mma.sync with operands in registers, for F <= 64) and reports every
+same on kernels 8 and 9, mma.sync with operands in registers, for F <= 64, kernel 8 in bf16 for
+F <= 128) and reports every
 CUDA kernel's total and per-call time, its share of the step and its call count per step: where
 the time goes before a kernel is changed.
 

@@ -1446,6 +1446,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 //   fp32 tiles (m16n8k8 on tf32; fp32 inputs as 3xTF32, fp16 inputs as 1xTF32): k-steps of 8,
 //     fragments by 32-bit shared loads, each k-step's 8 indices taken in the order
 //     0, 2, 4, 6, 1, 3, 5, 7 in both operands (see "mma.sync fragments").
+// The band of warp w (8 warps): rows 16 b .. 16 b + 15 with b = w for warps 0-3 and b = 7 - w
+// for warps 4-7. Warps w and w + 4 share an SM sub-partition and its tensor cores (current GPUs
+// place warp w on sub-partition w % 4), which so gets bands b and 3 - b: under a causal mask
+// band b multiplies b + 1 of the 4 score steps, so each sub-partition gets 5 (with b = w % 4,
+// sub-partition 3 got 8 and sub-partition 0 got 2), as under an anti-causal one (4 - b).
+__device__ __forceinline__ int band_row0(int warp) { return 16 * (warp < 4 ? warp : 7 - warp); }
+
 struct Lane {
   int g, t, lr, lm0, lm1;
   __device__ Lane()
@@ -1792,7 +1799,7 @@ constexpr int kMmaBlocksPerSm = sizeof(Op) == 2 && FT == 1 ? 2 : 1;
 // memory, with one barrier. bf16 inputs multiply in bf16 (S's copy rounded to bf16), fp32
 // inputs in 3xTF32 and fp16 inputs in 1xTF32 (as kernel 6; S's copy and the tiles in fp32).
 // grid and segments as in kernel 6 (grid.x = BH * nblk, grid.y = ceil(M/64); carries from
-// kernels 1 and 2). Warp w owns rows r0 = 16*(w%4) .. +16 of the chunk (outputs) and of each
+// kernels 1 and 2). Warp w owns rows r0 = band_row0(w) .. +16 of the chunk (outputs) and of each
 // feature slice of S (features 64 ft + r0 ..), and columns c0 = 32*(w/4) .. +32 of the M slice;
 // the two warps of each row band both compute its 16 x 64 scores. Chunk c (rows of chunk i are
 // j, i within the chunk):
@@ -1838,7 +1845,7 @@ __global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm<typename OperandOf<T
 
   const Lane l;
   const int warp = threadIdx.x / 32;
-  const int r0 = (warp % 4) * 16, c0 = (warp / 4) * 32;
+  const int r0 = band_row0(warp), c0 = (warp / 4) * 32;
   const WalkSegment seg(n, nblk, cpb, reverse);
   const int64_t bh = seg.bh, blk = seg.blk;
   const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kTile;
@@ -1949,7 +1956,7 @@ __global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm<typename OperandOf<T
 // Kernel 7 for F, M <= 64 (selected by mma_walk), as kernel 8 is kernel 6: one walk from the
 // last chunk to the first with R = sum_{c' > c} Q_c'^T G_c' (F x M) in fp32 accumulators,
 // starting from the segment's carry (kernels 1 and 2 over (q, g) in reverse).
-// Warps 0-3 give dk, warps 4-7 dv, each for its band of 16 rows r0 = 16*(w%4) of the chunk:
+// Warps 0-3 give dk, warps 4-7 dv, each for its band of 16 rows r0 = band_row0(w) of the chunk:
 //     dk_c = U(V_c G_c^T) Q_c + V_c R^T      dv_c = U(K_c Q_c^T) G_c + K_c R
 // (U keeps the scores (j, i) with i >= j), then every warp adds its 16 x 32 slab of
 // Q_c^T G_c to R (features r0 .., columns 32*(w/4) ..), and R's copy for the next chunk goes to
@@ -1979,7 +1986,7 @@ __global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm<typename OperandOf<T
 
   const Lane l;
   const int warp = threadIdx.x / 32;
-  const int r0 = (warp % 4) * 16, c0 = (warp / 4) * 32;
+  const int r0 = band_row0(warp), c0 = (warp / 4) * 32;
   const bool dk_warp = warp < 4;
   const WalkSegment seg(n, nblk, cpb, true);
   const int64_t bh = seg.bh, blk = seg.blk;
