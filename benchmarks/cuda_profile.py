@@ -1,14 +1,14 @@
 """Per-kernel GPU time of the CUDA backend's causal product, forward and backward.
 
 Runs ``ks.causal_dot_product(..., backend="cuda")`` forward + backward under
-``torch.profiler`` for each dtype and kernel variant of ``cuda_backend.VARIANTS`` (``chunks``:
-the chunk kernels with three causal products in the backward; ``chunks_fused``: the chunk
-kernels with their fused backward; ``walk``: the walk kernel, forward and three backward
-products; ``walk_fused``: the walk with its fused backward; ``walk_mma``, ``walk_mma_fused``: the
-same on kernels 8 and 9, mma.sync with operands in registers, for F <= 64, kernel 8 in bf16 for
-F <= 128) and reports every
-CUDA kernel's total and per-call time, its share of the step and its call count per step: where
-the time goes before a kernel is changed.
+``torch.profiler`` for each F = M, dtype and kernel variant of ``cuda_backend.VARIANTS``
+(``chunks``: the chunk kernels with three causal products in the backward; ``chunks_fused``:
+the chunk kernels with their fused backward; ``walk``: the walk kernel, forward and three
+backward products; ``walk_fused``: the walk with its fused backward; ``walk_mma``,
+``walk_mma_fused``: the same on kernels 8 and 9, mma.sync with operands in registers, for
+F <= 64, kernel 8 in bf16 for F <= 128) and reports every CUDA kernel's total and per-call
+time, its share of the step and its call count per step: where the time goes before a kernel
+is changed.
 
     python benchmarks/cuda_profile.py --out benchmarks/results/cuda_profile.csv
 
@@ -81,7 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n", type=int, default=8192, help="sequence length")
     p.add_argument("--batch", type=int, default=8, help="B")
     p.add_argument("--heads", type=int, default=16, help="H")
-    p.add_argument("--dim", type=int, default=64, help="F = M")
+    p.add_argument("--dim", type=int, nargs="+", default=[64], help="F = M (each in turn)")
     p.add_argument(
         "--dtypes",
         nargs="+",
@@ -92,7 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="profiled fwd+bwd steps")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/cuda_profile.csv"))
     args = p.parse_args(argv)
-    if min(args.n, args.batch, args.heads, args.dim, args.steps) < 1:
+    if min(args.n, args.batch, args.heads, *args.dim, args.steps) < 1:
         p.error("--n, --batch, --heads, --dim and --steps must be positive")
     return args
 
@@ -117,17 +117,18 @@ def main(argv: list[str] | None = None) -> int:
     b, h = args.batch, args.heads
     frames, failed = [], []
     date = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
-    for name, variant in ((name, variant) for name in args.dtypes for variant in args.variants):
+    cases = [(d, name, v) for d in args.dim for name in args.dtypes for v in args.variants]
+    for dim, name, variant in cases:
         try:
-            frame = kernel_times(getattr(torch, name), b, h, args.n, args.dim, variant, args.steps)
+            frame = kernel_times(getattr(torch, name), b, h, args.n, dim, variant, args.steps)
         except Exception as err:  # one variant failing keeps the others' tables
             message = str(err).splitlines()[0] if str(err) else ""
             print(
-                f"benchmarks/cuda_profile.py: {variant} in {name} failed: "
+                f"benchmarks/cuda_profile.py: {variant} in {name} at F=M={dim} failed: "
                 f"{type(err).__name__}: {message}",
                 file=sys.stderr,
             )
-            failed.append(f"{variant} ({name})")
+            failed.append(f"{variant} ({name}, F=M={dim})")
             if not context_alive():  # an illegal address: nothing later can run here
                 print(
                     "benchmarks/cuda_profile.py: the CUDA context is broken; the variants "
@@ -136,12 +137,11 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 break
             continue
-        frames.append(frame.assign(dtype=name, variant=variant))
+        frames.append(frame.assign(dtype=name, variant=variant, F=dim))
         result = pd.concat(frames, ignore_index=True).assign(
             B=b,
             H=h,
             N=args.n,
-            F=args.dim,
             device=torch.cuda.get_device_name(),
             date=date,
             torch=torch.__version__,
@@ -156,7 +156,16 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
-    cols = ["dtype", "variant", "kernel", "calls_per_step", "us_per_call", "us_per_step", "share"]
+    cols = [
+        "F",
+        "dtype",
+        "variant",
+        "kernel",
+        "calls_per_step",
+        "us_per_call",
+        "us_per_step",
+        "share",
+    ]
     with pd.option_context("display.max_colwidth", 60, "display.width", 200):
         print(result[cols].round(3).to_string(index=False))
     print(f"wrote {args.out}", file=sys.stderr)

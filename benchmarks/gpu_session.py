@@ -22,7 +22,8 @@ tests      ``pytest -v tests/test_cuda_backend.py``                     tests.lo
 targets    ``cuda_core.py``: the issue's targets (B=8, H=16, D=64, N     targets.csv
            512-16384, bf16 and fp32, every method, WALK_BLOCKS 128
            and 256)
-profile    ``cuda_profile.py`` at N=8192, bf16, fp32 and fp16           profile.csv
+profile    ``cuda_profile.py`` at N=8192, F=M 64 then 128, bf16, fp32   profile.csv
+           and fp16
 sweep      ``cuda_core.py --resume`` over the issue's grid (N 512-32768,  sweep.csv
            B·H 8 and 64, D 64 and 128), bf16 then fp32, D=64
            first, until its time is up; ours as ``cuda`` and the fastest
@@ -120,7 +121,7 @@ STAGES = (
     Stage("build", 60, 240, "the CUDA extension (the session stops if it fails)"),
     Stage("tests", 60, 240, "pytest -v tests/test_cuda_backend.py"),
     Stage("targets", 45, 180, "cuda_core.py at the issue's targets, every method"),
-    Stage("profile", 15, 60, "cuda_profile.py, per-kernel times at N=8192"),
+    Stage("profile", 15, 90, "cuda_profile.py, per-kernel times at N=8192"),
     Stage("sweep", 30, 600, "cuda_core.py --resume over the issue's grid"),
     Stage("racecheck", 40, 150, "compute-sanitizer racecheck on six small tests"),
 )
@@ -368,8 +369,9 @@ def stage_targets(session: Session, limit_s: float) -> tuple[str, str]:
 
 
 def stage_profile(session: Session, limit_s: float) -> tuple[str, str]:
-    argv = ["benchmarks/cuda_profile.py", "--n", "8192", "--dtypes", "bfloat16", "float32"]
-    argv += ["float16", "--out", str(session.out / "profile.csv")]
+    argv = ["benchmarks/cuda_profile.py", "--n", "8192", "--dim", "64", "128"]
+    argv += ["--dtypes", "bfloat16", "float32", "float16"]
+    argv += ["--out", str(session.out / "profile.csv")]
     rc, late = session.python(argv, limit_s)
     return ("timeout" if late else "ok" if rc == 0 else "failed"), ""
 

@@ -645,7 +645,8 @@ def test_fla_import_failure_says_why(cuda_core, monkeypatch, capsys):
 # --------------------------------------------------------- benchmarks/cuda_profile.py's loop
 def test_profile_keeps_the_variants_that_ran(monkeypatch, tmp_path, capsys):
     """One variant failing (a kernel that has never run on a GPU) made the script return
-    without writing the others' tables (RuntimeError), or crash (any other error)."""
+    without writing the others' tables (RuntimeError), or crash (any other error). Several
+    F = M run in turn, each row recording its own."""
     profile = _script("cuda_profile")
     monkeypatch.setattr(profile.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(profile.torch.cuda, "get_device_name", lambda *args: "test GPU")
@@ -653,7 +654,7 @@ def test_profile_keeps_the_variants_that_ran(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(profile, "context_alive", lambda: True)
 
     def kernel_times(dtype, b, h, n, d, variant, steps):
-        if variant == "walk":
+        if variant == "walk" and d == 128:
             raise ValueError("too many resources requested for launch")
         return pd.DataFrame(
             {"kernel": [f"{variant}_kernel"], "total_us": [10.0], "calls": [2]}
@@ -662,13 +663,17 @@ def test_profile_keeps_the_variants_that_ran(monkeypatch, tmp_path, capsys):
 
     monkeypatch.setattr(profile, "kernel_times", kernel_times)
     out = tmp_path / "profile.csv"
-    argv = ["--dtypes", "bfloat16", "--variants", "chunks", "walk", "walk_fused"]
+    argv = ["--dim", "64", "128", "--dtypes", "bfloat16"]
+    argv += ["--variants", "chunks", "walk", "walk_fused"]
     assert profile.main([*argv, "--out", str(out)]) == 1
-    assert "walk (bfloat16)" in capsys.readouterr().err
-    assert pd.read_csv(out).variant.tolist() == ["chunks", "walk_fused"]
+    assert "walk (bfloat16, F=M=128)" in capsys.readouterr().err
+    rows = pd.read_csv(out)
+    assert list(zip(rows.F, rows.variant, strict=True)) == [
+        (64, "chunks"), (64, "walk"), (64, "walk_fused"), (128, "chunks"), (128, "walk_fused")
+    ]  # fmt: skip
     monkeypatch.setattr(profile, "context_alive", lambda: False)  # stop after a broken context
     assert profile.main([*argv, "--out", str(out)]) == 1
-    assert pd.read_csv(out).variant.tolist() == ["chunks"]
+    assert pd.read_csv(out).variant.tolist() == ["chunks", "walk", "walk_fused", "chunks"]
 
 
 def test_core_out_of_memory_loses_one_size_only(core, tmp_path, monkeypatch, capsys):

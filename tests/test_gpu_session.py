@@ -383,7 +383,8 @@ def test_the_stages_commands_are_ones_the_scripts_take(gs, tmp_path):
         assert args.out == parsed[0].out and set(args.methods) == set(cuda_core.METHODS)
     assert gs.CUDA_METHODS == tuple(cuda_core.CUDA_METHODS)
     assert set(gs.CUDA_METHODS) | set(gs.BASELINES) == set(cuda_core.METHODS)
-    assert profile.parse_args(prof[1:]).n == 8192
+    prof = profile.parse_args(prof[1:])
+    assert prof.n == 8192 and prof.dim == [64, 128]
     for part in sweep:
         args = cuda_core.parse_args(part[1:])
         assert args.resume and args.shapes == [(1, 8), (4, 16)] and args.n[-1] == 32768
