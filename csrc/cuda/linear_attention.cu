@@ -439,28 +439,38 @@ __device__ __forceinline__ uint32_t tf32_bits(uint32_t x) {
   return float_bits(wmma::__float_to_tf32(bits_float(x)));
 }
 
-// acc += A B for one m16n8k8 step on fp32 registers: with kSplit as 3xTF32 (x = big + small,
-// big = tf32(x), small = tf32(x - big); A B ~ small big + big small + big big, as Mma<float>),
-// else on the operands rounded to tf32.
+// The small part of fp32 register x beside its tf32 big part: tf32(x - big).
+__device__ __forceinline__ uint32_t tf32_small(uint32_t x, uint32_t big) {
+  return tf32_bits(float_bits(bits_float(x) - bits_float(big)));
+}
+
+// An A fragment of fp32 registers made ready for m16n8k8 products: rounded to tf32 (big) and,
+// with kSplit (3xTF32: x = big + small), the rounded remainder (small). Made once per k-step
+// and used by every n-tile of it: the rounding costs several instructions a register.
 template <bool kSplit>
-__device__ __forceinline__ void mma_tf32(float (&acc)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-  uint32_t a_big[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) a_big[i] = tf32_bits(a[i]);
-  const uint32_t b0_big = tf32_bits(b0), b1_big = tf32_bits(b1);
-  if constexpr (kSplit) {
-    uint32_t a_small[4];
+struct TF32A {
+  uint32_t big[4], small[kSplit ? 4 : 1];
+  TF32A() = default;
+  __device__ __forceinline__ explicit TF32A(const uint32_t (&a)[4]) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      a_small[i] = tf32_bits(float_bits(bits_float(a[i]) - bits_float(a_big[i])));
+      big[i] = tf32_bits(a[i]);
+      if constexpr (kSplit) small[i] = tf32_small(a[i], big[i]);
     }
-    const uint32_t b0_small = tf32_bits(float_bits(bits_float(b0) - bits_float(b0_big)));
-    const uint32_t b1_small = tf32_bits(float_bits(bits_float(b1) - bits_float(b1_big)));
-    mma_tf32_rounded(acc, a_small, b0_big, b1_big);
-    mma_tf32_rounded(acc, a_big, b0_small, b1_small);
   }
-  mma_tf32_rounded(acc, a_big, b0_big, b1_big);
+};
+
+// acc += A B for one m16n8k8 step on fp32 B registers b0, b1: with kSplit as 3xTF32
+// (A B ~ small big + big small + big big, as Mma<float>), else on the operands rounded to tf32.
+template <bool kSplit>
+__device__ __forceinline__ void mma_tf32(float (&acc)[4], const TF32A<kSplit>& a, uint32_t b0,
+                                         uint32_t b1) {
+  const uint32_t b0_big = tf32_bits(b0), b1_big = tf32_bits(b1);
+  if constexpr (kSplit) {
+    mma_tf32_rounded(acc, a.small, b0_big, b1_big);
+    mma_tf32_rounded(acc, a.big, tf32_small(b0, b0_big), tf32_small(b1, b1_big));
+  }
+  mma_tf32_rounded(acc, a.big, b0_big, b1_big);
 }
 
 // ------------------------------------------------------------------ global -> shared tiles
@@ -1488,9 +1498,16 @@ struct Band<__nv_bfloat16, kSplit> {
                                                  const Lane& l) {
     ldmatrix_x4<true>(a, T + (16 * kk + l.lr + 8 * l.lm1) * LD + r0 + 8 * l.lm0);
   }
-  static __device__ __forceinline__ void mma(float (&acc)[4], const uint32_t (&a)[4],
-                                             uint32_t b0, uint32_t b1) {
-    mma_bf16(acc, a, b0, b1);
+  struct Ready {  // an A fragment as the product takes it: as loaded
+    uint32_t r[4];
+  };
+  static constexpr bool kReadyCosts = false;
+  static __device__ __forceinline__ Ready ready(const uint32_t (&a)[4]) {
+    return {{a[0], a[1], a[2], a[3]}};
+  }
+  static __device__ __forceinline__ void mma(float (&acc)[4], const Ready& a, uint32_t b0,
+                                             uint32_t b1) {
+    mma_bf16(acc, a.r, b0, b1);
   }
   // whether k-step kk (keys 16 kk ..) holds a key the band's mask keeps
   static __device__ __forceinline__ bool step_kept(int kk, int r0, bool reverse) {
@@ -1557,8 +1574,11 @@ struct Band<float, kSplit> {
     a[2] = float_bits(p[LD]);
     a[3] = float_bits(p[LD + 8]);
   }
-  static __device__ __forceinline__ void mma(float (&acc)[4], const uint32_t (&a)[4],
-                                             uint32_t b0, uint32_t b1) {
+  using Ready = TF32A<kSplit>;  // rounded (and split) once per k-step
+  static constexpr bool kReadyCosts = true;
+  static __device__ __forceinline__ Ready ready(const uint32_t (&a)[4]) { return Ready(a); }
+  static __device__ __forceinline__ void mma(float (&acc)[4], const Ready& a, uint32_t b0,
+                                             uint32_t b1) {
     mma_tf32<kSplit>(acc, a, b0, b1);
   }
   static __device__ __forceinline__ bool step_kept(int kk, int r0, bool reverse) {
@@ -1651,17 +1671,36 @@ __device__ __forceinline__ void band_scores(float (&p)[8][4], float (&rs)[2],
 #pragma unroll
     for (int e = 0; e < 4; ++e) p[j][e] = 0.f;
   }
-#pragma unroll
-  for (int jp = 0; jp < 4; ++jp) {
-    if (!tile_kept(2 * jp, r0, reverse) && !tile_kept(2 * jp + 1, r0, reverse)) continue;
+  auto kept = [&](int jp) {
+    return tile_kept(2 * jp, r0, reverse) || tile_kept(2 * jp + 1, r0, reverse);
+  };
+  auto product = [&](int ft, int kk, int jp, const typename B::Ready& ak) {
+    uint32_t b[4];
+    b_pair<B, false>(b, Y + ft * B::kTileElems, 16 * jp, kk, l);
+    B::mma(p[2 * jp], ak, b[0], b[1]);
+    B::mma(p[2 * jp + 1], ak, b[2], b[3]);
+  };
+  // each accumulator sums its k-steps in the same order either way
+  if constexpr (B::kReadyCosts) {  // k-steps outermost: A rounded once for every n-tile pair
 #pragma unroll
     for (int ft = 0; ft < FT; ++ft) {
 #pragma unroll
       for (int kk = 0; kk < B::kSteps; ++kk) {
-        uint32_t b[4];
-        b_pair<B, false>(b, Y + ft * B::kTileElems, 16 * jp, kk, l);
-        B::mma(p[2 * jp], a[ft][kk], b[0], b[1]);
-        B::mma(p[2 * jp + 1], a[ft][kk], b[2], b[3]);
+        const typename B::Ready ak = B::ready(a[ft][kk]);
+#pragma unroll
+        for (int jp = 0; jp < 4; ++jp) {
+          if (kept(jp)) product(ft, kk, jp, ak);
+        }
+      }
+    }
+  } else {  // n-tile pairs outermost (fewer registers live: kernel 9 fits 128 without spills)
+#pragma unroll
+    for (int jp = 0; jp < 4; ++jp) {
+      if (!kept(jp)) continue;
+#pragma unroll
+      for (int ft = 0; ft < FT; ++ft) {
+#pragma unroll
+        for (int kk = 0; kk < B::kSteps; ++kk) product(ft, kk, jp, B::ready(a[ft][kk]));
       }
     }
   }
@@ -1687,12 +1726,13 @@ __device__ __forceinline__ void band_product(float (&acc)[NT][4], const typename
 #pragma unroll
   for (int kk = 0; kk < B::kSteps; ++kk) {
     if (skip && !B::step_kept(kk, r0, reverse)) continue;
+    const typename B::Ready ak = B::ready(a[kk]);
 #pragma unroll
     for (int jp = 0; jp < NT / 2; ++jp) {
       uint32_t b[4];
       b_pair<B, kAsStored>(b, T, c0 + 16 * jp, kk, l);
-      B::mma(acc[2 * jp], a[kk], b[0], b[1]);
-      B::mma(acc[2 * jp + 1], a[kk], b[2], b[3]);
+      B::mma(acc[2 * jp], ak, b[0], b[1]);
+      B::mma(acc[2 * jp + 1], ak, b[2], b[3]);
     }
   }
 }
@@ -1710,18 +1750,22 @@ __device__ __forceinline__ void band_products_sharing_b(float (&acc)[NT][4],
 #pragma unroll
   for (int kk = 0; kk < B::kSteps; ++kk) {
     const bool kept = B::step_kept(kk, r0, reverse);
+    const typename B::Ready ak = B::ready(a[kk]);
+    typename B::Ready a2k[FT];
+#pragma unroll
+    for (int ft = 0; ft < FT; ++ft) a2k[ft] = B::ready(a2[ft][kk]);
 #pragma unroll
     for (int jp = 0; jp < NT / 2; ++jp) {
       uint32_t b[4];
       b_pair<B, true>(b, T, c0 + 16 * jp, kk, l);
       if (kept) {
-        B::mma(acc[2 * jp], a[kk], b[0], b[1]);
-        B::mma(acc[2 * jp + 1], a[kk], b[2], b[3]);
+        B::mma(acc[2 * jp], ak, b[0], b[1]);
+        B::mma(acc[2 * jp + 1], ak, b[2], b[3]);
       }
 #pragma unroll
       for (int ft = 0; ft < FT; ++ft) {
-        B::mma(acc2[ft][2 * jp], a2[ft][kk], b[0], b[1]);
-        B::mma(acc2[ft][2 * jp + 1], a2[ft][kk], b[2], b[3]);
+        B::mma(acc2[ft][2 * jp], a2k[ft], b[0], b[1]);
+        B::mma(acc2[ft][2 * jp + 1], a2k[ft], b[2], b[3]);
       }
     }
   }
