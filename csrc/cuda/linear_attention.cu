@@ -1758,14 +1758,15 @@ __device__ __forceinline__ void band_products_sharing_b(float (&acc)[NT][4],
     for (int jp = 0; jp < NT / 2; ++jp) {
       uint32_t b[4];
       b_pair<B, true>(b, T, c0 + 16 * jp, kk, l);
-      if (kept) {
-        B::mma(acc[2 * jp], ak, b[0], b[1]);
-        B::mma(acc[2 * jp + 1], ak, b[2], b[3]);
-      }
+      // acc2 first: B's tf32 rounding, in the unconditional products, serves the kept ones
 #pragma unroll
       for (int ft = 0; ft < FT; ++ft) {
         B::mma(acc2[ft][2 * jp], a2k[ft], b[0], b[1]);
         B::mma(acc2[ft][2 * jp + 1], a2k[ft], b[2], b[3]);
+      }
+      if (kept) {
+        B::mma(acc[2 * jp], ak, b[0], b[1]);
+        B::mma(acc[2 * jp + 1], ak, b[2], b[3]);
       }
     }
   }
