@@ -33,10 +33,11 @@ from kernelstudy.files import atomic_write_text
 VARIANTS = tuple(cuda_backend.VARIANTS)
 
 
-def kernel_times(
-    dtype: torch.dtype, b: int, h: int, n: int, d: int, variant: str, steps: int
-) -> pd.DataFrame:
-    """One row per CUDA kernel: total µs over ``steps`` forward+backward steps and calls."""
+def step_inputs(
+    dtype: torch.dtype, b: int, h: int, n: int, d: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A profiled step's q, k (positive, as feature maps give them) and v, requiring
+    gradients, and the output's gradient g: (B, H, N, D) each, on the GPU, seeded."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k = (
         torch.rand(b, h, n, d, device="cuda", generator=gen).to(dtype).requires_grad_()
@@ -44,6 +45,14 @@ def kernel_times(
     )
     v = torch.randn(b, h, n, d, device="cuda", generator=gen).to(dtype).requires_grad_()
     g = torch.randn(b, h, n, d, device="cuda", generator=gen).to(dtype)
+    return q, k, v, g
+
+
+def kernel_times(
+    dtype: torch.dtype, b: int, h: int, n: int, d: int, variant: str, steps: int
+) -> pd.DataFrame:
+    """One row per CUDA kernel: total µs over ``steps`` forward+backward steps and calls."""
+    q, k, v, g = step_inputs(dtype, b, h, n, d)
 
     def step() -> None:
         for t in (q, k, v):

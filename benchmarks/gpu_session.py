@@ -24,10 +24,14 @@ targets    ``cuda_core.py``: the issue's targets (B=8, H=16, D=64, N     targets
            and 256)
 profile    ``cuda_profile.py`` at N=8192, F=M 64 then 128, bf16, fp32   profile.csv
            and fp16
+counters   ``cuda_counters.py``: Nsight Compute's counters of the walk   counters.csv
+           kernels (6-9) at the targets' shape, bf16 and fp32
+           (skipped where ncu cannot read them)
 sweep      ``cuda_core.py --resume`` over the issue's grid (N 512-32768,  sweep.csv
-           B·H 8 and 64, D 64 and 128), bf16 then fp32, D=64
-           first, until its time is up; ours as ``cuda`` and the fastest
-           variant of the targets stage
+           B·H 8 and 64, D 64 and 128): fp32 D=128 first (the part
+           no session has measured), then bf16 and fp32 at D=64, bf16
+           at D=128, until its time is up; ours as ``cuda`` and the
+           fastest variant of the targets stage
 racecheck  ``compute-sanitizer --tool racecheck``, six small tests       racecheck.log
 =========  ===========================================================  ==============
 
@@ -77,6 +81,7 @@ FILES = (
     "tests.log",
     "targets.csv",
     "profile.csv",
+    "counters.csv",
     "sweep.csv",
     "racecheck.log",
 )
@@ -87,8 +92,9 @@ TARGET_N = (512, 1024, 2048, 4096, 8192, 16384)
 # what the issue's ratios read: the crossover with SDPA and N=8192 in bfloat16, N=16384 in float32
 TARGET_FIRST = (("bfloat16", (512, 1024, 2048, 8192)), ("float32", (16384,)))
 SWEEP_N = (512, 1024, 2048, 4096, 8192, 16384, 32768)
-# the sweep's parts in order: (dtype, D), each over every N and shape
-SWEEP_PARTS = (("bfloat16", 64), ("float32", 64), ("bfloat16", 128), ("float32", 128))
+# the sweep's parts in order: (dtype, D), each over every N and shape; fp32 D=128 first, the
+# part the 2026-11-28 session ran out of time for (it measured the other three)
+SWEEP_PARTS = (("float32", 128), ("bfloat16", 64), ("float32", 64), ("bfloat16", 128))
 SWEEP_SHAPES = ("1x8", "4x16")  # B·H = 8 and 64, the issue's grid (128: the targets stage)
 RACECHECK_TESTS = (
     "test_walk_segments_match_reference[walk-2x2x200x33x70-torch.bfloat16-5]",
@@ -122,6 +128,7 @@ STAGES = (
     Stage("tests", 60, 240, "pytest -v tests/test_cuda_backend.py"),
     Stage("targets", 45, 180, "cuda_core.py at the issue's targets, every method"),
     Stage("profile", 15, 90, "cuda_profile.py, per-kernel times at N=8192"),
+    Stage("counters", 30, 75, "cuda_counters.py, ncu's counters of the walk kernels"),
     Stage("sweep", 30, 600, "cuda_core.py --resume over the issue's grid"),
     Stage("racecheck", 40, 150, "compute-sanitizer racecheck on six small tests"),
 )
@@ -376,6 +383,21 @@ def stage_profile(session: Session, limit_s: float) -> tuple[str, str]:
     return ("timeout" if late else "ok" if rc == 0 else "failed"), ""
 
 
+def stage_counters(session: Session, limit_s: float) -> tuple[str, str]:
+    """Why the walk kernels take their time: issue slots, tensor pipe, stalls (ncu)."""
+    argv = ["benchmarks/cuda_counters.py", "--dtypes", "bfloat16", "float32"]
+    argv += ["--out", str(session.out / "counters.csv")]
+    rc, late = session.python(argv, limit_s)
+    if late:
+        return "timeout", "stopped at its limit"
+    if rc == COUNTERS_UNAVAILABLE:
+        return "skipped", "no ncu here, or it cannot read the counters (session.log)"
+    return ("ok" if rc == 0 else "failed"), ""
+
+
+COUNTERS_UNAVAILABLE = 3  # cuda_counters.py's exit status without readable counters
+
+
 def fastest_variant(targets_csv: Path) -> tuple[str, int | None] | None:
     """Our fastest method at N=8192, bf16, fwd+bwd in the targets CSV, with its WALK_BLOCKS
     (a walk label ends in it), or None without such a row. Read without pandas."""
@@ -456,6 +478,7 @@ RUNNERS = {
     "tests": stage_tests,
     "targets": stage_targets,
     "profile": stage_profile,
+    "counters": stage_counters,
     "sweep": stage_sweep,
     "racecheck": stage_racecheck,
 }

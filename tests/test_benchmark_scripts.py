@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -804,3 +805,193 @@ def test_join_labels_walk_rows_by_their_blocks(cuda_core):
         ("cuda_walk_fused_128", 16384): 9.0,
         ("torch", 16384): 18.0,
     }
+
+
+# --- cuda_counters.py: ncu's CSV pages read back, and the run through a stand-in ncu ---
+
+KERNEL_6 = (
+    "void ks_cuda::(anonymous namespace)::chunk_walk_kernel<__nv_bfloat16, __nv_bfloat16, 1>"
+    "(const T1 *, const T1 *, const T1 *, const float *, T2 *, float *, long, long)"
+)
+KERNEL_9 = (
+    "void ks_cuda::(anonymous namespace)::chunk_walk_mma_dkv_kernel<__nv_bfloat16, float>"
+    "(const T1 *, const T1 *, const T1 *, const T1 *, const float *, T2 *, T2 *, long, bool)"
+)
+LAUNCH = '"{id}","4242","python3","127.0.0.1","{kernel}","1","{stream}","(256, 1, 1)","(128, 1, 1)"'
+DETAILS_HEAD = (
+    '"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream",'
+    '"Block Size","Grid Size","Section Name","Metric Name","Metric Unit","Metric Value",'
+    '"Rule Name"'
+)
+
+
+def _details(launches) -> str:
+    """A details page as ncu prints it: its own lines first, a rule row without a metric."""
+    lines = ["==PROF== Connected to process 4242", DETAILS_HEAD]
+    for i, (kernel, stream, ms) in enumerate(launches):
+        launch = LAUNCH.format(id=i, kernel=kernel, stream=stream)
+        lines += [
+            f'{launch},"GPU Speed Of Light Throughput","Duration","usecond","{ms * 1000:,.2f}",""',
+            f'{launch},"Compute Workload Analysis","Executed Ipc Active","inst/cycle","0.91",""',
+            f'{launch},"Launch Statistics","Registers Per Thread","register/thread","128",""',
+            f'{launch},"Warp State Statistics","","","","CPIStall"',
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _raw(launches, units=True) -> str:
+    stalls = ["barrier", "long_scoreboard", "math_pipe_throttle", "selected", "wait"]
+    metrics = [f"smsp__average_warps_issue_stalled_{s}_per_issue_active.ratio" for s in stalls]
+    metrics += ["smsp__inst_executed_pipe_tensor.sum", "dram__bytes_read.sum"]
+    metrics += ["sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active"]
+    fixed = '"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream",'
+    lines = [fixed + '"Block Size","Grid Size",' + ",".join(f'"{m}"' for m in metrics)]
+    if units:
+        lines.append(",".join(['""'] * 9 + ['"ratio"'] * 5 + ['"inst"', '"Mbyte"', '"%"']))
+    for i, (kernel, stream, _) in enumerate(launches):
+        values = ["0.5", "3.25", "1.5", "1", "0.75", "1,280", "512", "12.5"]
+        lines.append(
+            LAUNCH.format(id=i, kernel=kernel, stream=stream)
+            + ","
+            + ",".join(f'"{v}"' for v in values)
+        )
+    return "\n".join(lines) + "\n"
+
+
+LAUNCHES = [(KERNEL_6, 13, 0.6), (KERNEL_6, 13, 0.7), (KERNEL_9, 14, 0.5), (KERNEL_9, 14, 0.4)]
+
+
+@pytest.fixture(scope="module")
+def counters():
+    return _script("cuda_counters")
+
+
+def test_counters_kernel_names_and_numbers(counters):
+    assert counters.short_kernel(KERNEL_6) == "chunk_walk_kernel<__nv_bfloat16, __nv_bfloat16, 1>"
+    assert counters.short_kernel("chunk_walk_dkv_kernel") == "chunk_walk_dkv_kernel"
+    assert counters.short_kernel("void f<(int)2>(int)") == "f<(int)2>"
+    assert counters.number("1,234.5") == 1234.5 and math.isnan(counters.number("n/a"))
+
+
+def test_counters_details_page(counters):
+    frame = counters.parse_details(_details(LAUNCHES))
+    assert len(frame) == 3 * len(LAUNCHES)  # the rule rows (no metric) left out
+    duration = frame[frame.metric == "Duration"]
+    assert duration.value.tolist() == [600, 700, 500, 400] and set(duration.unit) == {"usecond"}
+    assert frame.kernel.iloc[-1] == "chunk_walk_mma_dkv_kernel<__nv_bfloat16, float>"
+    assert set(frame.stream) == {"13", "14"} and set(frame.grid) == {"(128, 1, 1)"}
+    assert counters.parse_details("==PROF== no kernel was profiled\n").empty
+    with pytest.raises(ValueError, match="lacks columns"):
+        counters.parse_details('"ID","Kernel Name"\n"0","k"\n')
+
+
+@pytest.mark.parametrize("units", [True, False], ids=["units_row", "no_units_row"])
+def test_counters_raw_page_keeps_stalls_and_pipes(counters, units):
+    frame = counters.parse_raw(_raw(LAUNCHES, units))
+    assert len(frame) == 7 * len(LAUNCHES)  # five stall reasons, the tensor pipe twice
+    assert not frame.metric.str.startswith("dram__").any()
+    tensor = frame[frame.metric == "smsp__inst_executed_pipe_tensor.sum"]
+    assert tensor.value.tolist() == [1280.0] * 4
+    assert set(tensor.unit) == ({"inst"} if units else {""})
+
+
+def test_counters_label_steps_by_stream_and_summarize(counters, capsys):
+    frame = pd.concat(
+        [counters.parse_details(_details(LAUNCHES)), counters.parse_raw(_raw(LAUNCHES))]
+    )
+    steps = [("bfloat16", "walk_fused"), ("bfloat16", "walk_mma_fused")]
+    labelled = counters.label_launches(frame, steps)
+    by_id = labelled.drop_duplicates("id").set_index("id")
+    assert by_id.variant.tolist() == ["walk_fused"] * 2 + ["walk_mma_fused"] * 2
+    assert set(by_id.dtype) == {"bfloat16"}
+    table = counters.summary(labelled)
+    assert table["time (usecond)"].tolist() == [600, 700, 500, 400]
+    assert table["regs (register/thread)"].tolist() == [128] * 4
+    assert table["tensor pipe %"].tolist() == [12.5] * 4
+    # the three largest stalls, the cycles of issuing ("selected") left out
+    assert set(table["stalls (cycles/instr)"]) == {
+        "long_scoreboard 3.2, math_pipe_throttle 1.5, wait 0.75"
+    }
+    unlabelled = counters.label_launches(frame, steps[:1])  # a step without walk kernels
+    assert set(unlabelled.variant) == {""}
+    assert "2 streams with walk kernels for 1 profiled steps" in capsys.readouterr().err
+
+
+FAKE_NCU = """#!{python}
+import sys, pathlib
+args = sys.argv[1:]
+pathlib.Path({log!r}).write_text(" ".join(args))
+if "--import" in args:
+    page = args[args.index("--page") + 1]
+    sys.stdout.write(pathlib.Path({pages!r}, page + ".csv").read_text())
+    sys.exit(0)
+print({said!r})
+if {report}:
+    pathlib.Path(args[args.index("--export") + 1] + ".ncu-rep").write_text("report")
+print("cuda_counters.py: device Test GPU")
+print("cuda_counters.py: profiled bfloat16 walk_fused")
+print("cuda_counters.py: profiled bfloat16 walk_mma_fused")
+"""
+
+
+def _fake_ncu(tmp_path: Path, said: str = "==PROF== Disconnected", report: bool = True) -> Path:
+    pages = tmp_path / "pages"
+    pages.mkdir(exist_ok=True)
+    (pages / "details.csv").write_text(_details(LAUNCHES))
+    (pages / "raw.csv").write_text(_raw(LAUNCHES))
+    ncu = tmp_path / "ncu"
+    text = FAKE_NCU.format(
+        python=sys.executable, log=str(tmp_path / "ncu_args"), pages=str(pages), said=said,
+        report=report,
+    )  # fmt: skip
+    ncu.write_text(text)
+    ncu.chmod(0o755)
+    return ncu
+
+
+def test_counters_run_under_ncu_writes_a_long_csv(counters, tmp_path, capsys):
+    ncu, out = _fake_ncu(tmp_path), tmp_path / "counters.csv"
+    assert counters.main(["--ncu", str(ncu), "--out", str(out)]) == 0
+    frame = pd.read_csv(out)
+    assert set(frame.variant) == {"walk_fused", "walk_mma_fused"} and set(frame.device) == {
+        "Test GPU"
+    }
+    assert (frame.N == 8192).all() and (frame.F == 64).all() and (frame.B == 8).all()
+    assert "long_scoreboard 3.2" in capsys.readouterr().out
+    args = (tmp_path / "ncu_args").read_text().split()  # the last call: an import
+    assert "--import" in args and "--csv" in args
+
+
+def test_counters_profile_command(counters, tmp_path):
+    """ncu leaves the clocks alone, profiles only the marked step and only the walk kernels,
+    and runs this script as its child with arguments the script takes."""
+    args = counters.parse_args(["--dtypes", "bfloat16", "float32", "--n", "4096"])
+    argv = counters.ncu_argv("ncu", tmp_path / "r", args)
+    text = " ".join(argv)
+    assert "--clock-control none" in text and "--profile-from-start off" in text
+    assert f"--kernel-name {counters.KERNELS}" in text and "--section WarpStateStats" in text
+    child = counters.parse_args(argv[argv.index("--child") :])
+    assert child.child and child.dtypes == ["bfloat16", "float32"] and child.n == 4096
+
+
+@pytest.mark.parametrize(
+    ("said", "report", "rc"),
+    [
+        ("==ERROR== ERR_NVGPUCTRPERM - no permission to access the counters", False, 3),
+        ("==ERROR== Failed to initialize the profiler: LibraryNotLoaded", True, 3),
+        ("==ERROR== The application returned an error code (1).", False, 1),
+    ],
+    ids=["no_permission", "no_profiler", "child_failed"],
+)
+def test_counters_without_counters_or_report(counters, tmp_path, capsys, said, report, rc):
+    ncu, out = _fake_ncu(tmp_path, said, report), tmp_path / "counters.csv"
+    assert counters.main(["--ncu", str(ncu), "--out", str(out)]) == rc
+    assert not out.exists()
+    assert counters.main(["--ncu", str(tmp_path / "no_ncu"), "--out", str(out)]) == 3
+    assert "ncu (Nsight Compute) is not here" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_counters_child_refuses_without_a_gpu(counters, capsys):
+    assert counters.main(["--child"]) == 1
+    assert "no GPU or no cuda backend" in capsys.readouterr().err

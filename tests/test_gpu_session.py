@@ -209,9 +209,12 @@ def test_a_session_runs_its_stages_in_their_time(gs, monkeypatch, tmp_path, caps
     assert gs.run_session(out, 540) == 0
     assert [name for name, _ in ran] == list(gs.STAGE_NAMES)
     limits = dict(ran)
-    assert limits["tests"] == 240 and limits["targets"] == 180
-    # 540 - 370 spent before the sweep - racecheck's 40: the sweep gets the rest
-    assert limits["sweep"] == pytest.approx(540 - 370 - 40)
+    # targets: 540 - 260 spent - 115 for the later minimums (under its cap of 180)
+    assert limits["tests"] == 240 and limits["targets"] == 165
+    # 540 - 371 spent before the sweep (the counters 1 s) - racecheck's 40: the sweep gets the
+    # rest
+    assert limits["counters"] == 75
+    assert limits["sweep"] == pytest.approx(540 - 371 - 40)
     record = json.loads((out / "session.json").read_text())
     assert [s["status"] for s in record["stages"]] == ["ok"] * len(gs.STAGES)
     assert not (out / "sweep.csv").exists() and (out / "keep.txt").exists()
@@ -237,24 +240,25 @@ def test_stages_without_time_are_skipped_and_a_partial_sweep_is_no_failure(
     took = {"env": 90, "build": 240, "tests": 240, "targets": 180}
     ran = _fake_runners(gs, monkeypatch, clock, took, {"sweep": "partial"})
     assert gs.run_session(tmp_path, 600) == 0
-    # tests: 600 - 330 spent - 130 for the later minimums = 140; each stage then gets what is
+    # tests: 600 - 330 spent - 160 for the later minimums = 110; each stage then gets what is
     # left after the later stages' minimums
     assert dict(ran) == {
         "env": 90,
         "build": 240,
-        "tests": 140,
+        "tests": 110,
         "targets": 45,
         "profile": 15,
-        "sweep": 44,
-        "racecheck": 83,
+        "counters": 44,
+        "sweep": 73,
+        "racecheck": 112,
     }
     record = json.loads((tmp_path / "session.json").read_text())
-    assert record["stages"][5]["status"] == "partial"
+    assert record["stages"][6]["name"] == "sweep" and record["stages"][6]["status"] == "partial"
 
     clock.now = 0.0
 
-    def late(session, limit_s):  # a child stopped at its limit of 45 s, 55 s late
-        clock.now += 100
+    def late(session, limit_s):  # a child stopped at its limit of 45 s, 85 s late
+        clock.now += 130
         return "timeout", ""
 
     ran.clear()
@@ -268,6 +272,7 @@ def test_stages_without_time_are_skipped_and_a_partial_sweep_is_no_failure(
         "tests": "ok",
         "targets": "timeout",
         "profile": "skipped",
+        "counters": "skipped",
         "sweep": "skipped",
         "racecheck": "skipped",  # 30 s left, below its minimum of 40
     }
@@ -359,17 +364,20 @@ def _script(name: str):
 
 
 def test_the_stages_commands_are_ones_the_scripts_take(gs, tmp_path):
-    """The commands the stages give cuda_core.py and cuda_profile.py parse there, and the
-    racecheck's tests exist: a renamed option or test would otherwise show only on a GPU."""
+    """The commands the stages give cuda_core.py, cuda_profile.py and cuda_counters.py parse
+    there, and the racecheck's tests exist: a renamed option or test would otherwise show only
+    on a GPU."""
     cuda_core, profile = _script("cuda_core"), _script("cuda_profile")
+    counters = _script("cuda_counters")
     session = gs.Session(tmp_path, budget_s=600)
     seen = []
     session.python = lambda args, limit_s, log="session.log": (seen.append(args) or 0, False)
     assert gs.stage_targets(session, 100)[0] == "ok"
     assert gs.stage_profile(session, 100)[0] == "ok"
     assert gs.stage_sweep(session, 100)[0] == "ok"
+    assert gs.stage_counters(session, 100)[0] == "ok"
     *targets, prof = seen[:4]
-    sweep = seen[4:]
+    sweep, counted = seen[4:-1], seen[-1]
     parsed = [cuda_core.parse_args(part[1:]) for part in targets]
     # the issue's target cases first (bf16 to N=8192, then fp32 N=16384), then the whole grid
     assert [(a.dtypes, a.n) for a in parsed] == [
@@ -388,6 +396,16 @@ def test_the_stages_commands_are_ones_the_scripts_take(gs, tmp_path):
     for part in sweep:
         args = cuda_core.parse_args(part[1:])
         assert args.resume and args.shapes == [(1, 8), (4, 16)] and args.n[-1] == 32768
+    assert [(a[a.index("--dtypes") + 1], a[a.index("--dims") + 1]) for a in sweep] == [
+        ("float32", "128"),  # the part no session has measured first
+        ("bfloat16", "64"),
+        ("float32", "64"),
+        ("bfloat16", "128"),
+    ]
+    args = counters.parse_args(counted[1:])
+    assert args.dtypes == ["bfloat16", "float32"] and (args.n, args.dim) == (8192, 64)
+    assert (args.batch, args.heads, args.walk_blocks) == (8, 16, 128)
+    assert set(args.variants) == {"walk_fused", "walk_mma_fused"}
     import subprocess
 
     collected = subprocess.run(
@@ -399,6 +417,18 @@ def test_the_stages_commands_are_ones_the_scripts_take(gs, tmp_path):
     )
     assert collected.returncode == 0, collected.stdout + collected.stderr
     assert f"{len(gs.RACECHECK_TESTS)} tests collected" in collected.stdout
+
+
+@pytest.mark.parametrize(
+    ("rc", "late", "status"),
+    [(0, False, "ok"), (3, False, "skipped"), (1, False, "failed"), (1, True, "timeout")],
+)
+def test_counters_without_readable_counters_are_skipped_not_failed(gs, tmp_path, rc, late, status):
+    """cuda_counters.py exits 3 where ncu is missing or cannot read the counters (a machine
+    whose runtime hides them): no reason to fail the session."""
+    session = gs.Session(tmp_path, budget_s=600)
+    session.python = lambda args, limit_s, log="session.log": (rc, late)
+    assert gs.stage_counters(session, 75)[0] == status
 
 
 @pytest.mark.parametrize("hazards", [0, 2])
