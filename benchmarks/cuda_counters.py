@@ -12,8 +12,10 @@ profiled range (``--profile-from-start off``).
 
 The CSV is long: one row per (launch, metric), with the section, unit, value, the launch's
 kernel, grid and block, and the device, date and command; a table of the main metrics per
-launch is printed. Exit status 3: no ``ncu`` here, or it cannot read the counters (a machine
-whose runtime does not expose them); 1: nothing was measured.
+launch is printed. Each dtype is its own ncu run, and the CSV is rewritten after each (a run
+stopped at a time limit keeps the dtypes before it). Exit status 3: no ``ncu`` here, or it
+cannot read the counters (a machine whose runtime does not expose them); 1: a dtype gave no
+report.
 """
 
 from __future__ import annotations
@@ -311,6 +313,35 @@ def import_page(ncu: str, report: Path, page: str) -> str:
     return done.stdout
 
 
+def profile_one(ncu: str, args: argparse.Namespace, dtype: str) -> tuple[pd.DataFrame, int]:
+    """The launches of one dtype's steps under ncu (its own run: a run stopped or broken keeps
+    the other dtypes' rows) and the exit status: 0, 1 (no report, or ncu failed) or 3 (no
+    counters readable here)."""
+    one = argparse.Namespace(**{**vars(args), "dtypes": [dtype]})
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "counters"
+        run = subprocess.run(ncu_argv(ncu, report, one), capture_output=True, text=True)
+        print(run.stdout, end="")
+        print(run.stderr, end="", file=sys.stderr)
+        if any(marker in run.stdout + run.stderr for marker in NO_COUNTERS):
+            print("cuda_counters.py: ncu cannot read the counters here", file=sys.stderr)
+            return pd.DataFrame(columns=COLUMNS), 3
+        path = report.with_suffix(".ncu-rep")
+        if not path.is_file():
+            print(
+                f"cuda_counters.py: ncu wrote no report for {dtype} (exit {run.returncode})",
+                file=sys.stderr,
+            )
+            return pd.DataFrame(columns=COLUMNS), 1
+        pages = {page: import_page(ncu, path, page) for page in ("details", "raw")}
+    frame = pd.concat([parse_details(pages["details"]), parse_raw(pages["raw"])])
+    order = re.findall(r"cuda_counters\.py: profiled (\w+) (\w+)", run.stdout)
+    device = re.search(r"cuda_counters\.py: device (.+)", run.stdout)
+    frame = label_launches(frame.sort_values(["id", "section"], kind="stable"), order)
+    frame = frame.assign(device=device.group(1).strip() if device else "")
+    return frame, (0 if run.returncode == 0 and not frame.empty else 1)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
@@ -319,44 +350,35 @@ def main(argv: list[str] | None = None) -> int:
     if ncu is None:
         print("cuda_counters.py: ncu (Nsight Compute) is not here", file=sys.stderr)
         return 3
-    with tempfile.TemporaryDirectory() as tmp:
-        report = Path(tmp) / "counters"
-        run = subprocess.run(ncu_argv(ncu, report, args), capture_output=True, text=True)
-        print(run.stdout, end="")
-        print(run.stderr, end="", file=sys.stderr)
-        said = run.stdout + run.stderr
-        if any(marker in said for marker in NO_COUNTERS):
-            print("cuda_counters.py: ncu cannot read the counters here", file=sys.stderr)
-            return 3
-        path = report.with_suffix(".ncu-rep")
-        if not path.is_file():
-            print(f"cuda_counters.py: ncu wrote no report (exit {run.returncode})", file=sys.stderr)
-            return 1
-        pages = {page: import_page(ncu, path, page) for page in ("details", "raw")}
-    frame = pd.concat([parse_details(pages["details"]), parse_raw(pages["raw"])])
-    if frame.empty:
-        print("cuda_counters.py: the report holds no walk-kernel launch", file=sys.stderr)
-        return 1
-    order = re.findall(r"cuda_counters\.py: profiled (\w+) (\w+)", run.stdout)
-    device = re.search(r"cuda_counters\.py: device (.+)", run.stdout)
-    frame = label_launches(frame.sort_values(["id", "section"], kind="stable"), order)
     from kernelstudy.files import atomic_write_text
 
-    frame = frame.assign(
-        B=args.batch,
-        H=args.heads,
-        N=args.n,
-        F=args.dim,
-        walk_blocks=args.walk_blocks,
-        device=device.group(1).strip() if device else "",
-        date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        command=" ".join(["python", *sys.argv]),
-    )
-    atomic_write_text(args.out, frame.to_csv(index=False))
+    frames, status = [], 0
+    for dtype in args.dtypes:
+        frame, code = profile_one(ncu, args, dtype)
+        if code == 3:  # no dtype will do better
+            return 3
+        status = max(status, code)
+        if frame.empty:
+            continue
+        offset = sum(f.id.nunique() for f in frames)  # launch ids go on across the runs
+        frames.append(frame.assign(id=frame.id + offset))
+        result = pd.concat(frames, ignore_index=True).assign(
+            B=args.batch,
+            H=args.heads,
+            N=args.n,
+            F=args.dim,
+            walk_blocks=args.walk_blocks,
+            date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            command=" ".join(["python", *sys.argv]),
+        )
+        atomic_write_text(args.out, result.to_csv(index=False))  # as it goes
+    if not frames:
+        print("cuda_counters.py: no walk-kernel launch was measured", file=sys.stderr)
+        return 1
     with pd.option_context("display.max_colwidth", 50, "display.width", 250):
-        print(summary(frame).round(2).to_string(index=False))
+        print(summary(result).round(2).to_string(index=False))
     print(f"wrote {args.out}", file=sys.stderr)
-    return 0 if run.returncode == 0 else 1
+    return status
 
 
 if __name__ == "__main__":

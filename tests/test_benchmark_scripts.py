@@ -925,16 +925,21 @@ if "--import" in args:
     page = args[args.index("--page") + 1]
     sys.stdout.write(pathlib.Path({pages!r}, page + ".csv").read_text())
     sys.exit(0)
+dtype = args[args.index("--dtypes") + 1]
 print({said!r})
-if {report}:
+if {report} and dtype != {broken!r}:
     pathlib.Path(args[args.index("--export") + 1] + ".ncu-rep").write_text("report")
 print("cuda_counters.py: device Test GPU")
-print("cuda_counters.py: profiled bfloat16 walk_fused")
-print("cuda_counters.py: profiled bfloat16 walk_mma_fused")
+print(f"cuda_counters.py: profiled {{dtype}} walk_fused")
+print(f"cuda_counters.py: profiled {{dtype}} walk_mma_fused")
 """
 
 
-def _fake_ncu(tmp_path: Path, said: str = "==PROF== Disconnected", report: bool = True) -> Path:
+def _fake_ncu(
+    tmp_path: Path, said: str = "==PROF== Disconnected", report: bool = True, broken: str = ""
+) -> Path:
+    """An ncu that prints ``said``, writes a report (not for dtype ``broken``) and, on
+    --import, the canned pages."""
     pages = tmp_path / "pages"
     pages.mkdir(exist_ok=True)
     (pages / "details.csv").write_text(_details(LAUNCHES))
@@ -942,7 +947,7 @@ def _fake_ncu(tmp_path: Path, said: str = "==PROF== Disconnected", report: bool 
     ncu = tmp_path / "ncu"
     text = FAKE_NCU.format(
         python=sys.executable, log=str(tmp_path / "ncu_args"), pages=str(pages), said=said,
-        report=report,
+        report=report, broken=broken,
     )  # fmt: skip
     ncu.write_text(text)
     ncu.chmod(0o755)
@@ -960,6 +965,18 @@ def test_counters_run_under_ncu_writes_a_long_csv(counters, tmp_path, capsys):
     assert "long_scoreboard 3.2" in capsys.readouterr().out
     args = (tmp_path / "ncu_args").read_text().split()  # the last call: an import
     assert "--import" in args and "--csv" in args
+
+
+def test_counters_each_dtype_is_its_own_run(counters, tmp_path):
+    """A dtype whose run gives no report (its child broke) keeps the others' rows; launch ids
+    go on across the runs."""
+    ncu, out = _fake_ncu(tmp_path, broken="float16"), tmp_path / "counters.csv"
+    argv = ["--ncu", str(ncu), "--out", str(out), "--dtypes", "bfloat16", "float16", "float32"]
+    assert counters.main(argv) == 1
+    frame = pd.read_csv(out)
+    assert sorted(set(frame.dtype)) == ["bfloat16", "float32"]
+    assert sorted(set(frame.id)) == list(range(2 * len(LAUNCHES)))
+    assert set(frame[frame.id >= len(LAUNCHES)].dtype) == {"float32"}
 
 
 def test_counters_profile_command(counters, tmp_path):
