@@ -51,14 +51,14 @@ RAW_KEPT = re.compile(
 # the printed table: details-page metrics, one column each (those ncu reported)
 SUMMARY = {
     "Duration": "time",
-    "Executed Instructions": "instrs",
-    "Issue Slots Busy": "issue %",
+    "Executed Instructions": "instructions",
+    "Issue Slots Busy": "issue slots",
     "Executed Ipc Active": "IPC",
-    "Warp Cycles Per Issued Instruction": "cyc/instr",
-    "Achieved Occupancy": "occ %",
-    "Registers Per Thread": "regs",
-    "Compute (SM) Throughput": "SM %",
-    "Memory Throughput": "mem %",
+    "Warp Cycles Per Issued Instruction": "cycles/instruction",
+    "Achieved Occupancy": "occupancy",
+    "Registers Per Thread": "registers",
+    "Compute (SM) Throughput": "SM",
+    "Memory Throughput": "memory",
 }
 # the tensor pipes' busy share (sm__pipe_tensor_op_hmma_cycles_active... on Ampere and Hopper)
 TENSOR_PIPE = r"sm__pipe_tensor\w*_cycles_active\.avg\.pct_of_peak_sustained_active$"

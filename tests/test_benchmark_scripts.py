@@ -906,7 +906,7 @@ def test_counters_label_steps_by_stream_and_summarize(counters, capsys):
     assert set(by_id.dtype) == {"bfloat16"}
     table = counters.summary(labelled)
     assert table["time (usecond)"].tolist() == [600, 700, 500, 400]
-    assert table["regs (register/thread)"].tolist() == [128] * 4
+    assert table["registers (register/thread)"].tolist() == [128] * 4
     assert table["tensor pipe %"].tolist() == [12.5] * 4
     # the three largest stalls, the cycles of issuing ("selected") left out
     assert set(table["stalls (cycles/instr)"]) == {
