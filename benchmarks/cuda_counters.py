@@ -182,6 +182,8 @@ def stall_column(frame: pd.DataFrame, top: int = 3) -> pd.Series:
         reason=stalls.metric.str.extract(r"issue_stalled_(\w+?)_per_issue_active", expand=False)
     ).dropna(subset=["reason", "value"])
     stalls = stalls[~stalls.reason.isin(["selected"])]  # issuing, not stalled
+    if stalls.empty:
+        return pd.Series(dtype=str)
 
     def best(group: pd.DataFrame) -> str:
         group = group.sort_values("value", ascending=False).head(top)
@@ -205,7 +207,9 @@ def summary(frame: pd.DataFrame) -> pd.DataFrame:
     tensor = frame[frame.metric.str.match(TENSOR_PIPE)].groupby("id").value.max()
     if not tensor.empty:
         table["tensor pipe %"] = tensor
-    table["stalls (cycles/instr)"] = stall_column(frame)
+    stalls = stall_column(frame)
+    if not stalls.empty:
+        table["stalls (cycles/instr)"] = stalls
     return table.reset_index()
 
 

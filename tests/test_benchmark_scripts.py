@@ -912,6 +912,9 @@ def test_counters_label_steps_by_stream_and_summarize(counters, capsys):
     assert set(table["stalls (cycles/instr)"]) == {
         "long_scoreboard 3.2, math_pipe_throttle 1.5, wait 0.75"
     }
+    # an ncu whose raw page names no stall reason or pipe: the table without those columns
+    details = counters.label_launches(counters.parse_details(_details(LAUNCHES)), steps)
+    assert list(counters.summary(details).columns)[-1] == "registers (register/thread)"
     unlabelled = counters.label_launches(frame, steps[:1])  # a step without walk kernels
     assert set(unlabelled.variant) == {""}
     assert "2 streams with walk kernels for 1 profiled steps" in capsys.readouterr().err
