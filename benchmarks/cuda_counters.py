@@ -33,6 +33,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from kernelstudy.files import atomic_write_text
+
 VARIANTS = ("walk", "walk_fused", "walk_mma", "walk_mma_fused")
 SECTIONS = (
     "SpeedOfLight",
@@ -63,6 +65,7 @@ SUMMARY = {
 # the tensor pipes' busy share (sm__pipe_tensor_op_hmma_cycles_active... on Ampere and Hopper)
 TENSOR_PIPE = r"sm__pipe_tensor\w*_cycles_active\.avg\.pct_of_peak_sustained_active$"
 COLUMNS = ["id", "kernel", "grid", "block", "stream", "section", "metric", "unit", "text", "value"]
+UNAVAILABLE = 3  # the exit status without ncu, or without counters it can read
 NO_COUNTERS = (
     "ERR_NVGPUCTRPERM",
     "Failed to initialize the profiler",
@@ -319,8 +322,8 @@ def import_page(ncu: str, report: Path, page: str) -> str:
 
 def profile_one(ncu: str, args: argparse.Namespace, dtype: str) -> tuple[pd.DataFrame, int]:
     """The launches of one dtype's steps under ncu (its own run: a run stopped or broken keeps
-    the other dtypes' rows) and the exit status: 0, 1 (no report, or ncu failed) or 3 (no
-    counters readable here)."""
+    the other dtypes' rows) and the exit status: 0, 1 (no report, or ncu failed) or
+    :data:`UNAVAILABLE` (no counters readable here)."""
     one = argparse.Namespace(**{**vars(args), "dtypes": [dtype]})
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "counters"
@@ -329,7 +332,7 @@ def profile_one(ncu: str, args: argparse.Namespace, dtype: str) -> tuple[pd.Data
         print(run.stderr, end="", file=sys.stderr)
         if any(marker in run.stdout + run.stderr for marker in NO_COUNTERS):
             print("cuda_counters.py: ncu cannot read the counters here", file=sys.stderr)
-            return pd.DataFrame(columns=COLUMNS), 3
+            return pd.DataFrame(columns=COLUMNS), UNAVAILABLE
         path = report.with_suffix(".ncu-rep")
         if not path.is_file():
             print(
@@ -353,18 +356,16 @@ def main(argv: list[str] | None = None) -> int:
     ncu = find_ncu(args.ncu)
     if ncu is None:
         print("cuda_counters.py: ncu (Nsight Compute) is not here", file=sys.stderr)
-        return 3
-    from kernelstudy.files import atomic_write_text
-
+        return UNAVAILABLE
     frames, status = [], 0
     for dtype in args.dtypes:
         frame, code = profile_one(ncu, args, dtype)
-        if code == 3:  # no dtype will do better
-            return 3
+        if code == UNAVAILABLE:  # no dtype will do better
+            return UNAVAILABLE
         status = max(status, code)
         if frame.empty:
             continue
-        offset = sum(f.id.nunique() for f in frames)  # launch ids go on across the runs
+        offset = int(frames[-1].id.max()) + 1 if frames else 0  # ids go on across the runs
         frames.append(frame.assign(id=frame.id + offset))
         result = pd.concat(frames, ignore_index=True).assign(
             B=args.batch,

@@ -383,6 +383,11 @@ def stage_profile(session: Session, limit_s: float) -> tuple[str, str]:
     return ("timeout" if late else "ok" if rc == 0 else "failed"), ""
 
 
+# cuda_counters.py's exit status without readable counters (its UNAVAILABLE; this script
+# imports nothing beyond the standard library)
+COUNTERS_UNAVAILABLE = 3
+
+
 def stage_counters(session: Session, limit_s: float) -> tuple[str, str]:
     """Why the walk kernels take their time: issue slots, tensor pipe, stalls (ncu)."""
     argv = ["benchmarks/cuda_counters.py", "--dtypes", "bfloat16", "float32"]
@@ -393,9 +398,6 @@ def stage_counters(session: Session, limit_s: float) -> tuple[str, str]:
     if rc == COUNTERS_UNAVAILABLE:
         return "skipped", "no ncu here, or it cannot read the counters (session.log)"
     return ("ok" if rc == 0 else "failed"), ""
-
-
-COUNTERS_UNAVAILABLE = 3  # cuda_counters.py's exit status without readable counters
 
 
 def fastest_variant(targets_csv: Path) -> tuple[str, int | None] | None:

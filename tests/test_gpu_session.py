@@ -406,6 +406,7 @@ def test_the_stages_commands_are_ones_the_scripts_take(gs, tmp_path):
     assert args.dtypes == ["bfloat16", "float32"] and (args.n, args.dim) == (8192, 64)
     assert (args.batch, args.heads, args.walk_blocks) == (8, 16, 128)
     assert set(args.variants) == {"walk_fused", "walk_mma_fused"}
+    assert gs.COUNTERS_UNAVAILABLE == counters.UNAVAILABLE
     import subprocess
 
     collected = subprocess.run(
