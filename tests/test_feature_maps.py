@@ -403,6 +403,65 @@ def test_elu_features_keep_their_relative_precision_in_low_precision():
     torch.testing.assert_close(low.float(), ref, rtol=0.02, atol=0.02)
 
 
+@pytest.mark.parametrize(
+    ("name", "dtype", "scale"),
+    [
+        ("hedgehog", torch.float32, 100.0),
+        ("hedgehog", torch.bfloat16, 100.0),
+        ("hedgehog", torch.float16, 15.0),
+        ("trig_rf", torch.float32, 30.0),
+        ("trig_rf", torch.float16, 8.0),
+    ],
+)
+def test_unstabilized_features_that_overflow_raise(name, dtype, scale):
+    """Without ``stabilize``, finite exponents beyond the dtype's range (hedgehog's z, trig's
+    ‖x̂‖²/2) raise a ValueError naming the fix, where they gave inf features and NaN
+    attention; in range the features are unchanged, and the stabilized map takes the same
+    inputs. Non-finite inputs pass through as with ``stabilize``."""
+    torch.manual_seed(0)
+    seed = {"seed": 0} if name == "trig_rf" else {}
+    off, on = make(name, stabilize=False, **seed), make(name, **seed)
+    x = torch.randn(1, H, 6, D) * scale
+    x[0, 0, 0] = scale * 4  # one row well beyond the dtype's range, whatever the draw
+    x = x.to(dtype)
+    with pytest.raises(ValueError, match=r"stabilize=False: exponents up to .* overflow"):
+        off(x)
+    with pytest.raises(ValueError, match="stabilize=True"):
+        off(x, is_query=False)
+    q, k, v = x, x, torch.randn(1, H, 6, 3).to(dtype)
+    with pytest.raises(ValueError, match="stabilize=False"):
+        ks.nn.kernel_attention(q, k, v, off)
+    assert torch.isfinite(on(x)).all()
+    assert torch.isfinite(ks.nn.kernel_attention(q, k, v, on)).all()
+    small = (torch.randn(1, H, 6, D) / 4).to(dtype)
+    torch.testing.assert_close(off(small), on(small), rtol=0, atol=0)
+    bad = small.clone()
+    bad[0, 0, 1, 0] = torch.inf
+    assert not torch.isfinite(off(bad)).all()  # the input's inf, not an overflow
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_unstabilized_attention_whose_products_overflow_raises(causal):
+    """Features that fit (e^60 in float32) but whose products φ(q)·φ(k) (e^120) do not:
+    attention without ``stabilize`` raises (it returned NaN); float64 and the stabilized map
+    give finite attention, with padding too."""
+    off, on = make("hedgehog", stabilize=False), make("hedgehog")
+    x = torch.randn(2, H, 6, D)
+    x[0, 1, 2, 0] = 60.0
+    v = torch.randn(2, H, 6, 3)
+    mask = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
+    assert torch.isfinite(off(x)).all()
+    for key_padding_mask in (None, mask):
+        kwargs = {"causal": causal, "key_padding_mask": key_padding_mask}
+        with pytest.raises(ValueError, match=r"'hedgehog' with stabilize=False: φ\(q\)·φ\(k\)"):
+            ks.nn.kernel_attention(x, x, v, off, **kwargs)
+        assert torch.isfinite(ks.nn.kernel_attention(x, x, v, on, **kwargs)).all()
+        wide = ks.nn.kernel_attention(x.double(), x.double(), v.double(), off, **kwargs)
+        assert torch.isfinite(wide).all()
+    with pytest.raises(ValueError, match="stabilize=True"):  # the analyses map alike
+        ks.analysis.attention_matrix(x, x, off, causal=causal)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_hedgehog_exponents_are_computed_in_float32(dtype):
     """A bfloat16 exponent z ≈ 10 is off by up to 0.03: features 3% off, where the
@@ -447,7 +506,8 @@ def test_polynomial_attention_of_large_inputs_is_finite_and_exact():
             want = ks.kernel_attention(q.double(), k.double(), v.double(), fm, causal=causal)
             torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4)
         assert torch.isfinite(exact).all()
-    assert ks.kernel_attention(q, k, v, feature_map=plain).isnan().any()  # what it was
+    with pytest.raises(ValueError, match="stabilize=True"):  # it was NaN without the shift
+        ks.kernel_attention(q, k, v, feature_map=plain)
     # ordinary inputs: the same bits as without the rescaling; the kernel holds exactly
     x = randn(2, H, 5, D)
     assert torch.equal(make("polynomial")(x), make("polynomial", stabilize=False)(x))

@@ -22,7 +22,9 @@ class HedgehogFeatureMap(ExpFeatures, HeadwiseFeatureMap):
     kernel values φ(q)·φ(k) only up to that factor. Positive, F = 2D. With the query's
     shift a row's normalizer can fall below ``eps`` (1e-6) when its keys lie far below
     its largest exponent (inputs at ~20σ), even in float64: the row then shrinks towards
-    0; pass a smaller ``eps`` there. ``(B,H,N,D) → (B,H,N,2D)``.
+    0; pass a smaller ``eps`` there. Without ``stabilize``, exponents beyond the dtype's
+    range raise ValueError (features from e^88.7 in float32; attention from products
+    above e^70.7). ``(B,H,N,D) → (B,H,N,2D)``.
     """
 
     paper = "Zhang et al. 2024, The Hedgehog & the Porcupine"

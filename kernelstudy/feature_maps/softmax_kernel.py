@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..core.exp_range import exp_shift
@@ -67,10 +69,29 @@ class ExpFeatures(FeatureMap):
             return self.log_parts(x, is_query)
 
     def features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
+        """Without ``stabilize``, features that overflow ``x``'s dtype (finite exponents
+        beyond its range, e.g. e^89 in float32 or e^11.1 in float16) raise ValueError
+        rather than becoming inf and NaN attention (the check syncs)."""
         log, rest = self.full_precision_parts(x, is_query)
         if self.hparams["stabilize"]:
             log = log - stabilizer(log, is_query, x.dtype)
-        return (log.exp() * rest).to(x.dtype)
+        phi = (log.exp() * rest).to(x.dtype)
+        if not self.hparams["stabilize"]:
+            self._check_no_overflow(phi, log, x.dtype)
+        return phi
+
+    def _check_no_overflow(self, phi: torch.Tensor, log: torch.Tensor, dtype: torch.dtype) -> None:
+        """ValueError where a finite exponent gave an infinite feature (non-finite inputs
+        keep their inf/NaN, as with ``stabilize``)."""
+        overflow = torch.isinf(phi) & torch.isfinite(log)
+        if phi.numel() and bool(overflow.any()):
+            largest = float(log.detach().masked_fill(~torch.isfinite(log), -torch.inf).amax())
+            raise ValueError(
+                f"{type(self).__name__} with stabilize=False: exponents up to {largest:.4g} "
+                f"overflow {dtype} (largest e^{math.log(torch.finfo(dtype).max):.1f}); pass "
+                "stabilize=True (normalized attention is unchanged), smaller inputs or a "
+                "wider dtype"
+            )
 
     def key_features(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.hparams["stabilize"]:

@@ -14,6 +14,10 @@ from ..core.exp_range import exp_shift
 from ..core.validation import autocast_off, check_key_padding_mask, check_qkv
 from ..feature_maps import FeatureMap, create_feature_map
 
+#: e^SPARE of room kept for sums over features, keys and values (:func:`scale_rows`,
+#: :func:`check_products_fit`).
+SPARE = 18.0
+
 
 def resolve_feature_map(
     feature_map: str | Mapping[str, Any] | FeatureMap,
@@ -88,7 +92,8 @@ def kernel_attention(
     whatever the padding holds. Causal, such a map normalizes each row at the shift of
     its own prefix (:func:`causal_key_features`), as a
     :class:`~kernelstudy.core.RecurrentState` stepping the keys does: a later key does not
-    change how much ``eps`` weighs in an earlier row.
+    change how much ``eps`` weighs in an earlier row. A map with ``stabilize=False``
+    raises ValueError where φ(q)·φ(k) would overflow (:func:`check_products_fit`).
 
     float16 inputs are mapped and attended in float32 (with autocast off) and the output
     cast back: the gradient with respect to a feature grows as 1/normalizer and
@@ -141,9 +146,37 @@ def query_and_key_features(
     if causal and fm.keys_need_sequence and k.shape[-2] > 0:
         phi_k, log_factor = causal_key_features(fm, k, mask)
         return scale_rows(phi_q, log_factor, phi_k), phi_k
-    if mask is None:
-        return phi_q, fm(k, is_query=False)
-    return phi_q, padded_key_features(fm, k, mask)
+    phi_k = fm(k, is_query=False) if mask is None else padded_key_features(fm, k, mask)
+    if fm.hparams.get("stabilize") is False:
+        check_products_fit(fm, phi_q, phi_k)
+    return phi_q, phi_k
+
+
+def check_products_fit(fm: FeatureMap, phi_q: torch.Tensor, phi_k: torch.Tensor) -> None:
+    """ValueError where the largest |φ(q)|·|φ(k)| of ``(B,H,N,F)``, ``(B,H,S,F)`` comes
+    within e^SPARE of their dtype's largest value (non-finite features aside): sums of
+    such products over features, keys and values would overflow to inf and NaN attention.
+    For maps whose user turned their exponent shift off (``stabilize=False``); the shift
+    keeps every product below e^40. Syncs."""
+    if not phi_q.numel() or not phi_k.numel():
+        return
+    with torch.no_grad():
+        q_max = _finite_abs(phi_q).amax(-1).double()  # (B,H,N)
+        k_max = _finite_abs(phi_k).amax((-2, -1)).double()  # (B,H)
+        log_top = float((q_max.log() + k_max.log()[..., None]).amax())
+    limit = math.log(torch.finfo(phi_q.dtype).max) - SPARE
+    if log_top > limit:
+        raise ValueError(
+            f"feature map {fm.name!r} with stabilize=False: φ(q)·φ(k) reaches e^{log_top:.1f}, "
+            f"beyond e^{limit:.1f}, where sums over features and keys overflow "
+            f"{phi_q.dtype}; pass stabilize=True (normalized attention is unchanged), "
+            "smaller inputs or float64"
+        )
+
+
+def _finite_abs(x: torch.Tensor) -> torch.Tensor:
+    """``|x|`` with non-finite entries as 0 (they set no bound)."""
+    return x.detach().abs().nan_to_num(0.0, 0.0, 0.0)
 
 
 def padded_key_features(fm: FeatureMap, k: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -204,10 +237,6 @@ def causal_key_features(
     return phi_k, (shift - prefix).clamp_min(0.0)
 
 
-#: e^SPARE of room kept in :func:`scale_rows` for sums over features, keys and values.
-SPARE = 18.0
-
-
 def scale_rows(phi_q: torch.Tensor, log_factor: torch.Tensor, phi_k: torch.Tensor) -> torch.Tensor:
     """``phi_q: (B,H,N,F)`` with row t multiplied by ``exp(log_factor: (B,H,N))``, the
     factor capped so that no product of the row with a feature of ``phi_k: (B,H,S,F)``
@@ -217,12 +246,8 @@ def scale_rows(phi_q: torch.Tensor, log_factor: torch.Tensor, phi_k: torch.Tenso
     dtype = torch.promote_types(phi_q.dtype, log_factor.dtype)
     top = math.log(torch.finfo(phi_q.dtype).max) - SPARE
     with torch.no_grad():
-
-        def finite(x: torch.Tensor) -> torch.Tensor:  # non-finite features set no cap
-            return x.detach().abs().nan_to_num(0.0, 0.0, 0.0)
-
-        q_max = finite(phi_q).amax(-1).to(dtype).clamp_min(1e-30).log()  # (B,H,N)
-        k_max = finite(phi_k).amax((-2, -1)).to(dtype).clamp_min(1e-30).log()  # (B,H)
+        q_max = _finite_abs(phi_q).amax(-1).to(dtype).clamp_min(1e-30).log()  # (B,H,N)
+        k_max = _finite_abs(phi_k).amax((-2, -1)).to(dtype).clamp_min(1e-30).log()  # (B,H)
         cap = (top - q_max - k_max[..., None]).clamp(0.0, top)
         factor = torch.minimum(log_factor.to(dtype), cap).exp()
     return (phi_q.to(dtype) * factor[..., None]).to(phi_q.dtype)
