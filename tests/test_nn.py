@@ -693,3 +693,32 @@ def test_a_sparse_input_is_refused_by_name(attention):
         layer(torch.randn(2, 5, 8).to_sparse())
     with pytest.raises(TypeError, match=r"x_t must be a dense \(strided\) tensor"):
         layer.step(torch.randn(2, 8).to_sparse())
+
+
+def test_stepping_an_unstabilized_map_whose_products_overflow_raises():
+    """step() raises as the layer's forward does where φ(q)·Σφ(k) would overflow float32
+    (Hedgehog with stabilize=False, exponents ~60: features fit, products do not); the
+    stabilized map steps the same inputs to the forward's finite output."""
+    torch.manual_seed(0)
+    layers = {
+        stabilize: ks.nn.KernelAttention(
+            8, 2, feature_map="hedgehog", causal=True, feature_map_kwargs={"stabilize": stabilize}
+        )
+        for stabilize in (True, False)
+    }
+    layers[False].load_state_dict(layers[True].state_dict())
+    x = torch.randn(1, 4, 8)
+    x[0, 2] *= 70.0  # exponents of about 60 at step 2
+    with pytest.raises(ValueError, match="stabilize=False"):
+        layers[False](x)
+    states, outs = None, []
+    for t in range(2):  # ordinary steps: fine without the shift
+        y_t, states = layers[False].step(x[:, t], states)
+        assert torch.isfinite(y_t).all()
+    with pytest.raises(ValueError, match=r"stabilize=False: φ\(q\)·φ\(k\) reaches"):
+        layers[False].step(x[:, 2], states)
+    states = None
+    for t in range(4):
+        y_t, states = layers[True].step(x[:, t], states)
+        outs.append(y_t)
+    torch.testing.assert_close(torch.stack(outs, 1), layers[True](x), rtol=1e-4, atol=1e-5)

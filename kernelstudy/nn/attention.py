@@ -16,7 +16,12 @@ from ..core.recurrent import RecurrentState
 from ..core.softmax import softmax_attention
 from ..core.validation import accumulation_dtype, check_dense, check_eps
 from ..feature_maps import FeatureMap
-from .functional import float16_in_float32, kernel_attention, resolve_feature_map
+from .functional import (
+    check_products_fit,
+    float16_in_float32,
+    kernel_attention,
+    resolve_feature_map,
+)
 
 ATTENTION_KINDS = ("kernel", "softmax")
 
@@ -304,6 +309,8 @@ class KernelAttention(nn.Module):
             y_t, state = state.step(
                 phi_q, phi_k[:, :, 0], v[:, :, 0], log_scale[:, :, 0] if scaled else None
             )
+            if self.feature_map.hparams.get("stabilize") is False:  # as kernel_attention
+                check_products_fit(self.feature_map, phi_q[:, :, None], state.Z[:, :, None])
             y = y_t.unsqueeze(2).to(dtype)
         return self._merge(y)[:, 0], state
 

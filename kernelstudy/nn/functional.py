@@ -157,7 +157,8 @@ def check_products_fit(fm: FeatureMap, phi_q: torch.Tensor, phi_k: torch.Tensor)
     within e^SPARE of their dtype's largest value (non-finite features aside): sums of
     such products over features, keys and values would overflow to inf and NaN attention.
     For maps whose user turned their exponent shift off (``stabilize=False``); the shift
-    keeps every product below e^40. Syncs."""
+    keeps every product below e^40. A stepping layer passes its state's key sum ``Z`` as
+    ``phi_k``. Syncs."""
     if not phi_q.numel() or not phi_k.numel():
         return
     with torch.no_grad():
