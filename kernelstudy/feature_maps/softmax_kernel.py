@@ -83,8 +83,11 @@ class ExpFeatures(FeatureMap):
     def _check_no_overflow(self, phi: torch.Tensor, log: torch.Tensor, dtype: torch.dtype) -> None:
         """ValueError where a finite exponent gave an infinite feature (non-finite inputs
         keep their inf/NaN, as with ``stabilize``)."""
+        phi = phi.detach()
+        if not phi.numel() or bool(torch.isfinite(torch.stack([phi.amax(), phi.amin()])).all()):
+            return  # the common case: two reductions, no copy of φ
         overflow = torch.isinf(phi) & torch.isfinite(log)
-        if phi.numel() and bool(overflow.any()):
+        if bool(overflow.any()):
             largest = float(log.detach().masked_fill(~torch.isfinite(log), -torch.inf).amax())
             raise ValueError(
                 f"{type(self).__name__} with stabilize=False: exponents up to {largest:.4g} "

@@ -161,10 +161,9 @@ def check_products_fit(fm: FeatureMap, phi_q: torch.Tensor, phi_k: torch.Tensor)
     ``phi_k``. Syncs."""
     if not phi_q.numel() or not phi_k.numel():
         return
-    with torch.no_grad():
-        q_max = _finite_abs(phi_q).amax(-1).double()  # (B,H,N)
-        k_max = _finite_abs(phi_k).amax((-2, -1)).double()  # (B,H)
-        log_top = float((q_max.log() + k_max.log()[..., None]).amax())
+    log_top = _log_largest_product(phi_q, phi_k, finite_only=False)
+    if not math.isfinite(log_top):  # a non-finite feature: bound the finite ones
+        log_top = _log_largest_product(phi_q, phi_k, finite_only=True)
     limit = math.log(torch.finfo(phi_q.dtype).max) - SPARE
     if log_top > limit:
         raise ValueError(
@@ -173,6 +172,18 @@ def check_products_fit(fm: FeatureMap, phi_q: torch.Tensor, phi_k: torch.Tensor)
             f"{phi_q.dtype}; pass stabilize=True (normalized attention is unchanged), "
             "smaller inputs or float64"
         )
+
+
+def _log_largest_product(phi_q: torch.Tensor, phi_k: torch.Tensor, finite_only: bool) -> float:
+    """log of the largest |φ(q)|·|φ(k)| within a (batch, head): (B,H,N,F), (B,H,S,F) → float.
+    ``finite_only`` leaves non-finite entries out (a copy of each tensor; else none)."""
+    with torch.no_grad():
+        tops = []
+        for x in (phi_q, phi_k):
+            x = _finite_abs(x) if finite_only else x.detach()
+            top = torch.maximum(-x.amin((-2, -1)), x.amax((-2, -1)))  # (B,H); aminmax: slower
+            tops.append(top.double().log())
+        return float((tops[0] + tops[1]).amax())
 
 
 def _finite_abs(x: torch.Tensor) -> torch.Tensor:
