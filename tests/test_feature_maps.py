@@ -460,6 +460,11 @@ def test_unstabilized_attention_whose_products_overflow_raises(causal):
         assert torch.isfinite(wide).all()
     with pytest.raises(ValueError, match="stabilize=True"):  # the analyses map alike
         ks.analysis.attention_matrix(x, x, off, causal=causal)
+    # float16 features are summed in float32: its range is the limit, not float16's
+    q, k = (torch.randn(1, H, 6, D) for _ in range(2))
+    phi_q, phi_k = ks.nn.functional.query_and_key_features(off, q.half(), k.half(), None, causal)
+    assert phi_q.dtype == torch.float16 and torch.isfinite(phi_q).all()
+    ks.nn.functional.check_products_fit(off, phi_q * 100, phi_k * 100)  # e^9.2: no error
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -11,7 +11,12 @@ import torch
 
 from ..core.attention import linear_attention
 from ..core.exp_range import exp_shift
-from ..core.validation import autocast_off, check_key_padding_mask, check_qkv
+from ..core.validation import (
+    accumulation_dtype,
+    autocast_off,
+    check_key_padding_mask,
+    check_qkv,
+)
 from ..feature_maps import FeatureMap, create_feature_map
 
 #: e^SPARE of room kept for sums over features, keys and values (:func:`scale_rows`,
@@ -154,7 +159,8 @@ def query_and_key_features(
 
 def check_products_fit(fm: FeatureMap, phi_q: torch.Tensor, phi_k: torch.Tensor) -> None:
     """ValueError where the largest |φ(q)|·|φ(k)| of ``(B,H,N,F)``, ``(B,H,S,F)`` comes
-    within e^SPARE of their dtype's largest value (non-finite features aside): sums of
+    within e^SPARE of the largest value of their sums' dtype (float32 for half precision;
+    non-finite features aside): sums of
     such products over features, keys and values would overflow to inf and NaN attention.
     For maps whose user turned their exponent shift off (``stabilize=False``); the shift
     keeps every product below e^40. A stepping layer passes its state's key sum ``Z`` as
@@ -164,12 +170,13 @@ def check_products_fit(fm: FeatureMap, phi_q: torch.Tensor, phi_k: torch.Tensor)
     log_top = _log_largest_product(phi_q, phi_k, finite_only=False)
     if not math.isfinite(log_top):  # a non-finite feature: bound the finite ones
         log_top = _log_largest_product(phi_q, phi_k, finite_only=True)
-    limit = math.log(torch.finfo(phi_q.dtype).max) - SPARE
+    acc = accumulation_dtype(phi_q.dtype)  # half-precision features are summed in float32
+    limit = math.log(torch.finfo(acc).max) - SPARE
     if log_top > limit:
         raise ValueError(
             f"feature map {fm.name!r} with stabilize=False: φ(q)·φ(k) reaches e^{log_top:.1f}, "
             f"beyond e^{limit:.1f}, where sums over features and keys overflow "
-            f"{phi_q.dtype}; pass stabilize=True (normalized attention is unchanged), "
+            f"{acc}; pass stabilize=True (normalized attention is unchanged), "
             "smaller inputs or float64"
         )
 
