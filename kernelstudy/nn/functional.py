@@ -159,12 +159,11 @@ def query_and_key_features(
 
 def check_products_fit(fm: FeatureMap, phi_q: torch.Tensor, phi_k: torch.Tensor) -> None:
     """ValueError where the largest |φ(q)|·|φ(k)| of ``(B,H,N,F)``, ``(B,H,S,F)`` comes
-    within e^SPARE of the largest value of their sums' dtype (float32 for half precision;
-    non-finite features aside): sums of
-    such products over features, keys and values would overflow to inf and NaN attention.
-    For maps whose user turned their exponent shift off (``stabilize=False``); the shift
-    keeps every product below e^40. A stepping layer passes its state's key sum ``Z`` as
-    ``phi_k``. Syncs."""
+    within e^SPARE of the largest value of the dtype they are summed in (float32 for half
+    precision; non-finite features aside): sums of such products over features, keys and
+    values would overflow to inf and NaN attention. For maps whose user turned their
+    exponent shift off (``stabilize=False``); the shift keeps every product below e^40.
+    A stepping layer passes its state's key sum ``Z`` as ``phi_k``. Syncs."""
     if not phi_q.numel() or not phi_k.numel():
         return
     log_top = _log_largest_product(phi_q, phi_k, finite_only=False)
