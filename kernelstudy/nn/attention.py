@@ -309,8 +309,8 @@ class KernelAttention(nn.Module):
             y_t, state = state.step(
                 phi_q, phi_k[:, :, 0], v[:, :, 0], log_scale[:, :, 0] if scaled else None
             )
-            if self.feature_map.hparams.get("stabilize") is False:  # as kernel_attention
-                check_products_fit(self.feature_map, phi_q[:, :, None], state.Z[:, :, None])
+            # as kernel_attention: where stabilize=False, no overflowing φ(q)·Σφ(k)
+            check_products_fit(self.feature_map, phi_q[:, :, None], state.Z[:, :, None])
             y = y_t.unsqueeze(2).to(dtype)
         return self._merge(y)[:, 0], state
 

@@ -152,8 +152,7 @@ def query_and_key_features(
         phi_k, log_factor = causal_key_features(fm, k, mask)
         return scale_rows(phi_q, log_factor, phi_k), phi_k
     phi_k = fm(k, is_query=False) if mask is None else padded_key_features(fm, k, mask)
-    if fm.hparams.get("stabilize") is False:
-        check_products_fit(fm, phi_q, phi_k)
+    check_products_fit(fm, phi_q, phi_k)
     return phi_q, phi_k
 
 
@@ -161,10 +160,11 @@ def check_products_fit(fm: FeatureMap, phi_q: torch.Tensor, phi_k: torch.Tensor)
     """ValueError where the largest |φ(q)|·|φ(k)| of ``(B,H,N,F)``, ``(B,H,S,F)`` comes
     within e^SPARE of the largest value of the dtype they are summed in (float32 for half
     precision; non-finite features aside): sums of such products over features, keys and
-    values would overflow to inf and NaN attention. For maps whose user turned their
-    exponent shift off (``stabilize=False``); the shift keeps every product below e^40.
-    A stepping layer passes its state's key sum ``Z`` as ``phi_k``. Syncs."""
-    if not phi_q.numel() or not phi_k.numel():
+    values would overflow to inf and NaN attention. Only for maps whose user turned their
+    exponent shift off (``stabilize=False``; the shift keeps every product below e^40):
+    other maps return at once. A stepping layer passes its state's key sum ``Z`` as
+    ``phi_k``. Syncs."""
+    if fm.hparams.get("stabilize") is not False or not phi_q.numel() or not phi_k.numel():
         return
     log_top = _log_largest_product(phi_q, phi_k, finite_only=False)
     if not math.isfinite(log_top):  # a non-finite feature: bound the finite ones
