@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 import torch
@@ -18,6 +19,12 @@ def pytest_configure(config: pytest.Config) -> None:
         threads = max(1, (cores or os.cpu_count() or 1) // int(workers))
         torch.set_num_threads(threads)
         os.environ["OMP_NUM_THREADS"] = str(threads)
+    # A shell without job control starts a background command (`pytest ... &` in a script)
+    # with Ctrl-C ignored, and the processes it starts inherit that: the tests of Ctrl-C
+    # then never see their SIGINT and hang. They test what a terminal's Ctrl-C does, so
+    # SIGINT gets Python's default handler back (children then start with the default).
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True)

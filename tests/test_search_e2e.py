@@ -341,7 +341,12 @@ def _ctrl_c_when(proc: subprocess.Popen, ready: Callable[[], bool], what: str) -
         assert proc.poll() is None, proc.communicate()[1][-2000:]
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # not left training on after the test
+        _, err = proc.communicate()
+        pytest.fail(f"the search did not stop within 60 s of its SIGINT:\n{err[-2000:]}")
     assert proc.returncode == 130, err[-2000:]
     return err
 
