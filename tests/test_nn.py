@@ -538,6 +538,44 @@ def test_a_bad_d_model_is_named_not_d_ff(d_model):
         ks.nn.EncoderLayer(d_model, 2, 32)
 
 
+def test_numpy_ints_are_taken_as_the_maps_take_them():
+    """The feature maps and the core took numpy ints; the layers and models refused them
+    ("n_heads must be a positive int, got np.int64(2)"). Now they build the same module as
+    Python ints, with a config that is still JSON-serializable."""
+    import json
+
+    i = np.int64
+    ids = torch.randint(0, 10, (2, 7))
+    for make in (
+        lambda n: ks.nn.KernelAttention(n(8), n(2)),
+        lambda n: ks.nn.EncoderLayer(n(8), n(2), n(16)),
+        lambda n: ks.nn.TransformerEncoder(n(2), n(8), n(2)),
+    ):
+        torch.manual_seed(0)
+        want = make(int)
+        torch.manual_seed(0)
+        got = make(i)
+        x = torch.randn(2, 7, 8)
+        assert torch.equal(got.eval()(x), want.eval()(x))
+    models = {
+        "classifier": lambda n: ks.nn.SequenceClassifier(
+            n(10), n(3), d_model=n(8), n_heads=n(2), n_layers=n(1), max_len=n(16), head_dim=n(4)
+        ),
+        "lm": lambda n: ks.nn.CausalLM(n(10), d_model=n(8), n_heads=n(2), n_layers=n(1)),
+    }
+    for name, make in models.items():
+        torch.manual_seed(0)
+        want = make(int)
+        torch.manual_seed(0)
+        got = make(i)
+        assert torch.equal(got.eval()(ids), want.eval()(ids)), name
+        assert json.dumps(got.config()) == json.dumps(want.config()), name
+    lm = models["lm"](i)
+    assert lm.generate(ids[:, :2], max_new_tokens=i(3)).shape == (2, 5)
+    with pytest.raises(ValueError, match="n_heads must be a positive int, got np.int64"):
+        ks.nn.KernelAttention(8, i(0))
+
+
 def test_a_numpy_seed_gives_each_layer_its_own_draw():
     """A numpy int seed (which the maps accept) skipped the per-layer offset: every layer
     drew the same FAVOR+ projection."""

@@ -68,10 +68,12 @@ class PolynomialFeatureMap(FeatureMap):
     kernel is ≥ 0 for even p and, with ``taylor`` and p = 2, always > 0.
     ``stabilize`` divides a query row by a power of two (exact) that moves its largest
     |φ| to about 1 when that lies above the dtype's safe range
-    (:data:`kernelstudy.core.SAFE_EXPONENTS`, e^±20 in float32): large inputs then give
+    (:data:`kernelstudy.core.SAFE_EXPONENTS`, e^±20 in float32): large queries then give
     no inf/NaN normalizer, and normalized attention is unchanged; φ(q)·φ(k) is the
     kernel only up to that per-row factor (turn it off for kernel-level analysis).
-    Keys are never rescaled. ``(..., N, D) → (..., N, F)``.
+    Keys are never rescaled: where the sums of their features leave float32's range
+    (p = 2, D = 4, 2000 keys: |k| ≈ 1e18) attention is NaN, as it is for elu, relu and
+    softplus_ffn at such inputs. ``(..., N, D) → (..., N, F)``.
     """
 
     paper = "polynomial kernel; 2nd-order Taylor map as in Zhang et al. 2024 / Arora et al. 2024"

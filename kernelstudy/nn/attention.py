@@ -120,10 +120,11 @@ def _check_keys_and_values(k: object, v: object, nk: str, nv: str) -> None:
 
 
 def check_size(name: str, value: object) -> int:
-    """``value`` if it is a positive int (not a bool), else ValueError naming ``name``."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    """``value`` as an int if it is a positive one (numpy's too, as the feature maps take;
+    not a bool), else ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
+    return int(value)
 
 
 def check_dropout(dropout: object) -> float:
@@ -170,8 +171,7 @@ class KernelAttention(nn.Module):
         bias: bool = True,
     ) -> None:
         super().__init__()
-        check_size("d_model", d_model)
-        check_size("n_heads", n_heads)
+        d_model, n_heads = check_size("d_model", d_model), check_size("n_heads", n_heads)
         if d_model % n_heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
         if attention not in ATTENTION_KINDS:

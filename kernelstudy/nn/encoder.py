@@ -35,8 +35,8 @@ class EncoderLayer(nn.Module):
         backend: str | None = None,
     ) -> None:
         super().__init__()
-        check_size("d_model", d_model)  # before d_ff and LayerNorm(d_model) use it
-        check_size("d_ff", d_ff)
+        d_model = check_size("d_model", d_model)  # before d_ff and LayerNorm(d_model) use it
+        d_ff = check_size("d_ff", d_ff)
         self.norm1 = nn.LayerNorm(d_model)
         self.attn = KernelAttention(
             d_model,
@@ -134,8 +134,8 @@ class TransformerEncoder(nn.Module):
         backend: str | None = None,
     ) -> None:
         super().__init__()
-        check_size("n_layers", n_layers)
-        check_size("d_model", d_model)  # before the default d_ff = 4·d_model
+        n_layers = check_size("n_layers", n_layers)
+        d_model = check_size("d_model", d_model)  # before the default d_ff = 4·d_model
         if isinstance(feature_map, FeatureMap):
             raise TypeError(
                 "feature_map must be a name or config dict (each layer builds its own map)"

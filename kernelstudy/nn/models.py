@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,7 @@ from torch import nn
 
 from ..arguments import check_count, check_flag, check_real
 from ..feature_maps import FeatureMap
-from .attention import check_dropout
+from .attention import check_dropout, check_size
 from .encoder import LayerState, TransformerEncoder
 
 POSITIONS = ("sinusoidal", "learned", "none")
@@ -98,8 +99,7 @@ class PositionalEncoding(nn.Module):
         super().__init__()
         if kind not in POSITIONS:
             raise ValueError(f"positions must be one of {POSITIONS}, got {kind!r}")
-        if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
-            raise ValueError(f"max_len must be a positive int, got {max_len!r}")
+        max_len = check_size("max_len", max_len)
         self.d_model, self.max_len, self.kind = d_model, max_len, kind
         self.table = nn.Embedding(max_len, d_model) if kind == "learned" else None
         if self.table is not None:
@@ -182,6 +182,21 @@ def _mlp_head(in_dim: int, hidden: int, out_dim: int, dropout: float) -> nn.Sequ
     )
 
 
+def _plain_numbers(arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """A model's constructor ``arguments`` (its ``locals()``) as its config: numpy numbers
+    as Python ones (the checks take them), so the config stays JSON-serializable."""
+    config = {}
+    for name, value in arguments.items():
+        if name in ("self", "__class__"):
+            continue
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            value = int(value)
+        elif isinstance(value, numbers.Real) and not isinstance(value, (bool, float)):
+            value = float(value)
+        config[name] = value
+    return config
+
+
 class _SequenceModel(nn.Module):
     """Token embedding (scaled by √d_model) + positions + dropout + a TransformerEncoder."""
 
@@ -204,14 +219,11 @@ class _SequenceModel(nn.Module):
         extra_positions: int = 0,
     ) -> None:
         super().__init__()
-        if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1:
-            raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
-        if not isinstance(d_model, int) or isinstance(d_model, bool) or d_model < 1:
-            raise ValueError(f"d_model must be a positive int, got {d_model!r}")
+        vocab_size = check_size("vocab_size", vocab_size)
+        d_model = check_size("d_model", d_model)
         # before max_len + extra_positions: a str failed in the sum, True was read as 1 and
         # 0 with pooling="cls" as 1
-        if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
-            raise ValueError(f"max_len must be a positive int, got {max_len!r}")
+        max_len = check_size("max_len", max_len)
         dropout = check_dropout(dropout)
         kind, fmap = resolve_attention(attention, feature_map)
         self.vocab_size, self.d_model = vocab_size, d_model
@@ -302,9 +314,8 @@ class SequenceClassifier(_SequenceModel):
     ) -> None:
         if pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
-        if not isinstance(num_classes, int) or isinstance(num_classes, bool) or num_classes < 2:
-            raise ValueError(f"num_classes must be an int >= 2, got {num_classes!r}")
-        config = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+        num_classes = check_count("num_classes", num_classes, 2)
+        config = _plain_numbers(locals())
         super().__init__(
             vocab_size=vocab_size,
             d_model=d_model,
@@ -379,7 +390,7 @@ class MatchingClassifier(SequenceClassifier):
     def __init__(self, vocab_size: int, num_classes: int = 2, **kwargs: Any) -> None:
         super().__init__(vocab_size, num_classes, **kwargs)
         self._config = copy.deepcopy(
-            {"vocab_size": vocab_size, "num_classes": num_classes, **kwargs}
+            _plain_numbers({"vocab_size": vocab_size, "num_classes": num_classes, **kwargs})
         )
         dropout = self.head[2].p
         hidden = self.head[0].out_features
@@ -460,7 +471,7 @@ class CausalLM(_SequenceModel):
         backend: str | None = None,
     ) -> None:
         tie_weights = check_flag("tie_weights", tie_weights)
-        config = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+        config = _plain_numbers(locals())
         super().__init__(
             vocab_size=vocab_size,
             d_model=d_model,
@@ -545,12 +556,7 @@ class CausalLM(_SequenceModel):
         self._check_ids(prompt, "prompt")
         if prompt.shape[1] < 1:
             raise ValueError("prompt must hold at least one token per sequence")
-        if (
-            isinstance(max_new_tokens, bool)
-            or not isinstance(max_new_tokens, int)
-            or max_new_tokens < 0
-        ):
-            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        max_new_tokens = check_count("max_new_tokens", max_new_tokens, 0)
         temperature = check_real("temperature", temperature)
         pad_id = check_count("pad_id", pad_id, 0, self.vocab_size - 1)
         if eos_id is not None:
