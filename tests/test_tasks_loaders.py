@@ -509,9 +509,16 @@ def test_cifar_empty_and_wrong_pickles(tmp_path: Path) -> None:
         ImageTask(folder, "test")
     assert_error(err, batch)
     batch.write_bytes(pickle.dumps({b"data": np.zeros((2, 3072), np.uint8), b"labels": [1]}))
-    with pytest.raises(ValueError, match="1 labels for 2 images") as err:
+    with pytest.raises(ValueError, match=r"'labels' must have shape \(2,\).*got \(1,\)") as err:
         ImageTask(folder, "test")
     assert_error(err, batch)
+    # a scalar (IndexError while the message was built) and a column ("2 labels for 2 images")
+    for labels, shape in ((np.int64(1), r"\(\)"), (np.array([[1], [2]]), r"\(2, 1\)")):
+        batch.write_bytes(pickle.dumps({b"data": np.zeros((2, 3072), np.uint8), b"labels": labels}))
+        with pytest.raises(
+            ValueError, match=rf"must have shape \(2,\), one per image, got {shape}"
+        ):
+            ImageTask(folder, "test")
     floats = {b"data": np.zeros((2, 3072), np.uint8), b"labels": np.array([1.7, 2.2])}
     batch.write_bytes(pickle.dumps(floats))  # int64 would truncate them to 1, 2
     with pytest.raises(ValueError, match="'labels' must be ints, got dtype float64") as err:

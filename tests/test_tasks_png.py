@@ -138,3 +138,27 @@ def test_malformed_files_raise_value_error(tmp_path, rng: np.random.Generator) -
         path.write_bytes(data)
         with pytest.raises(ValueError, match=str(path)):
             read_png(path)
+
+
+def test_image_data_is_inflated_no_further_than_the_image() -> None:
+    """The IDAT stream was inflated whole before its length was checked: a small file
+    (here 50 KB for 50 MB of zeros) took as much memory as it expanded to. Decoding now
+    stops one byte past the image's size; a stream that ends early or breaks off fails."""
+    header = _chunk(b"IHDR", struct.pack(">IIBBBBB", 2, 2, 8, 0, 0, 0, 0))
+    end = _chunk(b"IEND", b"")
+
+    def png(stream: bytes) -> bytes:
+        return b"\x89PNG\r\n\x1a\n" + header + _chunk(b"IDAT", stream) + end
+
+    bomb = png(zlib.compress(bytes(50_000_000), 9))
+    assert len(bomb) < 100_000
+    with pytest.raises(ValueError, match="more than the 6 bytes of the image"):
+        decode_png(bomb)
+    image = bytes([0, 1, 2, 0, 3, 4])  # two rows: filter byte, two pixels
+    np.testing.assert_array_equal(decode_png(png(zlib.compress(image)))[..., 0], [[1, 2], [3, 4]])
+    with pytest.raises(ValueError, match="has 3 bytes, expected 6"):
+        decode_png(png(zlib.compress(image[:3])))
+    with pytest.raises(ValueError, match="incomplete or truncated"):
+        decode_png(png(zlib.compress(image)[:-3]))
+    with pytest.raises(TypeError, match="data must be the file's bytes, got str"):
+        decode_png("\x89PNG")

@@ -502,3 +502,56 @@ def test_summary_gives_the_training_time_apart_from_the_wall_time(
     record = json.loads((out / "run.json").read_text())
     assert summary["train_time_s"] == record["train_time_s"]
     assert 0 < summary["train_time_s"] < summary["wall_time_s"] == record["wall_time_s"]
+
+
+@pytest.mark.parametrize("layout", ["aclImdb", "val.tsv"])
+def test_a_run_whose_val_split_reads_the_test_data_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], layout: str
+) -> None:
+    """IMDB's val split is its test split (as in LRA): the best checkpoint, which the test
+    scores, was chosen on the test set without a word in the output or summary.json."""
+    rows = ["a fine film", "dull, skip it", "loved it", "no", "great", "bad"]
+    data = tmp_path / "data"
+    if layout == "aclImdb":
+        for split in ("train", "test"):
+            for label, polarity in enumerate(("neg", "pos")):
+                folder = data / "aclImdb" / split / polarity
+                folder.mkdir(parents=True)
+                for i, row in enumerate(rows):
+                    (folder / f"{i}_{label}.txt").write_text(f"{split} {row}")
+    else:
+        data.mkdir()
+        for split in ("train", "val", "test"):
+            body = "".join(f"{split} {row}\t{i % 2}\n" for i, row in enumerate(rows))
+            (data / f"{split}.tsv").write_text("text\tlabel\n" + body)
+    out = tmp_path / "run"
+    args = ["train", "--task", "text", "--data", str(data), "--max-length", "24"]
+    args += ["--steps", "2", "--eval-every", "1", "--device", "cpu", "--out", str(out), *TINY]
+    assert main(args) == 0
+    reads_test = layout == "aclImdb"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["val_reads_test"] is reads_test
+    err = capsys.readouterr().err
+    assert ("chosen on the test set" in err) is reads_test, err
+
+
+def test_an_empty_out_or_data_is_refused_not_the_current_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--out ""`` (an unset variable) wrote the run into the current directory (and with
+    --overwrite deleted a run there first); ``TrainConfig(out_dir="")`` did the same."""
+    monkeypatch.chdir(tmp_path)
+    for flags, message in (
+        (["--task", "copy", "--out", ""], "--out must not be empty"),
+        (["--task", "listops", "--data", "", "--out", "run"], "--data must not be empty"),
+    ):
+        assert main(["train", *flags]) == 1
+        assert message in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+    from kernelstudy.train import TrainConfig
+
+    with pytest.raises(ValueError, match="out_dir must not be empty"):
+        TrainConfig(out_dir="")
+    with pytest.raises(TypeError, match="out_dir must be a path"):
+        TrainConfig(out_dir=5)
+    assert TrainConfig(out_dir=tmp_path).out_dir == str(tmp_path)

@@ -8,6 +8,7 @@ import os
 import signal
 import time
 
+import numpy as np
 import optuna
 import pandas as pd
 import pytest
@@ -577,8 +578,9 @@ def test_bad_configuration_fails_before_training():
         Trainer(_classifier(), ContainsTask(8), no_fit, val_data=ContainsTask(8))
     with pytest.raises(ValueError, match="monitor 'grad_norm' is not a metric"):
         Trainer(_classifier(), ContainsTask(8), _config(monitor="grad_norm", clip_norm=None))
-    with pytest.raises(ValueError, match="'val_loss' is a loss, .* give mode='min'"):
-        TrainConfig(monitor="val_loss")  # mode defaults to max: restore_best kept the worst
+    for lower_is_better in ("val_loss", "train_loss", "train_reg"):  # the penalty too
+        with pytest.raises(ValueError, match=f"'{lower_is_better}' improves as it falls.*'min'"):
+            TrainConfig(monitor=lower_is_better)  # mode defaults to max: kept the worst
     assert TrainConfig(monitor="val_loss", mode="min").mode == "min"
 
 
@@ -1157,3 +1159,15 @@ def test_load_model_refuses_a_run_continued_past_its_finish(tmp_path, recwarn):
     assert record["status"] == "paused" and record["model_step"] == 6
     with pytest.raises(ValueError, match="records status 'paused', not a finished run"):
         load_model(out)
+
+
+def test_evaluate_checks_max_batches():
+    """``max_batches`` 0 or -1 raised "evaluation data yields no batches", 2.5 read as 3
+    and "2" failed inside the loop; it is an int >= 1 or None."""
+    trainer = Trainer(_classifier(), ContainsTask(8), _config(steps=1))
+    data = ContainsTask(64)
+    for bad in (0, -1, 2.5, "2", True):
+        with pytest.raises(ValueError, match="max_batches must be an int >= 1"):
+            trainer.evaluate(data, max_batches=bad)
+    one = trainer.evaluate(data, max_batches=np.int64(1))  # numpy ints as elsewhere
+    assert one == trainer.evaluate(data, max_batches=1) != trainer.evaluate(data)

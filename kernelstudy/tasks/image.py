@@ -99,7 +99,9 @@ def read_cifar_batch(path: PathArg) -> tuple[np.ndarray, np.ndarray]:
         raise data_error(path, f"'labels' must be ints, got dtype {raw.dtype}")
     labels = raw.astype(np.int64)
     if labels.shape != (data.shape[0],):
-        raise data_error(path, f"{labels.shape[0]} labels for {data.shape[0]} images")
+        raise data_error(
+            path, f"'labels' must have shape ({data.shape[0]},), one per image, got {labels.shape}"
+        )
     bad = np.flatnonzero((labels < 0) | (labels > 9))
     if bad.size:
         raise data_error(path, f"label {labels[bad[0]]} of image {bad[0]} is not in 0-9")

@@ -78,6 +78,8 @@ def decode_png(data: bytes) -> np.ndarray:
 
     Raises ValueError for malformed or unsupported files.
     """
+    if not isinstance(data, bytes | bytearray):
+        raise TypeError(f"data must be the file's bytes, got {type(data).__name__}")
     if not data.startswith(SIGNATURE):
         raise ValueError("not a PNG file (bad signature)")
     header = None
@@ -104,12 +106,18 @@ def decode_png(data: bytes) -> np.ndarray:
     channels = _CHANNELS[color]
     bpp = channels * depth // 8
     stride = width * bpp
-    try:
-        raw = zlib.decompress(b"".join(idat))
+    expected = height * (stride + 1)
+    stream = zlib.decompressobj()
+    try:  # at most one byte past the image: a small file may inflate to gigabytes
+        raw = stream.decompress(b"".join(idat), expected + 1)
     except zlib.error as err:
         raise ValueError(f"corrupt image data ({err})") from err
-    if len(raw) != height * (stride + 1):
-        raise ValueError(f"image data has {len(raw)} bytes, expected {height * (stride + 1)}")
+    if len(raw) > expected:
+        raise ValueError(f"image data holds more than the {expected} bytes of the image")
+    if not stream.eof:
+        raise ValueError("corrupt image data (incomplete or truncated stream)")
+    if len(raw) != expected:
+        raise ValueError(f"image data has {len(raw)} bytes, expected {expected}")
     pixels = _unfilter(raw, height, stride, bpp)
     if depth == 16:
         pixels = pixels[:, ::2]  # big-endian samples: keep the high byte

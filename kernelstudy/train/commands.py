@@ -171,6 +171,9 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     for key in ("task", "data", "attention", "out"):
         if getattr(args, key) is not None:
             s[key] = getattr(args, key)
+    for key in ("data", "out"):  # Path("") is the current directory
+        if s[key] is not None and not str(s[key]):
+            raise ValueError(f"--{key} must not be empty (an unset variable?)")
     if s["task"] is None:
         raise ValueError("no task: give --task NAME (or task = ... in the --config file)")
     if s["out"] is None:
@@ -382,7 +385,8 @@ def summarize(
 
     ``val_accuracy`` is the last evaluation's; ``model_step`` the step whose weights
     ``model.pt`` holds and the test scored (the best evaluation's with ``restore_best``),
-    ``model_val_accuracy`` their validation accuracy."""
+    ``model_val_accuracy`` their validation accuracy; ``val_reads_test`` whether the val
+    split read the test data (IMDB, as in LRA: what was chosen on it was chosen on test)."""
     final = record.get("final") or {}
     test = record.get("test") or {}
     params = record["parameters"]
@@ -400,6 +404,7 @@ def summarize(
         "test_accuracy": test.get("accuracy"),
         "test_loss": test.get("loss"),
         "test_majority_accuracy": majority_accuracy(splits["test"]),
+        "val_reads_test": bool(splits["val"].val_reads_test),
         "parameters": {
             "model": params["total"],
             "feature_map": params["feature_map"],
@@ -472,6 +477,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         f"(best {_fmt(best.get('value'))} at step {best.get('step')}), "
         f"test accuracy {_fmt(summary['test_accuracy'])} (weights of step {summary['model_step']})"
     )
+    if summary["val_reads_test"] and config.restore_best:
+        print(
+            "note: the val split read the test data (no validation split in these files, as "
+            "IMDB in LRA), so the weights the test scored were chosen on the test set; "
+            "[train] restore_best = false in --config scores the last weights",
+            file=sys.stderr,
+        )
     print(f"wrote {out}: " + ", ".join(n for n in RUN_FILES if (out / n).exists()))
     return 0
 

@@ -18,9 +18,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from ..arguments import check_count
 from ..files import write_json
 from ..nn.models import feature_map_parameter_count, feature_maps_of, parameter_count
 from ..progress import tqdm
+from ..tasks.files import check_path
 from .checkpoint import (
     get_rng_state,
     load_checkpoint,
@@ -43,6 +45,8 @@ MODEL = "model.pt"
 #: config fields that may change between a run and its resume without changing results
 #: (``eval_batch_size`` only while ``eval_batches`` is None: see :func:`resume_changes`)
 RESUME_FREE = {"out_dir", "progress", "device", "num_workers", "eval_batch_size"}
+#: Metrics columns that improve as they fall: ``monitor`` them with ``mode="min"``.
+LOWER_IS_BETTER = ("train_loss", "val_loss", "train_reg")
 #: config fields a resume refuses to change: the optimizer and schedule state saved in
 #: the checkpoint hold their values, which would silently stay in force
 RESUME_FIXED = ("betas", "lr", "weight_decay")
@@ -129,10 +133,8 @@ class TrainConfig:
             value = getattr(self, name)
             if optional and value is None:
                 return
-            ok = isinstance(value, int) and not isinstance(value, bool)
-            if not ok or value < (0 if allow_zero else 1):
-                bound = ">= 0" if allow_zero else ">= 1"
-                raise ValueError(f"{name} must be an int {bound}, got {value!r}")
+            # numpy ints too, kept as Python ints (the config is written as JSON)
+            setattr(self, name, check_count(name, value, 0 if allow_zero else 1))
 
         positive("steps")
         positive("batch_size")
@@ -184,14 +186,16 @@ class TrainConfig:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
         if self.mode not in ("max", "min"):
             raise ValueError(f"mode must be 'max' or 'min', got {self.mode!r}")
-        if self.monitor.endswith("_loss") and self.mode == "max":  # (mode defaults to max)
+        if self.monitor in LOWER_IS_BETTER and self.mode == "max":  # (mode defaults to max)
             raise ValueError(
-                f"monitor {self.monitor!r} is a loss, which improves as it falls: give "
-                "mode='min' (with 'max', early stopping and restore_best keep the worst)"
+                f"monitor {self.monitor!r} improves as it falls: give mode='min' (with "
+                "'max', early stopping and restore_best keep the worst)"
             )
         if self.amp_dtype not in ("bfloat16", "float16"):
             raise ValueError(f"amp_dtype must be 'bfloat16' or 'float16', got {self.amp_dtype!r}")
         check_task_type(self.task_type)
+        if self.out_dir is not None:  # "" would be the current directory
+            self.out_dir = str(check_path("out_dir", self.out_dir))
         if not isinstance(self.device, str):
             raise ValueError(
                 f"device must be a str such as 'auto' or 'cuda:0', got {self.device!r}"
@@ -511,12 +515,15 @@ class Trainer:
     def evaluate(
         self, data: Dataset | DataLoader, max_batches: int | None = None
     ) -> dict[str, float]:
-        """Mean loss and accuracy (``sequence_accuracy`` too for LM) of the model on ``data``.
+        """Mean loss and accuracy (``sequence_accuracy`` too for LM) of the model on ``data``
+        (its first ``max_batches`` batches, an int >= 1, when given).
 
         The global random generators are left as they were: a DataLoader without its own
         generator (one passed in, or over an IterableDataset) draws its seed from torch's
         global one, which then gave training other dropout masks, so that ``eval_every``
         changed the trained model."""
+        if max_batches is not None:  # 0 or -1 read as "no batches", 2.5 as 3
+            max_batches = check_count("max_batches", max_batches, 1)
         cfg = self.config
         loader = make_loader(
             data, cfg.eval_batch_size or cfg.batch_size, cfg.seed, False, cfg.num_workers, "data"
