@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,3 +114,24 @@ def torch_func_results(fn, xs, small_fn, small_xs, w, u, tangents) -> list[torch
         torch.func.jacfwd(torch.func.jacrev(loss_of(small_fn)))(*small_xs),
         *torch.autograd.grad((dq * cast(u)).sum(), inputs, materialize_grads=True),
     ]
+
+
+def write_text_data(root: Path, layout: str) -> Path:
+    """Four movie reviews per split for the text task, in ``root``: a directory of split
+    tables (``layout`` "val.tsv", or "no val" without it) or ``aclImdb/`` ("aclImdb", whose
+    val is its test split). Returns the path to give the task."""
+    rows = ["a fine film", "dull, skip it", "loved it", "no"]
+    if layout == "aclImdb":
+        for split in ("train", "test"):
+            for label, polarity in enumerate(("neg", "pos")):
+                folder = root / "aclImdb" / split / polarity
+                folder.mkdir(parents=True)
+                for i, row in enumerate(rows):
+                    (folder / f"{i}_{label}.txt").write_text(f"{split} {row}")
+        return root / "aclImdb"
+    root.mkdir(parents=True)
+    splits = ("train", "val", "test") if layout == "val.tsv" else ("train", "test")
+    for split in splits:
+        body = "".join(f"{split} {row}\t{i % 2}\n" for i, row in enumerate(rows))
+        (root / f"{split}.tsv").write_text("text\tlabel\n" + body)
+    return root

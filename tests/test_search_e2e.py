@@ -38,6 +38,8 @@ from kernelstudy.search.runner import search_summary, storage_url, variant_study
 from kernelstudy.search.storage import load_study
 from kernelstudy.search.workers import DUPLICATE_ATTR, requeue_failed
 
+from .conftest import write_text_data
+
 ROOT = Path(__file__).resolve().parents[1]
 
 TINY = """
@@ -952,25 +954,6 @@ seed = 0
 label = "elu+1"
 feature_map = "elu"
 """
-
-
-def write_text_data(root: Path, layout: str) -> Path:
-    """Reviews as a directory of split tables (with or without val.tsv) or as aclImdb/."""
-    rows = ["a fine film", "dull, skip it", "loved it", "no"]
-    if layout == "aclImdb":
-        for split in ("train", "test"):
-            for label, polarity in enumerate(("neg", "pos")):
-                folder = root / "aclImdb" / split / polarity
-                folder.mkdir(parents=True)
-                for i, row in enumerate(rows):
-                    (folder / f"{i}_{label}.txt").write_text(f"{split} {row}")
-        return root / "aclImdb"
-    root.mkdir(parents=True)
-    splits = ("train", "val", "test") if layout == "val.tsv" else ("train", "test")
-    for split in splits:
-        body = "".join(f"{split} {row}\t{i % 2}\n" for i, row in enumerate(rows))
-        (root / f"{split}.tsv").write_text("text\tlabel\n" + body)
-    return root
 
 
 @pytest.mark.parametrize(

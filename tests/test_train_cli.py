@@ -17,6 +17,8 @@ from kernelstudy.tasks import write_listops
 from kernelstudy.train import commands
 from kernelstudy.train.commands import load_splits, parse_key_values, parse_value
 
+from .conftest import write_text_data
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -510,20 +512,7 @@ def test_a_run_whose_val_split_reads_the_test_data_says_so(
 ) -> None:
     """IMDB's val split is its test split (as in LRA): the best checkpoint, which the test
     scores, was chosen on the test set without a word in the output or summary.json."""
-    rows = ["a fine film", "dull, skip it", "loved it", "no", "great", "bad"]
-    data = tmp_path / "data"
-    if layout == "aclImdb":
-        for split in ("train", "test"):
-            for label, polarity in enumerate(("neg", "pos")):
-                folder = data / "aclImdb" / split / polarity
-                folder.mkdir(parents=True)
-                for i, row in enumerate(rows):
-                    (folder / f"{i}_{label}.txt").write_text(f"{split} {row}")
-    else:
-        data.mkdir()
-        for split in ("train", "val", "test"):
-            body = "".join(f"{split} {row}\t{i % 2}\n" for i, row in enumerate(rows))
-            (data / f"{split}.tsv").write_text("text\tlabel\n" + body)
+    data = write_text_data(tmp_path / "data", layout)
     out = tmp_path / "run"
     args = ["train", "--task", "text", "--data", str(data), "--max-length", "24"]
     args += ["--steps", "2", "--eval-every", "1", "--device", "cpu", "--out", str(out), *TINY]
