@@ -876,6 +876,76 @@ def _save_figures(figures: dict[str, Any], out_dir: Path) -> list[Path]:
     return paths
 
 
+#: What :func:`check_params` takes of each kind of config entry.
+PARAM_KINDS = {
+    "count": "an int >= 1",
+    "count0": "an int >= 0",
+    "positive": "a finite number > 0",
+    "counts": "a non-empty list of ints >= 1",
+    "positives": "a non-empty list of finite numbers > 0",
+    "flags": "a non-empty list of true and false, each at most once",
+}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_positive(value: Any) -> bool:
+    return (
+        isinstance(value, numbers.Real)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    )
+
+
+def _fits(kind: str, value: Any) -> bool:
+    if kind == "count":
+        return _is_int(value) and value >= 1
+    if kind == "count0":
+        return _is_int(value) and value >= 0
+    if kind == "positive":
+        return _is_positive(value)
+    if not isinstance(value, list) or not value:
+        return False
+    if kind == "counts":
+        return all(_is_int(v) and v >= 1 for v in value)
+    if kind == "positives":
+        return all(_is_positive(v) for v in value)
+    return all(isinstance(v, bool) for v in value) and len(set(value)) == len(value)
+
+
+def check_params(params: Mapping[str, Any], kinds: Mapping[str, str | Sequence[str]]) -> None:
+    """ValueError naming the first entry of ``params`` that is not of its kind in ``kinds``:
+    a dotted key (``"copy.steps"`` is ``steps`` of table ``copy``) to a kind of
+    :data:`PARAM_KINDS`, or to the names a non-empty list of them may hold (each at most
+    once). A study's ``configs`` calls it first, so a mistyped value fails before any run (it
+    failed in the first run that used it, after others had run; a string was looped over as
+    its characters). Values are left as they are (they make the configs' ids)."""
+    for key, kind in kinds.items():
+        value: Any = params
+        for part in key.split("."):
+            if not isinstance(value, Mapping) or part not in value:
+                raise ValueError(f"config entry {key} is missing")
+            value = value[part]
+        if isinstance(kind, str):
+            if kind not in PARAM_KINDS:
+                raise ValueError(f"kind {kind!r} of {key} is not one of {sorted(PARAM_KINDS)}")
+            if not _fits(kind, value):
+                raise ValueError(f"{key} must be {PARAM_KINDS[kind]}, got {value!r}")
+        elif (
+            not isinstance(value, list)
+            or not value
+            or not all(isinstance(v, str) and v in kind for v in value)
+            or len(set(value)) != len(value)
+        ):
+            choices = ", ".join(map(repr, kind))
+            raise ValueError(
+                f"{key} must be a non-empty list of {choices} (each at most once), got {value!r}"
+            )
+
+
 def check_names(key: str, names: Sequence[str], known: Sequence[str]) -> list[str]:
     """The names of config entry ``key`` as a list, else ValueError naming ``key`` and each
     unknown one (a mistyped map used to drop out of a study without a word)."""

@@ -16,6 +16,7 @@ from kernelstudy.study import (
     check_map_builds,
     check_map_list,
     check_names,
+    check_params,
     main,
     map_name_and_hparams,
     markdown_table,
@@ -26,6 +27,21 @@ from kernelstudy.study import (
 PERFORMER_METRICS = ("kernel_mse", "attention_mse")
 
 
+#: The kinds of the config's plain entries (:func:`kernelstudy.study.check_params`).
+PARAMS = {
+    "seq_len": "count",
+    "value_dim": "count",
+    "head_dims": "counts",
+    "stds": "positives",
+    "num_features": "counts",
+    "map_stds": "positives",
+    "map_feature_dim": "count",
+    "fit_steps": "count0",
+    "fit_batch": "count",
+    "fit_lr": "positive",
+}
+
+
 def configs(params: dict) -> list[dict]:
     """Part "performer": one config per (map, D, std, R, orthogonal), seeds inside.
     Part "maps": one config per (map, std, seed): every registered map not in
@@ -33,6 +49,7 @@ def configs(params: dict) -> list[dict]:
 
     A map given by name is its name in ``map`` (the committed rows' ids); a table is its
     label, e.g. ``"favor(orthogonal=False)"``: CSV column, ``--only`` and id alike."""
+    check_params(params, PARAMS)
     out = []
     # 0 seeds left a part without configs (or failed later as "No objects to concatenate")
     seeds = check_count("seeds", params["seeds"], 1)

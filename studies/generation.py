@@ -10,6 +10,7 @@ import kernelstudy as ks
 from kernelstudy.study import (
     check_lengths,
     check_map_builds,
+    check_params,
     main,
     map_label,
     markdown_table,
@@ -23,8 +24,22 @@ RUNS = {
 }
 
 
+#: The kinds of the config's plain entries (:func:`kernelstudy.study.check_params`).
+PARAMS = {
+    "n_layers": "count",
+    "d_model": "count",
+    "n_heads": "count",
+    "vocab_size": "count",
+    "batch": "count",
+    "prompt_len": "count",
+    "repeats": "count",
+    "time_limit_s": "positive",
+}
+
+
 def configs(params: dict) -> list[dict]:
     """One config per way of generating; all lengths inside (longer ones skipped once slow)."""
+    check_params(params, PARAMS)
     keys = ("n_layers", "d_model", "n_heads", "vocab_size", "feature_map", "batch", "prompt_len")
     # a mistyped map failed only once the linear run started (never under --only run=softmax…);
     # a name stays as it is (the committed rows' ids), a table becomes its label, e.g.

@@ -32,6 +32,7 @@ from kernelstudy.study import (
     check_map_builds,
     check_map_list,
     check_names,
+    check_params,
     main,
     markdown_table,
     matched_map,
@@ -66,12 +67,33 @@ def extra_maps(params: dict) -> list[str]:
     )
 
 
+#: The kinds of the config's plain entries (:func:`kernelstudy.study.check_params`).
+PARAMS = {
+    "head_dim": "count",
+    "std": "positive",
+    "feature_dims": "counts",
+    "fixed_n": "count",
+    "copy.copy_len": "count",
+    "copy.n_symbols": "count",
+    "copy.d_model": "count",
+    "copy.d_ff": "count",
+    "copy.feature_dim": "count",
+    "copy.batch_size": "count",
+    "copy.lr": "positive",
+    "copy.train_samples": "count",
+    "copy.val_samples": "count",
+    "copy.steps": "count",
+    "copy.eval_every": "count",
+}
+
+
 def configs(params: dict) -> list[dict]:
     """Gaussian part: one config per (method, F, N, seed): the N sweep at F = D and the F sweep
     at N = fixed_n. Methods: softmax (N sweep only), every registered map not in
     ``exclude_maps`` and every map of ``extra_maps`` (a map whose F is fixed, such as elu with
     F = D, enters at its own F only). A map given by name is its name in ``method`` (the
     committed rows' ids); a table is its label, e.g. ``"glu(depth=2)"``."""
+    check_params(params, PARAMS)
     d = params["head_dim"]
     check_lengths("seq_lens", params["seq_lens"])  # a 0 or a duplicate is a mistyped sweep
     points = [(d, n) for n in params["seq_lens"]]

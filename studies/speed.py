@@ -14,6 +14,7 @@ import kernelstudy as ks
 from kernelstudy.study import (
     check_lengths,
     check_map_builds,
+    check_params,
     main,
     map_label,
     markdown_table,
@@ -24,8 +25,30 @@ from kernelstudy.study import (
 SETTINGS = ("rnn_benchmark", "performer")
 
 
+#: The kinds of the config's plain entries (:func:`kernelstudy.study.check_params`).
+PARAMS = {
+    "repeats": "count",
+    "warmup": "count0",
+    "time_limit_s": "positive",
+    "max_quadratic_gb": "positive",
+    **{
+        f"{setting}.{key}": kind
+        for setting in SETTINGS
+        for key, kind in {
+            "batch": "count",
+            "heads": "count",
+            "head_dim": "count",
+            "methods": ks.analysis.speed.METHODS,
+            "causal": "flags",
+            "passes": ks.analysis.speed.PASSES,
+        }.items()
+    },
+}
+
+
 def configs(params: dict) -> list[dict]:
     """One config per (setting, method, causal, pass); all N inside (longer N skipped once slow)."""
+    check_params(params, PARAMS)
     # the time-limit skip assumes ascending N (a slow N skips all after it)
     for key in ("seq_lens", "seq_lens_cuda"):
         check_lengths(key, params[key])

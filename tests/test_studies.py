@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
+import re
 import shutil
 import textwrap
 
@@ -1092,6 +1094,49 @@ def test_sequence_lengths_must_ascend(tmp_path, monkeypatch, capsys, name, key, 
     assert study.main(name, ["--quick", "--out", str(out)]) == 1
     assert expected in capsys.readouterr().err
     assert not (out / "results.csv").exists()
+
+
+@pytest.mark.parametrize(
+    ("name", "key", "value", "expected"),
+    [
+        ("approximation", "head_dims", [], "a non-empty list of ints >= 1"),  # IndexError
+        ("approximation", "map_stds", "1.0", "a non-empty list of finite numbers > 0"),
+        ("approximation", "seq_len", "abc", "an int >= 1"),
+        ("approximation", "fit_lr", 0, "a finite number > 0"),
+        ("rank", "copy.steps", -1, "an int >= 1"),  # failed after the Gaussian part ran
+        ("rank", "feature_dims", [8, True], "a non-empty list of ints >= 1"),
+        ("speed", "performer.methods", ["linear", "flash"], "'softmax_sdpa', "),
+        ("speed", "rnn_benchmark.causal", [True, True], "true and false, each at most once"),
+        ("speed", "warmup", -1, "an int >= 0"),
+        ("generation", "n_heads", 0, "an int >= 1"),
+        ("generation", "time_limit_s", math.inf, "a finite number > 0"),
+    ],
+)
+def test_a_mistyped_config_entry_fails_before_any_run(
+    tmp_path, monkeypatch, capsys, name, key, value, expected
+):
+    """Most plain entries were checked only by the run that used them: a string list was
+    looped over as characters ("1.0" gave the stds '1', '.', '0'), head_dims = [] raised
+    IndexError, and rank's copy.steps = -1 failed after the Gaussian part had run."""
+    params = copy.deepcopy(study.load_params(name, quick=True))
+    table, _, leaf = key.rpartition(".")
+    (params[table] if table else params)[leaf] = value
+    message = f"{re.escape(key)} must be .*{re.escape(expected)}"
+    with pytest.raises(ValueError, match=message):
+        study.load_study(name).configs(params)
+    monkeypatch.setattr(study, "load_params", lambda *args, **kwargs: params)
+    out = tmp_path / "out"
+    assert study.main(name, ["--quick", "--out", str(out)]) == 1
+    assert f"{key} must be" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_check_params_names_a_missing_entry_and_an_unknown_kind():
+    with pytest.raises(ValueError, match="config entry copy.steps is missing"):
+        study.check_params({"copy": {}}, {"copy.steps": "count"})
+    with pytest.raises(ValueError, match="kind 'int' of n is not one of"):
+        study.check_params({"n": 1}, {"n": "int"})
+    study.check_params({"n": np.int64(2), "s": [0.5, 2]}, {"n": "count", "s": "positives"})
 
 
 def test_committed_results_are_rows_of_the_current_configurations():
