@@ -117,9 +117,13 @@ def test_storage_errors_name_the_url(tmp_path):
     assert open_storage(f"sqlite:///{tmp_path / 's.db'}") is not None
     with pytest.raises(ValueError, match="database URL"):
         open_storage("results/study.db")
-    for memory in ("sqlite://", "sqlite:///", "sqlite:///:memory:"):
+    # SQLite's URI filenames too: they ran every trial against a database that vanished
+    uris = ("sqlite:///file:x.db?mode=memory&uri=true", "sqlite:///file::memory:?uri=true")
+    for memory in ("sqlite://", "sqlite:///", "sqlite:///:memory:", *uris):
         with pytest.raises(ValueError, match="in-memory database"):
             open_storage(memory)
+    file_uri = f"sqlite:///file:{tmp_path / 'u.db'}?uri=true"  # a file, named as a URI
+    assert open_storage(file_uri) is not None and (tmp_path / "u.db").is_file()
     with pytest.raises(ValueError, match=r"127\.0\.0\.1:1"):
         open_storage("postgresql://user:secret@127.0.0.1:1/db")
     try:
@@ -500,6 +504,16 @@ def test_variants_given_as_one_str_are_refused(tmp_path):
     assert [v.label for v in select_variants(config, ["b", "b"])] == ["b"]
     with pytest.raises(TypeError, match="variants must be a list of labels, got the str 'ab'"):
         select_variants(config, "ab")
+
+
+def test_report_targets_given_as_one_str_are_refused(tmp_path):
+    """``write_report("tiny.toml")`` took each character for a target and failed with "no
+    study database .../t/optuna.db"."""
+    from kernelstudy.search.report import write_report
+
+    for one in ("tiny.toml", tmp_path / "tiny.toml"):
+        with pytest.raises(TypeError, match="targets must be a list of config files"):
+            write_report(one, out=tmp_path)
 
 
 def test_missing_listops_data_says_how_to_make_them(tmp_path):

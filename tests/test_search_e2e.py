@@ -332,9 +332,15 @@ def test_budget_prunes_three_glus_before_training(tmp_path, monkeypatch):
     assert looser.budget == 0.2 and check_variants(looser, data_dir(looser, tmp_path / "res")) == {}
 
 
-def _ctrl_c_when(proc: subprocess.Popen, ready: Callable[[], bool], what: str) -> str:
-    """Ctrl-C (SIGINT) the search ``proc`` once ``ready()`` (within 120 s, while it runs);
-    its stderr (text) after it exited 130."""
+def _ctrl_c_when(
+    proc: subprocess.Popen,
+    ready: Callable[[], bool],
+    what: str,
+    signum: int = signal.SIGINT,
+    returncode: int = 130,
+) -> str:
+    """Ctrl-C (``signum``) the search ``proc`` once ``ready()`` (within 120 s, while it
+    runs); its stderr (text) after it exited with ``returncode``."""
     deadline = time.time() + 120
     while not ready():
         if time.time() > deadline:
@@ -342,14 +348,14 @@ def _ctrl_c_when(proc: subprocess.Popen, ready: Callable[[], bool], what: str) -
             pytest.fail(f"the search never {what}")
         assert proc.poll() is None, proc.communicate()[1][-2000:]
         time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signum)
     try:
         _, err = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:
         proc.kill()  # not left training on after the test
         _, err = proc.communicate()
-        pytest.fail(f"the search did not stop within 60 s of its SIGINT:\n{err[-2000:]}")
-    assert proc.returncode == 130, err[-2000:]
+        pytest.fail(f"the search did not stop within 60 s of its signal:\n{err[-2000:]}")
+    assert proc.returncode == returncode, err[-2000:]
     return err
 
 
@@ -772,6 +778,23 @@ def test_ctrl_c_of_a_one_worker_search_prints_no_traceback(tmp_path):
     study = optuna.load_study(study_name="tiny/elu+1", storage=f"sqlite:///{db}")
     assert [t.state for t in study.get_trials()] == [TrialState.FAIL]
     assert requeue_failed(study) == [0]  # what a resumed search does first
+
+
+def test_sigterm_of_a_one_worker_search_fails_its_trial_then_terminates(tmp_path):
+    """SIGTERM (``timeout``, a job scheduler) ended a one-worker search at once and left its
+    trial RUNNING until the heartbeat went stale, so a rerun within that time neither failed
+    nor retried it; a multi-worker search's workers failed theirs. Now the trial is failed
+    first, and the process ends by the SIGTERM as before."""
+    cfg, out = write_config(tmp_path, ["elu+1"], steps=100_000), tmp_path / "res"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "kernelstudy.cli", "search", str(cfg), "--out", str(out)]
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    db = out / "tiny" / "optuna.db"
+    err = _ctrl_c_when(proc, lambda: _reports(db) > 0, "started training", signal.SIGTERM, -15)
+    assert "Traceback" not in err, err[-2000:]
+    study = optuna.load_study(study_name="tiny/elu+1", storage=f"sqlite:///{db}")
+    assert [t.state for t in study.get_trials()] == [TrialState.FAIL]
+    assert requeue_failed(study) == [0]
 
 
 def test_the_summary_chooses_best_by_validation_and_counts_every_run(tmp_path):

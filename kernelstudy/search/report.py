@@ -487,6 +487,8 @@ def write_report(
     """Write the table, reference table, trials, summary and figures; return their paths."""
     import matplotlib.pyplot as plt
 
+    if isinstance(targets, str | Path):  # its characters were taken as targets
+        raise TypeError(f"targets must be a list of config files or study names, got {targets!r}")
     if not targets:
         raise ValueError("report needs at least one config file or study name")
     results = [load_results(t, storage, out, quick) for t in targets]

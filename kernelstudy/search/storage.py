@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import warnings
 from pathlib import Path
-from urllib.parse import quote
+from urllib.parse import parse_qs, quote
 
 import optuna
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
@@ -102,6 +102,22 @@ def engine_options(url: str) -> dict:
     return options
 
 
+def _in_memory(url: str) -> bool:
+    """Whether SQLite URL ``url`` names an in-memory database: no path, ``:memory:``, or a
+    URI filename with ``mode=memory`` or ``:memory:`` (``sqlite:///file::memory:?uri=true``)."""
+    rest = url.partition("://")[2].lstrip("/")
+    path, _, query = rest.partition("?")
+    options = parse_qs(query)
+    uri = options.get("uri", ["false"])[-1].lower() in ("true", "1")
+    if path in ("", ":memory:"):
+        return True
+    if not uri:
+        return False
+    name, _, file_query = path.removeprefix("file:").partition("?")
+    mode = {**options, **parse_qs(file_query)}.get("mode", [""])[-1]
+    return name in ("", ":memory:") or mode == "memory"
+
+
 def open_storage(
     url: str,
     heartbeat_interval: int = HEARTBEAT_INTERVAL,
@@ -115,7 +131,7 @@ def open_storage(
     """
     if not isinstance(url, str) or "://" not in url:
         raise ValueError(f"storage must be a database URL such as sqlite:///study.db, got {url!r}")
-    if url.startswith("sqlite") and url.partition("://")[2].lstrip("/") in ("", ":memory:"):
+    if url.startswith("sqlite") and _in_memory(url):
         raise ValueError(
             f"storage {url!r} is an in-memory database, which every worker and command opens "
             "afresh (the trials would be lost): give a file, e.g. sqlite:///results/study.db"

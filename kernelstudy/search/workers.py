@@ -310,6 +310,8 @@ def _worker(
 STOP_TIMEOUT = 30.0
 #: Exit code of a worker stopped by SIGTERM (the parent's stop after a Ctrl-C).
 STOPPED_EXIT_CODE = 130
+#: Exit code of a worker stopped by :class:`TrialsKeepFailing` (the parent raises it).
+KEEP_FAILING_EXIT_CODE = 3
 
 
 class _StopRequest:
@@ -325,12 +327,14 @@ class _StopRequest:
 
     def __init__(self, second_at_once: bool = False) -> None:
         self.requested = False
+        self.signum: int | None = None  # the first signal's
         self.in_objective = False
         self.second_at_once = second_at_once
 
     def handle(self, signum: int, frame: FrameType | None) -> None:
         again = self.requested
         self.requested = True
+        self.signum = signum if self.signum is None else self.signum
         optuna.logging.set_verbosity(optuna.logging.ERROR)  # no "trial failed" traceback
         if self.in_objective or (again and self.second_at_once):
             raise KeyboardInterrupt
@@ -386,6 +390,8 @@ def _quiet_worker(parent: int | None, *args: Any) -> None:
     except KeyboardInterrupt:
         if not request.requested:
             raise
+    except TrialsKeepFailing:  # the parent says why, once (each worker printed a traceback)
+        sys.exit(KEEP_FAILING_EXIT_CODE)
     if request.requested:
         sys.exit(STOPPED_EXIT_CODE)
 
@@ -397,19 +403,28 @@ def _interruptible_worker(*args: Any) -> None:
     failed" traceback, which Ctrl-C printed before the search's own "interrupted"; then
     KeyboardInterrupt is raised. A second Ctrl-C interrupts at once. Where SIGINT is not
     Python's default (ignored, or a caller's handler), or off the main thread, it is left
-    alone."""
+    alone. A SIGTERM (``timeout``, a job scheduler) is a stop request too where it has the
+    default action; once the trial is failed, the process ends by that SIGTERM (it left
+    the trial RUNNING until its heartbeat went stale)."""
     in_main = threading.current_thread() is threading.main_thread()
     if not in_main or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         _worker(*args)
         return
     request = _StopRequest(second_at_once=True)
     verbosity = optuna.logging.get_verbosity()
+    term = signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     signal.signal(signal.SIGINT, request.handle)
+    if term:
+        signal.signal(signal.SIGTERM, request.handle)
     try:
         _worker(*args, request=request)
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        if term:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
         optuna.logging.set_verbosity(verbosity)  # the handler's ERROR too
+        if term and request.signum == signal.SIGTERM:
+            signal.raise_signal(signal.SIGTERM)  # its default action, now the trial is failed
     if request.requested:  # the study stopped after its trial: the caller reports it
         raise KeyboardInterrupt
 
@@ -473,9 +488,24 @@ def run_workers(
                 p.join()
         raise
     failed = [p.exitcode for p in procs if p.exitcode != 0]
+    if failed and all(code == KEEP_FAILING_EXIT_CODE for code in failed):
+        raise TrialsKeepFailing(_keep_failing(study, len(failed), workers))
     if failed:  # as one worker's error ends a single-process search
         raise ChildProcessError(f"search {name}: {_exits(failed, workers)}")
     return study
+
+
+def _keep_failing(study: optuna.Study, stopped: int, workers: int) -> str:
+    """The :class:`TrialsKeepFailing` message of workers that stopped as their trials kept
+    failing, with the last failed trial's error (as one worker's message gives it)."""
+    failed = study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
+    last = max(failed, key=lambda t: t.number, default=None)
+    reason = "" if last is None else last.user_attrs.get(FAIL_REASON_ATTR, "")
+    why = f"; the last one (trial {last.number}): {reason}" if reason else ""
+    return (
+        f"study {study.study_name}: {stopped} of {workers} worker(s) stopped after "
+        f"{MAX_FAILURES_IN_A_ROW} failed trials in a row{why}"
+    )
 
 
 def _exits(codes: Sequence[int], workers: int) -> str:
@@ -484,9 +514,12 @@ def _exits(codes: Sequence[int], workers: int) -> str:
     killer, say), e.g. ``"2 of 3 worker(s) failed: 1 exited with an error (traceback above),
     1 was killed by signal 9 (SIGKILL)"``."""
     parts = []
-    errors = sum(c > 0 for c in codes)
+    errors = sum(c > 0 and c != KEEP_FAILING_EXIT_CODE for c in codes)
     if errors:
         parts.append(f"{errors} exited with an error (traceback above)")
+    keep_failing = sum(c == KEEP_FAILING_EXIT_CODE for c in codes)
+    if keep_failing:
+        parts.append(f"{keep_failing} stopped as their trials kept failing")
     for code in sorted({c for c in codes if c < 0}):
         try:
             signame = f" ({signal.Signals(-code).name})"
