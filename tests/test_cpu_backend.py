@@ -212,6 +212,20 @@ def test_missing_compiler_returns_none(tmp_path, monkeypatch):
         assert extensions.load_extension("kernelstudy_test_nocxx", [tmp_path / "x.cpp"]) is None
 
 
+def test_a_failure_is_cached_when_warnings_are_errors(tmp_path, monkeypatch):
+    """Under ``-W error`` the warning raised before the failure was cached: every later
+    call built again (``ks.backends()`` raised each time), and an unchanged broken source
+    then reported a missing .so instead of its compiler error."""
+    monkeypatch.setenv("CXX", "kernelstudy-no-such-compiler")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeWarning, match="no C\\+\\+ compiler"):
+            extensions.load_extension("kernelstudy_test_nocxx_error", [tmp_path / "x.cpp"])
+        assert (
+            extensions.load_extension("kernelstudy_test_nocxx_error", [tmp_path / "x.cpp"]) is None
+        )
+
+
 @pytest.mark.parametrize(
     "needs", [(True, False, False), (False, True, False), (False, False, True)]
 )

@@ -261,7 +261,7 @@ def load_extension(
                 )
         except Exception as err:  # compiler errors, missing headers, import errors
             reason = f"build failed: {_first_error(err)}"
-    if module is None:
+    _LOADED[name] = module  # first: with warnings as errors _warn raises, and every call
+    if module is None:  # then built again (or, unchanged, reported a wrong cause)
         _warn(name, reason or "unknown error")
-    _LOADED[name] = module
     return module
