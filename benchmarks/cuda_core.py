@@ -270,13 +270,32 @@ def row_label(method: str, dtype_name: str, blocks: int, several_blocks: bool) -
     return method
 
 
+def walk_parts(method: str, walk_blocks: object = None) -> tuple[str, int]:
+    """A row's method without its WALK_BLOCKS suffix, and the blocks of a walk method (from
+    the ``walk_blocks`` column, else the suffix; 0 where neither says, and for other
+    methods): ``cuda_walk_128`` and ``cuda_walk`` at 128 are one case."""
+    blocks = 0 if walk_blocks is None or pd.isna(walk_blocks) else int(walk_blocks)
+    base, _, suffix = method.rpartition("_")
+    if base in WALK_METHODS and suffix.isdigit():
+        return base, blocks or int(suffix)
+    return method, blocks if method in WALK_METHODS else 0
+
+
+def case_key(method: str, walk_blocks: object, mode: str, dtype: str, *sizes: int) -> tuple:
+    """The key of a case (``sizes``: B, H, N, F), whatever its row's label says."""
+    return (*walk_parts(str(method), walk_blocks), str(mode), str(dtype), *map(int, sizes))
+
+
 def case_keys(frame: pd.DataFrame) -> set[tuple]:
-    """The cases of a CSV's frame as keys of :data:`CASE` (what ``--resume`` skips)."""
+    """The cases of a CSV's frame as :func:`case_key` keys (what ``--resume`` skips)."""
     if frame.empty:
         return set()
+    blocks = frame["walk_blocks"] if "walk_blocks" in frame.columns else [None] * len(frame)
     return {
-        (str(m), str(mode), str(dt_), int(b), int(h), int(n), int(f))
-        for m, mode, dt_, b, h, n, f in frame[CASE].itertuples(index=False)
+        case_key(m, w, mode, dt_, b, h, n, f)
+        for (m, mode, dt_, b, h, n, f), w in zip(
+            frame[CASE].itertuples(index=False), blocks, strict=True
+        )
     }
 
 
@@ -328,7 +347,7 @@ def benchmark(
             walk = method in WALK_METHODS
             for blocks in args.walk_blocks if walk else [cuda_backend.WALK_BLOCKS]:
                 label = row_label(method, name, blocks, len(args.walk_blocks) > 1)
-                if (label, mode, name, b, h, n, d) in done:
+                if case_key(label, blocks if walk else None, mode, name, b, h, n, d) in done:
                     continue
                 dtype = getattr(torch, name)
                 try:
@@ -648,23 +667,37 @@ def read_results(path: Path) -> pd.DataFrame:
 
 
 def join(*frames: pd.DataFrame) -> pd.DataFrame:
-    """The rows of ``frames`` in order, one per case: a later row of the same case wins.
+    """The rows of ``frames`` in order, one per case (:func:`case_key`): a later row of the
+    same case wins. Rows of one device only (ValueError naming them: two GPUs' rows
+    collapsed into one and the plot was titled by the first).
 
     A run that swept one WALK_BLOCKS value labels its walk rows ``cuda_walk`` (its
-    ``walk_blocks`` column holds the value); where another run swept several
-    (``cuda_walk_128``, ...), those rows take the same label, so that one case is one row."""
+    ``walk_blocks`` column holds the value), one that swept several ``cuda_walk_128``, ...
+    Joined, a walk method's rows carry their blocks where they hold several values (rows
+    of different blocks are different cases) or some came so labelled, else its plain name."""
     frames = tuple(f for f in frames if not f.empty)
     if not frames:
         return pd.DataFrame()
     whole = pd.concat(frames, ignore_index=True)
-    if "walk_blocks" in whole.columns:
-        labels = set(whole["method"].astype(str))
-        for method in WALK_METHODS:
-            rows = (whole["method"] == method) & whole["walk_blocks"].notna()
-            suffixed = method + "_" + whole.loc[rows, "walk_blocks"].astype(int).astype(str)
-            if labels & set(suffixed):
-                whole.loc[rows, "method"] = suffixed
-    return whole.drop_duplicates(subset=CASE, keep="last").reset_index(drop=True)
+    if "device" in whole.columns and whole["device"].nunique() > 1:
+        devices = ", ".join(map(str, whole["device"].dropna().unique()))
+        raise ValueError(f"the CSVs hold rows of several devices ({devices}): join one's")
+    blocks = whole["walk_blocks"] if "walk_blocks" in whole.columns else [None] * len(whole)
+    parts = [walk_parts(str(m), w) for m, w in zip(whole["method"], blocks, strict=True)]
+    labelled = {base for (base, _), m in zip(parts, whole["method"], strict=True) if base != m}
+    whole["method"] = [base for base, _ in parts]
+    whole["walk_blocks"] = pd.array(
+        [w if base in WALK_METHODS and w else None for base, w in parts], dtype="Int64"
+    )
+    for method in WALK_METHODS:
+        rows = whole["method"] == method
+        if method in labelled or whole.loc[rows, "walk_blocks"].nunique() > 1:
+            whole.loc[rows, "method"] = method + "_" + whole.loc[rows, "walk_blocks"].astype(str)
+    keys = [
+        case_key(*row)
+        for row in whole[["method", "walk_blocks", *CASE[1:]]].itertuples(index=False)
+    ]
+    return whole[~pd.Series(keys).duplicated(keep="last").to_numpy()].reset_index(drop=True)
 
 
 def report(frame: pd.DataFrame, out: Path, draw: bool) -> None:
@@ -711,6 +744,15 @@ def main(argv: list[str] | None = None) -> int:
             previous = read_results(args.out)
         except ValueError as err:
             print(f"benchmarks/cuda_core.py: --resume: {err}", file=sys.stderr)
+            return 1
+        here = torch.cuda.get_device_name()
+        other = sorted(set(previous.get("device", pd.Series(dtype=str)).dropna()) - {here})
+        if other:  # its cases are not this GPU's, and one CSV holds one device's rows
+            print(
+                f"benchmarks/cuda_core.py: --resume: {args.out} holds rows measured on "
+                f"{', '.join(other)}, not on this {here}: give another --out",
+                file=sys.stderr,
+            )
             return 1
 
     def save(frame: pd.DataFrame) -> None:  # as it goes, once a case has a time

@@ -721,6 +721,47 @@ def test_resume_measures_only_the_cases_out_lacks(gpu_on_cpu, cuda_memory, tmp_p
     pd.testing.assert_frame_equal(pd.read_csv(out), whole)
 
 
+def test_resume_keys_walk_cases_by_their_blocks_and_device(
+    gpu_on_cpu, cuda_memory, monkeypatch, tmp_path, capsys
+):
+    """--resume took a walk row of one --walk-blocks for the case at another (one value
+    labels rows plain ``cuda_walk``), so a session whose sweep changed its blocks measured
+    nothing and kept the old rows; --from-csv kept one of two such rows. Rows of another
+    GPU are not this one's cases: --resume refuses them."""
+    cuda_core = gpu_on_cpu
+    monkeypatch.setattr(cuda_core.ks, "backends", lambda: ["reference", "torch", "cuda"])
+    monkeypatch.setattr(cuda_core, "make_case", _torch_for_cuda(cuda_core.make_case))
+    out = tmp_path / "cuda.csv"
+    base = ["--n", "32", "--shapes", "1x2", "--dims", "8", "--dtypes", "float32"]
+    base += ["--modes", "fwd", "--repeats", "1", "--warmup", "0", "--no-plot"]
+    base += ["--methods", "cuda_walk", "--out", str(out)]
+    assert cuda_core.main([*base, "--walk-blocks", "128"]) == 0
+    assert cuda_core.main([*base, "--walk-blocks", "256", "--resume"]) == 0
+    assert len(cuda_memory.cases) == 2  # 256 is a case of its own
+    rows = pd.read_csv(out)
+    assert rows[["method", "walk_blocks"]].values.tolist() == [
+        ["cuda_walk_128", 128],
+        ["cuda_walk_256", 256],
+    ]
+    assert cuda_core.main([*base, "--walk-blocks", "128", "256", "--resume"]) == 0
+    assert len(cuda_memory.cases) == 2  # both there, whatever their labels
+    capsys.readouterr()
+    monkeypatch.setattr(cuda_core.torch.cuda, "get_device_name", lambda *args: "other GPU")
+    assert cuda_core.main([*base, "--walk-blocks", "512", "--resume"]) == 1
+    assert "holds rows measured on test GPU, not on this other GPU" in capsys.readouterr().err
+    pd.testing.assert_frame_equal(pd.read_csv(out), rows)
+
+
+def _torch_for_cuda(make_case):
+    """``make_case`` with our CUDA methods computed by the torch backend (on the CPU)."""
+
+    def case(method, *rest):
+        label, fn, inputs = make_case("torch" if method.startswith("cuda") else method, *rest)
+        return method if method.startswith("cuda") else label, fn, inputs
+
+    return case
+
+
 def test_resume_after_a_broken_context_goes_on_without_that_method(
     gpu_on_cpu, monkeypatch, tmp_path, capsys
 ):

@@ -161,6 +161,18 @@ def test_the_sweep_times_cuda_and_the_fastest_variant(gs, tmp_path):
     assert methods == ["cuda", "cuda_walk_fused", "torch", "fla", "sdpa"]
     assert args[args.index("--walk-blocks") + 1] == "512" and "--no-plot" in args
     assert [a[a.index("--dtypes") + 1] for a in seen] == [d for d, _ in gs.SWEEP_PARTS]
+    # a baseline that broke the CUDA context (in the targets, or the session resumed) stays
+    # out of every part: it came back in the first and broke it again
+    session.record["dropped_methods"] = ["fla"]
+    seen.clear()
+    assert gs.stage_sweep(session, 100)[0] == "ok"
+    for args in seen:
+        assert args[args.index("--methods") + 1 : args.index("--resume")] == [
+            "cuda",
+            "cuda_walk_fused",
+            "torch",
+            "sdpa",
+        ]
 
 
 class _Clock:
