@@ -55,6 +55,7 @@ children import torch. Back on a machine without a GPU, draw and report the resu
 from __future__ import annotations
 
 import argparse
+import csv
 import dataclasses
 import datetime as dt
 import json
@@ -266,7 +267,27 @@ def stage_env(session: Session, limit_s: float) -> tuple[str, str]:
     env = session.record["env"]
     if env.get("fla_error"):
         note += f"fla does not import: {env['fla_error']}; "
+    for name in other_device_results(session.out, env.get("device")):
+        note += f"{name} (resumed) holds another GPU's rows: measured afresh; "
     return "ok", note + f"{env.get('device')}, torch {env.get('torch')}"
+
+
+def other_device_results(out: Path, device: str | None) -> list[str]:
+    """Removes the results CSVs in ``out`` (copies that ``--resume-from`` brought) measured on
+    another GPU than ``device``, and returns their names: cuda_core.py's ``--resume`` refuses
+    them (a CSV holds one device's rows), which failed the targets and the sweep of a session
+    that resumed an H100's files on an H200. The earlier call's folder keeps its own."""
+    removed = []
+    for name in ("targets.csv", "sweep.csv"):
+        try:
+            with open(out / name, newline="") as f:
+                devices = {row.get("device") or device for row in csv.DictReader(f)}
+        except (OSError, ValueError, csv.Error):
+            continue  # absent, or not a results CSV: cuda_core.py says so itself
+        if device is not None and devices - {device}:
+            (out / name).unlink()
+            removed.append(name)
+    return removed
 
 
 def stage_build(session: Session, limit_s: float) -> tuple[str, str]:
@@ -403,8 +424,6 @@ def stage_counters(session: Session, limit_s: float) -> tuple[str, str]:
 def fastest_variant(targets_csv: Path) -> tuple[str, int | None] | None:
     """Our fastest method at N=8192, bf16, fwd+bwd in the targets CSV, with its WALK_BLOCKS
     (a walk label ends in it), or None without such a row. Read without pandas."""
-    import csv
-
     if not targets_csv.is_file():
         return None
     best = None

@@ -175,6 +175,20 @@ def test_the_sweep_times_cuda_and_the_fastest_variant(gs, tmp_path):
         ]
 
 
+def test_results_resumed_from_another_gpu_are_measured_afresh(gs, tmp_path):
+    """cuda_core.py --resume refuses a CSV of another GPU, so a session that resumed an
+    H100's files on an H200 failed its targets and sweep; the copies go (the earlier
+    call's folder keeps its own) and the stages measure afresh."""
+    _targets_csv(tmp_path / "targets.csv", {"cuda": 3.9})  # device "test GPU"
+    _targets_csv(tmp_path / "sweep.csv", {"cuda": 3.9})
+    (tmp_path / "session.log").write_text("not a CSV\n")
+    assert gs.other_device_results(tmp_path, "test GPU") == []
+    assert (tmp_path / "targets.csv").is_file() and (tmp_path / "sweep.csv").is_file()
+    assert gs.other_device_results(tmp_path, "NVIDIA H200") == ["targets.csv", "sweep.csv"]
+    assert not (tmp_path / "targets.csv").exists() and not (tmp_path / "sweep.csv").exists()
+    assert gs.other_device_results(tmp_path, "NVIDIA H200") == []  # none left: no error
+
+
 class _Clock:
     def __init__(self):
         self.now = 0.0
