@@ -158,14 +158,9 @@ def run_config(config: dict, device: str) -> pd.DataFrame:
     )  # its method/causal/pass equal the config's, but for the matmul yardstick's row
 
 
-def _label(frame: pd.DataFrame) -> pd.Series:
-    backend = frame["backend"].fillna("").astype(str)
-    return frame["method"] + backend.map(lambda b: f" [{b}]" if b else "")
-
-
 def _table(frame: pd.DataFrame, metric: str) -> pd.DataFrame:
     rows = frame[(frame["metric"] == metric) & (frame["n"] > 0)].copy()
-    rows["label"] = _label(rows)
+    rows["label"] = ks.analysis.speed_labels(rows)
     rows["causal"] = rows["causal"].map(lambda c: "causal" if str(c) == "True" else "non-causal")
     table = rows.groupby(["causal", "pass", "label", "n"])["value"].first().unstack("n")
     table.columns = [f"N={n}" for n in table.columns]
@@ -178,7 +173,7 @@ def exponent_table(frame: pd.DataFrame, metric: str = "time_ms", points: int = 3
     ``points`` largest N it was measured at (metric ∝ N^k there; fixed costs dominate small
     N), with that N range. NaN where fewer than 2 N were measured."""
     rows = frame[(frame["metric"] == metric) & (frame["n"] > 0)].dropna(subset=["value"])
-    rows = rows.assign(label=_label(rows))
+    rows = rows.assign(label=ks.analysis.speed_labels(rows))
     rows["causal"] = rows["causal"].map(lambda c: "causal" if str(c) == "True" else "non-causal")
     out = []
     for (causal, pass_, label), g in rows.groupby(["causal", "pass", "label"]):
@@ -235,7 +230,7 @@ def figures(frame: pd.DataFrame, params: dict) -> dict:
         sub = frame[(frame["setting"] == setting) & (frame["n"] > 0)]
         if sub.empty:
             continue
-        sub = sub.assign(label=_label(sub))
+        sub = sub.assign(label=ks.analysis.speed_labels(sub))
         for metric, stem in (("time_ms", "time"), ("peak_memory_mb", "memory")):
             fig = ks.analysis.plots.plot_speed(sub, metric=metric)
             ks.analysis.plots.figure_title(

@@ -71,6 +71,25 @@ def test_fit_to_softmax_lowers_held_out_loss(index):
     assert val.value.iloc[-1] == pytest.approx(after, rel=1e-5)
 
 
+def test_fit_history_steps_name_one_map_each():
+    """train_loss at step s was the loss of the map before update s, val_loss at step s
+    that of the map after it: with the training data as validation data the two columns
+    disagreed by one step. Step s is now the map after s updates, in both."""
+    q, k = ks.analysis.gaussian_qk(16, 4, seed=0)
+    fm = ks.create_feature_map("softplus_ffn", head_dim=4, seed=0)
+    history = ks.analysis.fit_to_softmax(
+        fm, q, k, steps=4, lr=0.1, reg_weight=0.0, q_val=q, k_val=k, eval_every=1
+    )
+    values = history.pivot(index="step", columns="metric", values="value")
+    assert list(values.index) == [0, 1, 2, 3, 4] and np.isnan(values.loc[4, "train_loss"])
+    pd.testing.assert_series_equal(
+        values.loc[:3, "train_loss"], values.loc[:3, "val_loss"], rtol=1e-6, check_names=False
+    )
+    assert values.loc[4, "val_loss"] == pytest.approx(
+        ks.analysis.distillation_loss(fm, q, k).item(), rel=1e-6
+    )
+
+
 def test_fit_to_softmax_rejects_fixed_maps_and_bad_args():
     q, k = ks.analysis.gaussian_qk(8, 4)
     with pytest.raises(ValueError, match="no trainable parameters"):
@@ -817,7 +836,7 @@ def test_masked_distillation_loss_checks_its_masks_and_target():
 
 def test_fit_to_softmax_with_masks_fits_the_real_rows_only():
     """Training and validation data padded: the history starts at the sliced losses
-    (step 0's val_loss, step 1's train_loss), garbage in padded positions changes nothing,
+    (step 0's val_loss and train_loss), garbage in padded positions changes nothing,
     and a batch padded to one real length trains as its unpadded slice."""
     start = _padded_learned_map("softplus_ffn")
     for train, val in (("self_causal", "causal_uneven"), ("cross", "one")):
@@ -844,9 +863,9 @@ def test_fit_to_softmax_with_masks_fits_the_real_rows_only():
         values = history.set_index(["step", "metric"])["value"]
         want_train = _sliced_distillation(start, q, k, q_lens, k_lens, causal).item()
         want_val = _sliced_distillation(start, qv, kv, qv_lens, kv_lens, causal).item()
-        assert values[1, "train_loss"] == pytest.approx(want_train, rel=1e-5)
+        assert values[0, "train_loss"] == pytest.approx(want_train, rel=1e-5)
         assert values[0, "val_loss"] == pytest.approx(want_val, rel=1e-5)
-        assert values[6, "train_loss"] < values[1, "train_loss"]
+        assert values[5, "train_loss"] < values[0, "train_loss"]
         # garbage in every padded position: the same history and weights, bit for bit
         dirty = [
             _garbage(t, masks[name])
@@ -1016,3 +1035,26 @@ def test_a_device_this_machine_lacks_is_named():
     ):
         with pytest.raises(ValueError, match="device='cuda(:1)?' is not usable here"):
             call()
+
+
+def test_speed_rows_are_labelled_as_the_speed_study_labels_them():
+    """plot_speed labelled rows "linear[torch]" (the study: "linear [torch]") and raised a
+    bare KeyError 'backend' for a frame without that column."""
+    frame = pd.DataFrame(
+        {
+            "method": ["linear", "softmax_sdpa"],
+            "backend": ["torch", np.nan],  # as read back from CSV
+            "metric": "time_ms",
+            "value": [1.0, 2.0],
+            "n": 64,
+            "pass": "fwd",
+            "causal": False,
+        }
+    )
+    assert ks.analysis.speed_labels(frame).tolist() == ["linear [torch]", "softmax_sdpa"]
+    no_backend = frame.drop(columns="backend")
+    assert ks.analysis.speed_labels(no_backend).tolist() == ["linear", "softmax_sdpa"]
+    for rows, want in ((frame, "linear [torch]"), (no_backend, "linear")):
+        fig = ks.analysis.plots.plot_speed(rows)
+        assert want in [t.get_text() for t in fig.legends[0].get_texts()]
+        matplotlib.pyplot.close(fig)

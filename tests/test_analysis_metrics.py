@@ -340,6 +340,21 @@ def test_capture_qk_runs_in_eval_mode_and_changes_nothing():
         assert torch.equal(q1, q2) and torch.equal(k1, k2)
 
 
+def test_capture_qk_checks_a_layers_input_as_the_layer_does():
+    """On a KernelAttention model the hook projected x before the layer checked it: a wrong
+    width failed inside nn.Linear ("mat1 and mat2 shapes cannot be multiplied")."""
+    layer = ks.nn.KernelAttention(8, 2)
+    for bad, error, message in (
+        (torch.randn(2, 5, 7), ValueError, r"x must have shape \(batch, seq, 8\)"),
+        (torch.randn(2, 5, 8, dtype=torch.float64), TypeError, "x has dtype torch.float64"),
+        (torch.randn(5, 8), ValueError, r"x must have shape \(batch, seq, 8\)"),
+    ):
+        with pytest.raises(error, match=message):
+            ks.analysis.capture_qk(layer, bad)
+    q, k = ks.analysis.capture_qk(layer, torch.randn(2, 5, 8))[""]
+    assert q.shape == k.shape == (2, 2, 5, 4)
+
+
 def test_rank_of_half_precision_matrices_and_numpy_views():
     """The default tolerance σ_max·max(N,S)·eps is >= σ_max for bfloat16 at N >= 128 (and
     float16 at N >= 1024): every such matrix had numerical rank 0."""
@@ -367,6 +382,13 @@ def test_matched_map_comes_closest_where_blocks_do_not_divide_f():
     for name, kwargs in (("favor", {"hyperbolic": True}), ("trig_rf", {})):
         fm = ks.analysis.matched_feature_map(name, 16, 7, **kwargs)
         assert abs(fm.feature_dim - 7) <= 1, (name, fm.feature_dim)
+
+
+def test_matched_map_beyond_its_largest_size_takes_the_largest():
+    """FAVOR+ allows R <= 8192: F = 8193 gave R = 4097 (F/2, the first size it took) and
+    F = 20000 gave 6667, not the closest F the map allows."""
+    for name, f, want in (("favor", 8193, 8192), ("favor", 20000, 8192), ("trig_rf", 20000, 16384)):
+        assert ks.analysis.matched_feature_map(name, 4, f).feature_dim == want, (name, f)
 
 
 def test_causal_approximation_error_scores_rows_as_kernel_attention_does():

@@ -20,7 +20,13 @@ from .generation import benchmark_generation, generate, speedups, state_bytes
 from .matching import map_kind, matched_feature_map, random_feature_map
 from .matrices import MAX_N, attention_matrix, softmax_kernel
 from .rank import attention_rank, normalized_spectrum
-from .speed import benchmark_attention, matmul_rate, peak_memory_bytes, time_call
+from .speed import (
+    benchmark_attention,
+    matmul_rate,
+    peak_memory_bytes,
+    speed_labels,
+    time_call,
+)
 
 __all__ = [
     "MAX_N",
@@ -45,6 +51,7 @@ __all__ = [
     "random_feature_map",
     "row_kl",
     "softmax_kernel",
+    "speed_labels",
     "speedups",
     "state_bytes",
     "time_call",

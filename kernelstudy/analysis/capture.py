@@ -37,6 +37,7 @@ def capture_qk(model: nn.Module, batch: Any) -> dict[str, tuple[torch.Tensor, to
     def hook_for(name: str):
         def hook(module: KernelAttention, args: tuple, kwargs: dict | None = None) -> None:
             x = args[0] if args else kwargs["x"]
+            module.check_input(x)  # before forward would: a bad x failed inside nn.Linear
             with torch.no_grad():
                 q, k, _ = module._heads(x)
             captured.pop(name, None)

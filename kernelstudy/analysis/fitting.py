@@ -159,7 +159,11 @@ def fit_to_softmax(
 
     Returns:
         History in long format: columns ``step``, ``metric`` (``train_loss``,
-        ``regularization``, ``val_loss``), ``value``.
+        ``regularization``, ``val_loss``), ``value``. Step s is the map after s updates
+        (0: as given): the training loss of each update is its map's, before the update, so
+        ``train_loss`` runs from step 0 to ``steps − 1`` and ``val_loss`` at step
+        ``steps`` is the returned map's (the training loss was logged a step late, beside
+        the validation loss of the next map).
     """
     if not isinstance(feature_map, FeatureMap):
         raise TypeError(f"feature_map must be a FeatureMap, got {type(feature_map).__name__}")
@@ -242,8 +246,8 @@ def fit_to_softmax(
             reg = feature_map.regularization()
             (loss + reg_weight * reg).backward()
             optimizer.step()
-            history.append((step, "train_loss", loss.item()))
-            history.append((step, "regularization", float(reg.detach())))
+            history.append((step - 1, "train_loss", loss.item()))
+            history.append((step - 1, "regularization", float(reg.detach())))
             if step % eval_every == 0 or step == steps:
                 record_val(step)
     finally:

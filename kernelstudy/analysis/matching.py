@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ..arguments import check_count
@@ -43,7 +44,8 @@ def matched_feature_map(
 
     The map's size hyperparameter (:func:`size_knob`) is set so that
     ``F == feature_dim`` (trying ``feature_dim`` divided by 2, 3 and 4, rounded down and
-    up, for maps with several blocks per feature); maps without one keep their own F (e.g.
+    up, for maps with several blocks per feature, each within the hyperparameter's range:
+    FAVOR+ at F = 9000 gets R = 8192, its most); maps without one keep their own F (e.g.
     ``elu``: F = D). ``seed`` is passed to maps that take one; other ``kwargs``
     are hyperparameters. Unknown names raise ValueError.
     """
@@ -59,8 +61,10 @@ def matched_feature_map(
     first_error: Exception | None = None
     # F = size × blocks for a map with several blocks per feature: where the divisor does
     # not divide F, the sizes on either side come closest (F = 7 with 2 blocks: 6 or 8).
+    # Beyond the range a size is refused, and F = 8193 fell back to R = 4097 (F / 2).
+    low, high = hp[knob].low, hp[knob].high
     sizes = dict.fromkeys(
-        size
+        min(max(size, math.ceil(low) if low is not None else 1), math.floor(high or size))
         for divisor in (1, 2, 3, 4)
         for size in (feature_dim // divisor, -(-feature_dim // divisor))
         if size >= 1

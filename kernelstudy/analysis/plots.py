@@ -17,6 +17,8 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.text import Text
 
+from .speed import speed_labels
+
 #: Axis labels of the metrics and columns the analyses and studies write (names with a unit
 #: end in it; ``_mb`` columns hold MiB, 2**20 bytes). MSE, KL and ranks are unitless but for
 #: the KL's nats.
@@ -429,9 +431,8 @@ def plot_speed(
     """Time or memory vs N from :func:`benchmark_attention` (``label`` = method/backend)."""
     _check_columns(frame, ["method", "metric", "value", x], "plot_speed")
     rows = _metric_rows(frame[frame["method"] != "matmul"], metric, "plot_speed")
-    if hue == "label" and "label" not in rows:  # read back from CSV, "" backends are NaN
-        backend = rows["backend"].fillna("").astype(str)
-        rows = rows.assign(label=rows["method"] + backend.map(lambda b: f"[{b}]" if b else ""))
+    if hue == "label" and "label" not in rows:  # as the speed study labels its rows
+        rows = rows.assign(label=speed_labels(rows))
     return line_plot(
         rows,
         x,

@@ -220,6 +220,16 @@ def _quadratic(method: str, backend: str) -> bool:
     return method == "softmax_explicit" or (method == "linear" and backend == "reference")
 
 
+def speed_labels(frame: pd.DataFrame) -> pd.Series:
+    """The rows of :func:`benchmark_attention`'s table named as ``"method [backend]"``
+    (``"linear [torch]"``), or the method alone where the row has no backend (softmax, or
+    a frame without the column; read back from CSV, an empty backend is NaN)."""
+    if "backend" not in frame.columns:
+        return frame["method"].astype(str)
+    backend = frame["backend"].fillna("").astype(str)
+    return frame["method"].astype(str) + backend.map(lambda b: f" [{b}]" if b else "")
+
+
 def benchmark_attention(
     seq_lens: Sequence[int],
     head_dim: int = 64,
