@@ -4,6 +4,7 @@ written read back, and a lock that keeps two writers out of one folder."""
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import re
@@ -72,14 +73,23 @@ def read_csv_table(
     import pandas as pd  # here: the tasks layer uses this module's writers without pandas
 
     path = Path(path)
-    if not path.is_file() or path.stat().st_size == 0:
+    # Read once and parsed twice: two reads of a file that a writer replaced in between
+    # paired one version's config ids with the other's rows.
+    try:
+        data = path.read_bytes()
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return None
+    if not data:
         return None
     try:
         # low_memory=False: a column empty in the first rows and text later (spectra.csv's
         # captured_with) gets one dtype, without pandas' mixed-types warning
-        table = pd.read_csv(path, low_memory=False)
+        table = pd.read_csv(io.BytesIO(data), low_memory=False)
         for name in (c for c in text_columns if c in table):
-            table[name] = pd.read_csv(path, usecols=[name], dtype=str, keep_default_na=False)[name]
+            verbatim = pd.read_csv(
+                io.BytesIO(data), usecols=[name], dtype=str, keep_default_na=False
+            )
+            table[name] = verbatim[name]
         return table
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

@@ -476,7 +476,7 @@ def run_study(
             """Whether rows of this summary without a runs.json line may be that run's."""
             if run is None or run == (quick, device):
                 return bool(unrecorded)
-            sizes = module.configs(load_params(name, run[0], config_file))
+            sizes = _configs_of_size(name, module, run[0], config_file)
             return bool(unrecorded & {config_id(c, run[1]) for c in sizes})
 
         kept = {run: uses(run) for run in {_run_of(line) for line in earlier}}
@@ -509,7 +509,7 @@ def run_study(
                 f"note: {out_dir / SUMMARY_FILE} and the figures were the {size} "
                 f"{replaced[1]} run's; this run's replace them (its rows stay in "
                 f"{results_path}: `kernelstudy study {name}{was} --device {replaced[1]} "
-                f"--out {out_dir}` writes them again without computing)",
+                f"--out {shlex.quote(str(out_dir))}` writes them again without computing)",
                 file=sys.stderr,
             )
         stale = set(_linked_figures(out_dir / SUMMARY_FILE)) - set(figs)
@@ -771,10 +771,25 @@ def _fill_table(
     print(
         f"note: {state} {path}, and no rows in {path.parent / RESULTS_FILE} are of a current "
         f"configuration of study {name!r}" + (f" on {device}" if device else "") + ": "
-        f"`kernelstudy study {name} --fill-tables --out {path.parent}` (with --quick for the "
-        "quick size) runs them and fills it",
+        f"`kernelstudy study {name} --fill-tables --out {shlex.quote(str(path.parent))}` (with "
+        "--quick for the quick size) runs them and fills it",
         file=sys.stderr,
     )
+
+
+def _configs_of_size(
+    name: str, module: ModuleType, quick: bool, config: str | os.PathLike | None
+) -> list[dict[str, Any]]:
+    """The study's configurations at one size: [] where a ``config`` file (a copy of the
+    study's TOML) leaves that size's entries out. A file with only ``[quick]`` failed in the
+    summary of its second run, after computing ("config entry head_dims is missing", or a
+    script's KeyError), when the summary looked up the full size's configurations."""
+    try:
+        return list(module.configs(load_params(name, quick, config)))
+    except (ValueError, TypeError, KeyError):
+        if config is None:  # the study's own file: its error is the study's to fix
+            raise
+        return []
 
 
 def _known_ids(
@@ -784,7 +799,7 @@ def _known_ids(
     file, if given), for both sizes and every device of :data:`DEVICES`."""
     known = {}
     for quick in (True, False):
-        configs = module.configs(load_params(name, quick, config))
+        configs = _configs_of_size(name, module, quick, config)
         for device in DEVICES:
             known[(quick, device)] = {config_id(c, device) for c in configs}
     return known
@@ -816,7 +831,7 @@ def _note_incomplete(
                     f"note: {path} has rows of {len(present)} of the {len(expected)} "
                     f"configurations of the {'quick' if size else 'full'} {devices[0]} run (an "
                     f"interrupted or --only run); `kernelstudy study {name}{flag} --device "
-                    f"{devices[0]} --out {path.parent}` runs the rest",
+                    f"{devices[0]} --out {shlex.quote(str(path.parent))}` runs the rest",
                     file=sys.stderr,
                 )
             return

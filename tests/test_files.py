@@ -62,3 +62,26 @@ def test_a_locked_folder_loses_the_temporary_files_of_killed_writers(tmp_path):
     with exclusive_folder(tmp_path, "a test", clean=True):
         assert not stale.exists()
     assert all(path.exists() for path in other)
+
+
+def test_a_table_replaced_while_it_is_read_keeps_its_ids_with_its_rows(tmp_path, monkeypatch):
+    """The table was parsed twice from the file (its text columns again, verbatim): a study
+    replacing results.csv in between (``--force`` moves a config's rows to the end) paired
+    one version's config ids with the other's rows."""
+    import pandas as pd
+
+    from kernelstudy.files import read_csv_table
+
+    path = tmp_path / "results.csv"
+    path.write_text("config_id,x\n0a,1\n0b,2\n")
+    real = pd.read_csv
+
+    def read_then_replace(*args, **kwargs):
+        frame = real(*args, **kwargs)
+        path.write_text("config_id,x\n0b,2\n0a,1\n")  # as a concurrent writer does
+        return frame
+
+    monkeypatch.setattr(pd, "read_csv", read_then_replace)
+    table = read_csv_table(path, text_columns=["config_id"])
+    assert table[["config_id", "x"]].values.tolist() == [["0a", 1], ["0b", 2]]
+    assert read_csv_table(tmp_path / "missing" / "x.csv") is None

@@ -1909,6 +1909,22 @@ def test_a_study_runs_a_config_file_of_ones_own(toy_studies, capsys):
     assert "is not valid TOML" in capsys.readouterr().err
 
 
+def test_a_config_file_of_one_size_runs_again(toy_studies, capsys):
+    """A --config file with only [full] (or only [quick]) computed its rows and then failed
+    in the summary (a KeyError traceback here; "config entry head_dims is missing" for the
+    approximation study), when the summary looked up the other size's configurations."""
+    out = toy_studies / "out"
+    assert study.main("toy", ["--quick", "--out", str(out)]) == 0  # the shipped quick run
+    mine = toy_studies / "my full.toml"
+    mine.write_text("[full]\nxs = [5, 6]\n")
+    assert study.main("toy", ["--out", str(out), "--config", str(mine)]) == 0
+    assert sorted(pd.read_csv(out / "results.csv").x) == [1, 2, 5, 6]
+    summary = (out / "summary.md").read_text()
+    assert summary.startswith("# toy (full, cpu)") and "table of 2 rows" in summary
+    assert study.main("toy", ["--out", str(out), "--config", str(mine)]) == 0  # and again
+    assert "Traceback" not in capsys.readouterr().err
+
+
 def test_provenance_records_where_user_maps_were_found(monkeypatch):
     monkeypatch.setenv("KERNELSTUDY_FEATURE_MAPS", "user_maps")
     monkeypatch.setenv("PYTHONPATH", "/home/me/my maps")
