@@ -286,17 +286,24 @@ def case_key(method: str, walk_blocks: object, mode: str, dtype: str, *sizes: in
     return (*walk_parts(str(method), walk_blocks), str(mode), str(dtype), *map(int, sizes))
 
 
+def _row_walk_parts(frame: pd.DataFrame) -> list[tuple[str, int]]:
+    """:func:`walk_parts` of each row of a CSV's frame (with or without ``walk_blocks``)."""
+    blocks = frame["walk_blocks"] if "walk_blocks" in frame.columns else [None] * len(frame)
+    return [walk_parts(str(m), w) for m, w in zip(frame["method"], blocks, strict=True)]
+
+
+def row_keys(frame: pd.DataFrame) -> list[tuple]:
+    """The :func:`case_key` of each row of a CSV's frame, in order."""
+    sizes = frame[CASE[1:]].itertuples(index=False)
+    return [
+        (*parts, str(mode), str(dt_), int(b), int(h), int(n), int(f))
+        for parts, (mode, dt_, b, h, n, f) in zip(_row_walk_parts(frame), sizes, strict=True)
+    ]
+
+
 def case_keys(frame: pd.DataFrame) -> set[tuple]:
     """The cases of a CSV's frame as :func:`case_key` keys (what ``--resume`` skips)."""
-    if frame.empty:
-        return set()
-    blocks = frame["walk_blocks"] if "walk_blocks" in frame.columns else [None] * len(frame)
-    return {
-        case_key(m, w, mode, dt_, b, h, n, f)
-        for (m, mode, dt_, b, h, n, f), w in zip(
-            frame[CASE].itertuples(index=False), blocks, strict=True
-        )
-    }
+    return set() if frame.empty else set(row_keys(frame))
 
 
 def benchmark(
@@ -682,8 +689,7 @@ def join(*frames: pd.DataFrame) -> pd.DataFrame:
     if "device" in whole.columns and whole["device"].nunique() > 1:
         devices = ", ".join(map(str, whole["device"].dropna().unique()))
         raise ValueError(f"the CSVs hold rows of several devices ({devices}): join one's")
-    blocks = whole["walk_blocks"] if "walk_blocks" in whole.columns else [None] * len(whole)
-    parts = [walk_parts(str(m), w) for m, w in zip(whole["method"], blocks, strict=True)]
+    parts = _row_walk_parts(whole)
     labelled = {base for (base, _), m in zip(parts, whole["method"], strict=True) if base != m}
     whole["method"] = [base for base, _ in parts]
     whole["walk_blocks"] = pd.array(
@@ -693,11 +699,8 @@ def join(*frames: pd.DataFrame) -> pd.DataFrame:
         rows = whole["method"] == method
         if method in labelled or whole.loc[rows, "walk_blocks"].nunique() > 1:
             whole.loc[rows, "method"] = method + "_" + whole.loc[rows, "walk_blocks"].astype(str)
-    keys = [
-        case_key(*row)
-        for row in whole[["method", "walk_blocks", *CASE[1:]]].itertuples(index=False)
-    ]
-    return whole[~pd.Series(keys).duplicated(keep="last").to_numpy()].reset_index(drop=True)
+    latest = ~pd.Series(row_keys(whole)).duplicated(keep="last").to_numpy()
+    return whole[latest].reset_index(drop=True)
 
 
 def report(frame: pd.DataFrame, out: Path, draw: bool) -> None:

@@ -979,9 +979,7 @@ def check_lengths(key: str, values: Any) -> list[int]:
     expected = f"{key} must be a non-empty list of positive ints in strictly ascending order"
     if isinstance(values, str | bytes) or not isinstance(values, Sequence) or not values:
         raise ValueError(f"{expected}, got {values!r}")
-    bad = [
-        v for v in values if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v <= 0
-    ]
+    bad = [v for v in values if not (_is_int(v) and v > 0)]
     if bad:
         raise ValueError(f"{expected}, got {values!r} (not a positive int: {bad})")
     for before, after in zip(values, values[1:], strict=False):

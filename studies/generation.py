@@ -45,10 +45,8 @@ def configs(params: dict) -> list[dict]:
     # a name stays as it is (the committed rows' ids), a table becomes its label, e.g.
     # "favor(num_features=64, orthogonal=False)": CSV column, --only and id alike
     values = {**params, "feature_map": map_label(params["feature_map"], "feature_map")}
-    d_model, n_heads = params["d_model"], params["n_heads"]
-    sizes = [d_model, n_heads]
-    if all(isinstance(x, int) and x > 0 for x in sizes) and d_model % n_heads == 0:  # else
-        # the model names the bad sizes when it is built
+    d_model, n_heads = params["d_model"], params["n_heads"]  # positive ints (check_params)
+    if d_model % n_heads == 0:  # else the model names the bad sizes when it is built
         check_map_builds(  # as each layer of the linear run builds it, before any runs
             "feature_map",
             lambda: ks.create_feature_map(
