@@ -636,11 +636,43 @@ def test_val_fraction_takes_numpy_floats(tmp_path: Path) -> None:
 
 
 def test_pathfinder_under_the_release_directory(tmp_path: Path) -> None:
-    """The release unpacks to lra_release/pathfinder32/...: the directory holding it worked
-    for retrieval (lra_release/tsv_data) but not for Pathfinder."""
+    """A flat lra_release/pathfinder32/...: the directory holding it worked for retrieval
+    (lra_release/tsv_data) but not for Pathfinder."""
     write_pathfinder(tmp_path / "lra_release", n_files=1, per_file=10)
     direct = PathfinderTask(tmp_path / "lra_release", "val")
     assert PathfinderTask(tmp_path, "val").images == direct.images
+
+
+def test_shipped_configs_read_the_published_archive_layout(tmp_path: Path) -> None:
+    """lra_release.gz unpacks to lra_release/lra_release/{listops-1000,tsv_data,pathfinder32}
+    (LRA's own dataset_setup.sh moves them from there), with another listops-1000 and
+    pathfinder128 in the outer lra_release/. Unpacked under data/ as the README says, the
+    shipped Retrieval and Pathfinder configs pointed at data/lra_release/tsv_data and
+    .../pathfinder32, which do not exist there: FileNotFoundError. Every task is found from
+    data/, from the outer and from the inner lra_release/."""
+    from kernelstudy.search.config import load_config
+
+    outer = tmp_path / "data" / "lra_release"
+    inner = outer / "lra_release"
+    write_aan(inner / "tsv_data", ["1\tA\tB\tx\ty", "0\tC\tD\tz\tw"])
+    write_pathfinder(inner, n_files=1, per_file=10)
+    (outer / "pathfinder128").mkdir()
+    listops = "Source\tTarget\r\n( ( [MAX 2 ) 9 ) ]\t9\r\n"
+    for folder in (outer / "listops-1000", inner / "listops-1000"):
+        folder.mkdir(parents=True)
+        (folder / "basic_train.tsv").write_text(listops, newline="")
+    studies = tmp_path / "studies"
+    studies.mkdir()
+    repo_studies = Path(__file__).resolve().parents[1] / "studies"
+    sizes = {"lra_listops": 1, "lra_retrieval": 2, "lra_pathfinder": 8}
+    for name, size in sizes.items():
+        (studies / f"{name}.toml").write_bytes((repo_studies / f"{name}.toml").read_bytes())
+        config = load_config(studies / f"{name}.toml")
+        assert len(load_task(config.task, config.data, "train", **config.task_options)) == size
+    for root in (tmp_path / "data", outer, inner):
+        assert len(load_task("retrieval", root, "train")) == 2
+        assert len(load_task("pathfinder", root, "train")) == 8
+        assert len(load_task("listops", root, "train")) == 1
 
 
 def test_retrieval_holds_its_documents_once_while_reading(tmp_path: Path) -> None:

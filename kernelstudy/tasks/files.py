@@ -56,6 +56,20 @@ def require_dir(path: PathArg, what: str = "data directory") -> Path:
     return p
 
 
+# Where a folder of the LRA release (``listops-1000``, ``tsv_data``, ``pathfinder32``) lies below
+# the path a user gives: the folder itself, or inside ``lra_release/``. The published archive
+# (``lra_release.gz``) unpacks to ``lra_release/lra_release/<folder>``, so the directory it was
+# unpacked in holds the folder two levels down and the outer ``lra_release/`` one level down.
+RELEASE_PREFIXES = ("", "lra_release/", "lra_release/lra_release/")
+
+
+def release_candidates(folder: str, name: str = "") -> list[str]:
+    """Relative paths of ``folder/name`` in the LRA release, nearest first (see
+    ``RELEASE_PREFIXES``); ``name`` empty: of the folder itself."""
+    tail = f"{folder}/{name}" if name else folder
+    return [prefix + tail for prefix in RELEASE_PREFIXES]
+
+
 def locate(root: PathArg, candidates: Sequence[str], what: str) -> Path:
     """The first of ``root/c`` (c in ``candidates``) that exists, else FileNotFoundError
     (NotADirectoryError if ``root`` is a file)."""

@@ -28,7 +28,7 @@ import torch
 from ..arguments import check_count, check_flag
 from ..files import new_temporary_file
 from .base import PackedSequences, SequenceTask, check_split, pad_tokens
-from .files import PathArg, check_path, data_error, decode_error, locate
+from .files import PathArg, check_path, data_error, decode_error, locate, release_candidates
 
 OPERATORS = ("[MIN", "[MAX", "[MED", "[SM")
 END = "]"
@@ -440,8 +440,9 @@ class ListOpsTask(SequenceTask):
 
     Vocabulary: ``VOCAB`` (16 tokens, pad 0). Sequences longer than
     ``max_length`` are truncated (as LRA does), shorter ones padded.
-    ``path`` is the directory holding the files (the release's ``listops-1000``), its
-    parent, or the directory holding ``lra_release/`` (as for the other LRA tasks).
+    ``path`` is the directory holding the files (the release's ``listops-1000``), or a
+    directory holding ``listops-1000/`` one or two ``lra_release/`` levels down (the
+    published archive unpacks to ``lra_release/lra_release/listops-1000``).
     """
 
     name = "listops"
@@ -455,7 +456,7 @@ class ListOpsTask(SequenceTask):
         check_path("path", path)
         self.max_length = check_count("max_length", max_length, 1)
         name = f"basic_{split}.tsv"
-        candidates = [name, f"listops-1000/{name}", f"lra_release/listops-1000/{name}"]
+        candidates = [name, *release_candidates("listops-1000", name)]
         self.file = locate(path, candidates, f"ListOps {split} file")
         self.sequences, self.labels = read_listops_tsv(self.file)
 

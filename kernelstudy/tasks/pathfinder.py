@@ -24,7 +24,7 @@ import torch
 
 from ..arguments import check_count
 from .base import SequenceTask, check_split
-from .files import PathArg, check_path, data_error, decode_error, parse_label
+from .files import PathArg, check_path, data_error, decode_error, parse_label, release_candidates
 from .image import PIXEL_PAD_ID, PIXEL_VOCAB_SIZE, rgb_to_gray
 from .png import read_png
 
@@ -34,16 +34,17 @@ SPLIT_FRACTIONS = {"train": (0.0, 0.8), "val": (0.8, 0.9), "test": (0.9, 1.0)}
 
 def find_pathfinder_root(path: PathArg, difficulty: str, resolution: int = 32) -> Path:
     """The directory holding ``metadata/``: ``path/<difficulty>``,
-    ``path/pathfinder<resolution>/<difficulty>``, the same under ``path/lra_release/``, or
-    ``path`` itself.
+    ``path/pathfinder<resolution>/<difficulty>``, the same under ``path/lra_release/`` or
+    ``path/lra_release/lra_release/`` (where the published archive unpacks it), or ``path``
+    itself.
 
     A ``path`` that is another difficulty's directory (``curv_baseline`` when
     ``difficulty`` asks for ``curv_contour_length_14``), or that lies in another
     resolution's ``pathfinder<R>/``, is a ValueError rather than the wrong data.
     """
     base = check_path("path", path)
-    nested = Path(f"pathfinder{resolution}", difficulty)
-    candidates = [base / difficulty, base / nested, base / "lra_release" / nested, base]
+    nested = release_candidates(f"pathfinder{resolution}", difficulty)
+    candidates = [base / difficulty, *(base / c for c in nested), base]
     for candidate in candidates:
         if (candidate / "metadata").is_dir():
             break
@@ -124,9 +125,11 @@ def read_metadata(root: Path) -> tuple[list[Path], np.ndarray, list[str]]:
 class PathfinderTask(SequenceTask):
     """Pathfinder, 2 classes: ``input_ids`` (resolution²,) pixels 0–255, ``mask``, ``label``.
 
-    ``path`` is the ``pathfinder<resolution>`` directory (or its parent, the directory
-    holding ``lra_release/``, or a difficulty directory). Images are decoded when an item
-    is read; a malformed one raises a ValueError naming the image and its metadata line.
+    ``path`` is the ``pathfinder<resolution>`` directory, a difficulty directory, or a
+    directory holding ``pathfinder<resolution>/`` one or two ``lra_release/`` levels down
+    (the published archive unpacks to ``lra_release/lra_release/pathfinder32``). Images are
+    decoded when an item is read; a malformed one raises a ValueError naming the image and
+    its metadata line.
     """
 
     name = "pathfinder"

@@ -17,7 +17,7 @@ import torch
 
 from ..arguments import check_count
 from .base import PackedBytesBuilder, SequenceTask, check_split, pad_tokens
-from .files import PathArg, check_path, data_error, locate, parse_label
+from .files import PathArg, check_path, data_error, locate, parse_label, release_candidates
 from .text import BYTE_PAD_ID, BYTE_VOCAB_SIZE
 
 _FILE_SPLIT = {"train": "train", "val": "eval", "test": "test"}
@@ -72,8 +72,9 @@ class RetrievalTask(SequenceTask):
     """Pairs of byte-level documents, 2 classes (related or not).
 
     Items: ``input_ids_1``, ``mask_1``, ``input_ids_2``, ``mask_2`` (L,) each and
-    ``label``. ``path`` is the directory of the TSV files (or a parent holding
-    ``tsv_data/`` or ``lra_release/tsv_data/``); split ``val`` reads the ``eval`` file.
+    ``label``. ``path`` is the directory of the TSV files, or a directory holding
+    ``tsv_data/`` one or two ``lra_release/`` levels down (the published archive unpacks to
+    ``lra_release/lra_release/tsv_data``); split ``val`` reads the ``eval`` file.
     """
 
     name = "retrieval"
@@ -87,7 +88,7 @@ class RetrievalTask(SequenceTask):
         check_path("path", path)
         self.max_length = check_count("max_length", max_length, 1)
         name = f"new_aan_pairs.{_FILE_SPLIT[split]}.tsv"
-        candidates = [name, f"tsv_data/{name}", f"lra_release/tsv_data/{name}"]
+        candidates = [name, *release_candidates("tsv_data", name)]
         self.file: Path = locate(path, candidates, f"AAN {split} file")
         # packed as read: the documents are held once, not as a list and then a copy
         docs1, docs2, labels = PackedBytesBuilder(), PackedBytesBuilder(), []
