@@ -633,3 +633,36 @@ def test_lra_configs_state_the_map_budgets_their_full_models_have(name):
         _, sizes = build_model(config, variant, default_settings(config, variant), Task())
         extra.append(f"{sizes['feature_map_extra']:.1%}")
     assert [f"{float(x):.1f}%" for x in stated.groups()] == extra
+
+
+def test_lras_listops_recipe_can_be_set_in_the_shipped_config(tmp_path):
+    """The README says how LRA's fixed ListOps recipe is written in a config: Adam(W) with
+    beta2 0.98, weight decay 0.1, and 0.05 × linear warm-up × 1/sqrt(max(step, 1000)). Its
+    learning rate at every step is LRA's at the next (LRA counts from step 0 at rate 0)."""
+    import math
+    import re
+    from pathlib import Path
+
+    from kernelstudy.search.objective import default_settings
+    from kernelstudy.train.schedule import WarmupDecay
+
+    text = (Path(__file__).parents[1] / "studies" / "lra_listops.toml").read_text()
+    text = text.replace("[train]\n", "[train]\nbetas = [0.9, 0.98]\n", 1).replace(
+        'schedule = "cosine"', 'schedule = "inverse_sqrt"', 1
+    )
+    text = re.sub(
+        r"\n\[search\]\n",
+        "\n[space]\nlr = 1.58e-3\nweight_decay = 0.1\nwarmup_fraction = 0.2\n\n[search]\n",
+        text,
+        count=1,
+    )
+    path = tmp_path / "lra_listops_recipe.toml"
+    path.write_text(text)
+    config = load_config(path)
+    variant = config.variant("elu+1")
+    train = default_settings(config, variant).train_config(config, seed=0, device="cpu")
+    assert (train.betas, train.weight_decay, train.warmup_steps) == ((0.9, 0.98), 0.1, 1000)
+    rate = WarmupDecay(train.schedule, train.warmup_steps, train.steps)
+    for step in (0, 499, 999, 1000, 2500, 4999):
+        lra = 0.05 * min(1.0, (step + 1) / 1000) / math.sqrt(max(step + 1, 1000))
+        assert math.isclose(train.lr * rate(step), lra, rel_tol=1e-3), step

@@ -380,7 +380,9 @@ class SequenceClassifier(_SequenceModel):
 
 class MatchingClassifier(SequenceClassifier):
     """The LRA two-tower model (Retrieval): one shared encoder pools each document to u and v,
-    an MLP classifies ``[u, v, u·v, u−v]`` (``4·d_model`` wide).
+    an MLP classifies ``[u, v, u·v, u−v]`` (``4·d_model`` wide), as the PyTorch LRA
+    re-implementations do (LRA's released Jax training classifies ``[u, v]`` with two hidden
+    layers, ``head_dim`` then ``head_dim/2`` wide: at LRA's sizes a head 0.1% smaller).
 
     Same arguments as :class:`SequenceClassifier` (default ``num_classes=2``).
     ``forward(input_ids_1, mask_1, input_ids_2, mask_2) → logits (B, num_classes)``, ids
