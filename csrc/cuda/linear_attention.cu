@@ -59,9 +59,10 @@
 //     enter a product (masked scores, chunk states), which can exceed fp16's range (65504),
 //     are rounded to tf32 (relative 2^-11, as fine as fp16 itself). With bf16 operands, a
 //     product whose terms cancel (g.v at N = 1) lost the inputs' last three bits in full.
-//   * fp32 inputs:  3xTF32 (m16n16k8): x = big + small with big = tf32(x),
-//     small = tf32(x - big), a*b ~ big*big + big*small + small*big, which keeps fp32 accuracy
-//     (relative error ~1e-6) at tensor-core speed.
+//   * fp32 inputs:  3xTF32 (m16n16k8): x = big + small with big = x and small = x - big each
+//     cut to tf32 (tf32_split), a*b ~ big*big + big*small + small*big, which keeps fp32's
+//     accuracy (max relative error 8e-7 against float64 in the emulator's tests of every
+//     kernel, 4e-7 with both parts rounded to nearest) at tensor-core speed.
 // Tiles of bf16 and fp32 inputs load with cp.async (all tiles of a step in flight at once; the
 // state pass prefetches the next chunk into a second buffer while it multiplies this one); fp16
 // inputs are converted to fp32 in registers on the way.
@@ -164,6 +165,26 @@ __host__ __device__ constexpr int ld_of() {
 }
 
 // ------------------------------------------------------------------ warp-level MMA
+// 3xTF32's split of an fp32 value x = big + small + r: big is x with the low 13 bits of its
+// encoding cleared (a tf32 value, x rounded toward zero), small the same of x - big (exact in
+// fp32), so |r| < 2^-20 |x|, and big B + small B + big small-of-B lies within about 3 * 2^-20
+// of A B, far inside fp32 outputs' 1e-4. Two instructions a value where rounding to nearest
+// (cvt.rna.tf32) takes several: with it, the fp32 kernels' chunk loops had 19-34% more
+// instructions (static SASS, sm_90a) and more spills. Both parts are exact tf32 values, so
+// what a tensor core does with an operand's low bits never matters. Non-finite x keeps a
+// non-finite big or small (inf: big inf, small NaN), as with rounding.
+__device__ __forceinline__ void tf32_split(float x, float& big, float& small) {
+  constexpr uint32_t kKept = 0xffffe000u;  // sign, exponent and the 10 bits tf32 keeps
+  uint32_t u;
+  memcpy(&u, &x, 4);
+  u &= kKept;
+  memcpy(&big, &u, 4);
+  const float rest = x - big;
+  memcpy(&u, &rest, 4);
+  u &= kKept;
+  memcpy(&small, &u, 4);
+}
+
 template <typename Op>
 struct Mma;
 
@@ -203,10 +224,10 @@ struct Mma<float> {  // 3xTF32 (kSplit) or 1xTF32
   static __device__ __forceinline__ void split(Frag& big, Frag& small) {
 #pragma unroll
     for (int i = 0; i < big.num_elements; ++i) {
-      const float x = big.x[i];
-      const float hi = wmma::__float_to_tf32(x);
+      float hi, lo;
+      tf32_split(big.x[i], hi, lo);
       big.x[i] = hi;
-      small.x[i] = wmma::__float_to_tf32(x - hi);
+      small.x[i] = lo;
     }
   }
 
@@ -339,7 +360,7 @@ __device__ __forceinline__ void cp_async_wait_all() {
 // of row r of matrix i (16-byte aligned); register i of a lane receives matrix i's row g, columns
 // 2t and 2t+1, or with `trans` its column g, rows 2t and 2t+1.
 // fp32 and fp16 inputs: m16n8k8 (tf32 x tf32 -> fp32), one fp32 bit pattern per register,
-// rounded to tf32 (cvt.rna) before it enters a product:
+// a tf32 value (tf32_split's parts, or rounded with cvt.rna) when it enters a product:
 //   A (16 x 8, row):   a[0] = A[g][t], a[1] = A[g+8][t], a[2] = A[g][t+4], a[3] = A[g+8][t+4];
 //   B (8 x 8, col):    b[0] = B[t][g], b[1] = B[t+4][g];
 //   C (16 x 8, fp32):  as for bf16.
@@ -439,14 +460,18 @@ __device__ __forceinline__ uint32_t tf32_bits(uint32_t x) {
   return float_bits(wmma::__float_to_tf32(bits_float(x)));
 }
 
-// The small part of fp32 register x beside its tf32 big part: tf32(x - big).
-__device__ __forceinline__ uint32_t tf32_small(uint32_t x, uint32_t big) {
-  return tf32_bits(float_bits(bits_float(x) - bits_float(big)));
+// tf32_split of fp32 register x.
+__device__ __forceinline__ void tf32_split_bits(uint32_t x, uint32_t& big, uint32_t& small) {
+  float hi, lo;
+  tf32_split(bits_float(x), hi, lo);
+  big = float_bits(hi);
+  small = float_bits(lo);
 }
 
-// An A fragment of fp32 registers made ready for m16n8k8 products: rounded to tf32 (big) and,
-// with kSplit (3xTF32: x = big + small), the rounded remainder (small). Made once per k-step
-// and used by every n-tile of it: the rounding costs several instructions a register.
+// An A fragment of fp32 registers made ready for m16n8k8 products: with kSplit (3xTF32) split
+// into big and small (tf32_split), else rounded to tf32 (big; 1xTF32, as for fp16 inputs).
+// Made once per k-step and used by every n-tile of it: rounding to nearest costs several
+// instructions a register.
 template <bool kSplit>
 struct TF32A {
   uint32_t big[4], small[kSplit ? 4 : 1];
@@ -454,8 +479,11 @@ struct TF32A {
   __device__ __forceinline__ explicit TF32A(const uint32_t (&a)[4]) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      big[i] = tf32_bits(a[i]);
-      if constexpr (kSplit) small[i] = tf32_small(a[i], big[i]);
+      if constexpr (kSplit) {
+        tf32_split_bits(a[i], big[i], small[i]);
+      } else {
+        big[i] = tf32_bits(a[i]);
+      }
     }
   }
 };
@@ -465,12 +493,16 @@ struct TF32A {
 template <bool kSplit>
 __device__ __forceinline__ void mma_tf32(float (&acc)[4], const TF32A<kSplit>& a, uint32_t b0,
                                          uint32_t b1) {
-  const uint32_t b0_big = tf32_bits(b0), b1_big = tf32_bits(b1);
   if constexpr (kSplit) {
+    uint32_t b0_big, b0_small, b1_big, b1_small;
+    tf32_split_bits(b0, b0_big, b0_small);
+    tf32_split_bits(b1, b1_big, b1_small);
     mma_tf32_rounded(acc, a.small, b0_big, b1_big);
-    mma_tf32_rounded(acc, a.big, tf32_small(b0, b0_big), tf32_small(b1, b1_big));
+    mma_tf32_rounded(acc, a.big, b0_small, b1_small);
+    mma_tf32_rounded(acc, a.big, b0_big, b1_big);
+  } else {
+    mma_tf32_rounded(acc, a.big, tf32_bits(b0), tf32_bits(b1));
   }
-  mma_tf32_rounded(acc, a.big, b0_big, b1_big);
 }
 
 // ------------------------------------------------------------------ global -> shared tiles

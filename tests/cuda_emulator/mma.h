@@ -121,8 +121,9 @@ void fill_fragment(fragment<Use, M, N, K, T, Layout>& a, float value) {
   for (auto& e : a.x) e = value;
 }
 
-// A tf32 operand must hold tf32 values (__float_to_tf32): the GPU ignores the low 13 bits of an
-// fp32 operand, so an unrounded one would be truncated there and kept whole here.
+// A tf32 operand must hold tf32 values (rounded with __float_to_tf32, or cut by tf32_split): the
+// GPU ignores the low 13 bits of an fp32 operand, so an unrounded one would be truncated there
+// and kept whole here.
 inline void check_tf32(const float* x, int count,
                        const char* what = "wmma: a tf32 operand not rounded with __float_to_tf32") {
   for (int i = 0; i < count; ++i) {
