@@ -203,6 +203,31 @@ def test_hedgehog_starts_at_the_identity():
     torch.testing.assert_close(fm(x), torch.cat([x.exp(), (-x).exp()], -1))
 
 
+def test_hedgehog_untied_maps_fit_queries_and_keys_of_different_distributions_better():
+    """The paper learns one map for queries and one for keys; the map's default ties them
+    (tie_qk=True). On queries and keys drawn from different distributions, distilling
+    softmax attention for 100 steps leaves the tied map 0.11-0.15 above the untied one
+    (seeds 1-3); the untied map starts equal (both at the identity) and has twice the
+    parameters."""
+    from kernelstudy.analysis import fit_to_softmax
+
+    g = torch.Generator().manual_seed(1)
+    d, n = 8, 32
+    mu = torch.randn(d, generator=g)
+    mu = 1.5 * mu / mu.norm()
+    q = mu + 0.7 * torch.randn(2, 1, n, d, generator=g)
+    k = -0.5 * mu + 1.5 * torch.randn(2, 1, n, d, generator=g) * torch.linspace(0.3, 2.0, d)
+    loss, count = {}, {}
+    for tie in (True, False):
+        fm = ks.create_feature_map("hedgehog", head_dim=d, tie_qk=tie)
+        count[tie] = sum(p.numel() for p in fm.parameters())
+        assert torch.equal(fm(q, is_query=False), fm(q, is_query=True))  # at the start
+        history = fit_to_softmax(fm, q, k, steps=100, lr=1e-2, eval_every=100)
+        loss[tie] = history[history.metric == "train_loss"].value.iloc[-1]
+    assert count[False] == 2 * count[True]
+    assert loss[False] < loss[True] - 0.05
+
+
 # --- polynomial ----------------------------------------------------------------------------------
 
 

@@ -127,7 +127,9 @@ class OGLUFeatureMap(GLUFeatureMap):
 class AOGLUFeatureMap(OGLUFeatureMap):
     """OGLU whose gate is a rank-r product W_g = A B (A: n×r, B: r×n), r = ``rank``
     (default n//4, at least 1): exactly n² + 2nr parameters per unit (per head if
-    ``shared=False``). F = D. ``(B,H,N,D) → (B,H,N,D)``."""
+    ``shared=False``). F = D. ``(B,H,N,D) → (B,H,N,D)``. The paper takes r < n/2 (its
+    runs n/4: 25% fewer parameters than OGLU's 2n²); ranks from n/2 to n are accepted
+    but cost as much as OGLU's full gate or more."""
 
     hyperparameters: ClassVar[dict[str, Hyperparameter]] = {
         "depth": DEPTH,

@@ -16,7 +16,9 @@ from .softmax_kernel import ExpFeatures
 class HedgehogFeatureMap(ExpFeatures, HeadwiseFeatureMap):
     """φ(x) = [exp(xW + b), exp(−xW − b)] with trainable ``W: (D, D)``, ``b: (D,)``.
 
-    Starts at W = I, b = 0; per head by default (``shared=False``), as in the paper.
+    Starts at W = I, b = 0; per head by default (``shared=False``), as in the paper. One
+    W, b serve queries and keys by default (``tie_qk=True``); the paper learns a map for
+    each (``tie_qk=False``: ``key_weight``, ``key_bias`` for keys, twice the parameters).
     ``stabilize`` shifts exponents as ``favor`` does (per query row; per key
     sequence only beyond the dtype's range): normalized attention is unchanged,
     kernel values φ(q)·φ(k) only up to that factor. Positive, F = 2D. With the query's
@@ -33,6 +35,9 @@ class HedgehogFeatureMap(ExpFeatures, HeadwiseFeatureMap):
         "shared": Hyperparameter(
             bool, False, search=False, doc="one W, b for all heads (False: one per head)"
         ),
+        "tie_qk": Hyperparameter(
+            bool, True, search=False, doc="one W, b for queries and keys (False: one each)"
+        ),
         "stabilize": Hyperparameter(
             bool, True, search=False, doc="subtract a max inside exp (cancels in attention)"
         ),
@@ -43,6 +48,9 @@ class HedgehogFeatureMap(ExpFeatures, HeadwiseFeatureMap):
         eye = torch.eye(head_dim).expand(self.weight_heads, head_dim, head_dim)
         self.weight = nn.Parameter(eye.clone())
         self.bias = nn.Parameter(torch.zeros(self.weight_heads, 1, head_dim))
+        if not self.hparams["tie_qk"]:  # the keys' own map, from the same start
+            self.key_weight = nn.Parameter(eye.clone())
+            self.key_bias = nn.Parameter(torch.zeros(self.weight_heads, 1, head_dim))
 
     @property
     def feature_dim(self) -> int:
@@ -50,8 +58,10 @@ class HedgehogFeatureMap(ExpFeatures, HeadwiseFeatureMap):
 
     def log_parts(self, x: torch.Tensor, is_query: bool) -> tuple[torch.Tensor, float]:
         """The exponents ±(xW + b) in at least float32 (a bfloat16 z ≈ 10 is off by up to
-        0.03, i.e. 3% in exp)."""
-        bias = self.bias[0, 0] if self.weight_heads == 1 else self.bias  # shared: (D,)
-        dtype = compute_dtype(x, self.weight)
-        z = self.headwise(x.to(dtype), self.weight.to(dtype)) + bias.to(dtype)
+        0.03, i.e. 3% in exp). Keys take ``key_weight``, ``key_bias`` when not ``tie_qk``."""
+        own = is_query or self.hparams["tie_qk"]
+        weight, bias = (self.weight, self.bias) if own else (self.key_weight, self.key_bias)
+        bias = bias[0, 0] if self.weight_heads == 1 else bias  # shared: (D,)
+        dtype = compute_dtype(x, weight)
+        z = self.headwise(x.to(dtype), weight.to(dtype)) + bias.to(dtype)
         return torch.cat([z, -z], dim=-1), 1.0
