@@ -183,6 +183,22 @@ def test_lm_step_equals_forward(attention, tie_weights):
         assert model.head.weight is model.embed.weight and model.head.bias is None
 
 
+def test_lm_step_equals_forward_with_separate_query_and_key_maps():
+    """hedgehog with tie_qk=False: the RNN steps map keys with the keys' own weights, as the
+    batch does (key features go through key_features, with its per-key shift)."""
+    hedgehog = {"name": "hedgehog", "tie_qk": False}
+    model = ks.nn.CausalLM(20, feature_map=hedgehog, **SMALL).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "key_" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    ids = _ids(2, 9)
+    full, state = model(ids), None
+    for t in range(ids.shape[1]):
+        logits, state = model.step(ids[:, t], state)
+        assert rel_err(logits, full[:, t]) <= 1e-5
+
+
 @pytest.mark.parametrize("attention", ATTENTIONS)
 def test_lm_is_causal_and_generates_greedily(attention):
     model = ks.nn.CausalLM(20, attention=attention, **SMALL).train()
