@@ -167,8 +167,8 @@ __host__ __device__ constexpr int ld_of() {
 // ------------------------------------------------------------------ warp-level MMA
 // 3xTF32's split of an fp32 value x = big + small + r: big is x with the low 13 bits of its
 // encoding cleared (a tf32 value, x rounded toward zero), small the same of x - big (exact in
-// fp32), so |r| < 2^-20 |x|, and big B + small B + big small-of-B lies within about 3 * 2^-20
-// of A B, far inside fp32 outputs' 1e-4. Two instructions a value where rounding to nearest
+// fp32), so |r| < 2^-20 |x|, and a b ~ big_a big_b + small_a big_b + big_a small_b lies
+// within about 3 * 2^-20 of a b, far inside fp32 outputs' 1e-4. Two instructions a value where rounding to nearest
 // (cvt.rna.tf32) takes several: with it, the fp32 kernels' chunk loops had 19-34% more
 // instructions (static SASS, sm_90a) and more spills. Both parts are exact tf32 values, so
 // what a tensor core does with an operand's low bits never matters. Non-finite x keeps a
@@ -440,7 +440,7 @@ __device__ __forceinline__ void mma_bf16(float (&acc)[4], const uint32_t (&a)[4]
 #endif
 }
 
-// acc += A B for one m16n8k8 step on tf32 operands (registers rounded to tf32).
+// acc += A B for one m16n8k8 step on tf32 operands (registers holding tf32 values).
 __device__ __forceinline__ void mma_tf32_rounded(float (&acc)[4], const uint32_t (&a)[4],
                                                  uint32_t b0, uint32_t b1) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800

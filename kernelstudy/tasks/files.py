@@ -63,11 +63,10 @@ def require_dir(path: PathArg, what: str = "data directory") -> Path:
 RELEASE_PREFIXES = ("", "lra_release/", "lra_release/lra_release/")
 
 
-def release_candidates(folder: str, name: str = "") -> list[str]:
+def release_candidates(folder: str, name: str) -> list[str]:
     """Relative paths of ``folder/name`` in the LRA release, nearest first (see
-    ``RELEASE_PREFIXES``); ``name`` empty: of the folder itself."""
-    tail = f"{folder}/{name}" if name else folder
-    return [prefix + tail for prefix in RELEASE_PREFIXES]
+    ``RELEASE_PREFIXES``)."""
+    return [f"{prefix}{folder}/{name}" for prefix in RELEASE_PREFIXES]
 
 
 def locate(root: PathArg, candidates: Sequence[str], what: str) -> Path:
