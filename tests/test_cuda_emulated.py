@@ -232,14 +232,19 @@ KERNEL_IDS = ["chunks", "walk_whole", "walk_5", "walk_per_chunk"]
 def test_causal_product_and_normalizer(ext, shape, dtype, walk_blocks):
     q, k, v = _inputs(*shape, dtype)
     for reverse in (False, True):
-        want, want_den = _reference_product(q, k, v, reverse)
-        out, den = ext.causal_product(q, k, v, reverse, with_den=True, walk_blocks=walk_blocks)
-        assert close_in_dtype(out, want, dtype) and close_in_dtype(den, want_den, dtype)
-        normalized, _ = ext.causal_product(
-            q, k, v, reverse, out_fp32=False, normalize=True, walk_blocks=walk_blocks
-        )
-        assert normalized.dtype == dtype
-        assert close_in_dtype(normalized, want / (want_den[..., None] + 1e-6), dtype)
+        _check_product(ext, q, k, v, reverse, walk_blocks=walk_blocks)
+
+
+def _check_product(x: EmulatedExtension, q, k, v, reverse: bool, **kernel) -> None:
+    """The product and its normalizer (fp32), and the normalized output in the inputs' dtype,
+    against float64; ``kernel``: walk_blocks, mma_walk."""
+    dtype = q.dtype
+    want, want_den = _reference_product(q, k, v, reverse)
+    out, den = x.causal_product(q, k, v, reverse, with_den=True, **kernel)
+    assert close_in_dtype(out, want, dtype) and close_in_dtype(den, want_den, dtype)
+    normalized, _ = x.causal_product(q, k, v, reverse, out_fp32=False, normalize=True, **kernel)
+    assert normalized.dtype == dtype
+    assert close_in_dtype(normalized, want / (want_den[..., None] + 1e-6), dtype)
 
 
 @pytest.mark.parametrize("walk_blocks", KERNELS, ids=KERNEL_IDS)
@@ -248,10 +253,14 @@ def test_causal_product_and_normalizer(ext, shape, dtype, walk_blocks):
 def test_fused_backward(ext, shape, dtype, walk_blocks):
     """dq, dk, dv of the fused backward: the chunk kernels' (kernels 4, 5) or the walk's
     (kernel 6 for dq, kernel 7 for dk and dv, two walks where F or M exceeds 128)."""
-    q, k, v, g = _inputs(*shape, dtype, extra=1)
-    got = ext.causal_backward(q, k, v, g, out_fp32=True, walk_blocks=walk_blocks)
+    _check_fused_backward(ext, *_inputs(*shape, dtype, extra=1), walk_blocks=walk_blocks)
+
+
+def _check_fused_backward(x: EmulatedExtension, q, k, v, g, **kernel) -> None:
+    """dq, dk, dv of the fused backward against float64; ``kernel``: walk_blocks, mma_walk."""
+    got = x.causal_backward(q, k, v, g, out_fp32=True, **kernel)
     for a, w in zip(got, _reference_grads(q, k, v, g), strict=True):
-        assert close_in_dtype(a, w, dtype)
+        assert close_in_dtype(a, w, q.dtype)
 
 
 @pytest.mark.parametrize(
@@ -633,24 +642,14 @@ def _random_case(rng: random.Random) -> dict:
 
 @pytest.mark.parametrize("case", range(RANDOM_CASES))
 def test_random_cases_over_every_option_match_the_reference(emu, case):
-    c = _random_case(random.Random(f"cuda-emulated-{case}"))
-    dtype, wb, mma = c["dtype"], c["walk_blocks"], c["mma_walk"]
+    c = _random_case(random.Random(f"cuda-emulated-{case}"))  # in the traceback's locals
+    kernel = {"walk_blocks": c["walk_blocks"], "mma_walk": c["mma_walk"]}
     x = EmulatedExtension(emu, misalign=c["misalign"])
-    q, k, v, g = _inputs(c["bh"], c["n"], c["f"], c["m"], dtype, seed=c["seed"], extra=1)
+    q, k, v, g = _inputs(c["bh"], c["n"], c["f"], c["m"], c["dtype"], seed=c["seed"], extra=1)
     try:
         emu.ks_emu_configure(c["schedule"], c["smem"])
-        want, want_den = _reference_product(q, k, v, c["reverse"])
-        out, den = x.causal_product(
-            q, k, v, c["reverse"], with_den=True, walk_blocks=wb, mma_walk=mma
-        )
-        assert close_in_dtype(out, want, dtype) and close_in_dtype(den, want_den, dtype), c
-        normalized, _ = x.causal_product(
-            q, k, v, c["reverse"], out_fp32=False, normalize=True, walk_blocks=wb, mma_walk=mma
-        )
-        assert close_in_dtype(normalized, want / (want_den[..., None] + 1e-6), dtype), c
-        grads = x.causal_backward(q, k, v, g, out_fp32=True, walk_blocks=wb, mma_walk=mma)
-        for a, w in zip(grads, _reference_grads(q, k, v, g), strict=True):
-            assert close_in_dtype(a, w, dtype), c
+        _check_product(x, q, k, v, c["reverse"], **kernel)
+        _check_fused_backward(x, q, k, v, g, **kernel)
     finally:
         emu.ks_emu_configure(0, H100_SMEM)
 
