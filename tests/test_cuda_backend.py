@@ -97,6 +97,17 @@ def test_registered_and_chosen_for_cuda_tensors():
         ks.causal_dot_product(x.cpu(), x.cpu(), x.cpu(), backend="cuda")
 
 
+def test_feature_sizes_from_2_to_the_24_are_refused():
+    """Offsets inside a 64-row tile are 32-bit in the kernels (64 · D < 2^31): a last dimension
+    of 2^24 or more is a ValueError naming the tensor, not a wrong result."""
+    big = torch.zeros(1, 1, 1, 2**24, device=DEVICE, dtype=torch.bfloat16)
+    small = torch.zeros(1, 1, 1, 2, device=DEVICE, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"q's last dimension must be below 2\^24"):
+        ks.causal_dot_product(big, big, small, backend="cuda")
+    with pytest.raises(ValueError, match=r"v's last dimension must be below 2\^24"):
+        ks.linear_attention(small, small, big, causal=False, backend="cuda")
+
+
 # ---------------------------------------------------------------- unnormalized causal product
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
 def test_causal_product_fp32_matches_reference(shape):

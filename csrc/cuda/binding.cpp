@@ -39,6 +39,9 @@ void check_sequence(const at::Tensor& t, const char* name, const at::Tensor& lik
   TORCH_CHECK_TYPE(t.scalar_type() == like.scalar_type(), name, " must have dtype ",
                    like.scalar_type(), ", got ", t.scalar_type());
   TORCH_CHECK_VALUE(t.dim() == 4, name, " must be (B,H,N,D), got ", t.sizes());
+  // the kernels index within a 64-row tile in 32 bits (load_tile): 64 * D < 2^31
+  TORCH_CHECK_VALUE(t.size(3) < (int64_t{1} << 24), name,
+                    "'s last dimension must be below 2^24, got ", t.size(3));
 }
 
 void check_rows(const at::Tensor& t, const char* name, const at::Tensor& like, int64_t seq) {

@@ -69,7 +69,8 @@
 // Intermediates that are rounded to the operand type: masked intra-chunk scores and the chunk
 // states (block-local prefixes stored in the operand type, carries and z in fp32).
 //
-// Indexing is 64-bit throughout; grid.x enumerates (BH, chunk) pairs (< 2^31 blocks).
+// Indexing is 64-bit, except offsets inside a tile's 64 rows (load_tile: F, M < 2^24, checked
+// by the binding); grid.x enumerates (BH, chunk) pairs (< 2^31 blocks).
 // Determinism: no atomics; every sum has a fixed order independent of the launch.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -506,6 +507,12 @@ __device__ __forceinline__ void mma_tf32(float (&acc)[4], const TF32A<kSplit>& a
 }
 
 // ------------------------------------------------------------------ global -> shared tiles
+// How many of a tile's 64 rows (columns) lie inside a matrix that has `left` of them from the
+// tile's first on (0 where left <= 0).
+__device__ __forceinline__ int extent_in(int64_t left) {
+  return static_cast<int>(left < 0 ? 0 : (left < kTile ? left : kTile));
+}
+
 // Copies rows [row0, row0+64) x columns [col0, col0+64) of a row-major global matrix
 // (rows x cols, leading dimension ld) into a 64 x 64 shared tile (leading dimension ldd),
 // converted to Op. Elements outside the matrix, and rows whose `keep` flag is false, are zero.
@@ -528,34 +535,45 @@ __device__ __forceinline__ void load_tile(Op* __restrict__ dst, int ldd,
   struct alignas(sizeof(Op) * V < 16 ? sizeof(Op) * V : 16) Pack {
     Op e[V];
   };
-  for (int i = threadIdx.x; i < kTile * kVecPerRow; i += kThreads) {
-    const int r = i / kVecPerRow;
-    const int c = (i % kVecPerRow) * V;
-    const int64_t gr = row0 + r;
-    const int64_t gc = col0 + c;
-    const bool row_ok = gr < rows && (keep == nullptr || keep[gr]);
+  // Thread t moves columns c .. c + V - 1 of rows t / kVecPerRow + kRowsPerPass * pass. From
+  // the tile's corner on, offsets and bounds are 32-bit: ld < 2^24 (checked by the binding).
+  constexpr int kRowsPerPass = kThreads / kVecPerRow;
+  static_assert(kThreads % kVecPerRow == 0 && kTile % kRowsPerPass == 0, "whole rows per pass");
+  const int64_t corner = row0 * ld + col0;
+  src += corner;
+  if (add != nullptr) add += corner;
+  if (keep != nullptr) keep += row0;
+  const int in_rows = extent_in(rows - row0), in_cols = extent_in(cols - col0);
+  const int r_first = threadIdx.x / kVecPerRow, c = (threadIdx.x % kVecPerRow) * V;
+  const bool vec_ok = vec && c + V <= in_cols;
+  // unrolled where whole vectors go by cp.async; one pass at a time where they convert in
+  // registers (fp16 -> fp32: 8 floats a vector; unrolled, the chunk kernels spilled)
+  constexpr int kPasses = kTile / kRowsPerPass, kUnroll = std::is_same_v<Tin, Op> ? kPasses : 1;
+#pragma unroll kUnroll
+  for (int pass = 0; pass < kPasses; ++pass) {
+    const int r = r_first + pass * kRowsPerPass;
+    const int at = r * static_cast<int>(ld) + c;  // element (r, c) from the corner
+    const bool row_ok = r < in_rows && (keep == nullptr || keep[r]);
     if constexpr (std::is_same_v<Tin, Op>) {
-      if (row_ok && vec && add == nullptr && gc + V <= cols) {
-        cp_async16(dst + r * ldd + c, src + gr * ld + gc);
+      if (row_ok && vec_ok && add == nullptr) {
+        cp_async16(dst + r * ldd + c, src + at);
         continue;
       }
     }
     float x[V];
-    if (row_ok && vec && gc + V <= cols) {
-      const uint4 raw = *reinterpret_cast<const uint4*>(src + gr * ld + gc);
+    if (row_ok && vec_ok) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(src + at);
       const Tin* e = reinterpret_cast<const Tin*>(&raw);
 #pragma unroll
       for (int u = 0; u < V; ++u) x[u] = to_float(e[u]);
     } else {
 #pragma unroll
-      for (int u = 0; u < V; ++u) {
-        x[u] = (row_ok && gc + u < cols) ? to_float(src[gr * ld + gc + u]) : 0.f;
-      }
+      for (int u = 0; u < V; ++u) x[u] = (row_ok && c + u < in_cols) ? to_float(src[at + u]) : 0.f;
     }
     if (add != nullptr && row_ok) {
 #pragma unroll
       for (int u = 0; u < V; ++u) {
-        if (gc + u < cols) x[u] += add[gr * ld + gc + u];
+        if (c + u < in_cols) x[u] += add[at + u];
       }
     }
     Pack p;
@@ -572,7 +590,7 @@ __host__ __device__ constexpr int vec_elems() {
 
 // Writes a 64 x 64 fp32 shared tile (ld kLdF) to rows [row0, row0+64) x columns [col0, col0+64)
 // of a row-major global matrix (rows x cols, leading dimension ld) in T, skipping what lies
-// outside it; with `div`, row r is divided by div[r] + eps (the normalizer). Each thread writes
+// outside it; with `div`, row r is multiplied by 1 / (div[r] + eps) (the normalizer). Each thread writes
 // whole 16-byte vectors where the destination allows (the same choice in every thread), single
 // elements at a ragged edge.
 template <typename T>
@@ -586,21 +604,23 @@ __device__ __forceinline__ void store_tile(T* __restrict__ dst, int64_t ld, int6
     T e[V];
   };
   const bool vec = reinterpret_cast<uintptr_t>(dst) % 16 == 0 && ld % V == 0 && col0 % V == 0;
+  // from the tile's corner on, 32-bit offsets and bounds (ld < 2^24, checked by the binding)
+  dst += row0 * ld + col0;
+  const int in_rows = extent_in(rows - row0), in_cols = extent_in(cols - col0);
   for (int i = threadIdx.x; i < kTile * (kTile / V); i += kThreads) {
     const int r = i / (kTile / V), c = (i % (kTile / V)) * V;
-    const int64_t gr = row0 + r, gc = col0 + c;
-    if (gr >= rows) continue;
-    const float d = div == nullptr ? 1.f : div[r] + eps;
+    if (r >= in_rows) continue;
+    const float inv = div == nullptr ? 1.f : 1.f / (div[r] + eps);  // one division a vector
     const float* x = tile + r * kLdF + c;
-    T* out = dst + gr * ld + gc;
-    if (vec && gc + V <= cols) {
+    T* out = dst + r * static_cast<int>(ld) + c;
+    if (vec && c + V <= in_cols) {
       Pack p;
 #pragma unroll
-      for (int u = 0; u < V; ++u) p.e[u] = from_float<T>(div == nullptr ? x[u] : x[u] / d);
+      for (int u = 0; u < V; ++u) p.e[u] = from_float<T>(div == nullptr ? x[u] : x[u] * inv);
       *reinterpret_cast<Pack*>(out) = p;
     } else {
-      for (int u = 0; u < V && gc + u < cols; ++u) {
-        out[u] = from_float<T>(div == nullptr ? x[u] : x[u] / d);
+      for (int u = 0; u < V && c + u < in_cols; ++u) {
+        out[u] = from_float<T>(div == nullptr ? x[u] : x[u] * inv);
       }
     }
   }
@@ -1832,27 +1852,32 @@ __device__ __forceinline__ void store_pair(Tout* dst, float a, float b, bool bot
 }
 
 // Writes the band's rows of acc (n-tile j: columns col0 + 8j) to rows row0 + g, row0 + g + 8 of a
-// row-major (rows x cols) matrix, with `divide` each divided by its d (d.x, d.y); `pairs`: the
+// row-major (rows x cols) matrix, with `divide` each times 1 / its d (d.x, d.y); `pairs`: the
 // matrix is aligned for two-element stores.
 template <int NT, typename Tout>
 __device__ __forceinline__ void store_band(Tout* out, const float (&acc)[NT][4], int64_t rows,
                                            int64_t cols, int64_t row0, int64_t col0, bool divide,
                                            float2 d, bool pairs, const Lane& l) {
+  static_assert(8 * NT <= kTile, "a band is at most a tile wide");
+  // from the band's corner on, 32-bit offsets and bounds (cols < 2^24, checked by the binding)
+  out += row0 * cols + col0;
+  const int in_rows = extent_in(rows - row0), in_cols = extent_in(cols - col0);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int64_t row = row0 + l.g + 8 * h;
-    if (row >= rows) continue;
+    const int row = l.g + 8 * h;
+    if (row >= in_rows) continue;
+    const float inv = divide ? 1.f / (h == 0 ? d.x : d.y) : 1.f;  // one division a row
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
-      const int64_t col = col0 + 8 * j + 2 * l.t;
-      if (col >= cols) continue;
+      const int col = 8 * j + 2 * l.t;
+      if (col >= in_cols) continue;
       float a = acc[j][2 * h], b = acc[j][2 * h + 1];
       if (divide) {
-        const float dh = h == 0 ? d.x : d.y;
-        a /= dh;
-        b /= dh;
+        a *= inv;
+        b *= inv;
       }
-      store_pair(out + row * cols + col, a, b, col + 1 < cols, pairs && col + 1 < cols);
+      store_pair(out + row * static_cast<int>(cols) + col, a, b, col + 1 < in_cols,
+                 pairs && col + 1 < in_cols);
     }
   }
 }
