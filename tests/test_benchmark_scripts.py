@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -1056,3 +1057,94 @@ def test_counters_without_counters_or_report(counters, tmp_path, capsys, said, r
 def test_counters_child_refuses_without_a_gpu(counters, capsys):
     assert counters.main(["--child"]) == 1
     assert "no GPU or no cuda backend" in capsys.readouterr().err
+
+
+# --- cuda_sass.py: ptxas' report and cuobjdump's SASS read back; the real kernels with the tools
+PTXAS_REPORT = """\
+ptxas info    : Compiling entry function '_Z3fooPf' for 'sm_90a'
+ptxas info    : Function properties for _Z3fooPf
+    16 bytes stack frame, 12 bytes spill stores, 8 bytes spill loads
+ptxas info    : Used 128 registers, used 1 barriers, 16 bytes cumulative stack size
+ptxas info    : Compiling entry function '_Z3fooPf' for 'sm_80'
+ptxas info    : Function properties for _Z3fooPf
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 96 registers, used 1 barriers
+"""
+# a function with a loop of 4 instructions (0x0020 .. 0x0050) and one outside it
+SASS = """\
+\tcode for sm_90a
+\t\tFunction : _Z3fooPf
+        /*0000*/                   LDC R1, c[0x0][0x28] ;                 /* 0x00000a00ff017b82 */
+        /*0010*/                   NOP ;
+        /*0020*/                   LDSM.16.M88.4 R4, [R2] ;
+        /*0030*/                   HMMA.16816.F32.BF16 R8, R4, R6, R8 ;
+        /*0040*/              @!P0 LDG.E.U16 R9, desc[UR4][R2.64] ;
+        /*0050*/               @P1 BRA 0x20 ;
+        /*0060*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0070*/                   EXIT ;
+\t\tFunction : _Z3barv
+        /*0000*/                   EXIT ;
+"""
+
+
+@pytest.fixture(scope="module")
+def cuda_sass():
+    return _script("cuda_sass")
+
+
+def test_cuda_sass_reads_ptxas_report_per_architecture(cuda_sass):
+    table = cuda_sass.resources(PTXAS_REPORT, "sm_90a")
+    assert table.to_dict("records") == [
+        dict(mangled="_Z3fooPf", registers=128, spill_stores=12, spill_loads=8, stack=16)
+    ]
+    assert cuda_sass.resources(PTXAS_REPORT, "sm_80")["registers"].tolist() == [96]
+
+
+def test_cuda_sass_counts_instructions_kinds_and_the_loop(cuda_sass):
+    assert cuda_sass.opcode("@!P0 LDG.E.U16 R9, desc[UR4][R2.64]") == "LDG"
+    table = cuda_sass.sass_counts(SASS).set_index("mangled")
+    foo = table.loc["_Z3fooPf"]
+    assert foo["instructions"] == 7  # the NOP left out
+    assert foo["loop_instructions"] == 4
+    assert (foo["hmma"], foo["ldsm"], foo["ldg"], foo["bar"], foo["stg"]) == (1, 1, 1, 1, 0)
+    assert table.loc["_Z3barv", "loop_instructions"] == 0
+
+
+def test_cuda_sass_sets_two_revisions_side_by_side(cuda_sass):
+    now = pd.DataFrame(
+        dict(kernel=["a", "b"], instructions=[90, 50], loop_instructions=[40, 0],
+             registers=[128, 64], spill_stores=[0, 4])
+    )  # fmt: skip
+    before = now.assign(instructions=[100, 50], spill_stores=[8, 4])
+    table = cuda_sass.side_by_side(now, before).set_index("kernel")
+    assert table.loc["a", "d_instructions"] == -10 and table.loc["a", "d_spill_stores"] == -8
+    assert table.loc["b", "d_instructions"] == 0 and table.loc["a", "instructions_before"] == 100
+
+
+def test_cuda_sass_refuses_bad_arguments_and_missing_tools(cuda_sass, monkeypatch, capsys):
+    with pytest.raises(SystemExit) as stop:
+        cuda_sass.main(["--arch", "hopper"])
+    assert stop.value.code == 2 and "--arch" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        cuda_sass.main(["--kernels", "walk("])
+    assert stop.value.code == 2 and "--kernels" in capsys.readouterr().err
+    monkeypatch.setattr(cuda_sass.shutil, "which", lambda name: None)
+    assert cuda_sass.main(["--cuobjdump", "/nonexistent/cuobjdump"]) == cuda_sass.UNAVAILABLE
+    assert "nvcc, cuobjdump, c++filt not found" in capsys.readouterr().err
+
+
+def test_cuda_sass_on_the_kernels(cuda_sass, tmp_path):
+    """The real sources (nvcc, cuobjdump and c++filt needed; cuobjdump is not in CUDA's nvcc-only
+    installs, so this is skipped where it is missing): every instance of kernel 8 has tensor-core
+    products and a chunk loop inside its code."""
+    cuobjdump = cuda_sass.find_tool("cuobjdump")
+    if not (shutil.which("nvcc") and cuobjdump and shutil.which("c++filt")):
+        pytest.skip("needs nvcc, cuobjdump and c++filt")
+    out = tmp_path / "sass.csv"
+    assert cuda_sass.main(["--kernels", "chunk_walk_mma_kernel", "--out", str(out)]) == 0
+    table = pd.read_csv(out)
+    assert len(table) >= 7 and (table["hmma"] > 0).all()
+    assert (table["loop_instructions"] > 0).all() and (
+        table["loop_instructions"] < table["instructions"]
+    ).all()
+    assert set(table["arch"]) == {"sm_90a"} and table["command"].str.contains("--kernels").all()
