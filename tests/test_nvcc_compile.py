@@ -74,8 +74,6 @@ SPILL_BUDGET = {
     "chunk_output_kernel<__half, float, float>": 24,
     # one value stored before the chunk loop and loaded once a chunk
     "chunk_states_kernel<__nv_bfloat16, float>": 4,
-    "chunk_walk_mma_dkv_kernel<__nv_bfloat16, __nv_bfloat16>": 4,
-    "chunk_walk_mma_dkv_kernel<__nv_bfloat16, float>": 4,
 }
 ENTRY = re.compile(
     r"Compiling entry function '(\S+)' for '(\w+)'.*?(\d+) bytes spill stores.*?"

@@ -1756,15 +1756,27 @@ __device__ __forceinline__ void band_scores(float (&p)[8][4], float (&rs)[2],
       }
     }
   }
-  rs[0] = rs[1] = 0.f;
+  // Only the tile pair on the band's diagonal (keys r0 .. r0 + 15) holds scores the mask
+  // zeroes: the pairs before it (after it, reverse) are kept whole, the others not computed.
+  // (The tf32 kernels mask every tile: masking the diagonal alone cost them register moves.)
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
+    if (B::kReadyCosts || j / 2 == r0 / 16) {  // the same in the whole warp
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int row = r0 + l.g + 8 * (e / 2), key = 8 * j + 2 * l.t + e % 2;
-      if (reverse ? key < row : key > row) p[j][e] = 0.f;
-      rs[e / 2] += p[j][e];
+      for (int e = 0; e < 4; ++e) {  // row and key from the pair's first
+        const int row = l.g + 8 * (e / 2) + (B::kReadyCosts ? r0 : 0);
+        const int key = 8 * (B::kReadyCosts ? j : j % 2) + 2 * l.t + e % 2;
+        if (reverse ? key < row : key > row) p[j][e] = 0.f;
+      }
     }
+  }
+  // row sums, pairwise (a dependency chain of 4 additions, not 16)
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float a[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) a[j] = p[j][2 * h] + p[j][2 * h + 1];
+    rs[h] = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
   }
 }
 
