@@ -1538,6 +1538,7 @@ template <bool kSplit>
 struct Band<__nv_bfloat16, kSplit> {
   using Op = __nv_bfloat16;
   static constexpr int kSteps = 4, LD = ld_of<Op>(), kTileElems = kTile * LD;
+  static constexpr uint32_t kOnes = 0x3f803f80u;  // a B register of two bf16 1.0
   using Frags = uint32_t[kSteps][4];
 
   // k-step kk of A = rows r0 .. r0 + 15 of T
@@ -1606,6 +1607,7 @@ template <bool kSplit>
 struct Band<float, kSplit> {
   using Op = float;
   static constexpr int kSteps = 8, LD = ld_of<Op>(), kTileElems = kTile * LD;
+  static constexpr uint32_t kOnes = 0x3f800000u;  // a B register of 1.0 (exact in tf32)
   using Frags = uint32_t[kSteps][4];
 
   static __device__ __forceinline__ void rows(uint32_t (&a)[4], const Op* T, int r0, int kk,
@@ -1803,12 +1805,14 @@ __device__ __forceinline__ void band_product(float (&acc)[NT][4], const typename
 
 // acc += a B and acc2[ft] += a2[ft] B (ft < FT) with one load of each fragment of B = tile T as
 // stored (columns c0 ..); the k-steps whose scores the band's mask zeroes are left out of acc
-// only.
+// only. With `with_z`, also z[ft] += a2[ft] 1 (the row sums of a2[ft]: every column of z[ft]
+// holds them).
 template <typename B, int NT, int FT>
 __device__ __forceinline__ void band_products_sharing_b(float (&acc)[NT][4],
                                                         const typename B::Frags& a,
                                                         float (&acc2)[FT][NT][4],
                                                         const typename B::Frags (&a2)[FT],
+                                                        float (&z)[FT][4], bool with_z,
                                                         const typename B::Op* T, int c0,
                                                         const Lane& l, int r0, bool reverse) {
 #pragma unroll
@@ -1817,7 +1821,10 @@ __device__ __forceinline__ void band_products_sharing_b(float (&acc)[NT][4],
     const typename B::Ready ak = B::ready(a[kk]);
     typename B::Ready a2k[FT];
 #pragma unroll
-    for (int ft = 0; ft < FT; ++ft) a2k[ft] = B::ready(a2[ft][kk]);
+    for (int ft = 0; ft < FT; ++ft) {
+      a2k[ft] = B::ready(a2[ft][kk]);
+      if (with_z) B::mma(z[ft], a2k[ft], B::kOnes, B::kOnes);
+    }
 #pragma unroll
     for (int jp = 0; jp < NT / 2; ++jp) {
       uint32_t b[4];
@@ -1981,18 +1988,23 @@ __global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm<typename OperandOf<T
 
   // S: the warp's 16 x 32 slab of each feature slice (features 64 ft + r0 .., columns
   // m0 + c0 ..) in fp32 accumulators, from the segment's carry (S row-major F x M, then z) or
-  // zero; z: column 64 ft + zc of K, summed by the four threads zp = 0..3 (rows zp, zp + 4,
-  // ...), held by all four.
+  // zero; z: the sums of K's columns 64 ft + r0 + g and + 8 (the band's features) in the
+  // accumulators of K^T 1 (z[ft][2h], z[ft][2h + 1]: feature r0 + g + 8h), which the lanes
+  // t = 0 of warps 0-3 publish.
   const float* cs = carry == nullptr ? nullptr : carry + (bh * nblk + blk) * (f * m + f);
-  const int zc = threadIdx.x / 4, zp = threadIdx.x % 4;
-  float s[FT][4][4], z[FT];
+  const bool z_writer = c0 == 0 && l.t == 0;
+  float s[FT][4][4], z[FT][4];
 #pragma unroll
   for (int ft = 0; ft < FT; ++ft) {
     carry_slab(s[ft], cs, f, m, ft * kTile + r0, m0 + c0, l);
-    const int64_t col = ft * kTile + zc;
-    z[ft] = (cs != nullptr && need_den && col < f) ? cs[f * m + col] : 0.f;
     B::publish(s_copies + ft * kOpTile, s[ft], r0, c0, l);
-    if (zp == 0) z_copies[ft * kTile + zc] = z[ft];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t col = ft * kTile + r0 + l.g + 8 * h;
+      z[ft][2 * h] = z[ft][2 * h + 1] =
+          (cs != nullptr && need_den && col < f) ? cs[f * m + col] : 0.f;
+      if (z_writer) z_copies[ft * kTile + r0 + l.g + 8 * h] = z[ft][2 * h];
+    }
   }
 
   const bool pairs = reinterpret_cast<uintptr_t>(out) % (2 * sizeof(Tout)) == 0 && m % 2 == 0;
@@ -2023,7 +2035,7 @@ __global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm<typename OperandOf<T
     typename B::Frags ka[FT];
 #pragma unroll
     for (int ft = 0; ft < FT; ++ft) transposed_band_fragments<B>(ka[ft], Ks + ft * kOpTile, r0, l);
-    band_products_sharing_b<B>(o, pa, s, ka, Vs, c0, l, r0, reverse);
+    band_products_sharing_b<B>(o, pa, s, ka, z, need_den, Vs, c0, l, r0, reverse);
 
     // den = row sums + q . z (z before this chunk), summed over the four lanes of a row
     float dn[2] = {rs[0], rs[1]};
@@ -2035,20 +2047,15 @@ __global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm<typename OperandOf<T
         dn[h] += __shfl_xor_sync(0xffffffffu, dn[h], 1);
         dn[h] += __shfl_xor_sync(0xffffffffu, dn[h], 2);
       }
-#pragma unroll
-      for (int ft = 0; ft < FT; ++ft) {
-        float zsum = 0.f;
-        for (int r = zp; r < kTile; r += 4) zsum += to_float(Ks[ft * kOpTile + r * LD + zc]);
-        zsum += __shfl_xor_sync(0xffffffffu, zsum, 1);
-        zsum += __shfl_xor_sync(0xffffffffu, zsum, 2);
-        z[ft] += zsum;
-      }
     }
     if (i + 1 < seg.count) {  // the other copies: read in step i - 1
 #pragma unroll
       for (int ft = 0; ft < FT; ++ft) {
         B::publish(s_copies + ((buf ^ 1) * FT + ft) * kOpTile, s[ft], r0, c0, l);
-        if (zp == 0) z_copies[((buf ^ 1) * FT + ft) * kTile + zc] = z[ft];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          if (z_writer) z_copies[((buf ^ 1) * FT + ft) * kTile + r0 + l.g + 8 * h] = z[ft][2 * h];
+        }
       }
     }
 
