@@ -1576,18 +1576,27 @@ struct Band<__nv_bfloat16, kSplit> {
       pa[kk][3] = pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3]);
     }
   }
-  // d[h] += row g + 8h of the band . z over this lane's columns
-  static __device__ __forceinline__ void dot(float (&d)[2], const Frags& a, const float* z,
+  // z's copy (a slot of 64 floats): z = hi + lo (within 2^-16 |z|), the bf16 parts of z[c] at
+  // bf16 element c (hi) and 64 + c (lo) of the slot
+  static __device__ __forceinline__ void publish_z(float* slot, int c, float z) {
+    const __nv_bfloat16 hi = __float2bfloat16_rn(z);
+    Op* parts = reinterpret_cast<Op*>(slot);
+    parts[c] = hi;
+    parts[kTile + c] = __float2bfloat16_rn(z - __bfloat162float(hi));
+  }
+  // d[h] += row g + 8h of the band . z, on the lanes t = 0 (0 on the others): one mma a k-step
+  // with B's columns 0 and 1 = z's hi and lo parts, the others zero
+  static __device__ __forceinline__ void dot(float (&d)[2], const Frags& a, const float* slot,
                                              const Lane& l) {
+    const uint32_t* parts = reinterpret_cast<const uint32_t*>(slot) + (l.g & 1) * kTile / 2;
+    float acc[4] = {};
 #pragma unroll
-    for (int kk = 0; kk < kSteps; ++kk) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {  // a[h]: columns 2t, 2t+1; a[h + 2]: 2t + 8, 2t + 9
-        const float2 lo = unpack_bf16(a[kk][h]), hi = unpack_bf16(a[kk][h + 2]);
-        const int c = 16 * kk + 2 * l.t;
-        d[h] += lo.x * z[c] + lo.y * z[c + 1] + hi.x * z[c + 8] + hi.y * z[c + 9];
-      }
+    for (int kk = 0; kk < kSteps; ++kk) {  // b0: rows 2t, 2t + 1 of column g; b1: + 8
+      const int c = 8 * kk + l.t;          // in bf16 pairs
+      mma_bf16(acc, a[kk], l.g < 2 ? parts[c] : 0u, l.g < 2 ? parts[c + 4] : 0u);
     }
+    d[0] += acc[0] + acc[1];
+    d[1] += acc[2] + acc[3];
   }
   // the warp's 16 x 32 slab (n-tile j: columns c0 + 8j) of a state in accumulators to a copy
   static __device__ __forceinline__ void publish(Op* copy, const float (&s)[4][4], int r0, int c0,
@@ -1648,6 +1657,9 @@ struct Band<float, kSplit> {
       pa[kk][3] = float_bits(p[kk][3]);
     }
   }
+  // z's copy (a slot of 64 floats): z[c] at c
+  static __device__ __forceinline__ void publish_z(float* slot, int c, float z) { slot[c] = z; }
+  // d[h] += row g + 8h of the band . z over this lane's columns
   static __device__ __forceinline__ void dot(float (&d)[2], const Frags& a, const float* z,
                                              const Lane& l) {
 #pragma unroll
@@ -2003,7 +2015,7 @@ __global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm<typename OperandOf<T
       const int64_t col = ft * kTile + r0 + l.g + 8 * h;
       z[ft][2 * h] = z[ft][2 * h + 1] =
           (cs != nullptr && need_den && col < f) ? cs[f * m + col] : 0.f;
-      if (z_writer) z_copies[ft * kTile + r0 + l.g + 8 * h] = z[ft][2 * h];
+      if (z_writer) B::publish_z(z_copies + ft * kTile, r0 + l.g + 8 * h, z[ft][2 * h]);
     }
   }
 
@@ -2054,7 +2066,9 @@ __global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm<typename OperandOf<T
         B::publish(s_copies + ((buf ^ 1) * FT + ft) * kOpTile, s[ft], r0, c0, l);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          if (z_writer) z_copies[((buf ^ 1) * FT + ft) * kTile + r0 + l.g + 8 * h] = z[ft][2 * h];
+          if (z_writer) {
+            B::publish_z(z_copies + ((buf ^ 1) * FT + ft) * kTile, r0 + l.g + 8 * h, z[ft][2 * h]);
+          }
         }
       }
     }
