@@ -1941,7 +1941,8 @@ constexpr int kMmaBlocksPerSm = sizeof(Op) == 2 && FT == 1 ? 2 : 1;
 //     S += K_c^T V_c,  z += column sums of K_c,
 // then S's copy and z go to the other of two shared copies, which the next chunk reads after
 // the barrier that also publishes its tiles. Score and value steps that the mask zeroes for a
-// whole warp are skipped.
+// whole warp are skipped. z's sums are products too (K_c^T 1 beside K_c^T V_c, in fp32
+// accumulators), and in bf16 so is Q_c z (z's copy as bf16 hi and lo parts: B's two columns).
 // Shared: two buffers of (Q: FT tiles, K: FT tiles, V: one tile; 64 x LD operand tiles), two
 // copies of S (FT tiles) and of z (FT * 64 fp32). Outputs and den go from registers to global
 // memory.
