@@ -169,9 +169,9 @@ __host__ __device__ constexpr int ld_of() {
 // 3xTF32's split of an fp32 value x = big + small + r: big is x with the low 13 bits of its
 // encoding cleared (a tf32 value, x rounded toward zero), small the same of x - big (exact in
 // fp32), so |r| < 2^-20 |x|, and a b ~ big_a big_b + small_a big_b + big_a small_b lies
-// within about 3 * 2^-20 of a b, far inside fp32 outputs' 1e-4. Two instructions a value where rounding to nearest
-// (cvt.rna.tf32) takes several: with it, the fp32 kernels' chunk loops had 19-34% more
-// instructions (static SASS, sm_90a) and more spills. Both parts are exact tf32 values, so
+// within about 3 * 2^-20 of a b, far inside fp32 outputs' 1e-4. Two instructions a value where
+// rounding to nearest (cvt.rna.tf32) takes several: with it, the fp32 kernels' chunk loops had
+// 19-34% more instructions (static SASS, sm_90a) and more spills. Both parts are exact tf32 values, so
 // what a tensor core does with an operand's low bits never matters. Non-finite x keeps a
 // non-finite big or small (inf: big inf, small NaN), as with rounding.
 __device__ __forceinline__ void tf32_split(float x, float& big, float& small) {
@@ -590,9 +590,9 @@ __host__ __device__ constexpr int vec_elems() {
 
 // Writes a 64 x 64 fp32 shared tile (ld kLdF) to rows [row0, row0+64) x columns [col0, col0+64)
 // of a row-major global matrix (rows x cols, leading dimension ld) in T, skipping what lies
-// outside it; with `div`, row r is multiplied by 1 / (div[r] + eps) (the normalizer). Each thread writes
-// whole 16-byte vectors where the destination allows (the same choice in every thread), single
-// elements at a ragged edge.
+// outside it; with `div`, row r is multiplied by 1 / (div[r] + eps) (the normalizer). Each
+// thread writes whole 16-byte vectors where the destination allows (the same choice in every
+// thread), single elements at a ragged edge.
 template <typename T>
 __device__ __forceinline__ void store_tile(T* __restrict__ dst, int64_t ld, int64_t rows,
                                            int64_t cols, int64_t row0, int64_t col0,
@@ -1944,7 +1944,8 @@ constexpr int kMmaBlocksPerSm = sizeof(Op) == 2 && FT == 1 ? 2 : 1;
 // whole warp are skipped. z's sums are products too (K_c^T 1 beside K_c^T V_c, in fp32
 // accumulators), and in bf16 so is Q_c z (z's copy as bf16 hi and lo parts: B's two columns).
 // Shared: two buffers of (Q: FT tiles, K: FT tiles, V: one tile; 64 x LD operand tiles), two
-// copies of S (FT tiles) and of z (FT * 64 fp32). Outputs and den go from registers to global
+// copies of S (FT tiles) and of z (FT slots of 64 floats: z in fp32, or in bf16 its hi and lo
+// parts). Outputs and den go from registers to global
 // memory.
 template <typename Op>
 constexpr size_t mma_walk_smem(int ft) {
@@ -2067,9 +2068,8 @@ __global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm<typename OperandOf<T
         B::publish(s_copies + ((buf ^ 1) * FT + ft) * kOpTile, s[ft], r0, c0, l);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          if (z_writer) {
-            B::publish_z(z_copies + ((buf ^ 1) * FT + ft) * kTile, r0 + l.g + 8 * h, z[ft][2 * h]);
-          }
+          float* slot = z_copies + ((buf ^ 1) * FT + ft) * kTile;
+          if (z_writer) B::publish_z(slot, r0 + l.g + 8 * h, z[ft][2 * h]);
         }
       }
     }
