@@ -1726,10 +1726,9 @@ __device__ __forceinline__ void b_pair(uint32_t (&b)[4], const typename B::Op* T
 
 // The band's masked scores p = A Y^T (n-tile j: rows 8j .. of Y) over FT feature slices (a[ft]:
 // the band's fragments of slice ft; Y: FT 64 x LD tiles one after another), tiles wholly
-// outside the mask skipped, and their row sums rs (rows g, g + 8; this lane's columns only).
+// outside the mask skipped.
 template <typename B, int FT>
-__device__ __forceinline__ void band_scores(float (&p)[8][4], float (&rs)[2],
-                                            const typename B::Frags (&a)[FT],
+__device__ __forceinline__ void band_scores(float (&p)[8][4], const typename B::Frags (&a)[FT],
                                             const typename B::Op* Y, int r0, bool reverse,
                                             const Lane& l) {
 #pragma unroll
@@ -1784,7 +1783,11 @@ __device__ __forceinline__ void band_scores(float (&p)[8][4], float (&rs)[2],
       }
     }
   }
-  // row sums, pairwise (a dependency chain of 4 additions, not 16)
+}
+
+// The row sums of the band's scores p (rows g, g + 8; this lane's columns only), pairwise (a
+// dependency chain of 4 additions, not 16).
+__device__ __forceinline__ void band_row_sums(float (&rs)[2], const float (&p)[8][4]) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float a[8];
@@ -2036,10 +2039,11 @@ __global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm<typename OperandOf<T
     typename B::Frags qa[FT], pa;
 #pragma unroll
     for (int ft = 0; ft < FT; ++ft) band_fragments<B>(qa[ft], Qs + ft * kOpTile, r0, l);
-    float rs[2];
+    float rs[2] = {0.f, 0.f};
     {
       float p[8][4];
-      band_scores<B, FT>(p, rs, qa, Ks, r0, reverse, l);
+      band_scores<B, FT>(p, qa, Ks, r0, reverse, l);
+      if (need_den) band_row_sums(rs, p);
       B::scores(pa, p);
     }
     // out = Q S + P V (the warp's 16 x 32), then S += K^T V
@@ -2166,8 +2170,8 @@ __global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm<typename OperandOf<T
     typename B::Frags xa[1], pa;
     band_fragments<B>(xa[0], X, r0, l);
     {
-      float p[8][4], rs[2];
-      band_scores<B, 1>(p, rs, xa, dk_warp ? Gs : Qs, r0, true, l);
+      float p[8][4];
+      band_scores<B, 1>(p, xa, dk_warp ? Gs : Qs, r0, true, l);
       B::scores(pa, p);
     }
     float o[8][4] = {};
