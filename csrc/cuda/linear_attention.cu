@@ -397,15 +397,6 @@ __device__ __forceinline__ float bits_float(uint32_t u) {
   return x;
 }
 
-// The two bf16 of a packed register as floats: {low, high}.
-__device__ __forceinline__ float2 unpack_bf16(uint32_t u) {
-  const uint32_t lo = u << 16, hi = u & 0xffff0000u;
-  float2 x;
-  memcpy(&x.x, &lo, 4);
-  memcpy(&x.y, &hi, 4);
-  return x;
-}
-
 template <bool kTrans>
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const __nv_bfloat16* p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
