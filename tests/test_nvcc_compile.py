@@ -1,5 +1,5 @@
 """Every CUDA kernel under csrc/ compiles with nvcc for sm_80 and sm_90a, with the flags torch
-gives nvcc when it builds the extension.
+gives nvcc when it builds the extension, and without a warning.
 
 ``.cu`` files hold kernels and launchers only (CUDA headers, no torch), so they compile
 without PyTorch's include paths; a kernel that does not compile fails CI even on machines
@@ -135,6 +135,15 @@ def kernel_resources(report: str, arch: str) -> dict[str, tuple[int, int]]:
 def test_cu_compiles(source, ptxas_reports):
     result = ptxas_reports[source]
     assert result.returncode == 0, f"nvcc failed on {_id(source)}:\n{result.stderr[-6000:]}"
+
+
+@pytest.mark.parametrize("source", CU_FILES, ids=_id)
+def test_cu_compiles_without_warnings(source, ptxas_reports):
+    """nvcc's and ptxas' warnings (an unused function, a narrowing, an ignored pragma, a stack
+    size ptxas cannot bound) fail here, not at a GPU session's build."""
+    result = ptxas_reports[source]
+    warnings = [line for line in (result.stdout + result.stderr).splitlines() if "warning" in line]
+    assert not warnings, f"{_id(source)}:\n" + "\n".join(warnings[:20])
 
 
 @pytest.mark.skipif(CXXFILT is None, reason="c++filt is not on PATH")
