@@ -1542,6 +1542,19 @@ struct Band<__nv_bfloat16, kSplit> {
                                                  const Lane& l) {
     ldmatrix_x4<true>(a, T + (16 * kk + l.lr + 8 * l.lm1) * LD + r0 + 8 * l.lm0);
   }
+  // b_pair's fragments straight from ldmatrix: register i holds the 8 x 8 matrix whose row
+  // addresses lanes 8i .. 8i + 7 give, so the lanes address (k-half, n-tile) = (i % 2, i / 2)
+  // where columns() and rows() address (i / 2, i % 2); no register moves before the products
+  static constexpr bool kBPairLoad = true;
+  template <bool kAsStored>
+  static __device__ __forceinline__ void b_pair(uint32_t (&b)[4], const Op* T, int c0, int kk,
+                                                const Lane& l) {
+    if constexpr (kAsStored) {  // k: T's rows 16 kk .., n: T's columns c0 ..
+      ldmatrix_x4<true>(b, T + (16 * kk + l.lr + 8 * l.lm0) * LD + c0 + 8 * l.lm1);
+    } else {  // n: T's rows c0 .., k: T's columns 16 kk ..
+      ldmatrix_x4<false>(b, T + (c0 + l.lr + 8 * l.lm1) * LD + 16 * kk + 8 * l.lm0);
+    }
+  }
   struct Ready {  // an A fragment as the product takes it: as loaded
     uint32_t r[4];
   };
@@ -1608,6 +1621,7 @@ struct Band<float, kSplit> {
   using Op = float;
   static constexpr int kSteps = 8, LD = ld_of<Op>(), kTileElems = kTile * LD;
   static constexpr uint32_t kOnes = 0x3f800000u;  // a B register of 1.0 (exact in tf32)
+  static constexpr bool kBPairLoad = false;       // b_pair: rows() or columns(), reordered
   using Frags = uint32_t[kSteps][4];
 
   static __device__ __forceinline__ void rows(uint32_t (&a)[4], const Op* T, int r0, int kk,
@@ -1699,20 +1713,24 @@ __device__ __forceinline__ void transposed_band_fragments(typename B::Frags& a,
 // B = T as stored, or T^T (B's columns are T's rows). Both operands hold a 16 x k-step block
 // the same way, rows g, g + 8 and k slots of the lane: the A fragment of T's columns (rows)
 // c0 .., with the two middle registers (row g + 8 at the low slots, row g at the high ones)
-// trading places.
+// trading places. bf16 loads them in this order (Band::b_pair); fp32 as A, then reordered.
 template <typename B, bool kAsStored>
 __device__ __forceinline__ void b_pair(uint32_t (&b)[4], const typename B::Op* T, int c0, int kk,
                                        const Lane& l) {
-  uint32_t a[4];
-  if constexpr (kAsStored) {
-    B::columns(a, T, c0, kk, l);
+  if constexpr (B::kBPairLoad) {
+    B::template b_pair<kAsStored>(b, T, c0, kk, l);
   } else {
-    B::rows(a, T, c0, kk, l);
+    uint32_t a[4];
+    if constexpr (kAsStored) {
+      B::columns(a, T, c0, kk, l);
+    } else {
+      B::rows(a, T, c0, kk, l);
+    }
+    b[0] = a[0];
+    b[1] = a[2];
+    b[2] = a[1];
+    b[3] = a[3];
   }
-  b[0] = a[0];
-  b[1] = a[2];
-  b[2] = a[1];
-  b[3] = a[3];
 }
 
 // The band's masked scores p = A Y^T (n-tile j: rows 8j .. of Y) over FT feature slices (a[ft]:
