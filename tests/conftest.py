@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
+import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -26,6 +29,19 @@ def pytest_configure(config: pytest.Config) -> None:
     # SIGINT gets Python's default handler back (children then start with the default).
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def benchmark_script(name: str) -> ModuleType:
+    """``benchmarks/<name>.py`` imported as module ``bench_<name>`` (registered in
+    ``sys.modules``, where dataclasses look their module up)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(autouse=True)

@@ -3,7 +3,6 @@ clean refusal without a GPU (the measurements themselves need one)."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import shutil
 import sys
@@ -16,19 +15,12 @@ import torch
 
 import kernelstudy as ks
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-
-
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from .conftest import benchmark_script
 
 
 @pytest.fixture(scope="module")
 def cuda_core():
-    return _script("cuda_core")
+    return benchmark_script("cuda_core")
 
 
 def _frame() -> pd.DataFrame:
@@ -116,12 +108,12 @@ def test_arguments(cuda_core):
 @pytest.mark.parametrize("name", ["cuda_core", "cuda_profile"])
 def test_refuses_without_a_gpu(name, tmp_path, capsys):
     out = tmp_path / "out.csv"
-    assert _script(name).main(["--out", str(out)]) == 1
+    assert benchmark_script(name).main(["--out", str(out)]) == 1
     assert "GPU" in capsys.readouterr().err and not out.exists()
 
 
 def test_profile_arguments():
-    profile = _script("cuda_profile")
+    profile = benchmark_script("cuda_profile")
     assert profile.parse_args(["--n", "1024", "--batch", "1"]).heads == 16
     assert profile.parse_args([]).variants == [
         "chunks", "chunks_fused", "walk", "walk_fused", "walk_mma", "walk_mma_fused"
@@ -176,7 +168,7 @@ def test_every_case_failing_is_one_line_and_keeps_out(cuda_core, monkeypatch, tm
 # ---------------------------------------------------------------- benchmarks/core.py (CPU)
 @pytest.fixture(scope="module")
 def core():
-    return _script("core")
+    return benchmark_script("core")
 
 
 def test_core_runs_a_small_case(core, tmp_path):
@@ -649,7 +641,7 @@ def test_profile_keeps_the_variants_that_ran(monkeypatch, tmp_path, capsys):
     """One variant failing (a kernel that has never run on a GPU) made the script return
     without writing the others' tables (RuntimeError), or crash (any other error). Several
     F = M run in turn, each row recording its own."""
-    profile = _script("cuda_profile")
+    profile = benchmark_script("cuda_profile")
     monkeypatch.setattr(profile.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(profile.torch.cuda, "get_device_name", lambda *args: "test GPU")
     monkeypatch.setattr(profile.ks, "backends", lambda: ["reference", "torch", "cuda"])
@@ -905,7 +897,7 @@ LAUNCHES = [(KERNEL_6, 13, 0.6), (KERNEL_6, 13, 0.7), (KERNEL_9, 14, 0.5), (KERN
 
 @pytest.fixture(scope="module")
 def counters():
-    return _script("cuda_counters")
+    return benchmark_script("cuda_counters")
 
 
 def test_counters_kernel_names_and_numbers(counters):
@@ -1089,7 +1081,7 @@ SASS = """\
 
 @pytest.fixture(scope="module")
 def cuda_sass():
-    return _script("cuda_sass")
+    return benchmark_script("cuda_sass")
 
 
 def test_cuda_sass_reads_ptxas_report_per_architecture(cuda_sass):

@@ -5,7 +5,6 @@ own work (build, GPU tests, timings) needs a GPU."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
@@ -16,16 +15,12 @@ import pandas as pd
 import pytest
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+from .conftest import BENCHMARKS, benchmark_script
 
 
 @pytest.fixture(scope="module")
 def gs():
-    spec = importlib.util.spec_from_file_location("gpu_session", BENCHMARKS / "gpu_session.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_session"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script("gpu_session")
 
 
 def test_time_limits_keep_the_minimum_of_every_later_stage(gs):
@@ -382,19 +377,12 @@ def test_without_a_gpu_the_session_stops_after_env(gs, tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["session.json", "session.log"]
 
 
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_stages_commands_are_ones_the_scripts_take(gs, tmp_path):
     """The commands the stages give cuda_core.py, cuda_profile.py and cuda_counters.py parse
     there, and the racecheck's tests exist: a renamed option or test would otherwise show only
     on a GPU."""
-    cuda_core, profile = _script("cuda_core"), _script("cuda_profile")
-    counters = _script("cuda_counters")
+    cuda_core, profile = benchmark_script("cuda_core"), benchmark_script("cuda_profile")
+    counters = benchmark_script("cuda_counters")
     session = gs.Session(tmp_path, budget_s=600)
     seen = []
     session.python = lambda args, limit_s, log="session.log": (seen.append(args) or 0, False)

@@ -27,24 +27,21 @@ import pytest
 
 from kernelstudy.core.extensions import csrc_dir
 
+from .conftest import benchmark_script
+
 CSRC = csrc_dir()
 CU_FILES = sorted(CSRC.rglob("*.cu"))
 NVCC = shutil.which("nvcc")
 CXXFILT = shutil.which("c++filt")
 ARCHS = ["-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90a,code=sm_90a"]
+# benchmarks/cuda_sass.py reads the same reports (and SASS): its flags, parser and demangler
+SASS = benchmark_script("cuda_sass")
 # The flags torch's cpp_extension gives nvcc when it builds the extension on a GPU machine
 # (COMMON_NVCC_FLAGS): among them __CUDA_NO_HALF_CONVERSIONS__ and
 # __CUDA_NO_BFLOAT16_CONVERSIONS__, under which an implicit float <-> __half / __nv_bfloat16
 # conversion or a __half operator does not compile. Without them here, such a change would pass
 # this test and fail only at the GPU session's first build (the core then falls back to torch).
-try:
-    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS as TORCH_NVCC_FLAGS
-except ImportError:  # no torch: the defines torch 2.x passes
-    TORCH_NVCC_FLAGS = [
-        "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
-        "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__",
-        "--expt-relaxed-constexpr",
-    ]  # fmt: skip
+TORCH_NVCC_FLAGS = SASS.torch_nvcc_flags()
 TORCH_INCLUDE = re.compile(r'^\s*#\s*include\s*[<"](torch|ATen|c10|pybind11)/', re.MULTILINE)
 
 
@@ -93,11 +90,6 @@ SPILL_BUDGET = {
         "chunk_walk_mma_kernel<__nv_bfloat16, float, 1>": 4,
     },
 }
-ENTRY = re.compile(
-    r"Compiling entry function '(\S+)' for '(\w+)'.*?(\d+) bytes spill stores.*?"
-    r"Used (\d+) registers",
-    re.DOTALL,
-)
 
 
 @pytest.fixture(scope="module")
@@ -138,15 +130,10 @@ def ptxas_reports(tmp_path_factory) -> dict:
 def kernel_resources(report: str, arch: str) -> dict[str, tuple[int, int]]:
     """{kernel: (spill store bytes, registers)} for `arch` from ptxas -v output; kernel names
     demangled without namespace or parameters, e.g. ``chunk_walk_kernel<float, float, 2>``."""
-    entries = [e for e in ENTRY.findall(report) if e[1] == arch]
-    names = subprocess.run(
-        [CXXFILT], input="\n".join(e[0] for e in entries), capture_output=True, text=True
-    ).stdout.splitlines()
-    resources = {}
-    for (_, _, spill, regs), name in zip(entries, names, strict=True):
-        name = re.sub(r"^void |ks_cuda::\(anonymous namespace\)::", "", name)
-        resources[name[: name.index("(")] if "(" in name else name] = (int(spill), int(regs))
-    return resources
+    table = SASS.resources(report, arch)
+    names = SASS.demangle(table["mangled"].tolist())
+    spills, registers = table["spill_stores"].tolist(), table["registers"].tolist()
+    return dict(zip(names, zip(spills, registers, strict=True), strict=True))
 
 
 @pytest.mark.parametrize("source", CU_FILES, ids=_id)
