@@ -31,6 +31,7 @@ from kernelstudy.core import cuda_backend
 from kernelstudy.files import atomic_write_text
 
 VARIANTS = tuple(cuda_backend.VARIANTS)
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def step_inputs(
@@ -49,9 +50,17 @@ def step_inputs(
 
 
 def kernel_times(
-    dtype: torch.dtype, b: int, h: int, n: int, d: int, variant: str, steps: int
+    dtype: torch.dtype,
+    b: int,
+    h: int,
+    n: int,
+    d: int,
+    variant: str,
+    steps: int,
+    walk_blocks: int | None = None,
 ) -> pd.DataFrame:
-    """One row per CUDA kernel: total µs over ``steps`` forward+backward steps and calls."""
+    """One row per CUDA kernel: total µs over ``steps`` forward+backward steps and calls
+    (``walk_blocks``: the backend's ``WALK_BLOCKS`` for the steps; None keeps it)."""
     q, k, v, g = step_inputs(dtype, b, h, n, d)
 
     def step() -> None:
@@ -60,7 +69,7 @@ def kernel_times(
         ks.causal_dot_product(q, k, v, backend="cuda").backward(g)
 
     with cuda_backend.settings_kept():  # the backend's defaults again afterwards
-        cuda_backend.use_variant(variant)
+        cuda_backend.use_variant(variant, walk_blocks)
         for _ in range(3):
             step()
         torch.cuda.synchronize()
@@ -91,12 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8, help="B")
     p.add_argument("--heads", type=int, default=16, help="H")
     p.add_argument("--dim", type=int, nargs="+", default=[64], help="F = M (each in turn)")
-    p.add_argument(
-        "--dtypes",
-        nargs="+",
-        default=["bfloat16", "float32"],
-        choices=["float32", "bfloat16", "float16"],
-    )
+    p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=DTYPES)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--steps", type=int, default=5, help="profiled fwd+bwd steps")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/cuda_profile.csv"))
@@ -115,6 +119,21 @@ def context_alive() -> bool:
         return False
 
 
+def case_failed(script: str, case: str, err: BaseException) -> bool:
+    """Says on stderr that ``case`` failed with ``err``; False where the CUDA context is broken
+    (an illegal address: nothing later can run in this process), else True."""
+    message = str(err).splitlines()[0] if str(err) else ""
+    print(f"benchmarks/{script}: {case} failed: {type(err).__name__}: {message}", file=sys.stderr)
+    if context_alive():
+        return True
+    print(
+        f"benchmarks/{script}: the CUDA context is broken; the cases after it were not run "
+        "(leave the failing one out)",
+        file=sys.stderr,
+    )
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available() or "cuda" not in ks.backends():
@@ -131,19 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             frame = kernel_times(getattr(torch, name), b, h, args.n, dim, variant, args.steps)
         except Exception as err:  # one variant failing keeps the others' tables
-            message = str(err).splitlines()[0] if str(err) else ""
-            print(
-                f"benchmarks/cuda_profile.py: {variant} in {name} at F=M={dim} failed: "
-                f"{type(err).__name__}: {message}",
-                file=sys.stderr,
-            )
             failed.append(f"{variant} ({name}, F=M={dim})")
-            if not context_alive():  # an illegal address: nothing later can run here
-                print(
-                    "benchmarks/cuda_profile.py: the CUDA context is broken; the variants "
-                    "after it were not run (leave the failing one out with --variants)",
-                    file=sys.stderr,
-                )
+            if not case_failed("cuda_profile.py", f"{variant} in {name} at F=M={dim}", err):
                 break
             continue
         frames.append(frame.assign(dtype=name, variant=variant, F=dim))

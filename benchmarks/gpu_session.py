@@ -24,6 +24,8 @@ targets    ``cuda_core.py``: the issue's targets (B=8, H=16, D=64, N     targets
            and 256)
 profile    ``cuda_profile.py`` at N=8192, F=M 64 then 128, bf16, fp32   profile.csv
            and fp16
+scaling    ``cuda_scaling.py``: the walk kernels' time at 1-4 blocks     scaling.csv
+           per SM, bf16 and fp32 (latency or throughput, without ncu)
 counters   ``cuda_counters.py``: Nsight Compute's counters of the walk   counters.csv
            kernels (6-9) at the targets' shape, bf16 and fp32
            (skipped where ncu cannot read them)
@@ -32,7 +34,7 @@ sweep      ``cuda_core.py --resume`` over the issue's grid (N 512-32768,  sweep.
            no session has measured), then bf16 and fp32 at D=64, bf16
            at D=128, until its time is up; ours as ``cuda`` and the
            fastest variant of the targets stage
-racecheck  ``compute-sanitizer --tool racecheck``, six small tests       racecheck.log
+racecheck  ``compute-sanitizer --tool racecheck``, six small tests       tests.log
 =========  ===========================================================  ==============
 
 Every stage runs as a child process under a time limit: the smaller of its cap and what is left
@@ -82,9 +84,9 @@ FILES = (
     "tests.log",
     "targets.csv",
     "profile.csv",
+    "scaling.csv",
     "counters.csv",
     "sweep.csv",
-    "racecheck.log",
 )
 CUDA_METHODS = ("cuda", "cuda_fused", "cuda_walk", "cuda_walk_fused", "cuda_walk_mma")
 CUDA_METHODS += ("cuda_walk_mma_fused",)
@@ -129,6 +131,7 @@ STAGES = (
     Stage("tests", 60, 240, "pytest -v tests/test_cuda_backend.py"),
     Stage("targets", 45, 180, "cuda_core.py at the issue's targets, every method"),
     Stage("profile", 15, 90, "cuda_profile.py, per-kernel times at N=8192"),
+    Stage("scaling", 15, 60, "cuda_scaling.py, walk kernels' time vs blocks per SM"),
     Stage("counters", 30, 75, "cuda_counters.py, ncu's counters of the walk kernels"),
     Stage("sweep", 30, 600, "cuda_core.py --resume over the issue's grid"),
     Stage("racecheck", 40, 150, "compute-sanitizer racecheck on six small tests"),
@@ -404,6 +407,14 @@ def stage_profile(session: Session, limit_s: float) -> tuple[str, str]:
     return ("timeout" if late else "ok" if rc == 0 else "failed"), ""
 
 
+def stage_scaling(session: Session, limit_s: float) -> tuple[str, str]:
+    """Latency or throughput: the walk kernels' time at 1-4 blocks per SM (needs no ncu)."""
+    argv = ["benchmarks/cuda_scaling.py", "--dtypes", "bfloat16", "float32"]
+    argv += ["--out", str(session.out / "scaling.csv")]
+    rc, late = session.python(argv, limit_s)
+    return ("timeout" if late else "ok" if rc == 0 else "failed"), ""
+
+
 # cuda_counters.py's exit status without readable counters (its UNAVAILABLE; this script
 # imports nothing beyond the standard library)
 COUNTERS_UNAVAILABLE = 3
@@ -484,8 +495,12 @@ def stage_racecheck(session: Session, limit_s: float) -> tuple[str, str]:
         "no:cacheprovider",
         *(f"tests/test_cuda_backend.py::{t}" for t in RACECHECK_TESTS),
     ]
-    rc, late = session.run(argv, limit_s, log="racecheck.log")
-    log = (session.out / "racecheck.log").read_text()
+    log_path = session.out / "tests.log"  # after the tests stage's lines: 8 files come back
+    offset = log_path.stat().st_size if log_path.exists() else 0
+    rc, late = session.run(argv, limit_s, log="tests.log")
+    with open(log_path) as f:
+        f.seek(offset)
+        log = f.read()
     hazards = sum(map(int, re.findall(r"RACECHECK SUMMARY: (\d+) hazards? displayed", log)))
     counts = ", ".join(f"{n} {what}" for what, n in test_counts(log).items())
     note = f"{counts or 'no test finished'}; hazards reported: {hazards}"
@@ -500,6 +515,7 @@ RUNNERS = {
     "tests": stage_tests,
     "targets": stage_targets,
     "profile": stage_profile,
+    "scaling": stage_scaling,
     "counters": stage_counters,
     "sweep": stage_sweep,
     "racecheck": stage_racecheck,

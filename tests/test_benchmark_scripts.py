@@ -105,7 +105,7 @@ def test_arguments(cuda_core):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
-@pytest.mark.parametrize("name", ["cuda_core", "cuda_profile"])
+@pytest.mark.parametrize("name", ["cuda_core", "cuda_profile", "cuda_scaling"])
 def test_refuses_without_a_gpu(name, tmp_path, capsys):
     out = tmp_path / "out.csv"
     assert benchmark_script(name).main(["--out", str(out)]) == 1
@@ -668,6 +668,98 @@ def test_profile_keeps_the_variants_that_ran(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(profile, "context_alive", lambda: False)  # stop after a broken context
     assert profile.main([*argv, "--out", str(out)]) == 1
     assert pd.read_csv(out).variant.tolist() == ["chunks", "walk", "walk_fused", "chunks"]
+
+
+# --------------------------------------------------------- benchmarks/cuda_scaling.py
+PROFILED = "void ks_cuda::(anonymous namespace)::{}<__nv_bfloat16, __nv_bfloat16{}>(int, long)"
+
+
+def _kernel_times(product_us: float, dkv_us: float, product: str) -> pd.DataFrame:
+    """cuda_profile.kernel_times' frame: a product walk (twice a step), the dk, dv walk, and a
+    kernel that is not a walk."""
+    names = [PROFILED.format(product, ", 1"), PROFILED.format("chunk_walk_mma_dkv_kernel", "")]
+    names.append("void at::native::vectorized_elementwise_kernel<4>(int)")
+    return pd.DataFrame(
+        {"kernel": names, "total_us": [6 * product_us, 3 * dkv_us, 1.0], "calls": [6, 3, 3]}
+    ).assign(us_per_call=lambda f: f.total_us / f.calls)
+
+
+def test_scaling_names_kernels_and_reads_cost_and_bound():
+    scaling = benchmark_script("cuda_scaling")
+    number = scaling.kernel_number
+    assert number(PROFILED.format("chunk_walk_mma_dkv_kernel", "")) == 9
+    assert number(PROFILED.format("chunk_walk_mma_kernel", ", 2")) == 8
+    assert number(PROFILED.format("chunk_walk_dkv_kernel", "")) == 7
+    assert number(PROFILED.format("chunk_walk_kernel", ", 1")) == 6
+    assert number(PROFILED.format("chunk_output_kernel", "")) is None
+    kernels = {"product": (8, 2), "dkv": (9, 1)}
+    frames = []
+    for load, product_us, dkv_us in ((1, 100.0, 200.0), (2, 110.0, 390.0), (4, 220.0, 780.0)):
+        rows = scaling.walk_rows(
+            _kernel_times(product_us, dkv_us, "chunk_walk_mma_kernel"), kernels
+        )
+        assert rows.kernel.tolist() == [8, 9] and rows.resident.tolist() == [2, 1]
+        frames.append(rows.assign(dtype="bfloat16", variant="walk_mma_fused", load=load))
+    rows = scaling.scaled(pd.concat(frames, ignore_index=True), n=8192)
+    product = rows[rows.kernel == 8]
+    assert product.us_per_chunk.tolist() == pytest.approx([100 / 128, 110 / 128, 220 / 128])
+    assert product.cost.tolist() == pytest.approx([1.0, 1.1, 2.2])
+    table = scaling.summary(rows).set_index("kernel")
+    assert table.loc[8, "bound"] == "latency" and table.loc[8, "cost@2"] == pytest.approx(1.1)
+    assert table.loc[9, "bound"] == ""  # one block resident: load 2 is two waves
+    assert table.loc[9, "us_per_chunk"] == pytest.approx(200 / 128)
+    assert [scaling.bound(c, 2) for c in (1.2, 1.5, 1.9)] == ["latency", "mixed", "throughput"]
+    assert scaling.bound(float("nan"), 2) == scaling.bound(1.2, 0) == ""
+
+
+def test_scaling_arguments():
+    scaling = benchmark_script("cuda_scaling")
+    args = scaling.parse_args([])
+    assert (args.n, args.dim, args.loads, args.steps) == (8192, 64, [1, 2, 3, 4], 3)
+    assert args.variants == ["walk_fused", "walk_mma_fused"]
+    for bad in (["--loads", "2", "4"], ["--loads", "1", "0"], ["--n", "0"], ["--variants", "walk"]):
+        with pytest.raises(SystemExit) as exit_info:
+            scaling.parse_args(bad)
+        assert exit_info.value.code == 2
+
+
+def test_scaling_keeps_the_cases_that_ran(monkeypatch, tmp_path, capsys):
+    """B·H is load x SMs with one walk per sequence (WALK_BLOCKS 1); a case that fails is
+    named and the others are written; a broken context stops the run."""
+    scaling = benchmark_script("cuda_scaling")
+    monkeypatch.setattr(scaling.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(scaling.torch.cuda, "get_device_name", lambda *args: "test GPU")
+    props = type("Props", (), {"multi_processor_count": 10})
+    monkeypatch.setattr(scaling.torch.cuda, "get_device_properties", lambda *args: props)
+    monkeypatch.setattr(scaling.cuda_backend, "extension", lambda: "extension")
+    monkeypatch.setattr(scaling.ks, "backends", lambda: ["reference", "torch", "cuda"])
+    monkeypatch.setattr(scaling.cuda_profile, "context_alive", lambda: True)
+    monkeypatch.setattr(
+        scaling, "walk_kernels", lambda ext, dtype, dim, mma: {"product": (8, 2), "dkv": (9, 1)}
+    )
+    calls = []
+
+    def kernel_times(dtype, b, h, n, d, variant, steps, walk_blocks):
+        calls.append((b, h, walk_blocks))
+        if b == 30:
+            raise RuntimeError("too many resources requested for launch")
+        return _kernel_times(100.0 * b / 10, 200.0 * b / 10, "chunk_walk_mma_kernel")
+
+    monkeypatch.setattr(scaling.cuda_profile, "kernel_times", kernel_times)
+    out = tmp_path / "scaling.csv"
+    argv = ["--loads", "1", "2", "3", "--dtypes", "bfloat16", "--variants", "walk_mma_fused"]
+    assert scaling.main([*argv, "--out", str(out)]) == 1
+    assert calls == [(10, 1, 1), (20, 1, 1), (30, 1, 1)]
+    captured = capsys.readouterr()
+    assert "walk_mma_fused in bfloat16 at load 3 failed" in captured.err
+    assert "throughput" in captured.out  # the product's cost at load 2 is 2 with 2 resident
+    rows = pd.read_csv(out)
+    assert sorted(set(rows.load)) == [1, 2] and set(rows.BH) == {10, 20}
+    assert (rows.device == "test GPU").all() and set(rows.kernel) == {8, 9}
+    monkeypatch.setattr(scaling.cuda_profile, "context_alive", lambda: False)
+    calls.clear()
+    assert scaling.main(["--loads", "3", "1", "--out", str(tmp_path / "broken.csv")]) == 1
+    assert calls == [(30, 1, 1)] and not (tmp_path / "broken.csv").exists()
 
 
 def test_core_out_of_memory_loses_one_size_only(core, tmp_path, monkeypatch, capsys):

@@ -708,3 +708,38 @@ def test_kernels_run_on_the_current_stream():
     torch.cuda.current_stream().wait_stream(side)
     for a, w in zip(got, want, strict=True):
         assert torch.equal(a, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=str)
+@pytest.mark.parametrize("d", [64, 100, 200], ids=["D=64", "D=100", "D=200"])
+def test_walk_kernels_name_the_kernels_that_run(monkeypatch, causal_kernel, dtype, d):
+    """ext.walk_kernels (the kernels and blocks per SM that benchmarks/cuda_scaling.py reports)
+    names the walk kernels that a forward+backward step with the fused backward launches, as
+    torch.profiler sees them (F = M = D: the backward's dq walk is then the product's kernel);
+    each kernel it names fits at least one block on an SM, and none where no walk runs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    numbers = {"chunk_walk_kernel": 6, "chunk_walk_dkv_kernel": 7, "chunk_walk_mma_kernel": 8}
+    numbers["chunk_walk_mma_dkv_kernel"] = 9
+    monkeypatch.setattr(cuda_backend, "FUSED_BACKWARD", True)
+    monkeypatch.setattr(cuda_backend, "WALK_BLOCKS", 1)
+    q, k, v = _features(2, 2, 200, d, d, dtype)
+    g = _upstream((2, 2, 200, d)).to(dtype)
+    said = cuda_backend.extension().walk_kernels(q, d, d, causal_kernel == "walk_mma")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        cuda_backend.causal_product(q, k, v).backward(g)
+        torch.cuda.synchronize()
+    ran = set()
+    for event in prof.key_averages():
+        for name, number in numbers.items():
+            if f"::{name}<" in event.key:
+                ran.add(number)
+    want = set() if causal_kernel == "chunks" else {said["product"][0], said["dkv"][0]} - {0}
+    assert ran == want
+    for kernel, blocks in said.values():
+        assert (blocks >= 1) if kernel else blocks == 0
+    # an A100's and an H100's shared memory fit kernels 6-9 at F = M = 64 in bf16
+    big = torch.cuda.get_device_capability() in ((8, 0), (9, 0))
+    if big and d == 64 and dtype == torch.bfloat16 and causal_kernel != "chunks":
+        mma = causal_kernel == "walk_mma"
+        assert (said["product"][0], said["dkv"][0]) == ((8, 9) if mma else (6, 7))

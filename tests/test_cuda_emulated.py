@@ -70,6 +70,8 @@ def emu(tmp_path_factory) -> ctypes.CDLL:
     module.ks_emu_full_state.argtypes = [i32, p, p, p, i64, p, *[i64] * 4]
     module.ks_emu_full_apply.argtypes = [i32, p, p, p, i32, p, i32, f32, *[i64] * 4]
     module.ks_emu_scaled_cumsum.argtypes = [i32, p, p, p, p, i64, i64, i64, i32]
+    module.ks_emu_walk_kernels.argtypes = [i32, i64, i64, i32, p, p]
+    module.ks_emu_last_kernel.restype = ctypes.c_uint64
     module.ks_emu_configure(0, H100_SMEM)
     return module
 
@@ -614,6 +616,55 @@ def test_mma_walk_is_schedule_independent_and_alignment_blind(emu, ext, dtype, f
     for other in runs[1:]:
         for a, b in zip(runs[0], other, strict=True):
             assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------- walk_kernels
+# (dtype, F, M, mma_walk, shared memory per block, product kernel, dk/dv kernel)
+WALK_KERNEL_CASES = [
+    (torch.bfloat16, 64, 64, True, H100_SMEM, 8, 9),
+    (torch.bfloat16, 64, 64, False, H100_SMEM, 6, 7),
+    (torch.float32, 64, 64, True, H100_SMEM, 8, 9),
+    (torch.float16, 40, 56, True, H100_SMEM, 8, 9),
+    (torch.bfloat16, 128, 64, True, H100_SMEM, 8, 7),  # two slices; kernel 9 takes F <= 64
+    (torch.float32, 65, 8, True, H100_SMEM, 6, 7),  # kernel 8 in fp32 tiles takes F <= 64
+    (torch.bfloat16, 200, 8, True, H100_SMEM, 0, 0),  # no walk above F = 128
+    (torch.bfloat16, 64, 48, False, SM86_SMEM, 0, 7),  # kernel 6 (108 KB) does not fit
+    (torch.bfloat16, 64, 48, True, SM86_SMEM, 8, 9),
+    (torch.float32, 64, 64, True, A100_SMEM, 8, 7),  # kernel 9 in fp32 tiles (170 KB) does not
+]
+
+
+@pytest.mark.parametrize(
+    "dtype, f, m, mma, smem, product, dkv",
+    WALK_KERNEL_CASES,
+    ids=[f"{c[0]}-F{c[1]}-M{c[2]}-{'mma' if c[3] else 'wmma'}-{c[4]}" for c in WALK_KERNEL_CASES],
+)
+def test_walk_kernels_name_the_kernels_that_run(emu, ext, dtype, f, m, mma, smem, product, dkv):
+    """walk_kernels (what the scaling benchmark reports) names the kernels that the product and
+    the fused backward launch: the kernel it asks the occupancy of is the one launched, and its
+    blocks per SM are the emulator's count for the launched kernel's shared memory."""
+    kernels, asked = (ctypes.c_int * 4)(), (ctypes.c_uint64 * 2)()
+    try:
+        emu.ks_emu_configure(0, smem)
+        assert emu.ks_emu_walk_kernels(DTYPES[dtype], f, m, int(mma), kernels, asked) == 0
+        assert (kernels[0], kernels[2]) == (product, dkv)
+        asked_product = asked[0] if product else None
+        asked_dkv = asked[1 if product else 0] if dkv else None
+        q, k, v, g = _inputs(2, 70, f, m, dtype, extra=1)
+        ext.causal_product(q, k, v, out_fp32=False, walk_blocks=1, mma_walk=mma)  # as autograd
+        launched = emu.ks_emu_last_kernel()
+        assert (launched == asked_product) == bool(product)
+        if product:
+            resident = min(8, (smem + 1024) // (emu.ks_emu_last_launch_smem() + 1024))
+            assert kernels[1] == resident >= 1
+        ext.causal_backward(q, k, v, g, out_fp32=False, walk_blocks=1, mma_walk=mma)  # dk, dv last
+        assert (emu.ks_emu_last_kernel() == asked_dkv) == bool(dkv)
+        if dkv:
+            resident = min(8, (smem + 1024) // (emu.ks_emu_last_launch_smem() + 1024))
+            assert kernels[3] == resident >= 1
+        assert emu.ks_emu_walk_kernels(DTYPES[dtype], 0, m, int(mma), kernels, asked) != 0
+    finally:
+        emu.ks_emu_configure(0, H100_SMEM)
 
 
 # Cases drawn at random over every option at once (a campaign of 2324 such cases, 40 minutes,

@@ -230,12 +230,12 @@ def test_a_session_runs_its_stages_in_their_time(gs, monkeypatch, tmp_path, caps
     assert gs.run_session(out, 540) == 0
     assert [name for name, _ in ran] == list(gs.STAGE_NAMES)
     limits = dict(ran)
-    # targets: 540 - 260 spent - 115 for the later minimums (under its cap of 180)
-    assert limits["tests"] == 240 and limits["targets"] == 165
-    # 540 - 371 spent before the sweep (the counters 1 s) - racecheck's 40: the sweep gets the
-    # rest
-    assert limits["counters"] == 75
-    assert limits["sweep"] == pytest.approx(540 - 371 - 40)
+    # targets: 540 - 260 spent - 130 for the later minimums (under its cap of 180)
+    assert limits["tests"] == 240 and limits["targets"] == 150
+    # 540 - 372 spent before the sweep (the scaling and counters 1 s each) - racecheck's 40:
+    # the sweep gets the rest
+    assert limits["scaling"] == 60 and limits["counters"] == 75
+    assert limits["sweep"] == pytest.approx(540 - 372 - 40)
     record = json.loads((out / "session.json").read_text())
     assert [s["status"] for s in record["stages"]] == ["ok"] * len(gs.STAGES)
     assert not (out / "sweep.csv").exists() and (out / "keep.txt").exists()
@@ -261,25 +261,26 @@ def test_stages_without_time_are_skipped_and_a_partial_sweep_is_no_failure(
     took = {"env": 90, "build": 240, "tests": 240, "targets": 180}
     ran = _fake_runners(gs, monkeypatch, clock, took, {"sweep": "partial"})
     assert gs.run_session(tmp_path, 600) == 0
-    # tests: 600 - 330 spent - 160 for the later minimums = 110; each stage then gets what is
+    # tests: 600 - 330 spent - 175 for the later minimums = 95; each stage then gets what is
     # left after the later stages' minimums
     assert dict(ran) == {
         "env": 90,
         "build": 240,
-        "tests": 110,
+        "tests": 95,
         "targets": 45,
         "profile": 15,
-        "counters": 44,
-        "sweep": 73,
-        "racecheck": 112,
+        "scaling": 29,
+        "counters": 58,
+        "sweep": 87,
+        "racecheck": 126,
     }
     record = json.loads((tmp_path / "session.json").read_text())
-    assert record["stages"][6]["name"] == "sweep" and record["stages"][6]["status"] == "partial"
+    assert record["stages"][7]["name"] == "sweep" and record["stages"][7]["status"] == "partial"
 
     clock.now = 0.0
 
-    def late(session, limit_s):  # a child stopped at its limit of 45 s, 85 s late
-        clock.now += 130
+    def late(session, limit_s):  # a child stopped at its limit of 45 s, 100 s late
+        clock.now += 145
         return "timeout", ""
 
     ran.clear()
@@ -293,6 +294,7 @@ def test_stages_without_time_are_skipped_and_a_partial_sweep_is_no_failure(
         "tests": "ok",
         "targets": "timeout",
         "profile": "skipped",
+        "scaling": "skipped",
         "counters": "skipped",
         "sweep": "skipped",
         "racecheck": "skipped",  # 30 s left, below its minimum of 40
@@ -448,7 +450,9 @@ def test_counters_without_readable_counters_are_skipped_not_failed(gs, tmp_path,
 
 @pytest.mark.parametrize("hazards", [0, 2])
 def test_racecheck_reads_the_sanitizers_summary(gs, monkeypatch, tmp_path, hazards):
-    """A racecheck whose tests pass still fails the stage when it reports hazards."""
+    """A racecheck whose tests pass still fails the stage when it reports hazards. Its output
+    follows the tests stage's in tests.log (the device returns at most 8 files), and only its
+    own part counts."""
     fake = tmp_path / "compute-sanitizer"
     fake.write_text(
         "#!/bin/sh\n"
@@ -459,10 +463,13 @@ def test_racecheck_reads_the_sanitizers_summary(gs, monkeypatch, tmp_path, hazar
     monkeypatch.setattr(gs.shutil, "which", lambda name: str(fake))
     out = tmp_path / "out"
     out.mkdir()
+    earlier = "tests/test_cuda_backend.py::test_y FAILED\n===== 1 failed, 396 passed in 60s =====\n"
+    (out / "tests.log").write_text(earlier)
     session = gs.Session(out, budget_s=60)
     status, note = gs.stage_racecheck(session, 30)
     assert status == ("ok" if hazards == 0 else "failed")
     assert note == f"1 passed; hazards reported: {hazards}"
+    assert (out / "tests.log").read_text().startswith(earlier)
     monkeypatch.setattr(gs.shutil, "which", lambda name: None)
     assert gs.stage_racecheck(session, 30)[0] == "skipped"
 

@@ -232,6 +232,21 @@ at::Tensor scaled_cumsum(at::Tensor x, c10::optional<at::Tensor> pre,
   return out;
 }
 
+// The walk kernels for operands like `q` (its dtype and device) with F = f, M = m and
+// `mma_walk` (launchers.h): {"product": (kernel, blocks per SM), "dkv": (kernel, blocks per SM)},
+// kernel 0 where none runs.
+py::dict walk_kernels(const at::Tensor& q, int64_t f, int64_t m, bool mma_walk) {
+  TORCH_CHECK_VALUE(q.is_cuda(), "q must be a CUDA tensor");
+  TORCH_CHECK_VALUE(f > 0 && m > 0, "f and m must be positive, got f=", f, ", m=", m);
+  const c10::cuda::CUDAGuard guard(q.device());
+  ks_cuda::WalkKernels w;
+  check_launch(ks_cuda::walk_kernels(dtype_of(q), f, m, mma_walk, &w), "walk_kernels");
+  py::dict out;
+  out["product"] = py::make_tuple(w.product, w.product_blocks_per_sm);
+  out["dkv"] = py::make_tuple(w.dkv, w.dkv_blocks_per_sm);
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -251,5 +266,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scaled_cumsum", &scaled_cumsum, "deterministic weighted cumulative sum over N",
         py::arg("x"), py::arg("pre") = py::none(), py::arg("post") = py::none(),
         py::arg("reverse") = false);
+  m.def("walk_kernels", &walk_kernels,
+        "the walk kernels (product, dk/dv) for q's dtype, F and M, with blocks per SM",
+        py::arg("q"), py::arg("f"), py::arg("m"), py::arg("mma_walk") = false);
   m.attr("chunk") = ks_cuda::kChunk;
 }

@@ -61,6 +61,18 @@ cudaError_t causal_backward(DType dtype, const void* q, const void* k, const voi
                             float* workspace, int64_t bh, int64_t n, int64_t f, int64_t m,
                             int64_t walk_blocks, bool mma_walk, cudaStream_t stream);
 
+// The walk kernels that causal_product (walk_blocks > 0) and causal_backward run on the current
+// device for `dtype` operands with F = f, M = m and `mma_walk`, outputs in `dtype`: the
+// product's walk (6: WMMA, 8: mma.sync; 0: the chunk kernels run instead) and the backward's
+// reverse walk of dk and dv (7 or 9; 0: two anti-causal products instead), each with how many
+// of its thread blocks an SM holds at once (cudaOccupancyMaxActiveBlocksPerMultiprocessor with
+// the kernel's shared memory). The backward's dq walk is the product's with F and M swapped.
+struct WalkKernels {
+  int product = 0, product_blocks_per_sm = 0;
+  int dkv = 0, dkv_blocks_per_sm = 0;
+};
+cudaError_t walk_kernels(DType dtype, int64_t f, int64_t m, bool mma_walk, WalkKernels* out);
+
 // ------------------------------------------------------------------ non-causal attention
 // state (fp32, (BH, F*M + F)): S = sum_j keep_j k_j v_j^T (row-major F x M) followed by
 // z = sum_j keep_j k_j. k: (BH, N, F), v: (BH, N, M); key_keep: (BH / heads, N) bool, True for

@@ -2645,6 +2645,51 @@ cudaError_t walk_backward_typed(const Tin* q, const Tin* k, const Tin* v, const 
                       l.cpb, lay, vec_f, vec_m);
 }
 
+// How many thread blocks of `kernel` with `smem` bytes of dynamic shared memory an SM of the
+// current device holds at once, into *blocks (its shared-memory limit set first, as launch_tiles
+// does).
+template <typename... Params>
+cudaError_t resident_blocks(void (*kernel)(Params...), size_t smem, int* blocks) {
+  const cudaError_t err = cudaFuncSetAttribute(
+      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (err != cudaSuccess) return err;
+  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, kernel, kThreads, smem);
+}
+
+// walk_kernels for Tin operands, outputs in Tin: the choices of causal_walk and
+// walk_backward_typed.
+template <typename Tin>
+cudaError_t walk_kernels_typed(int64_t f, int64_t m, bool mma_walk, WalkKernels* out) {
+  using Op = typename OperandOf<Tin>::type;
+  *out = WalkKernels{};
+  const Walk walk = causal_walk<Tin>(f, 1, mma_walk);
+  cudaError_t err = cudaSuccess;
+  if (walk == Walk::kMma) {
+    out->product = 8;
+    const int ft = mma_walk_slices<Op>(f);
+    auto kernel = chunk_walk_mma_kernel<Tin, Tin, 1>;
+    if constexpr (mma_walk_slices<Op>(2 * kTile) == 2) {
+      if (ft == 2) kernel = chunk_walk_mma_kernel<Tin, Tin, 2>;
+    }
+    err = resident_blocks(kernel, mma_walk_smem<Op>(ft), &out->product_blocks_per_sm);
+  } else if (walk == Walk::kWmma) {
+    out->product = 6;
+    auto kernel = cdiv(f, kTile) == 1 ? chunk_walk_kernel<Tin, Tin, 1>
+                                      : chunk_walk_kernel<Tin, Tin, 2>;
+    err = resident_blocks(kernel, walk_smem<Tin>(f), &out->product_blocks_per_sm);
+  }
+  if (err != cudaSuccess) return err;
+  constexpr size_t mma_dkv = mma_dkv_smem<Op>();
+  if (mma_walk && f <= kTile && m <= kTile && mma_dkv <= smem_optin()) {
+    out->dkv = 9;
+    return resident_blocks(chunk_walk_mma_dkv_kernel<Tin, Tin>, mma_dkv, &out->dkv_blocks_per_sm);
+  }
+  const auto lay = dkv_smem<Tin>(f, m);
+  if (lay.nbuf == 0) return cudaSuccess;
+  out->dkv = 7;
+  return resident_blocks(chunk_walk_dkv_kernel<Tin, Tin>, lay.bytes(), &out->dkv_blocks_per_sm);
+}
+
 template <typename Tin>
 cudaError_t causal_backward_typed(const void* q, const void* k, const void* v, const void* g,
                                   void* dq, void* dk, void* dv, bool out_fp32, float* ws,
@@ -2773,6 +2818,20 @@ cudaError_t causal_backward(DType dtype, const void* q, const void* k, const voi
     case DType::kBFloat16:
       return causal_backward_typed<__nv_bfloat16>(q, k, v, g, dq, dk, dv, out_fp32, workspace, bh,
                                                   n, f, m, walk_blocks, mma_walk, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t walk_kernels(DType dtype, int64_t f, int64_t m, bool mma_walk, WalkKernels* out) {
+  *out = WalkKernels{};
+  if (f <= 0 || m <= 0) return cudaErrorInvalidValue;
+  switch (dtype) {
+    case DType::kFloat32:
+      return walk_kernels_typed<float>(f, m, mma_walk, out);
+    case DType::kFloat16:
+      return walk_kernels_typed<__half>(f, m, mma_walk, out);
+    case DType::kBFloat16:
+      return walk_kernels_typed<__nv_bfloat16>(f, m, mma_walk, out);
   }
   return cudaErrorInvalidValue;
 }

@@ -2,6 +2,7 @@
 // the launchers of csrc/cuda use, on host memory.
 #pragma once
 
+#include <algorithm>
 #include <cstring>
 
 #include "ks_emulator.h"
@@ -16,6 +17,17 @@ inline cudaError_t cudaFuncSetAttribute(Kernel, cudaFuncAttribute, int value) {
   return value >= 0 && static_cast<size_t>(value) <= ks_emu::rt().smem_optin
              ? cudaSuccess
              : cudaErrorInvalidValue;
+}
+// Blocks an SM holds at once. The emulator knows no registers: it counts shared memory alone
+// (an SM with the opt-in limit plus 1 KB, reserved per block as on a GPU) and threads (2048).
+// The kernel asked about is recorded (rt().asked), so a test can match it to the one launched.
+template <typename Kernel>
+inline cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* blocks, Kernel kernel,
+                                                                 int threads, size_t smem) {
+  ks_emu::rt().asked.push_back(reinterpret_cast<const void*>(kernel));
+  const size_t per_sm = ks_emu::rt().smem_optin + 1024;
+  *blocks = static_cast<int>(std::min<size_t>(2048 / threads, per_sm / (smem + 1024)));
+  return cudaSuccess;
 }
 inline cudaError_t cudaGetLastError() { return cudaSuccess; }
 inline cudaError_t cudaGetDevice(int* device) {

@@ -74,6 +74,29 @@ int ks_emu_causal_backward(int dtype, const void* q, const void* k, const void* 
                                              nullptr));
 }
 
+// walk_kernels into kernels[4] (product kernel, its blocks per SM, dk/dv kernel, its blocks)
+// and the kernels it asked the occupancy of, in order, into asked[2] (0 where fewer).
+int ks_emu_walk_kernels(int dtype, int64_t f, int64_t m, int mma_walk, int* kernels,
+                        uint64_t* asked) {
+  ks_emu::rt().asked.clear();
+  ks_cuda::WalkKernels w;
+  const int err = ks_cuda::walk_kernels(static_cast<DType>(dtype), f, m, mma_walk != 0, &w);
+  kernels[0] = w.product;
+  kernels[1] = w.product_blocks_per_sm;
+  kernels[2] = w.dkv;
+  kernels[3] = w.dkv_blocks_per_sm;
+  const auto& seen = ks_emu::rt().asked;
+  for (size_t i = 0; i < 2; ++i) {
+    asked[i] = i < seen.size() ? reinterpret_cast<uint64_t>(seen[i]) : 0;
+  }
+  return err;
+}
+
+// The kernel of the last launch (an address, to compare with ks_emu_walk_kernels' `asked`).
+uint64_t ks_emu_last_kernel() {
+  return reinterpret_cast<uint64_t>(ks_emu::rt().last_kernel);
+}
+
 int ks_emu_full_state(int dtype, const void* k, const void* v, const bool* keep, int64_t heads,
                       float* state, int64_t bh, int64_t n, int64_t f, int64_t m) {
   Workspace ws(ks_cuda::full_state_workspace_floats(bh, n, f, m));

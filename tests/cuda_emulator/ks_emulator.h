@@ -198,6 +198,8 @@ struct Runtime {
   std::mt19937_64 rng{0};
   size_t smem_optin = 232448;  // an H100's opt-in shared memory per block (227 KB)
   size_t last_smem = 0;        // the dynamic shared memory of the last launch
+  const void* last_kernel = nullptr;  // the kernel of the last launch
+  std::vector<const void*> asked;     // kernels asked about by the occupancy shim
 };
 
 inline Runtime& rt() {
@@ -348,6 +350,7 @@ struct Launch<void (*)(Params...)> {
     Runtime& r = rt();
     if (smem > r.smem_optin) fail("dynamic shared memory above the device's limit");
     r.last_smem = smem;
+    r.last_kernel = reinterpret_cast<const void*>(kernel);
     r.grid_dim = grid;
     r.block_dim = block;
     r.smem_storage.assign(smem + kGuard + 128, kPoison);
