@@ -59,33 +59,12 @@ def test_cu_includes_no_torch_headers(source):
 # not listed must not spill, and a listed one not more than its budget (the state of
 # 2026-11-29, measured with nvcc 13.0). Lower a budget when a change removes a spill.
 SPILL_BUDGET = {
-    "sm_90a": {
-        # 128-register cap (2 blocks per SM) with fp32 operand tiles (fp32 and fp16 inputs). On
-        # 2026-11-29 fp32's 3xTF32 split by truncation (tf32_split) took dqk from 352 to 180 and
-        # output from 28 to 8; then 32-bit offsets inside a tile (load_tile, store_tile) took
-        # fp16 dqk from 372 to 24, fp32 output to 0, and fp32 dqk to 192, fp16 dv from 8 to 48
-        "chunk_dqk_kernel<float, float, float>": 192,
-        "chunk_dqk_kernel<__half, float, __half>": 24,
-        "chunk_dqk_kernel<__half, float, float>": 24,
-        "chunk_dv_kernel<__half, float, __half>": 48,
-        "chunk_dv_kernel<__half, float, float>": 48,
-        "chunk_output_kernel<__half, float, __half>": 24,
-        "chunk_output_kernel<__half, float, float>": 24,
-        # one value stored before the chunk loop and loaded once a chunk
-        "chunk_states_kernel<__nv_bfloat16, float>": 4,
-    },
-    "sm_80": {  # 1972 bytes in all before the 32-bit tile offsets of 2026-11-29, 536 after
-        "chunk_dqk_kernel<float, float, float>": 180,
-        "chunk_dqk_kernel<__half, float, __half>": 40,
-        "chunk_dqk_kernel<__half, float, float>": 40,
-        "chunk_dv_kernel<__half, float, __half>": 20,
-        "chunk_dv_kernel<__half, float, float>": 20,
-        "chunk_output_kernel<__half, float, __half>": 8,
-        "chunk_output_kernel<__half, float, float>": 8,
-        "chunk_walk_kernel<float, float, 2>": 156,
-        # at 128 registers: loop-invariant values reloaded once a chunk (7 and 1)
-        "chunk_walk_kernel<__nv_bfloat16, __nv_bfloat16, 1>": 28,
-        "chunk_walk_kernel<__nv_bfloat16, float, 1>": 28,
+    # No kernel spills on sm_90a since the WMMA loads and stores went to shared-memory
+    # instructions (load_shared, 2026-11-29): 388 bytes before, most in the fp32 and fp16 chunk
+    # kernels at their 128-register cap (dqk fp32 192).
+    "sm_90a": {},
+    "sm_80": {  # 1972 bytes in all before the 32-bit tile offsets of 2026-11-29, 536 after, 8 now
+        # at 128 registers: one loop-invariant value reloaded once a chunk
         "chunk_walk_mma_kernel<__nv_bfloat16, __nv_bfloat16, 1>": 4,
         "chunk_walk_mma_kernel<__nv_bfloat16, float, 1>": 4,
     },
@@ -93,22 +72,31 @@ SPILL_BUDGET = {
 
 
 @pytest.fixture(scope="module")
-def ptxas_reports(tmp_path_factory) -> dict:
+def nvcc_out(tmp_path_factory) -> Path:
+    """Where ptxas_reports compiles: objects, and each architecture's intermediate files (the
+    PTX among them) in keep_<arch>."""
+    return tmp_path_factory.mktemp("nvcc")
+
+
+@pytest.fixture(scope="module")
+def ptxas_reports(nvcc_out) -> dict:
     """nvcc -c with ptxas' resource report for every .cu: {source: CompletedProcess}, the
     outputs of its architectures joined. Each (source, architecture) is its own nvcc process,
     as many at once as the machine has cores (one process compiling both took twice the time
     on CI's two cores; nvcc's own --threads would interleave the two reports' lines)."""
     if NVCC is None:
         pytest.skip("nvcc is not on PATH")
-    out = tmp_path_factory.mktemp("nvcc")
+    out = nvcc_out
     arch_pairs = [ARCHS[i : i + 2] for i in range(0, len(ARCHS), 2)]
 
     def compile_one(source: Path, gencode: list[str]) -> subprocess.CompletedProcess:
         arch = gencode[1].rsplit("=", 1)[-1]
+        keep = out / f"keep_{arch}"  # the PTX stays there (ptx_of)
+        keep.mkdir(exist_ok=True)
         command = [
             NVCC, "-c", "-std=c++17", *gencode, *TORCH_NVCC_FLAGS, "-Xptxas", "-v", "-I",
-            str(CSRC), "-I", str(source.parent), str(source), "-o",
-            str(out / f"{source.stem}_{arch}.o"),
+            str(CSRC), "-I", str(source.parent), "--keep", "--keep-dir", str(keep), str(source),
+            "-o", str(out / f"{source.stem}_{arch}.o"),
         ]  # fmt: skip
         return subprocess.run(command, capture_output=True, text=True, timeout=900)
 
@@ -125,6 +113,48 @@ def ptxas_reports(tmp_path_factory) -> dict:
             "".join(r.stderr for r in parts),
         )
     return reports
+
+
+def ptx_of(out: Path, source: Path, arch: str) -> str:
+    """The PTX nvcc made of ``source`` for ``arch`` in ptxas_reports' compile into ``out``."""
+    return (out / f"keep_{arch}" / f"{source.stem}.ptx").read_text()
+
+
+REGISTER = r"%[a-z]+\d+|__\$\d+"  # PTX registers, and the temporaries of inline blocks
+
+
+def fragment_layouts(ptx: str) -> tuple[int, int, list[str]]:
+    """Each wmma.mma's A and B registers traced back through the instructions that made them
+    to the wmma.load they came from: (operands, operands traced to a load, conflicts). A
+    conflict is an operand loaded as the other use (a or b) or layout (row or col) than the
+    mma reads it as: undefined in the PTX ISA, garbage on a GPU, invisible to the emulator."""
+    checked = traced = 0
+    conflicts = []
+    for function in re.split(r"\.entry\s+", ptx)[1:]:
+        origin: dict[str, set] = {}
+        for line in function.splitlines():
+            m = re.match(r"\s*(?:@!?%\w+\s+)?([a-z][\w.]*)\s+(.*?);?\s*$", line)
+            if not m:
+                continue
+            op, args = m[1], m[2]
+            registers = re.findall(REGISTER, args)
+            if op.startswith("wmma.load."):
+                use, layout = op.split(".")[2], op.split(".")[5]
+                for r in re.findall(REGISTER, args.split("}")[0]):
+                    origin[r] = {(use, layout)}
+            elif op.startswith("wmma.mma."):
+                a_layout, b_layout = op.split(".")[4:6]
+                groups = re.findall(r"\{([^}]*)\}", args)
+                for group, use, layout in ((groups[1], "a", a_layout), (groups[2], "b", b_layout)):
+                    seen = set().union(*(origin.get(r, set()) for r in re.findall(REGISTER, group)))
+                    checked += 1
+                    traced += bool(seen)
+                    if seen and seen != {(use, layout)}:
+                        conflicts.append(f"{op} reads {use} ({layout}) loaded as {sorted(seen)}")
+            elif registers and not op.startswith(("st.", "wmma.store", "setp", "bra", "bar")):
+                dst, sources = registers[0], registers[1:]
+                origin[dst] = set().union(*(origin.get(r, set()) for r in sources))
+    return checked, traced, conflicts
 
 
 def kernel_resources(report: str, arch: str) -> dict[str, tuple[int, int]]:
@@ -152,6 +182,34 @@ def test_cu_compiles_without_warnings(source, ptxas_reports):
 
 
 @pytest.mark.skipif(CXXFILT is None, reason="c++filt is not on PATH")
+def test_fragment_layouts_finds_a_fragment_loaded_in_another_layout():
+    load = "\twmma.load.{}.sync.aligned.{}.m16n16k16.shared.bf16 {{{}}}, [%r9], %r8;\n"
+    ptx = ".visible .entry k(\n" + load.format("a", "row", "%r1, %r2, %r3, %r4")
+    ptx += load.format("b", "col", "%r5, %r6, %r7, %r10") + "\tmov.b32 %r11, %r1;\n"
+    mma = "\twmma.mma.sync.aligned.{}.col.m16n16k16.f32.bf16.bf16.f32 {{%f1, %f2}}, "
+    mma += "{{%r11, %r2, %r3, %r4}}, {{%r5, %r6, %r7, %r10}}, {{%f3, %f4}};\n"
+    assert fragment_layouts(ptx + mma.format("row")) == (2, 2, [])
+    checked, traced, conflicts = fragment_layouts(ptx + mma.format("col"))
+    assert (checked, traced, len(conflicts)) == (2, 2, 1) and "reads a (col)" in conflicts[0]
+
+
+def test_wmma_fragments_load_from_shared_memory_in_their_layout(ptxas_reports, nvcc_out):
+    """Every WMMA load and store of the kernels is in the .shared state space (load_shared,
+    store_shared: nvcc's wmma::load_matrix_sync makes bf16 and tf32 loads generic, four LD a
+    fragment where .shared gives one LDSM). Those loads are inline PTX written by hand, so
+    every wmma.mma's A and B must trace back to loads of its use and layout; a wrong one
+    would compute garbage on a GPU and pass everywhere else."""
+    source = CSRC / "cuda" / "linear_attention.cu"
+    assert ptxas_reports[source].returncode == 0
+    ptx = ptx_of(nvcc_out, source, "sm_90a")
+    ops = re.findall(r"wmma\.(?:load|store)\.[\w.]+", ptx)
+    generic = sorted({op for op in ops if ".shared." not in op})
+    assert len(ops) > 1000 and not generic, f"generic WMMA loads or stores: {generic}"
+    checked, traced, conflicts = fragment_layouts(ptx)
+    assert checked > 1000 and traced == checked, (checked, traced)
+    assert not conflicts, conflicts[:5]
+
+
 @pytest.mark.parametrize("arch", sorted(SPILL_BUDGET))
 def test_register_spills_within_budget(ptxas_reports, arch):
     source = CSRC / "cuda" / "linear_attention.cu"

@@ -186,6 +186,98 @@ __device__ __forceinline__ void tf32_split(float x, float& big, float& small) {
   memcpy(&small, &u, 4);
 }
 
+// WMMA fragments loaded from and stored to shared memory. nvcc compiles wmma::load_matrix_sync
+// on bf16 and tf32 fragments to generic loads even where the pointer is plainly shared: four
+// 32-bit LD a fragment, each with 64-bit address arithmetic (nvcc 13.0, sm_80 and sm_90a; fp16
+// fragments get .shared). The same PTX instruction (wmma.load/.store with the fragment's use,
+// layout, shape and type, so the same fragment) in the .shared state space is one ldmatrix
+// (LDSM) a bf16 fragment; every tile the kernels pass to WMMA is in shared memory. Host
+// compilation (tests/cuda_emulator) goes through wmma's own calls; tests/test_nvcc_compile.py
+// checks in the PTX that every mma reads its fragments in the use and layout they were loaded.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define KS_SHARED(p) "r"(static_cast<unsigned>(__cvta_generic_to_shared(p)))
+// wmma.load.<use>.sync.aligned.<layout>.<shape>.shared.<type> of an A or B fragment (4 registers)
+#define KS_WMMA_LOAD4(qualifiers, f, p, ldm)                                                  \
+  do {                                                                                        \
+    uint32_t* r_ = reinterpret_cast<uint32_t*>(f.x);                                          \
+    asm volatile("wmma.load." qualifiers " {%0, %1, %2, %3}, [%4], %5;\n"                     \
+                 : "=r"(r_[0]), "=r"(r_[1]), "=r"(r_[2]), "=r"(r_[3])                         \
+                 : KS_SHARED(p), "r"(ldm)                                                     \
+                 : "memory");                                                                 \
+  } while (0)
+#define KS_WMMA_LOAD_AB(shape, type, f, p, ldm)                                               \
+  if constexpr (kA && kRow) KS_WMMA_LOAD4("a.sync.aligned.row." shape ".shared." type, f, p, ldm); \
+  else if constexpr (kA) KS_WMMA_LOAD4("a.sync.aligned.col." shape ".shared." type, f, p, ldm);   \
+  else if constexpr (kRow) KS_WMMA_LOAD4("b.sync.aligned.row." shape ".shared." type, f, p, ldm); \
+  else KS_WMMA_LOAD4("b.sync.aligned.col." shape ".shared." type, f, p, ldm)
+#define KS_ACC8(how) how(f.x[0]), how(f.x[1]), how(f.x[2]), how(f.x[3]), how(f.x[4]), \
+                     how(f.x[5]), how(f.x[6]), how(f.x[7])
+#define KS_WMMA_LOAD_C(shape)                                                                 \
+  asm volatile("wmma.load.c.sync.aligned.row." shape ".shared.f32 "                           \
+               "{%0, %1, %2, %3, %4, %5, %6, %7}, [%8], %9;\n"                                \
+               : KS_ACC8("=f") : KS_SHARED(p), "r"(ldm) : "memory")
+#define KS_WMMA_STORE_D(shape)                                                                \
+  asm volatile("wmma.store.d.sync.aligned.row." shape ".shared.f32 "                          \
+               "[%0], {%1, %2, %3, %4, %5, %6, %7, %8}, %9;\n"                                \
+               :: KS_SHARED(p), KS_ACC8("f"), "r"(ldm) : "memory")
+#endif
+
+// An A or B fragment (16 x 16 x 16 bf16 or 16 x 16 x 8 tf32, row- or column-major) from p.
+template <typename Use, int K, typename T, typename L, typename E>
+__device__ __forceinline__ void load_shared(wmma::fragment<Use, 16, 16, K, T, L>& f, const E* p,
+                                            unsigned ldm) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  constexpr bool kA = std::is_same_v<Use, wmma::matrix_a>;
+  constexpr bool kRow = std::is_same_v<L, wmma::row_major>;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    KS_WMMA_LOAD_AB("m16n16k16", "bf16", f, p, ldm);
+  } else {
+    static_assert(std::is_same_v<T, wmma::precision::tf32> && K == 8, "bf16 or tf32 fragments");
+    KS_WMMA_LOAD_AB("m16n16k8", "tf32", f, p, ldm);
+  }
+#else
+  wmma::load_matrix_sync(f, p, ldm);
+#endif
+}
+
+// A row-major fp32 accumulator fragment (16 x 16, of a k16 or k8 product) from p.
+template <int K>
+__device__ __forceinline__ void load_shared(wmma::fragment<wmma::accumulator, 16, 16, K, float>& f,
+                                            const float* p, unsigned ldm) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  static_assert(K == 16 || K == 8, "k16 or k8 accumulators");
+  if constexpr (K == 16) {
+    KS_WMMA_LOAD_C("m16n16k16");
+  } else {
+    KS_WMMA_LOAD_C("m16n16k8");
+  }
+#else
+  wmma::load_matrix_sync(f, p, ldm, wmma::mem_row_major);
+#endif
+}
+
+// A row-major fp32 accumulator fragment to p.
+template <int K>
+__device__ __forceinline__ void store_shared(
+    float* p, const wmma::fragment<wmma::accumulator, 16, 16, K, float>& f, unsigned ldm) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  static_assert(K == 16 || K == 8, "k16 or k8 accumulators");
+  if constexpr (K == 16) {
+    KS_WMMA_STORE_D("m16n16k16");
+  } else {
+    KS_WMMA_STORE_D("m16n16k8");
+  }
+#else
+  wmma::store_matrix_sync(p, f, ldm, wmma::mem_row_major);
+#endif
+}
+#undef KS_SHARED
+#undef KS_WMMA_LOAD4
+#undef KS_WMMA_LOAD_AB
+#undef KS_ACC8
+#undef KS_WMMA_LOAD_C
+#undef KS_WMMA_STORE_D
+
 template <typename Op>
 struct Mma;
 
@@ -204,10 +296,10 @@ struct Mma<__nv_bfloat16> {
                                               int ldb) {
     FragA<LA> fa;
     FragB<LB> fb;
-    wmma::load_matrix_sync(fa, a, lda);
-    wmma::load_matrix_sync(fb, b0, ldb);
+    load_shared(fa, a, lda);
+    load_shared(fb, b0, ldb);
     wmma::mma_sync(acc[0], fa, fb, acc[0]);
-    wmma::load_matrix_sync(fb, b1, ldb);
+    load_shared(fb, b1, ldb);
     wmma::mma_sync(acc[1], fa, fb, acc[1]);
   }
 };
@@ -244,11 +336,11 @@ struct Mma<float> {  // 3xTF32 (kSplit) or 1xTF32
     if constexpr (kSplit) {
       FragA<LA> a_big, a_small;
       FragB<LB> b_big, b_small;
-      wmma::load_matrix_sync(a_big, a, lda);
+      load_shared(a_big, a, lda);
       split(a_big, a_small);
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        wmma::load_matrix_sync(b_big, j == 0 ? b0 : b1, ldb);
+        load_shared(b_big, j == 0 ? b0 : b1, ldb);
         split(b_big, b_small);
         wmma::mma_sync(acc[j], a_small, b_big, acc[j]);
         wmma::mma_sync(acc[j], a_big, b_small, acc[j]);
@@ -257,11 +349,11 @@ struct Mma<float> {  // 3xTF32 (kSplit) or 1xTF32
     } else {
       FragA<LA> fa;
       FragB<LB> fb;
-      wmma::load_matrix_sync(fa, a, lda);
+      load_shared(fa, a, lda);
       round(fa);
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        wmma::load_matrix_sync(fb, j == 0 ? b0 : b1, ldb);
+        load_shared(fb, j == 0 ? b0 : b1, ldb);
         round(fb);
         wmma::mma_sync(acc[j], fa, fb, acc[j]);
       }
@@ -309,8 +401,8 @@ template <typename Acc>
 __device__ __forceinline__ void warp_store(float* tile, const Acc (&acc)[2]) {
   const Slab w = warp_slab();
   float* slab = tile + w.r0 * kLdF + w.c0;
-  wmma::store_matrix_sync(slab, acc[0], kLdF, wmma::mem_row_major);
-  wmma::store_matrix_sync(slab + 16, acc[1], kLdF, wmma::mem_row_major);
+  store_shared(slab, acc[0], kLdF);
+  store_shared(slab + 16, acc[1], kLdF);
 }
 
 // Zeroes the warps' accumulator pairs.
@@ -1117,11 +1209,11 @@ __device__ __forceinline__ void accumulate_state(float* tile32, Op* copy, const 
   const Slab w = warp_slab();
   float* st = tile32 + w.r0 * kLdF + w.c0;
   typename Mma<Op>::Acc acc[2];
-  wmma::load_matrix_sync(acc[0], st, kLdF, wmma::mem_row_major);
-  wmma::load_matrix_sync(acc[1], st + 16, kLdF, wmma::mem_row_major);
+  load_shared(acc[0], st, kLdF);
+  load_shared(acc[1], st + 16, kLdF);
   warp_gemm<Tin, wmma::col_major, wmma::row_major>(acc, A, LD, B, LD);
-  wmma::store_matrix_sync(st, acc[0], kLdF, wmma::mem_row_major);
-  wmma::store_matrix_sync(st + 16, acc[1], kLdF, wmma::mem_row_major);
+  store_shared(st, acc[0], kLdF);
+  store_shared(st + 16, acc[1], kLdF);
   if constexpr (kStateCopy<Op>) {
     __syncwarp();
     round_slab(tile32, copy);
@@ -1151,7 +1243,7 @@ __device__ __forceinline__ void mask_slab(Acc (&acc)[2], const float* pos, bool 
     const int col0 = w.c0 + 16 * j;
     if (col0 == w.r0) {
       Acc p;
-      wmma::load_matrix_sync(p, pos, 16, wmma::mem_row_major);
+      load_shared(p, pos, 16);
 #pragma unroll
       for (int e = 0; e < p.num_elements; ++e) {
         const int rc = static_cast<int>(p.x[e]);
