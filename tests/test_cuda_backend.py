@@ -710,8 +710,14 @@ def test_kernels_run_on_the_current_stream():
         assert torch.equal(a, w)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=str)
-@pytest.mark.parametrize("d", [64, 100, 200], ids=["D=64", "D=100", "D=200"])
+# kernels 8 and 9 (F = M = 64), 6 or 8 with two feature slices and 7 (100), no walk (200)
+WALK_KERNEL_CASES = [(d, 64) for d in (torch.float32, *HALF)]
+WALK_KERNEL_CASES += [(torch.float32, 100), (torch.bfloat16, 100), (torch.bfloat16, 200)]
+
+
+@pytest.mark.parametrize(
+    "dtype, d", WALK_KERNEL_CASES, ids=[f"{t}-D={d}" for t, d in WALK_KERNEL_CASES]
+)
 def test_walk_kernels_name_the_kernels_that_run(monkeypatch, causal_kernel, dtype, d):
     """ext.walk_kernels (the kernels and blocks per SM that benchmarks/cuda_scaling.py reports)
     names the walk kernels that a forward+backward step with the fused backward launches, as

@@ -205,21 +205,23 @@ __device__ __forceinline__ void tf32_split(float x, float& big, float& small) {
                  : KS_SHARED(p), "r"(ldm)                                                     \
                  : "memory");                                                                 \
   } while (0)
+// ... picked by load_shared's kA (matrix_a, else matrix_b) and kRow (row_major, else col_major)
 #define KS_WMMA_LOAD_AB(shape, type, f, p, ldm)                                               \
   if constexpr (kA && kRow) KS_WMMA_LOAD4("a.sync.aligned.row." shape ".shared." type, f, p, ldm); \
   else if constexpr (kA) KS_WMMA_LOAD4("a.sync.aligned.col." shape ".shared." type, f, p, ldm);   \
   else if constexpr (kRow) KS_WMMA_LOAD4("b.sync.aligned.row." shape ".shared." type, f, p, ldm); \
   else KS_WMMA_LOAD4("b.sync.aligned.col." shape ".shared." type, f, p, ldm)
-#define KS_ACC8(how) how(f.x[0]), how(f.x[1]), how(f.x[2]), how(f.x[3]), how(f.x[4]), \
-                     how(f.x[5]), how(f.x[6]), how(f.x[7])
-#define KS_WMMA_LOAD_C(shape)                                                                 \
+// the 8 registers of an fp32 accumulator fragment f as asm operands of constraint `how`
+#define KS_ACC8(how, f) how(f.x[0]), how(f.x[1]), how(f.x[2]), how(f.x[3]), how(f.x[4]), \
+                        how(f.x[5]), how(f.x[6]), how(f.x[7])
+#define KS_WMMA_LOAD_C(shape, f, p, ldm)                                                      \
   asm volatile("wmma.load.c.sync.aligned.row." shape ".shared.f32 "                           \
                "{%0, %1, %2, %3, %4, %5, %6, %7}, [%8], %9;\n"                                \
-               : KS_ACC8("=f") : KS_SHARED(p), "r"(ldm) : "memory")
-#define KS_WMMA_STORE_D(shape)                                                                \
+               : KS_ACC8("=f", f) : KS_SHARED(p), "r"(ldm) : "memory")
+#define KS_WMMA_STORE_D(shape, p, f, ldm)                                                     \
   asm volatile("wmma.store.d.sync.aligned.row." shape ".shared.f32 "                          \
                "[%0], {%1, %2, %3, %4, %5, %6, %7, %8}, %9;\n"                                \
-               :: KS_SHARED(p), KS_ACC8("f"), "r"(ldm) : "memory")
+               :: KS_SHARED(p), KS_ACC8("f", f), "r"(ldm) : "memory")
 #endif
 
 // An A or B fragment (16 x 16 x 16 bf16 or 16 x 16 x 8 tf32, row- or column-major) from p.
@@ -247,9 +249,9 @@ __device__ __forceinline__ void load_shared(wmma::fragment<wmma::accumulator, 16
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   static_assert(K == 16 || K == 8, "k16 or k8 accumulators");
   if constexpr (K == 16) {
-    KS_WMMA_LOAD_C("m16n16k16");
+    KS_WMMA_LOAD_C("m16n16k16", f, p, ldm);
   } else {
-    KS_WMMA_LOAD_C("m16n16k8");
+    KS_WMMA_LOAD_C("m16n16k8", f, p, ldm);
   }
 #else
   wmma::load_matrix_sync(f, p, ldm, wmma::mem_row_major);
@@ -263,9 +265,9 @@ __device__ __forceinline__ void store_shared(
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   static_assert(K == 16 || K == 8, "k16 or k8 accumulators");
   if constexpr (K == 16) {
-    KS_WMMA_STORE_D("m16n16k16");
+    KS_WMMA_STORE_D("m16n16k16", p, f, ldm);
   } else {
-    KS_WMMA_STORE_D("m16n16k8");
+    KS_WMMA_STORE_D("m16n16k8", p, f, ldm);
   }
 #else
   wmma::store_matrix_sync(p, f, ldm, wmma::mem_row_major);
