@@ -742,16 +742,19 @@ __device__ __forceinline__ void mask_scores(float* __restrict__ Af, Op* __restri
 }
 
 // ------------------------------------------------------------------ segments
-// The segment a thread block walks in kernels 1, 6, 7 and 8 (grid.x = BH * nblk): sequence bh,
-// segment blk, the chunks [first, first + count) of the sequence's nc (cpb per segment, the
-// last segment shorter), visited first to last or, with `reverse`, last to first.
+// The segment a thread block walks in kernels 1, 6, 7, 8 and 9 (grid.x = BH * nblk): sequence
+// bh, segment blk, the chunks [first, first + count) of the sequence's nc (cpb per segment, the
+// last segment shorter), visited first to last or, with `reverse`, last to first. With
+// `skip_last` (kernel 1's carries, grid.x = BH * (nblk - 1)) no block takes the segment that
+// comes last in the walk's order (the last one, or with `reverse` the first).
 struct WalkSegment {
   int64_t nc, bh, blk, first, count;
   bool reverse;
-  __device__ WalkSegment(int64_t n, int64_t nblk, int64_t cpb, bool reverse_)
+  __device__ WalkSegment(int64_t n, int64_t nblk, int64_t cpb, bool reverse_,
+                         bool skip_last = false)
       : nc((n + kTile - 1) / kTile),
-        bh(blockIdx.x / nblk),
-        blk(blockIdx.x % nblk),
+        bh(blockIdx.x / (nblk - skip_last)),
+        blk(blockIdx.x % (nblk - skip_last) + (reverse_ && skip_last)),
         first(blk * cpb),
         count((first + cpb < nc ? first + cpb : nc) - first),  // >= 1
         reverse(reverse_) {}
@@ -769,7 +772,9 @@ struct WalkSegment {
 //   with `prefix_s` (causal): before adding chunk c, the running sum over the block's earlier
 //                 chunks (later ones with reverse), i.e. the block-local exclusive prefix, goes
 //                 to prefix_s[bh][c] (F x M, in Tstate) and prefix_z[bh][c] (F, fp32).
-// Rows with keep == false (key padding) are skipped.
+// Rows with keep == false (key padding) are skipped. With `skip_last` (totals for the carries of
+// an exclusive scan, which never reads the total that comes last in its order) grid.x = BH *
+// (nblk - 1) and that segment is not walked (WalkSegment).
 // Shared: two buffers of (K tile 64 x 64 (rows x F slice), V tile 64 x 64 (rows x M slice)), so
 // the next chunk's tiles load (cp.async) while this chunk's product runs; fp32 staging 64 x 64.
 template <typename Tin, typename Tstate>
@@ -778,8 +783,8 @@ __global__ void __launch_bounds__(kThreads)
                         const bool* __restrict__ key_keep, int64_t heads,
                         float* __restrict__ totals, Tstate* __restrict__ prefix_s,
                         float* __restrict__ prefix_z, int64_t n, int64_t f, int64_t m,
-                        int64_t nblk, int64_t cpb, bool reverse, bool with_z, bool vec_k,
-                        bool vec_v) {
+                        int64_t nblk, int64_t cpb, bool reverse, bool with_z, bool skip_last,
+                        bool vec_k, bool vec_v) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
   using Op = typename OperandOf<Tin>::type;
   constexpr int LD = ld_of<Op>();
@@ -787,7 +792,7 @@ __global__ void __launch_bounds__(kThreads)
   Op* tiles = reinterpret_cast<Op*>(smem);  // buffer b: K at 2b, V at 2b + 1 (64 x LD each)
   float* St = reinterpret_cast<float*>(tiles + 4 * kTile * LD);  // 64 x kLdF: fp32 state tile
 
-  const WalkSegment seg(n, nblk, cpb, reverse);
+  const WalkSegment seg(n, nblk, cpb, reverse, skip_last);
   const int64_t nc = seg.nc, bh = seg.bh, blk = seg.blk;
   const int64_t m_tiles = (m + kTile - 1) / kTile;
   const int64_t f0 = (blockIdx.y / m_tiles) * kTile;
@@ -848,7 +853,8 @@ __global__ void __launch_bounds__(kThreads)
 // ------------------------------------------------------------------ kernel 2: scan over blocks
 // One thread per state element e (of ss) and sequence bh; walks the nblk block totals of bh in
 // order: exclusive prefix (in place), exclusive suffix (in place), or the sum into `total`.
-// Loads are batched by 8 to keep several in flight.
+// The exclusive scans never read the total that comes last in their order (kernel 1 may not
+// have written it: skip_last). Loads are batched by 8 to keep several in flight.
 __global__ void __launch_bounds__(kThreads)
     state_scan_kernel(float* __restrict__ states, float* __restrict__ total, int64_t nblk,
                       int64_t ss, int mode) {
@@ -865,7 +871,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int u = 0; u < U; ++u) {
       const int64_t c = c0 + u;
       const int64_t cc = mode == kExclusiveReverse ? nblk - 1 - c : c;
-      x[u] = c < nblk ? base[cc * ss] : 0.f;
+      x[u] = c < nblk && (mode == kSum || c + 1 < nblk) ? base[cc * ss] : 0.f;
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -2430,12 +2436,13 @@ template <typename Tin, typename Tstate>
 cudaError_t launch_states(const Tin* k, const Tin* v, const bool* keep, int64_t heads,
                           float* totals, Tstate* prefix_s, float* prefix_z, int64_t bh, int64_t n,
                           int64_t f, int64_t m, int64_t cpb, bool reverse, bool with_z,
-                          cudaStream_t stream) {
+                          bool skip_last, cudaStream_t stream) {
   const int64_t nblk = cdiv(cdiv(n, kChunk), cpb);
-  return launch_tiles(chunk_states_kernel<Tin, Tstate>, bh * nblk,
+  skip_last = skip_last && nblk > 1;
+  return launch_tiles(chunk_states_kernel<Tin, Tstate>, bh * (nblk - skip_last),
                       cdiv(f, kTile) * cdiv(m, kTile), states_smem<Tin>(), stream, k, v, keep,
                       heads, totals, prefix_s, prefix_z, n, f, m, nblk, cpb, reverse, with_z,
-                      rows_vectorizable<Tin>(k, f), rows_vectorizable<Tin>(v, m));
+                      skip_last, rows_vectorizable<Tin>(k, f), rows_vectorizable<Tin>(v, m));
 }
 
 cudaError_t launch_scan(float* states, float* total, int64_t bh, int64_t nblk, int64_t ss,
@@ -2449,13 +2456,16 @@ cudaError_t launch_scan(float* states, float* total, int64_t bh, int64_t nblk, i
 
 // Kernels 1 and 2: the block totals of (k, v) over groups of cpb chunks, then in place their
 // exclusive prefix (suffix with `reverse`): the carry of each group. With prefix_s, also every
-// chunk's block-local exclusive prefix (prefix_s, prefix_z).
+// chunk's block-local exclusive prefix (prefix_s, prefix_z); without, the group that comes last
+// is not summed at all (no carry includes it: a walk's carries with two segments a sequence
+// take half the work).
 template <typename Tin, typename Tstate>
 cudaError_t launch_carries(const Tin* k, const Tin* v, float* totals, Tstate* prefix_s,
                            float* prefix_z, int64_t bh, int64_t n, int64_t f, int64_t m,
                            int64_t cpb, bool reverse, bool with_z, cudaStream_t stream) {
-  cudaError_t err = launch_states<Tin, Tstate>(k, v, nullptr, 1, totals, prefix_s, prefix_z, bh,
-                                               n, f, m, cpb, reverse, with_z, stream);
+  cudaError_t err =
+      launch_states<Tin, Tstate>(k, v, nullptr, 1, totals, prefix_s, prefix_z, bh, n, f, m, cpb,
+                                 reverse, with_z, prefix_s == nullptr, stream);
   if (err != cudaSuccess) return err;
   return launch_scan(totals, nullptr, bh, cdiv(cdiv(n, kChunk), cpb), f * m + f,
                      reverse ? kExclusiveReverse : kExclusiveForward, stream);
@@ -2812,7 +2822,7 @@ cudaError_t full_state_typed(const void* k, const void* v, const bool* keep, int
                              int64_t m, cudaStream_t stream) {
   cudaError_t err = launch_states<Tin, float>(
       static_cast<const Tin*>(k), static_cast<const Tin*>(v), keep, heads, ws, nullptr, nullptr,
-      bh, n, f, m, kReduceRows / kChunk, false, true, stream);
+      bh, n, f, m, kReduceRows / kChunk, false, true, false, stream);
   if (err != cudaSuccess) return err;
   return launch_scan(ws, state, bh, cdiv(n, kReduceRows), f * m + f, kSum, stream);
 }
