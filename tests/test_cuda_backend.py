@@ -14,6 +14,8 @@ also checked with sequences cut into 1, several and one-chunk segments.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -735,10 +737,13 @@ def test_walk_kernels_name_the_kernels_that_run(monkeypatch, causal_kernel, dtyp
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         cuda_backend.causal_product(q, k, v).backward(g)
         torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    if not events:
+        pytest.skip("torch.profiler recorded no CUDA kernel here (no CUPTI?)")
     ran = set()
-    for event in prof.key_averages():
+    for event in events:
         for name, number in numbers.items():
-            if f"::{name}<" in event.key:
+            if re.search(rf"{name}[<I]", event.key):  # demangled (<) or mangled (I) names
                 ran.add(number)
     want = set() if causal_kernel == "chunks" else {said["product"][0], said["dkv"][0]} - {0}
     assert ran == want
