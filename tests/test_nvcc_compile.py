@@ -127,12 +127,16 @@ def fragment_layouts(ptx: str) -> tuple[int, int, list[str]]:
     """Each wmma.mma's A and B registers traced back through the instructions that made them
     to the wmma.load they came from: (operands, operands traced to a load, conflicts). A
     conflict is an operand loaded as the other use (a or b) or layout (row or col) than the
-    mma reads it as: undefined in the PTX ISA, garbage on a GPU, invisible to the emulator."""
+    mma reads it as, or one whose registers come from one load (each through element-wise
+    work on its own register: moves, tf32 rounding or splits) in another order than the load
+    wrote them: undefined in the PTX ISA or wrong elements, garbage on a GPU, invisible to the
+    emulator."""
     checked = traced = 0
     conflicts = []
     for function in re.split(r"\.entry\s+", ptx)[1:]:
-        origin: dict[str, set] = {}
-        for line in function.splitlines():
+        origin: dict[str, set] = {}  # register -> {(use, layout)} of the loads it comes from
+        slot: dict[str, tuple[int, int]] = {}  # register -> (load, position) if a load wrote it
+        for number, line in enumerate(function.splitlines()):
             m = re.match(r"\s*(?:@!?%\w+\s+)?([a-z][\w.]*)\s+(.*?);?\s*$", line)
             if not m:
                 continue
@@ -140,20 +144,32 @@ def fragment_layouts(ptx: str) -> tuple[int, int, list[str]]:
             registers = re.findall(REGISTER, args)
             if op.startswith("wmma.load."):
                 use, layout = op.split(".")[2], op.split(".")[5]
-                for r in re.findall(REGISTER, args.split("}")[0]):
-                    origin[r] = {(use, layout)}
+                for position, r in enumerate(re.findall(REGISTER, args.split("}")[0])):
+                    origin[r], slot[r] = {(use, layout)}, (number, position)
             elif op.startswith("wmma.mma."):
                 a_layout, b_layout = op.split(".")[4:6]
                 groups = re.findall(r"\{([^}]*)\}", args)
                 for group, use, layout in ((groups[1], "a", a_layout), (groups[2], "b", b_layout)):
-                    seen = set().union(*(origin.get(r, set()) for r in re.findall(REGISTER, group)))
+                    operand = re.findall(REGISTER, group)
+                    seen = set().union(*(origin.get(r, set()) for r in operand))
                     checked += 1
                     traced += bool(seen)
                     if seen and seen != {(use, layout)}:
                         conflicts.append(f"{op} reads {use} ({layout}) loaded as {sorted(seen)}")
+                    slots = [slot.get(r) for r in operand]
+                    direct = None not in slots and len({load for load, _ in slots}) == 1
+                    if direct and [position for _, position in slots] != list(range(len(slots))):
+                        conflicts.append(f"{op} reads {use} in the order {slots}")
             elif registers and not op.startswith(("st.", "wmma.store", "setp", "bra", "bar")):
                 dst, sources = registers[0], registers[1:]
                 origin[dst] = set().union(*(origin.get(r, set()) for r in sources))
+                # element-wise work on one loaded register (a move, tf32 rounding or split)
+                # keeps its position; anything mixing positions has none
+                from_slots = {slot[r] for r in sources if r in slot}
+                if len(from_slots) == 1:
+                    slot[dst] = from_slots.pop()
+                else:
+                    slot.pop(dst, None)
     return checked, traced, conflicts
 
 
@@ -191,14 +207,18 @@ def test_fragment_layouts_finds_a_fragment_loaded_in_another_layout():
     assert fragment_layouts(ptx + mma.format("row")) == (2, 2, [])
     checked, traced, conflicts = fragment_layouts(ptx + mma.format("col"))
     assert (checked, traced, len(conflicts)) == (2, 2, 1) and "reads a (col)" in conflicts[0]
+    swapped = mma.format("row").replace("%r6, %r7", "%r7, %r6")  # B's registers out of order
+    checked, traced, conflicts = fragment_layouts(ptx + swapped)
+    assert len(conflicts) == 1 and "reads b in the order" in conflicts[0]
 
 
 def test_wmma_fragments_load_from_shared_memory_in_their_layout(ptxas_reports, nvcc_out):
     """Every WMMA load and store of the kernels is in the .shared state space (load_shared,
     store_shared: nvcc's wmma::load_matrix_sync makes bf16 and tf32 loads generic, four LD a
     fragment where .shared gives one LDSM). Those loads are inline PTX written by hand, so
-    every wmma.mma's A and B must trace back to loads of its use and layout; a wrong one
-    would compute garbage on a GPU and pass everywhere else."""
+    every wmma.mma's A and B must trace back to loads of its use and layout, register by
+    register in the order the load wrote them; a wrong one would compute garbage on a GPU
+    and pass everywhere else (a layout or an order swapped in either dtype fails here)."""
     source = CSRC / "cuda" / "linear_attention.cu"
     assert ptxas_reports[source].returncode == 0
     ptx = ptx_of(nvcc_out, source, "sm_90a")
