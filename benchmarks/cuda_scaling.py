@@ -51,7 +51,7 @@ from kernelstudy.core import cuda_backend  # noqa: E402
 from kernelstudy.files import atomic_write_text  # noqa: E402
 
 VARIANTS = ("walk_fused", "walk_mma_fused")
-# the walk kernels by their names in the profiler's (templated, demangled) ones
+# the walk kernels by their names within the profiler's (demangled or mangled) ones
 KERNELS = {
     "chunk_walk_mma_dkv_kernel": 9,
     "chunk_walk_mma_kernel": 8,

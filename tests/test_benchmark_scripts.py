@@ -692,6 +692,7 @@ def test_scaling_names_kernels_and_reads_cost_and_bound():
     assert number(PROFILED.format("chunk_walk_dkv_kernel", "")) == 7
     assert number(PROFILED.format("chunk_walk_kernel", ", 1")) == 6
     assert number(PROFILED.format("chunk_output_kernel", "")) is None
+    assert number("_ZN7ks_cuda12_GLOBAL__N_117chunk_walk_kernelI13__nv_bfloat16S2_Li1EEEvPKT_") == 6
     kernels = {"product": (8, 2), "dkv": (9, 1)}
     frames = []
     for load, product_us, dkv_us in ((1, 100.0, 200.0), (2, 110.0, 390.0), (4, 220.0, 780.0)):

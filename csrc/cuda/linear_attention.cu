@@ -2570,6 +2570,22 @@ cudaError_t walk_carries(const Tin* k, const Tin* v, float* ws, const WalkLayout
                                            reverse, with_z, stream);
 }
 
+// Kernel 6 for F features (one or two slices).
+template <typename Tin, typename Tout>
+auto walk_kernel_for(int64_t f) {
+  return cdiv(f, kTile) == 1 ? chunk_walk_kernel<Tin, Tout, 1> : chunk_walk_kernel<Tin, Tout, 2>;
+}
+
+// Kernel 8 for ft feature slices (mma_walk_slices).
+template <typename Tin, typename Tout>
+auto walk_mma_kernel_for(int ft) {
+  auto kernel = chunk_walk_mma_kernel<Tin, Tout, 1>;
+  if constexpr (mma_walk_slices<typename OperandOf<Tin>::type>(2 * kTile) == 2) {
+    if (ft == 2) kernel = chunk_walk_mma_kernel<Tin, Tout, 2>;
+  }
+  return kernel;
+}
+
 template <typename Tin, typename Tout>
 cudaError_t launch_walk(const Tin* q, const Tin* k, const Tin* v, const float* carry, Tout* out,
                         float* den, int64_t bh, int64_t n, int64_t f, int64_t m, int64_t nblk,
@@ -2577,11 +2593,9 @@ cudaError_t launch_walk(const Tin* q, const Tin* k, const Tin* v, const float* c
                         cudaStream_t stream) {
   const bool vec_qk = rows_vectorizable<Tin>(q, f) && rows_vectorizable<Tin>(k, f);
   const bool vec_v = rows_vectorizable<Tin>(v, m);
-  auto kernel = cdiv(f, kTile) == 1 ? chunk_walk_kernel<Tin, Tout, 1>
-                                    : chunk_walk_kernel<Tin, Tout, 2>;
-  return launch_tiles(kernel, bh * nblk, cdiv(m, kTile), walk_smem<Tin>(f), stream, q, k, v,
-                      carry, out, den, n, f, m, nblk, cpb, reverse, normalize, eps, vec_qk,
-                      vec_v);
+  return launch_tiles(walk_kernel_for<Tin, Tout>(f), bh * nblk, cdiv(m, kTile), walk_smem<Tin>(f),
+                      stream, q, k, v, carry, out, den, n, f, m, nblk, cpb, reverse, normalize,
+                      eps, vec_qk, vec_v);
 }
 
 template <typename Tin, typename Tout>
@@ -2593,13 +2607,9 @@ cudaError_t launch_walk_mma(const Tin* q, const Tin* k, const Tin* v, const floa
   const bool vec_qk = rows_vectorizable<Tin>(q, f) && rows_vectorizable<Tin>(k, f);
   const bool vec_v = rows_vectorizable<Tin>(v, m);
   const int ft = mma_walk_slices<Op>(f);
-  auto kernel = chunk_walk_mma_kernel<Tin, Tout, 1>;
-  if constexpr (mma_walk_slices<Op>(2 * kTile) == 2) {
-    if (ft == 2) kernel = chunk_walk_mma_kernel<Tin, Tout, 2>;
-  }
-  return launch_tiles(kernel, bh * nblk, cdiv(m, kTile), mma_walk_smem<Op>(ft), stream, q, k, v,
-                      carry, out, den, n, f, m, nblk, cpb, reverse, normalize, eps, vec_qk,
-                      vec_v);
+  return launch_tiles(walk_mma_kernel_for<Tin, Tout>(ft), bh * nblk, cdiv(m, kTile),
+                      mma_walk_smem<Op>(ft), stream, q, k, v, carry, out, den, n, f, m, nblk, cpb,
+                      reverse, normalize, eps, vec_qk, vec_v);
 }
 
 // The causal product by kernel 6 or 8 (`mma`): the carries of the segments (kernels 1 and 2,
@@ -2700,6 +2710,14 @@ cudaError_t backward_typed(const Tin* q, const Tin* k, const Tin* v, const Tin* 
                       vec_m, vec_s);
 }
 
+// Whether the walk's fused backward takes kernel 9 for dk and dv (else kernel 7 or two
+// anti-causal products): with mma_walk, F and M <= 64 and its shared memory on this device.
+template <typename Tin>
+bool dkv_by_mma(int64_t f, int64_t m, bool mma_walk) {
+  return mma_walk && f <= kTile && m <= kTile &&
+         mma_dkv_smem<typename OperandOf<Tin>::type>() <= smem_optin();
+}
+
 // The walk's fused backward: dq = causal(g, v, k) by kernel 6 (or 8, as causal_walk selects),
 // then dk and dv by one reverse walk with the carries of (q, g) where a sequence is cut into
 // segments: kernel 9 with mma_walk where F, M <= 64 and it fits, else kernel 7; where neither
@@ -2714,7 +2732,7 @@ cudaError_t walk_backward_typed(const Tin* q, const Tin* k, const Tin* v, const 
                                       f, false, walk_blocks, mma_walk, stream);
   if (err != cudaSuccess) return err;
   constexpr size_t mma_dkv = mma_dkv_smem<typename OperandOf<Tin>::type>();
-  const bool mma = mma_walk && f <= kTile && m <= kTile && mma_dkv <= smem_optin();
+  const bool mma = dkv_by_mma<Tin>(f, m, mma_walk);
   const auto lay = dkv_smem<Tin>(f, m);
   if (!mma && lay.nbuf == 0) {
     err = causal_typed<Tin>(v, g, q, dk, out_fp32, nullptr, false, 0.f, ws, bh, n, m, f, true,
@@ -2771,22 +2789,18 @@ cudaError_t walk_kernels_typed(int64_t f, int64_t m, bool mma_walk, WalkKernels*
   if (walk == Walk::kMma) {
     out->product = 8;
     const int ft = mma_walk_slices<Op>(f);
-    auto kernel = chunk_walk_mma_kernel<Tin, Tin, 1>;
-    if constexpr (mma_walk_slices<Op>(2 * kTile) == 2) {
-      if (ft == 2) kernel = chunk_walk_mma_kernel<Tin, Tin, 2>;
-    }
-    err = resident_blocks(kernel, mma_walk_smem<Op>(ft), &out->product_blocks_per_sm);
+    err = resident_blocks(walk_mma_kernel_for<Tin, Tin>(ft), mma_walk_smem<Op>(ft),
+                          &out->product_blocks_per_sm);
   } else if (walk == Walk::kWmma) {
     out->product = 6;
-    auto kernel = cdiv(f, kTile) == 1 ? chunk_walk_kernel<Tin, Tin, 1>
-                                      : chunk_walk_kernel<Tin, Tin, 2>;
-    err = resident_blocks(kernel, walk_smem<Tin>(f), &out->product_blocks_per_sm);
+    err = resident_blocks(walk_kernel_for<Tin, Tin>(f), walk_smem<Tin>(f),
+                          &out->product_blocks_per_sm);
   }
   if (err != cudaSuccess) return err;
-  constexpr size_t mma_dkv = mma_dkv_smem<Op>();
-  if (mma_walk && f <= kTile && m <= kTile && mma_dkv <= smem_optin()) {
+  if (dkv_by_mma<Tin>(f, m, mma_walk)) {
     out->dkv = 9;
-    return resident_blocks(chunk_walk_mma_dkv_kernel<Tin, Tin>, mma_dkv, &out->dkv_blocks_per_sm);
+    return resident_blocks(chunk_walk_mma_dkv_kernel<Tin, Tin>, mma_dkv_smem<Op>(),
+                           &out->dkv_blocks_per_sm);
   }
   const auto lay = dkv_smem<Tin>(f, m);
   if (lay.nbuf == 0) return cudaSuccess;
