@@ -31,6 +31,7 @@ from .conftest import benchmark_script
 
 CSRC = csrc_dir()
 CU_FILES = sorted(CSRC.rglob("*.cu"))
+CUH_FILES = sorted(CSRC.rglob("*.cuh"))  # kernels, each included by a .cu (one translation unit)
 NVCC = shutil.which("nvcc")
 CXXFILT = shutil.which("c++filt")
 ARCHS = ["-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90a,code=sm_90a"]
@@ -49,9 +50,36 @@ def _id(path):
     return str(path.relative_to(CSRC))
 
 
-@pytest.mark.parametrize("source", CU_FILES, ids=_id)
+@pytest.mark.parametrize("source", CU_FILES + CUH_FILES, ids=_id)
 def test_cu_includes_no_torch_headers(source):
     assert not TORCH_INCLUDE.search(source.read_text()), f"{_id(source)} includes torch headers"
+
+
+def test_every_cuh_is_included_by_a_cu():
+    """A .cuh no .cu includes is compiled nowhere: not by nvcc here, not by the extension."""
+    included = set()
+    for source in CU_FILES:
+        names = re.findall(r'^\s*#\s*include\s*"([^"]+\.cuh)"', source.read_text(), re.MULTILINE)
+        included |= {(source.parent / name).resolve() for name in names}
+    assert len(CUH_FILES) >= 8
+    assert not [_id(h) for h in CUH_FILES if h.resolve() not in included]
+
+
+@pytest.mark.parametrize("header", CUH_FILES, ids=_id)
+def test_cuh_compiles_on_its_own(header, tmp_path):
+    """Each .cuh includes what it uses: nvcc compiles a .cu holding only its #include, for
+    sm_90a with torch's flags, without an error or a warning."""
+    if NVCC is None:
+        pytest.skip("nvcc is not on PATH")
+    unit = tmp_path / "only.cu"
+    unit.write_text(f'#include "{header}"\n')
+    command = [
+        NVCC, "-c", "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a", *TORCH_NVCC_FLAGS,
+        "-I", str(CSRC), str(unit), "-o", str(tmp_path / "only.o"),
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0 and "warning" not in output, f"{_id(header)}:\n{output[-3000:]}"
 
 
 # Register spills (bytes of spill stores per thread), from ptxas, per architecture. Spills cost

@@ -6,7 +6,8 @@ without trying to build. It takes CUDA tensors in float32, float16 and bfloat16 
 compute capability 8.0 or newer (tensor cores through WMMA), accumulates in float32 and is
 deterministic (no atomics; every sum in a fixed order).
 
-Kernels (``csrc/cuda/linear_attention.cu`` documents tiles and precision):
+Kernels (``csrc/cuda/linear_attention.cu`` documents tiles and precision and says which ``.cuh``
+holds each kernel):
 
 - causal product ``Σ_{j≤i} (q_i·k_j) v_j``: per-chunk states, a prefix over chunks, then
   per-chunk outputs, so one sequence (B·H = 1) at any N still fills the GPU; the backward
@@ -63,7 +64,7 @@ MIN_CAPABILITY = (8, 0)  # bf16 and tf32 tensor cores (Ampere and newer)
 # (float16 normalized attention runs its backward on float32 operands, so unfused too).
 FUSED_BACKWARD: bool | tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
 
-# The causal kernels. "chunks": kernels 1-3 of csrc/cuda/linear_attention.cu (every chunk's state
+# The causal kernels. "chunks": kernels 1-3 (csrc/cuda/chunk_kernels.cuh: every chunk's state
 # written to global memory, then every chunk's output in parallel). "walk": kernel 6 (each thread
 # block walks a segment of chunks with the state in shared memory; F <= 128, the chunk kernels
 # elsewhere), for the forward and the backward products (see FUSED_BACKWARD). Both pass

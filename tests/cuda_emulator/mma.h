@@ -219,7 +219,7 @@ void accumulate(float (&acc)[4], int K, const FA& A, const FB& B) {
 }
 
 // mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, acc += A B with the PTX ISA's fragments
-// (linear_attention.cu, "mma.sync fragments"); the products of bf16 are exact in float, summed
+// (csrc/cuda/mma_sync.cuh); the products of bf16 are exact in float, summed
 // in float in k order.
 inline void mma_bf16(float (&acc)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
   const Collective c(operands(a, b));
@@ -237,7 +237,7 @@ inline void mma_bf16(float (&acc)[4], const uint32_t (&a)[4], const uint32_t (&b
 }
 
 // mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32, acc += A B with the PTX ISA's fragments
-// (linear_attention.cu, "mma.sync fragments"): A (16 x 8) a[0] = A[g][t], a[1] = A[g+8][t],
+// (csrc/cuda/mma_sync.cuh): A (16 x 8) a[0] = A[g][t], a[1] = A[g+8][t],
 // a[2] = A[g][t+4], a[3] = A[g+8][t+4]; B (8 x 8) b[0] = B[t][g], b[1] = B[t+4][g]. Every
 // operand register must hold a tf32 value (the GPU ignores the low 13 bits); the products are
 // exact in float, summed in float in k order.

@@ -1,0 +1,191 @@
+// Moving 64 x 64 tiles between global and shared memory: cp.async, load_tile (with zero
+// fill and conversion to the operand type), store_tile and store_output (with the normalizer),
+// and the causal mask of a chunk's scores in shared memory.
+// Part of the translation unit of linear_attention.cu, which includes every .cuh here in order.
+#pragma once
+
+#include "config.cuh"
+
+namespace ks_cuda {
+namespace {
+
+// ------------------------------------------------------------------ asynchronous copies
+// cp.async (sm_80+): 16 bytes global -> shared without a trip through registers, so every tile
+// of a step is in flight at once. A thread waits for its own copies with cp_async_wait_all();
+// a __syncthreads() after that makes all threads' copies visible to the block.
+__device__ __forceinline__ void cp_async16(void* dst_shared, const void* src_global) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(dst_shared));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src_global)
+               : "memory");
+#elif !defined(__CUDA_ARCH__)  // host compilation (tests/cuda_emulator)
+  KS_HOST_ASYNC_COPY16(dst_shared, src_global);
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void cp_async_wait_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+#elif !defined(__CUDA_ARCH__)
+  KS_HOST_ASYNC_WAIT();
+#endif
+}
+
+// ------------------------------------------------------------------ global -> shared tiles
+// How many of a tile's 64 rows (columns) lie inside a matrix that has `left` of them from the
+// tile's first on (0 where left <= 0).
+__device__ __forceinline__ int extent_in(int64_t left) {
+  return static_cast<int>(left < 0 ? 0 : (left < kTile ? left : kTile));
+}
+
+// Copies rows [row0, row0+64) x columns [col0, col0+64) of a row-major global matrix
+// (rows x cols, leading dimension ld) into a 64 x 64 shared tile (leading dimension ldd),
+// converted to Op. Elements outside the matrix, and rows whose `keep` flag is false, are zero.
+// `add` (optional): an fp32 matrix of the same shape and leading dimension added on the way
+// (the carry of earlier segments onto a block-local state prefix).
+// Each thread moves 16-byte vectors; `vec` says the global rows are 16-byte aligned. Where no
+// conversion or addition is needed (Tin == Op: bf16 and fp32 inputs), whole in-range vectors
+// are copied with cp.async: the caller calls cp_async_wait_all() before the __syncthreads()
+// that publishes the tile. Zero fill and converted elements are stored directly.
+template <typename Tin, typename Op>
+__device__ __forceinline__ void load_tile(Op* __restrict__ dst, int ldd,
+                                          const Tin* __restrict__ src, int64_t ld, int64_t rows,
+                                          int64_t cols, int64_t row0, int64_t col0,
+                                          const bool* __restrict__ keep, bool vec,
+                                          const float* __restrict__ add = nullptr) {
+  constexpr int V = 16 / sizeof(Tin);  // elements per vector: 4 (fp32) or 8 (16-bit)
+  constexpr int kVecPerRow = kTile / V;
+  // 8 (fp32 -> bf16), 16, or 32 (fp16 -> fp32) bytes, aligned to at most 16: rows of fp32
+  // tiles are 16-byte aligned only (32 bytes are stored as two 16-byte vectors)
+  struct alignas(sizeof(Op) * V < 16 ? sizeof(Op) * V : 16) Pack {
+    Op e[V];
+  };
+  // Thread t moves columns c .. c + V - 1 of rows t / kVecPerRow + kRowsPerPass * pass. From
+  // the tile's corner on, offsets and bounds are 32-bit: ld < 2^24 (checked by the binding).
+  constexpr int kRowsPerPass = kThreads / kVecPerRow;
+  static_assert(kThreads % kVecPerRow == 0 && kTile % kRowsPerPass == 0, "whole rows per pass");
+  const int64_t corner = row0 * ld + col0;
+  src += corner;
+  if (add != nullptr) add += corner;
+  if (keep != nullptr) keep += row0;
+  const int in_rows = extent_in(rows - row0), in_cols = extent_in(cols - col0);
+  const int r_first = threadIdx.x / kVecPerRow, c = (threadIdx.x % kVecPerRow) * V;
+  const bool vec_ok = vec && c + V <= in_cols;
+  // unrolled where whole vectors go by cp.async; one pass at a time where they convert in
+  // registers (fp16 -> fp32: 8 floats a vector; unrolled, the chunk kernels spilled)
+  constexpr int kPasses = kTile / kRowsPerPass, kUnroll = std::is_same_v<Tin, Op> ? kPasses : 1;
+#pragma unroll kUnroll
+  for (int pass = 0; pass < kPasses; ++pass) {
+    const int r = r_first + pass * kRowsPerPass;
+    const int at = r * static_cast<int>(ld) + c;  // element (r, c) from the corner
+    const bool row_ok = r < in_rows && (keep == nullptr || keep[r]);
+    if constexpr (std::is_same_v<Tin, Op>) {
+      if (row_ok && vec_ok && add == nullptr) {
+        cp_async16(dst + r * ldd + c, src + at);
+        continue;
+      }
+    }
+    float x[V];
+    if (row_ok && vec_ok) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(src + at);
+      const Tin* e = reinterpret_cast<const Tin*>(&raw);
+#pragma unroll
+      for (int u = 0; u < V; ++u) x[u] = to_float(e[u]);
+    } else {
+#pragma unroll
+      for (int u = 0; u < V; ++u) x[u] = (row_ok && c + u < in_cols) ? to_float(src[at + u]) : 0.f;
+    }
+    if (add != nullptr && row_ok) {
+#pragma unroll
+      for (int u = 0; u < V; ++u) {
+        if (c + u < in_cols) x[u] += add[at + u];
+      }
+    }
+    Pack p;
+#pragma unroll
+    for (int u = 0; u < V; ++u) p.e[u] = from_float<Op>(x[u]);
+    *reinterpret_cast<Pack*>(dst + r * ldd + c) = p;
+  }
+}
+
+template <typename T>
+__host__ __device__ constexpr int vec_elems() {
+  return 16 / sizeof(T);
+}
+
+// Writes a 64 x 64 fp32 shared tile (ld kLdF) to rows [row0, row0+64) x columns [col0, col0+64)
+// of a row-major global matrix (rows x cols, leading dimension ld) in T, skipping what lies
+// outside it; with `div`, row r is multiplied by 1 / (div[r] + eps) (the normalizer). Each
+// thread writes whole 16-byte vectors where the destination allows (the same choice in every
+// thread), single elements at a ragged edge.
+template <typename T>
+__device__ __forceinline__ void store_tile(T* __restrict__ dst, int64_t ld, int64_t rows,
+                                           int64_t cols, int64_t row0, int64_t col0,
+                                           const float* __restrict__ tile,
+                                           const float* __restrict__ div = nullptr,
+                                           float eps = 0.f) {
+  constexpr int V = vec_elems<T>();
+  struct alignas(16) Pack {
+    T e[V];
+  };
+  const bool vec = reinterpret_cast<uintptr_t>(dst) % 16 == 0 && ld % V == 0 && col0 % V == 0;
+  // from the tile's corner on, 32-bit offsets and bounds (ld < 2^24, checked by the binding)
+  dst += row0 * ld + col0;
+  const int in_rows = extent_in(rows - row0), in_cols = extent_in(cols - col0);
+  for (int i = threadIdx.x; i < kTile * (kTile / V); i += kThreads) {
+    const int r = i / (kTile / V), c = (i % (kTile / V)) * V;
+    if (r >= in_rows) continue;
+    const float inv = div == nullptr ? 1.f : 1.f / (div[r] + eps);  // one division a vector
+    const float* x = tile + r * kLdF + c;
+    T* out = dst + r * static_cast<int>(ld) + c;
+    if (vec && c + V <= in_cols) {
+      Pack p;
+#pragma unroll
+      for (int u = 0; u < V; ++u) p.e[u] = from_float<T>(div == nullptr ? x[u] : x[u] * inv);
+      *reinterpret_cast<Pack*>(out) = p;
+    } else {
+      for (int u = 0; u < V && c + u < in_cols; ++u) {
+        out[u] = from_float<T>(div == nullptr ? x[u] : x[u] * inv);
+      }
+    }
+  }
+}
+
+// A chunk's output: rows [row0, row0+64) x the M slice [m0, m0+64) of sequence bh of out
+// (BH, N, M) from the fp32 staging tile, divided by den + eps with `normalize`; and, from the
+// blocks of M slice 0, den (BH, N) where it is wanted (dens: the chunk's 64 normalizers).
+template <typename Tout>
+__device__ __forceinline__ void store_output(Tout* out, float* den, const float* tile,
+                                             const float* dens, int64_t bh, int64_t n, int64_t m,
+                                             int64_t row0, int64_t m0, bool normalize,
+                                             float eps) {
+  store_tile(out + bh * n * m, m, n, m, row0, m0, tile, normalize ? dens : nullptr, eps);
+  if (den != nullptr && blockIdx.y == 0 && threadIdx.x < kTile && row0 + threadIdx.x < n) {
+    den[bh * n + row0 + threadIdx.x] = dens[threadIdx.x];
+  }
+}
+
+// Masks the 64 x 64 fp32 scores of a chunk in Af (ld kLdF) to j <= i (`causal`) or j >= i and
+// rounds them into the operand tile As (ld LD); with `in_place` the masked scores also go back
+// into Af (for their row sums, the normalizer). Call between barriers.
+template <typename Op>
+__device__ __forceinline__ void mask_scores(float* __restrict__ Af, Op* __restrict__ As,
+                                            bool causal, bool in_place) {
+  constexpr int LD = ld_of<Op>();
+  for (int i = threadIdx.x; i < kTile * kTile; i += kThreads) {
+    const int r = i / kTile, j = i % kTile;
+    const bool on = causal ? j <= r : j >= r;
+    const float a = on ? Af[r * kLdF + j] : 0.f;
+    if (in_place) Af[r * kLdF + j] = a;
+    As[r * LD + j] = from_float<Op>(a);
+  }
+}
+
+}  // namespace
+}  // namespace ks_cuda
