@@ -687,6 +687,7 @@ def _kernel_times(product_us: float, dkv_us: float, product: str) -> pd.DataFram
 def test_scaling_names_kernels_and_reads_cost_and_bound():
     scaling = benchmark_script("cuda_scaling")
     number = scaling.kernel_number
+    assert number(PROFILED.format("chunk_walk_mma_backward_kernel", "")) == 10
     assert number(PROFILED.format("chunk_walk_mma_dkv_kernel", "")) == 9
     assert number(PROFILED.format("chunk_walk_mma_kernel", ", 2")) == 8
     assert number(PROFILED.format("chunk_walk_dkv_kernel", "")) == 7

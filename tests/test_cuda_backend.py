@@ -749,8 +749,9 @@ def test_walk_kernels_name_the_kernels_that_run(monkeypatch, causal_kernel, dtyp
     assert ran == want
     for kernel, blocks in said.values():
         assert (blocks >= 1) if kernel else blocks == 0
-    # an A100's and an H100's shared memory fit kernels 6-9 at F = M = 64 in bf16
+    # an A100's and an H100's shared memory fit kernels 6-10 at F = M = 64 in bf16 (with
+    # walk_mma, kernel 10 walks dq, dk and dv at once)
     big = torch.cuda.get_device_capability() in ((8, 0), (9, 0))
     if big and d == 64 and dtype == torch.bfloat16 and causal_kernel != "chunks":
         mma = causal_kernel == "walk_mma"
-        assert (said["product"][0], said["dkv"][0]) == ((8, 9) if mma else (6, 7))
+        assert (said["product"][0], said["dkv"][0]) == ((8, 10) if mma else (6, 7))

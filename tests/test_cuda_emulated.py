@@ -621,7 +621,7 @@ def test_mma_walk_is_schedule_independent_and_alignment_blind(emu, ext, dtype, f
 # ---------------------------------------------------------------- walk_kernels
 # (dtype, F, M, mma_walk, shared memory per block, product kernel, dk/dv kernel)
 WALK_KERNEL_CASES = [
-    (torch.bfloat16, 64, 64, True, H100_SMEM, 8, 9),
+    (torch.bfloat16, 64, 64, True, H100_SMEM, 8, 10),  # dq, dk and dv walks in one grid
     (torch.bfloat16, 64, 64, False, H100_SMEM, 6, 7),
     (torch.float32, 64, 64, True, H100_SMEM, 8, 9),
     (torch.float16, 40, 56, True, H100_SMEM, 8, 9),
@@ -629,7 +629,7 @@ WALK_KERNEL_CASES = [
     (torch.float32, 65, 8, True, H100_SMEM, 6, 7),  # kernel 8 in fp32 tiles takes F <= 64
     (torch.bfloat16, 200, 8, True, H100_SMEM, 0, 0),  # no walk above F = 128
     (torch.bfloat16, 64, 48, False, SM86_SMEM, 0, 7),  # kernel 6 (108 KB) does not fit
-    (torch.bfloat16, 64, 48, True, SM86_SMEM, 8, 9),
+    (torch.bfloat16, 64, 48, True, SM86_SMEM, 8, 10),
     (torch.float32, 64, 64, True, A100_SMEM, 8, 7),  # kernel 9 in fp32 tiles (170 KB) does not
 ]
 

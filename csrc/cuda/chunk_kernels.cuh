@@ -10,19 +10,20 @@ namespace ks_cuda {
 namespace {
 
 // ------------------------------------------------------------------ segments
-// The segment a thread block walks in kernels 1, 6, 7, 8 and 9 (grid.x = BH * nblk): sequence
-// bh, segment blk, the chunks [first, first + count) of the sequence's nc (cpb per segment, the
-// last segment shorter), visited first to last or, with `reverse`, last to first. With
-// `skip_last` (kernel 1's carries, grid.x = BH * (nblk - 1)) no block takes the segment that
-// comes last in the walk's order (the last one, or with `reverse` the first).
+// The segment thread block `block` walks in kernels 1, 6-10 (blockIdx.x, grid.x = BH * nblk; kernel
+// 10 numbers the blocks of each of its two walks from 0): sequence bh, segment blk, the chunks
+// [first, first + count) of the sequence's nc (cpb per segment, the last segment shorter), visited
+// first to last or, with `reverse`, last to first. With `skip_last` (kernel 1's carries, grid.x =
+// BH * (nblk - 1)) no block takes the segment that comes last in the walk's order (the last one, or
+// with `reverse` the first).
 struct WalkSegment {
   int64_t nc, bh, blk, first, count;
   bool reverse;
-  __device__ WalkSegment(int64_t n, int64_t nblk, int64_t cpb, bool reverse_,
+  __device__ WalkSegment(int64_t block, int64_t n, int64_t nblk, int64_t cpb, bool reverse_,
                          bool skip_last = false)
       : nc((n + kTile - 1) / kTile),
-        bh(blockIdx.x / (nblk - skip_last)),
-        blk(blockIdx.x % (nblk - skip_last) + (reverse_ && skip_last)),
+        bh(block / (nblk - skip_last)),
+        blk(block % (nblk - skip_last) + (reverse_ && skip_last)),
         first(blk * cpb),
         count((first + cpb < nc ? first + cpb : nc) - first),  // >= 1
         reverse(reverse_) {}
@@ -60,7 +61,7 @@ __global__ void __launch_bounds__(kThreads)
   Op* tiles = reinterpret_cast<Op*>(smem);  // buffer b: K at 2b, V at 2b + 1 (64 x LD each)
   float* St = reinterpret_cast<float*>(tiles + 4 * kTile * LD);  // 64 x kLdF: fp32 state tile
 
-  const WalkSegment seg(n, nblk, cpb, reverse, skip_last);
+  const WalkSegment seg(blockIdx.x, n, nblk, cpb, reverse, skip_last);
   const int64_t nc = seg.nc, bh = seg.bh, blk = seg.blk;
   const int64_t m_tiles = (m + kTile - 1) / kTile;
   const int64_t f0 = (blockIdx.y / m_tiles) * kTile;

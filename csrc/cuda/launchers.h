@@ -64,9 +64,10 @@ cudaError_t causal_backward(DType dtype, const void* q, const void* k, const voi
 // The walk kernels that causal_product (walk_blocks > 0) and causal_backward run on the current
 // device for `dtype` operands with F = f, M = m and `mma_walk`, outputs in `dtype`: the
 // product's walk (6: WMMA, 8: mma.sync; 0: the chunk kernels run instead) and the backward's
-// reverse walk of dk and dv (7 or 9; 0: two anti-causal products instead), each with how many
-// of its thread blocks an SM holds at once (cudaOccupancyMaxActiveBlocksPerMultiprocessor with
-// the kernel's shared memory). The backward's dq walk is the product's with F and M swapped.
+// reverse walk of dk and dv (7 or 9; 10: one grid with the dq walk as well; 0: two anti-causal
+// products instead), each with how many of its thread blocks an SM holds at once
+// (cudaOccupancyMaxActiveBlocksPerMultiprocessor with the kernel's shared memory). Except in
+// kernel 10, the backward's dq walk is the product's with F and M swapped.
 struct WalkKernels {
   int product = 0, product_blocks_per_sm = 0;
   int dkv = 0, dkv_blocks_per_sm = 0;

@@ -8,7 +8,7 @@
 //   mma_sync.cuh               mma.sync fragment layouts, ldmatrix and products (kernels 8, 9)
 //   chunk_kernels.cuh          segments, kernels 1-5
 //   walk_kernels.cuh           kernels 6 and 7 (the walk on WMMA)
-//   register_walk_kernels.cuh  kernels 8 and 9 (the walk on mma.sync)
+//   register_walk_kernels.cuh  kernels 8-10 (the walk on mma.sync)
 //   cumsum_kernels.cuh         the weighted cumulative sum
 //
 // ------------------------------------------------------------------ algorithm
@@ -51,6 +51,8 @@
 //                            with each warp's operands in registers (scores to P V without
 //                            shared memory, S in fp32 accumulators), one barrier per chunk.
 //   9. chunk_walk_mma_dkv_kernel  kernel 7 in the same form (F, M <= 64, mma_walk).
+//  10. chunk_walk_mma_backward_kernel  kernels 9 and 8 (dq) as one grid for bf16, so that an SM
+//                            walks one sequence's dk, dv and another's dq at once.
 //
 // ------------------------------------------------------------------ tiles
 // Thread block: 256 threads = 8 warps. Every matrix product is on 64 x 64 tiles staged in
@@ -469,16 +471,71 @@ bool dkv_by_mma(int64_t f, int64_t m, bool mma_walk) {
          mma_dkv_smem<typename OperandOf<Tin>::type>() <= smem_optin();
 }
 
-// The walk's fused backward: dq = causal(g, v, k) by kernel 6 (or 8, as causal_walk selects),
-// then dk and dv by one reverse walk with the carries of (q, g) where a sequence is cut into
-// segments: kernel 9 with mma_walk where F, M <= 64 and it fits, else kernel 7; where neither
-// fits, dk = anticausal(v, g, q) and dv = anticausal(k, q, g). The steps run in order on
-// `stream` and share the workspace.
+// Whether the walk's fused backward runs its two walks as one grid (kernel 10): kernel 9 takes
+// dk and dv (so F, M <= 64 and kernel 8 takes dq) and two blocks of kernel 10 fit an SM (bf16).
+template <typename Tin>
+bool walks_together(int64_t f, int64_t m, bool mma_walk) {
+  using Op = typename OperandOf<Tin>::type;
+  return kMmaBlocksPerSm<Op> == 2 && dkv_by_mma<Tin>(f, m, mma_walk) &&
+         mma_backward_smem<Op>() <= smem_optin();
+}
+
+// The segments of kernel 10's two walks: dq's (features M, values F) and dk, dv's; the carries
+// of dq's come first in the workspace, then those of dk, dv's.
+struct TogetherLayout {
+  WalkLayout dq, dkv;
+};
+TogetherLayout together_layout(int64_t bh, int64_t n, int64_t f, int64_t m, int64_t walk_blocks) {
+  return {walk_layout(bh, n, m, f, walk_blocks, 1), walk_layout(bh, n, f, m, walk_blocks, 1)};
+}
+
+// Kernel 10 (walks_together): the carries of both walks' segments, then one launch.
+template <typename Tin, typename Tout>
+cudaError_t walk_backward_together(const Tin* q, const Tin* k, const Tin* v, const Tin* g,
+                                   Tout* dq, Tout* dk, Tout* dv, float* ws, int64_t bh, int64_t n,
+                                   int64_t f, int64_t m, int64_t walk_blocks,
+                                   cudaStream_t stream) {
+  using Op = typename OperandOf<Tin>::type;
+  if constexpr (kMmaBlocksPerSm<Op> == 2) {
+    const TogetherLayout l = together_layout(bh, n, f, m, walk_blocks);
+    const float *dq_carry, *dkv_carry;
+    cudaError_t err = walk_carries(v, k, ws, l.dq, bh, n, m, f, false, false, &dq_carry, stream);
+    if (err != cudaSuccess) return err;
+    err = walk_carries(q, g, ws + l.dq.floats, l.dkv, bh, n, f, m, true, false, &dkv_carry,
+                       stream);
+    if (err != cudaSuccess) return err;
+    const bool vec_f = rows_vectorizable<Tin>(q, f) && rows_vectorizable<Tin>(k, f);
+    const bool vec_m = rows_vectorizable<Tin>(v, m) && rows_vectorizable<Tin>(g, m);
+    const bool vec_k = rows_vectorizable<Tin>(k, f);
+    const int64_t dkv_blocks = bh * l.dkv.nblk;
+    return launch_tiles(chunk_walk_mma_backward_kernel<Tin, Tout>, dkv_blocks + bh * l.dq.nblk, 1,
+                        mma_backward_smem<Op>(), stream, q, k, v, g, dkv_carry, dq_carry, dq, dk,
+                        dv, n, f, m, dkv_blocks, l.dkv.nblk, l.dkv.cpb, l.dq.nblk, l.dq.cpb, vec_f,
+                        vec_m, vec_k);
+  }
+  return cudaErrorInvalidValue;  // walks_together is false
+}
+
+// The walk's fused backward: with walks_together, dq, dk and dv by kernel 10; else
+// dq = causal(g, v, k) by kernel 6 (or 8, as causal_walk selects), then dk and dv by one reverse
+// walk with the carries of (q, g) where a sequence is cut into segments: kernel 9 with mma_walk
+// where F, M <= 64 and it fits, else kernel 7; where neither fits, dk = anticausal(v, g, q) and
+// dv = anticausal(k, q, g). The steps run in order on `stream` and share the workspace.
 template <typename Tin>
 cudaError_t walk_backward_typed(const Tin* q, const Tin* k, const Tin* v, const Tin* g, void* dq,
                                 void* dk, void* dv, bool out_fp32, float* ws, int64_t bh,
                                 int64_t n, int64_t f, int64_t m, int64_t walk_blocks,
                                 bool mma_walk, cudaStream_t stream) {
+  if (walks_together<Tin>(f, m, mma_walk)) {
+    if (out_fp32) {
+      return walk_backward_together<Tin, float>(q, k, v, g, static_cast<float*>(dq),
+                                                static_cast<float*>(dk), static_cast<float*>(dv),
+                                                ws, bh, n, f, m, walk_blocks, stream);
+    }
+    return walk_backward_together<Tin, Tin>(q, k, v, g, static_cast<Tin*>(dq),
+                                            static_cast<Tin*>(dk), static_cast<Tin*>(dv), ws, bh,
+                                            n, f, m, walk_blocks, stream);
+  }
   cudaError_t err = causal_typed<Tin>(g, v, k, dq, out_fp32, nullptr, false, 0.f, ws, bh, n, m,
                                       f, false, walk_blocks, mma_walk, stream);
   if (err != cudaSuccess) return err;
@@ -548,6 +605,13 @@ cudaError_t walk_kernels_typed(int64_t f, int64_t m, bool mma_walk, WalkKernels*
                           &out->product_blocks_per_sm);
   }
   if (err != cudaSuccess) return err;
+  if (walks_together<Tin>(f, m, mma_walk)) {
+    out->dkv = 10;
+    if constexpr (kMmaBlocksPerSm<Op> == 2) {
+      return resident_blocks(chunk_walk_mma_backward_kernel<Tin, Tin>, mma_backward_smem<Op>(),
+                             &out->dkv_blocks_per_sm);
+    }
+  }
   if (dkv_by_mma<Tin>(f, m, mma_walk)) {
     out->dkv = 9;
     return resident_blocks(chunk_walk_mma_dkv_kernel<Tin, Tin>, mma_dkv_smem<Op>(),
@@ -664,7 +728,14 @@ cudaError_t causal_product(DType dtype, const void* q, const void* k, const void
 int64_t causal_backward_workspace_floats(DType dtype, int64_t bh, int64_t n, int64_t f,
                                          int64_t m, int64_t walk_blocks, bool mma_walk) {
   if (walk_blocks <= 0) return 2 * causal_workspace_floats(dtype, bh, n, f, m, 0, false);
-  // the steps of walk_backward_typed run one after another on one workspace
+  const bool bf16 = dtype == DType::kBFloat16;  // fp32 and fp16 inputs have fp32 operands
+  const bool together = bf16 ? walks_together<__nv_bfloat16>(f, m, mma_walk)
+                             : walks_together<float>(f, m, mma_walk);
+  if (together) {
+    const TogetherLayout l = together_layout(bh, n, f, m, walk_blocks);
+    return l.dq.floats + l.dkv.floats;  // kernel 10's two walks run at once
+  }
+  // else the steps of walk_backward_typed run one after another on one workspace
   const int64_t dq_dk = causal_workspace_floats(dtype, bh, n, m, f, walk_blocks, mma_walk);
   const int64_t dv = causal_workspace_floats(dtype, bh, n, f, m, walk_blocks, mma_walk);
   const int64_t dkv = walk_layout(bh, n, f, m, walk_blocks, 1).floats;

@@ -492,13 +492,15 @@ constexpr int mma_walk_slices(int64_t f) {
   return f <= kTile ? 1 : (sizeof(Op) == 2 && f <= 2 * kTile ? 2 : 0);
 }
 
+// Kernel 8's walk by thread block `block` (blockIdx.x of kernel 8) of M slice `slice`
+// (blockIdx.y).
 template <typename Tin, typename Tout, int FT>
-__global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm<typename OperandOf<Tin>::type, FT>)
-    chunk_walk_mma_kernel(const Tin* __restrict__ q, const Tin* __restrict__ k,
-                          const Tin* __restrict__ v, const float* __restrict__ carry,
-                          Tout* __restrict__ out, float* __restrict__ den, int64_t n, int64_t f,
-                          int64_t m, int64_t nblk, int64_t cpb, bool reverse, bool normalize,
-                          float eps, bool vec_qk, bool vec_v) {
+__device__ __forceinline__ void walk_mma(int64_t block, int64_t slice, const Tin* __restrict__ q,
+                                         const Tin* __restrict__ k, const Tin* __restrict__ v,
+                                         const float* __restrict__ carry, Tout* __restrict__ out,
+                                         float* __restrict__ den, int64_t n, int64_t f, int64_t m,
+                                         int64_t nblk, int64_t cpb, bool reverse, bool normalize,
+                                         float eps, bool vec_qk, bool vec_v) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
   using Op = typename OperandOf<Tin>::type;
   using B = BandOf<Tin>;
@@ -514,9 +516,9 @@ __global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm<typename OperandOf<T
   const Lane l;
   const int warp = threadIdx.x / 32;
   const int r0 = band_row0(warp), c0 = (warp / 4) * 32;
-  const WalkSegment seg(n, nblk, cpb, reverse);
+  const WalkSegment seg(block, n, nblk, cpb, reverse);
   const int64_t bh = seg.bh, blk = seg.blk;
-  const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kTile;
+  const int64_t m0 = slice * kTile;
   const bool need_den = normalize || den != nullptr;
   const Tin* qb = q + bh * n * f;
   const Tin* kb = k + bh * n * f;
@@ -612,7 +614,7 @@ __global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm<typename OperandOf<T
     const int64_t row0 = seg.chunk(i) * kTile + r0;
     const float2 div = {dn[0] + eps, dn[1] + eps};
     store_band(out + bh * n * m, o, n, m, row0, m0 + c0, normalize, div, pairs, l);
-    if (den != nullptr && blockIdx.y == 0 && c0 == 0 && l.t == 0) {
+    if (den != nullptr && slice == 0 && c0 == 0 && l.t == 0) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         if (row0 + l.g + 8 * h < n) den[bh * n + row0 + l.g + 8 * h] = dn[h];
@@ -620,6 +622,17 @@ __global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm<typename OperandOf<T
     }
   }
 #endif
+}
+
+template <typename Tin, typename Tout, int FT>
+__global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm<typename OperandOf<Tin>::type, FT>)
+    chunk_walk_mma_kernel(const Tin* __restrict__ q, const Tin* __restrict__ k,
+                          const Tin* __restrict__ v, const float* __restrict__ carry,
+                          Tout* __restrict__ out, float* __restrict__ den, int64_t n, int64_t f,
+                          int64_t m, int64_t nblk, int64_t cpb, bool reverse, bool normalize,
+                          float eps, bool vec_qk, bool vec_v) {
+  walk_mma<Tin, Tout, FT>(blockIdx.x, blockIdx.y, q, k, v, carry, out, den, n, f, m, nblk, cpb,
+                          reverse, normalize, eps, vec_qk, vec_v);
 }
 
 // ------------------------------------------------------------------ kernel 9: register dk, dv
@@ -637,13 +650,15 @@ constexpr size_t mma_dkv_smem() {
   return mma_smem<Op>(2 * 4 + 2, 0);
 }
 
+// Kernel 9's walk by thread block `block` (blockIdx.x of kernel 9).
 template <typename Tin, typename Tout>
-__global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm<typename OperandOf<Tin>::type>)
-    chunk_walk_mma_dkv_kernel(const Tin* __restrict__ q, const Tin* __restrict__ k,
-                              const Tin* __restrict__ v, const Tin* __restrict__ g,
-                              const float* __restrict__ carry, Tout* __restrict__ dk,
-                              Tout* __restrict__ dv, int64_t n, int64_t f, int64_t m,
-                              int64_t nblk, int64_t cpb, bool vec_f, bool vec_m) {
+__device__ __forceinline__ void walk_mma_dkv(int64_t block, const Tin* __restrict__ q,
+                                             const Tin* __restrict__ k, const Tin* __restrict__ v,
+                                             const Tin* __restrict__ g,
+                                             const float* __restrict__ carry,
+                                             Tout* __restrict__ dk, Tout* __restrict__ dv,
+                                             int64_t n, int64_t f, int64_t m, int64_t nblk,
+                                             int64_t cpb, bool vec_f, bool vec_m) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
   using Op = typename OperandOf<Tin>::type;
   using B = BandOf<Tin>;
@@ -658,7 +673,7 @@ __global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm<typename OperandOf<T
   const int warp = threadIdx.x / 32;
   const int r0 = band_row0(warp), c0 = (warp / 4) * 32;
   const bool dk_warp = warp < 4;
-  const WalkSegment seg(n, nblk, cpb, true);
+  const WalkSegment seg(block, n, nblk, cpb, true);
   const int64_t bh = seg.bh, blk = seg.blk;
   const Tin* qb = q + bh * n * f;
   const Tin* kb = k + bh * n * f;
@@ -720,6 +735,50 @@ __global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm<typename OperandOf<T
     store_band(grad, o, n, width, seg.chunk(i) * kTile + r0, 0, false, float2{1.f, 1.f}, pairs, l);
   }
 #endif
+}
+
+template <typename Tin, typename Tout>
+__global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm<typename OperandOf<Tin>::type>)
+    chunk_walk_mma_dkv_kernel(const Tin* __restrict__ q, const Tin* __restrict__ k,
+                              const Tin* __restrict__ v, const Tin* __restrict__ g,
+                              const float* __restrict__ carry, Tout* __restrict__ dk,
+                              Tout* __restrict__ dv, int64_t n, int64_t f, int64_t m,
+                              int64_t nblk, int64_t cpb, bool vec_f, bool vec_m) {
+  walk_mma_dkv<Tin, Tout>(blockIdx.x, q, k, v, g, carry, dk, dv, n, f, m, nblk, cpb, vec_f,
+                          vec_m);
+}
+
+// ------------------------------------------------------------------ kernel 10: both backward walks
+// The walk's fused backward on mma.sync as one grid (bf16 tiles, F, M <= 64, mma_walk): blocks
+// [0, dkv_blocks) walk dk and dv as kernel 9 (carries dkv_carry), the others walk
+// dq = causal(g, v, k) as kernel 8 (features M, values F: one slice each; carries dq_carry).
+// The two walks are independent, so an SM holds a block of each at once (two blocks of
+// mma_backward_smem), where the two launches one after the other leave an SM with one block at a
+// time whenever B·H is near the SM count (one segment a sequence): a walk waiting on its barrier
+// or its products then has the other's work beside it. The longer dk, dv walks come first.
+template <typename Op>
+constexpr size_t mma_backward_smem() {
+  return std::max(mma_dkv_smem<Op>(), mma_walk_smem<Op>(1));
+}
+
+template <typename Tin, typename Tout>
+__global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm<typename OperandOf<Tin>::type>)
+    chunk_walk_mma_backward_kernel(const Tin* __restrict__ q, const Tin* __restrict__ k,
+                                   const Tin* __restrict__ v, const Tin* __restrict__ g,
+                                   const float* __restrict__ dkv_carry,
+                                   const float* __restrict__ dq_carry, Tout* __restrict__ dq,
+                                   Tout* __restrict__ dk, Tout* __restrict__ dv, int64_t n,
+                                   int64_t f, int64_t m, int64_t dkv_blocks, int64_t dkv_nblk,
+                                   int64_t dkv_cpb, int64_t dq_nblk, int64_t dq_cpb, bool vec_f,
+                                   bool vec_m, bool vec_k) {
+  const int64_t block = blockIdx.x;
+  if (block < dkv_blocks) {
+    walk_mma_dkv<Tin, Tout>(block, q, k, v, g, dkv_carry, dk, dv, n, f, m, dkv_nblk, dkv_cpb,
+                            vec_f, vec_m);
+  } else {
+    walk_mma<Tin, Tout, 1>(block - dkv_blocks, 0, g, v, k, dq_carry, dq, nullptr, n, m, f,
+                           dq_nblk, dq_cpb, false, false, 0.f, vec_m, vec_k);
+  }
 }
 
 }  // namespace

@@ -175,7 +175,7 @@ __global__ void __launch_bounds__(kThreads, kWalkBlocksPerSm<typename OperandOf<
   auto s_tile = [&](int ft) { return s32 + ft * kTile * kLdF; };
   auto s_copy_tile = [&](int ft) { return s_copy + ft * Smem::kOpTile; };
 
-  const WalkSegment seg(n, nblk, cpb, reverse);
+  const WalkSegment seg(blockIdx.x, n, nblk, cpb, reverse);
   const int64_t bh = seg.bh, blk = seg.blk;
   const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kTile;
   const bool need_den = normalize || den != nullptr;
@@ -335,7 +335,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     return tile_operand(r_state(ft, mt), r_copy_tile(ft, mt));
   };
 
-  const WalkSegment seg(n, nblk, cpb, true);
+  const WalkSegment seg(blockIdx.x, n, nblk, cpb, true);
   const int64_t bh = seg.bh, blk = seg.blk;
   const Tin* qb = q + bh * n * f;
   const Tin* kb = k + bh * n * f;

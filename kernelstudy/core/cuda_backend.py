@@ -70,11 +70,12 @@ FUSED_BACKWARD: bool | tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
 # elsewhere), for the forward and the backward products (see FUSED_BACKWARD). Both pass
 # tests/test_cuda_backend.py on an H200; the walk is the faster at the shape (bfloat16
 # fwd+bwd N = 8192: 2.49 ms against 2.63 ms; float32 N = 4096: 3.28 against 3.87 ms).
-# "walk_mma": kernels 8 and 9 in place of kernels 6 and 7 for F <= 64 (kernel 8 for bfloat16:
-# F <= 128) and, for kernel 9, M <= 64: mma.sync on operands in registers (bf16, or tf32 as
-# kernel 6 uses it: 3xTF32 for float32, one tf32 product for float16), one barrier a chunk;
-# kernels 6 and 7 elsewhere and where kernel 8's or 9's shared memory does not fit the device
-# (137 and 170 KB with float32 tiles). It passes the emulated tests
+# "walk_mma": kernels 8 and 9 in place of kernels 6 and 7 for F <= 64 (kernel 8 for bfloat16: F <=
+# 128) and, for kernel 9, M <= 64: mma.sync on operands in registers (bf16, or tf32 as kernel 6 uses
+# it: 3xTF32 for float32, one tf32 product for float16), one barrier a chunk (in bfloat16 the fused
+# backward's dq and dk, dv walks run as one grid, kernel 10, so that an SM walks two sequences at
+# once at B·H near its SM count); kernels 6 and 7 elsewhere and where kernel 8's or 9's shared
+# memory does not fit the device (137 and 170 KB with float32 tiles). It passes the emulated tests
 # (tests/test_cuda_emulated.py) but has not yet run on a GPU, so it is not the default.
 CAUSAL_KERNELS = ("chunks", "walk", "walk_mma")
 CAUSAL_KERNEL = "walk"
