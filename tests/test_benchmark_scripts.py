@@ -116,7 +116,8 @@ def test_profile_arguments():
     profile = benchmark_script("cuda_profile")
     assert profile.parse_args(["--n", "1024", "--batch", "1"]).heads == 16
     assert profile.parse_args([]).variants == [
-        "chunks", "chunks_fused", "walk", "walk_fused", "walk_mma", "walk_mma_fused"
+        "chunks", "chunks_fused", "walk", "walk_fused", "walk_mma", "walk_mma_fused",
+        "walk_mma_fused_apart",
     ]  # fmt: skip
     with pytest.raises(SystemExit):
         profile.parse_args(["--steps", "0"])

@@ -410,6 +410,28 @@ def test_fused_backward_matches_reference(shape, dtype):
             assert torch.isfinite(a).all() and close_in_dtype(a, w, dtype)
 
 
+@pytest.mark.parametrize("walk_blocks", [1, 7], ids=["one_segment", "7"])
+def test_backward_walks_together_give_the_bits_of_two_launches(
+    monkeypatch, causal_kernel, walk_blocks
+):
+    """Kernel 10 (walk_mma, bfloat16, F, M <= 64) runs the dq walk and the dk, dv walk in one
+    grid: the same bits as the two launches (WALKS_TOGETHER False), with one segment a sequence
+    and with several (both walks' carries in one workspace)."""
+    if causal_kernel != "walk_mma":
+        pytest.skip("kernel 10 is the walk_mma backward's")
+    monkeypatch.setattr(cuda_backend, "WALK_BLOCKS", walk_blocks)
+    q, k, v = (t.detach() for t in _features(1, 3, 200, 48, 40, dtype=torch.bfloat16))
+    g = _upstream((1, 3, 200, 40)).to(torch.bfloat16)
+    ext = cuda_backend.extension()
+    results = {}
+    for together in (True, False):
+        monkeypatch.setattr(cuda_backend, "WALKS_TOGETHER", together)
+        results[together] = cuda_backend._fused_backward(ext, q, k, v, g, out_fp32=True)
+    assert ext.walk_kernels(q, 48, 40, True)["dkv"][0] == 10
+    for a, b in zip(results[True], results[False], strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=str)
 def test_fused_backward_in_autograd_matches_three_products(monkeypatch, dtype):
     q, k, v = _features(2, 3, 200, 33, 70, dtype=dtype)

@@ -66,11 +66,11 @@ def emu(tmp_path_factory) -> ctypes.CDLL:
     module.ks_emu_last_launch_smem.restype = i64
     module.ks_emu_causal_product.argtypes = [i32, p, p, p, p, i32, p, i32, f32, *[i64] * 4]
     module.ks_emu_causal_product.argtypes += [i32, i64, i32]
-    module.ks_emu_causal_backward.argtypes = [i32, *[p] * 7, i32, *[i64] * 5, i32]
+    module.ks_emu_causal_backward.argtypes = [i32, *[p] * 7, i32, *[i64] * 5, i32, i32]
     module.ks_emu_full_state.argtypes = [i32, p, p, p, i64, p, *[i64] * 4]
     module.ks_emu_full_apply.argtypes = [i32, p, p, p, i32, p, i32, f32, *[i64] * 4]
     module.ks_emu_scaled_cumsum.argtypes = [i32, p, p, p, p, i64, i64, i64, i32]
-    module.ks_emu_walk_kernels.argtypes = [i32, i64, i64, i32, p, p]
+    module.ks_emu_walk_kernels.argtypes = [i32, i64, i64, i32, i32, p, p]
     module.ks_emu_last_kernel.restype = ctypes.c_uint64
     module.ks_emu_configure(0, H100_SMEM)
     return module
@@ -139,7 +139,9 @@ class EmulatedExtension:
         )  # fmt: skip
         return [out, den]
 
-    def causal_backward(self, q, k, v, g, out_fp32=False, walk_blocks=0, mma_walk=False):
+    def causal_backward(
+        self, q, k, v, g, out_fp32=False, walk_blocks=0, mma_walk=False, walks_together=True
+    ):
         q, k, v, g = (self._input(t) for t in (q, k, v, g))
         b, h, n, f = q.shape
         m = v.shape[-1]
@@ -148,7 +150,7 @@ class EmulatedExtension:
         self._run(
             self.lib.ks_emu_causal_backward,
             DTYPES[q.dtype], *map(_ptr, (q, k, v, g, *grads)), int(out_fp32), b * h, n, f, m,
-            walk_blocks, int(mma_walk),
+            walk_blocks, int(mma_walk), int(walks_together),
         )  # fmt: skip
         return grads
 
@@ -618,35 +620,77 @@ def test_mma_walk_is_schedule_independent_and_alignment_blind(emu, ext, dtype, f
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("walk_blocks", [1, 7])
+@pytest.mark.parametrize("out_fp32", [False, True])
+def test_backward_walks_together_give_the_bits_of_two_launches(emu, ext, walk_blocks, out_fp32):
+    """Kernel 10 runs kernel 8's dq walk and kernel 9's dk, dv walk in one grid: the gradients
+    are bit for bit those of the two launches, with one segment a sequence and with several
+    (walk_blocks 7 over B·H = 3: both walks' carries share the workspace); F != M."""
+    q, k, v, g = _inputs(3, 200, 48, 40, torch.bfloat16, extra=1)
+    kernels, asked = (ctypes.c_int * 4)(), (ctypes.c_uint64 * 2)()
+    results, last = {}, {}
+    for together in (True, False):
+        assert (
+            emu.ks_emu_walk_kernels(DTYPES[torch.bfloat16], 48, 40, 1, together, kernels, asked)
+            == 0
+        )
+        assert kernels[2] == (10 if together else 9)
+        results[together] = ext.causal_backward(
+            q, k, v, g, out_fp32=out_fp32, walk_blocks=walk_blocks, mma_walk=True,
+            walks_together=together,
+        )  # fmt: skip
+        last[together] = emu.ks_emu_last_kernel()
+        if not out_fp32:  # walk_kernels names the instantiation with outputs in the inputs' dtype
+            assert last[together] == asked[1]
+    assert last[True] != last[False]
+    for a, b in zip(results[True], results[False], strict=True):
+        assert torch.equal(a, b)
+
+
 # ---------------------------------------------------------------- walk_kernels
-# (dtype, F, M, mma_walk, shared memory per block, product kernel, dk/dv kernel)
+# (dtype, F, M, mma_walk, walks_together, shared memory per block, product kernel, dk/dv kernel)
 WALK_KERNEL_CASES = [
-    (torch.bfloat16, 64, 64, True, H100_SMEM, 8, 10),  # dq, dk and dv walks in one grid
-    (torch.bfloat16, 64, 64, False, H100_SMEM, 6, 7),
-    (torch.float32, 64, 64, True, H100_SMEM, 8, 9),
-    (torch.float16, 40, 56, True, H100_SMEM, 8, 9),
-    (torch.bfloat16, 128, 64, True, H100_SMEM, 8, 7),  # two slices; kernel 9 takes F <= 64
-    (torch.float32, 65, 8, True, H100_SMEM, 6, 7),  # kernel 8 in fp32 tiles takes F <= 64
-    (torch.bfloat16, 200, 8, True, H100_SMEM, 0, 0),  # no walk above F = 128
-    (torch.bfloat16, 64, 48, False, SM86_SMEM, 0, 7),  # kernel 6 (108 KB) does not fit
-    (torch.bfloat16, 64, 48, True, SM86_SMEM, 8, 10),
-    (torch.float32, 64, 64, True, A100_SMEM, 8, 7),  # kernel 9 in fp32 tiles (170 KB) does not
+    (torch.bfloat16, 64, 64, True, True, H100_SMEM, 8, 10),  # dq, dk and dv walks in one grid
+    (torch.bfloat16, 64, 64, True, False, H100_SMEM, 8, 9),  # the two walks apart
+    (torch.bfloat16, 64, 64, False, True, H100_SMEM, 6, 7),
+    (torch.float32, 64, 64, True, True, H100_SMEM, 8, 9),
+    (torch.float16, 40, 56, True, True, H100_SMEM, 8, 9),
+    (torch.bfloat16, 128, 64, True, True, H100_SMEM, 8, 7),  # two slices; kernel 9 takes F <= 64
+    (torch.float32, 65, 8, True, True, H100_SMEM, 6, 7),  # kernel 8 in fp32 tiles takes F <= 64
+    (torch.bfloat16, 200, 8, True, True, H100_SMEM, 0, 0),  # no walk above F = 128
+    (torch.bfloat16, 64, 48, False, True, SM86_SMEM, 0, 7),  # kernel 6 (108 KB) does not fit
+    (torch.bfloat16, 64, 48, True, True, SM86_SMEM, 8, 10),
+    (
+        torch.float32,
+        64,
+        64,
+        True,
+        True,
+        A100_SMEM,
+        8,
+        7,
+    ),  # kernel 9 in fp32 tiles (170 KB) does not
 ]
 
 
 @pytest.mark.parametrize(
-    "dtype, f, m, mma, smem, product, dkv",
+    "dtype, f, m, mma, together, smem, product, dkv",
     WALK_KERNEL_CASES,
-    ids=[f"{c[0]}-F{c[1]}-M{c[2]}-{'mma' if c[3] else 'wmma'}-{c[4]}" for c in WALK_KERNEL_CASES],
+    ids=[
+        f"{c[0]}-F{c[1]}-M{c[2]}-{'mma' if c[3] else 'wmma'}{'' if c[4] else '-apart'}-{c[5]}"
+        for c in WALK_KERNEL_CASES
+    ],
 )
-def test_walk_kernels_name_the_kernels_that_run(emu, ext, dtype, f, m, mma, smem, product, dkv):
+def test_walk_kernels_name_the_kernels_that_run(
+    emu, ext, dtype, f, m, mma, together, smem, product, dkv
+):
     """walk_kernels (what the scaling benchmark reports) names the kernels that the product and
     the fused backward launch: the kernel it asks the occupancy of is the one launched, and its
     blocks per SM are the emulator's count for the launched kernel's shared memory."""
     kernels, asked = (ctypes.c_int * 4)(), (ctypes.c_uint64 * 2)()
     try:
         emu.ks_emu_configure(0, smem)
-        assert emu.ks_emu_walk_kernels(DTYPES[dtype], f, m, int(mma), kernels, asked) == 0
+        assert emu.ks_emu_walk_kernels(DTYPES[dtype], f, m, mma, together, kernels, asked) == 0
         assert (kernels[0], kernels[2]) == (product, dkv)
         asked_product = asked[0] if product else None
         asked_dkv = asked[1 if product else 0] if dkv else None
@@ -657,12 +701,13 @@ def test_walk_kernels_name_the_kernels_that_run(emu, ext, dtype, f, m, mma, smem
         if product:
             resident = min(8, (smem + 1024) // (emu.ks_emu_last_launch_smem() + 1024))
             assert kernels[1] == resident >= 1
-        ext.causal_backward(q, k, v, g, out_fp32=False, walk_blocks=1, mma_walk=mma)  # dk, dv last
+        # dk, dv last
+        ext.causal_backward(q, k, v, g, walk_blocks=1, mma_walk=mma, walks_together=together)
         assert (emu.ks_emu_last_kernel() == asked_dkv) == bool(dkv)
         if dkv:
             resident = min(8, (smem + 1024) // (emu.ks_emu_last_launch_smem() + 1024))
             assert kernels[3] == resident >= 1
-        assert emu.ks_emu_walk_kernels(DTYPES[dtype], 0, m, int(mma), kernels, asked) != 0
+        assert emu.ks_emu_walk_kernels(DTYPES[dtype], 0, m, mma, together, kernels, asked) != 0
     finally:
         emu.ks_emu_configure(0, H100_SMEM)
 

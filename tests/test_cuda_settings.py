@@ -7,6 +7,13 @@ import torch
 
 from kernelstudy.core import cuda_backend
 
+# the backend's module-level settings that use_variant sets and settings_kept restores
+SETTINGS = ("CAUSAL_KERNEL", "FUSED_BACKWARD", "WALKS_TOGETHER", "WALK_BLOCKS")
+
+
+def _settings() -> tuple:
+    return tuple(getattr(cuda_backend, name) for name in SETTINGS)
+
 
 def test_defaults_are_valid_settings():
     assert cuda_backend.CAUSAL_KERNEL in cuda_backend.CAUSAL_KERNELS
@@ -33,19 +40,24 @@ def test_each_kernel_passes_its_arguments(monkeypatch):
 
 
 def test_fused_backward_passes_the_kernel_choice(monkeypatch):
-    """The fused backward is the selected kernel's: the walk's block target reaches it."""
+    """The fused backward is the selected kernel's: the walk's block target reaches it, and
+    WALKS_TOGETHER."""
     calls = []
 
     class Ext:
-        def causal_backward(self, *tensors, out_fp32, walk_blocks, mma_walk):
-            calls.append((len(tensors), out_fp32, walk_blocks, mma_walk))
+        def causal_backward(self, *tensors, out_fp32, walk_blocks, mma_walk, walks_together):
+            calls.append((len(tensors), out_fp32, walk_blocks, mma_walk, walks_together))
             return []
 
     monkeypatch.setattr(cuda_backend, "WALK_BLOCKS", 64)
-    for kernel, blocks, mma in (("walk", 64, False), ("chunks", 0, False), ("walk_mma", 64, True)):
-        monkeypatch.setattr(cuda_backend, "CAUSAL_KERNEL", kernel)
-        cuda_backend._fused_backward(Ext(), 1, 2, 3, 4, out_fp32=True)
-        assert calls[-1] == (4, True, blocks, mma)
+    for together in (True, False):
+        monkeypatch.setattr(cuda_backend, "WALKS_TOGETHER", together)
+        for kernel, blocks, mma in (
+            ("walk", 64, False), ("chunks", 0, False), ("walk_mma", 64, True)
+        ):  # fmt: skip
+            monkeypatch.setattr(cuda_backend, "CAUSAL_KERNEL", kernel)
+            cuda_backend._fused_backward(Ext(), 1, 2, 3, 4, out_fp32=True)
+            assert calls[-1] == (4, True, blocks, mma, together)
 
 
 def test_unknown_kernel_is_refused_by_name(monkeypatch):
@@ -63,11 +75,12 @@ def test_walk_blocks_must_be_a_positive_int(monkeypatch, blocks):
 
 
 def test_use_variant_sets_the_kernel_and_the_backward(monkeypatch):
-    for name in ("CAUSAL_KERNEL", "FUSED_BACKWARD", "WALK_BLOCKS"):
+    for name in SETTINGS:
         monkeypatch.setattr(cuda_backend, name, getattr(cuda_backend, name))
-    for name, (kernel, fused) in cuda_backend.VARIANTS.items():
+    for name, (kernel, fused, together) in cuda_backend.VARIANTS.items():
         cuda_backend.use_variant(name)
         assert (cuda_backend.CAUSAL_KERNEL, cuda_backend.FUSED_BACKWARD) == (kernel, fused)
+        assert cuda_backend.WALKS_TOGETHER is together
         assert kernel in cuda_backend.CAUSAL_KERNELS
     cuda_backend.use_variant("walk", walk_blocks=96)
     assert cuda_backend._kernel_args() == {"walk_blocks": 96, "mma_walk": False}
@@ -76,6 +89,18 @@ def test_use_variant_sets_the_kernel_and_the_backward(monkeypatch):
     assert cuda_backend._kernel_args() == {"walk_blocks": 0, "mma_walk": False}
     cuda_backend.use_variant("walk_mma_fused")
     assert cuda_backend._kernel_args() == {"walk_blocks": 96, "mma_walk": True}
+    assert cuda_backend.WALKS_TOGETHER is True
+    cuda_backend.use_variant("walk_mma_fused_apart")
+    assert cuda_backend._kernel_args() == {"walk_blocks": 96, "mma_walk": True}
+    assert cuda_backend.WALKS_TOGETHER is False
+
+
+@pytest.mark.parametrize("value", ["False", None, 2])
+def test_walks_together_must_be_a_bool(monkeypatch, value):
+    """The fused backward reads WALKS_TOGETHER as a flag; a string is not taken for True."""
+    monkeypatch.setattr(cuda_backend, "WALKS_TOGETHER", value)
+    with pytest.raises(TypeError, match="cuda_backend.WALKS_TOGETHER must be a bool"):
+        cuda_backend._fused_backward(None, None, None, None, None, out_fp32=False)
 
 
 @pytest.mark.parametrize(
@@ -83,13 +108,12 @@ def test_use_variant_sets_the_kernel_and_the_backward(monkeypatch):
     [("fast", None, r"variant must be one of .*'fast'"), ("walk", 0, "walk_blocks must be an int")],
 )
 def test_use_variant_refuses_bad_settings_by_name(monkeypatch, name, blocks, match):
-    for setting in ("CAUSAL_KERNEL", "FUSED_BACKWARD", "WALK_BLOCKS"):
+    for setting in SETTINGS:
         monkeypatch.setattr(cuda_backend, setting, getattr(cuda_backend, setting))
-    before = (cuda_backend.CAUSAL_KERNEL, cuda_backend.FUSED_BACKWARD, cuda_backend.WALK_BLOCKS)
+    before = _settings()
     with pytest.raises(ValueError, match=match):
         cuda_backend.use_variant(name, walk_blocks=blocks)
-    after = (cuda_backend.CAUSAL_KERNEL, cuda_backend.FUSED_BACKWARD, cuda_backend.WALK_BLOCKS)
-    assert after == before
+    assert _settings() == before
 
 
 @pytest.mark.parametrize("value", ["False", "no", None, 2, (torch.float64,), ("bfloat16",)])
@@ -132,16 +156,14 @@ def test_a_missing_csrc_folder_warns_once_and_falls_back(monkeypatch):
 def test_settings_kept_restores_the_defaults(monkeypatch):
     """cuda_core.py and cuda_profile.py try every variant; the defaults come back after, also
     when the block raises."""
-    for name in ("CAUSAL_KERNEL", "FUSED_BACKWARD", "WALK_BLOCKS"):
+    for name in SETTINGS:
         monkeypatch.setattr(cuda_backend, name, getattr(cuda_backend, name))
-    before = (cuda_backend.CAUSAL_KERNEL, cuda_backend.FUSED_BACKWARD, cuda_backend.WALK_BLOCKS)
+    before = _settings()
     with cuda_backend.settings_kept():
-        cuda_backend.use_variant("chunks_fused", walk_blocks=7)
-        assert cuda_backend.CAUSAL_KERNEL == "chunks" and cuda_backend.WALK_BLOCKS == 7
-    after = (cuda_backend.CAUSAL_KERNEL, cuda_backend.FUSED_BACKWARD, cuda_backend.WALK_BLOCKS)
-    assert after == before
+        cuda_backend.use_variant("walk_mma_fused_apart", walk_blocks=7)
+        assert cuda_backend.WALKS_TOGETHER is False and cuda_backend.WALK_BLOCKS == 7
+    assert _settings() == before
     with pytest.raises(RuntimeError), cuda_backend.settings_kept():
         cuda_backend.use_variant("walk_fused", walk_blocks=3)
         raise RuntimeError("a variant failed")
-    after = (cuda_backend.CAUSAL_KERNEL, cuda_backend.FUSED_BACKWARD, cuda_backend.WALK_BLOCKS)
-    assert after == before
+    assert _settings() == before

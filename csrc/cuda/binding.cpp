@@ -119,9 +119,11 @@ std::vector<at::Tensor> causal_product(at::Tensor q, at::Tensor k, at::Tensor v,
 
 // [dq, dk, dv] of the causal product for g = dL/dout (B,H,N,M), from the fused backward: dq, dk
 // (B,H,N,F), dv (B,H,N,M), in fp32 if `out_fp32` else in the inputs' dtype. walk_blocks > 0
-// selects the walk's fused backward, `mma_walk` its register form (launchers.h).
+// selects the walk's fused backward, `mma_walk` its register form, `walks_together` its two
+// walks in one grid where that applies (launchers.h).
 std::vector<at::Tensor> causal_backward(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor g,
-                                        bool out_fp32, int64_t walk_blocks, bool mma_walk) {
+                                        bool out_fp32, int64_t walk_blocks, bool mma_walk,
+                                        bool walks_together) {
   TORCH_CHECK_VALUE(walk_blocks >= 0, "walk_blocks must be >= 0, got ", walk_blocks);
   check_sequence(q, "q", q);
   check_sequence(k, "k", q);
@@ -146,12 +148,13 @@ std::vector<at::Tensor> causal_backward(at::Tensor q, at::Tensor k, at::Tensor v
   if (f == 0 || m == 0) return {dq.zero_(), dk.zero_(), dv.zero_()};
   auto ws = at::empty(
       {ks_cuda::causal_backward_workspace_floats(dtype_of(q), b * h, n, f, m, walk_blocks,
-                                                 mma_walk)},
+                                                 mma_walk, walks_together)},
       f32(q));
   check_launch(ks_cuda::causal_backward(dtype_of(q), q.data_ptr(), k.data_ptr(), v.data_ptr(),
                                         g.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
                                         out_fp32, ws.data_ptr<float>(), b * h, n, f, m,
-                                        walk_blocks, mma_walk, c10::cuda::getCurrentCUDAStream()),
+                                        walk_blocks, mma_walk, walks_together,
+                                        c10::cuda::getCurrentCUDAStream()),
                "causal_backward");
   return {dq, dk, dv};
 }
@@ -232,15 +235,17 @@ at::Tensor scaled_cumsum(at::Tensor x, c10::optional<at::Tensor> pre,
   return out;
 }
 
-// The walk kernels for operands like `q` (its dtype and device) with F = f, M = m and
-// `mma_walk` (launchers.h): {"product": (kernel, blocks per SM), "dkv": (kernel, blocks per SM)},
-// kernel 0 where none runs.
-py::dict walk_kernels(const at::Tensor& q, int64_t f, int64_t m, bool mma_walk) {
+// The walk kernels for operands like `q` (its dtype and device) with F = f, M = m, `mma_walk`
+// and `walks_together` (launchers.h): {"product": (kernel, blocks per SM), "dkv": (kernel,
+// blocks per SM)}, kernel 0 where none runs.
+py::dict walk_kernels(const at::Tensor& q, int64_t f, int64_t m, bool mma_walk,
+                      bool walks_together) {
   TORCH_CHECK_VALUE(q.is_cuda(), "q must be a CUDA tensor");
   TORCH_CHECK_VALUE(f > 0 && m > 0, "f and m must be positive, got f=", f, ", m=", m);
   const c10::cuda::CUDAGuard guard(q.device());
   ks_cuda::WalkKernels w;
-  check_launch(ks_cuda::walk_kernels(dtype_of(q), f, m, mma_walk, &w), "walk_kernels");
+  check_launch(ks_cuda::walk_kernels(dtype_of(q), f, m, mma_walk, walks_together, &w),
+               "walk_kernels");
   py::dict out;
   out["product"] = py::make_tuple(w.product, w.product_blocks_per_sm);
   out["dkv"] = py::make_tuple(w.dkv, w.dkv_blocks_per_sm);
@@ -257,7 +262,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("eps") = 1e-6, py::arg("walk_blocks") = 0, py::arg("mma_walk") = false);
   m.def("causal_backward", &causal_backward, "fused gradients [dq, dk, dv] of the causal product",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("out_fp32") = false,
-        py::arg("walk_blocks") = 0, py::arg("mma_walk") = false);
+        py::arg("walk_blocks") = 0, py::arg("mma_walk") = false, py::arg("walks_together") = true);
   m.def("full_state", &full_state, "non-causal state [S | z] with key padding", py::arg("k"),
         py::arg("v"), py::arg("key_padding_mask") = py::none());
   m.def("full_apply", &full_apply, "non-causal read-out q . S (optionally normalized)",
@@ -268,6 +273,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("reverse") = false);
   m.def("walk_kernels", &walk_kernels,
         "the walk kernels (product, dk/dv) for q's dtype, F and M, with blocks per SM",
-        py::arg("q"), py::arg("f"), py::arg("m"), py::arg("mma_walk") = false);
+        py::arg("q"), py::arg("f"), py::arg("m"), py::arg("mma_walk") = false,
+        py::arg("walks_together") = true);
   m.attr("chunk") = ks_cuda::kChunk;
 }

@@ -51,18 +51,22 @@ cudaError_t causal_product(DType dtype, const void* q, const void* k, const void
 // walk_blocks = 0: the chunk states of (k, v) and of (q, g), then one pass over all chunks for
 // dq, dk and dv. walk_blocks > 0: dq by the walk, then dk and dv together by one reverse walk
 // (F, M <= 128; separate walks otherwise); `mma_walk` as in causal_product: dq by kernel 8
-// where it applies, and with F, M <= 64 dk and dv by its reverse-walk counterpart (kernel 9).
-// `workspace` holds
+// where it applies, and with F, M <= 64 dk and dv by its reverse-walk counterpart (kernel 9);
+// with `walks_together` as well, where two blocks of both fit an SM (bf16), the two walks run as
+// one grid (kernel 10) instead of one launch after the other. `workspace` holds
 // causal_backward_workspace_floats(...) floats (same arguments, on the device that runs it).
 int64_t causal_backward_workspace_floats(DType dtype, int64_t bh, int64_t n, int64_t f,
-                                         int64_t m, int64_t walk_blocks, bool mma_walk);
+                                         int64_t m, int64_t walk_blocks, bool mma_walk,
+                                         bool walks_together);
 cudaError_t causal_backward(DType dtype, const void* q, const void* k, const void* v,
                             const void* g, void* dq, void* dk, void* dv, bool out_fp32,
                             float* workspace, int64_t bh, int64_t n, int64_t f, int64_t m,
-                            int64_t walk_blocks, bool mma_walk, cudaStream_t stream);
+                            int64_t walk_blocks, bool mma_walk, bool walks_together,
+                            cudaStream_t stream);
 
 // The walk kernels that causal_product (walk_blocks > 0) and causal_backward run on the current
-// device for `dtype` operands with F = f, M = m and `mma_walk`, outputs in `dtype`: the
+// device for `dtype` operands with F = f, M = m, `mma_walk` and `walks_together`, outputs in
+// `dtype`: the
 // product's walk (6: WMMA, 8: mma.sync; 0: the chunk kernels run instead) and the backward's
 // reverse walk of dk and dv (7 or 9; 10: one grid with the dq walk as well; 0: two anti-causal
 // products instead), each with how many of its thread blocks an SM holds at once
@@ -72,7 +76,8 @@ struct WalkKernels {
   int product = 0, product_blocks_per_sm = 0;
   int dkv = 0, dkv_blocks_per_sm = 0;
 };
-cudaError_t walk_kernels(DType dtype, int64_t f, int64_t m, bool mma_walk, WalkKernels* out);
+cudaError_t walk_kernels(DType dtype, int64_t f, int64_t m, bool mma_walk, bool walks_together,
+                         WalkKernels* out);
 
 // ------------------------------------------------------------------ non-causal attention
 // state (fp32, (BH, F*M + F)): S = sum_j keep_j k_j v_j^T (row-major F x M) followed by

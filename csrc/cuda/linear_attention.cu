@@ -471,12 +471,13 @@ bool dkv_by_mma(int64_t f, int64_t m, bool mma_walk) {
          mma_dkv_smem<typename OperandOf<Tin>::type>() <= smem_optin();
 }
 
-// Whether the walk's fused backward runs its two walks as one grid (kernel 10): kernel 9 takes
-// dk and dv (so F, M <= 64 and kernel 8 takes dq) and two blocks of kernel 10 fit an SM (bf16).
+// Whether the walk's fused backward runs its two walks as one grid (kernel 10): asked for
+// (`together`), kernel 9 takes dk and dv (so F, M <= 64 and kernel 8 takes dq) and two blocks of
+// kernel 10 fit an SM (bf16).
 template <typename Tin>
-bool walks_together(int64_t f, int64_t m, bool mma_walk) {
+bool walks_together(int64_t f, int64_t m, bool mma_walk, bool together) {
   using Op = typename OperandOf<Tin>::type;
-  return kMmaBlocksPerSm<Op> == 2 && dkv_by_mma<Tin>(f, m, mma_walk) &&
+  return together && kMmaBlocksPerSm<Op> == 2 && dkv_by_mma<Tin>(f, m, mma_walk) &&
          mma_backward_smem<Op>() <= smem_optin();
 }
 
@@ -516,7 +517,7 @@ cudaError_t walk_backward_together(const Tin* q, const Tin* k, const Tin* v, con
   return cudaErrorInvalidValue;  // walks_together is false
 }
 
-// The walk's fused backward: with walks_together, dq, dk and dv by kernel 10; else
+// The walk's fused backward: where walks_together, dq, dk and dv by kernel 10; else
 // dq = causal(g, v, k) by kernel 6 (or 8, as causal_walk selects), then dk and dv by one reverse
 // walk with the carries of (q, g) where a sequence is cut into segments: kernel 9 with mma_walk
 // where F, M <= 64 and it fits, else kernel 7; where neither fits, dk = anticausal(v, g, q) and
@@ -525,8 +526,8 @@ template <typename Tin>
 cudaError_t walk_backward_typed(const Tin* q, const Tin* k, const Tin* v, const Tin* g, void* dq,
                                 void* dk, void* dv, bool out_fp32, float* ws, int64_t bh,
                                 int64_t n, int64_t f, int64_t m, int64_t walk_blocks,
-                                bool mma_walk, cudaStream_t stream) {
-  if (walks_together<Tin>(f, m, mma_walk)) {
+                                bool mma_walk, bool together, cudaStream_t stream) {
+  if (walks_together<Tin>(f, m, mma_walk, together)) {
     if (out_fp32) {
       return walk_backward_together<Tin, float>(q, k, v, g, static_cast<float*>(dq),
                                                 static_cast<float*>(dk), static_cast<float*>(dv),
@@ -589,7 +590,8 @@ cudaError_t resident_blocks(void (*kernel)(Params...), size_t smem, int* blocks)
 // walk_kernels for Tin operands, outputs in Tin: the choices of causal_walk and
 // walk_backward_typed.
 template <typename Tin>
-cudaError_t walk_kernels_typed(int64_t f, int64_t m, bool mma_walk, WalkKernels* out) {
+cudaError_t walk_kernels_typed(int64_t f, int64_t m, bool mma_walk, bool together,
+                               WalkKernels* out) {
   using Op = typename OperandOf<Tin>::type;
   *out = WalkKernels{};
   const Walk walk = causal_walk<Tin>(f, 1, mma_walk);
@@ -605,7 +607,7 @@ cudaError_t walk_kernels_typed(int64_t f, int64_t m, bool mma_walk, WalkKernels*
                           &out->product_blocks_per_sm);
   }
   if (err != cudaSuccess) return err;
-  if (walks_together<Tin>(f, m, mma_walk)) {
+  if (walks_together<Tin>(f, m, mma_walk, together)) {
     out->dkv = 10;
     if constexpr (kMmaBlocksPerSm<Op> == 2) {
       return resident_blocks(chunk_walk_mma_backward_kernel<Tin, Tin>, mma_backward_smem<Op>(),
@@ -627,14 +629,15 @@ template <typename Tin>
 cudaError_t causal_backward_typed(const void* q, const void* k, const void* v, const void* g,
                                   void* dq, void* dk, void* dv, bool out_fp32, float* ws,
                                   int64_t bh, int64_t n, int64_t f, int64_t m,
-                                  int64_t walk_blocks, bool mma_walk, cudaStream_t stream) {
+                                  int64_t walk_blocks, bool mma_walk, bool together,
+                                  cudaStream_t stream) {
   const Tin* qt = static_cast<const Tin*>(q);
   const Tin* kt = static_cast<const Tin*>(k);
   const Tin* vt = static_cast<const Tin*>(v);
   const Tin* gt = static_cast<const Tin*>(g);
   if (walk_blocks > 0) {
     return walk_backward_typed<Tin>(qt, kt, vt, gt, dq, dk, dv, out_fp32, ws, bh, n, f, m,
-                                    walk_blocks, mma_walk, stream);
+                                    walk_blocks, mma_walk, together, stream);
   }
   if (out_fp32) {
     return backward_typed<Tin, float>(qt, kt, vt, gt, static_cast<float*>(dq),
@@ -726,11 +729,12 @@ cudaError_t causal_product(DType dtype, const void* q, const void* k, const void
 }
 
 int64_t causal_backward_workspace_floats(DType dtype, int64_t bh, int64_t n, int64_t f,
-                                         int64_t m, int64_t walk_blocks, bool mma_walk) {
+                                         int64_t m, int64_t walk_blocks, bool mma_walk,
+                                         bool walks_together_) {
   if (walk_blocks <= 0) return 2 * causal_workspace_floats(dtype, bh, n, f, m, 0, false);
   const bool bf16 = dtype == DType::kBFloat16;  // fp32 and fp16 inputs have fp32 operands
-  const bool together = bf16 ? walks_together<__nv_bfloat16>(f, m, mma_walk)
-                             : walks_together<float>(f, m, mma_walk);
+  const bool together = bf16 ? walks_together<__nv_bfloat16>(f, m, mma_walk, walks_together_)
+                             : walks_together<float>(f, m, mma_walk, walks_together_);
   if (together) {
     const TogetherLayout l = together_layout(bh, n, f, m, walk_blocks);
     return l.dq.floats + l.dkv.floats;  // kernel 10's two walks run at once
@@ -745,33 +749,36 @@ int64_t causal_backward_workspace_floats(DType dtype, int64_t bh, int64_t n, int
 cudaError_t causal_backward(DType dtype, const void* q, const void* k, const void* v,
                             const void* g, void* dq, void* dk, void* dv, bool out_fp32,
                             float* workspace, int64_t bh, int64_t n, int64_t f, int64_t m,
-                            int64_t walk_blocks, bool mma_walk, cudaStream_t stream) {
+                            int64_t walk_blocks, bool mma_walk, bool walks_together,
+                            cudaStream_t stream) {
   if (bh <= 0 || n <= 0) return cudaSuccess;
   if (f <= 0 || m <= 0) return cudaErrorInvalidValue;
   switch (dtype) {
     case DType::kFloat32:
       return causal_backward_typed<float>(q, k, v, g, dq, dk, dv, out_fp32, workspace, bh, n, f,
-                                          m, walk_blocks, mma_walk, stream);
+                                          m, walk_blocks, mma_walk, walks_together, stream);
     case DType::kFloat16:
       return causal_backward_typed<__half>(q, k, v, g, dq, dk, dv, out_fp32, workspace, bh, n, f,
-                                           m, walk_blocks, mma_walk, stream);
+                                           m, walk_blocks, mma_walk, walks_together, stream);
     case DType::kBFloat16:
       return causal_backward_typed<__nv_bfloat16>(q, k, v, g, dq, dk, dv, out_fp32, workspace, bh,
-                                                  n, f, m, walk_blocks, mma_walk, stream);
+                                                  n, f, m, walk_blocks, mma_walk, walks_together,
+                                                  stream);
   }
   return cudaErrorInvalidValue;
 }
 
-cudaError_t walk_kernels(DType dtype, int64_t f, int64_t m, bool mma_walk, WalkKernels* out) {
+cudaError_t walk_kernels(DType dtype, int64_t f, int64_t m, bool mma_walk, bool walks_together,
+                         WalkKernels* out) {
   *out = WalkKernels{};
   if (f <= 0 || m <= 0) return cudaErrorInvalidValue;
   switch (dtype) {
     case DType::kFloat32:
-      return walk_kernels_typed<float>(f, m, mma_walk, out);
+      return walk_kernels_typed<float>(f, m, mma_walk, walks_together, out);
     case DType::kFloat16:
-      return walk_kernels_typed<__half>(f, m, mma_walk, out);
+      return walk_kernels_typed<__half>(f, m, mma_walk, walks_together, out);
     case DType::kBFloat16:
-      return walk_kernels_typed<__nv_bfloat16>(f, m, mma_walk, out);
+      return walk_kernels_typed<__nv_bfloat16>(f, m, mma_walk, walks_together, out);
   }
   return cudaErrorInvalidValue;
 }

@@ -85,40 +85,47 @@ CAUSAL_KERNEL = "walk"
 # (bfloat16 fused, N = 8192: 2.24 against 2.42 ms; float32, N = 4096: 3.28 against 4.27 ms).
 WALK_BLOCKS = 128
 
-# The kernel variants by name: (CAUSAL_KERNEL, FUSED_BACKWARD).
+# Whether the fused backward of "walk_mma" runs its dq walk and its dk, dv walk as one grid
+# (kernel 10) where both fit two blocks an SM (bfloat16, F and M <= 64), so that an SM walks two
+# sequences at once even where B·H is near its SM count; else one launch after the other. The
+# results are the same bits either way; only the time may differ (not yet run on a GPU).
+WALKS_TOGETHER = True
+
+# The kernel variants by name: (CAUSAL_KERNEL, FUSED_BACKWARD, WALKS_TOGETHER).
 VARIANTS = {
-    "chunks": ("chunks", False),
-    "chunks_fused": ("chunks", True),
-    "walk": ("walk", False),
-    "walk_fused": ("walk", True),
-    "walk_mma": ("walk_mma", False),
-    "walk_mma_fused": ("walk_mma", True),
+    "chunks": ("chunks", False, True),
+    "chunks_fused": ("chunks", True, True),
+    "walk": ("walk", False, True),
+    "walk_fused": ("walk", True, True),
+    "walk_mma": ("walk_mma", False, True),
+    "walk_mma_fused": ("walk_mma", True, True),
+    "walk_mma_fused_apart": ("walk_mma", True, False),
 }
 
 
 def use_variant(name: str, walk_blocks: int | None = None) -> None:
     """Selects one of :data:`VARIANTS` for the causal products that follow (forward and
-    backward): sets :data:`CAUSAL_KERNEL`, :data:`FUSED_BACKWARD` and, if given,
-    :data:`WALK_BLOCKS`. The backward reads them when it runs."""
-    global CAUSAL_KERNEL, FUSED_BACKWARD, WALK_BLOCKS
+    backward): sets :data:`CAUSAL_KERNEL`, :data:`FUSED_BACKWARD`, :data:`WALKS_TOGETHER` and,
+    if given, :data:`WALK_BLOCKS`. The backward reads them when it runs."""
+    global CAUSAL_KERNEL, FUSED_BACKWARD, WALKS_TOGETHER, WALK_BLOCKS
     if name not in VARIANTS:
         raise ValueError(f"variant must be one of {tuple(VARIANTS)}, got {name!r}")
     if walk_blocks is not None:
         WALK_BLOCKS = check_count("walk_blocks", walk_blocks, 1)
-    CAUSAL_KERNEL, FUSED_BACKWARD = VARIANTS[name]
+    CAUSAL_KERNEL, FUSED_BACKWARD, WALKS_TOGETHER = VARIANTS[name]
 
 
 @contextlib.contextmanager
 def settings_kept() -> Iterator[None]:
-    """Restores :data:`CAUSAL_KERNEL`, :data:`FUSED_BACKWARD` and :data:`WALK_BLOCKS` on
-    exit, so that a benchmark trying each variant (:func:`use_variant`) leaves the defaults
-    as they were."""
-    global CAUSAL_KERNEL, FUSED_BACKWARD, WALK_BLOCKS
-    saved = CAUSAL_KERNEL, FUSED_BACKWARD, WALK_BLOCKS
+    """Restores :data:`CAUSAL_KERNEL`, :data:`FUSED_BACKWARD`, :data:`WALKS_TOGETHER` and
+    :data:`WALK_BLOCKS` on exit, so that a benchmark trying each variant (:func:`use_variant`)
+    leaves the defaults as they were."""
+    global CAUSAL_KERNEL, FUSED_BACKWARD, WALKS_TOGETHER, WALK_BLOCKS
+    saved = CAUSAL_KERNEL, FUSED_BACKWARD, WALKS_TOGETHER, WALK_BLOCKS
     try:
         yield
     finally:
-        CAUSAL_KERNEL, FUSED_BACKWARD, WALK_BLOCKS = saved
+        CAUSAL_KERNEL, FUSED_BACKWARD, WALKS_TOGETHER, WALK_BLOCKS = saved
 
 
 _module: ModuleType | None = None
@@ -192,8 +199,12 @@ def _kernel_args() -> dict[str, int | bool]:
 
 
 def _fused_backward(ext: ModuleType, q, k, v, g, out_fp32: bool) -> list[torch.Tensor]:
-    """``[dq, dk, dv]`` of the causal product by :data:`CAUSAL_KERNEL`'s fused backward."""
-    return ext.causal_backward(q, k, v, g, out_fp32=out_fp32, **_kernel_args())
+    """``[dq, dk, dv]`` of the causal product by :data:`CAUSAL_KERNEL`'s fused backward (its
+    two walks in one grid as :data:`WALKS_TOGETHER` says)."""
+    together = check_flag("cuda_backend.WALKS_TOGETHER", WALKS_TOGETHER)
+    return ext.causal_backward(
+        q, k, v, g, out_fp32=out_fp32, walks_together=together, **_kernel_args()
+    )
 
 
 def _product(ext: ModuleType, q, k, v, reverse: bool, out_fp32: bool) -> torch.Tensor:
