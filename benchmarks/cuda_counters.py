@@ -45,7 +45,7 @@ SECTIONS = (
     "WarpStateStats",
     "MemoryWorkloadAnalysis",
 )
-KERNELS = "regex:chunk_walk"  # kernels 6-10 (chunk_walk_kernel, chunk_walk_mma_dkv_kernel, ...)
+KERNELS = "regex:chunk_walk"  # kernels 6-11 (chunk_walk_kernel, chunk_walk_mma_dkv_kernel, ...)
 # raw metrics kept beside the details page: stall reasons and the pipes' instruction counts
 RAW_KEPT = re.compile(
     r"issue_stalled_\w+_per_issue_active|inst_executed_pipe_\w+\.sum$|pipe_\w+_cycles_active"

@@ -6,9 +6,9 @@ Runs ``ks.causal_dot_product(..., backend="cuda")`` forward + backward under
 the chunk kernels with their fused backward; ``walk``: the walk kernel, forward and three
 backward products; ``walk_fused``: the walk with its fused backward; ``walk_mma``,
 ``walk_mma_fused``: the same on kernels 8 and 9, mma.sync with operands in registers, for
-F <= 64, kernel 8 in bf16 for F <= 128, the fused backward's two walks in bf16 as one grid,
-kernel 10; ``walk_mma_fused_apart``: that backward as two launches, kernels 8 and 9, the A/B of
-kernel 10) and reports every CUDA kernel's total and per-call
+F <= 64, kernel 8 in bf16 for F <= 128; in bf16 the fused backwards' two walks run as one grid,
+kernels 11 and 10, and ``walk_fused_apart``, ``walk_mma_fused_apart`` keep them as two launches,
+the A/B of kernels 11 and 10) and reports every CUDA kernel's total and per-call
 time, its share of the step and its call count per step: where the time goes before a kernel
 is changed.
 

@@ -4,12 +4,12 @@ cannot read them on every machine).
 
 One thread block walks each sequence (``WALK_BLOCKS`` 1: no sequence is cut, so no carry pass),
 so B·H sets the grid: for each ``--loads`` value, B·H = load × the GPU's SM count (B = B·H,
-H = 1; F = M = ``--dim``). For each dtype and variant (``walk_fused``: kernels 6 and 7;
-``walk_mma_fused``: kernels 8 and 9 where they apply, in bf16 8 and 10) forward+backward steps
+H = 1; F = M = ``--dim``). For each dtype and variant (``walk_fused``: kernels 6 and 7, in bf16
+6 and 11; ``walk_mma_fused``: kernels 8 and 9 where they apply, in bf16 8 and 10) steps
 run under torch.profiler (``cuda_profile.kernel_times``), and each walk kernel's time per
 call is kept beside what the extension's ``walk_kernels`` says of it: the kernel and how many
 of its blocks an SM holds at once (``resident``). The product kernel runs twice a step (the
-forward and the backward's dq), the dk, dv walk once; kernel 10 runs once and holds the
+forward and the backward's dq), the dk, dv walk once; kernels 10 and 11 run once and hold the
 backward's dq walk beside its dk, dv walk (at load L, 2L of its blocks an SM's worth: one of
 each walk a sequence), so its cost mixes the two.
 
@@ -55,6 +55,7 @@ from kernelstudy.files import atomic_write_text  # noqa: E402
 VARIANTS = ("walk_fused", "walk_mma_fused")
 # the walk kernels by their names within the profiler's (demangled or mangled) ones
 KERNELS = {
+    "chunk_walk_backward_kernel": 11,
     "chunk_walk_mma_backward_kernel": 10,
     "chunk_walk_mma_dkv_kernel": 9,
     "chunk_walk_mma_kernel": 8,
@@ -66,7 +67,7 @@ CHUNK = 64  # rows a walk takes per step (ks_cuda::kChunk)
 
 
 def kernel_number(name: str) -> int | None:
-    """The walk kernel (6-10) a profiler's kernel name is, None for any other kernel."""
+    """The walk kernel (6-11) a profiler's kernel name is, None for any other kernel."""
     found = re.search(r"chunk_walk\w*_kernel", name)
     return KERNELS.get(found[0]) if found else None
 

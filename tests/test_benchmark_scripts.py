@@ -116,8 +116,8 @@ def test_profile_arguments():
     profile = benchmark_script("cuda_profile")
     assert profile.parse_args(["--n", "1024", "--batch", "1"]).heads == 16
     assert profile.parse_args([]).variants == [
-        "chunks", "chunks_fused", "walk", "walk_fused", "walk_mma", "walk_mma_fused",
-        "walk_mma_fused_apart",
+        "chunks", "chunks_fused", "walk", "walk_fused", "walk_fused_apart", "walk_mma",
+        "walk_mma_fused", "walk_mma_fused_apart",
     ]  # fmt: skip
     with pytest.raises(SystemExit):
         profile.parse_args(["--steps", "0"])
@@ -688,6 +688,7 @@ def _kernel_times(product_us: float, dkv_us: float, product: str) -> pd.DataFram
 def test_scaling_names_kernels_and_reads_cost_and_bound():
     scaling = benchmark_script("cuda_scaling")
     number = scaling.kernel_number
+    assert number(PROFILED.format("chunk_walk_backward_kernel", "")) == 11
     assert number(PROFILED.format("chunk_walk_mma_backward_kernel", "")) == 10
     assert number(PROFILED.format("chunk_walk_mma_dkv_kernel", "")) == 9
     assert number(PROFILED.format("chunk_walk_mma_kernel", ", 2")) == 8

@@ -414,11 +414,12 @@ def test_fused_backward_matches_reference(shape, dtype):
 def test_backward_walks_together_give_the_bits_of_two_launches(
     monkeypatch, causal_kernel, walk_blocks
 ):
-    """Kernel 10 (walk_mma, bfloat16, F, M <= 64) runs the dq walk and the dk, dv walk in one
-    grid: the same bits as the two launches (WALKS_TOGETHER False), with one segment a sequence
-    and with several (both walks' carries in one workspace)."""
-    if causal_kernel != "walk_mma":
-        pytest.skip("kernel 10 is the walk_mma backward's")
+    """Kernels 10 (walk_mma) and 11 (walk) run the fused backward's dq walk and its dk, dv walk
+    in one grid (bfloat16, F, M <= 64, where an SM holds two blocks): the same bits as the two
+    launches (WALKS_TOGETHER False), with one segment a sequence and with several (both walks'
+    carries in one workspace)."""
+    if causal_kernel == "chunks":
+        pytest.skip("kernels 10 and 11 are the walks' backward")
     monkeypatch.setattr(cuda_backend, "WALK_BLOCKS", walk_blocks)
     q, k, v = (t.detach() for t in _features(1, 3, 200, 48, 40, dtype=torch.bfloat16))
     g = _upstream((1, 3, 200, 40)).to(torch.bfloat16)
@@ -427,7 +428,8 @@ def test_backward_walks_together_give_the_bits_of_two_launches(
     for together in (True, False):
         monkeypatch.setattr(cuda_backend, "WALKS_TOGETHER", together)
         results[together] = cuda_backend._fused_backward(ext, q, k, v, g, out_fp32=True)
-    assert ext.walk_kernels(q, 48, 40, True)["dkv"][0] == 10
+    together = ext.walk_kernels(q, 48, 40, causal_kernel == "walk_mma")["dkv"][0]
+    assert together in (10, 11) or torch.cuda.get_device_capability() < (9, 0)
     for a, b in zip(results[True], results[False], strict=True):
         assert torch.equal(a, b)
 
@@ -771,9 +773,13 @@ def test_walk_kernels_name_the_kernels_that_run(monkeypatch, causal_kernel, dtyp
     assert ran == want
     for kernel, blocks in said.values():
         assert (blocks >= 1) if kernel else blocks == 0
-    # an A100's and an H100's shared memory fit kernels 6-10 at F = M = 64 in bf16 (with
-    # walk_mma, kernel 10 walks dq, dk and dv at once)
-    big = torch.cuda.get_device_capability() in ((8, 0), (9, 0))
-    if big and d == 64 and dtype == torch.bfloat16 and causal_kernel != "chunks":
-        mma = causal_kernel == "walk_mma"
-        assert (said["product"][0], said["dkv"][0]) == ((8, 10) if mma else (6, 7))
+    # an A100's and an H100's shared memory fit kernels 6-9 at F = M = 64 in bf16; an H100's
+    # also two blocks of kernel 10 or 11 an SM (the backward's dq walk beside its dk, dv walk)
+    capability = torch.cuda.get_device_capability()
+    if capability in ((8, 0), (9, 0)) and d == 64 and dtype == torch.bfloat16:
+        together = capability == (9, 0)
+        want = {
+            "walk": (6, 11 if together else 7),
+            "walk_mma": (8, 10 if together else 9),
+        }.get(causal_kernel)
+        assert want is None or (said["product"][0], said["dkv"][0]) == want

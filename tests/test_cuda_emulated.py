@@ -622,21 +622,23 @@ def test_mma_walk_is_schedule_independent_and_alignment_blind(emu, ext, dtype, f
 
 @pytest.mark.parametrize("walk_blocks", [1, 7])
 @pytest.mark.parametrize("out_fp32", [False, True])
-def test_backward_walks_together_give_the_bits_of_two_launches(emu, ext, walk_blocks, out_fp32):
-    """Kernel 10 runs kernel 8's dq walk and kernel 9's dk, dv walk in one grid: the gradients
-    are bit for bit those of the two launches, with one segment a sequence and with several
-    (walk_blocks 7 over B·H = 3: both walks' carries share the workspace); F != M."""
+@pytest.mark.parametrize("mma", [True, False], ids=["kernel10", "kernel11"])
+def test_backward_walks_together_give_the_bits_of_two_launches(
+    emu, ext, mma, walk_blocks, out_fp32
+):
+    """Kernel 10 runs kernel 8's dq walk and kernel 9's dk, dv walk in one grid, kernel 11
+    kernel 6's and kernel 7's (with one buffer): the gradients are bit for bit those of the two
+    launches, with one segment a sequence and with several (walk_blocks 7 over B·H = 3: both
+    walks' carries share the workspace); F != M."""
     q, k, v, g = _inputs(3, 200, 48, 40, torch.bfloat16, extra=1)
     kernels, asked = (ctypes.c_int * 4)(), (ctypes.c_uint64 * 2)()
     results, last = {}, {}
     for together in (True, False):
-        assert (
-            emu.ks_emu_walk_kernels(DTYPES[torch.bfloat16], 48, 40, 1, together, kernels, asked)
-            == 0
-        )
-        assert kernels[2] == (10 if together else 9)
+        err = emu.ks_emu_walk_kernels(DTYPES[torch.bfloat16], 48, 40, mma, together, kernels, asked)
+        assert err == 0
+        assert kernels[2] == ((10 if mma else 11) if together else (9 if mma else 7))
         results[together] = ext.causal_backward(
-            q, k, v, g, out_fp32=out_fp32, walk_blocks=walk_blocks, mma_walk=True,
+            q, k, v, g, out_fp32=out_fp32, walk_blocks=walk_blocks, mma_walk=mma,
             walks_together=together,
         )  # fmt: skip
         last[together] = emu.ks_emu_last_kernel()
@@ -652,14 +654,16 @@ def test_backward_walks_together_give_the_bits_of_two_launches(emu, ext, walk_bl
 WALK_KERNEL_CASES = [
     (torch.bfloat16, 64, 64, True, True, H100_SMEM, 8, 10),  # dq, dk and dv walks in one grid
     (torch.bfloat16, 64, 64, True, False, H100_SMEM, 8, 9),  # the two walks apart
-    (torch.bfloat16, 64, 64, False, True, H100_SMEM, 6, 7),
+    (torch.bfloat16, 64, 64, False, True, H100_SMEM, 6, 11),  # kernels 6 and 7 in one grid
+    (torch.bfloat16, 64, 64, False, False, H100_SMEM, 6, 7),
+    (torch.bfloat16, 64, 64, False, True, A100_SMEM, 6, 7),  # two blocks of 11 do not fit an SM
     (torch.float32, 64, 64, True, True, H100_SMEM, 8, 9),
     (torch.float16, 40, 56, True, True, H100_SMEM, 8, 9),
     (torch.bfloat16, 128, 64, True, True, H100_SMEM, 8, 7),  # two slices; kernel 9 takes F <= 64
     (torch.float32, 65, 8, True, True, H100_SMEM, 6, 7),  # kernel 8 in fp32 tiles takes F <= 64
     (torch.bfloat16, 200, 8, True, True, H100_SMEM, 0, 0),  # no walk above F = 128
     (torch.bfloat16, 64, 48, False, True, SM86_SMEM, 0, 7),  # kernel 6 (108 KB) does not fit
-    (torch.bfloat16, 64, 48, True, True, SM86_SMEM, 8, 10),
+    (torch.bfloat16, 64, 48, True, True, SM86_SMEM, 8, 9),  # two blocks of 10 do not fit an SM
     (
         torch.float32,
         64,

@@ -52,9 +52,10 @@ cudaError_t causal_product(DType dtype, const void* q, const void* k, const void
 // dq, dk and dv. walk_blocks > 0: dq by the walk, then dk and dv together by one reverse walk
 // (F, M <= 128; separate walks otherwise); `mma_walk` as in causal_product: dq by kernel 8
 // where it applies, and with F, M <= 64 dk and dv by its reverse-walk counterpart (kernel 9);
-// with `walks_together` as well, where two blocks of both fit an SM (bf16), the two walks run as
-// one grid (kernel 10) instead of one launch after the other. `workspace` holds
-// causal_backward_workspace_floats(...) floats (same arguments, on the device that runs it).
+// with `walks_together`, F, M <= 64 and bf16, where an SM holds two blocks, the two walks run as
+// one grid (kernel 10, or 11 without mma_walk) instead of one launch after the other.
+// `workspace` holds causal_backward_workspace_floats(...) floats (same arguments, on the device
+// that runs it).
 int64_t causal_backward_workspace_floats(DType dtype, int64_t bh, int64_t n, int64_t f,
                                          int64_t m, int64_t walk_blocks, bool mma_walk,
                                          bool walks_together);
@@ -68,10 +69,10 @@ cudaError_t causal_backward(DType dtype, const void* q, const void* k, const voi
 // device for `dtype` operands with F = f, M = m, `mma_walk` and `walks_together`, outputs in
 // `dtype`: the
 // product's walk (6: WMMA, 8: mma.sync; 0: the chunk kernels run instead) and the backward's
-// reverse walk of dk and dv (7 or 9; 10: one grid with the dq walk as well; 0: two anti-causal
-// products instead), each with how many of its thread blocks an SM holds at once
+// reverse walk of dk and dv (7 or 9; 11 or 10: one grid with the dq walk as well; 0: two
+// anti-causal products instead), each with how many of its thread blocks an SM holds at once
 // (cudaOccupancyMaxActiveBlocksPerMultiprocessor with the kernel's shared memory). Except in
-// kernel 10, the backward's dq walk is the product's with F and M swapped.
+// kernels 10 and 11, the backward's dq walk is the product's with F and M swapped.
 struct WalkKernels {
   int product = 0, product_blocks_per_sm = 0;
   int dkv = 0, dkv_blocks_per_sm = 0;

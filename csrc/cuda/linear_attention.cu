@@ -7,7 +7,7 @@
 //   tiles.cuh                  cp.async, global <-> shared tiles, the masked scores of a chunk
 //   mma_sync.cuh               mma.sync fragment layouts, ldmatrix and products (kernels 8, 9)
 //   chunk_kernels.cuh          segments, kernels 1-5
-//   walk_kernels.cuh           kernels 6 and 7 (the walk on WMMA)
+//   walk_kernels.cuh           kernels 6, 7 and 11 (the walk on WMMA)
 //   register_walk_kernels.cuh  kernels 8-10 (the walk on mma.sync)
 //   cumsum_kernels.cuh         the weighted cumulative sum
 //
@@ -52,7 +52,8 @@
 //                            shared memory, S in fp32 accumulators), one barrier per chunk.
 //   9. chunk_walk_mma_dkv_kernel  kernel 7 in the same form (F, M <= 64, mma_walk).
 //  10. chunk_walk_mma_backward_kernel  kernels 9 and 8 (dq) as one grid for bf16, so that an SM
-//                            walks one sequence's dk, dv and another's dq at once.
+//                            walks one sequence's dk, dv and another's dq at once;
+//  11. chunk_walk_backward_kernel  kernels 7 (one buffer) and 6 (dq) likewise.
 //
 // ------------------------------------------------------------------ tiles
 // Thread block: 256 threads = 8 warps. Every matrix product is on 64 x 64 tiles staged in
@@ -471,18 +472,24 @@ bool dkv_by_mma(int64_t f, int64_t m, bool mma_walk) {
          mma_dkv_smem<typename OperandOf<Tin>::type>() <= smem_optin();
 }
 
-// Whether the walk's fused backward runs its two walks as one grid (kernel 10): asked for
-// (`together`), kernel 9 takes dk and dv (so F, M <= 64 and kernel 8 takes dq) and two blocks of
-// kernel 10 fit an SM (bf16).
+// The kernel that runs the walk's fused backward's dq walk and dk, dv walk as one grid, 0 for
+// none: where asked for (`together`), with bf16 operand tiles and F, M <= 64 (one slice each),
+// and where an SM holds two of its blocks at once (its shared memory taken as the opt-in limit
+// of a block plus the 1 KB reserved per block, as on current GPUs): kernel 10 where kernel 9
+// takes dk and dv (mma_walk), else kernel 11 where kernel 6 takes dq.
 template <typename Tin>
-bool walks_together(int64_t f, int64_t m, bool mma_walk, bool together) {
+int together_kernel(int64_t f, int64_t m, bool mma_walk, bool together) {
   using Op = typename OperandOf<Tin>::type;
-  return together && kMmaBlocksPerSm<Op> == 2 && dkv_by_mma<Tin>(f, m, mma_walk) &&
-         mma_backward_smem<Op>() <= smem_optin();
+  if (!together || sizeof(Op) != 2 || f > kTile || m > kTile) return 0;
+  const size_t optin = smem_optin();
+  const auto two_fit = [optin](size_t smem) { return 2 * (smem + 1024) <= optin + 1024; };
+  if (mma_walk) return dkv_by_mma<Tin>(f, m, true) && two_fit(mma_backward_smem<Op>()) ? 10 : 0;
+  return causal_walk<Tin>(m, 1, false) == Walk::kWmma && two_fit(walk_backward_smem<Op>()) ? 11
+                                                                                            : 0;
 }
 
-// The segments of kernel 10's two walks: dq's (features M, values F) and dk, dv's; the carries
-// of dq's come first in the workspace, then those of dk, dv's.
+// The segments of kernel 10's or 11's two walks: dq's (features M, values F) and dk, dv's; the
+// carries of dq's come first in the workspace, then those of dk, dv's.
 struct TogetherLayout {
   WalkLayout dq, dkv;
 };
@@ -490,14 +497,14 @@ TogetherLayout together_layout(int64_t bh, int64_t n, int64_t f, int64_t m, int6
   return {walk_layout(bh, n, m, f, walk_blocks, 1), walk_layout(bh, n, f, m, walk_blocks, 1)};
 }
 
-// Kernel 10 (walks_together): the carries of both walks' segments, then one launch.
+// Kernel 10 or 11 (together_kernel): the carries of both walks' segments, then one launch.
 template <typename Tin, typename Tout>
-cudaError_t walk_backward_together(const Tin* q, const Tin* k, const Tin* v, const Tin* g,
-                                   Tout* dq, Tout* dk, Tout* dv, float* ws, int64_t bh, int64_t n,
-                                   int64_t f, int64_t m, int64_t walk_blocks,
-                                   cudaStream_t stream) {
+cudaError_t walk_backward_together(int kernel, const Tin* q, const Tin* k, const Tin* v,
+                                   const Tin* g, Tout* dq, Tout* dk, Tout* dv, float* ws,
+                                   int64_t bh, int64_t n, int64_t f, int64_t m,
+                                   int64_t walk_blocks, cudaStream_t stream) {
   using Op = typename OperandOf<Tin>::type;
-  if constexpr (kMmaBlocksPerSm<Op> == 2) {
+  if constexpr (sizeof(Op) == 2) {
     const TogetherLayout l = together_layout(bh, n, f, m, walk_blocks);
     const float *dq_carry, *dkv_carry;
     cudaError_t err = walk_carries(v, k, ws, l.dq, bh, n, m, f, false, false, &dq_carry, stream);
@@ -508,16 +515,18 @@ cudaError_t walk_backward_together(const Tin* q, const Tin* k, const Tin* v, con
     const bool vec_f = rows_vectorizable<Tin>(q, f) && rows_vectorizable<Tin>(k, f);
     const bool vec_m = rows_vectorizable<Tin>(v, m) && rows_vectorizable<Tin>(g, m);
     const bool vec_k = rows_vectorizable<Tin>(k, f);
-    const int64_t dkv_blocks = bh * l.dkv.nblk;
-    return launch_tiles(chunk_walk_mma_backward_kernel<Tin, Tout>, dkv_blocks + bh * l.dq.nblk, 1,
-                        mma_backward_smem<Op>(), stream, q, k, v, g, dkv_carry, dq_carry, dq, dk,
-                        dv, n, f, m, dkv_blocks, l.dkv.nblk, l.dkv.cpb, l.dq.nblk, l.dq.cpb, vec_f,
-                        vec_m, vec_k);
+    const int64_t dkv_blocks = bh * l.dkv.nblk, blocks = dkv_blocks + bh * l.dq.nblk;
+    const bool mma = kernel == 10;
+    return launch_tiles(
+        mma ? chunk_walk_mma_backward_kernel<Tin, Tout> : chunk_walk_backward_kernel<Tin, Tout>,
+        blocks, 1, mma ? mma_backward_smem<Op>() : walk_backward_smem<Op>(), stream, q, k, v, g,
+        dkv_carry, dq_carry, dq, dk, dv, n, f, m, dkv_blocks, l.dkv.nblk, l.dkv.cpb, l.dq.nblk,
+        l.dq.cpb, vec_f, vec_m, vec_k);
   }
-  return cudaErrorInvalidValue;  // walks_together is false
+  return cudaErrorInvalidValue;  // together_kernel is 0
 }
 
-// The walk's fused backward: where walks_together, dq, dk and dv by kernel 10; else
+// The walk's fused backward: dq, dk and dv by kernel 10 or 11 where together_kernel says; else
 // dq = causal(g, v, k) by kernel 6 (or 8, as causal_walk selects), then dk and dv by one reverse
 // walk with the carries of (q, g) where a sequence is cut into segments: kernel 9 with mma_walk
 // where F, M <= 64 and it fits, else kernel 7; where neither fits, dk = anticausal(v, g, q) and
@@ -527,13 +536,13 @@ cudaError_t walk_backward_typed(const Tin* q, const Tin* k, const Tin* v, const 
                                 void* dk, void* dv, bool out_fp32, float* ws, int64_t bh,
                                 int64_t n, int64_t f, int64_t m, int64_t walk_blocks,
                                 bool mma_walk, bool together, cudaStream_t stream) {
-  if (walks_together<Tin>(f, m, mma_walk, together)) {
+  if (const int kernel = together_kernel<Tin>(f, m, mma_walk, together)) {
     if (out_fp32) {
-      return walk_backward_together<Tin, float>(q, k, v, g, static_cast<float*>(dq),
-                                                static_cast<float*>(dk), static_cast<float*>(dv),
-                                                ws, bh, n, f, m, walk_blocks, stream);
+      return walk_backward_together<Tin, float>(
+          kernel, q, k, v, g, static_cast<float*>(dq), static_cast<float*>(dk),
+          static_cast<float*>(dv), ws, bh, n, f, m, walk_blocks, stream);
     }
-    return walk_backward_together<Tin, Tin>(q, k, v, g, static_cast<Tin*>(dq),
+    return walk_backward_together<Tin, Tin>(kernel, q, k, v, g, static_cast<Tin*>(dq),
                                             static_cast<Tin*>(dk), static_cast<Tin*>(dv), ws, bh,
                                             n, f, m, walk_blocks, stream);
   }
@@ -607,10 +616,14 @@ cudaError_t walk_kernels_typed(int64_t f, int64_t m, bool mma_walk, bool togethe
                           &out->product_blocks_per_sm);
   }
   if (err != cudaSuccess) return err;
-  if (walks_together<Tin>(f, m, mma_walk, together)) {
-    out->dkv = 10;
-    if constexpr (kMmaBlocksPerSm<Op> == 2) {
-      return resident_blocks(chunk_walk_mma_backward_kernel<Tin, Tin>, mma_backward_smem<Op>(),
+  if (const int kernel = together_kernel<Tin>(f, m, mma_walk, together)) {
+    out->dkv = kernel;
+    if constexpr (sizeof(Op) == 2) {
+      if (kernel == 10) {
+        return resident_blocks(chunk_walk_mma_backward_kernel<Tin, Tin>, mma_backward_smem<Op>(),
+                               &out->dkv_blocks_per_sm);
+      }
+      return resident_blocks(chunk_walk_backward_kernel<Tin, Tin>, walk_backward_smem<Op>(),
                              &out->dkv_blocks_per_sm);
     }
   }
@@ -730,14 +743,14 @@ cudaError_t causal_product(DType dtype, const void* q, const void* k, const void
 
 int64_t causal_backward_workspace_floats(DType dtype, int64_t bh, int64_t n, int64_t f,
                                          int64_t m, int64_t walk_blocks, bool mma_walk,
-                                         bool walks_together_) {
+                                         bool walks_together) {
   if (walk_blocks <= 0) return 2 * causal_workspace_floats(dtype, bh, n, f, m, 0, false);
   const bool bf16 = dtype == DType::kBFloat16;  // fp32 and fp16 inputs have fp32 operands
-  const bool together = bf16 ? walks_together<__nv_bfloat16>(f, m, mma_walk, walks_together_)
-                             : walks_together<float>(f, m, mma_walk, walks_together_);
-  if (together) {
+  const int together = bf16 ? together_kernel<__nv_bfloat16>(f, m, mma_walk, walks_together)
+                            : together_kernel<float>(f, m, mma_walk, walks_together);
+  if (together != 0) {
     const TogetherLayout l = together_layout(bh, n, f, m, walk_blocks);
-    return l.dq.floats + l.dkv.floats;  // kernel 10's two walks run at once
+    return l.dq.floats + l.dkv.floats;  // kernel 10's or 11's two walks run at once
   }
   // else the steps of walk_backward_typed run one after another on one workspace
   const int64_t dq_dk = causal_workspace_floats(dtype, bh, n, m, f, walk_blocks, mma_walk);

@@ -166,7 +166,7 @@ __device__ __forceinline__ void store_output(Tout* out, float* den, const float*
                                              int64_t row0, int64_t m0, bool normalize,
                                              float eps) {
   store_tile(out + bh * n * m, m, n, m, row0, m0, tile, normalize ? dens : nullptr, eps);
-  if (den != nullptr && blockIdx.y == 0 && threadIdx.x < kTile && row0 + threadIdx.x < n) {
+  if (den != nullptr && m0 == 0 && threadIdx.x < kTile && row0 + threadIdx.x < n) {
     den[bh * n + row0 + threadIdx.x] = dens[threadIdx.x];
   }
 }

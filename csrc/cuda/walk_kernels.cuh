@@ -145,13 +145,15 @@ struct WalkSmem {
 template <typename Op, int FT>
 constexpr int kWalkBlocksPerSm = (FT == 1 && sizeof(Op) == 2) ? 2 : 1;
 
+// Kernel 6's walk by thread block `block` (blockIdx.x of kernel 6) of M slice `slice`
+// (blockIdx.y).
 template <typename Tin, typename Tout, int FT>
-__global__ void __launch_bounds__(kThreads, kWalkBlocksPerSm<typename OperandOf<Tin>::type, FT>)
-    chunk_walk_kernel(const Tin* __restrict__ q, const Tin* __restrict__ k,
-                      const Tin* __restrict__ v, const float* __restrict__ carry,
-                      Tout* __restrict__ out, float* __restrict__ den, int64_t n, int64_t f,
-                      int64_t m, int64_t nblk, int64_t cpb, bool reverse, bool normalize,
-                      float eps, bool vec_qk, bool vec_v) {
+__device__ __forceinline__ void walk_wmma(int64_t block, int64_t slice, const Tin* __restrict__ q,
+                                          const Tin* __restrict__ k, const Tin* __restrict__ v,
+                                          const float* __restrict__ carry, Tout* __restrict__ out,
+                                          float* __restrict__ den, int64_t n, int64_t f,
+                                          int64_t m, int64_t nblk, int64_t cpb, bool reverse,
+                                          bool normalize, float eps, bool vec_qk, bool vec_v) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
   using Op = typename OperandOf<Tin>::type;
   using Smem = WalkSmem<Op, FT>;
@@ -175,9 +177,9 @@ __global__ void __launch_bounds__(kThreads, kWalkBlocksPerSm<typename OperandOf<
   auto s_tile = [&](int ft) { return s32 + ft * kTile * kLdF; };
   auto s_copy_tile = [&](int ft) { return s_copy + ft * Smem::kOpTile; };
 
-  const WalkSegment seg(blockIdx.x, n, nblk, cpb, reverse);
+  const WalkSegment seg(block, n, nblk, cpb, reverse);
   const int64_t bh = seg.bh, blk = seg.blk;
-  const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kTile;
+  const int64_t m0 = slice * kTile;
   const bool need_den = normalize || den != nullptr;
   const Tin* qb = q + bh * n * f;
   const Tin* kb = k + bh * n * f;
@@ -272,6 +274,17 @@ __global__ void __launch_bounds__(kThreads, kWalkBlocksPerSm<typename OperandOf<
 #endif
 }
 
+template <typename Tin, typename Tout, int FT>
+__global__ void __launch_bounds__(kThreads, kWalkBlocksPerSm<typename OperandOf<Tin>::type, FT>)
+    chunk_walk_kernel(const Tin* __restrict__ q, const Tin* __restrict__ k,
+                      const Tin* __restrict__ v, const float* __restrict__ carry,
+                      Tout* __restrict__ out, float* __restrict__ den, int64_t n, int64_t f,
+                      int64_t m, int64_t nblk, int64_t cpb, bool reverse, bool normalize,
+                      float eps, bool vec_qk, bool vec_v) {
+  walk_wmma<Tin, Tout, FT>(blockIdx.x, blockIdx.y, q, k, v, carry, out, den, n, f, m, nblk, cpb,
+                           reverse, normalize, eps, vec_qk, vec_v);
+}
+
 // ------------------------------------------------------------------ kernel 7: walk of dk and dv
 // The walk's fused backward (walk_blocks > 0 with causal_backward): dq is the causal product
 // walk(g, v, k) (kernel 6); dk and dv come from one walk over the chunks from last to first with
@@ -292,25 +305,28 @@ struct DkvSmem {
   int ft, mt, nbuf, stages;
   static constexpr bool kCopy = kStateCopy<Op>;
   __host__ __device__ static constexpr int op_tile() { return kTile * ld_of<Op>(); }
-  __host__ __device__ int buf_tiles() const { return 2 * (ft + mt); }
-  __host__ __device__ size_t op_bytes() const {
+  __host__ __device__ constexpr int buf_tiles() const { return 2 * (ft + mt); }
+  __host__ __device__ constexpr size_t op_bytes() const {
     const int tiles = nbuf * buf_tiles() + (kCopy ? ft * mt : 0) + 2;
     return static_cast<size_t>(tiles) * op_tile() * sizeof(Op);
   }
-  __host__ __device__ size_t bytes() const {
+  __host__ __device__ constexpr size_t bytes() const {
     return op_bytes() +
            (static_cast<size_t>(ft * mt + stages) * kTile * kLdF + kPositions) * sizeof(float);
   }
 };
 
+// Kernel 7's walk by thread block `block` (blockIdx.x of kernel 7).
 template <typename Tin, typename Tout>
-__global__ void __launch_bounds__(kThreads, 1)
-    chunk_walk_dkv_kernel(const Tin* __restrict__ q, const Tin* __restrict__ k,
-                          const Tin* __restrict__ v, const Tin* __restrict__ g,
-                          const float* __restrict__ carry, Tout* __restrict__ dk,
-                          Tout* __restrict__ dv, int64_t n, int64_t f, int64_t m, int64_t nblk,
-                          int64_t cpb, DkvSmem<typename OperandOf<Tin>::type> lay, bool vec_f,
-                          bool vec_m) {
+__device__ __forceinline__ void walk_wmma_dkv(int64_t block, const Tin* __restrict__ q,
+                                              const Tin* __restrict__ k, const Tin* __restrict__ v,
+                                              const Tin* __restrict__ g,
+                                              const float* __restrict__ carry,
+                                              Tout* __restrict__ dk, Tout* __restrict__ dv,
+                                              int64_t n, int64_t f, int64_t m, int64_t nblk,
+                                              int64_t cpb,
+                                              DkvSmem<typename OperandOf<Tin>::type> lay,
+                                              bool vec_f, bool vec_m) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
   using Op = typename OperandOf<Tin>::type;
   constexpr int LD = ld_of<Op>();
@@ -335,7 +351,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     return tile_operand(r_state(ft, mt), r_copy_tile(ft, mt));
   };
 
-  const WalkSegment seg(blockIdx.x, n, nblk, cpb, true);
+  const WalkSegment seg(block, n, nblk, cpb, true);
   const int64_t bh = seg.bh, blk = seg.blk;
   const Tin* qb = q + bh * n * f;
   const Tin* kb = k + bh * n * f;
@@ -436,6 +452,53 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
 #endif
+}
+
+template <typename Tin, typename Tout>
+__global__ void __launch_bounds__(kThreads, 1)
+    chunk_walk_dkv_kernel(const Tin* __restrict__ q, const Tin* __restrict__ k,
+                          const Tin* __restrict__ v, const Tin* __restrict__ g,
+                          const float* __restrict__ carry, Tout* __restrict__ dk,
+                          Tout* __restrict__ dv, int64_t n, int64_t f, int64_t m, int64_t nblk,
+                          int64_t cpb, DkvSmem<typename OperandOf<Tin>::type> lay, bool vec_f,
+                          bool vec_m) {
+  walk_wmma_dkv<Tin, Tout>(blockIdx.x, q, k, v, g, carry, dk, dv, n, f, m, nblk, cpb, lay, vec_f,
+                           vec_m);
+}
+
+// ------------------------------------------------------------------ kernel 11: both backward walks
+// Kernel 10's counterpart on WMMA (bf16, F, M <= 64, the walk without mma_walk): blocks
+// [0, dkv_blocks) walk dk and dv as kernel 7 with one buffer and one staging tile (kDkvOne, 98
+// KB: two buffers, 134 KB and more, would not leave room for a second block), the others walk
+// dq = causal(g, v, k) as kernel 6 (features M, values F: one slice each); every block gets
+// walk_backward_smem (kernel 6's 108 KB), two an SM where the SM has 228 KB (H100, H200).
+template <typename Op>
+constexpr DkvSmem<Op> kDkvOne = {1, 1, 1, 1};  // ft, mt, nbuf, stages
+
+template <typename Op>
+constexpr size_t walk_backward_smem() {
+  return std::max(WalkSmem<Op, 1>::bytes(), kDkvOne<Op>.bytes());
+}
+
+template <typename Tin, typename Tout>
+__global__ void __launch_bounds__(kThreads, kWalkBlocksPerSm<typename OperandOf<Tin>::type, 1>)
+    chunk_walk_backward_kernel(const Tin* __restrict__ q, const Tin* __restrict__ k,
+                               const Tin* __restrict__ v, const Tin* __restrict__ g,
+                               const float* __restrict__ dkv_carry,
+                               const float* __restrict__ dq_carry, Tout* __restrict__ dq,
+                               Tout* __restrict__ dk, Tout* __restrict__ dv, int64_t n, int64_t f,
+                               int64_t m, int64_t dkv_blocks, int64_t dkv_nblk, int64_t dkv_cpb,
+                               int64_t dq_nblk, int64_t dq_cpb, bool vec_f, bool vec_m,
+                               bool vec_k) {
+  using Op = typename OperandOf<Tin>::type;
+  const int64_t block = blockIdx.x;
+  if (block < dkv_blocks) {
+    walk_wmma_dkv<Tin, Tout>(block, q, k, v, g, dkv_carry, dk, dv, n, f, m, dkv_nblk, dkv_cpb,
+                             kDkvOne<Op>, vec_f, vec_m);
+  } else {
+    walk_wmma<Tin, Tout, 1>(block - dkv_blocks, 0, g, v, k, dq_carry, dq, nullptr, n, m, f,
+                            dq_nblk, dq_cpb, false, false, 0.f, vec_m, vec_k);
+  }
 }
 
 }  // namespace

@@ -85,10 +85,11 @@ CAUSAL_KERNEL = "walk"
 # (bfloat16 fused, N = 8192: 2.24 against 2.42 ms; float32, N = 4096: 3.28 against 4.27 ms).
 WALK_BLOCKS = 128
 
-# Whether the fused backward of "walk_mma" runs its dq walk and its dk, dv walk as one grid
-# (kernel 10) where both fit two blocks an SM (bfloat16, F and M <= 64), so that an SM walks two
-# sequences at once even where B·H is near its SM count; else one launch after the other. The
-# results are the same bits either way; only the time may differ (not yet run on a GPU).
+# Whether the walks' fused backward runs its dq walk and its dk, dv walk as one grid (kernel 10
+# for "walk_mma", 11 for "walk", whose dk, dv walk then has one buffer) where an SM holds two of
+# its blocks (bfloat16, F and M <= 64; an H100's shared memory, not an A100's), so that an SM
+# walks two sequences at once even where B·H is near its SM count; else one launch after the
+# other. The same bits either way; only the time may differ (not yet run on a GPU).
 WALKS_TOGETHER = True
 
 # The kernel variants by name: (CAUSAL_KERNEL, FUSED_BACKWARD, WALKS_TOGETHER).
@@ -97,6 +98,7 @@ VARIANTS = {
     "chunks_fused": ("chunks", True, True),
     "walk": ("walk", False, True),
     "walk_fused": ("walk", True, True),
+    "walk_fused_apart": ("walk", True, False),
     "walk_mma": ("walk_mma", False, True),
     "walk_mma_fused": ("walk_mma", True, True),
     "walk_mma_fused_apart": ("walk_mma", True, False),
