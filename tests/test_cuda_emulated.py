@@ -261,7 +261,8 @@ def test_fused_backward(ext, shape, dtype, walk_blocks):
 
 
 def _check_fused_backward(x: EmulatedExtension, q, k, v, g, **kernel) -> None:
-    """dq, dk, dv of the fused backward against float64; ``kernel``: walk_blocks, mma_walk."""
+    """dq, dk, dv of the fused backward against float64; ``kernel``: walk_blocks, mma_walk
+    and walks_together."""
     got = x.causal_backward(q, k, v, g, out_fp32=True, **kernel)
     for a, w in zip(got, _reference_grads(q, k, v, g), strict=True):
         assert close_in_dtype(a, w, q.dtype)
@@ -719,7 +720,8 @@ def test_walk_kernels_name_the_kernels_that_run(
 # Cases drawn at random over every option at once (a campaign of 2324 such cases, 40 minutes,
 # found no failure on 2026-11-29; these keep a fixed draw of it in CI): dtype, B·H, N around the
 # chunk edges, F and M on both sides of the 64-wide slices, WALK_BLOCKS, mma_walk, misaligned
-# tensors, the shared memory of an H100, an A100 or an sm_86, the schedule, the direction.
+# tensors, the shared memory of an H100, an A100 or an sm_86, the schedule, the direction, and
+# the backward's two walks in one grid or not.
 RANDOM_CASES = 12
 
 
@@ -737,6 +739,7 @@ def _random_case(rng: random.Random) -> dict:
         "schedule": rng.randrange(1 << 30),
         "reverse": rng.random() < 0.5,
         "seed": rng.randrange(1000),
+        "walks_together": rng.random() < 0.7,  # drawn last: the fields above keep their draws
     }
 
 
@@ -749,7 +752,7 @@ def test_random_cases_over_every_option_match_the_reference(emu, case):
     try:
         emu.ks_emu_configure(c["schedule"], c["smem"])
         _check_product(x, q, k, v, c["reverse"], **kernel)
-        _check_fused_backward(x, q, k, v, g, **kernel)
+        _check_fused_backward(x, q, k, v, g, walks_together=c["walks_together"], **kernel)
     finally:
         emu.ks_emu_configure(0, H100_SMEM)
 
