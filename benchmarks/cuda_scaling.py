@@ -5,7 +5,9 @@ cannot read them on every machine).
 One thread block walks each sequence (``WALK_BLOCKS`` 1: no sequence is cut, so no carry pass),
 so B·H sets the grid: for each ``--loads`` value, B·H = load × the GPU's SM count (B = B·H,
 H = 1; F = M = ``--dim``). For each dtype and variant (``walk_fused``: kernels 6 and 7, in bf16
-6 and 11; ``walk_mma_fused``: kernels 8 and 9 where they apply, in bf16 8 and 10) steps
+6 and 11; ``walk_mma_fused``: kernels 8 and 9 where they apply, in bf16 8 and 10; the
+``_apart`` variants keep 6 and 7, 8 and 9 in bf16 too, and a variant whose kernels another
+already measured at that dtype and load is left out) steps
 run under torch.profiler (``cuda_profile.kernel_times``), and each walk kernel's time per
 call is kept beside what the extension's ``walk_kernels`` says of it: the kernel and how many
 of its blocks an SM holds at once (``resident``). The product kernel runs twice a step (the
@@ -52,7 +54,7 @@ import kernelstudy as ks  # noqa: E402
 from kernelstudy.core import cuda_backend  # noqa: E402
 from kernelstudy.files import atomic_write_text  # noqa: E402
 
-VARIANTS = ("walk_fused", "walk_mma_fused")
+VARIANTS = ("walk_fused", "walk_fused_apart", "walk_mma_fused", "walk_mma_fused_apart")
 # the walk kernels by their names within the profiler's (demangled or mangled) ones
 KERNELS = {
     "chunk_walk_backward_kernel": 11,
@@ -115,10 +117,13 @@ def summary(rows: pd.DataFrame) -> pd.DataFrame:
     return table
 
 
-def walk_kernels(ext, dtype: torch.dtype, dim: int, mma: bool) -> dict:
-    """The extension's ``walk_kernels`` for ``dtype`` operands with F = M = ``dim``:
+def walk_kernels(ext, dtype: torch.dtype, dim: int, variant: str) -> dict:
+    """The extension's ``walk_kernels`` for ``dtype`` operands with F = M = ``dim`` under
+    ``variant`` (one of ``cuda_backend.VARIANTS``):
     ``{"product": (kernel, resident), "dkv": (kernel, resident)}``."""
-    return ext.walk_kernels(torch.empty(1, device="cuda", dtype=dtype), dim, dim, mma)
+    kernel, _, together = cuda_backend.VARIANTS[variant]
+    x = torch.empty(1, device="cuda", dtype=dtype)
+    return ext.walk_kernels(x, dim, dim, kernel == "walk_mma", walks_together=together)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -158,12 +163,16 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     date = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
-    frames, failed = [], []
+    frames, failed, measured = [], [], set()
     cases = [(d, v, load) for d in args.dtypes for v in args.variants for load in args.loads]
     for name, variant, load in cases:
         dtype, bh = getattr(torch, name), max(1, round(load * sms))
         try:
-            kernels = walk_kernels(ext, dtype, args.dim, variant.startswith("walk_mma"))
+            kernels = walk_kernels(ext, dtype, args.dim, variant)
+            same = (name, load, kernels["product"][0], kernels["dkv"][0])
+            if same in measured:  # e.g. walk_fused_apart in float32: walk_fused's kernels
+                continue
+            measured.add(same)
             times = cuda_profile.kernel_times(
                 dtype, bh, 1, args.n, args.dim, variant, args.steps, 1
             )

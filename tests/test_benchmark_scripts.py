@@ -720,7 +720,9 @@ def test_scaling_arguments():
     scaling = benchmark_script("cuda_scaling")
     args = scaling.parse_args([])
     assert (args.n, args.dim, args.loads, args.steps) == (8192, 64, [1, 2, 3, 4], 3)
-    assert args.variants == ["walk_fused", "walk_mma_fused"]
+    assert args.variants == [
+        "walk_fused", "walk_fused_apart", "walk_mma_fused", "walk_mma_fused_apart"
+    ]  # fmt: skip
     for bad in (["--loads", "2", "4"], ["--loads", "1", "0"], ["--n", "0"], ["--variants", "walk"]):
         with pytest.raises(SystemExit) as exit_info:
             scaling.parse_args(bad)
@@ -739,7 +741,7 @@ def test_scaling_keeps_the_cases_that_ran(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(scaling.ks, "backends", lambda: ["reference", "torch", "cuda"])
     monkeypatch.setattr(scaling.cuda_profile, "context_alive", lambda: True)
     monkeypatch.setattr(
-        scaling, "walk_kernels", lambda ext, dtype, dim, mma: {"product": (8, 2), "dkv": (9, 1)}
+        scaling, "walk_kernels", lambda ext, dtype, dim, variant: {"product": (8, 2), "dkv": (9, 1)}
     )
     calls = []
 
@@ -760,6 +762,13 @@ def test_scaling_keeps_the_cases_that_ran(monkeypatch, tmp_path, capsys):
     rows = pd.read_csv(out)
     assert sorted(set(rows.load)) == [1, 2] and set(rows.BH) == {10, 20}
     assert (rows.device == "test GPU").all() and set(rows.kernel) == {8, 9}
+    calls.clear()  # a variant whose kernels another measured (here: the same) is left out
+    argv = ["--loads", "1", "--dtypes", "bfloat16", "--variants", "walk_mma_fused"]
+    argv += ["walk_mma_fused_apart", "--out", str(tmp_path / "once.csv")]
+    assert scaling.main(argv) == 0
+    assert calls == [(10, 1, 1)] and set(pd.read_csv(tmp_path / "once.csv").variant) == {
+        "walk_mma_fused"
+    }
     monkeypatch.setattr(scaling.cuda_profile, "context_alive", lambda: False)
     calls.clear()
     assert scaling.main(["--loads", "3", "1", "--out", str(tmp_path / "broken.csv")]) == 1
