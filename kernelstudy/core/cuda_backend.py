@@ -15,7 +15,8 @@ holds each kernel):
   ``dk = anticausal(v, g, q)``, ``dv = anticausal(k, q, g)``, and keeps no per-step state
   (:data:`FUSED_BACKWARD` selects a fused backward instead, by default for float16 and
   bfloat16: one pass over the chunks for all three, or with the walk one walk for dq and one
-  for dk and dv); with :data:`CAUSAL_KERNEL` ``= "walk"`` (the default, for F ≤ 128) each
+  for dk and dv, in bfloat16 with F, M ≤ 64 both in one grid as :data:`WALKS_TOGETHER`
+  says); with :data:`CAUSAL_KERNEL` ``= "walk"`` (the default, for F ≤ 128) each
   thread block instead walks a segment of chunks with the state in shared memory (one launch,
   no per-chunk state in global memory); ``"walk_mma"`` walks F ≤ 64 (bfloat16: F ≤ 128) on
   ``mma.sync`` with each warp's operands in registers (opt-in: not yet run on a GPU);
