@@ -23,18 +23,19 @@ targets    ``cuda_core.py``: the issue's targets (B=8, H=16, D=64, N     targets
            512-16384, bf16 and fp32, every method, WALK_BLOCKS 128
            and 256)
 profile    ``cuda_profile.py`` at N=8192, F=M 64 then 128, bf16, fp32   profile.csv
-           and fp16
+           and fp16, every variant (the ``_apart`` ones: kernels 10
+           and 11 against two launches)
 scaling    ``cuda_scaling.py``: the walk kernels' time at 1-4 blocks     scaling.csv
            per SM, bf16 and fp32 (latency or throughput, without ncu)
 counters   ``cuda_counters.py``: Nsight Compute's counters of the walk   counters.csv
-           kernels (6-9) at the targets' shape, bf16 and fp32
+           kernels (6-11) at the targets' shape, bf16 and fp32
            (skipped where ncu cannot read them)
 sweep      ``cuda_core.py --resume`` over the issue's grid (N 512-32768,  sweep.csv
            B·H 8 and 64, D 64 and 128): fp32 D=128 first (the part
            no session has measured), then bf16 and fp32 at D=64, bf16
            at D=128, until its time is up; ours as ``cuda`` and the
            fastest variant of the targets stage
-racecheck  ``compute-sanitizer --tool racecheck``, six small tests       tests.log
+racecheck  ``compute-sanitizer --tool racecheck``, eight small tests     tests.log
 =========  ===========================================================  ==============
 
 Every stage runs as a child process under a time limit: the smaller of its cap and what is left
@@ -106,6 +107,9 @@ RACECHECK_TESTS = (
     "test_fused_backward_matches_reference[walk_mma-1x4x64x16x16-torch.bfloat16]",
     "test_fused_backward_matches_reference[walk_mma-1x4x64x16x16-torch.float32]",
     "test_fused_backward_matches_reference[chunks-3x2x130x96x40-torch.float32]",
+    # kernels 11 and 10 (the fused backward's two walks in one grid), with segments
+    "test_backward_walks_together_give_the_bits_of_two_launches[walk-7]",
+    "test_backward_walks_together_give_the_bits_of_two_launches[walk_mma-7]",
 )
 FETCH_WHEELS = (
     "echo /.whl/ >> .git/info/exclude; python3 -m pip download --no-deps --only-binary=:all: "
@@ -134,7 +138,7 @@ STAGES = (
     Stage("scaling", 15, 60, "cuda_scaling.py, walk kernels' time vs blocks per SM"),
     Stage("counters", 30, 75, "cuda_counters.py, ncu's counters of the walk kernels"),
     Stage("sweep", 30, 600, "cuda_core.py --resume over the issue's grid"),
-    Stage("racecheck", 40, 150, "compute-sanitizer racecheck on six small tests"),
+    Stage("racecheck", 40, 150, "compute-sanitizer racecheck on eight small tests"),
 )
 STAGE_NAMES = tuple(s.name for s in STAGES)
 ALWAYS = ("env", "build")

@@ -773,7 +773,7 @@ def test_walk_kernels_name_the_kernels_that_run(monkeypatch, causal_kernel, dtyp
     assert ran == want
     for kernel, blocks in said.values():
         assert (blocks >= 1) if kernel else blocks == 0
-    # an A100's and an H100's shared memory fit kernels 6-9 at F = M = 64 in bf16; an H100's
+    # an A100's and an H100's shared memory fit kernels 6 to 9 at F = M = 64 in bf16; an H100's
     # also two blocks of kernel 10 or 11 an SM (the backward's dq walk beside its dk, dv walk)
     capability = torch.cuda.get_device_capability()
     if capability in ((8, 0), (9, 0)) and d == 64 and dtype == torch.bfloat16:
