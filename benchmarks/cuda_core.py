@@ -17,8 +17,9 @@ package or kernel is missing, and a cell is left empty when it runs out of memor
              three backward products; ``--walk-blocks`` sweeps ``cuda_backend.WALK_BLOCKS``
              (columns ``cuda_walk_<blocks>`` when more than one value is given);
 - ``cuda_walk_fused``  the walk with its fused backward (dq by one walk, dk and dv together by
-             one reverse walk; same forward as ``cuda_walk``): the backend's default in bf16
-             and fp16 (in fp32 its default is ``cuda_walk``);
+             one reverse walk, in bf16 with F, M <= 64 both in one grid where an SM holds two
+             blocks: ``cuda_backend.WALKS_TOGETHER``; same forward as ``cuda_walk``): the
+             backend's default in bf16 and fp16 (in fp32 its default is ``cuda_walk``);
 - ``cuda_walk_mma``, ``cuda_walk_mma_fused``  the same two with ``CAUSAL_KERNEL = "walk_mma"``:
              F <= 64 (bf16: F <= 128) walks by kernel 8 (mma.sync, operands in registers;
              bf16, or tf32 as ``cuda_walk``: 3xTF32 for fp32), every other case as
