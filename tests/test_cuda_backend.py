@@ -428,8 +428,8 @@ def test_backward_walks_together_give_the_bits_of_two_launches(
     for together in (True, False):
         monkeypatch.setattr(cuda_backend, "WALKS_TOGETHER", together)
         results[together] = cuda_backend._fused_backward(ext, q, k, v, g, out_fp32=True)
-    together = ext.walk_kernels(q, 48, 40, causal_kernel == "walk_mma")["dkv"][0]
-    assert together in (10, 11) or torch.cuda.get_device_capability() < (9, 0)
+    kernel = ext.walk_kernels(q, 48, 40, causal_kernel == "walk_mma")["dkv"][0]
+    assert kernel in (10, 11) or torch.cuda.get_device_capability() < (9, 0)
     for a, b in zip(results[True], results[False], strict=True):
         assert torch.equal(a, b)
 

@@ -10,12 +10,12 @@ namespace ks_cuda {
 namespace {
 
 // ------------------------------------------------------------------ segments
-// The segment thread block `block` walks in kernels 1, 6-10 (blockIdx.x, grid.x = BH * nblk; kernel
-// 10 numbers the blocks of each of its two walks from 0): sequence bh, segment blk, the chunks
-// [first, first + count) of the sequence's nc (cpb per segment, the last segment shorter), visited
-// first to last or, with `reverse`, last to first. With `skip_last` (kernel 1's carries, grid.x =
-// BH * (nblk - 1)) no block takes the segment that comes last in the walk's order (the last one, or
-// with `reverse` the first).
+// The segment thread block `block` walks in kernels 1, 6-11 (blockIdx.x, grid.x = BH * nblk;
+// kernels 10 and 11 number the blocks of each of their two walks from 0): sequence bh, segment blk,
+// the chunks [first, first + count) of the sequence's nc (cpb per segment, the last segment
+// shorter), visited first to last or, with `reverse`, last to first. With `skip_last` (kernel 1's
+// carries, grid.x = BH * (nblk - 1)) no block takes the segment that comes last in the walk's order
+// (the last one, or with `reverse` the first).
 struct WalkSegment {
   int64_t nc, bh, blk, first, count;
   bool reverse;

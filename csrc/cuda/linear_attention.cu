@@ -7,8 +7,9 @@
 //   tiles.cuh                  cp.async, global <-> shared tiles, the masked scores of a chunk
 //   mma_sync.cuh               mma.sync fragment layouts, ldmatrix and products (kernels 8, 9)
 //   chunk_kernels.cuh          segments, kernels 1-5
-//   walk_kernels.cuh           kernels 6, 7 and 11 (the walk on WMMA)
-//   register_walk_kernels.cuh  kernels 8-10 (the walk on mma.sync)
+//   walk_kernels.cuh           kernels 6 and 7 (the walk on WMMA)
+//   register_walk_kernels.cuh  kernels 8 and 9 (the walk on mma.sync)
+//   backward_walks_kernels.cuh kernels 10 and 11 (a fused backward's two walks in one grid)
 //   cumsum_kernels.cuh         the weighted cumulative sum
 //
 // ------------------------------------------------------------------ algorithm
@@ -92,6 +93,7 @@
 #include "chunk_kernels.cuh"
 #include "walk_kernels.cuh"
 #include "register_walk_kernels.cuh"
+#include "backward_walks_kernels.cuh"
 #include "cumsum_kernels.cuh"
 
 namespace ks_cuda {
@@ -475,17 +477,16 @@ bool dkv_by_mma(int64_t f, int64_t m, bool mma_walk) {
 // The kernel that runs the walk's fused backward's dq walk and dk, dv walk as one grid, 0 for
 // none: where asked for (`together`), with bf16 operand tiles and F, M <= 64 (one slice each),
 // and where an SM holds two of its blocks at once (its shared memory taken as the opt-in limit
-// of a block plus the 1 KB reserved per block, as on current GPUs): kernel 10 where kernel 9
-// takes dk and dv (mma_walk), else kernel 11 where kernel 6 takes dq.
+// of a block plus the 1 KB reserved per block, as on current GPUs): kernel 10 with mma_walk,
+// else kernel 11. Where two blocks fit, so do kernels 8 and 9 (or 6 and 7) alone: the two
+// launches it replaces would have run them.
 template <typename Tin>
 int together_kernel(int64_t f, int64_t m, bool mma_walk, bool together) {
   using Op = typename OperandOf<Tin>::type;
   if (!together || sizeof(Op) != 2 || f > kTile || m > kTile) return 0;
-  const size_t optin = smem_optin();
-  const auto two_fit = [optin](size_t smem) { return 2 * (smem + 1024) <= optin + 1024; };
-  if (mma_walk) return dkv_by_mma<Tin>(f, m, true) && two_fit(mma_backward_smem<Op>()) ? 10 : 0;
-  return causal_walk<Tin>(m, 1, false) == Walk::kWmma && two_fit(walk_backward_smem<Op>()) ? 11
-                                                                                            : 0;
+  const size_t smem = mma_walk ? mma_backward_smem<Op>() : walk_backward_smem<Op>();
+  if (2 * (smem + 1024) > smem_optin() + 1024) return 0;
+  return mma_walk ? 10 : 11;
 }
 
 // The segments of kernel 10's or 11's two walks: dq's (features M, values F) and dk, dv's; the
@@ -495,6 +496,17 @@ struct TogetherLayout {
 };
 TogetherLayout together_layout(int64_t bh, int64_t n, int64_t f, int64_t m, int64_t walk_blocks) {
   return {walk_layout(bh, n, m, f, walk_blocks, 1), walk_layout(bh, n, f, m, walk_blocks, 1)};
+}
+
+// Kernel 10 or 11 (together_kernel's number), outputs in Tout, and its shared memory per block.
+template <typename Tin, typename Tout>
+auto together_kernel_for(int kernel) {
+  return kernel == 10 ? chunk_walk_mma_backward_kernel<Tin, Tout>
+                      : chunk_walk_backward_kernel<Tin, Tout>;
+}
+template <typename Op>
+size_t together_smem(int kernel) {
+  return kernel == 10 ? mma_backward_smem<Op>() : walk_backward_smem<Op>();
 }
 
 // Kernel 10 or 11 (together_kernel): the carries of both walks' segments, then one launch.
@@ -512,16 +524,18 @@ cudaError_t walk_backward_together(int kernel, const Tin* q, const Tin* k, const
     err = walk_carries(q, g, ws + l.dq.floats, l.dkv, bh, n, f, m, true, false, &dkv_carry,
                        stream);
     if (err != cudaSuccess) return err;
-    const bool vec_f = rows_vectorizable<Tin>(q, f) && rows_vectorizable<Tin>(k, f);
-    const bool vec_m = rows_vectorizable<Tin>(v, m) && rows_vectorizable<Tin>(g, m);
-    const bool vec_k = rows_vectorizable<Tin>(k, f);
-    const int64_t dkv_blocks = bh * l.dkv.nblk, blocks = dkv_blocks + bh * l.dq.nblk;
-    const bool mma = kernel == 10;
-    return launch_tiles(
-        mma ? chunk_walk_mma_backward_kernel<Tin, Tout> : chunk_walk_backward_kernel<Tin, Tout>,
-        blocks, 1, mma ? mma_backward_smem<Op>() : walk_backward_smem<Op>(), stream, q, k, v, g,
-        dkv_carry, dq_carry, dq, dk, dv, n, f, m, dkv_blocks, l.dkv.nblk, l.dkv.cpb, l.dq.nblk,
-        l.dq.cpb, vec_f, vec_m, vec_k);
+    BackwardWalks<Tin, Tout> args{q, k, v, g, dkv_carry, dq_carry, dq, dk, dv, n, f, m};
+    args.dkv_blocks = bh * l.dkv.nblk;
+    args.dkv_nblk = l.dkv.nblk;
+    args.dkv_cpb = l.dkv.cpb;
+    args.dq_nblk = l.dq.nblk;
+    args.dq_cpb = l.dq.cpb;
+    args.vec_f = rows_vectorizable<Tin>(q, f) && rows_vectorizable<Tin>(k, f);
+    args.vec_m = rows_vectorizable<Tin>(v, m) && rows_vectorizable<Tin>(g, m);
+    args.vec_k = rows_vectorizable<Tin>(k, f);
+    return launch_tiles(together_kernel_for<Tin, Tout>(kernel),
+                        args.dkv_blocks + bh * l.dq.nblk, 1, together_smem<Op>(kernel), stream,
+                        args);
   }
   return cudaErrorInvalidValue;  // together_kernel is 0
 }
@@ -619,11 +633,7 @@ cudaError_t walk_kernels_typed(int64_t f, int64_t m, bool mma_walk, bool togethe
   if (const int kernel = together_kernel<Tin>(f, m, mma_walk, together)) {
     out->dkv = kernel;
     if constexpr (sizeof(Op) == 2) {
-      if (kernel == 10) {
-        return resident_blocks(chunk_walk_mma_backward_kernel<Tin, Tin>, mma_backward_smem<Op>(),
-                               &out->dkv_blocks_per_sm);
-      }
-      return resident_blocks(chunk_walk_backward_kernel<Tin, Tin>, walk_backward_smem<Op>(),
+      return resident_blocks(together_kernel_for<Tin, Tin>(kernel), together_smem<Op>(kernel),
                              &out->dkv_blocks_per_sm);
     }
   }

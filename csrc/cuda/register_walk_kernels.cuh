@@ -748,53 +748,5 @@ __global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm<typename OperandOf<T
                           vec_m);
 }
 
-// ------------------------------------------------------------------ kernel 10: both backward walks
-// The walk's fused backward on mma.sync as one grid (bf16 tiles, F, M <= 64, mma_walk): blocks
-// [0, dkv_blocks) walk dk and dv as kernel 9 (carries dkv_carry), the others walk
-// dq = causal(g, v, k) as kernel 8 (features M, values F: one slice each; carries dq_carry).
-// The two walks are independent, so an SM holds a block of each at once (two blocks of
-// mma_backward_smem), where the two launches one after the other leave an SM with one block at a
-// time whenever B·H is near the SM count (one segment a sequence): a walk waiting on its barrier
-// or its products then has the other's work beside it. The longer dk, dv walks come first.
-template <typename Op>
-constexpr size_t mma_backward_smem() {
-  return std::max(mma_dkv_smem<Op>(), mma_walk_smem<Op>(1));
-}
-
-// Kernel 9's walk as a function kernel 10 calls, once a block. Inlined beside kernel 8's walk
-// under kernel 10's 128 registers, ptxas set aside a few loop-invariant values (sm_90a: 28 bytes
-// of spill stores, 5 local loads a chunk in this walk, 2 in the other); called, it allocates
-// its registers alone: no spill in either walk.
-template <typename Tin, typename Tout>
-__device__ __noinline__ void walk_mma_dkv_called(int64_t block, const Tin* __restrict__ q,
-                                              const Tin* __restrict__ k, const Tin* __restrict__ v,
-                                              const Tin* __restrict__ g,
-                                              const float* __restrict__ carry,
-                                              Tout* __restrict__ dk, Tout* __restrict__ dv,
-                                              int64_t n, int64_t f, int64_t m, int64_t nblk,
-                                              int64_t cpb, bool vec_f, bool vec_m) {
-  walk_mma_dkv<Tin, Tout>(block, q, k, v, g, carry, dk, dv, n, f, m, nblk, cpb, vec_f, vec_m);
-}
-
-template <typename Tin, typename Tout>
-__global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm<typename OperandOf<Tin>::type>)
-    chunk_walk_mma_backward_kernel(const Tin* __restrict__ q, const Tin* __restrict__ k,
-                                   const Tin* __restrict__ v, const Tin* __restrict__ g,
-                                   const float* __restrict__ dkv_carry,
-                                   const float* __restrict__ dq_carry, Tout* __restrict__ dq,
-                                   Tout* __restrict__ dk, Tout* __restrict__ dv, int64_t n,
-                                   int64_t f, int64_t m, int64_t dkv_blocks, int64_t dkv_nblk,
-                                   int64_t dkv_cpb, int64_t dq_nblk, int64_t dq_cpb, bool vec_f,
-                                   bool vec_m, bool vec_k) {
-  const int64_t block = blockIdx.x;
-  if (block < dkv_blocks) {
-    walk_mma_dkv_called<Tin, Tout>(block, q, k, v, g, dkv_carry, dk, dv, n, f, m, dkv_nblk,
-                                   dkv_cpb, vec_f, vec_m);
-  } else {
-    walk_mma<Tin, Tout, 1>(block - dkv_blocks, 0, g, v, k, dq_carry, dq, nullptr, n, m, f,
-                           dq_nblk, dq_cpb, false, false, 0.f, vec_m, vec_k);
-  }
-}
-
 }  // namespace
 }  // namespace ks_cuda

@@ -466,40 +466,5 @@ __global__ void __launch_bounds__(kThreads, 1)
                            vec_m);
 }
 
-// ------------------------------------------------------------------ kernel 11: both backward walks
-// Kernel 10's counterpart on WMMA (bf16, F, M <= 64, the walk without mma_walk): blocks
-// [0, dkv_blocks) walk dk and dv as kernel 7 with one buffer and one staging tile (kDkvOne, 98
-// KB: two buffers, 134 KB and more, would not leave room for a second block), the others walk
-// dq = causal(g, v, k) as kernel 6 (features M, values F: one slice each); every block gets
-// walk_backward_smem (kernel 6's 108 KB), two an SM where the SM has 228 KB (H100, H200).
-template <typename Op>
-constexpr DkvSmem<Op> kDkvOne = {1, 1, 1, 1};  // ft, mt, nbuf, stages
-
-template <typename Op>
-constexpr size_t walk_backward_smem() {
-  return std::max(WalkSmem<Op, 1>::bytes(), kDkvOne<Op>.bytes());
-}
-
-template <typename Tin, typename Tout>
-__global__ void __launch_bounds__(kThreads, kWalkBlocksPerSm<typename OperandOf<Tin>::type, 1>)
-    chunk_walk_backward_kernel(const Tin* __restrict__ q, const Tin* __restrict__ k,
-                               const Tin* __restrict__ v, const Tin* __restrict__ g,
-                               const float* __restrict__ dkv_carry,
-                               const float* __restrict__ dq_carry, Tout* __restrict__ dq,
-                               Tout* __restrict__ dk, Tout* __restrict__ dv, int64_t n, int64_t f,
-                               int64_t m, int64_t dkv_blocks, int64_t dkv_nblk, int64_t dkv_cpb,
-                               int64_t dq_nblk, int64_t dq_cpb, bool vec_f, bool vec_m,
-                               bool vec_k) {
-  using Op = typename OperandOf<Tin>::type;
-  const int64_t block = blockIdx.x;
-  if (block < dkv_blocks) {
-    walk_wmma_dkv<Tin, Tout>(block, q, k, v, g, dkv_carry, dk, dv, n, f, m, dkv_nblk, dkv_cpb,
-                             kDkvOne<Op>, vec_f, vec_m);
-  } else {
-    walk_wmma<Tin, Tout, 1>(block - dkv_blocks, 0, g, v, k, dq_carry, dq, nullptr, n, m, f,
-                            dq_nblk, dq_cpb, false, false, 0.f, vec_m, vec_k);
-  }
-}
-
 }  // namespace
 }  // namespace ks_cuda
