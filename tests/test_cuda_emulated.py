@@ -72,6 +72,9 @@ def emu(tmp_path_factory) -> ctypes.CDLL:
     module.ks_emu_scaled_cumsum.argtypes = [i32, p, p, p, p, i64, i64, i64, i32]
     module.ks_emu_walk_kernels.argtypes = [i32, i64, i64, i32, i32, p, p]
     module.ks_emu_last_kernel.restype = ctypes.c_uint64
+    module.ks_emu_set_carry_blocks.argtypes = [i64]
+    module.ks_emu_causal_workspace_floats.argtypes = [i32, *[i64] * 5, i32]
+    module.ks_emu_causal_workspace_floats.restype = i64
     module.ks_emu_configure(0, H100_SMEM)
     return module
 
@@ -308,6 +311,44 @@ def test_largest_head_dims_and_one_long_split_sequence(ext, shape, dtype, walk_b
     got = ext.causal_backward(q, k, v, g, out_fp32=True, walk_blocks=walk_blocks)
     for a, w in zip(got, _reference_grads(q, k, v, g), strict=True):
         assert close_in_dtype(a, w, dtype)
+
+
+# B·H = 1, N = 2577 (41 chunks) in WALK_BLOCKS 3 segments of 14, 14 and 13 chunks; the carry
+# pass (walk_layout) sums them in groups of cpg chunks, as many as keep its thread blocks near
+# the target KS_CARRY_BLOCKS: 2 -> one group a segment (carries in place over the totals), 5 ->
+# groups of 7, 20 -> groups of 2 (the last segment 6 of 2 and one of 1), 512 (the GPU's) -> of 1.
+# The workspace: the carries (3 x 144 floats), after the totals (groups x 144, rounded up to 64)
+# where a segment holds several groups.
+CARRY_GROUPS = {2: 432, 5: 896 + 432, 20: 3072 + 432, 512: 5952 + 432}
+
+
+def test_walk_carry_groups_follow_the_target(emu):
+    try:
+        for target, floats in CARRY_GROUPS.items():
+            emu.ks_emu_set_carry_blocks(target)
+            dtype = DTYPES[torch.bfloat16]
+            assert emu.ks_emu_causal_workspace_floats(dtype, 1, 2577, 16, 8, 3, 0) == floats
+    finally:
+        emu.ks_emu_set_carry_blocks(512)
+
+
+@pytest.mark.parametrize("target", [2, 5, 20])
+def test_walk_carries_sum_segments_in_groups(emu, ext, target):
+    """Each walk's carries from groups of chunks: the forward and reverse walks (kernels 6
+    and 8), and the fused backward's reverse dk, dv walk alone (kernels 7 and 9) and beside
+    the dq walk (kernels 11 and 10), against float64. (512: the segment tests elsewhere.)"""
+    q, k, v, g = _inputs(1, 2577, 16, 8, torch.bfloat16, extra=1)
+    emu.ks_emu_set_carry_blocks(target)
+    try:
+        for mma_walk in (False, True):
+            for reverse in (False, True):
+                _check_product(ext, q, k, v, reverse, walk_blocks=3, mma_walk=mma_walk)
+            for together in (False, True):
+                _check_fused_backward(
+                    ext, q, k, v, g, walk_blocks=3, mma_walk=mma_walk, walks_together=together
+                )
+    finally:
+        emu.ks_emu_set_carry_blocks(512)
 
 
 @pytest.mark.parametrize(

@@ -13,17 +13,17 @@ namespace {
 // The segment thread block `block` walks in kernels 1, 6-11 (blockIdx.x, grid.x = BH * nblk;
 // kernels 10 and 11 number the blocks of each of their two walks from 0): sequence bh, segment blk,
 // the chunks [first, first + count) of the sequence's nc (cpb per segment, the last segment
-// shorter), visited first to last or, with `reverse`, last to first. With `skip_last` (kernel 1's
-// carries, grid.x = BH * (nblk - 1)) no block takes the segment that comes last in the walk's order
-// (the last one, or with `reverse` the first).
+// shorter), visited first to last or, with `reverse`, last to first. With `skip` (kernel 1's
+// carries, grid.x = BH * (nblk - skip)) no block takes the `skip` segments that come last in the
+// walk's order (the last ones, or with `reverse` the first ones).
 struct WalkSegment {
   int64_t nc, bh, blk, first, count;
   bool reverse;
   __device__ WalkSegment(int64_t block, int64_t n, int64_t nblk, int64_t cpb, bool reverse_,
-                         bool skip_last = false)
+                         int64_t skip = 0)
       : nc((n + kTile - 1) / kTile),
-        bh(block / (nblk - skip_last)),
-        blk(block % (nblk - skip_last) + (reverse_ && skip_last)),
+        bh(block / (nblk - skip)),
+        blk(block % (nblk - skip) + (reverse_ ? skip : 0)),
         first(blk * cpb),
         count((first + cpb < nc ? first + cpb : nc) - first),  // >= 1
         reverse(reverse_) {}
@@ -41,9 +41,9 @@ struct WalkSegment {
 //   with `prefix_s` (causal): before adding chunk c, the running sum over the block's earlier
 //                 chunks (later ones with reverse), i.e. the block-local exclusive prefix, goes
 //                 to prefix_s[bh][c] (F x M, in Tstate) and prefix_z[bh][c] (F, fp32).
-// Rows with keep == false (key padding) are skipped. With `skip_last` (totals for the carries of
-// an exclusive scan, which never reads the total that comes last in its order) grid.x = BH *
-// (nblk - 1) and that segment is not walked (WalkSegment).
+// Rows with keep == false (key padding) are skipped. With `skip` (totals for the carries of a
+// walk's segments, which never include the segment that comes last in the walk's order)
+// grid.x = BH * (nblk - skip) and the `skip` blocks that come last are not walked (WalkSegment).
 // Shared: two buffers of (K tile 64 x 64 (rows x F slice), V tile 64 x 64 (rows x M slice)), so
 // the next chunk's tiles load (cp.async) while this chunk's product runs; fp32 staging 64 x 64.
 template <typename Tin, typename Tstate>
@@ -52,7 +52,7 @@ __global__ void __launch_bounds__(kThreads)
                         const bool* __restrict__ key_keep, int64_t heads,
                         float* __restrict__ totals, Tstate* __restrict__ prefix_s,
                         float* __restrict__ prefix_z, int64_t n, int64_t f, int64_t m,
-                        int64_t nblk, int64_t cpb, bool reverse, bool with_z, bool skip_last,
+                        int64_t nblk, int64_t cpb, bool reverse, bool with_z, int64_t skip,
                         bool vec_k, bool vec_v) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
   using Op = typename OperandOf<Tin>::type;
@@ -61,7 +61,7 @@ __global__ void __launch_bounds__(kThreads)
   Op* tiles = reinterpret_cast<Op*>(smem);  // buffer b: K at 2b, V at 2b + 1 (64 x LD each)
   float* St = reinterpret_cast<float*>(tiles + 4 * kTile * LD);  // 64 x kLdF: fp32 state tile
 
-  const WalkSegment seg(blockIdx.x, n, nblk, cpb, reverse, skip_last);
+  const WalkSegment seg(blockIdx.x, n, nblk, cpb, reverse, skip);
   const int64_t nc = seg.nc, bh = seg.bh, blk = seg.blk;
   const int64_t m_tiles = (m + kTile - 1) / kTile;
   const int64_t f0 = (blockIdx.y / m_tiles) * kTile;
@@ -120,39 +120,59 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // ------------------------------------------------------------------ kernel 2: scan over blocks
-// One thread per state element e (of ss) and sequence bh; walks the nblk block totals of bh in
-// order: exclusive prefix (in place), exclusive suffix (in place), or the sum into `total`.
-// The exclusive scans never read the total that comes last in their order (kernel 1 may not
-// have written it: skip_last). Loads are batched by 8 to keep several in flight.
+// One thread per state element e (of ss) and sequence bh; walks the `groups` block totals of bh
+// ([bh][groups][ss] in `states`) in order:
+//   kSum: their sum into out[bh] ([bh][ss]);
+//   kExclusiveForward / kExclusiveReverse: the carries of segments of `per` consecutive groups
+//     (the last segment may hold fewer): segment j's carry, the sum of every group of the
+//     segments before it (after it, reverse), into out[bh][j] ([bh][cdiv(groups, per)][ss]).
+//     With per = 1, out may be `states` itself (in place: each total is read before its slot
+//     is written). The groups of the segment that comes last in the order are never read
+//     (kernel 1 may not have written them: `skip`).
+// Loads are batched by 8 to keep several in flight.
 __global__ void __launch_bounds__(kThreads)
-    state_scan_kernel(float* __restrict__ states, float* __restrict__ total, int64_t nblk,
-                      int64_t ss, int mode) {
+    state_scan_kernel(const float* states, float* out, int64_t groups, int64_t per, int64_t ss,
+                      int mode) {
   const int64_t per_bh = (ss + kThreads - 1) / kThreads;
   const int64_t bh = blockIdx.x / per_bh;
   const int64_t e = (blockIdx.x % per_bh) * kThreads + threadIdx.x;
   if (e >= ss) return;
-  float* base = states + bh * nblk * ss + e;
+  const int64_t nseg = (groups + per - 1) / per;
+  const float* base = states + bh * groups * ss + e;
+  float* dst = out + bh * (mode == kSum ? 1 : nseg) * ss + e;
+  const bool reverse = mode == kExclusiveReverse;
+  // the c-th group visited; whether it is read (it counts toward a carry), and the segment
+  // whose carry is written before it is added (-1: none; its first group in the order)
+  auto group = [&](int64_t c) { return reverse ? groups - 1 - c : c; };
+  auto read = [&](int64_t g) {
+    return mode == kSum || (reverse ? g / per > 0 : g / per + 1 < nseg);
+  };
+  auto opens = [&](int64_t g) -> int64_t {
+    if (mode == kSum) return -1;
+    const int64_t j = g / per;
+    const int64_t last = (j + 1) * per < groups ? (j + 1) * per - 1 : groups - 1;
+    return (reverse ? g == last : g == j * per) ? j : -1;
+  };
   constexpr int U = 8;
   float run = 0.f;
-  for (int64_t c0 = 0; c0 < nblk; c0 += U) {
+  for (int64_t c0 = 0; c0 < groups; c0 += U) {
     float x[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int64_t c = c0 + u;
-      const int64_t cc = mode == kExclusiveReverse ? nblk - 1 - c : c;
-      x[u] = c < nblk && (mode == kSum || c + 1 < nblk) ? base[cc * ss] : 0.f;
+      const int64_t c = c0 + u, g = group(c);
+      x[u] = c < groups && read(g) ? base[g * ss] : 0.f;
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int64_t c = c0 + u;
-      if (c < nblk) {
-        const int64_t cc = mode == kExclusiveReverse ? nblk - 1 - c : c;
-        if (mode != kSum) base[cc * ss] = run;
+      if (c < groups) {
+        const int64_t j = opens(group(c));
+        if (j >= 0) dst[j * ss] = run;
         run += x[u];
       }
     }
   }
-  if (mode == kSum) total[bh * ss + e] = run;
+  if (mode == kSum) *dst = run;
 }
 
 // ------------------------------------------------------------------ kernel 3: chunk output

@@ -30,6 +30,11 @@
   (*static_cast<uint4*>(dst) = *static_cast<const uint4*>(src))
 #define KS_HOST_ASYNC_WAIT()
 #endif
+// ... the thread blocks a walk's carry pass aims at (walk_layout in linear_attention.cu), which
+// a test of the emulator lowers so that small shapes sum several chunks a group ...
+#ifndef KS_CARRY_BLOCKS
+#define KS_CARRY_BLOCKS 512
+#endif
 // ... and for kernels 8 and 9, the warp-collective ldmatrix and mma.sync (the emulator gathers
 // the lanes' registers as the PTX ISA lays them out); nvcc's host pass never runs them.
 #ifndef KS_HOST_LDMATRIX_X4

@@ -43,7 +43,10 @@
 //   6. chunk_walk_kernel     a thread block walks a segment of consecutive chunks in order with
 //                            the state S (F x 64-wide M slice) and z in shared memory, writing
 //                            each chunk's output as it goes; kernels 1 and 2 (totals only) give
-//                            the segments' carries where a sequence is cut into several.
+//                            the segments' carries where a sequence is cut into several: kernel
+//                            1 sums each segment in groups of chunks (walk_layout: about 512
+//                            blocks, so that no block adds a whole segment's chunks one after
+//                            another), kernel 2 adds the groups of the segments before each.
 //   7. chunk_walk_dkv_kernel the walk's fused backward: dq = causal(g, v, k) by kernel 6, then dk
 //                            and dv together by one reverse walk with R = sum Q^T G on chip.
 //   Kernels 1 and 3 write and read one F x M state per chunk (at N = 8192, B·H = 128, F = M = 64
@@ -188,42 +191,41 @@ cudaError_t launch_tiles(void (*kernel)(Params...), int64_t blocks, int64_t slic
   return cudaGetLastError();
 }
 
+// Kernel 1 over groups of cpb chunks, the `skip` groups that come last in the order left out.
 template <typename Tin, typename Tstate>
 cudaError_t launch_states(const Tin* k, const Tin* v, const bool* keep, int64_t heads,
                           float* totals, Tstate* prefix_s, float* prefix_z, int64_t bh, int64_t n,
                           int64_t f, int64_t m, int64_t cpb, bool reverse, bool with_z,
-                          bool skip_last, cudaStream_t stream) {
+                          int64_t skip, cudaStream_t stream) {
   const int64_t nblk = cdiv(cdiv(n, kChunk), cpb);
-  skip_last = skip_last && nblk > 1;
-  return launch_tiles(chunk_states_kernel<Tin, Tstate>, bh * (nblk - skip_last),
+  return launch_tiles(chunk_states_kernel<Tin, Tstate>, bh * (nblk - skip),
                       cdiv(f, kTile) * cdiv(m, kTile), states_smem<Tin>(), stream, k, v, keep,
                       heads, totals, prefix_s, prefix_z, n, f, m, nblk, cpb, reverse, with_z,
-                      skip_last, rows_vectorizable<Tin>(k, f), rows_vectorizable<Tin>(v, m));
+                      skip, rows_vectorizable<Tin>(k, f), rows_vectorizable<Tin>(v, m));
 }
 
-cudaError_t launch_scan(float* states, float* total, int64_t bh, int64_t nblk, int64_t ss,
-                        int mode, cudaStream_t stream) {
+// Kernel 2 over `groups` totals a sequence: their sum, or the carries of segments of `per`
+// groups (in place where per = 1 and out = states).
+cudaError_t launch_scan(const float* states, float* out, int64_t bh, int64_t groups, int64_t per,
+                        int64_t ss, int mode, cudaStream_t stream) {
   const int64_t blocks = bh * cdiv(ss, kThreads);
   if (blocks > kMaxBlocks) return cudaErrorInvalidConfiguration;
   KS_LAUNCH(state_scan_kernel, static_cast<unsigned>(blocks), kThreads, 0, stream)(
-      states, total, nblk, ss, mode);
+      states, out, groups, per, ss, mode);
   return cudaGetLastError();
 }
 
-// Kernels 1 and 2: the block totals of (k, v) over groups of cpb chunks, then in place their
-// exclusive prefix (suffix with `reverse`): the carry of each group. With prefix_s, also every
-// chunk's block-local exclusive prefix (prefix_s, prefix_z); without, the group that comes last
-// is not summed at all (no carry includes it: a walk's carries with two segments a sequence
-// take half the work).
+// Kernels 1 and 2 for the chunk kernels: the block totals of (k, v) over groups of cpb chunks
+// with every chunk's block-local exclusive prefix (prefix_s, prefix_z), then in place the
+// exclusive prefix (suffix with `reverse`) of the totals: the carry of each group.
 template <typename Tin, typename Tstate>
 cudaError_t launch_carries(const Tin* k, const Tin* v, float* totals, Tstate* prefix_s,
                            float* prefix_z, int64_t bh, int64_t n, int64_t f, int64_t m,
                            int64_t cpb, bool reverse, bool with_z, cudaStream_t stream) {
-  cudaError_t err =
-      launch_states<Tin, Tstate>(k, v, nullptr, 1, totals, prefix_s, prefix_z, bh, n, f, m, cpb,
-                                 reverse, with_z, prefix_s == nullptr, stream);
+  cudaError_t err = launch_states<Tin, Tstate>(k, v, nullptr, 1, totals, prefix_s, prefix_z, bh,
+                                               n, f, m, cpb, reverse, with_z, 0, stream);
   if (err != cudaSuccess) return err;
-  return launch_scan(totals, nullptr, bh, cdiv(cdiv(n, kChunk), cpb), f * m + f,
+  return launch_scan(totals, totals, bh, cdiv(cdiv(n, kChunk), cpb), 1, f * m + f,
                      reverse ? kExclusiveReverse : kExclusiveForward, stream);
 }
 
@@ -301,16 +303,46 @@ DkvSmem<typename OperandOf<Tin>::type> dkv_smem(int64_t f, int64_t m) {
   return lay;  // nbuf = 0
 }
 
+// The walk's carry pass (kernel 1) sums each segment in groups of cpg chunks, so that each of
+// its thread blocks adds cpg chunks one after another, not cpb: cpg is the smallest divisor of cpb
+// that keeps the pass at or below about KS_CARRY_BLOCKS (512) blocks, about four an SM of an
+// H100 (cpg = cpb, one group a segment, where the segments alone reach it). The grouping, like
+// the segments, depends on the shape alone, so results do not depend on the GPU. Kernel 2 then
+// adds the groups up into the carries.
+
 struct WalkLayout {
-  int64_t cpb, nblk;
-  int64_t floats;  // workspace: the segments' totals, then carries ([bh][nblk][F*M+F]) if nblk > 1
+  int64_t cpb, nblk;     // segments: nblk a sequence, of cpb chunks (the last one shorter)
+  int64_t cpg, groups;   // the carry pass: groups of cpg chunks, `groups` a sequence
+  int64_t per;           // groups a segment (cpb / cpg)
+  int64_t carries;       // float offset of the carries ([bh][nblk][F*M+F]), after the totals
+                         // ([bh][groups][F*M+F]); 0 where per = 1 (in place over the totals)
+  int64_t floats;        // workspace: 0 where nblk = 1 (no carries)
 };
 
 // `slices`: thread blocks per segment (kernel 6: one per 64-wide M slice; kernel 7: one).
 WalkLayout walk_layout(int64_t bh, int64_t n, int64_t f, int64_t m, int64_t walk_blocks,
                        int64_t slices) {
-  const ChunkGroups g = group_chunks(cdiv(n, kChunk), walk_blocks, bh * slices);
-  return {g.cpb, g.nblk, g.nblk > 1 ? bh * g.nblk * (f * m + f) : 0};
+  const int64_t nc = cdiv(n, kChunk);
+  const ChunkGroups g = group_chunks(nc, walk_blocks, bh * slices);
+  WalkLayout l{g.cpb, g.nblk, g.cpb, g.nblk, 1, 0, 0};
+  if (l.nblk == 1) return l;
+  // kernel 1's blocks with one group a segment (the last segment in the walk's order is not
+  // summed: no carry includes it), and how many groups a segment would keep them near the target
+  const int64_t blocks = bh * (l.nblk - 1) * cdiv(f, kTile) * cdiv(m, kTile);
+  const int64_t target = KS_CARRY_BLOCKS;
+  const int64_t split = std::max<int64_t>(1, std::min(target / blocks, l.cpb));
+  l.cpg = cdiv(l.cpb, split);
+  while (l.cpb % l.cpg != 0) ++l.cpg;
+  l.per = l.cpb / l.cpg;
+  l.groups = cdiv(nc, l.cpg);
+  const int64_t ss = f * m + f;
+  if (l.per == 1) {
+    l.floats = bh * l.nblk * ss;
+  } else {
+    l.carries = round_up(bh * l.groups * ss, 64);
+    l.floats = l.carries + bh * l.nblk * ss;
+  }
+  return l;
 }
 
 // The carries of a walk's segments of (k, v) (kernels 1 and 2, totals only) into ws, in
@@ -321,9 +353,15 @@ cudaError_t walk_carries(const Tin* k, const Tin* v, float* ws, const WalkLayout
                          const float** carry, cudaStream_t stream) {
   *carry = nullptr;
   if (l.nblk == 1) return cudaSuccess;
-  *carry = ws;
-  return launch_carries<Tin, StateOf<Tin>>(k, v, ws, nullptr, nullptr, bh, n, f, m, l.cpb,
-                                           reverse, with_z, stream);
+  // the groups of the segment that comes last in the walk's order are not summed
+  const int64_t skip = reverse ? l.per : l.groups - (l.nblk - 1) * l.per;
+  cudaError_t err = launch_states<Tin, StateOf<Tin>>(k, v, nullptr, 1, ws, nullptr, nullptr, bh,
+                                                     n, f, m, l.cpg, reverse, with_z, skip,
+                                                     stream);
+  if (err != cudaSuccess) return err;
+  *carry = ws + l.carries;
+  return launch_scan(ws, ws + l.carries, bh, l.groups, l.per, f * m + f,
+                     reverse ? kExclusiveReverse : kExclusiveForward, stream);
 }
 
 // Kernel 6 for F features (one or two slices).
@@ -677,9 +715,9 @@ cudaError_t full_state_typed(const void* k, const void* v, const bool* keep, int
                              int64_t m, cudaStream_t stream) {
   cudaError_t err = launch_states<Tin, float>(
       static_cast<const Tin*>(k), static_cast<const Tin*>(v), keep, heads, ws, nullptr, nullptr,
-      bh, n, f, m, kReduceRows / kChunk, false, true, false, stream);
+      bh, n, f, m, kReduceRows / kChunk, false, true, 0, stream);
   if (err != cudaSuccess) return err;
-  return launch_scan(ws, state, bh, cdiv(n, kReduceRows), f * m + f, kSum, stream);
+  return launch_scan(ws, state, bh, cdiv(n, kReduceRows), 1, f * m + f, kSum, stream);
 }
 
 template <typename Tin>
@@ -711,7 +749,7 @@ cudaError_t cumsum_typed(const void* x, const float* pre, const float* post, flo
   KS_LAUNCH(chunk_colsum_kernel<Tin>, grid, kSumThreads, 0, stream)(xt, pre, ws, n, f);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  err = launch_scan(ws, nullptr, bh, nc, f, reverse ? kExclusiveReverse : kExclusiveForward,
+  err = launch_scan(ws, ws, bh, nc, 1, f, reverse ? kExclusiveReverse : kExclusiveForward,
                     stream);
   if (err != cudaSuccess) return err;
   KS_LAUNCH(chunk_cumsum_kernel<Tin>, grid, kSumThreads, 0, stream)(xt, pre, post, ws, out, n,

@@ -49,6 +49,16 @@ void ks_emu_configure(uint64_t schedule_seed, int64_t smem_optin) {
   ks_emu::rt().smem_optin = static_cast<size_t>(smem_optin);
 }
 
+// The thread blocks a walk's carry pass aims at (KS_CARRY_BLOCKS; 512 as built for a GPU): a test
+// lowers it so that small shapes sum several chunks a group.
+void ks_emu_set_carry_blocks(int64_t blocks) { ks_emu::rt().carry_blocks = blocks; }
+
+int64_t ks_emu_causal_workspace_floats(int dtype, int64_t bh, int64_t n, int64_t f, int64_t m,
+                                       int64_t walk_blocks, int mma_walk) {
+  return ks_cuda::causal_workspace_floats(static_cast<DType>(dtype), bh, n, f, m, walk_blocks,
+                                          mma_walk != 0);
+}
+
 // The dynamic shared memory of the last kernel launched (bytes): which layout it chose.
 int64_t ks_emu_last_launch_smem() { return static_cast<int64_t>(ks_emu::rt().last_smem); }
 

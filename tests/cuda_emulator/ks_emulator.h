@@ -201,6 +201,7 @@ struct Runtime {
   size_t last_smem = 0;        // the dynamic shared memory of the last launch
   const void* last_kernel = nullptr;  // the kernel of the last launch
   std::vector<const void*> asked;     // kernels asked about by the occupancy shim
+  int64_t carry_blocks = 512;         // KS_CARRY_BLOCKS: the production value unless a test sets it
 };
 
 inline Runtime& rt() {
@@ -471,3 +472,4 @@ inline float __shfl_xor_sync(unsigned, float value, int lane_mask, int = 32) {
 #define KS_HOST_ASYNC_COPY16(dst, src) ::ks_emu::async_copy16(dst, src)
 #define KS_HOST_ASYNC_WAIT() ::ks_emu::async_wait()
 #define KS_DYNAMIC_SMEM(name) unsigned char* name = ::ks_emu::dynamic_smem()
+#define KS_CARRY_BLOCKS (::ks_emu::rt().carry_blocks)
