@@ -24,6 +24,10 @@ package or kernel is missing, and a cell is left empty when it runs out of memor
              F <= 64 (bf16: F <= 128) walks by kernel 8 (mma.sync, operands in registers;
              bf16, or tf32 as ``cuda_walk``: 3xTF32 for fp32), every other case as
              ``cuda_walk``;
+- ``cuda_walk_fused_apart``, ``cuda_walk_mma_fused_apart``  the two fused walks with their
+             backward's walks as two launches (``WALKS_TOGETHER = False``): the A/B of
+             kernels 11 and 10 (the same kernels as their twins where those do not apply:
+             fp16, fp32, F or M above 64);
 - ``torch``  this project's chunked PyTorch backend on the same GPU;
 - ``fla``    flash-linear-attention's ``chunk_linear_attn`` (``normalize=False``, scale 1:
              the same unnormalized causal product), inputs made in its (B, N, H, D) layout;
@@ -76,16 +80,19 @@ from kernelstudy.core import cuda_backend
 from kernelstudy.files import atomic_write, atomic_write_text
 
 DEFAULT_N = [512, 1024, 2048, 4096, 8192, 16384, 32768]
-METHODS = ["cuda", "cuda_fused", "cuda_walk", "cuda_walk_fused", "cuda_walk_mma"]
-METHODS += ["cuda_walk_mma_fused", "torch", "fla", "sdpa"]
+METHODS = ["cuda", "cuda_fused", "cuda_walk", "cuda_walk_fused", "cuda_walk_fused_apart"]
+METHODS += ["cuda_walk_mma", "cuda_walk_mma_fused", "cuda_walk_mma_fused_apart"]
+METHODS += ["torch", "fla", "sdpa"]
 # this project's CUDA methods and their cuda_backend.VARIANTS
 CUDA_METHODS = {
     "cuda": "chunks",
     "cuda_fused": "chunks_fused",
     "cuda_walk": "walk",
     "cuda_walk_fused": "walk_fused",
+    "cuda_walk_fused_apart": "walk_fused_apart",
     "cuda_walk_mma": "walk_mma",
     "cuda_walk_mma_fused": "walk_mma_fused",
+    "cuda_walk_mma_fused_apart": "walk_mma_fused_apart",
 }
 WALK_METHODS = tuple(m for m, variant in CUDA_METHODS.items() if variant.startswith("walk"))
 # where the cases' tensors live: "cuda" (the tests run the pipeline on "cpu" with a fake timer)

@@ -404,7 +404,13 @@ def test_the_stages_commands_are_ones_the_scripts_take(gs, tmp_path):
     for args in parsed:
         assert args.resume and args.no_plot and args.walk_blocks == [128, 256]
         assert args.shapes == [(8, 16)] and args.dims == [64]
-        assert args.out == parsed[0].out and set(args.methods) == set(cuda_core.METHODS)
+        assert args.out == parsed[0].out
+    # every method in bf16; the _apart ones (kernels 10 and 11 against two launches) only there
+    assert set(parsed[0].methods) == set(cuda_core.METHODS)
+    apart = {"cuda_walk_fused_apart", "cuda_walk_mma_fused_apart"}
+    assert set(gs.APART) == apart
+    for args in parsed[1:]:
+        assert set(args.methods) == set(cuda_core.METHODS) - apart
     assert gs.CUDA_METHODS == tuple(cuda_core.CUDA_METHODS)
     assert set(gs.CUDA_METHODS) | set(gs.BASELINES) == set(cuda_core.METHODS)
     prof = profile.parse_args(prof[1:])
