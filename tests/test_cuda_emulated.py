@@ -322,14 +322,24 @@ def test_largest_head_dims_and_one_long_split_sequence(ext, shape, dtype, walk_b
 CARRY_GROUPS = {2: 432, 5: 896 + 432, 20: 3072 + 432, 512: 5952 + 432}
 
 
+# (B·H, N, WALK_BLOCKS) -> workspace floats at F = M = 8 (72 floats a state) with the GPU's
+# target: B·H = 8, N = 32768 (512 chunks) in 16 segments of 32 chunks, 120 blocks in groups of 8
+# (64 groups a sequence: 4608 floats each); B·H = 1, N = 65536 in 128 segments of 8 chunks,
+# which 127 blocks would sum in groups of 2, but that is 512 groups a sequence for kernel 2 to add
+# one after another: capped at 128, one group a segment (per = 1: the carries alone).
+CARRY_CAP = {(8, 32768, 128): 8 * 64 * 72 + 8 * 16 * 72, (1, 65536, 128): 128 * 72}
+
+
 def test_walk_carry_groups_follow_the_target(emu):
+    dtype = DTYPES[torch.bfloat16]
     try:
         for target, floats in CARRY_GROUPS.items():
             emu.ks_emu_set_carry_blocks(target)
-            dtype = DTYPES[torch.bfloat16]
             assert emu.ks_emu_causal_workspace_floats(dtype, 1, 2577, 16, 8, 3, 0) == floats
     finally:
         emu.ks_emu_set_carry_blocks(512)
+    for (bh, n, blocks), floats in CARRY_CAP.items():
+        assert emu.ks_emu_causal_workspace_floats(dtype, bh, n, 8, 8, blocks, 0) == floats
 
 
 @pytest.mark.parametrize("target", [2, 5, 20])

@@ -306,9 +306,12 @@ DkvSmem<typename OperandOf<Tin>::type> dkv_smem(int64_t f, int64_t m) {
 // The walk's carry pass (kernel 1) sums each segment in groups of cpg chunks, so that each of
 // its thread blocks adds cpg chunks one after another, not cpb: cpg is the smallest divisor of cpb
 // that keeps the pass at or below about KS_CARRY_BLOCKS (512) blocks, about four an SM of an
-// H100 (cpg = cpb, one group a segment, where the segments alone reach it). The grouping, like
-// the segments, depends on the shape alone, so results do not depend on the GPU. Kernel 2 then
-// adds the groups up into the carries.
+// H100 (cpg = cpb, one group a segment, where the segments alone reach it), and a sequence at or
+// below kCarryGroups groups (or nblk, where the segments alone are more): kernel 2, which then
+// adds the groups up into the carries, reads a sequence's groups one batch of 8 after another,
+// so more groups lengthen its chain as fewer chunks a group shorten kernel 1's. The grouping,
+// like the segments, depends on the shape alone, so results do not depend on the GPU.
+constexpr int64_t kCarryGroups = 128;
 
 struct WalkLayout {
   int64_t cpb, nblk;     // segments: nblk a sequence, of cpb chunks (the last one shorter)
@@ -331,8 +334,8 @@ WalkLayout walk_layout(int64_t bh, int64_t n, int64_t f, int64_t m, int64_t walk
   const int64_t blocks = bh * (l.nblk - 1) * cdiv(f, kTile) * cdiv(m, kTile);
   const int64_t target = KS_CARRY_BLOCKS;
   const int64_t split = std::max<int64_t>(1, std::min(target / blocks, l.cpb));
-  l.cpg = cdiv(l.cpb, split);
-  while (l.cpb % l.cpg != 0) ++l.cpg;
+  l.cpg = std::max(cdiv(l.cpb, split), cdiv(nc, std::max(kCarryGroups, l.nblk)));
+  while (l.cpb % l.cpg != 0) ++l.cpg;  // cdiv(nc, nblk) <= cpb, which divides itself
   l.per = l.cpb / l.cpg;
   l.groups = cdiv(nc, l.cpg);
   const int64_t ss = f * m + f;
