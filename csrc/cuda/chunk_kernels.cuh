@@ -138,36 +138,35 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t e = (blockIdx.x % per_bh) * kThreads + threadIdx.x;
   if (e >= ss) return;
   const int64_t nseg = (groups + per - 1) / per;
+  const int64_t last_len = groups - (nseg - 1) * per;  // groups of the last segment (1 .. per)
+  const bool reverse = mode == kExclusiveReverse;
   const float* base = states + bh * groups * ss + e;
   float* dst = out + bh * (mode == kSum ? 1 : nseg) * ss + e;
-  const bool reverse = mode == kExclusiveReverse;
-  // the c-th group visited; whether it is read (it counts toward a carry), and the segment
-  // whose carry is written before it is added (-1: none; its first group in the order)
-  auto group = [&](int64_t c) { return reverse ? groups - 1 - c : c; };
-  auto read = [&](int64_t g) {
-    return mode == kSum || (reverse ? g / per > 0 : g / per + 1 < nseg);
-  };
-  auto opens = [&](int64_t g) -> int64_t {
-    if (mode == kSum) return -1;
-    const int64_t j = g / per;
-    const int64_t last = (j + 1) * per < groups ? (j + 1) * per - 1 : groups - 1;
-    return (reverse ? g == last : g == j * per) ? j : -1;
-  };
+  // Visit c takes group c (groups - 1 - c in reverse). Visits below `limit` are read: all for
+  // the sum; for the carries, all but the segment visited last (segment 0 in reverse). Before
+  // visit `next` is added, segment j's carry is written (j counts down in reverse, whose first
+  // segment visited is the last, of last_len groups). Counters, not divisions, per group.
+  const int64_t limit = mode == kSum ? groups : groups - (reverse ? per : last_len);
+  int64_t next = mode == kSum ? groups : 0;
+  int64_t j = reverse ? nseg - 1 : 0;
   constexpr int U = 8;
   float run = 0.f;
   for (int64_t c0 = 0; c0 < groups; c0 += U) {
     float x[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int64_t c = c0 + u, g = group(c);
-      x[u] = c < groups && read(g) ? base[g * ss] : 0.f;
+      const int64_t c = c0 + u;
+      x[u] = c < limit ? base[(reverse ? groups - 1 - c : c) * ss] : 0.f;
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int64_t c = c0 + u;
       if (c < groups) {
-        const int64_t j = opens(group(c));
-        if (j >= 0) dst[j * ss] = run;
+        if (c == next) {
+          dst[j * ss] = run;
+          next += reverse && j == nseg - 1 ? last_len : per;
+          j += reverse ? -1 : 1;
+        }
         run += x[u];
       }
     }
