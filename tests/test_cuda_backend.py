@@ -435,6 +435,32 @@ def test_backward_walks_together_give_the_bits_of_two_launches(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=str)
+def test_walk_carries_in_groups_match_whole_sequences(monkeypatch, causal_kernel, dtype):
+    """B·H = 16 at N = 32768 (512 chunks) with WALK_BLOCKS 32: two segments of 256 chunks a
+    sequence, whose carries the pass sums in groups of 8 chunks (walk_layout: 32 groups a
+    segment, 512 thread blocks; the emulator's CARRY_CAP checks the layout); the products both
+    ways and the fused backward (both walks in one grid and apart) agree with one segment a
+    sequence (WALK_BLOCKS 1: no carries)."""
+    if causal_kernel == "chunks":
+        pytest.skip("segments are the walks'")
+    q, k, v = (t.detach() for t in _features(2, 8, 32768, 64, 64, dtype=dtype))
+    g = _upstream((2, 8, 32768, 64)).to(dtype)
+    ext = cuda_backend.extension()
+
+    def run(blocks: int) -> list[torch.Tensor]:
+        monkeypatch.setattr(cuda_backend, "WALK_BLOCKS", blocks)
+        got = [cuda_backend._product(ext, q, k, v, r, out_fp32=True) for r in (False, True)]
+        for together in (True, False):
+            monkeypatch.setattr(cuda_backend, "WALKS_TOGETHER", together)
+            got += cuda_backend._fused_backward(ext, q, k, v, g, out_fp32=True)
+        return got
+
+    whole = run(1)
+    for a, w in zip(run(32), whole, strict=True):
+        assert close_in_dtype(a, w, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=str)
 def test_fused_backward_in_autograd_matches_three_products(monkeypatch, dtype):
     q, k, v = _features(2, 3, 200, 33, 70, dtype=dtype)
     mask = torch.ones(2, 200, dtype=torch.bool, device=DEVICE)

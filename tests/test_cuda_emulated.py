@@ -324,10 +324,15 @@ CARRY_GROUPS = {2: 432, 5: 896 + 432, 20: 3072 + 432, 512: 5952 + 432}
 
 # (B·H, N, WALK_BLOCKS) -> workspace floats at F = M = 8 (72 floats a state) with the GPU's
 # target: B·H = 8, N = 32768 (512 chunks) in 16 segments of 32 chunks, 120 blocks in groups of 8
-# (64 groups a sequence: 4608 floats each); B·H = 1, N = 65536 in 128 segments of 8 chunks,
-# which 127 blocks would sum in groups of 2, but that is 512 groups a sequence for kernel 2 to add
-# one after another: capped at 128, one group a segment (per = 1: the carries alone).
-CARRY_CAP = {(8, 32768, 128): 8 * 64 * 72 + 8 * 16 * 72, (1, 65536, 128): 128 * 72}
+# (64 groups a sequence: 4608 floats each); B·H = 16, N = 32768 in 2 segments of 256 chunks (the
+# GPU test of grouped carries), 16 blocks in groups of 8; B·H = 1, N = 65536 in 128 segments of 8
+# chunks, which 127 blocks would sum in groups of 2, but that is 512 groups a sequence for kernel
+# 2 to add one after another: capped at 128, one group a segment (per = 1: the carries alone).
+CARRY_CAP = {
+    (8, 32768, 128): 8 * 64 * 72 + 8 * 16 * 72,
+    (16, 32768, 32): 16 * 64 * 72 + 16 * 2 * 72,
+    (1, 65536, 128): 128 * 72,
+}
 
 
 def test_walk_carry_groups_follow_the_target(emu):
