@@ -14,7 +14,9 @@ is changed.
 
     python benchmarks/cuda_profile.py --out benchmarks/results/cuda_profile.csv
 
-The CSV records the device, date and command; a table is printed.
+The CSV records the device, date and command, and the walk variants' ``WALK_BLOCKS``
+(``--walk-blocks``; the backend's default without it); a table is printed. ``--append`` keeps
+the rows already in ``--out`` (another run's: a second WALK_BLOCKS, say) beside the new ones.
 """
 
 from __future__ import annotations
@@ -105,10 +107,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=DTYPES)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--steps", type=int, default=5, help="profiled fwd+bwd steps")
+    p.add_argument(
+        "--walk-blocks", type=int, default=None,
+        help="cuda_backend.WALK_BLOCKS for the walk variants (default: the backend's)",
+    )  # fmt: skip
+    p.add_argument("--append", action="store_true", help="keep the rows already in --out")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/cuda_profile.csv"))
     args = p.parse_args(argv)
     if min(args.n, args.batch, args.heads, *args.dim, args.steps) < 1:
         p.error("--n, --batch, --heads, --dim and --steps must be positive")
+    if args.walk_blocks is not None and args.walk_blocks < 1:
+        p.error("--walk-blocks must be positive")
     return args
 
 
@@ -146,17 +155,24 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     b, h = args.batch, args.heads
     frames, failed = [], []
+    earlier = [pd.read_csv(args.out)] if args.append and args.out.is_file() else []
+    blocks = args.walk_blocks or cuda_backend.WALK_BLOCKS
     date = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     cases = [(d, name, v) for d in args.dim for name in args.dtypes for v in args.variants]
     for dim, name, variant in cases:
         try:
-            frame = kernel_times(getattr(torch, name), b, h, args.n, dim, variant, args.steps)
+            frame = kernel_times(
+                getattr(torch, name), b, h, args.n, dim, variant, args.steps, blocks
+            )
         except Exception as err:  # one variant failing keeps the others' tables
             failed.append(f"{variant} ({name}, F=M={dim})")
             if not case_failed("cuda_profile.py", f"{variant} in {name} at F=M={dim}", err):
                 break
             continue
-        frames.append(frame.assign(dtype=name, variant=variant, F=dim))
+        walk = variant.startswith("walk")
+        frames.append(
+            frame.assign(dtype=name, variant=variant, F=dim, walk_blocks=blocks if walk else None)
+        )
         result = pd.concat(frames, ignore_index=True).assign(
             B=b,
             H=h,
@@ -168,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         # as it goes (a run killed at a time limit keeps what it profiled); atomically: never
         # half a CSV over results
-        atomic_write_text(args.out, result.to_csv(index=False))
+        written = pd.concat([*earlier, result], ignore_index=True)
+        atomic_write_text(args.out, written.to_csv(index=False))
     if not frames:
         print(
             f"benchmarks/cuda_profile.py: nothing profiled; {args.out} left as it was",
@@ -179,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         "F",
         "dtype",
         "variant",
+        "walk_blocks",
         "kernel",
         "calls_per_step",
         "us_per_call",

@@ -648,7 +648,7 @@ def test_profile_keeps_the_variants_that_ran(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(profile.ks, "backends", lambda: ["reference", "torch", "cuda"])
     monkeypatch.setattr(profile, "context_alive", lambda: True)
 
-    def kernel_times(dtype, b, h, n, d, variant, steps):
+    def kernel_times(dtype, b, h, n, d, variant, steps, walk_blocks=None):
         if variant == "walk" and d == 128:
             raise ValueError("too many resources requested for launch")
         return pd.DataFrame(
@@ -669,6 +669,41 @@ def test_profile_keeps_the_variants_that_ran(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(profile, "context_alive", lambda: False)  # stop after a broken context
     assert profile.main([*argv, "--out", str(out)]) == 1
     assert pd.read_csv(out).variant.tolist() == ["chunks", "walk", "walk_fused", "chunks"]
+
+
+def test_profile_appends_a_second_walk_blocks(monkeypatch, tmp_path):
+    """--walk-blocks runs the walk variants at that WALK_BLOCKS and says so in a column (the
+    chunk kernels have none); --append keeps an earlier run's rows in --out."""
+    profile = benchmark_script("cuda_profile")
+    monkeypatch.setattr(profile.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(profile.torch.cuda, "get_device_name", lambda *args: "test GPU")
+    monkeypatch.setattr(profile.ks, "backends", lambda: ["reference", "torch", "cuda"])
+    seen = []
+
+    def kernel_times(dtype, b, h, n, d, variant, steps, walk_blocks=None):
+        seen.append((variant, walk_blocks))
+        return pd.DataFrame(
+            {"kernel": [f"{variant}_kernel"], "total_us": [10.0], "calls": [2]}
+            | {"us_per_call": [5.0], "calls_per_step": [2], "us_per_step": [10.0], "share": [1.0]}
+        )
+
+    monkeypatch.setattr(profile, "kernel_times", kernel_times)
+    out = tmp_path / "profile.csv"
+    argv = ["--dim", "64", "--dtypes", "bfloat16", "--out", str(out)]
+    assert profile.main([*argv, "--variants", "chunks", "walk_fused"]) == 0
+    assert (
+        profile.main([*argv, "--variants", "walk_fused", "--walk-blocks", "256", "--append"]) == 0
+    )
+    default = profile.cuda_backend.WALK_BLOCKS
+    assert seen == [("chunks", default), ("walk_fused", default), ("walk_fused", 256)]
+    rows = pd.read_csv(out)
+    assert rows.variant.tolist() == ["chunks", "walk_fused", "walk_fused"]
+    assert rows.walk_blocks.isna().tolist() == [True, False, False]
+    assert rows.walk_blocks.tolist()[1:] == [default, 256]
+    assert profile.main([*argv, "--variants", "walk"]) == 0  # without --append: this run only
+    assert pd.read_csv(out).variant.tolist() == ["walk"]
+    with pytest.raises(SystemExit):
+        profile.parse_args(["--walk-blocks", "0"])
 
 
 # --------------------------------------------------------- benchmarks/cuda_scaling.py

@@ -55,6 +55,12 @@ def test_plan_names_every_stage_and_file_and_runs_nothing(gs, tmp_path, capsys):
     assert all(s.name in printed for s in gs.STAGES) and "fla-core==" in printed
     assert "--budget 540 --out $OUT" in printed
     assert len(gs.FILES) <= 8  # the device returns at most 8 files
+    # the second of two calls: its stages alone (env and build always), in its command
+    assert gs.main(["--plan", "--budget", "200", "--stages", "scaling", "racecheck"]) == 0
+    printed = capsys.readouterr().out
+    assert "--budget 200 --stages scaling racecheck --out $OUT" in printed
+    table = [line.split()[0] for line in printed.splitlines() if line[:1].isalpha()]
+    assert [n for n in table if n in gs.STAGE_NAMES] == ["env", "build", "scaling", "racecheck"]
 
 
 def test_a_child_past_its_limit_is_stopped_with_what_it_started(gs, tmp_path):
@@ -392,8 +398,8 @@ def test_the_stages_commands_are_ones_the_scripts_take(gs, tmp_path):
     assert gs.stage_profile(session, 100)[0] == "ok"
     assert gs.stage_sweep(session, 100)[0] == "ok"
     assert gs.stage_counters(session, 100)[0] == "ok"
-    *targets, prof = seen[:4]
-    sweep, counted = seen[4:-1], seen[-1]
+    targets, profiles = seen[:3], seen[3:5]
+    sweep, counted = seen[5:-1], seen[-1]
     parsed = [cuda_core.parse_args(part[1:]) for part in targets]
     # the target cases first (bf16 to N=8192, then fp32 N=16384), then the whole grid
     assert [(a.dtypes, a.n) for a in parsed] == [
@@ -413,8 +419,11 @@ def test_the_stages_commands_are_ones_the_scripts_take(gs, tmp_path):
         assert set(args.methods) == set(cuda_core.METHODS) - apart
     assert gs.CUDA_METHODS == tuple(cuda_core.CUDA_METHODS)
     assert set(gs.CUDA_METHODS) | set(gs.BASELINES) == set(cuda_core.METHODS)
-    prof = profile.parse_args(prof[1:])
-    assert prof.n == 8192 and prof.dim == [64, 128]
+    prof, again = (profile.parse_args(part[1:]) for part in profiles)
+    assert prof.n == 8192 and prof.dim == [64, 128] and not prof.append
+    assert prof.walk_blocks is None  # the default, then the walks at 256 beside it
+    assert again.append and again.walk_blocks == 256 and again.out == prof.out
+    assert again.n == 8192 and set(again.variants) <= {v for v in prof.variants if "walk" in v}
     for part in sweep:
         args = cuda_core.parse_args(part[1:])
         assert args.resume and args.shapes == [(1, 8), (4, 16)] and args.n[-1] == 32768
