@@ -43,7 +43,8 @@ sweep      ``cuda_core.py --resume`` over the issue's grid (N 512-32768,  sweep.
            B·H 8 and 64, D 64 and 128): fp32 D=128 first (the part
            no session has measured), then bf16 and fp32 at D=64, bf16
            at D=128, until its time is up; ours as ``cuda`` and the
-           fastest variant of the targets stage
+           targets stage's fastest of ours in the part's dtype (bf16
+           at N=8192, fp32 at N=16384)
 racecheck  ``compute-sanitizer --tool racecheck``, eight small tests     tests.log
 =========  ===========================================================  ==============
 
@@ -462,15 +463,20 @@ def stage_counters(session: Session, limit_s: float) -> tuple[str, str]:
     return ("ok" if rc == 0 else "failed"), ""
 
 
-def fastest_variant(targets_csv: Path) -> tuple[str, int | None] | None:
-    """Our fastest method at N=8192, bf16, fwd+bwd in the targets CSV, with its WALK_BLOCKS
-    (a walk label ends in it), or None without such a row. Read without pandas."""
+# where the targets stage says which of our methods is fastest in each dtype (fwd+bwd, B·H 128)
+FASTEST_AT = {"bfloat16": 8192, "float32": 16384}
+
+
+def fastest_variant(targets_csv: Path, dtype: str = "bfloat16") -> tuple[str, int | None] | None:
+    """Our fastest method in ``dtype`` at its :data:`FASTEST_AT` N, fwd+bwd, in the targets CSV,
+    with its WALK_BLOCKS (a walk label ends in it), or None without such a row. Read without
+    pandas."""
     if not targets_csv.is_file():
         return None
     best = None
     with open(targets_csv) as f:
         for row in csv.DictReader(f):
-            if (row["dtype"], row["mode"], row["N"]) != ("bfloat16", "fwd+bwd", "8192"):
+            if (row["dtype"], row["mode"], row["N"]) != (dtype, "fwd+bwd", str(FASTEST_AT[dtype])):
                 continue
             label, ms = row["method"], float(row["time_ms"] or "nan")
             if not label.startswith("cuda") or ms != ms:
@@ -486,27 +492,29 @@ def fastest_variant(targets_csv: Path) -> tuple[str, int | None] | None:
 
 
 def stage_sweep(session: Session, limit_s: float) -> tuple[str, str]:
+    """Each part of the grid with ``cuda`` (the chunk kernels), the fastest of our methods in
+    its dtype in the targets stage (at that method's WALK_BLOCKS) and the baselines."""
     deadline = session.clock() + limit_s
-    methods = ["cuda"]
-    blocks: list[str] = []
-    best = fastest_variant(session.out / "targets.csv")
-    if best is not None and best[0] != "cuda":
-        methods.append(best[0])
-        blocks = ["--walk-blocks", str(best[1])] if best[1] else []
-    # a baseline that broke the CUDA context (fla, say) stays out too: it broke the first part
-    methods = not_dropped(session, [*methods, *BASELINES])
-    session.record["sweep_methods"] = methods + blocks[1:]
     statuses = []
+    session.record["sweep_methods"] = {}
     for dtype, dim in SWEEP_PARTS:
         if deadline - session.clock() < 5:
             statuses.append(f"{dtype} D={dim}: no time")
             continue
+        methods = ["cuda"]
+        blocks: list[str] = []
+        best = fastest_variant(session.out / "targets.csv", dtype)
+        if best is not None and best[0] != "cuda":
+            methods.append(best[0])
+            blocks = ["--walk-blocks", str(best[1])] if best[1] else []
+        # a method that broke the CUDA context (fla, say) stays out: it would break it again
+        methods = not_dropped(session, [*methods, *BASELINES])
+        session.record["sweep_methods"][f"{dtype} D={dim}"] = methods + blocks[1:]
         args = ["--n", *map(str, SWEEP_N), "--shapes", *SWEEP_SHAPES, "--dims", str(dim)]
         args += ["--dtypes", dtype, *blocks, "--repeats", "5", "--warmup", "2"]
         args += ["--out", str(session.out / "sweep.csv")]
         status, note = benchmark(session, args, methods, deadline)
         statuses.append(f"{dtype} D={dim}: {status}{' (' + note + ')' if note else ''}")
-        methods = not_dropped(session, methods)
     if any(": failed" in s for s in statuses):
         return "failed", "; ".join(statuses)
     ok = all(s.endswith(": ok") for s in statuses)  # else cut short by the budget

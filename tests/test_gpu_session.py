@@ -133,11 +133,13 @@ def test_a_method_that_breaks_the_context_is_dropped_and_the_rest_rerun(gs, tmp_
     assert gs.benchmark(session, [], ["cuda"], 1e12) == ("failed", "")
 
 
-def _targets_csv(path: Path, times: dict[str, float]) -> None:
+def _targets_csv(path: Path, times: dict[str, float], fp32: dict[str, float] | None = None):
+    """A targets CSV: bf16 at N = 8192 (``times``) and fp32 at N = 16384 (``fp32``)."""
+    case = dict(mode="fwd+bwd", B=8, H=16, BH=128, F=64, M=64, device="test GPU")
     rows = [
-        dict(method=m, mode="fwd+bwd", dtype="bfloat16", B=8, H=16, BH=128, N=8192, F=64, M=64)
-        | {"time_ms": ms, "device": "test GPU"}
-        for m, ms in times.items()
+        case | {"method": m, "dtype": dtype, "N": n, "time_ms": ms}
+        for dtype, n, part in (("bfloat16", 8192, times), ("float32", 16384, fp32 or {}))
+        for m, ms in part.items()
     ]
     rows.append(rows[0] | {"N": 2048, "time_ms": 0.01})  # not N=8192: not read
     pd.DataFrame(rows).to_csv(path, index=False)
@@ -151,29 +153,42 @@ def test_the_sweep_times_cuda_and_the_fastest_variant(gs, tmp_path):
     assert gs.fastest_variant(csv) == ("cuda_fused", None)
     assert gs.fastest_variant(tmp_path / "none.csv") is None
 
+    # each dtype's own fastest: the fused walk in bf16, the unfused walk in fp32 (where the
+    # fused backward was the slower on 2026-11-28)
+    assert gs.fastest_variant(csv, "float32") is None
+    _targets_csv(
+        csv, {"cuda_walk_fused_256": 1.5}, {"cuda_walk_fused_128": 19, "cuda_walk_128": 16}
+    )
+    assert gs.fastest_variant(csv, "float32") == ("cuda_walk", 128)
+
     session = gs.Session(tmp_path, budget_s=600)
-    _targets_csv(csv, {"cuda": 3.9, "cuda_walk_fused_512": 1.5})
+    _targets_csv(csv, {"cuda": 3.9, "cuda_walk_fused_512": 1.5}, {"cuda_walk_256": 16.0})
     seen = []
     session.python = lambda args, limit_s, log="session.log": (seen.append(args) or 0, False)
     status, note = gs.stage_sweep(session, 100)
     assert status == "ok" and len(seen) == len(gs.SWEEP_PARTS)
-    args = seen[0]
-    methods = args[args.index("--methods") + 1 : args.index("--resume")]
-    assert methods == ["cuda", "cuda_walk_fused", "torch", "fla", "sdpa"]
-    assert args[args.index("--walk-blocks") + 1] == "512" and "--no-plot" in args
     assert [a[a.index("--dtypes") + 1] for a in seen] == [d for d, _ in gs.SWEEP_PARTS]
+
+    def ours(args):
+        methods = args[args.index("--methods") + 1 : args.index("--resume")]
+        return methods, args[args.index("--walk-blocks") + 1], "--no-plot" in args
+
+    by_dtype = {a[a.index("--dtypes") + 1]: ours(a) for a in seen}
+    assert by_dtype["bfloat16"] == (
+        ["cuda", "cuda_walk_fused", "torch", "fla", "sdpa"],
+        "512",
+        True,
+    )
+    assert by_dtype["float32"] == (["cuda", "cuda_walk", "torch", "fla", "sdpa"], "256", True)
+    assert session.record["sweep_methods"]["float32 D=128"][-1] == "256"
     # a baseline that broke the CUDA context (in the targets, or the session resumed) stays
     # out of every part: it came back in the first and broke it again
     session.record["dropped_methods"] = ["fla"]
     seen.clear()
     assert gs.stage_sweep(session, 100)[0] == "ok"
     for args in seen:
-        assert args[args.index("--methods") + 1 : args.index("--resume")] == [
-            "cuda",
-            "cuda_walk_fused",
-            "torch",
-            "sdpa",
-        ]
+        methods = args[args.index("--methods") + 1 : args.index("--resume")]
+        assert "fla" not in methods and methods[0] == "cuda" and methods[-2:] == ["torch", "sdpa"]
 
 
 def test_results_resumed_from_another_gpu_are_measured_afresh(gs, tmp_path):
