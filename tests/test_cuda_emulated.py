@@ -795,7 +795,10 @@ def _random_case(rng: random.Random) -> dict:
         "schedule": rng.randrange(1 << 30),
         "reverse": rng.random() < 0.5,
         "seed": rng.randrange(1000),
-        "walks_together": rng.random() < 0.7,  # drawn last: the fields above keep their draws
+        "walks_together": rng.random() < 0.7,  # drawn after the fields above: they keep their
+        # draws; so is the carry pass's target (KS_CARRY_BLOCKS; 512 on a GPU, lower: segments
+        # summed in several groups even at these sizes)
+        "carry_blocks": rng.choice([512, 2, 3, 5]),
     }
 
 
@@ -807,10 +810,12 @@ def test_random_cases_over_every_option_match_the_reference(emu, case):
     q, k, v, g = _inputs(c["bh"], c["n"], c["f"], c["m"], c["dtype"], seed=c["seed"], extra=1)
     try:
         emu.ks_emu_configure(c["schedule"], c["smem"])
+        emu.ks_emu_set_carry_blocks(c["carry_blocks"])
         _check_product(x, q, k, v, c["reverse"], **kernel)
         _check_fused_backward(x, q, k, v, g, walks_together=c["walks_together"], **kernel)
     finally:
         emu.ks_emu_configure(0, H100_SMEM)
+        emu.ks_emu_set_carry_blocks(512)
 
 
 # ---------------------------------------------------------------- the backend on the kernels
