@@ -479,9 +479,14 @@ def measure(
 
 
 def targets(frame: pd.DataFrame) -> str:
-    """The issue's target ratios where the frame has the cells (bf16, B=8, H=16, F=M=64)."""
+    """The issue's target ratios where the frame has the cells (bf16, B=8, H=16, F=M=64): for
+    each of our methods, then for the fastest of ours at each target, with its achieved rate
+    against the matmul rate of the same run where the frame has them (what a closing note
+    quotes)."""
 
-    def t(method, dtype, n, b=8, h=16, d=64, mode="fwd+bwd"):
+    def cell(method, dtype, n, column="time_ms", b=8, h=16, d=64, mode="fwd+bwd"):
+        if column not in frame.columns:
+            return float("nan")
         sel = frame[
             (frame.method == method)
             & (frame.dtype == dtype)
@@ -491,7 +496,10 @@ def targets(frame: pd.DataFrame) -> str:
             & (frame.F == d)
             & (frame["mode"] == mode)
         ]
-        return float(sel.time_ms.iloc[0]) if len(sel) else float("nan")
+        return float(sel[column].iloc[0]) if len(sel) else float("nan")
+
+    def t(method, dtype, n):
+        return cell(method, dtype, n)
 
     lines = []
     fla, sdpa = t("fla", "bfloat16", 8192), t("sdpa", "bfloat16", 8192)
@@ -506,6 +514,35 @@ def targets(frame: pd.DataFrame) -> str:
         lines.append(
             f"crossover of {m} with sdpa flash (bf16): N = "
             f"{crossover(frame, m, t) or 'none'} (target <= 2048)"
+        )
+
+    def fastest(dtype: str, n: int) -> tuple[str, float] | None:
+        timed = [(t(m, dtype, n), m) for m in ours if t(m, dtype, n) == t(m, dtype, n)]
+        return (min(timed)[1], min(timed)[0]) if timed else None
+
+    def rate(m: str, dtype: str, n: int) -> str:
+        got, yardstick = cell(m, dtype, n, "tflops"), cell(m, dtype, n, "matmul_tflops")
+        if got != got or yardstick != yardstick:
+            return ""
+        return f"; {got:.1f} TFLOP/s, {got / yardstick:.1%} of the run's {yardstick:.0f} (matmul)"
+
+    if best := fastest("bfloat16", 8192):
+        m, ms = best
+        lines.append(
+            f"fastest of ours, N=8192 bf16: {m} {ms:.3f} ms: /fla {ms / fla:.3f} (target <= 1.0),"
+            f" /sdpa {ms / sdpa:.3f} (target < 1.0){rate(m, 'bfloat16', 8192)}"
+        )
+    if best := fastest("float32", 16384):
+        m, ms = best
+        lines.append(
+            f"fastest of ours, N=16384 fp32: {m} {ms:.3f} ms: torch/ours {torch32 / ms:.2f} "
+            f"(target >= 10){rate(m, 'float32', 16384)}"
+        )
+    crossings = sorted((n, m) for m in ours if (n := crossover(frame, m, t)) is not None)
+    if crossings:
+        n, m = crossings[0]
+        lines.append(
+            f"earliest crossover of ours with sdpa flash (bf16): N = {n} ({m}) (target <= 2048)"
         )
     return "\n".join(lines)
 

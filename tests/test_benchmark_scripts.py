@@ -60,6 +60,15 @@ def test_targets_report_the_issue_ratios(cuda_core):
     assert "N=16384 fp32 torch/cuda_walk: 12.50" in text
     # faster at 1024, slower at 2048, faster from 8192: the crossover is where it stays ahead
     assert "crossover of cuda_walk with sdpa flash (bf16): N = 8192" in text
+    # the fastest of ours at each target (no rate without the tflops columns)
+    assert text.splitlines()[-3:] == [
+        "fastest of ours, N=8192 bf16: cuda_walk 1.250 ms: /fla 0.500 (target <= 1.0),"
+        " /sdpa 0.104 (target < 1.0)",
+        "fastest of ours, N=16384 fp32: cuda_walk 1.600 ms: torch/ours 12.50 (target >= 10)",
+        "earliest crossover of ours with sdpa flash (bf16): N = 2048 (cuda) (target <= 2048)",
+    ]
+    rated = _frame().assign(tflops=23.1, matmul_tflops=757.0)
+    assert "; 23.1 TFLOP/s, 3.1% of the run's 757 (matmul)" in cuda_core.targets(rated)
 
 
 def test_plot_writes_a_png(cuda_core, tmp_path):
