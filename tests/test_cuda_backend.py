@@ -531,7 +531,7 @@ def test_walk_segments_match_reference(monkeypatch, causal_kernel, shape, dtype,
     if causal_kernel == "chunks":
         pytest.skip("segments are the walks'")
     monkeypatch.setattr(cuda_backend, "WALK_BLOCKS", walk_blocks)
-    kernel = cuda_backend._kernel_args()
+    kernel = cuda_backend._kernel_args(dtype)
     b, h, n, f, m = shape
     q, k, v = _features(*shape, dtype=dtype)
     q64, k64, v64 = _as64((q, k, v))
@@ -741,7 +741,7 @@ def test_kernels_run_on_the_current_stream():
     stream bit for bit; a kernel enqueued on the legacy default stream (or any other) would run
     before the inputs are written and read zeros."""
     ext = cuda_backend.extension()
-    kernel = cuda_backend._kernel_args()
+    kernel = cuda_backend._kernel_args(torch.bfloat16)
     q, k, v = (t.detach() for t in _features(2, 3, 300, 32, 24, dtype=torch.bfloat16))
     g = _upstream((2, 3, 300, 24)).to(torch.bfloat16)
 

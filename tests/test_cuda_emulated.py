@@ -837,6 +837,9 @@ BACKEND_CASES = [
     for k in cuda_backend.CAUSAL_KERNELS
     if s == "small" or k != "walk_mma" or d == torch.bfloat16
 ]
+# CAUSAL_KERNEL as a dict: each dtype its own kernel
+BY_DTYPE = {torch.float32: "walk", torch.float16: "chunks", torch.bfloat16: "walk_mma"}
+BACKEND_CASES += [("small", d, "by_dtype") for d in DTYPES]
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["three_products", "fused_backward"])
@@ -846,7 +849,7 @@ BACKEND_CASES = [
 def test_backend_matches_reference(backend, monkeypatch, shape, dtype, kernel, fused):
     """The autograd functions of the cuda backend (products, normalizer, masks, the float16
     normalized backward in float32) on each kernel and backward: outputs and every gradient."""
-    monkeypatch.setattr(backend, "CAUSAL_KERNEL", kernel)
+    monkeypatch.setattr(backend, "CAUSAL_KERNEL", BY_DTYPE if kernel == "by_dtype" else kernel)
     monkeypatch.setattr(backend, "WALK_BLOCKS", 3)
     monkeypatch.setattr(backend, "FUSED_BACKWARD", fused)
     b, h, n, f, m = BACKEND_SHAPES[shape]

@@ -18,7 +18,7 @@ def _settings() -> tuple:
 def test_defaults_are_valid_settings():
     assert cuda_backend.CAUSAL_KERNEL in cuda_backend.CAUSAL_KERNELS
     walk = cuda_backend.CAUSAL_KERNEL != "chunks"
-    assert cuda_backend._kernel_args() == {
+    assert cuda_backend._kernel_args(torch.float32) == {
         "walk_blocks": cuda_backend.WALK_BLOCKS if walk else 0,
         "mma_walk": cuda_backend.CAUSAL_KERNEL == "walk_mma",
     }
@@ -36,7 +36,7 @@ def test_each_kernel_passes_its_arguments(monkeypatch):
     assert set(want) == set(cuda_backend.CAUSAL_KERNELS)
     for kernel, args in want.items():
         monkeypatch.setattr(cuda_backend, "CAUSAL_KERNEL", kernel)
-        assert cuda_backend._kernel_args() == args
+        assert cuda_backend._kernel_args(torch.float32) == args
 
 
 def test_fused_backward_passes_the_kernel_choice(monkeypatch):
@@ -49,6 +49,8 @@ def test_fused_backward_passes_the_kernel_choice(monkeypatch):
             calls.append((len(tensors), out_fp32, walk_blocks, mma_walk, walks_together))
             return []
 
+    x = torch.zeros(1)
+
     monkeypatch.setattr(cuda_backend, "WALK_BLOCKS", 64)
     for together in (True, False):
         monkeypatch.setattr(cuda_backend, "WALKS_TOGETHER", together)
@@ -56,14 +58,61 @@ def test_fused_backward_passes_the_kernel_choice(monkeypatch):
             ("walk", 64, False), ("chunks", 0, False), ("walk_mma", 64, True)
         ):  # fmt: skip
             monkeypatch.setattr(cuda_backend, "CAUSAL_KERNEL", kernel)
-            cuda_backend._fused_backward(Ext(), 1, 2, 3, 4, out_fp32=True)
+            cuda_backend._fused_backward(Ext(), x, x, x, x, out_fp32=True)
             assert calls[-1] == (4, True, blocks, mma, together)
+
+
+def test_a_kernel_for_each_dtype(monkeypatch):
+    """CAUSAL_KERNEL as a dict: each operand dtype its own kernel, to the products, the
+    normalized attention and the fused backward alike (by their operands' dtype)."""
+    monkeypatch.setattr(cuda_backend, "WALK_BLOCKS", 96)
+    by_dtype = {torch.float32: "walk", torch.float16: "chunks", torch.bfloat16: "walk_mma"}
+    monkeypatch.setattr(cuda_backend, "CAUSAL_KERNEL", by_dtype)
+    assert cuda_backend._kernel_args(torch.float32) == {"walk_blocks": 96, "mma_walk": False}
+    assert cuda_backend._kernel_args(torch.float16) == {"walk_blocks": 0, "mma_walk": False}
+    assert cuda_backend._kernel_args(torch.bfloat16) == {"walk_blocks": 96, "mma_walk": True}
+    calls = []
+
+    class Ext:
+        def causal_product(self, q, k, v, reverse, out_fp32, walk_blocks, mma_walk):
+            calls.append(("product", q.dtype, walk_blocks, mma_walk))
+            return [q]
+
+        def causal_backward(self, q, k, v, g, out_fp32, walk_blocks, mma_walk, walks_together):
+            calls.append(("backward", q.dtype, walk_blocks, mma_walk))
+            return [q, k, v]
+
+    for dtype in cuda_backend.DTYPES:
+        x = torch.zeros(1, dtype=dtype)
+        cuda_backend._product(Ext(), x, x, x, reverse=False, out_fp32=False)
+        cuda_backend._fused_backward(Ext(), x, x, x, x, out_fp32=False)
+    assert calls == [
+        ("product", torch.float32, 96, False), ("backward", torch.float32, 96, False),
+        ("product", torch.float16, 0, False), ("backward", torch.float16, 0, False),
+        ("product", torch.bfloat16, 96, True), ("backward", torch.bfloat16, 96, True),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {torch.float32: "walk", torch.bfloat16: "walk"},  # float16 missing
+        {torch.float32: "walk", torch.float16: "walk", torch.bfloat16: "fast"},
+        {"float32": "walk", "float16": "walk", "bfloat16": "walk"},  # names, not dtypes
+        ["walk"],
+    ],
+    ids=["missing", "unknown", "names", "list"],
+)
+def test_a_bad_kernel_by_dtype_is_refused_by_name(monkeypatch, value):
+    monkeypatch.setattr(cuda_backend, "CAUSAL_KERNEL", value)
+    with pytest.raises(ValueError, match="cuda_backend.CAUSAL_KERNEL"):
+        cuda_backend._kernel_args(torch.float16)
 
 
 def test_unknown_kernel_is_refused_by_name(monkeypatch):
     monkeypatch.setattr(cuda_backend, "CAUSAL_KERNEL", "fast")
     with pytest.raises(ValueError, match=r"CAUSAL_KERNEL must be one of .*'fast'"):
-        cuda_backend._kernel_args()
+        cuda_backend._kernel_args(torch.float32)
 
 
 @pytest.mark.parametrize("blocks", [0, -3, True, 2.0, "256"])
@@ -71,7 +120,7 @@ def test_walk_blocks_must_be_a_positive_int(monkeypatch, blocks):
     monkeypatch.setattr(cuda_backend, "CAUSAL_KERNEL", "walk")
     monkeypatch.setattr(cuda_backend, "WALK_BLOCKS", blocks)
     with pytest.raises(ValueError, match="WALK_BLOCKS must be an int >= 1"):
-        cuda_backend._kernel_args()
+        cuda_backend._kernel_args(torch.float32)
 
 
 def test_use_variant_sets_the_kernel_and_the_backward(monkeypatch):
@@ -83,15 +132,15 @@ def test_use_variant_sets_the_kernel_and_the_backward(monkeypatch):
         assert cuda_backend.WALKS_TOGETHER is together
         assert kernel in cuda_backend.CAUSAL_KERNELS
     cuda_backend.use_variant("walk", walk_blocks=96)
-    assert cuda_backend._kernel_args() == {"walk_blocks": 96, "mma_walk": False}
+    assert cuda_backend._kernel_args(torch.float32) == {"walk_blocks": 96, "mma_walk": False}
     cuda_backend.use_variant("chunks_fused")
     assert cuda_backend.WALK_BLOCKS == 96
-    assert cuda_backend._kernel_args() == {"walk_blocks": 0, "mma_walk": False}
+    assert cuda_backend._kernel_args(torch.float32) == {"walk_blocks": 0, "mma_walk": False}
     cuda_backend.use_variant("walk_mma_fused")
-    assert cuda_backend._kernel_args() == {"walk_blocks": 96, "mma_walk": True}
+    assert cuda_backend._kernel_args(torch.float32) == {"walk_blocks": 96, "mma_walk": True}
     assert cuda_backend.WALKS_TOGETHER is True
     cuda_backend.use_variant("walk_mma_fused_apart")
-    assert cuda_backend._kernel_args() == {"walk_blocks": 96, "mma_walk": True}
+    assert cuda_backend._kernel_args(torch.float32) == {"walk_blocks": 96, "mma_walk": True}
     assert cuda_backend.WALKS_TOGETHER is False
 
 

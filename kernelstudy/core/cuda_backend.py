@@ -78,8 +78,10 @@ FUSED_BACKWARD: bool | tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
 # once at B·H near its SM count); kernels 6 and 7 elsewhere and where kernel 8's or 9's shared
 # memory does not fit the device (137 and 170 KB with float32 tiles). It passes the emulated tests
 # (tests/test_cuda_emulated.py) but has not yet run on a GPU, so it is not the default.
+# One of CAUSAL_KERNELS for every dtype, or a dict giving one for each operand dtype of DTYPES (as
+# FUSED_BACKWARD may name dtypes: a kernel may win in bfloat16 and lose in float32).
 CAUSAL_KERNELS = ("chunks", "walk", "walk_mma")
-CAUSAL_KERNEL = "walk"
+CAUSAL_KERNEL: str | dict[torch.dtype, str] = "walk"
 # Thread blocks the walk aims for: a sequence is cut into segments (one extra pass over k and v
 # gives their carries) until B·H·ceil(M/64)·segments reaches this; 1 never cuts it. 128 was the
 # fastest of 128, 256 and 512 at B·H = 128 on the H200 with each dtype's default backward
@@ -188,17 +190,29 @@ def _fused(dtype: torch.dtype) -> bool:
     return check_flag("cuda_backend.FUSED_BACKWARD", FUSED_BACKWARD)
 
 
-def _kernel_args() -> dict[str, int | bool]:
-    """The extension's ``walk_blocks`` (0: the chunk kernels) and ``mma_walk`` arguments for
-    :data:`CAUSAL_KERNEL`."""
-    if CAUSAL_KERNEL not in CAUSAL_KERNELS:
+def _causal_kernel(dtype: torch.dtype) -> str:
+    """:data:`CAUSAL_KERNEL` for operands of ``dtype`` (its entry where it is a dict), checked."""
+    chosen = (
+        CAUSAL_KERNEL if isinstance(CAUSAL_KERNEL, dict) else dict.fromkeys(DTYPES, CAUSAL_KERNEL)
+    )
+    if set(chosen) != set(DTYPES) or not all(
+        isinstance(k, str) and k in CAUSAL_KERNELS for k in chosen.values()
+    ):
         raise ValueError(
-            f"cuda_backend.CAUSAL_KERNEL must be one of {CAUSAL_KERNELS}, got {CAUSAL_KERNEL!r}"
+            f"cuda_backend.CAUSAL_KERNEL must be one of {CAUSAL_KERNELS}, or a dict giving one for "
+            f"each of {[str(d) for d in DTYPES]}, got {CAUSAL_KERNEL!r}"
         )
-    if CAUSAL_KERNEL == "chunks":
+    return chosen[dtype]
+
+
+def _kernel_args(dtype: torch.dtype) -> dict[str, int | bool]:
+    """The extension's ``walk_blocks`` (0: the chunk kernels) and ``mma_walk`` arguments for
+    :data:`CAUSAL_KERNEL` on operands of ``dtype``."""
+    kernel = _causal_kernel(dtype)
+    if kernel == "chunks":
         return {"walk_blocks": 0, "mma_walk": False}
     blocks = check_count("cuda_backend.WALK_BLOCKS", WALK_BLOCKS, 1)
-    return {"walk_blocks": blocks, "mma_walk": CAUSAL_KERNEL == "walk_mma"}
+    return {"walk_blocks": blocks, "mma_walk": kernel == "walk_mma"}
 
 
 def _fused_backward(ext: ModuleType, q, k, v, g, out_fp32: bool) -> list[torch.Tensor]:
@@ -206,13 +220,14 @@ def _fused_backward(ext: ModuleType, q, k, v, g, out_fp32: bool) -> list[torch.T
     two walks in one grid as :data:`WALKS_TOGETHER` says)."""
     together = check_flag("cuda_backend.WALKS_TOGETHER", WALKS_TOGETHER)
     return ext.causal_backward(
-        q, k, v, g, out_fp32=out_fp32, walks_together=together, **_kernel_args()
+        q, k, v, g, out_fp32=out_fp32, walks_together=together, **_kernel_args(q.dtype)
     )
 
 
 def _product(ext: ModuleType, q, k, v, reverse: bool, out_fp32: bool) -> torch.Tensor:
     """The unnormalized causal (``reverse``: anti-causal) product by :data:`CAUSAL_KERNEL`."""
-    return ext.causal_product(q, k, v, reverse=reverse, out_fp32=out_fp32, **_kernel_args())[0]
+    args = _kernel_args(q.dtype)
+    return ext.causal_product(q, k, v, reverse=reverse, out_fp32=out_fp32, **args)[0]
 
 
 def _require() -> ModuleType:
@@ -402,7 +417,7 @@ class _CausalAttention(_FusedAttention):
             with_den=True,
             normalize=True,
             eps=eps,
-            **_kernel_args(),
+            **_kernel_args(q.dtype),
         )
         return out, den
 
