@@ -46,8 +46,17 @@ struct WalkSegment {
 // grid.x = BH * (nblk - skip) and the `skip` blocks that come last are not walked (WalkSegment).
 // Shared: two buffers of (K tile 64 x 64 (rows x F slice), V tile 64 x 64 (rows x M slice)), so
 // the next chunk's tiles load (cp.async) while this chunk's product runs; fp32 staging 64 x 64.
+// Blocks per SM: with bf16 tiles (53 KB) an H100's shared memory holds four, which 64 registers
+// a thread allow (ptxas: no spill; the chunk loop 1083 -> 1273 instructions); unbounded, ptxas
+// took 77-80 and an SM held three, so the walk's carry pass of about 512 blocks (walk_layout)
+// ran in two waves on 132 SMs. fp32 tiles (85 KB) fit two by shared memory alone: 0 there, no
+// minimum (nvcc then emits no .minnctapersm, as for __launch_bounds__(kThreads); a minimum of
+// 2 took fp16's 63 registers to 128 with a spill).
+template <typename Op>
+constexpr int kStatesBlocksPerSm = sizeof(Op) == 2 ? 4 : 0;
+
 template <typename Tin, typename Tstate>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kStatesBlocksPerSm<typename OperandOf<Tin>::type>)
     chunk_states_kernel(const Tin* __restrict__ k, const Tin* __restrict__ v,
                         const bool* __restrict__ key_keep, int64_t heads,
                         float* __restrict__ totals, Tstate* __restrict__ prefix_s,
