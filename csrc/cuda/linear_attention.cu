@@ -304,14 +304,17 @@ DkvSmem<typename OperandOf<Tin>::type> dkv_smem(int64_t f, int64_t m) {
 }
 
 // The walk's carry pass (kernel 1) sums each segment in groups of cpg chunks, so that each of
-// its thread blocks adds cpg chunks one after another, not cpb: cpg is the smallest divisor of cpb
-// that keeps the pass at or below about KS_CARRY_BLOCKS (512) blocks, about four for each of an
-// H100's SMs, which hold two (fp32 tiles) or three (bf16; registers) of kernel 1's blocks at once
-// (cpg = cpb, one group a segment, where the segments alone reach it), and a sequence at or
-// below kCarryGroups groups (or nblk, where the segments alone are more): kernel 2, which then
-// adds the groups up into the carries, reads a sequence's groups one batch of 8 after another,
-// so more groups lengthen its chain as fewer chunks a group shorten kernel 1's. The grouping,
-// like the segments, depends on the shape alone, so results do not depend on the GPU.
+// its thread blocks adds cpg chunks one after another, not cpb. cpg is the smallest divisor of
+// cpb that keeps
+//   - the pass at or below about KS_CARRY_BLOCKS (512) blocks, about four for each of an H100's
+//     SMs, which hold four of kernel 1's blocks at once with bf16 tiles (kStatesBlocksPerSm) and
+//     two with fp32 tiles (cpg = cpb, one group a segment, where the segments alone reach it);
+//   - a sequence at or below kCarryGroups groups (or nblk, where the segments alone are more):
+//     kernel 2, which then adds the groups up into the carries, reads a sequence's groups one
+//     batch of 8 after another, so more groups lengthen its chain as fewer chunks a group
+//     shorten kernel 1's.
+// The grouping, like the segments, depends on the shape alone, so results do not depend on the
+// GPU.
 constexpr int64_t kCarryGroups = 128;
 
 struct WalkLayout {
