@@ -517,8 +517,11 @@ def targets(frame: pd.DataFrame) -> str:
         )
 
     def fastest(dtype: str, n: int) -> tuple[str, float] | None:
-        timed = [(t(m, dtype, n), m) for m in ours if t(m, dtype, n) == t(m, dtype, n)]
-        return (min(timed)[1], min(timed)[0]) if timed else None
+        timed = [(ms, m) for m in ours if (ms := t(m, dtype, n)) == ms]  # NaN: not measured
+        if not timed:
+            return None
+        ms, m = min(timed)
+        return m, ms
 
     def rate(m: str, dtype: str, n: int) -> str:
         got, yardstick = cell(m, dtype, n, "tflops"), cell(m, dtype, n, "matmul_tflops")

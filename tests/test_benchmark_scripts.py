@@ -647,6 +647,14 @@ def test_fla_import_failure_says_why(cuda_core, monkeypatch, capsys):
 
 
 # --------------------------------------------------------- benchmarks/cuda_profile.py's loop
+def _kernel_frame(variant: str) -> pd.DataFrame:
+    """cuda_profile.kernel_times' frame for a variant: one kernel, 10 µs a step in 2 calls."""
+    return pd.DataFrame(
+        {"kernel": [f"{variant}_kernel"], "total_us": [10.0], "calls": [2]}
+        | {"us_per_call": [5.0], "calls_per_step": [2], "us_per_step": [10.0], "share": [1.0]}
+    )
+
+
 def test_profile_keeps_the_variants_that_ran(monkeypatch, tmp_path, capsys):
     """One variant failing (a kernel that has never run on a GPU) made the script return
     without writing the others' tables (RuntimeError), or crash (any other error). Several
@@ -660,10 +668,7 @@ def test_profile_keeps_the_variants_that_ran(monkeypatch, tmp_path, capsys):
     def kernel_times(dtype, b, h, n, d, variant, steps, walk_blocks=None):
         if variant == "walk" and d == 128:
             raise ValueError("too many resources requested for launch")
-        return pd.DataFrame(
-            {"kernel": [f"{variant}_kernel"], "total_us": [10.0], "calls": [2]}
-            | {"us_per_call": [5.0], "calls_per_step": [2], "us_per_step": [10.0], "share": [1.0]}
-        )
+        return _kernel_frame(variant)
 
     monkeypatch.setattr(profile, "kernel_times", kernel_times)
     out = tmp_path / "profile.csv"
@@ -691,10 +696,7 @@ def test_profile_appends_a_second_walk_blocks(monkeypatch, tmp_path):
 
     def kernel_times(dtype, b, h, n, d, variant, steps, walk_blocks=None):
         seen.append((variant, walk_blocks))
-        return pd.DataFrame(
-            {"kernel": [f"{variant}_kernel"], "total_us": [10.0], "calls": [2]}
-            | {"us_per_call": [5.0], "calls_per_step": [2], "us_per_step": [10.0], "share": [1.0]}
-        )
+        return _kernel_frame(variant)
 
     monkeypatch.setattr(profile, "kernel_times", kernel_times)
     out = tmp_path / "profile.csv"
