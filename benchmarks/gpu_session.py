@@ -29,7 +29,9 @@ build      the CUDA extension; if it fails, the compiler's own output   session.
 tests      ``pytest -v tests/test_cuda_backend.py``                     tests.log
 targets    ``cuda_core.py``: the issue's targets (B=8, H=16, D=64, N     targets.csv
            512-16384, bf16 and fp32, every method, WALK_BLOCKS 128
-           and 256; the ``_apart`` methods at bf16's target N only)
+           and 256; the ``_apart`` methods at bf16's target N only),
+           and the walks in bf16 at N=8192 with WALK_BLOCKS 512 to
+           16384 (down to one chunk a segment: chunk-parallel)
 profile    ``cuda_profile.py`` at N=8192, F=M 64 then 128, bf16, fp32   profile.csv
            and fp16, every variant (the ``_apart`` ones: kernels 10
            and 11 against two launches); then the walks again at
@@ -104,6 +106,7 @@ CUDA_METHODS += ("cuda_walk_mma", "cuda_walk_mma_fused", "cuda_walk_mma_fused_ap
 # the fused walks' backward as two launches: other than their twins only in bfloat16 (kernels 10
 # and 11), so the targets stage times them in its bfloat16 pass alone
 APART = tuple(m for m in CUDA_METHODS if m.endswith("_apart"))
+WALKS = tuple(m for m in CUDA_METHODS if "walk" in m)  # the methods WALK_BLOCKS applies to
 BASELINES = ("torch", "fla", "sdpa")
 TARGET_N = (512, 1024, 2048, 4096, 8192, 16384)
 # what the issue's ratios read: the crossover with SDPA and N=8192 in bfloat16, N=16384 in float32
@@ -395,21 +398,34 @@ def benchmark(
     return "failed", f"every method broke the CUDA context: {', '.join(dropped)}"
 
 
+# WALK_BLOCKS past 256 for the walks in bf16 at N = 8192, after the target cases. At the targets'
+# B·H = 128, 1024 cuts each sequence into 8 segments of 16 chunks and 16384 into 128 segments of
+# one chunk: the chunk-parallel schedule (every chunk's state from kernels 1 and 2, each chunk its
+# own block, as fla's kernels), with the register walk (kernel 8, two blocks an SM) in place of
+# the chunk kernels' WMMA output kernel. On 2026-11-28 (kernel 6 only) 512 was never the fastest.
+WIDE_WALK_BLOCKS = (512, 1024, 4096, 16384)
+
+
 def stage_targets(session: Session, limit_s: float) -> tuple[str, str]:
-    """The cases the issue's ratios read first (:data:`TARGET_FIRST`), then the rest of the
-    grid, resuming the same CSV: on 2026-11-28 the whole grid in one pass ran out of time
-    before float32 N=16384."""
+    """The cases the issue's ratios read first (:data:`TARGET_FIRST`), then the walks at
+    :data:`WIDE_WALK_BLOCKS`, then the rest of the grid, resuming the same CSV: on 2026-11-28 the
+    whole grid in one pass ran out of time before float32 N=16384."""
     deadline = session.clock() + limit_s
-    # WALK_BLOCKS 512 was never the fastest with each dtype's default backward (2026-11-28)
-    common = ["--shapes", "8x16", "--dims", "64", "--walk-blocks", "128", "256"]
-    common += ["--repeats", "7", "--warmup", "2", "--out", str(session.out / "targets.csv")]
+    common = ["--shapes", "8x16", "--dims", "64", "--repeats", "7", "--warmup", "2"]
+    common += ["--out", str(session.out / "targets.csv")]
     methods = not_dropped(session, (*CUDA_METHODS, *BASELINES))
-    passes = [((dtype,), ns) for dtype, ns in TARGET_FIRST]
-    passes.append((("bfloat16", "float32"), TARGET_N))
+    usual = (128, 256)
+    # (dtypes, N, WALK_BLOCKS, only the walks)
+    passes = [((dtype,), ns, usual, False) for dtype, ns in TARGET_FIRST]
+    passes.append((("bfloat16",), (8192,), WIDE_WALK_BLOCKS, True))
+    passes.append((("bfloat16", "float32"), TARGET_N, usual, False))
     status, note = "ok", ""
-    for dtypes, ns in passes:
+    for dtypes, ns, blocks, walks in passes:
         args = ["--n", *map(str, ns), "--dtypes", *dtypes, *common]
+        args += ["--walk-blocks", *map(str, blocks)]
         run = methods if dtypes == ("bfloat16",) else [m for m in methods if m not in APART]
+        if walks:
+            run = [m for m in run if m in WALKS]
         status, note = benchmark(session, args, run, deadline)
         if status != "ok":
             break

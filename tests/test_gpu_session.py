@@ -360,7 +360,7 @@ def test_a_later_call_leaves_out_the_methods_that_broke_the_context(gs, monkeypa
     assert gs.run_session(tmp_path / "out", 300, ("targets", "sweep"), resume_from=earlier) == 0
     for args in seen:
         assert "cuda_walk_fused" not in args[args.index("--methods") + 1 : args.index("--resume")]
-    assert len(seen) == len(gs.TARGET_FIRST) + 1 + len(gs.SWEEP_PARTS)
+    assert len(seen) == len(gs.TARGET_FIRST) + 2 + len(gs.SWEEP_PARTS)
     (earlier / "session.json").write_text("{not json")  # an unreadable one drops nothing
     assert gs.earlier_dropped(earlier / "session.json") == []
 
@@ -413,25 +413,29 @@ def test_the_stages_commands_are_ones_the_scripts_take(gs, tmp_path):
     assert gs.stage_profile(session, 100)[0] == "ok"
     assert gs.stage_sweep(session, 100)[0] == "ok"
     assert gs.stage_counters(session, 100)[0] == "ok"
-    targets, profiles = seen[:3], seen[3:5]
-    sweep, counted = seen[5:-1], seen[-1]
+    targets, profiles = seen[:4], seen[4:6]
+    sweep, counted = seen[6:-1], seen[-1]
     parsed = [cuda_core.parse_args(part[1:]) for part in targets]
-    # the target cases first (bf16 to N=8192, then fp32 N=16384), then the whole grid
-    assert [(a.dtypes, a.n) for a in parsed] == [
-        (["bfloat16"], [512, 1024, 2048, 8192]),
-        (["float32"], [16384]),
-        (["bfloat16", "float32"], list(gs.TARGET_N)),
+    # the target cases first (bf16 to N=8192, then fp32 N=16384), then the walks at more
+    # WALK_BLOCKS, then the whole grid
+    assert [(a.dtypes, a.n, a.walk_blocks) for a in parsed] == [
+        (["bfloat16"], [512, 1024, 2048, 8192], [128, 256]),
+        (["float32"], [16384], [128, 256]),
+        (["bfloat16"], [8192], [512, 1024, 4096, 16384]),
+        (["bfloat16", "float32"], list(gs.TARGET_N), [128, 256]),
     ]
     for args in parsed:
-        assert args.resume and args.no_plot and args.walk_blocks == [128, 256]
+        assert args.resume and args.no_plot
         assert args.shapes == [(8, 16)] and args.dims == [64]
         assert args.out == parsed[0].out
     # every method in bf16; the _apart ones (kernels 10 and 11 against two launches) only there
     assert set(parsed[0].methods) == set(cuda_core.METHODS)
     apart = {"cuda_walk_fused_apart", "cuda_walk_mma_fused_apart"}
     assert set(gs.APART) == apart
-    for args in parsed[1:]:
+    for args in (parsed[1], parsed[3]):
         assert set(args.methods) == set(cuda_core.METHODS) - apart
+    # the wide pass: every method that WALK_BLOCKS changes, and no other
+    assert set(parsed[2].methods) == set(cuda_core.WALK_METHODS)
     assert gs.CUDA_METHODS == tuple(cuda_core.CUDA_METHODS)
     assert set(gs.CUDA_METHODS) | set(gs.BASELINES) == set(cuda_core.METHODS)
     prof, again = (profile.parse_args(part[1:]) for part in profiles)
