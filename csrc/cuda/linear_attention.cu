@@ -58,6 +58,8 @@
 //  10. chunk_walk_mma_backward_kernel  kernels 9 and 8 (dq) as one grid for bf16, so that an SM
 //                            walks one sequence's dk, dv and another's dq at once;
 //  11. chunk_walk_backward_kernel  kernels 7 (one buffer) and 6 (dq) likewise.
+//  12. chunk_states_mma_kernel  kernel 1 for the carries of kernels 8-10 (totals only, on
+//                            mma.sync: S in fp32 accumulators, A fragments a k-step at a time).
 //
 // ------------------------------------------------------------------ tiles
 // Thread block: 256 threads = 8 warps. Every matrix product is on 64 x 64 tiles staged in
@@ -303,12 +305,13 @@ DkvSmem<typename OperandOf<Tin>::type> dkv_smem(int64_t f, int64_t m) {
   return lay;  // nbuf = 0
 }
 
-// The walk's carry pass (kernel 1) sums each segment in groups of cpg chunks, so that each of
-// its thread blocks adds cpg chunks one after another, not cpb. cpg is the smallest divisor of
-// cpb that keeps
+// The walk's carry pass (kernel 1, or 12 for the register walks) sums each segment in groups of
+// cpg chunks, so that each of its thread blocks adds cpg chunks one after another, not cpb. cpg
+// is the smallest divisor of cpb that keeps
 //   - the pass at or below about KS_CARRY_BLOCKS (512) blocks, about four for each of an H100's
-//     SMs, which hold four of kernel 1's blocks at once with bf16 tiles (kStatesBlocksPerSm) and
-//     two with fp32 tiles (cpg = cpb, one group a segment, where the segments alone reach it);
+//     SMs, which hold four of kernel 1's or 12's blocks at once with bf16 tiles
+//     (kStatesBlocksPerSm, kMmaStatesBlocksPerSm) and two (kernel 12: three) with fp32 tiles
+//     (cpg = cpb, one group a segment, where the segments alone reach it);
 //   - a sequence at or below kCarryGroups groups (or nblk, where the segments alone are more):
 //     kernel 2, which then adds the groups up into the carries, reads a sequence's groups one
 //     batch of 8 after another, so more groups lengthen its chain as fewer chunks a group
@@ -352,19 +355,34 @@ WalkLayout walk_layout(int64_t bh, int64_t n, int64_t f, int64_t m, int64_t walk
   return l;
 }
 
-// The carries of a walk's segments of (k, v) (kernels 1 and 2, totals only) into ws, in
-// `*carry`; null where each sequence is a single segment.
+// Kernel 12 over groups of cpb chunks, the `skip` groups that come last in the order left out.
+template <typename Tin>
+cudaError_t launch_states_mma(const Tin* k, const Tin* v, float* totals, int64_t bh, int64_t n,
+                              int64_t f, int64_t m, int64_t cpb, bool reverse, bool with_z,
+                              int64_t skip, cudaStream_t stream) {
+  const int64_t nblk = cdiv(cdiv(n, kChunk), cpb);
+  return launch_tiles(chunk_states_mma_kernel<Tin>, bh * (nblk - skip),
+                      cdiv(f, kTile) * cdiv(m, kTile),
+                      mma_states_smem<typename OperandOf<Tin>::type>(), stream, k, v, totals, n,
+                      f, m, nblk, cpb, reverse, with_z, skip, rows_vectorizable<Tin>(k, f),
+                      rows_vectorizable<Tin>(v, m));
+}
+
+// The carries of a walk's segments of (k, v) into ws, in `*carry`; null where each sequence is
+// a single segment. The groups' totals by kernel 12 for the register walks (`mma`: kernels 8-10),
+// else by kernel 1; then kernel 2.
 template <typename Tin>
 cudaError_t walk_carries(const Tin* k, const Tin* v, float* ws, const WalkLayout& l, int64_t bh,
-                         int64_t n, int64_t f, int64_t m, bool reverse, bool with_z,
+                         int64_t n, int64_t f, int64_t m, bool reverse, bool with_z, bool mma,
                          const float** carry, cudaStream_t stream) {
   *carry = nullptr;
   if (l.nblk == 1) return cudaSuccess;
   // the groups of the segment that comes last in the walk's order are not summed
   const int64_t skip = reverse ? l.per : l.groups - (l.nblk - 1) * l.per;
-  cudaError_t err = launch_states<Tin, StateOf<Tin>>(k, v, nullptr, 1, ws, nullptr, nullptr, bh,
-                                                     n, f, m, l.cpg, reverse, with_z, skip,
-                                                     stream);
+  cudaError_t err =
+      mma ? launch_states_mma<Tin>(k, v, ws, bh, n, f, m, l.cpg, reverse, with_z, skip, stream)
+          : launch_states<Tin, StateOf<Tin>>(k, v, nullptr, 1, ws, nullptr, nullptr, bh, n, f, m,
+                                             l.cpg, reverse, with_z, skip, stream);
   if (err != cudaSuccess) return err;
   *carry = ws + l.carries;
   return launch_scan(ws, ws + l.carries, bh, l.groups, l.per, f * m + f,
@@ -423,7 +441,7 @@ cudaError_t walk_typed(const Tin* q, const Tin* k, const Tin* v, void* out, bool
   const WalkLayout l = walk_layout(bh, n, f, m, walk_blocks, cdiv(m, kTile));
   const float* carry;
   const cudaError_t err = walk_carries(k, v, ws, l, bh, n, f, m, reverse,
-                                       normalize || den != nullptr, &carry, stream);
+                                       normalize || den != nullptr, mma, &carry, stream);
   if (err != cudaSuccess) return err;
   if (mma) {
     if (out_fp32) {
@@ -564,9 +582,11 @@ cudaError_t walk_backward_together(int kernel, const Tin* q, const Tin* k, const
   if constexpr (sizeof(Op) == 2) {
     const TogetherLayout l = together_layout(bh, n, f, m, walk_blocks);
     const float *dq_carry, *dkv_carry;
-    cudaError_t err = walk_carries(v, k, ws, l.dq, bh, n, m, f, false, false, &dq_carry, stream);
+    const bool mma = kernel == 10;
+    cudaError_t err =
+        walk_carries(v, k, ws, l.dq, bh, n, m, f, false, false, mma, &dq_carry, stream);
     if (err != cudaSuccess) return err;
-    err = walk_carries(q, g, ws + l.dq.floats, l.dkv, bh, n, f, m, true, false, &dkv_carry,
+    err = walk_carries(q, g, ws + l.dq.floats, l.dkv, bh, n, f, m, true, false, mma, &dkv_carry,
                        stream);
     if (err != cudaSuccess) return err;
     BackwardWalks<Tin, Tout> args{q, k, v, g, dkv_carry, dq_carry, dq, dk, dv, n, f, m};
@@ -620,7 +640,7 @@ cudaError_t walk_backward_typed(const Tin* q, const Tin* k, const Tin* v, const 
   }
   const WalkLayout l = walk_layout(bh, n, f, m, walk_blocks, 1);
   const float* carry;
-  err = walk_carries(q, g, ws, l, bh, n, f, m, true, false, &carry, stream);
+  err = walk_carries(q, g, ws, l, bh, n, f, m, true, false, mma, &carry, stream);
   if (err != cudaSuccess) return err;
   const bool vec_f = rows_vectorizable<Tin>(q, f) && rows_vectorizable<Tin>(k, f);
   const bool vec_m = rows_vectorizable<Tin>(v, m) && rows_vectorizable<Tin>(g, m);

@@ -1,5 +1,6 @@
 // The register walk on mma.sync: tiles, bands and stores of kernels 8 (the walk) and 9
-// (the fused dk, dv walk), with each warp's operands in registers.
+// (the fused dk, dv walk), with each warp's operands in registers, and kernel 12 (their
+// carries: kernel 1 on mma.sync).
 // Part of the translation unit of linear_attention.cu, which includes every .cuh here in order.
 #pragma once
 
@@ -746,6 +747,106 @@ __global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm<typename OperandOf<T
                               int64_t nblk, int64_t cpb, bool vec_f, bool vec_m) {
   walk_mma_dkv<Tin, Tout>(blockIdx.x, q, k, v, g, carry, dk, dv, n, f, m, nblk, cpb, vec_f,
                           vec_m);
+}
+
+// ------------------------------------------------------------------ kernel 12: register carries
+// Kernel 1 for the carries of the register walks (walk_carries for kernels 8, 9 and 10): the
+// totals of groups of cpb chunks of (k, v), S = sum of K_c^T V_c (row-major F x M) and, with
+// `with_z`, z = the sum of K_c's rows (else 0), with no prefixes and no key padding. Warp w sums
+// the 16 x 32 slab of S at features f0 + 16 (w % 4) .., columns m0 + 32 (w / 4) .. in fp32
+// accumulators for the whole group, its A fragments (K^T's rows) loaded a k-step at a time, and
+// warps 0-3 of M slice 0 the z of their features (K^T 1 beside K^T V, as kernel 8). Per chunk:
+// one barrier, 16 products a warp in bf16 (4 k-steps of m16n8k16 over 4 n-tiles), no staging
+// through shared memory. Grid, `skip` and totals as kernel 1: grid.x = BH * (nblk - skip),
+// grid.y = ceil(F/64) * ceil(M/64). Shared: two buffers of (K tile, V tile), 64 x LD operand
+// tiles (37 KB in bf16, 70 KB with fp32 tiles).
+template <typename Op>
+constexpr size_t mma_states_smem() {
+  return mma_smem<Op>(4, 0);
+}
+// Four blocks an SM with bf16 tiles, as kernel 1 (the walk's carry pass of about 512 blocks in
+// one wave on 132 SMs); fp32 tiles (3xTF32) no minimum.
+template <typename Op>
+constexpr int kMmaStatesBlocksPerSm = sizeof(Op) == 2 ? 4 : 0;
+
+template <typename Tin>
+__global__ void __launch_bounds__(kThreads, kMmaStatesBlocksPerSm<typename OperandOf<Tin>::type>)
+    chunk_states_mma_kernel(const Tin* __restrict__ k, const Tin* __restrict__ v,
+                            float* __restrict__ totals, int64_t n, int64_t f, int64_t m,
+                            int64_t nblk, int64_t cpb, bool reverse, bool with_z, int64_t skip,
+                            bool vec_k, bool vec_v) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  using Op = typename OperandOf<Tin>::type;
+  using B = BandOf<Tin>;
+  constexpr int LD = ld_of<Op>();
+  constexpr int kOpTile = kTile * LD;
+  KS_DYNAMIC_SMEM(smem);
+  Op* tiles = reinterpret_cast<Op*>(smem);  // buffer b: K at 2b, V at 2b + 1
+
+  const Lane l;
+  const int warp = threadIdx.x / 32;
+  const int r0 = 16 * (warp % 4), c0 = 32 * (warp / 4);
+  const WalkSegment seg(blockIdx.x, n, nblk, cpb, reverse, skip);
+  const int64_t bh = seg.bh;
+  const int64_t m_tiles = (m + kTile - 1) / kTile;
+  const int64_t f0 = (blockIdx.y / m_tiles) * kTile;
+  const int64_t m0 = (blockIdx.y % m_tiles) * kTile;
+  const bool z_warp = m0 == 0 && c0 == 0;  // the same in the whole warp
+  const Tin* kb = k + bh * n * f;
+  const Tin* vb = v + bh * n * m;
+  auto load_chunk = [&](int64_t i, int buf) {
+    const int64_t row0 = seg.chunk(i) * kTile;
+    load_tile<Tin, Op>(tiles + 2 * buf * kOpTile, LD, kb, f, n, f, row0, f0, nullptr, vec_k);
+    load_tile<Tin, Op>(tiles + (2 * buf + 1) * kOpTile, LD, vb, m, n, m, row0, m0, nullptr,
+                       vec_v);
+    cp_async_commit();
+  };
+  load_chunk(0, 0);
+
+  float s[4][4] = {}, z[4] = {};
+  for (int64_t i = 0; i < seg.count; ++i) {
+    const int buf = static_cast<int>(i & 1);
+    cp_async_wait_all();  // chunk i's tiles (the only copies in flight)
+    __syncthreads();      // ... visible to all; chunk i-1's buffer is free
+    if (i + 1 < seg.count) load_chunk(i + 1, buf ^ 1);
+    const Op* Ks = tiles + 2 * buf * kOpTile;
+    const Op* Vs = Ks + kOpTile;
+#pragma unroll
+    for (int kk = 0; kk < B::kSteps; ++kk) {  // k: the chunk's rows
+      uint32_t a[4];
+      B::columns(a, Ks, r0, kk, l);  // K^T's rows r0 .. (features f0 + r0 ..)
+      const typename B::Ready ak = B::ready(a);
+      if (with_z && z_warp) B::mma(z, ak, B::kOnes, B::kOnes);
+#pragma unroll
+      for (int jp = 0; jp < 2; ++jp) {
+        uint32_t b[4];
+        b_pair<B, true>(b, Vs, c0 + 16 * jp, kk, l);
+        B::mma(s[2 * jp], ak, b[0], b[1]);
+        B::mma(s[2 * jp + 1], ak, b[2], b[3]);
+      }
+    }
+  }
+
+  // the slab (rows f0 + r0 + g + 8h, columns m0 + c0 + 8j + 2t + e) and z (every column of z's
+  // accumulators holds the row's sum) to the group's totals
+  float* out = totals + (bh * nblk + seg.blk) * (f * m + f);
+  const int in_cols = extent_in(m - m0 - c0);  // of the slab's 32 columns
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t row = f0 + r0 + l.g + 8 * h;
+    if (row >= f) continue;
+    float* dst = out + row * m + m0 + c0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = 8 * j + 2 * l.t + e;
+        if (col < in_cols) dst[col] = s[j][2 * h + e];
+      }
+    }
+    if (z_warp && l.t == 0) out[f * m + row] = with_z ? z[2 * h] : 0.f;
+  }
+#endif
 }
 
 }  // namespace
