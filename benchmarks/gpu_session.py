@@ -400,9 +400,10 @@ def benchmark(
 
 # WALK_BLOCKS past 256 for the walks in bf16 at N = 8192, after the target cases. At the targets'
 # B·H = 128, 1024 cuts each sequence into 8 segments of 16 chunks and 16384 into 128 segments of
-# one chunk: the chunk-parallel schedule (every chunk's state from kernels 1 and 2, each chunk its
-# own block, as fla's kernels), with the register walk (kernel 8, two blocks an SM) in place of
-# the chunk kernels' WMMA output kernel. On 2026-11-28 (kernel 6 only) 512 was never the fastest.
+# one chunk: the chunk-parallel schedule (every chunk's state from the carry pass, kernel 12 and
+# 2 for the register walks, each chunk its own block, as fla's kernels), with the register walk
+# (kernel 8, two blocks an SM) in place of the chunk kernels' WMMA output kernel. On 2026-11-28
+# (kernel 6, kernel 1's carries) 512 was never the fastest.
 WIDE_WALK_BLOCKS = (512, 1024, 4096, 16384)
 
 
