@@ -36,6 +36,7 @@ profile    ``cuda_profile.py`` at N=8192, F=M 64 then 128, bf16, fp32   profile.
            and fp16, every variant (the ``_apart`` ones: kernels 10
            and 11 against two launches); then the walks again at
            WALK_BLOCKS 256 (F=M=64, bf16 and fp32: the carry pass)
+           and the register walks at 4096 (bf16: chunk-parallel)
 scaling    ``cuda_scaling.py``: the walk kernels' time at 1-4 blocks     scaling.csv
            per SM, bf16 and fp32 (latency or throughput, without ncu)
 counters   ``cuda_counters.py``: Nsight Compute's counters of the walk   counters.csv
@@ -434,10 +435,16 @@ def stage_targets(session: Session, limit_s: float) -> tuple[str, str]:
     return status, note
 
 
-# the walks profiled again at WALK_BLOCKS 256 (two segments a sequence at the targets' B·H: the
-# grouped carry pass, two blocks an SM), after every variant at the default
-PROFILE_AGAIN = ["--dim", "64", "--dtypes", "bfloat16", "float32", "--walk-blocks", "256"]
-PROFILE_AGAIN += ["--variants", "walk", "walk_fused", "walk_mma", "walk_mma_fused", "--append"]
+# the walks profiled again after every variant at the default: at WALK_BLOCKS 256 (two segments
+# a sequence at the targets' B·H: the grouped carry pass, kernel 1 against kernel 12, two blocks
+# an SM), and the register walks in bf16 at 4096 (32 segments of 4 chunks: where the time of the
+# chunk-parallel end of the targets stage's wide pass goes, kernels 12, 2 and 8 to 10)
+PROFILE_AGAIN = (
+    ["--dim", "64", "--dtypes", "bfloat16", "float32", "--walk-blocks", "256", "--variants"]
+    + ["walk", "walk_fused", "walk_mma", "walk_mma_fused", "--append"],
+    ["--dim", "64", "--dtypes", "bfloat16", "--walk-blocks", "4096", "--variants"]
+    + ["walk_mma", "walk_mma_fused", "--append"],
+)
 
 
 def stage_profile(session: Session, limit_s: float) -> tuple[str, str]:
@@ -445,7 +452,7 @@ def stage_profile(session: Session, limit_s: float) -> tuple[str, str]:
     out = ["--n", "8192", "--out", str(session.out / "profile.csv")]
     first = ["--dim", "64", "128", "--dtypes", "bfloat16", "float32", "float16"]
     failed = False
-    for args in (first, PROFILE_AGAIN):  # a variant that failed leaves the others' rows
+    for args in (first, *PROFILE_AGAIN):  # a variant that failed leaves the others' rows
         rc, late = session.python(
             ["benchmarks/cuda_profile.py", *out, *args], deadline - session.clock()
         )

@@ -413,8 +413,8 @@ def test_the_stages_commands_are_ones_the_scripts_take(gs, tmp_path):
     assert gs.stage_profile(session, 100)[0] == "ok"
     assert gs.stage_sweep(session, 100)[0] == "ok"
     assert gs.stage_counters(session, 100)[0] == "ok"
-    targets, profiles = seen[:4], seen[4:6]
-    sweep, counted = seen[6:-1], seen[-1]
+    targets, profiles = seen[:4], seen[4:7]
+    sweep, counted = seen[7:-1], seen[-1]
     parsed = [cuda_core.parse_args(part[1:]) for part in targets]
     # the target cases first (bf16 to N=8192, then fp32 N=16384), then the walks at more
     # WALK_BLOCKS, then the whole grid
@@ -438,11 +438,14 @@ def test_the_stages_commands_are_ones_the_scripts_take(gs, tmp_path):
     assert set(parsed[2].methods) == set(cuda_core.WALK_METHODS)
     assert gs.CUDA_METHODS == tuple(cuda_core.CUDA_METHODS)
     assert set(gs.CUDA_METHODS) | set(gs.BASELINES) == set(cuda_core.METHODS)
-    prof, again = (profile.parse_args(part[1:]) for part in profiles)
+    prof, *again = (profile.parse_args(part[1:]) for part in profiles)
     assert prof.n == 8192 and prof.dim == [64, 128] and not prof.append
-    assert prof.walk_blocks is None  # the default, then the walks at 256 beside it
-    assert again.append and again.walk_blocks == 256 and again.out == prof.out
-    assert again.n == 8192 and set(again.variants) <= {v for v in prof.variants if "walk" in v}
+    # the default, then the walks at 256 and the register walks at 4096 beside it
+    assert prof.walk_blocks is None and [a.walk_blocks for a in again] == [256, 4096]
+    for args in again:
+        assert args.append and args.out == prof.out and args.n == 8192
+        assert set(args.variants) <= {v for v in prof.variants if "walk" in v}
+    assert set(again[1].variants) == {"walk_mma", "walk_mma_fused"}
     for part in sweep:
         args = cuda_core.parse_args(part[1:])
         assert args.resume and args.shapes == [(1, 8), (4, 16)] and args.n[-1] == 32768
