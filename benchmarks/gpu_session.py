@@ -521,13 +521,14 @@ def stage_sweep(session: Session, limit_s: float) -> tuple[str, str]:
     deadline = session.clock() + limit_s
     statuses = []
     session.record["sweep_methods"] = {}
+    fastest = {dtype: fastest_variant(session.out / "targets.csv", dtype) for dtype in FASTEST_AT}
     for dtype, dim in SWEEP_PARTS:
         if deadline - session.clock() < 5:
             statuses.append(f"{dtype} D={dim}: no time")
             continue
         methods = ["cuda"]
         blocks: list[str] = []
-        best = fastest_variant(session.out / "targets.csv", dtype)
+        best = fastest[dtype]
         if best is not None and best[0] != "cuda":
             methods.append(best[0])
             blocks = ["--walk-blocks", str(best[1])] if best[1] else []
