@@ -392,7 +392,7 @@ def provenance() -> dict[str, str]:
         "triton": package_version("triton"),
         "fla": package_version("fla-core") or package_version("flash-linear-attention"),
         "kernelstudy": ks.__version__,
-        "command": " ".join(["python", *sys.argv]),
+        "command": cuda_backend.command_line(sys.argv),
     }
 
 

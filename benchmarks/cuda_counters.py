@@ -353,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
         return child(args)
+    from kernelstudy.core.cuda_backend import command_line
+
     ncu = find_ncu(args.ncu)
     if ncu is None:
         print("cuda_counters.py: ncu (Nsight Compute) is not here", file=sys.stderr)
@@ -374,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
             F=args.dim,
             walk_blocks=args.walk_blocks,
             date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-            command=" ".join(["python", *sys.argv]),
+            command=command_line(sys.argv),
         )
         atomic_write_text(args.out, result.to_csv(index=False))  # as it goes
     if not frames:

@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             device=torch.cuda.get_device_name(),
             date=date,
             torch=torch.__version__,
-            command=" ".join(["python", *sys.argv]),
+            command=cuda_backend.command_line(sys.argv),
         )
         # as it goes (a run killed at a time limit keeps what it profiled); atomically: never
         # half a CSV over results

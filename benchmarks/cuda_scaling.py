@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             device=torch.cuda.get_device_name(),
             date=date,
             torch=torch.__version__,
-            command=" ".join(["python", *sys.argv]),
+            command=cuda_backend.command_line(sys.argv),
         )
         atomic_write_text(args.out, result.to_csv(index=False))  # as it goes, never half a CSV
     if not frames:

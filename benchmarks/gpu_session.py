@@ -63,6 +63,12 @@ stage. A later call goes on from an earlier call's files: ``--resume-from DIR`` 
 broke the CUDA context stay out), and ``--stages`` picks the stages to run (env and build always
 run).
 
+If the tests stage fails in the WMMA kernels (1-7) alone, their hand-written ``.shared`` fragment
+loads (``csrc/cuda/wmma_ops.cuh``, first run on a GPU then) are the suspects: a call led by
+``KERNELSTUDY_CUDA_FLAGS=-DKS_WMMA_GENERIC_LOADS`` rebuilds with wmma's own loads, those of the
+2026-11-28 session, whose tests passed (``session.json`` and every CSV's command record the
+flags).
+
 This script imports nothing beyond the standard library, so no CUDA error can stop it; its
 children import torch. Back on a machine without a GPU, draw and report the results with
 ``python benchmarks/cuda_core.py --from-csv OUT/targets.csv OUT/sweep.csv --out ...``.
@@ -195,6 +201,7 @@ class Session:
             "started": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             "budget_s": budget_s,
             "argv": sys.argv,
+            "cuda_flags": os.environ.get("KERNELSTUDY_CUDA_FLAGS", ""),  # the build's extra flags
             "stages": [],
         }
         (out / "session.log").touch()

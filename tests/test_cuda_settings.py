@@ -216,3 +216,50 @@ def test_settings_kept_restores_the_defaults(monkeypatch):
         cuda_backend.use_variant("walk_fused", walk_blocks=3)
         raise RuntimeError("a variant failed")
     assert _settings() == before
+
+
+def test_cuda_flags_from_the_environment(monkeypatch):
+    """$KERNELSTUDY_CUDA_FLAGS adds nvcc flags, split as shell words, after the build's own."""
+    monkeypatch.delenv(cuda_backend.CUDA_FLAGS_ENV, raising=False)
+    assert cuda_backend.extra_cuda_flags() == []
+    monkeypatch.setenv(
+        cuda_backend.CUDA_FLAGS_ENV, " -lineinfo  -DKS_WMMA_GENERIC_LOADS '-Xptxas=-v' "
+    )
+    assert cuda_backend.extra_cuda_flags() == ["-lineinfo", "-DKS_WMMA_GENERIC_LOADS", "-Xptxas=-v"]
+
+    from kernelstudy.core import extensions
+
+    seen = {}
+
+    def load_extension(name, sources, cuda, extra_cflags, extra_cuda_cflags):
+        seen.update(name=name, cuda=cuda, cuda_flags=extra_cuda_cflags)
+        return "module"
+
+    monkeypatch.setattr(extensions, "load_extension", load_extension)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda_backend, "_module", None)
+    monkeypatch.setattr(cuda_backend, "_tried", False)
+    assert cuda_backend.extension() == "module"
+    assert seen == {
+        "name": cuda_backend.EXTENSION_NAME,
+        "cuda": True,
+        "cuda_flags": ["-O3", "-lineinfo", "-DKS_WMMA_GENERIC_LOADS", "-Xptxas=-v"],
+    }
+
+
+def test_unbalanced_cuda_flags_are_refused_by_name(monkeypatch):
+    monkeypatch.setenv(cuda_backend.CUDA_FLAGS_ENV, "-DX='unclosed")
+    with pytest.raises(ValueError, match=r"\$KERNELSTUDY_CUDA_FLAGS must be nvcc flags"):
+        cuda_backend.extra_cuda_flags()
+
+
+def test_results_record_the_cuda_flags(monkeypatch):
+    """A benchmark's recorded command leads with the flags of the build it ran, where set."""
+    monkeypatch.delenv(cuda_backend.CUDA_FLAGS_ENV, raising=False)
+    argv = ["benchmarks/cuda_core.py", "--n", "512"]
+    assert cuda_backend.command_line(argv) == "python benchmarks/cuda_core.py --n 512"
+    monkeypatch.setenv(cuda_backend.CUDA_FLAGS_ENV, "-DKS_WMMA_GENERIC_LOADS -lineinfo")
+    assert cuda_backend.command_line(argv) == (
+        "KERNELSTUDY_CUDA_FLAGS='-DKS_WMMA_GENERIC_LOADS -lineinfo' "
+        "python benchmarks/cuda_core.py --n 512"
+    )

@@ -244,6 +244,7 @@ def test_a_session_runs_its_stages_in_their_time(gs, monkeypatch, tmp_path, caps
     clock = _Clock()
     took = {"env": 10, "build": 50, "tests": 200, "targets": 100, "profile": 10}
     ran = _fake_runners(gs, monkeypatch, clock, took, {})
+    monkeypatch.setenv("KERNELSTUDY_CUDA_FLAGS", "-lineinfo")
     out = tmp_path / "out"
     out.mkdir()
     (out / "sweep.csv").write_text("an earlier session's file\n")
@@ -259,6 +260,7 @@ def test_a_session_runs_its_stages_in_their_time(gs, monkeypatch, tmp_path, caps
     assert limits["sweep"] == pytest.approx(540 - 372 - 40)
     record = json.loads((out / "session.json").read_text())
     assert [s["status"] for s in record["stages"]] == ["ok"] * len(gs.STAGES)
+    assert record["cuda_flags"] == "-lineinfo"  # which build the results are of
     assert not (out / "sweep.csv").exists() and (out / "keep.txt").exists()
     printed = capsys.readouterr().out
     assert "racecheck  ok" in printed and "files in" in printed

@@ -261,6 +261,30 @@ def test_wmma_fragments_load_from_shared_memory_in_their_layout(ptxas_reports, n
     assert not conflicts, conflicts[:5]
 
 
+def test_generic_wmma_loads_fallback_compiles(tmp_path):
+    """Built with -DKS_WMMA_GENERIC_LOADS (through $KERNELSTUDY_CUDA_FLAGS: the fallback if the
+    .shared loads fail on a GPU), kernels 1-7 load bf16 and tf32 fragments by
+    wmma::load_matrix_sync again (generic loads), and every mma still reads its operands in
+    the use and layout they were loaded. PTX only (ptxas' part is the same as above)."""
+    if NVCC is None:
+        pytest.skip("nvcc is not on PATH")
+    source = CSRC / "cuda" / "linear_attention.cu"
+    ptx_file = tmp_path / "generic.ptx"
+    command = [
+        NVCC, "-ptx", "-std=c++17", "-arch=sm_90a", *TORCH_NVCC_FLAGS, "-DKS_WMMA_GENERIC_LOADS",
+        "-I", str(CSRC), "-I", str(source.parent), str(source), "-o", str(ptx_file),
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-6000:]
+    assert "warning" not in result.stdout + result.stderr, result.stderr[-3000:]
+    ptx = ptx_file.read_text()
+    loads = re.findall(r"wmma\.load\.[ab]\.[\w.]+", ptx)
+    assert len(loads) > 1000
+    assert not [op for op in loads if op.endswith((".shared.bf16", ".shared.tf32"))]
+    checked, traced, conflicts = fragment_layouts(ptx)
+    assert checked > 1000 and traced == checked and not conflicts, (checked, traced, conflicts[:5])
+
+
 @pytest.mark.parametrize("arch", sorted(SPILL_BUDGET))
 def test_register_spills_within_budget(ptxas_reports, arch):
     source = CSRC / "cuda" / "linear_attention.cu"

@@ -38,7 +38,15 @@ __device__ __forceinline__ void tf32_split(float x, float& big, float& small) {
 // (LDSM) a bf16 fragment; every tile the kernels pass to WMMA is in shared memory. Host
 // compilation (tests/cuda_emulator) goes through wmma's own calls; tests/test_nvcc_compile.py
 // checks in the PTX that every mma reads its fragments in the use and layout they were loaded.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+// Built with -DKS_WMMA_GENERIC_LOADS (KERNELSTUDY_CUDA_FLAGS), the kernels load through wmma's own
+// calls again, as they did when they first passed on a GPU (2026-11-28): the fallback, and the A of
+// an A/B of the two.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && !defined(KS_WMMA_GENERIC_LOADS)
+#define KS_WMMA_SHARED_PTX 1
+#else
+#define KS_WMMA_SHARED_PTX 0
+#endif
+#if KS_WMMA_SHARED_PTX
 #define KS_SHARED(p) "r"(static_cast<unsigned>(__cvta_generic_to_shared(p)))
 // wmma.load.<use>.sync.aligned.<layout>.<shape>.shared.<type> of an A or B fragment (4 registers)
 #define KS_WMMA_LOAD4(qualifiers, f, p, ldm)                                                  \
@@ -72,7 +80,7 @@ __device__ __forceinline__ void tf32_split(float x, float& big, float& small) {
 template <typename Use, int K, typename T, typename L, typename E>
 __device__ __forceinline__ void load_shared(wmma::fragment<Use, 16, 16, K, T, L>& f, const E* p,
                                             unsigned ldm) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#if KS_WMMA_SHARED_PTX
   constexpr bool kA = std::is_same_v<Use, wmma::matrix_a>;
   constexpr bool kRow = std::is_same_v<L, wmma::row_major>;
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
@@ -90,7 +98,7 @@ __device__ __forceinline__ void load_shared(wmma::fragment<Use, 16, 16, K, T, L>
 template <int K>
 __device__ __forceinline__ void load_shared(wmma::fragment<wmma::accumulator, 16, 16, K, float>& f,
                                             const float* p, unsigned ldm) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#if KS_WMMA_SHARED_PTX
   static_assert(K == 16 || K == 8, "k16 or k8 accumulators");
   if constexpr (K == 16) {
     KS_WMMA_LOAD_C("m16n16k16", f, p, ldm);
@@ -106,7 +114,7 @@ __device__ __forceinline__ void load_shared(wmma::fragment<wmma::accumulator, 16
 template <int K>
 __device__ __forceinline__ void store_shared(
     float* p, const wmma::fragment<wmma::accumulator, 16, 16, K, float>& f, unsigned ldm) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#if KS_WMMA_SHARED_PTX
   static_assert(K == 16 || K == 8, "k16 or k8 accumulators");
   if constexpr (K == 16) {
     KS_WMMA_STORE_D("m16n16k16", p, f, ldm);
@@ -117,6 +125,7 @@ __device__ __forceinline__ void store_shared(
   wmma::store_matrix_sync(p, f, ldm, wmma::mem_row_major);
 #endif
 }
+#undef KS_WMMA_SHARED_PTX
 #undef KS_SHARED
 #undef KS_WMMA_LOAD4
 #undef KS_WMMA_LOAD_AB

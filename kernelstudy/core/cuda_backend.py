@@ -39,6 +39,8 @@ causal product (or matrix products) in float32, while its first-order backward s
 from __future__ import annotations
 
 import contextlib
+import os
+import shlex
 import threading
 import warnings
 from collections.abc import Iterator
@@ -55,6 +57,11 @@ EXTENSION_NAME = "kernelstudy_cuda"
 SOURCES = ("binding.cpp", "linear_attention.cu")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MIN_CAPABILITY = (8, 0)  # bf16 and tf32 tensor cores (Ampere and newer)
+# nvcc flags added to the build's, as shell words: "-lineinfo" (Nsight Compute's source view),
+# "-DKS_WMMA_GENERIC_LOADS" (kernels 1-7 load WMMA fragments by wmma::load_matrix_sync, as when
+# they first passed on a GPU, in place of their own .shared loads). torch rebuilds the extension
+# when they change.
+CUDA_FLAGS_ENV = "KERNELSTUDY_CUDA_FLAGS"
 
 # The fused backward (``ext.causal_backward``) replaces three separate causal products: with the
 # chunk kernels, two state passes and one pass over the chunks for dq, dk and dv; with the walk,
@@ -138,6 +145,26 @@ _tried = False
 _lock = threading.Lock()  # a second thread waits for the first build, not sees None
 
 
+def extra_cuda_flags() -> list[str]:
+    """The nvcc flags of ``$KERNELSTUDY_CUDA_FLAGS`` (:data:`CUDA_FLAGS_ENV`), split as a shell
+    would (``[]`` where it is unset or blank); ValueError for unbalanced quotes."""
+    text = os.environ.get(CUDA_FLAGS_ENV, "")
+    try:
+        return shlex.split(text)
+    except ValueError as err:
+        raise ValueError(
+            f"${CUDA_FLAGS_ENV} must be nvcc flags as shell words, got {text!r}: {err}"
+        ) from None
+
+
+def command_line(argv: list[str]) -> str:
+    """``python`` and ``argv`` as one shell line, led by ``KERNELSTUDY_CUDA_FLAGS=...`` where
+    that is set: the command a benchmark's results record, so that they say which build ran."""
+    line = " ".join(["python", *argv])
+    flags = os.environ.get(CUDA_FLAGS_ENV, "").strip()
+    return f"{CUDA_FLAGS_ENV}={shlex.quote(flags)} {line}" if flags else line
+
+
 def extension() -> ModuleType | None:
     """The compiled extension, built on first call; None without a CUDA device or if the build
     fails (:func:`kernelstudy.core.extensions.load_extension` then warns once)."""
@@ -159,7 +186,7 @@ def extension() -> ModuleType | None:
                 [folder / name for name in SOURCES],
                 cuda=True,
                 extra_cflags=["-O3"],
-                extra_cuda_cflags=["-O3"],
+                extra_cuda_cflags=["-O3", *extra_cuda_flags()],
             )
             _tried = True  # only now: a build stopped by Ctrl-C is tried again on the next call
         return _module
