@@ -200,9 +200,10 @@ def make_case(
     d: int,
     dtype: torch.dtype,
     fla_fn,
-    walk_blocks: int = cuda_backend.WALK_BLOCKS,
+    walk_blocks: int | None = None,
 ):
-    """(label, fn, inputs) for one method: fn() runs the causal forward and returns the output."""
+    """(label, fn, inputs) for one method: fn() runs the causal forward and returns the output
+    (``walk_blocks``: the backend's ``WALK_BLOCKS`` for a walk method; None keeps it)."""
     gen = torch.Generator(device=DEVICE).manual_seed(n)
 
     def rand(*shape, positive=False):
@@ -268,7 +269,7 @@ def flops(method: str, mode: str, b: int, h: int, n: int, d: int) -> float:
 CASE = ["method", "mode", "dtype", "B", "H", "N", "F"]
 
 
-def row_label(method: str, dtype_name: str, blocks: int, several_blocks: bool) -> str:
+def row_label(method: str, dtype_name: str, blocks: int | None, several_blocks: bool) -> str:
     """The ``method`` a case's row will carry: sdpa's by the backend it runs for the dtype, a
     walk method's with its WALK_BLOCKS when several are swept."""
     if method == "sdpa":
@@ -339,11 +340,16 @@ def benchmark(
         print(f"{name} matmul: {rates[name]:.1f} TFLOP/s", file=sys.stderr)
     about: dict[str, str] = {}  # filled with the first row
     rows: list[dict] = []
+    several = len(args.walk_blocks or ()) > 1  # walk rows labelled with their WALK_BLOCKS
+    # the backend's WALK_BLOCKS for each dtype, read before any case sets it (use_variant)
+    default_blocks = {
+        name: [cuda_backend.walk_blocks(getattr(torch, name))] for name in args.dtypes
+    }
 
     def record(row: dict, walk: bool, blocks: int) -> None:
         if not about:
             about.update(provenance())
-        if walk and len(args.walk_blocks) > 1:
+        if walk and several:
             row["method"] = f"{row['method']}_{blocks}"
         rows.append(row)
         if progress is not None:
@@ -360,11 +366,12 @@ def benchmark(
             if method.endswith("_fused") and mode == "fwd":
                 continue  # the forward is that of the unfused method
             walk = method in WALK_METHODS
-            for blocks in args.walk_blocks if walk else [cuda_backend.WALK_BLOCKS]:
-                label = row_label(method, name, blocks, len(args.walk_blocks) > 1)
-                if case_key(label, blocks if walk else None, mode, name, b, h, n, d) in done:
+            dtype = getattr(torch, name)
+            # a walk at each --walk-blocks (default: the backend's for the dtype); others at none
+            for blocks in (args.walk_blocks or default_blocks[name]) if walk else [None]:
+                label = row_label(method, name, blocks, several)
+                if case_key(label, blocks, mode, name, b, h, n, d) in done:
                     continue
-                dtype = getattr(torch, name)
                 try:
                     row = measure(method, mode, b, h, n, d, name, dtype, fla_fn, args, blocks)
                 except ContextLost as lost:
@@ -415,9 +422,7 @@ def context_alive() -> bool:
         return False
 
 
-def measure(
-    method, mode, b, h, n, d, dtype_name, dtype, fla_fn, args, walk_blocks=cuda_backend.WALK_BLOCKS
-) -> dict:
+def measure(method, mode, b, h, n, d, dtype_name, dtype, fla_fn, args, walk_blocks=None) -> dict:
     """One case's row; an error other than running out of memory leaves NaN and its message,
     and raises :class:`ContextLost` with the row when CUDA no longer works after it. The peak
     memory is measured in one more call after the timed ones; if that call fails, the time
@@ -658,8 +663,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--walk-blocks",
         type=int,
         nargs="+",
-        default=[cuda_backend.WALK_BLOCKS],
-        help="cuda_backend.WALK_BLOCKS values for the walk methods (several: one column each)",
+        help="cuda_backend.WALK_BLOCKS values for the walk methods (several: one column each; "
+        "default: the backend's for each dtype)",
     )
     p.add_argument("--repeats", type=int, help="timed calls per case (default 10)")
     p.add_argument("--warmup", type=int, default=3)
@@ -704,7 +709,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--n and --repeats must be positive, --warmup non-negative")
     if any(d < 1 for d in args.dims):
         p.error("--dims must be positive")
-    if any(blocks < 1 for blocks in args.walk_blocks):
+    if any(blocks < 1 for blocks in args.walk_blocks or ()):
         p.error("--walk-blocks must be positive")
     return args
 
@@ -728,8 +733,9 @@ def join(*frames: pd.DataFrame) -> pd.DataFrame:
 
     A run that swept one WALK_BLOCKS value labels its walk rows ``cuda_walk`` (its
     ``walk_blocks`` column holds the value), one that swept several ``cuda_walk_128``, ...
-    Joined, a walk method's rows carry their blocks where they hold several values (rows
-    of different blocks are different cases) or some came so labelled, else its plain name."""
+    Joined, a walk method's rows in a dtype carry their blocks where they hold several values
+    (rows of different blocks are different cases) or some came so labelled, else its plain
+    name (each dtype may run at its own: a per-dtype ``WALK_BLOCKS``)."""
     frames = tuple(f for f in frames if not f.empty)
     if not frames:
         return pd.DataFrame()
@@ -738,14 +744,18 @@ def join(*frames: pd.DataFrame) -> pd.DataFrame:
         devices = ", ".join(map(str, whole["device"].dropna().unique()))
         raise ValueError(f"the CSVs hold rows of several devices ({devices}): join one's")
     parts = _row_walk_parts(whole)
-    labelled = {base for (base, _), m in zip(parts, whole["method"], strict=True) if base != m}
+    labelled = {
+        (base, dtype)
+        for (base, _), m, dtype in zip(parts, whole["method"], whole["dtype"], strict=True)
+        if base != m
+    }
     whole["method"] = [base for base, _ in parts]
     whole["walk_blocks"] = pd.array(
         [w if base in WALK_METHODS and w else None for base, w in parts], dtype="Int64"
     )
-    for method in WALK_METHODS:
-        rows = whole["method"] == method
-        if method in labelled or whole.loc[rows, "walk_blocks"].nunique() > 1:
+    for method, dtype in itertools.product(WALK_METHODS, whole["dtype"].unique()):
+        rows = (whole["method"] == method) & (whole["dtype"] == dtype)
+        if (method, dtype) in labelled or whole.loc[rows, "walk_blocks"].nunique() > 1:
             whole.loc[rows, "method"] = method + "_" + whole.loc[rows, "walk_blocks"].astype(str)
     latest = ~pd.Series(row_keys(whole)).duplicated(keep="last").to_numpy()
     return whole[latest].reset_index(drop=True)

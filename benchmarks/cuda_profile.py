@@ -156,10 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     b, h = args.batch, args.heads
     frames, failed = [], []
     earlier = [pd.read_csv(args.out)] if args.append and args.out.is_file() else []
-    blocks = args.walk_blocks or cuda_backend.WALK_BLOCKS
     date = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     cases = [(d, name, v) for d in args.dim for name in args.dtypes for v in args.variants]
     for dim, name, variant in cases:
+        blocks = args.walk_blocks or cuda_backend.walk_blocks(getattr(torch, name))
         try:
             frame = kernel_times(
                 getattr(torch, name), b, h, args.n, dim, variant, args.steps, blocks

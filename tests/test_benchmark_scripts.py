@@ -896,6 +896,41 @@ def test_resume_keys_walk_cases_by_their_blocks_and_device(
     pd.testing.assert_frame_equal(pd.read_csv(out), rows)
 
 
+def test_walks_run_at_the_backends_walk_blocks_for_each_dtype(
+    gpu_on_cpu, cuda_memory, monkeypatch, tmp_path
+):
+    """Without --walk-blocks a walk runs at the backend's WALK_BLOCKS for its dtype (a dict:
+    each its own), read before the first case sets it; the rows say which."""
+    cuda_core = gpu_on_cpu
+    monkeypatch.setattr(cuda_core.ks, "backends", lambda: ["reference", "torch", "cuda"])
+    seen = []
+    make_case = _torch_for_cuda(cuda_core.make_case)
+
+    def case(method, b, h, n, d, dtype, fla_fn, walk_blocks=None):
+        seen.append((method, dtype, walk_blocks))
+        cuda_core.cuda_backend.use_variant(cuda_core.CUDA_METHODS[method], walk_blocks)
+        return make_case(method, b, h, n, d, dtype, fla_fn, walk_blocks)
+
+    monkeypatch.setattr(cuda_core, "make_case", case)
+    torch = cuda_core.torch
+    by_dtype = {torch.float32: 96, torch.float16: 64, torch.bfloat16: 1024}
+    monkeypatch.setattr(cuda_core.cuda_backend, "WALK_BLOCKS", by_dtype)
+    out = tmp_path / "cuda.csv"
+    argv = ["--n", "32", "--shapes", "1x2", "--dims", "8", "--dtypes", "bfloat16", "float32"]
+    argv += ["--modes", "fwd", "--repeats", "1", "--warmup", "0", "--no-plot"]
+    argv += ["--methods", "cuda_walk", "cuda", "--out", str(out)]
+    assert cuda_core.main(argv) == 0
+    assert seen == [
+        ("cuda_walk", torch.bfloat16, 1024), ("cuda", torch.bfloat16, None),
+        ("cuda_walk", torch.float32, 96), ("cuda", torch.float32, None),
+    ]  # fmt: skip
+    rows = pd.read_csv(out)
+    assert rows.method.tolist() == ["cuda_walk", "cuda", "cuda_walk", "cuda"]
+    assert rows.walk_blocks.tolist()[::2] == [1024, 96] and rows.walk_blocks.isna().tolist()[
+        1::2
+    ] == [True, True]
+
+
 def _torch_for_cuda(make_case):
     """``make_case`` with our CUDA methods computed by the torch backend (on the CPU)."""
 
@@ -989,6 +1024,26 @@ def test_join_labels_walk_rows_by_their_blocks(cuda_core):
         ("cuda_walk", 4096): 5.0,
         ("cuda_walk_fused_128", 16384): 9.0,
         ("torch", 16384): 18.0,
+    }
+    # bf16 at its own blocks (a per-dtype WALK_BLOCKS): a case of its own, labelled apart
+    bf16 = case | dict(dtype="bfloat16", N=4096)
+    other = pd.DataFrame(
+        [
+            bf16 | dict(method="cuda_walk", walk_blocks=1024, time_ms=1.0),
+            bf16 | dict(method="cuda_walk_fused", walk_blocks=1024, time_ms=0.5),
+            bf16 | dict(method="cuda_walk_fused", walk_blocks=4096, time_ms=0.6),
+        ]
+    )
+    joined = cuda_core.join(targets, sweep, other).set_index(["dtype", "method", "N"]).time_ms
+    assert joined.to_dict() == {
+        ("float32", "cuda_walk_fused_128", 4096): 2.5,
+        ("float32", "cuda_walk_fused_256", 4096): 4.0,
+        ("float32", "cuda_walk", 4096): 5.0,
+        ("float32", "cuda_walk_fused_128", 16384): 9.0,
+        ("float32", "torch", 16384): 18.0,
+        ("bfloat16", "cuda_walk", 4096): 1.0,
+        ("bfloat16", "cuda_walk_fused_1024", 4096): 0.5,
+        ("bfloat16", "cuda_walk_fused_4096", 4096): 0.6,
     }
 
 

@@ -19,7 +19,7 @@ def test_defaults_are_valid_settings():
     assert cuda_backend.CAUSAL_KERNEL in cuda_backend.CAUSAL_KERNELS
     walk = cuda_backend.CAUSAL_KERNEL != "chunks"
     assert cuda_backend._kernel_args(torch.float32) == {
-        "walk_blocks": cuda_backend.WALK_BLOCKS if walk else 0,
+        "walk_blocks": cuda_backend.walk_blocks(torch.float32) if walk else 0,
         "mma_walk": cuda_backend.CAUSAL_KERNEL == "walk_mma",
     }
 
@@ -121,6 +121,31 @@ def test_walk_blocks_must_be_a_positive_int(monkeypatch, blocks):
     monkeypatch.setattr(cuda_backend, "WALK_BLOCKS", blocks)
     with pytest.raises(ValueError, match="WALK_BLOCKS must be an int >= 1"):
         cuda_backend._kernel_args(torch.float32)
+
+
+def test_walk_blocks_for_each_dtype(monkeypatch):
+    """WALK_BLOCKS as a dict: each operand dtype walks at its own block target (the chunk
+    kernels at none); a missing dtype, a name for a dtype or a bad count is refused by name."""
+    by_dtype = {torch.float32: 128, torch.float16: 256, torch.bfloat16: 4096}
+    monkeypatch.setattr(cuda_backend, "WALK_BLOCKS", by_dtype)
+    monkeypatch.setattr(cuda_backend, "CAUSAL_KERNEL", "walk_mma")
+    for dtype, blocks in by_dtype.items():
+        assert cuda_backend.walk_blocks(dtype) == blocks
+        assert cuda_backend._kernel_args(dtype) == {"walk_blocks": blocks, "mma_walk": True}
+    monkeypatch.setattr(cuda_backend, "CAUSAL_KERNEL", "chunks")
+    assert cuda_backend._kernel_args(torch.bfloat16)["walk_blocks"] == 0
+    monkeypatch.setattr(cuda_backend, "CAUSAL_KERNEL", "walk")
+    for bad, message in (
+        ({torch.float32: 128, torch.bfloat16: 128}, "or a dict giving one for each of"),
+        ({"float32": 1, "float16": 1, "bfloat16": 1}, "or a dict giving one for each of"),
+        (
+            {torch.float32: 128, torch.float16: 0, torch.bfloat16: 1},
+            r"WALK_BLOCKS\[torch.float16\]",
+        ),
+    ):
+        monkeypatch.setattr(cuda_backend, "WALK_BLOCKS", bad)
+        with pytest.raises(ValueError, match=message):
+            cuda_backend._kernel_args(torch.float16)
 
 
 def test_use_variant_sets_the_kernel_and_the_backward(monkeypatch):

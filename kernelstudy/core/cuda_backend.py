@@ -93,7 +93,9 @@ CAUSAL_KERNEL: str | dict[torch.dtype, str] = "walk"
 # gives their carries) until B·H·ceil(M/64)·segments reaches this; 1 never cuts it. 128 was the
 # fastest of 128, 256 and 512 at B·H = 128 on the H200 with each dtype's default backward
 # (bfloat16 fused, N = 8192: 2.24 against 2.42 ms; float32, N = 4096: 3.28 against 4.27 ms).
-WALK_BLOCKS = 128
+# One count for every dtype, or a dict giving one for each operand dtype of DTYPES (as
+# CAUSAL_KERNEL: the register walk in bfloat16 may want more segments than float32's walk).
+WALK_BLOCKS: int | dict[torch.dtype, int] = 128
 
 # Whether the walks' fused backward runs its dq walk and its dk, dv walk as one grid (kernel 10
 # for "walk_mma", 11 for "walk", whose dk, dv walk then has one buffer) where an SM holds two of
@@ -118,7 +120,7 @@ VARIANTS = {
 def use_variant(name: str, walk_blocks: int | None = None) -> None:
     """Selects one of :data:`VARIANTS` for the causal products that follow (forward and
     backward): sets :data:`CAUSAL_KERNEL`, :data:`FUSED_BACKWARD`, :data:`WALKS_TOGETHER` and,
-    if given, :data:`WALK_BLOCKS`. The backward reads them when it runs."""
+    if given, :data:`WALK_BLOCKS` (for every dtype). The backward reads them when it runs."""
     global CAUSAL_KERNEL, FUSED_BACKWARD, WALKS_TOGETHER, WALK_BLOCKS
     if name not in VARIANTS:
         raise ValueError(f"variant must be one of {tuple(VARIANTS)}, got {name!r}")
@@ -232,14 +234,25 @@ def _causal_kernel(dtype: torch.dtype) -> str:
     return chosen[dtype]
 
 
+def walk_blocks(dtype: torch.dtype) -> int:
+    """:data:`WALK_BLOCKS` for operands of ``dtype`` (its entry where it is a dict), checked."""
+    if not isinstance(WALK_BLOCKS, dict):
+        return check_count("cuda_backend.WALK_BLOCKS", WALK_BLOCKS, 1)
+    if set(WALK_BLOCKS) != set(DTYPES):
+        raise ValueError(
+            "cuda_backend.WALK_BLOCKS must be an int >= 1, or a dict giving one for each of "
+            f"{[str(d) for d in DTYPES]}, got {WALK_BLOCKS!r}"
+        )
+    return check_count(f"cuda_backend.WALK_BLOCKS[{dtype}]", WALK_BLOCKS[dtype], 1)
+
+
 def _kernel_args(dtype: torch.dtype) -> dict[str, int | bool]:
     """The extension's ``walk_blocks`` (0: the chunk kernels) and ``mma_walk`` arguments for
     :data:`CAUSAL_KERNEL` on operands of ``dtype``."""
     kernel = _causal_kernel(dtype)
     if kernel == "chunks":
         return {"walk_blocks": 0, "mma_walk": False}
-    blocks = check_count("cuda_backend.WALK_BLOCKS", WALK_BLOCKS, 1)
-    return {"walk_blocks": blocks, "mma_walk": kernel == "walk_mma"}
+    return {"walk_blocks": walk_blocks(dtype), "mma_walk": kernel == "walk_mma"}
 
 
 def _fused_backward(ext: ModuleType, q, k, v, g, out_fp32: bool) -> list[torch.Tensor]:
