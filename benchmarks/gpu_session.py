@@ -30,8 +30,9 @@ tests      ``pytest -v tests/test_cuda_backend.py``                     tests.lo
 targets    ``cuda_core.py``: the issue's targets (B=8, H=16, D=64, N     targets.csv
            512-16384, bf16 and fp32, every method, WALK_BLOCKS 128
            and 256; the ``_apart`` methods at bf16's target N only),
-           and the walks in bf16 at N=8192 with WALK_BLOCKS 512 to
-           16384 (down to one chunk a segment: chunk-parallel)
+           and the walks in bf16 at N=8192 and fp32 at N=16384 with
+           WALK_BLOCKS 512 to 16384 (toward one chunk a segment:
+           chunk-parallel)
 profile    ``cuda_profile.py`` at N=8192, F=M 64 then 128, bf16, fp32   profile.csv
            and fp16, every variant (the ``_apart`` ones: kernels 10
            and 11 against two launches); then the walks again at
@@ -406,11 +407,16 @@ def benchmark(
     return "failed", f"every method broke the CUDA context: {', '.join(dropped)}"
 
 
-# WALK_BLOCKS past 256 for the walks in bf16 at N = 8192, after the target cases. At the targets'
-# B·H = 128, 1024 cuts each sequence into 8 segments of 16 chunks and 16384 into 128 segments of
-# one chunk: the chunk-parallel schedule (every chunk's state from the carry pass, kernel 12 and
-# 2 for the register walks, each chunk its own block, as fla's kernels), with the register walk
-# (kernel 8, two blocks an SM) in place of the chunk kernels' WMMA output kernel. On 2026-11-28
+# where the targets stage says which of our methods is fastest in each dtype (fwd+bwd, B·H 128)
+FASTEST_AT = {"bfloat16": 8192, "float32": 16384}
+
+# WALK_BLOCKS past 256 for the walks at each dtype's FASTEST_AT N (bf16 8192, fwd+bwd about 2 ms
+# a call on 2026-11-28; fp32 16384, about 16 ms: 24 rows, a few seconds), after the target
+# cases. At the targets' B·H = 128 and N = 8192, 1024 cuts each sequence into 8 segments of 16
+# chunks and 16384 into 128 segments of one chunk: the chunk-parallel schedule (every chunk's
+# state from the carry pass, kernel 12 and 2 for the register walks, each chunk its own block, as
+# fla's kernels), with the register walk (kernel 8, two blocks an SM) in place of the chunk
+# kernels' WMMA output kernel. On 2026-11-28
 # (kernel 6, kernel 1's carries) 512 was never the fastest.
 WIDE_WALK_BLOCKS = (512, 1024, 4096, 16384)
 
@@ -426,7 +432,7 @@ def stage_targets(session: Session, limit_s: float) -> tuple[str, str]:
     usual = (128, 256)
     # (dtypes, N, WALK_BLOCKS, only the walks)
     passes = [((dtype,), ns, usual, False) for dtype, ns in TARGET_FIRST]
-    passes.append((("bfloat16",), (8192,), WIDE_WALK_BLOCKS, True))
+    passes += [((dtype,), (n,), WIDE_WALK_BLOCKS, True) for dtype, n in FASTEST_AT.items()]
     passes.append((("bfloat16", "float32"), TARGET_N, usual, False))
     status, note = "ok", ""
     for dtypes, ns, blocks, walks in passes:
@@ -492,10 +498,6 @@ def stage_counters(session: Session, limit_s: float) -> tuple[str, str]:
     if rc == COUNTERS_UNAVAILABLE:
         return "skipped", "no ncu here, or it cannot read the counters (session.log)"
     return ("ok" if rc == 0 else "failed"), ""
-
-
-# where the targets stage says which of our methods is fastest in each dtype (fwd+bwd, B·H 128)
-FASTEST_AT = {"bfloat16": 8192, "float32": 16384}
 
 
 def fastest_variant(targets_csv: Path, dtype: str = "bfloat16") -> tuple[str, int | None] | None:

@@ -362,7 +362,8 @@ def test_a_later_call_leaves_out_the_methods_that_broke_the_context(gs, monkeypa
     assert gs.run_session(tmp_path / "out", 300, ("targets", "sweep"), resume_from=earlier) == 0
     for args in seen:
         assert "cuda_walk_fused" not in args[args.index("--methods") + 1 : args.index("--resume")]
-    assert len(seen) == len(gs.TARGET_FIRST) + 2 + len(gs.SWEEP_PARTS)
+    # the target cases, the wide passes (one a dtype), the grid, the sweep's parts
+    assert len(seen) == len(gs.TARGET_FIRST) + len(gs.FASTEST_AT) + 1 + len(gs.SWEEP_PARTS)
     (earlier / "session.json").write_text("{not json")  # an unreadable one drops nothing
     assert gs.earlier_dropped(earlier / "session.json") == []
 
@@ -415,15 +416,16 @@ def test_the_stages_commands_are_ones_the_scripts_take(gs, tmp_path):
     assert gs.stage_profile(session, 100)[0] == "ok"
     assert gs.stage_sweep(session, 100)[0] == "ok"
     assert gs.stage_counters(session, 100)[0] == "ok"
-    targets, profiles = seen[:4], seen[4:7]
-    sweep, counted = seen[7:-1], seen[-1]
+    targets, profiles = seen[:5], seen[5:8]
+    sweep, counted = seen[8:-1], seen[-1]
     parsed = [cuda_core.parse_args(part[1:]) for part in targets]
     # the target cases first (bf16 to N=8192, then fp32 N=16384), then the walks at more
-    # WALK_BLOCKS, then the whole grid
+    # WALK_BLOCKS at those N, then the whole grid
     assert [(a.dtypes, a.n, a.walk_blocks) for a in parsed] == [
         (["bfloat16"], [512, 1024, 2048, 8192], [128, 256]),
         (["float32"], [16384], [128, 256]),
         (["bfloat16"], [8192], [512, 1024, 4096, 16384]),
+        (["float32"], [16384], [512, 1024, 4096, 16384]),
         (["bfloat16", "float32"], list(gs.TARGET_N), [128, 256]),
     ]
     for args in parsed:
@@ -434,10 +436,11 @@ def test_the_stages_commands_are_ones_the_scripts_take(gs, tmp_path):
     assert set(parsed[0].methods) == set(cuda_core.METHODS)
     apart = {"cuda_walk_fused_apart", "cuda_walk_mma_fused_apart"}
     assert set(gs.APART) == apart
-    for args in (parsed[1], parsed[3]):
+    for args in (parsed[1], parsed[4]):
         assert set(args.methods) == set(cuda_core.METHODS) - apart
-    # the wide pass: every method that WALK_BLOCKS changes, and no other
+    # the wide passes: every method that WALK_BLOCKS changes, and no other (fp32: no _apart)
     assert set(parsed[2].methods) == set(cuda_core.WALK_METHODS)
+    assert set(parsed[3].methods) == set(cuda_core.WALK_METHODS) - apart
     assert gs.CUDA_METHODS == tuple(cuda_core.CUDA_METHODS)
     assert set(gs.CUDA_METHODS) | set(gs.BASELINES) == set(cuda_core.METHODS)
     prof, *again = (profile.parse_args(part[1:]) for part in profiles)
