@@ -26,7 +26,8 @@ env        the carried wheels installed (``.whl/*.whl`` into a folder   session.
            importable, copy bandwidth and matmul rates
 build      the CUDA extension; if it fails, the compiler's own output   session.log
            and the session stops (nothing after it can run the kernels)
-tests      ``pytest -v tests/test_cuda_backend.py``                     tests.log
+tests      ``pytest -v tests/test_cuda_backend.py`` (failed tests:      tests.log
+           again on the fallback build, below)
 targets    ``cuda_core.py``: the issue's targets (B=8, H=16, D=64, N     targets.csv
            512-16384, bf16 and fp32, every method, WALK_BLOCKS 128
            and 256; the ``_apart`` methods at bf16's target N only),
@@ -64,11 +65,13 @@ stage. A later call goes on from an earlier call's files: ``--resume-from DIR`` 
 broke the CUDA context stay out), and ``--stages`` picks the stages to run (env and build always
 run).
 
-If the tests stage fails in the WMMA kernels (1-7) alone, their hand-written ``.shared`` fragment
-loads (``csrc/cuda/wmma_ops.cuh``, first run on a GPU then) are the suspects: a call led by
-``KERNELSTUDY_CUDA_FLAGS=-DKS_WMMA_GENERIC_LOADS`` rebuilds with wmma's own loads, those of the
-2026-11-28 session, whose tests passed (``session.json`` and every CSV's command record the
-flags).
+Where tests fail, the tests stage runs the failed ones again on a second build (a folder of its
+own) with ``-DKS_WMMA_GENERIC_LOADS``: kernels 1-7 then load their WMMA fragments by wmma's own
+calls, as in the 2026-11-28 session whose tests passed, in place of the hand-written ``.shared``
+loads (``csrc/cuda/wmma_ops.cuh``) no GPU has run yet. If some of them pass there, the rest of
+the session runs on that build: ``session.json`` (``fallback``, ``cuda_flags``) and every CSV's
+command say so, and a later call should be led by ``KERNELSTUDY_CUDA_FLAGS=-DKS_WMMA_GENERIC_LOADS``
+(the stage's note says it).
 
 This script imports nothing beyond the standard library, so no CUDA error can stop it; its
 children import torch. Back on a machine without a GPU, draw and report the results with
@@ -98,6 +101,13 @@ PYTHON = sys.executable
 WHEELS = REPO / ".whl"
 SITE = Path(tempfile.gettempdir()) / "kernelstudy_session_site"
 BUILD_DIR = Path(tempfile.gettempdir()) / "kernelstudy_session_build"
+FLAGS_ENV = "KERNELSTUDY_CUDA_FLAGS"  # cuda_backend.CUDA_FLAGS_ENV (this script imports no torch)
+# Where the tests fail, the failed ones run again on a build with this flag: kernels 1-7 load
+# their WMMA fragments by wmma's own calls, the code whose tests passed on 2026-11-28, in place
+# of the .shared loads written since (never yet run on a GPU). If it passes tests the default
+# build fails, the rest of the session runs on it, and session.json and every CSV say so.
+FALLBACK_FLAG = "-DKS_WMMA_GENERIC_LOADS"
+FALLBACK_BUILD_DIR = Path(tempfile.gettempdir()) / "kernelstudy_session_build_fallback"
 # the files a session writes into --out (the device tool returns at most 8)
 FILES = (
     "session.json",
@@ -202,12 +212,14 @@ class Session:
             "started": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             "budget_s": budget_s,
             "argv": sys.argv,
-            "cuda_flags": os.environ.get("KERNELSTUDY_CUDA_FLAGS", ""),  # the build's extra flags
+            "cuda_flags": os.environ.get(FLAGS_ENV, ""),  # the build's extra nvcc flags
             "stages": [],
         }
         (out / "session.log").touch()
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.env["KERNELSTUDY_BUILD_DIR"] = str(BUILD_DIR)
+        # a call led by the fallback's flag finds the build an earlier call made with it
+        fallback = FALLBACK_FLAG in self.env.get(FLAGS_ENV, "").split()
+        self.env["KERNELSTUDY_BUILD_DIR"] = str(FALLBACK_BUILD_DIR if fallback else BUILD_DIR)
         self.env["PYTHONPATH"] = os.pathsep.join(
             [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
         )
@@ -328,18 +340,81 @@ def stage_build(session: Session, limit_s: float) -> tuple[str, str]:
         return "timeout", "the build ran past its limit"
     if rc != 0:
         return "failed", "the CUDA extension did not build: the compiler's output is in session.log"
-    return "ok", f"built in {BUILD_DIR}"
+    return "ok", f"built in {session.env['KERNELSTUDY_BUILD_DIR']}"
+
+
+PYTEST = ["-m", "pytest", "-v", "-p", "no:cacheprovider"]
+FALLBACK_MIN_S = 60  # the fallback's build (58 s on 2026-11-28) and the rerun need about this
 
 
 def stage_tests(session: Session, limit_s: float) -> tuple[str, str]:
-    argv = ["-m", "pytest", "-v", "-p", "no:cacheprovider", "--durations=15"]
-    rc, late = session.python([*argv, "tests/test_cuda_backend.py"], limit_s, log="tests.log")
-    counts = test_counts((session.out / "tests.log").read_text())
+    """The GPU tests; where some fail, :func:`try_fallback` in what is left of the limit."""
+    deadline = session.clock() + limit_s
+    rc, late = session.python(
+        [*PYTEST, "--durations=15", "tests/test_cuda_backend.py"], limit_s, log="tests.log"
+    )
+    log = (session.out / "tests.log").read_text()
+    counts = test_counts(log)
     session.record["tests"] = counts
     text = ", ".join(f"{n} {what}" for what, n in counts.items()) or "no summary line"
     if late:
         return "timeout", f"stopped at its limit: {text} (the -v lines say how far it got)"
-    return ("ok" if rc == 0 else "failed"), text
+    if rc == 0:
+        return "ok", text
+    return "failed", f"{text}; {try_fallback(session, failed_tests(log), deadline)}"
+
+
+def failed_tests(log: str) -> list[str]:
+    """The node ids of the tests a ``pytest -v`` log says failed or erred, in order, once each."""
+    found = re.findall(r"^(tests/\S+::\S+) (?:FAILED|ERROR)", log, re.MULTILINE)
+    found += re.findall(r"^(?:FAILED|ERROR) (tests/\S+::\S+)", log, re.MULTILINE)
+    return list(dict.fromkeys(found))
+
+
+def try_fallback(session: Session, failed: list[str], deadline: float) -> str:
+    """Builds the extension with :data:`FALLBACK_FLAG` (in a folder of its own: the default
+    build stays) and runs the ``failed`` tests on it; if fewer fail, the session goes on with
+    that build (``session.env``). What came of it, in words, also in ``session.json``."""
+    flags = session.env.get(FLAGS_ENV, "")
+    if not failed or FALLBACK_FLAG in flags.split():
+        return "no fallback" if failed else "no failed test named in tests.log"
+    if deadline - session.clock() < FALLBACK_MIN_S:
+        return f"no time left for the fallback build ({FALLBACK_FLAG})"
+    default_env = session.env
+    session.env = {**default_env, FLAGS_ENV: f"{flags} {FALLBACK_FLAG}".strip()}
+    session.env["KERNELSTUDY_BUILD_DIR"] = str(FALLBACK_BUILD_DIR)
+    outcome = {"flags": session.env[FLAGS_ENV], "tests": len(failed)}
+    session.record["fallback"] = outcome
+    rc, late = session.python([__file__, "--probe-build"], deadline - session.clock())
+    if late or rc != 0:
+        session.env = default_env
+        outcome["result"] = "the fallback did not build (session.log)"
+        return outcome["result"]
+    log = session.out / "tests.log"
+    with open(log, "a") as f:
+        f.write(f"\n# the {len(failed)} failed tests again, built with {FALLBACK_FLAG}\n")
+    offset = log.stat().st_size
+    rc, late = session.python([*PYTEST, *failed], deadline - session.clock(), log="tests.log")
+    with open(log) as f:
+        f.seek(offset)
+        counts = test_counts(f.read())
+    outcome["counts"] = counts
+    still = counts.get("failed", 0) + counts.get("error", 0)
+    passed = counts.get("passed", 0)
+    if passed:
+        session.record["cuda_flags"] = session.env[FLAGS_ENV]
+        outcome["result"] = (
+            f"with {FALLBACK_FLAG} {passed} of the {len(failed)} failed tests pass ({still} "
+            f"fail): the session goes on with that build (lead a later call with "
+            f"{FLAGS_ENV}='{session.env[FLAGS_ENV]}')"
+        )
+    else:
+        session.env = default_env
+        outcome["result"] = (
+            f"with {FALLBACK_FLAG} none of the {len(failed)} failed tests passes"
+            f"{' (stopped at its limit)' if late else ''}: the default build stays"
+        )
+    return outcome["result"]
 
 
 def test_counts(log: str) -> dict[str, int]:

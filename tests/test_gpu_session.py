@@ -564,3 +564,85 @@ gs.run_session(gs.Path({str(tmp_path / "out")!r}), 60)
     else:
         os.kill(child, signal.SIGKILL)
         pytest.fail("the child outlived the killed session")
+
+
+FAILED_LOG = (
+    "tests/test_cuda_backend.py::test_a[walk-1x1] PASSED [ 1%]\n"
+    "tests/test_cuda_backend.py::test_b[chunks-1x1] FAILED [ 2%]\n"
+    "tests/test_cuda_backend.py::test_c[walk_mma-2] ERROR [ 3%]\n"
+    "FAILED tests/test_cuda_backend.py::test_b[chunks-1x1] - AssertionError: 0.2\n"
+    "FAILED tests/test_cuda_backend.py::test_d - RuntimeError: x\n"
+    "===== 2 failed, 1 passed, 1 error in 60.0s =====\n"
+)
+
+
+def test_failed_tests_reads_the_node_ids_once_each(gs):
+    assert gs.failed_tests(FAILED_LOG) == [
+        "tests/test_cuda_backend.py::test_b[chunks-1x1]",
+        "tests/test_cuda_backend.py::test_c[walk_mma-2]",
+        "tests/test_cuda_backend.py::test_d",
+    ]
+    assert gs.failed_tests("x PASSED\n===== 3 passed in 1.0s =====\n") == []
+
+
+@pytest.mark.parametrize("passing", [2, 0], ids=["fallback_fixes", "fallback_fails_too"])
+def test_failed_tests_run_again_on_the_fallback_build(gs, monkeypatch, tmp_path, passing):
+    """Where the GPU tests fail, the failed ones run again on a build with wmma's own fragment
+    loads (the code of 2026-11-28), in a folder of its own; if some pass there, the rest of
+    the session runs on that build and says so; if none does, the default build stays."""
+    monkeypatch.delenv(gs.FLAGS_ENV, raising=False)
+    session = gs.Session(tmp_path, budget_s=600)
+    default_env = session.env
+    calls = []
+
+    def python(args, limit_s, log="session.log"):
+        env = session.env
+        calls.append((args, env.get(gs.FLAGS_ENV), env["KERNELSTUDY_BUILD_DIR"], log))
+        if args[-1] == "tests/test_cuda_backend.py":
+            (tmp_path / log).write_text(FAILED_LOG)
+            return 1, False
+        if args[-1] == "--probe-build":
+            return 0, False
+        with open(tmp_path / log, "a") as f:  # the rerun of the three failed tests
+            f.write(f"===== {3 - passing} failed, {passing} passed in 5.0s =====\n")
+        return int(passing < 3), False
+
+    session.python = python
+    status, note = gs.stage_tests(session, 240)
+    assert status == "failed" and note.startswith("2 failed, 1 passed, 1 error; with -DKS_WMMA")
+    default_dir = default_env["KERNELSTUDY_BUILD_DIR"]
+    fallback = ("-DKS_WMMA_GENERIC_LOADS", str(gs.FALLBACK_BUILD_DIR))
+    assert [c[1:3] for c in calls] == [(None, default_dir), fallback, fallback]
+    assert calls[2][0][-3:] == gs.failed_tests(FAILED_LOG) and calls[2][3] == "tests.log"
+    assert "# the 3 failed tests again, built with -DKS_WMMA_GENERIC_LOADS" in (
+        (tmp_path / "tests.log").read_text()
+    )
+    record = session.record["fallback"]
+    assert record["counts"] == {"failed": 3 - passing, "passed": passing}
+    if passing:
+        assert "2 of the 3 failed tests pass (1 fail): the session goes on" in note
+        assert session.env[gs.FLAGS_ENV] == "-DKS_WMMA_GENERIC_LOADS"
+        assert session.record["cuda_flags"] == "-DKS_WMMA_GENERIC_LOADS"
+    else:
+        assert "none of the 3 failed tests passes: the default build stays" in note
+        assert session.env is default_env and session.record["cuda_flags"] == ""
+
+
+def test_no_fallback_without_time_or_when_already_on_it(gs, monkeypatch, tmp_path):
+    session = gs.Session(tmp_path, budget_s=600)
+    session.python = lambda args, limit_s, log="session.log": pytest.fail("nothing may run")
+    failed = ["tests/test_cuda_backend.py::test_b"]
+    deadline = session.clock() + gs.FALLBACK_MIN_S - 1
+    assert gs.try_fallback(session, failed, deadline).startswith("no time left")
+    session.env[gs.FLAGS_ENV] = "-lineinfo -DKS_WMMA_GENERIC_LOADS"
+    assert gs.try_fallback(session, failed, session.clock() + 200) == "no fallback"
+    assert gs.try_fallback(session, [], session.clock() + 200).startswith("no failed test")
+
+
+def test_a_call_led_by_the_fallbacks_flag_finds_its_build(gs, monkeypatch, tmp_path):
+    """A later call led by KERNELSTUDY_CUDA_FLAGS=-DKS_WMMA_GENERIC_LOADS builds into the
+    fallback's folder, where the first call's fallback build already is."""
+    monkeypatch.setenv(gs.FLAGS_ENV, "-DKS_WMMA_GENERIC_LOADS")
+    assert gs.Session(tmp_path, 60).env["KERNELSTUDY_BUILD_DIR"] == str(gs.FALLBACK_BUILD_DIR)
+    monkeypatch.setenv(gs.FLAGS_ENV, "-lineinfo")
+    assert gs.Session(tmp_path, 60).env["KERNELSTUDY_BUILD_DIR"] == str(gs.BUILD_DIR)
