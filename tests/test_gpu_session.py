@@ -637,6 +637,9 @@ def test_no_fallback_without_time_or_when_already_on_it(gs, monkeypatch, tmp_pat
     session.env[gs.FLAGS_ENV] = "-lineinfo -DKS_WMMA_GENERIC_LOADS"
     assert gs.try_fallback(session, failed, session.clock() + 200) == "no fallback"
     assert gs.try_fallback(session, [], session.clock() + 200).startswith("no failed test")
+    session.env[gs.FLAGS_ENV] = ""
+    mma = ["tests/test_cuda_backend.py::test_b[walk_mma-1x1]", "tests/x.py::test_c[walk_mma-2]"]
+    assert "no fallback build" in gs.try_fallback(session, mma, session.clock() + 200)
 
 
 def test_a_call_led_by_the_fallbacks_flag_finds_its_build(gs, monkeypatch, tmp_path):
