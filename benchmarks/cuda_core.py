@@ -501,7 +501,9 @@ def targets(frame: pd.DataFrame) -> str:
             & (frame.F == d)
             & (frame["mode"] == mode)
         ]
-        return float(sel[column].iloc[0]) if len(sel) else float("nan")
+        if not len(sel) or pd.isna(sel[column].iloc[0]):  # NA of an Int64 column, too
+            return float("nan")
+        return float(sel[column].iloc[0])
 
     def t(method, dtype, n):
         return cell(method, dtype, n)
@@ -540,12 +542,17 @@ def targets(frame: pd.DataFrame) -> str:
             f"fastest of ours, N=8192 bf16: {m} {ms:.3f} ms: /fla {ms / fla:.3f} (target <= 1.0),"
             f" /sdpa {ms / sdpa:.3f} (target < 1.0){rate(m, 'bfloat16', 8192)}"
         )
+        lines.append(
+            f"  as defaults for bf16: {settings_of(m, cell(m, 'bfloat16', 8192, 'walk_blocks'))}"
+        )
     if best := fastest("float32", 16384):
         m, ms = best
         lines.append(
             f"fastest of ours, N=16384 fp32: {m} {ms:.3f} ms: torch/ours {torch32 / ms:.2f} "
             f"(target >= 10){rate(m, 'float32', 16384)}"
         )
+        blocks = cell(m, "float32", 16384, "walk_blocks")
+        lines.append(f"  as defaults for fp32: {settings_of(m, blocks, 'float32')}")
     crossings = sorted((n, m) for m in ours if (n := crossover(frame, m, t)) is not None)
     if crossings:
         n, m = crossings[0]
@@ -553,6 +560,20 @@ def targets(frame: pd.DataFrame) -> str:
             f"earliest crossover of ours with sdpa flash (bf16): N = {n} ({m}) (target <= 2048)"
         )
     return "\n".join(lines)
+
+
+def settings_of(label: str, walk_blocks: object = None, dtype: str = "bfloat16") -> str:
+    """The ``cuda_backend`` settings that make a row's method (``label``, with its WALK_BLOCKS
+    as a suffix or in ``walk_blocks``) what a product in ``dtype`` runs, in words
+    (WALKS_TOGETHER only for bfloat16, the one dtype it applies to)."""
+    method, blocks = walk_parts(label, walk_blocks)
+    kernel, fused, together = cuda_backend.VARIANTS[CUDA_METHODS[method]]
+    words = [f"CAUSAL_KERNEL {kernel!r}", f"FUSED_BACKWARD {'on' if fused else 'off'}"]
+    if fused and kernel != "chunks" and dtype == "bfloat16":
+        words.append(f"WALKS_TOGETHER {together}")
+    if kernel != "chunks":
+        words.append(f"WALK_BLOCKS {blocks}" if blocks else "WALK_BLOCKS as run")
+    return ", ".join(words)
 
 
 def crossover(frame: pd.DataFrame, method: str, t: Callable[..., float]) -> int | None:

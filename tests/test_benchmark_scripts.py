@@ -61,14 +61,39 @@ def test_targets_report_the_issue_ratios(cuda_core):
     # faster at 1024, slower at 2048, faster from 8192: the crossover is where it stays ahead
     assert "crossover of cuda_walk with sdpa flash (bf16): N = 8192" in text
     # the fastest of ours at each target (no rate without the tflops columns)
-    assert text.splitlines()[-3:] == [
+    # ... and the backend's settings that run it (no walk_blocks column here: "as run")
+    assert text.splitlines()[-5:] == [
         "fastest of ours, N=8192 bf16: cuda_walk 1.250 ms: /fla 0.500 (target <= 1.0),"
         " /sdpa 0.104 (target < 1.0)",
+        "  as defaults for bf16: CAUSAL_KERNEL 'walk', FUSED_BACKWARD off, WALK_BLOCKS as run",
         "fastest of ours, N=16384 fp32: cuda_walk 1.600 ms: torch/ours 12.50 (target >= 10)",
+        "  as defaults for fp32: CAUSAL_KERNEL 'walk', FUSED_BACKWARD off, WALK_BLOCKS as run",
         "earliest crossover of ours with sdpa flash (bf16): N = 2048 (cuda) (target <= 2048)",
     ]
     rated = _frame().assign(tflops=23.1, matmul_tflops=757.0)
     assert "; 23.1 TFLOP/s, 3.1% of the run's 757 (matmul)" in cuda_core.targets(rated)
+
+
+def test_settings_of_a_row_name_the_backends_defaults(cuda_core):
+    """What to set in cuda_backend to make the fastest row's method the default, from its
+    label (a WALK_BLOCKS suffix) or its walk_blocks column."""
+    settings = cuda_core.settings_of
+    assert settings("cuda_walk_mma_fused_1024") == (
+        "CAUSAL_KERNEL 'walk_mma', FUSED_BACKWARD on, WALKS_TOGETHER True, WALK_BLOCKS 1024"
+    )
+    assert settings("cuda_walk_fused_apart", 128.0) == (
+        "CAUSAL_KERNEL 'walk', FUSED_BACKWARD on, WALKS_TOGETHER False, WALK_BLOCKS 128"
+    )
+    assert (
+        settings("cuda_walk_mma", 256)
+        == "CAUSAL_KERNEL 'walk_mma', FUSED_BACKWARD off, WALK_BLOCKS 256"
+    )
+    assert settings("cuda_fused", float("nan")) == "CAUSAL_KERNEL 'chunks', FUSED_BACKWARD on"
+    assert settings("cuda_walk_fused_256", None, "float32") == (  # together: bf16 only
+        "CAUSAL_KERNEL 'walk', FUSED_BACKWARD on, WALK_BLOCKS 256"
+    )
+    for method in cuda_core.CUDA_METHODS:  # every method of ours has its settings
+        assert settings(method, 128).startswith("CAUSAL_KERNEL")
 
 
 def test_plot_writes_a_png(cuda_core, tmp_path):
