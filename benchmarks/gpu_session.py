@@ -495,8 +495,8 @@ FASTEST_AT = {"bfloat16": 8192, "float32": 16384}
 # chunks and 16384 into 128 segments of one chunk: the chunk-parallel schedule (every chunk's
 # state from the carry pass, kernel 12 and 2 for the register walks, each chunk its own block, as
 # fla's kernels), with the register walk (kernel 8, two blocks an SM) in place of the chunk
-# kernels' WMMA output kernel. On 2026-11-28
-# (kernel 6, kernel 1's carries) 512 was never the fastest.
+# kernels' WMMA output kernel. On 2026-11-28 (kernel 6, kernel 1's carries) 512 was never the
+# fastest.
 WIDE_WALK_BLOCKS = (512, 1024, 4096, 16384)
 
 
