@@ -13,13 +13,13 @@ holds each kernel):
   per-chunk outputs, so one sequence (B·H = 1) at any N still fills the GPU; the backward
   pass recomputes with the same kernels, ``dq = causal(g, v, k)``,
   ``dk = anticausal(v, g, q)``, ``dv = anticausal(k, q, g)``, and keeps no per-step state
-  (:data:`FUSED_BACKWARD` selects a fused backward instead, by default for float16 and
-  bfloat16: one pass over the chunks for all three, or with the walk one walk for dq and one
-  for dk and dv, in bfloat16 with F, M ≤ 64 both in one grid as :data:`WALKS_TOGETHER`
-  says); with :data:`CAUSAL_KERNEL` ``= "walk"`` (the default, for F ≤ 128) each
-  thread block instead walks a segment of chunks with the state in shared memory (one launch,
-  no per-chunk state in global memory); ``"walk_mma"`` walks F ≤ 64 (bfloat16: F ≤ 128) on
-  ``mma.sync`` with each warp's operands in registers (opt-in: not yet run on a GPU);
+  (:data:`FUSED_BACKWARD` selects a fused backward instead, by default for every dtype: one
+  pass over the chunks for all three, or with the walks one walk for dq and one for dk and dv,
+  in bfloat16 with F, M ≤ 64 both in one grid as :data:`WALKS_TOGETHER` says); with
+  :data:`CAUSAL_KERNEL` ``= "walk"`` (for F ≤ 128) each thread block instead walks a segment
+  of chunks with the state in shared memory (one launch, no per-chunk state in global
+  memory); ``"walk_mma"`` (the default) walks F ≤ 64 (bfloat16: F ≤ 128) on ``mma.sync``
+  with each warp's operands in registers, and falls back to ``"walk"`` elsewhere;
 - normalized attention (:func:`linear_attention`): the normalizer ``φq_i·Σ_{j≤i} φk_j`` comes
   out of the same kernel, so neither direction builds an ``O(N·F·M)`` tensor; non-causal
   attention reduces ``S = Σ_j φk_j v_jᵀ`` and ``z = Σ_j φk_j`` over unmasked keys, then reads
@@ -67,10 +67,12 @@ CUDA_FLAGS_ENV = "KERNELSTUDY_CUDA_FLAGS"
 # chunk kernels, two state passes and one pass over the chunks for dq, dk and dv; with the walk,
 # dq by one walk and dk, dv together by one reverse walk. True or False for every dtype, or the
 # operand dtypes whose backward is fused. On an H200 (benchmarks/results/cuda_h200.md,
-# 2026-11-28; B·H = 128, F = M = 64, walk, fwd+bwd) it saves 10 % in bfloat16 at N = 8192 and
-# costs 15-25 % in float32 (3xTF32 operands) at every N, so it is on for the half types only
-# (float16 normalized attention runs its backward on float32 operands, so unfused too).
-FUSED_BACKWARD: bool | tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
+# 2026-11-30; B·H = 128, F = M = 64, N = 8192, walk_mma, GPU time of a fwd+bwd step) it saves
+# 29 % in bfloat16 (775 against 1085 µs), 18 % in float32 (2854 against 3500) and 20 % in
+# float16 (3490 against 4381), so it is on for every dtype. (With the WMMA walk of 2026-11-28 it
+# cost 15-25 % in float32; kernel 9 turned that round. At F = M = 128, where kernel 9 does not
+# apply, bfloat16's unfused backward was faster: 3020 against 3448 µs.)
+FUSED_BACKWARD: bool | tuple[torch.dtype, ...] = True
 
 # The causal kernels. "chunks": kernels 1-3 (csrc/cuda/chunk_kernels.cuh: every chunk's state
 # written to global memory, then every chunk's output in parallel). "walk": kernel 6 (each thread
@@ -83,16 +85,19 @@ FUSED_BACKWARD: bool | tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
 # it: 3xTF32 for float32, one tf32 product for float16), one barrier a chunk (in bfloat16 the fused
 # backward's dq and dk, dv walks run as one grid, kernel 10, so that an SM walks two sequences at
 # once at B·H near its SM count); kernels 6 and 7 elsewhere and where kernel 8's or 9's shared
-# memory does not fit the device (137 and 170 KB with float32 tiles). It passes the emulated tests
-# (tests/test_cuda_emulated.py) but has not yet run on a GPU, so it is not the default.
+# memory does not fit the device (137 and 170 KB with float32 tiles). On the H200 (2026-11-30) it
+# passed the GPU tests and is the fastest in every dtype at F = M = 64 (fwd+bwd GPU time at
+# N = 8192, fused: bfloat16 775 µs against the walk's 1513 and the chunks' 1898; float32 2854
+# against 3657 and 3792; float16 3490 against 4060 and 3835), so it is the default.
 # One of CAUSAL_KERNELS for every dtype, or a dict giving one for each operand dtype of DTYPES (as
 # FUSED_BACKWARD may name dtypes: a kernel may win in bfloat16 and lose in float32).
 CAUSAL_KERNELS = ("chunks", "walk", "walk_mma")
-CAUSAL_KERNEL: str | dict[torch.dtype, str] = "walk"
+CAUSAL_KERNEL: str | dict[torch.dtype, str] = "walk_mma"
 # Thread blocks the walk aims for: a sequence is cut into segments (one extra pass over k and v
 # gives their carries) until B·H·ceil(M/64)·segments reaches this; 1 never cuts it. 128 was the
-# fastest of 128, 256 and 512 at B·H = 128 on the H200 with each dtype's default backward
-# (bfloat16 fused, N = 8192: 2.24 against 2.42 ms; float32, N = 4096: 3.28 against 4.27 ms).
+# fastest of 128, 256, 512, 1024, 4096 and 16384 at B·H = 128 on the H200 (2026-11-30,
+# walk_mma fused, fwd+bwd: bfloat16 N = 8192 0.997 ms against 1.265 at 512 and 3.34 at 16384;
+# float32 N = 16384 6.07 ms against 7.05 at 1024), as for the walk on 2026-11-28.
 # One count for every dtype, or a dict giving one for each operand dtype of DTYPES (as
 # CAUSAL_KERNEL: the register walk in bfloat16 may want more segments than float32's walk).
 WALK_BLOCKS: int | dict[torch.dtype, int] = 128
@@ -101,7 +106,8 @@ WALK_BLOCKS: int | dict[torch.dtype, int] = 128
 # for "walk_mma", 11 for "walk", whose dk, dv walk then has one buffer) where an SM holds two of
 # its blocks (bfloat16, F and M <= 64; an H100's shared memory, not an A100's), so that an SM
 # walks two sequences at once even where B·H is near its SM count; else one launch after the
-# other. The same bits either way; only the time may differ (not yet run on a GPU).
+# other. The same bits either way; only the time differs: on the H200 (2026-11-30, bfloat16,
+# N = 8192, B·H = 128, GPU time of a fwd+bwd step) kernel 10 775 µs against 888 apart.
 WALKS_TOGETHER = True
 
 # The kernel variants by name: (CAUSAL_KERNEL, FUSED_BACKWARD, WALKS_TOGETHER).
