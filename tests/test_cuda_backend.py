@@ -14,6 +14,10 @@ also checked with sequences cut into 1, several and one-chunk segments.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -41,6 +45,9 @@ pytestmark = [
 ]
 
 DEVICE = "cuda"
+REPO = (
+    Path(__file__).resolve().parent.parent
+)  # the child of test_the_extensions_errors_reach_python
 
 # (B, H, N, F, M): N=1, N not a multiple of 64, odd F and M, F≠M, F=M=256, B·H=1 at long N.
 SHAPES = [
@@ -106,13 +113,38 @@ def test_registered_and_chosen_for_cuda_tensors():
 
 def test_feature_sizes_from_2_to_the_24_are_refused():
     """Offsets inside a 64-row tile are 32-bit in the kernels (64 · D < 2^31): a last dimension
-    of 2^24 or more is a ValueError naming the tensor, not a wrong result."""
+    of 2^24 or more is a ValueError naming the tensor, not a wrong result. The Python side says
+    so before the extension (on the H200 of 2026-11-30 the extension's own check, a C++ throw,
+    segfaulted the test run: test_the_extensions_errors_reach_python)."""
     big = torch.zeros(1, 1, 1, 2**24, device=DEVICE, dtype=torch.bfloat16)
     small = torch.zeros(1, 1, 1, 2, device=DEVICE, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"q's last dimension must be below 2\^24"):
         ks.causal_dot_product(big, big, small, backend="cuda")
     with pytest.raises(ValueError, match=r"v's last dimension must be below 2\^24"):
         ks.linear_attention(small, small, big, causal=False, backend="cuda")
+
+
+def test_the_extensions_errors_reach_python(causal_kernel):
+    """The extension's own checks (TORCH_CHECK_VALUE in csrc/cuda/binding.cpp, behind the
+    Python side's) raise a Python ValueError. Run in a child process: on the H200 of 2026-11-30
+    the first such throw (then in test_feature_sizes_from_2_to_the_24_are_refused) segfaulted
+    pytest and every test after it went unrun; here a crash fails this test alone."""
+    if causal_kernel != "chunks":
+        pytest.skip("one run is enough")
+    code = (
+        "import torch\n"
+        "from kernelstudy.core import cuda_backend\n"
+        "x = torch.zeros(1, 1, 4, 4, device='cuda')\n"
+        "try:\n"
+        "    cuda_backend.extension().causal_product(x, x, x, walk_blocks=-1)\n"
+        "except ValueError as err:\n"
+        "    print('ValueError:', err)\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=900, cwd=REPO
+    )
+    assert run.returncode == 0, f"the child ended with {run.returncode}: {run.stderr[-3000:]}"
+    assert "ValueError: walk_blocks must be >= 0, got -1" in run.stdout, run.stdout[-2000:]
 
 
 # ---------------------------------------------------------------- unnormalized causal product

@@ -288,3 +288,17 @@ def test_results_record_the_cuda_flags(monkeypatch):
         "KERNELSTUDY_CUDA_FLAGS='-DKS_WMMA_GENERIC_LOADS -lineinfo' "
         "python benchmarks/cuda_core.py --n 512"
     )
+
+
+def test_last_dimensions_from_2_to_the_24_are_refused_before_the_extension(monkeypatch):
+    """The kernels index a 64-row tile in 32 bits; the Python side names the tensor whose last
+    dimension is too large before any call into the extension (whose own check is a C++
+    throw). Meta tensors: no memory."""
+    monkeypatch.setattr(cuda_backend, "supports", lambda t: True)
+    big = torch.empty(1, 1, 1, 2**24, device="meta")
+    small = torch.empty(1, 1, 1, 2, device="meta")
+    cuda_backend._check_inputs(small, small, small)
+    with pytest.raises(ValueError, match=r"q's last dimension must be below 2\^24"):
+        cuda_backend._check_inputs(big, big, small)
+    with pytest.raises(ValueError, match=r"v's last dimension must be below 2\^24 .*got 16777216"):
+        cuda_backend._check_inputs(small, small, big)

@@ -649,3 +649,63 @@ def test_a_call_led_by_the_fallbacks_flag_finds_its_build(gs, monkeypatch, tmp_p
     assert gs.Session(tmp_path, 60).env["KERNELSTUDY_BUILD_DIR"] == str(gs.FALLBACK_BUILD_DIR)
     monkeypatch.setenv(gs.FLAGS_ENV, "-lineinfo")
     assert gs.Session(tmp_path, 60).env["KERNELSTUDY_BUILD_DIR"] == str(gs.BUILD_DIR)
+
+
+CRASH_LOG = (
+    "tests/test_cuda_backend.py::test_a[chunks] PASSED [ 1%]\n"
+    "tests/test_cuda_backend.py::test_big[chunks] Fatal Python error: Segmentation fault\n\n"
+    'Current thread 0x7f (most recent call first):\n  File "x.py", line 3 in f\n'
+)
+
+
+def test_crashed_test_is_the_last_one_without_an_outcome(gs):
+    assert gs.crashed_test(CRASH_LOG) == "tests/test_cuda_backend.py::test_big[chunks]"
+    assert gs.crashed_test(FAILED_LOG) is None  # its last test line has an outcome
+    assert gs.crashed_test("no tests here\n") is None
+
+
+def test_a_test_that_crashes_pytest_is_left_out_and_the_rest_run(gs, tmp_path):
+    """On 2026-11-30 a segfault in the 4th GPU test ended the tests stage with 3 passed and
+    600 unrun: now that test is left out (--deselect) and pytest runs again, in the same log."""
+    session = gs.Session(tmp_path, budget_s=600)
+    runs = []
+
+    def python(args, limit_s, log="session.log"):
+        runs.append([a for a in args if a.startswith("--deselect")])
+        with open(tmp_path / log, "a") as f:
+            if len(runs) == 1:
+                f.write(CRASH_LOG)
+                return -11, False
+            f.write("tests/test_cuda_backend.py::test_a[chunks] PASSED [ 1%]\n")
+            f.write("===== 600 passed, 2 skipped, 1 deselected in 46.0s =====\n")
+            return 0, False
+
+    session.python = python
+    status, note = gs.stage_tests(session, 240)
+    assert runs == [[], ["--deselect=tests/test_cuda_backend.py::test_big[chunks]"]]
+    assert status == "failed"  # a crash is a failure, though everything else passed
+    assert note == (
+        "600 passed, 2 skipped, 1 deselected; left out after crashing pytest: "
+        "tests/test_cuda_backend.py::test_big[chunks]"
+    )
+    assert session.record["tests_crashed"] == ["tests/test_cuda_backend.py::test_big[chunks]"]
+    assert "Segmentation fault" in (tmp_path / "tests.log").read_text()  # the first run stays
+
+
+def test_crashes_are_left_out_a_few_times_at_most(gs, tmp_path):
+    session = gs.Session(tmp_path, budget_s=600)
+    runs = []
+
+    def python(args, limit_s, log="session.log"):  # every run dies in a new test
+        runs.append(args)
+        with open(tmp_path / log, "a") as f:
+            f.write(f"tests/test_cuda_backend.py::test_{len(runs)} Fatal Python error: Aborted\n")
+        return -6, False
+
+    session.python = python
+    status, note = gs.stage_tests(session, 240)
+    assert len(runs) == gs.MAX_CRASHES + 1 and status == "failed"
+    assert session.record["tests_crashed"] == [
+        f"tests/test_cuda_backend.py::test_{i}" for i in range(1, gs.MAX_CRASHES + 1)
+    ]
+    assert "left out after crashing pytest: tests/test_cuda_backend.py::test_1, " in note

@@ -283,12 +283,23 @@ def _require() -> ModuleType:
     return module
 
 
-def _check_inputs(*tensors: torch.Tensor) -> None:
-    for t in tensors:
+# The kernels index within a 64-row tile in 32 bits (csrc/cuda load_tile): 64 · D < 2^31.
+MAX_LAST_DIM = 2**24
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """CUDA tensors the kernels take, last dimensions below :data:`MAX_LAST_DIM`: ValueError
+    naming the tensor here, before the extension (whose own checks throw from C++)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
         if not supports(t):
             raise ValueError(
                 "the cuda backend takes float32, float16 or bfloat16 CUDA tensors on a GPU of "
                 f"compute capability >= 8.0, got {t.dtype} on {t.device}"
+            )
+        if t.dim() > 0 and t.shape[-1] >= MAX_LAST_DIM:
+            raise ValueError(
+                f"{name}'s last dimension must be below 2^24 for the cuda backend, got "
+                f"{t.shape[-1]}"
             )
 
 
