@@ -294,6 +294,30 @@ def test_float16_inputs_keep_their_bits_in_products(ext, walk_blocks, mma_walk):
     assert worst <= 2e-3
 
 
+@pytest.mark.parametrize(
+    "walk_blocks, mma_walk, backward",
+    [(0, False, False), (1, False, False), (1, True, False), (1, True, True)],
+    ids=["chunks", "walk", "walk_mma", "walk_mma_backward"],
+)
+def test_long_float32_sums_do_not_drift(ext, walk_blocks, mma_walk, backward):
+    """One sequence of 256 chunks in float32: the state (and z, and R in the backward) is summed
+    over every chunk. The emulator sums product steps as the tensor cores do, cut toward zero
+    (ks_emulator.h, tensor_core_sum); kept in the accumulators over the walk, that drift put the
+    output 1.24e-4 off here (above fp32's 1e-4; on the H200, 2.4e-4 between 512 chunks and two
+    segments of 256). With each chunk's products summed apart and added in fp32 (warp_gemm_sum,
+    chunk_sum) the error stays near 2e-6 at any length: 2e-5 leaves a margin."""
+    q, k, v, g = _inputs(1, 64 * 256, 16, 16, torch.float32, extra=1)
+    if backward:
+        got = ext.causal_backward(q, k, v, g, True, walk_blocks, mma_walk)
+        for a, w in zip(got, _reference_grads(q, k, v, g), strict=True):
+            assert rel_err(a, w, 1.0) <= 2e-5
+        return
+    out, den = ext.causal_product(q, k, v, with_den=True, walk_blocks=walk_blocks,
+                                  mma_walk=mma_walk)  # fmt: skip
+    want, want_den = _reference_product(q, k, v)
+    assert rel_err(out, want, 1.0) <= 2e-5 and rel_err(den, want_den, 1.0) <= 2e-5
+
+
 @pytest.mark.parametrize("walk_blocks", [0, 3], ids=["chunks", "walk_3"])
 @pytest.mark.parametrize(
     "shape, dtype",

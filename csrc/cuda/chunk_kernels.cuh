@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(kThreads, kStatesBlocksPerSm<typename OperandO
       }
     }
     // K^T (F slice x rows) is K's tile read column-major.
-    warp_gemm<Tin, wmma::col_major, wmma::row_major>(acc, Ks, LD, Vs, LD);
+    warp_gemm_sum<Tin, wmma::col_major, wmma::row_major>(acc, Ks, LD, Vs, LD);
     if (with_z && z_block && threadIdx.x < kTile) {
       for (int t = 0; t < kTile; ++t) z += to_float(Ks[t * LD + threadIdx.x]);
     }

@@ -52,6 +52,7 @@ struct Band<__nv_bfloat16, kSplit> {
   using Op = __nv_bfloat16;
   static constexpr int kSteps = 4, LD = ld_of<Op>(), kTileElems = kTile * LD;
   static constexpr uint32_t kOnes = 0x3f803f80u;  // a B register of two bf16 1.0
+  static constexpr bool kPromote = false;  // sums over a walk stay in the accumulators (chunk_sum)
   using Frags = uint32_t[kSteps][4];
 
   // k-step kk of A = rows r0 .. r0 + 15 of T
@@ -143,6 +144,7 @@ struct Band<float, kSplit> {
   using Op = float;
   static constexpr int kSteps = 8, LD = ld_of<Op>(), kTileElems = kTile * LD;
   static constexpr uint32_t kOnes = 0x3f800000u;  // a B register of 1.0 (exact in tf32)
+  static constexpr bool kPromote = kSplit;  // fp32 inputs: each chunk's sum apart (chunk_sum)
   static constexpr bool kBPairLoad = false;       // b_pair: rows() or columns(), reordered
   using Frags = uint32_t[kSteps][4];
 
@@ -252,6 +254,34 @@ __device__ __forceinline__ void b_pair(uint32_t (&b)[4], const typename B::Op* T
     b[1] = a[2];
     b[2] = a[1];
     b[3] = a[3];
+  }
+}
+
+// A sum over a walk's chunks (a state S or R, z, a group's total) kept in mma accumulators:
+// the tensor cores cut each step's sum toward zero rather than round it, a drift toward zero of
+// up to an ulp of the state a step (warp_gemm_sum, wmma_ops.cuh). Where B::kPromote (fp32 inputs,
+// 3xTF32: 24 steps a chunk) a chunk's products go to `part`, which chunk_sum zeroes and returns,
+// and add_chunk adds them to the state in fp32; elsewhere chunk_sum returns the state itself and
+// add_chunk does nothing. T: an array of floats (accumulators).
+template <typename B, typename T>
+__device__ __forceinline__ T& chunk_sum(T& state, T& part) {
+  if constexpr (B::kPromote) {
+    float* x = reinterpret_cast<float*>(&part);
+#pragma unroll
+    for (int e = 0; e < static_cast<int>(sizeof(T) / sizeof(float)); ++e) x[e] = 0.f;
+    return part;
+  } else {
+    return state;
+  }
+}
+
+template <typename B, typename T>
+__device__ __forceinline__ void add_chunk(T& state, const T& part) {
+  if constexpr (B::kPromote) {
+    float* x = reinterpret_cast<float*>(&state);
+    const float* y = reinterpret_cast<const float*>(&part);
+#pragma unroll
+    for (int e = 0; e < static_cast<int>(sizeof(T) / sizeof(float)); ++e) x[e] += y[e];
   }
 }
 
@@ -586,7 +616,13 @@ __device__ __forceinline__ void walk_mma(int64_t block, int64_t slice, const Tin
     typename B::Frags ka[FT];
 #pragma unroll
     for (int ft = 0; ft < FT; ++ft) transposed_band_fragments<B>(ka[ft], Ks + ft * kOpTile, r0, l);
-    band_products_sharing_b<B>(o, pa, s, ka, z, need_den, Vs, c0, l, r0, reverse);
+    {  // S += K^T V and z += K's column sums, each chunk's apart for fp32 inputs (chunk_sum)
+      float s_part[FT][4][4], z_part[FT][4];
+      band_products_sharing_b<B>(o, pa, chunk_sum<B>(s, s_part), ka, chunk_sum<B>(z, z_part),
+                                 need_den, Vs, c0, l, r0, reverse);
+      add_chunk<B>(s, s_part);
+      add_chunk<B>(z, z_part);
+    }
 
     // den = row sums + q . z (z before this chunk), summed over the four lanes of a row
     float dn[2] = {rs[0], rs[1]};
@@ -730,7 +766,9 @@ __device__ __forceinline__ void walk_mma_dkv(int64_t block, const Tin* __restric
     // R += Q^T G (the warp's slab)
     typename B::Frags qta;
     transposed_band_fragments<B>(qta, Qs, r0, l);
-    band_product<B, 4, true>(r, qta, Gs, c0, l);
+    float r_part[4][4];  // for fp32 inputs, the chunk's apart (chunk_sum)
+    band_product<B, 4, true>(chunk_sum<B>(r, r_part), qta, Gs, c0, l);
+    add_chunk<B>(r, r_part);
     if (i + 1 < seg.count) B::publish(r_copies + (buf ^ 1) * kOpTile, r, r0, c0, l);
 
     store_band(grad, o, n, width, seg.chunk(i) * kTile + r0, 0, false, float2{1.f, 1.f}, pairs, l);
@@ -803,7 +841,7 @@ __global__ void __launch_bounds__(kThreads, kMmaStatesBlocksPerSm<typename Opera
   };
   load_chunk(0, 0);
 
-  float s[4][4] = {}, z[4] = {};
+  float s[4][4] = {}, z[1][4] = {};  // z[0]: as z's accumulators of kernel 8
   for (int64_t i = 0; i < seg.count; ++i) {
     const int buf = static_cast<int>(i & 1);
     cp_async_wait_all();  // chunk i's tiles (the only copies in flight)
@@ -811,20 +849,25 @@ __global__ void __launch_bounds__(kThreads, kMmaStatesBlocksPerSm<typename Opera
     if (i + 1 < seg.count) load_chunk(i + 1, buf ^ 1);
     const Op* Ks = tiles + 2 * buf * kOpTile;
     const Op* Vs = Ks + kOpTile;
+    float s_part[4][4], z_part[1][4];  // for fp32 inputs, the chunk's apart (chunk_sum)
+    float(&sc)[4][4] = chunk_sum<B>(s, s_part);
+    float(&zc)[4] = chunk_sum<B>(z, z_part)[0];
 #pragma unroll
     for (int kk = 0; kk < B::kSteps; ++kk) {  // k: the chunk's rows
       uint32_t a[4];
       B::columns(a, Ks, r0, kk, l);  // K^T's rows r0 .. (features f0 + r0 ..)
       const typename B::Ready ak = B::ready(a);
-      if (with_z && z_warp) B::mma(z, ak, B::kOnes, B::kOnes);
+      if (with_z && z_warp) B::mma(zc, ak, B::kOnes, B::kOnes);
 #pragma unroll
       for (int jp = 0; jp < 2; ++jp) {
         uint32_t b[4];
         b_pair<B, true>(b, Vs, c0 + 16 * jp, kk, l);
-        B::mma(s[2 * jp], ak, b[0], b[1]);
-        B::mma(s[2 * jp + 1], ak, b[2], b[3]);
+        B::mma(sc[2 * jp], ak, b[0], b[1]);
+        B::mma(sc[2 * jp + 1], ak, b[2], b[3]);
       }
     }
+    add_chunk<B>(s, s_part);
+    add_chunk<B>(z, z_part);
   }
 
   // the slab (rows f0 + r0 + g + 8h, columns m0 + c0 + 8j + 2t + e) and z (every column of z's
@@ -844,7 +887,7 @@ __global__ void __launch_bounds__(kThreads, kMmaStatesBlocksPerSm<typename Opera
         if (col < in_cols) dst[col] = s[j][2 * h + e];
       }
     }
-    if (z_warp && l.t == 0) out[f * m + row] = with_z ? z[2 * h] : 0.f;
+    if (z_warp && l.t == 0) out[f * m + row] = with_z ? z[0][2 * h] : 0.f;
   }
 #endif
 }

@@ -251,6 +251,38 @@ __device__ __forceinline__ void warp_gemm(typename Mma<Op>::Acc (&acc)[2], const
   }
 }
 
+// acc += part, element by element (fragments of one type hold their elements alike).
+template <typename Acc>
+__device__ __forceinline__ void add_fragments(Acc (&acc)[2], const Acc (&part)[2]) {
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+#pragma unroll
+    for (int e = 0; e < part[j].num_elements; ++e) acc[j].x[e] += part[j].x[e];
+  }
+}
+
+// acc += the warp's slab of A B, as warp_gemm, for a sum that runs over many chunks (a walk's
+// state, a group's total). The tensor cores cut each product step's sum toward zero rather than
+// round it, so a sum kept in the accumulators over a walk drifts toward zero by up to an ulp of
+// itself a step: with 3xTF32's 24 steps a chunk, about 1e-4 of the state after 256 chunks, all
+// of fp32's error budget (2.4e-4 between one and two segments of 512 chunks on the H200,
+// 2026-11-30). For fp32 inputs the chunk's products therefore go to fresh accumulators, added
+// to acc in fp32 (to nearest): the drift is then that of one chunk's sum. 16-bit inputs keep
+// the plain sum (their tolerance is 1e-2; the drift stays near 1e-4).
+template <typename Tin, typename LA, typename LB, typename Op = typename OperandOf<Tin>::type>
+__device__ __forceinline__ void warp_gemm_sum(typename Mma<Op>::Acc (&acc)[2], const Op* A,
+                                              int lda, const Op* B, int ldb) {
+  if constexpr (kSplitOf<Tin>) {
+    typename Mma<Op>::Acc part[2];
+    wmma::fill_fragment(part[0], 0.f);
+    wmma::fill_fragment(part[1], 0.f);
+    warp_gemm<Tin, LA, LB>(part, A, lda, B, ldb);
+    add_fragments(acc, part);
+  } else {
+    warp_gemm<Tin, LA, LB>(acc, A, lda, B, ldb);
+  }
+}
+
 // Stores the warp's two accumulator fragments into a 64 x 64 fp32 shared tile (ld kLdF).
 template <typename Acc>
 __device__ __forceinline__ void warp_store(float* tile, const Acc (&acc)[2]) {

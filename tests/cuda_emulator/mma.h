@@ -153,9 +153,9 @@ void mma_sync(fragment<accumulator, M, N, K, float>& d,
     }
     for (int i = 0; i < M; ++i) {
       for (int j = 0; j < N; ++j) {
-        float s = 0.f;
-        for (int t = 0; t < K; ++t) s += fa[i * K + t] * fb[j * K + t];
-        o[i * N + j] = c.x[i * N + j] + s;
+        double s = c.x[i * N + j];
+        for (int t = 0; t < K; ++t) s += double(fa[i * K + t]) * fb[j * K + t];
+        o[i * N + j] = ks_emu::tensor_core_sum(s);
       }
     }
   });
@@ -206,21 +206,21 @@ inline Posted operands(const uint32_t (&a)[4], const uint32_t (&b)[2]) {
 }
 
 // acc += this lane's elements of C = A B (c[0], c[1]: row g, columns 2t, 2t + 1; c[2], c[3]:
-// row g + 8), A(row, k) and B(k, col) over k < K, summed in float in k order.
+// row g + 8), A(row, k) and B(k, col) over k < K, summed as the tensor cores do
+// (tensor_core_sum).
 template <typename FA, typename FB>
 void accumulate(float (&acc)[4], int K, const FA& A, const FB& B) {
   const int l = lane(), g = l / 4, t = l % 4;
   for (int e = 0; e < 4; ++e) {
     const int row = g + 8 * (e / 2), col = 2 * t + e % 2;
-    float s = 0.f;
-    for (int k = 0; k < K; ++k) s += A(row, k) * B(k, col);
-    acc[e] += s;
+    double s = acc[e];
+    for (int k = 0; k < K; ++k) s += double(A(row, k)) * B(k, col);
+    acc[e] = tensor_core_sum(s);
   }
 }
 
 // mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, acc += A B with the PTX ISA's fragments
-// (csrc/cuda/mma_sync.cuh); the products of bf16 are exact in float, summed
-// in float in k order.
+// (csrc/cuda/mma_sync.cuh); the products of bf16 are exact, summed as the tensor cores do.
 inline void mma_bf16(float (&acc)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
   const Collective c(operands(a, b));
   const auto half = [](uint32_t u, int h) {
@@ -240,7 +240,7 @@ inline void mma_bf16(float (&acc)[4], const uint32_t (&a)[4], const uint32_t (&b
 // (csrc/cuda/mma_sync.cuh): A (16 x 8) a[0] = A[g][t], a[1] = A[g+8][t],
 // a[2] = A[g][t+4], a[3] = A[g+8][t+4]; B (8 x 8) b[0] = B[t][g], b[1] = B[t+4][g]. Every
 // operand register must hold a tf32 value (the GPU ignores the low 13 bits); the products are
-// exact in float, summed in float in k order.
+// exact, summed as the tensor cores do.
 inline void mma_tf32(float (&acc)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
   const Posted mine = operands(a, b);
   float x[6];
