@@ -10,7 +10,10 @@ F <= 64, kernel 8 in bf16 for F <= 128; in bf16 the fused backwards' two walks r
 kernels 11 and 10, and ``walk_fused_apart``, ``walk_mma_fused_apart`` keep them as two launches,
 the A/B of kernels 11 and 10) and reports every CUDA kernel's total and per-call
 time, its share of the step and its call count per step: where the time goes before a kernel
-is changed.
+is changed. Each variant's rows also carry a step's wall time (``step_wall_us``, CUDA events),
+and a second table gives the kernels' sum per step against it (``gpu_busy``): on the H200
+(2026-11-30) the defaults' step was 775 µs of kernels in 1.0-1.2 ms, the rest the GPU waiting
+for the host.
 
     python benchmarks/cuda_profile.py --out benchmarks/results/cuda_profile.csv
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import statistics
 import sys
 from pathlib import Path
 
@@ -64,7 +68,9 @@ def kernel_times(
     walk_blocks: int | None = None,
 ) -> pd.DataFrame:
     """One row per CUDA kernel: total µs over ``steps`` forward+backward steps and calls
-    (``walk_blocks``: the backend's ``WALK_BLOCKS`` for the steps; None keeps it)."""
+    (``walk_blocks``: the backend's ``WALK_BLOCKS`` for the steps; None keeps it), and the
+    median wall time of a step (``step_wall_us``, CUDA events, after the profiled steps): what
+    the kernels' sum per step leaves of it is the GPU waiting for the host."""
     q, k, v, g = step_inputs(dtype, b, h, n, d)
 
     def step() -> None:
@@ -81,6 +87,14 @@ def kernel_times(
             for _ in range(steps):
                 step()
             torch.cuda.synchronize()
+        walls = []  # a step's wall time, CUDA events: beside the kernels' sum, the host's share
+        for _ in range(steps):
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            step()
+            end.record()
+            torch.cuda.synchronize()
+            walls.append(start.elapsed_time(end) * 1e3)
     rows = [
         {"kernel": e.key, "total_us": e.self_device_time_total, "calls": e.count}
         for e in prof.key_averages()
@@ -95,6 +109,7 @@ def kernel_times(
     frame["calls_per_step"] = frame.calls / steps
     frame["us_per_step"] = frame.total_us / steps
     frame["share"] = frame.total_us / frame.total_us.sum()
+    frame["step_wall_us"] = statistics.median(walls)
     return frame.sort_values("total_us", ascending=False)
 
 
@@ -205,6 +220,13 @@ def main(argv: list[str] | None = None) -> int:
     ]
     with pd.option_context("display.max_colwidth", 60, "display.width", 200):
         print(result[cols].round(3).to_string(index=False))
+        if "step_wall_us" in result.columns:  # the GPU's busy share of a step's wall time
+            keys = ["F", "dtype", "variant", "walk_blocks"]
+            steps = result.groupby(keys, dropna=False).agg(
+                gpu_us=("us_per_step", "sum"), wall_us=("step_wall_us", "first")
+            )
+            steps["gpu_busy"] = steps.gpu_us / steps.wall_us
+            print(steps.round(3).reset_index().to_string(index=False))
     print(f"wrote {args.out}", file=sys.stderr)
     if failed:
         print(f"benchmarks/cuda_profile.py: failed: {', '.join(failed)}", file=sys.stderr)

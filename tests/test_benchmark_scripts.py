@@ -4,6 +4,7 @@ clean refusal without a GPU (the measurements themselves need one)."""
 from __future__ import annotations
 
 import math
+import re
 import shutil
 import sys
 import time
@@ -673,10 +674,12 @@ def test_fla_import_failure_says_why(cuda_core, monkeypatch, capsys):
 
 # --------------------------------------------------------- benchmarks/cuda_profile.py's loop
 def _kernel_frame(variant: str) -> pd.DataFrame:
-    """cuda_profile.kernel_times' frame for a variant: one kernel, 10 µs a step in 2 calls."""
+    """cuda_profile.kernel_times' frame for a variant: one kernel, 10 µs a step in 2 calls, in a
+    step of 40 µs wall time."""
     return pd.DataFrame(
         {"kernel": [f"{variant}_kernel"], "total_us": [10.0], "calls": [2]}
         | {"us_per_call": [5.0], "calls_per_step": [2], "us_per_step": [10.0], "share": [1.0]}
+        | {"step_wall_us": [40.0]}
     )
 
 
@@ -700,7 +703,10 @@ def test_profile_keeps_the_variants_that_ran(monkeypatch, tmp_path, capsys):
     argv = ["--dim", "64", "128", "--dtypes", "bfloat16"]
     argv += ["--variants", "chunks", "walk", "walk_fused"]
     assert profile.main([*argv, "--out", str(out)]) == 1
-    assert "walk (bfloat16, F=M=128)" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert "walk (bfloat16, F=M=128)" in captured.err
+    # each variant's step: the kernels' 10 µs of its 40 µs wall time
+    assert re.search(r"bfloat16\s+walk_fused\s+\S+\s+10\.0\s+40\.0\s+0\.25", captured.out)
     rows = pd.read_csv(out)
     assert list(zip(rows.F, rows.variant, strict=True)) == [
         (64, "chunks"), (64, "walk"), (64, "walk_fused"), (128, "chunks"), (128, "walk_fused")
