@@ -302,3 +302,37 @@ def test_last_dimensions_from_2_to_the_24_are_refused_before_the_extension(monke
         cuda_backend._check_inputs(big, big, small)
     with pytest.raises(ValueError, match=r"v's last dimension must be below 2\^24 .*got 16777216"):
         cuda_backend._check_inputs(small, small, big)
+
+
+def test_walk_mma_fuses_the_backward_only_where_its_register_walk_applies(monkeypatch):
+    """With walk_mma, the fused backward's register dk, dv walk (kernel 9) takes F, M <= 64;
+    above that the fused backward would fall back to the WMMA walk, slower than three products
+    on kernel 8 (bf16, F = M = 128, H200): the backward runs the three products there. The
+    other kernels fuse at any F, as FUSED_BACKWARD says."""
+    monkeypatch.setattr(cuda_backend, "FUSED_BACKWARD", True)
+    calls = []
+
+    class Ext:
+        def causal_product(self, q, k, v, reverse, out_fp32, walk_blocks, mma_walk):
+            calls.append("product")
+            return [torch.zeros(*q.shape[:-1], v.shape[-1])]
+
+        def causal_backward(self, q, k, v, g, out_fp32, walk_blocks, mma_walk, walks_together):
+            calls.append("fused")
+            return [torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)]
+
+    monkeypatch.setattr(cuda_backend, "_require", lambda: Ext())
+    cases = [("walk_mma", 64, 64, "fused"), ("walk_mma", 128, 64, "product"),
+             ("walk_mma", 64, 96, "product"), ("walk", 128, 128, "fused"),
+             ("chunks", 256, 256, "fused")]  # fmt: skip
+    for kernel, f, m, backward in cases:
+        monkeypatch.setattr(cuda_backend, "CAUSAL_KERNEL", kernel)
+        q, k = (torch.rand(1, 1, 3, f, requires_grad=True) for _ in range(2))
+        v = torch.rand(1, 1, 3, m, requires_grad=True)
+        calls.clear()
+        cuda_backend._CausalProduct.apply(q, k, v, False).sum().backward()
+        want = ["product", "fused"] if backward == "fused" else ["product"] * 4
+        assert calls == want, (kernel, f, m)
+    monkeypatch.setattr(cuda_backend, "FUSED_BACKWARD", False)  # off is off at any F
+    q = torch.rand(1, 1, 3, 64, dtype=torch.bfloat16)
+    assert not cuda_backend._use_fused(q, q)

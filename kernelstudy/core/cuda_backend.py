@@ -225,6 +225,18 @@ def _fused(dtype: torch.dtype) -> bool:
     return check_flag("cuda_backend.FUSED_BACKWARD", FUSED_BACKWARD)
 
 
+def _use_fused(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the backward of a causal product of ``q`` (B,H,N,F) and ``v`` (B,H,N,M) runs
+    fused: :data:`FUSED_BACKWARD` for q's dtype, but not with ``walk_mma`` where its register
+    dk, dv walk (kernel 9, F and M <= 64) does not apply and the fused backward would fall back
+    to the WMMA one (kernel 7): there the three products on kernel 8 were as fast or faster (the
+    H200, 2026-11-30, N = 8192, F = M = 128: bfloat16 3020 against 3448 µs a step, float32 and
+    float16 within 0.3 %)."""
+    if not _fused(q.dtype):
+        return False
+    return _causal_kernel(q.dtype) != "walk_mma" or max(q.shape[-1], v.shape[-1]) <= 64
+
+
 def _causal_kernel(dtype: torch.dtype) -> str:
     """:data:`CAUSAL_KERNEL` for operands of ``dtype`` (its entry where it is a dict), checked."""
     chosen = (
@@ -337,7 +349,7 @@ class _CausalProduct(torch.autograd.Function):
                 dv = _CausalProduct.apply(k, q, g, not rev) if need[2] else None
                 return dq, dk, dv, None
             ext = _require()
-            if _fused(q.dtype) and not rev and all(need[:3]):
+            if _use_fused(q, v) and not rev and all(need[:3]):
                 return (*_fused_backward(ext, q, k, v, g, out_fp32=False), None)
             dq = dk = dv = None
             if need[0]:  # dq_i = Σ_{j≤i} (g_i·v_j) k_j
@@ -496,7 +508,7 @@ class _CausalAttention(_FusedAttention):
                 # real key): inf, then inf·0 = NaN. The products run in float32 (3xTF32) instead.
                 q, k, v = q.float(), k.float(), v.float()
             dnum = dnum32.to(q.dtype)
-            if _fused(q.dtype):
+            if _use_fused(q, v):
                 dq, dk, dv = _fused_backward(ext, q, k, v, dnum, out_fp32=True)
             else:
                 dq = _product(ext, dnum, v, k, reverse=False, out_fp32=True)
