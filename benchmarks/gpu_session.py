@@ -266,6 +266,25 @@ class Session:
     def python(self, args: list[str], limit_s: float, log: str = "session.log"):
         return self.run([PYTHON, *args], limit_s, log)
 
+    def run_read(self, argv: list[str], limit_s: float, log: str) -> tuple[int, bool, str]:
+        """:meth:`run`, and what it added to ``log`` (its command line, then the child's output):
+        what a stage reads back of one child among the others' lines in the same log."""
+        return self._appended(log, lambda: self.run(argv, limit_s, log))
+
+    def python_read(
+        self, args: list[str], limit_s: float, log: str = "session.log"
+    ) -> tuple[int, bool, str]:
+        """:meth:`python`, and what it added to ``log`` (as :meth:`run_read`)."""
+        return self._appended(log, lambda: self.python(args, limit_s, log))
+
+    def _appended(self, log: str, call: Callable[[], tuple[int, bool]]) -> tuple[int, bool, str]:
+        path = self.out / log
+        offset = path.stat().st_size if path.exists() else 0
+        rc, late = call()
+        with open(path) as f:
+            f.seek(offset)
+            return rc, late, f.read()
+
 
 def stop(child: subprocess.Popen) -> None:
     """Stops ``child`` and everything it started: SIGTERM, then SIGKILL after ``STOP_S``."""
@@ -356,20 +375,14 @@ def stage_tests(session: Session, limit_s: float) -> tuple[str, str]:
     the other 600 went unrun) is left out and the rest run again, up to :data:`MAX_CRASHES`
     times; where tests fail, :func:`try_fallback` in what is left of the limit."""
     deadline = session.clock() + limit_s
-    log_path = session.out / "tests.log"
     crashed: list[str] = []
     while True:
-        log_path.touch()
-        offset = log_path.stat().st_size
         left_out = [f"--deselect={test}" for test in crashed]
-        rc, late = session.python(
+        rc, late, log = session.python_read(
             [*PYTEST, "--durations=15", *left_out, "tests/test_cuda_backend.py"],
             deadline - session.clock(),
             log="tests.log",
         )
-        with open(log_path) as f:
-            f.seek(offset)
-            log = f.read()
         test = None if late or 0 <= rc <= 5 else crashed_test(log)  # pytest's own exits: 0-5
         if test is None or test in crashed or len(crashed) >= MAX_CRASHES:
             break
@@ -433,14 +446,12 @@ def try_fallback(session: Session, failed: list[str], deadline: float) -> str:
         session.env = default_env
         outcome["result"] = "the fallback did not build (session.log)"
         return outcome["result"]
-    log = session.out / "tests.log"
-    with open(log, "a") as f:
+    with open(session.out / "tests.log", "a") as f:
         f.write(f"\n# the {len(failed)} failed tests again, built with {FALLBACK_FLAG}\n")
-    offset = log.stat().st_size
-    rc, late = session.python([*PYTEST, *failed], deadline - session.clock(), log="tests.log")
-    with open(log) as f:
-        f.seek(offset)
-        counts = test_counts(f.read())
+    rc, late, log = session.python_read(
+        [*PYTEST, *failed], deadline - session.clock(), log="tests.log"
+    )
+    counts = test_counts(log)
     outcome["counts"] = counts
     still = counts.get("failed", 0) + counts.get("error", 0)
     passed = counts.get("passed", 0)
@@ -502,8 +513,7 @@ def benchmark(
     deadline; a method that breaks the CUDA context is dropped and the rest rerun."""
     dropped = []
     while methods:
-        offset = (session.out / "session.log").stat().st_size
-        rc, late = session.python(
+        rc, late, log = session.python_read(
             ["benchmarks/cuda_core.py", *args, "--methods", *methods, "--resume", "--no-plot"],
             deadline - session.clock(),
         )
@@ -512,9 +522,7 @@ def benchmark(
                 "timeout",
                 f"stopped at its limit{'; dropped ' + ', '.join(dropped) if dropped else ''}",
             )
-        with open(session.out / "session.log") as f:
-            f.seek(offset)
-            method = broken_method(f.read())
+        method = broken_method(log)
         if rc == 0 or method is None or method not in methods:
             note = f"dropped {', '.join(dropped)} (broke the CUDA context)" if dropped else ""
             return ("ok" if rc == 0 else "failed"), note
@@ -685,12 +693,8 @@ def stage_racecheck(session: Session, limit_s: float) -> tuple[str, str]:
         "no:cacheprovider",
         *(f"tests/test_cuda_backend.py::{t}" for t in RACECHECK_TESTS),
     ]
-    log_path = session.out / "tests.log"  # after the tests stage's lines: 8 files come back
-    offset = log_path.stat().st_size if log_path.exists() else 0
-    rc, late = session.run(argv, limit_s, log="tests.log")
-    with open(log_path) as f:
-        f.seek(offset)
-        log = f.read()
+    # after the tests stage's lines (8 files come back): only its own part counts
+    rc, late, log = session.run_read(argv, limit_s, log="tests.log")
     hazards = sum(map(int, re.findall(r"RACECHECK SUMMARY: (\d+) hazards? displayed", log)))
     counts = ", ".join(f"{n} {what}" for what, n in test_counts(log).items())
     note = f"{counts or 'no test finished'}; hazards reported: {hazards}"
