@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import statistics
 import sys
 from pathlib import Path
 
@@ -34,9 +33,15 @@ import pandas as pd
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import kernelstudy as ks
-from kernelstudy.core import cuda_backend
-from kernelstudy.files import atomic_write_text
+# the sibling script cuda_core.py (its CUDA-event timer): found when this one runs as a script,
+# and from the end of the path when it is imported (nothing installed is shadowed)
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.append(str(Path(__file__).resolve().parent))
+import cuda_core  # noqa: E402
+
+import kernelstudy as ks  # noqa: E402
+from kernelstudy.core import cuda_backend  # noqa: E402
+from kernelstudy.files import atomic_write_text  # noqa: E402
 
 VARIANTS = tuple(cuda_backend.VARIANTS)
 DTYPES = ("float32", "bfloat16", "float16")
@@ -87,14 +92,9 @@ def kernel_times(
             for _ in range(steps):
                 step()
             torch.cuda.synchronize()
-        walls = []  # a step's wall time, CUDA events: beside the kernels' sum, the host's share
-        for _ in range(steps):
-            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            start.record()
-            step()
-            end.record()
-            torch.cuda.synchronize()
-            walls.append(start.elapsed_time(end) * 1e3)
+        # a step's wall time (CUDA events, as cuda_core.py times cases): beside the kernels'
+        # sum, the host's share
+        wall_us = cuda_core.cuda_time_ms(step, steps, 0) * 1e3
     rows = [
         {"kernel": e.key, "total_us": e.self_device_time_total, "calls": e.count}
         for e in prof.key_averages()
@@ -109,7 +109,7 @@ def kernel_times(
     frame["calls_per_step"] = frame.calls / steps
     frame["us_per_step"] = frame.total_us / steps
     frame["share"] = frame.total_us / frame.total_us.sum()
-    frame["step_wall_us"] = statistics.median(walls)
+    frame["step_wall_us"] = wall_us
     return frame.sort_values("total_us", ascending=False)
 
 
