@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -31,6 +30,7 @@ from kernelstudy.core import (
 )
 
 from .conftest import (
+    BENCHMARKS,
     benchmark_script,
     close_in_dtype,
     rel_err,
@@ -45,9 +45,7 @@ pytestmark = [
 ]
 
 DEVICE = "cuda"
-REPO = (
-    Path(__file__).resolve().parent.parent
-)  # the child of test_the_extensions_errors_reach_python
+REPO = BENCHMARKS.parent  # where test_the_extensions_errors_reach_python's child runs
 
 # (B, H, N, F, M): N=1, N not a multiple of 64, odd F and M, F≠M, F=M=256, B·H=1 at long N.
 SHAPES = [
