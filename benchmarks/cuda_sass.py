@@ -1,11 +1,12 @@
 """Static machine-code statistics of the CUDA kernels (no GPU needed): what a kernel change
 does to registers, spills and instruction counts before any GPU runs it.
 
-Compiles ``csrc/cuda/linear_attention.cu`` for one architecture with the flags torch gives nvcc
-(``-O3``, as the extension is built), reads ptxas' resource report (registers, spill bytes,
-stack) and the SASS that ``cuobjdump -sass`` prints, and counts per kernel: all instructions,
-those of the kernel's longest loop (the walk kernels' chunk loop), and a few kinds (HMMA
-tensor-core products, LDSM, cp.async's LDGSTS, shared and global loads and stores, barriers).
+Compiles every ``.cu`` of ``csrc/cuda`` for one architecture with the flags torch gives nvcc
+(``-O3``, as the extension is built; the units at once), reads ptxas' resource report
+(registers, spill bytes, stack) and the SASS that ``cuobjdump -sass`` prints, and counts per
+kernel: all instructions, those of the kernel's longest loop (the walk kernels' chunk loop),
+and a few kinds (HMMA tensor-core products, LDSM, cp.async's LDGSTS, shared and global loads
+and stores, barriers).
 With ``--against REF`` the same is done for the sources at a git revision and the two are set
 side by side with the differences.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import os
 import re
 import shutil
 import subprocess
@@ -28,6 +30,7 @@ import sys
 import tarfile
 import tempfile
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pandas as pd
@@ -35,7 +38,7 @@ import pandas as pd
 from kernelstudy.files import atomic_write_text
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCE = Path("csrc") / "cuda" / "linear_attention.cu"
+SOURCES = Path("csrc") / "cuda"  # every .cu there: at a revision of one unit, or of several
 UNAVAILABLE = 3
 # ptxas -v: one entry per kernel and architecture
 ENTRY = re.compile(
@@ -93,20 +96,21 @@ def find_tool(name: str, given: str | None = None) -> str | None:
     return found
 
 
-def compile_cubin(root: Path, arch: str, out: Path) -> str:
-    """Compiles ``root``'s linear_attention.cu to ``out`` (a cubin for ``arch``, e.g. sm_90a);
-    returns ptxas' resource report. Raises RuntimeError with nvcc's message if it fails."""
+def compile_cubin(source: Path, arch: str, out: Path) -> str:
+    """Compiles ``source`` (a .cu of a ``csrc/cuda`` folder) to ``out`` (a cubin for ``arch``,
+    e.g. sm_90a); returns ptxas' resource report. Raises RuntimeError with nvcc's message if
+    it fails."""
     number = re.sub(r"\D", "", arch)
     suffix = "a" if arch.endswith("a") else ""
     command = [
         "nvcc", "-cubin", "-std=c++17", "-O3", "-gencode",
         f"arch=compute_{number}{suffix},code=sm_{number}{suffix}", *torch_nvcc_flags(),
-        "-Xptxas", "-v", "-I", str(root / "csrc"), "-I", str(root / SOURCE.parent),
-        str(root / SOURCE), "-o", str(out),
+        "-Xptxas", "-v", "-I", str(source.parents[1]), "-I", str(source.parent), str(source),
+        "-o", str(out),
     ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=1800)
     if result.returncode != 0:
-        raise RuntimeError(f"nvcc failed on {root / SOURCE}:\n{result.stderr[-4000:]}")
+        raise RuntimeError(f"nvcc failed on {source}:\n{result.stderr[-4000:]}")
     return result.stdout + result.stderr
 
 
@@ -188,16 +192,26 @@ def sass_counts(sass: str) -> pd.DataFrame:
 
 def statistics(root: Path, arch: str, cuobjdump: str) -> pd.DataFrame:
     """Every kernel of ``root``'s sources compiled for ``arch``: resources and SASS counts, one
-    row per kernel (demangled), sorted by name."""
+    row per kernel (demangled), sorted by name. A kernel that several units compile (the
+    scan that every input type's unit uses) has one row."""
+    sources = sorted((root / SOURCES).glob("*.cu"))
+    if not sources:
+        raise RuntimeError(f"no .cu files in {root / SOURCES}")
     with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp) / "linear_attention.cubin"
-        report = compile_cubin(root, arch, cubin)
-        sass = subprocess.run(
-            [cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True
-        ).stdout
-    table = resources(report, arch).merge(sass_counts(sass), on="mangled", how="outer")
+
+        def one(source: Path) -> pd.DataFrame:
+            cubin = Path(tmp) / f"{source.stem}.cubin"
+            report = compile_cubin(source, arch, cubin)
+            sass = subprocess.run(
+                [cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True
+            ).stdout
+            return resources(report, arch).merge(sass_counts(sass), on="mangled", how="outer")
+
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+            table = pd.concat(list(pool.map(one, sources)), ignore_index=True)
     table.insert(0, "kernel", demangle(table["mangled"].tolist()))
-    return table.drop(columns="mangled").sort_values("kernel", ignore_index=True)
+    table = table.drop(columns="mangled").drop_duplicates("kernel")
+    return table.sort_values("kernel", ignore_index=True)
 
 
 def sources_at(revision: str, into: Path) -> Path:

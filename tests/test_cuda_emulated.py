@@ -1,8 +1,8 @@
 """The CUDA kernels of ``csrc/cuda``, run on the CPU by ``tests/cuda_emulator``, against the
 float64 reference: no GPU needed, so CI checks the kernels' logic on every change.
 
-The emulator compiles ``linear_attention.cu`` as C++ with g++ (shim CUDA headers; each thread a
-fiber, barriers and warp operations as on a GPU, WMMA tiles computed in float). It checks
+The emulator compiles the extension's ``.cu`` files as C++ with g++ (shim CUDA headers; each
+thread a fiber, barriers and warp operations as on a GPU, WMMA tiles computed in float). It checks
 indexing (every tensor sits between guards: reads outside an input give NaN, writes outside
 an output fail), masking, chunk grouping, segment carries, shared-memory layout (reads of unwritten
 shared memory give NaN; writes past it abort) and barrier placement (between block barriers the
@@ -19,9 +19,11 @@ relative RMS error ≤ 1e-2, as on the GPU.
 from __future__ import annotations
 
 import ctypes
+import os
 import random
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -48,18 +50,32 @@ pytestmark = pytest.mark.skipif(GXX is None, reason="g++ is not on PATH")
 def emu(tmp_path_factory) -> ctypes.CDLL:
     """The kernels and tests/cuda_emulator/harness.cpp built into one shared library."""
     cuda = csrc_dir() / "cuda"
-    lib = tmp_path_factory.mktemp("cuda_emulator") / "ks_emulated.so"
+    folder = tmp_path_factory.mktemp("cuda_emulator")
+    lib = folder / "ks_emulated.so"
     # -fno-strict-aliasing: the kernels read 16-byte vectors through other types, as CUDA allows;
     # -fsanitize=alignment: a misaligned vector access aborts, as it faults on a GPU
-    command = [
-        GXX, "-std=c++17", "-O2", "-fno-strict-aliasing", "-shared", "-fPIC", "-w",
-        "-fsanitize=alignment", "-fno-sanitize-recover=alignment",
-        "-I", str(EMULATOR), "-I", str(csrc_dir()), "-I", str(cuda),
-        "-x", "c++", str(cuda / "linear_attention.cu"), "-x", "c++", str(EMULATOR / "harness.cpp"),
-        "-o", str(lib),
+    flags = [
+        "-std=c++17", "-O2", "-fno-strict-aliasing", "-fPIC", "-w", "-fsanitize=alignment",
+        "-fno-sanitize-recover=alignment", "-I", str(EMULATOR), "-I", str(csrc_dir()), "-I",
+        str(cuda),
     ]  # fmt: skip
+    # every .cu of the extension, as C++, and the harness: each its own g++, as many at once as
+    # the machine has cores (the three input types' units are the long ones)
+    sources = [cuda / name for name in cuda_backend.SOURCES if name.endswith(".cu")]
+    sources.append(EMULATOR / "harness.cpp")
+
+    def compile_one(source: Path) -> subprocess.CompletedProcess:
+        command = [GXX, *flags, "-c", "-x", "c++", str(source), "-o", str(folder / source.stem)]
+        return subprocess.run(command, capture_output=True, text=True, timeout=600)
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        results = list(pool.map(compile_one, sources))
+    for source, result in zip(sources, results, strict=True):
+        assert result.returncode == 0, f"g++ failed on {source.name}:\n{result.stderr[-6000:]}"
+    objects = [str(folder / source.stem) for source in sources]
+    command = [GXX, "-shared", "-fsanitize=alignment", *objects, "-o", str(lib)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, f"g++ failed:\n{result.stderr[-6000:]}"
+    assert result.returncode == 0, f"linking failed:\n{result.stderr[-6000:]}"
     module = ctypes.CDLL(str(lib))
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     module.ks_emu_configure.argtypes = [ctypes.c_uint64, i64]

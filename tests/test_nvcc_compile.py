@@ -31,7 +31,11 @@ from .conftest import benchmark_script
 
 CSRC = csrc_dir()
 CU_FILES = sorted(CSRC.rglob("*.cu"))
-CUH_FILES = sorted(CSRC.rglob("*.cuh"))  # kernels, each included by a .cu (one translation unit)
+CUH_FILES = sorted(CSRC.rglob("*.cuh"))  # kernels and their launches, included by the .cu files
+H_FILES = sorted((CSRC / "cuda").glob("*.h"))  # the entry points' declarations
+# The translation units with kernels: one per input type, each including launch.cuh (the entry
+# points' linear_attention.cu has none)
+KERNEL_UNITS = [CSRC / "cuda" / f"{name}.cu" for name in ("float32", "float16", "bfloat16")]
 NVCC = shutil.which("nvcc")
 CXXFILT = shutil.which("c++filt")
 ARCHS = ["-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90a,code=sm_90a"]
@@ -50,19 +54,44 @@ def _id(path):
     return str(path.relative_to(CSRC))
 
 
-@pytest.mark.parametrize("source", CU_FILES + CUH_FILES, ids=_id)
+@pytest.mark.parametrize("source", CU_FILES + CUH_FILES + H_FILES, ids=_id)
 def test_cu_includes_no_torch_headers(source):
     assert not TORCH_INCLUDE.search(source.read_text()), f"{_id(source)} includes torch headers"
 
 
+def _includes(source: Path) -> list[Path]:
+    """The files ``source`` includes by ``#include "..."`` (beside it)."""
+    names = re.findall(r'^\s*#\s*include\s*"([^"]+)"', source.read_text(), re.MULTILINE)
+    return [(source.parent / name).resolve() for name in names]
+
+
 def test_every_cuh_is_included_by_a_cu():
-    """A .cuh no .cu includes is compiled nowhere: not by nvcc here, not by the extension."""
-    included = set()
-    for source in CU_FILES:
-        names = re.findall(r'^\s*#\s*include\s*"([^"]+\.cuh)"', source.read_text(), re.MULTILINE)
-        included |= {(source.parent / name).resolve() for name in names}
-    assert len(CUH_FILES) >= 8
+    """A .cuh no .cu includes (directly or through another .cuh) is compiled nowhere: not by
+    nvcc here, not by the extension."""
+    included, todo = set(), [s.resolve() for s in CU_FILES]
+    while todo:
+        for header in _includes(todo.pop()):
+            if header.suffix == ".cuh" and header not in included:
+                included.add(header)
+                todo.append(header)
+    assert len(CUH_FILES) >= 9
     assert not [_id(h) for h in CUH_FILES if h.resolve() not in included]
+
+
+def test_each_input_types_kernels_are_a_unit_of_their_own():
+    """float32.cu, float16.cu and bfloat16.cu each instantiate one type's launchers (and so its
+    kernels), the entry points' unit none; the extension builds every .cu and .cpp here."""
+    from kernelstudy.core import cuda_backend
+
+    for unit, type_name in zip(KERNEL_UNITS, ("float", "__half", "__nv_bfloat16"), strict=True):
+        text = unit.read_text()
+        assert (CSRC / "cuda" / "launch.cuh").resolve() in _includes(unit)
+        assert re.findall(r"template struct ks_cuda::Launchers<([\w:]+)>;", text) == [type_name]
+    assert (CSRC / "cuda" / "launch.cuh").resolve() not in _includes(
+        CSRC / "cuda" / "linear_attention.cu"
+    )
+    built = {p.name for p in (CSRC / "cuda").iterdir() if p.suffix in (".cu", ".cpp")}
+    assert set(cuda_backend.SOURCES) == built
 
 
 @pytest.mark.parametrize("header", CUH_FILES, ids=_id)
@@ -250,9 +279,8 @@ def test_wmma_fragments_load_from_shared_memory_in_their_layout(ptxas_reports, n
     every wmma.mma's A and B must trace back to loads of its use and layout, register by
     register in the order the load wrote them; a wrong one would compute garbage on a GPU
     and pass everywhere else (a layout or an order swapped in either dtype fails here)."""
-    source = CSRC / "cuda" / "linear_attention.cu"
-    assert ptxas_reports[source].returncode == 0
-    ptx = ptx_of(nvcc_out, source, "sm_90a")
+    assert all(ptxas_reports[unit].returncode == 0 for unit in KERNEL_UNITS)
+    ptx = "".join(ptx_of(nvcc_out, unit, "sm_90a") for unit in KERNEL_UNITS)
     ops = re.findall(r"wmma\.(?:load|store)\.[\w.]+", ptx)
     generic = sorted({op for op in ops if ".shared." not in op})
     assert len(ops) > 1000 and not generic, f"generic WMMA loads or stores: {generic}"
@@ -268,16 +296,21 @@ def test_generic_wmma_loads_fallback_compiles(tmp_path):
     the use and layout they were loaded. PTX only (ptxas' part is the same as above)."""
     if NVCC is None:
         pytest.skip("nvcc is not on PATH")
-    source = CSRC / "cuda" / "linear_attention.cu"
-    ptx_file = tmp_path / "generic.ptx"
-    command = [
-        NVCC, "-ptx", "-std=c++17", "-arch=sm_90a", *TORCH_NVCC_FLAGS, "-DKS_WMMA_GENERIC_LOADS",
-        "-I", str(CSRC), "-I", str(source.parent), str(source), "-o", str(ptx_file),
-    ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-6000:]
-    assert "warning" not in result.stdout + result.stderr, result.stderr[-3000:]
-    ptx = ptx_file.read_text()
+
+    def ptx_of_unit(unit: Path) -> subprocess.CompletedProcess:
+        command = [
+            NVCC, "-ptx", "-std=c++17", "-arch=sm_90a", *TORCH_NVCC_FLAGS,
+            "-DKS_WMMA_GENERIC_LOADS", "-I", str(CSRC), "-I", str(unit.parent), str(unit), "-o",
+            str(tmp_path / f"{unit.stem}.ptx"),
+        ]  # fmt: skip
+        return subprocess.run(command, capture_output=True, text=True, timeout=900)
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        results = list(pool.map(ptx_of_unit, KERNEL_UNITS))
+    for result in results:
+        assert result.returncode == 0, result.stderr[-6000:]
+        assert "warning" not in result.stdout + result.stderr, result.stderr[-3000:]
+    ptx = "".join((tmp_path / f"{unit.stem}.ptx").read_text() for unit in KERNEL_UNITS)
     loads = re.findall(r"wmma\.load\.[ab]\.[\w.]+", ptx)
     assert len(loads) > 1000
     assert not [op for op in loads if op.endswith((".shared.bf16", ".shared.tf32"))]
@@ -287,9 +320,11 @@ def test_generic_wmma_loads_fallback_compiles(tmp_path):
 
 @pytest.mark.parametrize("arch", sorted(SPILL_BUDGET))
 def test_register_spills_within_budget(ptxas_reports, arch):
-    source = CSRC / "cuda" / "linear_attention.cu"
-    assert ptxas_reports[source].returncode == 0
-    resources = kernel_resources(ptxas_reports[source].stdout + ptxas_reports[source].stderr, arch)
+    assert all(ptxas_reports[unit].returncode == 0 for unit in KERNEL_UNITS)
+    report = "".join(
+        ptxas_reports[unit].stdout + ptxas_reports[unit].stderr for unit in KERNEL_UNITS
+    )
+    resources = kernel_resources(report, arch)
     budget = SPILL_BUDGET[arch]
     assert len(resources) >= 40 and set(budget) <= set(resources)
     over = {

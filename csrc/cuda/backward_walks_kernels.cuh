@@ -1,6 +1,6 @@
 // Kernels 10 and 11: the walks' fused backward (bf16, F, M <= 64) with its dq walk and its dk, dv
 // walk as one grid, on mma.sync (10: kernels 8 and 9) or WMMA (11: kernels 6 and 7).
-// Part of the translation unit of linear_attention.cu, which includes every .cuh here in order.
+// Included, with every .cuh here in order, by launch.cuh (in each input type's .cu).
 #pragma once
 
 #include "register_walk_kernels.cuh"

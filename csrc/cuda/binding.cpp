@@ -1,10 +1,14 @@
-// Torch bindings of the CUDA linear-attention core (launchers.h, linear_attention.cu).
+// Torch bindings of the CUDA linear-attention core (launchers.h, linear_attention.cu). The
+// headers are ATen's and pybind11's alone, not torch/extension.h (the C++ frontend): half the
+// compile time.
 // The Python side (kernelstudy/core/cuda_backend.py) validates arguments first; the checks here
 // guard the kernels against misuse. Every call runs on the current CUDA stream of the inputs'
 // device; workspaces come from torch's caching allocator.
-#include <c10/cuda/CUDAStream.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <torch/extension.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <vector>
 

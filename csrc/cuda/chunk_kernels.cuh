@@ -1,6 +1,6 @@
 // The chunk kernels: the segment a block walks (WalkSegment), kernel 1 (chunk states),
 // kernel 2 (scan over blocks), kernel 3 (chunk output) and kernels 4 and 5 (fused backward).
-// Part of the translation unit of linear_attention.cu, which includes every .cuh here in order.
+// Included, with every .cuh here in order, by launch.cuh (in each input type's .cu).
 #pragma once
 
 #include "tiles.cuh"

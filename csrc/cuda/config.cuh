@@ -1,6 +1,6 @@
 // The thread block and tile shape, the modes, element types and conversions, and the hooks of
-// tests/cuda_emulator. Part of the translation unit of linear_attention.cu, which includes every
-// .cuh here in order.
+// tests/cuda_emulator. Included, with every .cuh here in order, by launch.cuh (in each input
+// type's .cu).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -15,7 +15,7 @@
 
 #include "launchers.h"
 
-// Hooks for tests/cuda_emulator, which compiles linear_attention.cu as plain C++ and runs every
+// Hooks for tests/cuda_emulator, which compiles the .cu files as plain C++ and runs every
 // kernel on the CPU (one fiber per thread): the kernel launch, the dynamic shared memory of a
 // block, and in host compilation the asynchronous copy and its wait (the emulator lands each copy
 // at the issue or at the wait). nvcc gets the usual forms.
@@ -30,7 +30,7 @@
   (*static_cast<uint4*>(dst) = *static_cast<const uint4*>(src))
 #define KS_HOST_ASYNC_WAIT()
 #endif
-// ... the thread blocks a walk's carry pass aims at (walk_layout in linear_attention.cu), which
+// ... the thread blocks a walk's carry pass aims at (walk_layout in launch.cuh), which
 // a test of the emulator lowers so that small shapes sum several chunks a group ...
 #ifndef KS_CARRY_BLOCKS
 #define KS_CARRY_BLOCKS 512

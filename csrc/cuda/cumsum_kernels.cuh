@@ -1,5 +1,5 @@
 // The deterministic weighted cumulative sum along the sequence (one thread per column).
-// Part of the translation unit of linear_attention.cu, which includes every .cuh here in order.
+// Included, with every .cuh here in order, by launch.cuh (in each input type's .cu).
 #pragma once
 
 #include "config.cuh"

@@ -1,4 +1,4 @@
-// Host-side entry points of the CUDA linear-attention core (csrc/cuda/linear_attention.cu).
+// Host-side entry points of the CUDA linear-attention core (defined in linear_attention.cu).
 //
 // Plain C++ on raw device pointers, so the kernels compile with nvcc alone (no torch headers);
 // the torch binding (binding.cpp) checks tensors and calls these on the current stream.

@@ -1,6 +1,6 @@
 // mma.sync fragments of kernels 8 and 9: the PTX ISA's register layouts, ldmatrix, the
 // m16n8k16 bf16 and m16n8k8 tf32 products, and tf32 operands made once per k-step (TF32A).
-// Part of the translation unit of linear_attention.cu, which includes every .cuh here in order.
+// Included, with every .cuh here in order, by launch.cuh (in each input type's .cu).
 #pragma once
 
 #include "config.cuh"

@@ -1,7 +1,7 @@
 // The register walk on mma.sync: tiles, bands and stores of kernels 8 (the walk) and 9
 // (the fused dk, dv walk), with each warp's operands in registers, and kernel 12 (their
 // carries: kernel 1 on mma.sync).
-// Part of the translation unit of linear_attention.cu, which includes every .cuh here in order.
+// Included, with every .cuh here in order, by launch.cuh (in each input type's .cu).
 #pragma once
 
 #include "mma_sync.cuh"

@@ -1,7 +1,7 @@
 // Moving 64 x 64 tiles between global and shared memory: cp.async, load_tile (with zero
 // fill and conversion to the operand type), store_tile and store_output (with the normalizer),
 // and the causal mask of a chunk's scores in shared memory.
-// Part of the translation unit of linear_attention.cu, which includes every .cuh here in order.
+// Included, with every .cuh here in order, by launch.cuh (in each input type's .cu).
 #pragma once
 
 #include "config.cuh"

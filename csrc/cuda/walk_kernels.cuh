@@ -1,6 +1,6 @@
 // The walk on WMMA: states kept on chip, masks in registers, kernel 6 (chunk walk) and
 // kernel 7 (the fused dk, dv walk).
-// Part of the translation unit of linear_attention.cu, which includes every .cuh here in order.
+// Included, with every .cuh here in order, by launch.cuh (in each input type's .cu).
 #pragma once
 
 #include "chunk_kernels.cuh"

@@ -1,7 +1,7 @@
 // Warp-level products on WMMA fragments (kernels 1-7): loads and stores of fragments in
 // shared memory, the bf16, 1xTF32 and 3xTF32 steps (tf32_split), and a warp's 16 x 32 slab of
 // a 64 x 64 product (warp_gemm).
-// Part of the translation unit of linear_attention.cu, which includes every .cuh here in order.
+// Included, with every .cuh here in order, by launch.cuh (in each input type's .cu).
 #pragma once
 
 #include "config.cuh"

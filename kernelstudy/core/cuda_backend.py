@@ -54,7 +54,9 @@ from .transforms import fold_mapped, jvp_filled, trilinear_jvp, unfold_mapped, v
 from .validation import autocast_off, check_eps, check_key_padding_mask, check_qkv
 
 EXTENSION_NAME = "kernelstudy_cuda"
-SOURCES = ("binding.cpp", "linear_attention.cu")
+# The torch bindings, the entry points, and each input type's kernels in a translation unit of its
+# own, which ninja compiles at once (nvcc on two cores: 18 s against 29 s for one unit of all).
+SOURCES = ("binding.cpp", "linear_attention.cu", "float32.cu", "float16.cu", "bfloat16.cu")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MIN_CAPABILITY = (8, 0)  # bf16 and tf32 tensor cores (Ampere and newer)
 # nvcc flags added to the build's, as shell words: "-lineinfo" (Nsight Compute's source view),

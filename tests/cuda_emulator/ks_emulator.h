@@ -1,4 +1,4 @@
-// A CPU emulator of the CUDA features that csrc/cuda/linear_attention.cu uses, so its kernels can
+// A CPU emulator of the CUDA features that the kernels of csrc/cuda use, so that they can
 // run (slowly) on a machine without a GPU and be compared with the float64 reference in CI.
 //
 // The shim headers beside this file (cuda_runtime.h, cuda_bf16.h, cuda_fp16.h, mma.h) take the
