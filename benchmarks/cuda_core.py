@@ -69,6 +69,7 @@ import itertools
 import math
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -123,6 +124,28 @@ def cuda_time_ms(fn: Callable[[], object], repeats: int, warmup: int) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def stream_time_ms(fn: Callable[[], object], steps: int, repeats: int = 3) -> tuple[float, float]:
+    """``steps`` calls of ``fn()`` back to back between one pair of CUDA events, ``repeats``
+    times: the median per call of the GPU's time (events) and of the host's time to issue the
+    calls (``time.perf_counter``, before synchronizing), in ms. With calls queued the GPU waits
+    for the host only where issuing a call takes longer than running it; :func:`cuda_time_ms`
+    (one call between synchronizations) also counts the host's time before its first kernel."""
+    gpu, host = [], []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        began = time.perf_counter()
+        start.record()
+        for _ in range(steps):
+            fn()
+        end.record()
+        host.append((time.perf_counter() - began) * 1e3 / steps)
+        torch.cuda.synchronize()
+        gpu.append(start.elapsed_time(end) / steps)
+    return statistics.median(gpu), statistics.median(host)
 
 
 def peak_memory_mib(call: Callable[[], object], inputs) -> float:

@@ -10,10 +10,14 @@ F <= 64, kernel 8 in bf16 for F <= 128; in bf16 the fused backwards' two walks r
 kernels 11 and 10, and ``walk_fused_apart``, ``walk_mma_fused_apart`` keep them as two launches,
 the A/B of kernels 11 and 10) and reports every CUDA kernel's total and per-call
 time, its share of the step and its call count per step: where the time goes before a kernel
-is changed. Each variant's rows also carry a step's wall time (``step_wall_us``, CUDA events),
-and a second table gives the kernels' sum per step against it (``gpu_busy``): on the H200
-(2026-11-30) the defaults' step was 775 µs of kernels in 1.0-1.2 ms, the rest the GPU waiting
-for the host.
+is changed. Each variant's rows also carry a step's wall time (``step_wall_us``, CUDA events
+around one step, as ``cuda_core.py`` times cases), its time with steps queued back to back
+(``step_stream_us``) and the host's time to issue one (``step_host_us``); a second table gives
+the kernels' sum per step against them (``gpu_busy``: of the wall time). On the H200
+(2026-11-30) the defaults' step was 775 µs of kernels in 1.0-1.2 ms: where the stream time is
+near the kernels' sum, the rest is the host's latency before the GPU gets work (Python and
+launches: that host is slow, SDPA's fwd+bwd at N = 512, 15 GFLOP, took 0.38 ms there); where
+the host's time passes the kernels', the host is what limits.
 
     python benchmarks/cuda_profile.py --out benchmarks/results/cuda_profile.csv
 
@@ -73,9 +77,11 @@ def kernel_times(
     walk_blocks: int | None = None,
 ) -> pd.DataFrame:
     """One row per CUDA kernel: total µs over ``steps`` forward+backward steps and calls
-    (``walk_blocks``: the backend's ``WALK_BLOCKS`` for the steps; None keeps it), and the
-    median wall time of a step (``step_wall_us``, CUDA events, after the profiled steps): what
-    the kernels' sum per step leaves of it is the GPU waiting for the host."""
+    (``walk_blocks``: the backend's ``WALK_BLOCKS`` for the steps; None keeps it), and, after
+    the profiled steps, the median wall time of a step (``step_wall_us``, CUDA events: what the
+    kernels' sum per step leaves of it is the GPU waiting for the host), and with ``steps``
+    steps queued back to back the GPU's time a step and the host's time to issue one
+    (``step_stream_us``, ``step_host_us``: :func:`cuda_core.stream_time_ms`)."""
     q, k, v, g = step_inputs(dtype, b, h, n, d)
 
     def step() -> None:
@@ -93,8 +99,9 @@ def kernel_times(
                 step()
             torch.cuda.synchronize()
         # a step's wall time (CUDA events, as cuda_core.py times cases): beside the kernels'
-        # sum, the host's share
+        # sum, the host's share; and with steps queued, the GPU's and the host's time a step
         wall_us = cuda_core.cuda_time_ms(step, steps, 0) * 1e3
+        stream_ms, host_ms = cuda_core.stream_time_ms(step, steps)
     rows = [
         {"kernel": e.key, "total_us": e.self_device_time_total, "calls": e.count}
         for e in prof.key_averages()
@@ -110,7 +117,23 @@ def kernel_times(
     frame["us_per_step"] = frame.total_us / steps
     frame["share"] = frame.total_us / frame.total_us.sum()
     frame["step_wall_us"] = wall_us
+    frame["step_stream_us"] = stream_ms * 1e3
+    frame["step_host_us"] = host_ms * 1e3
     return frame.sort_values("total_us", ascending=False)
+
+
+STEP_COLUMNS = {"wall_us": "step_wall_us", "stream_us": "step_stream_us", "host_us": "step_host_us"}
+
+
+def step_table(result: pd.DataFrame) -> pd.DataFrame:
+    """One row per variant: the kernels' sum per step (``gpu_us``) beside the step's wall,
+    stream and host times (those of :data:`STEP_COLUMNS` that ``result`` has), and
+    ``gpu_busy = gpu_us / wall_us``."""
+    keys = ["F", "dtype", "variant", "walk_blocks"]
+    times = {name: (column, "first") for name, column in STEP_COLUMNS.items() if column in result}
+    steps = result.groupby(keys, dropna=False).agg(gpu_us=("us_per_step", "sum"), **times)
+    steps["gpu_busy"] = steps.gpu_us / steps.wall_us
+    return steps.reset_index()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -221,12 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     with pd.option_context("display.max_colwidth", 60, "display.width", 200):
         print(result[cols].round(3).to_string(index=False))
         if "step_wall_us" in result.columns:  # the GPU's busy share of a step's wall time
-            keys = ["F", "dtype", "variant", "walk_blocks"]
-            steps = result.groupby(keys, dropna=False).agg(
-                gpu_us=("us_per_step", "sum"), wall_us=("step_wall_us", "first")
-            )
-            steps["gpu_busy"] = steps.gpu_us / steps.wall_us
-            print(steps.round(3).reset_index().to_string(index=False))
+            print(step_table(result).round(3).to_string(index=False))
     print(f"wrote {args.out}", file=sys.stderr)
     if failed:
         print(f"benchmarks/cuda_profile.py: failed: {', '.join(failed)}", file=sys.stderr)

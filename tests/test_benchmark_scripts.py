@@ -438,6 +438,28 @@ def test_cuda_time_ms_is_the_median_after_the_warmup(cuda_core, monkeypatch):
     assert cuda_core.cuda_time_ms(fn, repeats=5, warmup=2) == pytest.approx(3.0)
 
 
+def test_stream_time_ms_is_per_call_on_the_gpu_and_the_host(cuda_core, monkeypatch):
+    """Four calls queued between two events, three times: the GPU's time (the events) and the
+    host's (perf_counter up to the end event, not the synchronization) per call, medians."""
+    gpu_clock, host_clock = [0.0], [0.0]
+    per_call = iter([(2.0, 1.0)] * 4 + [(5.0, 3.0)] * 4 + [(3.0, 2.0)] * 4)  # ms: (GPU, host)
+
+    def fn():
+        gpu, host = next(per_call)
+        gpu_clock[0] += gpu / 1e3
+        host_clock[0] += host / 1e3
+
+    def synchronize(*args):
+        host_clock[0] += 1.0  # waiting for the GPU: not the host's time to issue the calls
+
+    monkeypatch.setattr(_FakeEvent, "clock", lambda: gpu_clock[0])
+    monkeypatch.setattr(cuda_core.torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(cuda_core.torch.cuda, "synchronize", synchronize)
+    monkeypatch.setattr(cuda_core.time, "perf_counter", lambda: host_clock[0])
+    gpu, host = cuda_core.stream_time_ms(fn, steps=4, repeats=3)
+    assert gpu == pytest.approx(3.0) and host == pytest.approx(2.0)
+
+
 def test_gpu_pipeline_runs_on_cpu(gpu_on_cpu, cuda_memory, monkeypatch, tmp_path, capsys):
     """The whole measurement (cases, warm-up, events, backward, FLOPs, peak memory, CSV, plot,
     printed tables) on CPU tensors; fla is a stand-in that checks the call it gets and computes
@@ -675,11 +697,11 @@ def test_fla_import_failure_says_why(cuda_core, monkeypatch, capsys):
 # --------------------------------------------------------- benchmarks/cuda_profile.py's loop
 def _kernel_frame(variant: str) -> pd.DataFrame:
     """cuda_profile.kernel_times' frame for a variant: one kernel, 10 µs a step in 2 calls, in a
-    step of 40 µs wall time."""
+    step of 40 µs wall time, 12 µs with steps queued, 30 µs of the host's."""
     return pd.DataFrame(
         {"kernel": [f"{variant}_kernel"], "total_us": [10.0], "calls": [2]}
         | {"us_per_call": [5.0], "calls_per_step": [2], "us_per_step": [10.0], "share": [1.0]}
-        | {"step_wall_us": [40.0]}
+        | {"step_wall_us": [40.0], "step_stream_us": [12.0], "step_host_us": [30.0]}
     )
 
 
@@ -705,8 +727,9 @@ def test_profile_keeps_the_variants_that_ran(monkeypatch, tmp_path, capsys):
     assert profile.main([*argv, "--out", str(out)]) == 1
     captured = capsys.readouterr()
     assert "walk (bfloat16, F=M=128)" in captured.err
-    # each variant's step: the kernels' 10 µs of its 40 µs wall time
-    assert re.search(r"bfloat16\s+walk_fused\s+\S+\s+10\.0\s+40\.0\s+0\.25", captured.out)
+    # each variant's step: the kernels' 10 µs of its 40 µs wall time (12 queued, 30 the host's)
+    step = r"bfloat16\s+walk_fused\s+\S+\s+10\.0\s+40\.0\s+12\.0\s+30\.0\s+0\.25"
+    assert re.search(step, captured.out), captured.out
     rows = pd.read_csv(out)
     assert list(zip(rows.F, rows.variant, strict=True)) == [
         (64, "chunks"), (64, "walk"), (64, "walk_fused"), (128, "chunks"), (128, "walk_fused")
