@@ -39,6 +39,7 @@ causal product (or matrix products) in float32, while its first-order backward s
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shlex
 import threading
@@ -211,7 +212,14 @@ def supports(x: torch.Tensor) -> bool:
     """CUDA tensors of float32/float16/bfloat16 on a GPU of compute capability ≥ 8.0."""
     if not (x.is_cuda and x.dtype in DTYPES):
         return False
-    return torch.cuda.get_device_capability(x.device) >= MIN_CAPABILITY
+    return _capability(x.device.index) >= MIN_CAPABILITY
+
+
+@functools.cache
+def _capability(index: int | None) -> tuple[int, int]:
+    """``torch.cuda.get_device_capability`` of device ``index``, once a process: a call is checked
+    four times a product (the backend's choice, then q, k and v), and torch's lookup is Python."""
+    return torch.cuda.get_device_capability(index)
 
 
 def _fused(dtype: torch.dtype) -> bool:
