@@ -509,25 +509,31 @@ class _CausalAttention(_FusedAttention):
             keep = _keep(mask)
             k, v = _masked(k, keep), _masked(v, keep)
             ext = _require()
-            d = den + ctx.eps
-            g = grad.float()
-            dnum32 = g / d.unsqueeze(-1)
-            dden = -(g * out.float()).sum(-1) / d
             dtype = q.dtype
             if dtype == torch.float16:  # dnum = g/d passes 65504 where d ~ eps (a row with no
                 # real key): inf, then inf·0 = NaN. The products run in float32 (3xTF32) instead.
                 q, k, v = q.float(), k.float(), v.float()
-            dnum = dnum32.to(q.dtype)
+            # Each (B,H,N,M) step below is one pass over memory, computed in float32 and rounded
+            # once where it is stored (out= in the operands' or the inputs' dtype): the same bits
+            # as casting afterwards, without the float32 intermediates' extra passes.
+            d = den + ctx.eps
+            g = grad.float()
+            dnum = torch.div(g, d.unsqueeze(-1), out=torch.empty_like(g, dtype=q.dtype))
+            dden = (g * out).sum(-1).div_(d).neg_()  # -(g·out)/d, out read in its dtype
             if _use_fused(q, v):
                 dq, dk, dv = _fused_backward(ext, q, k, v, dnum, out_fp32=True)
             else:
                 dq = _product(ext, dnum, v, k, reverse=False, out_fp32=True)
                 dk = _product(ext, v, dnum, q, reverse=True, out_fp32=True)
                 dv = _product(ext, k, q, dnum, reverse=True, out_fp32=True)
-            dq += ext.scaled_cumsum(k, None, dden, reverse=False)
-            dk += ext.scaled_cumsum(q, dden, None, reverse=True)
-            dk, dv = _masked(dk, keep), _masked(dv, keep)
-        return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None
+            dq = _added(dq, ext.scaled_cumsum(k, None, dden, reverse=False), dtype)
+            dk = _masked(_added(dk, ext.scaled_cumsum(q, dden, None, reverse=True), dtype), keep)
+        return dq, dk, _masked(dv.to(dtype), keep), None, None
+
+
+def _added(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``a + b`` (float32) in ``dtype``, rounded once, in one pass."""
+    return torch.add(a, b, out=torch.empty_like(a, dtype=dtype))
 
 
 class _FullAttention(_FusedAttention):
@@ -562,7 +568,7 @@ class _FullAttention(_FusedAttention):
             d = den + ctx.eps
             g = grad.float()
             dnum = g / d.unsqueeze(-1)
-            dden = -(g * out.float()).sum(-1) / d
+            dden = (g * out).sum(-1).div_(d).neg_()  # -(g·out)/d, out read in its dtype
             q32 = q.float()
             dq = dnum @ s.transpose(-1, -2) + dden.unsqueeze(-1) * z.unsqueeze(-2)
             ds = q32.transpose(-1, -2) @ dnum  # (B,H,F,M)
