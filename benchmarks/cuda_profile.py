@@ -1,23 +1,24 @@
 """Per-kernel GPU time of the CUDA backend's causal product, forward and backward.
 
-Runs ``ks.causal_dot_product(..., backend="cuda")`` forward + backward under
-``torch.profiler`` for each F = M, dtype and kernel variant of ``cuda_backend.VARIANTS``
-(``chunks``: the chunk kernels with three causal products in the backward; ``chunks_fused``:
-the chunk kernels with their fused backward; ``walk``: the walk kernel, forward and three
-backward products; ``walk_fused``: the walk with its fused backward; ``walk_mma``,
-``walk_mma_fused``: the same on kernels 8 and 9, mma.sync with operands in registers, for
-F <= 64, kernel 8 in bf16 for F <= 128; in bf16 the fused backwards' two walks run as one grid,
-kernels 11 and 10, and ``walk_fused_apart``, ``walk_mma_fused_apart`` keep them as two launches,
-the A/B of kernels 11 and 10) and reports every CUDA kernel's total and per-call
-time, its share of the step and its call count per step: where the time goes before a kernel
-is changed. Each variant's rows also carry a step's wall time (``step_wall_us``, CUDA events
-around one step, as ``cuda_core.py`` times cases), its time with steps queued back to back
-(``step_stream_us``) and the host's time to issue one (``step_host_us``); a second table gives
-the kernels' sum per step against them (``gpu_busy``: of the wall time). On the H200
+Runs ``ks.causal_dot_product(..., backend="cuda")`` (``--op attention``: the normalized
+``ks.linear_attention(..., causal=True)``, whose backward adds torch's passes) forward +
+backward under ``torch.profiler`` for each F = M, dtype and kernel variant of
+``cuda_backend.VARIANTS`` (``chunks``: the chunk kernels with three causal products in the
+backward; ``chunks_fused``: the chunk kernels with their fused backward; ``walk``: the walk
+kernel, forward and three backward products; ``walk_fused``: the walk with its fused backward;
+``walk_mma``, ``walk_mma_fused``: the same on kernels 8 and 9, mma.sync with operands in
+registers, for F <= 64, kernel 8 in bf16 for F <= 128; in bf16 the fused backwards' two walks
+run as one grid, kernels 11 and 10, and ``walk_fused_apart``, ``walk_mma_fused_apart`` keep them
+as two launches, the A/B of kernels 11 and 10) and reports every CUDA kernel's total and
+per-call time, its share of the step and its call count per step: where the time goes before a
+kernel is changed. Each variant's rows also carry a step's wall time (``step_wall_us``, CUDA
+events around one step, as ``cuda_core.py`` times cases), its time with steps queued back to
+back (``step_stream_us``) and the host's time to issue one (``step_host_us``); a second table
+gives the kernels' sum per step against them (``gpu_busy``: of the wall time). On the H200
 (2026-11-30) the defaults' step was 775 µs of kernels in 1.0-1.2 ms: where the stream time is
 near the kernels' sum, the rest is the host's latency before the GPU gets work (Python and
-launches: that host is slow, SDPA's fwd+bwd at N = 512, 15 GFLOP, took 0.38 ms there); where
-the host's time passes the kernels', the host is what limits.
+launches: that host is slow, SDPA's fwd+bwd at N = 512, 15 GFLOP, took 0.38 ms there); where the
+host's time passes the kernels', the host is what limits.
 
     python benchmarks/cuda_profile.py --out benchmarks/results/cuda_profile.csv
 
@@ -66,6 +67,15 @@ def step_inputs(
     return q, k, v, g
 
 
+# What a profiled step runs: the unnormalized causal product (the issue's targets), or the
+# normalized causal attention that models call (its backward adds passes over (B,H,N,M) tensors
+# in torch: 1/d, the normalizer's gradient, the cumulative sums' additions)
+OPS = {
+    "product": lambda q, k, v: ks.causal_dot_product(q, k, v, backend="cuda"),
+    "attention": lambda q, k, v: ks.linear_attention(q, k, v, causal=True, backend="cuda"),
+}
+
+
 def kernel_times(
     dtype: torch.dtype,
     b: int,
@@ -75,6 +85,7 @@ def kernel_times(
     variant: str,
     steps: int,
     walk_blocks: int | None = None,
+    op: str = "product",
 ) -> pd.DataFrame:
     """One row per CUDA kernel: total µs over ``steps`` forward+backward steps and calls
     (``walk_blocks``: the backend's ``WALK_BLOCKS`` for the steps; None keeps it), and, after
@@ -87,7 +98,7 @@ def kernel_times(
     def step() -> None:
         for t in (q, k, v):
             t.grad = None
-        ks.causal_dot_product(q, k, v, backend="cuda").backward(g)
+        OPS[op](q, k, v).backward(g)
 
     with cuda_backend.settings_kept():  # the backend's defaults again afterwards
         cuda_backend.use_variant(variant, walk_blocks)
@@ -129,7 +140,7 @@ def step_table(result: pd.DataFrame) -> pd.DataFrame:
     """One row per variant: the kernels' sum per step (``gpu_us``) beside the step's wall,
     stream and host times (those of :data:`STEP_COLUMNS` that ``result`` has), and
     ``gpu_busy = gpu_us / wall_us``."""
-    keys = ["F", "dtype", "variant", "walk_blocks"]
+    keys = [key for key in ("op", "F", "dtype", "variant", "walk_blocks") if key in result]
     times = {name: (column, "first") for name, column in STEP_COLUMNS.items() if column in result}
     steps = result.groupby(keys, dropna=False).agg(gpu_us=("us_per_step", "sum"), **times)
     steps["gpu_busy"] = steps.gpu_us / steps.wall_us
@@ -148,6 +159,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--walk-blocks", type=int, default=None,
         help="cuda_backend.WALK_BLOCKS for the walk variants (default: the backend's)",
+    )  # fmt: skip
+    p.add_argument(
+        "--op", choices=OPS, default="product",
+        help="the step's call: ks.causal_dot_product (default) or ks.linear_attention, causal",
     )  # fmt: skip
     p.add_argument("--append", action="store_true", help="keep the rows already in --out")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/cuda_profile.csv"))
@@ -200,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         blocks = args.walk_blocks or cuda_backend.walk_blocks(getattr(torch, name))
         try:
             frame = kernel_times(
-                getattr(torch, name), b, h, args.n, dim, variant, args.steps, blocks
+                getattr(torch, name), b, h, args.n, dim, variant, args.steps, blocks, args.op
             )
         except Exception as err:  # one variant failing keeps the others' tables
             failed.append(f"{variant} ({name}, F=M={dim})")
@@ -209,7 +224,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         walk = variant.startswith("walk")
         frames.append(
-            frame.assign(dtype=name, variant=variant, F=dim, walk_blocks=blocks if walk else None)
+            frame.assign(
+                op=args.op, dtype=name, variant=variant, F=dim, walk_blocks=blocks if walk else None
+            )
         )
         result = pd.concat(frames, ignore_index=True).assign(
             B=b,
@@ -231,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     cols = [
+        "op",
         "F",
         "dtype",
         "variant",

@@ -37,9 +37,11 @@ targets    ``cuda_core.py``: the issue's targets (B=8, H=16, D=64, N     targets
            chunk-parallel)
 profile    ``cuda_profile.py`` at N=8192, F=M 64 then 128, bf16, fp32   profile.csv
            and fp16, every variant (the ``_apart`` ones: kernels 10
-           and 11 against two launches); then the walks again at
-           WALK_BLOCKS 256 (F=M=64, bf16 and fp32: the carry pass)
-           and the register walks at 4096 (bf16: chunk-parallel)
+           and 11 against two launches); then the normalized causal
+           attention on the defaults (bf16, fp32: its backward's
+           torch passes), the walks again at WALK_BLOCKS 256 (F=M=64,
+           bf16 and fp32: the carry pass) and the register walks at
+           4096 (bf16: chunk-parallel)
 scaling    ``cuda_scaling.py``: the walk kernels' time at 1-4 blocks     scaling.csv
            per SM, bf16 and fp32 (latency or throughput, without ncu)
 counters   ``cuda_counters.py``: Nsight Compute's counters of the walk   counters.csv
@@ -579,6 +581,9 @@ def stage_targets(session: Session, limit_s: float) -> tuple[str, str]:
 # an SM), and the register walks in bf16 at 4096 (32 segments of 4 chunks: where the time of the
 # chunk-parallel end of the targets stage's wide pass goes, kernels 12, 2 and 8 to 10)
 PROFILE_AGAIN = (
+    # the normalized attention that models call, on the defaults: its backward's torch passes
+    ["--dim", "64", "--dtypes", "bfloat16", "float32", "--variants", "walk_mma_fused"]
+    + ["--op", "attention", "--append"],
     ["--dim", "64", "--dtypes", "bfloat16", "float32", "--walk-blocks", "256", "--variants"]
     + ["walk", "walk_fused", "walk_mma", "walk_mma_fused", "--append"],
     ["--dim", "64", "--dtypes", "bfloat16", "--walk-blocks", "4096", "--variants"]

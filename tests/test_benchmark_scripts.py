@@ -715,7 +715,7 @@ def test_profile_keeps_the_variants_that_ran(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(profile.ks, "backends", lambda: ["reference", "torch", "cuda"])
     monkeypatch.setattr(profile, "context_alive", lambda: True)
 
-    def kernel_times(dtype, b, h, n, d, variant, steps, walk_blocks=None):
+    def kernel_times(dtype, b, h, n, d, variant, steps, walk_blocks=None, op="product"):
         if variant == "walk" and d == 128:
             raise ValueError("too many resources requested for launch")
         return _kernel_frame(variant)
@@ -739,20 +739,28 @@ def test_profile_keeps_the_variants_that_ran(monkeypatch, tmp_path, capsys):
     assert pd.read_csv(out).variant.tolist() == ["chunks", "walk", "walk_fused", "chunks"]
 
 
-def test_profile_appends_a_second_walk_blocks(monkeypatch, tmp_path):
-    """--walk-blocks runs the walk variants at that WALK_BLOCKS and says so in a column (the
-    chunk kernels have none); --append keeps an earlier run's rows in --out."""
+@pytest.fixture
+def profile_seen(monkeypatch) -> tuple:
+    """cuda_profile.py as on a GPU with the cuda backend, its kernel_times a stand-in that
+    records (variant, walk_blocks, op) in the list returned beside the module."""
     profile = benchmark_script("cuda_profile")
     monkeypatch.setattr(profile.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(profile.torch.cuda, "get_device_name", lambda *args: "test GPU")
     monkeypatch.setattr(profile.ks, "backends", lambda: ["reference", "torch", "cuda"])
     seen = []
 
-    def kernel_times(dtype, b, h, n, d, variant, steps, walk_blocks=None):
-        seen.append((variant, walk_blocks))
+    def kernel_times(dtype, b, h, n, d, variant, steps, walk_blocks=None, op="product"):
+        seen.append((variant, walk_blocks, op))
         return _kernel_frame(variant)
 
     monkeypatch.setattr(profile, "kernel_times", kernel_times)
+    return profile, seen
+
+
+def test_profile_appends_a_second_walk_blocks(profile_seen, tmp_path):
+    """--walk-blocks runs the walk variants at that WALK_BLOCKS and says so in a column (the
+    chunk kernels have none); --append keeps an earlier run's rows in --out."""
+    profile, seen = profile_seen
     out = tmp_path / "profile.csv"
     argv = ["--dim", "64", "--dtypes", "bfloat16", "--out", str(out)]
     assert profile.main([*argv, "--variants", "chunks", "walk_fused"]) == 0
@@ -760,7 +768,9 @@ def test_profile_appends_a_second_walk_blocks(monkeypatch, tmp_path):
         profile.main([*argv, "--variants", "walk_fused", "--walk-blocks", "256", "--append"]) == 0
     )
     default = profile.cuda_backend.WALK_BLOCKS
-    assert seen == [("chunks", default), ("walk_fused", default), ("walk_fused", 256)]
+    assert [case[:2] for case in seen] == [
+        ("chunks", default), ("walk_fused", default), ("walk_fused", 256)
+    ]  # fmt: skip
     rows = pd.read_csv(out)
     assert rows.variant.tolist() == ["chunks", "walk_fused", "walk_fused"]
     assert rows.walk_blocks.isna().tolist() == [True, False, False]
@@ -769,6 +779,26 @@ def test_profile_appends_a_second_walk_blocks(monkeypatch, tmp_path):
     assert pd.read_csv(out).variant.tolist() == ["walk"]
     with pytest.raises(SystemExit):
         profile.parse_args(["--walk-blocks", "0"])
+
+
+def test_profile_op_chooses_the_call(profile_seen, monkeypatch, tmp_path):
+    """--op attention profiles ks.linear_attention (causal) in place of the product, and the
+    rows say which; the step's call of each op reaches the backend named cuda."""
+    profile, seen = profile_seen
+    out = tmp_path / "profile.csv"
+    argv = ["--dim", "64", "--dtypes", "bfloat16", "--variants", "walk_mma_fused", "--out"]
+    assert profile.main([*argv, str(out)]) == 0
+    assert profile.main([*argv, str(out), "--op", "attention", "--append"]) == 0
+    assert [op for _, _, op in seen] == ["product", "attention"]
+    assert pd.read_csv(out).op.tolist() == ["product", "attention"]
+    calls = []
+    monkeypatch.setattr(profile.ks, "causal_dot_product", lambda *a, **kw: calls.append(kw))
+    monkeypatch.setattr(profile.ks, "linear_attention", lambda *a, **kw: calls.append(kw))
+    for op in ("product", "attention"):
+        profile.OPS[op](None, None, None)
+    assert calls == [{"backend": "cuda"}, {"causal": True, "backend": "cuda"}]
+    with pytest.raises(SystemExit):
+        profile.parse_args(["--op", "softmax"])
 
 
 # --------------------------------------------------------- benchmarks/cuda_scaling.py

@@ -416,8 +416,8 @@ def test_the_stages_commands_are_ones_the_scripts_take(gs, tmp_path):
     assert gs.stage_profile(session, 100)[0] == "ok"
     assert gs.stage_sweep(session, 100)[0] == "ok"
     assert gs.stage_counters(session, 100)[0] == "ok"
-    targets, profiles = seen[:5], seen[5:8]
-    sweep, counted = seen[8:-1], seen[-1]
+    targets, profiles = seen[:5], seen[5:9]
+    sweep, counted = seen[9:-1], seen[-1]
     parsed = [cuda_core.parse_args(part[1:]) for part in targets]
     # the target cases first (bf16 to N=8192, then fp32 N=16384), then the walks at more
     # WALK_BLOCKS at those N, then the whole grid
@@ -443,8 +443,12 @@ def test_the_stages_commands_are_ones_the_scripts_take(gs, tmp_path):
     assert set(parsed[3].methods) == set(cuda_core.WALK_METHODS) - apart
     assert gs.CUDA_METHODS == tuple(cuda_core.CUDA_METHODS)
     assert set(gs.CUDA_METHODS) | set(gs.BASELINES) == set(cuda_core.METHODS)
-    prof, *again = (profile.parse_args(part[1:]) for part in profiles)
+    prof, attention, *again = (profile.parse_args(part[1:]) for part in profiles)
     assert prof.n == 8192 and prof.dim == [64, 128] and not prof.append
+    assert prof.op == "product" and {a.op for a in again} == {"product"}
+    # the normalized attention on the defaults, beside the product's rows
+    assert attention.op == "attention" and attention.variants == ["walk_mma_fused"]
+    assert attention.append and attention.out == prof.out and attention.walk_blocks is None
     # the default, then the walks at 256 and the register walks at 4096 beside it
     assert prof.walk_blocks is None and [a.walk_blocks for a in again] == [256, 4096]
     for args in again:
