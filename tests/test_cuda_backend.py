@@ -421,6 +421,28 @@ def test_scaled_cumsum_matches_torch():
     got = ext.scaled_cumsum(x, w, None, reverse=True)
     want = (w.unsqueeze(-1) * x.double()).flip(2).cumsum(2).flip(2)
     assert rel_err(got, want) <= 1e-5
+    base = torch.randn(2, 3, 300, 70, device=DEVICE)  # the products' dq or dk, added in fp32
+    got = ext.scaled_cumsum(x, w, None, reverse=True, base=base)
+    assert rel_err(got, base.double() + want) <= 1e-5
+    for dtype in HALF:  # written in x's dtype: the float32 result rounded once
+        narrow = ext.scaled_cumsum(x.to(dtype), w, None, True, base=base, out_fp32=False)
+        wide = ext.scaled_cumsum(x.to(dtype), w, None, True, base=base)
+        assert narrow.dtype == dtype and torch.equal(narrow, wide.to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=str)
+def test_normalized_grad_matches_torch(dtype):
+    """The normalized backward's row terms: dnum = g/d (bf16 for bf16, else float32) with
+    torch's bits, dden = -(g·out)/d in float32, d = den + eps (den 0 on rows with no real key)."""
+    g, out = (torch.randn(2, 3, 300, 70, device=DEVICE).to(dtype) for _ in "go")
+    den = 10 * torch.rand(2, 3, 300, device=DEVICE)
+    den[0, 0, :3] = 0
+    dnum, dden = cuda_backend.extension().normalized_grad(g, out, den, 1e-6)
+    d = den + 1e-6
+    operand = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    assert dnum.dtype == operand and torch.equal(dnum, (g.float() / d[..., None]).to(operand))
+    want = -(g.double() * out.double()).sum(-1) / d.double()
+    assert dden.dtype == torch.float32 and rel_err(dden, want) <= 1e-6
 
 
 # ---------------------------------------------------------------- fused backward

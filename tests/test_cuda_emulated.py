@@ -85,7 +85,8 @@ def emu(tmp_path_factory) -> ctypes.CDLL:
     module.ks_emu_causal_backward.argtypes = [i32, *[p] * 7, i32, *[i64] * 5, i32, i32]
     module.ks_emu_full_state.argtypes = [i32, p, p, p, i64, p, *[i64] * 4]
     module.ks_emu_full_apply.argtypes = [i32, p, p, p, i32, p, i32, f32, *[i64] * 4]
-    module.ks_emu_scaled_cumsum.argtypes = [i32, p, p, p, p, i64, i64, i64, i32]
+    module.ks_emu_scaled_cumsum.argtypes = [i32, p, p, p, p, p, i32, i64, i64, i64, i32]
+    module.ks_emu_normalized_grad.argtypes = [i32, p, p, p, f32, p, p, i64, i64]
     module.ks_emu_walk_kernels.argtypes = [i32, i64, i64, i32, i32, p, p]
     module.ks_emu_last_kernel.restype = ctypes.c_uint64
     module.ks_emu_set_carry_blocks.argtypes = [i64]
@@ -197,15 +198,29 @@ class EmulatedExtension:
         )  # fmt: skip
         return [out, den]
 
-    def scaled_cumsum(self, x, pre=None, post=None, reverse=False):
-        x, pre, post = (self._input(t) for t in (x, pre, post))
+    def scaled_cumsum(self, x, pre=None, post=None, reverse=False, base=None, out_fp32=True):
+        x, pre, post, base = (self._input(t) for t in (x, pre, post, base))
         b, h, n, f = x.shape
-        out = self._output(b, h, n, f)
+        out = self._output(b, h, n, f, dtype=torch.float32 if out_fp32 else x.dtype)
         self._run(
             self.lib.ks_emu_scaled_cumsum,
-            DTYPES[x.dtype], _ptr(x), _ptr(pre), _ptr(post), _ptr(out), b * h, n, f, int(reverse),
+            DTYPES[x.dtype], _ptr(x), _ptr(pre), _ptr(post), _ptr(base), _ptr(out),
+            int(out_fp32), b * h, n, f, int(reverse),
         )  # fmt: skip
         return out
+
+    def normalized_grad(self, g, out, den, eps):
+        g, out, den = (self._input(t) for t in (g, out, den))
+        b, h, n, m = g.shape
+        operand = torch.bfloat16 if g.dtype == torch.bfloat16 else torch.float32
+        dnum = self._output(b, h, n, m, dtype=operand)
+        dden = self._output(b, h, n)
+        self._run(
+            self.lib.ks_emu_normalized_grad,
+            DTYPES[g.dtype], _ptr(g), _ptr(out), _ptr(den), eps, _ptr(dnum), _ptr(dden),
+            b * h * n, m,
+        )  # fmt: skip
+        return [dnum, dden]
 
 
 @pytest.fixture(scope="module")
@@ -450,6 +465,41 @@ def test_scaled_cumsum(ext, reverse):
     flip = (lambda t: t.flip(2)) if reverse else (lambda t: t)
     want = post[..., None] * flip(torch.cumsum(flip(pre[..., None] * x).double(), dim=2))
     assert rel_err(out, want) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=str)
+def test_scaled_cumsum_adds_a_base_and_rounds_once(ext, dtype):
+    """With ``base`` (the products' float32 dq or dk) the sum is added in float32; written in
+    x's dtype it is the float32 result rounded once (the same bits as casting it afterwards)."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 3, 150, 20, generator=gen).to(dtype)
+    pre, base = torch.rand(1, 3, 150, generator=gen), torch.randn(1, 3, 150, 20, generator=gen)
+    wide = ext.scaled_cumsum(x, pre, None, reverse=True, base=base)
+    want = base.double() + (pre[..., None] * x.double()).flip(2).cumsum(2).flip(2)
+    assert wide.dtype == torch.float32 and rel_err(wide, want) <= 1e-5
+    narrow = ext.scaled_cumsum(x, pre, None, reverse=True, base=base, out_fp32=False)
+    assert narrow.dtype == dtype and torch.equal(narrow, wide.to(dtype))
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=str)
+@pytest.mark.parametrize("m", [1, 5, 33, 70])
+def test_normalized_grad_rows(ext, dtype, m):
+    """dnum = g/d in the products' operand dtype (bf16 for bf16, else float32), the same bits
+    as torch's division; dden = -(g·out)/d in float32, also on rows whose d is eps alone (no
+    real key: den 0)."""
+    gen = torch.Generator().manual_seed(m)
+    g, out = (torch.randn(2, 3, 37, m, generator=gen).to(dtype) for _ in "go")
+    den = 10 * torch.rand(2, 3, 37, generator=gen)
+    den[0, 0, :3] = 0
+    eps = 1e-6
+    dnum, dden = ext.normalized_grad(g, out, den, eps)
+    d = den + eps
+    operand = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    assert dnum.dtype == operand and torch.equal(dnum, (g.float() / d[..., None]).to(operand))
+    want = -(g.double() * out.double()).sum(-1) / d.double()
+    assert dden.dtype == torch.float32 and rel_err(dden, want) <= 1e-6
+    empty, none = ext.normalized_grad(g[..., :0], out[..., :0], den, eps)  # M = 0
+    assert empty.shape == (2, 3, 37, 0) and (none == 0).all()
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=str)

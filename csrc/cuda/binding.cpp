@@ -218,25 +218,64 @@ std::vector<at::Tensor> full_apply(at::Tensor q, at::Tensor state, int64_t m, bo
   return {out, den};
 }
 
-// out (B,H,N,F) fp32: out_i = post_i * sum_{j<=i} pre_j x_j (j >= i with `reverse`).
+// out (B,H,N,F): out_i = base_i + post_i * sum_{j<=i} pre_j x_j (j >= i with `reverse`), in
+// fp32 if `out_fp32` else in x's dtype (rounded once); base (B,H,N,F) fp32 or None (= 0).
 at::Tensor scaled_cumsum(at::Tensor x, c10::optional<at::Tensor> pre,
-                         c10::optional<at::Tensor> post, bool reverse) {
+                         c10::optional<at::Tensor> post, bool reverse,
+                         c10::optional<at::Tensor> base, bool out_fp32) {
   check_sequence(x, "x", x);
   const int64_t b = x.size(0), h = x.size(1), n = x.size(2), f = x.size(3);
   const c10::cuda::CUDAGuard guard(x.device());
   x = x.contiguous();
   auto pre_c = checked_rows(pre, "pre", x);
   auto post_c = checked_rows(post, "post", x);
-  auto out = at::empty({b, h, n, f}, f32(x));
+  at::Tensor base_c;
+  if (base.has_value() && base->defined()) {
+    TORCH_CHECK_TYPE(base->scalar_type() == at::kFloat, "base must be float32");
+    TORCH_CHECK_VALUE(base->device() == x.device(), "base must be on ", x.device());
+    TORCH_CHECK_VALUE(base->sizes() == x.sizes(), "base must be (B,H,N,F) = ", x.sizes(),
+                      ", got ", base->sizes());
+    base_c = base->contiguous();
+  }
+  auto out = at::empty({b, h, n, f}, out_fp32 ? f32(x) : x.options());
   if (out.numel() == 0) return out;
   auto ws = at::empty({ks_cuda::cumsum_workspace_floats(b * h, n, f)}, f32(x));
   check_launch(ks_cuda::scaled_cumsum(dtype_of(x), x.data_ptr(),
                                       pre_c ? pre_c->data_ptr<float>() : nullptr,
                                       post_c ? post_c->data_ptr<float>() : nullptr,
-                                      out.data_ptr<float>(), ws.data_ptr<float>(), b * h, n, f,
-                                      reverse, c10::cuda::getCurrentCUDAStream()),
+                                      base_c.defined() ? base_c.data_ptr<float>() : nullptr,
+                                      out.data_ptr(), out_fp32, ws.data_ptr<float>(), b * h, n,
+                                      f, reverse, c10::cuda::getCurrentCUDAStream()),
                "scaled_cumsum");
   return out;
+}
+
+// [dnum, dden] of the normalized attention out = num / d, d = den + eps, for g = dL/dout
+// (B,H,N,M) and out (B,H,N,M) in one dtype, den (B,H,N) fp32: dnum = g / d (B,H,N,M) in bf16
+// for bf16 inputs, else fp32 (the products' operand type), dden = -(g . out) / d (B,H,N) fp32.
+std::vector<at::Tensor> normalized_grad(at::Tensor g, at::Tensor out, at::Tensor den,
+                                        double eps) {
+  check_sequence(g, "g", g);
+  check_sequence(out, "out", g);
+  TORCH_CHECK_VALUE(out.sizes() == g.sizes(), "out must be ", g.sizes(), ", got ", out.sizes());
+  const int64_t b = g.size(0), h = g.size(1), n = g.size(2), m = g.size(3);
+  TORCH_CHECK_TYPE(den.scalar_type() == at::kFloat, "den must be float32");
+  TORCH_CHECK_VALUE(den.device() == g.device(), "den must be on ", g.device());
+  TORCH_CHECK_VALUE(den.dim() == 3 && den.size(0) == b && den.size(1) == h && den.size(2) == n,
+                    "den must be (B,H,N) = (", b, ",", h, ",", n, "), got ", den.sizes());
+  const c10::cuda::CUDAGuard guard(g.device());
+  g = g.contiguous();
+  out = out.contiguous();
+  den = den.contiguous();
+  const bool bf16 = g.scalar_type() == at::kBFloat16;
+  auto dnum = at::empty({b, h, n, m}, bf16 ? g.options() : f32(g));
+  auto dden = at::empty({b, h, n}, f32(g));
+  check_launch(ks_cuda::normalized_grad(dtype_of(g), g.data_ptr(), out.data_ptr(),
+                                        den.data_ptr<float>(), static_cast<float>(eps),
+                                        dnum.data_ptr(), dden.data_ptr<float>(), b * h * n, m,
+                                        c10::cuda::getCurrentCUDAStream()),
+               "normalized_grad");
+  return {dnum, dden};
 }
 
 // The walk kernels for operands like `q` (its dtype and device) with F = f, M = m, `mma_walk`
@@ -272,9 +311,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("full_apply", &full_apply, "non-causal read-out q . S (optionally normalized)",
         py::arg("q"), py::arg("state"), py::arg("m"), py::arg("out_fp32") = true,
         py::arg("with_den") = false, py::arg("normalize") = false, py::arg("eps") = 1e-6);
-  m.def("scaled_cumsum", &scaled_cumsum, "deterministic weighted cumulative sum over N",
+  m.def("scaled_cumsum", &scaled_cumsum,
+        "deterministic weighted cumulative sum over N, added to base, fp32 or x's dtype",
         py::arg("x"), py::arg("pre") = py::none(), py::arg("post") = py::none(),
-        py::arg("reverse") = false);
+        py::arg("reverse") = false, py::arg("base") = py::none(), py::arg("out_fp32") = true);
+  m.def("normalized_grad", &normalized_grad,
+        "[g / d, -(g . out) / d] for d = den + eps: the normalized backward's row terms",
+        py::arg("g"), py::arg("out"), py::arg("den"), py::arg("eps"));
   m.def("walk_kernels", &walk_kernels,
         "the walk kernels (product, dk/dv) for q's dtype, F and M, with blocks per SM",
         py::arg("q"), py::arg("f"), py::arg("m"), py::arg("mma_walk") = false,

@@ -1,4 +1,5 @@
-// The deterministic weighted cumulative sum along the sequence (one thread per column).
+// The deterministic weighted cumulative sum along the sequence (one thread per column), added to
+// a float32 base where one is given (the normalized backward's dq and dk).
 // Included, with every .cuh here in order, by launch.cuh (in each input type's .cu).
 #pragma once
 
@@ -29,11 +30,13 @@ __global__ void __launch_bounds__(kSumThreads)
   sums[(bh * nc + c) * f + col] = s;
 }
 
-template <typename Tin>
+// out = base + post * (running sum), in Tout (base: fp32, nullptr for none), rounded once.
+template <typename Tin, typename Tout>
 __global__ void __launch_bounds__(kSumThreads)
     chunk_cumsum_kernel(const Tin* __restrict__ x, const float* __restrict__ pre,
                         const float* __restrict__ post, const float* __restrict__ carry,
-                        float* __restrict__ out, int64_t n, int64_t f, bool reverse) {
+                        const float* __restrict__ base, Tout* __restrict__ out, int64_t n,
+                        int64_t f, bool reverse) {
   const int64_t nc = (n + kTile - 1) / kTile;
   const int64_t bh = blockIdx.x / nc;
   const int64_t c = blockIdx.x % nc;
@@ -45,7 +48,9 @@ __global__ void __launch_bounds__(kSumThreads)
     if (t >= n) continue;
     const float w = pre == nullptr ? 1.f : pre[bh * n + t];
     run += w * to_float(x[(bh * n + t) * f + col]);
-    out[(bh * n + t) * f + col] = post == nullptr ? run : post[bh * n + t] * run;
+    const int64_t at = (bh * n + t) * f + col;
+    const float scaled = post == nullptr ? run : post[bh * n + t] * run;
+    out[at] = from_float<Tout>(base == nullptr ? scaled : base[at] + scaled);
   }
 }
 

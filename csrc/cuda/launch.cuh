@@ -14,6 +14,7 @@
 #include "register_walk_kernels.cuh"
 #include "backward_walks_kernels.cuh"
 #include "cumsum_kernels.cuh"
+#include "normalizer_kernels.cuh"
 #include "launchers_by_dtype.h"
 
 namespace ks_cuda {
@@ -679,9 +680,9 @@ cudaError_t full_apply_typed(const void* q, const float* state, void* out, bool 
 }
 
 template <typename Tin>
-cudaError_t cumsum_typed(const void* x, const float* pre, const float* post, float* out,
-                         float* ws, int64_t bh, int64_t n, int64_t f, bool reverse,
-                         cudaStream_t stream) {
+cudaError_t cumsum_typed(const void* x, const float* pre, const float* post, const float* base,
+                         void* out, bool out_fp32, float* ws, int64_t bh, int64_t n, int64_t f,
+                         bool reverse, cudaStream_t stream) {
   const Tin* xt = static_cast<const Tin*>(x);
   const int64_t nc = cdiv(n, kTile);
   const int64_t blocks = bh * nc;
@@ -694,12 +695,34 @@ cudaError_t cumsum_typed(const void* x, const float* pre, const float* post, flo
   err = launch_scan(ws, ws, bh, nc, 1, f, reverse ? kExclusiveReverse : kExclusiveForward,
                     stream);
   if (err != cudaSuccess) return err;
-  KS_LAUNCH(chunk_cumsum_kernel<Tin>, grid, kSumThreads, 0, stream)(xt, pre, post, ws, out, n,
-                                                                    f, reverse);
+  if (out_fp32) {
+    auto* kernel = chunk_cumsum_kernel<Tin, float>;
+    KS_LAUNCH(kernel, grid, kSumThreads, 0, stream)(xt, pre, post, ws, base,
+                                                    static_cast<float*>(out), n, f, reverse);
+  } else {
+    auto* kernel = chunk_cumsum_kernel<Tin, Tin>;
+    KS_LAUNCH(kernel, grid, kSumThreads, 0, stream)(xt, pre, post, ws, base,
+                                                    static_cast<Tin*>(out), n, f, reverse);
+  }
+  return cudaGetLastError();
+}
+
+// The normalized backward's row terms (normalizer_kernels.cuh): dnum in the operand type.
+template <typename Tin>
+cudaError_t normalized_grad_typed(const void* g, const void* out, const float* den, float eps,
+                                  void* dnum, float* dden, int64_t rows, int64_t m,
+                                  cudaStream_t stream) {
+  using Op = typename OperandOf<Tin>::type;
+  const int64_t blocks = std::min<int64_t>(cdiv(rows, kRowsPerBlock), int64_t{1} << 20);
+  auto* kernel = normalized_grad_kernel<Tin, Op>;
+  KS_LAUNCH(kernel, static_cast<unsigned>(blocks), kThreads, 0, stream)(
+      static_cast<const Tin*>(g), static_cast<const Tin*>(out), den, eps, static_cast<Op*>(dnum),
+      dden, rows, m);
   return cudaGetLastError();
 }
 
 }  // namespace
+
 // ------------------------------------------------------------------ Launchers<Tin>
 // The entry points' typed part (launchers_by_dtype.h); linear_attention.cu has checked what
 // every type shares (empty sizes, F or M of 0) first.
@@ -775,9 +798,18 @@ cudaError_t Launchers<Tin>::full_apply(const void* q, const float* state, void* 
 
 template <typename Tin>
 cudaError_t Launchers<Tin>::scaled_cumsum(const void* x, const float* pre, const float* post,
-                                          float* out, float* workspace, int64_t bh, int64_t n,
-                                          int64_t f, bool reverse, cudaStream_t stream) {
-  return cumsum_typed<Tin>(x, pre, post, out, workspace, bh, n, f, reverse, stream);
+                                          const float* base, void* out, bool out_fp32,
+                                          float* workspace, int64_t bh, int64_t n, int64_t f,
+                                          bool reverse, cudaStream_t stream) {
+  return cumsum_typed<Tin>(x, pre, post, base, out, out_fp32, workspace, bh, n, f, reverse,
+                           stream);
+}
+
+template <typename Tin>
+cudaError_t Launchers<Tin>::normalized_grad(const void* g, const void* out, const float* den,
+                                            float eps, void* dnum, float* dden, int64_t rows,
+                                            int64_t m, cudaStream_t stream) {
+  return normalized_grad_typed<Tin>(g, out, den, eps, dnum, dden, rows, m, stream);
 }
 
 }  // namespace ks_cuda

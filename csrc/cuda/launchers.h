@@ -95,13 +95,23 @@ cudaError_t full_apply(DType dtype, const void* q, const float* state, void* out
                        float* den, bool normalize, float eps, int64_t bh, int64_t n, int64_t f,
                        int64_t m, cudaStream_t stream);
 
-// ------------------------------------------------------------------ weighted cumulative sum
-// out_i = post_i * sum_{j<=i} pre_j x_j  (j >= i with `reverse`); x: (BH, N, F) in `dtype`,
-// pre, post: (BH, N) fp32 or null (= 1), out: (BH, N, F) fp32. A deterministic replacement for
-// torch.cumsum (which is not deterministic on CUDA) in the normalizer's backward.
+// ------------------------------------------------------------------ the normalized backward
+// out_i = base_i + post_i * sum_{j<=i} pre_j x_j  (j >= i with `reverse`); x: (BH, N, F) in
+// `dtype`, pre, post: (BH, N) fp32 or null (= 1), base: (BH, N, F) fp32 or null (= 0), out:
+// (BH, N, F) in fp32 with `out_fp32`, else in `dtype`, rounded once. A deterministic replacement
+// for torch.cumsum (which is not deterministic on CUDA) in the normalizer's backward, where base
+// is the products' part of dq or dk.
 int64_t cumsum_workspace_floats(int64_t bh, int64_t n, int64_t f);
 cudaError_t scaled_cumsum(DType dtype, const void* x, const float* pre, const float* post,
-                          float* out, float* workspace, int64_t bh, int64_t n, int64_t f,
-                          bool reverse, cudaStream_t stream);
+                          const float* base, void* out, bool out_fp32, float* workspace,
+                          int64_t bh, int64_t n, int64_t f, bool reverse, cudaStream_t stream);
+
+// The backward's row terms for out = num / d, d = den + eps, in one pass: dnum = g / d (rows, m)
+// in the products' operand type (bf16 for bf16 inputs; fp32 for fp32, and for fp16, whose
+// normalized backward runs in fp32) and dden = -(g . out) / d (rows) fp32; g, out: (rows, m) in
+// `dtype`, den: (rows) fp32.
+cudaError_t normalized_grad(DType dtype, const void* g, const void* out, const float* den,
+                            float eps, void* dnum, float* dden, int64_t rows, int64_t m,
+                            cudaStream_t stream);
 
 }  // namespace ks_cuda

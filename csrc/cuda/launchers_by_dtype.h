@@ -41,8 +41,12 @@ struct Launchers {
                                 float* den, bool normalize, float eps, int64_t bh, int64_t n,
                                 int64_t f, int64_t m, cudaStream_t stream);
   static cudaError_t scaled_cumsum(const void* x, const float* pre, const float* post,
-                                   float* out, float* workspace, int64_t bh, int64_t n,
-                                   int64_t f, bool reverse, cudaStream_t stream);
+                                   const float* base, void* out, bool out_fp32, float* workspace,
+                                   int64_t bh, int64_t n, int64_t f, bool reverse,
+                                   cudaStream_t stream);
+  static cudaError_t normalized_grad(const void* g, const void* out, const float* den, float eps,
+                                     void* dnum, float* dden, int64_t rows, int64_t m,
+                                     cudaStream_t stream);
 };
 
 // Instantiated in float32.cu, float16.cu and bfloat16.cu, nowhere else.

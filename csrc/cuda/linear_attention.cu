@@ -14,6 +14,7 @@
 //   register_walk_kernels.cuh  kernels 8 and 9 (the walk on mma.sync)
 //   backward_walks_kernels.cuh kernels 10 and 11 (a fused backward's two walks in one grid)
 //   cumsum_kernels.cuh         the weighted cumulative sum
+//   normalizer_kernels.cuh     the normalized backward's row terms (g / d, -(g . out) / d)
 //
 // ------------------------------------------------------------------ algorithm
 // Causal product out_i = sum_{j<=i} (q_i . k_j) v_j, q, k: (BH, N, F), v: (BH, N, M).
@@ -215,13 +216,24 @@ int64_t cumsum_workspace_floats(int64_t bh, int64_t n, int64_t f) {
 }
 
 cudaError_t scaled_cumsum(DType dtype, const void* x, const float* pre, const float* post,
-                          float* out, float* workspace, int64_t bh, int64_t n, int64_t f,
-                          bool reverse, cudaStream_t stream) {
+                          const float* base, void* out, bool out_fp32, float* workspace,
+                          int64_t bh, int64_t n, int64_t f, bool reverse, cudaStream_t stream) {
   if (bh <= 0 || n <= 0 || f <= 0) return cudaSuccess;
   if (!known(dtype)) return cudaErrorInvalidValue;
   return by_dtype(dtype, [&](auto t) {
-    return Launchers<typename decltype(t)::type>::scaled_cumsum(x, pre, post, out, workspace, bh,
-                                                                n, f, reverse, stream);
+    return Launchers<typename decltype(t)::type>::scaled_cumsum(
+        x, pre, post, base, out, out_fp32, workspace, bh, n, f, reverse, stream);
+  });
+}
+
+cudaError_t normalized_grad(DType dtype, const void* g, const void* out, const float* den,
+                            float eps, void* dnum, float* dden, int64_t rows, int64_t m,
+                            cudaStream_t stream) {
+  if (rows <= 0) return cudaSuccess;
+  if (m < 0 || !known(dtype)) return cudaErrorInvalidValue;
+  return by_dtype(dtype, [&](auto t) {
+    return Launchers<typename decltype(t)::type>::normalized_grad(g, out, den, eps, dnum, dden,
+                                                                  rows, m, stream);
   });
 }
 

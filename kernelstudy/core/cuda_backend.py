@@ -477,8 +477,11 @@ class _CausalAttention(_FusedAttention):
 
     Backward, with ``d = den + eps``, ``dnum = g / d``, ``dden = -(g·out) / d``:
     ``dq = causal(dnum, v, k) + dden·cumsum(k)``, ``dk = anticausal(v, dnum, q) +
-    revcumsum(dden·q)``, ``dv = anticausal(k, q, dnum)``; the cumulative sums run in the
-    deterministic kernel (``torch.cumsum`` is not deterministic on CUDA).
+    revcumsum(dden·q)``, ``dv = anticausal(k, q, dnum)``. ``dnum`` and ``dden`` come from one
+    pass over g and out (``ext.normalized_grad``); the cumulative sums run in the deterministic
+    kernel (``torch.cumsum`` is not deterministic on CUDA), which adds the products' float32 dq
+    and dk and writes the sums in the inputs' dtype: of the (B,H,N,M) passes in torch, only dv's
+    cast is left.
     """
 
     causal = True
@@ -510,30 +513,24 @@ class _CausalAttention(_FusedAttention):
             k, v = _masked(k, keep), _masked(v, keep)
             ext = _require()
             dtype = q.dtype
+            # dnum = g/d in the products' operand dtype and dden = -(g·out)/d: one kernel, one
+            # pass over g and out
+            dnum, dden = ext.normalized_grad(grad.to(dtype), out, den, ctx.eps)
+            q_in, k_in = q, k  # the cumulative sums read them in the inputs' dtype
             if dtype == torch.float16:  # dnum = g/d passes 65504 where d ~ eps (a row with no
                 # real key): inf, then inf·0 = NaN. The products run in float32 (3xTF32) instead.
                 q, k, v = q.float(), k.float(), v.float()
-            # Each (B,H,N,M) step below is one pass over memory, computed in float32 and rounded
-            # once where it is stored (out= in the operands' or the inputs' dtype): the same bits
-            # as casting afterwards, without the float32 intermediates' extra passes.
-            d = den + ctx.eps
-            g = grad.float()
-            dnum = torch.div(g, d.unsqueeze(-1), out=torch.empty_like(g, dtype=q.dtype))
-            dden = (g * out).sum(-1).div_(d).neg_()  # -(g·out)/d, out read in its dtype
             if _use_fused(q, v):
                 dq, dk, dv = _fused_backward(ext, q, k, v, dnum, out_fp32=True)
             else:
                 dq = _product(ext, dnum, v, k, reverse=False, out_fp32=True)
                 dk = _product(ext, v, dnum, q, reverse=True, out_fp32=True)
                 dv = _product(ext, k, q, dnum, reverse=True, out_fp32=True)
-            dq = _added(dq, ext.scaled_cumsum(k, None, dden, reverse=False), dtype)
-            dk = _masked(_added(dk, ext.scaled_cumsum(q, dden, None, reverse=True), dtype), keep)
-        return dq, dk, _masked(dv.to(dtype), keep), None, None
-
-
-def _added(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``a + b`` (float32) in ``dtype``, rounded once, in one pass."""
-    return torch.add(a, b, out=torch.empty_like(a, dtype=dtype))
+            # the products' float32 dq and dk plus the cumulative sums, rounded once to the
+            # inputs' dtype in the sums' last pass
+            dq = ext.scaled_cumsum(k_in, None, dden, reverse=False, base=dq, out_fp32=False)
+            dk = ext.scaled_cumsum(q_in, dden, None, reverse=True, base=dk, out_fp32=False)
+        return dq, _masked(dk, keep), _masked(dv.to(dtype), keep), None, None
 
 
 class _FullAttention(_FusedAttention):

@@ -124,10 +124,18 @@ int ks_emu_full_apply(int dtype, const void* q, const float* state, void* out, i
 }
 
 int ks_emu_scaled_cumsum(int dtype, const void* x, const float* pre, const float* post,
-                         float* out, int64_t bh, int64_t n, int64_t f, int reverse) {
+                         const float* base, void* out, int out_fp32, int64_t bh, int64_t n,
+                         int64_t f, int reverse) {
   Workspace ws(ks_cuda::cumsum_workspace_floats(bh, n, f));
-  return ws.checked(ks_cuda::scaled_cumsum(static_cast<DType>(dtype), x, pre, post, out,
-                                           ws.data(), bh, n, f, reverse != 0, nullptr));
+  return ws.checked(ks_cuda::scaled_cumsum(static_cast<DType>(dtype), x, pre, post, base, out,
+                                           out_fp32 != 0, ws.data(), bh, n, f, reverse != 0,
+                                           nullptr));
+}
+
+int ks_emu_normalized_grad(int dtype, const void* g, const void* out, const float* den,
+                           float eps, void* dnum, float* dden, int64_t rows, int64_t m) {
+  return ks_cuda::normalized_grad(static_cast<DType>(dtype), g, out, den, eps, dnum, dden, rows,
+                                  m, nullptr);
 }
 
 }  // extern "C"
