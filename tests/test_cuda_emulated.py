@@ -147,9 +147,11 @@ class EmulatedExtension:
 
     def causal_product(self, q, k, v, reverse=False, out_fp32=True, with_den=False,
                        normalize=False, eps=1e-6, walk_blocks=0, mma_walk=False):  # fmt: skip
-        q, k, v = (self._input(t) for t in (q, k, v))
         b, h, n, f = q.shape
         m = v.shape[-1]
+        if b * h * n * m == 0 or f == 0:  # the binding's readout: zeros, no launch
+            return _zeros_read_out(b, h, n, m, torch.float32 if out_fp32 else q.dtype, with_den)
+        q, k, v = (self._input(t) for t in (q, k, v))
         out = self._output(b, h, n, m, dtype=torch.float32 if out_fp32 else q.dtype)
         den = self._output(b, h, n) if with_den else None
         self._run(
@@ -162,10 +164,12 @@ class EmulatedExtension:
     def causal_backward(
         self, q, k, v, g, out_fp32=False, walk_blocks=0, mma_walk=False, walks_together=True
     ):
-        q, k, v, g = (self._input(t) for t in (q, k, v, g))
         b, h, n, f = q.shape
         m = v.shape[-1]
         dtype = torch.float32 if out_fp32 else q.dtype
+        if b * h * n * f * m == 0:  # as the binding: zeros, no launch
+            return [torch.zeros(b, h, n, d, dtype=dtype) for d in (f, f, m)]
+        q, k, v, g = (self._input(t) for t in (q, k, v, g))
         grads = [self._output(b, h, n, d, dtype=dtype) for d in (f, f, m)]
         self._run(
             self.lib.ks_emu_causal_backward,
@@ -175,9 +179,11 @@ class EmulatedExtension:
         return grads
 
     def full_state(self, k, v, key_padding_mask=None):
-        k, v = self._input(k), self._input(v)
         b, h, n, f = k.shape
         m = v.shape[-1]
+        if b * h * f == 0 or m == 0 or n == 0:  # as the binding: zeros, no launch
+            return torch.zeros(b, h, f * m + f)
+        k, v = self._input(k), self._input(v)
         state = self._output(b, h, f * m + f)
         keep = self._input(key_padding_mask)
         self._run(
@@ -187,8 +193,10 @@ class EmulatedExtension:
         return state
 
     def full_apply(self, q, state, m, out_fp32=True, with_den=False, normalize=False, eps=1e-6):
-        q, state = self._input(q), self._input(state)
         b, h, n, f = q.shape
+        if b * h * n * m == 0 or f == 0:  # the binding's readout: zeros, no launch
+            return _zeros_read_out(b, h, n, m, torch.float32 if out_fp32 else q.dtype, with_den)
+        q, state = self._input(q), self._input(state)
         out = self._output(b, h, n, m, dtype=torch.float32 if out_fp32 else q.dtype)
         den = self._output(b, h, n) if with_den else None
         self._run(
@@ -199,8 +207,10 @@ class EmulatedExtension:
         return [out, den]
 
     def scaled_cumsum(self, x, pre=None, post=None, reverse=False, base=None, out_fp32=True):
-        x, pre, post, base = (self._input(t) for t in (x, pre, post, base))
         b, h, n, f = x.shape
+        if b * h * n * f == 0:  # as the binding: nothing to sum
+            return torch.empty(b, h, n, f, dtype=torch.float32 if out_fp32 else x.dtype)
+        x, pre, post, base = (self._input(t) for t in (x, pre, post, base))
         out = self._output(b, h, n, f, dtype=torch.float32 if out_fp32 else x.dtype)
         self._run(
             self.lib.ks_emu_scaled_cumsum,
@@ -221,6 +231,12 @@ class EmulatedExtension:
             b * h * n, m,
         )  # fmt: skip
         return [dnum, dden]
+
+
+def _zeros_read_out(b, h, n, m, dtype, with_den) -> list:
+    """The binding's read-out where nothing is computed (N·M = 0 or F = 0): out (B,H,N,M) and,
+    with ``with_den``, den (B,H,N) as zeros."""
+    return [torch.zeros(b, h, n, m, dtype=dtype), torch.zeros(b, h, n) if with_den else None]
 
 
 @pytest.fixture(scope="module")
@@ -915,6 +931,21 @@ def backend(ext, monkeypatch):
     monkeypatch.setattr(cuda_backend, "extension", lambda: ext)
     monkeypatch.setattr(cuda_backend, "supports", lambda x: x.dtype in DTYPES)
     return cuda_backend
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=str)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("n, f, m", [(0, 4, 3), (5, 0, 3), (5, 4, 0)], ids=["N0", "F0", "M0"])
+def test_backend_on_empty_sizes(backend, dtype, causal, n, f, m):
+    """No rows, no features or no values: the normalized attention and its gradients are zeros
+    of the inputs' shapes (the binding launches nothing), as the float64 reference has them."""
+    q, k = (torch.rand(1, 2, n, f).to(dtype).requires_grad_() for _ in "qk")
+    v = torch.randn(1, 2, n, m).to(dtype).requires_grad_()
+    out = backend.linear_attention(q, k, v, causal=causal)
+    assert out.shape == (1, 2, n, m) and out.dtype == dtype and not out.abs().sum()
+    out.backward(torch.randn_like(out))
+    for t in (q, k, v):
+        assert t.grad.shape == t.shape and t.grad.dtype == dtype and not t.grad.abs().sum()
 
 
 # (shape, dtype, kernel): every dtype on each kernel; walk_mma's tf32 kinds (slow to emulate)

@@ -130,6 +130,7 @@ auto by_dtype(DType dtype, Fn fn) {
 // ------------------------------------------------------------------ entry points
 int64_t causal_workspace_floats(DType dtype, int64_t bh, int64_t n, int64_t f, int64_t m,
                                 int64_t walk_blocks, bool mma_walk) {
+  if (bh <= 0 || n <= 0 || f <= 0 || m <= 0) return 0;  // nothing runs (causal_product)
   return by_dtype(dtype, [&](auto t) {
     using L = Launchers<typename decltype(t)::type>;
     return L::causal_workspace_floats(bh, n, f, m, walk_blocks, mma_walk);
@@ -152,6 +153,7 @@ cudaError_t causal_product(DType dtype, const void* q, const void* k, const void
 int64_t causal_backward_workspace_floats(DType dtype, int64_t bh, int64_t n, int64_t f,
                                          int64_t m, int64_t walk_blocks, bool mma_walk,
                                          bool walks_together) {
+  if (bh <= 0 || n <= 0 || f <= 0 || m <= 0) return 0;  // nothing runs (causal_backward)
   return by_dtype(dtype, [&](auto t) {
     return Launchers<typename decltype(t)::type>::causal_backward_workspace_floats(
         bh, n, f, m, walk_blocks, mma_walk, walks_together);
