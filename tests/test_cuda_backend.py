@@ -443,6 +443,13 @@ def test_normalized_grad_matches_torch(dtype):
     assert dnum.dtype == operand and torch.equal(dnum, (g.float() / d[..., None]).to(operand))
     want = -(g.double() * out.double()).sum(-1) / d.double()
     assert dden.dtype == torch.float32 and rel_err(dden, want) <= 1e-6
+    # the non-causal backward's form: float32, dden as a last column
+    both, absent = cuda_backend.extension().normalized_grad(
+        g, out, den, 1e-6, dden_column=True, dnum_fp32=True
+    )
+    assert absent is None and both.dtype == torch.float32 and both.shape == (2, 3, 300, 71)
+    assert torch.equal(both[..., :70], g.float() / d[..., None])
+    assert rel_err(both[..., 70], want) <= 1e-6
 
 
 # ---------------------------------------------------------------- fused backward

@@ -86,7 +86,7 @@ def emu(tmp_path_factory) -> ctypes.CDLL:
     module.ks_emu_full_state.argtypes = [i32, p, p, p, i64, p, *[i64] * 4]
     module.ks_emu_full_apply.argtypes = [i32, p, p, p, i32, p, i32, f32, *[i64] * 4]
     module.ks_emu_scaled_cumsum.argtypes = [i32, p, p, p, p, p, i32, i64, i64, i64, i32]
-    module.ks_emu_normalized_grad.argtypes = [i32, p, p, p, f32, p, p, i64, i64]
+    module.ks_emu_normalized_grad.argtypes = [i32, p, p, p, f32, p, i32, p, i64, i64]
     module.ks_emu_walk_kernels.argtypes = [i32, i64, i64, i32, i32, p, p]
     module.ks_emu_last_kernel.restype = ctypes.c_uint64
     module.ks_emu_set_carry_blocks.argtypes = [i64]
@@ -219,16 +219,17 @@ class EmulatedExtension:
         )  # fmt: skip
         return out
 
-    def normalized_grad(self, g, out, den, eps):
+    def normalized_grad(self, g, out, den, eps, dden_column=False, dnum_fp32=False):
         g, out, den = (self._input(t) for t in (g, out, den))
         b, h, n, m = g.shape
-        operand = torch.bfloat16 if g.dtype == torch.bfloat16 else torch.float32
-        dnum = self._output(b, h, n, m, dtype=operand)
-        dden = self._output(b, h, n)
+        bf16 = g.dtype == torch.bfloat16 and not dnum_fp32
+        operand = torch.bfloat16 if bf16 else torch.float32
+        dnum = self._output(b, h, n, m + dden_column, dtype=operand)
+        dden = None if dden_column else self._output(b, h, n)
         self._run(
             self.lib.ks_emu_normalized_grad,
-            DTYPES[g.dtype], _ptr(g), _ptr(out), _ptr(den), eps, _ptr(dnum), _ptr(dden),
-            b * h * n, m,
+            DTYPES[g.dtype], _ptr(g), _ptr(out), _ptr(den), eps, _ptr(dnum), int(dnum_fp32),
+            _ptr(dden), b * h * n, m,
         )  # fmt: skip
         return [dnum, dden]
 
@@ -516,6 +517,13 @@ def test_normalized_grad_rows(ext, dtype, m):
     assert dden.dtype == torch.float32 and rel_err(dden, want) <= 1e-6
     empty, none = ext.normalized_grad(g[..., :0], out[..., :0], den, eps)  # M = 0
     assert empty.shape == (2, 3, 37, 0) and (none == 0).all()
+    # the non-causal backward's form: float32, dden as a last column
+    both, absent = ext.normalized_grad(g, out, den, eps, dden_column=True, dnum_fp32=True)
+    assert absent is None and both.dtype == torch.float32 and both.shape == (2, 3, 37, m + 1)
+    assert torch.equal(both[..., :m], g.float() / d[..., None])
+    assert rel_err(both[..., m], want) <= 1e-6
+    column, _ = ext.normalized_grad(g, out, den, eps, dden_column=True)  # in dnum's dtype
+    assert torch.equal(column[..., :m], dnum) and torch.equal(column[..., m], dden.to(operand))
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=str)

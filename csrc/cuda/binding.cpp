@@ -253,8 +253,10 @@ at::Tensor scaled_cumsum(at::Tensor x, c10::optional<at::Tensor> pre,
 // [dnum, dden] of the normalized attention out = num / d, d = den + eps, for g = dL/dout
 // (B,H,N,M) and out (B,H,N,M) in one dtype, den (B,H,N) fp32: dnum = g / d (B,H,N,M) in bf16
 // for bf16 inputs, else fp32 (the products' operand type), dden = -(g . out) / d (B,H,N) fp32.
+// With `dden_column`: [dnum (B,H,N,M+1) with dden in its last column, in dnum's dtype, None].
+// With `dnum_fp32`, dnum is fp32 for every input dtype.
 std::vector<at::Tensor> normalized_grad(at::Tensor g, at::Tensor out, at::Tensor den,
-                                        double eps) {
+                                        double eps, bool dden_column, bool dnum_fp32) {
   check_sequence(g, "g", g);
   check_sequence(out, "out", g);
   TORCH_CHECK_VALUE(out.sizes() == g.sizes(), "out must be ", g.sizes(), ", got ", out.sizes());
@@ -267,13 +269,14 @@ std::vector<at::Tensor> normalized_grad(at::Tensor g, at::Tensor out, at::Tensor
   g = g.contiguous();
   out = out.contiguous();
   den = den.contiguous();
-  const bool bf16 = g.scalar_type() == at::kBFloat16;
-  auto dnum = at::empty({b, h, n, m}, bf16 ? g.options() : f32(g));
-  auto dden = at::empty({b, h, n}, f32(g));
+  const bool bf16 = g.scalar_type() == at::kBFloat16 && !dnum_fp32;
+  auto dnum = at::empty({b, h, n, m + dden_column}, bf16 ? g.options() : f32(g));
+  auto dden = dden_column ? at::Tensor() : at::empty({b, h, n}, f32(g));
   check_launch(ks_cuda::normalized_grad(dtype_of(g), g.data_ptr(), out.data_ptr(),
                                         den.data_ptr<float>(), static_cast<float>(eps),
-                                        dnum.data_ptr(), dden.data_ptr<float>(), b * h * n, m,
-                                        c10::cuda::getCurrentCUDAStream()),
+                                        dnum.data_ptr(), dnum_fp32,
+                                        dden_column ? nullptr : dden.data_ptr<float>(),
+                                        b * h * n, m, c10::cuda::getCurrentCUDAStream()),
                "normalized_grad");
   return {dnum, dden};
 }
@@ -317,7 +320,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("reverse") = false, py::arg("base") = py::none(), py::arg("out_fp32") = true);
   m.def("normalized_grad", &normalized_grad,
         "[g / d, -(g . out) / d] for d = den + eps: the normalized backward's row terms",
-        py::arg("g"), py::arg("out"), py::arg("den"), py::arg("eps"));
+        py::arg("g"), py::arg("out"), py::arg("den"), py::arg("eps"),
+        py::arg("dden_column") = false, py::arg("dnum_fp32") = false);
   m.def("walk_kernels", &walk_kernels,
         "the walk kernels (product, dk/dv) for q's dtype, F and M, with blocks per SM",
         py::arg("q"), py::arg("f"), py::arg("m"), py::arg("mma_walk") = false,

@@ -707,17 +707,25 @@ cudaError_t cumsum_typed(const void* x, const float* pre, const float* post, con
   return cudaGetLastError();
 }
 
-// The normalized backward's row terms (normalizer_kernels.cuh): dnum in the operand type.
+// The normalized backward's row terms (normalizer_kernels.cuh): dnum in the operand type, or in
+// fp32 with `dnum_fp32`.
 template <typename Tin>
 cudaError_t normalized_grad_typed(const void* g, const void* out, const float* den, float eps,
-                                  void* dnum, float* dden, int64_t rows, int64_t m,
-                                  cudaStream_t stream) {
+                                  void* dnum, bool dnum_fp32, float* dden, int64_t rows,
+                                  int64_t m, cudaStream_t stream) {
   using Op = typename OperandOf<Tin>::type;
   const int64_t blocks = std::min<int64_t>(cdiv(rows, kRowsPerBlock), int64_t{1} << 20);
-  auto* kernel = normalized_grad_kernel<Tin, Op>;
-  KS_LAUNCH(kernel, static_cast<unsigned>(blocks), kThreads, 0, stream)(
-      static_cast<const Tin*>(g), static_cast<const Tin*>(out), den, eps, static_cast<Op*>(dnum),
-      dden, rows, m);
+  const Tin* gt = static_cast<const Tin*>(g);
+  const Tin* outt = static_cast<const Tin*>(out);
+  if (dnum_fp32) {
+    auto* kernel = normalized_grad_kernel<Tin, float>;
+    KS_LAUNCH(kernel, static_cast<unsigned>(blocks), kThreads, 0, stream)(
+        gt, outt, den, eps, static_cast<float*>(dnum), dden, rows, m);
+  } else {
+    auto* kernel = normalized_grad_kernel<Tin, Op>;
+    KS_LAUNCH(kernel, static_cast<unsigned>(blocks), kThreads, 0, stream)(
+        gt, outt, den, eps, static_cast<Op*>(dnum), dden, rows, m);
+  }
   return cudaGetLastError();
 }
 
@@ -807,9 +815,9 @@ cudaError_t Launchers<Tin>::scaled_cumsum(const void* x, const float* pre, const
 
 template <typename Tin>
 cudaError_t Launchers<Tin>::normalized_grad(const void* g, const void* out, const float* den,
-                                            float eps, void* dnum, float* dden, int64_t rows,
-                                            int64_t m, cudaStream_t stream) {
-  return normalized_grad_typed<Tin>(g, out, den, eps, dnum, dden, rows, m, stream);
+                                            float eps, void* dnum, bool dnum_fp32, float* dden,
+                                            int64_t rows, int64_t m, cudaStream_t stream) {
+  return normalized_grad_typed<Tin>(g, out, den, eps, dnum, dnum_fp32, dden, rows, m, stream);
 }
 
 }  // namespace ks_cuda

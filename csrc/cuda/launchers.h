@@ -108,10 +108,11 @@ cudaError_t scaled_cumsum(DType dtype, const void* x, const float* pre, const fl
 
 // The backward's row terms for out = num / d, d = den + eps, in one pass: dnum = g / d (rows, m)
 // in the products' operand type (bf16 for bf16 inputs; fp32 for fp32, and for fp16, whose
-// normalized backward runs in fp32) and dden = -(g . out) / d (rows) fp32; g, out: (rows, m) in
-// `dtype`, den: (rows) fp32.
+// normalized backward runs in fp32), or in fp32 with `dnum_fp32`, and dden = -(g . out) / d
+// (rows) fp32; with dden null, dnum is (rows, m + 1) with dden in its last column, in dnum's
+// type. g, out: (rows, m) in `dtype`, den: (rows) fp32.
 cudaError_t normalized_grad(DType dtype, const void* g, const void* out, const float* den,
-                            float eps, void* dnum, float* dden, int64_t rows, int64_t m,
-                            cudaStream_t stream);
+                            float eps, void* dnum, bool dnum_fp32, float* dden, int64_t rows,
+                            int64_t m, cudaStream_t stream);
 
 }  // namespace ks_cuda

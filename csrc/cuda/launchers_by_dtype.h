@@ -45,8 +45,8 @@ struct Launchers {
                                    int64_t bh, int64_t n, int64_t f, bool reverse,
                                    cudaStream_t stream);
   static cudaError_t normalized_grad(const void* g, const void* out, const float* den, float eps,
-                                     void* dnum, float* dden, int64_t rows, int64_t m,
-                                     cudaStream_t stream);
+                                     void* dnum, bool dnum_fp32, float* dden, int64_t rows,
+                                     int64_t m, cudaStream_t stream);
 };
 
 // Instantiated in float32.cu, float16.cu and bfloat16.cu, nowhere else.

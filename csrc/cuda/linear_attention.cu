@@ -229,13 +229,13 @@ cudaError_t scaled_cumsum(DType dtype, const void* x, const float* pre, const fl
 }
 
 cudaError_t normalized_grad(DType dtype, const void* g, const void* out, const float* den,
-                            float eps, void* dnum, float* dden, int64_t rows, int64_t m,
-                            cudaStream_t stream) {
+                            float eps, void* dnum, bool dnum_fp32, float* dden, int64_t rows,
+                            int64_t m, cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
   if (m < 0 || !known(dtype)) return cudaErrorInvalidValue;
   return by_dtype(dtype, [&](auto t) {
-    return Launchers<typename decltype(t)::type>::normalized_grad(g, out, den, eps, dnum, dden,
-                                                                  rows, m, stream);
+    return Launchers<typename decltype(t)::type>::normalized_grad(
+        g, out, den, eps, dnum, dnum_fp32, dden, rows, m, stream);
   });
 }
 

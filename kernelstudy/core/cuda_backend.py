@@ -538,9 +538,10 @@ class _FullAttention(_FusedAttention):
 
     ``S = Σ_j keep_j k_j v_jᵀ`` and ``z = Σ_j keep_j k_j`` are reduced in a fixed order.
 
-    The backward works on the ``(F, M)`` state with float32 matrix products:
-    ``dq = dnum·Sᵀ + dden·z``, ``dS = Σ_i q_i dnum_iᵀ``, ``dz = Σ_i dden_i q_i``,
-    ``dk_j = keep_j (dS v_j + dz)``, ``dv_j = keep_j dSᵀ k_j``.
+    The backward runs on the forward's kernels, with ``dnum = g / d``, ``dden = -(g·out) / d``
+    side by side (one pass, ``ext.normalized_grad``): ``dq = [dnum | dden]·[Sᵀ ; zᵀ]`` (the
+    read-out), ``[dS | dz] = Σ_i q_i [dnum_i | dden_i]ᵀ`` (the reduction), ``dk_j = keep_j
+    [v_j | 1]·[dS | dz]ᵀ`` and ``dv_j = keep_j k_j·dS`` (read-outs).
     """
 
     @staticmethod
@@ -560,20 +561,33 @@ class _FullAttention(_FusedAttention):
             q, k, v, mask, out, den, state = ctx.saved_tensors
             b, h, _, f = q.shape
             m = v.shape[-1]
+            ext = _require()
+            dtype = q.dtype
+            # [g/d | -(g·out)/d] (B,H,N,M+1) in float32: dq's two terms nearly cancel, so dq
+            # and [dS | dz] run on float32 operands (3xTF32; in bf16 operands dq's relative RMS
+            # error doubled to 7.6e-3 in the emulator)
+            dnum1 = ext.normalized_grad(
+                grad.to(dtype), out, den, ctx.eps, dden_column=True, dnum_fp32=True
+            )[0]
             s = state[..., : f * m].reshape(b, h, f, m)
-            z = state[..., f * m :]
-            d = den + ctx.eps
-            g = grad.float()
-            dnum = g / d.unsqueeze(-1)
-            dden = (g * out).sum(-1).div_(d).neg_()  # -(g·out)/d, out read in its dtype
-            q32 = q.float()
-            dq = dnum @ s.transpose(-1, -2) + dden.unsqueeze(-1) * z.unsqueeze(-2)
-            ds = q32.transpose(-1, -2) @ dnum  # (B,H,F,M)
-            dz = (q32.transpose(-1, -2) @ dden.unsqueeze(-1)).transpose(-1, -2)  # (B,H,1,F)
+            z = state[..., f * m :].unsqueeze(-2)  # (B,H,1,F)
+            dq = _read_out(ext, dnum1, torch.cat([s.transpose(-1, -2), z], dim=-2))
+            dsz = ext.full_state(q.float(), dnum1)[..., : f * (m + 1)].reshape(b, h, f, m + 1)
+            if dtype == torch.float16:  # as the causal backward: the products in float32
+                k, v = k.float(), v.float()
+            v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+            dk = _read_out(ext, v1, dsz.transpose(-1, -2))
+            dv = _read_out(ext, k, dsz[..., :m])
             keep = _keep(mask)
-            dk = _masked(v.float() @ ds.transpose(-1, -2) + dz, keep)
-            dv = _masked(k.float() @ ds, keep)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        return dq.to(dtype), _masked(dk.to(dtype), keep), _masked(dv.to(dtype), keep), None, None
+
+
+def _read_out(ext: ModuleType, x: torch.Tensor, mat: torch.Tensor) -> torch.Tensor:
+    """``x·mat`` for ``x: (B,H,N,F')`` and a float32 ``mat: (B,H,F',M')`` by the non-causal
+    read-out kernel (``mat`` as its state, with a zero normalizer part), in x's dtype."""
+    b, h, rows, cols = mat.shape
+    state = torch.cat([mat.reshape(b, h, rows * cols), mat.new_zeros(b, h, rows)], dim=-1)
+    return ext.full_apply(x, state, cols, out_fp32=False)[0]
 
 
 def linear_attention(

@@ -133,9 +133,10 @@ int ks_emu_scaled_cumsum(int dtype, const void* x, const float* pre, const float
 }
 
 int ks_emu_normalized_grad(int dtype, const void* g, const void* out, const float* den,
-                           float eps, void* dnum, float* dden, int64_t rows, int64_t m) {
-  return ks_cuda::normalized_grad(static_cast<DType>(dtype), g, out, den, eps, dnum, dden, rows,
-                                  m, nullptr);
+                           float eps, void* dnum, int dnum_fp32, float* dden, int64_t rows,
+                           int64_t m) {
+  return ks_cuda::normalized_grad(static_cast<DType>(dtype), g, out, den, eps, dnum,
+                                  dnum_fp32 != 0, dden, rows, m, nullptr);
 }
 
 }  // extern "C"
