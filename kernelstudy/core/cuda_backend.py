@@ -23,7 +23,9 @@ holds each kernel):
 - normalized attention (:func:`linear_attention`): the normalizer ``φq_i·Σ_{j≤i} φk_j`` comes
   out of the same kernel, so neither direction builds an ``O(N·F·M)`` tensor; non-causal
   attention reduces ``S = Σ_j φk_j v_jᵀ`` and ``z = Σ_j φk_j`` over unmasked keys, then reads
-  ``φq_i·S / (φq_i·z + eps)``.
+  ``φq_i·S / (φq_i·z + eps)``. Both backwards take ``g/d`` and ``-(g·out)/d`` from one pass
+  (``normalized_grad``); the causal one adds its normalizer terms in the cumulative-sum kernel,
+  the non-causal one runs on the same reduction and read-out as its forward.
 
 Operands on the tensor cores: bfloat16 inputs run as bf16; float16 inputs as tf32, in which
 every fp16 value is exact and the fp32 intermediates (scores, chunk states), which can outgrow
