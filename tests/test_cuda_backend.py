@@ -810,6 +810,9 @@ def test_kernels_run_on_the_current_stream():
             *ext.causal_backward(q, k, v, g, out_fp32=True, **kernel),
             *ext.full_apply(q, ext.full_state(k, v), v.shape[-1], with_den=True),
             ext.scaled_cumsum(k, None, None, reverse=True),
+            ext.scaled_cumsum(k, base=q.float(), out_fp32=False),
+            ext.normalized_grad(g, v, q.float().sum(-1), 1e-6)[1],
+            ext.normalized_grad(g, v, q.float().sum(-1), 1e-6, dden_column=True)[0],
         ]
 
     want = run(q, k, v, g)
