@@ -251,6 +251,8 @@ def _use_fused(q: torch.Tensor, v: torch.Tensor) -> bool:
 
 def _causal_kernel(dtype: torch.dtype) -> str:
     """:data:`CAUSAL_KERNEL` for operands of ``dtype`` (its entry where it is a dict), checked."""
+    if isinstance(CAUSAL_KERNEL, str) and CAUSAL_KERNEL in CAUSAL_KERNELS:  # one for all dtypes
+        return CAUSAL_KERNEL
     chosen = (
         CAUSAL_KERNEL if isinstance(CAUSAL_KERNEL, dict) else dict.fromkeys(DTYPES, CAUSAL_KERNEL)
     )
