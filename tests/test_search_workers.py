@@ -422,6 +422,26 @@ def _signal_in_the_final_save(monkeypatch, signum: int) -> None:
     monkeypatch.setattr(storage, "set_trial_state_values", save_and_get_signalled)
 
 
+def _quiet_worker_exit(url: str, name: str, objective) -> int | str | None:
+    """A multi-worker search's worker (``_quiet_worker``) run here on 3 trials of ``objective``:
+    its exit code (it exits by SystemExit), with the signal handlers and Optuna's verbosity it
+    sets put back."""
+    import signal
+
+    from kernelstudy.search import workers
+
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    verbosity = optuna.logging.get_verbosity()
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            workers._quiet_worker(None, url, name, objective, 3, "median", 0)
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+        optuna.logging.set_verbosity(verbosity)
+    return stopped.value.code
+
+
 def test_a_stop_that_arrives_while_optuna_saves_a_result_waits_for_the_save(tmp_path, monkeypatch):
     """The parent's SIGTERM raised inside Optuna's final save of a trial: Optuna's cleanup
     failed with an UnboundLocalError traceback, the worker exited 1, the trial stayed
@@ -433,18 +453,40 @@ def test_a_stop_that_arrives_while_optuna_saves_a_result_waits_for_the_save(tmp_
     url, name = f"sqlite:///{tmp_path / 'study.db'}", "stop-in-save"
     open_study(url, name)
     _signal_in_the_final_save(monkeypatch, signal.SIGTERM)
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    verbosity = optuna.logging.get_verbosity()
-    try:
-        with pytest.raises(SystemExit) as stopped:
-            workers._quiet_worker(None, url, name, quick_objective, 3, "median", 0)
-    finally:
-        for s, handler in handlers.items():
-            signal.signal(s, handler)
-        optuna.logging.set_verbosity(verbosity)
-    assert stopped.value.code == workers.STOPPED_EXIT_CODE
+    assert _quiet_worker_exit(url, name, quick_objective) == workers.STOPPED_EXIT_CODE
     states = [t.state for t in open_study(url, name).get_trials(deepcopy=False)]
     assert states == [TrialState.COMPLETE]  # saved, and no second trial was started
+
+
+def test_a_stop_that_arrives_inside_a_report_waits_for_it(tmp_path, monkeypatch):
+    """A SIGTERM raised inside ``trial.report``'s storage call (where a one-worker search's
+    stop right after a report lands) interrupted it there, with the storage mid-call; it now
+    waits for the report, then interrupts the objective: the value is stored, the trial
+    failed (a resumed search re-runs it), the worker exits 130."""
+    import signal
+
+    from kernelstudy.search import workers
+
+    url, name = f"sqlite:///{tmp_path / 'study.db'}", "stop-in-report"
+    open_study(url, name)
+    storage = optuna.storages.RDBStorage
+    real = storage.set_trial_intermediate_value
+
+    def report_and_get_signalled(self, trial_id, step, value):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(self, trial_id, step, value)
+
+    monkeypatch.setattr(storage, "set_trial_intermediate_value", report_and_get_signalled)
+    trained = []
+
+    def objective(trial: optuna.Trial) -> float:
+        trial.report(0.5, 0)
+        trained.append(trial.number)  # never reached: the stop interrupts after the report
+        return 0.5
+
+    assert _quiet_worker_exit(url, name, objective) == workers.STOPPED_EXIT_CODE and not trained
+    (trial,) = open_study(url, name).get_trials(deepcopy=False)
+    assert trial.state == TrialState.FAIL and trial.intermediate_values == {0: 0.5}
 
 
 ORPHAN_SCRIPT = """

@@ -16,6 +16,7 @@ is pruned at once, before its objective runs, with user attrs ``duplicate_of``
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import multiprocessing as mp
@@ -25,7 +26,7 @@ import sys
 import threading
 import warnings
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
 from typing import Any
 
@@ -340,7 +341,8 @@ class _StopRequest:
             raise KeyboardInterrupt
 
     def wrap(self, objective: Callable[[optuna.Trial], float]) -> Callable[[optuna.Trial], float]:
-        """``objective`` that a stop request interrupts (or does not start)."""
+        """``objective`` that a stop request interrupts (or does not start). The trial it gets
+        defers the request over its own calls (:class:`_StorageCalls`)."""
 
         @functools.wraps(objective)
         def run(trial: optuna.Trial) -> float:
@@ -348,16 +350,52 @@ class _StopRequest:
                 raise KeyboardInterrupt
             self.in_objective = True
             try:
-                return objective(trial)
+                return objective(_StorageCalls(trial, self))  # type: ignore[arg-type]
             finally:
                 self.in_objective = False
 
         return run
 
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """A stretch of the objective that a stop request does not interrupt: it interrupts
+        right after it (a request that arrived in it raises KeyboardInterrupt on leaving)."""
+        interruptible, self.in_objective = self.in_objective, False
+        try:
+            yield
+        finally:
+            self.in_objective = interruptible
+        if interruptible and self.requested:
+            raise KeyboardInterrupt
+
     def callback(self, study: optuna.Study, trial: FrozenTrial) -> None:
         """Optuna callback: stop the study after a trial once a stop was requested."""
         if self.requested:
             study.stop()
+
+
+class _StorageCalls:
+    """The trial an objective gets under a :class:`_StopRequest`: the trial's methods (Optuna's
+    storage: suggest, report, should_prune, set_user_attr) run deferred, as Optuna's own saves
+    are, since an interrupt inside one leaves the storage mid-call. A one-worker search sent
+    SIGTERM right after a report (its first intermediate value in the database: likely inside
+    ``trial.report`` or ``should_prune``) once did not end within a minute (CI, 2026-11-30).
+    Other attributes pass through."""
+
+    def __init__(self, trial: optuna.Trial, request: _StopRequest) -> None:
+        self._trial, self._request = trial, request
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._trial, name)
+        if not callable(value):
+            return value
+
+        @functools.wraps(value)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with self._request.deferred():
+                return value(*args, **kwargs)
+
+        return call
 
 
 def _stop_with_parent(parent: int) -> None:
