@@ -591,144 +591,6 @@ cudaError_t resident_blocks(void (*kernel)(Params...), size_t smem, int* blocks)
   return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, kernel, kThreads, smem);
 }
 
-// walk_kernels for Tin operands, outputs in Tin: the choices of causal_walk and
-// walk_backward_typed.
-template <typename Tin>
-cudaError_t walk_kernels_typed(int64_t f, int64_t m, bool mma_walk, bool together,
-                               WalkKernels* out) {
-  using Op = typename OperandOf<Tin>::type;
-  *out = WalkKernels{};
-  const Walk walk = causal_walk<Tin>(f, 1, mma_walk);
-  cudaError_t err = cudaSuccess;
-  if (walk == Walk::kMma) {
-    out->product = 8;
-    const int ft = mma_walk_slices<Op>(f);
-    err = resident_blocks(walk_mma_kernel_for<Tin, Tin>(ft), mma_walk_smem<Op>(ft),
-                          &out->product_blocks_per_sm);
-  } else if (walk == Walk::kWmma) {
-    out->product = 6;
-    err = resident_blocks(walk_kernel_for<Tin, Tin>(f), walk_smem<Tin>(f),
-                          &out->product_blocks_per_sm);
-  }
-  if (err != cudaSuccess) return err;
-  if (const int kernel = together_kernel<Tin>(f, m, mma_walk, together)) {
-    out->dkv = kernel;
-    if constexpr (sizeof(Op) == 2) {
-      return resident_blocks(together_kernel_for<Tin, Tin>(kernel), together_smem<Op>(kernel),
-                             &out->dkv_blocks_per_sm);
-    }
-  }
-  if (dkv_by_mma<Tin>(f, m, mma_walk)) {
-    out->dkv = 9;
-    return resident_blocks(chunk_walk_mma_dkv_kernel<Tin, Tin>, mma_dkv_smem<Op>(),
-                           &out->dkv_blocks_per_sm);
-  }
-  const auto lay = dkv_smem<Tin>(f, m);
-  if (lay.nbuf == 0) return cudaSuccess;
-  out->dkv = 7;
-  return resident_blocks(chunk_walk_dkv_kernel<Tin, Tin>, lay.bytes(), &out->dkv_blocks_per_sm);
-}
-
-template <typename Tin>
-cudaError_t causal_backward_typed(const void* q, const void* k, const void* v, const void* g,
-                                  void* dq, void* dk, void* dv, bool out_fp32, float* ws,
-                                  int64_t bh, int64_t n, int64_t f, int64_t m,
-                                  int64_t walk_blocks, bool mma_walk, bool together,
-                                  cudaStream_t stream) {
-  const Tin* qt = static_cast<const Tin*>(q);
-  const Tin* kt = static_cast<const Tin*>(k);
-  const Tin* vt = static_cast<const Tin*>(v);
-  const Tin* gt = static_cast<const Tin*>(g);
-  if (walk_blocks > 0) {
-    return walk_backward_typed<Tin>(qt, kt, vt, gt, dq, dk, dv, out_fp32, ws, bh, n, f, m,
-                                    walk_blocks, mma_walk, together, stream);
-  }
-  if (out_fp32) {
-    return backward_typed<Tin, float>(qt, kt, vt, gt, static_cast<float*>(dq),
-                                      static_cast<float*>(dk), static_cast<float*>(dv), ws, bh,
-                                      n, f, m, stream);
-  }
-  return backward_typed<Tin, Tin>(qt, kt, vt, gt, static_cast<Tin*>(dq), static_cast<Tin*>(dk),
-                                  static_cast<Tin*>(dv), ws, bh, n, f, m, stream);
-}
-
-template <typename Tin>
-cudaError_t full_state_typed(const void* k, const void* v, const bool* keep, int64_t heads,
-                             float* state, float* ws, int64_t bh, int64_t n, int64_t f,
-                             int64_t m, cudaStream_t stream) {
-  cudaError_t err = launch_states<Tin, float>(
-      static_cast<const Tin*>(k), static_cast<const Tin*>(v), keep, heads, ws, nullptr, nullptr,
-      bh, n, f, m, kReduceRows / kChunk, false, true, 0, stream);
-  if (err != cudaSuccess) return err;
-  return launch_scan(ws, state, bh, cdiv(n, kReduceRows), 1, f * m + f, kSum, stream);
-}
-
-template <typename Tin>
-cudaError_t full_apply_typed(const void* q, const float* state, void* out, bool out_fp32,
-                             float* den, bool normalize, float eps, int64_t bh, int64_t n,
-                             int64_t f, int64_t m, cudaStream_t stream) {
-  const Tin* qt = static_cast<const Tin*>(q);
-  const int64_t ss = f * m + f;
-  if (out_fp32) {
-    return launch_output<Tin, float, float>(qt, nullptr, nullptr, state, ss, state + f * m, ss,
-                                            nullptr, 1, static_cast<float*>(out), den, bh, n, f,
-                                            m, kFull, normalize, eps, stream);
-  }
-  return launch_output<Tin, float, Tin>(qt, nullptr, nullptr, state, ss, state + f * m, ss,
-                                        nullptr, 1, static_cast<Tin*>(out), den, bh, n, f, m,
-                                        kFull, normalize, eps, stream);
-}
-
-template <typename Tin>
-cudaError_t cumsum_typed(const void* x, const float* pre, const float* post, const float* base,
-                         void* out, bool out_fp32, float* ws, int64_t bh, int64_t n, int64_t f,
-                         bool reverse, cudaStream_t stream) {
-  const Tin* xt = static_cast<const Tin*>(x);
-  const int64_t nc = cdiv(n, kTile);
-  const int64_t blocks = bh * nc;
-  const int64_t cols = cdiv(f, kSumThreads);
-  if (blocks > kMaxBlocks || cols > 65535) return cudaErrorInvalidConfiguration;
-  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(cols));
-  KS_LAUNCH(chunk_colsum_kernel<Tin>, grid, kSumThreads, 0, stream)(xt, pre, ws, n, f);
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) return err;
-  err = launch_scan(ws, ws, bh, nc, 1, f, reverse ? kExclusiveReverse : kExclusiveForward,
-                    stream);
-  if (err != cudaSuccess) return err;
-  if (out_fp32) {
-    auto* kernel = chunk_cumsum_kernel<Tin, float>;
-    KS_LAUNCH(kernel, grid, kSumThreads, 0, stream)(xt, pre, post, ws, base,
-                                                    static_cast<float*>(out), n, f, reverse);
-  } else {
-    auto* kernel = chunk_cumsum_kernel<Tin, Tin>;
-    KS_LAUNCH(kernel, grid, kSumThreads, 0, stream)(xt, pre, post, ws, base,
-                                                    static_cast<Tin*>(out), n, f, reverse);
-  }
-  return cudaGetLastError();
-}
-
-// The normalized backward's row terms (normalizer_kernels.cuh): dnum in the operand type, or in
-// fp32 with `dnum_fp32`.
-template <typename Tin>
-cudaError_t normalized_grad_typed(const void* g, const void* out, const float* den, float eps,
-                                  void* dnum, bool dnum_fp32, float* dden, int64_t rows,
-                                  int64_t m, cudaStream_t stream) {
-  using Op = typename OperandOf<Tin>::type;
-  const int64_t blocks = std::min<int64_t>(cdiv(rows, kRowsPerBlock), int64_t{1} << 20);
-  const Tin* gt = static_cast<const Tin*>(g);
-  const Tin* outt = static_cast<const Tin*>(out);
-  if (dnum_fp32) {
-    auto* kernel = normalized_grad_kernel<Tin, float>;
-    KS_LAUNCH(kernel, static_cast<unsigned>(blocks), kThreads, 0, stream)(
-        gt, outt, den, eps, static_cast<float*>(dnum), dden, rows, m);
-  } else {
-    auto* kernel = normalized_grad_kernel<Tin, Op>;
-    KS_LAUNCH(kernel, static_cast<unsigned>(blocks), kThreads, 0, stream)(
-        gt, outt, den, eps, static_cast<Op*>(dnum), dden, rows, m);
-  }
-  return cudaGetLastError();
-}
-
 }  // namespace
 
 // ------------------------------------------------------------------ Launchers<Tin>
@@ -773,51 +635,140 @@ int64_t Launchers<Tin>::causal_backward_workspace_floats(int64_t bh, int64_t n, 
 template <typename Tin>
 cudaError_t Launchers<Tin>::causal_backward(const void* q, const void* k, const void* v,
                                             const void* g, void* dq, void* dk, void* dv,
-                                            bool out_fp32, float* workspace, int64_t bh,
-                                            int64_t n, int64_t f, int64_t m,
-                                            int64_t walk_blocks, bool mma_walk,
-                                            bool walks_together, cudaStream_t stream) {
-  return causal_backward_typed<Tin>(q, k, v, g, dq, dk, dv, out_fp32, workspace, bh, n, f, m,
-                                    walk_blocks, mma_walk, walks_together, stream);
+                                            bool out_fp32, float* ws, int64_t bh, int64_t n,
+                                            int64_t f, int64_t m, int64_t walk_blocks,
+                                            bool mma_walk, bool together, cudaStream_t stream) {
+  const Tin* qt = static_cast<const Tin*>(q);
+  const Tin* kt = static_cast<const Tin*>(k);
+  const Tin* vt = static_cast<const Tin*>(v);
+  const Tin* gt = static_cast<const Tin*>(g);
+  if (walk_blocks > 0) {
+    return walk_backward_typed<Tin>(qt, kt, vt, gt, dq, dk, dv, out_fp32, ws, bh, n, f, m,
+                                    walk_blocks, mma_walk, together, stream);
+  }
+  if (out_fp32) {
+    return backward_typed<Tin, float>(qt, kt, vt, gt, static_cast<float*>(dq),
+                                      static_cast<float*>(dk), static_cast<float*>(dv), ws, bh,
+                                      n, f, m, stream);
+  }
+  return backward_typed<Tin, Tin>(qt, kt, vt, gt, static_cast<Tin*>(dq), static_cast<Tin*>(dk),
+                                  static_cast<Tin*>(dv), ws, bh, n, f, m, stream);
+}
+
+// walk_kernels for Tin operands, outputs in Tin: the choices of causal_walk and
+// walk_backward_typed.
+template <typename Tin>
+cudaError_t Launchers<Tin>::walk_kernels(int64_t f, int64_t m, bool mma_walk, bool together,
+                                         WalkKernels* out) {
+  using Op = typename OperandOf<Tin>::type;
+  *out = WalkKernels{};
+  const Walk walk = causal_walk<Tin>(f, 1, mma_walk);
+  cudaError_t err = cudaSuccess;
+  if (walk == Walk::kMma) {
+    out->product = 8;
+    const int ft = mma_walk_slices<Op>(f);
+    err = resident_blocks(walk_mma_kernel_for<Tin, Tin>(ft), mma_walk_smem<Op>(ft),
+                          &out->product_blocks_per_sm);
+  } else if (walk == Walk::kWmma) {
+    out->product = 6;
+    err = resident_blocks(walk_kernel_for<Tin, Tin>(f), walk_smem<Tin>(f),
+                          &out->product_blocks_per_sm);
+  }
+  if (err != cudaSuccess) return err;
+  if (const int kernel = together_kernel<Tin>(f, m, mma_walk, together)) {
+    out->dkv = kernel;
+    if constexpr (sizeof(Op) == 2) {
+      return resident_blocks(together_kernel_for<Tin, Tin>(kernel), together_smem<Op>(kernel),
+                             &out->dkv_blocks_per_sm);
+    }
+  }
+  if (dkv_by_mma<Tin>(f, m, mma_walk)) {
+    out->dkv = 9;
+    return resident_blocks(chunk_walk_mma_dkv_kernel<Tin, Tin>, mma_dkv_smem<Op>(),
+                           &out->dkv_blocks_per_sm);
+  }
+  const auto lay = dkv_smem<Tin>(f, m);
+  if (lay.nbuf == 0) return cudaSuccess;
+  out->dkv = 7;
+  return resident_blocks(chunk_walk_dkv_kernel<Tin, Tin>, lay.bytes(), &out->dkv_blocks_per_sm);
 }
 
 template <typename Tin>
-cudaError_t Launchers<Tin>::walk_kernels(int64_t f, int64_t m, bool mma_walk,
-                                         bool walks_together, WalkKernels* out) {
-  return walk_kernels_typed<Tin>(f, m, mma_walk, walks_together, out);
+cudaError_t Launchers<Tin>::full_state(const void* k, const void* v, const bool* keep,
+                                       int64_t heads, float* state, float* ws, int64_t bh,
+                                       int64_t n, int64_t f, int64_t m, cudaStream_t stream) {
+  cudaError_t err = launch_states<Tin, float>(
+      static_cast<const Tin*>(k), static_cast<const Tin*>(v), keep, heads, ws, nullptr, nullptr,
+      bh, n, f, m, kReduceRows / kChunk, false, true, 0, stream);
+  if (err != cudaSuccess) return err;
+  return launch_scan(ws, state, bh, cdiv(n, kReduceRows), 1, f * m + f, kSum, stream);
 }
 
 template <typename Tin>
-cudaError_t Launchers<Tin>::full_state(const void* k, const void* v, const bool* key_keep,
-                                       int64_t heads, float* state, float* workspace,
-                                       int64_t bh, int64_t n, int64_t f, int64_t m,
-                                       cudaStream_t stream) {
-  return full_state_typed<Tin>(k, v, key_keep, heads, state, workspace, bh, n, f, m, stream);
-}
-
-template <typename Tin>
-cudaError_t Launchers<Tin>::full_apply(const void* q, const float* state, void* out,
-                                       bool out_fp32, float* den, bool normalize, float eps,
-                                       int64_t bh, int64_t n, int64_t f, int64_t m,
-                                       cudaStream_t stream) {
-  return full_apply_typed<Tin>(q, state, out, out_fp32, den, normalize, eps, bh, n, f, m,
-                               stream);
+cudaError_t Launchers<Tin>::full_apply(const void* q, const float* state, void* out, bool out_fp32,
+                                       float* den, bool normalize, float eps, int64_t bh, int64_t n,
+                                       int64_t f, int64_t m, cudaStream_t stream) {
+  const Tin* qt = static_cast<const Tin*>(q);
+  const int64_t ss = f * m + f;
+  if (out_fp32) {
+    return launch_output<Tin, float, float>(qt, nullptr, nullptr, state, ss, state + f * m, ss,
+                                            nullptr, 1, static_cast<float*>(out), den, bh, n, f,
+                                            m, kFull, normalize, eps, stream);
+  }
+  return launch_output<Tin, float, Tin>(qt, nullptr, nullptr, state, ss, state + f * m, ss,
+                                        nullptr, 1, static_cast<Tin*>(out), den, bh, n, f, m,
+                                        kFull, normalize, eps, stream);
 }
 
 template <typename Tin>
 cudaError_t Launchers<Tin>::scaled_cumsum(const void* x, const float* pre, const float* post,
-                                          const float* base, void* out, bool out_fp32,
-                                          float* workspace, int64_t bh, int64_t n, int64_t f,
-                                          bool reverse, cudaStream_t stream) {
-  return cumsum_typed<Tin>(x, pre, post, base, out, out_fp32, workspace, bh, n, f, reverse,
-                           stream);
+                                          const float* base, void* out, bool out_fp32, float* ws,
+                                          int64_t bh, int64_t n, int64_t f, bool reverse,
+                                          cudaStream_t stream) {
+  const Tin* xt = static_cast<const Tin*>(x);
+  const int64_t nc = cdiv(n, kTile);
+  const int64_t blocks = bh * nc;
+  const int64_t cols = cdiv(f, kSumThreads);
+  if (blocks > kMaxBlocks || cols > 65535) return cudaErrorInvalidConfiguration;
+  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(cols));
+  KS_LAUNCH(chunk_colsum_kernel<Tin>, grid, kSumThreads, 0, stream)(xt, pre, ws, n, f);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  err = launch_scan(ws, ws, bh, nc, 1, f, reverse ? kExclusiveReverse : kExclusiveForward,
+                    stream);
+  if (err != cudaSuccess) return err;
+  if (out_fp32) {
+    auto* kernel = chunk_cumsum_kernel<Tin, float>;
+    KS_LAUNCH(kernel, grid, kSumThreads, 0, stream)(xt, pre, post, ws, base,
+                                                    static_cast<float*>(out), n, f, reverse);
+  } else {
+    auto* kernel = chunk_cumsum_kernel<Tin, Tin>;
+    KS_LAUNCH(kernel, grid, kSumThreads, 0, stream)(xt, pre, post, ws, base,
+                                                    static_cast<Tin*>(out), n, f, reverse);
+  }
+  return cudaGetLastError();
 }
 
+// The normalized backward's row terms (normalizer_kernels.cuh): dnum in the operand type, or in
+// fp32 with `dnum_fp32`.
 template <typename Tin>
 cudaError_t Launchers<Tin>::normalized_grad(const void* g, const void* out, const float* den,
                                             float eps, void* dnum, bool dnum_fp32, float* dden,
                                             int64_t rows, int64_t m, cudaStream_t stream) {
-  return normalized_grad_typed<Tin>(g, out, den, eps, dnum, dnum_fp32, dden, rows, m, stream);
+  using Op = typename OperandOf<Tin>::type;
+  const int64_t blocks = std::min<int64_t>(cdiv(rows, kRowsPerBlock), int64_t{1} << 20);
+  const Tin* gt = static_cast<const Tin*>(g);
+  const Tin* outt = static_cast<const Tin*>(out);
+  if (dnum_fp32) {
+    auto* kernel = normalized_grad_kernel<Tin, float>;
+    KS_LAUNCH(kernel, static_cast<unsigned>(blocks), kThreads, 0, stream)(
+        gt, outt, den, eps, static_cast<float*>(dnum), dden, rows, m);
+  } else {
+    auto* kernel = normalized_grad_kernel<Tin, Op>;
+    KS_LAUNCH(kernel, static_cast<unsigned>(blocks), kThreads, 0, stream)(
+        gt, outt, den, eps, static_cast<Op*>(dnum), dden, rows, m);
+  }
+  return cudaGetLastError();
 }
 
 }  // namespace ks_cuda
