@@ -39,7 +39,7 @@ profile    ``cuda_profile.py`` at N=8192, F=M 64 then 128, bf16, fp32   profile.
            and fp16, every variant (the ``_apart`` ones: kernels 10
            and 11 against two launches); then the normalized causal
            attention on the defaults (bf16, fp32: its backward's
-           torch passes), the walks again at WALK_BLOCKS 256 (F=M=64,
+           row terms and sums), the walks again at WALK_BLOCKS 256 (F=M=64,
            bf16 and fp32: the carry pass) and the register walks at
            4096 (bf16: chunk-parallel)
 scaling    ``cuda_scaling.py``: the walk kernels' time at 1-4 blocks     scaling.csv
@@ -581,7 +581,8 @@ def stage_targets(session: Session, limit_s: float) -> tuple[str, str]:
 # an SM), and the register walks in bf16 at 4096 (32 segments of 4 chunks: where the time of the
 # chunk-parallel end of the targets stage's wide pass goes, kernels 12, 2 and 8 to 10)
 PROFILE_AGAIN = (
-    # the normalized attention that models call, on the defaults: its backward's torch passes
+    # the normalized attention that models call, on the defaults: its backward's row terms and
+    # cumulative sums beside the products
     ["--dim", "64", "--dtypes", "bfloat16", "float32", "--variants", "walk_mma_fused"]
     + ["--op", "attention", "--append"],
     ["--dim", "64", "--dtypes", "bfloat16", "float32", "--walk-blocks", "256", "--variants"]
