@@ -261,14 +261,10 @@ std::vector<at::Tensor> normalized_grad(at::Tensor g, at::Tensor out, at::Tensor
   check_sequence(out, "out", g);
   TORCH_CHECK_VALUE(out.sizes() == g.sizes(), "out must be ", g.sizes(), ", got ", out.sizes());
   const int64_t b = g.size(0), h = g.size(1), n = g.size(2), m = g.size(3);
-  TORCH_CHECK_TYPE(den.scalar_type() == at::kFloat, "den must be float32");
-  TORCH_CHECK_VALUE(den.device() == g.device(), "den must be on ", g.device());
-  TORCH_CHECK_VALUE(den.dim() == 3 && den.size(0) == b && den.size(1) == h && den.size(2) == n,
-                    "den must be (B,H,N) = (", b, ",", h, ",", n, "), got ", den.sizes());
+  den = checked_rows(den, "den", g).value();  // fp32 (B,H,N), contiguous
   const c10::cuda::CUDAGuard guard(g.device());
   g = g.contiguous();
   out = out.contiguous();
-  den = den.contiguous();
   const bool bf16 = g.scalar_type() == at::kBFloat16 && !dnum_fp32;
   auto dnum = at::empty({b, h, n, m + dden_column}, bf16 ? g.options() : f32(g));
   auto dden = dden_column ? at::Tensor() : at::empty({b, h, n}, f32(g));
