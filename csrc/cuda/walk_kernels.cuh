@@ -65,19 +65,9 @@ __device__ __forceinline__ void accumulate_state(float* tile32, Op* copy, const 
   const Slab w = warp_slab();
   float* st = tile32 + w.r0 * kLdF + w.c0;
   typename Mma<Op>::Acc acc[2];
-  if constexpr (kSplitOf<Tin>) {  // the chunk's products apart, then added (warp_gemm_sum)
-    wmma::fill_fragment(acc[0], 0.f);
-    wmma::fill_fragment(acc[1], 0.f);
-    warp_gemm<Tin, wmma::col_major, wmma::row_major>(acc, A, LD, B, LD);
-    typename Mma<Op>::Acc state[2];
-    load_shared(state[0], st, kLdF);
-    load_shared(state[1], st + 16, kLdF);
-    add_fragments(acc, state);
-  } else {
-    load_shared(acc[0], st, kLdF);
-    load_shared(acc[1], st + 16, kLdF);
-    warp_gemm<Tin, wmma::col_major, wmma::row_major>(acc, A, LD, B, LD);
-  }
+  load_shared(acc[0], st, kLdF);
+  load_shared(acc[1], st + 16, kLdF);
+  warp_gemm_sum<Tin, wmma::col_major, wmma::row_major>(acc, A, LD, B, LD);
   store_shared(st, acc[0], kLdF);
   store_shared(st + 16, acc[1], kLdF);
   if constexpr (kStateCopy<Op>) {
