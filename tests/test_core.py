@@ -230,6 +230,58 @@ def test_torch_func_transforms_match_plain_autograd(backend, causal):
     assert torch.autograd.gradcheck(lambda q: fn(q, k, v), q_dual, check_forward_ad=True)
 
 
+def test_every_core_function_binds_its_arguments_to_a_signature_kept_once():
+    """``Function.apply`` binds its arguments to ``inspect.signature(forward)`` on each call;
+    every autograd Function of the core keeps that signature (``signature_once``), so the
+    binding reads it rather than rebuilding it, and the binding (defaults too) is unchanged."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import kernelstudy.core as core
+    from kernelstudy.core.transforms import signature_once
+
+    found = []
+    for info in pkgutil.iter_modules(core.__path__):
+        module = importlib.import_module(f"kernelstudy.core.{info.name}")
+        for obj in vars(module).values():
+            if (
+                isinstance(obj, type)
+                and issubclass(obj, torch.autograd.Function)
+                and obj.__module__ == module.__name__
+                and "forward" in obj.__dict__
+            ):
+                found.append(obj)
+                kept = obj.forward.__dict__.get("__signature__")
+                assert kept is not None, obj.__name__
+                assert inspect.signature(obj.forward) is kept, obj.__name__
+                assert kept == inspect.Signature.from_callable(obj.forward, follow_wrapped=False)
+    assert len(found) >= 7, found
+
+    @signature_once
+    class Scaled(torch.autograd.Function):
+        @staticmethod
+        def forward(x, scale=2.0):  # type: ignore[override]
+            return x * scale
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):  # type: ignore[override]
+            ctx.scale = inputs[1]
+
+        @staticmethod
+        def backward(ctx, grad):  # type: ignore[override]
+            return grad * ctx.scale, None
+
+    x = torch.ones(3, requires_grad=True)
+    Scaled.apply(x).sum().backward()  # the default reached setup_context through the binding
+    torch.testing.assert_close(x.grad, torch.full((3,), 2.0))
+    torch.testing.assert_close(Scaled.apply(x, scale=3.0), torch.full((3,), 3.0))
+    with pytest.raises(TypeError, match="Function subclass"):
+        signature_once(object)
+    with pytest.raises(TypeError, match="staticmethod of its own"):
+        signature_once(type("Inherits", (Scaled,), {}))
+
+
 def test_chunked_gradcheck_small_chunk():
     q, k, v = _features(1, 2, 11, 3, 2, dtype=torch.float64)
 

@@ -13,6 +13,7 @@ import torch
 from .autocast import without_autocast
 from .backends import check_backend_name, resolve_backend
 from .chunked import causal_dot_product_chunked, check_chunk_size
+from .transforms import signature_once
 from .validation import (
     accumulation_dtype,
     autocast_off,
@@ -124,6 +125,7 @@ def _noncausal_sums(phi_q, phi_k, v) -> tuple[torch.Tensor, torch.Tensor]:
     return both[..., :-1], both[..., -1:]
 
 
+@signature_once
 class _NoncausalSums(torch.autograd.Function):
     """``φq · Σ_j φk_j [v_j, 1]ᵀ``: ``(B,H,N,M+1)`` in the accumulation dtype, with the
     backward (and forward-mode jvp) written out and run with autocast off too (plain

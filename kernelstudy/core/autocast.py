@@ -13,10 +13,11 @@ from collections.abc import Callable
 
 import torch
 
-from .transforms import jvp_filled, vjp_of_needed
+from .transforms import jvp_filled, signature_once, vjp_of_needed
 from .validation import autocast_off
 
 
+@signature_once
 class _WithoutAutocast(torch.autograd.Function):
     generate_vmap_rule = True  # torch.func.vmap and jacrev work through it
 

@@ -17,7 +17,7 @@ import numbers
 import torch
 import torch.nn.functional as F
 
-from .transforms import trilinear_jvp
+from .transforms import signature_once, trilinear_jvp
 from .validation import accumulation_dtype, autocast_off, check_qkv
 
 DEFAULT_CHUNK_SIZE = 64
@@ -66,6 +66,7 @@ def _chunked_product(
     return out[:, :, :n].clone() if pad else out
 
 
+@signature_once
 class _ChunkedProduct(torch.autograd.Function):
     """The causal (or anti-causal) product with a backward of three such products, each
     again a ``_ChunkedProduct``: gradients of gradients (``create_graph=True``) work too.

@@ -21,7 +21,7 @@ import torch
 from ..arguments import check_count
 from .backends import Backend, register_backend
 from .extensions import csrc_dir, host_tag, load_extension, native_cflags
-from .transforms import fold_mapped, trilinear_jvp, unfold_mapped
+from .transforms import fold_mapped, signature_once, trilinear_jvp, unfold_mapped
 from .validation import FLOAT_DTYPES, accumulation_dtype, check_qkv
 
 EXTENSION_NAME = "kernelstudy_cpu"  # built as kernelstudy_cpu_<host_tag()> (-march=native)
@@ -65,6 +65,7 @@ def supports(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in FLOAT_DTYPES
 
 
+@signature_once
 class _CpuProduct(torch.autograd.Function):
     """The compiled causal (or anti-causal) product. A first-order backward of the causal
     product is one fused pass (dk and dv share it); under ``create_graph=True`` the

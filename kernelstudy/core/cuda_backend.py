@@ -53,7 +53,14 @@ import torch
 
 from ..arguments import check_count, check_flag
 from .backends import Backend, register_backend
-from .transforms import fold_mapped, jvp_filled, trilinear_jvp, unfold_mapped, vjp_of_needed
+from .transforms import (
+    fold_mapped,
+    jvp_filled,
+    signature_once,
+    trilinear_jvp,
+    unfold_mapped,
+    vjp_of_needed,
+)
 from .validation import autocast_off, check_eps, check_key_padding_mask, check_qkv
 
 EXTENSION_NAME = "kernelstudy_cuda"
@@ -330,6 +337,7 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 # ---------------------------------------------------------------- unnormalized causal product
+@signature_once
 class _CausalProduct(torch.autograd.Function):
     """The causal (``reverse``: anti-causal) product on the kernels.
 
@@ -474,6 +482,7 @@ class _FusedAttention(torch.autograd.Function):
         return tuple(unfold_mapped(size, t) for t in outputs), (0,) * len(outputs)
 
 
+@signature_once
 class _CausalAttention(_FusedAttention):
     """Causal ``out_i = num_i / (den_i + eps)``.
 
@@ -537,6 +546,7 @@ class _CausalAttention(_FusedAttention):
         return dq, _masked(dk, keep), _masked(dv.to(dtype), keep), None, None
 
 
+@signature_once
 class _FullAttention(_FusedAttention):
     """Non-causal ``out_i = φq_i·S / (φq_i·z + eps)``.
 
