@@ -493,8 +493,9 @@ class _CausalAttention(_FusedAttention):
     revcumsum(dden·q)``, ``dv = anticausal(k, q, dnum)``. ``dnum`` and ``dden`` come from one
     pass over g and out (``ext.normalized_grad``); the cumulative sums run in the deterministic
     kernel (``torch.cumsum`` is not deterministic on CUDA), which adds the products' float32 dq
-    and dk and writes the sums in the inputs' dtype: of the (B,H,N,M) passes in torch, only dv's
-    cast is left.
+    and dk and writes the sums in the inputs' dtype. Of the (B,H,N,M) passes in torch only dv's
+    cast is left, where the backward is fused (its kernels write dq, dk and dv in one dtype;
+    the separate product writes dv in the operands' dtype).
     """
 
     causal = True
@@ -538,7 +539,8 @@ class _CausalAttention(_FusedAttention):
             else:
                 dq = _product(ext, dnum, v, k, reverse=False, out_fp32=True)
                 dk = _product(ext, v, dnum, q, reverse=True, out_fp32=True)
-                dv = _product(ext, k, q, dnum, reverse=True, out_fp32=True)
+                # dv is the product alone: rounded once to the operands' dtype in the kernel
+                dv = _product(ext, k, q, dnum, reverse=True, out_fp32=False)
             # the products' float32 dq and dk plus the cumulative sums, rounded once to the
             # inputs' dtype in the sums' last pass
             dq = ext.scaled_cumsum(k_in, None, dden, reverse=False, base=dq, out_fp32=False)
