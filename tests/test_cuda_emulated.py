@@ -1076,3 +1076,50 @@ def test_backend_double_backward_in_half_precision(backend, dtype):
             results.append(torch.autograd.grad(dk.square().sum(), xs, materialize_grads=True))
         for got, want in zip(*results, strict=True):
             assert got.dtype == dtype and close_in_dtype(got, want, dtype), name
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_the_core_dispatches_to_the_backend_and_checks_for_it(backend, monkeypatch, causal):
+    """``ks.linear_attention(backend="cuda")`` checks shapes, ``causal`` and ``eps`` and calls the
+    backend's fused ``attention``, which checks the mask: the same bits as
+    ``cuda_backend.linear_attention`` (which checks everything itself), and bad arguments are
+    refused by name on both paths. ``ks.causal_dot_product`` likewise reaches the product."""
+    import kernelstudy as ks
+    from kernelstudy.core.backends import registered_backends
+
+    registered = registered_backends()["cuda"]
+    monkeypatch.setattr(registered, "available", lambda: True)
+    monkeypatch.setattr(registered, "supports", lambda x: x.dtype in DTYPES)
+    assert "cuda" in ks.backends()
+    gen = torch.Generator().manual_seed(5)
+    b, h, n, f, m = 2, 2, 70, 9, 6
+    q, k = (torch.rand(b, h, n, f, generator=gen).to(torch.bfloat16) for _ in "qk")
+    v = torch.randn(b, h, n, m, generator=gen).to(torch.bfloat16)
+    mask = torch.ones(b, n, dtype=torch.bool)
+    mask[1, n // 3 :] = False
+    calls = []
+    real = backend._attention
+    monkeypatch.setattr(registered, "attention", lambda *a: calls.append(1) or real(*a))
+    got = ks.linear_attention(q, k, v, causal=causal, key_padding_mask=mask, backend="cuda")
+    assert calls == [1]
+    want = backend.linear_attention(q, k, v, causal=causal, key_padding_mask=mask)
+    assert torch.equal(got, want)
+    ref = linear_attention_reference(q.double(), k.double(), v.double(), causal, mask)
+    assert close_in_dtype(got, ref, torch.bfloat16)
+    if causal:
+        got = ks.causal_dot_product(q, k, v, backend="cuda")
+        assert torch.equal(got, backend.causal_product(q, k, v))
+    for fn in (
+        lambda **kw: ks.linear_attention(q, k, v, causal=causal, backend="cuda", **kw),
+        lambda **kw: backend.linear_attention(q, k, v, causal=causal, **kw),
+    ):
+        with pytest.raises(ValueError, match="key_padding_mask"):
+            fn(key_padding_mask=mask[:, :-1])
+        with pytest.raises(TypeError, match="key_padding_mask"):
+            fn(key_padding_mask=mask.float())
+        with pytest.raises(ValueError, match="eps"):
+            fn(eps=0.0)
+    with pytest.raises((ValueError, TypeError), match="causal"):
+        ks.linear_attention(q, k, v, causal="yes", backend="cuda")
+    with pytest.raises((ValueError, TypeError), match="causal"):
+        backend.linear_attention(q, k, v, causal="yes")

@@ -37,7 +37,9 @@ class Backend:
     first; 0 means never chosen automatically). ``attention``, where given,
     is a fused normalized ``linear_attention(phi_q, phi_k, v, causal,
     key_padding_mask, eps)`` that the core calls instead of composing the
-    product with its own normalizer.
+    product with its own normalizer, on arguments it has checked (shapes, a
+    bool ``causal``, ``eps``); the mask, and whether it takes the tensors, are
+    the backend's to check.
     """
 
     name: str

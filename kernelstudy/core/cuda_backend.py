@@ -620,8 +620,15 @@ def linear_attention(
     dtype; the normalizer is computed with the numerator (no ``O(N·F·M)`` tensor, no
     ``torch.cumsum``), padded keys contribute nothing.
     """
-    check_qkv(phi_q, phi_k, v, causal=causal)
+    causal = check_qkv(phi_q, phi_k, v, causal=causal)
     eps = check_eps(eps, phi_q.dtype)
+    return _attention(phi_q, phi_k, v, causal, key_padding_mask, eps)
+
+
+def _attention(phi_q, phi_k, v, causal: bool, key_padding_mask, eps: float) -> torch.Tensor:
+    """:func:`linear_attention` on shapes, ``causal`` and ``eps`` that the caller has checked
+    (``ks.linear_attention`` does, then calls this as the backend's ``attention``): the tensors'
+    device and dtype and the mask are checked here."""
     _check_inputs(phi_q, phi_k, v)
     mask = None
     if key_padding_mask is not None:
@@ -639,7 +646,7 @@ register_backend(
         available=is_available,
         supports=supports,
         priority=30,
-        attention=linear_attention,
+        attention=_attention,
         description="chunked CUDA kernels on tensor cores (fp32/fp16/bf16, fp32 accumulation)",
     )
 )
