@@ -133,16 +133,20 @@ def test_the_extensions_errors_reach_python(causal_kernel):
         "import torch\n"
         "from kernelstudy.core import cuda_backend\n"
         "x = torch.zeros(1, 1, 4, 4, device='cuda')\n"
-        "try:\n"
-        "    cuda_backend.extension().causal_product(x, x, x, walk_blocks=-1)\n"
-        "except ValueError as err:\n"
-        "    print('ValueError:', err)\n"
+        "ext = cuda_backend.extension()\n"
+        "for call in (lambda: ext.causal_product(x, x, x, walk_blocks=-1),\n"
+        "             lambda: ext.causal_backward(x, x, x, x, out_fp32=False, dv_fp32=True)):\n"
+        "    try:\n"
+        "        call()\n"
+        "    except ValueError as err:\n"
+        "        print('ValueError:', err)\n"
     )
     run = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=900, cwd=REPO
     )
     assert run.returncode == 0, f"the child ended with {run.returncode}: {run.stderr[-3000:]}"
     assert "ValueError: walk_blocks must be >= 0, got -1" in run.stdout, run.stdout[-2000:]
+    assert "ValueError: dv_fp32=True needs out_fp32=True" in run.stdout, run.stdout[-2000:]
 
 
 # ---------------------------------------------------------------- unnormalized causal product
@@ -627,6 +631,13 @@ def test_walk_segments_match_reference(monkeypatch, causal_kernel, shape, dtype,
         strict=True,
     ):  # the walk's fused backward: dq by one walk, dk and dv by one reverse walk
         assert a.dtype == torch.float32 and torch.isfinite(a).all() and close_in_dtype(a, w, dtype)
+    wide = ext.causal_backward(q, k, v, g, out_fp32=True, **kernel)
+    for together in (True, False):  # dv in the inputs' dtype (the normalized backward's call)
+        dq, dk, dv = ext.causal_backward(
+            q, k, v, g, out_fp32=True, dv_fp32=False, walks_together=together, **kernel
+        )
+        assert torch.equal(dq, wide[0]) and torch.equal(dk, wide[1])
+        assert dv.dtype == dtype and torch.equal(dv, wide[2].to(dtype))
     for reverse in (False, True):
         out, den = ext.causal_product(
             q, k, v, reverse=reverse, out_fp32=True, with_den=True, **kernel

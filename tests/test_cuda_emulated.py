@@ -82,7 +82,7 @@ def emu(tmp_path_factory) -> ctypes.CDLL:
     module.ks_emu_last_launch_smem.restype = i64
     module.ks_emu_causal_product.argtypes = [i32, p, p, p, p, i32, p, i32, f32, *[i64] * 4]
     module.ks_emu_causal_product.argtypes += [i32, i64, i32]
-    module.ks_emu_causal_backward.argtypes = [i32, *[p] * 7, i32, *[i64] * 5, i32, i32]
+    module.ks_emu_causal_backward.argtypes = [i32, *[p] * 7, i32, i32, *[i64] * 5, i32, i32]
     module.ks_emu_full_state.argtypes = [i32, p, p, p, i64, p, *[i64] * 4]
     module.ks_emu_full_apply.argtypes = [i32, p, p, p, i32, p, i32, f32, *[i64] * 4]
     module.ks_emu_scaled_cumsum.argtypes = [i32, p, p, p, p, p, i32, i64, i64, i64, i32]
@@ -162,19 +162,25 @@ class EmulatedExtension:
         return [out, den]
 
     def causal_backward(
-        self, q, k, v, g, out_fp32=False, walk_blocks=0, mma_walk=False, walks_together=True
-    ):
+        self, q, k, v, g, out_fp32=False, dv_fp32=None, walk_blocks=0, mma_walk=False,
+        walks_together=True,
+    ):  # fmt: skip
         b, h, n, f = q.shape
         m = v.shape[-1]
-        dtype = torch.float32 if out_fp32 else q.dtype
+        dv_fp32 = out_fp32 if dv_fp32 is None else dv_fp32
+        if dv_fp32 and not out_fp32:
+            raise ValueError("dv_fp32=True needs out_fp32=True")  # as the binding
+        dtypes = [torch.float32 if wide else q.dtype for wide in (out_fp32, out_fp32, dv_fp32)]
         if b * h * n * f * m == 0:  # as the binding: zeros, no launch
-            return [torch.zeros(b, h, n, d, dtype=dtype) for d in (f, f, m)]
+            return [
+                torch.zeros(b, h, n, d, dtype=t) for d, t in zip((f, f, m), dtypes, strict=True)
+            ]
         q, k, v, g = (self._input(t) for t in (q, k, v, g))
-        grads = [self._output(b, h, n, d, dtype=dtype) for d in (f, f, m)]
+        grads = [self._output(b, h, n, d, dtype=t) for d, t in zip((f, f, m), dtypes, strict=True)]
         self._run(
             self.lib.ks_emu_causal_backward,
-            DTYPES[q.dtype], *map(_ptr, (q, k, v, g, *grads)), int(out_fp32), b * h, n, f, m,
-            walk_blocks, int(mma_walk), int(walks_together),
+            DTYPES[q.dtype], *map(_ptr, (q, k, v, g, *grads)), int(out_fp32), int(dv_fp32),
+            b * h, n, f, m, walk_blocks, int(mma_walk), int(walks_together),
         )  # fmt: skip
         return grads
 
@@ -356,7 +362,7 @@ def test_long_float32_sums_do_not_drift(ext, walk_blocks, mma_walk, backward):
     chunk_sum) the error stays near 2e-6 at any length: 2e-5 leaves a margin."""
     q, k, v, g = _inputs(1, 64 * 256, 16, 16, torch.float32, extra=1)
     if backward:
-        got = ext.causal_backward(q, k, v, g, True, walk_blocks, mma_walk)
+        got = ext.causal_backward(q, k, v, g, True, walk_blocks=walk_blocks, mma_walk=mma_walk)
         for a, w in zip(got, _reference_grads(q, k, v, g), strict=True):
             assert rel_err(a, w, 1.0) <= 2e-5
         return
@@ -818,6 +824,37 @@ def test_backward_walks_together_give_the_bits_of_two_launches(
     assert last[True] != last[False]
     for a, b in zip(results[True], results[False], strict=True):
         assert torch.equal(a, b)
+
+
+# (B·H, N, F, M, walk_blocks, mma_walk, walks_together): which kernels write dk and dv
+DV_CASES = {
+    "chunks": (2, 130, 40, 24, 0, False, True),  # kernels 4 and 5
+    "kernel7": (2, 130, 40, 24, 5, False, False),
+    "kernel9": (2, 130, 40, 24, 5, True, False),
+    "kernel10": (2, 130, 40, 24, 5, True, True),  # bf16; float16: kernel 9
+    "kernel11": (2, 130, 40, 24, 5, False, True),  # bf16; float16: kernel 7
+    "products": (1, 150, 130, 20, 5, False, True),  # F > 128: dk and dv as two products
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", list(DV_CASES))
+def test_fused_backward_writes_dv_in_the_inputs_dtype_beside_float32_dq_dk(ext, case, dtype):
+    """``dv_fp32=False`` beside ``out_fp32=True`` (what the normalized backward asks for: it adds
+    terms to dq and dk in float32, none to dv): dq and dk are the bits of the all-float32 call,
+    dv those of its float32 dv rounded once to the inputs' dtype, on every kernel that writes
+    them. ``dv_fp32`` None follows ``out_fp32``; float32 dv beside narrow dq, dk is refused."""
+    bh, n, f, m, walk_blocks, mma, together = DV_CASES[case]
+    q, k, v, g = _inputs(bh, n, f, m, dtype, extra=1)
+    kernel = dict(walk_blocks=walk_blocks, mma_walk=mma, walks_together=together)
+    wide = ext.causal_backward(q, k, v, g, out_fp32=True, dv_fp32=None, **kernel)
+    assert [t.dtype for t in wide] == [torch.float32] * 3
+    dq, dk, dv = ext.causal_backward(q, k, v, g, out_fp32=True, dv_fp32=False, **kernel)
+    assert dq.dtype == dk.dtype == torch.float32 and dv.dtype == dtype
+    assert torch.equal(dq, wide[0]) and torch.equal(dk, wide[1])
+    assert torch.equal(dv, wide[2].to(dtype))
+    with pytest.raises(ValueError, match="dv_fp32"):
+        ext.causal_backward(q, k, v, g, out_fp32=False, dv_fp32=True, **kernel)
 
 
 # ---------------------------------------------------------------- walk_kernels

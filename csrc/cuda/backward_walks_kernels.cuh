@@ -35,12 +35,14 @@ constexpr size_t walk_backward_smem() {
 
 // The arguments of kernels 10 and 11: q, k, v (BH, N, F / M) and g = dL/dout (BH, N, M); the
 // carries of each walk's segments (or null) and its segments (nblk per sequence, cpb chunks
-// each); vec_f, vec_m: rows of q and k, of v and g are 16-byte vectors; vec_k: rows of k.
-template <typename Tin, typename Tout>
+// each); vec_f, vec_m: rows of q and k, of v and g are 16-byte vectors; vec_k: rows of k. dq and
+// dk in Tout, dv in Tdv.
+template <typename Tin, typename Tout, typename Tdv>
 struct BackwardWalks {
   const Tin *q, *k, *v, *g;
   const float *dkv_carry, *dq_carry;
-  Tout *dq, *dk, *dv;
+  Tout *dq, *dk;
+  Tdv* dv;
   int64_t n, f, m, dkv_blocks, dkv_nblk, dkv_cpb, dq_nblk, dq_cpb;
   bool vec_f, vec_m, vec_k;
 };
@@ -49,29 +51,31 @@ struct BackwardWalks {
 // under kernel 10's 128 registers, ptxas set aside a few loop-invariant values (sm_90a: 28 bytes
 // of spill stores, 5 local loads a chunk in this walk, 2 in the other); called, it allocates
 // its registers alone: no spill in either walk.
-template <typename Tin, typename Tout>
+template <typename Tin, typename Tout, typename Tdv>
 __device__ __noinline__ void walk_mma_dkv_called(int64_t block, const Tin* __restrict__ q,
                                               const Tin* __restrict__ k, const Tin* __restrict__ v,
                                               const Tin* __restrict__ g,
                                               const float* __restrict__ carry,
-                                              Tout* __restrict__ dk, Tout* __restrict__ dv,
+                                              Tout* __restrict__ dk, Tdv* __restrict__ dv,
                                               int64_t n, int64_t f, int64_t m, int64_t nblk,
                                               int64_t cpb, bool vec_f, bool vec_m) {
-  walk_mma_dkv<Tin, Tout>(block, q, k, v, g, carry, dk, dv, n, f, m, nblk, cpb, vec_f, vec_m);
+  walk_mma_dkv<Tin, Tout, Tdv>(block, q, k, v, g, carry, dk, dv, n, f, m, nblk, cpb, vec_f,
+                               vec_m);
 }
 
 // Block blockIdx.x's walk of kernel 10 (kMma) or 11.
-template <typename Tin, typename Tout, bool kMma>
-__device__ __forceinline__ void backward_walks(const BackwardWalks<Tin, Tout>& a) {
+template <typename Tin, typename Tout, typename Tdv, bool kMma>
+__device__ __forceinline__ void backward_walks(const BackwardWalks<Tin, Tout, Tdv>& a) {
   using Op = typename OperandOf<Tin>::type;
   const int64_t block = blockIdx.x;
   if (block < a.dkv_blocks) {
     if constexpr (kMma) {
-      walk_mma_dkv_called<Tin, Tout>(block, a.q, a.k, a.v, a.g, a.dkv_carry, a.dk, a.dv, a.n, a.f,
-                                     a.m, a.dkv_nblk, a.dkv_cpb, a.vec_f, a.vec_m);
+      walk_mma_dkv_called<Tin, Tout, Tdv>(block, a.q, a.k, a.v, a.g, a.dkv_carry, a.dk, a.dv,
+                                          a.n, a.f, a.m, a.dkv_nblk, a.dkv_cpb, a.vec_f,
+                                          a.vec_m);
     } else {
-      walk_wmma_dkv<Tin, Tout>(block, a.q, a.k, a.v, a.g, a.dkv_carry, a.dk, a.dv, a.n, a.f, a.m,
-                               a.dkv_nblk, a.dkv_cpb, kDkvOne<Op>, a.vec_f, a.vec_m);
+      walk_wmma_dkv<Tin, Tout, Tdv>(block, a.q, a.k, a.v, a.g, a.dkv_carry, a.dk, a.dv, a.n, a.f,
+                                    a.m, a.dkv_nblk, a.dkv_cpb, kDkvOne<Op>, a.vec_f, a.vec_m);
     }
     return;
   }
@@ -86,16 +90,16 @@ __device__ __forceinline__ void backward_walks(const BackwardWalks<Tin, Tout>& a
   }
 }
 
-template <typename Tin, typename Tout>
+template <typename Tin, typename Tout, typename Tdv>
 __global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm<typename OperandOf<Tin>::type>)
-    chunk_walk_mma_backward_kernel(BackwardWalks<Tin, Tout> args) {
-  backward_walks<Tin, Tout, true>(args);
+    chunk_walk_mma_backward_kernel(BackwardWalks<Tin, Tout, Tdv> args) {
+  backward_walks<Tin, Tout, Tdv, true>(args);
 }
 
-template <typename Tin, typename Tout>
+template <typename Tin, typename Tout, typename Tdv>
 __global__ void __launch_bounds__(kThreads, kWalkBlocksPerSm<typename OperandOf<Tin>::type, 1>)
-    chunk_walk_backward_kernel(BackwardWalks<Tin, Tout> args) {
-  backward_walks<Tin, Tout, false>(args);
+    chunk_walk_backward_kernel(BackwardWalks<Tin, Tout, Tdv> args) {
+  backward_walks<Tin, Tout, Tdv, false>(args);
 }
 
 }  // namespace

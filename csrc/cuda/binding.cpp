@@ -122,13 +122,16 @@ std::vector<at::Tensor> causal_product(at::Tensor q, at::Tensor k, at::Tensor v,
 }
 
 // [dq, dk, dv] of the causal product for g = dL/dout (B,H,N,M), from the fused backward: dq, dk
-// (B,H,N,F), dv (B,H,N,M), in fp32 if `out_fp32` else in the inputs' dtype. walk_blocks > 0
-// selects the walk's fused backward, `mma_walk` its register form, `walks_together` its two
-// walks in one grid where that applies (launchers.h).
+// (B,H,N,F) in fp32 if `out_fp32` else in the inputs' dtype, dv (B,H,N,M) in fp32 if `dv_fp32`
+// (None: as out_fp32) else in the inputs' dtype (the normalized backward adds terms to dq and dk
+// in fp32, not to dv). walk_blocks > 0 selects the walk's fused backward, `mma_walk` its register
+// form, `walks_together` its two walks in one grid where that applies (launchers.h).
 std::vector<at::Tensor> causal_backward(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor g,
-                                        bool out_fp32, int64_t walk_blocks, bool mma_walk,
-                                        bool walks_together) {
+                                        bool out_fp32, c10::optional<bool> dv_fp32,
+                                        int64_t walk_blocks, bool mma_walk, bool walks_together) {
   TORCH_CHECK_VALUE(walk_blocks >= 0, "walk_blocks must be >= 0, got ", walk_blocks);
+  const bool dv32 = dv_fp32.value_or(out_fp32);
+  TORCH_CHECK_VALUE(out_fp32 || !dv32, "dv_fp32=True needs out_fp32=True");
   check_sequence(q, "q", q);
   check_sequence(k, "k", q);
   check_sequence(v, "v", q);
@@ -147,7 +150,7 @@ std::vector<at::Tensor> causal_backward(at::Tensor q, at::Tensor k, at::Tensor v
   const auto opts = out_fp32 ? f32(q) : q.options();
   auto dq = at::empty({b, h, n, f}, opts);
   auto dk = at::empty({b, h, n, f}, opts);
-  auto dv = at::empty({b, h, n, m}, opts);
+  auto dv = at::empty({b, h, n, m}, dv32 ? f32(q) : q.options());
   if (b * h * n == 0) return {dq, dk, dv};
   if (f == 0 || m == 0) return {dq.zero_(), dk.zero_(), dv.zero_()};
   auto ws = at::empty(
@@ -156,7 +159,7 @@ std::vector<at::Tensor> causal_backward(at::Tensor q, at::Tensor k, at::Tensor v
       f32(q));
   check_launch(ks_cuda::causal_backward(dtype_of(q), q.data_ptr(), k.data_ptr(), v.data_ptr(),
                                         g.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
-                                        out_fp32, ws.data_ptr<float>(), b * h, n, f, m,
+                                        out_fp32, dv32, ws.data_ptr<float>(), b * h, n, f, m,
                                         walk_blocks, mma_walk, walks_together,
                                         c10::cuda::getCurrentCUDAStream()),
                "causal_backward");
@@ -304,7 +307,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("eps") = 1e-6, py::arg("walk_blocks") = 0, py::arg("mma_walk") = false);
   m.def("causal_backward", &causal_backward, "fused gradients [dq, dk, dv] of the causal product",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("out_fp32") = false,
-        py::arg("walk_blocks") = 0, py::arg("mma_walk") = false, py::arg("walks_together") = true);
+        py::arg("dv_fp32") = py::none(), py::arg("walk_blocks") = 0, py::arg("mma_walk") = false,
+        py::arg("walks_together") = true);
   m.def("full_state", &full_state, "non-causal state [S | z] with key padding", py::arg("k"),
         py::arg("v"), py::arg("key_padding_mask") = py::none());
   m.def("full_apply", &full_apply, "non-causal read-out q . S (optionally normalized)",

@@ -413,10 +413,10 @@ cudaError_t causal_typed(const void* q, const void* k, const void* v, void* out,
 }
 
 // The fused backward: states S of (k, v) forward and R of (q, g) in reverse (block-local
-// prefixes, then the carries), then dq and dk (kernel 4) and dv (kernel 5).
-template <typename Tin, typename Tout>
+// prefixes, then the carries), then dq and dk (kernel 4, in Tout) and dv (kernel 5, in Tdv).
+template <typename Tin, typename Tout, typename Tdv>
 cudaError_t backward_typed(const Tin* q, const Tin* k, const Tin* v, const Tin* g, Tout* dq,
-                           Tout* dk, Tout* dv, float* ws, int64_t bh, int64_t n, int64_t f,
+                           Tout* dk, Tdv* dv, float* ws, int64_t bh, int64_t n, int64_t f,
                            int64_t m, cudaStream_t stream) {
   using Tstate = StateOf<Tin>;
   const CausalLayout l = causal_layout(bh, n, f, m, sizeof(Tstate));
@@ -440,7 +440,7 @@ cudaError_t backward_typed(const Tin* q, const Tin* k, const Tin* v, const Tin* 
                                  tiles_smem<Tin>(4), stream, q, k, v, g, st[0], st[1], l.cpb, dq,
                                  dk, n, f, m, vec_f, vec_m, vec_s);
   if (err != cudaSuccess) return err;
-  return launch_tiles(chunk_dv_kernel<Tin, Tstate, Tout>, blocks, cdiv(m, kTile),
+  return launch_tiles(chunk_dv_kernel<Tin, Tstate, Tdv>, blocks, cdiv(m, kTile),
                       tiles_smem<Tin>(3), stream, q, k, g, st[1], l.cpb, dv, n, f, m, vec_f,
                       vec_m, vec_s);
 }
@@ -477,11 +477,12 @@ TogetherLayout together_layout(int64_t bh, int64_t n, int64_t f, int64_t m, int6
   return {walk_layout(bh, n, m, f, walk_blocks, 1), walk_layout(bh, n, f, m, walk_blocks, 1)};
 }
 
-// Kernel 10 or 11 (together_kernel's number), outputs in Tout, and its shared memory per block.
-template <typename Tin, typename Tout>
+// Kernel 10 or 11 (together_kernel's number), dq and dk in Tout, dv in Tdv, and its shared
+// memory per block.
+template <typename Tin, typename Tout, typename Tdv>
 auto together_kernel_for(int kernel) {
-  return kernel == 10 ? chunk_walk_mma_backward_kernel<Tin, Tout>
-                      : chunk_walk_backward_kernel<Tin, Tout>;
+  return kernel == 10 ? chunk_walk_mma_backward_kernel<Tin, Tout, Tdv>
+                      : chunk_walk_backward_kernel<Tin, Tout, Tdv>;
 }
 template <typename Op>
 size_t together_smem(int kernel) {
@@ -489,9 +490,9 @@ size_t together_smem(int kernel) {
 }
 
 // Kernel 10 or 11 (together_kernel): the carries of both walks' segments, then one launch.
-template <typename Tin, typename Tout>
+template <typename Tin, typename Tout, typename Tdv>
 cudaError_t walk_backward_together(int kernel, const Tin* q, const Tin* k, const Tin* v,
-                                   const Tin* g, Tout* dq, Tout* dk, Tout* dv, float* ws,
+                                   const Tin* g, Tout* dq, Tout* dk, Tdv* dv, float* ws,
                                    int64_t bh, int64_t n, int64_t f, int64_t m,
                                    int64_t walk_blocks, cudaStream_t stream) {
   using Op = typename OperandOf<Tin>::type;
@@ -505,7 +506,7 @@ cudaError_t walk_backward_together(int kernel, const Tin* q, const Tin* k, const
     err = walk_carries(q, g, ws + l.dq.floats, l.dkv, bh, n, f, m, true, false, mma, &dkv_carry,
                        stream);
     if (err != cudaSuccess) return err;
-    BackwardWalks<Tin, Tout> args{q, k, v, g, dkv_carry, dq_carry, dq, dk, dv, n, f, m};
+    BackwardWalks<Tin, Tout, Tdv> args{q, k, v, g, dkv_carry, dq_carry, dq, dk, dv, n, f, m};
     args.dkv_blocks = bh * l.dkv.nblk;
     args.dkv_nblk = l.dkv.nblk;
     args.dkv_cpb = l.dkv.cpb;
@@ -514,7 +515,7 @@ cudaError_t walk_backward_together(int kernel, const Tin* q, const Tin* k, const
     args.vec_f = rows_vectorizable<Tin>(q, f) && rows_vectorizable<Tin>(k, f);
     args.vec_m = rows_vectorizable<Tin>(v, m) && rows_vectorizable<Tin>(g, m);
     args.vec_k = rows_vectorizable<Tin>(k, f);
-    return launch_tiles(together_kernel_for<Tin, Tout>(kernel),
+    return launch_tiles(together_kernel_for<Tin, Tout, Tdv>(kernel),
                         args.dkv_blocks + bh * l.dq.nblk, 1, together_smem<Op>(kernel), stream,
                         args);
   }
@@ -525,33 +526,29 @@ cudaError_t walk_backward_together(int kernel, const Tin* q, const Tin* k, const
 // dq = causal(g, v, k) by kernel 6 (or 8, as causal_walk selects), then dk and dv by one reverse
 // walk with the carries of (q, g) where a sequence is cut into segments: kernel 9 with mma_walk
 // where F, M <= 64 and it fits, else kernel 7; where neither fits, dk = anticausal(v, g, q) and
-// dv = anticausal(k, q, g). The steps run in order on `stream` and share the workspace.
-template <typename Tin>
-cudaError_t walk_backward_typed(const Tin* q, const Tin* k, const Tin* v, const Tin* g, void* dq,
-                                void* dk, void* dv, bool out_fp32, float* ws, int64_t bh,
-                                int64_t n, int64_t f, int64_t m, int64_t walk_blocks,
-                                bool mma_walk, bool together, cudaStream_t stream) {
+// dv = anticausal(k, q, g). The steps run in order on `stream` and share the workspace. dq and dk
+// in Tout, dv in Tdv (each Tin or float).
+template <typename Tin, typename Tout, typename Tdv>
+cudaError_t walk_backward_typed(const Tin* q, const Tin* k, const Tin* v, const Tin* g, Tout* dq,
+                                Tout* dk, Tdv* dv, float* ws, int64_t bh, int64_t n, int64_t f,
+                                int64_t m, int64_t walk_blocks, bool mma_walk, bool together,
+                                cudaStream_t stream) {
+  constexpr bool kOutFp32 = std::is_same_v<Tout, float>, kDvFp32 = std::is_same_v<Tdv, float>;
   if (const int kernel = together_kernel<Tin>(f, m, mma_walk, together)) {
-    if (out_fp32) {
-      return walk_backward_together<Tin, float>(
-          kernel, q, k, v, g, static_cast<float*>(dq), static_cast<float*>(dk),
-          static_cast<float*>(dv), ws, bh, n, f, m, walk_blocks, stream);
-    }
-    return walk_backward_together<Tin, Tin>(kernel, q, k, v, g, static_cast<Tin*>(dq),
-                                            static_cast<Tin*>(dk), static_cast<Tin*>(dv), ws, bh,
-                                            n, f, m, walk_blocks, stream);
+    return walk_backward_together<Tin, Tout, Tdv>(kernel, q, k, v, g, dq, dk, dv, ws, bh, n, f,
+                                                  m, walk_blocks, stream);
   }
-  cudaError_t err = causal_typed<Tin>(g, v, k, dq, out_fp32, nullptr, false, 0.f, ws, bh, n, m,
+  cudaError_t err = causal_typed<Tin>(g, v, k, dq, kOutFp32, nullptr, false, 0.f, ws, bh, n, m,
                                       f, false, walk_blocks, mma_walk, stream);
   if (err != cudaSuccess) return err;
   constexpr size_t mma_dkv = mma_dkv_smem<typename OperandOf<Tin>::type>();
   const bool mma = dkv_by_mma<Tin>(f, m, mma_walk);
   const auto lay = dkv_smem<Tin>(f, m);
   if (!mma && lay.nbuf == 0) {
-    err = causal_typed<Tin>(v, g, q, dk, out_fp32, nullptr, false, 0.f, ws, bh, n, m, f, true,
+    err = causal_typed<Tin>(v, g, q, dk, kOutFp32, nullptr, false, 0.f, ws, bh, n, m, f, true,
                             walk_blocks, mma_walk, stream);
     if (err != cudaSuccess) return err;
-    return causal_typed<Tin>(k, q, g, dv, out_fp32, nullptr, false, 0.f, ws, bh, n, f, m, true,
+    return causal_typed<Tin>(k, q, g, dv, kDvFp32, nullptr, false, 0.f, ws, bh, n, f, m, true,
                              walk_blocks, mma_walk, stream);
   }
   const WalkLayout l = walk_layout(bh, n, f, m, walk_blocks, 1);
@@ -561,23 +558,28 @@ cudaError_t walk_backward_typed(const Tin* q, const Tin* k, const Tin* v, const 
   const bool vec_f = rows_vectorizable<Tin>(q, f) && rows_vectorizable<Tin>(k, f);
   const bool vec_m = rows_vectorizable<Tin>(v, m) && rows_vectorizable<Tin>(g, m);
   if (mma) {
-    if (out_fp32) {
-      return launch_tiles(chunk_walk_mma_dkv_kernel<Tin, float>, bh * l.nblk, 1, mma_dkv, stream,
-                          q, k, v, g, carry, static_cast<float*>(dk), static_cast<float*>(dv), n,
-                          f, m, l.nblk, l.cpb, vec_f, vec_m);
-    }
-    return launch_tiles(chunk_walk_mma_dkv_kernel<Tin, Tin>, bh * l.nblk, 1, mma_dkv, stream, q,
-                        k, v, g, carry, static_cast<Tin*>(dk), static_cast<Tin*>(dv), n, f, m,
-                        l.nblk, l.cpb, vec_f, vec_m);
+    return launch_tiles(chunk_walk_mma_dkv_kernel<Tin, Tout, Tdv>, bh * l.nblk, 1, mma_dkv,
+                        stream, q, k, v, g, carry, dk, dv, n, f, m, l.nblk, l.cpb, vec_f, vec_m);
   }
-  if (out_fp32) {
-    return launch_tiles(chunk_walk_dkv_kernel<Tin, float>, bh * l.nblk, 1, lay.bytes(), stream,
-                        q, k, v, g, carry, static_cast<float*>(dk), static_cast<float*>(dv), n,
-                        f, m, l.nblk, l.cpb, lay, vec_f, vec_m);
-  }
-  return launch_tiles(chunk_walk_dkv_kernel<Tin, Tin>, bh * l.nblk, 1, lay.bytes(), stream, q, k,
-                      v, g, carry, static_cast<Tin*>(dk), static_cast<Tin*>(dv), n, f, m, l.nblk,
-                      l.cpb, lay, vec_f, vec_m);
+  return launch_tiles(chunk_walk_dkv_kernel<Tin, Tout, Tdv>, bh * l.nblk, 1, lay.bytes(), stream,
+                      q, k, v, g, carry, dk, dv, n, f, m, l.nblk, l.cpb, lay, vec_f, vec_m);
+}
+
+// fn(OutTypes<Tout, Tdv>{}) for the fused backward's outputs: dq and dk in float with
+// `out_fp32`, else in Tin; dv likewise with `dv_fp32`. dq and dk in Tin beside dv in float has
+// no caller (the binding refuses it): cudaErrorInvalidValue where Tin is not float.
+template <typename Tout_, typename Tdv_>
+struct OutTypes {
+  using Tout = Tout_;
+  using Tdv = Tdv_;
+};
+template <typename Tin, typename Fn>
+cudaError_t by_out_types(bool out_fp32, bool dv_fp32, Fn fn) {
+  if (out_fp32 && dv_fp32) return fn(OutTypes<float, float>{});
+  if (out_fp32) return fn(OutTypes<float, Tin>{});
+  if (!dv_fp32) return fn(OutTypes<Tin, Tin>{});
+  if constexpr (std::is_same_v<Tin, float>) return fn(OutTypes<float, float>{});
+  return cudaErrorInvalidValue;
 }
 
 // How many thread blocks of `kernel` with `smem` bytes of dynamic shared memory an SM of the
@@ -635,24 +637,26 @@ int64_t Launchers<Tin>::causal_backward_workspace_floats(int64_t bh, int64_t n, 
 template <typename Tin>
 cudaError_t Launchers<Tin>::causal_backward(const void* q, const void* k, const void* v,
                                             const void* g, void* dq, void* dk, void* dv,
-                                            bool out_fp32, float* ws, int64_t bh, int64_t n,
-                                            int64_t f, int64_t m, int64_t walk_blocks,
+                                            bool out_fp32, bool dv_fp32, float* ws, int64_t bh,
+                                            int64_t n, int64_t f, int64_t m, int64_t walk_blocks,
                                             bool mma_walk, bool together, cudaStream_t stream) {
   const Tin* qt = static_cast<const Tin*>(q);
   const Tin* kt = static_cast<const Tin*>(k);
   const Tin* vt = static_cast<const Tin*>(v);
   const Tin* gt = static_cast<const Tin*>(g);
-  if (walk_blocks > 0) {
-    return walk_backward_typed<Tin>(qt, kt, vt, gt, dq, dk, dv, out_fp32, ws, bh, n, f, m,
-                                    walk_blocks, mma_walk, together, stream);
-  }
-  if (out_fp32) {
-    return backward_typed<Tin, float>(qt, kt, vt, gt, static_cast<float*>(dq),
-                                      static_cast<float*>(dk), static_cast<float*>(dv), ws, bh,
-                                      n, f, m, stream);
-  }
-  return backward_typed<Tin, Tin>(qt, kt, vt, gt, static_cast<Tin*>(dq), static_cast<Tin*>(dk),
-                                  static_cast<Tin*>(dv), ws, bh, n, f, m, stream);
+  return by_out_types<Tin>(out_fp32, dv_fp32, [&](auto types) {
+    using Tout = typename decltype(types)::Tout;
+    using Tdv = typename decltype(types)::Tdv;
+    Tout* dqt = static_cast<Tout*>(dq);
+    Tout* dkt = static_cast<Tout*>(dk);
+    Tdv* dvt = static_cast<Tdv*>(dv);
+    if (walk_blocks > 0) {
+      return walk_backward_typed<Tin, Tout, Tdv>(qt, kt, vt, gt, dqt, dkt, dvt, ws, bh, n, f, m,
+                                                 walk_blocks, mma_walk, together, stream);
+    }
+    return backward_typed<Tin, Tout, Tdv>(qt, kt, vt, gt, dqt, dkt, dvt, ws, bh, n, f, m,
+                                          stream);
+  });
 }
 
 // walk_kernels for Tin operands, outputs in Tin: the choices of causal_walk and
@@ -678,19 +682,20 @@ cudaError_t Launchers<Tin>::walk_kernels(int64_t f, int64_t m, bool mma_walk, bo
   if (const int kernel = together_kernel<Tin>(f, m, mma_walk, together)) {
     out->dkv = kernel;
     if constexpr (sizeof(Op) == 2) {
-      return resident_blocks(together_kernel_for<Tin, Tin>(kernel), together_smem<Op>(kernel),
+      return resident_blocks(together_kernel_for<Tin, Tin, Tin>(kernel), together_smem<Op>(kernel),
                              &out->dkv_blocks_per_sm);
     }
   }
   if (dkv_by_mma<Tin>(f, m, mma_walk)) {
     out->dkv = 9;
-    return resident_blocks(chunk_walk_mma_dkv_kernel<Tin, Tin>, mma_dkv_smem<Op>(),
+    return resident_blocks(chunk_walk_mma_dkv_kernel<Tin, Tin, Tin>, mma_dkv_smem<Op>(),
                            &out->dkv_blocks_per_sm);
   }
   const auto lay = dkv_smem<Tin>(f, m);
   if (lay.nbuf == 0) return cudaSuccess;
   out->dkv = 7;
-  return resident_blocks(chunk_walk_dkv_kernel<Tin, Tin>, lay.bytes(), &out->dkv_blocks_per_sm);
+  return resident_blocks(chunk_walk_dkv_kernel<Tin, Tin, Tin>, lay.bytes(),
+                         &out->dkv_blocks_per_sm);
 }
 
 template <typename Tin>

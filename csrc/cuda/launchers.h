@@ -47,7 +47,8 @@ cudaError_t causal_product(DType dtype, const void* q, const void* k, const void
 // Gradients of the causal product for g = dL/dout (BH, N, M), fused:
 // dq_i = sum_{j<=i} (g_i . v_j) k_j,  dk_j = sum_{i>=j} (g_i . v_j) q_i,
 // dv_j = sum_{i>=j} (q_i . k_j) g_i.  q, k, g, v as in causal_product (g like v); dq, dk:
-// (BH, N, F), dv: (BH, N, M), in fp32 if `out_fp32` else in `dtype`.
+// (BH, N, F), in fp32 if `out_fp32` else in `dtype`; dv: (BH, N, M), in fp32 if `dv_fp32` else
+// in `dtype` (dv_fp32 without out_fp32: cudaErrorInvalidValue for fp16 and bf16).
 // walk_blocks = 0: the chunk states of (k, v) and of (q, g), then one pass over all chunks for
 // dq, dk and dv. walk_blocks > 0: dq by the walk, then dk and dv together by one reverse walk
 // (F, M <= 128; separate walks otherwise); `mma_walk` as in causal_product: dq by kernel 8
@@ -61,8 +62,8 @@ int64_t causal_backward_workspace_floats(DType dtype, int64_t bh, int64_t n, int
                                          bool walks_together);
 cudaError_t causal_backward(DType dtype, const void* q, const void* k, const void* v,
                             const void* g, void* dq, void* dk, void* dv, bool out_fp32,
-                            float* workspace, int64_t bh, int64_t n, int64_t f, int64_t m,
-                            int64_t walk_blocks, bool mma_walk, bool walks_together,
+                            bool dv_fp32, float* workspace, int64_t bh, int64_t n, int64_t f,
+                            int64_t m, int64_t walk_blocks, bool mma_walk, bool walks_together,
                             cudaStream_t stream);
 
 // The walk kernels that causal_product (walk_blocks > 0) and causal_backward run on the current

@@ -28,7 +28,7 @@ struct Launchers {
                                                   int64_t walk_blocks, bool mma_walk,
                                                   bool walks_together);
   static cudaError_t causal_backward(const void* q, const void* k, const void* v, const void* g,
-                                     void* dq, void* dk, void* dv, bool out_fp32,
+                                     void* dq, void* dk, void* dv, bool out_fp32, bool dv_fp32,
                                      float* workspace, int64_t bh, int64_t n, int64_t f,
                                      int64_t m, int64_t walk_blocks, bool mma_walk,
                                      bool walks_together, cudaStream_t stream);

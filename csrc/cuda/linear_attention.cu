@@ -162,14 +162,14 @@ int64_t causal_backward_workspace_floats(DType dtype, int64_t bh, int64_t n, int
 
 cudaError_t causal_backward(DType dtype, const void* q, const void* k, const void* v,
                             const void* g, void* dq, void* dk, void* dv, bool out_fp32,
-                            float* workspace, int64_t bh, int64_t n, int64_t f, int64_t m,
-                            int64_t walk_blocks, bool mma_walk, bool walks_together,
+                            bool dv_fp32, float* workspace, int64_t bh, int64_t n, int64_t f,
+                            int64_t m, int64_t walk_blocks, bool mma_walk, bool walks_together,
                             cudaStream_t stream) {
   if (bh <= 0 || n <= 0) return cudaSuccess;
   if (f <= 0 || m <= 0 || !known(dtype)) return cudaErrorInvalidValue;
   return by_dtype(dtype, [&](auto t) {
     return Launchers<typename decltype(t)::type>::causal_backward(
-        q, k, v, g, dq, dk, dv, out_fp32, workspace, bh, n, f, m, walk_blocks, mma_walk,
+        q, k, v, g, dq, dk, dv, out_fp32, dv_fp32, workspace, bh, n, f, m, walk_blocks, mma_walk,
         walks_together, stream);
   });
 }

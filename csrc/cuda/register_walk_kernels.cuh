@@ -687,13 +687,13 @@ constexpr size_t mma_dkv_smem() {
   return mma_smem<Op>(2 * 4 + 2, 0);
 }
 
-// Kernel 9's walk by thread block `block` (blockIdx.x of kernel 9).
-template <typename Tin, typename Tout>
+// Kernel 9's walk by thread block `block` (blockIdx.x of kernel 9); dk in Tout, dv in Tdv.
+template <typename Tin, typename Tout, typename Tdv>
 __device__ __forceinline__ void walk_mma_dkv(int64_t block, const Tin* __restrict__ q,
                                              const Tin* __restrict__ k, const Tin* __restrict__ v,
                                              const Tin* __restrict__ g,
                                              const float* __restrict__ carry,
-                                             Tout* __restrict__ dk, Tout* __restrict__ dv,
+                                             Tout* __restrict__ dk, Tdv* __restrict__ dv,
                                              int64_t n, int64_t f, int64_t m, int64_t nblk,
                                              int64_t cpb, bool vec_f, bool vec_m) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
@@ -731,10 +731,12 @@ __device__ __forceinline__ void walk_mma_dkv(int64_t block, const Tin* __restric
              c0, l);
   B::publish(r_copies, r, r0, c0, l);
 
-  Tout* grad = dk_warp ? dk + bh * n * f : dv + bh * n * m;
+  // the warp's gradient rows, dk's (warps 0-3) or dv's, as Tout* (dv's are Tdv's: cast back to
+  // store)
+  Tout* grad = dk_warp ? dk + bh * n * f : reinterpret_cast<Tout*>(dv + bh * n * m);
   const int64_t width = dk_warp ? f : m;
-  const bool pairs =
-      reinterpret_cast<uintptr_t>(grad) % (2 * sizeof(Tout)) == 0 && width % 2 == 0;
+  const size_t elem = dk_warp ? sizeof(Tout) : sizeof(Tdv);
+  const bool pairs = reinterpret_cast<uintptr_t>(grad) % (2 * elem) == 0 && width % 2 == 0;
   for (int64_t i = 0; i < seg.count; ++i) {
     const int buf = static_cast<int>(i & 1);
     cp_async_wait_all();  // chunk i's tiles (the only copies in flight)
@@ -771,20 +773,26 @@ __device__ __forceinline__ void walk_mma_dkv(int64_t block, const Tin* __restric
     add_chunk<B>(r, r_part);
     if (i + 1 < seg.count) B::publish(r_copies + (buf ^ 1) * kOpTile, r, r0, c0, l);
 
-    store_band(grad, o, n, width, seg.chunk(i) * kTile + r0, 0, false, float2{1.f, 1.f}, pairs, l);
+    const int64_t row0 = seg.chunk(i) * kTile + r0;
+    if (std::is_same_v<Tout, Tdv> || dk_warp) {
+      store_band(grad, o, n, width, row0, 0, false, float2{1.f, 1.f}, pairs, l);
+    } else {
+      store_band(reinterpret_cast<Tdv*>(grad), o, n, width, row0, 0, false, float2{1.f, 1.f},
+                 pairs, l);
+    }
   }
 #endif
 }
 
-template <typename Tin, typename Tout>
+template <typename Tin, typename Tout, typename Tdv>
 __global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm<typename OperandOf<Tin>::type>)
     chunk_walk_mma_dkv_kernel(const Tin* __restrict__ q, const Tin* __restrict__ k,
                               const Tin* __restrict__ v, const Tin* __restrict__ g,
                               const float* __restrict__ carry, Tout* __restrict__ dk,
-                              Tout* __restrict__ dv, int64_t n, int64_t f, int64_t m,
+                              Tdv* __restrict__ dv, int64_t n, int64_t f, int64_t m,
                               int64_t nblk, int64_t cpb, bool vec_f, bool vec_m) {
-  walk_mma_dkv<Tin, Tout>(blockIdx.x, q, k, v, g, carry, dk, dv, n, f, m, nblk, cpb, vec_f,
-                          vec_m);
+  walk_mma_dkv<Tin, Tout, Tdv>(blockIdx.x, q, k, v, g, carry, dk, dv, n, f, m, nblk, cpb, vec_f,
+                               vec_m);
 }
 
 // ------------------------------------------------------------------ kernel 12: register carries

@@ -316,13 +316,13 @@ struct DkvSmem {
   }
 };
 
-// Kernel 7's walk by thread block `block` (blockIdx.x of kernel 7).
-template <typename Tin, typename Tout>
+// Kernel 7's walk by thread block `block` (blockIdx.x of kernel 7); dk in Tout, dv in Tdv.
+template <typename Tin, typename Tout, typename Tdv>
 __device__ __forceinline__ void walk_wmma_dkv(int64_t block, const Tin* __restrict__ q,
                                               const Tin* __restrict__ k, const Tin* __restrict__ v,
                                               const Tin* __restrict__ g,
                                               const float* __restrict__ carry,
-                                              Tout* __restrict__ dk, Tout* __restrict__ dv,
+                                              Tout* __restrict__ dk, Tdv* __restrict__ dv,
                                               int64_t n, int64_t f, int64_t m, int64_t nblk,
                                               int64_t cpb,
                                               DkvSmem<typename OperandOf<Tin>::type> lay,
@@ -454,16 +454,16 @@ __device__ __forceinline__ void walk_wmma_dkv(int64_t block, const Tin* __restri
 #endif
 }
 
-template <typename Tin, typename Tout>
+template <typename Tin, typename Tout, typename Tdv>
 __global__ void __launch_bounds__(kThreads, 1)
     chunk_walk_dkv_kernel(const Tin* __restrict__ q, const Tin* __restrict__ k,
                           const Tin* __restrict__ v, const Tin* __restrict__ g,
                           const float* __restrict__ carry, Tout* __restrict__ dk,
-                          Tout* __restrict__ dv, int64_t n, int64_t f, int64_t m, int64_t nblk,
+                          Tdv* __restrict__ dv, int64_t n, int64_t f, int64_t m, int64_t nblk,
                           int64_t cpb, DkvSmem<typename OperandOf<Tin>::type> lay, bool vec_f,
                           bool vec_m) {
-  walk_wmma_dkv<Tin, Tout>(blockIdx.x, q, k, v, g, carry, dk, dv, n, f, m, nblk, cpb, lay, vec_f,
-                           vec_m);
+  walk_wmma_dkv<Tin, Tout, Tdv>(blockIdx.x, q, k, v, g, carry, dk, dv, n, f, m, nblk, cpb, lay,
+                                vec_f, vec_m);
 }
 
 }  // namespace

@@ -294,12 +294,22 @@ def _kernel_args(dtype: torch.dtype) -> dict[str, int | bool]:
     return {"walk_blocks": walk_blocks(dtype), "mma_walk": kernel == "walk_mma"}
 
 
-def _fused_backward(ext: ModuleType, q, k, v, g, out_fp32: bool) -> list[torch.Tensor]:
+def _fused_backward(
+    ext: ModuleType, q, k, v, g, out_fp32: bool, dv_fp32: bool | None = None
+) -> list[torch.Tensor]:
     """``[dq, dk, dv]`` of the causal product by :data:`CAUSAL_KERNEL`'s fused backward (its
-    two walks in one grid as :data:`WALKS_TOGETHER` says)."""
+    two walks in one grid as :data:`WALKS_TOGETHER` says): dq and dk in float32 with
+    ``out_fp32``, else in the operands' dtype; dv likewise with ``dv_fp32`` (None: as dq)."""
     together = check_flag("cuda_backend.WALKS_TOGETHER", WALKS_TOGETHER)
     return ext.causal_backward(
-        q, k, v, g, out_fp32=out_fp32, walks_together=together, **_kernel_args(q.dtype)
+        q,
+        k,
+        v,
+        g,
+        out_fp32=out_fp32,
+        dv_fp32=dv_fp32,
+        walks_together=together,
+        **_kernel_args(q.dtype),
     )
 
 
@@ -493,9 +503,9 @@ class _CausalAttention(_FusedAttention):
     revcumsum(dden·q)``, ``dv = anticausal(k, q, dnum)``. ``dnum`` and ``dden`` come from one
     pass over g and out (``ext.normalized_grad``); the cumulative sums run in the deterministic
     kernel (``torch.cumsum`` is not deterministic on CUDA), which adds the products' float32 dq
-    and dk and writes the sums in the inputs' dtype. Of the (B,H,N,M) passes in torch only dv's
-    cast is left, where the backward is fused (its kernels write dq, dk and dv in one dtype;
-    the separate product writes dv in the operands' dtype).
+    and dk and writes the sums in the inputs' dtype; dv comes out of the kernels in the
+    operands' dtype. No (B,H,N,M) pass runs in torch (float16 inputs: dv's cast, since their
+    products run in float32).
     """
 
     causal = True
@@ -534,8 +544,8 @@ class _CausalAttention(_FusedAttention):
             if dtype == torch.float16:  # dnum = g/d passes 65504 where d ~ eps (a row with no
                 # real key): inf, then inf·0 = NaN. The products run in float32 (3xTF32) instead.
                 q, k, v = q.float(), k.float(), v.float()
-            if _use_fused(q, v):
-                dq, dk, dv = _fused_backward(ext, q, k, v, dnum, out_fp32=True)
+            if _use_fused(q, v):  # dq, dk in float32 for the sums below; dv rounded once
+                dq, dk, dv = _fused_backward(ext, q, k, v, dnum, out_fp32=True, dv_fp32=False)
             else:
                 dq = _product(ext, dnum, v, k, reverse=False, out_fp32=True)
                 dk = _product(ext, v, dnum, q, reverse=True, out_fp32=True)

@@ -74,15 +74,15 @@ int ks_emu_causal_product(int dtype, const void* q, const void* k, const void* v
 }
 
 int ks_emu_causal_backward(int dtype, const void* q, const void* k, const void* v, const void* g,
-                           void* dq, void* dk, void* dv, int out_fp32, int64_t bh, int64_t n,
-                           int64_t f, int64_t m, int64_t walk_blocks, int mma_walk,
+                           void* dq, void* dk, void* dv, int out_fp32, int dv_fp32, int64_t bh,
+                           int64_t n, int64_t f, int64_t m, int64_t walk_blocks, int mma_walk,
                            int walks_together) {
   const DType dt = static_cast<DType>(dtype);
   Workspace ws(ks_cuda::causal_backward_workspace_floats(dt, bh, n, f, m, walk_blocks,
                                                          mma_walk != 0, walks_together != 0));
   return ws.checked(ks_cuda::causal_backward(dt, q, k, v, g, dq, dk, dv, out_fp32 != 0,
-                                             ws.data(), bh, n, f, m, walk_blocks, mma_walk != 0,
-                                             walks_together != 0, nullptr));
+                                             dv_fp32 != 0, ws.data(), bh, n, f, m, walk_blocks,
+                                             mma_walk != 0, walks_together != 0, nullptr));
 }
 
 // walk_kernels into kernels[4] (product kernel, its blocks per SM, dk/dv kernel, its blocks)
