@@ -1,24 +1,23 @@
 """Per-kernel GPU time of the CUDA backend's causal product, forward and backward.
 
 Runs ``ks.causal_dot_product(..., backend="cuda")`` (``--op attention``: the normalized
-``ks.linear_attention(..., causal=True)``, whose backward adds its row terms' and cumulative
-sums' kernels and dv's cast) forward + backward under ``torch.profiler`` for each F = M, dtype
+``ks.linear_attention(..., causal=True)``, whose backward adds its row terms' and cumulative sums'
+kernels, and in float16 dv's cast) forward + backward under ``torch.profiler`` for each F = M, dtype
 and kernel variant of ``cuda_backend.VARIANTS`` (``chunks``: the chunk kernels with three causal
-products in the backward; ``chunks_fused``: the chunk kernels with their fused backward;
-``walk``: the walk kernel, forward and three backward products; ``walk_fused``: the walk with
-its fused backward; ``walk_mma``, ``walk_mma_fused``: the same on kernels 8 and 9, mma.sync with
-operands in registers, for F <= 64, kernel 8 in bf16 for F <= 128; in bf16 the fused backwards'
-two walks run as one grid, kernels 11 and 10, and ``walk_fused_apart``, ``walk_mma_fused_apart``
-keep them as two launches, the A/B of kernels 11 and 10) and reports every CUDA kernel's total
-and per-call time, its share of the step and its call count per step: where the time goes before
-a kernel is changed. Each variant's rows also carry a step's wall time (``step_wall_us``, CUDA
-events around one step, as ``cuda_core.py`` times cases), its time with steps queued back to
-back (``step_stream_us``) and the host's time to issue one (``step_host_us``); a second table
-gives the kernels' sum per step against them (``gpu_busy``: of the wall time). On the H200
-(2026-11-30) the defaults' step was 775 µs of kernels in 1.0-1.2 ms: where the stream time is
-near the kernels' sum, the rest is the host's latency before the GPU gets work (Python and
-launches: that host is slow, SDPA's fwd+bwd at N = 512, 15 GFLOP, took 0.38 ms there); where the
-host's time passes the kernels', the host is what limits.
+products in the backward; ``chunks_fused``: the chunk kernels with their fused backward; ``walk``:
+the walk kernel, forward and three backward products; ``walk_fused``: the walk with its fused
+backward; ``walk_mma``, ``walk_mma_fused``: the same on kernels 8 and 9, mma.sync with operands in
+registers, for F <= 64, kernel 8 in bf16 for F <= 128; in bf16 the fused backwards' two walks run as
+one grid, kernels 11 and 10, and ``walk_fused_apart``, ``walk_mma_fused_apart`` keep them as two
+launches, the A/B of kernels 11 and 10) and reports every CUDA kernel's total and per-call time, its
+share of the step and its call count per step: where the time goes before a kernel is changed. Each
+variant's rows also carry a step's wall time (``step_wall_us``, CUDA events around one step, as
+``cuda_core.py`` times cases), its time with steps queued back to back (``step_stream_us``) and the
+host's time to issue one (``step_host_us``); a second table gives the kernels' sum per step against
+them (``gpu_busy``: of the wall time). On the H200 (2026-11-30) the defaults' step was 775 µs of
+kernels in 1.0-1.2 ms: where the stream time is near the kernels' sum, the rest is the host's
+latency before the GPU gets work (Python and launches: that host is slow, SDPA's fwd+bwd at N = 512,
+15 GFLOP, took 0.38 ms there); where the host's time passes the kernels', the host is what limits.
 
     python benchmarks/cuda_profile.py --out benchmarks/results/cuda_profile.csv
 
@@ -68,8 +67,8 @@ def step_inputs(
 
 
 # What a profiled step runs: the unnormalized causal product (the issue's targets), or the
-# normalized causal attention that models call (its backward adds normalized_grad, the cumulative
-# sums with the products' dq and dk added, and dv's cast)
+# normalized causal attention that models call (its backward adds normalized_grad and the
+# cumulative sums with the products' dq and dk added; float16 also dv's cast)
 OPS = {
     "product": lambda q, k, v: ks.causal_dot_product(q, k, v, backend="cuda"),
     "attention": lambda q, k, v: ks.linear_attention(q, k, v, causal=True, backend="cuda"),
