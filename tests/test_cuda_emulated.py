@@ -480,14 +480,26 @@ def test_full_attention_with_key_padding(ext, keys, dtype):
     assert close_in_dtype(out, want, dtype)
 
 
+# (B, H, N, F): ragged chunks with idle columns; two column slices of 64, the second ragged; whole
+# chunks; one row
+CUMSUM_SHAPES = [(1, 3, 150, 20), (2, 1, 130, 70), (1, 2, 128, 64), (1, 1, 1, 1)]
+
+
 @pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
-def test_scaled_cumsum(ext, reverse):
-    x = torch.randn(1, 3, 150, 20)
-    pre, post = torch.rand(1, 3, 150), torch.rand(1, 3, 150)
-    out = ext.scaled_cumsum(x, pre, post, reverse)
+@pytest.mark.parametrize("shape", CUMSUM_SHAPES, ids=["x".join(map(str, s)) for s in CUMSUM_SHAPES])
+def test_scaled_cumsum(ext, shape, reverse):
+    """``post · cumsum(pre · x)`` along N (reversed: from the last row) against float64, with
+    either weight or none."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(*shape, generator=gen)
+    pre, post = torch.rand(*shape[:3], generator=gen), torch.rand(*shape[:3], generator=gen)
     flip = (lambda t: t.flip(2)) if reverse else (lambda t: t)
-    want = post[..., None] * flip(torch.cumsum(flip(pre[..., None] * x).double(), dim=2))
-    assert rel_err(out, want) <= 1e-5
+    for a, b in ((pre, post), (None, post), (pre, None), (None, None)):
+        out = ext.scaled_cumsum(x, a, b, reverse)
+        w_pre = torch.ones(shape[:3]) if a is None else a
+        w_post = torch.ones(shape[:3]) if b is None else b
+        want = w_post[..., None] * flip(torch.cumsum(flip(w_pre[..., None] * x).double(), dim=2))
+        assert rel_err(out, want) <= 1e-5
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=str)

@@ -733,10 +733,11 @@ cudaError_t Launchers<Tin>::scaled_cumsum(const void* x, const float* pre, const
   const Tin* xt = static_cast<const Tin*>(x);
   const int64_t nc = cdiv(n, kTile);
   const int64_t blocks = bh * nc;
-  const int64_t cols = cdiv(f, kSumThreads);
+  const int64_t cols = cdiv(f, kSumCols);
   if (blocks > kMaxBlocks || cols > 65535) return cudaErrorInvalidConfiguration;
   const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(cols));
-  KS_LAUNCH(chunk_colsum_kernel<Tin>, grid, kSumThreads, 0, stream)(xt, pre, ws, n, f);
+  KS_LAUNCH(chunk_colsum_kernel<Tin>, grid, kSumThreads, kSumSmem, stream)(xt, pre, ws, n, f,
+                                                                            reverse);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   err = launch_scan(ws, ws, bh, nc, 1, f, reverse ? kExclusiveReverse : kExclusiveForward,
@@ -744,12 +745,12 @@ cudaError_t Launchers<Tin>::scaled_cumsum(const void* x, const float* pre, const
   if (err != cudaSuccess) return err;
   if (out_fp32) {
     auto* kernel = chunk_cumsum_kernel<Tin, float>;
-    KS_LAUNCH(kernel, grid, kSumThreads, 0, stream)(xt, pre, post, ws, base,
-                                                    static_cast<float*>(out), n, f, reverse);
+    KS_LAUNCH(kernel, grid, kSumThreads, kSumSmem, stream)(
+        xt, pre, post, ws, base, static_cast<float*>(out), n, f, reverse);
   } else {
     auto* kernel = chunk_cumsum_kernel<Tin, Tin>;
-    KS_LAUNCH(kernel, grid, kSumThreads, 0, stream)(xt, pre, post, ws, base,
-                                                    static_cast<Tin*>(out), n, f, reverse);
+    KS_LAUNCH(kernel, grid, kSumThreads, kSumSmem, stream)(
+        xt, pre, post, ws, base, static_cast<Tin*>(out), n, f, reverse);
   }
   return cudaGetLastError();
 }
