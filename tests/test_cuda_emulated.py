@@ -517,14 +517,14 @@ def test_scaled_cumsum_adds_a_base_and_rounds_once(ext, dtype):
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=str)
-@pytest.mark.parametrize("m", [1, 5, 33, 70])
+@pytest.mark.parametrize("m", [1, 5, 33, 70, 200])
 def test_normalized_grad_rows(ext, dtype, m):
     """dnum = g/d in the products' operand dtype (bf16 for bf16, else float32), the same bits
     as torch's division; dden = -(g·out)/d in float32, also on rows whose d is eps alone (no
-    real key: den 0)."""
+    real key: den 0). 111 rows (a warp takes two at once), M = 200: a second pass of columns."""
     gen = torch.Generator().manual_seed(m)
-    g, out = (torch.randn(2, 3, 37, m, generator=gen).to(dtype) for _ in "go")
-    den = 10 * torch.rand(2, 3, 37, generator=gen)
+    g, out = (torch.randn(1, 3, 37, m, generator=gen).to(dtype) for _ in "go")
+    den = 10 * torch.rand(1, 3, 37, generator=gen)
     den[0, 0, :3] = 0
     eps = 1e-6
     dnum, dden = ext.normalized_grad(g, out, den, eps)
@@ -534,10 +534,10 @@ def test_normalized_grad_rows(ext, dtype, m):
     want = -(g.double() * out.double()).sum(-1) / d.double()
     assert dden.dtype == torch.float32 and rel_err(dden, want) <= 1e-6
     empty, none = ext.normalized_grad(g[..., :0], out[..., :0], den, eps)  # M = 0
-    assert empty.shape == (2, 3, 37, 0) and (none == 0).all()
+    assert empty.shape == (1, 3, 37, 0) and (none == 0).all()
     # the non-causal backward's form: float32, dden as a last column
     both, absent = ext.normalized_grad(g, out, den, eps, dden_column=True, dnum_fp32=True)
-    assert absent is None and both.dtype == torch.float32 and both.shape == (2, 3, 37, m + 1)
+    assert absent is None and both.dtype == torch.float32 and both.shape == (1, 3, 37, m + 1)
     assert torch.equal(both[..., :m], g.float() / d[..., None])
     assert rel_err(both[..., m], want) <= 1e-6
     column, _ = ext.normalized_grad(g, out, den, eps, dden_column=True)  # in dnum's dtype

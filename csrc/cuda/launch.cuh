@@ -762,7 +762,8 @@ cudaError_t Launchers<Tin>::normalized_grad(const void* g, const void* out, cons
                                             float eps, void* dnum, bool dnum_fp32, float* dden,
                                             int64_t rows, int64_t m, cudaStream_t stream) {
   using Op = typename OperandOf<Tin>::type;
-  const int64_t blocks = std::min<int64_t>(cdiv(rows, kRowsPerBlock), int64_t{1} << 20);
+  const int64_t blocks =
+      std::min<int64_t>(cdiv(rows, int64_t{kGradWarps} * kGradRows), int64_t{1} << 20);
   const Tin* gt = static_cast<const Tin*>(g);
   const Tin* outt = static_cast<const Tin*>(out);
   if (dnum_fp32) {

@@ -9,13 +9,17 @@
 namespace ks_cuda {
 namespace {
 
-constexpr int kRowsPerBlock = kThreads / 32;  // one warp a row
+constexpr int kGradWarps = kThreads / 32;      // warps a block
+constexpr int kGradRows = 2;                   // rows a warp takes at once
+constexpr int kGradCols = 4;                   // a lane's columns a pass: 128 of a row
 
 // rows = B·H·N rows of M: g and out (B·H·N, M) in Tin, den (B·H·N) fp32; writes dnum
 // (B·H·N, M) in Tnum and dden (B·H·N) fp32, or with dden null, dnum (B·H·N, M + 1) in Tnum with
-// dden in its last column (the non-causal backward's [g/d | -(g·out)/d]). Each lane takes the
-// columns lane, lane + 32, ...; the lanes' partial dot products are summed in a fixed butterfly
-// order (deterministic). Blocks stride over the rows (any count).
+// dden in its last column (the non-causal backward's [g/d | -(g·out)/d]). A warp takes
+// kGradRows rows at once, 128 columns a pass, each lane the columns lane, lane + 32, ...: all of
+// a pass's loads are issued before its stores (one at a time, a warp kept too few loads in
+// flight to cover the memory's latency). The lanes' partial dot products (each in column order)
+// are summed in a fixed butterfly order (deterministic). Blocks stride over the rows.
 template <typename Tin, typename Tnum>
 __global__ void __launch_bounds__(kThreads)
     normalized_grad_kernel(const Tin* __restrict__ g, const Tin* __restrict__ out,
@@ -23,24 +27,50 @@ __global__ void __launch_bounds__(kThreads)
                            float* __restrict__ dden, int64_t rows, int64_t m) {
   const int lane = threadIdx.x % 32;
   const int64_t ld = dden == nullptr ? m + 1 : m;  // dnum's row stride
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kRowsPerBlock;
-  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
-       row < rows; row += stride) {
-    const float d = den[row] + eps;
-    float dot = 0.f;
-    for (int64_t c = lane; c < m; c += 32) {
-      const float gc = to_float(g[row * m + c]);
-      dot += gc * to_float(out[row * m + c]);
-      dnum[row * ld + c] = from_float<Tnum>(gc / d);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kGradWarps * kGradRows;
+  for (int64_t row0 = (static_cast<int64_t>(blockIdx.x) * kGradWarps + threadIdx.x / 32) *
+                      kGradRows;
+       row0 < rows; row0 += stride) {
+    float d[kGradRows], dot[kGradRows];
+#pragma unroll
+    for (int r = 0; r < kGradRows; ++r) {
+      d[r] = row0 + r < rows ? den[row0 + r] + eps : 1.f;
+      dot[r] = 0.f;
     }
-    for (int offset = 16; offset > 0; offset /= 2) {
-      dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+    for (int64_t c0 = 0; c0 < m; c0 += 32 * kGradCols) {
+      float gv[kGradRows][kGradCols], ov[kGradRows][kGradCols];
+#pragma unroll
+      for (int r = 0; r < kGradRows; ++r) {
+#pragma unroll
+        for (int i = 0; i < kGradCols; ++i) {
+          const int64_t row = row0 + r, c = c0 + lane + 32 * i;
+          const bool in = row < rows && c < m;
+          gv[r][i] = in ? to_float(g[row * m + c]) : 0.f;
+          ov[r][i] = in ? to_float(out[row * m + c]) : 0.f;
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < kGradRows; ++r) {
+#pragma unroll
+        for (int i = 0; i < kGradCols; ++i) {
+          const int64_t row = row0 + r, c = c0 + lane + 32 * i;
+          dot[r] += gv[r][i] * ov[r][i];
+          if (row < rows && c < m) dnum[row * ld + c] = from_float<Tnum>(gv[r][i] / d[r]);
+        }
+      }
     }
-    if (lane == 0) {
-      if (dden == nullptr) {
-        dnum[row * ld + m] = from_float<Tnum>(-dot / d);
-      } else {
-        dden[row] = -dot / d;
+#pragma unroll
+    for (int r = 0; r < kGradRows; ++r) {
+      for (int offset = 16; offset > 0; offset /= 2) {
+        dot[r] += __shfl_xor_sync(0xffffffffu, dot[r], offset);
+      }
+      const int64_t row = row0 + r;
+      if (lane == 0 && row < rows) {
+        if (dden == nullptr) {
+          dnum[row * ld + m] = from_float<Tnum>(-dot[r] / d[r]);
+        } else {
+          dden[row] = -dot[r] / d[r];
+        }
       }
     }
   }
