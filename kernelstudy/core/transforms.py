@@ -20,9 +20,10 @@ def signature_once(cls: FunctionT) -> FunctionT:
     computed here, once, and kept as ``forward.__signature__``.
 
     ``Function.apply`` binds its arguments to ``inspect.signature(forward)`` on every call,
-    which rebuilds the signature from the code object: about 5 µs of Python a call, a sixth
-    of the host time of a CUDA product's fwd+bwd step at small N. ``inspect.signature``
-    returns a kept ``__signature__`` as it is, so the binding (and its defaults) is unchanged.
+    which rebuilds the signature from the code object: of a CUDA product's fwd+bwd step (a
+    stand-in extension on CPU, 2026-11-30) 61 µs of host time before, 49.5 after. The kept
+    ``__signature__`` is what ``inspect.signature`` returns, so the binding (defaults too) is
+    unchanged.
     """
     if not (isinstance(cls, type) and issubclass(cls, torch.autograd.Function)):
         raise TypeError(f"signature_once takes a torch.autograd.Function subclass, got {cls!r}")
