@@ -45,8 +45,10 @@ def test_fused_backward_passes_the_kernel_choice(monkeypatch):
     calls = []
 
     class Ext:
-        def causal_backward(self, *tensors, out_fp32, walk_blocks, mma_walk, walks_together):
-            calls.append((len(tensors), out_fp32, walk_blocks, mma_walk, walks_together))
+        def causal_backward(
+            self, *tensors, out_fp32, dv_fp32, walk_blocks, mma_walk, walks_together
+        ):
+            calls.append((len(tensors), out_fp32, dv_fp32, walk_blocks, mma_walk, walks_together))
             return []
 
     x = torch.zeros(1)
@@ -59,7 +61,9 @@ def test_fused_backward_passes_the_kernel_choice(monkeypatch):
         ):  # fmt: skip
             monkeypatch.setattr(cuda_backend, "CAUSAL_KERNEL", kernel)
             cuda_backend._fused_backward(Ext(), x, x, x, x, out_fp32=True)
-            assert calls[-1] == (4, True, blocks, mma, together)
+            assert calls[-1] == (4, True, None, blocks, mma, together)
+            cuda_backend._fused_backward(Ext(), x, x, x, x, out_fp32=True, dv_fp32=False)
+            assert calls[-1] == (4, True, False, blocks, mma, together)
 
 
 def test_a_kernel_for_each_dtype(monkeypatch):
@@ -78,7 +82,9 @@ def test_a_kernel_for_each_dtype(monkeypatch):
             calls.append(("product", q.dtype, walk_blocks, mma_walk))
             return [q]
 
-        def causal_backward(self, q, k, v, g, out_fp32, walk_blocks, mma_walk, walks_together):
+        def causal_backward(
+            self, q, k, v, g, out_fp32, dv_fp32, walk_blocks, mma_walk, walks_together
+        ):
             calls.append(("backward", q.dtype, walk_blocks, mma_walk))
             return [q, k, v]
 
@@ -317,7 +323,9 @@ def test_walk_mma_fuses_the_backward_only_where_its_register_walk_applies(monkey
             calls.append("product")
             return [torch.zeros(*q.shape[:-1], v.shape[-1])]
 
-        def causal_backward(self, q, k, v, g, out_fp32, walk_blocks, mma_walk, walks_together):
+        def causal_backward(
+            self, q, k, v, g, out_fp32, dv_fp32, walk_blocks, mma_walk, walks_together
+        ):
             calls.append("fused")
             return [torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)]
 
