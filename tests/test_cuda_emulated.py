@@ -317,12 +317,13 @@ def test_fused_backward(ext, shape, dtype, walk_blocks):
     _check_fused_backward(ext, *_inputs(*shape, dtype, extra=1), walk_blocks=walk_blocks)
 
 
-def _check_fused_backward(x: EmulatedExtension, q, k, v, g, **kernel) -> None:
-    """dq, dk, dv of the fused backward against float64; ``kernel``: walk_blocks, mma_walk
-    and walks_together."""
+def _check_fused_backward(x: EmulatedExtension, q, k, v, g, **kernel) -> list[torch.Tensor]:
+    """dq, dk, dv of the fused backward against float64, returned; ``kernel``: walk_blocks,
+    mma_walk and walks_together."""
     got = x.causal_backward(q, k, v, g, out_fp32=True, **kernel)
     for a, w in zip(got, _reference_grads(q, k, v, g), strict=True):
         assert close_in_dtype(a, w, q.dtype)
+    return got
 
 
 @pytest.mark.parametrize(
@@ -975,7 +976,24 @@ def test_random_cases_over_every_option_match_the_reference(emu, case):
         emu.ks_emu_configure(c["schedule"], c["smem"])
         emu.ks_emu_set_carry_blocks(c["carry_blocks"])
         _check_product(x, q, k, v, c["reverse"], **kernel)
-        _check_fused_backward(x, q, k, v, g, walks_together=c["walks_together"], **kernel)
+        together = c["walks_together"]
+        wide = _check_fused_backward(x, q, k, v, g, walks_together=together, **kernel)
+        if c["dtype"] != torch.float32:  # dv in the inputs' dtype: the normalized backward's
+            dq, dk, dv = x.causal_backward(
+                q, k, v, g, out_fp32=True, dv_fp32=False, walks_together=together, **kernel
+            )
+            assert torch.equal(dq, wide[0]) and torch.equal(dk, wide[1])
+            assert torch.equal(dv, wide[2].to(c["dtype"]))
+        # the normalized backward's row terms and cumulative sum on the same tensors
+        den = q.float().sum(-1)
+        dnum, dden = x.normalized_grad(g, v, den, 1e-3)
+        assert torch.equal(dnum, (g.float() / (den + 1e-3)[..., None]).to(dnum.dtype))
+        want = -(g.double() * v.double()).sum(-1) / (den.double() + 1e-3)
+        assert rel_err(dden, want) <= 1e-5
+        flip = (lambda t: t.flip(2)) if c["reverse"] else (lambda t: t)
+        sums = x.scaled_cumsum(k, dden, None, c["reverse"], base=wide[0])
+        want = wide[0].double() + flip(flip(dden[..., None].double() * k.double()).cumsum(2))
+        assert rel_err(sums, want) <= 1e-5
     finally:
         emu.ks_emu_configure(0, H100_SMEM)
         emu.ks_emu_set_carry_blocks(512)
