@@ -21,12 +21,12 @@ constexpr int kSumGroups = kSumThreads / kSumCols;  // 4
 constexpr int kGroupRows = kTile / kSumGroups;      // 16
 constexpr size_t kSumSmem = kSumGroups * kSumCols * sizeof(float);
 
-// A thread's place: its sequence, chunk, group of rows and column.
+// A thread's place: its sequence, chunk (of nc), group of rows and column.
 struct SumPlace {
-  int64_t bh, c, col, row0;
+  int64_t nc, bh, c, col, row0;
   int group, lane_col;
   __device__ SumPlace(int64_t n) {
-    const int64_t nc = (n + kTile - 1) / kTile;
+    nc = (n + kTile - 1) / kTile;
     bh = blockIdx.x / nc;
     c = blockIdx.x % nc;
     lane_col = threadIdx.x % kSumCols;
@@ -34,6 +34,8 @@ struct SumPlace {
     col = static_cast<int64_t>(blockIdx.y) * kSumCols + lane_col;
     row0 = c * kTile + group * kGroupRows;
   }
+  // Whether row r of the group and the column lie inside (N, F).
+  __device__ bool holds(int r, int64_t n, int64_t f) const { return row0 + r < n && col < f; }
 };
 
 // w_t x_t for the kGroupRows rows of a thread's group (0 past N or past F), all loaded first.
@@ -45,7 +47,7 @@ __device__ __forceinline__ void load_group(float (&wx)[kGroupRows], const Tin* _
 #pragma unroll
   for (int r = 0; r < kGroupRows; ++r) {
     const int64_t t = p.row0 + r;
-    const bool in = t < n && p.col < f;
+    const bool in = p.holds(r, n, f);
     xs[r] = in ? to_float(x[(p.bh * n + t) * f + p.col]) : 0.f;
     ws[r] = in && pre != nullptr ? pre[p.bh * n + t] : 1.f;
   }
@@ -74,12 +76,11 @@ __global__ void __launch_bounds__(kSumThreads)
   part[p.group * kSumCols + p.lane_col] = group_sum(wx, reverse);
   __syncthreads();
   if (p.group != 0 || p.col >= f) return;
-  const int64_t nc = (n + kTile - 1) / kTile;
   float total = 0.f;
   for (int u = 0; u < kSumGroups; ++u) {
     total += part[(reverse ? kSumGroups - 1 - u : u) * kSumCols + p.lane_col];
   }
-  sums[(p.bh * nc + p.c) * f + p.col] = total;
+  sums[(p.bh * p.nc + p.c) * f + p.col] = total;
 }
 
 // out = base + post * (running sum), in Tout (base: fp32, nullptr for none), rounded once. The
@@ -101,15 +102,14 @@ __global__ void __launch_bounds__(kSumThreads)
 #pragma unroll
   for (int r = 0; r < kGroupRows; ++r) {
     const int64_t t = p.row0 + r;
-    const bool in = t < n && p.col < f;
+    const bool in = p.holds(r, n, f);
     scale[r] = in && post != nullptr ? post[p.bh * n + t] : 1.f;
     add[r] = in && base != nullptr ? base[(p.bh * n + t) * f + p.col] : 0.f;
   }
   part[p.group * kSumCols + p.lane_col] = group_sum(wx, reverse);
   __syncthreads();
   if (p.col >= f) return;
-  const int64_t nc = (n + kTile - 1) / kTile;
-  float run = carry[(p.bh * nc + p.c) * f + p.col];
+  float run = carry[(p.bh * p.nc + p.c) * f + p.col];
   for (int u = 0; u < kSumGroups; ++u) {  // the groups before this one, in the walk's order
     const int g = reverse ? kSumGroups - 1 - u : u;
     if (g == p.group) break;

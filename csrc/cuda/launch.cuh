@@ -567,7 +567,7 @@ cudaError_t walk_backward_typed(const Tin* q, const Tin* k, const Tin* v, const 
 
 // fn(OutTypes<Tout, Tdv>{}) for the fused backward's outputs: dq and dk in float with
 // `out_fp32`, else in Tin; dv likewise with `dv_fp32`. dq and dk in Tin beside dv in float has
-// no caller (the binding refuses it): cudaErrorInvalidValue where Tin is not float.
+// no caller (the binding refuses it): cudaErrorInvalidValue.
 template <typename Tout_, typename Tdv_>
 struct OutTypes {
   using Tout = Tout_;
@@ -578,7 +578,6 @@ cudaError_t by_out_types(bool out_fp32, bool dv_fp32, Fn fn) {
   if (out_fp32 && dv_fp32) return fn(OutTypes<float, float>{});
   if (out_fp32) return fn(OutTypes<float, Tin>{});
   if (!dv_fp32) return fn(OutTypes<Tin, Tin>{});
-  if constexpr (std::is_same_v<Tin, float>) return fn(OutTypes<float, float>{});
   return cudaErrorInvalidValue;
 }
 

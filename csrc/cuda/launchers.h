@@ -48,7 +48,7 @@ cudaError_t causal_product(DType dtype, const void* q, const void* k, const void
 // dq_i = sum_{j<=i} (g_i . v_j) k_j,  dk_j = sum_{i>=j} (g_i . v_j) q_i,
 // dv_j = sum_{i>=j} (q_i . k_j) g_i.  q, k, g, v as in causal_product (g like v); dq, dk:
 // (BH, N, F), in fp32 if `out_fp32` else in `dtype`; dv: (BH, N, M), in fp32 if `dv_fp32` else
-// in `dtype` (dv_fp32 without out_fp32: cudaErrorInvalidValue for fp16 and bf16).
+// in `dtype` (dv_fp32 without out_fp32: cudaErrorInvalidValue).
 // walk_blocks = 0: the chunk states of (k, v) and of (q, g), then one pass over all chunks for
 // dq, dk and dv. walk_blocks > 0: dq by the walk, then dk and dv together by one reverse walk
 // (F, M <= 128; separate walks otherwise); `mma_walk` as in causal_product: dq by kernel 8
