@@ -247,6 +247,11 @@ def test_settings_kept_restores_the_defaults(monkeypatch):
         cuda_backend.use_variant("walk_fused", walk_blocks=3)
         raise RuntimeError("a variant failed")
     assert _settings() == before
+    wide = dict(cuda_backend.WIDE_BACKWARD)
+    monkeypatch.setattr(cuda_backend, "WIDE_BACKWARD", dict(wide))  # the module's own kept
+    with cuda_backend.settings_kept():  # an entry changed in place comes back too
+        cuda_backend.WIDE_BACKWARD[torch.float16] = "products"
+    assert cuda_backend.WIDE_BACKWARD == wide
 
 
 def test_cuda_flags_from_the_environment(monkeypatch):
@@ -313,34 +318,76 @@ def test_last_dimensions_from_2_to_the_24_are_refused_before_the_extension(monke
 def test_walk_mma_fuses_the_backward_only_where_its_register_walk_applies(monkeypatch):
     """With walk_mma, the fused backward's register dk, dv walk (kernel 9) takes F, M <= 64;
     above that the fused backward would fall back to the WMMA walk, slower than three products
-    on kernel 8 (bf16, F = M = 128, H200): the backward runs the three products there. The
-    other kernels fuse at any F, as FUSED_BACKWARD says."""
+    on kernel 8 (bf16, F = M = 128, H200): the backward runs the three products there, or the
+    chunk kernels' fused backward where WIDE_BACKWARD says so (float16 by default). The other
+    kernels fuse at any F, as FUSED_BACKWARD says."""
     monkeypatch.setattr(cuda_backend, "FUSED_BACKWARD", True)
+    monkeypatch.setattr(cuda_backend, "WALK_BLOCKS", 96)
     calls = []
 
     class Ext:
         def causal_product(self, q, k, v, reverse, out_fp32, walk_blocks, mma_walk):
-            calls.append("product")
-            return [torch.zeros(*q.shape[:-1], v.shape[-1])]
+            calls.append(("product", walk_blocks, mma_walk))
+            return [torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype)]
 
         def causal_backward(
             self, q, k, v, g, out_fp32, dv_fp32, walk_blocks, mma_walk, walks_together
         ):
-            calls.append("fused")
+            calls.append(("fused", walk_blocks, mma_walk))
             return [torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)]
 
     monkeypatch.setattr(cuda_backend, "_require", lambda: Ext())
-    cases = [("walk_mma", 64, 64, "fused"), ("walk_mma", 128, 64, "product"),
-             ("walk_mma", 64, 96, "product"), ("walk", 128, 128, "fused"),
-             ("chunks", 256, 256, "fused")]  # fmt: skip
-    for kernel, f, m, backward in cases:
+    mma, walk, chunks = (96, True), (96, False), (0, False)
+    f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
+    cases = [("walk_mma", f32, 64, 64, mma, ("fused", *mma)),
+             ("walk_mma", f32, 128, 64, mma, None),
+             ("walk_mma", bf16, 64, 96, mma, None),
+             ("walk_mma", bf16, 128, 128, mma, None),
+             ("walk_mma", f16, 64, 64, mma, ("fused", *mma)),
+             ("walk_mma", f16, 128, 128, mma, ("fused", *chunks)),
+             ("walk_mma", f16, 64, 96, mma, ("fused", *chunks)),
+             ("walk", f16, 128, 128, walk, ("fused", *walk)),
+             ("walk", f32, 128, 128, walk, ("fused", *walk)),
+             ("chunks", f32, 256, 256, chunks, ("fused", *chunks))]  # fmt: skip
+    for kernel, dtype, f, m, forward, backward in cases:
         monkeypatch.setattr(cuda_backend, "CAUSAL_KERNEL", kernel)
-        q, k = (torch.rand(1, 1, 3, f, requires_grad=True) for _ in range(2))
-        v = torch.rand(1, 1, 3, m, requires_grad=True)
+        q, k = (torch.rand(1, 1, 3, f, dtype=dtype, requires_grad=True) for _ in range(2))
+        v = torch.rand(1, 1, 3, m, dtype=dtype, requires_grad=True)
         calls.clear()
         cuda_backend._CausalProduct.apply(q, k, v, False).sum().backward()
-        want = ["product", "fused"] if backward == "fused" else ["product"] * 4
-        assert calls == want, (kernel, f, m)
-    monkeypatch.setattr(cuda_backend, "FUSED_BACKWARD", False)  # off is off at any F
-    q = torch.rand(1, 1, 3, 64, dtype=torch.bfloat16)
+        want = [("product", *forward), backward or ("product", *forward)]
+        if backward is None:  # three products, each on the forward's kernels
+            want += [("product", *forward)] * 2
+        assert calls == want, (kernel, dtype, f, m)
+    monkeypatch.setattr(
+        cuda_backend, "WIDE_BACKWARD", {**cuda_backend.WIDE_BACKWARD, f16: "products"}
+    )
+    monkeypatch.setattr(cuda_backend, "CAUSAL_KERNEL", "walk_mma")
+    q = torch.rand(1, 1, 3, 128, dtype=f16)
     assert not cuda_backend._use_fused(q, q)
+    monkeypatch.setattr(
+        cuda_backend, "WIDE_BACKWARD", {**cuda_backend.WIDE_BACKWARD, bf16: "chunks"}
+    )
+    q = torch.rand(1, 1, 3, 128, dtype=bf16)
+    assert cuda_backend._use_fused(q, q)
+    monkeypatch.setattr(cuda_backend, "FUSED_BACKWARD", False)  # off is off at any F
+    for dtype in (bf16, f16):
+        q = torch.rand(1, 1, 3, 64, dtype=dtype)
+        assert not cuda_backend._use_fused(q, q)
+        assert not cuda_backend._use_fused(q, torch.rand(1, 1, 3, 128, dtype=dtype))
+
+
+@pytest.mark.parametrize(
+    "value",
+    [{torch.float32: "products"}, {d: "walk" for d in cuda_backend.DTYPES}, ["chunks"], "chunks"],
+    ids=["missing_dtypes", "not_a_backward", "list", "str"],
+)
+def test_wide_backward_is_checked_by_name(monkeypatch, value):
+    """WIDE_BACKWARD gives "products" or "chunks" for every dtype; anything else is refused by
+    name where a wide walk_mma backward reads it."""
+    monkeypatch.setattr(cuda_backend, "FUSED_BACKWARD", True)
+    monkeypatch.setattr(cuda_backend, "CAUSAL_KERNEL", "walk_mma")
+    monkeypatch.setattr(cuda_backend, "WIDE_BACKWARD", value)
+    q = torch.rand(1, 1, 3, 128)
+    with pytest.raises(ValueError, match="cuda_backend.WIDE_BACKWARD must be a dict giving one"):
+        cuda_backend._use_fused(q, q)

@@ -19,7 +19,8 @@ holds each kernel):
   :data:`CAUSAL_KERNEL` ``= "walk"`` (for F ≤ 128) each thread block instead walks a segment
   of chunks with the state in shared memory (one launch, no per-chunk state in global
   memory); ``"walk_mma"`` (the default) walks F ≤ 64 (bfloat16: F ≤ 128) on ``mma.sync``
-  with each warp's operands in registers, and falls back to ``"walk"`` elsewhere;
+  with each warp's operands in registers, and falls back to ``"walk"`` elsewhere (its
+  backward where F or M > 64 as :data:`WIDE_BACKWARD` says: float16's on the chunk kernels);
 - normalized attention (:func:`linear_attention`): the normalizer ``φq_i·Σ_{j≤i} φk_j`` comes
   out of the same kernel, so neither direction builds an ``O(N·F·M)`` tensor; non-causal
   attention reduces ``S = Σ_j φk_j v_jᵀ`` and ``z = Σ_j φk_j`` over unmasked keys, then reads
@@ -105,6 +106,21 @@ FUSED_BACKWARD: bool | tuple[torch.dtype, ...] = True
 # FUSED_BACKWARD may name dtypes: a kernel may win in bfloat16 and lose in float32).
 CAUSAL_KERNELS = ("chunks", "walk", "walk_mma")
 CAUSAL_KERNEL: str | dict[torch.dtype, str] = "walk_mma"
+# The fused backward of a "walk_mma" product where its register kernels (9 and 10: F, M <= 64) do
+# not apply, for each operand dtype of DTYPES: "products" (three products, each on the forward's
+# kernels) or "chunks" (the chunk kernels' fused backward, kernels 4 and 5; the forward stays on
+# the walk). From the H200's per-kernel GPU times (2026-11-30, B·H = 128, N = 8192,
+# F = M = 128, cuda_h200_2026-11-30_profile.csv): float16's three products on the walk took
+# 3 x 3734 = 11203 µs against the chunks' fused backward's 8886 (the walk reads float16 into
+# float32 tiles through registers, and kernel 7 does not fit float32 tiles of F = M = 128), so a
+# fwd+bwd step about 3734 + 8886 = 12620 against 14938; float32's products 3 x 2966 = 8897
+# against 10037; bfloat16's, on kernel 8, 3 x 755 = 2265 against 4122.
+WIDE_BACKWARD: dict[torch.dtype, str] = {
+    torch.float32: "products",
+    torch.float16: "chunks",
+    torch.bfloat16: "products",
+}
+WIDE_BACKWARDS = ("products", "chunks")
 # Thread blocks the walk aims for: a sequence is cut into segments (one extra pass over k and v
 # gives their carries) until B·H·ceil(M/64)·segments reaches this; 1 never cuts it. 128 was the
 # fastest of 128, 256, 512, 1024, 4096 and 16384 at B·H = 128 on the H200 (2026-11-30,
@@ -149,15 +165,17 @@ def use_variant(name: str, walk_blocks: int | None = None) -> None:
 
 @contextlib.contextmanager
 def settings_kept() -> Iterator[None]:
-    """Restores :data:`CAUSAL_KERNEL`, :data:`FUSED_BACKWARD`, :data:`WALKS_TOGETHER` and
-    :data:`WALK_BLOCKS` on exit, so that a benchmark trying each variant (:func:`use_variant`)
-    leaves the defaults as they were."""
-    global CAUSAL_KERNEL, FUSED_BACKWARD, WALKS_TOGETHER, WALK_BLOCKS
+    """Restores :data:`CAUSAL_KERNEL`, :data:`FUSED_BACKWARD`, :data:`WALKS_TOGETHER`,
+    :data:`WALK_BLOCKS` and :data:`WIDE_BACKWARD` (a copy: its entries too) on exit, so that a
+    benchmark trying each variant (:func:`use_variant`) leaves the defaults as they were."""
+    global CAUSAL_KERNEL, FUSED_BACKWARD, WALKS_TOGETHER, WALK_BLOCKS, WIDE_BACKWARD
     saved = CAUSAL_KERNEL, FUSED_BACKWARD, WALKS_TOGETHER, WALK_BLOCKS
+    wide = dict(WIDE_BACKWARD) if isinstance(WIDE_BACKWARD, dict) else WIDE_BACKWARD
     try:
         yield
     finally:
         CAUSAL_KERNEL, FUSED_BACKWARD, WALKS_TOGETHER, WALK_BLOCKS = saved
+        WIDE_BACKWARD = wide
 
 
 _module: ModuleType | None = None
@@ -246,14 +264,31 @@ def _fused(dtype: torch.dtype) -> bool:
 
 def _use_fused(q: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether the backward of a causal product of ``q`` (B,H,N,F) and ``v`` (B,H,N,M) runs
-    fused: :data:`FUSED_BACKWARD` for q's dtype, but not with ``walk_mma`` where its register
-    dk, dv walk (kernel 9, F and M <= 64) does not apply and the fused backward would fall back
-    to the WMMA one (kernel 7): there the three products on kernel 8 were as fast or faster (the
-    H200, 2026-11-30, N = 8192, F = M = 128: bfloat16 3020 against 3448 µs a step, float32 and
-    float16 within 0.3 %)."""
+    fused: :data:`FUSED_BACKWARD` for q's dtype; with ``walk_mma`` where its register dk, dv walk
+    (kernel 9, F and M <= 64) does not apply, as :data:`WIDE_BACKWARD` says (the WMMA fused
+    backward, kernel 7, is not used there: the three products on kernel 8 were as fast or faster,
+    the H200, 2026-11-30, N = 8192, F = M = 128: bfloat16 3020 against 3448 µs a step, float32
+    and float16 within 0.3 %)."""
     if not _fused(q.dtype):
         return False
-    return _causal_kernel(q.dtype) != "walk_mma" or max(q.shape[-1], v.shape[-1]) <= 64
+    return not _wide_walk_mma(q, v) or _wide_backward(q.dtype) == "chunks"
+
+
+def _wide_walk_mma(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether ``walk_mma`` is chosen for q's dtype and its fused register backward (F, M <= 64)
+    does not cover q (B,H,N,F) and v (B,H,N,M)."""
+    return _causal_kernel(q.dtype) == "walk_mma" and max(q.shape[-1], v.shape[-1]) > 64
+
+
+def _wide_backward(dtype: torch.dtype) -> str:
+    """:data:`WIDE_BACKWARD` for operands of ``dtype``, checked."""
+    chosen = WIDE_BACKWARD.get(dtype) if isinstance(WIDE_BACKWARD, dict) else None
+    if chosen not in WIDE_BACKWARDS or set(WIDE_BACKWARD) != set(DTYPES):
+        raise ValueError(
+            f"cuda_backend.WIDE_BACKWARD must be a dict giving one of {WIDE_BACKWARDS} for each "
+            f"of {[str(d) for d in DTYPES]}, got {WIDE_BACKWARD!r}"
+        )
+    return chosen
 
 
 def _causal_kernel(dtype: torch.dtype) -> str:
@@ -298,9 +333,14 @@ def _fused_backward(
     ext: ModuleType, q, k, v, g, out_fp32: bool, dv_fp32: bool | None = None
 ) -> list[torch.Tensor]:
     """``[dq, dk, dv]`` of the causal product by :data:`CAUSAL_KERNEL`'s fused backward (its
-    two walks in one grid as :data:`WALKS_TOGETHER` says): dq and dk in float32 with
+    two walks in one grid as :data:`WALKS_TOGETHER` says; the chunk kernels' where
+    :data:`WIDE_BACKWARD` says so for ``walk_mma``): dq and dk in float32 with
     ``out_fp32``, else in the operands' dtype; dv likewise with ``dv_fp32`` (None: as dq)."""
     together = check_flag("cuda_backend.WALKS_TOGETHER", WALKS_TOGETHER)
+    if _wide_walk_mma(q, v) and _wide_backward(q.dtype) == "chunks":
+        kernel = {"walk_blocks": 0, "mma_walk": False}
+    else:
+        kernel = _kernel_args(q.dtype)
     return ext.causal_backward(
         q,
         k,
@@ -309,7 +349,7 @@ def _fused_backward(
         out_fp32=out_fp32,
         dv_fp32=dv_fp32,
         walks_together=together,
-        **_kernel_args(q.dtype),
+        **kernel,
     )
 
 
