@@ -134,12 +134,14 @@ def test_the_extensions_errors_reach_python(causal_kernel):
         "from kernelstudy.core import cuda_backend\n"
         "x = torch.zeros(1, 1, 4, 4, device='cuda')\n"
         "ext = cuda_backend.extension()\n"
+        "s = torch.zeros(1, 1, 4 * 4 + 4, device='cuda')\n"
         "for call in (lambda: ext.causal_product(x, x, x, walk_blocks=-1),\n"
-        "             lambda: ext.causal_backward(x, x, x, x, out_fp32=False, dv_fp32=True)):\n"
+        "             lambda: ext.causal_backward(x, x, x, x, out_fp32=False, dv_fp32=True),\n"
+        "             lambda: ext.full_apply(x.half(), s, 4, out_dtype=torch.bfloat16)):\n"
         "    try:\n"
         "        call()\n"
-        "    except ValueError as err:\n"
-        "        print('ValueError:', err)\n"
+        "    except (ValueError, TypeError) as err:\n"
+        "        print(type(err).__name__ + ':', err)\n"
     )
     run = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=900, cwd=REPO
@@ -147,6 +149,7 @@ def test_the_extensions_errors_reach_python(causal_kernel):
     assert run.returncode == 0, f"the child ended with {run.returncode}: {run.stderr[-3000:]}"
     assert "ValueError: walk_blocks must be >= 0, got -1" in run.stdout, run.stdout[-2000:]
     assert "ValueError: dv_fp32=True needs out_fp32=True" in run.stdout, run.stdout[-2000:]
+    assert "TypeError: out_dtype must be q's dtype" in run.stdout, run.stdout[-2000:]
 
 
 # ---------------------------------------------------------------- unnormalized causal product
@@ -454,6 +457,46 @@ def test_normalized_grad_matches_torch(dtype):
     assert absent is None and both.dtype == torch.float32 and both.shape == (2, 3, 300, 71)
     assert torch.equal(both[..., :70], g.float() / d[..., None])
     assert rel_err(both[..., 70], want) <= 1e-6
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_full_backward_kernels_read_the_inputs_dtype(causal_kernel, dtype):
+    """The non-causal backward's kernels: the reduction of a 16-bit q beside fp32 row terms has
+    the bits of the all-float32 one; the read-out of fp32 operands into ``out_dtype`` is the
+    float32 read-out rounded once; the read-out's bias and padded rows (exact zeros, out and
+    den, whatever x holds there) against float64."""
+    if causal_kernel != "chunks":
+        pytest.skip("non-causal: one run is enough")
+    ext = cuda_backend.extension()
+    b, h, n, f, m = 2, 3, 1100, 33, 70
+    q = torch.rand(b, h, n, f, device=DEVICE).to(dtype)
+    dnum = torch.randn(b, h, n, m + 1, device=DEVICE)
+    keep = torch.ones(b, n, dtype=torch.bool, device=DEVICE)
+    keep[-1, n // 3 :] = False
+    state = ext.full_state(q, dnum, keep)
+    assert torch.equal(state, ext.full_state(q.float(), dnum, keep))
+    want = torch.einsum("bhnf,bhnm,bn->bhfm", q.double(), dnum.double(), keep.double())
+    assert rel_err(state[..., : f * (m + 1)].reshape(b, h, f, m + 1), want) <= 1e-5
+    mat = torch.randn(b, h, (m + 1) * f, device=DEVICE)
+    mat = torch.cat([mat, torch.zeros(b, h, m + 1, device=DEVICE)], dim=-1)
+    got = ext.full_apply(dnum, mat, f, out_fp32=False, out_dtype=dtype)[0]
+    assert got.dtype == dtype
+    assert torch.equal(got, ext.full_apply(dnum, mat, f, out_fp32=True)[0].to(dtype))
+    x = torch.randn(b, h, n, m, device=DEVICE).to(dtype)
+    x[-1, :, -5:] = float("nan")  # padded rows: never seen
+    s, z = torch.randn(b, h, m, f, device=DEVICE), torch.rand(b, h, m, device=DEVICE)
+    bias = torch.randn(b, h, f, device=DEVICE)
+    state = torch.cat([s.reshape(b, h, m * f), z], dim=-1)
+    kept = keep[:, None, :, None]
+    x64 = torch.where(kept, x.double(), 0.0)
+    want = (x64 @ s.double() + bias.double()[:, :, None]) * kept
+    for out_fp32 in (True, False):
+        out, den = ext.full_apply(
+            x, state, f, out_fp32=out_fp32, with_den=True, bias=bias, key_padding_mask=keep
+        )
+        assert close_in_dtype(out, want, dtype)
+        assert (out.masked_select(~kept) == 0).all()
+        assert (den.masked_select(~keep[:, None]) == 0).all()
 
 
 # ---------------------------------------------------------------- fused backward

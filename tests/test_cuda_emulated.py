@@ -83,8 +83,9 @@ def emu(tmp_path_factory) -> ctypes.CDLL:
     module.ks_emu_causal_product.argtypes = [i32, p, p, p, p, i32, p, i32, f32, *[i64] * 4]
     module.ks_emu_causal_product.argtypes += [i32, i64, i32]
     module.ks_emu_causal_backward.argtypes = [i32, *[p] * 7, i32, i32, *[i64] * 5, i32, i32]
-    module.ks_emu_full_state.argtypes = [i32, p, p, p, i64, p, *[i64] * 4]
-    module.ks_emu_full_apply.argtypes = [i32, p, p, p, i32, p, i32, f32, *[i64] * 4]
+    module.ks_emu_full_state.argtypes = [i32, p, p, i32, p, i64, p, *[i64] * 4]
+    module.ks_emu_full_apply.argtypes = [i32, p, i32, p, p, p, i64, p, i32, p, i32, f32]
+    module.ks_emu_full_apply.argtypes += [i64] * 4
     module.ks_emu_scaled_cumsum.argtypes = [i32, p, p, p, p, p, i32, i64, i64, i64, i32]
     module.ks_emu_normalized_grad.argtypes = [i32, p, p, p, f32, p, i32, p, i64, i64]
     module.ks_emu_walk_kernels.argtypes = [i32, i64, i64, i32, i32, p, p]
@@ -187,6 +188,8 @@ class EmulatedExtension:
     def full_state(self, k, v, key_padding_mask=None):
         b, h, n, f = k.shape
         m = v.shape[-1]
+        v_fp32 = v.dtype == torch.float32 and k.dtype != torch.float32
+        assert v.dtype in (k.dtype, torch.float32), "v in k's dtype or float32 (the binding)"
         if b * h * f == 0 or m == 0 or n == 0:  # as the binding: zeros, no launch
             return torch.zeros(b, h, f * m + f)
         k, v = self._input(k), self._input(v)
@@ -194,21 +197,33 @@ class EmulatedExtension:
         keep = self._input(key_padding_mask)
         self._run(
             self.lib.ks_emu_full_state,
-            DTYPES[k.dtype], _ptr(k), _ptr(v), _ptr(keep), h, _ptr(state), b * h, n, f, m,
+            DTYPES[k.dtype], _ptr(k), _ptr(v), int(v_fp32), _ptr(keep), h, _ptr(state),
+            b * h, n, f, m,
         )  # fmt: skip
         return state
 
-    def full_apply(self, q, state, m, out_fp32=True, with_den=False, normalize=False, eps=1e-6):
+    def full_apply(self, q, state, m, out_fp32=True, with_den=False, normalize=False, eps=1e-6,
+                   bias=None, key_padding_mask=None, out_dtype=None):  # fmt: skip
         b, h, n, f = q.shape
-        if b * h * n * m == 0 or f == 0:  # the binding's readout: zeros, no launch
-            return _zeros_read_out(b, h, n, m, torch.float32 if out_fp32 else q.dtype, with_den)
-        q, state = self._input(q), self._input(state)
-        out = self._output(b, h, n, m, dtype=torch.float32 if out_fp32 else q.dtype)
+        q_fp32 = out_dtype is not None and out_dtype != q.dtype
+        if q_fp32 and (q.dtype != torch.float32 or out_fp32 or out_dtype not in DTYPES):
+            raise TypeError("out_dtype must be q's dtype, or float16 or bfloat16 for a float32 q")
+        out_type = torch.float32 if out_fp32 else out_dtype if q_fp32 else q.dtype
+        if b * h * n * m == 0 or f == 0:  # the binding's read-out: the bias alone, no launch
+            out, den = _zeros_read_out(b, h, n, m, out_type, with_den)
+            if bias is not None:
+                out.copy_(bias[:, :, None, :].expand(b, h, n, m))
+                if key_padding_mask is not None:
+                    out.mul_(key_padding_mask.view(b, 1, n, 1))
+            return [out, den]
+        q, state, bias, keep = (self._input(t) for t in (q, state, bias, key_padding_mask))
+        out = self._output(b, h, n, m, dtype=out_type)
         den = self._output(b, h, n) if with_den else None
         self._run(
             self.lib.ks_emu_full_apply,
-            DTYPES[q.dtype], _ptr(q), _ptr(state), _ptr(out), int(out_fp32),
-            _ptr(den), int(normalize), eps, b * h, n, f, m,
+            DTYPES[out_type if q_fp32 else q.dtype], _ptr(q), int(q_fp32), _ptr(state),
+            _ptr(bias), _ptr(keep), h, _ptr(out), int(out_fp32), _ptr(den), int(normalize), eps,
+            b * h, n, f, m,
         )  # fmt: skip
         return [out, den]
 
@@ -479,6 +494,90 @@ def test_full_attention_with_key_padding(ext, keys, dtype):
     out, den = ext.full_apply(q, ext.full_state(k, v, keep), m, with_den=True, normalize=True)
     want = linear_attention_reference(q.double(), k.double(), v.double(), key_padding_mask=keep)
     assert close_in_dtype(out, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(2, 3, 150, 33, 70), (1, 1, 1, 1, 3)], ids=["ragged", "one_row"])
+def test_full_backward_kernels_read_the_inputs_dtype(ext, shape, dtype):
+    """The non-causal backward's kernels beside fp32 row terms: the reduction of a 16-bit q with
+    fp32 ``[dnum | dden]`` is the bits of the all-float32 reduction (q is exact in fp32 tiles),
+    and the read-out of fp32 operands into ``out_dtype`` the float32 read-out rounded once."""
+    b, h, n, f, m = shape
+    gen = torch.Generator().manual_seed(5)
+    q = torch.rand(b, h, n, f, generator=gen).to(dtype)
+    dnum = torch.randn(b, h, n, m + 1, generator=gen)
+    mask = torch.ones(b, n, dtype=torch.bool)
+    mask[-1, n // 3 :] = False
+    for keep in (None, mask):
+        state = ext.full_state(q, dnum, keep)
+        assert torch.equal(state, ext.full_state(q.float(), dnum, keep))
+        kept = torch.ones(b, n, dtype=torch.float64) if keep is None else keep.double()
+        want = torch.einsum("bhnf,bhnm,bn->bhfm", q.double(), dnum.double(), kept)
+        assert rel_err(state[..., : f * (m + 1)].reshape(b, h, f, m + 1), want) <= 1e-5
+    # dnum (B,H,N,M+1) read against an (M+1) x F matrix, with a zero normalizer part
+    mat = torch.randn(b, h, (m + 1) * f, generator=gen)
+    mat = torch.cat([mat, torch.zeros(b, h, m + 1)], dim=-1)
+    got = ext.full_apply(dnum, mat, f, out_fp32=False, out_dtype=dtype)[0]
+    assert got.dtype == dtype
+    assert torch.equal(got, ext.full_apply(dnum, mat, f, out_fp32=True)[0].to(dtype))
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=str)
+@pytest.mark.parametrize("shape", [(2, 3, 150, 70, 33), (1, 2, 64, 8, 130)], ids=["ragged", "wide"])
+def test_read_out_with_bias_and_padding(ext, shape, dtype):
+    """The read-out ``x·S + bias`` (dk's dz) with padded rows zero (out and den), against float64,
+    in each dtype; padded rows are exact zeros, whatever x holds there (NaN included)."""
+    b, h, n, f, m = shape
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(b, h, n, f, generator=gen).to(dtype)
+    mat = torch.randn(b, h, f, m, generator=gen)
+    z = torch.rand(b, h, f, generator=gen)
+    bias = torch.randn(b, h, m, generator=gen)
+    state = torch.cat([mat.reshape(b, h, f * m), z], dim=-1)
+    keep = torch.ones(b, n, dtype=torch.bool)
+    keep[0, :5] = False
+    keep[-1, n // 2 :] = False
+    x[0, :, :5] = float("nan")  # padded rows: never seen
+    kept = keep[:, None, :, None]
+    x64 = torch.where(kept, x.double(), 0.0)
+    want = (x64 @ mat.double() + bias.double()[:, :, None]) * kept
+    for out_fp32 in (True, False):
+        out, den = ext.full_apply(
+            x, state, m, out_fp32=out_fp32, with_den=True, bias=bias, key_padding_mask=keep
+        )
+        assert out.dtype == (torch.float32 if out_fp32 else dtype)
+        assert close_in_dtype(out, want, dtype)
+        assert (out.masked_select(~kept) == 0).all() and (
+            den.masked_select(~keep[:, None]) == 0
+        ).all()
+        assert rel_err(den, (x64 @ z.double()[..., None])[..., 0]) <= 1e-2
+    # without padding or bias: as before
+    plain = ext.full_apply(x.nan_to_num(), state, m, out_fp32=True)[0]
+    assert close_in_dtype(plain, x.nan_to_num().double() @ mat.double(), dtype)
+
+
+def test_read_out_of_nothing_is_the_bias():
+    """F = 0: the binding's read-out launches nothing; with a bias, out is the bias on the kept
+    rows (zeros on padded ones), as the kernel would give."""
+    x = EmulatedExtension(None)
+    bias = torch.randn(2, 1, 3)
+    keep = torch.tensor([[True, False], [True, True]])
+    out = x.full_apply(torch.zeros(2, 1, 2, 0), torch.zeros(2, 1, 0), 3, bias=bias,
+                       key_padding_mask=keep)[0]  # fmt: skip
+    assert torch.equal(out, bias[:, :, None].expand(2, 1, 2, 3) * keep[:, None, :, None])
+
+
+def test_read_out_refuses_a_narrower_out_dtype_of_16_bit_operands(ext):
+    """out_dtype narrows only a float32 q (dq from fp32 row terms), and not beside out_fp32."""
+    q16 = torch.rand(1, 1, 4, 2, dtype=torch.bfloat16)
+    state = torch.zeros(1, 1, 2 * 3 + 2)
+    with pytest.raises(TypeError, match="out_dtype must be q's dtype"):
+        ext.full_apply(q16, state, 3, out_dtype=torch.float16)
+    with pytest.raises(TypeError, match="out_dtype must be q's dtype"):
+        ext.full_apply(q16.float(), state, 3, out_fp32=True, out_dtype=torch.float16)
+    assert ext.full_apply(q16, state, 3, out_fp32=False, out_dtype=torch.bfloat16)[0].dtype == (
+        torch.bfloat16
+    )
 
 
 # (B, H, N, F): ragged chunks with idle columns; two column slices of 64, the second ragged; whole

@@ -36,12 +36,15 @@ void check_launch(cudaError_t err, const char* what) {
               cudaGetErrorString(err));
 }
 
-void check_sequence(const at::Tensor& t, const char* name, const at::Tensor& like) {
+// A (B,H,N,D) CUDA tensor on like's device, of dtype `dtype` (like's unless given).
+void check_sequence(const at::Tensor& t, const char* name, const at::Tensor& like,
+                    c10::optional<at::ScalarType> dtype = c10::nullopt) {
+  const at::ScalarType want = dtype.value_or(like.scalar_type());
   TORCH_CHECK_VALUE(t.is_cuda(), name, " must be a CUDA tensor");
   TORCH_CHECK_VALUE(t.device() == like.device(), name, " must be on ", like.device(), ", got ",
                     t.device());
-  TORCH_CHECK_TYPE(t.scalar_type() == like.scalar_type(), name, " must have dtype ",
-                   like.scalar_type(), ", got ", t.scalar_type());
+  TORCH_CHECK_TYPE(t.scalar_type() == want, name, " must have dtype ", want, ", got ",
+                   t.scalar_type());
   TORCH_CHECK_VALUE(t.dim() == 4, name, " must be (B,H,N,D), got ", t.sizes());
   // the kernels index within a 64-row tile in 32 bits (load_tile): 64 * D < 2^31
   TORCH_CHECK_VALUE(t.size(3) < (int64_t{1} << 24), name,
@@ -67,7 +70,19 @@ c10::optional<at::Tensor> checked_rows(const c10::optional<at::Tensor>& w, const
   return w->contiguous();
 }
 
-// The results of a read-out from q (B,H,N,F): out (B,H,N,M) in fp32 or q's dtype and, with
+// A key padding mask (B, N) bool for the sequences of x (B,H,N,D), contiguous; undefined for
+// none.
+at::Tensor checked_mask(const c10::optional<at::Tensor>& mask, const at::Tensor& x) {
+  if (!mask.has_value() || !mask->defined()) return at::Tensor();
+  const int64_t b = x.size(0), n = x.size(2);
+  TORCH_CHECK_TYPE(mask->scalar_type() == at::kBool, "key_padding_mask must be bool");
+  TORCH_CHECK_VALUE(mask->device() == x.device(), "key_padding_mask must be on ", x.device());
+  TORCH_CHECK_VALUE(mask->dim() == 2 && mask->size(0) == b && mask->size(1) == n,
+                    "key_padding_mask must be (B, N) = (", b, ", ", n, "), got ", mask->sizes());
+  return mask->contiguous();
+}
+
+// The results of a read-out from q (B,H,N,F): out (B,H,N,M) in `out_type` and, with
 // `with_den`, den (B,H,N) fp32. `done` where there is nothing to compute (N·M = 0 or F = 0): out
 // and den are then zero (M = 0 with N > 0 still gives a defined den for the backward's d).
 struct Readout {
@@ -75,9 +90,9 @@ struct Readout {
   bool done;
 };
 
-Readout readout(const at::Tensor& q, int64_t m, bool out_fp32, bool with_den) {
+Readout readout(const at::Tensor& q, int64_t m, at::ScalarType out_type, bool with_den) {
   const int64_t b = q.size(0), h = q.size(1), n = q.size(2), f = q.size(3);
-  Readout r{at::empty({b, h, n, m}, out_fp32 ? f32(q) : q.options()),
+  Readout r{at::empty({b, h, n, m}, q.options().dtype(out_type)),
             with_den ? at::empty({b, h, n}, f32(q)) : at::Tensor(), false};
   if (r.out.numel() == 0 || f == 0) {
     r.out.zero_();
@@ -106,7 +121,7 @@ std::vector<at::Tensor> causal_product(at::Tensor q, at::Tensor k, at::Tensor v,
   q = q.contiguous();
   k = k.contiguous();
   v = v.contiguous();
-  auto [out, den, done] = readout(q, m, out_fp32, with_den);
+  auto [out, den, done] = readout(q, m, out_fp32 ? at::kFloat : q.scalar_type(), with_den);
   if (done) return {out, den};
   auto ws = at::empty({ks_cuda::causal_workspace_floats(dtype_of(q), b * h, n, f, m, walk_blocks,
                                                     mma_walk)},
@@ -167,28 +182,22 @@ std::vector<at::Tensor> causal_backward(at::Tensor q, at::Tensor k, at::Tensor v
 }
 
 // state (B,H,F*M+F) fp32: S = sum_j keep_j k_j v_j^T (row-major F x M), then z = sum_j keep_j k_j.
+// v in k's dtype, or float32 beside a 16-bit k (the backward's fp32 row terms: fp32 tiles).
 at::Tensor full_state(at::Tensor k, at::Tensor v, c10::optional<at::Tensor> key_padding_mask) {
   check_sequence(k, "k", k);
-  check_sequence(v, "v", k);
+  const bool v_fp32 = v.scalar_type() == at::kFloat && k.scalar_type() != at::kFloat;
+  check_sequence(v, "v", k, v_fp32 ? at::kFloat : k.scalar_type());
   const int64_t b = k.size(0), h = k.size(1), n = k.size(2), f = k.size(3), m = v.size(3);
   check_rows(v, "v", k, n);
   const c10::cuda::CUDAGuard guard(k.device());
   k = k.contiguous();
   v = v.contiguous();
-  at::Tensor mask;
-  if (key_padding_mask.has_value() && key_padding_mask->defined()) {
-    mask = *key_padding_mask;
-    TORCH_CHECK_TYPE(mask.scalar_type() == at::kBool, "key_padding_mask must be bool");
-    TORCH_CHECK_VALUE(mask.device() == k.device(), "key_padding_mask must be on ", k.device());
-    TORCH_CHECK_VALUE(mask.dim() == 2 && mask.size(0) == b && mask.size(1) == n,
-                      "key_padding_mask must be (B, N) = (", b, ", ", n, "), got ", mask.sizes());
-    mask = mask.contiguous();
-  }
+  const at::Tensor mask = checked_mask(key_padding_mask, k);
   auto state = at::empty({b, h, f * m + f}, f32(k));
   if (state.numel() == 0) return state;
   if (m == 0 || n == 0) return state.zero_();
   auto ws = at::empty({ks_cuda::full_state_workspace_floats(b * h, n, f, m)}, f32(k));
-  check_launch(ks_cuda::full_state(dtype_of(k), k.data_ptr(), v.data_ptr(),
+  check_launch(ks_cuda::full_state(dtype_of(k), k.data_ptr(), v.data_ptr(), v_fp32,
                                    mask.defined() ? mask.data_ptr<bool>() : nullptr, h,
                                    state.data_ptr<float>(), ws.data_ptr<float>(), b * h, n, f, m,
                                    c10::cuda::getCurrentCUDAStream()),
@@ -196,9 +205,15 @@ at::Tensor full_state(at::Tensor k, at::Tensor v, c10::optional<at::Tensor> key_
   return state;
 }
 
-// out (B,H,N,M) = q . S (divided by q . z + eps with `normalize`); den (B,H,N) = q . z.
+// out (B,H,N,M) = q . S (divided by q . z + eps with `normalize`; plus bias (B,H,M) fp32 where
+// given), in fp32 with `out_fp32`, else in `out_dtype` (q's unless given: float16 or bfloat16
+// for a float32 q, rounded once); den (B,H,N) = q . z. Rows whose key_padding_mask (B,N) is
+// False come out as zeros (out and den).
 std::vector<at::Tensor> full_apply(at::Tensor q, at::Tensor state, int64_t m, bool out_fp32,
-                                   bool with_den, bool normalize, double eps) {
+                                   bool with_den, bool normalize, double eps,
+                                   c10::optional<at::Tensor> bias,
+                                   c10::optional<at::Tensor> key_padding_mask,
+                                   c10::optional<at::ScalarType> out_dtype) {
   check_sequence(q, "q", q);
   const int64_t b = q.size(0), h = q.size(1), n = q.size(2), f = q.size(3);
   TORCH_CHECK_TYPE(state.scalar_type() == at::kFloat, "state must be float32");
@@ -207,12 +222,42 @@ std::vector<at::Tensor> full_apply(at::Tensor q, at::Tensor state, int64_t m, bo
                         state.size(2) == f * m + f,
                     "state must be (B,H,F*M+F) = (", b, ",", h, ",", f * m + f, "), got ",
                     state.sizes());
+  at::ScalarType out_type = out_fp32 ? at::kFloat : q.scalar_type();
+  const bool q_fp32 = out_dtype.has_value() && *out_dtype != q.scalar_type();
+  if (q_fp32) {
+    TORCH_CHECK_TYPE(q.scalar_type() == at::kFloat && !out_fp32 &&
+                         (*out_dtype == at::kHalf || *out_dtype == at::kBFloat16),
+                     "out_dtype must be q's dtype, or float16 or bfloat16 for a float32 q "
+                     "without out_fp32, got ",
+                     *out_dtype, " for q of ", q.scalar_type());
+    out_type = *out_dtype;
+  }
+  at::Tensor add;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK_TYPE(bias->scalar_type() == at::kFloat, "bias must be float32");
+    TORCH_CHECK_VALUE(bias->device() == q.device(), "bias must be on ", q.device());
+    TORCH_CHECK_VALUE(bias->dim() == 3 && bias->size(0) == b && bias->size(1) == h &&
+                          bias->size(2) == m,
+                      "bias must be (B,H,M) = (", b, ",", h, ",", m, "), got ", bias->sizes());
+    add = bias->contiguous();
+  }
   const c10::cuda::CUDAGuard guard(q.device());
   q = q.contiguous();
   state = state.contiguous();
-  auto [out, den, done] = readout(q, m, out_fp32, with_den);
-  if (done) return {out, den};
-  check_launch(ks_cuda::full_apply(dtype_of(q), q.data_ptr(), state.data_ptr<float>(),
+  const at::Tensor mask = checked_mask(key_padding_mask, q);
+  auto [out, den, done] = readout(q, m, out_type, with_den);
+  if (done) {  // F = 0 or nothing to write: the bias alone on the kept rows
+    if (add.defined() && out.numel() > 0) {
+      out.copy_(add.unsqueeze(2).expand({b, h, n, m}));
+      if (mask.defined()) out.mul_(mask.view({b, 1, n, 1}));
+    }
+    return {out, den};
+  }
+  // the entry of the attention's dtype: q's, or out's for an fp32 q read into 16 bits
+  check_launch(ks_cuda::full_apply(dtype_of(q_fp32 ? out : q), q.data_ptr(), q_fp32,
+                                   state.data_ptr<float>(),
+                                   add.defined() ? add.data_ptr<float>() : nullptr,
+                                   mask.defined() ? mask.data_ptr<bool>() : nullptr, h,
                                    out.data_ptr(), out_fp32,
                                    with_den ? den.data_ptr<float>() : nullptr, normalize,
                                    static_cast<float>(eps), b * h, n, f, m,
@@ -311,9 +356,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("walks_together") = true);
   m.def("full_state", &full_state, "non-causal state [S | z] with key padding", py::arg("k"),
         py::arg("v"), py::arg("key_padding_mask") = py::none());
-  m.def("full_apply", &full_apply, "non-causal read-out q . S (optionally normalized)",
+  m.def("full_apply", &full_apply,
+        "non-causal read-out q . S (optionally normalized, or plus a bias), padded rows zero",
         py::arg("q"), py::arg("state"), py::arg("m"), py::arg("out_fp32") = true,
-        py::arg("with_den") = false, py::arg("normalize") = false, py::arg("eps") = 1e-6);
+        py::arg("with_den") = false, py::arg("normalize") = false, py::arg("eps") = 1e-6,
+        py::arg("bias") = py::none(), py::arg("key_padding_mask") = py::none(),
+        py::arg("out_dtype") = py::none());
   m.def("scaled_cumsum", &scaled_cumsum,
         "deterministic weighted cumulative sum over N, added to base, fp32 or x's dtype",
         py::arg("x"), py::arg("pre") = py::none(), py::arg("post") = py::none(),

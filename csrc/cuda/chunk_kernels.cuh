@@ -52,19 +52,22 @@ struct WalkSegment {
 // ran in two waves on 132 SMs. fp32 tiles (85 KB) fit two by shared memory alone: 0 there, no
 // minimum (nvcc then emits no .minnctapersm, as for __launch_bounds__(kThreads); a minimum of
 // 2 took fp16's 63 registers to 128 with a spill).
+// v's type Tv (Tin unless given) sets the operand type and precision: the non-causal backward's
+// [dS | dz] = sum_i q_i [dnum_i | dden_i]^T takes q in Tin beside fp32 row terms, on fp32 tiles
+// with 3xTF32 (q converted on load; 16-bit values are exact in tf32).
 template <typename Op>
 constexpr int kStatesBlocksPerSm = sizeof(Op) == 2 ? 4 : 0;
 
-template <typename Tin, typename Tstate>
-__global__ void __launch_bounds__(kThreads, kStatesBlocksPerSm<typename OperandOf<Tin>::type>)
-    chunk_states_kernel(const Tin* __restrict__ k, const Tin* __restrict__ v,
+template <typename Tin, typename Tstate, typename Tv = Tin>
+__global__ void __launch_bounds__(kThreads, kStatesBlocksPerSm<typename OperandOf<Tv>::type>)
+    chunk_states_kernel(const Tin* __restrict__ k, const Tv* __restrict__ v,
                         const bool* __restrict__ key_keep, int64_t heads,
                         float* __restrict__ totals, Tstate* __restrict__ prefix_s,
                         float* __restrict__ prefix_z, int64_t n, int64_t f, int64_t m,
                         int64_t nblk, int64_t cpb, bool reverse, bool with_z, int64_t skip,
                         bool vec_k, bool vec_v) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-  using Op = typename OperandOf<Tin>::type;
+  using Op = typename OperandOf<Tv>::type;
   constexpr int LD = ld_of<Op>();
   KS_DYNAMIC_SMEM(smem);
   Op* tiles = reinterpret_cast<Op*>(smem);  // buffer b: K at 2b, V at 2b + 1 (64 x LD each)
@@ -77,7 +80,7 @@ __global__ void __launch_bounds__(kThreads, kStatesBlocksPerSm<typename OperandO
   const int64_t m0 = (blockIdx.y % m_tiles) * kTile;
   const bool z_block = m0 == 0;
   const Tin* kb = k + bh * n * f;
-  const Tin* vb = v + bh * n * m;
+  const Tv* vb = v + bh * n * m;
   const bool* keep = key_keep == nullptr ? nullptr : key_keep + (bh / heads) * n;
 
   typename Mma<Op>::Acc acc[2];
@@ -87,8 +90,8 @@ __global__ void __launch_bounds__(kThreads, kStatesBlocksPerSm<typename OperandO
   auto load_chunk = [&](int64_t i, int buf) {
     const int64_t row0 = seg.chunk(i) * kTile;
     load_tile<Tin, Op>(tiles + (2 * buf) * kTile * LD, LD, kb, f, n, f, row0, f0, keep, vec_k);
-    load_tile<Tin, Op>(tiles + (2 * buf + 1) * kTile * LD, LD, vb, m, n, m, row0, m0, keep,
-                       vec_v);
+    load_tile<Tv, Op>(tiles + (2 * buf + 1) * kTile * LD, LD, vb, m, n, m, row0, m0, keep,
+                      vec_v);
     cp_async_commit();
   };
 
@@ -108,7 +111,7 @@ __global__ void __launch_bounds__(kThreads, kStatesBlocksPerSm<typename OperandO
       }
     }
     // K^T (F slice x rows) is K's tile read column-major.
-    warp_gemm_sum<Tin, wmma::col_major, wmma::row_major>(acc, Ks, LD, Vs, LD);
+    warp_gemm_sum<Tv, wmma::col_major, wmma::row_major>(acc, Ks, LD, Vs, LD);
     if (with_z && z_block && threadIdx.x < kTile) {
       for (int t = 0; t < kTile; ++t) z += to_float(Ks[t * LD + threadIdx.x]);
     }
@@ -195,6 +198,9 @@ __global__ void __launch_bounds__(kThreads)
 // mode kFull: no intra-chunk term, idx = bh for every chunk (non-causal read-out).
 // den_i = q_i . z_c (+ row sums of the masked fp32 scores); with `normalize` the output is
 // divided by den_i + eps. Every block computes den (cheap); the M-slice-0 block writes it.
+// Read-outs of the non-causal backward: `bias` (BH, M) fp32 or null is added to every row (dk's
+// dz), and rows whose key_keep[bh / heads] flag is false (padded keys) come out as zeros (out
+// and den); Tout may be narrower than Tin (dq from fp32 row terms, rounded once).
 // Shared (Op tiles 64 x LD): Q, K, S, V; A in fp32 (64 x kLdF, then the output staging);
 // the rounded scores reuse Q's tile.
 // Blocks per SM the register budget must allow: the shared memory of an H100 SM (228 KB) holds 3
@@ -209,8 +215,10 @@ __global__ void __launch_bounds__(kThreads, kOutputBlocksPerSm<Tin>)
                         const Tin* __restrict__ v, const Tstate* __restrict__ s_base,
                         int64_t s_stride, const float* __restrict__ z_base, int64_t z_stride,
                         const float* __restrict__ carry, int64_t cpb, Tout* __restrict__ out,
-                        float* __restrict__ den, int64_t n, int64_t f, int64_t m, int mode,
-                        bool normalize, float eps, bool vec_qk, bool vec_v, bool vec_s) {
+                        float* __restrict__ den, const float* __restrict__ bias,
+                        const bool* __restrict__ key_keep, int64_t heads, int64_t n, int64_t f,
+                        int64_t m, int mode, bool normalize, float eps, bool vec_qk, bool vec_v,
+                        bool vec_s) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
   using Op = typename OperandOf<Tin>::type;
   constexpr int LD = ld_of<Op>();
@@ -282,7 +290,9 @@ __global__ void __launch_bounds__(kThreads, kOutputBlocksPerSm<Tin>)
   warp_store(Af, acc_o);
   __syncthreads();
 
-  store_output(out, den, Af, dens, bh, n, m, row0, m0, normalize, eps);
+  const bool* keep = key_keep == nullptr ? nullptr : key_keep + (bh / heads) * n + row0;
+  store_output(out, den, Af, dens, bh, n, m, row0, m0, normalize, eps,
+               bias == nullptr ? nullptr : bias + bh * m, keep);
 #endif
 }
 

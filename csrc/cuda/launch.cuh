@@ -109,17 +109,18 @@ cudaError_t launch_tiles(void (*kernel)(Params...), int64_t blocks, int64_t slic
   return cudaGetLastError();
 }
 
-// Kernel 1 over groups of cpb chunks, the `skip` groups that come last in the order left out.
-template <typename Tin, typename Tstate>
-cudaError_t launch_states(const Tin* k, const Tin* v, const bool* keep, int64_t heads,
+// Kernel 1 over groups of cpb chunks, the `skip` groups that come last in the order left out;
+// v in Tv (Tin unless given: fp32 for the non-causal backward's [dS | dz], on fp32 tiles).
+template <typename Tin, typename Tstate, typename Tv = Tin>
+cudaError_t launch_states(const Tin* k, const Tv* v, const bool* keep, int64_t heads,
                           float* totals, Tstate* prefix_s, float* prefix_z, int64_t bh, int64_t n,
                           int64_t f, int64_t m, int64_t cpb, bool reverse, bool with_z,
                           int64_t skip, cudaStream_t stream) {
   const int64_t nblk = cdiv(cdiv(n, kChunk), cpb);
-  return launch_tiles(chunk_states_kernel<Tin, Tstate>, bh * (nblk - skip),
-                      cdiv(f, kTile) * cdiv(m, kTile), states_smem<Tin>(), stream, k, v, keep,
+  return launch_tiles(chunk_states_kernel<Tin, Tstate, Tv>, bh * (nblk - skip),
+                      cdiv(f, kTile) * cdiv(m, kTile), states_smem<Tv>(), stream, k, v, keep,
                       heads, totals, prefix_s, prefix_z, n, f, m, nblk, cpb, reverse, with_z,
-                      skip, rows_vectorizable<Tin>(k, f), rows_vectorizable<Tin>(v, m));
+                      skip, rows_vectorizable<Tin>(k, f), rows_vectorizable<Tv>(v, m));
 }
 
 // Kernel 2 over `groups` totals a sequence: their sum, or the carries of segments of `per`
@@ -147,10 +148,12 @@ cudaError_t launch_carries(const Tin* k, const Tin* v, float* totals, Tstate* pr
                      reverse ? kExclusiveReverse : kExclusiveForward, stream);
 }
 
+// Kernel 3; `bias`, `keep` and `heads` for the non-causal read-outs (null, null, 1: none).
 template <typename Tin, typename Tstate, typename Tout>
 cudaError_t launch_output(const Tin* q, const Tin* k, const Tin* v, const Tstate* s_base,
                           int64_t s_stride, const float* z_base, int64_t z_stride,
-                          const float* carry, int64_t cpb, Tout* out, float* den, int64_t bh,
+                          const float* carry, int64_t cpb, Tout* out, float* den,
+                          const float* bias, const bool* keep, int64_t heads, int64_t bh,
                           int64_t n, int64_t f, int64_t m, int mode, bool normalize, float eps,
                           cudaStream_t stream) {
   const bool vec_qk =
@@ -159,7 +162,8 @@ cudaError_t launch_output(const Tin* q, const Tin* k, const Tin* v, const Tstate
   const bool vec_s = rows_vectorizable<Tstate>(s_base, m) && s_stride % vec_elems<Tstate>() == 0;
   return launch_tiles(chunk_output_kernel<Tin, Tstate, Tout>, bh * cdiv(n, kTile), cdiv(m, kTile),
                       output_smem<Tin>(), stream, q, k, v, s_base, s_stride, z_base, z_stride,
-                      carry, cpb, out, den, n, f, m, mode, normalize, eps, vec_qk, vec_v, vec_s);
+                      carry, cpb, out, den, bias, keep, heads, n, f, m, mode, normalize, eps,
+                      vec_qk, vec_v, vec_s);
 }
 
 // The walk (kernel 6): whether it runs for these inputs, its segments and its workspace.
@@ -404,12 +408,13 @@ cudaError_t causal_typed(const void* q, const void* k, const void* v, void* out,
   const int mode = reverse ? kAntiCausal : kCausal;
   if (out_fp32) {
     return launch_output<Tin, Tstate, float>(qt, kt, vt, prefix_s, f * m, prefix_z, f, totals,
-                                             l.cpb, static_cast<float*>(out), den, bh, n, f, m,
-                                             mode, normalize, eps, stream);
+                                             l.cpb, static_cast<float*>(out), den, nullptr,
+                                             nullptr, 1, bh, n, f, m, mode, normalize, eps,
+                                             stream);
   }
   return launch_output<Tin, Tstate, Tin>(qt, kt, vt, prefix_s, f * m, prefix_z, f, totals, l.cpb,
-                                         static_cast<Tin*>(out), den, bh, n, f, m, mode,
-                                         normalize, eps, stream);
+                                         static_cast<Tin*>(out), den, nullptr, nullptr, 1, bh, n,
+                                         f, m, mode, normalize, eps, stream);
 }
 
 // The fused backward: states S of (k, v) forward and R of (q, g) in reverse (block-local
@@ -698,30 +703,44 @@ cudaError_t Launchers<Tin>::walk_kernels(int64_t f, int64_t m, bool mma_walk, bo
 }
 
 template <typename Tin>
-cudaError_t Launchers<Tin>::full_state(const void* k, const void* v, const bool* keep,
+cudaError_t Launchers<Tin>::full_state(const void* k, const void* v, bool v_fp32, const bool* keep,
                                        int64_t heads, float* state, float* ws, int64_t bh,
                                        int64_t n, int64_t f, int64_t m, cudaStream_t stream) {
-  cudaError_t err = launch_states<Tin, float>(
-      static_cast<const Tin*>(k), static_cast<const Tin*>(v), keep, heads, ws, nullptr, nullptr,
-      bh, n, f, m, kReduceRows / kChunk, false, true, 0, stream);
+  const Tin* kt = static_cast<const Tin*>(k);
+  const int64_t cpb = kReduceRows / kChunk;
+  cudaError_t err =
+      v_fp32 ? launch_states<Tin, float, float>(kt, static_cast<const float*>(v), keep, heads, ws,
+                                                nullptr, nullptr, bh, n, f, m, cpb, false, true,
+                                                0, stream)
+             : launch_states<Tin, float>(kt, static_cast<const Tin*>(v), keep, heads, ws, nullptr,
+                                         nullptr, bh, n, f, m, cpb, false, true, 0, stream);
   if (err != cudaSuccess) return err;
   return launch_scan(ws, state, bh, cdiv(n, kReduceRows), 1, f * m + f, kSum, stream);
 }
 
+// The read-out of q in Tin into out in Tin or fp32, or of an fp32 q (`q_fp32`) into out in Tin.
 template <typename Tin>
-cudaError_t Launchers<Tin>::full_apply(const void* q, const float* state, void* out, bool out_fp32,
-                                       float* den, bool normalize, float eps, int64_t bh, int64_t n,
-                                       int64_t f, int64_t m, cudaStream_t stream) {
-  const Tin* qt = static_cast<const Tin*>(q);
+cudaError_t Launchers<Tin>::full_apply(const void* q, bool q_fp32, const float* state,
+                                       const float* bias, const bool* keep, int64_t heads,
+                                       void* out, bool out_fp32, float* den, bool normalize,
+                                       float eps, int64_t bh, int64_t n, int64_t f, int64_t m,
+                                       cudaStream_t stream) {
   const int64_t ss = f * m + f;
-  if (out_fp32) {
-    return launch_output<Tin, float, float>(qt, nullptr, nullptr, state, ss, state + f * m, ss,
-                                            nullptr, 1, static_cast<float*>(out), den, bh, n, f,
-                                            m, kFull, normalize, eps, stream);
-  }
-  return launch_output<Tin, float, Tin>(qt, nullptr, nullptr, state, ss, state + f * m, ss,
-                                        nullptr, 1, static_cast<Tin*>(out), den, bh, n, f, m,
+  auto run = [&](auto* qt, auto* ot) {
+    using Tq = std::remove_const_t<std::remove_pointer_t<decltype(qt)>>;
+    using To = std::remove_pointer_t<decltype(ot)>;
+    return launch_output<Tq, float, To>(qt, nullptr, nullptr, state, ss, state + f * m, ss,
+                                        nullptr, 1, ot, den, bias, keep, heads, bh, n, f, m,
                                         kFull, normalize, eps, stream);
+  };
+  if constexpr (!std::is_same_v<Tin, float>) {
+    if (q_fp32) {  // rounded once to Tin (an fp32 out is the float32 entry's)
+      if (out_fp32) return cudaErrorInvalidValue;
+      return run(static_cast<const float*>(q), static_cast<Tin*>(out));
+    }
+  }
+  const Tin* qt = static_cast<const Tin*>(q);
+  return out_fp32 ? run(qt, static_cast<float*>(out)) : run(qt, static_cast<Tin*>(out));
 }
 
 template <typename Tin>

@@ -83,18 +83,24 @@ cudaError_t walk_kernels(DType dtype, int64_t f, int64_t m, bool mma_walk, bool 
 
 // ------------------------------------------------------------------ non-causal attention
 // state (fp32, (BH, F*M + F)): S = sum_j keep_j k_j v_j^T (row-major F x M) followed by
-// z = sum_j keep_j k_j. k: (BH, N, F), v: (BH, N, M); key_keep: (BH / heads, N) bool, True for
-// real tokens, or null. `workspace` holds full_state_workspace_floats(...) floats.
+// z = sum_j keep_j k_j. k: (BH, N, F) in `dtype`, v: (BH, N, M) in `dtype`, or in fp32 with
+// `v_fp32` (the backward's [dS | dz] = sum_i q_i [dnum_i | dden_i]^T beside fp32 row terms: the
+// products then run on fp32 tiles, 3xTF32); key_keep: (BH / heads, N) bool, True for real
+// tokens, or null. `workspace` holds full_state_workspace_floats(...) floats.
 int64_t full_state_workspace_floats(int64_t bh, int64_t n, int64_t f, int64_t m);
-cudaError_t full_state(DType dtype, const void* k, const void* v, const bool* key_keep,
-                       int64_t heads, float* state, float* workspace, int64_t bh, int64_t n,
-                       int64_t f, int64_t m, cudaStream_t stream);
+cudaError_t full_state(DType dtype, const void* k, const void* v, bool v_fp32,
+                       const bool* key_keep, int64_t heads, float* state, float* workspace,
+                       int64_t bh, int64_t n, int64_t f, int64_t m, cudaStream_t stream);
 
-// out_i = q_i . S (divided by q_i . z + eps with `normalize`); den_i = q_i . z (optional).
-// q: (BH, N, F) in `dtype`; state as written by full_state; out (BH, N, M) fp32 or `dtype`.
-cudaError_t full_apply(DType dtype, const void* q, const float* state, void* out, bool out_fp32,
-                       float* den, bool normalize, float eps, int64_t bh, int64_t n, int64_t f,
-                       int64_t m, cudaStream_t stream);
+// out_i = q_i . S (divided by q_i . z + eps with `normalize`; plus bias, (BH, M) fp32, where
+// given); den_i = q_i . z (optional); rows i whose key_keep flag ((BH / heads, N) bool, or null)
+// is false come out as zeros (out and den). q: (BH, N, F) in `dtype`, or in fp32 with `q_fp32`
+// (then out in `dtype`, rounded once: dq of the backward from fp32 row terms; not with out_fp32);
+// state as written by full_state; out (BH, N, M) fp32 or `dtype`.
+cudaError_t full_apply(DType dtype, const void* q, bool q_fp32, const float* state,
+                       const float* bias, const bool* key_keep, int64_t heads, void* out,
+                       bool out_fp32, float* den, bool normalize, float eps, int64_t bh, int64_t n,
+                       int64_t f, int64_t m, cudaStream_t stream);
 
 // ------------------------------------------------------------------ the normalized backward
 // out_i = base_i + post_i * sum_{j<=i} pre_j x_j  (j >= i with `reverse`); x: (BH, N, F) in

@@ -34,10 +34,11 @@ struct Launchers {
                                      bool walks_together, cudaStream_t stream);
   static cudaError_t walk_kernels(int64_t f, int64_t m, bool mma_walk, bool walks_together,
                                   WalkKernels* out);
-  static cudaError_t full_state(const void* k, const void* v, const bool* key_keep,
+  static cudaError_t full_state(const void* k, const void* v, bool v_fp32, const bool* key_keep,
                                 int64_t heads, float* state, float* workspace, int64_t bh,
                                 int64_t n, int64_t f, int64_t m, cudaStream_t stream);
-  static cudaError_t full_apply(const void* q, const float* state, void* out, bool out_fp32,
+  static cudaError_t full_apply(const void* q, bool q_fp32, const float* state, const float* bias,
+                                const bool* key_keep, int64_t heads, void* out, bool out_fp32,
                                 float* den, bool normalize, float eps, int64_t bh, int64_t n,
                                 int64_t f, int64_t m, cudaStream_t stream);
   static cudaError_t scaled_cumsum(const void* x, const float* pre, const float* post,

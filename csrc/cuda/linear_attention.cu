@@ -42,7 +42,10 @@
 //   5. chunk_dv_kernel       per chunk and M slice: dv.
 // Non-causal attention: chunk_states_kernel over blocks of 1024 rows (16 chunks accumulated in
 // registers, key padding skipped), a fixed-order sum over blocks (state_scan_kernel, kSum), then
-// chunk_output_kernel reading the single state without the intra-chunk term.
+// chunk_output_kernel reading the single state without the intra-chunk term. Its backward runs on
+// the same kernels: the reduction of a 16-bit q beside fp32 row terms [g/d | -(g . out)/d] (on
+// fp32 tiles, q converted as it loads), and read-outs of fp32 row terms into the inputs' dtype
+// (dq), with a bias row (dk's dz) and padded keys' rows written as zeros (dk, dv).
 // The walk (causal and anti-causal products with walk_blocks > 0, F <= 128) replaces kernels 1-3:
 //   6. chunk_walk_kernel     a thread block walks a segment of consecutive chunks in order with
 //                            the state S (F x 64-wide M slice) and z in shared memory, writing
@@ -188,28 +191,32 @@ int64_t full_state_workspace_floats(int64_t bh, int64_t n, int64_t f, int64_t m)
   return bh * cdiv(n, kReduceRows) * (f * m + f);
 }
 
-cudaError_t full_state(DType dtype, const void* k, const void* v, const bool* key_keep,
-                       int64_t heads, float* state, float* workspace, int64_t bh, int64_t n,
-                       int64_t f, int64_t m, cudaStream_t stream) {
+cudaError_t full_state(DType dtype, const void* k, const void* v, bool v_fp32,
+                       const bool* key_keep, int64_t heads, float* state, float* workspace,
+                       int64_t bh, int64_t n, int64_t f, int64_t m, cudaStream_t stream) {
   if (bh <= 0) return cudaSuccess;
   if (f <= 0 || m <= 0 || heads <= 0 || !known(dtype)) return cudaErrorInvalidValue;
   if (n <= 0) {
     return cudaMemsetAsync(state, 0, sizeof(float) * bh * (f * m + f), stream);
   }
   return by_dtype(dtype, [&](auto t) {
-    return Launchers<typename decltype(t)::type>::full_state(k, v, key_keep, heads, state,
+    return Launchers<typename decltype(t)::type>::full_state(k, v, v_fp32, key_keep, heads, state,
                                                              workspace, bh, n, f, m, stream);
   });
 }
 
-cudaError_t full_apply(DType dtype, const void* q, const float* state, void* out, bool out_fp32,
-                       float* den, bool normalize, float eps, int64_t bh, int64_t n, int64_t f,
-                       int64_t m, cudaStream_t stream) {
+cudaError_t full_apply(DType dtype, const void* q, bool q_fp32, const float* state,
+                       const float* bias, const bool* key_keep, int64_t heads, void* out,
+                       bool out_fp32, float* den, bool normalize, float eps, int64_t bh, int64_t n,
+                       int64_t f, int64_t m, cudaStream_t stream) {
   if (bh <= 0 || n <= 0 || m <= 0) return cudaSuccess;
-  if (f <= 0 || !known(dtype)) return cudaErrorInvalidValue;
+  if (f <= 0 || heads <= 0 || !known(dtype) || (q_fp32 && out_fp32)) {
+    return cudaErrorInvalidValue;
+  }
   return by_dtype(dtype, [&](auto t) {
-    return Launchers<typename decltype(t)::type>::full_apply(q, state, out, out_fp32, den,
-                                                             normalize, eps, bh, n, f, m, stream);
+    return Launchers<typename decltype(t)::type>::full_apply(q, q_fp32, state, bias, key_keep,
+                                                             heads, out, out_fp32, den, normalize,
+                                                             eps, bh, n, f, m, stream);
   });
 }
 

@@ -121,15 +121,19 @@ __host__ __device__ constexpr int vec_elems() {
 
 // Writes a 64 x 64 fp32 shared tile (ld kLdF) to rows [row0, row0+64) x columns [col0, col0+64)
 // of a row-major global matrix (rows x cols, leading dimension ld) in T, skipping what lies
-// outside it; with `div`, row r is multiplied by 1 / (div[r] + eps) (the normalizer). Each
-// thread writes whole 16-byte vectors where the destination allows (the same choice in every
-// thread), single elements at a ragged edge.
+// outside it; with `div`, row r is multiplied by 1 / (div[r] + eps) (the normalizer); with
+// `bias` (cols floats), bias[col] is added to every row; rows r whose keep[r] is false (keep
+// from the tile's first row on) are written as zeros. Each thread writes whole 16-byte vectors
+// where the destination allows (the same choice in every thread), single elements at a ragged
+// edge.
 template <typename T>
 __device__ __forceinline__ void store_tile(T* __restrict__ dst, int64_t ld, int64_t rows,
                                            int64_t cols, int64_t row0, int64_t col0,
                                            const float* __restrict__ tile,
                                            const float* __restrict__ div = nullptr,
-                                           float eps = 0.f) {
+                                           float eps = 0.f,
+                                           const float* __restrict__ bias = nullptr,
+                                           const bool* __restrict__ keep = nullptr) {
   constexpr int V = vec_elems<T>();
   struct alignas(16) Pack {
     T e[V];
@@ -138,36 +142,53 @@ __device__ __forceinline__ void store_tile(T* __restrict__ dst, int64_t ld, int6
   // from the tile's corner on, 32-bit offsets and bounds (ld < 2^24, checked by the binding)
   dst += row0 * ld + col0;
   const int in_rows = extent_in(rows - row0), in_cols = extent_in(cols - col0);
+  // a thread's columns are the same in every row it writes: its bias is loaded once
+  static_assert(kThreads % (kTile / V) == 0, "a thread keeps its columns");
+  float add[V] = {};
+  if (bias != nullptr) {
+    const int c = (threadIdx.x % (kTile / V)) * V;
+#pragma unroll
+    for (int u = 0; u < V; ++u) add[u] = c + u < in_cols ? bias[col0 + c + u] : 0.f;
+  }
   for (int i = threadIdx.x; i < kTile * (kTile / V); i += kThreads) {
     const int r = i / (kTile / V), c = (i % (kTile / V)) * V;
     if (r >= in_rows) continue;
     const float inv = div == nullptr ? 1.f : 1.f / (div[r] + eps);  // one division a vector
+    const bool zero = keep != nullptr && !keep[r];
     const float* x = tile + r * kLdF + c;
     T* out = dst + r * static_cast<int>(ld) + c;
+    // element u of the vector, as it is stored
+    auto value = [&](int u) {
+      float y = div == nullptr ? x[u] : x[u] * inv;
+      if (bias != nullptr) y += add[u];
+      return from_float<T>(zero ? 0.f : y);
+    };
     if (vec && c + V <= in_cols) {
       Pack p;
 #pragma unroll
-      for (int u = 0; u < V; ++u) p.e[u] = from_float<T>(div == nullptr ? x[u] : x[u] * inv);
+      for (int u = 0; u < V; ++u) p.e[u] = value(u);
       *reinterpret_cast<Pack*>(out) = p;
     } else {
-      for (int u = 0; u < V && c + u < in_cols; ++u) {
-        out[u] = from_float<T>(div == nullptr ? x[u] : x[u] * inv);
-      }
+      for (int u = 0; u < V && c + u < in_cols; ++u) out[u] = value(u);
     }
   }
 }
 
 // A chunk's output: rows [row0, row0+64) x the M slice [m0, m0+64) of sequence bh of out
-// (BH, N, M) from the fp32 staging tile, divided by den + eps with `normalize`; and, from the
-// blocks of M slice 0, den (BH, N) where it is wanted (dens: the chunk's 64 normalizers).
+// (BH, N, M) from the fp32 staging tile, divided by den + eps with `normalize`, plus `bias`
+// (M floats) where given; and, from the blocks of M slice 0, den (BH, N) where it is wanted
+// (dens: the chunk's 64 normalizers). Rows whose `keep` flag (from row0 on) is false are zeros.
 template <typename Tout>
 __device__ __forceinline__ void store_output(Tout* out, float* den, const float* tile,
                                              const float* dens, int64_t bh, int64_t n, int64_t m,
-                                             int64_t row0, int64_t m0, bool normalize,
-                                             float eps) {
-  store_tile(out + bh * n * m, m, n, m, row0, m0, tile, normalize ? dens : nullptr, eps);
+                                             int64_t row0, int64_t m0, bool normalize, float eps,
+                                             const float* bias = nullptr,
+                                             const bool* keep = nullptr) {
+  store_tile(out + bh * n * m, m, n, m, row0, m0, tile, normalize ? dens : nullptr, eps, bias,
+             keep);
   if (den != nullptr && m0 == 0 && threadIdx.x < kTile && row0 + threadIdx.x < n) {
-    den[bh * n + row0 + threadIdx.x] = dens[threadIdx.x];
+    const bool zero = keep != nullptr && !keep[threadIdx.x];
+    den[bh * n + row0 + threadIdx.x] = zero ? 0.f : dens[threadIdx.x];
   }
 }
 

@@ -607,7 +607,9 @@ class _FullAttention(_FusedAttention):
     The backward runs on the forward's kernels, with ``dnum = g / d``, ``dden = -(g·out) / d``
     side by side (one pass, ``ext.normalized_grad``): ``dq = [dnum | dden]·[Sᵀ ; zᵀ]`` (the
     read-out), ``[dS | dz] = Σ_i q_i [dnum_i | dden_i]ᵀ`` (the reduction), ``dk_j = keep_j
-    [v_j | 1]·[dS | dz]ᵀ`` and ``dv_j = keep_j k_j·dS`` (read-outs).
+    (v_j·dSᵀ + dz)`` and ``dv_j = keep_j k_j·dS`` (read-outs, dz as their bias and the padded
+    rows zeroed in the kernel). The kernels read the inputs in their dtype and write the
+    gradients in it: no (B,H,N,·) pass runs in torch.
     """
 
     @staticmethod
@@ -630,30 +632,38 @@ class _FullAttention(_FusedAttention):
             ext = _require()
             dtype = q.dtype
             # [g/d | -(g·out)/d] (B,H,N,M+1) in float32: dq's two terms nearly cancel, so dq
-            # and [dS | dz] run on float32 operands (3xTF32; in bf16 operands dq's relative RMS
-            # error doubled to 7.6e-3 in the emulator)
+            # and [dS | dz] run on float32 operands (3xTF32, q converted as the reduction loads
+            # it; in bf16 operands dq's relative RMS error doubled to 7.6e-3 in the emulator)
             dnum1 = ext.normalized_grad(
                 grad.to(dtype), out, den, ctx.eps, dden_column=True, dnum_fp32=True
             )[0]
             s = state[..., : f * m].reshape(b, h, f, m)
             z = state[..., f * m :].unsqueeze(-2)  # (B,H,1,F)
-            dq = _read_out(ext, dnum1, torch.cat([s.transpose(-1, -2), z], dim=-2))
-            dsz = ext.full_state(q.float(), dnum1)[..., : f * (m + 1)].reshape(b, h, f, m + 1)
-            if dtype == torch.float16:  # as the causal backward: the products in float32
-                k, v = k.float(), v.float()
-            v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
-            dk = _read_out(ext, v1, dsz.transpose(-1, -2))
-            dv = _read_out(ext, k, dsz[..., :m])
-            keep = _keep(mask)
-        return dq.to(dtype), _masked(dk.to(dtype), keep), _masked(dv.to(dtype), keep), None, None
+            dq = _read_out(ext, dnum1, torch.cat([s.transpose(-1, -2), z], dim=-2), dtype)
+            dsz = ext.full_state(q, dnum1)[..., : f * (m + 1)].reshape(b, h, f, m + 1)
+            ds = dsz[..., :m]
+            dk = _read_out(ext, v, ds.transpose(-1, -2), dtype, bias=dsz[..., m], mask=mask)
+            dv = _read_out(ext, k, ds, dtype, mask=mask)
+        return dq, dk, dv, None, None
 
 
-def _read_out(ext: ModuleType, x: torch.Tensor, mat: torch.Tensor) -> torch.Tensor:
-    """``x·mat`` for ``x: (B,H,N,F')`` and a float32 ``mat: (B,H,F',M')`` by the non-causal
-    read-out kernel (``mat`` as its state, with a zero normalizer part), in x's dtype."""
+def _read_out(
+    ext: ModuleType,
+    x: torch.Tensor,
+    mat: torch.Tensor,
+    dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x·mat (+ bias)`` in ``dtype`` for ``x: (B,H,N,F')`` (in ``dtype``, or float32) and a
+    float32 ``mat: (B,H,F',M')``, by the non-causal read-out kernel (``mat`` as its state, with a
+    zero normalizer part); ``bias: (B,H,M')`` float32, rows of padded keys (``mask`` False)
+    zero."""
     b, h, rows, cols = mat.shape
     state = torch.cat([mat.reshape(b, h, rows * cols), mat.new_zeros(b, h, rows)], dim=-1)
-    return ext.full_apply(x, state, cols, out_fp32=False)[0]
+    return ext.full_apply(
+        x, state, cols, out_fp32=False, bias=bias, key_padding_mask=mask, out_dtype=dtype
+    )[0]
 
 
 def linear_attention(

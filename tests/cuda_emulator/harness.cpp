@@ -109,18 +109,18 @@ uint64_t ks_emu_last_kernel() {
   return reinterpret_cast<uint64_t>(ks_emu::rt().last_kernel);
 }
 
-int ks_emu_full_state(int dtype, const void* k, const void* v, const bool* keep, int64_t heads,
-                      float* state, int64_t bh, int64_t n, int64_t f, int64_t m) {
+int ks_emu_full_state(int dtype, const void* k, const void* v, int v_fp32, const bool* keep,
+                      int64_t heads, float* state, int64_t bh, int64_t n, int64_t f, int64_t m) {
   Workspace ws(ks_cuda::full_state_workspace_floats(bh, n, f, m));
-  return ws.checked(ks_cuda::full_state(static_cast<DType>(dtype), k, v, keep, heads, state,
-                                        ws.data(), bh, n, f, m, nullptr));
+  return ws.checked(ks_cuda::full_state(static_cast<DType>(dtype), k, v, v_fp32 != 0, keep, heads,
+                                        state, ws.data(), bh, n, f, m, nullptr));
 }
 
-int ks_emu_full_apply(int dtype, const void* q, const float* state, void* out, int out_fp32,
-                      float* den, int normalize, float eps, int64_t bh, int64_t n, int64_t f,
-                      int64_t m) {
-  return ks_cuda::full_apply(static_cast<DType>(dtype), q, state, out, out_fp32 != 0, den,
-                             normalize != 0, eps, bh, n, f, m, nullptr);
+int ks_emu_full_apply(int dtype, const void* q, int q_fp32, const float* state, const float* bias,
+                      const bool* keep, int64_t heads, void* out, int out_fp32, float* den,
+                      int normalize, float eps, int64_t bh, int64_t n, int64_t f, int64_t m) {
+  return ks_cuda::full_apply(static_cast<DType>(dtype), q, q_fp32 != 0, state, bias, keep, heads,
+                             out, out_fp32 != 0, den, normalize != 0, eps, bh, n, f, m, nullptr);
 }
 
 int ks_emu_scaled_cumsum(int dtype, const void* x, const float* pre, const float* post,
