@@ -2,22 +2,24 @@
 
 Runs ``ks.causal_dot_product(..., backend="cuda")`` (``--op attention``: the normalized
 ``ks.linear_attention(..., causal=True)``, whose backward adds its row terms' and cumulative sums'
-kernels, and in float16 dv's cast) forward + backward under ``torch.profiler`` for each F = M, dtype
-and kernel variant of ``cuda_backend.VARIANTS`` (``chunks``: the chunk kernels with three causal
-products in the backward; ``chunks_fused``: the chunk kernels with their fused backward; ``walk``:
-the walk kernel, forward and three backward products; ``walk_fused``: the walk with its fused
-backward; ``walk_mma``, ``walk_mma_fused``: the same on kernels 8 and 9, mma.sync with operands in
-registers, for F <= 64, kernel 8 in bf16 for F <= 128; in bf16 the fused backwards' two walks run as
-one grid, kernels 11 and 10, and ``walk_fused_apart``, ``walk_mma_fused_apart`` keep them as two
-launches, the A/B of kernels 11 and 10) and reports every CUDA kernel's total and per-call time, its
-share of the step and its call count per step: where the time goes before a kernel is changed. Each
-variant's rows also carry a step's wall time (``step_wall_us``, CUDA events around one step, as
-``cuda_core.py`` times cases), its time with steps queued back to back (``step_stream_us``) and the
-host's time to issue one (``step_host_us``); a second table gives the kernels' sum per step against
-them (``gpu_busy``: of the wall time). On the H200 (2026-11-30) the defaults' step was 775 µs of
-kernels in 1.0-1.2 ms: where the stream time is near the kernels' sum, the rest is the host's
-latency before the GPU gets work (Python and launches: that host is slow, SDPA's fwd+bwd at N = 512,
-15 GFLOP, took 0.38 ms there); where the host's time passes the kernels', the host is what limits.
+kernels, and in float16 dv's cast; ``--op full``: the non-causal one with padded keys, as the LRA
+encoders call it, on the reduction and read-out kernels whatever the variant) forward + backward
+under ``torch.profiler`` for each F = M, dtype and kernel variant of ``cuda_backend.VARIANTS``
+(``chunks``: the chunk kernels with three causal products in the backward; ``chunks_fused``: the
+chunk kernels with their fused backward; ``walk``: the walk kernel, forward and three backward
+products; ``walk_fused``: the walk with its fused backward; ``walk_mma``, ``walk_mma_fused``: the
+same on kernels 8 and 9, mma.sync with operands in registers, for F <= 64, kernel 8 in bf16 for F <=
+128; in bf16 the fused backwards' two walks run as one grid, kernels 11 and 10, and
+``walk_fused_apart``, ``walk_mma_fused_apart`` keep them as two launches, the A/B of kernels 11 and
+10) and reports every CUDA kernel's total and per-call time, its share of the step and its call
+count per step: where the time goes before a kernel is changed. Each variant's rows also carry a
+step's wall time (``step_wall_us``, CUDA events around one step, as ``cuda_core.py`` times cases),
+its time with steps queued back to back (``step_stream_us``) and the host's time to issue one
+(``step_host_us``); a second table gives the kernels' sum per step against them (``gpu_busy``: of
+the wall time). On the H200 (2026-11-30) the defaults' step was 775 µs of kernels in 1.0-1.2 ms:
+where the stream time is near the kernels' sum, the rest is the host's latency before the GPU gets
+work (Python and launches: that host is slow, SDPA's fwd+bwd at N = 512, 15 GFLOP, took 0.38 ms
+there); where the host's time passes the kernels', the host is what limits.
 
     python benchmarks/cuda_profile.py --out benchmarks/results/cuda_profile.csv
 
@@ -66,12 +68,25 @@ def step_inputs(
     return q, k, v, g
 
 
-# What a profiled step runs: the unnormalized causal product (the issue's targets), or the
+def padded_keys(q: torch.Tensor) -> torch.Tensor:
+    """A key padding mask (B, N) for q (B,H,N,F): the last eighth of every other sequence's keys
+    padded (the ragged lengths of an LRA batch)."""
+    b, _, n, _ = q.shape
+    keep = torch.ones(b, n, dtype=torch.bool, device=q.device)
+    keep[::2, n - n // 8 :] = False
+    return keep
+
+
+# What a profiled step runs: the unnormalized causal product (the issue's targets), the
 # normalized causal attention that models call (its backward adds normalized_grad and the
-# cumulative sums with the products' dq and dk added; float16 also dv's cast)
+# cumulative sums with the products' dq and dk added; float16 also dv's cast), or the
+# non-causal one with padded keys (the encoders')
 OPS = {
     "product": lambda q, k, v: ks.causal_dot_product(q, k, v, backend="cuda"),
     "attention": lambda q, k, v: ks.linear_attention(q, k, v, causal=True, backend="cuda"),
+    "full": lambda q, k, v: ks.linear_attention(
+        q, k, v, causal=False, key_padding_mask=padded_keys(q), backend="cuda"
+    ),
 }
 
 
@@ -160,8 +175,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="cuda_backend.WALK_BLOCKS for the walk variants (default: the backend's)",
     )  # fmt: skip
     p.add_argument(
-        "--op", choices=OPS, default="product",
-        help="the step's call: ks.causal_dot_product (default) or ks.linear_attention, causal",
+        "--op", nargs="+", choices=OPS, default=["product"],
+        help="the step's call, each in turn: ks.causal_dot_product (product, the default), "
+        "ks.linear_attention causal (attention) or non-causal with padded keys (full)",
     )  # fmt: skip
     p.add_argument("--append", action="store_true", help="keep the rows already in --out")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/cuda_profile.csv"))
@@ -209,22 +225,28 @@ def main(argv: list[str] | None = None) -> int:
     frames, failed = [], []
     earlier = [pd.read_csv(args.out)] if args.append and args.out.is_file() else []
     date = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
-    cases = [(d, name, v) for d in args.dim for name in args.dtypes for v in args.variants]
-    for dim, name, variant in cases:
+    cases = [
+        (op, d, name, v)
+        for op in args.op
+        for d in args.dim
+        for name in args.dtypes
+        for v in args.variants
+    ]
+    for op, dim, name, variant in cases:
         blocks = args.walk_blocks or cuda_backend.walk_blocks(getattr(torch, name))
         try:
             frame = kernel_times(
-                getattr(torch, name), b, h, args.n, dim, variant, args.steps, blocks, args.op
+                getattr(torch, name), b, h, args.n, dim, variant, args.steps, blocks, op
             )
         except Exception as err:  # one variant failing keeps the others' tables
-            failed.append(f"{variant} ({name}, F=M={dim})")
-            if not case_failed("cuda_profile.py", f"{variant} in {name} at F=M={dim}", err):
+            failed.append(f"{variant} ({name}, F=M={dim}, {op})")
+            if not case_failed("cuda_profile.py", f"{op}: {variant} in {name} at F=M={dim}", err):
                 break
             continue
         walk = variant.startswith("walk")
         frames.append(
             frame.assign(
-                op=args.op, dtype=name, variant=variant, F=dim, walk_blocks=blocks if walk else None
+                op=op, dtype=name, variant=variant, F=dim, walk_blocks=blocks if walk else None
             )
         )
         result = pd.concat(frames, ignore_index=True).assign(

@@ -589,9 +589,10 @@ def stage_targets(session: Session, limit_s: float) -> tuple[str, str]:
 # chunk-parallel end of the targets stage's wide pass goes, kernels 12, 2 and 8 to 10)
 PROFILE_AGAIN = (
     # the normalized attention that models call, on the defaults: its backward's row terms and
-    # cumulative sums beside the products
+    # cumulative sums beside the products; and the non-causal one with padded keys (the
+    # encoders': reduction and read-outs, whose backward's torch passes are gone since)
     ["--dim", "64", "--dtypes", "bfloat16", "float32", "--variants", "walk_mma_fused"]
-    + ["--op", "attention", "--append"],
+    + ["--op", "attention", "full", "--append"],
     ["--dim", "64", "--dtypes", "bfloat16", "float32", "--walk-blocks", "256", "--variants"]
     + ["walk", "walk_fused", "walk_mma", "walk_mma_fused", "--append"],
     ["--dim", "64", "--dtypes", "bfloat16", "--walk-blocks", "4096", "--variants"]

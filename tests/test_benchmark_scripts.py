@@ -726,7 +726,7 @@ def test_profile_keeps_the_variants_that_ran(monkeypatch, tmp_path, capsys):
     argv += ["--variants", "chunks", "walk", "walk_fused"]
     assert profile.main([*argv, "--out", str(out)]) == 1
     captured = capsys.readouterr()
-    assert "walk (bfloat16, F=M=128)" in captured.err
+    assert "walk (bfloat16, F=M=128, product)" in captured.err
     # each variant's step: the kernels' 10 µs of its 40 µs wall time (12 queued, 30 the host's)
     step = r"bfloat16\s+walk_fused\s+\S+\s+10\.0\s+40\.0\s+12\.0\s+30\.0\s+0\.25"
     assert re.search(step, captured.out), captured.out
@@ -782,21 +782,28 @@ def test_profile_appends_a_second_walk_blocks(profile_seen, tmp_path):
 
 
 def test_profile_op_chooses_the_call(profile_seen, monkeypatch, tmp_path):
-    """--op attention profiles ks.linear_attention (causal) in place of the product, and the
-    rows say which; the step's call of each op reaches the backend named cuda."""
+    """--op attention profiles ks.linear_attention (causal) in place of the product, --op full
+    the non-causal one with padded keys, several ops each in turn, and the rows say which; the
+    step's call of each op reaches the backend named cuda."""
     profile, seen = profile_seen
     out = tmp_path / "profile.csv"
     argv = ["--dim", "64", "--dtypes", "bfloat16", "--variants", "walk_mma_fused", "--out"]
     assert profile.main([*argv, str(out)]) == 0
-    assert profile.main([*argv, str(out), "--op", "attention", "--append"]) == 0
-    assert [op for _, _, op in seen] == ["product", "attention"]
-    assert pd.read_csv(out).op.tolist() == ["product", "attention"]
+    assert profile.main([*argv, str(out), "--op", "attention", "full", "--append"]) == 0
+    assert [op for _, _, op in seen] == ["product", "attention", "full"]
+    assert pd.read_csv(out).op.tolist() == ["product", "attention", "full"]
     calls = []
     monkeypatch.setattr(profile.ks, "causal_dot_product", lambda *a, **kw: calls.append(kw))
     monkeypatch.setattr(profile.ks, "linear_attention", lambda *a, **kw: calls.append(kw))
-    for op in ("product", "attention"):
-        profile.OPS[op](None, None, None)
-    assert calls == [{"backend": "cuda"}, {"causal": True, "backend": "cuda"}]
+    q = torch.zeros(3, 2, 16, 4)
+    for op in ("product", "attention", "full"):
+        profile.OPS[op](q, q, q)
+    mask = calls[2].pop("key_padding_mask")
+    assert calls == [{"backend": "cuda"}, {"causal": True, "backend": "cuda"}] + [
+        {"causal": False, "backend": "cuda"}
+    ]
+    # the last eighth of the keys of sequences 0 and 2 padded
+    assert mask.shape == (3, 16) and mask.sum(1).tolist() == [14, 16, 14]
     with pytest.raises(SystemExit):
         profile.parse_args(["--op", "softmax"])
 

@@ -445,9 +445,9 @@ def test_the_stages_commands_are_ones_the_scripts_take(gs, tmp_path):
     assert set(gs.CUDA_METHODS) | set(gs.BASELINES) == set(cuda_core.METHODS)
     prof, attention, *again = (profile.parse_args(part[1:]) for part in profiles)
     assert prof.n == 8192 and prof.dim == [64, 128] and not prof.append
-    assert prof.op == "product" and {a.op for a in again} == {"product"}
-    # the normalized attention on the defaults, beside the product's rows
-    assert attention.op == "attention" and attention.variants == ["walk_mma_fused"]
+    assert prof.op == ["product"] and [a.op for a in again] == [["product"]] * 2
+    # the normalized attention on the defaults, causal and non-causal, beside the product's rows
+    assert attention.op == ["attention", "full"] and attention.variants == ["walk_mma_fused"]
     assert attention.append and attention.out == prof.out and attention.walk_blocks is None
     # the default, then the walks at 256 and the register walks at 4096 beside it
     assert prof.walk_blocks is None and [a.walk_blocks for a in again] == [256, 4096]
