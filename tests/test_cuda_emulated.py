@@ -205,6 +205,7 @@ class EmulatedExtension:
     def full_apply(self, q, state, m, out_fp32=True, with_den=False, normalize=False, eps=1e-6,
                    bias=None, key_padding_mask=None, out_dtype=None):  # fmt: skip
         b, h, n, f = q.shape
+        assert state.shape == (b, h, f * m + f), "state must be (B,H,F*M+F) (the binding)"
         q_fp32 = out_dtype is not None and out_dtype != q.dtype
         if q_fp32 and (q.dtype != torch.float32 or out_fp32 or out_dtype not in DTYPES):
             raise TypeError("out_dtype must be q's dtype, or float16 or bfloat16 for a float32 q")
@@ -717,8 +718,13 @@ def test_misaligned_tensors_give_the_same_bits(emu, ext, dtype, walk_blocks):
     so only the addresses decide."""
     m = 40
     tensors = _inputs(2, 130, 64, m, dtype, extra=1)
+    bias = torch.randn(1, 2, m)
+    keep = torch.ones(1, 130, dtype=torch.bool)
+    keep[0, 100:] = False
 
     def run(x, q, k, v, g):
+        rows = g.float()  # the non-causal backward's fp32 row terms beside q
+        state = x.full_state(q, rows, keep)
         return [
             *x.causal_product(q, k, v, with_den=True, walk_blocks=walk_blocks),
             *x.causal_product(
@@ -727,7 +733,15 @@ def test_misaligned_tensors_give_the_same_bits(emu, ext, dtype, walk_blocks):
             *x.causal_backward(q, k, v, g, walk_blocks=walk_blocks),
             *x.full_apply(q, x.full_state(k, v), m, with_den=True),
             x.scaled_cumsum(k, pre=q[0, :, :, 0].float()),
+            state,
+            x.full_apply(
+                q, x.full_state(k, v), m, out_fp32=False, bias=bias, key_padding_mask=keep
+            )[0],
+            x.full_apply(rows, mat, 64, out_fp32=False, out_dtype=dtype)[0],
         ]
+
+    # S (64 x 40) read as a 40 x 64 matrix, with a zero normalizer part
+    mat = torch.cat([torch.randn(1, 2, 64 * m), torch.zeros(1, 2, m)], dim=-1)
 
     misaligned = EmulatedExtension(emu, misalign=1)  # inputs and outputs
     for a, b in zip(run(ext, *tensors), run(misaligned, *tensors), strict=True):
@@ -1093,6 +1107,23 @@ def test_random_cases_over_every_option_match_the_reference(emu, case):
         sums = x.scaled_cumsum(k, dden, None, c["reverse"], base=wide[0])
         want = wide[0].double() + flip(flip(dden[..., None].double() * k.double()).cumsum(2))
         assert rel_err(sums, want) <= 1e-5
+        # the non-causal backward's kernels: q beside fp32 row terms (the bits of the float32
+        # reduction), fp32 operands read into the inputs' dtype, a bias and padded rows
+        gen = torch.Generator().manual_seed(c["seed"])
+        keep = torch.rand(1, c["n"], generator=gen) < 0.8
+        rows = g.float()
+        state = x.full_state(q, rows, keep)
+        assert torch.equal(state, x.full_state(q.float(), rows, keep))
+        # S (F x M) read as an M x F matrix, with a zero normalizer part
+        s = state[..., : c["f"] * c["m"]].reshape(1, c["bh"], c["m"], c["f"])
+        mat = torch.cat([s.reshape(1, c["bh"], -1), torch.zeros(1, c["bh"], c["m"])], dim=-1)
+        wide = x.full_apply(rows, mat, c["f"])[0]
+        got = x.full_apply(rows, mat, c["f"], out_fp32=False, out_dtype=c["dtype"])[0]
+        assert torch.equal(got, wide.to(c["dtype"]))
+        bias = torch.randn(1, c["bh"], c["f"], generator=gen)
+        got = x.full_apply(v, mat, c["f"], out_fp32=True, bias=bias, key_padding_mask=keep)[0]
+        want = (v.double() @ s.double() + bias.double()[:, :, None]) * keep[:, None, :, None]
+        assert close_in_dtype(got, want, c["dtype"])
     finally:
         emu.ks_emu_configure(0, H100_SMEM)
         emu.ks_emu_set_carry_blocks(512)
