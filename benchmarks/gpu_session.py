@@ -56,7 +56,7 @@ sweep      ``cuda_core.py --resume`` over the issue's grid (N 512-32768,  sweep.
            at D=128, until its time is up; ours as ``cuda`` and the
            targets stage's fastest of ours in the part's dtype (bf16
            at N=8192, fp32 at N=16384)
-racecheck  ``compute-sanitizer --tool racecheck``, nine small tests      tests.log
+racecheck  ``compute-sanitizer --tool racecheck``, ten small tests       tests.log
 =========  ===========================================================  ==============
 
 Every stage runs as a child process under a time limit: the smaller of its cap and what is left
@@ -182,7 +182,9 @@ STAGES = (
     Stage("scaling", 15, 60, "cuda_scaling.py, walk kernels' time vs blocks per SM"),
     Stage("counters", 30, 75, "cuda_counters.py, ncu's counters of the walk kernels"),
     Stage("sweep", 30, 600, "cuda_core.py --resume over the issue's grid"),
-    Stage("racecheck", 40, 150, "compute-sanitizer racecheck on nine small tests"),
+    Stage(
+        "racecheck", 40, 150, f"compute-sanitizer racecheck on {len(RACECHECK_TESTS)} small tests"
+    ),
 )
 STAGE_NAMES = tuple(s.name for s in STAGES)
 ALWAYS = ("env", "build")
