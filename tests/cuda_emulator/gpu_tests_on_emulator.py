@@ -1,0 +1,65 @@
+"""A pytest plugin that runs the GPU tests (``tests/test_cuda_backend.py``) on a machine without
+a GPU: CPU tensors, the kernels run by the emulator (``tests/test_cuda_emulated.py``'s
+``EmulatedExtension``). For sessions without a GPU, to check a changed GPU test's own logic and
+the backend's Python side before a GPU session runs them::
+
+    python -m pytest -p tests.cuda_emulator.gpu_tests_on_emulator tests/test_cuda_backend.py \
+        -k "linear_attention and not 4099 and not 256" -n 2
+
+Only with ``tests/test_cuda_backend.py``: it makes ``torch.cuda.is_available()`` say True for
+the whole run. Tests that need CUDA itself (autocast on "cuda", memory statistics, streams) fail
+with "Torch not compiled with CUDA enabled", and those that tell CPU from CUDA tensors fail too;
+emulating the large shapes (N = 4099, F = 256, the grouped shapes) takes minutes each. On
+2026-11-30 (this machine, 2 cores) 231 of the 243 tests of the non-causal and normalized
+attention, the fused backward, reruns and misaligned inputs (the large shapes left out) passed
+in 14 minutes; the 12 others need CUDA itself. Timing, occupancy and the GPU's own rounding are not
+emulated: a pass here is no pass on a GPU.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.cuda.is_available = lambda: True  # before the GPU tests' module-level skip reads it
+torch.cuda.get_device_capability = lambda *args: (9, 0)
+torch.cuda.synchronize = lambda *args: None
+
+from kernelstudy.core import cuda_backend  # noqa: E402
+
+from .. import test_cuda_emulated as emulated  # noqa: E402
+
+
+class _TempFolders:
+    """The one method of pytest's tmp_path_factory that the emulator's build uses."""
+
+    def mktemp(self, name: str) -> Path:
+        return Path(tempfile.mkdtemp(prefix=name))
+
+
+_LIBRARY = emulated.emu._get_wrapped_function()(_TempFolders())  # the emulator, built once
+
+
+def _supports(x: torch.Tensor) -> bool:
+    return x.dtype in emulated.DTYPES
+
+
+cuda_backend.extension = lambda: emulated.EmulatedExtension(_LIBRARY)
+cuda_backend.supports = _supports
+cuda_backend.is_available = lambda: True
+# the registered backend holds the functions it was registered with
+_registry = sys.modules["kernelstudy.core.backends"]._BACKENDS
+_registry["cuda"].supports = _supports
+_registry["cuda"].available = lambda: True
+
+
+@pytest.fixture(autouse=True)
+def _cpu_tensors(monkeypatch):
+    """The GPU tests make their tensors on DEVICE: the CPU here."""
+    from .. import test_cuda_backend
+
+    monkeypatch.setattr(test_cuda_backend, "DEVICE", "cpu")
