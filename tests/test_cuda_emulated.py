@@ -242,6 +242,14 @@ class EmulatedExtension:
         )  # fmt: skip
         return out
 
+    def walk_kernels(self, q, f, m, mma_walk=False, walks_together=True):
+        kernels, asked = (ctypes.c_int * 4)(), (ctypes.c_uint64 * 2)()
+        err = self.lib.ks_emu_walk_kernels(
+            DTYPES[q.dtype], f, m, int(mma_walk), int(walks_together), kernels, asked
+        )
+        assert err == 0
+        return {"product": (kernels[0], kernels[1]), "dkv": (kernels[2], kernels[3])}
+
     def normalized_grad(self, g, out, den, eps, dden_column=False, dnum_fp32=False):
         g, out, den = (self._input(t) for t in (g, out, den))
         b, h, n, m = g.shape

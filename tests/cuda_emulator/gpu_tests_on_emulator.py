@@ -7,13 +7,15 @@ the backend's Python side before a GPU session runs them::
         -k "linear_attention and not 4099 and not 256" -n 2
 
 Only with ``tests/test_cuda_backend.py``: it makes ``torch.cuda.is_available()`` say True for
-the whole run. Tests that need CUDA itself (autocast on "cuda", memory statistics, streams) fail
-with "Torch not compiled with CUDA enabled", and those that tell CPU from CUDA tensors fail too;
-emulating the large shapes (N = 4099, F = 256, the grouped shapes) takes minutes each. On
-2026-11-30 (this machine, 2 cores) 231 of the 243 tests of the non-causal and normalized
-attention, the fused backward, reruns and misaligned inputs (the large shapes left out) passed
-in 14 minutes; the 12 others need CUDA itself. Timing, occupancy and the GPU's own rounding are not
-emulated: a pass here is no pass on a GPU.
+the whole run. Tests that need CUDA itself (autocast on "cuda", memory statistics, streams, the
+profiler) fail with "Torch not compiled with CUDA enabled" or the like, and those that tell CPU
+from CUDA tensors fail too; emulating the large shapes (N = 4099 or 32768, F = 256, the grouped
+shapes) takes minutes each. On 2026-11-30 (this machine, 2 cores), the large shapes left out:
+231 of the 243 tests of the non-causal and normalized attention, the fused backward, reruns and
+misaligned inputs passed in 14 minutes (the 12 others need CUDA itself), and all 178 of the
+walks', products', cumulative sums' and row terms' in 5 minutes (the test that names the walk
+kernels that run needs CUDA's profiler).
+Timing, occupancy and the GPU's own rounding are not emulated: a pass here is no pass on a GPU.
 """
 
 from __future__ import annotations
