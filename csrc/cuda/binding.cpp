@@ -59,14 +59,19 @@ void check_rows(const at::Tensor& t, const char* name, const at::Tensor& like, i
 
 at::TensorOptions f32(const at::Tensor& like) { return like.options().dtype(at::kFloat); }
 
+// An fp32 (B,H,len) tensor for x (B,H,N,D) on x's device, contiguous (len: N unless given; dims
+// names it in messages), or nullopt for none.
 c10::optional<at::Tensor> checked_rows(const c10::optional<at::Tensor>& w, const char* name,
-                                       const at::Tensor& x) {
+                                       const at::Tensor& x, int64_t len = -1,
+                                       const char* dims = "(B,H,N)") {
   if (!w.has_value() || !w->defined()) return c10::nullopt;
+  if (len < 0) len = x.size(2);
   TORCH_CHECK_TYPE(w->scalar_type() == at::kFloat, name, " must be float32");
   TORCH_CHECK_VALUE(w->device() == x.device(), name, " must be on ", x.device());
   TORCH_CHECK_VALUE(w->dim() == 3 && w->size(0) == x.size(0) && w->size(1) == x.size(1) &&
-                        w->size(2) == x.size(2),
-                    name, " must be (B,H,N), got ", w->sizes());
+                        w->size(2) == len,
+                    name, " must be ", dims, " = (", x.size(0), ",", x.size(1), ",", len,
+                    "), got ", w->sizes());
   return w->contiguous();
 }
 
@@ -232,15 +237,7 @@ std::vector<at::Tensor> full_apply(at::Tensor q, at::Tensor state, int64_t m, bo
                      *out_dtype, " for q of ", q.scalar_type());
     out_type = *out_dtype;
   }
-  at::Tensor add;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK_TYPE(bias->scalar_type() == at::kFloat, "bias must be float32");
-    TORCH_CHECK_VALUE(bias->device() == q.device(), "bias must be on ", q.device());
-    TORCH_CHECK_VALUE(bias->dim() == 3 && bias->size(0) == b && bias->size(1) == h &&
-                          bias->size(2) == m,
-                      "bias must be (B,H,M) = (", b, ",", h, ",", m, "), got ", bias->sizes());
-    add = bias->contiguous();
-  }
+  const at::Tensor add = checked_rows(bias, "bias", q, m, "(B,H,M)").value_or(at::Tensor());
   const c10::cuda::CUDAGuard guard(q.device());
   q = q.contiguous();
   state = state.contiguous();
