@@ -56,7 +56,7 @@ sweep      ``cuda_core.py --resume`` over the issue's grid (N 512-32768,  sweep.
            at D=128, until its time is up; ours as ``cuda`` and the
            targets stage's fastest of ours in the part's dtype (bf16
            at N=8192, fp32 at N=16384)
-racecheck  ``compute-sanitizer --tool racecheck``, ten small tests       tests.log
+racecheck  ``compute-sanitizer --tool racecheck``, twelve small tests    tests.log
 =========  ===========================================================  ==============
 
 Every stage runs as a child process under a time limit: the smaller of its cap and what is left
@@ -154,6 +154,9 @@ RACECHECK_TESTS = (
     "test_backward_walks_together_give_the_bits_of_two_launches[walk_mma-7]",
     # kernel 1 with a 16-bit k beside fp32 v, kernel 3's store with a bias and padded rows
     "test_full_backward_kernels_read_the_inputs_dtype[chunks-torch.bfloat16]",
+    # kernels 8, 12 and 9 in fp16, whose tiles' loads now go in batches (TileBatch)
+    "test_walk_segments_match_reference[walk_mma-2x2x200x33x70-torch.float16-5]",
+    "test_fused_backward_matches_reference[walk_mma-1x4x64x16x16-torch.float16]",
 )
 FETCH_WHEELS = (
     "echo /.whl/ >> .git/info/exclude; python3 -m pip download --no-deps --only-binary=:all: "

@@ -289,6 +289,57 @@ def test_wmma_fragments_load_from_shared_memory_in_their_layout(ptxas_reports, n
     assert not conflicts, conflicts[:5]
 
 
+# Kernels that load fp16 tiles and convert them in registers (OperandOf<__half> is float), by the
+# demangled name's start, and how many 16-byte global loads a thread must have issued before it
+# converts the first: every tile a step loads (two vectors a tile), as TileBatch issues them.
+FP16_LOADS_AT_ONCE = {
+    "chunk_walk_mma_kernel<__half, __half, 1>": 6,  # kernel 8: Q, K, V
+    "chunk_walk_mma_dkv_kernel<__half, __half, __half>": 8,  # kernel 9: Q, K, V, G
+    "chunk_walk_kernel<__half, __half, 1>": 6,  # kernel 6: Q, K, V (F <= 64)
+    "chunk_walk_kernel<__half, __half, 2>": 6,  # Q, K of slice 0 and V, then slice 1's Q, K
+    "chunk_walk_dkv_kernel<__half, __half, __half>": 4,  # kernel 7: Q, K, then V, G
+    "chunk_states_mma_kernel<__half>": 4,  # kernel 12: K, V
+    "chunk_states_kernel<__half, float, __half>": 4,  # kernel 1: K, V
+    "chunk_dqk_kernel<__half, float, __half>": 4,  # kernel 4: G, V
+    "chunk_dv_kernel<__half, float, __half>": 4,  # kernel 5: Q, K
+}
+
+
+def loads_before_conversion(function_ptx: str) -> int:
+    """The longest run of 16-byte global loads (``ld.global.nc.v4``) with no fp16 -> fp32
+    conversion (``cvt.f32.f16``) between them in one kernel's PTX: how many vectors a thread
+    has in flight before it waits on the first."""
+    longest = run = 0
+    for op in re.findall(r"ld\.global\.nc\.v4\.\w+|cvt\.f32\.f16", function_ptx):
+        run = run + 1 if op.startswith("ld.") else 0
+        longest = max(longest, run)
+    return longest
+
+
+def test_loads_before_conversion_counts_the_run():
+    ptx = "ld.global.nc.v4.u32 a; cvt.f32.f16 b; " + "ld.global.nc.v4.u32 c; " * 3
+    assert loads_before_conversion(ptx + "cvt.f32.f16 d; ld.global.nc.v4.u32 e;") == 3
+    assert loads_before_conversion("cvt.f32.f16 a; ld.global.nc.v4.u32 b; cvt.f32.f16 c;") == 1
+
+
+def test_fp16_tiles_issue_a_steps_loads_before_converting(ptxas_reports, nvcc_out):
+    """fp16 tiles convert to fp32 in registers on their way into shared memory, so their loads
+    cannot go by cp.async: converted one 16-byte vector at a time, each thread waited on its
+    loads one after another (the fp16 walks ran 4x slower than bf16's on an H200, 8.6 against
+    2.2 µs a chunk). ``TileBatch`` issues every load of a step's tiles before converting any;
+    this checks in the PTX that each such kernel keeps them together."""
+    if CXXFILT is None:
+        pytest.skip("c++filt is not on PATH")
+    unit = CSRC / "cuda" / "float16.cu"
+    assert ptxas_reports[unit].returncode == 0
+    functions = re.split(r"\n\.entry\s+", ptx_of(nvcc_out, unit, "sm_90a"))[1:]
+    names = SASS.demangle([function.split("(", 1)[0] for function in functions])
+    runs = {name: loads_before_conversion(f) for name, f in zip(names, functions, strict=True)}
+    for kernel, at_least in FP16_LOADS_AT_ONCE.items():
+        assert kernel in runs, f"{kernel} not in float16.cu's PTX: {sorted(runs)}"
+        assert runs[kernel] >= at_least, (kernel, runs[kernel], at_least)
+
+
 def test_generic_wmma_loads_fallback_compiles(tmp_path):
     """Built with -DKS_WMMA_GENERIC_LOADS (through $KERNELSTUDY_CUDA_FLAGS: the fallback if the
     .shared loads fail on a GPU), kernels 1-7 load bf16 and tf32 fragments by

@@ -89,9 +89,16 @@ __global__ void __launch_bounds__(kThreads, kStatesBlocksPerSm<typename OperandO
 
   auto load_chunk = [&](int64_t i, int buf) {
     const int64_t row0 = seg.chunk(i) * kTile;
-    load_tile<Tin, Op>(tiles + (2 * buf) * kTile * LD, LD, kb, f, n, f, row0, f0, keep, vec_k);
-    load_tile<Tv, Op>(tiles + (2 * buf + 1) * kTile * LD, LD, vb, m, n, m, row0, m0, keep,
-                      vec_v);
+    if constexpr (std::is_same_v<Tin, Tv>) {
+      TileBatch<Tin, Op, 2> kv;  // K, V, their loads at once
+      kv.load(0, tiles + (2 * buf) * kTile * LD, LD, kb, f, n, f, row0, f0, keep, vec_k);
+      kv.load(1, tiles + (2 * buf + 1) * kTile * LD, LD, vb, m, n, m, row0, m0, keep, vec_v);
+      kv.land();
+    } else {
+      load_tile<Tin, Op>(tiles + (2 * buf) * kTile * LD, LD, kb, f, n, f, row0, f0, keep, vec_k);
+      load_tile<Tv, Op>(tiles + (2 * buf + 1) * kTile * LD, LD, vb, m, n, m, row0, m0, keep,
+                        vec_v);
+    }
     cp_async_commit();
   };
 
@@ -255,8 +262,15 @@ __global__ void __launch_bounds__(kThreads, kOutputBlocksPerSm<Tin>)
 
   for (int64_t f0 = 0; f0 < f; f0 += kTile) {
     __syncthreads();  // the previous slice's tiles are consumed
-    load_tile<Tin, Op>(Qs, LD, qb, f, n, f, row0, f0, nullptr, vec_qk);
-    if (intra) load_tile<Tin, Op>(Ks, LD, kb, f, n, f, row0, f0, nullptr, vec_qk);
+    if (kFetchFirst<Tin, Op> && intra) {
+      TileBatch<Tin, Op, 2> qk;  // Q, K, their loads at once
+      qk.load(0, Qs, LD, qb, f, n, f, row0, f0, nullptr, vec_qk);
+      qk.load(1, Ks, LD, kb, f, n, f, row0, f0, nullptr, vec_qk);
+      qk.land();
+    } else {
+      load_tile<Tin, Op>(Qs, LD, qb, f, n, f, row0, f0, nullptr, vec_qk);
+      if (intra) load_tile<Tin, Op>(Ks, LD, kb, f, n, f, row0, f0, nullptr, vec_qk);
+    }
     load_tile<Tstate, Op>(Ss, LD, st, m, f, m, f0, m0, nullptr, vec_s, cs);
     if (need_den && threadIdx.x < kTile) {
       const int64_t fi = f0 + threadIdx.x;
@@ -379,8 +393,10 @@ __global__ void __launch_bounds__(kThreads, 2)  // three accumulator pairs: up t
     Op* Vs = T1;  // V rows x M slice
     Op* Ss = T2;  // S: F slice x M slice
     Op* Rs = T3;  // R: F slice x M slice
-    load_tile<Tin, Op>(Gs, LD, gb, m, n, m, row0, m0, nullptr, vec_m);
-    load_tile<Tin, Op>(Vs, LD, vb, m, n, m, row0, m0, nullptr, vec_m);
+    TileBatch<Tin, Op, 2> gv;  // G, V, their loads at once
+    gv.load(0, Gs, LD, gb, m, n, m, row0, m0, nullptr, vec_m);
+    gv.load(1, Vs, LD, vb, m, n, m, row0, m0, nullptr, vec_m);
+    gv.land();
     load_tile<Tstate, Op>(Ss, LD, sp, m, f, m, f0, m0, nullptr, vec_s, sc);
     load_tile<Tstate, Op>(Rs, LD, rp, m, f, m, f0, m0, nullptr, vec_s, rc);
     cp_async_wait_all();
@@ -393,8 +409,10 @@ __global__ void __launch_bounds__(kThreads, 2)  // three accumulator pairs: up t
   Op* Qs = T0;  // Q rows x F slice
   Op* Ks = T1;  // K rows x F slice
   Op* As = T2;  // the masked scores A
-  load_tile<Tin, Op>(Qs, LD, qb, f, n, f, row0, f0, nullptr, vec_f);
-  load_tile<Tin, Op>(Ks, LD, kb, f, n, f, row0, f0, nullptr, vec_f);
+  TileBatch<Tin, Op, 2> qk;  // Q, K, their loads at once
+  qk.load(0, Qs, LD, qb, f, n, f, row0, f0, nullptr, vec_f);
+  qk.load(1, Ks, LD, kb, f, n, f, row0, f0, nullptr, vec_f);
+  qk.land();
   warp_store(Af, acc_a);
   __syncthreads();
   mask_scores(Af, As, true, false);
@@ -442,8 +460,10 @@ __global__ void __launch_bounds__(kThreads, kOutputBlocksPerSm<Tin>)
     Op* Qs = T0;  // Q rows x F slice
     Op* Ks = T1;  // K rows x F slice
     Op* Rs = T2;  // R: F slice x M slice
-    load_tile<Tin, Op>(Qs, LD, qb, f, n, f, row0, f0, nullptr, vec_f);
-    load_tile<Tin, Op>(Ks, LD, kb, f, n, f, row0, f0, nullptr, vec_f);
+    TileBatch<Tin, Op, 2> qk;  // Q, K, their loads at once
+    qk.load(0, Qs, LD, qb, f, n, f, row0, f0, nullptr, vec_f);
+    qk.load(1, Ks, LD, kb, f, n, f, row0, f0, nullptr, vec_f);
+    qk.land();
     load_tile<Tstate, Op>(Rs, LD, rp, m, f, m, f0, m0, nullptr, vec_s, rc);
     cp_async_wait_all();
     __syncthreads();

@@ -556,12 +556,15 @@ __device__ __forceinline__ void walk_mma(int64_t block, int64_t slice, const Tin
   const Tin* vb = v + bh * n * m;
   auto load_chunk = [&](int64_t i, int buf) {
     const int64_t row0 = seg.chunk(i) * kTile;
+    TileBatch<Tin, Op, 2 * FT + 1> tiles;  // Q, K slices and V, their loads at once
 #pragma unroll
     for (int ft = 0; ft < FT; ++ft) {
-      load_tile<Tin, Op>(tile(buf, ft), LD, qb, f, n, f, row0, ft * kTile, nullptr, vec_qk);
-      load_tile<Tin, Op>(tile(buf, FT + ft), LD, kb, f, n, f, row0, ft * kTile, nullptr, vec_qk);
+      tiles.load(2 * ft, tile(buf, ft), LD, qb, f, n, f, row0, ft * kTile, nullptr, vec_qk);
+      tiles.load(2 * ft + 1, tile(buf, FT + ft), LD, kb, f, n, f, row0, ft * kTile, nullptr,
+                 vec_qk);
     }
-    load_tile<Tin, Op>(tile(buf, 2 * FT), LD, vb, m, n, m, row0, m0, nullptr, vec_v);
+    tiles.load(2 * FT, tile(buf, 2 * FT), LD, vb, m, n, m, row0, m0, nullptr, vec_v);
+    tiles.land();
     cp_async_commit();
   };
   load_chunk(0, 0);
@@ -718,10 +721,12 @@ __device__ __forceinline__ void walk_mma_dkv(int64_t block, const Tin* __restric
   const Tin* gb = g + bh * n * m;
   auto load_chunk = [&](int64_t i, int buf) {
     const int64_t row0 = seg.chunk(i) * kTile;
-    load_tile<Tin, Op>(tile(buf, 0), LD, qb, f, n, f, row0, 0, nullptr, vec_f);
-    load_tile<Tin, Op>(tile(buf, 1), LD, kb, f, n, f, row0, 0, nullptr, vec_f);
-    load_tile<Tin, Op>(tile(buf, 2), LD, vb, m, n, m, row0, 0, nullptr, vec_m);
-    load_tile<Tin, Op>(tile(buf, 3), LD, gb, m, n, m, row0, 0, nullptr, vec_m);
+    TileBatch<Tin, Op, 4> tiles;  // Q, K, V, G, their loads at once
+    tiles.load(0, tile(buf, 0), LD, qb, f, n, f, row0, 0, nullptr, vec_f);
+    tiles.load(1, tile(buf, 1), LD, kb, f, n, f, row0, 0, nullptr, vec_f);
+    tiles.load(2, tile(buf, 2), LD, vb, m, n, m, row0, 0, nullptr, vec_m);
+    tiles.load(3, tile(buf, 3), LD, gb, m, n, m, row0, 0, nullptr, vec_m);
+    tiles.land();
     cp_async_commit();
   };
   load_chunk(0, 0);
@@ -842,9 +847,10 @@ __global__ void __launch_bounds__(kThreads, kMmaStatesBlocksPerSm<typename Opera
   const Tin* vb = v + bh * n * m;
   auto load_chunk = [&](int64_t i, int buf) {
     const int64_t row0 = seg.chunk(i) * kTile;
-    load_tile<Tin, Op>(tiles + 2 * buf * kOpTile, LD, kb, f, n, f, row0, f0, nullptr, vec_k);
-    load_tile<Tin, Op>(tiles + (2 * buf + 1) * kOpTile, LD, vb, m, n, m, row0, m0, nullptr,
-                       vec_v);
+    TileBatch<Tin, Op, 2> kv;  // K, V, their loads at once
+    kv.load(0, tiles + 2 * buf * kOpTile, LD, kb, f, n, f, row0, f0, nullptr, vec_k);
+    kv.load(1, tiles + (2 * buf + 1) * kOpTile, LD, vb, m, n, m, row0, m0, nullptr, vec_v);
+    kv.land();
     cp_async_commit();
   };
   load_chunk(0, 0);

@@ -44,75 +44,228 @@ __device__ __forceinline__ int extent_in(int64_t left) {
   return static_cast<int>(left < 0 ? 0 : (left < kTile ? left : kTile));
 }
 
+// How a block's threads cover a 64 x 64 tile of Tin in 16-byte vectors: thread t moves columns
+// col() .. col() + V - 1 of rows row(pass), pass = 0 .. kPasses - 1.
+template <typename Tin>
+struct TileVectors {
+  static constexpr int V = 16 / sizeof(Tin);  // elements per vector: 4 (fp32) or 8 (16-bit)
+  static constexpr int kVecPerRow = kTile / V;
+  static constexpr int kRowsPerPass = kThreads / kVecPerRow;
+  static constexpr int kPasses = kTile / kRowsPerPass;
+  static_assert(kThreads % kVecPerRow == 0 && kTile % kRowsPerPass == 0, "whole rows per pass");
+  static __device__ __forceinline__ int col() { return (threadIdx.x % kVecPerRow) * V; }
+  static __device__ __forceinline__ int row(int pass) {
+    return threadIdx.x / kVecPerRow + pass * kRowsPerPass;
+  }
+};
+
+// Whether Tin's tiles load in two halves (fetch_vectors, land_vectors): 16-bit inputs on fp32
+// tiles (fp16 inputs; 16-bit k beside fp32 v), which convert in registers and so cannot go by
+// cp.async. Each thread issues all its loads of a tile, or of several (TileBatch), before it
+// converts the first: one trip to memory rather than one a vector (the fp16 walks ran 4x slower
+// than bf16's on an H200, 8.6 against 2.2 us a chunk, their threads waiting on each of a chunk's
+// six loads in turn).
+template <typename Tin, typename Op>
+constexpr bool kFetchFirst = sizeof(Tin) == 2 && std::is_same_v<Op, float>;
+
+// load_tile's arguments as one value, for the two halves of a copy that converts in registers.
+template <typename Tin, typename Op>
+struct TileCopy {
+  Op* dst;
+  int ldd;
+  const Tin* src;
+  int64_t ld, rows, cols, row0, col0;
+  const bool* keep;
+  bool vec;
+  const float* add;
+};
+
+// A thread's loaded vectors of a tile that converts in registers, and which of its rows are kept
+// (bit `pass`).
+template <typename Tin>
+struct FetchedVectors {
+  uint4 raw[TileVectors<Tin>::kPasses];
+  unsigned kept;
+};
+
+// The first half of a converted tile's copy: this thread's 16-byte loads, issued without waiting
+// for them (rows outside the matrix and vectors past a ragged edge or off 16 bytes are left to
+// land_vectors), with the keep flags of its rows. From the tile's corner on, offsets and bounds
+// are 32-bit: ld < 2^24 (checked by the binding).
+template <typename Tin, typename Op>
+__device__ __forceinline__ void fetch_vectors(const TileCopy<Tin, Op>& t, FetchedVectors<Tin>& x) {
+  using L = TileVectors<Tin>;
+  const Tin* src = t.src + t.row0 * t.ld + t.col0;
+  const int in_rows = extent_in(t.rows - t.row0), in_cols = extent_in(t.cols - t.col0);
+  const int c = L::col();
+  const bool vec_ok = t.vec && c + L::V <= in_cols;
+  x.kept = ~0u;
+#pragma unroll
+  for (int pass = 0; pass < L::kPasses; ++pass) {
+    const int r = L::row(pass);
+    x.raw[pass] = uint4{};
+    if (r >= in_rows) continue;
+    if (t.keep != nullptr && !t.keep[t.row0 + r]) x.kept &= ~(1u << pass);
+    if (vec_ok) x.raw[pass] = *reinterpret_cast<const uint4*>(src + r * static_cast<int>(t.ld) + c);
+  }
+}
+
+// The second half: converts this thread's vectors (loading element by element where
+// fetch_vectors did not), adds `add`, and stores them into the shared tile.
+template <typename Tin, typename Op>
+__device__ __forceinline__ void land_vectors(const TileCopy<Tin, Op>& t,
+                                             const FetchedVectors<Tin>& x) {
+  static_assert(kFetchFirst<Tin, Op>, "16-bit inputs on fp32 tiles");
+  using L = TileVectors<Tin>;
+  constexpr int V = L::V;
+  // 8 floats, aligned to 16 bytes: rows of fp32 tiles are 16-byte aligned only (stored as two
+  // 16-byte vectors)
+  struct alignas(16) Pack {
+    Op e[V];
+  };
+  const int64_t corner = t.row0 * t.ld + t.col0;
+  const Tin* src = t.src + corner;
+  const float* add = t.add == nullptr ? nullptr : t.add + corner;
+  const int in_rows = extent_in(t.rows - t.row0), in_cols = extent_in(t.cols - t.col0);
+  const int c = L::col();
+  const bool vec_ok = t.vec && c + V <= in_cols;
+#pragma unroll
+  for (int pass = 0; pass < L::kPasses; ++pass) {
+    const int r = L::row(pass);
+    const int at = r * static_cast<int>(t.ld) + c;  // element (r, c) from the corner
+    const bool row_ok = r < in_rows && ((x.kept >> pass) & 1u);
+    float y[V];
+    if (row_ok && vec_ok) {
+      const Tin* e = reinterpret_cast<const Tin*>(&x.raw[pass]);
+#pragma unroll
+      for (int u = 0; u < V; ++u) y[u] = to_float(e[u]);
+    } else {
+#pragma unroll
+      for (int u = 0; u < V; ++u) y[u] = (row_ok && c + u < in_cols) ? to_float(src[at + u]) : 0.f;
+    }
+    if (add != nullptr && row_ok) {
+#pragma unroll
+      for (int u = 0; u < V; ++u) {
+        if (c + u < in_cols) y[u] += add[at + u];
+      }
+    }
+    Pack p;
+#pragma unroll
+    for (int u = 0; u < V; ++u) p.e[u] = from_float<Op>(y[u]);
+    *reinterpret_cast<Pack*>(t.dst + r * t.ldd + c) = p;
+  }
+}
+
 // Copies rows [row0, row0+64) x columns [col0, col0+64) of a row-major global matrix
 // (rows x cols, leading dimension ld) into a 64 x 64 shared tile (leading dimension ldd),
-// converted to Op. Elements outside the matrix, and rows whose `keep` flag is false, are zero.
-// `add` (optional): an fp32 matrix of the same shape and leading dimension added on the way
-// (the carry of earlier segments onto a block-local state prefix).
+// converted to Op. Elements outside the matrix, and rows whose `keep` flag is false (keep indexed
+// by the matrix's rows), are zero. `add` (optional): an fp32 matrix of the same shape and leading
+// dimension added on the way (the carry of earlier segments onto a block-local state prefix).
 // Each thread moves 16-byte vectors; `vec` says the global rows are 16-byte aligned. Where no
 // conversion or addition is needed (Tin == Op: bf16 and fp32 inputs), whole in-range vectors
 // are copied with cp.async: the caller calls cp_async_wait_all() before the __syncthreads()
-// that publishes the tile. Zero fill and converted elements are stored directly.
+// that publishes the tile. Zero fill and converted elements are stored directly; 16-bit inputs
+// on fp32 tiles load in two halves (kFetchFirst).
 template <typename Tin, typename Op>
 __device__ __forceinline__ void load_tile(Op* __restrict__ dst, int ldd,
                                           const Tin* __restrict__ src, int64_t ld, int64_t rows,
                                           int64_t cols, int64_t row0, int64_t col0,
                                           const bool* __restrict__ keep, bool vec,
                                           const float* __restrict__ add = nullptr) {
-  constexpr int V = 16 / sizeof(Tin);  // elements per vector: 4 (fp32) or 8 (16-bit)
-  constexpr int kVecPerRow = kTile / V;
-  // 8 (fp32 -> bf16), 16, or 32 (fp16 -> fp32) bytes, aligned to at most 16: rows of fp32
-  // tiles are 16-byte aligned only (32 bytes are stored as two 16-byte vectors)
-  struct alignas(sizeof(Op) * V < 16 ? sizeof(Op) * V : 16) Pack {
-    Op e[V];
-  };
-  // Thread t moves columns c .. c + V - 1 of rows t / kVecPerRow + kRowsPerPass * pass. From
-  // the tile's corner on, offsets and bounds are 32-bit: ld < 2^24 (checked by the binding).
-  constexpr int kRowsPerPass = kThreads / kVecPerRow;
-  static_assert(kThreads % kVecPerRow == 0 && kTile % kRowsPerPass == 0, "whole rows per pass");
-  const int64_t corner = row0 * ld + col0;
-  src += corner;
-  if (add != nullptr) add += corner;
-  if (keep != nullptr) keep += row0;
-  const int in_rows = extent_in(rows - row0), in_cols = extent_in(cols - col0);
-  const int r_first = threadIdx.x / kVecPerRow, c = (threadIdx.x % kVecPerRow) * V;
-  const bool vec_ok = vec && c + V <= in_cols;
-  // unrolled where whole vectors go by cp.async; one pass at a time where they convert in
-  // registers (fp16 -> fp32: 8 floats a vector; unrolled, the chunk kernels spilled)
-  constexpr int kPasses = kTile / kRowsPerPass, kUnroll = std::is_same_v<Tin, Op> ? kPasses : 1;
+  if constexpr (kFetchFirst<Tin, Op>) {
+    const TileCopy<Tin, Op> t{dst, ldd, src, ld, rows, cols, row0, col0, keep, vec, add};
+    FetchedVectors<Tin> x;
+    fetch_vectors(t, x);
+    land_vectors(t, x);
+  } else {
+    using L = TileVectors<Tin>;
+    constexpr int V = L::V;
+    // 8 (fp32 -> bf16) or 16 bytes
+    struct alignas(sizeof(Op) * V < 16 ? sizeof(Op) * V : 16) Pack {
+      Op e[V];
+    };
+    // From the tile's corner on, offsets and bounds are 32-bit: ld < 2^24 (checked by the
+    // binding).
+    const int64_t corner = row0 * ld + col0;
+    src += corner;
+    if (add != nullptr) add += corner;
+    if (keep != nullptr) keep += row0;
+    const int in_rows = extent_in(rows - row0), in_cols = extent_in(cols - col0);
+    const int c = L::col();
+    const bool vec_ok = vec && c + V <= in_cols;
+    // unrolled where whole vectors go by cp.async; one pass at a time where they convert in
+    // registers (fp32 state tiles into bf16 ones)
+    constexpr int kUnroll = std::is_same_v<Tin, Op> ? L::kPasses : 1;
 #pragma unroll kUnroll
-  for (int pass = 0; pass < kPasses; ++pass) {
-    const int r = r_first + pass * kRowsPerPass;
-    const int at = r * static_cast<int>(ld) + c;  // element (r, c) from the corner
-    const bool row_ok = r < in_rows && (keep == nullptr || keep[r]);
-    if constexpr (std::is_same_v<Tin, Op>) {
-      if (row_ok && vec_ok && add == nullptr) {
-        cp_async16(dst + r * ldd + c, src + at);
-        continue;
+    for (int pass = 0; pass < L::kPasses; ++pass) {
+      const int r = L::row(pass);
+      const int at = r * static_cast<int>(ld) + c;  // element (r, c) from the corner
+      const bool row_ok = r < in_rows && (keep == nullptr || keep[r]);
+      if constexpr (std::is_same_v<Tin, Op>) {
+        if (row_ok && vec_ok && add == nullptr) {
+          cp_async16(dst + r * ldd + c, src + at);
+          continue;
+        }
       }
-    }
-    float x[V];
-    if (row_ok && vec_ok) {
-      const uint4 raw = *reinterpret_cast<const uint4*>(src + at);
-      const Tin* e = reinterpret_cast<const Tin*>(&raw);
+      float x[V];
+      if (row_ok && vec_ok) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(src + at);
+        const Tin* e = reinterpret_cast<const Tin*>(&raw);
 #pragma unroll
-      for (int u = 0; u < V; ++u) x[u] = to_float(e[u]);
-    } else {
+        for (int u = 0; u < V; ++u) x[u] = to_float(e[u]);
+      } else {
 #pragma unroll
-      for (int u = 0; u < V; ++u) x[u] = (row_ok && c + u < in_cols) ? to_float(src[at + u]) : 0.f;
-    }
-    if (add != nullptr && row_ok) {
-#pragma unroll
-      for (int u = 0; u < V; ++u) {
-        if (c + u < in_cols) x[u] += add[at + u];
+        for (int u = 0; u < V; ++u) {
+          x[u] = (row_ok && c + u < in_cols) ? to_float(src[at + u]) : 0.f;
+        }
       }
-    }
-    Pack p;
+      if (add != nullptr && row_ok) {
 #pragma unroll
-    for (int u = 0; u < V; ++u) p.e[u] = from_float<Op>(x[u]);
-    *reinterpret_cast<Pack*>(dst + r * ldd + c) = p;
+        for (int u = 0; u < V; ++u) {
+          if (c + u < in_cols) x[u] += add[at + u];
+        }
+      }
+      Pack p;
+#pragma unroll
+      for (int u = 0; u < V; ++u) p.e[u] = from_float<Op>(x[u]);
+      *reinterpret_cast<Pack*>(dst + r * ldd + c) = p;
+    }
   }
 }
+
+// N tiles of one type loaded together: load(i, ...) for each i in 0 .. N - 1 (load_tile's
+// arguments), then land(). Where the tiles load in two halves (kFetchFirst), load() issues the
+// tile's loads and land() converts and stores every tile, so that all N tiles' loads are in
+// flight at once (a walk's chunk of fp16 Q, K, V: six 16-byte loads a thread rather than one);
+// elsewhere load() is load_tile and land() does nothing.
+template <typename Tin, typename Op, int N>
+class TileBatch {
+ public:
+  __device__ __forceinline__ void load(int i, Op* dst, int ldd, const Tin* src, int64_t ld,
+                                       int64_t rows, int64_t cols, int64_t row0, int64_t col0,
+                                       const bool* keep, bool vec) {
+    if constexpr (kFetchFirst<Tin, Op>) {
+      held_.copy[i] = {dst, ldd, src, ld, rows, cols, row0, col0, keep, vec, nullptr};
+      fetch_vectors(held_.copy[i], held_.x[i]);
+    } else {
+      load_tile(dst, ldd, src, ld, rows, cols, row0, col0, keep, vec);
+    }
+  }
+  __device__ __forceinline__ void land() {
+    if constexpr (kFetchFirst<Tin, Op>) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) land_vectors(held_.copy[i], held_.x[i]);
+    }
+  }
+
+ private:
+  struct Held {
+    TileCopy<Tin, Op> copy[N];
+    FetchedVectors<Tin> x[N];
+  };
+  struct Nothing {};
+  std::conditional_t<kFetchFirst<Tin, Op>, Held, Nothing> held_;
+};
 
 template <typename T>
 __host__ __device__ constexpr int vec_elems() {

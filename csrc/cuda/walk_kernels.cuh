@@ -155,6 +155,7 @@ __device__ __forceinline__ void walk_wmma(int64_t block, int64_t slice, const Ti
                                           int64_t m, int64_t nblk, int64_t cpb, bool reverse,
                                           bool normalize, float eps, bool vec_qk, bool vec_v) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  static_assert(FT == 1 || FT == 2, "one or two 64-wide feature slices (F <= 128)");
   using Op = typename OperandOf<Tin>::type;
   using Smem = WalkSmem<Op, FT>;
   constexpr int LD = ld_of<Op>();
@@ -186,12 +187,29 @@ __device__ __forceinline__ void walk_wmma(int64_t block, int64_t slice, const Ti
   const Tin* vb = v + bh * n * m;
   auto load_chunk = [&](int64_t i, int buf) {
     const int64_t row0 = seg.chunk(i) * kTile;
+    if constexpr (kFetchFirst<Tin, Op> && FT == 2) {
+      // slice 0's Q, K, then slice 1's with V, each group's loads at once (all five tiles'
+      // loads at once spilled in fp16)
+      TileBatch<Tin, Op, 2> first;
+      first.load(0, q_tile(buf, 0), LD, qb, f, n, f, row0, 0, nullptr, vec_qk);
+      first.load(1, k_tile(buf, 0), LD, kb, f, n, f, row0, 0, nullptr, vec_qk);
+      first.land();
+      TileBatch<Tin, Op, 3> second;
+      second.load(0, q_tile(buf, 1), LD, qb, f, n, f, row0, kTile, nullptr, vec_qk);
+      second.load(1, k_tile(buf, 1), LD, kb, f, n, f, row0, kTile, nullptr, vec_qk);
+      second.load(2, v_tile(buf), LD, vb, m, n, m, row0, m0, nullptr, vec_v);
+      second.land();
+    } else {
+      TileBatch<Tin, Op, 2 * FT + 1> tiles;  // Q, K slices and V, their loads at once
 #pragma unroll
-    for (int ft = 0; ft < FT; ++ft) {
-      load_tile<Tin, Op>(q_tile(buf, ft), LD, qb, f, n, f, row0, ft * kTile, nullptr, vec_qk);
-      load_tile<Tin, Op>(k_tile(buf, ft), LD, kb, f, n, f, row0, ft * kTile, nullptr, vec_qk);
+      for (int ft = 0; ft < FT; ++ft) {
+        tiles.load(2 * ft, q_tile(buf, ft), LD, qb, f, n, f, row0, ft * kTile, nullptr, vec_qk);
+        tiles.load(2 * ft + 1, k_tile(buf, ft), LD, kb, f, n, f, row0, ft * kTile, nullptr,
+                   vec_qk);
+      }
+      tiles.load(2 * FT, v_tile(buf), LD, vb, m, n, m, row0, m0, nullptr, vec_v);
+      tiles.land();
     }
-    load_tile<Tin, Op>(v_tile(buf), LD, vb, m, n, m, row0, m0, nullptr, vec_v);
     cp_async_commit();
   };
   load_chunk(0, 0);
@@ -360,12 +378,16 @@ __device__ __forceinline__ void walk_wmma_dkv(int64_t block, const Tin* __restri
   auto load_chunk = [&](int64_t i, int buf) {
     const int64_t row0 = seg.chunk(i) * kTile;
     for (int ft = 0; ft < ft_n; ++ft) {
-      load_tile<Tin, Op>(q_tile(buf, ft), LD, qb, f, n, f, row0, ft * kTile, nullptr, vec_f);
-      load_tile<Tin, Op>(k_tile(buf, ft), LD, kb, f, n, f, row0, ft * kTile, nullptr, vec_f);
+      TileBatch<Tin, Op, 2> qk;  // a slice's Q and K, their loads at once
+      qk.load(0, q_tile(buf, ft), LD, qb, f, n, f, row0, ft * kTile, nullptr, vec_f);
+      qk.load(1, k_tile(buf, ft), LD, kb, f, n, f, row0, ft * kTile, nullptr, vec_f);
+      qk.land();
     }
     for (int mt = 0; mt < mt_n; ++mt) {
-      load_tile<Tin, Op>(v_tile(buf, mt), LD, vb, m, n, m, row0, mt * kTile, nullptr, vec_m);
-      load_tile<Tin, Op>(g_tile(buf, mt), LD, gb, m, n, m, row0, mt * kTile, nullptr, vec_m);
+      TileBatch<Tin, Op, 2> vg;  // V and G
+      vg.load(0, v_tile(buf, mt), LD, vb, m, n, m, row0, mt * kTile, nullptr, vec_m);
+      vg.load(1, g_tile(buf, mt), LD, gb, m, n, m, row0, mt * kTile, nullptr, vec_m);
+      vg.land();
     }
     cp_async_commit();
   };
