@@ -289,54 +289,74 @@ def test_wmma_fragments_load_from_shared_memory_in_their_layout(ptxas_reports, n
     assert not conflicts, conflicts[:5]
 
 
-# Kernels that load fp16 tiles and convert them in registers (OperandOf<__half> is float), by the
-# demangled name's start, and how many 16-byte global loads a thread must have issued before it
-# converts the first: every tile a step loads (two vectors a tile), as TileBatch issues them.
-FP16_LOADS_AT_ONCE = {
-    "chunk_walk_mma_kernel<__half, __half, 1>": 6,  # kernel 8: Q, K, V
-    "chunk_walk_mma_dkv_kernel<__half, __half, __half>": 8,  # kernel 9: Q, K, V, G
-    "chunk_walk_kernel<__half, __half, 1>": 6,  # kernel 6: Q, K, V (F <= 64)
-    "chunk_walk_kernel<__half, __half, 2>": 6,  # Q, K of slice 0 and V, then slice 1's Q, K
-    "chunk_walk_dkv_kernel<__half, __half, __half>": 4,  # kernel 7: Q, K, then V, G
-    "chunk_states_mma_kernel<__half>": 4,  # kernel 12: K, V
-    "chunk_states_kernel<__half, float, __half>": 4,  # kernel 1: K, V
-    "chunk_dqk_kernel<__half, float, __half>": 4,  # kernel 4: G, V
-    "chunk_dv_kernel<__half, float, __half>": 4,  # kernel 5: Q, K
+# Kernels whose tiles convert in registers on their way into shared memory (and so cannot go by
+# cp.async), by unit and demangled name, with the conversion their PTX makes and how many 16-byte
+# global loads a thread must have issued before the first: every tile a step loads (two vectors
+# a tile of 16-bit inputs, four of fp32), as TileBatch and load_tile issue them.
+LOADS_AT_ONCE = {
+    "float16": (  # fp16 inputs on fp32 tiles (OperandOf<__half> is float)
+        r"cvt\.f32\.f16",
+        {
+            "chunk_walk_mma_kernel<__half, __half, 1>": 6,  # kernel 8: Q, K, V
+            "chunk_walk_mma_dkv_kernel<__half, __half, __half>": 8,  # kernel 9: Q, K, V, G
+            "chunk_walk_kernel<__half, __half, 1>": 6,  # kernel 6: Q, K, V (F <= 64)
+            "chunk_walk_kernel<__half, __half, 2>": 6,  # slice 0's Q, K; slice 1's Q, K, V
+            "chunk_walk_dkv_kernel<__half, __half, __half>": 4,  # kernel 7: Q, K, then V, G
+            "chunk_states_mma_kernel<__half>": 4,  # kernel 12: K, V
+            "chunk_states_kernel<__half, float, __half>": 4,  # kernel 1: K, V
+            "chunk_dqk_kernel<__half, float, __half>": 4,  # kernel 4: G, V
+            "chunk_dv_kernel<__half, float, __half>": 4,  # kernel 5: Q, K
+        },
+    ),
+    "bfloat16": (  # kernel 3's fp32 state tile into bf16 operands (the non-causal read-out)
+        r"cvt\.rn\.bf16x?2?\.f32",
+        {"chunk_output_kernel<__nv_bfloat16, float, __nv_bfloat16>": 4},
+    ),
 }
 
 
-def loads_before_conversion(function_ptx: str) -> int:
-    """The longest run of 16-byte global loads (``ld.global.nc.v4``) with no fp16 -> fp32
-    conversion (``cvt.f32.f16``) between them in one kernel's PTX: how many vectors a thread
-    has in flight before it waits on the first."""
+def loads_before_conversion(function_ptx: str, conversion: str) -> int:
+    """The longest run of 16-byte global loads (``ld.global.nc.v4``) with no ``conversion``
+    between them in one kernel's PTX: how many vectors a thread has in flight before it waits
+    on the first."""
     longest = run = 0
-    for op in re.findall(r"ld\.global\.nc\.v4\.\w+|cvt\.f32\.f16", function_ptx):
-        run = run + 1 if op.startswith("ld.") else 0
+    for op in re.findall(rf"ld\.global\.nc\.v4\.\w+|{conversion}", function_ptx):
+        run = run + 1 if op.startswith("ld.global") else 0
         longest = max(longest, run)
     return longest
 
 
 def test_loads_before_conversion_counts_the_run():
     ptx = "ld.global.nc.v4.u32 a; cvt.f32.f16 b; " + "ld.global.nc.v4.u32 c; " * 3
-    assert loads_before_conversion(ptx + "cvt.f32.f16 d; ld.global.nc.v4.u32 e;") == 3
-    assert loads_before_conversion("cvt.f32.f16 a; ld.global.nc.v4.u32 b; cvt.f32.f16 c;") == 1
+    fp16 = LOADS_AT_ONCE["float16"][0]
+    assert loads_before_conversion(ptx + "cvt.f32.f16 d; ld.global.nc.v4.u32 e;", fp16) == 3
+    assert (
+        loads_before_conversion("cvt.f32.f16 a; ld.global.nc.v4.u32 b; cvt.f32.f16 c;", fp16) == 1
+    )
+    bf16 = LOADS_AT_ONCE["bfloat16"][0]
+    assert loads_before_conversion(ptx + "cvt.rn.bf16x2.f32 d; ld.global.nc.v4.u32 e;", bf16) == 4
 
 
-def test_fp16_tiles_issue_a_steps_loads_before_converting(ptxas_reports, nvcc_out):
-    """fp16 tiles convert to fp32 in registers on their way into shared memory, so their loads
-    cannot go by cp.async: converted one 16-byte vector at a time, each thread waited on its
-    loads one after another (the fp16 walks ran 4x slower than bf16's on an H200, 8.6 against
-    2.2 µs a chunk). ``TileBatch`` issues every load of a step's tiles before converting any;
-    this checks in the PTX that each such kernel keeps them together."""
+@pytest.mark.parametrize("unit", sorted(LOADS_AT_ONCE))
+def test_converted_tiles_issue_a_steps_loads_before_converting(ptxas_reports, nvcc_out, unit):
+    """Tiles that convert in registers cannot load by cp.async: converted one 16-byte vector at
+    a time, each thread waited on its loads one after another (the fp16 walks ran 4x slower than
+    bf16's on an H200, 8.6 against 2.2 µs a chunk). ``TileBatch`` and ``load_tile`` issue every
+    load of a step's tiles before converting any; this checks in the PTX that each such kernel
+    keeps them together."""
     if CXXFILT is None:
         pytest.skip("c++filt is not on PATH")
-    unit = CSRC / "cuda" / "float16.cu"
-    assert ptxas_reports[unit].returncode == 0
-    functions = re.split(r"\n\.entry\s+", ptx_of(nvcc_out, unit, "sm_90a"))[1:]
+    source = CSRC / "cuda" / f"{unit}.cu"
+    assert ptxas_reports[source].returncode == 0
+    conversion, expected = LOADS_AT_ONCE[unit]
+    functions = re.split(r"\n\.entry\s+", ptx_of(nvcc_out, source, "sm_90a"))[1:]
     names = SASS.demangle([function.split("(", 1)[0] for function in functions])
-    runs = {name: loads_before_conversion(f) for name, f in zip(names, functions, strict=True)}
-    for kernel, at_least in FP16_LOADS_AT_ONCE.items():
-        assert kernel in runs, f"{kernel} not in float16.cu's PTX: {sorted(runs)}"
+    runs = {
+        name: loads_before_conversion(f, conversion)
+        for name, f in zip(names, functions, strict=True)
+    }
+    for kernel, at_least in expected.items():
+        assert kernel in runs, f"{kernel} not in {unit}.cu's PTX: {sorted(runs)}"
         assert runs[kernel] >= at_least, (kernel, runs[kernel], at_least)
 
 

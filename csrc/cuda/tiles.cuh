@@ -59,14 +59,14 @@ struct TileVectors {
   }
 };
 
-// Whether Tin's tiles load in two halves (fetch_vectors, land_vectors): 16-bit inputs on fp32
-// tiles (fp16 inputs; 16-bit k beside fp32 v), which convert in registers and so cannot go by
-// cp.async. Each thread issues all its loads of a tile, or of several (TileBatch), before it
-// converts the first: one trip to memory rather than one a vector (the fp16 walks ran 4x slower
-// than bf16's on an H200, 8.6 against 2.2 us a chunk, their threads waiting on each of a chunk's
-// six loads in turn).
+// Whether Tin's tiles load in two halves (fetch_vectors, land_vectors): those that convert in
+// registers and so cannot go by cp.async (fp16 inputs on fp32 tiles, 16-bit k beside fp32 v,
+// fp32 states into bf16 tiles). Each thread issues all its loads of a tile, or of several
+// (TileBatch), before it converts the first: one trip to memory rather than one a vector (the
+// fp16 walks ran 4x slower than bf16's on an H200, 8.6 against 2.2 us a chunk, their threads
+// waiting on each of a chunk's six loads in turn).
 template <typename Tin, typename Op>
-constexpr bool kFetchFirst = sizeof(Tin) == 2 && std::is_same_v<Op, float>;
+constexpr bool kFetchFirst = !std::is_same_v<Tin, Op>;
 
 // load_tile's arguments as one value, for the two halves of a copy that converts in registers.
 template <typename Tin, typename Op>
@@ -115,12 +115,12 @@ __device__ __forceinline__ void fetch_vectors(const TileCopy<Tin, Op>& t, Fetche
 template <typename Tin, typename Op>
 __device__ __forceinline__ void land_vectors(const TileCopy<Tin, Op>& t,
                                              const FetchedVectors<Tin>& x) {
-  static_assert(kFetchFirst<Tin, Op>, "16-bit inputs on fp32 tiles");
+  static_assert(kFetchFirst<Tin, Op>, "a tile that converts");
   using L = TileVectors<Tin>;
   constexpr int V = L::V;
-  // 8 floats, aligned to 16 bytes: rows of fp32 tiles are 16-byte aligned only (stored as two
-  // 16-byte vectors)
-  struct alignas(16) Pack {
+  // 8 (fp32 -> bf16) or 32 (16-bit -> fp32) bytes, aligned to at most 16: rows of fp32 tiles
+  // are 16-byte aligned only (32 bytes are stored as two 16-byte vectors)
+  struct alignas(sizeof(Op) * V < 16 ? sizeof(Op) * V : 16) Pack {
     Op e[V];
   };
   const int64_t corner = t.row0 * t.ld + t.col0;
@@ -164,8 +164,8 @@ __device__ __forceinline__ void land_vectors(const TileCopy<Tin, Op>& t,
 // Each thread moves 16-byte vectors; `vec` says the global rows are 16-byte aligned. Where no
 // conversion or addition is needed (Tin == Op: bf16 and fp32 inputs), whole in-range vectors
 // are copied with cp.async: the caller calls cp_async_wait_all() before the __syncthreads()
-// that publishes the tile. Zero fill and converted elements are stored directly; 16-bit inputs
-// on fp32 tiles load in two halves (kFetchFirst).
+// that publishes the tile; zero fill is stored directly. Tiles that convert (Tin != Op) load in
+// two halves (kFetchFirst).
 template <typename Tin, typename Op>
 __device__ __forceinline__ void load_tile(Op* __restrict__ dst, int ldd,
                                           const Tin* __restrict__ src, int64_t ld, int64_t rows,
@@ -177,11 +177,10 @@ __device__ __forceinline__ void load_tile(Op* __restrict__ dst, int ldd,
     FetchedVectors<Tin> x;
     fetch_vectors(t, x);
     land_vectors(t, x);
-  } else {
+  } else {  // Tin == Op
     using L = TileVectors<Tin>;
     constexpr int V = L::V;
-    // 8 (fp32 -> bf16) or 16 bytes
-    struct alignas(sizeof(Op) * V < 16 ? sizeof(Op) * V : 16) Pack {
+    struct alignas(16) Pack {
       Op e[V];
     };
     // From the tile's corner on, offsets and bounds are 32-bit: ld < 2^24 (checked by the
@@ -193,21 +192,16 @@ __device__ __forceinline__ void load_tile(Op* __restrict__ dst, int ldd,
     const int in_rows = extent_in(rows - row0), in_cols = extent_in(cols - col0);
     const int c = L::col();
     const bool vec_ok = vec && c + V <= in_cols;
-    // unrolled where whole vectors go by cp.async; one pass at a time where they convert in
-    // registers (fp32 state tiles into bf16 ones)
-    constexpr int kUnroll = std::is_same_v<Tin, Op> ? L::kPasses : 1;
-#pragma unroll kUnroll
+#pragma unroll
     for (int pass = 0; pass < L::kPasses; ++pass) {
       const int r = L::row(pass);
       const int at = r * static_cast<int>(ld) + c;  // element (r, c) from the corner
       const bool row_ok = r < in_rows && (keep == nullptr || keep[r]);
-      if constexpr (std::is_same_v<Tin, Op>) {
-        if (row_ok && vec_ok && add == nullptr) {
-          cp_async16(dst + r * ldd + c, src + at);
-          continue;
-        }
+      if (row_ok && vec_ok && add == nullptr) {
+        cp_async16(dst + r * ldd + c, src + at);
+        continue;
       }
-      float x[V];
+      float x[V];  // zero fill, a ragged edge, rows off 16 bytes, or the carry added
       if (row_ok && vec_ok) {
         const uint4 raw = *reinterpret_cast<const uint4*>(src + at);
         const Tin* e = reinterpret_cast<const Tin*>(&raw);
