@@ -80,6 +80,17 @@ def rel_rms(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
     return diff / scale if scale > 0 else diff
 
 
+def stepped(state, q, k, v, log_scale=None):
+    """``state`` (a ``ks.RecurrentState``) stepped token by token through ``(B,H,N,·)``
+    inputs (``log_scale: (B,H,N)`` for a scaled state): (outputs (B,H,N,M), the last state)."""
+    outs = []
+    for t in range(q.shape[2]):
+        scale = None if log_scale is None else log_scale[:, :, t]
+        out, state = state.step(q[:, :, t], k[:, :, t], v[:, :, t], scale)
+        outs.append(out)
+    return torch.stack(outs, 2), state
+
+
 def close_in_dtype(
     got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, half_floor: float = 1e-12
 ) -> bool:

@@ -418,6 +418,38 @@ def test_recurrent_state_matches_causal_attention():
     assert rel_err(torch.stack(steps, dim=2), batch) <= 1e-4
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=str)
+def test_recurrent_blocks_match_causal_attention(dtype):
+    """``RecurrentState.steps`` on the CUDA product: segments of 70, 1 and 129 tokens (F≠M,
+    odd sizes) give the causal attention of the whole, and its gradients through the carried
+    states; in float16 with sums past 65504 in a block (the CUDA product rounds to the
+    inputs' dtype, so such blocks run it in float32) the outputs stay finite and close."""
+    b, h, n, f, m = 2, 2, 200, 33, 70
+    q, k, v = _features(b, h, n, f, m, dtype)
+    state, outs, start = RecurrentState.zeros(b, h, f, m, device=DEVICE), [], 0
+    for size in (70, 1, 129):
+        part = slice(start, start + size)
+        out, state = state.steps(q[:, :, part], k[:, :, part], v[:, :, part])
+        assert out.dtype == dtype
+        outs.append(out)
+        start += size
+    got = torch.cat(outs, 2)
+    inputs = _as64((q, k, v))
+    want = linear_attention_reference(*inputs, causal=True)
+    assert close_in_dtype(got, want, dtype)
+    g = _upstream(got.shape)
+    for a, w in zip(_grads(got, (q, k, v), g), _grads(want, inputs, g.double()), strict=True):
+        assert close_in_dtype(a, w, dtype)
+    if dtype == torch.float16:  # q·k = 160 a key: a block of 500 sums to 8e4
+        q, k = torch.ones(1, 1, 600, 16, device=DEVICE), torch.full((1, 1, 600, 16), 10.0)
+        q, k, v = q.half(), k.half().to(DEVICE), torch.randn(1, 1, 600, 4).half().to(DEVICE)
+        start = RecurrentState.zeros(1, 1, 16, 4, device=DEVICE)
+        _, state = start.steps(q[:, :, :100], k[:, :, :100], v[:, :, :100])
+        out, _ = state.steps(q[:, :, 100:], k[:, :, 100:], v[:, :, 100:])
+        want = linear_attention_reference(*_as64((q, k, v)), causal=True)[:, :, 100:]
+        assert close_in_dtype(out, want, dtype)
+
+
 def test_scaled_cumsum_matches_torch():
     x = torch.rand(2, 3, 300, 70, device=DEVICE)
     w = torch.rand(2, 3, 300, device=DEVICE)

@@ -9,7 +9,7 @@ import torch
 
 import kernelstudy as ks
 
-from .conftest import close_in_dtype, rel_err
+from .conftest import close_in_dtype, rel_err, stepped
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -45,16 +45,6 @@ def test_scaled_state_equals_plain_state_on_rescaled_keys():
     torch.testing.assert_close(state.log_scale, shift.amax(-1).float())
 
 
-def _stepped(state, q, k, v, shift=None):
-    """Every output of ``state`` stepped through ``(B,H,N,·)`` inputs, ``(B,H,N,M)``."""
-    outs = []
-    for t in range(q.shape[2]):
-        scale = None if shift is None else shift[:, :, t]
-        out, state = state.step(q[:, :, t], k[:, :, t], v[:, :, t], scale)
-        outs.append(out)
-    return torch.stack(outs, 2)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_recurrent_step_gradients_equal_the_reference(dtype):
     """The steps are differentiable (the read-out runs through an autograd Function), but only
@@ -65,7 +55,7 @@ def test_recurrent_step_gradients_equal_the_reference(dtype):
     b, h, n, f, m = 1, 2, 11, 5, 3
     q, k = (torch.rand(b, h, n, f, dtype=dtype).requires_grad_() for _ in "qk")
     v = torch.randn(b, h, n, m, dtype=dtype).requires_grad_()
-    got = _stepped(ks.RecurrentState.zeros(b, h, f, m), q, k, v)
+    got, _ = stepped(ks.RecurrentState.zeros(b, h, f, m), q, k, v)
     want = ks.core.linear_attention_reference(*(t.double() for t in (q, k, v)), causal=True)
     g = torch.randn(want.shape, dtype=torch.float64)
     tol = 1e-4 if dtype == torch.float32 else 1e-10
@@ -81,7 +71,7 @@ def test_recurrent_step_gradients_equal_the_reference(dtype):
     v = torch.randn(2, 1, 9, 3, dtype=torch.float64).requires_grad_()
     shift = 40 * torch.randn(2, 1, 9, dtype=torch.float64).clamp(-1, 1)
     state = ks.RecurrentState.zeros(2, 1, 4, 3, dtype=torch.float64, scaled=True, eps=1e-300)
-    got = _stepped(state, q, k_hat, v, shift)
+    got, _ = stepped(state, q, k_hat, v, shift)
     k = k_hat * shift.exp()[..., None]
     want = ks.core.linear_attention_reference(q, k, v, causal=True, eps=1e-300)
     g = torch.randn_like(want)

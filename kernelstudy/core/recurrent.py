@@ -11,6 +11,10 @@ sums' dtype (:mod:`kernelstudy.core.exp_range`; float32's for half inputs, which
 summed in float32, as ``kernel_attention`` maps them), as the batch key stabilizer of
 FAVOR+ and Hedgehog, so stepping gives the batch output; beyond it, keys whose features
 are exp of large exponents do not overflow. The factor cancels in the normalized output.
+
+``steps`` reads a block of tokens at once (a prompt, or one segment of a long sequence):
+the causal product of the block on the core's backends plus the state's part, the same
+outputs and state as stepping token by token.
 """
 
 from __future__ import annotations
@@ -21,13 +25,17 @@ import torch
 
 from ..arguments import check_count, check_flag
 from .autocast import without_autocast
+from .backends import check_backend_name, resolve_backend
 from .exp_range import exp_shift
 from .validation import (
     accumulation_dtype,
+    autocast_off,
     check_device,
     check_eps,
+    check_key_padding_mask,
     check_same_dtype_and_device,
     check_tensor,
+    zero_padded_keys,
 )
 
 
@@ -120,52 +128,16 @@ class RecurrentState:
         input dtype, and the new state. A scaled state needs ``k_log_scale: (B,H)``
         (the key's feature is ``phi_k_t·exp(k_log_scale)``); a plain one refuses it.
         """
-        check_tensor(phi_q_t, "phi_q_t", 3)
-        check_tensor(phi_k_t, "phi_k_t", 3)
-        check_tensor(v_t, "v_t", 3)
-        b, h, f, m = self.S.shape
-        for name, t, want in (
-            ("phi_q_t", phi_q_t, (b, h, f)),
-            ("phi_k_t", phi_k_t, (b, h, f)),
-            ("v_t", v_t, (b, h, m)),
-        ):
-            if tuple(t.shape) != want:
-                raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
-        check_same_dtype_and_device({"phi_q_t": phi_q_t, "phi_k_t": phi_k_t, "v_t": v_t})
-        if phi_q_t.device != self.S.device:
-            raise ValueError(
-                f"the step's inputs are on {phi_q_t.device} but the state is on {self.S.device}"
-            )
-        acc = self.S.dtype
-        if accumulation_dtype(phi_q_t.dtype) == torch.float64 and acc != torch.float64:
-            acc = torch.float64
+        b, h, _, m = self.S.shape
+        self._check_inputs({"phi_q_t": phi_q_t, "phi_k_t": phi_k_t, "v_t": v_t}, ())
+        acc = self._sums_dtype(phi_q_t.dtype)
         q, k, v = phi_q_t.to(acc), phi_k_t.to(acc), v_t.to(acc)
-        s, z, log_scale = self.S.to(acc), self.Z.to(acc), None
-        if (self.log_scale is None) != (k_log_scale is None):
-            raise ValueError(
-                "k_log_scale must be given exactly when the state is scaled "
-                f"(this state is {'' if self.log_scale is not None else 'not '}scaled)"
-            )
-        if k_log_scale is not None:
-            check_tensor(k_log_scale, "k_log_scale", 2)
-            if tuple(k_log_scale.shape) != (b, h):
-                raise ValueError(
-                    f"k_log_scale must have shape {(b, h)}, got {tuple(k_log_scale.shape)}"
-                )
-            if k_log_scale.device != self.S.device:
-                raise ValueError(
-                    f"k_log_scale is on {k_log_scale.device} but the state is on {self.S.device}"
-                )
-            old, new = self.log_scale.to(acc), k_log_scale.to(acc)
-            log_scale = torch.maximum(old, new)
-            # the sums' dtype, not the step's: the sums keep one shift whatever each step holds
-            shift = exp_shift(log_scale, acc)
-            # exp_shift grows with its argument, so decay <= 1 (1 while the state is empty)
-            shift_old = torch.where(old == -torch.inf, shift, exp_shift(old, acc))
-            decay = torch.exp(shift_old - shift)
-            s = s * decay[..., None, None]
-            z = z * decay[..., None]
-            k = k * torch.exp(new - shift)[..., None]  # new - shift <= the safe maximum
+        self._check_log_scale(k_log_scale, (b, h), "k_log_scale")
+        s, z, log_scale, shift = self._sums_for(
+            None if k_log_scale is None else k_log_scale.to(acc), acc
+        )
+        if shift is not None:
+            k = k * torch.exp(k_log_scale.to(acc) - shift)[..., None]  # <= the safe maximum
         s = s + k.unsqueeze(-1) * v.unsqueeze(-2)
         z = z + k
         # autocast would read the float32 state in float16 (forward, or a backward in it)
@@ -173,3 +145,148 @@ class RecurrentState:
         den = (q * z).sum(-1, keepdim=True)
         out = num / (den + self.eps)
         return out.to(phi_q_t.dtype), RecurrentState(s, z, self.eps, log_scale)
+
+    def steps(
+        self,
+        phi_q: torch.Tensor,
+        phi_k: torch.Tensor,
+        v: torch.Tensor,
+        k_log_scale: torch.Tensor | None = None,
+        key_padding_mask: torch.Tensor | None = None,
+        backend: str | None = None,
+    ) -> tuple[torch.Tensor, RecurrentState]:
+        """:meth:`step` through ``N`` tokens at once: a prompt read in parallel, or a long
+        sequence in segments that carry the state.
+
+        ``phi_q, phi_k: (B,H,N,F)``, ``v: (B,H,N,M)`` → outputs ``(B,H,N,M)`` in the input
+        dtype and the state after the block: ``out_i = φq_i·(S + Σ_{j≤i} φk_j v_jᵀ) /
+        (φq_i·(Z + Σ_{j≤i} φk_j) + eps)``, what ``N`` steps give. The block's part is the
+        core's causal product (``backend`` as in :func:`kernelstudy.causal_dot_product`: the
+        compiled kernels where they run), the state's an ``(F, M)`` product. A scaled state
+        needs ``k_log_scale: (B,H,N)``: the block's sums share the shift of its largest log
+        scale (and the state's), and each row's ``eps`` is scaled to the shift of the row's
+        own prefix, as ``kernel_attention`` normalizes causal rows: the outputs equal the
+        steps' beyond the safe range too, except where keys underflow (in float32, keys
+        about e^87 below a later key of the block read as 0).
+        ``key_padding_mask: (B,N)`` bool, True = real token: padded tokens add nothing to the
+        sums (their own outputs read the sums before them). Differentiable in the inputs and
+        in the state's tensors (back-propagation through segments).
+        """
+        b, h, _, m = self.S.shape
+        check_tensor(phi_q, "phi_q", 4)  # its length is the block's
+        self._check_inputs({"phi_q": phi_q, "phi_k": phi_k, "v": v}, (phi_q.shape[2],))
+        check_backend_name(backend)
+        n = phi_q.shape[2]
+        self._check_log_scale(k_log_scale, (b, h, n), "k_log_scale")
+        mask = None
+        if key_padding_mask is not None:
+            mask = check_key_padding_mask(key_padding_mask, b, n, phi_q.device)
+        if n == 0:
+            return v.new_empty(b, h, 0, m), self
+        acc = self._sums_dtype(phi_q.dtype)
+        with autocast_off(phi_q):
+            q, k, v = phi_q, phi_k, v
+            new = None
+            if k_log_scale is not None:  # padded keys take no part in the maximum
+                new = k_log_scale.to(acc)
+                if mask is not None:
+                    new = new.masked_fill(~mask[:, None, :], -torch.inf)
+            s, z, log_scale, shift = self._sums_for(None if new is None else new.amax(-1), acc)
+            eps = self.eps
+            if shift is not None:  # the block's keys at the state's shift, in the sums' dtype
+                q, v = q.to(acc), v.to(acc)
+                k = k.to(acc) * torch.exp(new - shift[..., None])[..., None]
+                eps = self._prefix_eps(new, shift, acc)
+            k, v = zero_padded_keys(k, v, mask)
+            both = _block_sums(q, k, v, backend, acc)  # (B,H,N,M+1): [num | den]
+            q, k, v = q.to(acc), k.to(acc), v.to(acc)
+            both = both + q @ torch.cat([s, z[..., None]], dim=-1)
+            out = both[..., :m] / (both[..., m:] + eps)
+            s = s + k.transpose(-1, -2) @ v
+            z = z + k.sum(-2)
+        return out.to(phi_q.dtype), RecurrentState(s, z, self.eps, log_scale)
+
+    def _check_inputs(self, tensors: dict[str, torch.Tensor], seq: tuple[int, ...]) -> None:
+        """TypeError/ValueError naming the tensor unless ``tensors`` (φq, φk, v) are float
+        tensors of shapes ``(B,H,*seq,F)``, ``(B,H,*seq,F)``, ``(B,H,*seq,M)`` of one dtype on
+        the state's device."""
+        b, h, f, m = self.S.shape
+        for (name, t), last in zip(tensors.items(), (f, f, m), strict=True):
+            check_tensor(t, name, 3 + len(seq))
+            want = (b, h, *seq, last)
+            if tuple(t.shape) != want:
+                raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
+        check_same_dtype_and_device(tensors)
+        device = next(iter(tensors.values())).device
+        if device != self.S.device:
+            raise ValueError(f"the inputs are on {device} but the state is on {self.S.device}")
+
+    def _check_log_scale(self, k_log_scale: object, shape: tuple[int, ...], name: str) -> None:
+        """ValueError unless ``k_log_scale`` is given exactly for a scaled state, as a float
+        tensor of ``shape`` on the state's device."""
+        if (self.log_scale is None) != (k_log_scale is None):
+            raise ValueError(
+                f"{name} must be given exactly when the state is scaled "
+                f"(this state is {'' if self.log_scale is not None else 'not '}scaled)"
+            )
+        if k_log_scale is None:
+            return
+        if not isinstance(k_log_scale, torch.Tensor) or not k_log_scale.is_floating_point():
+            got = getattr(k_log_scale, "dtype", type(k_log_scale).__name__)
+            raise TypeError(f"{name} must be a float tensor of shape {shape}, got {got}")
+        if tuple(k_log_scale.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(k_log_scale.shape)}")
+        if k_log_scale.device != self.S.device:
+            raise ValueError(
+                f"{name} is on {k_log_scale.device} but the state is on {self.S.device}"
+            )
+
+    def _prefix_eps(
+        self, logs: torch.Tensor, shift: torch.Tensor, acc: torch.dtype
+    ) -> torch.Tensor:
+        """``eps`` for each row of a block whose sums are at ``shift: (B,H)``, as if they were
+        at the shift of the row's own prefix (what a step there has): ``(B,H,N,1)``.
+
+        The sums at shift c are those at c_t times ``exp(c_t − c)`` (c_t ≤ c, the shift of the
+        running maximum of the state's and the block's ``logs: (B,H,N)`` up to the row), so
+        the row's ``eps`` is scaled by it; at least the dtype's smallest normal number (a
+        row whose keys all underflow reads 0, not 0/0)."""
+        running = torch.maximum(self.log_scale.to(acc)[..., None], logs.cummax(-1).values)
+        factor = torch.exp(exp_shift(running, acc) - shift[..., None])
+        return (self.eps * factor).clamp_min(torch.finfo(acc).tiny)[..., None]
+
+    def _sums_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The sums' dtype for inputs of ``dtype``: the state's, float64 for float64 inputs."""
+        return torch.float64 if accumulation_dtype(dtype) == torch.float64 else self.S.dtype
+
+    def _sums_for(
+        self, new_max: torch.Tensor | None, acc: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``(S, Z, log_scale, shift)`` in ``acc`` for keys whose largest log scale is
+        ``new_max: (B,H)`` (None for a plain state: log_scale and shift None). A scaled state's
+        sums move to the shift of the new maximum: multiplied by ``exp(old shift − shift)``
+        (≤ 1: ``exp_shift`` grows with its argument; 1 while the state is empty)."""
+        s, z = self.S.to(acc), self.Z.to(acc)
+        if new_max is None:
+            return s, z, None, None
+        old = self.log_scale.to(acc)
+        log_scale = torch.maximum(old, new_max)
+        # the sums' dtype, not the inputs': the sums keep one shift whatever each step holds
+        shift = exp_shift(log_scale, acc)
+        shift_old = torch.where(old == -torch.inf, shift, exp_shift(old, acc))
+        decay = torch.exp(shift_old - shift)
+        return s * decay[..., None, None], z * decay[..., None], log_scale, shift
+
+
+def _block_sums(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str | None, acc: torch.dtype
+) -> torch.Tensor:
+    """``[Σ_{j≤i} (q_i·k_j) v_j | Σ_{j≤i} q_i·k_j]``: ``(B,H,N,M+1)`` in ``acc``, one causal
+    product with a column of ones beside ``v`` on ``backend``."""
+    chosen = resolve_backend(backend, q)
+    if q.dtype == torch.float16 and chosen.attention is not None:
+        # a backend with a fused attention may round its product to the inputs' dtype, and a
+        # float16 normalizer overflows at 65504: its products run in float32 instead
+        q, k, v = q.float(), k.float(), v.float()
+    v1 = torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)
+    return chosen.product(q, k, v1).to(acc)

@@ -1,0 +1,253 @@
+"""``RecurrentState.steps``: a block of tokens at once equals its steps one by one.
+
+Tolerances: float64 max relative error ≤ 1e-12, float32 ≤ 1e-5 (the sums in another order);
+float16/bfloat16 relative RMS error ≤ 1e-2 against float64 on the same rounded inputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernelstudy as ks
+from kernelstudy.core.backends import Backend, register_backend, unregister_backend
+from kernelstudy.core.chunked import causal_dot_product_chunked
+
+from .conftest import close_in_dtype, rel_err, stepped
+
+# (B, H, N, F, M): one token, N not a multiple of the torch backend's chunk, F≠M, batch of 1
+SHAPES = [(1, 1, 1, 3, 2), (2, 3, 23, 8, 5), (1, 2, 70, 16, 40)]
+
+
+def _inputs(b, h, n, f, m, dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.rand(b, h, n, f, generator=gen, dtype=torch.float64).to(dtype)
+    k = torch.rand(b, h, n, f, generator=gen, dtype=torch.float64).to(dtype)
+    v = torch.randn(b, h, n, m, generator=gen, dtype=torch.float64).to(dtype)
+    return q, k, v
+
+
+def _tol(dtype):
+    return 1e-12 if dtype == torch.float64 else 1e-5
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference", "cpu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_a_block_equals_its_steps_from_a_state(backend, dtype, shape):
+    """From a state that has read 9 tokens already: the block's outputs and the state after
+    it equal N steps', on every backend that runs here."""
+    if backend not in ks.backends():
+        pytest.skip(f"backend {backend!r} does not run here")
+    b, h, n, f, m = shape
+    q, k, v = _inputs(b, h, n + 9, f, m, dtype)
+    head, tail = ([t[:, :, :9] for t in (q, k, v)], [t[:, :, 9:] for t in (q, k, v)])
+    _, state = stepped(ks.RecurrentState.zeros(b, h, f, m, dtype=dtype), *head)
+    held = state.S.clone()
+    want, want_state = stepped(state, *tail)
+    got, got_state = state.steps(*tail, backend=backend)
+    assert got.shape == (b, h, n, m) and got.dtype == dtype
+    assert rel_err(got, want) <= _tol(dtype)
+    assert rel_err(got_state.S, want_state.S) <= _tol(dtype)
+    assert rel_err(got_state.Z, want_state.Z) <= _tol(dtype)
+    assert got_state.S.dtype == state.S.dtype and got_state.log_scale is None
+    assert torch.equal(state.S, held)  # the state it started from is unchanged
+
+
+def test_segments_equal_the_batch_attention():
+    """A sequence read in segments of 37, 1 and 62 tokens, each starting from the state the
+    one before left: the causal attention of the whole, and the state holds Σ φk vᵀ, Σ φk."""
+    b, h, n, f, m = 2, 3, 100, 12, 7
+    q, k, v = _inputs(b, h, n, f, m)
+    state, outs, start = ks.RecurrentState.zeros(b, h, f, m, dtype=torch.float64), [], 0
+    for size in (37, 1, 62):
+        out, state = state.steps(*(t[:, :, start : start + size] for t in (q, k, v)))
+        outs.append(out)
+        start += size
+    assert rel_err(torch.cat(outs, 2), ks.linear_attention(q, k, v, causal=True)) <= 1e-12
+    assert rel_err(state.S, k.transpose(-1, -2) @ v) <= 1e-12
+    assert rel_err(state.Z, k.sum(2)) <= 1e-12
+
+
+def test_scaled_blocks_equal_the_batch_on_rescaled_keys():
+    """Keys φ̂·exp(s) with s from 25 to 60, beyond float32's safe exponents: float32 blocks of a
+    scaled state given (φ̂, s) shift them, and equal the float64 batch output on the keys
+    themselves; the state's log scale is the largest s so far, as after steps."""
+    b, h, n, f, m = 2, 3, 17, 8, 5
+    q, k_hat, v = _inputs(b, h, n, f, m)
+    log_scale = 25 + 35 * torch.rand(b, h, n, dtype=torch.float64)
+    batch = ks.linear_attention(q, k_hat * log_scale.exp()[..., None], v, causal=True, eps=1e-300)
+    state = ks.RecurrentState.zeros(b, h, f, m, scaled=True, eps=1e-30)
+    for part in (slice(0, 5), slice(5, n)):
+        inputs = (t[:, :, part].float() for t in (q, k_hat, v))
+        out, state = state.steps(*inputs, k_log_scale=log_scale[:, :, part])
+        assert torch.isfinite(out).all()
+        assert rel_err(out, batch[:, :, part]) <= 1e-5
+        torch.testing.assert_close(state.log_scale, log_scale[:, :, : part.stop].amax(-1).float())
+    assert state.log_scale.min() > 20  # the shift acted
+    # where eps weighs (no tiny eps): each row is normalized at its own prefix's shift, as
+    # the steps' running maximum has it, although a later key of the block sets the sums'
+    start = ks.RecurrentState.zeros(b, h, f, m, dtype=torch.float64, scaled=True, eps=1e-3)
+    log_scale = 25 + 10 * torch.rand(b, h, n, dtype=torch.float64)
+    log_scale[..., -1] = 40  # the block's largest, last
+    want, want_state = stepped(start, q, k_hat, v, log_scale)
+    got, got_state = start.steps(q, k_hat, v, k_log_scale=log_scale)
+    assert rel_err(got, want) <= 1e-12 and rel_err(got_state.S, want_state.S) <= 1e-12
+    shared = ks.RecurrentState(start.S, start.Z, 1e-3)  # one shift and one eps for all rows
+    assert rel_err(got, shared.steps(q, k_hat * (log_scale - 40).exp()[..., None], v)[0]) > 1e-3
+    # inside the safe range the shift is 0: a block gives its steps' outputs and sums
+    small = log_scale / 30
+    start = ks.RecurrentState.zeros(b, h, f, m, dtype=torch.float64, scaled=True)
+    want, want_state = stepped(start, q, k_hat, v, small)
+    got, got_state = start.steps(q, k_hat, v, k_log_scale=small)
+    assert rel_err(got, want) <= 1e-12 and rel_err(got_state.S, want_state.S) <= 1e-12
+    assert torch.equal(got_state.log_scale, want_state.log_scale)
+
+
+def test_padded_tokens_add_nothing():
+    """Padded tokens (NaN and a huge log scale in them) leave the sums as the real tokens
+    alone make them, and the real tokens' outputs are the padded causal attention's."""
+    b, h, n, f, m = 3, 2, 29, 6, 4
+    q, k, v = _inputs(b, h, n, f, m)
+    mask = torch.rand(b, n, generator=torch.Generator().manual_seed(1)) < 0.7
+    mask[0] = True
+    mask[1, :3] = False  # the block opens with padding
+    k, v = (
+        k.masked_fill(~mask[:, None, :, None], torch.nan),
+        v.masked_fill(~mask[:, None, :, None], torch.inf),
+    )
+    start = ks.RecurrentState.zeros(b, h, f, m, dtype=torch.float64)
+    out, state = start.steps(q, k, v, key_padding_mask=mask)
+    want = ks.linear_attention(q, k, v, causal=True, key_padding_mask=mask)
+    real = mask[:, None, :].expand(b, h, n)
+    assert rel_err(out[real], want[real]) <= 1e-12
+    keep = mask[:, None, :, None]
+    k0, v0 = torch.where(keep, k, 0.0), torch.where(keep, v, 0.0)
+    assert rel_err(state.S, k0.transpose(-1, -2) @ v0) <= 1e-12
+    assert rel_err(state.Z, k0.sum(2)) <= 1e-12
+    # a scaled state: the padded tokens' log scales take no part in its maximum
+    scaled = ks.RecurrentState.zeros(b, h, f, m, dtype=torch.float64, scaled=True)
+    log_scale = torch.randn(b, h, n, dtype=torch.float64).masked_fill(~mask[:, None, :], 1e4)
+    _, state = scaled.steps(q, k, v, k_log_scale=log_scale, key_padding_mask=mask)
+    assert torch.isfinite(state.S).all()
+    want_max = log_scale.masked_fill(~mask[:, None, :], -torch.inf).amax(-1)
+    assert torch.equal(state.log_scale, want_max)
+
+
+def test_block_gradients_reach_the_inputs_and_the_state():
+    """gradcheck in float64 through a block, w.r.t. φq, φk, v and the state's S and Z (a
+    segment's gradient flows back into the segment before it), plain and scaled."""
+    b, h, n, f, m = 1, 2, 7, 3, 4
+    q, k, v = (t.requires_grad_() for t in _inputs(b, h, n, f, m))
+    s = torch.rand(b, h, f, m, dtype=torch.float64, requires_grad=True)
+    z = torch.rand(b, h, f, dtype=torch.float64, requires_grad=True)
+
+    def block(q, k, v, s, z):
+        out, state = ks.RecurrentState(s, z).steps(q, k, v)
+        return out, state.S, state.Z
+
+    assert torch.autograd.gradcheck(block, (q, k, v, s, z))
+    log_scale = torch.randn(b, h, n, dtype=torch.float64)
+
+    def scaled(q, k, v):
+        state = ks.RecurrentState.zeros(b, h, f, m, dtype=torch.float64, scaled=True)
+        out, state = state.steps(q, k, v, k_log_scale=log_scale)
+        return out, state.S
+
+    assert torch.autograd.gradcheck(scaled, (q, k, v))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_half_blocks_within_tolerance(dtype):
+    b, h, n, f, m = 2, 2, 90, 16, 8
+    q, k, v = _inputs(b, h, n, f, m, dtype)
+    start = ks.RecurrentState.zeros(b, h, f, m)
+    out, state = start.steps(q[:, :, :40], k[:, :, :40], v[:, :, :40])
+    out2, _ = state.steps(q[:, :, 40:], k[:, :, 40:], v[:, :, 40:])
+    assert out.dtype == dtype
+    want = ks.linear_attention(*(t.double() for t in (q, k, v)), causal=True)
+    assert close_in_dtype(torch.cat([out, out2], 2), want, dtype)
+
+
+def test_float16_sums_past_its_range_on_a_rounding_backend():
+    """A backend with a fused attention may return its product in the inputs' dtype (the
+    CUDA backend does): float16's normalizer overflows at 65504, so such a block runs its
+    product in float32. Here a stand-in backend that rounds, and a block's sums up to 8e4."""
+    name = "rounding_stand_in"
+
+    def rounded(q, k, v):
+        return causal_dot_product_chunked(q, k, v).to(q.dtype)
+
+    register_backend(Backend(name, rounded, attention=lambda *args: None, priority=0))
+    try:
+        b, h, n, f, m = 1, 1, 600, 16, 4
+        q, k = torch.ones(b, h, n, f, dtype=torch.float16), torch.ones(b, h, n, f)
+        k = (10 * k).half()  # q·k = 160 a key: the block's normalizer passes 65504 at 410
+        v = torch.randn(b, h, n, m).half()
+        start = ks.RecurrentState.zeros(b, h, f, m)
+        _, state = start.steps(q[:, :, :100], k[:, :, :100], v[:, :, :100], backend=name)
+        out, _ = state.steps(q[:, :, 100:], k[:, :, 100:], v[:, :, 100:], backend=name)
+        assert torch.isfinite(out).all()
+        want = ks.linear_attention(*(t.double() for t in (q, k, v)), causal=True)[:, :, 100:]
+        assert close_in_dtype(out, want, torch.float16)
+        # and the stand-in does overflow where it is given float16 sums to round
+        ones = torch.ones_like(v[:, :, 100:, :1])
+        assert not torch.isfinite(rounded(q[:, :, 100:], k[:, :, 100:], ones)).all()
+    finally:
+        unregister_backend(name)
+
+
+def test_autocast_does_not_reach_the_sums():
+    q, k, v = _inputs(1, 2, 40, 8, 5, torch.float32)
+    start = ks.RecurrentState.zeros(1, 2, 8, 5)
+    want, want_state = start.steps(q, k, v)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, got_state = start.steps(q, k, v)
+    assert got.dtype == torch.float32
+    assert rel_err(got, want) <= 1e-6 and rel_err(got_state.S, want_state.S) <= 1e-6
+
+
+def test_an_empty_block_leaves_the_state():
+    state = ks.RecurrentState.zeros(2, 3, 4, 5)
+    q = torch.rand(2, 3, 0, 4)
+    out, same = state.steps(q, q, torch.rand(2, 3, 0, 5))
+    assert out.shape == (2, 3, 0, 5) and same is state
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda s, q, v: s.steps(q[..., :3], q, v), ValueError, "phi_q"),
+        (lambda s, q, v: s.steps(q, q[:, :, :5], v), ValueError, "phi_k"),
+        (lambda s, q, v: s.steps(q, q, v[..., :2]), ValueError, "v must have shape"),
+        (lambda s, q, v: s.steps(q[0], q[0], v[0]), ValueError, "phi_q must have 4"),
+        (lambda s, q, v: s.steps(q, q.double(), v), TypeError, "dtype"),
+        (lambda s, q, v: s.steps(q, q, v, k_log_scale=torch.zeros(1, 2, 6)), ValueError, "scaled"),
+        (lambda s, q, v: s.steps(q, q, v, key_padding_mask=torch.ones(1, 5)), TypeError, "bool"),
+        (
+            lambda s, q, v: s.steps(q, q, v, key_padding_mask=torch.ones(1, 5, dtype=torch.bool)),
+            ValueError,
+            "key_padding_mask must have shape",
+        ),
+        (lambda s, q, v: s.steps(q, q, v, backend="nope"), ValueError, "backend"),
+        (
+            lambda s, q, v: s.steps(q.to("meta"), q.to("meta"), v.to("meta")),
+            ValueError,
+            "state is on",
+        ),
+    ],
+)
+def test_bad_blocks_are_refused(call, error, match):
+    state = ks.RecurrentState.zeros(1, 2, 4, 3)
+    q, v = torch.rand(1, 2, 6, 4), torch.rand(1, 2, 6, 3)
+    with pytest.raises(error, match=match):
+        call(state, q, v)
+
+
+def test_scaled_blocks_need_their_log_scales():
+    state = ks.RecurrentState.zeros(1, 2, 4, 3, scaled=True)
+    q, v = torch.rand(1, 2, 6, 4), torch.rand(1, 2, 6, 3)
+    with pytest.raises(ValueError, match="k_log_scale must be given"):
+        state.steps(q, q, v)
+    with pytest.raises(ValueError, match=r"k_log_scale must have shape \(1, 2, 6\)"):
+        state.steps(q, q, v, k_log_scale=torch.zeros(1, 2))
