@@ -183,6 +183,25 @@ def test_lm_step_equals_forward(attention, tie_weights):
         assert model.head.weight is model.embed.weight and model.head.bias is None
 
 
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_lm_blocks_equal_forward(attention):
+    """A prompt read in one block, a second block from its state, then a step: the logits
+    of the forward over all of it (1e-5), and the position counts every token."""
+    model = ks.nn.CausalLM(20, attention=attention, **SMALL).eval()
+    ids = _ids(2, 12)
+    with torch.no_grad():
+        full = model(ids)
+        first, state = model.steps(ids[:, :7])
+        second, state = model.steps(ids[:, 7:11], state)
+        last, state = model.step(ids[:, 11], state)
+    assert first.shape == (2, 7, 20) and state.position == 12
+    assert rel_err(torch.cat([first, second, last[:, None]], 1), full) <= 1e-5
+    with pytest.raises(TypeError, match="state must be None or the LMState"):
+        model.steps(ids, state.layers)
+    with pytest.raises(ValueError, match="tokens"):
+        model.steps(ids.float())
+
+
 def test_lm_step_equals_forward_with_separate_query_and_key_maps():
     """hedgehog with tie_qk=False: the RNN steps map keys with the keys' own weights, as the
     batch does (key features go through key_features, with its per-key shift)."""
@@ -524,11 +543,13 @@ def test_generate_ends_rows_at_eos_and_returns_int64_ids():
         assert out[b, 4 : 4 + end].tolist() == new[:end]
         assert (out[b, 4 + end :] == 299).all()
     calls = []
-    step = model._step
+    step, steps = model._step, model._steps
     model._step = lambda *a: calls.append(1) or step(*a)
+    model._steps = lambda tokens, state: calls.append(tokens.shape[1]) or steps(tokens, state)
     one = model.generate(prompt[:1], 8, eos_id=eos)
     first = free[0, 4:].tolist().index(eos)  # the new token that ends row 0
-    assert one.shape == (1, 12) and len(calls) == 4 + first  # stopped after the eos
+    # the prompt in one pass, then a step a new token up to the eos (not fed back)
+    assert one.shape == (1, 12) and calls == [4] + [1] * first
     with pytest.raises(ValueError, match=r"eos_id must be an int <= 299"):
         model.generate(prompt, 2, eos_id=300)
 

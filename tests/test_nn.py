@@ -43,7 +43,7 @@ def test_padding_does_not_change_real_positions(attention):
 
 
 @pytest.mark.parametrize("attention", ["kernel", "softmax"])
-def test_encoder_step_equals_causal_forward(attention):
+def test_encoder_steps_and_blocks_equal_causal_forward(attention):
     torch.manual_seed(1)
     enc = ks.nn.TransformerEncoder(
         2, 24, 3, 48, attention=attention, feature_map="elu", causal=True
@@ -56,6 +56,15 @@ def test_encoder_step_equals_causal_forward(attention):
         assert rel_err(y_t, full[:, t]) <= 1e-5
     kind = ks.RecurrentState if attention == "kernel" else ks.nn.KVCache
     assert all(isinstance(s, kind) for s in states)
+    # blocks (steps), then a step: the same outputs
+    with torch.no_grad():
+        first, states = enc.steps(x[:, :8])
+        second, states = enc.steps(x[:, 8:12], states)
+        last, states = enc.step(x[:, 12], states)
+    assert rel_err(torch.cat([first, second, last[:, None]], 1), full) <= 1e-5
+    assert len(states) == 2 and all(isinstance(s, kind) for s in states)
+    with pytest.raises(ValueError, match="states must have 2 entries"):
+        enc.steps(x[:, :2], states[:1])
 
 
 def test_kernel_state_does_not_grow():
@@ -760,3 +769,91 @@ def test_stepping_an_unstabilized_map_whose_products_overflow_raises():
         y_t, states = layers[True].step(x[:, t], states)
         outs.append(y_t)
     torch.testing.assert_close(torch.stack(outs, 1), layers[True](x), rtol=1e-4, atol=1e-5)
+
+
+BLOCK_KINDS = [
+    ("softmax", None, {}),
+    ("kernel", "elu", {}),
+    ("kernel", "glu", {"depth": 2}),
+    ("kernel", "polynomial", {"degree": 2}),
+    ("kernel", "hedgehog", {}),
+    ("kernel", "favor", {"num_features": 12, "seed": 0}),
+    ("kernel", "trig_rf", {"num_features": 12, "seed": 0}),
+]
+
+
+@pytest.mark.parametrize(
+    ("attention", "name", "kw"), BLOCK_KINDS, ids=[k[1] or k[0] for k in BLOCK_KINDS]
+)
+def test_layer_blocks_equal_the_steps_and_the_forward(attention, name, kw):
+    """``steps`` through blocks of 4, 1 and 6 tokens (after 2 single steps), float64, batch 3,
+    inputs at 20·randn (FAVOR+'s, Hedgehog's and trig_rf's keys cross the safe range: their
+    scaled state shifts mid-block): the outputs equal the forward's (1e-10), and the state
+    after them the steps' (the KV cache holds the same keys and values)."""
+    torch.manual_seed(0)
+    kwargs = {"feature_map": name, "feature_map_kwargs": kw} if name else {}
+    layer = ks.nn.KernelAttention(12, 2, attention=attention, causal=True, eps=1e-12, **kwargs)
+    layer = layer.double().eval()
+    x = 20 * torch.randn(3, 13, 12, dtype=torch.float64)
+    with torch.no_grad():
+        full, outs, state = layer(x), [], None
+        for t in range(2):
+            y_t, state = layer.step(x[:, t], state)
+            outs.append(y_t[:, None])
+        start = 2
+        for size in (4, 1, 6):
+            y, state = layer.steps(x[:, start : start + size], state)
+            outs.append(y)
+            start += size
+        stepped = None
+        for t in range(13):
+            _, stepped = layer.step(x[:, t], stepped)
+    assert rel_err(torch.cat(outs, 1), full) <= 1e-10
+    # (the projections of a block and of one token round differently in the last bits)
+    if attention == "softmax":
+        assert rel_err(state.k, stepped.k) <= 1e-12 and rel_err(state.v, stepped.v) <= 1e-12
+        return
+    assert rel_err(state.S, stepped.S) <= 1e-10 and rel_err(state.Z, stepped.Z) <= 1e-10
+    assert (state.log_scale is None) == (stepped.log_scale is None)
+    if state.log_scale is not None:
+        assert rel_err(state.log_scale, stepped.log_scale) <= 1e-12
+        assert (state.log_scale.abs() > 20).any()  # the shift acted
+
+
+@pytest.mark.parametrize(("name", "kw"), [("glu", {"shared": False}), ("hedgehog", {})])
+def test_layer_block_gradients_equal_the_forwards(name, kw):
+    """Gradients of the outputs of two blocks (3 then 4 tokens, the state carried between
+    them) w.r.t. the input and every parameter equal the forward's, float64 (1e-10)."""
+    torch.manual_seed(0)
+    layer = ks.nn.KernelAttention(
+        12, 2, feature_map=name, feature_map_kwargs=kw, causal=True, eps=1e-12
+    ).double()
+    x = (20 * torch.randn(1, 7, 12, dtype=torch.float64)).requires_grad_()
+    params = [x, *layer.parameters()]
+    first, state = layer.steps(x[:, :3])
+    second, _ = layer.steps(x[:, 3:], state)
+    blocks, full = torch.cat([first, second], 1), layer(x)
+    g = torch.randn_like(full)
+    got, want = (torch.autograd.grad(y, params, g) for y in (blocks, full))
+    assert rel_err(blocks, full) <= 1e-10
+    for i, (a, w) in enumerate(zip(got, want, strict=True)):
+        assert rel_err(a, w, floor=1e-6) <= 1e-10, i
+
+
+def test_layer_blocks_refuse_what_steps_refuse():
+    with pytest.raises(ValueError, match=r"steps\(\) needs a causal"):
+        ks.nn.KernelAttention(16, 2).steps(torch.randn(1, 3, 16))
+    layer = ks.nn.KernelAttention(16, 2, causal=True)
+    with pytest.raises(ValueError, match=r"x must have shape \(batch, seq, 16\)"):
+        layer.steps(torch.randn(1, 16))
+    softmax = ks.nn.KernelAttention(16, 2, attention="softmax", causal=True)
+    _, kv_cache = softmax.steps(torch.randn(1, 3, 16))
+    with pytest.raises(TypeError, match="state must be None or the RecurrentState"):
+        layer.steps(torch.randn(1, 3, 16), kv_cache)
+    _, state = layer.steps(torch.randn(1, 3, 16))
+    with pytest.raises(ValueError, match="state"):
+        layer.steps(torch.randn(2, 3, 16), state)  # another batch
+    favor = {"num_features": 8, "redraw_every": 2, "seed": 0}
+    redrawing = ks.nn.KernelAttention(16, 2, "favor", causal=True, feature_map_kwargs=favor)
+    with pytest.raises(ValueError, match=r"steps\(\) of a layer whose feature map redraws"):
+        redrawing.steps(torch.randn(1, 3, 16))

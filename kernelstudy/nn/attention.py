@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..arguments import check_flag
@@ -97,6 +98,16 @@ class KVCache:
 
 
 _MIN_CAPACITY = 64  # steps a new KVCache buffer holds at least
+
+
+def _softmax_after(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
+    """Causal softmax attention of queries ``q: (B,H,N,D)`` at positions ``past ..
+    past+N-1`` over the keys ``k: (B,H,past+N,D)``, ``v: (B,H,past+N,M)`` before and at them."""
+    if past == 0:
+        return softmax_attention(q, k, v, causal=True)
+    n, s = q.shape[2], k.shape[2]
+    allowed = torch.ones(n, s, dtype=torch.bool, device=q.device).tril(diagonal=past)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
 
 
 def _check_keys_and_values(k: object, v: object, nk: str, nv: str) -> None:
@@ -259,24 +270,7 @@ class KernelAttention(nn.Module):
         redraws its features in training (``redraw_every``) must step in eval mode: a
         redraw mid-sequence would leave the state summed over the old features.
         """
-        if not self.causal:
-            raise ValueError("step() needs a causal attention layer (causal=True)")
-        fm = self.feature_map  # its own mode decides whether it redraws, not the layer's
-        if fm is not None and fm.training and getattr(fm, "hparams", {}).get("redraw_every"):
-            raise ValueError(
-                "step() of a layer whose feature map redraws in training (redraw_every > 0) "
-                "needs eval mode (layer.eval()): a redraw would mix two draws in the state"
-            )
-        self.check_input(x_t, "x_t", "batch")
-        kind = KVCache if self.feature_map is None else RecurrentState
-        if state is not None and not isinstance(state, kind):
-            raise TypeError(
-                f"state must be None or the {kind.__name__} of an earlier step of a "
-                f"{'softmax' if self.feature_map is None else 'kernel'} attention layer, "
-                f"got {type(state).__name__}"
-            )
-        if state is not None:
-            self._check_state(state, x_t.shape[0])
+        self._check_stepping("step", x_t, "x_t", "batch", state)
         q, k, v = self._heads(x_t.unsqueeze(1))  # (B,H,1,D)
         if self.feature_map is None:
             if state is None:
@@ -285,34 +279,92 @@ class KernelAttention(nn.Module):
                 state = state.append(k, v)
             y = softmax_attention(q, state.k, state.v)
         else:
-            # A per-sequence key stabilizer (FAVOR+, Hedgehog) becomes a running maximum
-            # kept by a scaled state: the same output as the batch forward. float16 is
-            # mapped and summed in float32, as kernel_attention does (its shift range too).
-            scaled = self.feature_map.keys_need_sequence
             dtype = q.dtype
-            q, k, v, context = float16_in_float32(q, k, v)
-            with context:
-                phi_q = self.feature_map(q, is_query=True)[:, :, 0]
-                phi_k, log_scale = self.feature_map.key_features(k)
+            phi_q, phi_k, v, log_scale = self._stepping_features(q, k, v)
             if state is None:
-                b, h, f = phi_q.shape
-                state = RecurrentState.zeros(
-                    b,
-                    h,
-                    f,
-                    self.head_dim,
-                    dtype=accumulation_dtype(phi_q.dtype),
-                    device=x_t.device,
-                    eps=self.eps,
-                    scaled=scaled,
-                )
-            y_t, state = state.step(
-                phi_q, phi_k[:, :, 0], v[:, :, 0], log_scale[:, :, 0] if scaled else None
-            )
+                state = self._empty_state(phi_q, x_t.device)
+            scale = None if log_scale is None else log_scale[:, :, 0]
+            y_t, state = state.step(phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0], scale)
             # as kernel_attention: where stabilize=False, no overflowing φ(q)·Σφ(k)
-            check_products_fit(self.feature_map, phi_q[:, :, None], state.Z[:, :, None])
+            check_products_fit(self.feature_map, phi_q, state.Z[:, :, None])
             y = y_t.unsqueeze(2).to(dtype)
         return self._merge(y)[:, 0], state
+
+    def steps(
+        self, x: torch.Tensor, state: RecurrentState | KVCache | None = None
+    ) -> tuple[torch.Tensor, RecurrentState | KVCache]:
+        """:meth:`step` through a block of tokens at once: ``x: (B,N,d_model)`` →
+        ``(B,N,d_model)`` and the state after them (a prompt read in parallel before
+        stepping, or a long sequence in segments).
+
+        Kernel attention runs the block on the core's causal product from the state
+        (:meth:`~kernelstudy.core.RecurrentState.steps`); softmax attention appends the
+        block to the :class:`KVCache` and attends causally over it. The outputs equal
+        ``N`` calls of :meth:`step` (and :meth:`forward` from an empty state).
+        """
+        self._check_stepping("steps", x, "x", "batch, seq", state)
+        q, k, v = self._heads(x)  # (B,H,N,D)
+        if self.feature_map is None:
+            past = 0 if state is None else state.k.shape[2]
+            state = KVCache(k, v) if state is None else state.append(k, v)
+            return self._merge(_softmax_after(q, state.k, state.v, past)), state
+        dtype = q.dtype
+        phi_q, phi_k, v, log_scale = self._stepping_features(q, k, v)
+        if state is None:
+            state = self._empty_state(phi_q, x.device)
+        y, state = state.steps(phi_q, phi_k, v, log_scale, backend=self.backend)
+        check_products_fit(self.feature_map, phi_q, state.Z[:, :, None])
+        return self._merge(y.to(dtype)), state
+
+    def _stepping_features(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(φ(q), φ̂(k), v, log_scale)`` of ``(B,H,N,D)`` heads for a kernel layer's state:
+        keys one at a time (:meth:`~kernelstudy.feature_maps.FeatureMap.key_features`), with
+        their log scales where the map shifts keys per sequence (None elsewhere): a scaled
+        state keeps its running maximum, so stepping gives the batch output. float16 is
+        mapped and summed in float32 (v too), as :func:`kernel_attention` does."""
+        q, k, v, context = float16_in_float32(q, k, v)
+        with context:
+            phi_q = self.feature_map(q, is_query=True)
+            phi_k, log_scale = self.feature_map.key_features(k)
+        return phi_q, phi_k, v, log_scale if self.feature_map.keys_need_sequence else None
+
+    def _empty_state(self, phi_q: torch.Tensor, device: torch.device) -> RecurrentState:
+        """A kernel layer's first state for features like ``phi_q: (B,H,·,F)``."""
+        b, h, f = phi_q.shape[0], phi_q.shape[1], phi_q.shape[-1]
+        return RecurrentState.zeros(
+            b,
+            h,
+            f,
+            self.head_dim,
+            dtype=accumulation_dtype(phi_q.dtype),
+            device=device,
+            eps=self.eps,
+            scaled=self.feature_map.keys_need_sequence,
+        )
+
+    def _check_stepping(self, method: str, x: object, name: str, shape: str, state: object) -> None:
+        """What :meth:`step` and :meth:`steps` (``method``) ask of the layer, their input
+        ``x`` (called ``name``, of shape ``(shape, d_model)``) and ``state``."""
+        if not self.causal:
+            raise ValueError(f"{method}() needs a causal attention layer (causal=True)")
+        fm = self.feature_map  # its own mode decides whether it redraws, not the layer's
+        if fm is not None and fm.training and getattr(fm, "hparams", {}).get("redraw_every"):
+            raise ValueError(
+                f"{method}() of a layer whose feature map redraws in training (redraw_every > "
+                "0) needs eval mode (layer.eval()): a redraw would mix two draws in the state"
+            )
+        self.check_input(x, name, shape)
+        kind = KVCache if self.feature_map is None else RecurrentState
+        if state is not None and not isinstance(state, kind):
+            raise TypeError(
+                f"state must be None or the {kind.__name__} of an earlier step of a "
+                f"{'softmax' if self.feature_map is None else 'kernel'} attention layer, "
+                f"got {type(state).__name__}"
+            )
+        if state is not None:
+            self._check_state(state, x.shape[0])
 
     def _check_state(self, state: RecurrentState | KVCache, batch: int) -> None:
         """ValueError naming ``state`` when it is not this layer's for a batch of ``batch``

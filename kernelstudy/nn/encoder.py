@@ -71,6 +71,14 @@ class EncoderLayer(nn.Module):
         x_t = x_t + self.drop(a)
         return x_t + self.drop(self.ffn(self.norm2(x_t))), state
 
+    def steps(self, x: torch.Tensor, state: LayerState) -> tuple[torch.Tensor, LayerState]:
+        """:meth:`step` through a block of tokens at once, ``x: (B,N,d_model)`` →
+        ``(B,N,d_model)`` (:meth:`KernelAttention.steps`)."""
+        self.attn.check_input(x)
+        a, state = self.attn.steps(self.norm1(x), state)
+        x = x + self.drop(a)
+        return x + self.drop(self.ffn(self.norm2(x))), state
+
 
 def layer_map_kwargs(
     feature_map: str | Mapping[str, Any],
@@ -174,8 +182,28 @@ class TransformerEncoder(nn.Module):
 
         ``states`` is the list returned by the previous step (None to start).
         """
+        new_states: list[LayerState] = []
+        for layer, state in zip(self.layers, self._layer_states(states), strict=True):
+            x_t, state = layer.step(x_t, state)
+            new_states.append(state)
+        return self.norm(x_t), new_states
+
+    def steps(
+        self, x: torch.Tensor, states: list[LayerState] | None = None
+    ) -> tuple[torch.Tensor, list[LayerState]]:
+        """:meth:`step` through a block of tokens at once: ``x: (B,N,d_model)`` →
+        ``(B,N,d_model)`` and the layers' states after it (``states``: an earlier step's or
+        block's, None to start). From None it equals :meth:`forward` of a causal encoder."""
+        new_states: list[LayerState] = []
+        for layer, state in zip(self.layers, self._layer_states(states), strict=True):
+            x, state = layer.steps(x, state)
+            new_states.append(state)
+        return self.norm(x), new_states
+
+    def _layer_states(self, states: object) -> list[LayerState]:
+        """``states`` of :meth:`step` and :meth:`steps` as a list with one entry a layer."""
         if states is None:
-            states = [None] * len(self.layers)
+            return [None] * len(self.layers)
         if not isinstance(states, list | tuple):
             raise TypeError(
                 f"states must be the list of layer states of an earlier step (or None), "
@@ -183,11 +211,7 @@ class TransformerEncoder(nn.Module):
             )
         if len(states) != len(self.layers):
             raise ValueError(f"states must have {len(self.layers)} entries, got {len(states)}")
-        new_states: list[LayerState] = []
-        for layer, state in zip(self.layers, states, strict=True):
-            x_t, state = layer.step(x_t, state)
-            new_states.append(state)
-        return self.norm(x_t), new_states
+        return list(states)
 
     def regularization(self) -> torch.Tensor:
         """Sum of every layer's feature-map regularizer."""

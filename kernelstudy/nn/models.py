@@ -511,11 +511,32 @@ class CausalLM(_SequenceModel):
             shape = tuple(token.shape) if isinstance(token, torch.Tensor) else token
             raise ValueError(f"token must be a (batch,) tensor of ids, got {shape!r}")
         self._check_ids(token[:, None], "token")
+        self._check_state(state)
+        return self._step(token, state)
+
+    def steps(
+        self, tokens: torch.Tensor, state: LMState | None = None
+    ) -> tuple[torch.Tensor, LMState]:
+        """:meth:`step` through a block of tokens at once (a prompt read in parallel, or a
+        long text in segments): ``tokens: (B,N)`` long → next-token logits ``(B,N,vocab)``
+        and the state after the block. From None the logits are :meth:`forward`'s."""
+        self._check_ids(tokens, "tokens")
+        self._check_state(state)
+        return self._steps(tokens, state)
+
+    def _steps(self, tokens: torch.Tensor, state: LMState | None) -> tuple[torch.Tensor, LMState]:
+        """:meth:`steps` on checked ids."""
+        start = 0 if state is None else state.position
+        x = self.drop(self._embed(tokens, start=start))
+        h, layers = self.encoder.steps(x, None if state is None else state.layers)
+        return self.head(h), LMState(start + tokens.shape[1], layers)
+
+    @staticmethod
+    def _check_state(state: object) -> None:
         if state is not None and not isinstance(state, LMState):
             raise TypeError(
                 f"state must be None or the LMState of an earlier step, got {type(state).__name__}"
             )
-        return self._step(token, state)
 
     def _step(self, token: torch.Tensor, state: LMState | None) -> tuple[torch.Tensor, LMState]:
         """:meth:`step` on checked ids (no host sync to check them)."""
@@ -535,7 +556,8 @@ class CausalLM(_SequenceModel):
         pad_id: int = 0,
         eos_id: int | None = None,
     ) -> torch.Tensor:
-        """Continue ``prompt (B,P)`` by ``max_new_tokens`` tokens with :meth:`step`.
+        """Continue ``prompt (B,P)`` by ``max_new_tokens`` tokens: the part of the prompt that
+        every row holds is read in one parallel pass (:meth:`steps`), the rest with :meth:`step`.
 
         ``temperature`` 0 is greedy (argmax); > 0 samples from ``softmax(logits / T)``.
         Runs in eval mode (the previous mode is restored). Returns ``(B, P + max_new_tokens)``
@@ -600,13 +622,14 @@ class CausalLM(_SequenceModel):
         if max_new_tokens == 0 or b == 0:
             return out
         shortest, longest = int(lengths.min()), int(lengths.max())
-        state, token = None, prompt[:, 0]
+        # the prompt that every row holds, read in one parallel pass: logits of its last
+        # position and the states after it
+        logits, state = self._steps(prompt[:, :shortest], None)
+        logits, token = logits[:, -1], None
         ended = torch.zeros(b, dtype=torch.bool, device=prompt.device)  # an eos was written
-        for t in range(longest + max_new_tokens - 1):  # feeds position t, predicts t + 1
-            logits, state = self._step(token, state)  # ids checked or drawn in range
-            if t + 1 < shortest:  # every row still reads its prompt (no draw from generator)
-                token = prompt[:, t + 1]
-                continue
+        for t in range(shortest - 1, longest + max_new_tokens - 1):  # predicts t + 1
+            if t >= shortest:  # feeds position t (ids checked or drawn in range)
+                logits, state = self._step(token, state)
             if temperature == 0.0:
                 new = logits.argmax(-1)
             else:
