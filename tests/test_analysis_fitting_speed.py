@@ -328,22 +328,26 @@ def test_generation_runs_no_step_past_the_last_token(attention, steps):
     torch.manual_seed(0)
     model = tiny_lm(attention).eval()
     prompt = torch.randint(11, (2, 3))
-    calls = {"step": 0, "full": 0}
-    step, forward = model.step, model.forward
+    calls = {"step": 0, "steps": 0, "full": 0}
+    step, block, forward = model.step, model.steps, model.forward
 
-    def counted_step(*args):
-        calls["step"] += 1
-        return step(*args)
+    def counted(name, fn):
+        def call(*args):
+            calls[name] += 1
+            return fn(*args)
 
-    def counted_forward(ids):
-        calls["full"] += 1
-        return forward(ids)
+        return call
 
-    model.step, model.forward = counted_step, counted_forward
+    model.step, model.steps = counted("step", step), counted("steps", block)
+    model.forward = counted("full", forward)
     tokens, state = ks.analysis.generate(model, prompt, steps, mode="step")
     full, _ = ks.analysis.generate(model, prompt, steps, mode="full")
     assert torch.equal(tokens, full)
-    assert calls == {"step": 3 + max(steps - 1, 0), "full": steps}
+    # the prompt in one block, a step a new token but the last
+    assert calls == {"step": max(steps - 1, 0), "steps": 1, "full": steps}
+    model.steps = None  # a model without blocks steps through its prompt
+    stepped, _ = ks.analysis.generate(model, prompt, steps, mode="step")
+    assert torch.equal(stepped, tokens) and calls["step"] == 3 + 2 * max(steps - 1, 0)
     if steps:  # (with no new token, the state is after the whole prompt)
         with torch.no_grad():
             logits, _ = step(tokens[:, -1], state)

@@ -281,7 +281,7 @@ def test_a_nan_key_reaches_no_earlier_causal_row():
 @pytest.mark.parametrize("name", ["favor", "hedgehog"])
 def test_a_half_precision_layer_steps_as_it_runs(dtype, name):
     """float16 steps mapped q and k in float16 and shifted at float16's range (±9), where
-    the forward maps them in float32: steps were 69% off (FAVOR+ at 6·randn)."""
+    the forward maps them in float32: steps were 69% off (FAVOR+ at 6·randn). Blocks too."""
     torch.manual_seed(0)
     layer = ks.nn.KernelAttention(16, 2, feature_map=name, causal=True).eval().to(dtype)
     x = (6 * torch.randn(2, 20, 16)).to(dtype)
@@ -290,9 +290,11 @@ def test_a_half_precision_layer_steps_as_it_runs(dtype, name):
         for t in range(20):
             y_t, state = layer.step(x[:, t], state)
             steps.append(y_t)
-    steps = torch.stack(steps, 1)
-    assert steps.dtype == dtype
-    assert rel_err(steps, full) <= (5e-3 if dtype == torch.float16 else 5e-2)
+        first, state = layer.steps(x[:, :13])  # and blocks of 13 and 7
+        second, _ = layer.steps(x[:, 13:], state)
+    tol = 5e-3 if dtype == torch.float16 else 5e-2
+    for got in (torch.stack(steps, 1), torch.cat([first, second], 1)):
+        assert got.dtype == dtype and rel_err(got, full) <= tol
 
 
 @pytest.mark.parametrize("norm", [20.0, 40.0])

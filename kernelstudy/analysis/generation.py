@@ -68,7 +68,9 @@ def generate(
 ) -> tuple[torch.Tensor, object]:
     """Greedy decoding of ``steps`` tokens after ``prompt: (B,P)``.
 
-    ``mode="step"`` feeds one token at a time through ``model.step`` (the prompt
+    ``mode="step"`` feeds one token at a time through ``model.step``, after reading the
+    prompt in one block where the model has ``steps(tokens (B,P), state) -> (logits
+    (B,P,V), state)`` (:class:`~kernelstudy.nn.CausalLM` has; else the prompt is stepped
     too); ``mode="full"`` re-runs ``model(prefix)`` on the whole prefix for every
     new token. Both run the model ``P + steps - 1`` token positions deep and no
     further: the last new token is never fed back. Returns the ``(B, P+steps)``
@@ -103,9 +105,12 @@ def _generate(
         return tokens, None
     state = None
     out = [prompt]
-    logits = None
-    for t in range(prompt.shape[1]):
-        logits, state = model.step(prompt[:, t], state)
+    if callable(getattr(model, "steps", None)):  # the prompt in one block
+        logits, state = model.steps(prompt, None)
+        logits = logits[:, -1]
+    else:
+        for t in range(prompt.shape[1]):
+            logits, state = model.step(prompt[:, t], state)
     for i in range(steps):
         nxt = logits.argmax(-1)
         out.append(nxt[:, None])
@@ -142,9 +147,9 @@ def benchmark_generation(
 
     Returns:
         Long table: ``label``, ``mode``, ``length``, ``batch``, ``metric``
-        (``time_s`` median of one :func:`generate` call, which reads the prompt too: P steps
-        for ``"step"``, a forward over it for ``"full"``; ``tokens_per_s`` = B·length/time,
-        new tokens only; ``state_mb`` = size of
+        (``time_s`` median of one :func:`generate` call, which reads the prompt too: one
+        block (or P steps) for ``"step"``, a forward over it for ``"full"``;
+        ``tokens_per_s`` = B·length/time, new tokens only; ``state_mb`` = size of
         the RNN state or KV cache at the end, over ``prompt_len + length - 1`` tokens,
         in MiB (2**20 bytes), NaN for ``"full"``; the tokens held, while a KV cache's
         buffers have room for up to twice as many (capacity doubling);
