@@ -1334,14 +1334,17 @@ def test_the_core_dispatches_to_the_backend_and_checks_for_it(backend, monkeypat
 def test_the_gpu_tests_run_on_the_emulator():
     """``tests/cuda_emulator/gpu_tests_on_emulator.py`` runs GPU tests without a GPU (in a child
     process: it makes ``torch.cuda.is_available()`` say True): the non-causal backward's kernels
-    and the half-precision cases of one shape of ``tests/test_cuda_backend.py`` pass on the
-    emulator."""
+    the half-precision cases of one shape of ``tests/test_cuda_backend.py`` and the recurrent
+    state's blocks pass on the emulator."""
     root = Path(__file__).resolve().parents[1]
-    cases = "full_backward_kernels and chunks or half_matches_reference and chunks and 2x3x37"
+    cases = (
+        "full_backward_kernels and chunks or half_matches_reference and chunks and 2x3x37 "
+        "or recurrent_blocks and chunks"
+    )
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "tests.cuda_emulator.gpu_tests_on_emulator",
          "-q", "-p", "no:cacheprovider", "tests/test_cuda_backend.py", "-k", cases],
         capture_output=True, text=True, timeout=900, cwd=root,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert "8 passed" in run.stdout, run.stdout[-2000:]
+    assert "11 passed" in run.stdout, run.stdout[-2000:]
