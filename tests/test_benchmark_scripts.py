@@ -1437,3 +1437,48 @@ def test_cuda_sass_on_the_kernels(cuda_sass, tmp_path):
         table["loop_instructions"] < table["instructions"]
     ).all()
     assert set(table["arch"]) == {"sm_90a"} and table["command"].str.contains("--kernels").all()
+
+
+# ---------------------------------------------------------------- benchmarks/prefill.py (CPU)
+@pytest.fixture(scope="module")
+def prefill():
+    return benchmark_script("prefill")
+
+
+def test_prefill_times_both_ways_and_they_agree(prefill, tmp_path):
+    out = tmp_path / "prefill.csv"
+    small = ["--d-model", "16", "--n-heads", "2", "--n-layers", "1", "--batch", "2"]
+    argv = ["--prompt-lens", "5", "9", "--repeats", "1", "--feature-map", "favor", *small]
+    assert prefill.main([*argv, "--out", str(out)]) == 0
+    frame = pd.read_csv(out, keep_default_na=False)
+    assert len(frame) == 8  # 2 attentions x 2 lengths x 2 ways
+    assert set(frame.way) == {"tokens", "block"} and (frame.time_ms > 0).all()
+    assert set(frame.feature_map) == {"favor", ""}  # softmax rows have no map
+    assert (frame.max_logit_diff < 1e-4).all()  # both ways leave the same state
+    tokens = frame[frame.way == "tokens"].set_index(["attention", "prompt_len"]).time_ms
+    block = frame[frame.way == "block"].set_index(["attention", "prompt_len"])
+    assert block.speedup.tolist() == pytest.approx((tokens / block.time_ms).tolist())
+    assert {"matmul_gflops", "frac_matmul", "device", "command", "date"} <= set(frame.columns)
+    assert [p.name for p in tmp_path.iterdir()] == ["prefill.csv"]  # no temp file left
+
+
+@pytest.mark.parametrize(
+    ("flags", "match"),
+    [
+        (["--prompt-lens", "0"], "--prompt-lens"),
+        (["--d-model", "10", "--n-heads", "4"], "divisible"),
+        (["--feature-map", "nope"], "--feature-map"),
+        (["--device", "tpu9"], "--device"),
+    ],
+)
+def test_prefill_checks_its_arguments(prefill, capsys, flags, match):
+    with pytest.raises(SystemExit) as exit_:
+        prefill.parse_args(flags)
+    assert exit_.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_prefill_refuses_cuda_without_a_gpu(prefill, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "prefill.csv"
+    assert prefill.main(["--device", "cuda", "--out", str(out)]) == 1
+    assert "no CUDA GPU" in capsys.readouterr().err and not out.exists()
