@@ -263,6 +263,18 @@ def summary(frame: pd.DataFrame) -> pd.DataFrame:
     ).round(1)
 
 
+def check_sizes_and_device(p: argparse.ArgumentParser, sizes: dict[str, int], device: str) -> None:
+    """Exit through ``p.error`` (status 2) naming every flag of ``sizes`` below 1, or a
+    ``--device`` that torch cannot parse."""
+    bad = [name for name, value in sizes.items() if value < 1]
+    if bad:
+        p.error(f"{', '.join(bad)} must be positive")
+    try:
+        torch.device(device)
+    except RuntimeError as err:
+        p.error(f"--device {device!r}: {err}")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -297,13 +309,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--values": args.values,
         "--head-dim": args.head_dim,
     }
-    bad = [name for name, value in sizes.items() if value < 1]
-    if bad:
-        p.error(f"{', '.join(bad)} must be positive")
-    try:
-        torch.device(args.device)
-    except RuntimeError as err:
-        p.error(f"--device {args.device!r}: {err}")
+    check_sizes_and_device(p, sizes, args.device)
     known = registered_backends()
     unknown = [name for name in args.backends if name not in known]
     if unknown:

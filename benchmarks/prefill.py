@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import functools
-import os
-import platform
 import shlex
 import statistics
 import sys
@@ -28,9 +26,15 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-import kernelstudy as ks
-from kernelstudy.files import atomic_write_text
-from kernelstudy.progress import tqdm
+# the CPU benchmark's device name and argument checks (this folder is on sys.path when run as a
+# script; not when imported by path, as the tests do)
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.append(str(Path(__file__).resolve().parent))
+from core import check_sizes_and_device, device_name  # noqa: E402
+
+import kernelstudy as ks  # noqa: E402
+from kernelstudy.files import atomic_write_text  # noqa: E402
+from kernelstudy.progress import tqdm  # noqa: E402
 
 WAYS = ("tokens", "block")
 
@@ -53,12 +57,6 @@ def weight_flops(model: ks.nn.CausalLM, tokens: int) -> float:
         p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "embed" not in name
     )
     return 2.0 * weights * tokens
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"{platform.processor() or platform.machine()} ({os.cpu_count()} cpus)"
 
 
 def benchmark(args: argparse.Namespace) -> pd.DataFrame:
@@ -159,17 +157,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--n-layers": args.n_layers,
         "--vocab": args.vocab,
     }
-    bad = [name for name, value in sizes.items() if value < 1]
-    if bad:
-        p.error(f"{', '.join(bad)} must be positive")
+    check_sizes_and_device(p, sizes, args.device)
     if args.d_model % args.n_heads:
         p.error(f"--d-model {args.d_model} must be divisible by --n-heads {args.n_heads}")
     if args.feature_map not in ks.list_feature_maps():
         p.error(f"--feature-map: unknown {args.feature_map!r}; one of {ks.list_feature_maps()}")
-    try:
-        torch.device(args.device)
-    except RuntimeError as err:
-        p.error(f"--device {args.device!r}: {err}")
     return args
 
 
