@@ -130,9 +130,9 @@ class RecurrentState:
         """
         b, h, _, m = self.S.shape
         self._check_inputs({"phi_q_t": phi_q_t, "phi_k_t": phi_k_t, "v_t": v_t}, ())
+        self._check_log_scale(k_log_scale, (b, h))
         acc = self._sums_dtype(phi_q_t.dtype)
         q, k, v = phi_q_t.to(acc), phi_k_t.to(acc), v_t.to(acc)
-        self._check_log_scale(k_log_scale, (b, h), "k_log_scale")
         s, z, log_scale, shift = self._sums_for(
             None if k_log_scale is None else k_log_scale.to(acc), acc
         )
@@ -177,7 +177,7 @@ class RecurrentState:
         self._check_inputs({"phi_q": phi_q, "phi_k": phi_k, "v": v}, (phi_q.shape[2],))
         check_backend_name(backend)
         n = phi_q.shape[2]
-        self._check_log_scale(k_log_scale, (b, h, n), "k_log_scale")
+        self._check_log_scale(k_log_scale, (b, h, n))
         mask = None
         if key_padding_mask is not None:
             mask = check_key_padding_mask(key_padding_mask, b, n, phi_q.device)
@@ -221,24 +221,24 @@ class RecurrentState:
         if device != self.S.device:
             raise ValueError(f"the inputs are on {device} but the state is on {self.S.device}")
 
-    def _check_log_scale(self, k_log_scale: object, shape: tuple[int, ...], name: str) -> None:
+    def _check_log_scale(self, k_log_scale: object, shape: tuple[int, ...]) -> None:
         """ValueError unless ``k_log_scale`` is given exactly for a scaled state, as a float
         tensor of ``shape`` on the state's device."""
         if (self.log_scale is None) != (k_log_scale is None):
             raise ValueError(
-                f"{name} must be given exactly when the state is scaled "
+                "k_log_scale must be given exactly when the state is scaled "
                 f"(this state is {'' if self.log_scale is not None else 'not '}scaled)"
             )
         if k_log_scale is None:
             return
         if not isinstance(k_log_scale, torch.Tensor) or not k_log_scale.is_floating_point():
             got = getattr(k_log_scale, "dtype", type(k_log_scale).__name__)
-            raise TypeError(f"{name} must be a float tensor of shape {shape}, got {got}")
+            raise TypeError(f"k_log_scale must be a float tensor of shape {shape}, got {got}")
         if tuple(k_log_scale.shape) != shape:
-            raise ValueError(f"{name} must have shape {shape}, got {tuple(k_log_scale.shape)}")
+            raise ValueError(f"k_log_scale must have shape {shape}, got {tuple(k_log_scale.shape)}")
         if k_log_scale.device != self.S.device:
             raise ValueError(
-                f"{name} is on {k_log_scale.device} but the state is on {self.S.device}"
+                f"k_log_scale is on {k_log_scale.device} but the state is on {self.S.device}"
             )
 
     def _prefix_eps(
