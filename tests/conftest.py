@@ -91,6 +91,90 @@ def stepped(state, q, k, v, log_scale=None):
     return torch.stack(outs, 2), state
 
 
+def compiled_whole(fn, nodes: list | None = None):
+    """``torch.compile(fn, fullgraph=True)`` (dynamo's cache reset first) on AOTAutograd without
+    inductor: the traced forward and backward graphs run as traced, so outputs can be compared
+    bit for bit with eager mode. Every call of a ``kernelstudy::`` custom op in either graph is
+    appended to ``nodes`` (torch.fx nodes: ``.target``, ``.args``)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def record(graph_module, _inputs):
+        if nodes is not None:
+            nodes.extend(
+                n
+                for n in graph_module.graph.nodes
+                if n.op == "call_function" and str(n.target).startswith("kernelstudy.")
+            )
+        return make_boxed_func(graph_module.forward)
+
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=record, bw_compiler=record)
+    return torch.compile(fn, fullgraph=True, backend=backend)
+
+
+def compiled_matches_eager(fn, inputs, upstream) -> set[str]:
+    """``fn`` compiled whole (:func:`compiled_whole`) and in eager mode on copies of ``inputs``
+    that require grad: asserts that outputs and the gradients against ``upstream`` are equal bit
+    for bit, and returns the names of the ``kernelstudy::`` custom ops in the traced graphs."""
+    nodes = []
+    compiled = compiled_whole(fn, nodes)
+    results = []
+    for run in (compiled, fn):
+        xs = [t.detach().clone().requires_grad_() for t in inputs]
+        out = run(*xs)
+        results.append([out, *torch.autograd.grad(out, xs, upstream.to(out.dtype))])
+    for got, want in zip(*results, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    return {str(n.target).removeprefix("kernelstudy.").removesuffix(".default") for n in nodes}
+
+
+# The CUDA extension's custom ops in the compiled graphs (forward and backward) of the product
+# and of causal and non-causal attention (F, M <= 64: the fused backward)
+CUDA_COMPILED_OPS = {
+    "product": {"cuda_causal_product", "cuda_causal_backward"},
+    "causal": {
+        "cuda_causal_product",
+        "cuda_causal_backward",
+        "cuda_normalized_grad",
+        "cuda_scaled_cumsum",
+    },
+    "full": {"cuda_full_state", "cuda_full_apply", "cuda_normalized_grad"},
+}
+
+
+def cuda_custom_op_cases(q, k, v, g, mask) -> list[tuple]:
+    """``(custom op, args)`` over the options of the CUDA extension's functions as custom ops
+    (``kernelstudy.core.traced_kernels``), for ``torch.library.opcheck``: ``q, k: (B,H,N,F)``,
+    ``v, g: (B,H,N,M)`` in one dtype, ``mask: (B,N)`` bool."""
+    ops = torch.ops.kernelstudy
+    b, h, n, _ = q.shape
+    m = v.shape[-1]
+    state = ops.cuda_full_state(k, v, mask)
+    out, den = ops.cuda_causal_product(q, k, v, False, False, True, True, 1e-6, 0, False)
+    rows = torch.rand(b, h, n, device=q.device)
+    bias = torch.randn(b, h, m, device=q.device)
+    base = torch.randn(q.shape, device=q.device)
+    return [
+        (ops.cuda_causal_product, (q, k, v, False, True, False, False, 1e-6, 0, False)),
+        (ops.cuda_causal_product, (q, k, v, True, False, True, True, 1e-3, 2, False)),
+        (ops.cuda_causal_backward, (q, k, v, g, False, None, 0, False, True)),
+        (ops.cuda_causal_backward, (q, k, v, g, True, False, 2, False, True)),
+        (ops.cuda_full_state, (k, v, mask)),
+        (ops.cuda_full_state, (k, v, None)),
+        (ops.cuda_full_apply, (q, state, m, False, True, True, 1e-6, None, None, None)),
+        (ops.cuda_full_apply, (q, state, m, True, False, False, 1e-6, bias, mask, None)),
+        (
+            ops.cuda_full_apply,
+            (q.float(), state, m, False, False, False, 1e-6, None, None, torch.bfloat16),
+        ),  # fmt: skip
+        (ops.cuda_normalized_grad, (g, out, den, 1e-6, False, False)),
+        (ops.cuda_normalized_grad, (g, out, den, 1e-6, True, True)),
+        (ops.cuda_scaled_cumsum, (q, rows, None, False, base, False)),
+        (ops.cuda_scaled_cumsum, (q, None, rows, True, None, True)),
+    ]
+
+
 def close_in_dtype(
     got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, half_floor: float = 1e-12
 ) -> bool:

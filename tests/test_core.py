@@ -6,6 +6,9 @@ Tolerances: fp32 max relative error ≤ 1e-5 (outputs and the gradients of
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -13,7 +16,7 @@ import torch
 import kernelstudy as ks
 from kernelstudy.core import causal_dot_product_reference, linear_attention_reference
 
-from .conftest import rel_err
+from .conftest import compiled_whole, rel_err
 
 # Backends that take CPU tensors (a GPU backend has its own tests).
 _CPU = torch.zeros(1, 1, 1, 1)
@@ -230,28 +233,54 @@ def test_torch_func_transforms_match_plain_autograd(backend, causal):
     assert torch.autograd.gradcheck(lambda q: fn(q, k, v), q_dual, check_forward_ad=True)
 
 
-@pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace:UserWarning")
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
-def test_torch_compile_runs_the_core_as_eager(backend):
-    """Under ``torch.compile`` (dynamo's graph breaks around the core's autograd Functions, as
-    the README says) a model's attention and its gradients are those of the eager call; float64,
-    max abs error <= 1e-12. The ``aot_eager`` backend: dynamo and autograd's tracing without
-    inductor's C++ compile."""
-    torch._dynamo.reset()
-    q, k, v = _features(2, 3, 37, 8, 5, dtype=torch.float64)
-    mask = torch.ones(2, 37, dtype=torch.bool)
-    mask[1, 30:] = False
+def test_torch_compile_traces_the_core_whole(backend):
+    """``torch.compile(fullgraph=True)`` traces the core without a graph break: the compiled
+    backends' kernels are custom ops in the forward and backward graphs (the ``cpu`` backend's
+    product and its fused backward, with thread count 0: torch's, read when the graph runs), and
+    outputs and gradients equal eager mode's bit for bit (float64, causal and non-causal with key
+    padding, the product alone), also after a recompile for another length (dynamic shapes)."""
+    nodes = []
 
-    def model(q, k, v):
+    def model(q, k, v, mask):
         out = ks.linear_attention(q.exp(), k.exp(), v, key_padding_mask=mask, backend=backend)
         causal = ks.linear_attention(q.exp(), k.exp(), v, causal=True, backend=backend)
-        return (out + causal).tanh()
+        product = ks.causal_dot_product(q.exp(), k.exp(), v, backend=backend)
+        return (out + causal).tanh() + product
 
-    compiled = torch.compile(model, backend="aot_eager")
-    got, want = compiled(q, k, v), model(q, k, v)
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
-    for g, w in zip(_grads(got, (q, k, v)), _grads(want, (q, k, v)), strict=True):
-        torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+    compiled = compiled_whole(model, nodes)
+    for n in (37, 50):
+        q, k, v = _features(2, 3, n, 8, 5, dtype=torch.float64)
+        mask = torch.ones(2, n, dtype=torch.bool)
+        mask[1, 30:] = False
+        got, want = compiled(q, k, v, mask), model(q, k, v, mask)
+        assert torch.equal(got, want)
+        for g, w in zip(_grads(got, (q, k, v)), _grads(want, (q, k, v)), strict=True):
+            assert torch.equal(g, w)
+    names = {str(n.target) for n in nodes}
+    if backend == "cpu":
+        assert names == {
+            "kernelstudy.cpu_causal_product.default",
+            "kernelstudy.cpu_causal_product_backward.default",
+        }
+        assert all(n.args[-1] == 0 for n in nodes), [n.args[-1] for n in nodes]
+    else:
+        assert not names
+
+
+@pytest.mark.skipif("cpu" not in ks.backends(), reason="the cpu backend is not built here")
+def test_the_cpu_kernels_custom_ops_agree_with_their_fake_shapes():
+    """``torch.library.opcheck`` on the ``cpu`` backend's custom ops (schema, fake tensors against
+    the kernels' real outputs, AOT dispatch), with every gradient asked for and with some left
+    out (the extension's None comes back as an empty tensor), forward and reverse products."""
+    q, k, v = _features(2, 3, 21, 6, 4, requires_grad=False)
+    g = torch.randn_like(v)
+    ops = torch.ops.kernelstudy
+    for reverse, threads in ((False, 0), (True, 2)):
+        torch.library.opcheck(ops.cpu_causal_product.default, (q, k, v, reverse, threads))
+    for need in ((True, True, True), (False, True, False), (True, False, True)):
+        args = (q, k, v, g, *need, 1)
+        torch.library.opcheck(ops.cpu_causal_product_backward.default, args)
 
 
 def test_every_core_function_binds_its_arguments_to_a_signature_kept_once():
@@ -687,3 +716,27 @@ def test_softmax_padding_holds_anything_and_scale_is_checked():
     for bad, error in ((0.0, ValueError), (float("nan"), ValueError), ("a", TypeError)):
         with pytest.raises(error, match="scale"):
             ks.softmax_attention(q, k, v, scale=bad)
+
+
+def test_constants_are_marked_as_torchs_decorator_marks_them():
+    """``constant_when_traced`` sets the marker that ``torch.compiler.assume_constant_result``
+    sets (without importing dynamo): if torch changes it, this fails, not a silent graph break."""
+    from kernelstudy.core.transforms import constant_when_traced
+
+    def ours() -> int:
+        return 1
+
+    def torchs() -> int:
+        return 1
+
+    constant_when_traced(ours)
+    torch.compiler.assume_constant_result(torchs)
+    assert vars(ours) == vars(torchs) == {"_dynamo_marked_constant": True}
+
+
+def test_kernelstudy_imports_without_dynamo():
+    """``import kernelstudy`` leaves ``torch._dynamo`` unimported (0.7 s of every import when the
+    backends marked their constants with torch's decorator)."""
+    code = "import sys, kernelstudy; print('torch._dynamo' in sys.modules)"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "False", run.stderr

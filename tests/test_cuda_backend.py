@@ -31,8 +31,11 @@ from kernelstudy.core import (
 
 from .conftest import (
     BENCHMARKS,
+    CUDA_COMPILED_OPS,
     benchmark_script,
     close_in_dtype,
+    compiled_matches_eager,
+    cuda_custom_op_cases,
     rel_err,
     rel_rms,
     shifted,
@@ -396,6 +399,63 @@ def test_torch_func_and_double_backward(case):
     want = torch_func_results(ref, [t.detach() for t in x64], small_ref, small64, w, u, tangents)
     for i, (a, e) in enumerate(zip(got, want, strict=True)):
         assert a.dtype == torch.float32 and rel_err(a, e, floor=1.0) <= 1e-4, i
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=str)
+def test_torch_compile_traces_the_kernels_whole(dtype):
+    """``torch.compile(fullgraph=True)`` traces the cuda backend with its kernels as custom ops:
+    the product, and causal and non-causal attention with key padding, give eager mode's outputs
+    and gradients bit for bit, with each one's kernels (and no others) in the traced forward and
+    backward graphs."""
+    b, h, n, f, m = 2, 3, 100, 32, 48
+    q, k, v = (t.detach().to(dtype) for t in _features(b, h, n, f, m))
+    g = _upstream((b, h, n, m)).to(dtype)
+    mask = torch.ones(b, n, dtype=torch.bool, device=DEVICE)
+    mask[1, 60:] = False
+    cases = {
+        "product": cuda_backend.causal_product,
+        "causal": lambda *x: cuda_backend.linear_attention(*x, causal=True, key_padding_mask=mask),
+        "full": lambda *x: ks.linear_attention(*x, key_padding_mask=mask),  # auto: the cuda one
+    }
+    for name, fn in cases.items():
+        assert compiled_matches_eager(fn, (q, k, v), g) == CUDA_COMPILED_OPS[name], name
+
+
+def test_the_kernels_custom_ops_agree_with_their_fake_shapes(causal_kernel):
+    """``torch.library.opcheck`` on the CUDA extension's functions as custom ops (schema, fake
+    tensors against the kernels' outputs, AOT dispatch, dynamic shapes), for each dtype."""
+    if causal_kernel != "walk_mma":
+        pytest.skip("one run is enough")
+    b, h, n, f, m = 2, 3, 70, 16, 24
+    mask = torch.ones(b, n, dtype=torch.bool, device=DEVICE)
+    mask[0, 50:] = False
+    for dtype in (torch.float32, *HALF):
+        q, k, v = (t.detach().to(dtype) for t in _features(b, h, n, f, m))
+        g = _upstream((b, h, n, m)).to(dtype)
+        for op, args in cuda_custom_op_cases(q, k, v, g, mask):
+            torch.library.opcheck(op, args)
+
+
+def test_a_model_compiled_whole_with_inductor_trains_as_in_eager_mode(causal_kernel):
+    """``torch.compile(model, fullgraph=True)`` with inductor (Triton) around the kernels' custom
+    ops: a causal LM's loss and every parameter's gradient within 1e-4 relative of eager mode
+    (float32; inductor fuses the ops around the core in its own order)."""
+    if causal_kernel != "walk_mma":
+        pytest.skip("one run is enough")
+    torch.manual_seed(0)
+    model = ks.nn.CausalLM(50, d_model=64, n_heads=2, n_layers=2, dropout=0.0).to(DEVICE)
+    ids = torch.randint(0, 50, (2, 300), device=DEVICE)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    results = []
+    for run in (compiled, model):
+        model.zero_grad()
+        logits = run(ids)[:, :-1]
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+        loss.backward()
+        results.append([loss, *(p.grad.clone() for p in model.parameters())])
+    for got, want in zip(*results, strict=True):
+        assert rel_err(got, want, floor=1e-3) <= 1e-4
 
 
 def test_cross_attention_lengths():

@@ -37,7 +37,15 @@ from kernelstudy.core import (
 )
 from kernelstudy.core.extensions import csrc_dir
 
-from .conftest import close_in_dtype, rel_err, rel_rms, torch_func_results
+from .conftest import (
+    CUDA_COMPILED_OPS,
+    close_in_dtype,
+    compiled_matches_eager,
+    cuda_custom_op_cases,
+    rel_err,
+    rel_rms,
+    torch_func_results,
+)
 
 EMULATOR = Path(__file__).resolve().parent / "cuda_emulator"
 GXX = shutil.which("g++")
@@ -1329,6 +1337,57 @@ def test_the_core_dispatches_to_the_backend_and_checks_for_it(backend, monkeypat
         ks.linear_attention(q, k, v, causal="yes", backend="cuda")
     with pytest.raises((ValueError, TypeError), match="causal"):
         backend.linear_attention(q, k, v, causal="yes")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=str)
+def test_torch_compile_traces_the_kernels_whole(backend, dtype):
+    """``torch.compile(fullgraph=True)`` traces the cuda backend's Functions with the kernels as
+    custom ops: the product, and causal and non-causal attention with key padding, give eager
+    mode's outputs and gradients bit for bit, with each one's kernels (and no others) in the
+    traced forward and backward graphs."""
+    gen = torch.Generator().manual_seed(6)
+    b, h, n, f, m = 2, 3, 37, 8, 5
+    q, k = (torch.rand(b, h, n, f, generator=gen).to(dtype) for _ in "qk")
+    v, g = (torch.randn(b, h, n, m, generator=gen).to(dtype) for _ in "vg")
+    mask = torch.ones(b, n, dtype=torch.bool)
+    mask[1, 20:] = False
+    for name, fn, _ in _func_cases(backend, mask):
+        assert compiled_matches_eager(fn, (q, k, v), g) == CUDA_COMPILED_OPS[name], name
+
+
+class _OutputsCopied:
+    """The emulated extension with its outputs copied out of their guard buffers, to storage
+    offset 0 as torch allocates them (opcheck compares a fake output's offset with the real)."""
+
+    def __init__(self, ext: EmulatedExtension):
+        self._ext = ext
+
+    def __getattr__(self, name: str):
+        fn = getattr(self._ext, name)
+
+        def call(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            if isinstance(out, torch.Tensor):
+                return out.clone()
+            return type(out)(t.clone() if isinstance(t, torch.Tensor) else t for t in out)
+
+        return call
+
+
+def test_the_kernels_custom_ops_agree_with_their_fake_shapes(backend, ext, monkeypatch):
+    """``torch.library.opcheck`` on the CUDA extension's functions as custom ops (schema, fake
+    tensors against the kernels' real outputs, AOT dispatch, dynamic shapes) over their options,
+    for each input dtype."""
+    monkeypatch.setattr(backend, "extension", lambda: _OutputsCopied(ext))
+    gen = torch.Generator().manual_seed(7)
+    b, h, n, f, m = 2, 3, 21, 6, 4
+    mask = torch.ones(b, n, dtype=torch.bool)
+    mask[1, 12:] = False
+    for dtype in DTYPES:
+        q, k = (torch.rand(b, h, n, f, generator=gen).to(dtype) for _ in "qk")
+        v, g = (torch.randn(b, h, n, m, generator=gen).to(dtype) for _ in "vg")
+        for op, args in cuda_custom_op_cases(q, k, v, g, mask):
+            torch.library.opcheck(op, args)
 
 
 def test_the_gpu_tests_run_on_the_emulator():

@@ -391,3 +391,28 @@ def test_wide_backward_is_checked_by_name(monkeypatch, value):
     q = torch.rand(1, 1, 3, 128)
     with pytest.raises(ValueError, match="cuda_backend.WIDE_BACKWARD must be a dict giving one"):
         cuda_backend._use_fused(q, q)
+
+
+def test_the_gpus_capability_and_the_build_are_constants_when_traced(monkeypatch):
+    """While ``torch.compile`` traces, the backend's checks ask for the GPU's compute capability
+    and whether the extension runs once, outside the graph, and keep the answers as constants
+    (``fullgraph=True`` passes through them; on a CPU build of torch, with the lookups stood in)."""
+    asked = []
+    monkeypatch.setattr(
+        torch.cuda, "get_device_capability", lambda i=None: asked.append(i) or (9, 0)
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cuda_backend._capability_once.cache_clear()
+    try:
+
+        def fn(x):
+            built = cuda_backend.is_available()
+            return x * cuda_backend._capability(0)[0] + built
+
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, fullgraph=True, backend="eager")
+        assert compiled(torch.ones(2)).tolist() == [9.0, 9.0]
+        assert compiled(torch.ones(3)).tolist() == [9.0, 9.0, 9.0]
+        assert asked == [0]
+    finally:
+        cuda_backend._capability_once.cache_clear()

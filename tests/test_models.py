@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -584,3 +586,33 @@ def test_ids_on_another_device_than_the_model_are_named():
     ):
         with pytest.raises(ValueError, match=rf"{name} is on cpu, the model on meta: move"):
             call()
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="inductor compiles C++ for the CPU")
+def test_models_compile_whole_with_inductor():
+    """``torch.compile(model, fullgraph=True)`` with inductor (code generated and compiled for
+    this CPU): a causal LM (the ``cpu`` backend's kernels as custom ops where it is built) and a
+    classifier on padded inputs give eager mode's loss and every parameter's gradient within
+    1e-5 relative (float32; inductor fuses the ops around the core in its own order). Ids out
+    of range raise when the graph runs (a RuntimeError from its checks; eager mode names
+    ``input_ids`` in a ValueError)."""
+    lm = ks.nn.CausalLM(20, **SMALL)
+    clf = ks.nn.SequenceClassifier(20, 3, **SMALL)
+    ids, mask = _padded([13, 9], 13)
+    cases = (
+        (lm, lambda m: F.cross_entropy(m(ids)[:, :-1].flatten(0, 1), ids[:, 1:].flatten())),
+        (clf, lambda m: F.cross_entropy(m(ids, mask), torch.tensor([0, 2]))),
+    )
+    for model, loss_of in cases:
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True)
+        results = []
+        for m in (compiled, model):
+            model.zero_grad()
+            loss = loss_of(m)
+            loss.backward()
+            results.append([loss, *(p.grad.clone() for p in model.parameters())])
+        for got, want in zip(*results, strict=True):
+            assert rel_err(got, want, floor=1e-3) <= 1e-5
+    with pytest.raises(RuntimeError):
+        compiled(torch.full_like(ids, 20), mask)

@@ -11,7 +11,7 @@ import torch
 import kernelstudy as ks
 from kernelstudy.core import linear_attention_reference
 
-from .conftest import close_in_dtype, rel_err
+from .conftest import close_in_dtype, compiled_whole, rel_err
 
 
 @pytest.mark.parametrize("attention", ["kernel", "softmax"])
@@ -859,3 +859,25 @@ def test_layer_blocks_refuse_what_steps_refuse():
     redrawing = ks.nn.KernelAttention(16, 2, "favor", causal=True, feature_map_kwargs=favor)
     with pytest.raises(ValueError, match=r"steps\(\) of a layer whose feature map redraws"):
         redrawing.steps(torch.randn(1, 3, 16))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("name", [*ks.list_feature_maps(), "softmax"])
+def test_a_layer_compiles_whole_for_every_map(name, causal):
+    """``torch.compile(layer, fullgraph=True)`` traces every feature map's layer and the softmax
+    baseline without a graph break (key padding in the non-causal layer): outputs and every
+    parameter's gradient equal eager mode's bit for bit (float64)."""
+    kw = {"attention": "softmax"} if name == "softmax" else {"feature_map": name}
+    layer = ks.nn.KernelAttention(16, 2, causal=causal, **kw).double()
+    x = torch.randn(2, 13, 16, dtype=torch.float64)
+    mask = torch.ones(2, 13, dtype=torch.bool)
+    mask[1, 9:] = False
+    kwargs = {} if causal else {"key_padding_mask": mask}
+    results = []
+    for fn in (compiled_whole(layer), layer):
+        layer.zero_grad()
+        out = fn(x, **kwargs)
+        out.backward(torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view(out.shape))
+        results.append([out, *(p.grad.clone() for p in layer.parameters())])
+    for got, want in zip(*results, strict=True):
+        assert torch.equal(got, want)

@@ -13,7 +13,7 @@ import torch
 from .autocast import without_autocast
 from .backends import check_backend_name, resolve_backend
 from .chunked import causal_dot_product_chunked, check_chunk_size
-from .transforms import signature_once
+from .transforms import signature_once, traceable_apply
 from .validation import (
     accumulation_dtype,
     autocast_off,
@@ -121,7 +121,7 @@ def _attend(phi_q, phi_k, v, causal, key_padding_mask, eps, backend, chunk_size)
 
 def _noncausal_sums(phi_q, phi_k, v) -> tuple[torch.Tensor, torch.Tensor]:
     """``(φq·Σ φk vᵀ, φq·Σ φk)`` in the accumulation dtype, autocast off in both passes."""
-    both, _ = _NoncausalSums.apply(phi_q, phi_k, v)
+    both, _ = _apply_noncausal_sums(phi_q, phi_k, v)
     return both[..., :-1], both[..., -1:]
 
 
@@ -182,6 +182,9 @@ class _NoncausalSums(torch.autograd.Function):
             if dq is not None:
                 out = out + dq.to(acc) @ kv
         return out, None  # kv is not differentiable
+
+
+_apply_noncausal_sums = traceable_apply(_NoncausalSums)
 
 
 def _with_ones(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

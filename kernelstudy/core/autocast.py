@@ -48,8 +48,14 @@ class _WithoutAutocast(torch.autograd.Function):
 def without_autocast(fn: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:
     """``fn(*tensors)`` (one output tensor) with autocast off in its forward and backward
     (recomputed there): the non-causal sums, the reference's explicit matrix and the
-    recurrent read-out (the chunked products' own backward turns autocast off)."""
-    if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
+    recurrent read-out (the chunked products' own backward turns autocast off). While
+    ``torch.compile`` traces, ``fn`` is traced as it is: the compiled backward is traced with the
+    forward, in its dtypes, not run in the autocast region of a later ``backward()``."""
+    if (
+        torch.compiler.is_compiling()
+        or not torch.is_grad_enabled()
+        or not any(t.requires_grad for t in tensors)
+    ):
         with autocast_off(tensors[0]):
             return fn(*tensors)
     return _WithoutAutocast.apply(fn, *tensors)

@@ -17,7 +17,7 @@ import numbers
 import torch
 import torch.nn.functional as F
 
-from .transforms import signature_once, trilinear_jvp
+from .transforms import signature_once, traceable_apply, trilinear_jvp
 from .validation import accumulation_dtype, autocast_off, check_qkv
 
 DEFAULT_CHUNK_SIZE = 64
@@ -117,6 +117,9 @@ class _ChunkedProduct(torch.autograd.Function):
             return trilinear_jvp(product, ctx.saved_tensors, (dq, dk, dv))
 
 
+_apply_chunked_product = traceable_apply(_ChunkedProduct)
+
+
 def causal_dot_product_chunked(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE
 ) -> torch.Tensor:
@@ -128,4 +131,4 @@ def causal_dot_product_chunked(
     check_qkv(q, k, v, names=("q", "k", "v"), causal=True)
     chunk = check_chunk_size(chunk_size)
     with autocast_off(q):
-        return _ChunkedProduct.apply(q, k, v, chunk, False)
+        return _apply_chunked_product(q, k, v, chunk, False)

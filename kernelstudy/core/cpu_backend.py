@@ -21,7 +21,16 @@ import torch
 from ..arguments import check_count
 from .backends import Backend, register_backend
 from .extensions import csrc_dir, host_tag, load_extension, native_cflags
-from .transforms import fold_mapped, signature_once, trilinear_jvp, unfold_mapped
+from .traced_kernels import CPU as TRACED_KERNELS
+from .traced_kernels import CpuKernels as TracedKernels
+from .transforms import (
+    constant_when_traced,
+    fold_mapped,
+    signature_once,
+    traceable_apply,
+    trilinear_jvp,
+    unfold_mapped,
+)
 from .validation import FLOAT_DTYPES, accumulation_dtype, check_qkv
 
 EXTENSION_NAME = "kernelstudy_cpu"  # built as kernelstudy_cpu_<host_tag()> (-march=native)
@@ -55,9 +64,17 @@ def extension() -> ModuleType | None:
         return _extension
 
 
+@constant_when_traced  # torch.compile asks once, outside the graph
 def available() -> bool:
     """Whether the compiled kernel runs here (builds it on first call)."""
     return extension() is not None
+
+
+def _kernels() -> ModuleType | TracedKernels:
+    """The extension (built), or while ``torch.compile`` traces its functions as custom ops."""
+    if torch.compiler.is_compiling():
+        return TRACED_KERNELS
+    return extension()
 
 
 def supports(x: torch.Tensor) -> bool:
@@ -75,7 +92,7 @@ class _CpuProduct(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, threads, reverse):  # type: ignore[override]
-        return extension().causal_product(q, k, v, reverse=reverse, threads=threads)
+        return _kernels().causal_product(q, k, v, reverse=reverse, threads=threads)
 
     @staticmethod
     def setup_context(ctx, inputs, output):  # type: ignore[override]
@@ -90,7 +107,7 @@ class _CpuProduct(torch.autograd.Function):
         need, threads, rev = ctx.needs_input_grad, ctx.threads, ctx.reverse
         if not (torch.is_grad_enabled() or rev):
             # dq = causal(grad, v, k), dk = anticausal(v, grad, q), dv = anticausal(k, q, grad)
-            dq, dk, dv = extension().causal_product_backward(
+            dq, dk, dv = _kernels().causal_product_backward(
                 q, k, v, grad, need[0], need[1], need[2], threads=threads
             )
             return dq, dk, dv, None, None
@@ -115,26 +132,31 @@ class _CpuProduct(torch.autograd.Function):
         return unfold_mapped(size, _CpuProduct.apply(q, k, v, threads, reverse)), 0
 
 
+_apply_cpu_product = traceable_apply(_CpuProduct)
+
+
 def causal_dot_product_cpu(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_threads: int | None = None
 ) -> torch.Tensor:
     """``Σ_{j≤i} (q_i·k_j) v_j`` for CPU tensors ``q, k: (B,H,N,F)``, ``v: (B,H,N,M)``.
 
     Returns ``(B,H,N,M)`` in the accumulation dtype (float32, or float64 for float64
-    inputs). ``num_threads`` defaults to ``torch.get_num_threads()``; the result is the same
-    for any thread count. Raises RuntimeError if the kernel could not be built.
+    inputs). ``num_threads`` defaults to ``torch.get_num_threads()`` (under ``torch.compile``,
+    read when the compiled code runs); the result is the same for any thread count. Raises
+    RuntimeError if the kernel could not be built.
     """
     check_qkv(q, k, v, names=("q", "k", "v"), causal=True)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.device.type != "cpu":
             raise ValueError(f"backend 'cpu' takes CPU tensors; {name} is on {t.device}")
-    if num_threads is None:
-        num_threads = torch.get_num_threads()
-    num_threads = check_count("num_threads", num_threads, 1, MAX_THREADS)
-    if extension() is None:
+    if num_threads is None:  # 0 in a compiled graph: torch's thread count when it runs
+        num_threads = 0 if torch.compiler.is_compiling() else torch.get_num_threads()
+    else:
+        num_threads = check_count("num_threads", num_threads, 1, MAX_THREADS)
+    if not available():
         raise RuntimeError("kernelstudy: the 'cpu' backend could not be built (see the warning)")
     acc = accumulation_dtype(q.dtype)
-    return _CpuProduct.apply(q.to(acc), k.to(acc), v.to(acc), num_threads, False)
+    return _apply_cpu_product(q.to(acc), k.to(acc), v.to(acc), num_threads, False)
 
 
 register_backend(

@@ -37,6 +37,8 @@ normalized causal backward runs float16 in float32 (``g/d`` can outgrow fp16's r
 the mapped dimension into the batch; the causal product's jvp and higher derivatives are
 products again; the normalized attention's are those of the same attention built from the
 causal product (or matrix products) in float32, while its first-order backward stays fused.
+Under ``torch.compile`` the kernels are custom ops (:mod:`.traced_kernels`), so a model compiles
+whole (``fullgraph=True``), its backward fused as in eager mode.
 """
 
 from __future__ import annotations
@@ -54,10 +56,14 @@ import torch
 
 from ..arguments import check_count, check_flag
 from .backends import Backend, register_backend
+from .traced_kernels import CUDA as TRACED_KERNELS
+from .traced_kernels import CudaKernels as TracedKernels
 from .transforms import (
+    constant_when_traced,
     fold_mapped,
     jvp_filled,
     signature_once,
+    traceable_apply,
     trilinear_jvp,
     unfold_mapped,
     vjp_of_needed,
@@ -230,6 +236,7 @@ def extension() -> ModuleType | None:
         return _module
 
 
+@constant_when_traced  # torch.compile asks once, outside the graph
 def is_available() -> bool:
     """True where a CUDA device is visible and the extension builds (False at once without one)."""
     return torch.cuda.is_available() and extension() is not None
@@ -242,10 +249,15 @@ def supports(x: torch.Tensor) -> bool:
     return _capability(x.device.index) >= MIN_CAPABILITY
 
 
-@functools.cache
+@constant_when_traced  # torch.compile asks once, outside the graph
 def _capability(index: int | None) -> tuple[int, int]:
     """``torch.cuda.get_device_capability`` of device ``index``, once a process: a call is checked
     four times a product (the backend's choice, then q, k and v), and torch's lookup is Python."""
+    return _capability_once(index)
+
+
+@functools.cache
+def _capability_once(index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
@@ -359,7 +371,15 @@ def _product(ext: ModuleType, q, k, v, reverse: bool, out_fp32: bool) -> torch.T
     return ext.causal_product(q, k, v, reverse=reverse, out_fp32=out_fp32, **args)[0]
 
 
-def _require() -> ModuleType:
+def _require() -> ModuleType | TracedKernels:
+    """The extension, or while ``torch.compile`` traces its functions as custom ops."""
+    if torch.compiler.is_compiling():
+        return TRACED_KERNELS
+    return extension_or_raise()
+
+
+def extension_or_raise() -> ModuleType:
+    """The extension; RuntimeError where it is not available."""
     module = extension()
     if module is None:
         raise RuntimeError("kernelstudy: the CUDA extension is not available on this machine")
@@ -454,7 +474,7 @@ def causal_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.T
     in the input dtypes.
     """
     _check_inputs(q, k, v)
-    return _CausalProduct.apply(q, k, v, False)
+    return _apply_causal_product(q, k, v, False)
 
 
 # ---------------------------------------------------------------- normalized attention
@@ -647,6 +667,11 @@ class _FullAttention(_FusedAttention):
         return dq, dk, dv, None, None
 
 
+_apply_causal_product = traceable_apply(_CausalProduct)
+_apply_causal_attention = traceable_apply(_CausalAttention)
+_apply_full_attention = traceable_apply(_FullAttention)
+
+
 def _read_out(
     ext: ModuleType,
     x: torch.Tensor,
@@ -695,8 +720,8 @@ def _attention(phi_q, phi_k, v, causal: bool, key_padding_mask, eps: float) -> t
         mask = check_key_padding_mask(
             key_padding_mask, phi_k.shape[0], phi_k.shape[2], phi_k.device
         ).contiguous()
-    fn = _CausalAttention if causal else _FullAttention
-    return fn.apply(phi_q, phi_k, v, mask, eps)[0]
+    fn = _apply_causal_attention if causal else _apply_full_attention
+    return fn(phi_q, phi_k, v, mask, eps)[0]
 
 
 register_backend(

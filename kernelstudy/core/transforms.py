@@ -1,18 +1,20 @@
 """What the core's autograd Functions share for ``torch.func``: the jvp of a product linear
 in each input, the fold of a ``vmap``-ed dimension into the batch for kernels that take
 plain tensors (the compiled CPU and CUDA products), and the vjp and jvp of a function the
-Function recomputes (the autocast-free sums, the CUDA attention's higher derivatives); and
-the forward's signature computed once (:func:`signature_once`)."""
+Function recomputes (the autocast-free sums, the CUDA attention's higher derivatives); the
+forward's signature computed once (:func:`signature_once`); and what ``torch.compile`` traces:
+each Function's ``apply`` (:func:`traceable_apply`) and constants (:func:`constant_when_traced`)."""
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
 FunctionT = TypeVar("FunctionT", bound=type[torch.autograd.Function])
+CallableT = TypeVar("CallableT", bound=Callable[..., Any])
 
 
 def signature_once(cls: FunctionT) -> FunctionT:
@@ -32,6 +34,44 @@ def signature_once(cls: FunctionT) -> FunctionT:
         raise TypeError(f"{cls.__name__} must define forward as a staticmethod of its own")
     forward.__func__.__signature__ = inspect.signature(forward.__func__)
     return cls
+
+
+def traceable_apply(cls: type[torch.autograd.Function]) -> Callable[..., Any]:
+    """``cls.apply``, and while ``torch.compile`` traces, the ``apply`` of a subclass of ``cls``
+    without its custom ``jvp``.
+
+    Dynamo refuses to trace a Function that defines a jvp once an input requires grad (a graph
+    break, an error under ``fullgraph=True``); compiled code runs no forward-mode AD, so the twin
+    loses nothing there. Its forward, backward and vmap rule are ``cls``'s own. (A function, not
+    an attribute of ``cls``: dynamo follows a closure's class, not a class's added attribute.)
+    """
+    if not (isinstance(cls, type) and issubclass(cls, torch.autograd.Function)):
+        raise TypeError(f"traceable_apply takes a torch.autograd.Function subclass, got {cls!r}")
+    body = {
+        "jvp": staticmethod(torch.autograd.Function.jvp),
+        "__module__": cls.__module__,
+        "__qualname__": f"{cls.__qualname__}_traced",
+        "__doc__": f"{cls.__name__} without its jvp, for torch.compile (traceable_apply).",
+    }
+    traced = type(f"{cls.__name__}_traced", (cls,), body)
+
+    def run(*args: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return traced.apply(*args)
+        return cls.apply(*args)
+
+    run.__doc__ = f"{cls.__name__}.apply, traceable by torch.compile (traceable_apply)."
+    return run
+
+
+def constant_when_traced(fn: CallableT) -> CallableT:
+    """Mark ``fn`` as ``torch.compiler.assume_constant_result`` does: while dynamo traces, it
+    calls ``fn`` once, outside the graph, and keeps the result as a constant (whether a backend
+    is built, a GPU's compute capability). The marker is set here because torch's decorator
+    imports dynamo, which made ``import kernelstudy`` take 0.7 s longer (1.0 s before);
+    ``tests/test_core.py`` checks that torch's decorator sets this marker."""
+    fn._dynamo_marked_constant = True
+    return fn
 
 
 def trilinear_jvp(

@@ -149,7 +149,11 @@ def check_token_ids(
         )
     if input_ids.numel():
         lo, hi = int(input_ids.min()), int(input_ids.max())
-        if lo < 0 or hi >= vocab_size:
+        if torch.compiler.is_compiling():  # checks in the graph (a RuntimeError), no branch on data
+            message = f"{name} must lie in [0, {vocab_size})"
+            torch._check(lo >= 0, lambda: message)
+            torch._check(hi < vocab_size, lambda: message)
+        elif lo < 0 or hi >= vocab_size:
             raise ValueError(f"{name} must lie in [0, {vocab_size}), got values in [{lo}, {hi}]")
 
 
