@@ -1462,23 +1462,63 @@ def test_prefill_times_both_ways_and_they_agree(prefill, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["prefill.csv"]  # no temp file left
 
 
-@pytest.mark.parametrize(
-    ("flags", "match"),
-    [
-        (["--prompt-lens", "0"], "--prompt-lens"),
-        (["--d-model", "10", "--n-heads", "4"], "divisible"),
-        (["--feature-map", "nope"], "--feature-map"),
-        (["--device", "tpu9"], "--device"),
-    ],
-)
-def test_prefill_checks_its_arguments(prefill, capsys, flags, match):
+# ---------------------------------------------------------------- benchmarks/compiled_step.py
+@pytest.fixture(scope="module")
+def compiled_step():
+    return benchmark_script("compiled_step")
+
+
+def test_compiled_step_times_both_ways_and_they_agree(compiled_step, tmp_path):
+    out = tmp_path / "compiled.csv"
+    small = ["--d-model", "16", "--n-heads", "2", "--n-layers", "1", "--batch", "2"]
+    argv = ["--seq-lens", "9", "--repeats", "1", "--attentions", "kernel", "softmax", *small]
+    assert compiled_step.main([*argv, "--out", str(out)]) == 0
+    frame = pd.read_csv(out, keep_default_na=False)
+    assert len(frame) == 4  # 2 attentions x 1 length x 2 ways
+    assert set(frame.way) == {"eager", "compiled"} and (frame.time_ms > 0).all()
+    compiled = frame[frame.way == "compiled"].set_index("attention")
+    eager = frame[frame.way == "eager"].set_index("attention")
+    assert compiled.speedup.tolist() == pytest.approx((eager.time_ms / compiled.time_ms).tolist())
+    assert (compiled.max_grad_diff < 1e-4).all() and (compiled.compile_s > 0).all()
+    assert (eager.max_grad_diff == 0).all() and (eager.compile_s == 0).all()
+    assert {"matmul_gflops", "frac_matmul", "device", "command", "date"} <= set(frame.columns)
+    assert [p.name for p in tmp_path.iterdir()] == ["compiled.csv"]  # no temp file left
+
+
+def test_compiled_step_compares_gradients_relative_to_each_parameter(compiled_step):
+    want = [torch.tensor([2.0, -4.0]), torch.zeros(3)]
+    got = [torch.tensor([2.0, -4.4]), torch.tensor([0.0, 0.5, 0.0])]
+    assert compiled_step.max_relative_diff(got, want) == pytest.approx(0.5)
+    assert compiled_step.max_relative_diff(want, want) == 0.0
+
+
+# the causal-LM benchmarks: the flags they share (lm_cases.py) and their own
+LM_FLAG_CASES = [
+    ("prefill", ["--prompt-lens", "0"], "--prompt-lens"),
+    ("compiled_step", ["--seq-lens", "1"], "--seq-lens"),
+    *(
+        (script, flags, match)
+        for script in ("prefill", "compiled_step")
+        for flags, match in (
+            (["--repeats", "0"], "--repeats"),
+            (["--d-model", "10", "--n-heads", "4"], "divisible"),
+            (["--feature-map", "nope"], "--feature-map"),
+            (["--device", "tpu9"], "--device"),
+        )
+    ),
+]
+
+
+@pytest.mark.parametrize(("script", "flags", "match"), LM_FLAG_CASES)
+def test_lm_benchmarks_check_their_arguments(script, capsys, flags, match):
     with pytest.raises(SystemExit) as exit_:
-        prefill.parse_args(flags)
+        benchmark_script(script).parse_args(flags)
     assert exit_.value.code == 2 and match in capsys.readouterr().err
 
 
-def test_prefill_refuses_cuda_without_a_gpu(prefill, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("script", ["prefill", "compiled_step"])
+def test_lm_benchmarks_refuse_cuda_without_a_gpu(script, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    out = tmp_path / "prefill.csv"
-    assert prefill.main(["--device", "cuda", "--out", str(out)]) == 1
+    out = tmp_path / "out.csv"
+    assert benchmark_script(script).main(["--device", "cuda", "--out", str(out)]) == 1
     assert "no CUDA GPU" in capsys.readouterr().err and not out.exists()

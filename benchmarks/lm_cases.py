@@ -1,0 +1,131 @@
+"""What the causal-LM benchmarks (``prefill.py``, ``compiled_step.py``) share: the model and run
+flags and their checks, the model each case builds, the columns that describe a run, the
+model's matrix weights (for FLOP counts), and the CSV and table a run leaves."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import shlex
+import sys
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+# the CPU benchmark's device name and argument checks (this folder is on sys.path when run as a
+# script; not when imported by path, as the tests do)
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.append(str(Path(__file__).resolve().parent))
+from core import check_sizes_and_device, device_name  # noqa: E402
+
+import kernelstudy as ks  # noqa: E402
+from kernelstudy.files import atomic_write_text  # noqa: E402
+
+ATTENTIONS = ("kernel", "softmax")
+
+
+def add_model_arguments(p: argparse.ArgumentParser, default_out: str) -> None:
+    """The flags of the model (attention, map, sizes, dtype, device) and of the run."""
+    p.add_argument("--attentions", nargs="+", default=list(ATTENTIONS), choices=ATTENTIONS)
+    p.add_argument("--feature-map", default="elu", help="the kernel runs' map (default elu)")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--n-heads", type=int, default=4)
+    p.add_argument("--n-layers", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--repeats", type=int, help="timed calls per case and way (default 5)")
+    p.add_argument("--out", type=Path, default=Path(default_out))
+
+
+def check_model_arguments(
+    p: argparse.ArgumentParser, args: argparse.Namespace, lengths: dict[str, int]
+) -> None:
+    """Exit through ``p.error`` (status 2) for a size below 1 (``lengths``: the script's own
+    length flags and their smallest values), a device torch cannot parse, a ``--d-model`` that
+    ``--n-heads`` does not divide, or an unknown ``--feature-map``."""
+    sizes = lengths | {
+        "--repeats": args.repeats,
+        "--batch": args.batch,
+        "--d-model": args.d_model,
+        "--n-heads": args.n_heads,
+        "--n-layers": args.n_layers,
+        "--vocab": args.vocab,
+    }
+    check_sizes_and_device(p, sizes, args.device)
+    if args.d_model % args.n_heads:
+        p.error(f"--d-model {args.d_model} must be divisible by --n-heads {args.n_heads}")
+    if args.feature_map not in ks.list_feature_maps():
+        p.error(f"--feature-map: unknown {args.feature_map!r}; one of {ks.list_feature_maps()}")
+
+
+def no_gpu_for(script: str, args: argparse.Namespace) -> bool:
+    """True, saying so on stderr, where ``--device`` is a CUDA device and there is no GPU."""
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        print(f"benchmarks/{script}: --device {args.device}: no CUDA GPU here", file=sys.stderr)
+        return True
+    return False
+
+
+def build_model(args: argparse.Namespace, attention: str, max_len: int) -> ks.nn.CausalLM:
+    """A causal LM of the flags' sizes with ``attention`` (``kernel``: ``--feature-map``), no
+    dropout, seeded with 0, on ``--device`` in ``--dtype``."""
+    torch.manual_seed(0)
+    kind = {"attention": "softmax"} if attention == "softmax" else {"feature_map": args.feature_map}
+    model = ks.nn.CausalLM(
+        args.vocab,
+        d_model=args.d_model,
+        n_heads=args.n_heads,
+        n_layers=args.n_layers,
+        dropout=0.0,
+        max_len=max_len,
+        **kind,
+    )
+    return model.to(torch.device(args.device), getattr(torch, args.dtype))
+
+
+def run_columns(args: argparse.Namespace, script: str, matmul_gflops: float) -> dict[str, object]:
+    """The columns that describe the run on every row: device, dtype, torch, date, the command
+    and the same run's matmul rate."""
+    return {
+        "device": device_name(torch.device(args.device)),
+        "dtype": args.dtype,
+        "torch": torch.__version__,
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": shlex.join(["python", f"benchmarks/{script}", *args.argv]),
+        "matmul_gflops": matmul_gflops,
+    }
+
+
+def case_columns(args: argparse.Namespace, attention: str) -> dict[str, object]:
+    """The model's columns on a case's rows."""
+    return {
+        "attention": attention,
+        "feature_map": args.feature_map if attention == "kernel" else "",
+        "batch": args.batch,
+        "d_model": args.d_model,
+        "n_layers": args.n_layers,
+    }
+
+
+def matrix_weights(model: ks.nn.CausalLM) -> int:
+    """The weights of the model's matrices (embeddings, which are lookups, left out)."""
+    return sum(
+        p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "embed" not in name
+    )
+
+
+def write_and_show(
+    frame: pd.DataFrame, args: argparse.Namespace, length: str, base: str, way: str
+) -> None:
+    """Write ``frame`` to ``--out`` (atomically) and print its times (ms) by attention and
+    ``length`` column, with ``speedup``: the ``base`` way's time over ``way``'s."""
+    atomic_write_text(args.out, frame.to_csv(index=False))
+    table = frame.pivot_table(
+        index=["attention", length], columns="way", values="time_ms", aggfunc="first"
+    )
+    table["speedup"] = table[base] / table[way]
+    print(table.round(2).to_string())
+    print(f"matmul {frame.matmul_gflops.iloc[0]:.1f} GFLOP/s ({args.dtype}); wrote {args.out}")
