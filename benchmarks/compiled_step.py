@@ -1,18 +1,18 @@
 """A causal LM's training step, in eager mode against ``torch.compile(model, fullgraph=True)``.
 
-For each attention (kernel attention with ``--feature-map``; softmax attention) and sequence
-length N, the median time of a training step (forward, cross-entropy, backward; no optimizer) on
-``(B, N)`` tokens in eager mode and compiled whole by inductor (one graph: the core's kernels
-are custom ops in it), in the same run, and their ratio (``speedup``: eager / compiled). The
-compiled rows give the compile time (``compile_s``: the first compiled step, less a step) and
-``max_grad_diff``: the largest difference between the two ways' gradients, relative to the
-largest eager gradient of the same parameter. The dense matmul rate of the run's dtype is
-measured in the same run as a yardstick (``matmul_gflops``), beside each way's achieved rate of
-the model's matrix products (``gflops``: 6 FLOPs per weight per token for the forward and
-backward, attention's own products not counted).
+For each attention (kernel attention with ``--feature-map``; softmax attention) and sequence length
+N, the median time of a training step (forward, cross-entropy, backward; no optimizer) on ``(B,N)``
+tokens in eager mode and compiled whole by inductor (one graph: the core's kernels are custom ops
+in it; ``--mode``: torch.compile's), in the same run, and their ratio (``speedup``: eager /
+compiled). The compiled rows give the compile time (``compile_s``: the first compiled step, less a
+step) and ``max_grad_diff``: the largest difference between the two ways' gradients, relative to
+the largest eager gradient of the same parameter. The dense matmul rate of the run's dtype is
+measured in the same run as a yardstick (``matmul_gflops``), beside each way's achieved rate of the
+model's matrix products (``gflops``: 6 FLOPs per weight per token for the forward and backward,
+attention's own products not counted).
 
     python benchmarks/compiled_step.py --quick
-    python benchmarks/compiled_step.py --device cuda --dtype bfloat16 \\
+    python benchmarks/compiled_step.py --device cuda --dtype bfloat16 --mode reduce-overhead \\
         --out benchmarks/results/compiled_step_cuda.csv
 """
 
@@ -39,6 +39,12 @@ import kernelstudy as ks  # noqa: E402
 from kernelstudy.progress import tqdm  # noqa: E402
 
 WAYS = ("eager", "compiled")
+#: torch.compile's modes (``reduce-overhead``: CUDA graphs, on a GPU)
+MODES = {
+    "default": None,
+    "reduce-overhead": "reduce-overhead",
+    "max-autotune-no-cudagraphs": "max-autotune-no-cudagraphs",
+}
 
 
 def train_step(run, model: ks.nn.CausalLM, ids: torch.Tensor) -> list[torch.Tensor]:
@@ -77,7 +83,8 @@ def benchmark(args: argparse.Namespace) -> pd.DataFrame:
         gen = torch.Generator().manual_seed(length)
         ids = torch.randint(args.vocab, (args.batch, length), generator=gen).to(device)
         torch._dynamo.reset()
-        runs = {"eager": model, "compiled": torch.compile(model, fullgraph=True)}
+        compiled = torch.compile(model, fullgraph=True, mode=MODES[args.mode])
+        runs = {"eager": model, "compiled": compiled}
         grads, first = {}, {}
         for way, run in runs.items():
             start = time.perf_counter()
@@ -92,19 +99,20 @@ def benchmark(args: argparse.Namespace) -> pd.DataFrame:
         flops = weight_flops(model, args.batch * length)
         diff = max_relative_diff(grads["compiled"], grads["eager"])
         for way in WAYS:
-            compiled = way == "compiled"
+            is_compiled = way == "compiled"
             rows.append(
                 lm_cases.case_columns(args, attention)
                 | {
                     "way": way,
                     "seq_len": length,
+                    "mode": args.mode if is_compiled else "",
                     "time_ms": times[way] * 1e3,
                     "tokens_per_s": args.batch * length / times[way],
                     "gflops": flops / times[way] / 1e9,
                     "frac_matmul": flops / times[way] / 1e9 / rate,
                     "speedup": times["eager"] / times[way],
-                    "compile_s": first[way] - times[way] if compiled else 0.0,
-                    "max_grad_diff": diff if compiled else 0.0,
+                    "compile_s": first[way] - times[way] if is_compiled else 0.0,
+                    "max_grad_diff": diff if is_compiled else 0.0,
                 }
                 | about
             )
@@ -115,6 +123,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq-lens", type=int, nargs="+", help="N (default 256 1024 4096)")
     p.add_argument("--quick", action="store_true", help="N in {128, 512}, 3 repeats, unless given")
+    p.add_argument("--mode", default="default", choices=list(MODES), help="torch.compile's mode")
     lm_cases.add_model_arguments(p, "benchmarks/results/compiled_step_cpu.csv")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)

@@ -594,8 +594,8 @@ def test_models_compile_whole_with_inductor():
     this CPU): a causal LM (the ``cpu`` backend's kernels as custom ops where it is built) and a
     classifier on padded inputs give eager mode's loss and every parameter's gradient within
     1e-5 relative (float32; inductor fuses the ops around the core in its own order). Ids out
-    of range raise when the graph runs (a RuntimeError from its checks; eager mode names
-    ``input_ids`` in a ValueError)."""
+    of range fail the graph's own check, which names ``input_ids`` (a RuntimeError on the CPU;
+    eager mode's is a ValueError that also gives the range of the ids)."""
     lm = ks.nn.CausalLM(20, **SMALL)
     clf = ks.nn.SequenceClassifier(20, 3, **SMALL)
     ids, mask = _padded([13, 9], 13)
@@ -614,5 +614,5 @@ def test_models_compile_whole_with_inductor():
             results.append([loss, *(p.grad.clone() for p in model.parameters())])
         for got, want in zip(*results, strict=True):
             assert rel_err(got, want, floor=1e-3) <= 1e-5
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match=r"input_ids must lie in \[0, 20\)"):
         compiled(torch.full_like(ids, 20), mask)

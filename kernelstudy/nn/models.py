@@ -147,13 +147,12 @@ def check_token_ids(
             f"{name} is on {input_ids.device}, the model on {device}: move the ids "
             f"({name}.to({str(device)!r})) or the model"
         )
-    if input_ids.numel():
+    if torch.compiler.is_compiling():  # a check in the graph, without a sync on the GPU
+        inside = ((input_ids >= 0) & (input_ids < vocab_size)).all()
+        torch._assert_async(inside, f"{name} must lie in [0, {vocab_size})")
+    elif input_ids.numel():
         lo, hi = int(input_ids.min()), int(input_ids.max())
-        if torch.compiler.is_compiling():  # checks in the graph (a RuntimeError), no branch on data
-            message = f"{name} must lie in [0, {vocab_size})"
-            torch._check(lo >= 0, lambda: message)
-            torch._check(hi < vocab_size, lambda: message)
-        elif lo < 0 or hi >= vocab_size:
+        if lo < 0 or hi >= vocab_size:
             raise ValueError(f"{name} must lie in [0, {vocab_size}), got values in [{lo}, {hi}]")
 
 
