@@ -1481,6 +1481,7 @@ def test_compiled_step_times_both_ways_and_they_agree(compiled_step, tmp_path):
     assert compiled.speedup.tolist() == pytest.approx((eager.time_ms / compiled.time_ms).tolist())
     assert (compiled.max_grad_diff < 1e-4).all() and (compiled.compile_s > 0).all()
     assert (eager.max_grad_diff == 0).all() and (eager.compile_s == 0).all()
+    assert set(compiled["mode"]) == {"default"} and set(eager["mode"]) == {""}
     assert {"matmul_gflops", "frac_matmul", "device", "command", "date"} <= set(frame.columns)
     assert [p.name for p in tmp_path.iterdir()] == ["compiled.csv"]  # no temp file left
 

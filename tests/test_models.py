@@ -12,7 +12,7 @@ from torch import nn
 import kernelstudy as ks
 from kernelstudy.feature_maps import FeatureMap, Hyperparameter
 
-from .conftest import rel_err
+from .conftest import compiled_whole, rel_err
 
 ATTENTIONS = ["softmax", "elu"]
 SMALL = {"d_model": 16, "n_heads": 2, "n_layers": 2, "d_ff": 32, "dropout": 0.0}
@@ -616,3 +616,37 @@ def test_models_compile_whole_with_inductor():
             assert rel_err(got, want, floor=1e-3) <= 1e-5
     with pytest.raises(RuntimeError, match=r"input_ids must lie in \[0, 20\)"):
         compiled(torch.full_like(ids, 20), mask)
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_every_model_compiles_whole(attention):
+    """``torch.compile(model, fullgraph=True)`` traces each model without a graph break
+    (learned positions, ``cls`` pooling, two towers, padding): outputs and every parameter's
+    gradient equal eager mode's bit for bit (float64, dropout off). A position past a learned
+    encoding's ``max_len`` fails the graph's own check (a RuntimeError naming it)."""
+    small = SMALL | {"attention": attention}
+    ids, mask = _padded([12, 7], 12)
+    other, other_mask = _padded([5, 9], 12)
+    cases = [
+        (ks.nn.SequenceClassifier(20, 3, pooling="cls", positions="learned", max_len=13, **small),
+         (ids, mask)),
+        (ks.nn.MatchingClassifier(20, positions="learned", max_len=12, **small),
+         (ids, mask, other, other_mask)),
+        (ks.nn.CausalLM(20, positions="learned", max_len=12, **small), (ids, mask)),
+    ]  # fmt: skip
+    for model, inputs in cases:
+        model = model.double()
+        compiled = compiled_whole(model)
+        results = []
+        for run in (compiled, model):
+            model.zero_grad()
+            out = run(*inputs)
+            out.backward(torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view(out.shape))
+            results.append([out, *(p.grad.clone() for p in model.parameters())])
+        for got, want in zip(*results, strict=True):
+            assert torch.equal(got, want), type(model).__name__
+    longer = torch.cat([ids, ids[:, :1]], 1)
+    with pytest.raises(ValueError, match="max_len"):
+        model(longer)
+    with pytest.raises(RuntimeError, match="max_len=12"):
+        compiled(longer)

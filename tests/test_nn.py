@@ -861,14 +861,28 @@ def test_layer_blocks_refuse_what_steps_refuse():
         redrawing.steps(torch.randn(1, 3, 16))
 
 
+# every map at its defaults, the softmax baseline, and the maps' stabilize=False (checked sums)
+COMPILED_LAYERS = [
+    *((name, {}) for name in ks.list_feature_maps()),
+    ("softmax", {}),
+    *((name, {"stabilize": False}) for name in ("favor", "hedgehog", "polynomial")),
+]
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("name", [*ks.list_feature_maps(), "softmax"])
-def test_a_layer_compiles_whole_for_every_map(name, causal):
+@pytest.mark.parametrize(
+    "name, kw",
+    COMPILED_LAYERS,
+    ids=[n + "".join(f"-{k}={v}" for k, v in kw.items()) for n, kw in COMPILED_LAYERS],
+)
+def test_a_layer_compiles_whole_for_every_map(name, kw, causal):
     """``torch.compile(layer, fullgraph=True)`` traces every feature map's layer and the softmax
-    baseline without a graph break (key padding in the non-causal layer): outputs and every
-    parameter's gradient equal eager mode's bit for bit (float64)."""
-    kw = {"attention": "softmax"} if name == "softmax" else {"feature_map": name}
-    layer = ks.nn.KernelAttention(16, 2, causal=causal, **kw).double()
+    baseline without a graph break (key padding in the non-causal layer; the overflow checks of
+    ``stabilize=False`` as asserts in the graph): outputs and every parameter's gradient equal
+    eager mode's bit for bit (float64)."""
+    kind = {"feature_map": name, "feature_map_kwargs": kw}
+    kind = {"attention": "softmax"} if name == "softmax" else kind
+    layer = ks.nn.KernelAttention(16, 2, causal=causal, **kind).double()
     x = torch.randn(2, 13, 16, dtype=torch.float64)
     mask = torch.ones(2, 13, dtype=torch.bool)
     mask[1, 9:] = False
@@ -881,3 +895,31 @@ def test_a_layer_compiles_whole_for_every_map(name, causal):
         results.append([out, *(p.grad.clone() for p in layer.parameters())])
     for got, want in zip(*results, strict=True):
         assert torch.equal(got, want)
+
+
+def test_compiled_overflow_checks_fail_in_the_graph():
+    """Compiled whole, the checks that eager mode raises as ValueErrors (with
+    ``stabilize=False``: features beyond float32, products φ(q)·φ(k) beyond its sums' range;
+    polynomial features beyond float16) are asserts in the graph, without a host sync: a
+    RuntimeError that says what to change, on the CPU. Inputs in range pass."""
+    torch.manual_seed(0)
+    x = torch.randn(1, 5, 8)
+    products, features = x.clone(), x.clone()
+    products[0, 2] *= 70.0  # features of about e^60 fit float32; their products do not
+    features[0, 2] *= 1000.0
+    kw = {"feature_map": "hedgehog", "feature_map_kwargs": {"stabilize": False}}
+    layer = ks.nn.KernelAttention(8, 2, **kw)
+    polynomial = ks.create_feature_map("polynomial", head_dim=8)
+    keys = (300 * x).half().view(1, 1, 5, 8)  # a layer maps float16 in float32: the map alone
+    cases = [
+        (layer, x, products, "stabilize=False"),
+        (layer, x, features, "stabilize=False"),
+        (lambda k: polynomial(k, is_query=False), x.half().view(keys.shape), keys, "float16"),
+    ]
+    for fn, fine, bad, match in cases:
+        with pytest.raises(ValueError, match=match):
+            fn(bad)
+        compiled = compiled_whole(fn)
+        compiled(fine)
+        with pytest.raises(RuntimeError, match=match):
+            compiled(bad)

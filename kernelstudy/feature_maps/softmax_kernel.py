@@ -84,6 +84,15 @@ class ExpFeatures(FeatureMap):
         """ValueError where a finite exponent gave an infinite feature (non-finite inputs
         keep their inf/NaN, as with ``stabilize``)."""
         phi = phi.detach()
+        if torch.compiler.is_compiling():  # a check in the graph, without a sync on the GPU
+            overflow = torch.isinf(phi) & torch.isfinite(log)
+            message = (
+                f"{type(self).__name__} with stabilize=False: features overflow {dtype}; "
+                "pass stabilize=True (normalized attention is unchanged), smaller inputs or a "
+                "wider dtype"
+            )
+            torch._assert_async(~overflow.any(), message)
+            return
         if not phi.numel() or bool(torch.isfinite(torch.stack([phi.amax(), phi.amin()])).all()):
             return  # the common case: two reductions, no copy of φ
         overflow = torch.isinf(phi) & torch.isfinite(log)

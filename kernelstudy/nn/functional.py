@@ -166,11 +166,19 @@ def check_products_fit(fm: FeatureMap, phi_q: torch.Tensor, phi_k: torch.Tensor)
     ``phi_k``. Syncs."""
     if fm.hparams.get("stabilize") is not False or not phi_q.numel() or not phi_k.numel():
         return
-    log_top = _log_largest_product(phi_q, phi_k, finite_only=False)
-    if not math.isfinite(log_top):  # a non-finite feature: bound the finite ones
-        log_top = _log_largest_product(phi_q, phi_k, finite_only=True)
     acc = accumulation_dtype(phi_q.dtype)  # half-precision features are summed in float32
     limit = math.log(torch.finfo(acc).max) - SPARE
+    if torch.compiler.is_compiling():  # a check in the graph, without a sync on the GPU
+        log_top = _log_largest_product(phi_q, phi_k, finite_only=True)
+        message = (
+            f"feature map {fm.name!r} with stabilize=False: φ(q)·φ(k) beyond e^{limit:.1f}, "
+            f"where sums over features and keys overflow {acc}; pass stabilize=True"
+        )
+        torch._assert_async(log_top <= limit, message)
+        return
+    log_top = float(_log_largest_product(phi_q, phi_k, finite_only=False))
+    if not math.isfinite(log_top):  # a non-finite feature: bound the finite ones
+        log_top = float(_log_largest_product(phi_q, phi_k, finite_only=True))
     if log_top > limit:
         raise ValueError(
             f"feature map {fm.name!r} with stabilize=False: φ(q)·φ(k) reaches e^{log_top:.1f}, "
@@ -180,16 +188,19 @@ def check_products_fit(fm: FeatureMap, phi_q: torch.Tensor, phi_k: torch.Tensor)
         )
 
 
-def _log_largest_product(phi_q: torch.Tensor, phi_k: torch.Tensor, finite_only: bool) -> float:
-    """log of the largest |φ(q)|·|φ(k)| within a (batch, head): (B,H,N,F), (B,H,S,F) → float.
-    ``finite_only`` leaves non-finite entries out (a copy of each tensor; else none)."""
+def _log_largest_product(
+    phi_q: torch.Tensor, phi_k: torch.Tensor, finite_only: bool
+) -> torch.Tensor:
+    """log of the largest |φ(q)|·|φ(k)| within a (batch, head): (B,H,N,F), (B,H,S,F) → a
+    float64 scalar. ``finite_only`` leaves non-finite entries out (a copy of each tensor; else
+    none)."""
     with torch.no_grad():
         tops = []
         for x in (phi_q, phi_k):
             x = _finite_abs(x) if finite_only else x.detach()
             top = torch.maximum(-x.amin((-2, -1)), x.amax((-2, -1)))  # (B,H); aminmax: slower
             tops.append(top.double().log())
-        return float((tops[0] + tops[1]).amax())
+        return (tops[0] + tops[1]).amax()
 
 
 def _finite_abs(x: torch.Tensor) -> torch.Tensor:

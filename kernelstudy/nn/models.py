@@ -111,7 +111,11 @@ class PositionalEncoding(nn.Module):
             return sinusoidal_positions(positions, self.d_model)
         if self.kind == "none":
             return torch.zeros(positions.shape[0], self.d_model, device=positions.device)
-        if positions.numel() and int(positions.max()) >= self.max_len:
+        if torch.compiler.is_compiling():  # a check in the graph, without a sync on the GPU
+            inside = (positions < self.max_len).all()
+            message = f"positions must be below max_len={self.max_len} of the learned encoding"
+            torch._assert_async(inside, message)
+        elif positions.numel() and int(positions.max()) >= self.max_len:
             raise ValueError(
                 f"position {int(positions.max())} is beyond max_len={self.max_len} "
                 "of the learned positional encoding"
