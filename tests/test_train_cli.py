@@ -544,3 +544,14 @@ def test_an_empty_out_or_data_is_refused_not_the_current_directory(
     with pytest.raises(TypeError, match="out_dir must be a path"):
         TrainConfig(out_dir=5)
     assert TrainConfig(out_dir=tmp_path).out_dir == str(tmp_path)
+
+
+def test_compile_flag_trains_the_model_compiled(listops: Path, tmp_path: Path) -> None:
+    """``--compile`` sets ``[train] compile``: the run's steps go through the model compiled
+    whole (the resolved settings say so), and it trains and scores as a plain run does."""
+    out = tmp_path / "compiled"
+    assert main(listops_args(listops, out, "--compile", "--steps", "3")) == 0
+    settings = json.loads((out / "config.json").read_text())
+    assert settings["train"]["compile"] is True
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 3 and 0.0 <= summary["test_accuracy"] <= 1.0

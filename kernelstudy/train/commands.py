@@ -219,7 +219,8 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
                 "disagree; give one"
             )
         s["task_options"][key] = args.max_length
-    for key in ("steps", "batch_size", "lr", "seed", "eval_every", "device", "reg_weight"):
+    flags = ("steps", "batch_size", "lr", "seed", "eval_every", "device", "reg_weight", "compile")
+    for key in flags:
         if getattr(args, key) is not None:
             s["train"][key] = getattr(args, key)
     if "out_dir" in s["train"]:
@@ -533,6 +534,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         help="weight of the feature maps' penalties in the loss (default 1: each at its own "
         "reg_weight; 0: off)",
+    )
+    g.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run the model compiled whole by torch.compile (default: [train] compile, off)",
     )
     g.add_argument(
         "--resume", action="store_true", help="require a checkpoint in --out to resume from"
