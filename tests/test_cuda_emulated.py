@@ -41,6 +41,7 @@ from .conftest import (
     CUDA_COMPILED_OPS,
     close_in_dtype,
     compiled_matches_eager,
+    compiled_whole,
     cuda_custom_op_cases,
     rel_err,
     rel_rms,
@@ -1353,6 +1354,35 @@ def test_torch_compile_traces_the_kernels_whole(backend, dtype):
     mask[1, 20:] = False
     for name, fn, _ in _func_cases(backend, mask):
         assert compiled_matches_eager(fn, (q, k, v), g) == CUDA_COMPILED_OPS[name], name
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_a_layer_under_autocast_compiles_whole_on_the_kernels(backend, monkeypatch, causal):
+    """A kernel-attention layer on the cuda backend under bfloat16 autocast (on the CPU here, as
+    the emulator runs), compiled whole: the kernels' custom ops in its graphs, and output and
+    every parameter's gradient equal to eager mode's bit for bit."""
+    import kernelstudy as ks
+    from kernelstudy.core.backends import registered_backends
+
+    registered = registered_backends()["cuda"]
+    monkeypatch.setattr(registered, "available", lambda: True)
+    monkeypatch.setattr(registered, "supports", lambda x: x.dtype in DTYPES)
+    torch.manual_seed(8)
+    layer = ks.nn.KernelAttention(32, 2, causal=causal, backend="cuda")
+    x = torch.randn(2, 37, 32)
+    nodes = []
+    results = []
+    for fn in (compiled_whole(layer, nodes), layer):
+        layer.zero_grad()
+        with torch.autocast("cpu", torch.bfloat16):
+            out = fn(x)
+        out.float().sum().backward()
+        results.append([out, *(p.grad.clone() for p in layer.parameters())])
+    assert results[0][0].dtype == torch.bfloat16
+    for got, want in zip(*results, strict=True):
+        assert torch.equal(got, want)
+    names = {str(n.target).removeprefix("kernelstudy.").removesuffix(".default") for n in nodes}
+    assert names == CUDA_COMPILED_OPS["causal" if causal else "full"]
 
 
 class _OutputsCopied:
