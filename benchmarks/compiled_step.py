@@ -1,7 +1,8 @@
-"""A causal LM's training step, in eager mode against ``torch.compile(model, fullgraph=True)``.
+"""A model's training step, in eager mode against ``torch.compile(model, fullgraph=True)``.
 
 For each attention (kernel attention with ``--feature-map``; softmax attention) and sequence length
-N, the median time of a training step (forward, cross-entropy, backward; no optimizer) on ``(B,N)``
+N, the median time of a training step (forward, cross-entropy, backward; no optimizer) of a
+causal LM (``--model lm``) or a sequence classifier (``--model classifier``) on ``(B,N)``
 tokens in eager mode and compiled whole by inductor (one graph: the core's kernels are custom ops
 in it; ``--mode``: torch.compile's), in the same run, and their ratio (``speedup``: eager /
 compiled). The compiled rows give the compile time (``compile_s``: the first compiled step, less a
@@ -47,16 +48,25 @@ MODES = {
 }
 
 
-def train_step(run, model: ks.nn.CausalLM, ids: torch.Tensor) -> list[torch.Tensor]:
-    """One step of next-token cross-entropy on ``ids: (B,N)`` through ``run`` (the model or its
-    compiled form): the gradients of ``model``'s parameters (zeroed first)."""
+#: classes of the classifier (``--model classifier``)
+CLASSES = 10
+
+
+def train_step(run, model: torch.nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
+    """One step of cross-entropy on ``ids: (B,N)`` through ``run`` (the model or its compiled
+    form): next-token for a causal LM; for a classifier, labels ``ids[:, 0] % CLASSES``. The
+    gradients of ``model``'s parameters (zeroed first)."""
     model.zero_grad(set_to_none=True)
-    logits = run(ids)[:, :-1]
-    F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten()).backward()
+    logits = run(ids)
+    if isinstance(model, ks.nn.CausalLM):
+        logits, labels = logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()
+    else:
+        labels = ids[:, 0] % CLASSES
+    F.cross_entropy(logits.float(), labels).backward()
     return [p.grad for p in model.parameters()]
 
 
-def weight_flops(model: ks.nn.CausalLM, tokens: int) -> float:
+def weight_flops(model: torch.nn.Module, tokens: int) -> float:
     """6 FLOPs per weight of the model's matrices per token: 2 forward, 4 backward (embeddings
     are lookups)."""
     return 6.0 * lm_cases.matrix_weights(model) * tokens
@@ -79,7 +89,8 @@ def benchmark(args: argparse.Namespace) -> pd.DataFrame:
     rows = []
     cases = [(a, n) for a in args.attentions for n in args.seq_lens]
     for attention, length in tqdm(cases, desc="compiled step", unit="case"):
-        model = lm_cases.build_model(args, attention, max(args.seq_lens))
+        classes = CLASSES if args.model == "classifier" else 0
+        model = lm_cases.build_model(args, attention, max(args.seq_lens), classes)
         gen = torch.Generator().manual_seed(length)
         ids = torch.randint(args.vocab, (args.batch, length), generator=gen).to(device)
         torch._dynamo.reset()
@@ -104,6 +115,7 @@ def benchmark(args: argparse.Namespace) -> pd.DataFrame:
                 lm_cases.case_columns(args, attention)
                 | {
                     "way": way,
+                    "model": args.model,
                     "seq_len": length,
                     "mode": args.mode if is_compiled else "",
                     "time_ms": times[way] * 1e3,
@@ -124,6 +136,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-lens", type=int, nargs="+", help="N (default 256 1024 4096)")
     p.add_argument("--quick", action="store_true", help="N in {128, 512}, 3 repeats, unless given")
     p.add_argument("--mode", default="default", choices=list(MODES), help="torch.compile's mode")
+    p.add_argument(
+        "--model",
+        default="lm",
+        choices=["lm", "classifier"],
+        help="a causal LM (default) or a sequence classifier (mean pooling, 10 classes)",
+    )
     lm_cases.add_model_arguments(p, "benchmarks/results/compiled_step_cpu.csv")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)

@@ -69,13 +69,21 @@ def no_gpu_for(script: str, args: argparse.Namespace) -> bool:
     return False
 
 
-def build_model(args: argparse.Namespace, attention: str, max_len: int) -> ks.nn.CausalLM:
-    """A causal LM of the flags' sizes with ``attention`` (``kernel``: ``--feature-map``), no
-    dropout, seeded with 0, on ``--device`` in ``--dtype``."""
+def build_model(
+    args: argparse.Namespace, attention: str, max_len: int, classes: int = 0
+) -> ks.nn.CausalLM | ks.nn.SequenceClassifier:
+    """A causal LM (or, with ``classes``, a sequence classifier) of the flags' sizes with
+    ``attention`` (``kernel``: ``--feature-map``), no dropout, seeded with 0, on ``--device`` in
+    ``--dtype``."""
     torch.manual_seed(0)
     kind = {"attention": "softmax"} if attention == "softmax" else {"feature_map": args.feature_map}
-    model = ks.nn.CausalLM(
-        args.vocab,
+    cls, sizes = (
+        (ks.nn.SequenceClassifier, (args.vocab, classes))
+        if classes
+        else (ks.nn.CausalLM, (args.vocab,))
+    )
+    model = cls(
+        *sizes,
         d_model=args.d_model,
         n_heads=args.n_heads,
         n_layers=args.n_layers,
@@ -110,7 +118,7 @@ def case_columns(args: argparse.Namespace, attention: str) -> dict[str, object]:
     }
 
 
-def matrix_weights(model: ks.nn.CausalLM) -> int:
+def matrix_weights(model: torch.nn.Module) -> int:
     """The weights of the model's matrices (embeddings, which are lookups, left out)."""
     return sum(
         p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "embed" not in name

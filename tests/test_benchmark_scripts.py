@@ -1486,6 +1486,16 @@ def test_compiled_step_times_both_ways_and_they_agree(compiled_step, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["compiled.csv"]  # no temp file left
 
 
+def test_compiled_step_times_a_classifier_too(compiled_step, tmp_path):
+    out = tmp_path / "classifier.csv"
+    small = ["--d-model", "16", "--n-heads", "2", "--n-layers", "1", "--batch", "3"]
+    argv = ["--model", "classifier", "--seq-lens", "7", "--repeats", "1", "--attentions", "kernel"]
+    assert compiled_step.main([*argv, *small, "--out", str(out)]) == 0
+    frame = pd.read_csv(out, keep_default_na=False)
+    assert list(frame.way) == ["eager", "compiled"] and set(frame.model) == {"classifier"}
+    assert frame.max_grad_diff.iloc[1] < 1e-4 and (frame.time_ms > 0).all()
+
+
 def test_compiled_step_compares_gradients_relative_to_each_parameter(compiled_step):
     want = [torch.tensor([2.0, -4.0]), torch.zeros(3)]
     got = [torch.tensor([2.0, -4.4]), torch.tensor([0.0, 0.5, 0.0])]
