@@ -422,6 +422,32 @@ def test_torch_compile_traces_the_kernels_whole(dtype):
         assert compiled_matches_eager(fn, (q, k, v), g) == CUDA_COMPILED_OPS[name], name
 
 
+def test_compiled_with_cuda_graphs_the_kernels_replay(causal_kernel):
+    """``torch.compile(mode="reduce-overhead")`` captures the kernels' launches in CUDA graphs
+    (workspaces from the graph's pool, launches on the capturing stream): replayed on new
+    inputs, the product and causal attention and their gradients match eager mode's (float32,
+    max relative error <= 1e-4; the same kernels, so in practice the same bits)."""
+    if causal_kernel != "walk_mma":
+        pytest.skip("one run is enough")
+    b, h, n, f, m = 2, 3, 200, 32, 48
+
+    def forward(q, k, v):
+        causal = cuda_backend.linear_attention(q, k, v, causal=True)
+        return cuda_backend.causal_product(q, k, v) + causal
+
+    torch._dynamo.reset()
+    compiled = torch.compile(forward, fullgraph=True, mode="reduce-overhead")
+    for seed in range(4):  # warm-up, capture, then replays on other inputs
+        q, k, v = _features(b, h, n, f, m, seed=seed)
+        g = _upstream((b, h, n, m), seed=seed)
+        results = []
+        for fn in (compiled, forward):
+            out = fn(q, k, v)
+            results.append([out.clone(), *torch.autograd.grad(out, (q, k, v), g)])
+        for got, want in zip(*results, strict=True):
+            assert rel_err(got, want, floor=1.0) <= 1e-4, seed
+
+
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_a_layer_under_autocast_compiles_whole(causal):
     """A kernel-attention layer on CUDA under bfloat16 autocast (as the trainer runs it),
