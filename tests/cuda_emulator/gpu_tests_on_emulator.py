@@ -7,10 +7,10 @@ the backend's Python side before a GPU session runs them::
         -k "linear_attention and not 4099 and not 256" -n 2
 
 Only with ``tests/test_cuda_backend.py``: it makes ``torch.cuda.is_available()`` say True for the
-whole run. Tests that need CUDA itself (autocast on "cuda", memory statistics, streams, the
-profiler) fail with "Torch not compiled with CUDA enabled" or the like, and those that tell CPU
-from CUDA tensors fail too, as does ``torch.library.opcheck`` of the kernels' custom ops (the
-emulator's outputs sit past a guard in their buffers: a storage offset its fake tensors lack).
+whole run. Tests that need CUDA itself (autocast on "cuda", memory statistics, streams, CUDA
+graphs, the profiler) fail with "Torch not compiled with CUDA enabled" or the like, and those that
+tell CPU from CUDA tensors fail too, as does ``torch.library.opcheck`` of the kernels' custom ops
+(the emulator's outputs sit past a guard in their buffers: a storage offset its fake tensors lack).
 Emulating the large shapes (N = 4099 or 32768, F = 256, the grouped shapes) takes minutes each. On
 2026-11-30 (this machine, 2 cores), the large shapes left out: 231 of the 243 tests of the
 non-causal and normalized attention, the fused backward, reruns and misaligned inputs passed in 14
