@@ -923,3 +923,19 @@ def test_compiled_overflow_checks_fail_in_the_graph():
         compiled(fine)
         with pytest.raises(RuntimeError, match=match):
             compiled(bad)
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["non_strict", "strict"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_a_layer_exports(causal, strict):
+    """``torch.export.export`` of a layer in eval mode (the compiled backends' kernels as custom
+    ops in the program): the exported module gives the layer's output bit for bit, also for
+    another batch and length (dynamic dimensions)."""
+    torch.manual_seed(0)
+    layer = ks.nn.KernelAttention(16, 2, causal=causal, feature_map="favor").eval()
+    x = torch.randn(2, 13, 16)
+    batch, length = torch.export.Dim("batch"), torch.export.Dim("length", max=4096)
+    shapes = ({0: batch, 1: length},)
+    program = torch.export.export(layer, (x,), dynamic_shapes=shapes, strict=strict)
+    for inputs in (x, torch.randn(3, 29, 16)):
+        assert torch.equal(program.module()(inputs), layer(inputs))
