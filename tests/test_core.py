@@ -740,3 +740,37 @@ def test_kernelstudy_imports_without_dynamo():
     code = "import sys, kernelstudy; print('torch._dynamo' in sys.modules)"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.strip() == "False", run.stderr
+
+
+def test_traceable_apply_calls_the_function_and_refuses_other_classes():
+    """Eager calls go to the Function itself (its jvp serves forward mode); ``traceable_apply``
+    takes only Function subclasses, by name."""
+    from kernelstudy.core.transforms import traceable_apply
+
+    class Double(torch.autograd.Function):
+        @staticmethod
+        def forward(x):  # type: ignore[override]
+            return 2 * x
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):  # type: ignore[override]
+            pass
+
+        @staticmethod
+        def backward(ctx, grad):  # type: ignore[override]
+            return 2 * grad
+
+        @staticmethod
+        def jvp(ctx, tangent):  # type: ignore[override]
+            return 3 * tangent  # not the true derivative: shows which jvp ran
+
+    apply = traceable_apply(Double)
+    x = torch.ones(2)
+    _, tangent = torch.func.jvp(apply, (x,), (torch.ones(2),))
+    assert tangent.tolist() == [3.0, 3.0]
+    compiled = torch.compile(apply, fullgraph=True, backend="aot_eager")
+    y = torch.ones(2, requires_grad=True)
+    compiled(y).sum().backward()
+    assert y.grad.tolist() == [2.0, 2.0]
+    with pytest.raises(TypeError, match="traceable_apply takes a torch.autograd.Function"):
+        traceable_apply(int)

@@ -70,6 +70,10 @@ from .transforms import (
 )
 from .validation import autocast_off, check_eps, check_key_padding_mask, check_qkv
 
+#: What the Functions call the kernels on: the extension, or while torch.compile traces, its
+#: functions as custom ops (:mod:`.traced_kernels`), with the same signatures
+Kernels = ModuleType | TracedKernels
+
 EXTENSION_NAME = "kernelstudy_cuda"
 # The torch bindings, the entry points, and each input type's kernels in a translation unit of its
 # own, which ninja compiles at once (nvcc on two cores: 18 s against 29 s for one unit of all).
@@ -342,7 +346,7 @@ def _kernel_args(dtype: torch.dtype) -> dict[str, int | bool]:
 
 
 def _fused_backward(
-    ext: ModuleType, q, k, v, g, out_fp32: bool, dv_fp32: bool | None = None
+    ext: Kernels, q, k, v, g, out_fp32: bool, dv_fp32: bool | None = None
 ) -> list[torch.Tensor]:
     """``[dq, dk, dv]`` of the causal product by :data:`CAUSAL_KERNEL`'s fused backward (its
     two walks in one grid as :data:`WALKS_TOGETHER` says; the chunk kernels' where
@@ -365,13 +369,13 @@ def _fused_backward(
     )
 
 
-def _product(ext: ModuleType, q, k, v, reverse: bool, out_fp32: bool) -> torch.Tensor:
+def _product(ext: Kernels, q, k, v, reverse: bool, out_fp32: bool) -> torch.Tensor:
     """The unnormalized causal (``reverse``: anti-causal) product by :data:`CAUSAL_KERNEL`."""
     args = _kernel_args(q.dtype)
     return ext.causal_product(q, k, v, reverse=reverse, out_fp32=out_fp32, **args)[0]
 
 
-def _require() -> ModuleType | TracedKernels:
+def _require() -> Kernels:
     """The extension, or while ``torch.compile`` traces its functions as custom ops."""
     if torch.compiler.is_compiling():
         return TRACED_KERNELS
@@ -673,7 +677,7 @@ _apply_full_attention = traceable_apply(_FullAttention)
 
 
 def _read_out(
-    ext: ModuleType,
+    ext: Kernels,
     x: torch.Tensor,
     mat: torch.Tensor,
     dtype: torch.dtype,
