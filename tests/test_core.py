@@ -6,6 +6,7 @@ Tolerances: fp32 max relative error ≤ 1e-5 (outputs and the gradients of
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -774,3 +775,55 @@ def test_traceable_apply_calls_the_function_and_refuses_other_classes():
     assert y.grad.tolist() == [2.0, 2.0]
     with pytest.raises(TypeError, match="traceable_apply takes a torch.autograd.Function"):
         traceable_apply(int)
+
+
+_NO_DEFAULT = object()  # a binding argument without a default
+
+
+def _binding_signatures(source: str) -> dict[str, list[tuple[str, object]]]:
+    """Each ``m.def("name", ...)`` of a pybind11 binding: its ``py::arg`` names and defaults
+    (``_NO_DEFAULT`` where none), parsed from the C++ source."""
+    values = {"false": False, "true": True, "py::none()": None}
+    found = {}
+    for block in re.findall(r'm\.def\("(\w+)",(.*?)\);', source, flags=re.S):
+        name, body = block
+        args = []
+        for arg, default in re.findall(
+            r'py::arg\("(\w+)"\)(?:\s*=\s*(py::none\(\)|[^,)]+))?', body
+        ):
+            default = default.strip()
+            if not default:
+                args.append((arg, _NO_DEFAULT))
+            elif default in values:
+                args.append((arg, values[default]))
+            else:
+                args.append(
+                    (arg, float(default) if "." in default or "e" in default else int(default))
+                )
+        found[name] = args
+    return found
+
+
+@pytest.mark.parametrize("kind", ["cpu", "cuda"])
+def test_the_traced_kernels_take_the_bindings_arguments(kind):
+    """``core/traced_kernels.py``'s namespaces, which stand for the extensions while dynamo
+    traces, have each binding function's arguments in its order with its defaults (read from
+    ``csrc/*/binding.cpp``): a binding that changes without them fails here, not in a compiled
+    model on a GPU."""
+    import inspect
+
+    from kernelstudy.core import traced_kernels
+    from kernelstudy.core.extensions import csrc_dir
+
+    source = (csrc_dir() / kind / "binding.cpp").read_text()
+    namespace = traced_kernels.CPU if kind == "cpu" else traced_kernels.CUDA
+    bindings = _binding_signatures(source)
+    assert bindings, "no m.def found"
+    untraced = {"walk_kernels"}  # reports kernels, launches nothing: never called in a model
+    assert set(bindings) - untraced == {name for name in dir(namespace) if not name.startswith("_")}
+    for name, args in bindings.items():
+        if name in untraced:
+            continue
+        params = inspect.signature(getattr(namespace, name)).parameters.values()
+        ours = [(p.name, _NO_DEFAULT if p.default is p.empty else p.default) for p in params]
+        assert ours == args, name
