@@ -1533,3 +1533,42 @@ def test_lm_benchmarks_refuse_cuda_without_a_gpu(script, tmp_path, capsys, monke
     out = tmp_path / "out.csv"
     assert benchmark_script(script).main(["--device", "cuda", "--out", str(out)]) == 1
     assert "no CUDA GPU" in capsys.readouterr().err and not out.exists()
+
+
+# ---------------------------------------------------------------- benchmarks/fp32_split_accuracy.py
+@pytest.fixture(scope="module")
+def split_accuracy():
+    return benchmark_script("fp32_split_accuracy")
+
+
+def test_split_operands_round_as_tensor_cores_do(split_accuracy):
+    """tf32 keeps 10 mantissa bits, rounding to nearest with ties away from zero; hi + lo of a
+    split holds 21 bits (tf32) or 16 (bf16) of the float32 operand."""
+    one = torch.tensor([1 + 2**-11, 1 + 2**-12, -(1 + 2**-11), 1 + 3 * 2**-11])
+    got = split_accuracy.round_mantissa(one, 10)
+    assert got.tolist() == [1 + 2**-10, 1.0, -(1 + 2**-10), 1 + 2 * 2**-10]
+    x = torch.randn(1000)
+    for kind, bits in (("tf32", 21), ("bf16", 16)):
+        hi, lo = split_accuracy.split(x, kind)
+        assert ((hi + lo - x).abs() <= x.abs() * 2.0**-bits).all(), kind
+    with pytest.raises(TypeError, match="float32"):
+        split_accuracy.round_mantissa(x.double(), 10)
+
+
+def test_split_accuracy_writes_each_method_s_error(split_accuracy, tmp_path):
+    out = tmp_path / "split.csv"
+    assert split_accuracy.main(["--shapes", "1x2x70x8x5", "--out", str(out)]) == 0
+    frame = pd.read_csv(out)
+    assert len(frame) == 10  # 2 quantities x 5 methods
+    errors = frame.groupby("method").max_rel_err.max()
+    assert errors["fp32"] < 1e-6 and errors["tf32x3"] < 1e-6
+    assert errors["bf16x3"] < 1e-4 < errors["bf16x1"]  # the split keeps float32's tolerance
+    assert errors["tf32x1"] > 10 * errors["tf32x3"]
+    assert {"command", "date", "torch"} <= set(frame.columns)
+
+
+@pytest.mark.parametrize("shape", ["1x2x3x4", "1x2x3x4x0", "axbxcxdxe"])
+def test_split_accuracy_refuses_a_bad_shape(split_accuracy, capsys, shape):
+    with pytest.raises(SystemExit) as exit_:
+        split_accuracy.parse_args(["--shapes", shape])
+    assert exit_.value.code == 2 and "BxHxNxFxM" in capsys.readouterr().err
