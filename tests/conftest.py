@@ -167,7 +167,7 @@ def cuda_custom_op_cases(q, k, v, g, mask) -> list[tuple]:
         (
             ops.cuda_full_apply,
             (q.float(), state, m, False, False, False, 1e-6, None, None, torch.bfloat16),
-        ),  # fmt: skip
+        ),
         (ops.cuda_normalized_grad, (g, out, den, 1e-6, False, False)),
         (ops.cuda_normalized_grad, (g, out, den, 1e-6, True, True)),
         (ops.cuda_scaled_cumsum, (q, rows, None, False, base, False)),
