@@ -143,12 +143,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a causal LM (default) or a sequence classifier (mean pooling, 10 classes)",
     )
     lm_cases.add_model_arguments(p, "benchmarks/results/compiled_step_cpu.csv")
-    args = p.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
+    args = lm_cases.parse_model_arguments(p, argv)
     if args.seq_lens is None:
         args.seq_lens = [128, 512] if args.quick else [256, 1024, 4096]
-    if args.repeats is None:
-        args.repeats = 3 if args.quick else 5
     lm_cases.check_model_arguments(p, args, {})
     if min(args.seq_lens) < 2:
         p.error("--seq-lens must be at least 2 (a step predicts each next token)")

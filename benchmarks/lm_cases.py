@@ -40,6 +40,16 @@ def add_model_arguments(p: argparse.ArgumentParser, default_out: str) -> None:
     p.add_argument("--out", type=Path, default=Path(default_out))
 
 
+def parse_model_arguments(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``p``'s arguments (``argv``, or the command line's), with ``args.argv`` kept for the
+    ``command`` column and ``--repeats`` defaulting to 3 with ``--quick``, else 5."""
+    args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.repeats is None:
+        args.repeats = 3 if args.quick else 5
+    return args
+
+
 def check_model_arguments(
     p: argparse.ArgumentParser, args: argparse.Namespace, lengths: dict[str, int]
 ) -> None:

@@ -98,12 +98,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="P in {64, 512}, 3 repeats, unless --prompt-lens/--repeats",
     )
     lm_cases.add_model_arguments(p, "benchmarks/results/prefill_cpu.csv")
-    args = p.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
+    args = lm_cases.parse_model_arguments(p, argv)
     if args.prompt_lens is None:
         args.prompt_lens = [64, 512] if args.quick else [64, 256, 1024, 4096]
-    if args.repeats is None:
-        args.repeats = 3 if args.quick else 5
     lm_cases.check_model_arguments(p, args, {"--prompt-lens": min(args.prompt_lens)})
     return args
 
