@@ -113,6 +113,36 @@ def compiled_whole(fn, nodes: list | None = None):
     return torch.compile(fn, fullgraph=True, backend=backend)
 
 
+def ramp_sum(out: torch.Tensor) -> torch.Tensor:
+    """``Σ w·out`` with weights ``w`` from -1 to 1 over ``out``'s elements: its gradient into
+    ``out`` is ``w``, which tells the elements apart (a plain sum would not)."""
+    return (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view(out.shape)).sum()
+
+
+def outputs_and_grads(module, runs, call, scalar=ramp_sum) -> list[list[torch.Tensor]]:
+    """For each of ``runs`` (callables standing for ``module``: compiled, eager), with the
+    module's gradients zeroed first: ``[out, *every parameter's gradient]`` where ``out =
+    call(run)`` and the gradients are those of ``scalar(out)``."""
+    results = []
+    for run in runs:
+        module.zero_grad()
+        out = call(run)
+        scalar(out).backward()
+        results.append([out, *(p.grad.clone() for p in module.parameters())])
+    return results
+
+
+def autocast_bf16(device_type: str, *inputs: torch.Tensor):
+    """A ``call`` for :func:`outputs_and_grads`: ``run(*inputs)`` under bfloat16 autocast on
+    ``device_type``."""
+
+    def call(run):
+        with torch.autocast(device_type, torch.bfloat16):
+            return run(*inputs)
+
+    return call
+
+
 def compiled_matches_eager(fn, inputs, upstream) -> set[str]:
     """``fn`` compiled whole (:func:`compiled_whole`) and in eager mode on copies of ``inputs``
     that require grad: asserts that outputs and the gradients against ``upstream`` are equal bit

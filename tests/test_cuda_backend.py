@@ -32,11 +32,13 @@ from kernelstudy.core import (
 from .conftest import (
     BENCHMARKS,
     CUDA_COMPILED_OPS,
+    autocast_bf16,
     benchmark_script,
     close_in_dtype,
     compiled_matches_eager,
     compiled_whole,
     cuda_custom_op_cases,
+    outputs_and_grads,
     rel_err,
     rel_rms,
     shifted,
@@ -457,13 +459,10 @@ def test_a_layer_under_autocast_compiles_whole(causal):
     torch.manual_seed(8)
     layer = ks.nn.KernelAttention(64, 2, causal=causal).to(DEVICE)
     x = torch.randn(2, 300, 64, device=DEVICE)
-    results = []
-    for fn in (compiled_whole(layer), layer):
-        layer.zero_grad()
-        with torch.autocast("cuda", torch.bfloat16):
-            out = fn(x)
-        out.float().sum().backward()
-        results.append([out, *(p.grad.clone() for p in layer.parameters())])
+    runs = (compiled_whole(layer), layer)
+    results = outputs_and_grads(
+        layer, runs, autocast_bf16("cuda", x), lambda out: out.float().sum()
+    )
     assert results[0][0].dtype == torch.bfloat16
     for got, want in zip(*results, strict=True):
         assert close_in_dtype(got.float(), want.float(), torch.bfloat16)
@@ -495,13 +494,12 @@ def test_a_model_compiled_whole_with_inductor_trains_as_in_eager_mode(causal_ker
     ids = torch.randint(0, 50, (2, 300), device=DEVICE)
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True)
-    results = []
-    for run in (compiled, model):
-        model.zero_grad()
+
+    def loss_of(run):
         logits = run(ids)[:, :-1]
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
-        loss.backward()
-        results.append([loss, *(p.grad.clone() for p in model.parameters())])
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+
+    results = outputs_and_grads(model, (compiled, model), loss_of, scalar=lambda loss: loss)
     for got, want in zip(*results, strict=True):
         assert rel_err(got, want, floor=1e-3) <= 1e-4
 

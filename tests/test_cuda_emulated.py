@@ -39,10 +39,12 @@ from kernelstudy.core.extensions import csrc_dir
 
 from .conftest import (
     CUDA_COMPILED_OPS,
+    autocast_bf16,
     close_in_dtype,
     compiled_matches_eager,
     compiled_whole,
     cuda_custom_op_cases,
+    outputs_and_grads,
     rel_err,
     rel_rms,
     torch_func_results,
@@ -1371,13 +1373,8 @@ def test_a_layer_under_autocast_compiles_whole_on_the_kernels(backend, monkeypat
     layer = ks.nn.KernelAttention(32, 2, causal=causal, backend="cuda")
     x = torch.randn(2, 37, 32)
     nodes = []
-    results = []
-    for fn in (compiled_whole(layer, nodes), layer):
-        layer.zero_grad()
-        with torch.autocast("cpu", torch.bfloat16):
-            out = fn(x)
-        out.float().sum().backward()
-        results.append([out, *(p.grad.clone() for p in layer.parameters())])
+    runs = (compiled_whole(layer, nodes), layer)
+    results = outputs_and_grads(layer, runs, autocast_bf16("cpu", x), lambda out: out.float().sum())
     assert results[0][0].dtype == torch.bfloat16
     for got, want in zip(*results, strict=True):
         assert torch.equal(got, want)

@@ -12,7 +12,7 @@ from torch import nn
 import kernelstudy as ks
 from kernelstudy.feature_maps import FeatureMap, Hyperparameter
 
-from .conftest import compiled_whole, rel_err
+from .conftest import compiled_whole, outputs_and_grads, rel_err
 
 ATTENTIONS = ["softmax", "elu"]
 SMALL = {"d_model": 16, "n_heads": 2, "n_layers": 2, "d_ff": 32, "dropout": 0.0}
@@ -606,12 +606,7 @@ def test_models_compile_whole_with_inductor():
     for model, loss_of in cases:
         torch._dynamo.reset()
         compiled = torch.compile(model, fullgraph=True)
-        results = []
-        for m in (compiled, model):
-            model.zero_grad()
-            loss = loss_of(m)
-            loss.backward()
-            results.append([loss, *(p.grad.clone() for p in model.parameters())])
+        results = outputs_and_grads(model, (compiled, model), loss_of, scalar=lambda loss: loss)
         for got, want in zip(*results, strict=True):
             assert rel_err(got, want, floor=1e-3) <= 1e-5
     with pytest.raises(RuntimeError, match=r"input_ids must lie in \[0, 20\)"):
@@ -637,12 +632,7 @@ def test_every_model_compiles_whole(attention):
     for model, inputs in cases:
         model = model.double()
         compiled = compiled_whole(model)
-        results = []
-        for run in (compiled, model):
-            model.zero_grad()
-            out = run(*inputs)
-            out.backward(torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view(out.shape))
-            results.append([out, *(p.grad.clone() for p in model.parameters())])
+        results = outputs_and_grads(model, (compiled, model), lambda run, x=inputs: run(*x))
         for got, want in zip(*results, strict=True):
             assert torch.equal(got, want), type(model).__name__
     longer = torch.cat([ids, ids[:, :1]], 1)

@@ -11,7 +11,7 @@ import torch
 import kernelstudy as ks
 from kernelstudy.core import linear_attention_reference
 
-from .conftest import close_in_dtype, compiled_whole, rel_err
+from .conftest import close_in_dtype, compiled_whole, outputs_and_grads, rel_err
 
 
 @pytest.mark.parametrize("attention", ["kernel", "softmax"])
@@ -887,12 +887,7 @@ def test_a_layer_compiles_whole_for_every_map(name, kw, causal):
     mask = torch.ones(2, 13, dtype=torch.bool)
     mask[1, 9:] = False
     kwargs = {} if causal else {"key_padding_mask": mask}
-    results = []
-    for fn in (compiled_whole(layer), layer):
-        layer.zero_grad()
-        out = fn(x, **kwargs)
-        out.backward(torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view(out.shape))
-        results.append([out, *(p.grad.clone() for p in layer.parameters())])
+    results = outputs_and_grads(layer, (compiled_whole(layer), layer), lambda f: f(x, **kwargs))
     for got, want in zip(*results, strict=True):
         assert torch.equal(got, want)
 
