@@ -53,15 +53,17 @@ struct Band<__nv_bfloat16, kSplit> {
   static constexpr int kSteps = 4, LD = ld_of<Op>(), kTileElems = kTile * LD;
   static constexpr uint32_t kOnes = 0x3f803f80u;  // a B register of two bf16 1.0
   static constexpr bool kPromote = false;  // sums over a walk stay in the accumulators (chunk_sum)
-  using Frags = uint32_t[kSteps][4];
+  using Frag = uint32_t[4];   // a k-step of A
+  using Frags = Frag[kSteps];
+  using BPair = uint32_t[4];  // a k-step of two n-tiles of B (b_pair): n-tile j in 2j, 2j + 1
 
   // k-step kk of A = rows r0 .. r0 + 15 of T
-  static __device__ __forceinline__ void rows(uint32_t (&a)[4], const Op* T, int r0, int kk,
+  static __device__ __forceinline__ void rows(Frag& a, const Op* T, int r0, int kk,
                                               const Lane& l) {
     ldmatrix_x4<false>(a, T + (r0 + l.lr + 8 * l.lm0) * LD + 16 * kk + 8 * l.lm1);
   }
   // k-step kk of A = columns r0 .. r0 + 15 of T as rows (the k index runs over T's rows)
-  static __device__ __forceinline__ void columns(uint32_t (&a)[4], const Op* T, int r0, int kk,
+  static __device__ __forceinline__ void columns(Frag& a, const Op* T, int r0, int kk,
                                                  const Lane& l) {
     ldmatrix_x4<true>(a, T + (16 * kk + l.lr + 8 * l.lm1) * LD + r0 + 8 * l.lm0);
   }
@@ -70,7 +72,7 @@ struct Band<__nv_bfloat16, kSplit> {
   // where columns() and rows() address (i / 2, i % 2); no register moves before the products
   static constexpr bool kBPairLoad = true;
   template <bool kAsStored>
-  static __device__ __forceinline__ void b_pair(uint32_t (&b)[4], const Op* T, int c0, int kk,
+  static __device__ __forceinline__ void b_pair(BPair& b, const Op* T, int c0, int kk,
                                                 const Lane& l) {
     if constexpr (kAsStored) {  // k: T's rows 16 kk .., n: T's columns c0 ..
       ldmatrix_x4<true>(b, T + (16 * kk + l.lr + 8 * l.lm0) * LD + c0 + 8 * l.lm1);
@@ -82,12 +84,17 @@ struct Band<__nv_bfloat16, kSplit> {
     uint32_t r[4];
   };
   static constexpr bool kReadyCosts = false;
-  static __device__ __forceinline__ Ready ready(const uint32_t (&a)[4]) {
+  static __device__ __forceinline__ Ready ready(const Frag& a) {
     return {{a[0], a[1], a[2], a[3]}};
   }
-  static __device__ __forceinline__ void mma(float (&acc)[4], const Ready& a, uint32_t b0,
-                                             uint32_t b1) {
-    mma_bf16(acc, a.r, b0, b1);
+  // acc += A B for n-tile j of the pair b
+  static __device__ __forceinline__ void mma(float (&acc)[4], const Ready& a, const BPair& b,
+                                             int j) {
+    mma_bf16(acc, a.r, b[2 * j], b[2 * j + 1]);
+  }
+  // acc += A 1 (every column of acc: A's row sums)
+  static __device__ __forceinline__ void mma_ones(float (&acc)[4], const Ready& a) {
+    mma_bf16(acc, a.r, kOnes, kOnes);
   }
   // whether k-step kk (keys 16 kk ..) holds a key the band's mask keeps
   static __device__ __forceinline__ bool step_kept(int kk, int r0, bool reverse) {
@@ -146,9 +153,11 @@ struct Band<float, kSplit> {
   static constexpr uint32_t kOnes = 0x3f800000u;  // a B register of 1.0 (exact in tf32)
   static constexpr bool kPromote = kSplit;  // fp32 inputs: each chunk's sum apart (chunk_sum)
   static constexpr bool kBPairLoad = false;       // b_pair: rows() or columns(), reordered
-  using Frags = uint32_t[kSteps][4];
+  using Frag = uint32_t[4];
+  using Frags = Frag[kSteps];
+  using BPair = uint32_t[4];
 
-  static __device__ __forceinline__ void rows(uint32_t (&a)[4], const Op* T, int r0, int kk,
+  static __device__ __forceinline__ void rows(Frag& a, const Op* T, int r0, int kk,
                                               const Lane& l) {
     const float* p = T + (r0 + l.g) * LD + 8 * kk + 2 * l.t;
     const float2 x = *reinterpret_cast<const float2*>(p);
@@ -158,7 +167,7 @@ struct Band<float, kSplit> {
     a[2] = float_bits(x.y);
     a[3] = float_bits(y.y);
   }
-  static __device__ __forceinline__ void columns(uint32_t (&a)[4], const Op* T, int r0, int kk,
+  static __device__ __forceinline__ void columns(Frag& a, const Op* T, int r0, int kk,
                                                  const Lane& l) {
     const float* p = T + (8 * kk + 2 * l.t) * LD + r0 + l.g;
     a[0] = float_bits(p[0]);
@@ -168,10 +177,13 @@ struct Band<float, kSplit> {
   }
   using Ready = TF32A<kSplit>;  // rounded (and split) once per k-step
   static constexpr bool kReadyCosts = true;
-  static __device__ __forceinline__ Ready ready(const uint32_t (&a)[4]) { return Ready(a); }
-  static __device__ __forceinline__ void mma(float (&acc)[4], const Ready& a, uint32_t b0,
-                                             uint32_t b1) {
-    mma_tf32<kSplit>(acc, a, b0, b1);
+  static __device__ __forceinline__ Ready ready(const Frag& a) { return Ready(a); }
+  static __device__ __forceinline__ void mma(float (&acc)[4], const Ready& a, const BPair& b,
+                                             int j) {
+    mma_tf32<kSplit>(acc, a, b[2 * j], b[2 * j + 1]);
+  }
+  static __device__ __forceinline__ void mma_ones(float (&acc)[4], const Ready& a) {
+    mma_tf32<kSplit>(acc, a, kOnes, kOnes);
   }
   static __device__ __forceinline__ bool step_kept(int kk, int r0, bool reverse) {
     return tile_kept(kk, r0, reverse);
@@ -239,12 +251,12 @@ __device__ __forceinline__ void transposed_band_fragments(typename B::Frags& a,
 // c0 .., with the two middle registers (row g + 8 at the low slots, row g at the high ones)
 // trading places. bf16 loads them in this order (Band::b_pair); fp32 as A, then reordered.
 template <typename B, bool kAsStored>
-__device__ __forceinline__ void b_pair(uint32_t (&b)[4], const typename B::Op* T, int c0, int kk,
-                                       const Lane& l) {
+__device__ __forceinline__ void b_pair(typename B::BPair& b, const typename B::Op* T, int c0,
+                                       int kk, const Lane& l) {
   if constexpr (B::kBPairLoad) {
     B::template b_pair<kAsStored>(b, T, c0, kk, l);
   } else {
-    uint32_t a[4];
+    typename B::Frag a;
     if constexpr (kAsStored) {
       B::columns(a, T, c0, kk, l);
     } else {
@@ -301,10 +313,10 @@ __device__ __forceinline__ void band_scores(float (&p)[8][4], const typename B::
     return tile_kept(2 * jp, r0, reverse) || tile_kept(2 * jp + 1, r0, reverse);
   };
   auto product = [&](int ft, int kk, int jp, const typename B::Ready& ak) {
-    uint32_t b[4];
+    typename B::BPair b;
     b_pair<B, false>(b, Y + ft * B::kTileElems, 16 * jp, kk, l);
-    B::mma(p[2 * jp], ak, b[0], b[1]);
-    B::mma(p[2 * jp + 1], ak, b[2], b[3]);
+    B::mma(p[2 * jp], ak, b, 0);
+    B::mma(p[2 * jp + 1], ak, b, 1);
   };
   // each accumulator sums its k-steps in the same order either way
   if constexpr (B::kReadyCosts) {  // k-steps outermost: A rounded once for every n-tile pair
@@ -371,10 +383,10 @@ __device__ __forceinline__ void band_product(float (&acc)[NT][4], const typename
     const typename B::Ready ak = B::ready(a[kk]);
 #pragma unroll
     for (int jp = 0; jp < NT / 2; ++jp) {
-      uint32_t b[4];
+      typename B::BPair b;
       b_pair<B, kAsStored>(b, T, c0 + 16 * jp, kk, l);
-      B::mma(acc[2 * jp], ak, b[0], b[1]);
-      B::mma(acc[2 * jp + 1], ak, b[2], b[3]);
+      B::mma(acc[2 * jp], ak, b, 0);
+      B::mma(acc[2 * jp + 1], ak, b, 1);
     }
   }
 }
@@ -399,21 +411,21 @@ __device__ __forceinline__ void band_products_sharing_b(float (&acc)[NT][4],
 #pragma unroll
     for (int ft = 0; ft < FT; ++ft) {
       a2k[ft] = B::ready(a2[ft][kk]);
-      if (with_z) B::mma(z[ft], a2k[ft], B::kOnes, B::kOnes);
+      if (with_z) B::mma_ones(z[ft], a2k[ft]);
     }
 #pragma unroll
     for (int jp = 0; jp < NT / 2; ++jp) {
-      uint32_t b[4];
+      typename B::BPair b;
       b_pair<B, true>(b, T, c0 + 16 * jp, kk, l);
       // acc2 first: B's tf32 rounding, in the unconditional products, serves the kept ones
 #pragma unroll
       for (int ft = 0; ft < FT; ++ft) {
-        B::mma(acc2[ft][2 * jp], a2k[ft], b[0], b[1]);
-        B::mma(acc2[ft][2 * jp + 1], a2k[ft], b[2], b[3]);
+        B::mma(acc2[ft][2 * jp], a2k[ft], b, 0);
+        B::mma(acc2[ft][2 * jp + 1], a2k[ft], b, 1);
       }
       if (kept) {
-        B::mma(acc[2 * jp], ak, b[0], b[1]);
-        B::mma(acc[2 * jp + 1], ak, b[2], b[3]);
+        B::mma(acc[2 * jp], ak, b, 0);
+        B::mma(acc[2 * jp + 1], ak, b, 1);
       }
     }
   }
@@ -868,16 +880,16 @@ __global__ void __launch_bounds__(kThreads, kMmaStatesBlocksPerSm<typename Opera
     float(&zc)[4] = chunk_sum<B>(z, z_part)[0];
 #pragma unroll
     for (int kk = 0; kk < B::kSteps; ++kk) {  // k: the chunk's rows
-      uint32_t a[4];
+      typename B::Frag a;
       B::columns(a, Ks, r0, kk, l);  // K^T's rows r0 .. (features f0 + r0 ..)
       const typename B::Ready ak = B::ready(a);
-      if (with_z && z_warp) B::mma(zc, ak, B::kOnes, B::kOnes);
+      if (with_z && z_warp) B::mma_ones(zc, ak);
 #pragma unroll
       for (int jp = 0; jp < 2; ++jp) {
-        uint32_t b[4];
+        typename B::BPair b;
         b_pair<B, true>(b, Vs, c0 + 16 * jp, kk, l);
-        B::mma(sc[2 * jp], ak, b[0], b[1]);
-        B::mma(sc[2 * jp + 1], ak, b[2], b[3]);
+        B::mma(sc[2 * jp], ak, b, 0);
+        B::mma(sc[2 * jp + 1], ak, b, 1);
       }
     }
     add_chunk<B>(s, s_part);
