@@ -8,9 +8,11 @@ kernel: all instructions, those of the kernel's longest loop (the walk kernels' 
 and a few kinds (HMMA tensor-core products, LDSM, cp.async's LDGSTS, shared and global loads
 and stores, barriers).
 With ``--against REF`` the same is done for the sources at a git revision and the two are set
-side by side with the differences.
+side by side with the differences. ``--flags`` adds nvcc flags to the working tree's build (not
+REF's): a build variant against the default.
 
     python benchmarks/cuda_sass.py --against HEAD --out /tmp/sass.csv
+    python benchmarks/cuda_sass.py --flags=-DKS_FP32_BF16X3 --against HEAD --kernels mma
 
 Static counts are not dynamic ones: a branch taken once a chunk and an unrolled copy weigh the
 same here. They say where instructions went, not how long a kernel takes; ``cuda_counters.py``
@@ -24,12 +26,14 @@ import argparse
 import datetime as dt
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
 from collections import Counter
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -96,17 +100,17 @@ def find_tool(name: str, given: str | None = None) -> str | None:
     return found
 
 
-def compile_cubin(source: Path, arch: str, out: Path) -> str:
+def compile_cubin(source: Path, arch: str, out: Path, flags: Sequence[str] = ()) -> str:
     """Compiles ``source`` (a .cu of a ``csrc/cuda`` folder) to ``out`` (a cubin for ``arch``,
-    e.g. sm_90a); returns ptxas' resource report. Raises RuntimeError with nvcc's message if
-    it fails."""
+    e.g. sm_90a) with the extra nvcc ``flags``; returns ptxas' resource report. Raises
+    RuntimeError with nvcc's message if it fails."""
     number = re.sub(r"\D", "", arch)
     suffix = "a" if arch.endswith("a") else ""
     command = [
         "nvcc", "-cubin", "-std=c++17", "-O3", "-gencode",
         f"arch=compute_{number}{suffix},code=sm_{number}{suffix}", *torch_nvcc_flags(),
-        "-Xptxas", "-v", "-I", str(source.parents[1]), "-I", str(source.parent), str(source),
-        "-o", str(out),
+        *flags, "-Xptxas", "-v", "-I", str(source.parents[1]), "-I", str(source.parent),
+        str(source), "-o", str(out),
     ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=1800)
     if result.returncode != 0:
@@ -190,8 +194,9 @@ def sass_counts(sass: str) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["mangled", "instructions", "loop_instructions", *KINDS])
 
 
-def statistics(root: Path, arch: str, cuobjdump: str) -> pd.DataFrame:
-    """Every kernel of ``root``'s sources compiled for ``arch``: resources and SASS counts, one
+def statistics(root: Path, arch: str, cuobjdump: str, flags: Sequence[str] = ()) -> pd.DataFrame:
+    """Every kernel of ``root``'s sources compiled for ``arch`` (with the extra nvcc ``flags``):
+    resources and SASS counts, one
     row per kernel (demangled), sorted by name. A kernel that several units compile (the
     scan that every input type's unit uses) has one row."""
     sources = sorted((root / SOURCES).glob("*.cu"))
@@ -201,7 +206,7 @@ def statistics(root: Path, arch: str, cuobjdump: str) -> pd.DataFrame:
 
         def one(source: Path) -> pd.DataFrame:
             cubin = Path(tmp) / f"{source.stem}.cubin"
-            report = compile_cubin(source, arch, cubin)
+            report = compile_cubin(source, arch, cubin, flags)
             sass = subprocess.run(
                 [cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True
             ).stdout
@@ -244,6 +249,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", default="sm_90a", help="target architecture (default sm_90a)")
     parser.add_argument("--against", metavar="REF", help="git revision to compare with")
     parser.add_argument("--kernels", default="", help="regex: only kernels whose name matches")
+    parser.add_argument(
+        "--flags",
+        default="",
+        help="extra nvcc flags for the working tree's build, not REF's (e.g. -DKS_FP32_BF16X3)",
+    )
     parser.add_argument("--cuobjdump", help="cuobjdump executable (default: PATH, beside nvcc)")
     parser.add_argument("--out", type=Path, help="CSV file to write")
     args = parser.parse_args(argv)
@@ -253,6 +263,10 @@ def main(argv: list[str] | None = None) -> int:
         re.compile(args.kernels)
     except re.error as err:
         parser.error(f"--kernels is not a regular expression: {err}")
+    try:
+        flags = shlex.split(args.flags)
+    except ValueError as err:
+        parser.error(f"--flags is not a shell-quoted list of flags: {err}")
     cuobjdump = find_tool("cuobjdump", args.cuobjdump)
     missing = [t for t, p in (("nvcc", shutil.which("nvcc")), ("cuobjdump", cuobjdump)) if not p]
     missing += [] if shutil.which("c++filt") else ["c++filt"]
@@ -260,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cuda_sass.py: {', '.join(missing)} not found", file=sys.stderr)
         return UNAVAILABLE
     try:
-        table = statistics(REPO, args.arch, cuobjdump)
+        table = statistics(REPO, args.arch, cuobjdump, flags)
         if args.against:
             with tempfile.TemporaryDirectory() as tmp:
                 table = side_by_side(
@@ -275,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         table = table.assign(
             arch=args.arch,
+            flags=" ".join(flags),
             against=args.against or "",
             date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             command=" ".join(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import re
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -1417,9 +1418,29 @@ def test_cuda_sass_refuses_bad_arguments_and_missing_tools(cuda_sass, monkeypatc
     with pytest.raises(SystemExit) as stop:
         cuda_sass.main(["--kernels", "walk("])
     assert stop.value.code == 2 and "--kernels" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        cuda_sass.main(["--flags", "-DX='unclosed"])
+    assert stop.value.code == 2 and "--flags" in capsys.readouterr().err
     monkeypatch.setattr(cuda_sass.shutil, "which", lambda name: None)
     assert cuda_sass.main(["--cuobjdump", "/nonexistent/cuobjdump"]) == cuda_sass.UNAVAILABLE
     assert "nvcc, cuobjdump, c++filt not found" in capsys.readouterr().err
+
+
+def test_cuda_sass_passes_the_variants_flags_to_nvcc(cuda_sass, monkeypatch, tmp_path):
+    """--flags reaches nvcc for the working tree's build (after torch's flags), not REF's."""
+    commands = []
+
+    def run(command, **kwargs):
+        commands.append(command)
+        return subprocess.CompletedProcess(command, 0, stdout="", stderr="")
+
+    monkeypatch.setattr(cuda_sass.subprocess, "run", run)
+    unit = tmp_path / "cuda" / "a.cu"
+    cuda_sass.compile_cubin(unit, "sm_90a", tmp_path / "a.cubin", ["-DKS_FP32_BF16X3"])
+    cuda_sass.compile_cubin(unit, "sm_90a", tmp_path / "a.cubin")
+    with_flag, without = commands
+    at = without.index("-Xptxas")  # torch's flags before, ptxas' report and the files after
+    assert with_flag == [*without[:at], "-DKS_FP32_BF16X3", *without[at:]]
 
 
 def test_cuda_sass_on_the_kernels(cuda_sass, tmp_path):

@@ -58,34 +58,38 @@ H100_SMEM, A100_SMEM = 232448, 166912  # opt-in shared memory per block (bytes)
 pytestmark = pytest.mark.skipif(GXX is None, reason="g++ is not on PATH")
 
 
-@pytest.fixture(scope="module")
-def emu(tmp_path_factory) -> ctypes.CDLL:
-    """The kernels and tests/cuda_emulator/harness.cpp built into one shared library."""
-    cuda = csrc_dir() / "cuda"
-    folder = tmp_path_factory.mktemp("cuda_emulator")
-    lib = folder / "ks_emulated.so"
-    # -fno-strict-aliasing: the kernels read 16-byte vectors through other types, as CUDA allows;
-    # -fsanitize=alignment: a misaligned vector access aborts, as it faults on a GPU
-    flags = [
-        "-std=c++17", "-O2", "-fno-strict-aliasing", "-fPIC", "-w", "-fsanitize=alignment",
-        "-fno-sanitize-recover=alignment", "-I", str(EMULATOR), "-I", str(csrc_dir()), "-I",
-        str(cuda),
-    ]  # fmt: skip
-    # every .cu of the extension, as C++, and the harness: each its own g++, as many at once as
-    # the machine has cores (the three input types' units are the long ones)
-    sources = [cuda / name for name in cuda_backend.SOURCES if name.endswith(".cu")]
-    sources.append(EMULATOR / "harness.cpp")
+# -fno-strict-aliasing: the kernels read 16-byte vectors through other types, as CUDA allows;
+# -fsanitize=alignment: a misaligned vector access aborts, as it faults on a GPU
+GXX_FLAGS = [
+    "-std=c++17", "-O2", "-fno-strict-aliasing", "-fPIC", "-w", "-fsanitize=alignment",
+    "-fno-sanitize-recover=alignment", "-I", str(EMULATOR), "-I", str(csrc_dir()), "-I",
+    str(csrc_dir() / "cuda"),
+]  # fmt: skip
+# every .cu of the extension, as C++, and the harness
+EMULATED_SOURCES = [
+    *(csrc_dir() / "cuda" / name for name in cuda_backend.SOURCES if name.endswith(".cu")),
+    EMULATOR / "harness.cpp",
+]
 
-    def compile_one(source: Path) -> subprocess.CompletedProcess:
-        command = [GXX, *flags, "-c", "-x", "c++", str(source), "-o", str(folder / source.stem)]
+
+def _compile(sources: list[Path], folder: Path, defines: tuple[str, ...] = ()) -> None:
+    """Each source to an object in ``folder`` (named by its stem), its own g++, as many at once
+    as the machine has cores (the three input types' units are the long ones)."""
+
+    def one(source: Path) -> subprocess.CompletedProcess:
+        out = folder / source.stem
+        command = [GXX, *GXX_FLAGS, *defines, "-c", "-x", "c++", str(source), "-o", str(out)]
         return subprocess.run(command, capture_output=True, text=True, timeout=600)
 
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        results = list(pool.map(compile_one, sources))
+        results = list(pool.map(one, sources))
     for source, result in zip(sources, results, strict=True):
         assert result.returncode == 0, f"g++ failed on {source.name}:\n{result.stderr[-6000:]}"
-    objects = [str(folder / source.stem) for source in sources]
-    command = [GXX, "-shared", "-fsanitize=alignment", *objects, "-o", str(lib)]
+
+
+def _load(objects: list[Path], lib: Path) -> ctypes.CDLL:
+    """The objects linked into the shared library ``lib``, loaded, its functions typed."""
+    command = [GXX, "-shared", "-fsanitize=alignment", *map(str, objects), "-o", str(lib)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"linking failed:\n{result.stderr[-6000:]}"
     module = ctypes.CDLL(str(lib))
@@ -107,6 +111,27 @@ def emu(tmp_path_factory) -> ctypes.CDLL:
     module.ks_emu_causal_workspace_floats.restype = i64
     module.ks_emu_configure(0, H100_SMEM)
     return module
+
+
+def build_emulator(folder: Path) -> ctypes.CDLL:
+    """The kernels and tests/cuda_emulator/harness.cpp compiled into ``folder`` (an object per
+    source) and linked into one shared library, loaded."""
+    _compile(EMULATED_SOURCES, folder)
+    return _load([folder / s.stem for s in EMULATED_SOURCES], folder / "ks_emulated.so")
+
+
+@pytest.fixture(scope="module")
+def emu_objects(tmp_path_factory) -> Path:
+    """The folder of the emulator's objects, one per source."""
+    folder = tmp_path_factory.mktemp("cuda_emulator")
+    _compile(EMULATED_SOURCES, folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def emu(emu_objects) -> ctypes.CDLL:
+    """The emulator's objects linked into one shared library, loaded."""
+    return _load([emu_objects / s.stem for s in EMULATED_SOURCES], emu_objects / "ks_emulated.so")
 
 
 def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
@@ -941,6 +966,106 @@ def test_mma_walk_is_schedule_independent_and_alignment_blind(emu, ext, dtype, f
     for other in runs[1:]:
         for a, b in zip(runs[0], other, strict=True):
             assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------- bf16x3 (-DKS_FP32_BF16X3)
+@pytest.fixture(scope="module")
+def emu_bf16x3(emu_objects, tmp_path_factory) -> ctypes.CDLL:
+    """The emulator with float32.cu built with -DKS_FP32_BF16X3 (fp32 inputs' register walks
+    on bf16 parts), the other units' objects as they are."""
+    folder = tmp_path_factory.mktemp("cuda_emulator_bf16x3")
+    unit = csrc_dir() / "cuda" / "float32.cu"
+    _compile([unit], folder, ("-DKS_FP32_BF16X3",))
+    objects = [folder / s.stem if s == unit else emu_objects / s.stem for s in EMULATED_SOURCES]
+    return _load(objects, folder / "ks_emulated.so")
+
+
+def _mma_walk_results(x: EmulatedExtension, q, k, v, g, walk_blocks: int) -> dict:
+    """Kernels 8, 9 and 12 on fp32 inputs: the product and its normalizer both ways, the
+    normalized output, and the gradients by three products and by the fused backward."""
+    results = {}
+    for reverse in (False, True):
+        results[f"out_{reverse}"], results[f"den_{reverse}"] = x.causal_product(
+            q, k, v, reverse, with_den=True, walk_blocks=walk_blocks, mma_walk=True
+        )
+        results[f"normalized_{reverse}"] = x.causal_product(
+            q, k, v, reverse, out_fp32=False, normalize=True, walk_blocks=walk_blocks,
+            mma_walk=True,
+        )[0]  # fmt: skip
+    for name, args, reverse in (("dq", (g, v, k), False), ("dk", (v, g, q), True),
+                                ("dv", (k, q, g), True)):  # fmt: skip
+        results[f"{name}_three"] = x.causal_product(
+            *args, reverse=reverse, walk_blocks=walk_blocks, mma_walk=True
+        )[0]
+    dq, dk, dv = x.causal_backward(q, k, v, g, out_fp32=True, walk_blocks=walk_blocks,
+                                   mma_walk=True)  # fmt: skip
+    results.update(dq_fused=dq, dk_fused=dk, dv_fused=dv)
+    return results
+
+
+def _mma_walk_references(q, k, v, g) -> dict:
+    want = {}
+    for reverse in (False, True):
+        out, den = _reference_product(q, k, v, reverse)
+        want.update({f"out_{reverse}": out, f"den_{reverse}": den})
+        want[f"normalized_{reverse}"] = out / (den[..., None] + 1e-6)
+    for name, grad in zip(("dq", "dk", "dv"), _reference_grads(q, k, v, g), strict=True):
+        want[f"{name}_three"] = want[f"{name}_fused"] = grad
+    return want
+
+
+# fp32 shapes of kernels 8, 9 and 12 (F, M <= 64): one row; odd F and M, N not a multiple of the
+# chunk; F = M = 64 with a partial chunk; F ≠ M with two M slices (kernel 7 for dk and dv there)
+BF16X3_CASES = [(MMA_SHAPES[0], "whole"), (MMA_SHAPES[1], "per_chunk"),
+                (MMA_SHAPES[2], "whole"), (MMA_SHAPES[3], "segments_5")]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "shape, walk", BF16X3_CASES, ids=[f"{'x'.join(map(str, s))}-{w}" for s, w in BF16X3_CASES]
+)
+def test_bf16x3_walks_keep_float32_accuracy(emu_bf16x3, ext, shape, walk):
+    """Built with -DKS_FP32_BF16X3, fp32 inputs' register walks (kernel 8; kernel 9 for dk and
+    dv; kernel 12 for the segments' carries) multiply bf16 parts: every result within fp32's
+    1e-4 (max relative error, scale at least 1) of float64, as 3xTF32's, and not 3xTF32's
+    bits (the build's products are bf16x3's). Measured: at most 1.3e-5 over these cases, against
+    2.6e-6 for 3xTF32 (one-term bf16 products miss 1e-4 by more than tenfold)."""
+    q, k, v, g = _inputs(*shape, torch.float32, extra=1)
+    walk_blocks = MMA_WALKS[walk]
+    got = _mma_walk_results(EmulatedExtension(emu_bf16x3), q, k, v, g, walk_blocks)
+    tf32 = _mma_walk_results(ext, q, k, v, g, walk_blocks)
+    want = _mma_walk_references(q, k, v, g)
+    errors = {name: rel_err(got[name], want[name], 1.0) for name in want}
+    assert all(torch.isfinite(t).all() for t in got.values())
+    assert max(errors.values()) <= 1e-4, errors
+    products = [n for n in want if not n.startswith("normalized") and not n.startswith("den")]
+    if shape[1] > 1:  # one row: the products of one key may be exact both ways
+        assert any(not torch.equal(got[n], tf32[n]) for n in products)
+
+
+def test_bf16x3_long_sums_do_not_drift(emu_bf16x3):
+    """One sequence of 256 chunks, as test_long_float32_sums_do_not_drift: each chunk's bf16x3
+    products summed apart and added in fp32 keep the state's error near its products' (2e-5)."""
+    x = EmulatedExtension(emu_bf16x3)
+    q, k, v, g = _inputs(1, 64 * 256, 16, 16, torch.float32, extra=1)
+    out, den = x.causal_product(q, k, v, with_den=True, walk_blocks=1, mma_walk=True)
+    want, want_den = _reference_product(q, k, v)
+    assert rel_err(out, want, 1.0) <= 2e-5 and rel_err(den, want_den, 1.0) <= 2e-5
+    got = x.causal_backward(q, k, v, g, True, walk_blocks=1, mma_walk=True)
+    for a, w in zip(got, _reference_grads(q, k, v, g), strict=True):
+        assert rel_err(a, w, 1.0) <= 2e-5
+
+
+def test_bf16x3_walks_are_schedule_independent_and_alignment_blind(emu_bf16x3):
+    """As test_mma_walk_is_schedule_independent_and_alignment_blind, on the bf16x3 build."""
+    q, k, v, g = _inputs(2, 150, 40, 56, torch.float32, extra=1)
+    runs = []
+    for seed in (1, 2):
+        emu_bf16x3.ks_emu_configure(seed, H100_SMEM)
+        runs.append(_mma_walk_results(EmulatedExtension(emu_bf16x3), q, k, v, g, 5))
+    emu_bf16x3.ks_emu_configure(0, H100_SMEM)
+    runs.append(_mma_walk_results(EmulatedExtension(emu_bf16x3, misalign=1), q, k, v, g, 5))
+    for other in runs[1:]:
+        assert all(torch.equal(runs[0][n], other[n]) for n in runs[0])
 
 
 @pytest.mark.parametrize("walk_blocks", [1, 7])

@@ -389,6 +389,32 @@ def test_generic_wmma_loads_fallback_compiles(tmp_path):
     assert checked > 1000 and traced == checked and not conflicts, (checked, traced, conflicts[:5])
 
 
+@pytest.mark.parametrize("gencode", [ARCHS[:2], ARCHS[2:]], ids=["sm_80", "sm_90a"])
+def test_bf16x3_build_compiles_without_spills(tmp_path, gencode):
+    """float32.cu built with -DKS_FP32_BF16X3 (fp32 inputs' register walks on bf16 parts):
+    compiles for both architectures without a warning, kernels 8, 9 and 12 spill nothing, and
+    their products are m16n8k16 bf16 ones where the default build has m16n8k8 tf32 ones."""
+    if NVCC is None:
+        pytest.skip("nvcc is not on PATH")
+    arch = gencode[1].rsplit("=", 1)[-1]
+    unit = CSRC / "cuda" / "float32.cu"
+    command = [
+        NVCC, "-c", "-std=c++17", *gencode, *TORCH_NVCC_FLAGS, "-DKS_FP32_BF16X3", "-Xptxas",
+        "-v", "-I", str(CSRC), "-I", str(unit.parent), "--keep", "--keep-dir", str(tmp_path),
+        str(unit), "-o", str(tmp_path / "float32.o"),
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-6000:]
+    assert "warning" not in result.stdout + result.stderr, result.stderr[-3000:]
+    resources = kernel_resources(result.stdout + result.stderr, arch)
+    walks = {n: r for n, r in resources.items() if "_mma_" in n}
+    assert len(walks) == 3 and all(spill == 0 for spill, _ in walks.values()), walks
+    ptx = (tmp_path / "float32.ptx").read_text()
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
+    assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" not in ptx
+    assert "m16n16k8.f32.tf32.tf32.f32" in ptx  # the WMMA kernels keep 3xTF32
+
+
 @pytest.mark.parametrize("arch", sorted(SPILL_BUDGET))
 def test_register_spills_within_budget(ptxas_reports, arch):
     assert all(ptxas_reports[unit].returncode == 0 for unit in KERNEL_UNITS)

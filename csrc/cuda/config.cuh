@@ -94,6 +94,16 @@ struct OperandOf<__half> {
 template <typename Tin>
 constexpr bool kSplitOf = std::is_same_v<Tin, float>;
 
+// Built with -DKS_FP32_BF16X3 ($KERNELSTUDY_CUDA_FLAGS), fp32 inputs' register walks (kernels
+// 8-10 and 12) multiply two bf16 parts of each operand (bf16x3, m16n8k16: half the tensor-pipe
+// time of 3xTF32's m16n8k8 products) instead of two tf32 parts; the WMMA kernels (1-7) keep
+// 3xTF32. Not the default until a GPU has timed it against 3xTF32.
+#ifdef KS_FP32_BF16X3
+constexpr bool kFp32Bf16x3 = true;
+#else
+constexpr bool kFp32Bf16x3 = false;
+#endif
+
 // Leading dimension of a 64-wide shared tile of operands: a multiple of 16 bytes (WMMA) that
 // shifts consecutive rows across banks.
 template <typename Op>

@@ -1,5 +1,6 @@
 // mma.sync fragments of kernels 8 and 9: the PTX ISA's register layouts, ldmatrix, the
-// m16n8k16 bf16 and m16n8k8 tf32 products, and tf32 operands made once per k-step (TF32A).
+// m16n8k16 bf16 and m16n8k8 tf32 products, tf32 operands made once per k-step (TF32A), and
+// bf16x3's split of fp32 pairs (bf16_split2).
 // Included, with every .cuh here in order, by launch.cuh (in each input type's .cu).
 #pragma once
 
@@ -118,6 +119,25 @@ __device__ __forceinline__ void tf32_split_bits(uint32_t x, uint32_t& big, uint3
   tf32_split(bits_float(x), hi, lo);
   big = float_bits(hi);
   small = float_bits(lo);
+}
+
+// Two floats rounded to bf16 (to nearest even) and packed, lo in the low half: one cvt.rn.bf16x2
+// (pack_bf16 converts each apart).
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  uint32_t u;
+  memcpy(&u, &v, 4);
+  return u;
+}
+
+// bf16x3's split of the fp32 pair (x0, x1), packed as pack_bf16x2 packs: x = big + small + r
+// with big = x rounded to bf16 and small = x - big (exact in fp32) rounded to bf16, so
+// |r| <= 2^-17 |x| (16 of fp32's 24 significant bits; tf32_split keeps 21).
+__device__ __forceinline__ void bf16_split2(uint32_t x0, uint32_t x1, uint32_t& big,
+                                            uint32_t& small) {
+  const float a = bits_float(x0), b = bits_float(x1);
+  big = pack_bf16x2(a, b);
+  small = pack_bf16x2(a - bits_float(big << 16), b - bits_float(big & 0xffff0000u));
 }
 
 // An A fragment of fp32 registers made ready for m16n8k8 products: with kSplit (3xTF32) split

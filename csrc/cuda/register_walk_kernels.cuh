@@ -225,8 +225,123 @@ struct Band<float, kSplit> {
   }
 };
 
+// fp32 tiles multiplied as bf16x3 (-DKS_FP32_BF16X3, config.cuh): A B ~ small big + big small +
+// big big over bf16 parts (bf16_split2) in m16n8k16 products, k-steps of 16. A k-step of a band
+// is 8 fp32 registers by 32-bit shared loads, k = 16 kk + the lane's slots: f[0], f[1] row g at
+// k = 2t, 2t + 1; f[2], f[3] row g + 8 there; f[4] .. f[7] the same at k = 8 + 2t, 9 + 2t; so
+// register i of the m16n8k16 A fragment packs f[2i], f[2i + 1]. B's pair of n-tiles is the A
+// fragment of its 16 columns (rows g: n-tile 0, rows g + 8: n-tile 1), split once at the load.
+struct Bf16x3Band {
+  using Op = float;
+  static constexpr int kSteps = 4, LD = ld_of<Op>(), kTileElems = kTile * LD;
+  static constexpr uint32_t kOnes = 0x3f803f80u;  // a B register of two bf16 1.0
+  static constexpr bool kPromote = true;  // each chunk's sum apart (chunk_sum), as 3xTF32
+  static constexpr bool kBPairLoad = true;
+  using Frag = uint32_t[8];
+  using Frags = Frag[kSteps];
+  struct BPair {  // n-tile j: big[2j] (k 2t, 2t + 1), big[2j + 1] (k 8 + 2t, 9 + 2t); small alike
+    uint32_t big[4], small[4];
+  };
+  struct Ready {  // A's m16n8k16 fragments of the two parts
+    uint32_t big[4], small[4];
+  };
+  static constexpr bool kReadyCosts = true;
+
+  static __device__ __forceinline__ void rows(Frag& a, const Op* T, int r0, int kk,
+                                              const Lane& l) {
+    const float* p = T + (r0 + l.g) * LD + 16 * kk + 2 * l.t;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {  // k = 2t .. and 8 + 2t ..
+      const float2 x = *reinterpret_cast<const float2*>(p + 8 * half);
+      const float2 y = *reinterpret_cast<const float2*>(p + 8 * half + 8 * LD);
+      a[4 * half] = float_bits(x.x);
+      a[4 * half + 1] = float_bits(x.y);
+      a[4 * half + 2] = float_bits(y.x);
+      a[4 * half + 3] = float_bits(y.y);
+    }
+  }
+  static __device__ __forceinline__ void columns(Frag& a, const Op* T, int r0, int kk,
+                                                 const Lane& l) {
+    const float* p = T + (16 * kk + 2 * l.t) * LD + r0 + l.g;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float* q = p + 8 * half * LD;
+      a[4 * half] = float_bits(q[0]);
+      a[4 * half + 1] = float_bits(q[LD]);
+      a[4 * half + 2] = float_bits(q[8]);
+      a[4 * half + 3] = float_bits(q[LD + 8]);
+    }
+  }
+  template <bool kAsStored>
+  static __device__ __forceinline__ void b_pair(BPair& b, const Op* T, int c0, int kk,
+                                                const Lane& l) {
+    Frag f;
+    if constexpr (kAsStored) {  // k: T's rows, n: T's columns c0 ..
+      columns(f, T, c0, kk, l);
+    } else {  // n: T's rows c0 .., k: T's columns
+      rows(f, T, c0, kk, l);
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      bf16_split2(f[2 * j], f[2 * j + 1], b.big[2 * j], b.small[2 * j]);
+      bf16_split2(f[4 + 2 * j], f[5 + 2 * j], b.big[2 * j + 1], b.small[2 * j + 1]);
+    }
+  }
+  static __device__ __forceinline__ Ready ready(const Frag& a) {
+    Ready r;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) bf16_split2(a[2 * i], a[2 * i + 1], r.big[i], r.small[i]);
+    return r;
+  }
+  // the small terms first, as mma_tf32
+  static __device__ __forceinline__ void mma(float (&acc)[4], const Ready& a, const BPair& b,
+                                             int j) {
+    mma_bf16(acc, a.small, b.big[2 * j], b.big[2 * j + 1]);
+    mma_bf16(acc, a.big, b.small[2 * j], b.small[2 * j + 1]);
+    mma_bf16(acc, a.big, b.big[2 * j], b.big[2 * j + 1]);
+  }
+  static __device__ __forceinline__ void mma_ones(float (&acc)[4], const Ready& a) {
+    mma_bf16(acc, a.small, kOnes, kOnes);
+    mma_bf16(acc, a.big, kOnes, kOnes);
+  }
+  static __device__ __forceinline__ bool step_kept(int kk, int r0, bool reverse) {
+    return Band<__nv_bfloat16, true>::step_kept(kk, r0, reverse);  // k-steps of 16, as bf16's
+  }
+  // C's n-tiles 2 kk and 2 kk + 1 (keys 16 kk + 2t, .. and 16 kk + 8 + 2t, ..) are A's halves
+  static __device__ __forceinline__ void scores(Frags& pa, const float (&p)[8][4]) {
+#pragma unroll
+    for (int kk = 0; kk < kSteps; ++kk) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) pa[kk][e] = float_bits(p[2 * kk + e / 4][e % 4]);
+    }
+  }
+  static __device__ __forceinline__ void publish_z(float* slot, int c, float z) {
+    Band<float, true>::publish_z(slot, c, z);
+  }
+  // d[h] += row g + 8h of the band . z over this lane's columns
+  static __device__ __forceinline__ void dot(float (&d)[2], const Frags& a, const float* z,
+                                             const Lane& l) {
+#pragma unroll
+    for (int kk = 0; kk < kSteps; ++kk) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int c = 16 * kk + 8 * half + 2 * l.t, e = 4 * half + 2 * h;
+          d[h] += bits_float(a[kk][e]) * z[c] + bits_float(a[kk][e + 1]) * z[c + 1];
+        }
+      }
+    }
+  }
+  static __device__ __forceinline__ void publish(Op* copy, const float (&s)[4][4], int r0, int c0,
+                                                 const Lane& l) {
+    Band<float, true>::publish(copy, s, r0, c0, l);
+  }
+};
+
 template <typename Tin>
-using BandOf = Band<typename OperandOf<Tin>::type, kSplitOf<Tin>>;
+using BandOf = std::conditional_t<kSplitOf<Tin> && kFp32Bf16x3, Bf16x3Band,
+                                  Band<typename OperandOf<Tin>::type, kSplitOf<Tin>>>;
 
 // Rows r0 .. r0 + 15 of tile T as A fragments.
 template <typename B>

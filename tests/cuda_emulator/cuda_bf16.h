@@ -1,5 +1,5 @@
-// Shim of CUDA's bfloat16 header for tests/cuda_emulator: the type and its round-to-nearest-even
-// conversions.
+// Shim of CUDA's bfloat16 header for tests/cuda_emulator: the type, its pair and their
+// round-to-nearest-even conversions.
 #pragma once
 
 #include <cstdint>
@@ -24,4 +24,12 @@ inline __nv_bfloat16 __float2bfloat16_rn(float f) {
   if ((u & 0x7fffffffu) > 0x7f800000u) return {0x7fc0};  // NaN
   u += 0x7fffu + ((u >> 16) & 1u);
   return {static_cast<uint16_t>(u >> 16)};
+}
+
+struct __nv_bfloat162 {
+  __nv_bfloat16 x, y;
+};
+
+inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) {
+  return {__float2bfloat16_rn(a), __float2bfloat16_rn(b)};
 }

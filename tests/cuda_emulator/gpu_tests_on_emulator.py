@@ -39,15 +39,7 @@ from kernelstudy.core import cuda_backend  # noqa: E402
 
 from .. import test_cuda_emulated as emulated  # noqa: E402
 
-
-class _TempFolders:
-    """The one method of pytest's tmp_path_factory that the emulator's build uses."""
-
-    def mktemp(self, name: str) -> Path:
-        return Path(tempfile.mkdtemp(prefix=name))
-
-
-_LIBRARY = emulated.emu._get_wrapped_function()(_TempFolders())  # the emulator, built once
+_LIBRARY = emulated.build_emulator(Path(tempfile.mkdtemp(prefix="cuda_emulator")))  # built once
 
 
 def _supports(x: torch.Tensor) -> bool:
