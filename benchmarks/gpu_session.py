@@ -17,6 +17,8 @@ the sweep, or why the walks take their time:
         --out "$OUT"
     python3 benchmarks/gpu_session.py --budget 150 --stages sweep --resume-from DIR --out "$OUT"
 
+or, in place of the sweep, the trial of fp32 on bf16 parts (``-DKS_FP32_BF16X3``; 4-5
+minutes with its build): ``--budget 360 --stages bf16x3``
 (timeout_s 590 and 190; with the fla wheels carried in ``.whl/``: ``--plan`` prints how to fetch
 them, the stages and their time limits, and runs nothing). Stages, in the order of what the
 issue needs most:
@@ -57,6 +59,12 @@ sweep      ``cuda_core.py --resume`` over the issue's grid (N 512-32768,  sweep.
            targets stage's fastest of ours in the part's dtype (bf16
            at N=8192, fp32 at N=16384)
 racecheck  ``compute-sanitizer --tool racecheck``, twelve small tests    tests.log
+bf16x3     fp32's register walks on bf16 parts (``-DKS_FP32_BF16X3``,   tests.log,
+           not the default): built in a folder of its own, the fp32      session.json
+           ``walk_mma`` GPU tests on it, then fp32 fwd+bwd at the
+           target's shape (N 8192, 16384) on the default build and
+           on it in turns, twice; the rows and ratios in
+           ``session.json``
 =========  ===========================================================  ==============
 
 Every stage runs as a child process under a time limit: the smaller of its cap and what is left
@@ -91,10 +99,12 @@ import csv
 import dataclasses
 import datetime as dt
 import json
+import math
 import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -158,6 +168,15 @@ RACECHECK_TESTS = (
     "test_walk_segments_match_reference[walk_mma-2x2x200x33x70-torch.float16-5]",
     "test_fused_backward_matches_reference[walk_mma-1x4x64x16x16-torch.float16]",
 )
+# The bf16x3 stage: the build variant in a folder of its own, its tests (kernels 8, 9 and 12 in
+# fp32), and fp32 fwd+bwd at the issue's shape timed on the default build and on it in turns
+BF16X3_FLAG = "-DKS_FP32_BF16X3"
+BF16X3_BUILD_DIR = Path(tempfile.gettempdir()) / "kernelstudy_session_build_bf16x3"
+BF16X3_TESTS = "float32 and walk_mma"  # pytest -k
+BF16X3_TIMING = ["--n", "8192", "16384", "--shapes", "8x16", "--dims", "64", "--dtypes"]
+BF16X3_TIMING += ["float32", "--modes", "fwd+bwd", "--methods", "cuda_walk_mma_fused", "torch"]
+BF16X3_TIMING += ["--repeats", "7", "--warmup", "2", "--no-plot"]
+BF16X3_ROUNDS = 2  # default, bf16x3, default, bf16x3
 FETCH_WHEELS = (
     "echo /.whl/ >> .git/info/exclude; python3 -m pip download --no-deps --only-binary=:all: "
     "--python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 -d .whl "
@@ -188,8 +207,11 @@ STAGES = (
     Stage(
         "racecheck", 40, 150, f"compute-sanitizer racecheck on {len(RACECHECK_TESTS)} small tests"
     ),
+    Stage("bf16x3", 150, 330, "fp32 on bf16 parts (-DKS_FP32_BF16X3): its tests, A/B timings"),
 )
 STAGE_NAMES = tuple(s.name for s in STAGES)
+# what runs without --stages: every stage but bf16x3 (a build variant's trial, asked for by name)
+DEFAULT_STAGES = tuple(n for n in STAGE_NAMES if n != "bf16x3")
 ALWAYS = ("env", "build")
 # a child stopped at its limit may take this long to go (the grace after SIGTERM), so the next
 # stage may find up to this much less than its minimum left and still runs
@@ -722,6 +744,93 @@ def stage_racecheck(session: Session, limit_s: float) -> tuple[str, str]:
     return ("ok" if rc == 0 and hazards == 0 else "failed"), note
 
 
+def stage_bf16x3(session: Session, limit_s: float) -> tuple[str, str]:
+    """fp32's register walks on bf16 parts (:data:`BF16X3_FLAG`, not the default): built in a
+    folder of its own, the fp32 walk_mma GPU tests on it (into tests.log), then fp32 fwd+bwd
+    at the target's shape timed on the default build and on it in turns. The timings' rows
+    (cuda_core.py's columns with ``build`` and ``round``) go to session.json (``bf16x3``:
+    8 files at most come back), their ratios to the summary."""
+    deadline = session.clock() + limit_s
+    default_env = session.env
+    flags = f"{default_env.get(FLAGS_ENV, '')} {BF16X3_FLAG}".strip()
+    variant_env = {**default_env, FLAGS_ENV: flags}
+    variant_env["KERNELSTUDY_BUILD_DIR"] = str(BF16X3_BUILD_DIR)
+    outcome: dict = {"flags": flags}
+    session.record["bf16x3"] = outcome
+
+    def on_variant(call: Callable[[], tuple]) -> tuple:
+        session.env = variant_env
+        try:
+            return call()
+        finally:
+            session.env = default_env
+
+    rc, late = on_variant(lambda: session.python([__file__, "--probe-build"], limit_s))
+    if late or rc != 0:
+        return ("timeout" if late else "failed"), "the bf16x3 build failed (session.log)"
+    with open(session.out / "tests.log", "a") as f:
+        f.write(f"\n# the fp32 register walks' tests, built with {BF16X3_FLAG}\n")
+    argv = [*PYTEST, "-k", BF16X3_TESTS, "tests/test_cuda_backend.py"]
+    rc, late, log = on_variant(
+        lambda: session.python_read(argv, deadline - session.clock(), log="tests.log")
+    )
+    outcome["tests"] = test_counts(log)
+    note = "tests: " + (", ".join(f"{n} {w}" for w, n in outcome["tests"].items()) or "none")
+    if late:
+        return "timeout", note
+    tests_ok = rc == 0
+    rows: list[dict] = []
+    outcome["rows"] = rows
+    with tempfile.TemporaryDirectory() as tmp:
+        for turn in range(BF16X3_ROUNDS):
+            for build in ("default", "bf16x3"):
+                csv_path = Path(tmp) / f"{build}_{turn}.csv"
+                timing = ["benchmarks/cuda_core.py", *BF16X3_TIMING, "--out", str(csv_path)]
+
+                def run(timing=timing) -> tuple[int, bool]:
+                    return session.python(timing, deadline - session.clock())
+
+                rc, late = on_variant(run) if build == "bf16x3" else run()
+                if csv_path.is_file():
+                    with open(csv_path, newline="") as f:
+                        rows += [
+                            {**row, "build": build, "round": turn} for row in csv.DictReader(f)
+                        ]
+                if late:
+                    return "timeout", f"{note}; timings cut short at round {turn} ({build})"
+    lines = bf16x3_ratios(rows)
+    outcome["ratios"] = lines
+    note += "; " + ("; ".join(lines) if lines else "no timings")
+    return ("ok" if tests_ok and lines else "failed"), note
+
+
+def bf16x3_ratios(rows: list[dict]) -> list[str]:
+    """Per N of the bf16x3 stage's rows: the register walk's median time on each build, their
+    ratio, and the torch backend's time over each (the fp32 target's ratio)."""
+    times: dict[tuple[str, str, int], list[float]] = {}
+    for row in rows:
+        if row.get("error") or not row.get("time_ms"):
+            continue
+        key = (row["method"], row["build"], int(row["N"]))
+        times.setdefault(key, []).append(float(row["time_ms"]))
+    lines = []
+    for n in sorted({k[2] for k in times}):
+        walk = [
+            statistics.median(times.get(("cuda_walk_mma_fused", b, n), [math.nan]))
+            for b in ("default", "bf16x3")
+        ]
+        torch_ms = statistics.median(
+            [t for (m, _, n_), ts in times.items() if m == "torch" and n_ == n for t in ts]
+            or [math.nan]
+        )
+        lines.append(
+            f"fp32 N={n}: 3xTF32 {walk[0]:.3f} ms, bf16x3 {walk[1]:.3f} ms "
+            f"({walk[0] / walk[1]:.2f}x); torch/3xTF32 {torch_ms / walk[0]:.2f}x, "
+            f"torch/bf16x3 {torch_ms / walk[1]:.2f}x"
+        )
+    return lines
+
+
 RUNNERS = {
     "env": stage_env,
     "build": stage_build,
@@ -732,13 +841,14 @@ RUNNERS = {
     "counters": stage_counters,
     "sweep": stage_sweep,
     "racecheck": stage_racecheck,
+    "bf16x3": stage_bf16x3,
 }
 
 
 def run_session(
     out: Path,
     budget_s: float,
-    chosen: tuple[str, ...] = STAGE_NAMES,
+    chosen: tuple[str, ...] = DEFAULT_STAGES,
     resume_from: Path | None = None,
 ) -> int:
     """Runs the ``chosen`` stages (env and build always) into ``out``; 1 when a stage failed or
@@ -835,6 +945,8 @@ def summarize(session: Session) -> None:
             session.log("\n".join(x for x in lines if "target" in x or x.startswith("crossover")))
             if done.returncode != 0:
                 session.log(done.stderr.strip()[-1000:])
+    for line in session.record.get("bf16x3", {}).get("ratios", []):
+        session.log(f"bf16x3: {line}")
     files = sorted(p.name for p in session.out.iterdir())
     session.log(f"files in {session.out}: {' '.join(files)}")
 
@@ -930,11 +1042,12 @@ def probe_build() -> int:
     return 1
 
 
-def plan(budget_s: float, chosen: tuple[str, ...] = STAGE_NAMES) -> str:
+def plan(budget_s: float, chosen: tuple[str, ...] = DEFAULT_STAGES) -> str:
     """The ``chosen`` stages (env and build always) with their time limits when every earlier
     stage takes its cap."""
     stages = tuple(s for s in STAGES if s.name in chosen or s.name in ALWAYS)
-    picked = "" if len(stages) == len(STAGES) else f" --stages {' '.join(chosen)}"
+    default = tuple(s.name for s in stages) == DEFAULT_STAGES
+    picked = "" if default else f" --stages {' '.join(chosen)}"
     lines = [
         "Before the session, here (the fla wheel, pure Python; Triton is on the GPU machine):",
         f"    {FETCH_WHEELS}",
@@ -963,8 +1076,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--stages",
         nargs="+",
         choices=STAGE_NAMES,
-        default=list(STAGE_NAMES),
-        help="stages to run (env and build always run)",
+        default=list(DEFAULT_STAGES),
+        help="stages to run (env and build always run; default: all but bf16x3)",
     )
     p.add_argument(
         "--resume-from",

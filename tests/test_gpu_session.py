@@ -52,8 +52,8 @@ def test_arguments(gs, tmp_path, capsys):
 def test_plan_names_every_stage_and_file_and_runs_nothing(gs, tmp_path, capsys):
     assert gs.main(["--plan", "--budget", "540"]) == 0
     printed = capsys.readouterr().out
-    assert all(s.name in printed for s in gs.STAGES) and "fla-core==" in printed
-    assert "--budget 540 --out $OUT" in printed
+    assert all(name in printed for name in gs.DEFAULT_STAGES) and "fla-core==" in printed
+    assert "--budget 540 --out $OUT" in printed and "bf16x3" not in printed
     assert len(gs.FILES) <= 8  # the device returns at most 8 files
     # the second of two calls: its stages alone (env and build always), in its command
     assert gs.main(["--plan", "--budget", "200", "--stages", "scaling", "racecheck"]) == 0
@@ -250,7 +250,7 @@ def test_a_session_runs_its_stages_in_their_time(gs, monkeypatch, tmp_path, caps
     (out / "sweep.csv").write_text("an earlier session's file\n")
     (out / "keep.txt").write_text("not the session's\n")
     assert gs.run_session(out, 540) == 0
-    assert [name for name, _ in ran] == list(gs.STAGE_NAMES)
+    assert [name for name, _ in ran] == list(gs.DEFAULT_STAGES)  # bf16x3: asked for by name
     limits = dict(ran)
     # targets: 540 - 260 spent - 130 for the later minimums (under its cap of 180)
     assert limits["tests"] == 240 and limits["targets"] == 150
@@ -259,7 +259,7 @@ def test_a_session_runs_its_stages_in_their_time(gs, monkeypatch, tmp_path, caps
     assert limits["scaling"] == 60 and limits["counters"] == 75
     assert limits["sweep"] == pytest.approx(540 - 372 - 40)
     record = json.loads((out / "session.json").read_text())
-    assert [s["status"] for s in record["stages"]] == ["ok"] * len(gs.STAGES)
+    assert [s["status"] for s in record["stages"]] == ["ok"] * len(gs.DEFAULT_STAGES)
     assert record["cuda_flags"] == "-lineinfo"  # which build the results are of
     assert not (out / "sweep.csv").exists() and (out / "keep.txt").exists()
     printed = capsys.readouterr().out
@@ -338,7 +338,7 @@ def test_a_stage_stopped_at_its_limit_leaves_the_next_one_its_turn(gs, monkeypat
 
     monkeypatch.setitem(gs.RUNNERS, "sweep", cut)
     assert gs.run_session(tmp_path, 540) == 0
-    assert [name for name, _ in ran] == list(gs.STAGE_NAMES)
+    assert [name for name, _ in ran] == list(gs.DEFAULT_STAGES)
     assert dict(ran)["racecheck"] == pytest.approx(39)
 
 
@@ -713,3 +713,75 @@ def test_crashes_are_left_out_a_few_times_at_most(gs, tmp_path):
         f"tests/test_cuda_backend.py::test_{i}" for i in range(1, gs.MAX_CRASHES + 1)
     ]
     assert "left out after crashing pytest: tests/test_cuda_backend.py::test_1, " in note
+
+
+def test_the_bf16x3_stage_builds_tests_and_times_both_builds_in_turns(gs, monkeypatch, tmp_path):
+    """The bf16x3 trial: its build and tests on -DKS_FP32_BF16X3 in a folder of its own (the
+    session's env stays the default's), then cuda_core.py on the default build and on it in
+    turns, twice; the rows (with ``build`` and ``round``) and ratios land in session.json."""
+    monkeypatch.setenv(gs.FLAGS_ENV, "-lineinfo")
+    cuda_core = benchmark_script("cuda_core")
+    session = gs.Session(tmp_path, budget_s=600)
+    default_env = session.env
+    calls = []
+
+    def python(args, limit_s, log="session.log"):
+        flags = session.env.get(gs.FLAGS_ENV, "")
+        calls.append((args, flags, session.env["KERNELSTUDY_BUILD_DIR"]))
+        if args[0] == "benchmarks/cuda_core.py":
+            bf16x3 = gs.BF16X3_FLAG in flags
+            out = Path(args[args.index("--out") + 1])
+            times = {8192: 3.0, 16384: 6.0}
+            lines = ["method,mode,dtype,N,time_ms,error"]
+            for n, ms in times.items():
+                lines.append(
+                    f"cuda_walk_mma_fused,fwd+bwd,float32,{n},{ms * (0.8 if bf16x3 else 1)},"
+                )
+                lines.append(f"torch,fwd+bwd,float32,{n},{ms * 3},")
+            out.write_text("\n".join(lines) + "\n")
+        return 0, False
+
+    def python_read(args, limit_s, log="session.log"):
+        python(args, limit_s, log)
+        return 0, False, "===== 41 passed in 50.0s =====\n"
+
+    monkeypatch.setattr(session, "python", python)
+    monkeypatch.setattr(session, "python_read", python_read)
+    status, note = gs.stage_bf16x3(session, 300)
+    assert status == "ok" and session.env is default_env
+    build, tests, *timings = calls
+    variant = ("-lineinfo " + gs.BF16X3_FLAG, str(gs.BF16X3_BUILD_DIR))
+    assert build[0][-1] == "--probe-build" and build[1:] == variant
+    assert tests[0][-3:] == ["-k", gs.BF16X3_TESTS, "tests/test_cuda_backend.py"]
+    assert tests[1:] == variant
+    assert [gs.BF16X3_FLAG in flags for _, flags, _ in timings] == [False, True, False, True]
+    for args, _, _ in timings:
+        parsed = cuda_core.parse_args(args[1:])
+        assert parsed.dtypes == ["float32"] and parsed.n == [8192, 16384]
+        assert parsed.shapes == [(8, 16)] and parsed.dims == [64] and not parsed.resume
+        assert parsed.methods == ["cuda_walk_mma_fused", "torch"]
+    record = session.record["bf16x3"]
+    assert record["tests"] == {"passed": 41} and len(record["rows"]) == 16
+    assert {(r["build"], r["round"]) for r in record["rows"]} == {
+        (b, t) for b in ("default", "bf16x3") for t in (0, 1)
+    }
+    assert record["ratios"][1] == (
+        "fp32 N=16384: 3xTF32 6.000 ms, bf16x3 4.800 ms (1.25x); torch/3xTF32 3.00x, "
+        "torch/bf16x3 3.75x"
+    )
+    assert "tests: 41 passed" in note and "(1.25x)" in note
+
+
+def test_the_bf16x3_tests_exist(gs):
+    """Its pytest -k picks the fp32 register walks' GPU tests (kernels 8, 9 and 12)."""
+    import subprocess
+
+    collected = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
+        + ["-k", gs.BF16X3_TESTS, "tests/test_cuda_backend.py"],
+        cwd=BENCHMARKS.parent,
+        capture_output=True,
+        text=True,
+    )
+    ids = [line for line in collected.stdout.splitlines() if "::" in line]
+    assert len(ids) >= 20 and all("walk_mma" in i and "float32" in i for i in ids), ids[:5]
