@@ -82,8 +82,9 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MIN_CAPABILITY = (8, 0)  # bf16 and tf32 tensor cores (Ampere and newer)
 # nvcc flags added to the build's, as shell words: "-lineinfo" (Nsight Compute's source view),
 # "-DKS_WMMA_GENERIC_LOADS" (kernels 1-7 load WMMA fragments by wmma::load_matrix_sync, as when
-# they first passed on a GPU, in place of their own .shared loads). torch rebuilds the extension
-# when they change.
+# they first passed on a GPU, in place of their own .shared loads), "-DKS_FP32_BF16X3" (fp32
+# inputs' register walks on two bf16 parts of each operand, not 3xTF32's two tf32 parts). torch
+# rebuilds the extension when they change.
 CUDA_FLAGS_ENV = "KERNELSTUDY_CUDA_FLAGS"
 
 # The fused backward (``ext.causal_backward``) replaces three separate causal products: with the
