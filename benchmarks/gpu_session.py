@@ -177,6 +177,11 @@ BF16X3_TIMING = ["--n", "8192", "16384", "--shapes", "8x16", "--dims", "64", "--
 BF16X3_TIMING += ["float32", "--modes", "fwd+bwd", "--methods", "cuda_walk_mma_fused", "torch"]
 BF16X3_TIMING += ["--repeats", "7", "--warmup", "2", "--no-plot"]
 BF16X3_ROUNDS = 2  # default, bf16x3, default, bf16x3
+# the race check of its split tiles (a barrier between reading a tile and writing its parts)
+BF16X3_RACECHECK = (
+    "test_walk_segments_match_reference[walk_mma-2x2x200x33x70-torch.float32-5]",
+    "test_fused_backward_matches_reference[walk_mma-1x4x64x16x16-torch.float32]",
+)
 FETCH_WHEELS = (
     "echo /.whl/ >> .git/info/exclude; python3 -m pip download --no-deps --only-binary=:all: "
     "--python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 -d .whl "
@@ -746,8 +751,9 @@ def stage_racecheck(session: Session, limit_s: float) -> tuple[str, str]:
 
 def stage_bf16x3(session: Session, limit_s: float) -> tuple[str, str]:
     """fp32's register walks on bf16 parts (:data:`BF16X3_FLAG`, not the default): built in a
-    folder of its own, the fp32 walk_mma GPU tests on it (into tests.log), then fp32 fwd+bwd
-    at the target's shape timed on the default build and on it in turns. The timings' rows
+    folder of its own, the fp32 walk_mma GPU tests on it and a race check of two (into
+    tests.log), then fp32 fwd+bwd at the target's shape timed on the default build and on it
+    in turns. The timings' rows
     (cuda_core.py's columns with ``build`` and ``round``) go to session.json (``bf16x3``:
     8 files at most come back), their ratios to the summary."""
     deadline = session.clock() + limit_s
@@ -779,6 +785,19 @@ def stage_bf16x3(session: Session, limit_s: float) -> tuple[str, str]:
     if late:
         return "timeout", note
     tests_ok = rc == 0
+    sanitizer = shutil.which("compute-sanitizer")
+    if sanitizer is not None:
+        argv = [sanitizer, "--tool", "racecheck", "--print-limit", "5", PYTHON, *PYTEST]
+        argv += [f"tests/test_cuda_backend.py::{t}" for t in BF16X3_RACECHECK]
+        rc, late, log = on_variant(
+            lambda: session.run_read(argv, deadline - session.clock(), log="tests.log")
+        )
+        hazards = sum(map(int, re.findall(r"RACECHECK SUMMARY: (\d+) hazards? displayed", log)))
+        outcome["racecheck_hazards"] = hazards
+        note += f"; racecheck hazards: {hazards}"
+        if late:
+            return "timeout", note
+        tests_ok = tests_ok and rc == 0 and hazards == 0
     rows: list[dict] = []
     outcome["rows"] = rows
     with tempfile.TemporaryDirectory() as tmp:

@@ -745,15 +745,26 @@ def test_the_bf16x3_stage_builds_tests_and_times_both_builds_in_turns(gs, monkey
         python(args, limit_s, log)
         return 0, False, "===== 41 passed in 50.0s =====\n"
 
+    def run_read(argv, limit_s, log="session.log"):
+        calls.append(
+            (argv, session.env.get(gs.FLAGS_ENV, ""), session.env["KERNELSTUDY_BUILD_DIR"])
+        )
+        return 0, False, "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n"
+
     monkeypatch.setattr(session, "python", python)
     monkeypatch.setattr(session, "python_read", python_read)
+    monkeypatch.setattr(session, "run_read", run_read)
+    monkeypatch.setattr(gs.shutil, "which", lambda name: f"/cuda/bin/{name}")
     status, note = gs.stage_bf16x3(session, 300)
     assert status == "ok" and session.env is default_env
-    build, tests, *timings = calls
+    build, tests, racecheck, *timings = calls
     variant = ("-lineinfo " + gs.BF16X3_FLAG, str(gs.BF16X3_BUILD_DIR))
     assert build[0][-1] == "--probe-build" and build[1:] == variant
     assert tests[0][-3:] == ["-k", gs.BF16X3_TESTS, "tests/test_cuda_backend.py"]
     assert tests[1:] == variant
+    assert racecheck[0][:3] == ["/cuda/bin/compute-sanitizer", "--tool", "racecheck"]
+    assert racecheck[0][-2:] == [f"tests/test_cuda_backend.py::{t}" for t in gs.BF16X3_RACECHECK]
+    assert racecheck[1:] == variant
     assert [gs.BF16X3_FLAG in flags for _, flags, _ in timings] == [False, True, False, True]
     for args, _, _ in timings:
         parsed = cuda_core.parse_args(args[1:])
@@ -761,7 +772,8 @@ def test_the_bf16x3_stage_builds_tests_and_times_both_builds_in_turns(gs, monkey
         assert parsed.shapes == [(8, 16)] and parsed.dims == [64] and not parsed.resume
         assert parsed.methods == ["cuda_walk_mma_fused", "torch"]
     record = session.record["bf16x3"]
-    assert record["tests"] == {"passed": 41} and len(record["rows"]) == 16
+    assert record["tests"] == {"passed": 41} and record["racecheck_hazards"] == 0
+    assert len(record["rows"]) == 16
     assert {(r["build"], r["round"]) for r in record["rows"]} == {
         (b, t) for b in ("default", "bf16x3") for t in (0, 1)
     }
@@ -773,7 +785,8 @@ def test_the_bf16x3_stage_builds_tests_and_times_both_builds_in_turns(gs, monkey
 
 
 def test_the_bf16x3_tests_exist(gs):
-    """Its pytest -k picks the fp32 register walks' GPU tests (kernels 8, 9 and 12)."""
+    """Its pytest -k picks the fp32 register walks' GPU tests (kernels 8, 9 and 12), its race
+    check's tests among them."""
     import subprocess
 
     collected = subprocess.run(
@@ -785,3 +798,4 @@ def test_the_bf16x3_tests_exist(gs):
     )
     ids = [line for line in collected.stdout.splitlines() if "::" in line]
     assert len(ids) >= 20 and all("walk_mma" in i and "float32" in i for i in ids), ids[:5]
+    assert {f"tests/test_cuda_backend.py::{t}" for t in gs.BF16X3_RACECHECK} <= set(ids)

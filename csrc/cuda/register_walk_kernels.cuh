@@ -57,27 +57,30 @@ struct Band<__nv_bfloat16, kSplit> {
   using Frags = Frag[kSteps];
   using BPair = uint32_t[4];  // a k-step of two n-tiles of B (b_pair): n-tile j in 2j, 2j + 1
 
-  // k-step kk of A = rows r0 .. r0 + 15 of T
+  // k-step kk of A = rows r0 .. r0 + 15 of T (kLd: T's leading dimension; Bf16x3Band's parts
+  // have another)
+  template <int kLd = LD>
   static __device__ __forceinline__ void rows(Frag& a, const Op* T, int r0, int kk,
                                               const Lane& l) {
-    ldmatrix_x4<false>(a, T + (r0 + l.lr + 8 * l.lm0) * LD + 16 * kk + 8 * l.lm1);
+    ldmatrix_x4<false>(a, T + (r0 + l.lr + 8 * l.lm0) * kLd + 16 * kk + 8 * l.lm1);
   }
   // k-step kk of A = columns r0 .. r0 + 15 of T as rows (the k index runs over T's rows)
+  template <int kLd = LD>
   static __device__ __forceinline__ void columns(Frag& a, const Op* T, int r0, int kk,
                                                  const Lane& l) {
-    ldmatrix_x4<true>(a, T + (16 * kk + l.lr + 8 * l.lm1) * LD + r0 + 8 * l.lm0);
+    ldmatrix_x4<true>(a, T + (16 * kk + l.lr + 8 * l.lm1) * kLd + r0 + 8 * l.lm0);
   }
   // b_pair's fragments straight from ldmatrix: register i holds the 8 x 8 matrix whose row
   // addresses lanes 8i .. 8i + 7 give, so the lanes address (k-half, n-tile) = (i % 2, i / 2)
   // where columns() and rows() address (i / 2, i % 2); no register moves before the products
   static constexpr bool kBPairLoad = true;
-  template <bool kAsStored>
+  template <bool kAsStored, int kLd = LD>
   static __device__ __forceinline__ void b_pair(BPair& b, const Op* T, int c0, int kk,
                                                 const Lane& l) {
     if constexpr (kAsStored) {  // k: T's rows 16 kk .., n: T's columns c0 ..
-      ldmatrix_x4<true>(b, T + (16 * kk + l.lr + 8 * l.lm0) * LD + c0 + 8 * l.lm1);
+      ldmatrix_x4<true>(b, T + (16 * kk + l.lr + 8 * l.lm0) * kLd + c0 + 8 * l.lm1);
     } else {  // n: T's rows c0 .., k: T's columns 16 kk ..
-      ldmatrix_x4<false>(b, T + (c0 + l.lr + 8 * l.lm1) * LD + 16 * kk + 8 * l.lm0);
+      ldmatrix_x4<false>(b, T + (c0 + l.lr + 8 * l.lm1) * kLd + 16 * kk + 8 * l.lm0);
     }
   }
   struct Ready {  // an A fragment as the product takes it: as loaded
@@ -225,74 +228,85 @@ struct Band<float, kSplit> {
   }
 };
 
-// fp32 tiles multiplied as bf16x3 (-DKS_FP32_BF16X3, config.cuh): A B ~ small big + big small +
-// big big over bf16 parts (bf16_split2) in m16n8k16 products, k-steps of 16. A k-step of a band
-// is 8 fp32 registers by 32-bit shared loads, k = 16 kk + the lane's slots: f[0], f[1] row g at
-// k = 2t, 2t + 1; f[2], f[3] row g + 8 there; f[4] .. f[7] the same at k = 8 + 2t, 9 + 2t; so
-// register i of the m16n8k16 A fragment packs f[2i], f[2i + 1]. B's pair of n-tiles is the A
-// fragment of its 16 columns (rows g: n-tile 0, rows g + 8: n-tile 1), split once at the load.
+// fp32 inputs multiplied as bf16x3 (-DKS_FP32_BF16X3, config.cuh): A B ~ small big + big small +
+// big big over bf16 parts (bf16_split2) in m16n8k16 products, k-steps of 16, fragments by
+// ldmatrix as for bf16 inputs. The tiles land in shared memory as fp32 (cp.async, as for
+// 3xTF32), and land() splits them where they lie, once for every warp that multiplies them:
+// row r of a tile (LD floats) then holds the bf16 big parts of its 64 elements in bf16 elements
+// 0 .. 63 and their small parts in 64 .. 127, so each part is a bf16 tile of leading dimension
+// kLdParts (Bf16 below loads it). S's copy is written so, z's as bf16 parts (as for bf16 inputs).
 struct Bf16x3Band {
-  using Op = float;
+  using Op = float;  // tiles of fp32 rows, split in place by land()
+  using Bf16 = Band<__nv_bfloat16, true>;
   static constexpr int kSteps = 4, LD = ld_of<Op>(), kTileElems = kTile * LD;
-  static constexpr uint32_t kOnes = 0x3f803f80u;  // a B register of two bf16 1.0
+  static constexpr int kLdParts = 2 * LD;  // a part's leading dimension in bf16 elements
+  static constexpr uint32_t kOnes = Bf16::kOnes;
   static constexpr bool kPromote = true;  // each chunk's sum apart (chunk_sum), as 3xTF32
   static constexpr bool kBPairLoad = true;
-  using Frag = uint32_t[8];
+  static constexpr bool kReadyCosts = false;
+  // a k-step of A (16 x 16) in m16n8k16 fragments, one of each part; a k-step of B's two
+  // n-tiles the same (n-tile j: registers 2j, 2j + 1 of each part)
+  struct Frag {
+    uint32_t big[4], small[4];
+  };
   using Frags = Frag[kSteps];
-  struct BPair {  // n-tile j: big[2j] (k 2t, 2t + 1), big[2j + 1] (k 8 + 2t, 9 + 2t); small alike
-    uint32_t big[4], small[4];
-  };
-  struct Ready {  // A's m16n8k16 fragments of the two parts
-    uint32_t big[4], small[4];
-  };
-  static constexpr bool kReadyCosts = true;
+  using BPair = Frag;
+  using Ready = Frag;
 
+  static __device__ __forceinline__ const __nv_bfloat16* big(const Op* T) {
+    return reinterpret_cast<const __nv_bfloat16*>(T);
+  }
+  static __device__ __forceinline__ const __nv_bfloat16* small(const Op* T) {
+    return big(T) + kTile;
+  }
+  // Splits N fp32 tiles (one after another) in place: every thread reads the vectors it
+  // copied (load_tile's), a barrier, then each writes their parts (which lie where other
+  // threads' vectors were). Call after cp_async_wait_all(), before the barrier that publishes
+  // the tiles, in every thread.
+  template <int N>
+  static __device__ __forceinline__ void land(float* T) {
+    using L = TileVectors<float>;
+    float4 x[N][L::kPasses];
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+#pragma unroll
+      for (int pass = 0; pass < L::kPasses; ++pass) {
+        x[i][pass] =
+            *reinterpret_cast<const float4*>(T + i * kTileElems + L::row(pass) * LD + L::col());
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+#pragma unroll
+      for (int pass = 0; pass < L::kPasses; ++pass) {
+        const float4 v = x[i][pass];
+        uint2 b, s;  // the parts of elements c .. c + 3, two packed pairs each
+        bf16_split2(float_bits(v.x), float_bits(v.y), b.x, s.x);
+        bf16_split2(float_bits(v.z), float_bits(v.w), b.y, s.y);
+        auto* row = reinterpret_cast<__nv_bfloat16*>(T + i * kTileElems + L::row(pass) * LD);
+        *reinterpret_cast<uint2*>(row + L::col()) = b;
+        *reinterpret_cast<uint2*>(row + kTile + L::col()) = s;
+      }
+    }
+  }
   static __device__ __forceinline__ void rows(Frag& a, const Op* T, int r0, int kk,
                                               const Lane& l) {
-    const float* p = T + (r0 + l.g) * LD + 16 * kk + 2 * l.t;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {  // k = 2t .. and 8 + 2t ..
-      const float2 x = *reinterpret_cast<const float2*>(p + 8 * half);
-      const float2 y = *reinterpret_cast<const float2*>(p + 8 * half + 8 * LD);
-      a[4 * half] = float_bits(x.x);
-      a[4 * half + 1] = float_bits(x.y);
-      a[4 * half + 2] = float_bits(y.x);
-      a[4 * half + 3] = float_bits(y.y);
-    }
+    Bf16::rows<kLdParts>(a.big, big(T), r0, kk, l);
+    Bf16::rows<kLdParts>(a.small, small(T), r0, kk, l);
   }
   static __device__ __forceinline__ void columns(Frag& a, const Op* T, int r0, int kk,
                                                  const Lane& l) {
-    const float* p = T + (16 * kk + 2 * l.t) * LD + r0 + l.g;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const float* q = p + 8 * half * LD;
-      a[4 * half] = float_bits(q[0]);
-      a[4 * half + 1] = float_bits(q[LD]);
-      a[4 * half + 2] = float_bits(q[8]);
-      a[4 * half + 3] = float_bits(q[LD + 8]);
-    }
+    Bf16::columns<kLdParts>(a.big, big(T), r0, kk, l);
+    Bf16::columns<kLdParts>(a.small, small(T), r0, kk, l);
   }
   template <bool kAsStored>
   static __device__ __forceinline__ void b_pair(BPair& b, const Op* T, int c0, int kk,
                                                 const Lane& l) {
-    Frag f;
-    if constexpr (kAsStored) {  // k: T's rows, n: T's columns c0 ..
-      columns(f, T, c0, kk, l);
-    } else {  // n: T's rows c0 .., k: T's columns
-      rows(f, T, c0, kk, l);
-    }
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      bf16_split2(f[2 * j], f[2 * j + 1], b.big[2 * j], b.small[2 * j]);
-      bf16_split2(f[4 + 2 * j], f[5 + 2 * j], b.big[2 * j + 1], b.small[2 * j + 1]);
-    }
+    Bf16::b_pair<kAsStored, kLdParts>(b.big, big(T), c0, kk, l);
+    Bf16::b_pair<kAsStored, kLdParts>(b.small, small(T), c0, kk, l);
   }
-  static __device__ __forceinline__ Ready ready(const Frag& a) {
-    Ready r;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) bf16_split2(a[2 * i], a[2 * i + 1], r.big[i], r.small[i]);
-    return r;
-  }
+  static __device__ __forceinline__ Ready ready(const Frag& a) { return a; }
   // the small terms first, as mma_tf32
   static __device__ __forceinline__ void mma(float (&acc)[4], const Ready& a, const BPair& b,
                                              int j) {
@@ -305,39 +319,63 @@ struct Bf16x3Band {
     mma_bf16(acc, a.big, kOnes, kOnes);
   }
   static __device__ __forceinline__ bool step_kept(int kk, int r0, bool reverse) {
-    return Band<__nv_bfloat16, true>::step_kept(kk, r0, reverse);  // k-steps of 16, as bf16's
+    return Bf16::step_kept(kk, r0, reverse);  // k-steps of 16, as bf16's
   }
-  // C's n-tiles 2 kk and 2 kk + 1 (keys 16 kk + 2t, .. and 16 kk + 8 + 2t, ..) are A's halves
+  // the scores (n-tile j: keys 8j ..) split into A fragments, in bf16's order
   static __device__ __forceinline__ void scores(Frags& pa, const float (&p)[8][4]) {
 #pragma unroll
     for (int kk = 0; kk < kSteps; ++kk) {
 #pragma unroll
-      for (int e = 0; e < 8; ++e) pa[kk][e] = float_bits(p[2 * kk + e / 4][e % 4]);
-    }
-  }
-  static __device__ __forceinline__ void publish_z(float* slot, int c, float z) {
-    Band<float, true>::publish_z(slot, c, z);
-  }
-  // d[h] += row g + 8h of the band . z over this lane's columns
-  static __device__ __forceinline__ void dot(float (&d)[2], const Frags& a, const float* z,
-                                             const Lane& l) {
-#pragma unroll
-    for (int kk = 0; kk < kSteps; ++kk) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int c = 16 * kk + 8 * half + 2 * l.t, e = 4 * half + 2 * h;
-          d[h] += bits_float(a[kk][e]) * z[c] + bits_float(a[kk][e + 1]) * z[c + 1];
-        }
+      for (int i = 0; i < 4; ++i) {  // register i: n-tile 2 kk + i / 2, row g + 8 (i % 2)
+        const float(&c)[4] = p[2 * kk + i / 2];
+        bf16_split2(float_bits(c[2 * (i % 2)]), float_bits(c[2 * (i % 2) + 1]), pa[kk].big[i],
+                    pa[kk].small[i]);
       }
     }
   }
+  static __device__ __forceinline__ void publish_z(float* slot, int c, float z) {
+    Bf16::publish_z(slot, c, z);
+  }
+  // d[h] += row g + 8h of the band . z, on the lanes t = 0: as bf16's dot, for each part
+  static __device__ __forceinline__ void dot(float (&d)[2], const Frags& a, const float* slot,
+                                             const Lane& l) {
+    const uint32_t* parts = reinterpret_cast<const uint32_t*>(slot) + (l.g & 1) * kTile / 2;
+    float acc[4] = {};
+#pragma unroll
+    for (int kk = 0; kk < kSteps; ++kk) {
+      const int c = 8 * kk + l.t;
+      const uint32_t b0 = l.g < 2 ? parts[c] : 0u, b1 = l.g < 2 ? parts[c + 4] : 0u;
+      mma_bf16(acc, a[kk].small, b0, b1);
+      mma_bf16(acc, a[kk].big, b0, b1);
+    }
+    d[0] += acc[0] + acc[1];
+    d[1] += acc[2] + acc[3];
+  }
+  // the warp's 16 x 32 slab of a state to a copy, split (columns c0 + 8j + 2t, + 1: a pair)
   static __device__ __forceinline__ void publish(Op* copy, const float (&s)[4][4], int r0, int c0,
                                                  const Lane& l) {
-    Band<float, true>::publish(copy, s, r0, c0, l);
+    auto* parts = reinterpret_cast<__nv_bfloat16*>(copy);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        uint32_t b, sm;
+        bf16_split2(float_bits(s[j][2 * h]), float_bits(s[j][2 * h + 1]), b, sm);
+        __nv_bfloat16* at = parts + (r0 + l.g + 8 * h) * kLdParts + c0 + 8 * j + 2 * l.t;
+        *reinterpret_cast<uint32_t*>(at) = b;
+        *reinterpret_cast<uint32_t*>(at + kTile) = sm;
+      }
+    }
   }
 };
+
+// Readies N tiles of a chunk that landed (one after another; after cp_async_wait_all, before
+// the barrier that publishes them; in every thread): bf16x3 splits them (Bf16x3Band::land), the
+// other bands take them as they landed.
+template <typename B, int N>
+__device__ __forceinline__ void land_tiles(typename B::Op* first) {
+  if constexpr (std::is_same_v<B, Bf16x3Band>) B::template land<N>(first);
+}
 
 template <typename Tin>
 using BandOf = std::conditional_t<kSplitOf<Tin> && kFp32Bf16x3, Bf16x3Band,
@@ -721,6 +759,7 @@ __device__ __forceinline__ void walk_mma(int64_t block, int64_t slice, const Tin
   for (int64_t i = 0; i < seg.count; ++i) {
     const int buf = static_cast<int>(i & 1);
     cp_async_wait_all();  // chunk i's tiles (the only copies in flight)
+    land_tiles<B, kBufTiles>(tile(buf, 0));  // bf16x3: split
     __syncthreads();      // ... visible to all, with S and z; step i-1 is complete
     if (i + 1 < seg.count) load_chunk(i + 1, buf ^ 1);
     const Op* Qs = tile(buf, 0);
@@ -872,6 +911,7 @@ __device__ __forceinline__ void walk_mma_dkv(int64_t block, const Tin* __restric
   for (int64_t i = 0; i < seg.count; ++i) {
     const int buf = static_cast<int>(i & 1);
     cp_async_wait_all();  // chunk i's tiles (the only copies in flight)
+    land_tiles<B, 4>(tile(buf, 0));  // bf16x3: split
     __syncthreads();      // ... visible to all, with R; step i-1 is complete
     if (i + 1 < seg.count) load_chunk(i + 1, buf ^ 1);
     const Op* Qs = tile(buf, 0);
@@ -986,6 +1026,7 @@ __global__ void __launch_bounds__(kThreads, kMmaStatesBlocksPerSm<typename Opera
   for (int64_t i = 0; i < seg.count; ++i) {
     const int buf = static_cast<int>(i & 1);
     cp_async_wait_all();  // chunk i's tiles (the only copies in flight)
+    land_tiles<B, 2>(tiles + 2 * buf * kOpTile);  // bf16x3: split
     __syncthreads();      // ... visible to all; chunk i-1's buffer is free
     if (i + 1 < seg.count) load_chunk(i + 1, buf ^ 1);
     const Op* Ks = tiles + 2 * buf * kOpTile;
