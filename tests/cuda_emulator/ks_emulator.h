@@ -488,13 +488,6 @@ inline void __syncwarp(unsigned = 0xffffffffu) { ks_emu::sync_warp(); }
 inline float __shfl_xor_sync(unsigned, float value, int lane_mask, int = 32) {
   return ks_emu::shfl_xor(value, lane_mask);
 }
-// byte n of the result: byte (s >> 4n) & 7 of the eight bytes of x (0-3) and y (4-7)
-inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
-  const uint64_t bytes = x | (static_cast<uint64_t>(y) << 32);
-  unsigned out = 0;
-  for (int n = 0; n < 4; ++n) out |= ((bytes >> (8 * ((s >> (4 * n)) & 7))) & 0xffu) << (8 * n);
-  return out;
-}
 
 #define KS_LAUNCH(kernel, grid, block, smem, stream) ::ks_emu::launch(kernel, grid, block, smem)
 #define KS_HOST_ASYNC_COPY16(dst, src) ::ks_emu::async_copy16(dst, src)
