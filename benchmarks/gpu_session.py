@@ -17,9 +17,10 @@ the sweep, or why the walks take their time:
         --out "$OUT"
     python3 benchmarks/gpu_session.py --budget 150 --stages sweep --resume-from DIR --out "$OUT"
 
-or, in place of the sweep, the trial of fp32 on bf16 parts (``-DKS_FP32_BF16X3``; 4-5
-minutes with its build): ``--budget 360 --stages bf16x3``
-(timeout_s 590 and 190; with the fla wheels carried in ``.whl/``: ``--plan`` prints how to fetch
+or the trial of fp32 on bf16 parts (``-DKS_FP32_BF16X3``: its own build, tests, race check and
+timings, about 4 minutes), after a first call that gives the tests and race check what they
+need: ``--budget 400 --stages tests racecheck`` then ``--budget 300 --stages bf16x3``
+(timeout_s 590 and 190, or 450 and 350; with the fla wheels carried in ``.whl/``: ``--plan`` prints how to fetch
 them, the stages and their time limits, and runs nothing). Stages, in the order of what the
 issue needs most:
 

@@ -113,10 +113,10 @@ def _load(objects: list[Path], lib: Path) -> ctypes.CDLL:
     return module
 
 
-def build_emulator(folder: Path) -> ctypes.CDLL:
+def build_emulator(folder: Path, defines: tuple[str, ...] = ()) -> ctypes.CDLL:
     """The kernels and tests/cuda_emulator/harness.cpp compiled into ``folder`` (an object per
-    source) and linked into one shared library, loaded."""
-    _compile(EMULATED_SOURCES, folder)
+    source, with ``defines``) and linked into one shared library, loaded."""
+    _compile(EMULATED_SOURCES, folder, defines)
     return _load([folder / s.stem for s in EMULATED_SOURCES], folder / "ks_emulated.so")
 
 

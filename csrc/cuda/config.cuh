@@ -95,9 +95,10 @@ template <typename Tin>
 constexpr bool kSplitOf = std::is_same_v<Tin, float>;
 
 // Built with -DKS_FP32_BF16X3 ($KERNELSTUDY_CUDA_FLAGS), fp32 inputs' register walks (kernels
-// 8-10 and 12) multiply two bf16 parts of each operand (bf16x3, m16n8k16: half the tensor-pipe
-// time of 3xTF32's m16n8k8 products) instead of two tf32 parts; the WMMA kernels (1-7) keep
-// 3xTF32. Not the default until a GPU has timed it against 3xTF32.
+// 8, 9 and 12; Bf16x3Band in register_walk_kernels.cuh) multiply two bf16 parts of each
+// operand (bf16x3, m16n8k16: half the tensor-pipe time of 3xTF32's m16n8k8 products) instead of
+// two tf32 parts; the WMMA kernels (1-7) keep 3xTF32. Not the default until a GPU has timed it
+// against 3xTF32.
 #ifdef KS_FP32_BF16X3
 constexpr bool kFp32Bf16x3 = true;
 #else

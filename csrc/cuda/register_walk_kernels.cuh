@@ -14,13 +14,15 @@ namespace {
 // Kernels 8 and 9 work on 64 x LD tiles of the operand type (chunk rows x a 64-wide slice,
 // zero-padded), a warp on a band of 16 rows r0 .. r0 + 15: the band over 64 columns is kSteps A
 // fragments (one per k-step), and B fragments come in pairs of n-tiles (16 columns) per k-step.
-// Band<Op, kSplit> holds what differs between the two kinds of operands (B fragments come from
-// its A fragment loads, b_pair):
-//   bf16 (m16n8k16): k-steps of 16, fragments by ldmatrix (mma_sync.cuh; lr, lm0,
-//     lm1: the lane's row of an ldmatrix matrix and the matrix's two index bits);
-//   fp32 tiles (m16n8k8 on tf32; fp32 inputs as 3xTF32, fp16 inputs as 1xTF32): k-steps of 8,
-//     fragments by 32-bit shared loads, each k-step's 8 indices taken in the order
-//     0, 2, 4, 6, 1, 3, 5, 7 in both operands (mma_sync.cuh).
+// A band type (BandOf<Tin>) holds what differs between the kinds of operands (B fragments come
+// from its A fragment loads, b_pair):
+//   bf16 (Band<__nv_bfloat16>, m16n8k16): k-steps of 16, fragments by ldmatrix (mma_sync.cuh;
+//     lr, lm0, lm1: the lane's row of an ldmatrix matrix and the matrix's two index bits);
+//   fp32 tiles (Band<float>, m16n8k8 on tf32; fp32 inputs as 3xTF32, fp16 inputs as 1xTF32):
+//     k-steps of 8, fragments by 32-bit shared loads, each k-step's 8 indices taken in the order
+//     0, 2, 4, 6, 1, 3, 5, 7 in both operands (mma_sync.cuh);
+//   fp32 inputs built with -DKS_FP32_BF16X3 (Bf16x3Band): fp32 tiles split into two bf16 parts
+//     where they land, then as bf16 for each part, three products for one.
 // The band of warp w (8 warps): rows 16 b .. 16 b + 15 with b = w for warps 0-3 and b = 7 - w
 // for warps 4-7. Warps w and w + 4 share an SM sub-partition and its tensor cores (current GPUs
 // place warp w on sub-partition w % 4), which so gets bands b and 3 - b: under a causal mask

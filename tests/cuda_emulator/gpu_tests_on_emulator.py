@@ -17,10 +17,14 @@ non-causal and normalized attention, the fused backward, reruns and misaligned i
 minutes (the 12 others need CUDA itself), and all 178 of the walks', products', cumulative sums'
 and row terms' in 5 minutes (the test that names the walk kernels that run needs CUDA's profiler).
 Timing, occupancy and the GPU's own rounding are not emulated: a pass here is no pass on a GPU.
+``KS_EMULATOR_DEFINES="-DKS_FP32_BF16X3"`` builds the kernels with those defines (a build
+variant's tests: ``-k "float32 and walk_mma"``).
 """
 
 from __future__ import annotations
 
+import os
+import shlex
 import sys
 import tempfile
 from pathlib import Path
@@ -39,7 +43,10 @@ from kernelstudy.core import cuda_backend  # noqa: E402
 
 from .. import test_cuda_emulated as emulated  # noqa: E402
 
-_LIBRARY = emulated.build_emulator(Path(tempfile.mkdtemp(prefix="cuda_emulator")))  # built once
+# built once; $KS_EMULATOR_DEFINES (shell words): defines for the kernels' build, e.g. the build
+# variant -DKS_FP32_BF16X3 that the GPU session's bf16x3 stage tests
+_DEFINES = tuple(shlex.split(os.environ.get("KS_EMULATOR_DEFINES", "")))
+_LIBRARY = emulated.build_emulator(Path(tempfile.mkdtemp(prefix="cuda_emulator")), _DEFINES)
 
 
 def _supports(x: torch.Tensor) -> bool:
