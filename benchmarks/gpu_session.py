@@ -20,9 +20,9 @@ the sweep, or why the walks take their time:
 or the trial of fp32 on bf16 parts (``-DKS_FP32_BF16X3``: its own build, tests, race check and
 timings, about 4 minutes), after a first call that gives the tests and race check what they
 need: ``--budget 400 --stages tests racecheck`` then ``--budget 300 --stages bf16x3``
-(timeout_s 590 and 190, or 450 and 350; with the fla wheels carried in ``.whl/``: ``--plan`` prints how to fetch
-them, the stages and their time limits, and runs nothing). Stages, in the order of what the
-issue needs most:
+(timeout_s 590 and 190, or 450 and 350; with the fla wheels carried in ``.whl/``: ``--plan``
+prints how to fetch them, the stages and their time limits, and runs nothing). Stages, in the
+order of what the issue needs most:
 
 =========  ===========================================================  ==============
 stage      what                                                         writes
