@@ -9,7 +9,8 @@ scores and their product with v, chunk states summed in float32, the queries' pr
 prefix state), for the product and for the backward's ``dq = causal(g, v, k)``, and gives the
 max relative error against float64 (scale at least 1), as the GPU tests measure float32 (their
 tolerance: 1e-4). ``tf32x3`` is the cuda backend's float32 mode (3xTF32); ``bf16x3`` does the
-same work in bf16 products, which run at twice tf32's rate on A100, H100 and H200.
+same work in bf16 products, which run at twice tf32's rate on A100, H100 and H200 (the register
+walks' build variant ``-DKS_FP32_BF16X3``, ``csrc/cuda/register_walk_kernels.cuh``).
 
     python benchmarks/fp32_split_accuracy.py --out benchmarks/results/fp32_split_accuracy.csv
 """
