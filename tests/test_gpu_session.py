@@ -799,3 +799,19 @@ def test_the_bf16x3_tests_exist(gs):
     ids = [line for line in collected.stdout.splitlines() if "::" in line]
     assert len(ids) >= 20 and all("walk_mma" in i and "float32" in i for i in ids), ids[:5]
     assert {f"tests/test_cuda_backend.py::{t}" for t in gs.BF16X3_RACECHECK} <= set(ids)
+
+
+def test_a_bf16x3_build_that_fails_stops_the_stage_and_keeps_the_default_env(gs, tmp_path):
+    session = gs.Session(tmp_path, budget_s=600)
+    default_env = session.env
+    seen = []
+
+    def python(args, limit_s, log="session.log"):
+        seen.append((args, session.env["KERNELSTUDY_BUILD_DIR"]))
+        return 1, False
+
+    session.python = python
+    status, note = gs.stage_bf16x3(session, 300)
+    assert (status, note) == ("failed", "the bf16x3 build failed (session.log)")
+    assert seen == [([gs.__file__, "--probe-build"], str(gs.BF16X3_BUILD_DIR))]
+    assert session.env is default_env and "rows" not in session.record["bf16x3"]
