@@ -465,6 +465,13 @@ def failed_tests(log: str) -> list[str]:
     return list(dict.fromkeys(found))
 
 
+def variant_env(env: dict[str, str], flag: str, folder: Path) -> dict[str, str]:
+    """``env`` with ``flag`` added to the build's flags and the build in ``folder`` (the
+    default build stays where it is)."""
+    flags = f"{env.get(FLAGS_ENV, '')} {flag}".strip()
+    return {**env, FLAGS_ENV: flags, "KERNELSTUDY_BUILD_DIR": str(folder)}
+
+
 def try_fallback(session: Session, failed: list[str], deadline: float) -> str:
     """Builds the extension with :data:`FALLBACK_FLAG` (in a folder of its own: the default
     build stays) and runs the ``failed`` tests on it; if some pass, the session goes on with
@@ -479,8 +486,7 @@ def try_fallback(session: Session, failed: list[str], deadline: float) -> str:
     if deadline - session.clock() < FALLBACK_MIN_S:
         return f"no time left for the fallback build ({FALLBACK_FLAG})"
     default_env = session.env
-    session.env = {**default_env, FLAGS_ENV: f"{flags} {FALLBACK_FLAG}".strip()}
-    session.env["KERNELSTUDY_BUILD_DIR"] = str(FALLBACK_BUILD_DIR)
+    session.env = variant_env(default_env, FALLBACK_FLAG, FALLBACK_BUILD_DIR)
     outcome = {"flags": session.env[FLAGS_ENV], "tests": len(failed)}
     session.record["fallback"] = outcome
     rc, late = session.python([__file__, "--probe-build"], deadline - session.clock())
@@ -728,21 +734,29 @@ def stage_sweep(session: Session, limit_s: float) -> tuple[str, str]:
     return ("ok" if ok else "partial"), "; ".join(statuses)
 
 
-def stage_racecheck(session: Session, limit_s: float) -> tuple[str, str]:
-    """The tests in one process: starting torch under the sanitizer costs more than a small
-    test, so one start serves them all."""
+def racecheck(
+    session: Session, tests: tuple[str, ...], limit_s: float
+) -> tuple[int, bool, str, int] | None:
+    """``tests`` (of tests/test_cuda_backend.py) under compute-sanitizer's racecheck in one
+    process (starting torch under the sanitizer costs more than a small test, so one start
+    serves them all), appended to tests.log: (exit status, timed out, its part of the log,
+    hazards reported); None without the sanitizer."""
     sanitizer = shutil.which("compute-sanitizer")
     if sanitizer is None:
-        return "skipped", "compute-sanitizer is not on the PATH"
-    argv = [sanitizer, "--tool", "racecheck", "--print-limit", "5", PYTHON, "-m", "pytest", "-v"]
-    argv += [
-        "-p",
-        "no:cacheprovider",
-        *(f"tests/test_cuda_backend.py::{t}" for t in RACECHECK_TESTS),
-    ]
+        return None
+    argv = [sanitizer, "--tool", "racecheck", "--print-limit", "5", PYTHON, *PYTEST]
+    argv += [f"tests/test_cuda_backend.py::{t}" for t in tests]
     # after the tests stage's lines (8 files come back): only its own part counts
     rc, late, log = session.run_read(argv, limit_s, log="tests.log")
     hazards = sum(map(int, re.findall(r"RACECHECK SUMMARY: (\d+) hazards? displayed", log)))
+    return rc, late, log, hazards
+
+
+def stage_racecheck(session: Session, limit_s: float) -> tuple[str, str]:
+    checked = racecheck(session, RACECHECK_TESTS, limit_s)
+    if checked is None:
+        return "skipped", "compute-sanitizer is not on the PATH"
+    rc, late, log, hazards = checked
     counts = ", ".join(f"{n} {what}" for what, n in test_counts(log).items())
     note = f"{counts or 'no test finished'}; hazards reported: {hazards}"
     if late:
@@ -754,19 +768,16 @@ def stage_bf16x3(session: Session, limit_s: float) -> tuple[str, str]:
     """fp32's register walks on bf16 parts (:data:`BF16X3_FLAG`, not the default): built in a
     folder of its own, the fp32 walk_mma GPU tests on it and a race check of two (into
     tests.log), then fp32 fwd+bwd at the target's shape timed on the default build and on it
-    in turns. The timings' rows
-    (cuda_core.py's columns with ``build`` and ``round``) go to session.json (``bf16x3``:
-    8 files at most come back), their ratios to the summary."""
+    in turns. The timings' rows (cuda_core.py's columns with ``build`` and ``round``) go to
+    session.json (``bf16x3``: 8 files at most come back), their ratios to the summary."""
     deadline = session.clock() + limit_s
     default_env = session.env
-    flags = f"{default_env.get(FLAGS_ENV, '')} {BF16X3_FLAG}".strip()
-    variant_env = {**default_env, FLAGS_ENV: flags}
-    variant_env["KERNELSTUDY_BUILD_DIR"] = str(BF16X3_BUILD_DIR)
-    outcome: dict = {"flags": flags}
+    bf16x3_env = variant_env(default_env, BF16X3_FLAG, BF16X3_BUILD_DIR)
+    outcome: dict = {"flags": bf16x3_env[FLAGS_ENV]}
     session.record["bf16x3"] = outcome
 
     def on_variant(call: Callable[[], tuple]) -> tuple:
-        session.env = variant_env
+        session.env = bf16x3_env
         try:
             return call()
         finally:
@@ -786,14 +797,9 @@ def stage_bf16x3(session: Session, limit_s: float) -> tuple[str, str]:
     if late:
         return "timeout", note
     tests_ok = rc == 0
-    sanitizer = shutil.which("compute-sanitizer")
-    if sanitizer is not None:
-        argv = [sanitizer, "--tool", "racecheck", "--print-limit", "5", PYTHON, *PYTEST]
-        argv += [f"tests/test_cuda_backend.py::{t}" for t in BF16X3_RACECHECK]
-        rc, late, log = on_variant(
-            lambda: session.run_read(argv, deadline - session.clock(), log="tests.log")
-        )
-        hazards = sum(map(int, re.findall(r"RACECHECK SUMMARY: (\d+) hazards? displayed", log)))
+    checked = on_variant(lambda: racecheck(session, BF16X3_RACECHECK, deadline - session.clock()))
+    if checked is not None:
+        rc, late, _, hazards = checked
         outcome["racecheck_hazards"] = hazards
         note += f"; racecheck hazards: {hazards}"
         if late:
