@@ -138,6 +138,19 @@ def nvcc_out(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("nvcc")
 
 
+def compile_with_report(
+    source: Path, gencode: list[str], keep: Path, out: Path, defines: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
+    """nvcc -c of ``source`` for one architecture (``gencode``: its two words) with torch's
+    flags and ``defines``, ptxas' resource report in its output and the PTX kept in ``keep``."""
+    command = [
+        NVCC, "-c", "-std=c++17", *gencode, *TORCH_NVCC_FLAGS, *defines, "-Xptxas", "-v", "-I",
+        str(CSRC), "-I", str(source.parent), "--keep", "--keep-dir", str(keep), str(source),
+        "-o", str(out),
+    ]  # fmt: skip
+    return subprocess.run(command, capture_output=True, text=True, timeout=900)
+
+
 @pytest.fixture(scope="module")
 def ptxas_reports(nvcc_out) -> dict:
     """nvcc -c with ptxas' resource report for every .cu: {source: CompletedProcess}, the
@@ -153,12 +166,7 @@ def ptxas_reports(nvcc_out) -> dict:
         arch = gencode[1].rsplit("=", 1)[-1]
         keep = out / f"keep_{arch}"  # the PTX stays there (ptx_of)
         keep.mkdir(exist_ok=True)
-        command = [
-            NVCC, "-c", "-std=c++17", *gencode, *TORCH_NVCC_FLAGS, "-Xptxas", "-v", "-I",
-            str(CSRC), "-I", str(source.parent), "--keep", "--keep-dir", str(keep), str(source),
-            "-o", str(out / f"{source.stem}_{arch}.o"),
-        ]  # fmt: skip
-        return subprocess.run(command, capture_output=True, text=True, timeout=900)
+        return compile_with_report(source, gencode, keep, out / f"{source.stem}_{arch}.o")
 
     jobs = [(source, gencode) for source in CU_FILES for gencode in arch_pairs]
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
@@ -398,12 +406,9 @@ def test_bf16x3_build_compiles_without_spills(tmp_path, gencode):
         pytest.skip("nvcc is not on PATH")
     arch = gencode[1].rsplit("=", 1)[-1]
     unit = CSRC / "cuda" / "float32.cu"
-    command = [
-        NVCC, "-c", "-std=c++17", *gencode, *TORCH_NVCC_FLAGS, "-DKS_FP32_BF16X3", "-Xptxas",
-        "-v", "-I", str(CSRC), "-I", str(unit.parent), "--keep", "--keep-dir", str(tmp_path),
-        str(unit), "-o", str(tmp_path / "float32.o"),
-    ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    result = compile_with_report(
+        unit, gencode, tmp_path, tmp_path / "float32.o", ("-DKS_FP32_BF16X3",)
+    )
     assert result.returncode == 0, result.stderr[-6000:]
     assert "warning" not in result.stdout + result.stderr, result.stderr[-3000:]
     resources = kernel_resources(result.stdout + result.stderr, arch)
