@@ -393,13 +393,17 @@ def test_wide_backward_is_checked_by_name(monkeypatch, value):
         cuda_backend._use_fused(q, q)
 
 
-def test_the_gpus_capability_and_the_build_are_constants_when_traced(monkeypatch):
-    """While ``torch.compile`` traces, the backend's checks ask for the GPU's compute capability
-    and whether the extension runs once, outside the graph, and keep the answers as constants
-    (``fullgraph=True`` passes through them; on a CPU build of torch, with the lookups stood in)."""
+@pytest.mark.parametrize("capability, scale", [((9, 0), 9), ((8, 0), 9), ((7, 5), 7)])
+def test_the_gpus_capability_and_the_build_are_constants_when_traced(
+    monkeypatch, capability, scale
+):
+    """While ``torch.compile`` traces, the backend's checks ask whether the GPU's compute
+    capability suffices and whether the extension runs once, outside the graph, and keep the
+    answers as constants (``fullgraph=True`` passes through them; on a CPU build of torch, with
+    the lookups stood in)."""
     asked = []
     monkeypatch.setattr(
-        torch.cuda, "get_device_capability", lambda i=None: asked.append(i) or (9, 0)
+        torch.cuda, "get_device_capability", lambda i=None: asked.append(i) or capability
     )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cuda_backend._capability_once.cache_clear()
@@ -407,12 +411,12 @@ def test_the_gpus_capability_and_the_build_are_constants_when_traced(monkeypatch
 
         def fn(x):
             built = cuda_backend.is_available()
-            return x * cuda_backend._capability(0)[0] + built
+            return x * (9 if cuda_backend._capable(0) else 7) + built
 
         torch._dynamo.reset()
         compiled = torch.compile(fn, fullgraph=True, backend="eager")
-        assert compiled(torch.ones(2)).tolist() == [9.0, 9.0]
-        assert compiled(torch.ones(3)).tolist() == [9.0, 9.0, 9.0]
+        assert compiled(torch.ones(2)).tolist() == [scale] * 2
+        assert compiled(torch.ones(3)).tolist() == [scale] * 3
         assert asked == [0]
     finally:
         cuda_backend._capability_once.cache_clear()

@@ -16,10 +16,13 @@
 #include <tuple>
 
 #include "causal_product.h"
+#include "check_messages.h"
 
 namespace {
 
 namespace py = pybind11;
+using ks_messages::dtype_name;
+using ks_messages::shape;
 
 // Ask Linux for transparent huge pages on a large output before it is first written: a
 // fresh 32 MB buffer otherwise costs thousands of page faults, a large part of the run time.
@@ -41,11 +44,11 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v)
   TORCH_CHECK_TYPE(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
                    "q, k and v must share one dtype");
   TORCH_CHECK_TYPE(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble,
-                   "q, k and v must be float32 or float64, got ", q.scalar_type());
+                   "q, k and v must be float32 or float64, got ", dtype_name(q.scalar_type()));
   TORCH_CHECK_VALUE(q.dim() == 4 && k.sizes() == q.sizes() && v.dim() == 4 &&
                         v.sizes().slice(0, 3) == q.sizes().slice(0, 3),
-                    "expected q, k: (B,H,N,F) and v: (B,H,N,M), got ", q.sizes(), ", ",
-                    k.sizes(), ", ", v.sizes());
+                    "expected q, k: (B,H,N,F) and v: (B,H,N,M), got ", shape(q.sizes()), ", ",
+                    shape(k.sizes()), ", ", shape(v.sizes()));
 }
 
 at::Tensor new_output(const at::Tensor& like) {
@@ -85,7 +88,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_product_backward(
   TORCH_CHECK_VALUE(grad.device().is_cpu() && grad.scalar_type() == v.scalar_type() &&
                         grad.sizes() == v.sizes(),
                     "grad must be a CPU tensor of the dtype and shape of v, got ",
-                    grad.scalar_type(), " ", grad.sizes());
+                    dtype_name(grad.scalar_type()), " ", shape(grad.sizes()));
   at::Tensor dq, dk, dv;
   if (need_dq) dq = causal_product(grad, v, k, false, threads);
   if (need_dk && need_dv) {

@@ -12,9 +12,15 @@
 
 #include <vector>
 
+#include "check_messages.h"
 #include "launchers.h"
 
 namespace {
+
+using ks_messages::device_name;
+using ks_messages::dtype_name;
+using ks_messages::number;
+using ks_messages::shape;
 
 ks_cuda::DType dtype_of(const at::Tensor& t) {
   switch (t.scalar_type()) {
@@ -27,7 +33,8 @@ ks_cuda::DType dtype_of(const at::Tensor& t) {
     default:
       break;
   }
-  TORCH_CHECK_TYPE(false, "expected float32, float16 or bfloat16 tensors, got ", t.scalar_type());
+  TORCH_CHECK_TYPE(false, "expected float32, float16 or bfloat16 tensors, got ",
+                   dtype_name(t.scalar_type()));
   return ks_cuda::DType::kFloat32;  // unreachable
 }
 
@@ -41,20 +48,20 @@ void check_sequence(const at::Tensor& t, const char* name, const at::Tensor& lik
                     c10::optional<at::ScalarType> dtype = c10::nullopt) {
   const at::ScalarType want = dtype.value_or(like.scalar_type());
   TORCH_CHECK_VALUE(t.is_cuda(), name, " must be a CUDA tensor");
-  TORCH_CHECK_VALUE(t.device() == like.device(), name, " must be on ", like.device(), ", got ",
-                    t.device());
-  TORCH_CHECK_TYPE(t.scalar_type() == want, name, " must have dtype ", want, ", got ",
-                   t.scalar_type());
-  TORCH_CHECK_VALUE(t.dim() == 4, name, " must be (B,H,N,D), got ", t.sizes());
+  TORCH_CHECK_VALUE(t.device() == like.device(), name, " must be on ", device_name(like.device()),
+                    ", got ", device_name(t.device()));
+  TORCH_CHECK_TYPE(t.scalar_type() == want, name, " must have dtype ", dtype_name(want), ", got ",
+                   dtype_name(t.scalar_type()));
+  TORCH_CHECK_VALUE(t.dim() == 4, name, " must be (B,H,N,D), got ", shape(t.sizes()));
   // the kernels index within a 64-row tile in 32 bits (load_tile): 64 * D < 2^31
   TORCH_CHECK_VALUE(t.size(3) < (int64_t{1} << 24), name,
-                    "'s last dimension must be below 2^24, got ", t.size(3));
+                    "'s last dimension must be below 2^24, got ", number(t.size(3)));
 }
 
 void check_rows(const at::Tensor& t, const char* name, const at::Tensor& like, int64_t seq) {
   TORCH_CHECK_VALUE(t.size(0) == like.size(0) && t.size(1) == like.size(1) && t.size(2) == seq,
-                    name, " must be (", like.size(0), ",", like.size(1), ",", seq,
-                    ",D), got ", t.sizes());
+                    name, " must be (", number(like.size(0)), ",", number(like.size(1)), ",",
+                    number(seq), ",D), got ", shape(t.sizes()));
 }
 
 at::TensorOptions f32(const at::Tensor& like) { return like.options().dtype(at::kFloat); }
@@ -67,11 +74,11 @@ c10::optional<at::Tensor> checked_rows(const c10::optional<at::Tensor>& w, const
   if (!w.has_value() || !w->defined()) return c10::nullopt;
   if (len < 0) len = x.size(2);
   TORCH_CHECK_TYPE(w->scalar_type() == at::kFloat, name, " must be float32");
-  TORCH_CHECK_VALUE(w->device() == x.device(), name, " must be on ", x.device());
+  TORCH_CHECK_VALUE(w->device() == x.device(), name, " must be on ", device_name(x.device()));
   TORCH_CHECK_VALUE(w->dim() == 3 && w->size(0) == x.size(0) && w->size(1) == x.size(1) &&
                         w->size(2) == len,
-                    name, " must be ", dims, " = (", x.size(0), ",", x.size(1), ",", len,
-                    "), got ", w->sizes());
+                    name, " must be ", dims, " = (", number(x.size(0)), ",", number(x.size(1)), ",",
+                    number(len), "), got ", shape(w->sizes()));
   return w->contiguous();
 }
 
@@ -81,9 +88,11 @@ at::Tensor checked_mask(const c10::optional<at::Tensor>& mask, const at::Tensor&
   if (!mask.has_value() || !mask->defined()) return at::Tensor();
   const int64_t b = x.size(0), n = x.size(2);
   TORCH_CHECK_TYPE(mask->scalar_type() == at::kBool, "key_padding_mask must be bool");
-  TORCH_CHECK_VALUE(mask->device() == x.device(), "key_padding_mask must be on ", x.device());
+  TORCH_CHECK_VALUE(mask->device() == x.device(), "key_padding_mask must be on ",
+                    device_name(x.device()));
   TORCH_CHECK_VALUE(mask->dim() == 2 && mask->size(0) == b && mask->size(1) == n,
-                    "key_padding_mask must be (B, N) = (", b, ", ", n, "), got ", mask->sizes());
+                    "key_padding_mask must be (B, N) = (", number(b), ", ", number(n), "), got ",
+                    shape(mask->sizes()));
   return mask->contiguous();
 }
 
@@ -114,7 +123,7 @@ Readout readout(const at::Tensor& q, int64_t m, at::ScalarType out_type, bool wi
 std::vector<at::Tensor> causal_product(at::Tensor q, at::Tensor k, at::Tensor v, bool reverse,
                                        bool out_fp32, bool with_den, bool normalize, double eps,
                                        int64_t walk_blocks, bool mma_walk) {
-  TORCH_CHECK_VALUE(walk_blocks >= 0, "walk_blocks must be >= 0, got ", walk_blocks);
+  TORCH_CHECK_VALUE(walk_blocks >= 0, "walk_blocks must be >= 0, got ", number(walk_blocks));
   check_sequence(q, "q", q);
   check_sequence(k, "k", q);
   check_sequence(v, "v", q);
@@ -149,7 +158,7 @@ std::vector<at::Tensor> causal_product(at::Tensor q, at::Tensor k, at::Tensor v,
 std::vector<at::Tensor> causal_backward(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor g,
                                         bool out_fp32, c10::optional<bool> dv_fp32,
                                         int64_t walk_blocks, bool mma_walk, bool walks_together) {
-  TORCH_CHECK_VALUE(walk_blocks >= 0, "walk_blocks must be >= 0, got ", walk_blocks);
+  TORCH_CHECK_VALUE(walk_blocks >= 0, "walk_blocks must be >= 0, got ", number(walk_blocks));
   const bool dv32 = dv_fp32.value_or(out_fp32);
   TORCH_CHECK_VALUE(out_fp32 || !dv32, "dv_fp32=True needs out_fp32=True");
   check_sequence(q, "q", q);
@@ -222,11 +231,11 @@ std::vector<at::Tensor> full_apply(at::Tensor q, at::Tensor state, int64_t m, bo
   check_sequence(q, "q", q);
   const int64_t b = q.size(0), h = q.size(1), n = q.size(2), f = q.size(3);
   TORCH_CHECK_TYPE(state.scalar_type() == at::kFloat, "state must be float32");
-  TORCH_CHECK_VALUE(state.device() == q.device(), "state must be on ", q.device());
+  TORCH_CHECK_VALUE(state.device() == q.device(), "state must be on ", device_name(q.device()));
   TORCH_CHECK_VALUE(m >= 0 && state.dim() == 3 && state.size(0) == b && state.size(1) == h &&
                         state.size(2) == f * m + f,
-                    "state must be (B,H,F*M+F) = (", b, ",", h, ",", f * m + f, "), got ",
-                    state.sizes());
+                    "state must be (B,H,F*M+F) = (", number(b), ",", number(h), ",",
+                    number(f * m + f), "), got ", shape(state.sizes()));
   at::ScalarType out_type = out_fp32 ? at::kFloat : q.scalar_type();
   const bool q_fp32 = out_dtype.has_value() && *out_dtype != q.scalar_type();
   if (q_fp32) {
@@ -234,7 +243,7 @@ std::vector<at::Tensor> full_apply(at::Tensor q, at::Tensor state, int64_t m, bo
                          (*out_dtype == at::kHalf || *out_dtype == at::kBFloat16),
                      "out_dtype must be q's dtype, or float16 or bfloat16 for a float32 q "
                      "without out_fp32, got ",
-                     *out_dtype, " for q of ", q.scalar_type());
+                     dtype_name(*out_dtype), " for q of ", dtype_name(q.scalar_type()));
     out_type = *out_dtype;
   }
   const at::Tensor add = checked_rows(bias, "bias", q, m, "(B,H,M)").value_or(at::Tensor());
@@ -277,9 +286,9 @@ at::Tensor scaled_cumsum(at::Tensor x, c10::optional<at::Tensor> pre,
   at::Tensor base_c;
   if (base.has_value() && base->defined()) {
     TORCH_CHECK_TYPE(base->scalar_type() == at::kFloat, "base must be float32");
-    TORCH_CHECK_VALUE(base->device() == x.device(), "base must be on ", x.device());
-    TORCH_CHECK_VALUE(base->sizes() == x.sizes(), "base must be (B,H,N,F) = ", x.sizes(),
-                      ", got ", base->sizes());
+    TORCH_CHECK_VALUE(base->device() == x.device(), "base must be on ", device_name(x.device()));
+    TORCH_CHECK_VALUE(base->sizes() == x.sizes(), "base must be (B,H,N,F) = ",
+                      shape(x.sizes()), ", got ", shape(base->sizes()));
     base_c = base->contiguous();
   }
   auto out = at::empty({b, h, n, f}, out_fp32 ? f32(x) : x.options());
@@ -304,7 +313,8 @@ std::vector<at::Tensor> normalized_grad(at::Tensor g, at::Tensor out, at::Tensor
                                         double eps, bool dden_column, bool dnum_fp32) {
   check_sequence(g, "g", g);
   check_sequence(out, "out", g);
-  TORCH_CHECK_VALUE(out.sizes() == g.sizes(), "out must be ", g.sizes(), ", got ", out.sizes());
+  TORCH_CHECK_VALUE(out.sizes() == g.sizes(), "out must be ", shape(g.sizes()), ", got ",
+                    shape(out.sizes()));
   const int64_t b = g.size(0), h = g.size(1), n = g.size(2), m = g.size(3);
   den = checked_rows(den, "den", g).value();  // fp32 (B,H,N), contiguous
   const c10::cuda::CUDAGuard guard(g.device());
@@ -328,7 +338,8 @@ std::vector<at::Tensor> normalized_grad(at::Tensor g, at::Tensor out, at::Tensor
 py::dict walk_kernels(const at::Tensor& q, int64_t f, int64_t m, bool mma_walk,
                       bool walks_together) {
   TORCH_CHECK_VALUE(q.is_cuda(), "q must be a CUDA tensor");
-  TORCH_CHECK_VALUE(f > 0 && m > 0, "f and m must be positive, got f=", f, ", m=", m);
+  TORCH_CHECK_VALUE(f > 0 && m > 0, "f and m must be positive, got f=", number(f),
+                    ", m=", number(m));
   const c10::cuda::CUDAGuard guard(q.device());
   ks_cuda::WalkKernels w;
   check_launch(ks_cuda::walk_kernels(dtype_of(q), f, m, mma_walk, walks_together, &w),

@@ -251,14 +251,17 @@ def supports(x: torch.Tensor) -> bool:
     """CUDA tensors of float32/float16/bfloat16 on a GPU of compute capability ≥ 8.0."""
     if not (x.is_cuda and x.dtype in DTYPES):
         return False
-    return _capability(x.device.index) >= MIN_CAPABILITY
+    return _capable(x.device.index)
 
 
 @constant_when_traced  # torch.compile asks once, outside the graph
-def _capability(index: int | None) -> tuple[int, int]:
-    """``torch.cuda.get_device_capability`` of device ``index``, once a process: a call is checked
-    four times a product (the backend's choice, then q, k and v), and torch's lookup is Python."""
-    return _capability_once(index)
+def _capable(index: int | None) -> bool:
+    """Whether device ``index`` has compute capability >= :data:`MIN_CAPABILITY`, looked up once a
+    process: a call is checked four times a product (the backend's choice, then q, k and v), and
+    torch's lookup is Python. A bool, not the capability: dynamo in torch 2.11 could not compare
+    a constant tuple (``InternalTorchDynamoError`` in every compiled CUDA test, the H200,
+    2026-11-30)."""
+    return _capability_once(index) >= MIN_CAPABILITY
 
 
 @functools.cache

@@ -267,7 +267,8 @@ def _cuda_normalized_grad(
 def _(g, out, den, eps, dden_column, dnum_fp32):
     b, h, n, m = g.shape
     bf16 = g.dtype == torch.bfloat16 and not dnum_fp32
-    dnum = _empty(g, (b, h, n, m + dden_column), g.dtype if bf16 else torch.float32)
+    # int(): torch 2.11's opcheck could not add a bool to a symbolic size (the H200, 2026-11-30)
+    dnum = _empty(g, (b, h, n, m + int(dden_column)), g.dtype if bf16 else torch.float32)
     dden = _defined(None, g) if dden_column else _empty(g, (b, h, n), torch.float32)
     return [dnum, dden]
 

@@ -13,6 +13,7 @@ import numbers
 import torch
 
 from ..arguments import check_flag
+from .transforms import constant_when_traced
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -181,6 +182,13 @@ def autocast_off(example: torch.Tensor) -> contextlib.AbstractContextManager:
     device = example.device.type
     # where autocast is not on there is nothing to turn off: a disabled region would cost a
     # few µs on every call of the core (twice a training step of a product)
-    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+    if _autocast_available(device) and torch.is_autocast_enabled(device):
         return torch.autocast(device, enabled=False)
     return contextlib.nullcontext()
+
+
+@constant_when_traced  # torch.compile asks once, outside the graph
+def _autocast_available(device_type: str) -> bool:
+    """``torch.amp.is_autocast_available``: dynamo in torch 2.11 cannot trace it (a graph
+    break, an error under ``fullgraph=True``; the H200, 2026-11-30)."""
+    return torch.amp.is_autocast_available(device_type)
