@@ -1,11 +1,11 @@
 // Numbers, shapes, devices and dtypes in the bindings' error messages, as strings made without
 // std::ostream's number formatting. On the H200 machine of 2026-11-30 (torch 2.11.0+cu130,
 // Python 3.12, GCC 13.3) any extension that wrote an integer into a std::ostringstream
-// segfaulted there (a second libstdc++'s locale facets in the process: pytorch/pytorch#109923),
-// so a TORCH_CHECK whose message streamed a number, a shape or a device killed Python instead of
-// raising; strings stream safely, and std::to_string does not use the locale. Every message
-// argument of a TORCH_CHECK in csrc/*/binding.cpp is a string literal, a const char* or one of
-// these (tests/test_nvcc_compile.py checks).
+// segfaulted (likely a second libstdc++'s locale facets in the process, as in
+// pytorch/pytorch#109923), so a TORCH_CHECK whose message streamed a number, a shape or a
+// device killed Python instead of raising; strings stream safely, and std::to_string does not
+// use the locale. Every message argument of a TORCH_CHECK in csrc/*/binding.cpp is a string
+// literal, a const char* or one of these (tests/test_binding_messages.py checks).
 #pragma once
 
 #include <c10/core/Device.h>
