@@ -735,6 +735,33 @@ def test_constants_are_marked_as_torchs_decorator_marks_them():
     assert vars(ours) == vars(torchs) == {"_dynamo_marked_constant": True}
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_autocast_lookup_is_a_constant_when_traced(monkeypatch, autocast):
+    """``autocast_off`` asks whether autocast exists on the device once while dynamo traces,
+    outside the graph (torch 2.11's dynamo could not trace ``torch.amp.is_autocast_available``:
+    every compiled CUDA layer failed under ``fullgraph=True`` on the H200, 2026-11-30); compiled
+    calls ask no more, and the region is off inside either way."""
+    from kernelstudy.core import validation
+
+    asked = []
+    available = torch.amp.is_autocast_available
+    monkeypatch.setattr(
+        torch.amp, "is_autocast_available", lambda d: asked.append(d) or available(d)
+    )
+
+    def fn(x):
+        with validation.autocast_off(x):
+            return (x @ x).to(torch.float32) + float(torch.is_autocast_enabled("cpu"))
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="eager")
+    x = torch.ones(2, 2)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        for _ in range(3):
+            assert compiled(x).tolist() == [[2.0, 2.0], [2.0, 2.0]]
+    assert asked == ["cpu"]
+
+
 def test_kernelstudy_imports_without_dynamo():
     """``import kernelstudy`` leaves ``torch._dynamo`` unimported (0.7 s of every import when the
     backends marked their constants with torch's decorator)."""
