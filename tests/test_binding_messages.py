@@ -17,8 +17,11 @@ import pytest
 from kernelstudy.core.extensions import csrc_dir
 
 BINDINGS = sorted(csrc_dir().glob("*/binding.cpp"))
-# the string makers of check_messages.h, and CUDA's error string (a const char*)
-STRING_MAKERS = ("number", "shape", "device_name", "dtype_name", "cudaGetErrorString")
+# the string makers check_messages.h defines, and CUDA's error string (a const char*)
+STRING_MAKERS = (
+    *re.findall(r"^inline [^(]*?\b(\w+)\(", (csrc_dir() / "check_messages.h").read_text(), re.M),
+    "cudaGetErrorString",
+)
 _CHECK = re.compile(r"\bTORCH_CHECK(?:_VALUE|_TYPE|_INDEX|_NOT_IMPLEMENTED)?\s*\(")
 
 
