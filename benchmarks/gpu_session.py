@@ -33,8 +33,8 @@ env        the carried wheels installed (``.whl/*.whl`` into a folder   session.
 build      the CUDA extension; if it fails, the compiler's own output   session.log
            and the session stops (nothing after it can run the kernels)
 tests      ``pytest -v tests/test_cuda_backend.py`` (a test that        tests.log
-           crashes pytest: left out and the rest run again; failed
-           tests: again on the fallback build, below)
+           crashes pytest: left out and the rest run again; tests
+           that found wrong numbers: again on the fallback build)
 targets    ``cuda_core.py``: the issue's targets (B=8, H=16, D=64, N     targets.csv
            512-16384, bf16 and fp32, every method, WALK_BLOCKS 128
            and 256; the ``_apart`` methods at bf16's target N only),
@@ -80,13 +80,13 @@ stage. A later call goes on from an earlier call's files: ``--resume-from DIR`` 
 broke the CUDA context stay out), and ``--stages`` picks the stages to run (env and build always
 run).
 
-Where tests fail, the tests stage runs the failed ones again on a second build (a folder of its
-own) with ``-DKS_WMMA_GENERIC_LOADS``: kernels 1-7 then load their WMMA fragments by wmma's own
-calls, as in the 2026-11-28 session whose tests passed, in place of the hand-written ``.shared``
-loads (``csrc/cuda/wmma_ops.cuh``) no GPU has run yet. If some of them pass there, the rest of
-the session runs on that build: ``session.json`` (``fallback``, ``cuda_flags``) and every CSV's
-command say so, and a later call should be led by ``KERNELSTUDY_CUDA_FLAGS=-DKS_WMMA_GENERIC_LOADS``
-(the stage's note says it).
+Where tests find a kernel's numbers wrong, the tests stage runs them again on a second build
+(a folder of its own) with ``-DKS_WMMA_GENERIC_LOADS``: kernels 1-7 then load their WMMA
+fragments by wmma's own calls, as in the 2026-11-28 session whose tests passed, in place of the
+hand-written ``.shared`` loads (``csrc/cuda/wmma_ops.cuh``). If some of them pass there, the
+rest of the session runs on that build: ``session.json`` (``fallback``, ``cuda_flags``) and
+every CSV's command say so, and a later call should be led by
+``KERNELSTUDY_CUDA_FLAGS=-DKS_WMMA_GENERIC_LOADS`` (the stage's note says it).
 
 This script imports nothing beyond the standard library, so no CUDA error can stop it; its
 children import torch. Back on a machine without a GPU, draw and report the results with
@@ -444,7 +444,8 @@ def stage_tests(session: Session, limit_s: float) -> tuple[str, str]:
         return "ok", text
     if rc == 0:
         return "failed", text
-    return "failed", f"{text}; {try_fallback(session, failed_tests(log), deadline)}"
+    failed = failed_tests(log)
+    return "failed", f"{text}; {try_fallback(session, wrong_numbers(log, failed), deadline)}"
 
 
 def crashed_test(log: str) -> str | None:
@@ -465,6 +466,30 @@ def failed_tests(log: str) -> list[str]:
     return list(dict.fromkeys(found))
 
 
+# What a failure's ``E`` lines show when a test found a kernel's numbers wrong: the tolerance
+# helpers of tests/conftest.py, bit-equality and finiteness checks, torch.testing's messages.
+NUMBER_CHECKS = re.compile(
+    r"rel_err\(|rel_rms\(|close_in_dtype\(|torch\.equal|torch\.isfinite|"
+    r"Tensor-likes are not (?:close|equal)"
+)
+
+
+def wrong_numbers(log: str, failed: list[str]) -> list[str]:
+    """Those of the ``failed`` tests whose failure in a ``pytest -v`` log is a kernel's numbers
+    compared and found wrong (:data:`NUMBER_CHECKS` in the ``E`` lines of its section, headed
+    ``____ test_x[params] ____``, two underscores a side where the name is long): the only
+    failures the fallback build can mend. A crash of a child, a wrong kernel name or a tracing
+    error is not (on 2026-11-30 the fallback's build and rerun spent 84 s of device time on two
+    such failures)."""
+    sections = re.split(r"^_+ (\S+) _+$", log, flags=re.MULTILINE)
+    numeric = set()
+    for name, body in zip(sections[1::2], sections[2::2], strict=True):
+        errors = "\n".join(line for line in body.splitlines() if line.startswith("E "))
+        if NUMBER_CHECKS.search(errors):
+            numeric.add(name)
+    return [test for test in failed if test.rsplit("::", 1)[-1] in numeric]
+
+
 def variant_env(env: dict[str, str], flag: str, folder: Path) -> dict[str, str]:
     """``env`` with ``flag`` added to the build's flags and the build in ``folder`` (the
     default build stays where it is)."""
@@ -474,13 +499,14 @@ def variant_env(env: dict[str, str], flag: str, folder: Path) -> dict[str, str]:
 
 def try_fallback(session: Session, failed: list[str], deadline: float) -> str:
     """Builds the extension with :data:`FALLBACK_FLAG` (in a folder of its own: the default
-    build stays) and runs the ``failed`` tests on it; if some pass, the session goes on with
-    that build (``session.env``). Not where every failed test is a ``walk_mma`` one: the flag
-    changes kernels 1-7 only, and those tests fail first by kernels 8-12 (mma.sync, no WMMA).
-    What came of it, in words, also in ``session.json``."""
+        build stays) and runs the ``failed`` tests on it (those that found a kernel's numbers wrong:
+    :func:`wrong_numbers`); if some pass, the session goes on with
+        that build (``session.env``). Not where every failed test is a ``walk_mma`` one: the flag
+        changes kernels 1-7 only, and those tests fail first by kernels 8-12 (mma.sync, no WMMA).
+        What came of it, in words, also in ``session.json``."""
     flags = session.env.get(FLAGS_ENV, "")
     if not failed or FALLBACK_FLAG in flags.split():
-        return "no fallback" if failed else "no failed test named in tests.log"
+        return "no fallback" if failed else "no failed test found a kernel's numbers wrong"
     if all("walk_mma" in test for test in failed):  # kernels 8-12 first: the flag leaves them
         return "every failed test runs walk_mma (kernels 8-12 on mma.sync): no fallback build"
     if deadline - session.clock() < FALLBACK_MIN_S:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -573,20 +574,58 @@ gs.run_session(gs.Path({str(tmp_path / "out")!r}), 60)
 FAILED_LOG = (
     "tests/test_cuda_backend.py::test_a[walk-1x1] PASSED [ 1%]\n"
     "tests/test_cuda_backend.py::test_b[chunks-1x1] FAILED [ 2%]\n"
-    "tests/test_cuda_backend.py::test_c[walk_mma-2] ERROR [ 3%]\n"
-    "FAILED tests/test_cuda_backend.py::test_b[chunks-1x1] - AssertionError: 0.2\n"
-    "FAILED tests/test_cuda_backend.py::test_d - RuntimeError: x\n"
-    "===== 2 failed, 1 passed, 1 error in 60.0s =====\n"
+    "tests/test_cuda_backend.py::test_c[walk_mma-2] FAILED [ 3%]\n"
+    "tests/test_cuda_backend.py::test_d FAILED [ 4%]\n"
+    "tests/test_cuda_backend.py::test_e[chunks] FAILED [ 5%]\n"
+    "tests/test_cuda_backend.py::test_f[walk] ERROR [ 6%]\n"
+    "==================== ERRORS ====================\n"
+    "_____ ERROR at setup of test_f[walk] _____\n"
+    "E       RuntimeError: CUDA error: an illegal memory access\n"
+    "==================== FAILURES ====================\n"
+    "_____ test_b[chunks-1x1] _____\n"
+    ">       assert rel_err(got, want) <= 1e-4\n"
+    "E       assert 0.2 <= 0.0001\n"
+    "E        +  where 0.2 = rel_err(tensor([1.]), tensor([2.]))\n"
+    "__ test_c[walk_mma-2] __\n"  # a long name: two underscores a side
+    "E       assert False\n"
+    "E        +  where False = close_in_dtype(tensor([1.]), tensor([2.]), torch.float16)\n"
+    "_____ test_d _____\n"
+    "E       AssertionError: Tensor-likes are not close!\n"
+    "_____ test_e[chunks] _____\n"
+    "        # rel_err( in a comment of the test's source is no number found wrong\n"
+    "E       AssertionError: the child ended with -11\n"
+    "FAILED tests/test_cuda_backend.py::test_b[chunks-1x1] - assert 0.2 <= 0.0001\n"
+    "FAILED tests/test_cuda_backend.py::test_c[walk_mma-2] - assert False\n"
+    "FAILED tests/test_cuda_backend.py::test_d - AssertionError: Tensor-likes are not close!\n"
+    "FAILED tests/test_cuda_backend.py::test_e[chunks] - AssertionError: the child ended\n"
+    "ERROR tests/test_cuda_backend.py::test_f[walk] - RuntimeError: CUDA error\n"
+    "===== 4 failed, 1 passed, 1 error in 60.0s =====\n"
 )
+NUMBERS_WRONG = [
+    "tests/test_cuda_backend.py::test_b[chunks-1x1]",
+    "tests/test_cuda_backend.py::test_c[walk_mma-2]",
+    "tests/test_cuda_backend.py::test_d",
+]
 
 
 def test_failed_tests_reads_the_node_ids_once_each(gs):
     assert gs.failed_tests(FAILED_LOG) == [
-        "tests/test_cuda_backend.py::test_b[chunks-1x1]",
-        "tests/test_cuda_backend.py::test_c[walk_mma-2]",
-        "tests/test_cuda_backend.py::test_d",
+        *NUMBERS_WRONG,
+        "tests/test_cuda_backend.py::test_e[chunks]",
+        "tests/test_cuda_backend.py::test_f[walk]",
     ]
     assert gs.failed_tests("x PASSED\n===== 3 passed in 1.0s =====\n") == []
+
+
+def test_wrong_numbers_are_the_failures_that_compared_numbers(gs):
+    """Only a failure whose E lines show a numbers check may send the tests to the fallback
+    build: not a child's crash (test_e), not an error at setup (test_f), nor a failed test
+    that has no section in the log."""
+    failed = gs.failed_tests(FAILED_LOG)
+    assert gs.wrong_numbers(FAILED_LOG, failed) == NUMBERS_WRONG
+    assert gs.wrong_numbers(FAILED_LOG, failed[3:]) == []
+    no_sections = "".join(line + "\n" for line in FAILED_LOG.splitlines()[:6])
+    assert gs.wrong_numbers(no_sections, failed) == []
 
 
 @pytest.mark.parametrize("passing", [2, 0], ids=["fallback_fixes", "fallback_fails_too"])
@@ -613,11 +652,11 @@ def test_failed_tests_run_again_on_the_fallback_build(gs, monkeypatch, tmp_path,
 
     session.python = python
     status, note = gs.stage_tests(session, 240)
-    assert status == "failed" and note.startswith("2 failed, 1 passed, 1 error; with -DKS_WMMA")
+    assert status == "failed" and note.startswith("4 failed, 1 passed, 1 error; with -DKS_WMMA")
     default_dir = default_env["KERNELSTUDY_BUILD_DIR"]
     fallback = ("-DKS_WMMA_GENERIC_LOADS", str(gs.FALLBACK_BUILD_DIR))
     assert [c[1:3] for c in calls] == [(None, default_dir), fallback, fallback]
-    assert calls[2][0][-3:] == gs.failed_tests(FAILED_LOG) and calls[2][3] == "tests.log"
+    assert calls[2][0] == [*gs.PYTEST, *NUMBERS_WRONG] and calls[2][3] == "tests.log"
     assert "# the 3 failed tests again, built with -DKS_WMMA_GENERIC_LOADS" in (
         (tmp_path / "tests.log").read_text()
     )
@@ -630,6 +669,27 @@ def test_failed_tests_run_again_on_the_fallback_build(gs, monkeypatch, tmp_path,
     else:
         assert "none of the 3 failed tests passes: the default build stays" in note
         assert session.env is default_env and session.record["cuda_flags"] == ""
+
+
+def test_failures_that_compared_no_numbers_get_no_fallback_build(gs, tmp_path):
+    """A crashed child and an error at setup (test_e, test_f) are no wrong numbers: the stage
+    ends after the one pytest run, without the fallback's build."""
+    log = "\n".join(
+        line for line in FAILED_LOG.splitlines() if not re.search(r"test_[bcd]\b", line)
+    )
+    session = gs.Session(tmp_path, budget_s=600)
+    calls = []
+
+    def python(args, limit_s, log_name="session.log"):
+        calls.append(args)
+        (tmp_path / "tests.log").write_text(log.replace("4 failed", "1 failed"))
+        return 1, False
+
+    session.python = python
+    status, note = gs.stage_tests(session, 240)
+    assert status == "failed" and len(calls) == 1
+    assert note == "1 failed, 1 passed, 1 error; no failed test found a kernel's numbers wrong"
+    assert "fallback" not in session.record
 
 
 def test_no_fallback_without_time_or_when_already_on_it(gs, monkeypatch, tmp_path):
