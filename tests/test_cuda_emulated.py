@@ -19,11 +19,16 @@ relative RMS error ≤ 1e-2, as on the GPU.
 from __future__ import annotations
 
 import ctypes
+import fcntl
+import functools
+import hashlib
 import os
 import random
 import shutil
 import subprocess
 import sys
+import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -51,6 +56,7 @@ from .conftest import (
 )
 
 EMULATOR = Path(__file__).resolve().parent / "cuda_emulator"
+OBJECT_CACHE = Path(tempfile.gettempdir()) / "kernelstudy_emulator_objects"  # _compile's
 GXX = shutil.which("g++")
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 H100_SMEM, A100_SMEM = 232448, 166912  # opt-in shared memory per block (bytes)
@@ -72,19 +78,56 @@ EMULATED_SOURCES = [
 ]
 
 
-def _compile(sources: list[Path], folder: Path, defines: tuple[str, ...] = ()) -> None:
-    """Each source to an object in ``folder`` (named by its stem), its own g++, as many at once
-    as the machine has cores (the three input types' units are the long ones)."""
+@functools.cache
+def _build_digest(defines: tuple[str, ...]) -> str:
+    """What the emulator's objects depend on, hashed: g++ (its path and version), its flags and
+    ``defines``, and every file under csrc/ and tests/cuda_emulator/ (names and contents)."""
+    version = subprocess.run([GXX, "-dumpfullversion"], capture_output=True, text=True).stdout
+    digest = hashlib.sha256("\0".join([GXX, version, *GXX_FLAGS, *defines]).encode())
+    for root in (csrc_dir(), EMULATOR):
+        for path in sorted(
+            p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts
+        ):
+            digest.update(f"\0{path.relative_to(root.parent)}\0".encode() + path.read_bytes())
+    return digest.hexdigest()[:20]
 
-    def one(source: Path) -> subprocess.CompletedProcess:
+
+def _compile(sources: list[Path], defines: tuple[str, ...] = ()) -> list[Path]:
+    """Each source compiled to an object, its own g++, as many at once as the machine has
+    cores (the three input types' units are the long ones): the objects' paths, in order.
+
+    They are kept in a folder of the temporary directory named by :func:`_build_digest`, so
+    pytest-xdist's workers, the child process of test_the_gpu_tests_run_on_the_emulator and
+    later runs compile each once (one build took 38 s of CPU time on this machine; a run of the
+    suite made three); a changed source, header, flag or compiler names a new folder. Each
+    object is compiled under a lock on its name (another process waits for it rather than
+    compiling it again) into a file of its own, then renamed: no process loads a half-written
+    object."""
+    roots = [root.resolve() for root in (csrc_dir(), EMULATOR)]
+    outside = [s for s in sources if not any(s.resolve().is_relative_to(r) for r in roots)]
+    assert not outside, f"{outside}: the objects' digest covers csrc/, tests/cuda_emulator/ only"
+    folder = OBJECT_CACHE / _build_digest(defines)
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def one(source: Path) -> str | None:
         out = folder / source.stem
-        command = [GXX, *GXX_FLAGS, *defines, "-c", "-x", "c++", str(source), "-o", str(out)]
-        return subprocess.run(command, capture_output=True, text=True, timeout=600)
+        with open(folder / f"{source.stem}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if out.exists():
+                return None
+            part = folder / f"{source.stem}.{os.getpid()}.{threading.get_ident()}.part"
+            command = [GXX, *GXX_FLAGS, *defines, "-c", "-x", "c++", str(source), "-o", str(part)]
+            result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+            if result.returncode != 0:
+                part.unlink(missing_ok=True)
+                return f"g++ failed on {source.name}:\n{result.stderr[-6000:]}"
+            os.replace(part, out)
+            return None
 
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        results = list(pool.map(one, sources))
-    for source, result in zip(sources, results, strict=True):
-        assert result.returncode == 0, f"g++ failed on {source.name}:\n{result.stderr[-6000:]}"
+        failures = [f for f in pool.map(one, sources) if f is not None]
+    assert not failures, failures[0]
+    return [folder / source.stem for source in sources]
 
 
 def _load(objects: list[Path], lib: Path) -> ctypes.CDLL:
@@ -114,24 +157,15 @@ def _load(objects: list[Path], lib: Path) -> ctypes.CDLL:
 
 
 def build_emulator(folder: Path, defines: tuple[str, ...] = ()) -> ctypes.CDLL:
-    """The kernels and tests/cuda_emulator/harness.cpp compiled into ``folder`` (an object per
-    source, with ``defines``) and linked into one shared library, loaded."""
-    _compile(EMULATED_SOURCES, folder, defines)
-    return _load([folder / s.stem for s in EMULATED_SOURCES], folder / "ks_emulated.so")
+    """The kernels and tests/cuda_emulator/harness.cpp compiled with ``defines`` (an object per
+    source, :func:`_compile`) and linked into one shared library in ``folder``, loaded."""
+    return _load(_compile(EMULATED_SOURCES, defines), folder / "ks_emulated.so")
 
 
 @pytest.fixture(scope="module")
-def emu_objects(tmp_path_factory) -> Path:
-    """The folder of the emulator's objects, one per source."""
-    folder = tmp_path_factory.mktemp("cuda_emulator")
-    _compile(EMULATED_SOURCES, folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def emu(emu_objects) -> ctypes.CDLL:
+def emu(tmp_path_factory) -> ctypes.CDLL:
     """The emulator's objects linked into one shared library, loaded."""
-    return _load([emu_objects / s.stem for s in EMULATED_SOURCES], emu_objects / "ks_emulated.so")
+    return build_emulator(tmp_path_factory.mktemp("cuda_emulator"))
 
 
 def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
@@ -968,16 +1002,31 @@ def test_mma_walk_is_schedule_independent_and_alignment_blind(emu, ext, dtype, f
             assert torch.equal(a, b)
 
 
+def test_objects_are_compiled_once_per_source_flags_and_compiler():
+    """_compile keeps an object and compiles it again only where what it depends on changed:
+    here the defines (a changed source or header changes the digest the same way)."""
+    harness = EMULATOR / "harness.cpp"
+    first = _compile([harness])[0]
+    made = first.stat().st_mtime_ns
+    assert _compile([harness]) == [first] and first.stat().st_mtime_ns == made
+    other = _compile([harness], ("-DKS_DIGEST_TEST",))[0]
+    assert other.parent != first.parent and other.name == first.name and other.exists()
+    assert not list(first.parent.glob("*.part"))
+    with pytest.raises(AssertionError, match="digest covers"):
+        _compile([Path(__file__)])
+
+
 # ---------------------------------------------------------------- bf16x3 (-DKS_FP32_BF16X3)
 @pytest.fixture(scope="module")
-def emu_bf16x3(emu_objects, tmp_path_factory) -> ctypes.CDLL:
+def emu_bf16x3(tmp_path_factory) -> ctypes.CDLL:
     """The emulator with float32.cu built with -DKS_FP32_BF16X3 (fp32 inputs' register walks
     on bf16 parts), the other units' objects as they are."""
-    folder = tmp_path_factory.mktemp("cuda_emulator_bf16x3")
     unit = csrc_dir() / "cuda" / "float32.cu"
-    _compile([unit], folder, ("-DKS_FP32_BF16X3",))
-    objects = [folder / s.stem if s == unit else emu_objects / s.stem for s in EMULATED_SOURCES]
-    return _load(objects, folder / "ks_emulated.so")
+    others = [s for s in EMULATED_SOURCES if s != unit]
+    objects = dict(zip(others, _compile(others), strict=True))
+    objects[unit] = _compile([unit], ("-DKS_FP32_BF16X3",))[0]
+    folder = tmp_path_factory.mktemp("cuda_emulator_bf16x3")
+    return _load([objects[s] for s in EMULATED_SOURCES], folder / "ks_emulated.so")
 
 
 def _mma_walk_results(x: EmulatedExtension, q, k, v, g, walk_blocks: int) -> dict:
