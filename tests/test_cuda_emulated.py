@@ -56,7 +56,8 @@ from .conftest import (
 )
 
 EMULATOR = Path(__file__).resolve().parent / "cuda_emulator"
-OBJECT_CACHE = Path(tempfile.gettempdir()) / "kernelstudy_emulator_objects"  # _compile's
+# _compile's objects, a folder per user (another user's folder may not be writable)
+OBJECT_CACHE = Path(tempfile.gettempdir()) / f"kernelstudy_emulator_objects_{os.getuid()}"
 GXX = shutil.which("g++")
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 H100_SMEM, A100_SMEM = 232448, 166912  # opt-in shared memory per block (bytes)
