@@ -499,11 +499,11 @@ def variant_env(env: dict[str, str], flag: str, folder: Path) -> dict[str, str]:
 
 def try_fallback(session: Session, failed: list[str], deadline: float) -> str:
     """Builds the extension with :data:`FALLBACK_FLAG` (in a folder of its own: the default
-        build stays) and runs the ``failed`` tests on it (those that found a kernel's numbers wrong:
-    :func:`wrong_numbers`); if some pass, the session goes on with
-        that build (``session.env``). Not where every failed test is a ``walk_mma`` one: the flag
-        changes kernels 1-7 only, and those tests fail first by kernels 8-12 (mma.sync, no WMMA).
-        What came of it, in words, also in ``session.json``."""
+    build stays) and runs the ``failed`` tests on it (those that found a kernel's numbers wrong:
+    :func:`wrong_numbers`); if some pass, the session goes on with that build
+    (``session.env``). Not where every failed test is a ``walk_mma`` one: the flag changes
+    kernels 1-7 only, and those tests fail first by kernels 8-12 (mma.sync, no WMMA). What came
+    of it, in words, also in ``session.json``."""
     flags = session.env.get(FLAGS_ENV, "")
     if not failed or FALLBACK_FLAG in flags.split():
         return "no fallback" if failed else "no failed test found a kernel's numbers wrong"
