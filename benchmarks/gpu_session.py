@@ -983,13 +983,13 @@ def summarize(session: Session) -> None:
         str(session.out / n) for n in ("targets.csv", "sweep.csv") if (session.out / n).is_file()
     ]
     if csvs:
-        joined = Path(tempfile.gettempdir()) / "kernelstudy_session_joined.csv"
         argv = [PYTHON, "benchmarks/cuda_core.py", "--from-csv", *csvs, "--no-plot"]
         try:
-            done = subprocess.run(
-                [*argv, "--out", str(joined)], cwd=REPO, env=session.env, capture_output=True,
-                text=True, timeout=60,
-            )  # fmt: skip
+            with tempfile.TemporaryDirectory(prefix="kernelstudy_session_") as scratch:
+                done = subprocess.run(
+                    [*argv, "--out", str(Path(scratch) / "joined.csv")], cwd=REPO,
+                    env=session.env, capture_output=True, text=True, timeout=60,
+                )  # fmt: skip
         except subprocess.TimeoutExpired:
             session.log("the target ratios took over 60 s; read them here with --from-csv")
         else:

@@ -1623,8 +1623,9 @@ def test_the_gpu_tests_run_on_the_emulator():
     """``tests/cuda_emulator/gpu_tests_on_emulator.py`` runs GPU tests without a GPU (in a child
     process: it makes ``torch.cuda.is_available()`` say True): the non-causal backward's kernels
     the half-precision cases of one shape of ``tests/test_cuda_backend.py`` and the recurrent
-    state's blocks pass on the emulator."""
+    state's blocks pass on the emulator, and the child leaves no folder in the temp dir."""
     root = Path(__file__).resolve().parents[1]
+    folders = set(Path(tempfile.gettempdir()).glob("cuda_emulator*"))
     cases = (
         "full_backward_kernels and chunks or half_matches_reference and chunks and 2x3x37 "
         "or recurrent_blocks and chunks"
@@ -1636,3 +1637,4 @@ def test_the_gpu_tests_run_on_the_emulator():
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert "11 passed" in run.stdout, run.stdout[-2000:]
+    assert set(Path(tempfile.gettempdir()).glob("cuda_emulator*")) == folders

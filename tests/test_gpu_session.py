@@ -9,6 +9,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -382,14 +383,21 @@ def test_only_the_chosen_stages_run_and_earlier_results_come_in(gs, monkeypatch,
     assert (out / "sweep.csv").read_text() == "rows\n" and not (out / "tests.log").exists()
 
 
-def test_the_summary_prints_the_target_ratios(gs, tmp_path, capsys):
-    """Read from the session's CSVs through cuda_core.py --from-csv (a child with pandas)."""
-    _targets_csv(tmp_path / "targets.csv", {"cuda": 3.0, "fla": 2.5, "sdpa": 12.0})
-    session = gs.Session(tmp_path, budget_s=60)
+def test_the_summary_prints_the_target_ratios(gs, tmp_path, capsys, monkeypatch):
+    """Read from the session's CSVs through cuda_core.py --from-csv (a child with pandas),
+    whose joined CSV goes to a scratch folder removed after (nothing left in the temp dir)."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    out = tmp_path / "out"
+    out.mkdir()
+    _targets_csv(out / "targets.csv", {"cuda": 3.0, "fla": 2.5, "sdpa": 12.0})
+    session = gs.Session(out, budget_s=60)
     gs.summarize(session)
     printed = capsys.readouterr().out
     assert "N=8192 bf16 cuda/fla: 1.200 (target <= 1.0)" in printed
     assert "N=8192 bf16 cuda/sdpa: 0.250" in printed
+    assert not list(scratch.iterdir())
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the stop without a GPU")

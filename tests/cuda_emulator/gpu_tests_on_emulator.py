@@ -46,7 +46,9 @@ from .. import test_cuda_emulated as emulated  # noqa: E402
 # built once; $KS_EMULATOR_DEFINES (shell words): defines for the kernels' build, e.g. the build
 # variant -DKS_FP32_BF16X3 that the GPU session's bf16x3 stage tests
 _DEFINES = tuple(shlex.split(os.environ.get("KS_EMULATOR_DEFINES", "")))
-_LIBRARY = emulated.build_emulator(Path(tempfile.mkdtemp(prefix="cuda_emulator")), _DEFINES)
+# linked in a folder removed once the library is loaded (its mapping outlives the file)
+with tempfile.TemporaryDirectory(prefix="cuda_emulator") as _folder:
+    _LIBRARY = emulated.build_emulator(Path(_folder), _DEFINES)
 
 
 def _supports(x: torch.Tensor) -> bool:
