@@ -424,3 +424,5 @@ def test_evaluator_and_tokenizer_refuse_other_types() -> None:
     with pytest.raises(TypeError, match=r"source must be a str \(a ListOps Source\), got None"):
         tokenize_listops(None)
     assert evaluate_listops(("[SM", "7", "5", "]")) == 2 == evaluate_listops("[SM 7 5 ]")
+    with pytest.raises(TypeError, match="source's tokens must be str"):  # failed on len(1)
+        evaluate_listops(["[MAX", 1, 2, "]"])

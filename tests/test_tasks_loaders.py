@@ -766,3 +766,18 @@ def test_rgb_to_gray_needs_three_channels() -> None:
     with pytest.raises(ValueError, match="channel_axis=3 is not an axis"):
         rgb_to_gray(np.zeros((2, 3), dtype=np.uint8), channel_axis=3)
     assert rgb_to_gray(np.zeros((3, 2), dtype=np.uint8), channel_axis=0).shape == (2,)
+
+
+def test_rgb_to_gray_takes_uint8_and_an_int_axis() -> None:
+    """Floats in [0, 1] came out black and 16-bit values clipped to 255; a float or None axis
+    failed with an indexing or comparison error, True was read as axis 1."""
+    for rgb in (np.full((2, 3), 0.8), np.full((1, 3), 4000, dtype=np.uint16)):
+        with pytest.raises(
+            TypeError, match=f"rgb must be uint8 \\(0-255\\), got dtype {rgb.dtype}"
+        ):
+            rgb_to_gray(rgb)
+    for axis in (1.0, None, True):
+        with pytest.raises(TypeError, match=f"channel_axis must be an int, got {axis}"):
+            rgb_to_gray(np.zeros((2, 3, 4), dtype=np.uint8), channel_axis=axis)
+    gray = rgb_to_gray(np.zeros((2, 3, 4), dtype=np.uint8), channel_axis=np.int64(1))
+    assert gray.shape == (2, 4)

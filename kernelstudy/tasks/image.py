@@ -61,6 +61,10 @@ def rgb_to_gray(rgb: np.ndarray, channel_axis: int = -1) -> np.ndarray:
     differ, which can move a few colours in 2^24 by one level.
     """
     rgb = np.asarray(rgb)
+    if rgb.dtype != np.uint8:  # floats in [0, 1] came out black, 16-bit values clipped
+        raise TypeError(f"rgb must be uint8 (0-255), got dtype {rgb.dtype}")
+    if not isinstance(channel_axis, numbers.Integral) or isinstance(channel_axis, bool):
+        raise TypeError(f"channel_axis must be an int, got {channel_axis!r}")
     if rgb.ndim == 0 or not -rgb.ndim <= channel_axis < rgb.ndim:
         raise ValueError(f"channel_axis={channel_axis!r} is not an axis of rgb {rgb.shape}")
     if rgb.shape[channel_axis] != 3:  # other sizes were read as r, g, b or failed indexing

@@ -62,6 +62,8 @@ def evaluate_listops(source: str | list[str]) -> int:
     """
     if not isinstance(source, str | list | tuple):
         raise TypeError(f"source must be a str or a list or tuple of tokens, got {source!r}")
+    if not isinstance(source, str) and not all(isinstance(t, str) for t in source):
+        raise TypeError(f"source's tokens must be str, got {source!r}")
     tokens = tokenize_listops(source) if isinstance(source, str) else source
     stack: list[tuple[str, list[int]]] = []
     result: int | None = None
