@@ -121,8 +121,9 @@ def summary_table(frame: pd.DataFrame) -> pd.DataFrame:
 def superquadratic_growth(frame: pd.DataFrame, run: str = "softmax, KV cache") -> list[str]:
     """Steps between consecutive lengths L1 < L2 where ``run``'s generation time grew by more
     than (L2/L1)², the most its O(L²) work allows: time spent on something else than the
-    attention's reads (for the KV cache: copying the whole cache into a new tensor at every
-    step, as the cache grows by concatenation), "L1→L2: x.x× (≤ y× for O(L²))"."""
+    attention's arithmetic (for the KV cache: memory traffic, its reads of a cache that
+    outgrows the processor's caches, and the copies when its buffer doubles),
+    "L1→L2: x.x× (≤ y× for O(L²))"."""
     times = frame[(frame["run"] == run) & (frame["metric"] == "time_s")]
     times = times.groupby("length")["value"].median().dropna().sort_index()
     out = []
@@ -140,10 +141,10 @@ def summarize(frame: pd.DataFrame, params: dict) -> str:
         note += (
             "\n\nThe KV cache's generation time grew faster than its O(length²) work allows at "
             + "; ".join(grown)
-            + ". Something besides attention's arithmetic sets it there: memory traffic, which "
-            "the cache's growth by concatenation adds to (every step copies the whole cache "
-            "into a new tensor). The speed-up against it at those lengths is not attention's "
-            "alone; a preallocated cache would show how much of it is the copying."
+            + ". Something besides attention's arithmetic sets it there: memory traffic (each "
+            "step reads the whole cache, which outgrows the processor's caches as it grows, and "
+            "the cache's buffer is copied when it doubles, amortized O(1) per step). The "
+            "speed-up against it at those lengths is not attention's arithmetic alone."
         )
     return (
         f"Model: {params['n_layers']} layers, d_model={params['d_model']}, {params['n_heads']} "

@@ -1015,6 +1015,12 @@ def test_analysis_helpers_name_bad_arguments():
     assert A.map_kind(ks.create_feature_map("favor", head_dim=4)) == "random"
     with pytest.raises(ValueError, match="seed must be an int <= "):
         A.gaussian_qk(4, 4, seed=2**70)
+    # the benchmarks' seeds too (they failed inside torch, naming no argument)
+    with pytest.raises(ValueError, match="seed must be an int <= "):
+        A.benchmark_attention([8], seed=2**64, methods=["softmax_sdpa"], matmul=False)
+    lm = ks.nn.CausalLM(10, d_model=8, n_heads=1, n_layers=1)
+    with pytest.raises(ValueError, match="seed must be an int <= "):
+        A.benchmark_generation({"a": (lm, "full")}, [2], seed=2**64)
     q, k = A.gaussian_qk(4, 4)
     fm = ks.create_feature_map("glu", head_dim=4, seed=0)
     target = A.attention_matrix(q, k)

@@ -69,6 +69,14 @@ def test_no_kernel_mse_while_a_stabilizer_rescales_the_features():
         metrics[stabilize] = set(frame[frame.kind == "map"].metric)
     assert metrics[False] == {"kernel_mse", "attention_mse", "attention_kl"}
     assert metrics[True] == {"attention_mse", "attention_kl"}
+    # the polynomial map's stabilizer rescales only extreme query rows, but it did then:
+    # a kernel MSE from scores of 7.6e-8 where its kernel is 41
+    q = torch.full((1, 1, 3, 4), 4e4, dtype=torch.float64)
+    k = torch.full((1, 1, 3, 4), 1e-4, dtype=torch.float64)
+    for stabilize in (False, True):
+        fm = ks.create_feature_map("polynomial", head_dim=4, taylor=True, stabilize=stabilize)
+        frame = ks.analysis.approximation_error(fm, q, k)
+        assert ("kernel_mse" in set(frame.metric)) is not stabilize
 
 
 def test_attention_metrics_without_kernel_and_with_padding():
@@ -204,6 +212,8 @@ def test_rank_of_known_matrices():
     assert one["effective_rank"] == pytest.approx(1.0)
     assert one["stable_rank"] == pytest.approx(1.0)
     assert ks.analysis.attention_rank(torch.eye(4), tol=2.0)["numerical_rank"] == 0
+    zero = ks.analysis.attention_rank(torch.zeros(3, 5))  # as documented: all three 0
+    assert (zero["numerical_rank"], zero["effective_rank"], zero["stable_rank"]) == (0, 0.0, 0.0)
 
 
 def test_rank_of_a_cross_attention_matrix():

@@ -93,16 +93,24 @@ STABILIZED = ["favor", "trig_rf", "hedgehog"]
 
 
 def test_exp_shift_moves_only_maxima_outside_the_safe_range():
+    """Those above it by their excess only (to its top), those below to 0 (negative query
+    maxima too)."""
     lo, hi = ks.core.SAFE_EXPONENTS[torch.float32]
     m = torch.tensor([-torch.inf, -50.0, lo, -3.0, 0.0, hi, 30.0, torch.inf, torch.nan])
     shift = ks.core.exp_shift(m, torch.float32)
-    torch.testing.assert_close(shift, torch.tensor([0, -50.0, 0, 0, 0, 0, 30.0, 0, 0]))
+    torch.testing.assert_close(shift, torch.tensor([0, -50.0, 0, 0, 0, 0, 30.0 - hi, 0, 0]))
     lifted = ks.core.exp_shift(m, torch.float32, lift_negative=True)
-    torch.testing.assert_close(lifted, torch.tensor([0, -50.0, lo, -3.0, 0, 0, 30.0, 0, 0]))
-    grid = torch.linspace(-400, 400, 8001, dtype=torch.float64)
+    torch.testing.assert_close(lifted, torch.tensor([0, -50.0, lo, -3.0, 0, 0, 30.0 - hi, 0, 0]))
+    grid = torch.linspace(-400, 400, 8001, dtype=torch.float64)  # steps of 0.1
     for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        lo = ks.core.SAFE_EXPONENTS[dtype][0]
         for lift in (False, True):
-            assert (ks.core.exp_shift(grid, dtype, lift).diff() >= 0).all()  # non-decreasing
+            steps = ks.core.exp_shift(grid, dtype, lift).diff()
+            assert (steps >= 0).all()  # non-decreasing
+            # without a jump but where keys below the range are lifted to 0; moving the whole
+            # maximum to 0 above the range jumped by its top (20 in float32)
+            jumps = grid[1:][steps > 0.1 + 1e-9]
+            assert jumps.tolist() == ([] if lift else [pytest.approx(lo, abs=0.1)])
     with pytest.raises(TypeError, match="dtype"):
         ks.core.exp_shift(m, torch.int32)
 

@@ -524,6 +524,51 @@ def test_polynomial_attention_of_large_inputs_is_finite_and_exact():
     assert torch.equal(make("polynomial")(tiny), make("polynomial", stabilize=False)(tiny))
 
 
+def test_polynomial_queries_up_to_float32s_largest_give_finite_attention():
+    """Products of float32 query rows overflowed before the row was rescaled (p = 4 at
+    |x| ~ 1.4e9, p = 2 at 1.8e19): NaN attention, where stabilize=False's error said to
+    pass stabilize=True. Such rows' products are now taken on x divided by a power of two:
+    their features are the float64 products times the same power of two as any row's."""
+    torch.manual_seed(0)
+    k, v = randn(1, 1, 6, 4), randn(1, 1, 6, 2)
+    for degree, scale in ((2, 1e30), (3, 1e20), (4, 1e10), (4, 1e30)):
+        q = randn(1, 1, 5, 4, scale=scale)
+        q[0, 0, 1] /= scale  # an ordinary row beside them
+        for taylor in (False, True):
+            fm = ks.create_feature_map("polynomial", head_dim=4, degree=degree, taylor=taylor)
+            phi = fm(q, is_query=True)
+            assert torch.isfinite(phi).all()
+            exact = fm(q.double(), is_query=False)  # float64 products, not rescaled
+            ratio = exact.abs().amax(-1, keepdim=True) / phi.double().abs().amax(-1, keepdim=True)
+            power = torch.exp2(torch.log2(ratio).round())
+            assert (power[0, 0, 1] == 1).all()  # the ordinary row: untouched
+            # to float32's rounding of each row's largest (Taylor's low orders underflow)
+            row_top = exact.abs().amax(-1, keepdim=True)
+            assert ((phi.double() * power - exact).abs() <= 1e-6 * row_top).all()
+            out = ks.kernel_attention(q, k, v, feature_map=fm)
+            want = ks.kernel_attention(q.double(), k.double(), v.double(), feature_map=fm)
+            torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_polynomial_attention_does_not_jump_where_query_rows_start_to_be_rescaled():
+    """A row just above the safe range was divided down to |φ| ~ 1, so ``eps`` weighed e^20
+    times more in it at once: a 0.2% larger query moved attention by 31% (in float64). Now
+    the row is divided by its excess only: across the threshold and far above it, attention
+    is that of the unrescaled features (those that still fit float64)."""
+    torch.manual_seed(0)
+    q0 = torch.randn(1, 1, 1, 4, dtype=torch.float64)
+    k = torch.randn(1, 1, 4, 4, dtype=torch.float64) * 1e-3  # a small normalizer
+    v = torch.randn(1, 1, 4, 2, dtype=torch.float64)
+    fm = ks.create_feature_map("polynomial", head_dim=4, degree=2)
+    plain = ks.create_feature_map("polynomial", head_dim=4, degree=2, stabilize=False)
+    top = fm(q0).abs().max().item()
+    for factor in (0.999, 1.001, 2.0, 100.0):  # the row's largest |φ| over e^20
+        q = math.sqrt(factor * math.exp(20) / top) * q0
+        out = ks.kernel_attention(q, k, v, feature_map=fm)
+        want = ks.kernel_attention(q, k, v, feature_map=plain)
+        torch.testing.assert_close(out, want, rtol=1e-3 * factor, atol=0)
+
+
 def test_polynomial_feature_count_is_capped_before_anything_is_built():
     with pytest.raises(ValueError, match=r"degree=4 at head_dim=64 gives 16777216 features"):
         ks.create_feature_map("polynomial", head_dim=64, degree=4)  # was 16.7M tuples
@@ -543,11 +588,14 @@ def test_polynomial_features_of_float16_inputs_never_overflow_silently():
     with pytest.raises(ValueError, match="beyond float16's 65504"):
         fm(big.half(), is_query=False)
     assert torch.isfinite(fm(big.bfloat16(), is_query=False)).all()  # float32's range
-    rows = fm(big.half())  # query rows are rescaled into float16's range
-    exact = fm(big.half().double())
+    rows = fm(big.half())  # query rows are rescaled into float16's safe range (e^9)
+    exact = fm(big.half().double(), is_query=False)
     ratio = exact.abs().amax(-1, keepdim=True) / rows.double().abs().amax(-1, keepdim=True)
     power = torch.exp2(torch.log2(ratio).round())  # each row scaled by a power of two
-    assert rows.abs().amax() <= 2 and (power >= 2**10).all()
+    top = math.exp(ks.core.SAFE_EXPONENTS[torch.float16][1])
+    assert rows.abs().amax() <= top and (power >= 2**4).all()
+    # the smallest power that does it: the row's excess over e^9, no more
+    assert (rows.double().abs().amax(-1) > top / 2).all()
     torch.testing.assert_close(rows.double() * power, exact, rtol=1e-3, atol=0)
 
 
@@ -1049,6 +1097,41 @@ def test_a_map_built_on_the_meta_device_loads_with_assign(name):
     fm.load_state_dict(saved.state_dict(), assign=True)
     assert fm.config() == saved.config()
     torch.testing.assert_close(fm(x), saved(x), rtol=0, atol=0)
+
+
+class _DrawDevices(torch.overrides.TorchFunctionMode):
+    """The device of every tensor that a call with an explicit ``generator`` makes or fills."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.devices: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if kwargs.get("generator") is not None and isinstance(out, torch.Tensor):
+            self.devices.append(out.device.type)
+        return out
+
+
+RANDOM_MAPS = [
+    ("favor", {}), ("favor", {"orthogonal": False, "row_norms": "sqrt_d"}), ("trig_rf", {}),
+    ("glu", {}), ("oglu", {}), ("aoglu", {}), ("softplus_ffn", {}),
+    ("softplus_ffn", {"orthogonal": False}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, kwargs", RANDOM_MAPS, ids=[f"{n}-{k}" for n, k in RANDOM_MAPS])
+def test_random_weights_are_drawn_on_the_cpu_whatever_the_default_device(name, kwargs):
+    """Under ``with torch.device("cuda")`` (or set_default_device) the maps' draws from
+    their CPU generator made or filled tensors on the default device: on CUDA that fails
+    ("Expected a 'cuda' device type for generator but found 'cpu'"), and a seed would not
+    give the same weights there. Shown here on the meta device, which takes such draws
+    silently: every draw is now made on the CPU, then the weights go to the default device."""
+    with _DrawDevices() as draws, torch.device("meta"):
+        fm = make(name, seed=3, **kwargs)
+    assert draws.devices and set(draws.devices) == {"cpu"}
+    assert all(t.is_meta for t in fm.state_dict().values() if torch.is_tensor(t))
 
 
 @pytest.mark.parametrize("name", ks.list_feature_maps())

@@ -102,6 +102,11 @@ def test_palette(rng: np.random.Generator) -> None:
     index = rng.integers(0, 5, (3, 4), dtype=np.uint8)
     decoded = decode_png(encode_png(index, 3, filters=(1,), palette=palette))
     np.testing.assert_array_equal(decoded, palette[index])
+    # a PLTE chunk of other than 1-256 triples failed as "cannot reshape array of size 7"
+    for size in (0, 7, 771):
+        bad = np.zeros(size, dtype=np.uint8)
+        with pytest.raises(ValueError, match=f"bad PLTE chunk: {size} bytes, not 1-256 RGB"):
+            decode_png(encode_png(index, 3, palette=bad))
 
 
 @pytest.mark.parametrize("mode", ["L", "RGB", "RGBA"])

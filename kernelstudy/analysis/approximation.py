@@ -5,8 +5,8 @@ see, pooled over the whole batch and every head):
 
 - ``kernel_mse``: mean of ``(φq_i·φk_j − exp(q_i·k_j/√D))²`` over those entries, the error
   on the unnormalized softmax kernel; only for maps that estimate a kernel (they have a
-  ``kernel`` method, and not reported while a stabilizer such as FAVOR's ``stabilize``
-  rescales φ: it must be off for this metric to mean anything).
+  ``kernel`` method), and not while their ``stabilize`` is on (FAVOR's, the polynomial
+  map's: it may rescale φ, and must be off for this metric to mean anything).
 - ``attention_mse``: mean squared difference of the row-normalized matrices over those
   entries.
 - ``attention_kl``: mean over rows (measured queries with at least one key) of
@@ -240,7 +240,8 @@ def approximation_error(
         scores = kernel_scores(q64, k64, fm, key_padding_mask, causal)
         a_hat = normalize_rows(scores, allowed, eps)
         metrics: dict[str, float] = {}
-        if callable(getattr(fm, "kernel", None)) and not fm.keys_need_sequence:
+        stabilized = fm.keys_need_sequence or fm.hparams.get("stabilize") is True
+        if callable(getattr(fm, "kernel", None)) and not stabilized:
             exact = softmax_kernel(q64, k64)
             metrics["kernel_mse"] = _masked_mean((scores - exact) ** 2, measured)
         metrics.update(_attention_metrics(a_soft, a_hat, measured, queries, v64, out_soft))

@@ -191,7 +191,7 @@ def benchmark_generation(
                 )
     if time_limit_s is not None:
         check_real("time_limit_s", time_limit_s, strict=True)
-    gen = torch.Generator().manual_seed(check_count("seed", seed, 0))
+    gen = torch.Generator().manual_seed(check_count("seed", seed, 0, 2**64 - 1))
     rows = []
     for label, (model, mode) in runs.items():
         was_training = model.training

@@ -303,7 +303,7 @@ def benchmark_attention(
     if time_limit_s is not None:
         check_real("time_limit_s", time_limit_s, strict=True)
     max_quadratic_gb = check_real("max_quadratic_gb", max_quadratic_gb, strict=True)
-    seed = check_count("seed", seed, 0)
+    seed = check_count("seed", seed, 0, 2**64 - 1)  # what a torch.Generator takes
     check_float_dtype(dtype)
     known = available_backends()
     example = torch.empty(0, device=device, dtype=dtype)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-#: ``(lo, hi)`` per feature dtype: a maximum exponent outside it is moved to 0.
+#: ``(lo, hi)`` per feature dtype: a maximum exponent above it moves to ``hi``, one below to 0.
 #: float32/bfloat16: a query feature times a key feature, both at most their maxima,
 #: lies below e^40, so sums over 2^31 keys and 2^12 features (e^30) stay below float32's
 #: largest value (e^88); with both maxima at or above e^-20, the largest product is
@@ -35,16 +35,20 @@ def exp_shift(
     """The shift to subtract from exponents whose maximum is ``log_max`` (any shape).
 
     0 where ``log_max`` lies in ``SAFE_EXPONENTS[dtype]`` (or is not finite: no
-    features, or non-finite input), else ``log_max`` itself: the maximum moves to 0,
-    which leaves the most room on both sides. ``lift_negative`` also moves every
-    negative maximum to 0 (for query rows, whose factor cancels: a larger normalizer
-    only shrinks the share of ``eps``). Non-decreasing in ``log_max``.
+    features, or non-finite input). A maximum above the range moves to its top: the
+    shift is only the excess, so it grows from 0 there without a jump (the shift changes
+    how much ``eps`` weighs, and a jump in it made attention jump), and features stay as
+    large as is safe (``eps`` weighs least). A maximum below the range moves to 0, where
+    ``eps`` is negligible beside it (at the range's bottom it would swamp such terms).
+    ``lift_negative`` moves every negative maximum to 0 (for query rows, whose factor
+    cancels: a larger normalizer only shrinks the share of ``eps``); that lift grows to 0
+    without a jump too. Non-decreasing in ``log_max``.
     """
     if not isinstance(log_max, torch.Tensor):
         raise TypeError(f"log_max must be a torch.Tensor, got {type(log_max).__name__}")
     if dtype not in SAFE_EXPONENTS:
         raise TypeError(f"dtype must be one of {list(SAFE_EXPONENTS)}, got {dtype}")
     lo, hi = SAFE_EXPONENTS[dtype]
-    outside = (log_max < (0.0 if lift_negative else lo)) | (log_max > hi)
-    outside &= torch.isfinite(log_max)
-    return torch.where(outside, log_max, torch.zeros_like(log_max))
+    below = torch.isfinite(log_max) & (log_max < (0.0 if lift_negative else lo))
+    excess = (log_max - hi).clamp_min(0.0).nan_to_num(0.0, 0.0)  # 0 for +inf and NaN
+    return torch.where(below, log_max, excess)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -86,6 +86,19 @@ def resolve_seed(seed: Any) -> Any:
     if isinstance(seed, torch.Generator):  # a CUDA generator draws on its own device
         return int(torch.randint(0, 2**31 - 1, (), generator=seed, device=seed.device))
     return seed
+
+
+def fill_on_cpu_(weight: torch.Tensor, draw: Callable[[torch.Tensor], object]) -> torch.Tensor:
+    """``weight`` (on any device) set in place to what ``draw`` writes into a CPU tensor of
+    its shape and dtype, e.g. ``lambda w: w.uniform_(-b, b, generator=g)`` with a CPU
+    generator ``g``: a seed gives the same weights on every device, and a map builds under a
+    CUDA default device (``with torch.device("cuda")``), where a CPU generator cannot fill a
+    CUDA tensor. Returns ``weight``."""
+    with torch.no_grad():
+        drawn = torch.empty(weight.shape, dtype=weight.dtype, device="cpu")
+        draw(drawn)
+        weight.copy_(drawn)
+    return weight
 
 
 def compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:

@@ -101,9 +101,9 @@ class FavorFeatureMap(SoftmaxRandomFeatures):
     ``row_norms="sqrt_d"``, which is biased). ``hyperbolic=True`` uses
     [exp(Wx̂), exp(−Wx̂)]·exp(−‖x̂‖²/2)/√(2R) (F = 2R; same mean, lower variance at equal R).
     ``stabilize`` (:func:`~kernelstudy.feature_maps.softmax_kernel.stabilizer`) moves
-    a query row's largest exponent to 0 when it is negative or too large, and the key
-    sequence's largest exponent to 0 only when it leaves the dtype's safe range
-    (:data:`kernelstudy.core.SAFE_EXPONENTS`, e^±20 in float32): ordinary keys keep
+    a query row's largest exponent to 0 when it is negative, and the key sequence's to 0
+    when it lies below the dtype's safe range (:data:`kernelstudy.core.SAFE_EXPONENTS`,
+    e^±20 in float32); either one above the range moves to its top: ordinary keys keep
     their exact features, independent of later keys and of padding. Normalized attention
     is unchanged; φ(q)·φ(k) is the kernel times a per-row (and, for extreme keys,
     per-sequence) factor. Turn it off for kernel-level analysis; unstabilized

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.validation import autocast_off
-from .base import SEED, HeadwiseFeatureMap, Hyperparameter, compute_dtype
+from .base import SEED, HeadwiseFeatureMap, Hyperparameter, compute_dtype, fill_on_cpu_
 from .orthogonal import orthogonal_init_, orthogonality_penalty
 from .registry import register_feature_map
 from .softplus_ffn import REG_WEIGHT, SHARED, YORSH_KOVALENKO
@@ -32,19 +32,20 @@ class GLUUnit(nn.Module):
     ) -> None:
         super().__init__()
         bound = n**-0.5
-        self.w_f = nn.Parameter(torch.empty(heads, n, n))
+        self.w_f = nn.Parameter(torch.empty(heads, n, n))  # on the default device
         if orthogonal:
             orthogonal_init_(self.w_f, generator)
         else:
-            nn.init.uniform_(self.w_f, -bound, bound, generator=generator)
+            fill_on_cpu_(self.w_f, lambda w: w.uniform_(-bound, bound, generator=generator))
         if rank is None:
-            self.w_g = nn.Parameter(
-                torch.empty(heads, n, n).uniform_(-bound, bound, generator=generator)
-            )
+            self.w_g = nn.Parameter(torch.empty(heads, n, n))
+            fill_on_cpu_(self.w_g, lambda w: w.uniform_(-bound, bound, generator=generator))
         else:  # entries of A B get the variance 1/(3n) of the full gate's uniform init
             std = (3 * rank * n) ** -0.25
-            self.w_g_down = nn.Parameter(torch.randn(heads, n, rank, generator=generator) * std)
-            self.w_g_up = nn.Parameter(torch.randn(heads, rank, n, generator=generator) * std)
+            self.w_g_down = nn.Parameter(torch.empty(heads, n, rank))
+            self.w_g_up = nn.Parameter(torch.empty(heads, rank, n))
+            for w in (self.w_g_down, self.w_g_up):
+                fill_on_cpu_(w, lambda w: w.normal_(generator=generator).mul_(std))
 
     def gate_weight(self) -> torch.Tensor:
         """``W_g: (H', n, n)``."""

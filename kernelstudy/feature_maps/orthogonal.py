@@ -7,7 +7,10 @@ import math
 
 import torch
 
+from .base import fill_on_cpu_
+
 ROW_NORMS = ("chi", "sqrt_d")
+CPU = torch.device("cpu")  # where the draws are made: the same on every device
 
 
 def gaussian_projection(
@@ -31,24 +34,30 @@ def gaussian_projection(
     if row_norms not in ROW_NORMS:
         raise ValueError(f"row_norms must be one of {list(ROW_NORMS)}, got {row_norms!r}")
     if not orthogonal:
-        return torch.randn(num_rows, dim, generator=generator, dtype=torch.float64)
+        return torch.randn(num_rows, dim, generator=generator, dtype=torch.float64, device=CPU)
     blocks = []
     for _ in range(math.ceil(num_rows / dim)):
-        q, r = torch.linalg.qr(torch.randn(dim, dim, generator=generator, dtype=torch.float64))
+        gaussian = torch.randn(dim, dim, generator=generator, dtype=torch.float64, device=CPU)
+        q, r = torch.linalg.qr(gaussian)
         blocks.append((q * torch.sign(torch.diagonal(r))).T)  # rows orthonormal
     rows = torch.cat(blocks)[:num_rows]
     if row_norms == "chi":
-        norms = torch.randn(num_rows, dim, generator=generator, dtype=torch.float64).norm(dim=1)
+        gaussian = torch.randn(num_rows, dim, generator=generator, dtype=torch.float64, device=CPU)
+        norms = gaussian.norm(dim=1)
     else:
-        norms = torch.full((num_rows,), math.sqrt(dim), dtype=torch.float64)
+        norms = torch.full((num_rows,), math.sqrt(dim), dtype=torch.float64, device=CPU)
     return rows * norms[:, None]
 
 
 def orthogonal_init_(weight: torch.Tensor, generator: torch.Generator | None = None) -> None:
-    """Fill ``weight: (..., n, n)`` in place with an orthogonal matrix per leading index."""
-    with torch.no_grad():
-        for matrix in weight.view(-1, *weight.shape[-2:]):
+    """Fill ``weight: (..., n, n)`` in place with an orthogonal matrix per leading index,
+    drawn on the CPU from ``generator`` (a CPU one; :func:`~.base.fill_on_cpu_`)."""
+
+    def draw(cpu: torch.Tensor) -> None:
+        for matrix in cpu.view(-1, *cpu.shape[-2:]):
             torch.nn.init.orthogonal_(matrix, generator=generator)
+
+    fill_on_cpu_(weight, draw)
 
 
 def orthogonality_penalty(weight: torch.Tensor) -> torch.Tensor:

@@ -38,16 +38,36 @@ def _num_monomials(dim: int, degree: int, symmetric: bool) -> int:
     return math.comb(dim + degree - 1, degree) if symmetric else dim**degree
 
 
+def _times_exp2(x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """``x · 2^e`` for integer-valued ``e`` (broadcast), exact where the result is a normal
+    float: two factors, each a normal float even where 2^e alone is not (|e| up to ~250)."""
+    half = torch.floor(e / 2)
+    return x * torch.exp2(half) * torch.exp2(e - half)
+
+
 def _rescale_rows(phi: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``phi: (..., N, F)`` with each row whose largest |φ| lies above ``dtype``'s safe
-    range divided by the power of two nearest it (exact; detached, a constant). Small
-    rows are left alone: lifting them would change the output where the normalizer is
-    near ``eps``, so attention would jump at the threshold."""
+    range divided by the smallest power of two that brings it inside (exact; detached, a
+    constant): only the excess, so the factor grows with the row from 1 at the range's top
+    (no jump in how much ``eps`` weighs). Small rows are left alone: lifting them would
+    change the output where the normalizer is near ``eps``."""
     top = phi.detach().abs().amax(-1, keepdim=True)
     shift = exp_shift(torch.log(top).clamp_min(0.0), dtype)  # 0 inside, and for zero rows
-    e = torch.round(shift / math.log(2))
-    half = torch.floor(e / 2)  # two factors, each a normal float even for 2^±128
-    return phi * torch.exp2(-half) * torch.exp2(half - e)
+    return _times_exp2(phi, -torch.ceil(shift / math.log(2)))
+
+
+#: Query rows whose largest |x̂| passes 2^(PRESCALE_BITS/p) are divided by a power of two
+#: before their degree-p products are taken, so that those stay below 2^PRESCALE_BITS
+#: (float32's largest value is 2^128; weights add at most √4! ≈ 2^2.3).
+PRESCALE_BITS = 96
+
+
+def _prescale_exponents(x: torch.Tensor, degree: int) -> torch.Tensor:
+    """``a: (..., N, 1)`` ≥ 0 with the degree-``degree`` products of ``x · 2^-a`` below
+    2^PRESCALE_BITS; 0 for rows that need nothing (and for non-finite ones)."""
+    top = x.detach().abs().amax(-1, keepdim=True)
+    a = (torch.ceil(torch.log2(top)) - PRESCALE_BITS // degree).clamp_min(0.0)
+    return a.nan_to_num(0.0, 0.0, 0.0)
 
 
 #: The most features F a polynomial map builds (F = D^p grows fast: D = 64, p = 3 is 262144).
@@ -66,11 +86,14 @@ class PolynomialFeatureMap(FeatureMap):
     approximation of exp(x̂·ŷ). ``scale_inputs`` uses x̂ = x/D^{1/4} (so the kernel is in
     x·y/√D, as softmax attention); otherwise x̂ = x. Features can be negative; the
     kernel is ≥ 0 for even p and, with ``taylor`` and p = 2, always > 0.
-    ``stabilize`` divides a query row by a power of two (exact) that moves its largest
-    |φ| to about 1 when that lies above the dtype's safe range
-    (:data:`kernelstudy.core.SAFE_EXPONENTS`, e^±20 in float32): large queries then give
-    no inf/NaN normalizer, and normalized attention is unchanged; φ(q)·φ(k) is the
-    kernel only up to that per-row factor (turn it off for kernel-level analysis).
+    ``stabilize`` divides a query row whose largest |φ| lies above the dtype's safe range
+    (:data:`kernelstudy.core.SAFE_EXPONENTS`, e^20 in float32) by the smallest power of two
+    (exact) that brings it inside, the products of very large rows taken on x̂ divided by a
+    power of two first (no overflow on the way, up to float32's largest inputs): large
+    queries then give no inf/NaN normalizer, and normalized attention is unchanged but for
+    ``eps``, which weighs as much more in such a row as the row is divided by (1 at the
+    range's top: no jump); φ(q)·φ(k) is the kernel only up to that per-row factor (turn
+    it off for kernel-level analysis).
     Keys are never rescaled: where the sums of their features leave float32's range
     (p = 2, D = 4, 2000 keys: |k| ≈ 1e18) attention is NaN, as it is for elu, relu and
     softplus_ffn at such inputs. ``(..., N, D) → (..., N, F)``.
@@ -130,15 +153,21 @@ class PolynomialFeatureMap(FeatureMap):
         for float16 only)."""
         dtype = x.dtype
         x = self._scale(x.to(torch.promote_types(dtype, torch.float32)))
+        stabilize = is_query and self.hparams["stabilize"] and x.numel() > 0
+        p = self.hparams["degree"]
+        if stabilize:  # rows whose products would overflow: x·2^-a, order k times 2^(-a(p-k))
+            prescale = _prescale_exponents(x, p)
+            x = _times_exp2(x, -prescale)
         parts = []
         for k in self.orders:
             index, weight = getattr(self, f"index_{k}"), getattr(self, f"weight_{k}")
             product = torch.ones(*x.shape[:-1], index.shape[0], dtype=x.dtype, device=x.device)
             for j in range(k):
                 product = product * x[..., index[:, j]]
-            parts.append(product * weight.to(x.dtype))
+            part = product * weight.to(x.dtype)
+            parts.append(_times_exp2(part, -prescale * (p - k)) if stabilize and k < p else part)
         phi = torch.cat(parts, dim=-1)
-        if is_query and self.hparams["stabilize"] and phi.numel():
+        if stabilize:  # every row times 2^(-a·p) so far: the rescale takes that into account
             phi = _rescale_rows(phi, dtype)
         if dtype == torch.float16 and torch.compiler.is_compiling():  # no sync on the GPU
             message = "polynomial features of these float16 inputs pass float16's 65504"

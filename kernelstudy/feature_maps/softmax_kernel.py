@@ -20,12 +20,14 @@ def stabilizer(logits: torch.Tensor, is_query: bool, dtype: torch.dtype) -> torc
     """The shift to subtract from ``logits: (..., N, F)`` before ``exp`` into ``dtype``.
 
     Detached (a constant of the attention), from :func:`kernelstudy.core.exp_shift`:
-    - queries, per row ``(..., N, 1)``: a row whose largest exponent is negative or
-      above ``dtype``'s safe range moves it to 0. A per-query factor cancels in
-      normalized attention; lifting small rows keeps ``eps`` negligible beside them.
+    - queries, per row ``(..., N, 1)``: a row whose largest exponent is negative moves
+      it to 0, one above ``dtype``'s safe range to the range's top (by the excess only,
+      so attention does not jump there). A per-query factor cancels in normalized
+      attention; lifting small rows keeps ``eps`` negligible beside them.
     - keys, per sequence ``(..., 1, 1)``: the largest exponent of the whole sequence
-      moves to 0 only when it leaves the safe range. Ordinary keys keep their exact
-      features, so a key does not depend on later keys (causality) or on padding.
+      moves to 0 when it lies below the safe range, to its top when above, and not at
+      all inside it. Ordinary keys keep their exact features, so a key does not
+      depend on later keys (causality) or on padding.
       Beyond the range (very large or very small exponents) the shift is set by the
       largest key of the sequence, later ones included. Causal
       :func:`~kernelstudy.nn.kernel_attention` therefore normalizes each row at the

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.validation import autocast_off
-from .base import SEED, HeadwiseFeatureMap, Hyperparameter, compute_dtype
+from .base import SEED, HeadwiseFeatureMap, Hyperparameter, compute_dtype, fill_on_cpu_
 from .orthogonal import orthogonal_init_, orthogonality_penalty
 from .registry import register_feature_map
 
@@ -52,7 +52,7 @@ class SoftplusFFNFeatureMap(HeadwiseFeatureMap):
             orthogonal_init_(self.weight, generator)
         else:
             bound = head_dim**-0.5
-            nn.init.uniform_(self.weight, -bound, bound, generator=generator)
+            fill_on_cpu_(self.weight, lambda w: w.uniform_(-bound, bound, generator=generator))
 
     @property
     def feature_dim(self) -> int:

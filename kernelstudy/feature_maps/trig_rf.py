@@ -20,9 +20,9 @@ class TrigRandomFeatureMap(SoftmaxRandomFeatures):
     E[φ(x)·φ(y)] = exp(x·y/√D). Kernel estimates can be negative and the attention
     normalizer can vanish or change sign, which makes outputs blow up: this is the
     unstable baseline FAVOR+ improves on. ``stabilize`` divides exp(‖x̂‖²/2) (always
-    ≥ 1) by its value for queries and by its max over the sequence for keys, each only
-    beyond the dtype's range (a per-row and a per-sequence factor); both cancel in
-    normalized attention.
+    ≥ 1) by its excess over the dtype's range: per row for queries, by the sequence's
+    largest for keys (a per-row and a per-sequence factor); both cancel in normalized
+    attention.
     ``(B,H,N,D) → (B,H,N,2R)``; W is shared by all heads.
     """
 

@@ -90,7 +90,9 @@ def decode_png(data: bytes) -> np.ndarray:
             if len(payload) != 13:
                 raise ValueError("bad IHDR chunk")
             header = struct.unpack(">IIBBBBB", payload)
-        elif kind == b"PLTE":
+        elif kind == b"PLTE":  # 1 to 256 RGB triples (the PNG standard: an error otherwise)
+            if len(payload) % 3 or not 3 <= len(payload) <= 768:
+                raise ValueError(f"bad PLTE chunk: {len(payload)} bytes, not 1-256 RGB triples")
             palette = np.frombuffer(payload, dtype=np.uint8).reshape(-1, 3)
         elif kind == b"IDAT":
             idat.append(payload)
