@@ -405,6 +405,8 @@ def test_a_tiny_temperature_samples_the_greedy_tokens():
     ids = _ids(2, 3)
     g = torch.Generator().manual_seed(0)
     assert torch.equal(lm.generate(ids, 3, temperature=1e-40, generator=g), lm.generate(ids, 3))
+    # below float32's smallest number (1.4e-45) the temperature was 0 there: 0/0, NaN
+    assert torch.equal(lm.generate(ids, 3, temperature=1e-46, generator=g), lm.generate(ids, 3))
     with pytest.raises(ValueError, match="max_new_tokens"):
         lm.generate(ids, True)
 

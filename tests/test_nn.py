@@ -618,6 +618,21 @@ def test_masked_mean_pooling_of_a_float16_model_does_not_overflow():
     torch.testing.assert_close(masked, free, rtol=1e-2, atol=1e-2)
 
 
+def test_kv_cache_converts_to_a_new_dtype_with_autograd_too():
+    """Where autograd records the step the cache grew by torch.cat, which promotes: a
+    float32 cache stepped under bfloat16 autocast stayed float32 beside bfloat16 queries,
+    and the attention refused the mix. It converts to the new dtype as without autograd."""
+    torch.manual_seed(0)
+    layer = ks.nn.KernelAttention(8, 2, attention="softmax", causal=True)
+    x = torch.randn(2, 3, 8)
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            _, cache = layer.step(x[:, 0])
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y, cache = layer.step(x[:, 1], cache)
+        assert cache.k.dtype == cache.v.dtype == torch.bfloat16 and torch.isfinite(y).all()
+
+
 def test_kv_cache_grows_in_place_and_branches_safely():
     """The softmax layer's KVCache grew by torch.cat, copying the whole cache every step (at
     4096 tokens that copying set the generation study's KV-cache time). It now writes each

@@ -275,3 +275,20 @@ def test_blocks_work_under_torch_func():
     assert rel_err(jacrev(block)(q), want) <= 1e-12
     tangent = torch.randn(q.shape, generator=gen, dtype=torch.float64)
     assert rel_err(jvp(block, (q,), (tangent,))[1], (want * tangent).sum((-4, -3, -2, -1))) <= 1e-12
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_a_float64_state_sums_float32_blocks_in_float64(scaled):
+    """A plain float64 state's block was summed in the inputs' float32 (a scaled one's in
+    float64), while step() sums in the state's dtype: steps() differed from stepping by
+    2e-6 at N = 4000. Now its float32 outputs are the exact ones rounded once."""
+    b, h, n, f, m = 1, 1, 2000, 8, 3
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.rand(b, h, n, f, generator=gen) for _ in "qk")
+    v = torch.randn(b, h, n, m, generator=gen) + 3
+    state = ks.RecurrentState.zeros(b, h, f, m, dtype=torch.float64, scaled=scaled)
+    out, after = state.steps(q, k, v, torch.zeros(b, h, n) if scaled else None)
+    exact = ks.linear_attention(q.double(), k.double(), v.double(), causal=True)
+    assert out.dtype == torch.float32 and after.S.dtype == torch.float64
+    ulp = torch.finfo(torch.float32).eps * exact.abs()
+    assert ((out.double() - exact).abs() <= ulp).all()  # within float32's rounding

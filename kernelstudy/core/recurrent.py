@@ -186,6 +186,8 @@ class RecurrentState:
         acc = self._sums_dtype(phi_q.dtype)
         with autocast_off(phi_q):
             q, k, v = phi_q, phi_k, v
+            if accumulation_dtype(q.dtype) != acc:  # a float64 state: the block in float64
+                q, k, v = q.to(acc), k.to(acc), v.to(acc)  # too, as step() sums it
             new = None
             if k_log_scale is not None:  # padded keys take no part in the maximum
                 new = k_log_scale.to(acc)

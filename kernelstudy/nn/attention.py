@@ -73,7 +73,10 @@ class KVCache:
         s = k.shape[2]
         tensors = (self.k, self.v, k, v)
         if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
-            return KVCache(torch.cat([self.k, k], 2), torch.cat([self.v, v], 2))
+            # converted as the in-place path converts (cat would promote instead)
+            return KVCache(
+                torch.cat([self.k.to(k.dtype), k], 2), torch.cat([self.v.to(v.dtype), v], 2)
+            )
         room = self._room
         fits = (
             room is not None

@@ -640,7 +640,9 @@ class CausalLM(_SequenceModel):
             if temperature == 0.0:
                 new = logits.argmax(-1)
             else:
-                z = logits.float()  # shifted: a tiny temperature gives 0 and -inf, not inf
+                # shifted, in float64 (every positive Python float is one there: in float32 a
+                # temperature below 1.4e-45 was 0, and 0/0 NaN): 0 and -inf, not inf
+                z = logits.double()
                 probs = torch.softmax((z - z.amax(-1, keepdim=True)) / temperature, dim=-1)
                 new = torch.multinomial(probs, 1, generator=generator)[:, 0]
             written = (t + 1 >= lengths) & (t + 1 < lengths + max_new_tokens) & ~ended
