@@ -230,7 +230,30 @@ def test_results_without_a_checkpoint_are_not_overwritten_by_other_settings(
     assert main(listops_args(listops, out, "--steps", "4", "--lr", "0.05")) == 1
     assert "other settings (changed: train.lr)" in capsys.readouterr().err
     assert (out / "summary.json").read_text() == summary
+    # nor by the same settings: that retrained from step 0, deleting summary.json at once
+    # (an interruption then left a partial run's metrics over the finished run's)
+    assert main(listops_args(listops, out, "--steps", "4")) == 1
+    err = capsys.readouterr().err
+    assert "but no checkpoint.pt to resume it from; use another --out, or --overwrite" in err
+    assert (out / "summary.json").read_text() == summary
     assert main(listops_args(listops, out, "--steps", "4", "--lr", "0.05", "--overwrite")) == 0
+
+
+def test_a_run_saved_before_a_train_field_existed_resumes(
+    listops: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A paused run whose config.json predates ``[train] compile`` was refused as "other
+    settings (changed: train.compile)": the saved table's missing field now reads as its
+    default, as the trainer's own resume check reads the checkpoint's."""
+    out = tmp_path / "run"
+    assert main(listops_args(listops, out, "--steps", "4", "--stop-after", "2")) == 0
+    saved = json.loads((out / "config.json").read_text())
+    del saved["train"]["compile"]
+    (out / "config.json").write_text(json.dumps(saved))
+    capsys.readouterr()
+    assert main(listops_args(listops, out, "--steps", "4")) == 0
+    assert "resuming" in capsys.readouterr().err
+    assert json.loads((out / "summary.json").read_text())["steps"] == 4
 
 
 def test_a_damaged_run_directory_is_one_line_naming_the_file(

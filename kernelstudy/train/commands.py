@@ -19,7 +19,8 @@ anything is written. Outputs in ``--out``: ``config.json`` (the resolved setting
 ``checkpoint.pt``, ``metrics.csv`` (one row per evaluation), ``run.json`` (the
 Trainer's record), ``model.pt`` and ``summary.json`` (accuracies, parameter counts,
 feature dimension, peak memory, wall and training time). Re-running the same command with the
-same ``--out`` resumes from the checkpoint; a different configuration is refused.
+same ``--out`` resumes from the checkpoint; a different configuration is refused, and so is a
+folder that keeps a run's results without its checkpoint (``--overwrite`` starts over).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from .trainer import (
     Trainer,
     check_stop_after,
     eval_size,
+    field_defaults,
     resolve_device,
 )
 
@@ -262,7 +264,8 @@ def _comparable(settings: Mapping[str, Any]) -> dict[str, Any]:
     it must match too (see :func:`~.trainer.resume_changes`).
     """
     s = json.loads(json.dumps(settings, default=str))
-    train = s["train"]
+    # a run saved before a field existed had its default (else its settings read as changed)
+    train = s["train"] = {**json.loads(json.dumps(field_defaults(), default=str)), **s["train"]}
     scored_size = eval_size(train) if train.get("eval_batches") is not None else None
     for key in RESUME_FREE:
         train.pop(key, None)
@@ -284,7 +287,8 @@ def _flatten(settings: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def check_resume(settings: Mapping[str, Any], resume: str) -> bool:
-    """Whether to resume from ``out/checkpoint.pt``; ValueError when that run differs.
+    """Whether to resume from ``out/checkpoint.pt``; ValueError when that run differs, or
+    when ``out`` keeps a run's results without the checkpoint to continue them from.
 
     ``resume``: ``auto`` (when a checkpoint exists), ``require`` or ``never``.
     """
@@ -306,7 +310,7 @@ def check_resume(settings: Mapping[str, Any], resume: str) -> bool:
             "run); use another --out, or --overwrite to start over"
         )
     # A run's results without its checkpoint (deleted to save space) are not overwritten
-    # by other settings either: the same check as for a resume.
+    # by other settings either (the same check as for a resume), nor by the same ones.
     saved = _flatten(_comparable(_read_saved_config(saved_path)))
     now = _flatten(_comparable(settings))
     changed = sorted(key for key in set(saved) | set(now) if saved.get(key) != now.get(key))
@@ -315,7 +319,12 @@ def check_resume(settings: Mapping[str, Any], resume: str) -> bool:
             f"{out} holds a run with other settings (changed: {', '.join(changed)}); "
             "use another --out, or --overwrite to start over"
         )
-    return has_checkpoint
+    if not has_checkpoint:  # a fresh run would delete and overwrite them
+        raise ValueError(
+            f"{out} holds {', '.join(results)} of a run but no {CHECKPOINT} to resume it "
+            "from; use another --out, or --overwrite to start over"
+        )
+    return True
 
 
 def _read_saved_config(path: Path) -> dict[str, Any]:

@@ -58,6 +58,12 @@ def eval_size(fields: Mapping[str, Any]) -> int:
     return fields.get("eval_batch_size") or fields.get("batch_size", TrainConfig.batch_size)
 
 
+def field_defaults() -> dict[str, Any]:
+    """:class:`TrainConfig`'s fields and their defaults: what a run saved before a field
+    existed had."""
+    return {f.name: f.default for f in fields(TrainConfig)}
+
+
 def resume_changes(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
     """Names of the :class:`TrainConfig` fields (as dicts) whose change makes a resumed
     run differ from an uninterrupted one, sorted.
@@ -66,7 +72,7 @@ def resume_changes(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str
     it picks which examples are scored, so its value (None read as ``batch_size``) counts.
     A field that ``saved`` lacks (a checkpoint from before the field existed) had its default.
     """
-    defaults = {f.name: f.default for f in fields(TrainConfig)}
+    defaults = field_defaults()
     saved = {k: saved.get(k, defaults.get(k)) for k in now}
     changed = {k for k in now if k not in RESUME_FREE and saved[k] != now[k]}
     if now.get("eval_batches") is not None and eval_size(saved) != eval_size(now):
