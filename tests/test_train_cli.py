@@ -239,6 +239,19 @@ def test_results_without_a_checkpoint_are_not_overwritten_by_other_settings(
     assert main(listops_args(listops, out, "--steps", "4", "--lr", "0.05", "--overwrite")) == 0
 
 
+def test_a_task_type_that_does_not_fit_the_task_is_refused_before_anything_is_written(
+    listops: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It failed at the first training step, after config.json had been written."""
+    config = tmp_path / "lm.toml"
+    config.write_text('[train]\ntask_type = "lm"\n')
+    out = tmp_path / "run"
+    assert main(listops_args(listops, out, "--config", str(config))) == 1
+    err = capsys.readouterr().err
+    assert "[train] task_type 'lm' does not fit task 'listops' (a classification task)" in err
+    assert not out.exists()
+
+
 def test_a_run_saved_before_a_train_field_existed_resumes(
     listops: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

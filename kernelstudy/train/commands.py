@@ -452,6 +452,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     resume_mode = "require" if args.resume else "never" if args.overwrite else "auto"
     check_resume(settings, resume_mode)  # before the folder is made
     splits = load_splits(settings)
+    kind = task_type_of(splits["train"])  # else the first step's batch fails, files written
+    if config.task_type not in ("auto", kind):
+        raise ValueError(
+            f"[train] task_type {config.task_type!r} does not fit task {settings['task']!r} "
+            f"(a {kind} task); leave it 'auto'"
+        )
     model = build_model(settings, splits["train"], config.seed, longest_split(splits.values()))
     trainer = Trainer(
         model, splits["train"], config, val_data=splits["val"], test_data=splits["test"]
