@@ -140,7 +140,8 @@ def prepare_data(config: SearchConfig, out: str | Path) -> Path | None:
     if not path.exists():
         if config.task == "listops":  # the ListOps files can be made here
             how = (
-                "run with --quick (its [quick] table generates small data), or write full-size "
+                "run with --quick where the config's [quick] table generates small data "
+                "(`generate = {...}` there, as in studies/lra_listops.toml), or write full-size "
                 f"data there with `kernelstudy data listops --out {path}`, or unpack the Long "
                 "Range Arena release there"
             )
