@@ -142,7 +142,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["lm", "classifier"],
         help="a causal LM (default) or a sequence classifier (mean pooling, 10 classes)",
     )
-    lm_cases.add_model_arguments(p, "benchmarks/results/compiled_step_cpu.csv")
+    lm_cases.add_model_arguments(p, "benchmarks/results/compiled_step.csv")
     args = lm_cases.parse_model_arguments(p, argv)
     if args.seq_lens is None:
         args.seq_lens = [128, 512] if args.quick else [256, 1024, 4096]

@@ -26,6 +26,7 @@ import datetime as dt
 import os
 import platform
 import re
+import shlex
 import statistics
 import sys
 import time
@@ -37,8 +38,9 @@ import pandas as pd
 import torch
 
 import kernelstudy as ks
+from kernelstudy.cli import out_of_memory
 from kernelstudy.core import registered_backends, runs_own_noncausal_attention
-from kernelstudy.files import atomic_write_text
+from kernelstudy.files import atomic_write_text, output_file_problem
 
 # Above this, the reference backend's N×N matrix costs too much memory to benchmark.
 REFERENCE_MAX_N = 4096
@@ -138,7 +140,9 @@ def benchmark(args: argparse.Namespace, linear_backends: list[str]) -> pd.DataFr
             q = torch.randn(b, h, n, d, generator=gen).to(device, dtype)
             k = torch.randn(b, h, n, d, generator=gen).to(device, dtype)
             vs = torch.randn(b, h, n, d, generator=gen).to(device, dtype)
-        except torch.OutOfMemoryError:
+        except (RuntimeError, MemoryError) as err:  # a CPU's allocation failure is neither
+            if not out_of_memory(err):  # torch.OutOfMemoryError nor a MemoryError
+                raise
             print(f"N={n:>6} the inputs do not fit in memory: skipped", file=sys.stderr)
             continue
         cases = []
@@ -193,7 +197,9 @@ def benchmark(args: argparse.Namespace, linear_backends: list[str]) -> pd.DataFr
                 try:
                     seconds = median_time(call, device, args.repeats)
                     memory = peak_memory_mib(call, device)
-                except torch.OutOfMemoryError:  # this size only: the others still run
+                except (RuntimeError, MemoryError) as err:  # this size only: the others run
+                    if not out_of_memory(err):
+                        raise
                     seconds, memory, error = float("nan"), float("nan"), "out of memory"
                 if error and device.type == "cuda":  # after the except: its traceback held
                     torch.cuda.empty_cache()  # the failed call's tensors
@@ -229,7 +235,7 @@ def benchmark(args: argparse.Namespace, linear_backends: list[str]) -> pd.DataFr
     frame["torch"] = torch.__version__
     frame["kernelstudy"] = ks.__version__
     frame["date"] = dt.date.today().isoformat()
-    frame["command"] = " ".join(["python", *sys.argv])
+    frame["command"] = shlex.join(["python", "benchmarks/core.py", *args.argv])
     return frame
 
 
@@ -296,6 +302,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/core.csv"))
     args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # the command the CSV records
     if args.n is None:
         args.n = [1024, 4096] if args.quick else [1024, 2048, 4096, 8192, 16384]
     if args.repeats is None:
@@ -310,6 +317,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--head-dim": args.head_dim,
     }
     check_sizes_and_device(p, sizes, args.device)
+    if problem := output_file_problem(args.out):
+        p.error(f"--out {args.out}: {problem}")
     known = registered_backends()
     unknown = [name for name in args.backends if name not in known]
     if unknown:

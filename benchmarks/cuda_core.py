@@ -78,7 +78,7 @@ import torch
 
 import kernelstudy as ks
 from kernelstudy.core import cuda_backend
-from kernelstudy.files import atomic_write, atomic_write_text
+from kernelstudy.files import atomic_write, atomic_write_text, output_file_problem
 
 DEFAULT_N = [512, 1024, 2048, 4096, 8192, 16384, 32768]
 METHODS = ["cuda", "cuda_fused", "cuda_walk", "cuda_walk_fused", "cuda_walk_fused_apart"]
@@ -755,6 +755,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--dims must be positive")
     if any(blocks < 1 for blocks in args.walk_blocks or ()):
         p.error("--walk-blocks must be positive")
+    if problem := output_file_problem(args.out):
+        p.error(f"--out {args.out}: {problem}")
     return args
 
 

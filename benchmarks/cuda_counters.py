@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from kernelstudy.files import atomic_write_text
+from kernelstudy.files import atomic_write_text, output_file_problem
 
 VARIANTS = ("walk", "walk_fused", "walk_mma", "walk_mma_fused")
 SECTIONS = (
@@ -290,6 +290,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if min(args.n, args.batch, args.heads, args.dim, args.walk_blocks) < 1:
         p.error("--n, --batch, --heads, --dim and --walk-blocks must be positive")
+    if problem := output_file_problem(args.out):
+        p.error(f"--out {args.out}: {problem}")
     return args
 
 

@@ -47,7 +47,7 @@ import cuda_core  # noqa: E402
 
 import kernelstudy as ks  # noqa: E402
 from kernelstudy.core import cuda_backend  # noqa: E402
-from kernelstudy.files import atomic_write_text  # noqa: E402
+from kernelstudy.files import atomic_write_text, output_file_problem  # noqa: E402
 
 VARIANTS = tuple(cuda_backend.VARIANTS)
 DTYPES = ("float32", "bfloat16", "float16")
@@ -186,6 +186,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--n, --batch, --heads, --dim and --steps must be positive")
     if args.walk_blocks is not None and args.walk_blocks < 1:
         p.error("--walk-blocks must be positive")
+    if problem := output_file_problem(args.out):
+        p.error(f"--out {args.out}: {problem}")
     return args
 
 

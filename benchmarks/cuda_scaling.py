@@ -52,7 +52,7 @@ import cuda_profile  # noqa: E402
 
 import kernelstudy as ks  # noqa: E402
 from kernelstudy.core import cuda_backend  # noqa: E402
-from kernelstudy.files import atomic_write_text  # noqa: E402
+from kernelstudy.files import atomic_write_text, output_file_problem  # noqa: E402
 
 VARIANTS = ("walk_fused", "walk_fused_apart", "walk_mma_fused", "walk_mma_fused_apart")
 # the walk kernels by their names within the profiler's (demangled or mangled) ones
@@ -149,6 +149,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--loads must be positive")
     if 1 not in args.loads:
         p.error("--loads must include 1 (cost is measured against it)")
+    if problem := output_file_problem(args.out):
+        p.error(f"--out {args.out}: {problem}")
     return args
 
 

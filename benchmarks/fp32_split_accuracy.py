@@ -27,7 +27,7 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from kernelstudy.files import atomic_write_text
+from kernelstudy.files import atomic_write_text, output_file_problem
 
 METHODS = ("fp32", "tf32x3", "bf16x3", "tf32x1", "bf16x1")
 #: (B, H, N, F, M): the GPU tests' shapes (N not a multiple of 64, F≠M, F=M=256), and long N
@@ -137,6 +137,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     args.shapes = args.shapes or SHAPES
+    if problem := output_file_problem(args.out):
+        p.error(f"--out {args.out}: {problem}")
     return args
 
 

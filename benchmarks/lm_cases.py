@@ -20,7 +20,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:
 from core import check_sizes_and_device, device_name  # noqa: E402
 
 import kernelstudy as ks  # noqa: E402
-from kernelstudy.files import atomic_write_text  # noqa: E402
+from kernelstudy.files import atomic_write_text, output_file_problem  # noqa: E402
 
 ATTENTIONS = ("kernel", "softmax")
 
@@ -55,7 +55,8 @@ def check_model_arguments(
 ) -> None:
     """Exit through ``p.error`` (status 2) for a size below 1 (``lengths``: the script's own
     length flags and their smallest values), a device torch cannot parse, a ``--d-model`` that
-    ``--n-heads`` does not divide, or an unknown ``--feature-map``."""
+    ``--n-heads`` does not divide, an unknown ``--feature-map``, or an ``--out`` that cannot
+    be written (before the run rather than after it)."""
     sizes = lengths | {
         "--repeats": args.repeats,
         "--batch": args.batch,
@@ -65,6 +66,8 @@ def check_model_arguments(
         "--vocab": args.vocab,
     }
     check_sizes_and_device(p, sizes, args.device)
+    if problem := output_file_problem(args.out):
+        p.error(f"--out {args.out}: {problem}")
     if args.d_model % args.n_heads:
         p.error(f"--d-model {args.d_model} must be divisible by --n-heads {args.n_heads}")
     if args.feature_map not in ks.list_feature_maps():

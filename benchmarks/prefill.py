@@ -97,7 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="P in {64, 512}, 3 repeats, unless --prompt-lens/--repeats",
     )
-    lm_cases.add_model_arguments(p, "benchmarks/results/prefill_cpu.csv")
+    lm_cases.add_model_arguments(p, "benchmarks/results/prefill.csv")
     args = lm_cases.parse_model_arguments(p, argv)
     if args.prompt_lens is None:
         args.prompt_lens = [64, 512] if args.quick else [64, 256, 1024, 4096]

@@ -8,6 +8,7 @@ does not parse (argparse's convention); 130 interrupted by Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -204,6 +205,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
+    except BrokenPipeError:  # output piped into a reader that stopped (`| head`): quiet,
+        # 128 + SIGPIPE as a killed writer's (Ctrl-C gives 130); stdout to devnull, else
+        # Python's flush at exit fails again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except (ValueError, TypeError, OSError) as err:  # OSError: files (--out, --data, ...)
         print(f"kernelstudy {args.command}: error: {err}", file=sys.stderr)
         return 1

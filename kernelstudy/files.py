@@ -59,6 +59,28 @@ def new_temporary_file(folder: str | os.PathLike, prefix: str, suffix: str) -> t
     raise FileExistsError(f"no free temporary name {prefix}*{suffix} in {folder}")
 
 
+def output_file_problem(path: str | os.PathLike) -> str | None:
+    """Why :func:`atomic_write` could not make ``path``, for a check before a long run rather
+    than a traceback after it: ``path`` is a folder, a part of its folder's path is a file,
+    or that folder (or, where it is still to be made, its nearest existing parent) takes no
+    new file (a probe file made and removed). None where it can."""
+    path = Path(path)
+    if path.is_dir():
+        return "is a folder; give a file path"
+    existing = path.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is not a folder"
+    try:
+        fd, probe = new_temporary_file(existing, ".kernelstudy_probe.", ".tmp")
+        os.close(fd)
+        probe.unlink()
+    except OSError as err:
+        return f"cannot write in {existing} ({err.strerror or err})"
+    return None
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     """Write ``text`` (UTF-8) to ``path`` atomically."""
     return atomic_write(path, lambda f: f.write(text.encode("utf-8")))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import torch
 
 import kernelstudy as ks
 
-from .conftest import benchmark_script
+from .conftest import BENCHMARKS, benchmark_script
 
 
 @pytest.fixture(scope="module")
@@ -913,14 +914,22 @@ def test_scaling_keeps_the_cases_that_ran(monkeypatch, tmp_path, capsys):
     assert calls == [(30, 1, 1)] and not (tmp_path / "broken.csv").exists()
 
 
-def test_core_out_of_memory_loses_one_size_only(core, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("where", ["gpu", "cpu"])
+def test_core_out_of_memory_loses_one_size_only(core, tmp_path, monkeypatch, capsys, where):
     """One case running out of memory (a large N on a GPU) ended the run in a traceback, and
-    the sizes measured before it were never written."""
+    the sizes measured before it were never written. A CPU's allocation failure is a plain
+    RuntimeError, not torch.OutOfMemoryError: it was not caught at all."""
     product = ks.causal_dot_product
+    failure = (
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
+        if where == "gpu"
+        else RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't "
+                          "allocate memory: you tried to allocate 68719476736 bytes")
+    )  # fmt: skip
 
     def causal_dot_product(phi_q, *args, **kwargs):
         if phi_q.shape[2] == 96:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
+            raise failure
         return product(phi_q, *args, **kwargs)
 
     monkeypatch.setattr(core.ks, "causal_dot_product", causal_dot_product)
@@ -932,6 +941,63 @@ def test_core_out_of_memory_loses_one_size_only(core, tmp_path, monkeypatch, cap
     assert failed.sum() == 2 and (frame[failed].error == "out of memory").all()
     assert frame[failed].time_ms.isna().all() and (frame[~failed].time_ms > 0).all()
     assert set(frame.N) == {64, 96, 128} and "out of memory" in capsys.readouterr().err
+
+
+def test_core_other_errors_still_raise_and_the_command_is_quoted(core, tmp_path, monkeypatch):
+    """Only allocation failures are skipped; and the CSV's command was sys.argv joined by
+    spaces (not main's argv; a path with a space read back as two arguments)."""
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("shapes do not match")
+
+    out = tmp_path / "a b" / "core.csv"
+    argv = ["--n", "64", "--repeats", "1", "--modes", "fwd", "--backends", "torch"]
+    assert core.main([*argv, "--no-softmax", "--out", str(out)]) == 0
+    command = pd.read_csv(out).command.iloc[0]
+    assert shlex.split(command) == ["python", "benchmarks/core.py", *argv, "--no-softmax",
+                                    "--out", str(out)]  # fmt: skip
+    monkeypatch.setattr(core.ks, "causal_dot_product", broken)
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        core.main([*argv, "--no-softmax", "--out", str(out)])
+
+
+@pytest.mark.parametrize(
+    "script, argv",
+    [
+        ("core", ["--n", "64"]),
+        ("prefill", ["--quick"]),
+        ("compiled_step", ["--quick"]),
+        ("fp32_split_accuracy", []),
+        ("cuda_core", []),
+        ("cuda_counters", []),
+        ("cuda_profile", []),
+        ("cuda_scaling", []),
+    ],
+)
+def test_an_out_that_cannot_be_written_is_refused_before_the_run(script, argv, tmp_path, capsys):
+    """--out a folder, or under a file, failed with a traceback after the whole run (minutes
+    of measurements lost); now argparse's one-line error, status 2, before anything runs."""
+    module = benchmark_script(script)
+    (tmp_path / "file").write_text("")
+    for out, problem in (
+        (tmp_path, "is a folder; give a file path"),
+        (tmp_path / "file" / "x.csv", f"{tmp_path / 'file'} is not a folder"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            module.parse_args([*argv, "--out", str(out)])
+        assert exit_.value.code == 2
+        assert f"--out {out}: {problem}" in capsys.readouterr().err
+    assert module.parse_args([*argv, "--out", str(tmp_path / "new" / "x.csv")])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # the probe left nothing
+
+
+def test_lm_benchmarks_do_not_write_over_the_committed_results_by_default():
+    """`python benchmarks/prefill.py --quick`, as the README says, replaced the committed
+    full-size prefill_cpu.csv (compiled_step.py likewise, also with --model classifier)."""
+    committed = {p.name for p in (BENCHMARKS / "results").iterdir()}
+    for script in ("prefill", "compiled_step"):
+        out = benchmark_script(script).parse_args(["--quick"]).out
+        assert Path(out).name not in committed, out
 
 
 def test_resume_measures_only_the_cases_out_lacks(gpu_on_cpu, cuda_memory, tmp_path, capsys):

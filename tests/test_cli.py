@@ -34,6 +34,20 @@ def test_python_dash_m_runs_the_command():
     assert proc.returncode == 2 and "usage: kernelstudy" in proc.stderr
 
 
+def test_output_into_a_closed_pipe_is_quiet_with_sigpipes_status():
+    """`kernelstudy maps | head -1` printed "error: [Errno 32] Broken pipe" and exited 1: a
+    BrokenPipeError is an OSError, which main reports as a user's error."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kernelstudy", "maps", "--format", "csv"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    proc.stdout.close()  # the reader is gone before the command writes (it imports torch first)
+    err = proc.stderr.read().decode()
+    proc.stderr.close()
+    assert proc.wait(timeout=120) == 141 and err == "", err
+
+
 def test_no_command_prints_help_and_fails(capsys):
     assert main([]) == 2
     assert "usage" in capsys.readouterr().out

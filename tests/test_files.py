@@ -7,7 +7,12 @@ import stat
 
 import pytest
 
-from kernelstudy.files import atomic_write, atomic_write_text, exclusive_folder
+from kernelstudy.files import (
+    atomic_write,
+    atomic_write_text,
+    exclusive_folder,
+    output_file_problem,
+)
 
 
 def mode(path) -> int:
@@ -85,3 +90,17 @@ def test_a_table_replaced_while_it_is_read_keeps_its_ids_with_its_rows(tmp_path,
     table = read_csv_table(path, text_columns=["config_id"])
     assert table[["config_id", "x"]].values.tolist() == [["0a", 1], ["0b", 2]]
     assert read_csv_table(tmp_path / "missing" / "x.csv") is None
+
+
+def test_an_output_file_is_checked_before_a_run_and_the_check_leaves_nothing(tmp_path):
+    """For the benchmarks' --out, before minutes of measuring rather than after them."""
+    (tmp_path / "file").write_text("")
+    assert output_file_problem(tmp_path) == "is a folder; give a file path"
+    assert (
+        output_file_problem(tmp_path / "file" / "x.csv") == f"{tmp_path / 'file'} is not a folder"
+    )
+    assert output_file_problem(tmp_path / "new" / "deeper" / "x.csv") is None  # made on write
+    assert output_file_problem(tmp_path / "file") is None  # replaced
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # no probe, no folder
+    if os.path.isdir("/proc/self"):  # a folder that takes no new file, even for root
+        assert output_file_problem("/proc/x.csv").startswith("cannot write in /proc")

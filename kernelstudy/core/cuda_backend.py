@@ -209,7 +209,7 @@ def extra_cuda_flags() -> list[str]:
 def command_line(argv: list[str]) -> str:
     """``python`` and ``argv`` as one shell line, led by ``KERNELSTUDY_CUDA_FLAGS=...`` where
     that is set: the command a benchmark's results record, so that they say which build ran."""
-    line = " ".join(["python", *argv])
+    line = shlex.join(["python", *argv])  # quoted: an argument with a space stays one
     flags = os.environ.get(CUDA_FLAGS_ENV, "").strip()
     return f"{CUDA_FLAGS_ENV}={shlex.quote(flags)} {line}" if flags else line
 
