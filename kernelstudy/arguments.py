@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 
 
 def check_real(name: str, value: object, strict: bool = False) -> float:
@@ -40,3 +41,9 @@ def check_flag(name: str, value: object) -> bool:
     if isinstance(value, int) and value in (0, 1):
         return bool(value)
     raise TypeError(f"{name} must be a bool (True or False), got {value!r}")
+
+
+def user_path(text: str) -> str:
+    """A path flag's value with ``~`` expanded (an argparse ``type``): a shell expands
+    ``--out ~/x`` but leaves ``--out=~/x`` as it is, which made a folder named ``~``."""
+    return os.path.expanduser(text)

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 import kernelstudy as ks
+from kernelstudy.arguments import user_path
 
 Command = Callable[[argparse.Namespace], int]
 
@@ -73,6 +74,7 @@ LISTOPS_FLAGS = {
     "n_test": "--test",
     "min_length": "--min-length",
     "max_length": "--max-length",
+    "seed": "--seed",
 }
 
 
@@ -148,7 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("data", help="generate or prepare task data")
     data = p.add_subparsers(dest="dataset", metavar="DATASET", required=True)
     p = data.add_parser("listops", help="generate ListOps in the LRA release's TSV format")
-    p.add_argument("--out", required=True, help="directory for basic_{train,val,test}.tsv")
+    p.add_argument(
+        "--out", required=True, type=user_path, help="directory for basic_{train,val,test}.tsv"
+    )
     p.add_argument(
         "--train", type=int, default=96_000, help="training examples (default %(default)s)"
     )

@@ -61,6 +61,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from .arguments import user_path
 from .feature_maps.registry import ENV_FEATURE_MAPS
 from .files import atomic_write, atomic_write_text, exclusive_folder, read_csv_table
 from .progress import tqdm
@@ -1233,7 +1234,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add ``--quick --out --config --device --force --fill-tables --only`` (the options of
     every study) to ``parser``."""
     parser.add_argument("--quick", action="store_true", help="small sizes (minutes on a CPU)")
-    parser.add_argument("--out", default=None, help="output directory (default results/NAME)")
+    parser.add_argument(
+        "--out", default=None, type=user_path, help="output directory (default results/NAME)"
+    )
     parser.add_argument(
         "--config",
         default=None,

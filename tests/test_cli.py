@@ -34,6 +34,21 @@ def test_python_dash_m_runs_the_command():
     assert proc.returncode == 2 and "usage: kernelstudy" in proc.stderr
 
 
+def test_out_flags_expand_the_home_folder(tmp_path, monkeypatch):
+    """`--out=~/x` (which no shell expands) made a folder named `~` under the current one for
+    `study`, `data` and `search`; `train` expanded it."""
+    from kernelstudy.cli import build_parser
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    parser = build_parser()
+    for argv in (
+        ["data", "listops", "--out=~/d"],
+        ["study", "approximation", "--out=~/d"],
+        ["search", "studies/lra_listops.toml", "--out=~/d"],
+    ):
+        assert parser.parse_args(argv).out == str(tmp_path / "d"), argv
+
+
 def test_output_into_a_closed_pipe_is_quiet_with_sigpipes_status():
     """`kernelstudy maps | head -1` printed "error: [Errno 32] Broken pipe" and exited 1: a
     BrokenPipeError is an OSError, which main reports as a user's error."""
@@ -131,7 +146,7 @@ def test_data_listops_writes_lra_files(tmp_path, capsys):
     assert main(bad) == 1
     assert "need --max-length >= --min-length + 2" in capsys.readouterr().err  # the flags
     assert main(["data", "listops", "--out", str(tmp_path / "s"), "--seed", "-3"]) == 1
-    assert "seed must be an int >= 0, got -3" in capsys.readouterr().err
+    assert "--seed must be an int >= 0, got -3" in capsys.readouterr().err  # the flag
     assert not (tmp_path / "s").exists()
     # an empty split was written as a header alone, which train then refused
     assert main(["data", "listops", "--out", str(tmp_path / "e"), "--val", "0"]) == 1

@@ -11,6 +11,7 @@ import argparse
 import sys
 from typing import Any
 
+from ..arguments import user_path
 from .runner import DEFAULT_OUT
 
 
@@ -26,6 +27,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--out",
         default=DEFAULT_OUT,
+        type=user_path,
         metavar="DIR",
         help=f"results directory (default {DEFAULT_OUT})",
     )
