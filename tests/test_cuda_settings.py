@@ -420,3 +420,24 @@ def test_the_gpus_capability_and_the_build_are_constants_when_traced(
         assert asked == [0]
     finally:
         cuda_backend._capability_once.cache_clear()
+
+
+def test_inputs_are_checked_by_name_and_the_state_fits_the_kernels_grid(monkeypatch):
+    """A state of more than 65535 tiles of 64 x 64 (F x (M+1): gridDim.y) passed the checks and
+    failed at launch ("invalid configuration argument"; from M = 2^22 at F = 64, well below
+    the 2^24 that was checked); the dtype error did not name the tensor. Meta tensors: no
+    memory, and no GPU needed for the Python side's checks."""
+
+    def inputs(f: int, m: int) -> tuple[torch.Tensor, ...]:
+        q, k = (torch.empty(1, 1, 4, f, device="meta") for _ in "qk")
+        return q, k, torch.empty(1, 1, 4, m, device="meta")
+
+    monkeypatch.setattr(cuda_backend, "supports", lambda t: t.dtype != torch.float64)
+    cuda_backend._check_inputs(*inputs(255 * 64, 255 * 64 - 1))  # 255 x 255 tiles
+    cuda_backend._check_inputs(*inputs(64, 65535 * 64 - 1))  # 1 x 65535
+    for f, m in ((64, 2**22), (256 * 64, 256 * 64 - 1), (64, 65535 * 64)):
+        with pytest.raises(ValueError, match=f"F = {f} and M = {m} make a state of .* more than"):
+            cuda_backend._check_inputs(*inputs(f, m))
+    q, k, v = inputs(8, 8)
+    with pytest.raises(ValueError, match="got k of torch.float64 on meta"):
+        cuda_backend._check_inputs(q, k.double(), v)

@@ -396,22 +396,34 @@ def extension_or_raise() -> ModuleType:
 
 # The kernels index within a 64-row tile in 32 bits (csrc/cuda load_tile): 64 · D < 2^31.
 MAX_LAST_DIM = 2**24
+# The state kernels take one 64 × 64 tile of the (F, M) state per grid row (gridDim.y, at most
+# 65535; csrc/cuda/launch.cuh launch_tiles): ceil(F/64) · ceil((M+1)/64) of them, M+1 for the
+# normalizer's column beside v (and the backward's [dnum | dden]).
+MAX_STATE_TILES = 65535
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """CUDA tensors the kernels take, last dimensions below :data:`MAX_LAST_DIM`: ValueError
-    naming the tensor here, before the extension (whose own checks throw from C++)."""
+    """CUDA tensors the kernels take, last dimensions below :data:`MAX_LAST_DIM` and a state
+    of at most :data:`MAX_STATE_TILES` tiles: ValueError naming the tensor or F and M here,
+    before the extension (whose launches failed as "invalid configuration argument")."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not supports(t):
             raise ValueError(
                 "the cuda backend takes float32, float16 or bfloat16 CUDA tensors on a GPU of "
-                f"compute capability >= 8.0, got {t.dtype} on {t.device}"
+                f"compute capability >= 8.0, got {name} of {t.dtype} on {t.device}"
             )
         if t.dim() > 0 and t.shape[-1] >= MAX_LAST_DIM:
             raise ValueError(
                 f"{name}'s last dimension must be below 2^24 for the cuda backend, got "
                 f"{t.shape[-1]}"
             )
+    f, m = q.shape[-1], v.shape[-1]
+    tiles = -(-f // 64) * -(-(m + 1) // 64)
+    if tiles > MAX_STATE_TILES:
+        raise ValueError(
+            f"F = {f} and M = {m} make a state of {tiles} tiles of 64 × 64 (M + 1 columns), "
+            f"more than the cuda backend's {MAX_STATE_TILES}; use backend='torch'"
+        )
 
 
 # ---------------------------------------------------------------- unnormalized causal product
