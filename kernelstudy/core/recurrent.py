@@ -162,7 +162,9 @@ class RecurrentState:
         dtype and the state after the block: ``out_i = φq_i·(S + Σ_{j≤i} φk_j v_jᵀ) /
         (φq_i·(Z + Σ_{j≤i} φk_j) + eps)``, what ``N`` steps give. The block's part is the
         core's causal product (``backend`` as in :func:`kernelstudy.causal_dot_product`: the
-        compiled kernels where they run), the state's an ``(F, M)`` product. A scaled state
+        compiled kernels where they run), the state's an ``(F, M)`` product, both in the sums'
+        dtype where that is wider than the inputs' (a float64 state: then on a backend that
+        takes float64, which ``"cuda"`` does not), as :meth:`step` sums. A scaled state
         needs ``k_log_scale: (B,H,N)``: the block's sums share the shift of its largest log
         scale (and the state's), and each row's ``eps`` is scaled to the shift of the row's
         own prefix, as ``kernel_attention`` normalizes causal rows: the outputs equal the
