@@ -88,47 +88,53 @@ def benchmark(args: argparse.Namespace) -> pd.DataFrame:
     about = lm_cases.run_columns(args, "compiled_step.py", rate)
     rows = []
     cases = [(a, n) for a in args.attentions for n in args.seq_lens]
-    for attention, length in tqdm(cases, desc="compiled step", unit="case"):
-        classes = CLASSES if args.model == "classifier" else 0
-        model = lm_cases.build_model(args, attention, max(args.seq_lens), classes)
-        gen = torch.Generator().manual_seed(length)
-        ids = torch.randint(args.vocab, (args.batch, length), generator=gen).to(device)
-        torch._dynamo.reset()
-        compiled = torch.compile(model, fullgraph=True, mode=MODES[args.mode])
-        runs = {"eager": model, "compiled": compiled}
-        grads, first = {}, {}
-        for way, run in runs.items():
-            start = time.perf_counter()
-            grads[way] = [g.clone() for g in train_step(run, model, ids)]
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            first[way] = time.perf_counter() - start
-        times = {}
-        for way, run in runs.items():
-            call = functools.partial(train_step, run, model, ids)
-            times[way] = statistics.median(ks.analysis.time_call(call, device, args.repeats))
-        flops = weight_flops(model, args.batch * length)
-        diff = max_relative_diff(grads["compiled"], grads["eager"])
-        for way in WAYS:
-            is_compiled = way == "compiled"
-            rows.append(
-                lm_cases.case_columns(args, attention)
-                | {
-                    "way": way,
-                    "model": args.model,
-                    "seq_len": length,
-                    "mode": args.mode if is_compiled else "",
-                    "time_ms": times[way] * 1e3,
-                    "tokens_per_s": args.batch * length / times[way],
-                    "gflops": flops / times[way] / 1e9,
-                    "frac_matmul": flops / times[way] / 1e9 / rate,
-                    "speedup": times["eager"] / times[way],
-                    "compile_s": first[way] - times[way] if is_compiled else 0.0,
-                    "max_grad_diff": diff if is_compiled else 0.0,
-                }
-                | about
-            )
-    return pd.DataFrame(rows)
+    interrupted = False
+    try:  # Ctrl-C keeps the cases measured so far (main writes them)
+        for attention, length in tqdm(cases, desc="compiled step", unit="case"):
+            classes = CLASSES if args.model == "classifier" else 0
+            model = lm_cases.build_model(args, attention, max(args.seq_lens), classes)
+            gen = torch.Generator().manual_seed(length)
+            ids = torch.randint(args.vocab, (args.batch, length), generator=gen).to(device)
+            torch._dynamo.reset()
+            compiled = torch.compile(model, fullgraph=True, mode=MODES[args.mode])
+            runs = {"eager": model, "compiled": compiled}
+            grads, first = {}, {}
+            for way, run in runs.items():
+                start = time.perf_counter()
+                grads[way] = [g.clone() for g in train_step(run, model, ids)]
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                first[way] = time.perf_counter() - start
+            times = {}
+            for way, run in runs.items():
+                call = functools.partial(train_step, run, model, ids)
+                times[way] = statistics.median(ks.analysis.time_call(call, device, args.repeats))
+            flops = weight_flops(model, args.batch * length)
+            diff = max_relative_diff(grads["compiled"], grads["eager"])
+            for way in WAYS:
+                is_compiled = way == "compiled"
+                rows.append(
+                    lm_cases.case_columns(args, attention)
+                    | {
+                        "way": way,
+                        "model": args.model,
+                        "seq_len": length,
+                        "mode": args.mode if is_compiled else "",
+                        "time_ms": times[way] * 1e3,
+                        "tokens_per_s": args.batch * length / times[way],
+                        "gflops": flops / times[way] / 1e9,
+                        "frac_matmul": flops / times[way] / 1e9 / rate,
+                        "speedup": times["eager"] / times[way],
+                        "compile_s": first[way] - times[way] if is_compiled else 0.0,
+                        "max_grad_diff": diff if is_compiled else 0.0,
+                    }
+                    | about
+                )
+    except KeyboardInterrupt:
+        interrupted = True
+    frame = pd.DataFrame(rows)
+    frame.attrs["interrupted"] = interrupted
+    return frame
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -156,8 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if lm_cases.no_gpu_for("compiled_step.py", args):
         return 1
-    lm_cases.write_and_show(benchmark(args), args, "seq_len", "eager", "compiled")
-    return 0
+    return lm_cases.finish(benchmark(args), args, "seq_len", "eager", "compiled")
 
 
 if __name__ == "__main__":

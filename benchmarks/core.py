@@ -131,104 +131,109 @@ def benchmark(args: argparse.Namespace, linear_backends: list[str]) -> pd.DataFr
         file=sys.stderr,
     )
     rows = []
-    for n in args.n:
-        gen = torch.Generator(device="cpu").manual_seed(n)
-        try:
-            phi_q = torch.rand(b, h, n, f, generator=gen).to(device, dtype)
-            phi_k = torch.rand(b, h, n, f, generator=gen).to(device, dtype)
-            v = torch.randn(b, h, n, m, generator=gen).to(device, dtype)
-            q = torch.randn(b, h, n, d, generator=gen).to(device, dtype)
-            k = torch.randn(b, h, n, d, generator=gen).to(device, dtype)
-            vs = torch.randn(b, h, n, d, generator=gen).to(device, dtype)
-        except (RuntimeError, MemoryError) as err:  # a CPU's allocation failure is neither
-            if not out_of_memory(err):  # torch.OutOfMemoryError nor a MemoryError
-                raise
-            print(f"N={n:>6} the inputs do not fit in memory: skipped", file=sys.stderr)
-            continue
-        cases = []
-        for backend in linear_backends:
-            if backend == "reference" and n > REFERENCE_MAX_N:
+    interrupted = False
+    try:  # Ctrl-C keeps the cases measured so far (main writes them)
+        for n in args.n:
+            gen = torch.Generator(device="cpu").manual_seed(n)
+            try:
+                phi_q = torch.rand(b, h, n, f, generator=gen).to(device, dtype)
+                phi_k = torch.rand(b, h, n, f, generator=gen).to(device, dtype)
+                v = torch.randn(b, h, n, m, generator=gen).to(device, dtype)
+                q = torch.randn(b, h, n, d, generator=gen).to(device, dtype)
+                k = torch.randn(b, h, n, d, generator=gen).to(device, dtype)
+                vs = torch.randn(b, h, n, d, generator=gen).to(device, dtype)
+            except (RuntimeError, MemoryError) as err:  # a CPU's allocation failure is neither
+                if not out_of_memory(err):  # torch.OutOfMemoryError nor a MemoryError
+                    raise
+                print(f"N={n:>6} the inputs do not fit in memory: skipped", file=sys.stderr)
                 continue
-            cases.append(
-                (
-                    "causal_product",
-                    backend,
-                    True,
-                    partial(ks.causal_dot_product, phi_q, phi_k, v, backend=backend),
-                    (phi_q, phi_k, v),
-                    4 * b * h * n * f * m,
-                )
-            )
-            for causal in (True, False):
-                if not causal and not runs_own_noncausal_attention(backend):
-                    continue  # non-causal attention there is the torch path under a new label
+            cases = []
+            for backend in linear_backends:
+                if backend == "reference" and n > REFERENCE_MAX_N:
+                    continue
                 cases.append(
                     (
-                        "linear_attention",
+                        "causal_product",
                         backend,
-                        causal,
-                        partial(
-                            ks.linear_attention, phi_q, phi_k, v, causal=causal, backend=backend
-                        ),
+                        True,
+                        partial(ks.causal_dot_product, phi_q, phi_k, v, backend=backend),
                         (phi_q, phi_k, v),
                         4 * b * h * n * f * m,
                     )
                 )
-        if not args.no_softmax:
-            for causal in (True, False):
-                cases.append(
-                    (
-                        "softmax_attention",
-                        "sdpa",
-                        causal,
-                        partial(ks.softmax_attention, q, k, vs, causal=causal),
-                        (q, k, vs),
-                        4 * b * h * n * n * d // (2 if causal else 1),
+                for causal in (True, False):
+                    if not causal and not runs_own_noncausal_attention(backend):
+                        continue  # non-causal attention there is the torch path under a new label
+                    cases.append(
+                        (
+                            "linear_attention",
+                            backend,
+                            causal,
+                            partial(
+                                ks.linear_attention, phi_q, phi_k, v, causal=causal, backend=backend
+                            ),
+                            (phi_q, phi_k, v),
+                            4 * b * h * n * f * m,
+                        )
                     )
-                )
-        for op, backend, causal, fn, inputs, flops in cases:
-            for mode in args.modes:
-                backward = mode == "fwd+bwd"
-                for t in inputs:
-                    t.requires_grad_(backward)
-                call = _run(fn, list(inputs), backward)
-                call_flops = 3 * flops if backward else flops
-                error = ""
-                try:
-                    seconds = median_time(call, device, args.repeats)
-                    memory = peak_memory_mib(call, device)
-                except (RuntimeError, MemoryError) as err:  # this size only: the others run
-                    if not out_of_memory(err):
-                        raise
-                    seconds, memory, error = float("nan"), float("nan"), "out of memory"
-                if error and device.type == "cuda":  # after the except: its traceback held
-                    torch.cuda.empty_cache()  # the failed call's tensors
-                rows.append(
-                    {
-                        "op": op,
-                        "backend": backend,
-                        "causal": causal,
-                        "mode": mode,
-                        "B": b,
-                        "H": h,
-                        "N": n,
-                        "F": f if op != "softmax_attention" else None,
-                        "M": m if op != "softmax_attention" else d,
-                        "D": d if op == "softmax_attention" else None,
-                        "dtype": args.dtype,
-                        "time_ms": seconds * 1e3,
-                        "peak_mib": memory,
-                        "gflops": call_flops / seconds / 1e9,
-                        "frac_matmul": call_flops / seconds / rate,
-                        "error": error,
-                    }
-                )
-                print(
-                    f"N={n:>6} {op:<18} {backend:<9} causal={causal!s:<5} {mode:<7} "
-                    f"{seconds * 1e3:9.2f} ms {memory:8.1f} MiB {error}",
-                    file=sys.stderr,
-                )
+            if not args.no_softmax:
+                for causal in (True, False):
+                    cases.append(
+                        (
+                            "softmax_attention",
+                            "sdpa",
+                            causal,
+                            partial(ks.softmax_attention, q, k, vs, causal=causal),
+                            (q, k, vs),
+                            4 * b * h * n * n * d // (2 if causal else 1),
+                        )
+                    )
+            for op, backend, causal, fn, inputs, flops in cases:
+                for mode in args.modes:
+                    backward = mode == "fwd+bwd"
+                    for t in inputs:
+                        t.requires_grad_(backward)
+                    call = _run(fn, list(inputs), backward)
+                    call_flops = 3 * flops if backward else flops
+                    error = ""
+                    try:
+                        seconds = median_time(call, device, args.repeats)
+                        memory = peak_memory_mib(call, device)
+                    except (RuntimeError, MemoryError) as err:  # this size only: the others run
+                        if not out_of_memory(err):
+                            raise
+                        seconds, memory, error = float("nan"), float("nan"), "out of memory"
+                    if error and device.type == "cuda":  # after the except: its traceback held
+                        torch.cuda.empty_cache()  # the failed call's tensors
+                    rows.append(
+                        {
+                            "op": op,
+                            "backend": backend,
+                            "causal": causal,
+                            "mode": mode,
+                            "B": b,
+                            "H": h,
+                            "N": n,
+                            "F": f if op != "softmax_attention" else None,
+                            "M": m if op != "softmax_attention" else d,
+                            "D": d if op == "softmax_attention" else None,
+                            "dtype": args.dtype,
+                            "time_ms": seconds * 1e3,
+                            "peak_mib": memory,
+                            "gflops": call_flops / seconds / 1e9,
+                            "frac_matmul": call_flops / seconds / rate,
+                            "error": error,
+                        }
+                    )
+                    print(
+                        f"N={n:>6} {op:<18} {backend:<9} causal={causal!s:<5} {mode:<7} "
+                        f"{seconds * 1e3:9.2f} ms {memory:8.1f} MiB {error}",
+                        file=sys.stderr,
+                    )
+    except KeyboardInterrupt:
+        interrupted = True
     frame = pd.DataFrame(rows)
+    frame.attrs["interrupted"] = interrupted
     frame["matmul_gflops"] = rate / 1e9
     frame["device"] = device_name(device)
     frame["threads"] = torch.get_num_threads()
@@ -343,14 +348,17 @@ def main(argv: list[str] | None = None) -> int:
     if unusable:
         print(f"skipped (not built, or not for {device}): {', '.join(unusable)}", file=sys.stderr)
     frame = benchmark(args, usable)
+    interrupted = frame.attrs.get("interrupted", False)  # by Ctrl-C: exit 130
     if frame.empty or frame.time_ms.isna().all():  # nothing ran: keep whatever --out holds
         print(f"benchmarks/core.py: no case ran; {args.out} left as it was", file=sys.stderr)
-        return 1
+        return 130 if interrupted else 1
     atomic_write_text(args.out, frame.to_csv(index=False))
     with pd.option_context("display.width", 200, "display.max_columns", 50):
         print(summary(frame).to_string())
-    print(f"wrote {args.out}")
-    return 0
+    print(
+        f"wrote {args.out}" + (" (interrupted: the cases measured before)" if interrupted else "")
+    )
+    return 130 if interrupted else 0
 
 
 if __name__ == "__main__":

@@ -138,6 +138,20 @@ def matrix_weights(model: torch.nn.Module) -> int:
     )
 
 
+def finish(frame: pd.DataFrame, args: argparse.Namespace, length: str, base: str, way: str) -> int:
+    """The exit status after :func:`write_and_show`: 0, or 130 where Ctrl-C stopped the run
+    (``frame.attrs["interrupted"]``): its cases measured so far are written, and ``--out`` is
+    left as it was where there were none."""
+    interrupted = bool(frame.attrs.get("interrupted"))
+    if frame.empty:
+        print(f"interrupted before any case; {args.out} left as it was", file=sys.stderr)
+        return 130
+    write_and_show(frame, args, length, base, way)
+    if interrupted:
+        print(f"interrupted: {args.out} holds the cases measured before", file=sys.stderr)
+    return 130 if interrupted else 0
+
+
 def write_and_show(
     frame: pd.DataFrame, args: argparse.Namespace, length: str, base: str, way: str
 ) -> None:

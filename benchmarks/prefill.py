@@ -60,33 +60,39 @@ def benchmark(args: argparse.Namespace) -> pd.DataFrame:
     about = lm_cases.run_columns(args, "prefill.py", rate)
     rows = []
     cases = [(a, p) for a in args.attentions for p in args.prompt_lens]
-    for attention, length in tqdm(cases, desc="prefill", unit="case"):
-        model = lm_cases.build_model(args, attention, max(args.prompt_lens)).eval()
-        gen = torch.Generator().manual_seed(length)
-        prompt = torch.randint(args.vocab, (args.batch, length), generator=gen).to(device)
-        last = {way: read_prompt(model, prompt, way).float() for way in WAYS}
-        times = {}
-        for way in WAYS:
-            call = functools.partial(read_prompt, model, prompt, way)
-            seconds = ks.analysis.time_call(call, device, args.repeats)
-            times[way] = statistics.median(seconds)
-        flops = weight_flops(model, args.batch * length)
-        for way in WAYS:
-            rows.append(
-                lm_cases.case_columns(args, attention)
-                | {
-                    "way": way,
-                    "prompt_len": length,
-                    "time_ms": times[way] * 1e3,
-                    "tokens_per_s": args.batch * length / times[way],
-                    "gflops": flops / times[way] / 1e9,
-                    "frac_matmul": flops / times[way] / 1e9 / rate,
-                    "speedup": times["tokens"] / times[way],
-                    "max_logit_diff": float((last["block"] - last["tokens"]).abs().max()),
-                }
-                | about
-            )
-    return pd.DataFrame(rows)
+    interrupted = False
+    try:  # Ctrl-C keeps the cases measured so far (main writes them)
+        for attention, length in tqdm(cases, desc="prefill", unit="case"):
+            model = lm_cases.build_model(args, attention, max(args.prompt_lens)).eval()
+            gen = torch.Generator().manual_seed(length)
+            prompt = torch.randint(args.vocab, (args.batch, length), generator=gen).to(device)
+            last = {way: read_prompt(model, prompt, way).float() for way in WAYS}
+            times = {}
+            for way in WAYS:
+                call = functools.partial(read_prompt, model, prompt, way)
+                seconds = ks.analysis.time_call(call, device, args.repeats)
+                times[way] = statistics.median(seconds)
+            flops = weight_flops(model, args.batch * length)
+            for way in WAYS:
+                rows.append(
+                    lm_cases.case_columns(args, attention)
+                    | {
+                        "way": way,
+                        "prompt_len": length,
+                        "time_ms": times[way] * 1e3,
+                        "tokens_per_s": args.batch * length / times[way],
+                        "gflops": flops / times[way] / 1e9,
+                        "frac_matmul": flops / times[way] / 1e9 / rate,
+                        "speedup": times["tokens"] / times[way],
+                        "max_logit_diff": float((last["block"] - last["tokens"]).abs().max()),
+                    }
+                    | about
+                )
+    except KeyboardInterrupt:
+        interrupted = True
+    frame = pd.DataFrame(rows)
+    frame.attrs["interrupted"] = interrupted
+    return frame
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -109,8 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if lm_cases.no_gpu_for("prefill.py", args):
         return 1
-    lm_cases.write_and_show(benchmark(args), args, "prompt_len", "tokens", "block")
-    return 0
+    return lm_cases.finish(benchmark(args), args, "prompt_len", "tokens", "block")
 
 
 if __name__ == "__main__":

@@ -1549,6 +1549,43 @@ def test_prefill_times_both_ways_and_they_agree(prefill, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["prefill.csv"]  # no temp file left
 
 
+def test_ctrl_c_keeps_the_cases_measured_before(prefill, core, tmp_path, monkeypatch, capsys):
+    """Ctrl-C in a CPU benchmark exited 130 with a traceback and wrote nothing: every case
+    measured before it was lost. Now they are written, and the status is still 130."""
+    read_prompt = prefill.read_prompt
+
+    def interrupted_at_9(model, prompt, way):
+        if prompt.shape[1] == 9:
+            raise KeyboardInterrupt
+        return read_prompt(model, prompt, way)
+
+    monkeypatch.setattr(prefill, "read_prompt", interrupted_at_9)
+    out = tmp_path / "prefill.csv"
+    small = ["--d-model", "16", "--n-heads", "2", "--n-layers", "1", "--attentions", "softmax"]
+    assert (
+        prefill.main(["--prompt-lens", "5", "9", "--repeats", "1", *small, "--out", str(out)])
+        == 130
+    )
+    assert set(pd.read_csv(out).prompt_len) == {5}
+    assert "interrupted: " in capsys.readouterr().err
+    assert prefill.main(["--prompt-lens", "9", "--repeats", "1", *small, "--out", str(out)]) == 130
+    assert set(pd.read_csv(out).prompt_len) == {5}  # none measured: --out left as it was
+    assert "interrupted before any case" in capsys.readouterr().err
+
+    product = ks.causal_dot_product
+
+    def interrupted_at_96(phi_q, *args, **kwargs):
+        if phi_q.shape[2] == 96:
+            raise KeyboardInterrupt
+        return product(phi_q, *args, **kwargs)
+
+    monkeypatch.setattr(core.ks, "causal_dot_product", interrupted_at_96)
+    out = tmp_path / "core.csv"
+    argv = ["--n", "64", "96", "128", "--repeats", "1", "--backends", "torch", "--no-softmax"]
+    assert core.main([*argv, "--out", str(out)]) == 130
+    assert set(pd.read_csv(out).N) == {64}
+
+
 # ---------------------------------------------------------------- benchmarks/compiled_step.py
 @pytest.fixture(scope="module")
 def compiled_step():
