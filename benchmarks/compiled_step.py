@@ -37,7 +37,6 @@ if str(Path(__file__).resolve().parent) not in sys.path:
 import lm_cases  # noqa: E402
 
 import kernelstudy as ks  # noqa: E402
-from kernelstudy.progress import tqdm  # noqa: E402
 
 WAYS = ("eager", "compiled")
 #: torch.compile's modes (``reduce-overhead``: CUDA graphs, on a GPU)
@@ -86,55 +85,52 @@ def benchmark(args: argparse.Namespace) -> pd.DataFrame:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     rate = ks.analysis.matmul_rate(device, dtype, repeats=3)
     about = lm_cases.run_columns(args, "compiled_step.py", rate)
-    rows = []
     cases = [(a, n) for a in args.attentions for n in args.seq_lens]
-    interrupted = False
-    try:  # Ctrl-C keeps the cases measured so far (main writes them)
-        for attention, length in tqdm(cases, desc="compiled step", unit="case"):
-            classes = CLASSES if args.model == "classifier" else 0
-            model = lm_cases.build_model(args, attention, max(args.seq_lens), classes)
-            gen = torch.Generator().manual_seed(length)
-            ids = torch.randint(args.vocab, (args.batch, length), generator=gen).to(device)
-            torch._dynamo.reset()
-            compiled = torch.compile(model, fullgraph=True, mode=MODES[args.mode])
-            runs = {"eager": model, "compiled": compiled}
-            grads, first = {}, {}
-            for way, run in runs.items():
-                start = time.perf_counter()
-                grads[way] = [g.clone() for g in train_step(run, model, ids)]
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                first[way] = time.perf_counter() - start
-            times = {}
-            for way, run in runs.items():
-                call = functools.partial(train_step, run, model, ids)
-                times[way] = statistics.median(ks.analysis.time_call(call, device, args.repeats))
-            flops = weight_flops(model, args.batch * length)
-            diff = max_relative_diff(grads["compiled"], grads["eager"])
-            for way in WAYS:
-                is_compiled = way == "compiled"
-                rows.append(
-                    lm_cases.case_columns(args, attention)
-                    | {
-                        "way": way,
-                        "model": args.model,
-                        "seq_len": length,
-                        "mode": args.mode if is_compiled else "",
-                        "time_ms": times[way] * 1e3,
-                        "tokens_per_s": args.batch * length / times[way],
-                        "gflops": flops / times[way] / 1e9,
-                        "frac_matmul": flops / times[way] / 1e9 / rate,
-                        "speedup": times["eager"] / times[way],
-                        "compile_s": first[way] - times[way] if is_compiled else 0.0,
-                        "max_grad_diff": diff if is_compiled else 0.0,
-                    }
-                    | about
-                )
-    except KeyboardInterrupt:
-        interrupted = True
-    frame = pd.DataFrame(rows)
-    frame.attrs["interrupted"] = interrupted
-    return frame
+
+    def rows_of(attention: str, length: int) -> list[dict]:
+        rows = []
+        classes = CLASSES if args.model == "classifier" else 0
+        model = lm_cases.build_model(args, attention, max(args.seq_lens), classes)
+        gen = torch.Generator().manual_seed(length)
+        ids = torch.randint(args.vocab, (args.batch, length), generator=gen).to(device)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True, mode=MODES[args.mode])
+        runs = {"eager": model, "compiled": compiled}
+        grads, first = {}, {}
+        for way, run in runs.items():
+            start = time.perf_counter()
+            grads[way] = [g.clone() for g in train_step(run, model, ids)]
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            first[way] = time.perf_counter() - start
+        times = {}
+        for way, run in runs.items():
+            call = functools.partial(train_step, run, model, ids)
+            times[way] = statistics.median(ks.analysis.time_call(call, device, args.repeats))
+        flops = weight_flops(model, args.batch * length)
+        diff = max_relative_diff(grads["compiled"], grads["eager"])
+        for way in WAYS:
+            is_compiled = way == "compiled"
+            rows.append(
+                lm_cases.case_columns(args, attention)
+                | {
+                    "way": way,
+                    "model": args.model,
+                    "seq_len": length,
+                    "mode": args.mode if is_compiled else "",
+                    "time_ms": times[way] * 1e3,
+                    "tokens_per_s": args.batch * length / times[way],
+                    "gflops": flops / times[way] / 1e9,
+                    "frac_matmul": flops / times[way] / 1e9 / rate,
+                    "speedup": times["eager"] / times[way],
+                    "compile_s": first[way] - times[way] if is_compiled else 0.0,
+                    "max_grad_diff": diff if is_compiled else 0.0,
+                }
+                | about
+            )
+        return rows
+
+    return lm_cases.measure(cases, "compiled step", rows_of)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -1,6 +1,7 @@
 """What the causal-LM benchmarks (``prefill.py``, ``compiled_step.py``) share: the model and run
 flags and their checks, the model each case builds, the columns that describe a run, the
-model's matrix weights (for FLOP counts), and the CSV and table a run leaves."""
+model's matrix weights (for FLOP counts), the cases' loop (Ctrl-C keeps what it measured), and
+the CSV and table a run leaves."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import argparse
 import datetime as dt
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
@@ -21,6 +23,7 @@ from core import check_sizes_and_device, device_name  # noqa: E402
 
 import kernelstudy as ks  # noqa: E402
 from kernelstudy.files import atomic_write_text, output_file_problem  # noqa: E402
+from kernelstudy.progress import tqdm  # noqa: E402
 
 ATTENTIONS = ("kernel", "softmax")
 
@@ -136,6 +139,24 @@ def matrix_weights(model: torch.nn.Module) -> int:
     return sum(
         p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "embed" not in name
     )
+
+
+def measure(
+    cases: list[tuple[str, int]], desc: str, rows_of: Callable[[str, int], list[dict]]
+) -> pd.DataFrame:
+    """The rows of ``rows_of(attention, length)`` for each case, with a progress bar. Ctrl-C
+    stops at the case it is in and keeps the ones measured before (``frame.attrs
+    ["interrupted"]``: :func:`finish` writes them and exits 130)."""
+    rows: list[dict] = []
+    interrupted = False
+    try:
+        for attention, length in tqdm(cases, desc=desc, unit="case"):
+            rows += rows_of(attention, length)
+    except KeyboardInterrupt:
+        interrupted = True
+    frame = pd.DataFrame(rows)
+    frame.attrs["interrupted"] = interrupted
+    return frame
 
 
 def finish(frame: pd.DataFrame, args: argparse.Namespace, length: str, base: str, way: str) -> int:

@@ -31,7 +31,6 @@ if str(Path(__file__).resolve().parent) not in sys.path:
 import lm_cases  # noqa: E402
 
 import kernelstudy as ks  # noqa: E402
-from kernelstudy.progress import tqdm  # noqa: E402
 
 WAYS = ("tokens", "block")
 
@@ -58,41 +57,38 @@ def benchmark(args: argparse.Namespace) -> pd.DataFrame:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     rate = ks.analysis.matmul_rate(device, dtype, repeats=3)
     about = lm_cases.run_columns(args, "prefill.py", rate)
-    rows = []
     cases = [(a, p) for a in args.attentions for p in args.prompt_lens]
-    interrupted = False
-    try:  # Ctrl-C keeps the cases measured so far (main writes them)
-        for attention, length in tqdm(cases, desc="prefill", unit="case"):
-            model = lm_cases.build_model(args, attention, max(args.prompt_lens)).eval()
-            gen = torch.Generator().manual_seed(length)
-            prompt = torch.randint(args.vocab, (args.batch, length), generator=gen).to(device)
-            last = {way: read_prompt(model, prompt, way).float() for way in WAYS}
-            times = {}
-            for way in WAYS:
-                call = functools.partial(read_prompt, model, prompt, way)
-                seconds = ks.analysis.time_call(call, device, args.repeats)
-                times[way] = statistics.median(seconds)
-            flops = weight_flops(model, args.batch * length)
-            for way in WAYS:
-                rows.append(
-                    lm_cases.case_columns(args, attention)
-                    | {
-                        "way": way,
-                        "prompt_len": length,
-                        "time_ms": times[way] * 1e3,
-                        "tokens_per_s": args.batch * length / times[way],
-                        "gflops": flops / times[way] / 1e9,
-                        "frac_matmul": flops / times[way] / 1e9 / rate,
-                        "speedup": times["tokens"] / times[way],
-                        "max_logit_diff": float((last["block"] - last["tokens"]).abs().max()),
-                    }
-                    | about
-                )
-    except KeyboardInterrupt:
-        interrupted = True
-    frame = pd.DataFrame(rows)
-    frame.attrs["interrupted"] = interrupted
-    return frame
+
+    def rows_of(attention: str, length: int) -> list[dict]:
+        rows = []
+        model = lm_cases.build_model(args, attention, max(args.prompt_lens)).eval()
+        gen = torch.Generator().manual_seed(length)
+        prompt = torch.randint(args.vocab, (args.batch, length), generator=gen).to(device)
+        last = {way: read_prompt(model, prompt, way).float() for way in WAYS}
+        times = {}
+        for way in WAYS:
+            call = functools.partial(read_prompt, model, prompt, way)
+            seconds = ks.analysis.time_call(call, device, args.repeats)
+            times[way] = statistics.median(seconds)
+        flops = weight_flops(model, args.batch * length)
+        for way in WAYS:
+            rows.append(
+                lm_cases.case_columns(args, attention)
+                | {
+                    "way": way,
+                    "prompt_len": length,
+                    "time_ms": times[way] * 1e3,
+                    "tokens_per_s": args.batch * length / times[way],
+                    "gflops": flops / times[way] / 1e9,
+                    "frac_matmul": flops / times[way] / 1e9 / rate,
+                    "speedup": times["tokens"] / times[way],
+                    "max_logit_diff": float((last["block"] - last["tokens"]).abs().max()),
+                }
+                | about
+            )
+        return rows
+
+    return lm_cases.measure(cases, "prefill", rows_of)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
