@@ -31,7 +31,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
     the umask), not the temp file's 0o600."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = new_temporary_file(path.parent, f".{path.name}.", ".tmp")
+    # the name cut to 200 characters: the temp name adds 22, and names stop at 255
+    fd, tmp = new_temporary_file(path.parent, f".{path.name[:200]}.", ".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             if path.exists():

@@ -104,3 +104,11 @@ def test_an_output_file_is_checked_before_a_run_and_the_check_leaves_nothing(tmp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # no probe, no folder
     if os.path.isdir("/proc/self"):  # a folder that takes no new file, even for root
         assert output_file_problem("/proc/x.csv").startswith("cannot write in /proc")
+
+
+def test_a_name_near_the_length_limit_is_written(tmp_path):
+    """The temp file's name (the name, a dot, 16 hex digits, .tmp) passed 255 characters for
+    names of 234 or more: OSError 'File name too long' for a name the folder takes."""
+    path = tmp_path / ("x" * 250 + ".csv")
+    atomic_write_text(path, "a\n")
+    assert path.read_text() == "a\n" and [p.name for p in tmp_path.iterdir()] == [path.name]

@@ -172,6 +172,22 @@ def test_recurrent_bad_sizes():
         ks.RecurrentState.zeros(1, 1, 2, 3, dtype=torch.int64)
     with pytest.raises(ValueError, match="eps"):
         ks.RecurrentState.zeros(1, 1, 2, 3, eps=0.0)
+    with pytest.raises(ValueError, match="batch must be an int >= 0, got -1"):
+        ks.RecurrentState.zeros(-1, 1, 2, 3)
+
+
+@pytest.mark.parametrize("feature_map", ["elu", "favor"])
+def test_an_empty_batch_steps_as_the_forward_takes_it(feature_map):
+    """RecurrentState.zeros refused batch 0, so a kernel layer could not step an empty batch
+    (its forward, the softmax layer and generate could)."""
+    layer = ks.nn.KernelAttention(8, 2, feature_map=feature_map, causal=True)
+    x = torch.randn(0, 3, 8)
+    y, state = layer.step(x[:, 0])
+    out, state = layer.steps(x, state)
+    assert y.shape == (0, 8) and out.shape == (0, 3, 8) == layer(x).shape
+    assert state.S.shape[0] == 0
+    lm = ks.nn.CausalLM(10, d_model=8, n_heads=2, n_layers=1)
+    assert lm.generate(torch.zeros(0, 4, dtype=torch.long), 2).shape == (0, 6)
 
 
 def _explicit_softmax(q, k, v, causal, mask):

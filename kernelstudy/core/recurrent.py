@@ -95,12 +95,12 @@ class RecurrentState:
         :meth:`kernelstudy.feature_maps.FeatureMap.key_features`).
         """
         batch, heads, feature_dim, value_dim = (
-            check_count(name, n, 1)  # numpy ints too, as elsewhere in the core
-            for name, n in (
-                ("batch", batch),
-                ("heads", heads),
-                ("feature_dim", feature_dim),
-                ("value_dim", value_dim),
+            check_count(name, n, low)  # numpy ints too, as elsewhere in the core
+            for name, n, low in (
+                ("batch", batch, 0),  # an empty batch, as the layers' forward takes one
+                ("heads", heads, 1),
+                ("feature_dim", feature_dim, 1),
+                ("value_dim", value_dim, 1),
             )
         )
         if dtype not in (torch.float32, torch.float64):
