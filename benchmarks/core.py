@@ -30,9 +30,10 @@ import shlex
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import pandas as pd
 import torch
@@ -41,6 +42,8 @@ import kernelstudy as ks
 from kernelstudy.cli import out_of_memory
 from kernelstudy.core import registered_backends, runs_own_noncausal_attention
 from kernelstudy.files import atomic_write_text, output_file_problem
+
+T = TypeVar("T")
 
 # Above this, the reference backend's N×N matrix costs too much memory to benchmark.
 REFERENCE_MAX_N = 4096
@@ -120,6 +123,22 @@ def _run(fn: Callable[[], torch.Tensor], inputs: list[torch.Tensor], backward: b
     return call
 
 
+def rows_until_interrupted(
+    items: Iterable[T], rows_of: Callable[[T], Iterable[dict]]
+) -> tuple[list[dict], bool]:
+    """The rows ``rows_of(item)`` gives (a generator: as each case is measured) for each item,
+    and whether Ctrl-C stopped the loop: the rows given before it are kept (the caller writes
+    them and exits 130)."""
+    rows: list[dict] = []
+    try:
+        for item in items:
+            for row in rows_of(item):
+                rows.append(row)
+    except KeyboardInterrupt:
+        return rows, True
+    return rows, False
+
+
 def benchmark(args: argparse.Namespace, linear_backends: list[str]) -> pd.DataFrame:
     """Time every case; ``linear_backends`` from :func:`usable_backends`."""
     device = torch.device(args.device)
@@ -130,108 +149,105 @@ def benchmark(args: argparse.Namespace, linear_backends: list[str]) -> pd.DataFr
         f"{args.dtype} matmul rate: {rate / 1e9:.1f} GFLOP/s on {device_name(device)}",
         file=sys.stderr,
     )
-    rows = []
-    interrupted = False
-    try:  # Ctrl-C keeps the cases measured so far (main writes them)
-        for n in args.n:
-            gen = torch.Generator(device="cpu").manual_seed(n)
-            try:
-                phi_q = torch.rand(b, h, n, f, generator=gen).to(device, dtype)
-                phi_k = torch.rand(b, h, n, f, generator=gen).to(device, dtype)
-                v = torch.randn(b, h, n, m, generator=gen).to(device, dtype)
-                q = torch.randn(b, h, n, d, generator=gen).to(device, dtype)
-                k = torch.randn(b, h, n, d, generator=gen).to(device, dtype)
-                vs = torch.randn(b, h, n, d, generator=gen).to(device, dtype)
-            except (RuntimeError, MemoryError) as err:  # a CPU's allocation failure is neither
-                if not out_of_memory(err):  # torch.OutOfMemoryError nor a MemoryError
-                    raise
-                print(f"N={n:>6} the inputs do not fit in memory: skipped", file=sys.stderr)
+
+    def rows_of(n: int) -> Iterator[dict]:
+        gen = torch.Generator(device="cpu").manual_seed(n)
+        try:
+            phi_q = torch.rand(b, h, n, f, generator=gen).to(device, dtype)
+            phi_k = torch.rand(b, h, n, f, generator=gen).to(device, dtype)
+            v = torch.randn(b, h, n, m, generator=gen).to(device, dtype)
+            q = torch.randn(b, h, n, d, generator=gen).to(device, dtype)
+            k = torch.randn(b, h, n, d, generator=gen).to(device, dtype)
+            vs = torch.randn(b, h, n, d, generator=gen).to(device, dtype)
+        except (RuntimeError, MemoryError) as err:  # a CPU's allocation failure is neither
+            if not out_of_memory(err):  # torch.OutOfMemoryError nor a MemoryError
+                raise
+            print(f"N={n:>6} the inputs do not fit in memory: skipped", file=sys.stderr)
+            return
+        cases = []
+        for backend in linear_backends:
+            if backend == "reference" and n > REFERENCE_MAX_N:
                 continue
-            cases = []
-            for backend in linear_backends:
-                if backend == "reference" and n > REFERENCE_MAX_N:
-                    continue
+            cases.append(
+                (
+                    "causal_product",
+                    backend,
+                    True,
+                    partial(ks.causal_dot_product, phi_q, phi_k, v, backend=backend),
+                    (phi_q, phi_k, v),
+                    4 * b * h * n * f * m,
+                )
+            )
+            for causal in (True, False):
+                if not causal and not runs_own_noncausal_attention(backend):
+                    continue  # non-causal attention there is the torch path under a new label
                 cases.append(
                     (
-                        "causal_product",
+                        "linear_attention",
                         backend,
-                        True,
-                        partial(ks.causal_dot_product, phi_q, phi_k, v, backend=backend),
+                        causal,
+                        partial(
+                            ks.linear_attention, phi_q, phi_k, v, causal=causal, backend=backend
+                        ),
                         (phi_q, phi_k, v),
                         4 * b * h * n * f * m,
                     )
                 )
-                for causal in (True, False):
-                    if not causal and not runs_own_noncausal_attention(backend):
-                        continue  # non-causal attention there is the torch path under a new label
-                    cases.append(
-                        (
-                            "linear_attention",
-                            backend,
-                            causal,
-                            partial(
-                                ks.linear_attention, phi_q, phi_k, v, causal=causal, backend=backend
-                            ),
-                            (phi_q, phi_k, v),
-                            4 * b * h * n * f * m,
-                        )
+        if not args.no_softmax:
+            for causal in (True, False):
+                cases.append(
+                    (
+                        "softmax_attention",
+                        "sdpa",
+                        causal,
+                        partial(ks.softmax_attention, q, k, vs, causal=causal),
+                        (q, k, vs),
+                        4 * b * h * n * n * d // (2 if causal else 1),
                     )
-            if not args.no_softmax:
-                for causal in (True, False):
-                    cases.append(
-                        (
-                            "softmax_attention",
-                            "sdpa",
-                            causal,
-                            partial(ks.softmax_attention, q, k, vs, causal=causal),
-                            (q, k, vs),
-                            4 * b * h * n * n * d // (2 if causal else 1),
-                        )
-                    )
-            for op, backend, causal, fn, inputs, flops in cases:
-                for mode in args.modes:
-                    backward = mode == "fwd+bwd"
-                    for t in inputs:
-                        t.requires_grad_(backward)
-                    call = _run(fn, list(inputs), backward)
-                    call_flops = 3 * flops if backward else flops
-                    error = ""
-                    try:
-                        seconds = median_time(call, device, args.repeats)
-                        memory = peak_memory_mib(call, device)
-                    except (RuntimeError, MemoryError) as err:  # this size only: the others run
-                        if not out_of_memory(err):
-                            raise
-                        seconds, memory, error = float("nan"), float("nan"), "out of memory"
-                    if error and device.type == "cuda":  # after the except: its traceback held
-                        torch.cuda.empty_cache()  # the failed call's tensors
-                    rows.append(
-                        {
-                            "op": op,
-                            "backend": backend,
-                            "causal": causal,
-                            "mode": mode,
-                            "B": b,
-                            "H": h,
-                            "N": n,
-                            "F": f if op != "softmax_attention" else None,
-                            "M": m if op != "softmax_attention" else d,
-                            "D": d if op == "softmax_attention" else None,
-                            "dtype": args.dtype,
-                            "time_ms": seconds * 1e3,
-                            "peak_mib": memory,
-                            "gflops": call_flops / seconds / 1e9,
-                            "frac_matmul": call_flops / seconds / rate,
-                            "error": error,
-                        }
-                    )
-                    print(
-                        f"N={n:>6} {op:<18} {backend:<9} causal={causal!s:<5} {mode:<7} "
-                        f"{seconds * 1e3:9.2f} ms {memory:8.1f} MiB {error}",
-                        file=sys.stderr,
-                    )
-    except KeyboardInterrupt:
-        interrupted = True
+                )
+        for op, backend, causal, fn, inputs, flops in cases:
+            for mode in args.modes:
+                backward = mode == "fwd+bwd"
+                for t in inputs:
+                    t.requires_grad_(backward)
+                call = _run(fn, list(inputs), backward)
+                call_flops = 3 * flops if backward else flops
+                error = ""
+                try:
+                    seconds = median_time(call, device, args.repeats)
+                    memory = peak_memory_mib(call, device)
+                except (RuntimeError, MemoryError) as err:  # this size only: the others run
+                    if not out_of_memory(err):
+                        raise
+                    seconds, memory, error = float("nan"), float("nan"), "out of memory"
+                if error and device.type == "cuda":  # after the except: its traceback held
+                    torch.cuda.empty_cache()  # the failed call's tensors
+                print(
+                    f"N={n:>6} {op:<18} {backend:<9} causal={causal!s:<5} {mode:<7} "
+                    f"{seconds * 1e3:9.2f} ms {memory:8.1f} MiB {error}",
+                    file=sys.stderr,
+                )
+                yield {
+                    "op": op,
+                    "backend": backend,
+                    "causal": causal,
+                    "mode": mode,
+                    "B": b,
+                    "H": h,
+                    "N": n,
+                    "F": f if op != "softmax_attention" else None,
+                    "M": m if op != "softmax_attention" else d,
+                    "D": d if op == "softmax_attention" else None,
+                    "dtype": args.dtype,
+                    "time_ms": seconds * 1e3,
+                    "peak_mib": memory,
+                    "gflops": call_flops / seconds / 1e9,
+                    "frac_matmul": call_flops / seconds / rate,
+                    "error": error,
+                }
+
+    # Ctrl-C keeps the cases measured so far (main writes them)
+    rows, interrupted = rows_until_interrupted(args.n, rows_of)
     frame = pd.DataFrame(rows)
     frame.attrs["interrupted"] = interrupted
     frame["matmul_gflops"] = rate / 1e9

@@ -19,7 +19,7 @@ import torch
 # script; not when imported by path, as the tests do)
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.append(str(Path(__file__).resolve().parent))
-from core import check_sizes_and_device, device_name  # noqa: E402
+from core import check_sizes_and_device, device_name, rows_until_interrupted  # noqa: E402
 
 import kernelstudy as ks  # noqa: E402
 from kernelstudy.files import atomic_write_text, output_file_problem  # noqa: E402
@@ -147,13 +147,8 @@ def measure(
     """The rows of ``rows_of(attention, length)`` for each case, with a progress bar. Ctrl-C
     stops at the case it is in and keeps the ones measured before (``frame.attrs
     ["interrupted"]``: :func:`finish` writes them and exits 130)."""
-    rows: list[dict] = []
-    interrupted = False
-    try:
-        for attention, length in tqdm(cases, desc=desc, unit="case"):
-            rows += rows_of(attention, length)
-    except KeyboardInterrupt:
-        interrupted = True
+    bar = tqdm(cases, desc=desc, unit="case")
+    rows, interrupted = rows_until_interrupted(bar, lambda case: rows_of(*case))
     frame = pd.DataFrame(rows)
     frame.attrs["interrupted"] = interrupted
     return frame

@@ -914,28 +914,36 @@ def test_scaling_keeps_the_cases_that_ran(monkeypatch, tmp_path, capsys):
     assert calls == [(30, 1, 1)] and not (tmp_path / "broken.csv").exists()
 
 
+# three sizes, the causal products alone
+CORE_SIZES = ["--n", "64", "96", "128", "--repeats", "1", "--backends", "torch", "--no-softmax"]
+
+
+def _core_products_raise_at_96(core, monkeypatch, error: BaseException) -> None:
+    """core.py's causal products raise ``error`` at N = 96; the other sizes run."""
+    product = ks.causal_dot_product
+
+    def causal_dot_product(phi_q, *args, **kwargs):
+        if phi_q.shape[2] == 96:
+            raise error
+        return product(phi_q, *args, **kwargs)
+
+    monkeypatch.setattr(core.ks, "causal_dot_product", causal_dot_product)
+
+
 @pytest.mark.parametrize("where", ["gpu", "cpu"])
 def test_core_out_of_memory_loses_one_size_only(core, tmp_path, monkeypatch, capsys, where):
     """One case running out of memory (a large N on a GPU) ended the run in a traceback, and
     the sizes measured before it were never written. A CPU's allocation failure is a plain
     RuntimeError, not torch.OutOfMemoryError: it was not caught at all."""
-    product = ks.causal_dot_product
     failure = (
         torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
         if where == "gpu"
         else RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't "
                           "allocate memory: you tried to allocate 68719476736 bytes")
     )  # fmt: skip
-
-    def causal_dot_product(phi_q, *args, **kwargs):
-        if phi_q.shape[2] == 96:
-            raise failure
-        return product(phi_q, *args, **kwargs)
-
-    monkeypatch.setattr(core.ks, "causal_dot_product", causal_dot_product)
+    _core_products_raise_at_96(core, monkeypatch, failure)
     out = tmp_path / "core.csv"
-    argv = ["--n", "64", "96", "128", "--repeats", "1", "--backends", "torch", "--no-softmax"]
-    assert core.main([*argv, "--out", str(out)]) == 0
+    assert core.main([*CORE_SIZES, "--out", str(out)]) == 0
     frame = pd.read_csv(out)
     failed = (frame.op == "causal_product") & (frame.N == 96)
     assert failed.sum() == 2 and (frame[failed].error == "out of memory").all()
@@ -1572,17 +1580,9 @@ def test_ctrl_c_keeps_the_cases_measured_before(prefill, core, tmp_path, monkeyp
     assert set(pd.read_csv(out).prompt_len) == {5}  # none measured: --out left as it was
     assert "interrupted before any case" in capsys.readouterr().err
 
-    product = ks.causal_dot_product
-
-    def interrupted_at_96(phi_q, *args, **kwargs):
-        if phi_q.shape[2] == 96:
-            raise KeyboardInterrupt
-        return product(phi_q, *args, **kwargs)
-
-    monkeypatch.setattr(core.ks, "causal_dot_product", interrupted_at_96)
+    _core_products_raise_at_96(core, monkeypatch, KeyboardInterrupt())
     out = tmp_path / "core.csv"
-    argv = ["--n", "64", "96", "128", "--repeats", "1", "--backends", "torch", "--no-softmax"]
-    assert core.main([*argv, "--out", str(out)]) == 130
+    assert core.main([*CORE_SIZES, "--out", str(out)]) == 130
     assert set(pd.read_csv(out).N) == {64}
 
 
