@@ -148,6 +148,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = lm_cases.parse_model_arguments(p, argv)
     if args.seq_lens is None:
         args.seq_lens = [128, 512] if args.quick else [256, 1024, 4096]
+    args.seq_lens = list(dict.fromkeys(args.seq_lens))  # one case per value given
     lm_cases.check_model_arguments(p, args, {})
     if min(args.seq_lens) < 2:
         p.error("--seq-lens must be at least 2 (a step predicts each next token)")

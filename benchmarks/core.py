@@ -249,6 +249,9 @@ def benchmark(args: argparse.Namespace, linear_backends: list[str]) -> pd.DataFr
     # Ctrl-C keeps the cases measured so far (main writes them)
     rows, interrupted = rows_until_interrupted(args.n, rows_of)
     frame = pd.DataFrame(rows)
+    for size in ("F", "D"):  # blank for the other kind of op: integers, not floats (64.0)
+        if size in frame.columns:
+            frame[size] = frame[size].astype("Int64")
     frame.attrs["interrupted"] = interrupted
     frame["matmul_gflops"] = rate / 1e9
     frame["device"] = device_name(device)
@@ -292,14 +295,17 @@ def summary(frame: pd.DataFrame) -> pd.DataFrame:
 
 def check_sizes_and_device(p: argparse.ArgumentParser, sizes: dict[str, int], device: str) -> None:
     """Exit through ``p.error`` (status 2) naming every flag of ``sizes`` below 1, or a
-    ``--device`` that torch cannot parse."""
+    ``--device`` that torch cannot parse or that is neither a CPU nor a CUDA device (the
+    benchmarks time and synchronize those two; ``meta`` would time no work)."""
     bad = [name for name, value in sizes.items() if value < 1]
     if bad:
         p.error(f"{', '.join(bad)} must be positive")
     try:
-        torch.device(device)
+        kind = torch.device(device).type
     except RuntimeError as err:
         p.error(f"--device {device!r}: {err}")
+    if kind not in ("cpu", "cuda"):
+        p.error(f"--device {device!r}: expected cpu, cuda or cuda:N")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -326,6 +332,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.argv = list(sys.argv[1:] if argv is None else argv)  # the command the CSV records
     if args.n is None:
         args.n = [1024, 4096] if args.quick else [1024, 2048, 4096, 8192, 16384]
+    for name in ("n", "backends", "modes"):  # a value given twice is measured once
+        setattr(args, name, list(dict.fromkeys(getattr(args, name))))
     if args.repeats is None:
         args.repeats = 3 if args.quick else 5
     sizes = {

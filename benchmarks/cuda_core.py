@@ -749,6 +749,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name, value in defaults.items():  # what the user gave stands, also with --quick
         if getattr(args, name) is None:
             setattr(args, name, value)
+    for name in ("n", "shapes", "dims", "dtypes", "methods", "modes", "walk_blocks"):
+        if getattr(args, name) is not None:  # a value given twice is measured once
+            setattr(args, name, list(dict.fromkeys(getattr(args, name))))
     if any(n < 1 for n in args.n) or args.repeats < 1 or args.warmup < 0:
         p.error("--n and --repeats must be positive, --warmup non-negative")
     if any(d < 1 for d in args.dims):

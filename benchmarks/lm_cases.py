@@ -48,6 +48,7 @@ def parse_model_arguments(p: argparse.ArgumentParser, argv: list[str] | None) ->
     ``command`` column and ``--repeats`` defaulting to 3 with ``--quick``, else 5."""
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
+    args.attentions = list(dict.fromkeys(args.attentions))  # one case per value given
     if args.repeats is None:
         args.repeats = 3 if args.quick else 5
     return args

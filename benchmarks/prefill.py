@@ -103,6 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = lm_cases.parse_model_arguments(p, argv)
     if args.prompt_lens is None:
         args.prompt_lens = [64, 512] if args.quick else [64, 256, 1024, 4096]
+    args.prompt_lens = list(dict.fromkeys(args.prompt_lens))  # one case per value given
     lm_cases.check_model_arguments(p, args, {"--prompt-lens": min(args.prompt_lens)})
     return args
 

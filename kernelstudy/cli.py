@@ -204,8 +204,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
+    if not getattr(args, "func", None):  # a usage error: help to stderr, as argparse's errors
+        parser.print_help(sys.stderr)
         return 2
     try:
         return int(args.func(args) or 0)

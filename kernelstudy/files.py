@@ -9,6 +9,7 @@ import json
 import os
 import re
 import secrets
+import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -28,8 +29,12 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
     """Write ``path`` through ``write(file)`` into a temp file in the same folder, then
     ``os.replace`` it: readers see the old file or the new one, never a partial one. The
     file gets the permissions ``open`` would give it (an existing file's, else 0o666 less
-    the umask), not the temp file's 0o600."""
+    the umask), not the temp file's 0o600. A symlink is written through (its target gets
+    the new content; the link stays), and the folder is synced after the rename, so the new
+    file survives a crash once this returns."""
     path = Path(path)
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     # the name cut to 200 characters: the temp name adds 22, and names stop at 255
     fd, tmp = new_temporary_file(path.parent, f".{path.name[:200]}.", ".tmp")
@@ -44,7 +49,23 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    sync_folder(path.parent)
     return path
+
+
+def sync_folder(folder: Path) -> None:
+    """fsync ``folder``, so that a rename in it is on disk (a no-op where folders cannot
+    be opened or synced, as on Windows)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def new_temporary_file(folder: str | os.PathLike, prefix: str, suffix: str) -> tuple[int, Path]:
@@ -144,6 +165,47 @@ def remove_stale_temporary_files(folder: str | os.PathLike) -> list[Path]:
         if _TEMPORARY.fullmatch(path.name) and path.is_file():
             path.unlink(missing_ok=True)
             removed.append(path)
+    return removed
+
+
+def lock_while_written(fd: int) -> int:
+    """Lock the open file ``fd`` (advisory) as being written, so that
+    :func:`remove_abandoned_files` leaves it alone, and return a duplicate descriptor that
+    holds the lock until it is closed (or its process dies), also after ``fd`` is."""
+    held = os.dup(fd)
+    if fcntl is not None:
+        with contextlib.suppress(OSError):  # a file system without locks
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return held
+
+
+def remove_abandoned_files(
+    folder: str | os.PathLike, pattern: str, min_age_s: float = 60.0
+) -> list[Path]:
+    """Delete the files matching ``pattern`` in ``folder`` whose writer is gone (killed by
+    SIGKILL mid-write: nothing holds their :func:`lock_while_written` lock), unchanged for
+    ``min_age_s`` seconds (a file just made may not be locked yet), and return them. For
+    folders without one lock over all writers; nothing is deleted where files cannot be
+    locked."""
+    if fcntl is None:
+        return []
+    removed = []
+    now = time.time()
+    for path in Path(folder).glob(pattern):
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        try:
+            if now - os.fstat(fd).st_mtime < min_age_s:
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # a live writer holds it (or no locks here)
+            continue
+        finally:
+            os.close(fd)
+        path.unlink(missing_ok=True)
+        removed.append(path)
     return removed
 
 

@@ -129,6 +129,10 @@ def test_arguments(cuda_core):
     full = cuda_core.parse_args([])
     assert full.n == cuda_core.DEFAULT_N and full.repeats == 10 and len(full.shapes) == 3
     assert cuda_core.parse_args(["--walk-blocks", "128", "512"]).walk_blocks == [128, 512]
+    twice = cuda_core.parse_args(
+        ["--n", "512", "512", "--shapes", "1x8", "1x8", "--dims", "8", "8"]
+    )
+    assert (twice.n, twice.shapes, twice.dims) == ([512], [(1, 8)], [8])
     for bad in (
         ["--shapes", "8by16"],
         ["--shapes", "0x4"],
@@ -217,6 +221,8 @@ def test_core_runs_a_small_case(core, tmp_path):
     assert set(frame.backend) == {"torch", "sdpa"} and (frame.time_ms > 0).all()  # sdpa: softmax
     assert {"matmul_gflops", "frac_matmul", "device", "command"} <= set(frame.columns)
     assert [p.name for p in tmp_path.iterdir()] == ["core.csv"]  # no temp file left
+    f_m_d = {tuple(line.split(",")[7:10]) for line in out.read_text().splitlines()[1:]}
+    assert f_m_d == {("", "64", "64"), ("64", "64", "")}  # F, M, D as written: no "64.0"
 
 
 def test_core_measures_the_yardstick_in_the_runs_dtype(core, tmp_path, monkeypatch):
@@ -287,12 +293,21 @@ def test_core_calls_leave_no_gradients_behind(core):
 
 @pytest.mark.parametrize(
     ("flags", "match"),
-    [(["--heads", "0"], "--heads must be positive"), (["--device", "bogus"], "--device 'bogus'")],
+    [
+        (["--heads", "0"], "--heads must be positive"),
+        (["--device", "bogus"], "--device 'bogus'"),
+        (["--device", "meta"], "expected cpu, cuda or cuda:N"),  # it timed no work
+    ],
 )
 def test_core_checks_sizes_and_device(core, capsys, flags, match):
     with pytest.raises(SystemExit) as exit_:
         core.parse_args(flags)
     assert exit_.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_core_measures_a_value_given_twice_once(core):
+    args = core.parse_args(["--n", "64", "32", "64", "--backends", "torch", "torch"])
+    assert (args.n, args.backends, args.modes) == ([64, 32], ["torch"], ["fwd", "fwd+bwd"])
 
 
 def test_core_counts_fwd_bwd_flops_as_three_forwards(core, tmp_path):
@@ -1639,6 +1654,7 @@ LM_FLAG_CASES = [
             (["--d-model", "10", "--n-heads", "4"], "divisible"),
             (["--feature-map", "nope"], "--feature-map"),
             (["--device", "tpu9"], "--device"),
+            (["--device", "meta"], "expected cpu, cuda"),
         )
     ),
 ]
@@ -1649,6 +1665,14 @@ def test_lm_benchmarks_check_their_arguments(script, capsys, flags, match):
     with pytest.raises(SystemExit) as exit_:
         benchmark_script(script).parse_args(flags)
     assert exit_.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_lm_benchmarks_measure_a_value_given_twice_once():
+    flags = ["--attentions", "kernel", "kernel"]
+    prefill = benchmark_script("prefill").parse_args([*flags, "--prompt-lens", "8", "8", "4"])
+    assert (prefill.attentions, prefill.prompt_lens) == (["kernel"], [8, 4])
+    step = benchmark_script("compiled_step").parse_args(["--seq-lens", "8", "8"])
+    assert step.seq_lens == [8]
 
 
 @pytest.mark.parametrize("script", ["prefill", "compiled_step"])

@@ -65,7 +65,8 @@ def test_output_into_a_closed_pipe_is_quiet_with_sigpipes_status():
 
 def test_no_command_prints_help_and_fails(capsys):
     assert main([]) == 2
-    assert "usage" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "usage" in err and out == ""
 
 
 def test_unknown_command_is_usage_error():

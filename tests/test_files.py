@@ -112,3 +112,30 @@ def test_a_name_near_the_length_limit_is_written(tmp_path):
     path = tmp_path / ("x" * 250 + ".csv")
     atomic_write_text(path, "a\n")
     assert path.read_text() == "a\n" and [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+def test_a_symlink_is_written_through_and_stays_a_link(tmp_path):
+    """The rename replaced the link itself with a file, so a results file linked from
+    elsewhere (a shared folder) stopped being shared."""
+    (tmp_path / "shared").mkdir()
+    target = tmp_path / "shared" / "table.csv"
+    target.write_text("old\n")
+    link = tmp_path / "table.csv"
+    link.symlink_to(target)
+    atomic_write_text(link, "new\n")
+    assert link.is_symlink() and target.read_text() == "new\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shared", "table.csv"]
+
+
+def test_the_folder_is_synced_after_the_rename(tmp_path, monkeypatch):
+    """Without the folder's fsync, a crash soon after a write could leave the old name."""
+    synced = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        synced.append(stat.S_ISDIR(os.fstat(fd).st_mode))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    atomic_write_text(tmp_path / "a.txt", "a\n")
+    assert synced == [False, True]  # the file's data, then its folder

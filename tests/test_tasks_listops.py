@@ -426,3 +426,46 @@ def test_evaluator_and_tokenizer_refuse_other_types() -> None:
     assert evaluate_listops(("[SM", "7", "5", "]")) == 2 == evaluate_listops("[SM 7 5 ]")
     with pytest.raises(TypeError, match="source's tokens must be str"):  # failed on len(1)
         evaluate_listops(["[MAX", 1, 2, "]"])
+
+
+def test_files_of_a_killed_writer_are_removed_and_a_live_writers_kept(tmp_path: Path) -> None:
+    """A writer killed mid-write (SIGKILL: no clean-up) left its .partial files for good;
+    they are told from a live writer's by its lock and removed by the next writer."""
+    import fcntl
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "data"
+    child = subprocess.Popen(  # writes for a minute or more: killed mid-write
+        [
+            sys.executable,
+            "-c",
+            f"from kernelstudy.tasks import write_listops; "
+            f"write_listops({str(out)!r}, 10**6, 1, 1, min_length=5, max_length=60)",
+        ]
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not list(out.glob(".basic_*.partial")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    killed = list(out.glob(".basic_*.partial"))
+    assert killed, "the writer made no .partial file in two minutes"
+    live = out / ".basic_train.0123456789abcdef.partial"  # another writer's, in progress
+    fresh = out / ".basic_val.fedcba9876543210.partial"  # just made, not locked yet
+    live.write_text("")
+    fresh.write_text("")
+    for path in [*killed, live]:
+        os.utime(path, (time.time() - 600, time.time() - 600))
+    with open(live, "rb") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        write_listops(out, 20, 5, 5, min_length=5, max_length=60, overwrite=True)
+        left = sorted(p.name for p in out.iterdir())
+    assert left == sorted(
+        ["basic_train.tsv", "basic_val.tsv", "basic_test.tsv", live.name, fresh.name]
+    )

@@ -19,6 +19,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import itertools
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,7 +27,7 @@ import numpy as np
 import torch
 
 from ..arguments import check_count, check_flag
-from ..files import new_temporary_file
+from ..files import lock_while_written, new_temporary_file, remove_abandoned_files
 from .base import PackedSequences, SequenceTask, check_split, pad_tokens
 from .files import PathArg, check_path, data_error, decode_error, locate, release_candidates
 
@@ -366,11 +367,15 @@ def write_listops(
     rows = itertools.chain([first], generated)
     out.mkdir(parents=True, exist_ok=True)
     # temporary files of this call's own: two writers to one folder (two searches started
-    # together) deleted each other's fixed-name .partial files, and one crashed
-    partial = {}
+    # together) deleted each other's fixed-name .partial files, and one crashed. Each is
+    # locked while written, so those of writers killed mid-write (SIGKILL skips the clean-up
+    # below) are told apart from a live writer's and deleted here.
+    remove_abandoned_files(out, ".basic_*.partial")
+    partial, locks = {}, []
     try:
         for split, count in counts.items():
             fd, partial[split] = new_temporary_file(out, f".basic_{split}.", ".partial")
+            locks.append(lock_while_written(fd))
             with open(fd, "w", encoding="utf-8", newline="") as f:
                 writer = csv.writer(f, delimiter="\t")
                 writer.writerow(["Source", "Target"])
@@ -382,6 +387,8 @@ def write_listops(
         generated.close()
         for path in partial.values():
             path.unlink(missing_ok=True)
+        for held in locks:
+            os.close(held)
     return paths
 
 
