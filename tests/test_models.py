@@ -642,3 +642,35 @@ def test_every_model_compiles_whole(attention):
         model(longer)
     with pytest.raises(RuntimeError, match="max_len=12"):
         compiled(longer)
+
+
+@pytest.mark.parametrize("cls", ["SequenceClassifier", "MatchingClassifier"])
+def test_a_cls_model_names_the_max_len_it_was_given(cls):
+    """The CLS token takes a position: an input one token too long was refused as "beyond
+    max_len=6" for a model built with max_len=5."""
+    model = getattr(ks.nn, cls)(10, 2, pooling="cls", positions="learned", max_len=5, **SMALL)
+    ids = torch.randint(0, 10, (1, 5))
+    model(ids) if cls == "SequenceClassifier" else model(ids, input_ids_2=ids)
+    long = torch.randint(0, 10, (1, 6))
+    name = "input_ids" if cls == "SequenceClassifier" else "input_ids_2"
+    with pytest.raises(ValueError, match=rf"{name} has 6 tokens, beyond max_len=5 of the"):
+        model(long) if cls == "SequenceClassifier" else model(ids, input_ids_2=long)
+
+
+def test_configs_with_numpy_numbers_inside_dicts_are_json():
+    """Only the top-level arguments were made plain: a numpy int in feature_map_kwargs or
+    an attention config made config() unserializable ("int64 is not JSON serializable")."""
+    import json
+
+    import numpy as np
+
+    fm_kwargs = {"num_features": np.int64(8), "seed": np.int64(3)}
+    clf = ks.nn.SequenceClassifier(10, 2, attention="favor", feature_map_kwargs=fm_kwargs, **SMALL)
+    lm = ks.nn.CausalLM(10, attention={"name": "favor", "num_features": np.int64(8)}, **SMALL)
+    for model in (clf, lm):
+        config = json.loads(json.dumps(model.config()))
+        rebuilt = type(model)(**config)
+        rebuilt.load_state_dict(model.state_dict())
+        ids = torch.randint(0, 10, (2, 7))
+        model.eval(), rebuilt.eval()
+        assert torch.equal(model(ids), rebuilt(ids))

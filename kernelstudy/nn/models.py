@@ -192,16 +192,25 @@ def _mlp_head(in_dim: int, hidden: int, out_dim: int, dropout: float) -> nn.Sequ
 def _plain_numbers(arguments: Mapping[str, Any]) -> dict[str, Any]:
     """A model's constructor ``arguments`` (its ``locals()``) as its config: numpy numbers
     as Python ones (the checks take them), so the config stays JSON-serializable."""
-    config = {}
-    for name, value in arguments.items():
-        if name in ("self", "__class__"):
-            continue
-        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-            value = int(value)
-        elif isinstance(value, numbers.Real) and not isinstance(value, (bool, float)):
-            value = float(value)
-        config[name] = value
-    return config
+    return {
+        name: _plain(value)
+        for name, value in arguments.items()
+        if name not in ("self", "__class__")
+    }
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with numpy numbers as Python ones, also inside dicts, lists and tuples (a
+    ``feature_map_kwargs`` or an attention config)."""
+    if isinstance(value, Mapping):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(item) for item in value)
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, float)):
+        return float(value)
+    return value
 
 
 class _SequenceModel(nn.Module):
@@ -346,6 +355,17 @@ class SequenceClassifier(_SequenceModel):
         head_dim = d_model if head_dim is None else check_count("head_dim", head_dim, 1)
         self.head = _mlp_head(d_model, head_dim, num_classes, dropout)
 
+    def _check_fits_with_cls(self, input_ids: torch.Tensor, name: str) -> None:
+        """ValueError naming ``name`` where ``(B,N)`` ids and the CLS token pass the learned
+        positions (the table has max_len + 1 rows for the CLS token: the encoding's own
+        error would name that)."""
+        n = input_ids.shape[1]
+        if self.positions.kind == "learned" and n >= self.positions.max_len:
+            raise ValueError(
+                f"{name} has {n} tokens, beyond max_len={self.positions.max_len - 1} "
+                "of the learned positional encoding"
+            )
+
     def encode(
         self,
         input_ids: torch.Tensor,
@@ -363,6 +383,7 @@ class SequenceClassifier(_SequenceModel):
         if self.cls is None:
             x = self._embed(input_ids)
         else:
+            self._check_fits_with_cls(input_ids, names[0])
             b = input_ids.shape[0]
             first = self.positions(torch.zeros(1, dtype=torch.long, device=self.cls.device))
             cls = self.cls + first.to(self.cls.dtype)  # a bf16/half model stays so
@@ -428,6 +449,8 @@ class MatchingClassifier(SequenceClassifier):
         for name, ids in (("input_ids_1", input_ids_1), ("input_ids_2", input_ids_2)):
             if ids.shape[1] == 0 and self.cls is None:  # its mean would be a silent 0
                 raise ValueError(f"{name} must hold at least one token for mean pooling")
+            if self.cls is not None:
+                self._check_fits_with_cls(ids, name)
         # One encoder pass over both documents (padded to one length): one draw of a
         # redrawing random map per forward, as one shared encoder should see.
         if input_ids_1.shape == input_ids_2.shape and (mask_1 is None) == (mask_2 is None):
