@@ -11,7 +11,7 @@ import torch
 import kernelstudy as ks
 from kernelstudy.core import linear_attention_reference
 
-from .conftest import close_in_dtype, compiled_whole, outputs_and_grads, rel_err
+from .conftest import close_in_dtype, compiled_whole, outputs_and_grads, rel_err, stepped
 
 
 @pytest.mark.parametrize("attention", ["kernel", "softmax"])
@@ -949,3 +949,102 @@ def test_a_layer_exports(causal, strict):
     program = torch.export.export(layer, (x,), dynamic_shapes=shapes, strict=strict)
     for inputs in (x, torch.randn(3, 29, 16)):
         assert torch.equal(program.module()(inputs), layer(inputs))
+
+
+# a map, and the keys that make one sequence's key log scales spread by more than e^100:
+# a later key far above the earlier ones (trig_rf, Hedgehog), or early keys far below the
+# later ones (FAVOR+: a long key's largest exponent is very negative)
+FAR_KEYS = {
+    "trig_rf": (7, 10.0),
+    "hedgehog": (7, 50.0),
+    "favor": (slice(0, 4), 8.0),
+}
+
+
+def _far_keys(name: str) -> tuple:
+    """``(fm, q, k, v, mask)`` in float32, B=2, H=2, N=12, D=16, M=8, the second sequence
+    padded at its last 3 tokens, keys as :data:`FAR_KEYS` says."""
+    torch.manual_seed(1)
+    fm = ks.create_feature_map(name, head_dim=16)
+    q, k = torch.randn(2, 2, 12, 16), torch.randn(2, 2, 12, 16)
+    where, factor = FAR_KEYS[name]
+    k[:, :, where] *= factor
+    v = torch.randn(2, 2, 12, 8)
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    mask[1, -3:] = False
+    _, log_scale = fm.key_features(k[:, :, :9])  # the real keys of both sequences
+    assert (log_scale.amax(-1) - log_scale.amin(-1)).amin() > 100  # beyond the rows' cap
+    return fm, q, k, v, mask
+
+
+@pytest.mark.parametrize("name", list(FAR_KEYS))
+def test_a_key_far_from_the_others_changes_no_earlier_causal_row(name):
+    """Causal attention took every key at the whole sequence's shift and scaled each row
+    back to its prefix's, the factor capped against overflow: with keys e^100 apart, the
+    earlier rows' keys underflowed and eps swamped them. A later token changed earlier
+    outputs by up to 124 (trig_rf), 1.7 (Hedgehog), 2.5 (FAVOR+), and the forward disagreed
+    with stepping. Such sequences are read in segments of a scaled recurrent state now."""
+    fm, q, k, v, mask = _far_keys(name)
+    out = ks.kernel_attention(q, k, v, fm, causal=True, key_padding_mask=mask)
+    for t in range(1, 12):  # causal: the first t rows are those of the first t tokens
+        part = ks.kernel_attention(
+            q[:, :, :t], k[:, :, :t], v[:, :, :t], fm, causal=True, key_padding_mask=mask[:, :t]
+        )
+        assert rel_err(out[:, :, :t], part) <= 1e-6, t
+    exact = ks.kernel_attention(
+        q.double(), k.double(), v.double(), fm, causal=True, key_padding_mask=mask
+    )
+    tol = 1e-3 if name == "trig_rf" else 1e-5  # signed features: sums cancel
+    assert rel_err(out, exact) <= tol
+    state = ks.RecurrentState.zeros(2, 2, fm.feature_dim, 8, scaled=True)
+    phi_hat, log_scale = fm.key_features(k.masked_fill(~mask[:, None, :, None], 0.0))
+    log_scale = log_scale.masked_fill(~mask[:, None, :], -torch.inf)
+    steps, _ = stepped(state, fm(q, is_query=True), phi_hat, v, log_scale)
+    assert rel_err(steps, out) <= tol
+    matrix = ks.analysis.attention_matrix(q, k, fm, causal=True, key_padding_mask=mask)
+    assert torch.isfinite(matrix).all() and rel_err(matrix @ v, out) <= tol
+    # gradients against float64, whose single shift leaves every key a normal float64
+    w = torch.randn_like(out, dtype=torch.float64)
+    grads = []
+    for dtype in (torch.float32, torch.float64):
+        x = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        y = ks.kernel_attention(*x, fm, causal=True, key_padding_mask=mask)
+        grads.append(torch.autograd.grad((y * w.to(dtype)).sum(), x))
+    for got, want in zip(*grads, strict=True):
+        assert torch.isfinite(got).all() and rel_err(got, want) <= 10 * tol
+
+
+@pytest.mark.parametrize("name", list(FAR_KEYS))
+def test_a_causal_layer_with_far_keys_steps_as_it_runs(name):
+    """The layer's forward, its steps (blocks of 5 and 7) and its step agree where one
+    token's keys lie e^100 from the others' (the forward leaked the later token before)."""
+    where, factor = FAR_KEYS[name]
+    torch.manual_seed(0)
+    layer = ks.nn.KernelAttention(32, 2, feature_map=name, causal=True).eval()
+    x = torch.randn(1, 12, 32)
+    x[:, where] *= 3 * factor
+    with torch.no_grad():
+        full, state, steps = layer(x), None, []
+        for t in range(12):
+            y_t, state = layer.step(x[:, t], state)
+            steps.append(y_t)
+        first, state = layer.steps(x[:, :5])
+        second, _ = layer.steps(x[:, 5:], state)
+        changed = x.clone()
+        changed[:, -1] *= 10
+        later = layer(changed)
+    tol = 1e-3 if name == "trig_rf" else 1e-5
+    assert rel_err(torch.stack(steps, 1), full) <= tol
+    assert rel_err(torch.cat([first, second], 1), full) <= tol
+    assert rel_err(later[:, :-1], full[:, :-1]) <= 1e-6
+
+
+def test_far_keys_under_vmap_run_in_one_block():
+    """Inside vmap the host cannot read whether to segment: one block, capped rows, finite."""
+    fm, q, k, v, _ = _far_keys("hedgehog")
+    attend = torch.func.vmap(lambda q, k, v: ks.kernel_attention(q, k, v, fm, causal=True))
+    out = attend(q[None], k[None], v[None])[0]  # a vmap over a leading dim of 1
+    assert out.shape == v.shape and torch.isfinite(out).all()
+    state = ks.RecurrentState.zeros(2, 2, fm.feature_dim, 8, scaled=True)
+    phi_hat, log_scale = fm.key_features(k)
+    assert len(state.segment_bounds(log_scale)) > 2  # outside vmap: segments

@@ -292,3 +292,59 @@ def test_a_float64_state_sums_float32_blocks_in_float64(scaled):
     assert out.dtype == torch.float32 and after.S.dtype == torch.float64
     ulp = torch.finfo(torch.float32).eps * exact.abs()
     assert ((out.double() - exact).abs() <= ulp).all()  # within float32's rounding
+
+
+def test_a_scaled_block_whose_shift_climbs_far_is_summed_in_segments():
+    """A block took all its keys at the shift of its largest log scale: keys e^100 below a
+    later one underflowed in float32, and rows before that key read their own keys as 0
+    (0.011 off stepping for a trig_rf layer, and more where eps swamps them). The block is
+    split where a row's shift climbs by more than SEGMENT_SPREAD, in every (batch, head)."""
+    from kernelstudy.core.recurrent import SEGMENT_SPREAD
+
+    torch.manual_seed(0)
+    b, h, n, f, m = 2, 2, 16, 6, 5
+    q, k = torch.rand(b, h, n, f) + 0.1, torch.rand(b, h, n, f) + 0.1
+    v = torch.randn(b, h, n, m)
+    log_scale = torch.randn(b, h, n)
+    log_scale[0, :, 5] = 70.0  # climbs at 5 in the first sequence, at 9 and 12 in the second
+    log_scale[1, :, 9] = 60.0  # a shift of 40: the excess over the safe range (20)
+    log_scale[1, 1, 12] = 120.0
+    mask = torch.ones(b, n, dtype=torch.bool)
+    mask[1, 14:] = False
+    empty = ks.RecurrentState.zeros(b, h, f, m, scaled=True)
+    assert empty.segment_bounds(log_scale) == [0, 5, 9, 12, n]
+    assert empty.segment_bounds(torch.randn(b, h, n)) == [0, n]  # no climb: one block
+    assert SEGMENT_SPREAD < 40
+    padded = log_scale.masked_fill(~mask[:, None, :], -torch.inf)
+    want, want_state = stepped(empty, q, k.masked_fill(~mask[:, None, :, None], 0), v, padded)
+    for split in (n, 7):  # one block, and two with the state carried over
+        first, state = empty.steps(
+            q[:, :, :split],
+            k[:, :, :split],
+            v[:, :, :split],
+            log_scale[:, :, :split],
+            key_padding_mask=mask[:, :split],
+        )
+        rest, state = state.steps(
+            q[:, :, split:],
+            k[:, :, split:],
+            v[:, :, split:],
+            log_scale[:, :, split:],
+            key_padding_mask=mask[:, split:],
+        )
+        got = torch.cat([first, rest], dim=2)
+        assert rel_err(got, want) <= 1e-5, split
+        assert torch.equal(state.log_scale, want_state.log_scale)
+        assert rel_err(state.S, want_state.S) <= 1e-5 and rel_err(state.Z, want_state.Z) <= 1e-5
+    # gradients through the segments, against float64 stepping
+    x = [t.double().requires_grad_() for t in (q, k, v, log_scale)]
+    y, _ = empty.steps(*(t.float() for t in x[:3]), x[3].float(), key_padding_mask=mask)
+    wx = [t.detach().clone().requires_grad_() for t in x]
+    state64 = ks.RecurrentState.zeros(b, h, f, m, torch.float64, scaled=True)
+    k64 = wx[1].masked_fill(~mask[:, None, :, None], 0)
+    y64, _ = stepped(state64, wx[0], k64, wx[2], wx[3].masked_fill(~mask[:, None, :], -torch.inf))
+    w = torch.randn_like(y64)
+    got = torch.autograd.grad((y.double() * w).sum(), x)
+    want = torch.autograd.grad((y64 * w).sum(), wx)
+    for g, g64 in zip(got, want, strict=True):
+        assert torch.isfinite(g).all() and rel_err(g, g64, floor=1e-3) <= 1e-4

@@ -19,9 +19,10 @@ import torch
 from torch import nn
 
 from ..arguments import check_count, check_flag, check_real
+from ..core.exp_range import exp_shift
 from ..core.validation import accumulation_dtype, autocast_off, check_key_padding_mask, check_tensor
 from ..feature_maps import FeatureMap, RandomFeatureMap
-from ..nn.functional import query_and_key_features, resolve_feature_map
+from ..nn.functional import query_and_key_features, real_key_features, resolve_feature_map
 
 MAX_N = 4096
 SOFTMAX = "softmax"
@@ -158,19 +159,21 @@ def kernel_scores(
     key_padding_mask: torch.Tensor | None = None,
     causal: bool = False,
 ) -> torch.Tensor:
-    """The unnormalized kernel matrix ``φ(q) φ(k)ᵀ``: ``(B,H,N,S)``, no masking applied,
+    """The unnormalized kernel matrix ``φ(q) φ(k)ᵀ``: ``(B,H,N,S)``, no masking applied
+    (but causal rows of a map with a per-sequence key stabilizer, below),
     in float32 for half-precision inputs (a float16 score can pass 65504) and in the
     inputs' dtype otherwise.
 
     Padded keys are treated as in ``kernel_attention`` (zeroed first; a per-sequence key
     stabilizer sees the real keys only; float16 inputs are mapped in float32); ``causal``
-    scales each query row of such a map as ``kernel_attention`` does
-    (:func:`~kernelstudy.nn.functional.causal_key_features`), so the matrix normalizes as
-    the core output. A map whose parameters or buffers have a narrower dtype than ``q``
-    runs on copies cast up to it (``torch.func.functional_call``): float64 analysis of a
-    float32 map is exact, and gradients still reach the map's parameters. Wider ones are
-    kept, as the core keeps them: bfloat16 inputs meet a float32 map's own weights (cast
-    down to bfloat16, FAVOR+'s projections moved the kernel 5× further from float64's).
+    puts each row of such a map at its own prefix's shift, as ``kernel_attention`` does, so
+    the matrix normalizes as the core output, and its entries after the diagonal are 0
+    (a later key may lie beyond the row's range). A map whose parameters or buffers have a
+    narrower dtype than ``q`` runs on copies cast up to it (``torch.func.functional_call``):
+    float64 analysis of a float32 map is exact, and gradients still reach the map's
+    parameters. Wider ones are kept, as the core keeps them: bfloat16 inputs meet a float32
+    map's own weights (cast down to bfloat16, FAVOR+'s projections moved the kernel 5×
+    further from float64's).
     """
     fm = _as_feature_map(feature_map, q)
     if check_flag("causal", causal) and q.shape[2] != k.shape[2]:
@@ -216,10 +219,34 @@ class _KernelScores(nn.Module):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, causal: bool = False
     ) -> torch.Tensor:
+        if causal and self.fm.keys_need_sequence and k.shape[-2] > 0:
+            return _causal_scores(self.fm, q, k, mask)
         phi_q, phi_k = query_and_key_features(self.fm, q, k, mask, causal)
         acc = accumulation_dtype(phi_q.dtype)  # each dot product summed in float32
         with autocast_off(phi_q):
             return phi_q.to(acc) @ phi_k.to(acc).transpose(-1, -2)
+
+
+def _causal_scores(
+    fm: FeatureMap, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """Causal ``φ(q) φ(k)ᵀ`` ``(B,H,N,N)`` of a map that shifts keys per sequence, row t at
+    its own prefix's shift c_t as causal ``kernel_attention`` normalizes it:
+    ``φq_t·φ̂k_j·exp(log_scale_j − c_t)`` for j ≤ t (at most e^20 per key: c_t follows the
+    largest log scale up to t), 0 after t (later keys may lie beyond the row's range). Exact
+    also where a later key lies so far above earlier ones that a single shift would let
+    them underflow."""
+    phi_q = fm(q, is_query=True)
+    phi_hat, log_scale, logs, real = real_key_features(fm, k, mask)
+    acc = accumulation_dtype(phi_q.dtype)
+    with autocast_off(phi_q):
+        prefix = exp_shift(logs.cummax(-1).values, acc).to(acc)  # c_t: (B,H,N)
+        n = k.shape[-2]
+        later = torch.ones(n, n, dtype=torch.bool, device=k.device).triu(1)  # j > t
+        live = log_scale.to(acc).masked_fill(~real | log_scale.detach().isnan(), -torch.inf)
+        exponent = (live[..., None, :] - prefix[..., None]).masked_fill(later, -torch.inf)
+        scores = (phi_q.to(acc) @ phi_hat.to(acc).transpose(-1, -2)) * exponent.exp()
+        return scores.masked_fill(later, 0.0)  # a NaN later key reaches no earlier row
 
 
 def normalize_rows(scores: torch.Tensor, allowed: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -19,6 +19,7 @@ outputs and state as stepping token by token.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,7 @@ from ..arguments import check_count, check_flag
 from .autocast import without_autocast
 from .backends import check_backend_name, resolve_backend
 from .exp_range import exp_shift
+from .transforms import host_reads_allowed
 from .validation import (
     accumulation_dtype,
     autocast_off,
@@ -37,6 +39,12 @@ from .validation import (
     check_tensor,
     zero_padded_keys,
 )
+
+#: A scaled block whose rows' shifts climb by more than this many e-folds is summed in
+#: segments (:meth:`RecurrentState.segment_bounds`): at one shift, keys ``e^x`` below it
+#: lie at ``e^-x`` times their own scale, and from about ``e^-87`` (float32) they round
+#: to 0. Within 30, a key down to e^-50 below its row's own shift stays a normal float32.
+SEGMENT_SPREAD = 30.0
 
 
 @dataclass(frozen=True, eq=False)  # no field-wise ==: tensors have no single truth value
@@ -168,8 +176,12 @@ class RecurrentState:
         needs ``k_log_scale: (B,H,N)``: the block's sums share the shift of its largest log
         scale (and the state's), and each row's ``eps`` is scaled to the shift of the row's
         own prefix, as ``kernel_attention`` normalizes causal rows: the outputs equal the
-        steps' beyond the safe range too, except where keys underflow (in float32, keys
-        about e^87 below a later key of the block read as 0).
+        steps' beyond the safe range too. Where the shift climbs by more than
+        ``SEGMENT_SPREAD`` within the block (a later key far above the earlier ones, whose
+        features at the later shift would underflow), the block is summed in segments that
+        carry the state, each within that spread (:meth:`segment_bounds`; decided on the host,
+        one sync; not while ``torch.compile`` traces or inside ``vmap``, where a single block
+        reads keys about e^87 below a later key of the block as 0 in float32).
         ``key_padding_mask: (B,N)`` bool, True = real token: padded tokens add nothing to the
         sums (their own outputs read the sums before them). Differentiable in the inputs and
         in the state's tensors (back-propagation through segments).
@@ -185,6 +197,58 @@ class RecurrentState:
             mask = check_key_padding_mask(key_padding_mask, b, n, phi_q.device)
         if n == 0:
             return v.new_empty(b, h, 0, m), self
+        bounds = [0, n] if k_log_scale is None else self.segment_bounds(k_log_scale, mask)
+        outs, state = [], self
+        for start, stop in itertools.pairwise(bounds):
+            piece = slice(start, stop)
+            out, state = state._block(
+                phi_q[:, :, piece],
+                phi_k[:, :, piece],
+                v[:, :, piece],
+                None if k_log_scale is None else k_log_scale[:, :, piece],
+                None if mask is None else mask[:, piece],
+                backend,
+            )
+            outs.append(out)
+        return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)), state
+
+    def segment_bounds(
+        self, k_log_scale: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> list[int]:
+        """``[0, ..., N]``: where a scaled state splits a block of keys with log scales
+        ``k_log_scale: (B,H,N)`` (``mask: (B,N)``, True = real key, or None), so that in
+        every segment and every (batch, head) the rows' shifts (of the state's and the
+        block's keys up to each row) climb by at most ``SEGMENT_SPREAD``. ``[0, N]`` where
+        they do in the whole block (one sync to tell), and where the host may not read
+        values (:func:`~kernelstudy.core.transforms.host_reads_allowed`)."""
+        n = k_log_scale.shape[-1]
+        if self.log_scale is None or n < 2 or not host_reads_allowed():
+            return [0, n]
+        acc = self.S.dtype
+        with torch.no_grad():
+            logs = k_log_scale.detach().to(acc).nan_to_num(-torch.inf, posinf=torch.inf)
+            if mask is not None:
+                logs = logs.masked_fill(~mask[:, None, :], -torch.inf)
+            running = torch.maximum(self.log_scale.to(acc)[..., None], logs.cummax(-1).values)
+            shift = exp_shift(running, acc)  # non-decreasing along the block
+            climb = shift - shift[..., :1]
+            if not climb.numel() or float(climb[..., -1].amax()) <= SEGMENT_SPREAD:
+                return [0, n]
+            band = torch.floor(climb / SEGMENT_SPREAD)
+            starts = (band[..., 1:] != band[..., :-1]).flatten(0, 1).any(0).nonzero()
+        return [0, *(int(t) + 1 for t in starts.flatten().tolist()), n]
+
+    def _block(
+        self,
+        phi_q: torch.Tensor,
+        phi_k: torch.Tensor,
+        v: torch.Tensor,
+        k_log_scale: torch.Tensor | None,
+        mask: torch.Tensor | None,
+        backend: str | None,
+    ) -> tuple[torch.Tensor, RecurrentState]:
+        """:meth:`steps` through one block of checked inputs, its sums at one shift."""
+        m = self.S.shape[-1]
         acc = self._sums_dtype(phi_q.dtype)
         with autocast_off(phi_q):
             q, k, v = phi_q, phi_k, v

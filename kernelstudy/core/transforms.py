@@ -3,7 +3,8 @@ in each input, the fold of a ``vmap``-ed dimension into the batch for kernels th
 plain tensors (the compiled CPU and CUDA products), and the vjp and jvp of a function the
 Function recomputes (the autocast-free sums, the CUDA attention's higher derivatives); the
 forward's signature computed once (:func:`signature_once`); and what ``torch.compile`` traces:
-each Function's ``apply`` (:func:`traceable_apply`) and constants (:func:`constant_when_traced`)."""
+each Function's ``apply`` (:func:`traceable_apply`) and constants (:func:`constant_when_traced`);
+whether the host may read a tensor's value (:func:`host_reads_allowed`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
+from torch._C._functorch import TransformType
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
 FunctionT = TypeVar("FunctionT", bound=type[torch.autograd.Function])
 CallableT = TypeVar("CallableT", bound=Callable[..., Any])
@@ -137,3 +140,13 @@ def jvp_filled(
         torch.zeros_like(x) if d is None else d for x, d in zip(inputs, tangents, strict=True)
     )
     return torch.func.jvp(fn, tuple(inputs), filled)[1]
+
+
+def host_reads_allowed() -> bool:
+    """Whether code may read a tensor's value on the host here (``float(t)``, a sync): not
+    while ``torch.compile`` traces (a graph break) nor inside ``torch.func.vmap`` (a batched
+    tensor has no single value: it raises). Code that decides on values takes a path that
+    needs no such decision where this is False."""
+    if torch.compiler.is_compiling():
+        return False
+    return all(i.key() != TransformType.Vmap for i in retrieve_all_functorch_interpreters())

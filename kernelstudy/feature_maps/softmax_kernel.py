@@ -34,9 +34,11 @@ def stabilizer(logits: torch.Tensor, is_query: bool, dtype: torch.dtype) -> torc
       shift of its own prefix (:func:`~kernelstudy.nn.functional.causal_key_features`),
       as a scaled :class:`~kernelstudy.core.RecurrentState` (a running maximum) does;
       features of φ(k) alone, summed by the core directly, are at the whole sequence's
-      shift. In float32 a row whose keys lie about e^50 below a later key's keeps part
-      of ``eps`` (the factor is capped against overflow), and e^87 below its keys
-      underflow; float64 avoids both.
+      shift. Where a row's keys lie so far below a later key's that one shift for the
+      sequence would make them underflow (in float32 from about e^50 below), the causal
+      attention reads the sequence in segments of that state instead
+      (:func:`~kernelstudy.nn.functional.causal_in_segments`: one sync to tell; while
+      ``torch.compile`` traces or inside ``vmap`` such rows keep part of ``eps``).
     """
     dims = (-1,) if is_query or logits.dim() < 2 else (-2, -1)
     logits = logits.detach()

@@ -11,6 +11,8 @@ import torch
 
 from ..core.attention import linear_attention
 from ..core.exp_range import exp_shift
+from ..core.recurrent import RecurrentState
+from ..core.transforms import host_reads_allowed
 from ..core.validation import (
     accumulation_dtype,
     autocast_off,
@@ -116,7 +118,14 @@ def kernel_attention(
     if key_padding_mask is not None:
         mask = check_key_padding_mask(key_padding_mask, k.shape[0], k.shape[2], k.device)
     with context:
-        phi_q, phi_k = query_and_key_features(fm, q, k, mask, causal)
+        if causal and fm.keys_need_sequence and k.shape[-2] > 0:
+            phi_q = fm(q, is_query=True)
+            phi_k, log_factor = causal_key_features(fm, k, mask)
+            if not rows_fit(phi_q, log_factor, phi_k):
+                return causal_in_segments(fm, phi_q, k, v, mask, eps, backend).to(dtype)
+            phi_q = scale_rows(phi_q, log_factor, phi_k)
+        else:
+            phi_q, phi_k = query_and_key_features(fm, q, k, mask, causal)
     phi_q, phi_k = phi_q.to(v.dtype), phi_k.to(v.dtype)
     out = linear_attention(
         phi_q, phi_k, v, causal=causal, key_padding_mask=key_padding_mask, eps=eps, backend=backend
@@ -239,6 +248,23 @@ def _keys_at_shift(
     return (phi_hat.to(promoted) * scale[..., None].to(promoted)).to(dtype)
 
 
+def real_key_features(
+    fm: FeatureMap, k: torch.Tensor, mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(φ̂: (B,H,S,F), log_scale: (B,H,S), logs, real: (B,1,S))`` of keys ``(B,H,S,D)``
+    with padded keys (``mask: (B,S)``, True = real; None: all real) zeroed first: the map's
+    :meth:`~kernelstudy.feature_maps.FeatureMap.key_features`, and ``logs``, the detached
+    log scales that set shifts: −inf for padded keys and NaN ones (a non-finite input
+    neither sets the shift nor reaches rows before it)."""
+    if mask is None:
+        mask = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device)
+    real = mask[:, None, :]  # (B,1,S)
+    k = k.masked_fill(~real[..., None], 0.0)
+    phi_hat, log_scale = fm.key_features(k)  # (B,H,S,F), (B,H,S)
+    logs = log_scale.detach().masked_fill(~real | log_scale.detach().isnan(), -torch.inf)
+    return phi_hat, log_scale, logs, real
+
+
 def causal_key_features(
     fm: FeatureMap, k: torch.Tensor, mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -252,13 +278,7 @@ def causal_key_features(
     normalizer of row t then equal those at c_t, so ``eps`` weighs in it as in the
     :class:`~kernelstudy.core.RecurrentState` that steps the keys, whatever later keys
     hold."""
-    if mask is None:
-        mask = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device)
-    real = mask[:, None, :]  # (B,1,S)
-    k = k.masked_fill(~real[..., None], 0.0)
-    phi_hat, log_scale = fm.key_features(k)  # (B,H,S,F), (B,H,S)
-    # a NaN key (non-finite input) neither sets the shift nor reaches rows before it
-    logs = log_scale.detach().masked_fill(~real | log_scale.detach().isnan(), -torch.inf)
+    phi_hat, log_scale, logs, real = real_key_features(fm, k, mask)
     prefix = exp_shift(logs.cummax(-1).values, k.dtype)  # c_t: non-decreasing in t
     shift = exp_shift(logs.amax(-1, keepdim=True), k.dtype)  # c (0 without real keys)
     phi_k = _keys_at_shift(phi_hat, log_scale, shift, real, k.dtype)
@@ -268,15 +288,59 @@ def causal_key_features(
 
 def scale_rows(phi_q: torch.Tensor, log_factor: torch.Tensor, phi_k: torch.Tensor) -> torch.Tensor:
     """``phi_q: (B,H,N,F)`` with row t multiplied by ``exp(log_factor: (B,H,N))``, the
-    factor capped so that no product of the row with a feature of ``phi_k: (B,H,S,F)``
-    (later keys included: a chunk multiplies them before masking) comes within e^SPARE
-    of ``phi_q``'s largest value. A capped row keeps part of ``eps`` (its prefix lies
-    about e^50 below the sequence's largest key in float32)."""
+    factor capped (:func:`_row_caps`) so that no product of the row with a feature of
+    ``phi_k: (B,H,S,F)`` (later keys included: a chunk multiplies them before masking)
+    comes within e^SPARE of ``phi_q``'s largest value. A capped row keeps part of ``eps``
+    (its prefix lies about e^50 below the sequence's largest key in float32):
+    :func:`kernel_attention` takes :func:`causal_in_segments` where a row would be capped
+    (:func:`rows_fit`)."""
     dtype = torch.promote_types(phi_q.dtype, log_factor.dtype)
-    top = math.log(torch.finfo(phi_q.dtype).max) - SPARE
     with torch.no_grad():
-        q_max = _finite_abs(phi_q).amax(-1).to(dtype).clamp_min(1e-30).log()  # (B,H,N)
-        k_max = _finite_abs(phi_k).amax((-2, -1)).to(dtype).clamp_min(1e-30).log()  # (B,H)
-        cap = (top - q_max - k_max[..., None]).clamp(0.0, top)
-        factor = torch.minimum(log_factor.to(dtype), cap).exp()
+        factor = torch.minimum(log_factor.to(dtype), _row_caps(phi_q, phi_k, dtype)).exp()
     return (phi_q.to(dtype) * factor[..., None]).to(phi_q.dtype)
+
+
+def _row_caps(phi_q: torch.Tensor, phi_k: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The largest log factor each row of ``phi_q: (B,H,N,F)`` may take: ``(B,H,N)``, in
+    ``dtype``, such that the row's products with ``phi_k: (B,H,S,F)`` stay e^SPARE below
+    ``phi_q``'s dtype's largest value."""
+    top = math.log(torch.finfo(phi_q.dtype).max) - SPARE
+    q_max = _finite_abs(phi_q).amax(-1).to(dtype).clamp_min(1e-30).log()  # (B,H,N)
+    k_max = _finite_abs(phi_k).amax((-2, -1)).to(dtype).clamp_min(1e-30).log()  # (B,H)
+    return (top - q_max - k_max[..., None]).clamp(0.0, top)
+
+
+def rows_fit(phi_q: torch.Tensor, log_factor: torch.Tensor, phi_k: torch.Tensor) -> bool:
+    """Whether :func:`scale_rows` caps no row (one sync); True where the host may not read
+    values (while ``torch.compile`` traces, inside ``vmap``: rows stay capped there)."""
+    if not host_reads_allowed() or not log_factor.numel():
+        return True
+    dtype = torch.promote_types(phi_q.dtype, log_factor.dtype)
+    with torch.no_grad():
+        return not bool((log_factor.to(dtype) > _row_caps(phi_q, phi_k, dtype)).any())
+
+
+def causal_in_segments(
+    fm: FeatureMap,
+    phi_q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    eps: float,
+    backend: str | None,
+) -> torch.Tensor:
+    """Causal attention ``(B,H,N,M)`` of query features ``phi_q: (B,H,N,F)`` (unscaled),
+    keys ``k: (B,H,N,D)`` of a map that shifts keys per sequence, ``v: (B,H,N,M)`` and
+    padding ``mask: (B,N)`` (or None), by a scaled :class:`~kernelstudy.core.RecurrentState`
+    reading the sequence in blocks (:meth:`~kernelstudy.core.RecurrentState.steps`): each
+    row at its own prefix's shift, as :func:`kernel_attention` normalizes causal rows, where
+    a later key lies so far above earlier ones that one shift for the whole sequence would
+    make the earlier keys underflow (and :func:`scale_rows` cap their rows)."""
+    phi_hat, log_scale, _, real = real_key_features(fm, k, mask)
+    # the live log scales (gradients reach the keys through them), none from padding or NaN
+    logs = log_scale.masked_fill(~real | log_scale.detach().isnan(), -torch.inf)
+    b, h, _, f = phi_q.shape
+    sums = torch.float64 if v.dtype == torch.float64 else torch.float32
+    state = RecurrentState.zeros(b, h, f, v.shape[-1], sums, v.device, eps, scaled=True)
+    phi_q, phi_hat = phi_q.to(v.dtype), phi_hat.to(v.dtype)
+    return state.steps(phi_q, phi_hat, v, logs, key_padding_mask=mask, backend=backend)[0]
