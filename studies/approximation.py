@@ -414,7 +414,10 @@ def _slope(group: pd.DataFrame) -> tuple[float, float, float]:
 
 
 def _sign(lo: float, hi: float, below: str, above: str) -> str:
-    """``below`` when the interval lies under 0, ``above`` when over it, else unresolved."""
+    """``below`` when the interval lies under 0, ``above`` when over it, "–" when there is
+    none (NaN bounds: no rows, one R, one seed), else unresolved."""
+    if math.isnan(lo) or math.isnan(hi):
+        return "–"
     if hi < 0:
         return below
     if lo > 0:
@@ -450,23 +453,25 @@ def performer_verdict(frame: pd.DataFrame, metric: str = "attention_mse") -> pd.
         falls = []
         for label, orth in (("iid", False), ("orthogonal", True)):
             slope, lo, hi = _slope(group[(group["orthogonal"].astype(str) == "True") == orth])
-            row[f"slope, {label}"] = f"{slope:.2f} [{lo:.2f}, {hi:.2f}]"
+            # no slope: this kind was not run (--only), or at one R, or with one seed
+            row[f"slope, {label}"] = (
+                "–" if math.isnan(slope) else f"{slope:.2f} [{lo:.2f}, {hi:.2f}]"
+            )
             falls.append(_sign(lo, hi, "yes", "no (rises)"))
         row["MSE falls with R"] = (
             falls[0] if falls[0] == falls[1] else f"{falls[0]} (iid), {falls[1]} (orthogonal)"
         )
         per_r = table[(table["map"] == name) & (table["head_dim"] == d) & (table["std"] == std)]
         signs = [_sign(lo, hi, "lower", "higher") for lo, hi in _simultaneous_bounds(per_r)]
-        row["orthogonal vs iid, per R"] = (
-            ", ".join(
-                f"{signs.count(s)} {s}"
-                for s in ("lower", "higher", "not resolved")
-                if signs.count(s)
-            )
-            + f" (of {len(signs)})"
+        labels = {"–": "undefined"}  # fewer than 2 paired seeds, or an MSE of 0 or inf
+        counts = ", ".join(
+            f"{signs.count(s)} {labels.get(s, s)}"
+            for s in ("lower", "higher", "not resolved", "–")
+            if signs.count(s)
         )
-        ratios = np.exp(per_r["log_ratio"])
-        row["orth/iid range"] = f"{ratios.min():.3g}–{ratios.max():.3g}"
+        row["orthogonal vs iid, per R"] = f"{counts} (of {len(signs)})" if signs else "–"
+        ratios = np.exp(per_r["log_ratio"]).dropna()
+        row["orth/iid range"] = f"{ratios.min():.3g}–{ratios.max():.3g}" if len(ratios) else "–"
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -490,7 +495,9 @@ def summarize(frame: pd.DataFrame, params: dict) -> str:
             "seeds of the paired ratio orth/iid (same data per seed); counted lower or "
             "higher where its t interval excludes 1, the intervals of a row's R taken "
             "together at ~95% (Bonferroni over its R; the tables below show each R's own "
-            "~95% interval, which exclude 1 by chance at about 1 R in 20). This is the "
+            "~95% interval, which exclude 1 by chance at about 1 R in 20); undefined at an R "
+            "without two paired seeds of finite ratio (a kind not run there, one seed, an "
+            "MSE of 0 or inf). This is the "
             "typical (geometric-mean) ratio, not the ratio of expected MSEs that the "
             "Performer's theorem bounds: the MSE is heavy-tailed, so means of a few seeds, "
             "shown below, can disagree with these.\n\n" + markdown_table(performer_verdict(frame))

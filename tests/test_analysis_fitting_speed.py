@@ -483,6 +483,19 @@ def test_plots_return_figures():
         ks.analysis.plots.close(f)
 
 
+def test_plot_history_takes_the_history_of_fit_to_softmax():
+    """Its default hue="method" refused fit_to_softmax's history (columns step, metric,
+    value), which the analysis package says every plot takes."""
+    q, k = ks.analysis.gaussian_qk(16, 8, std=0.5, seed=1)
+    fm = ks.create_feature_map("glu", head_dim=8, seed=0)
+    history = ks.analysis.fit_to_softmax(fm, q, k, steps=2)
+    fig = ks.analysis.plots.plot_history(history)
+    assert isinstance(fig, Figure) and len(fig.axes) == history["metric"].nunique()
+    with pytest.raises(ValueError, match="lacks columns"):  # one asked for by name
+        ks.analysis.plots.plot_history(history, hue="seed")
+    ks.analysis.plots.close(fig)
+
+
 def test_generation_repeats_do_not_hold_the_last_state(monkeypatch):
     """The previous repeat's state (a whole KV cache) stayed alive through the next repeat,
     so the CUDA peak counted two of them."""

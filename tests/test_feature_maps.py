@@ -1141,3 +1141,23 @@ def test_a_sparse_input_is_refused_by_name(name):
     fm = ks.create_feature_map(name, head_dim=4)
     with pytest.raises(TypeError, match="x must be a dense \\(strided\\) tensor, got layout"):
         fm(torch.randn(2, 1, 3, 4).to_sparse())
+
+
+@pytest.mark.parametrize("is_query", [True, False])
+def test_polynomial_features_overflowing_without_stabilize_raise_naming_the_fix(is_query):
+    """Features of finite inputs that overflowed float32 came out inf with stabilize=False,
+    and attention NaN, while the README promises a ValueError (check_products_fit bounds the
+    finite features only, and none was finite)."""
+    plain = ks.create_feature_map("polynomial", head_dim=4, degree=2, stabilize=False)
+    torch.manual_seed(0)
+    x = torch.randn(1, 1, 6, 4) * 2e20
+    fix = "pass stabilize=True" if is_query else "keys are not rescaled"
+    with pytest.raises(ValueError, match=rf"polynomial {'query' if is_query else 'key'} .*{fix}"):
+        plain(x, is_query=is_query)
+    q, k, v = torch.randn(3, 1, 1, 6, 4).unbind(0)
+    with pytest.raises(ValueError, match="overflow"):
+        ks.kernel_attention(q, k * 2e20, v, feature_map=plain)
+    nonfinite = torch.ones(1, 1, 2, 4)  # a non-finite input keeps its inf, as with stabilize
+    nonfinite[0, 0, 0, 0] = float("inf")
+    assert torch.isinf(plain(nonfinite, is_query=is_query)).any()
+    assert torch.isfinite(plain(torch.full((1, 1, 3, 4), 1e18))).all()  # 1e36: still a float32

@@ -519,7 +519,7 @@ def test_performer_verdict_reports_noise_as_unresolved():
     blown = (frame.orthogonal == True) & (frame.seed < 4) & (frame.method == "favor")  # noqa: E712
     frame.loc[blown & (frame.num_features == 64), "value"] = float("inf")
     row = verdict(frame).iloc[0]
-    assert row["orthogonal vs iid, per R"] == "2 lower, 1 not resolved (of 3)", row
+    assert row["orthogonal vs iid, per R"] == "2 lower, 1 undefined (of 3)", row
     table = study.load_study("approximation").performer_table(frame)
     assert table.set_index("num_features").loc[64, "orth/iid"].startswith("– (4 seeds")
 
@@ -1242,6 +1242,21 @@ def test_performer_verdict_counts_r_by_simultaneous_intervals():
     assert row["orthogonal vs iid, per R"] == "3 not resolved (of 3)", row
     clear = module.performer_verdict(_paired_frame(-4 / np.sqrt(40) + e)).iloc[0]
     assert clear["orthogonal vs iid, per R"] == "3 lower (of 3)", clear
+
+
+def test_performer_verdict_has_no_verdict_where_a_kind_has_no_rows():
+    """A partial run (--only orthogonal=True) read "MSE falls with R: not resolved (iid)" and
+    "7 not resolved (of 7)" for comparisons without a single iid row (NaN bounds)."""
+    module = study.load_study("approximation")
+    e = np.random.default_rng(0).standard_normal(8)
+    frame = _paired_frame(-1.0 + 0.1 * e)
+    row = module.performer_verdict(frame[frame["orthogonal"]]).iloc[0]
+    assert (row["slope, iid"], row["MSE falls with R"]) == ("–", "– (iid), yes (orthogonal)")
+    assert row["orthogonal vs iid, per R"] == "3 undefined (of 3)"
+    assert row["orth/iid range"] == "–"
+    one_r = module.performer_verdict(frame[frame["num_features"] == 64]).iloc[0]
+    assert (one_r["slope, iid"], one_r["MSE falls with R"]) == ("–", "–")  # one R: no slope
+    assert one_r["orthogonal vs iid, per R"] == "1 lower (of 1)"
 
 
 def test_approximation_summary_gives_the_verdict_on_the_kernel_mse():

@@ -454,7 +454,11 @@ def plot_history(
     logy: bool = False,
 ) -> Figure:
     """Training curves (e.g. accuracy vs step), error bars over seeds; with ``col="metric"``
-    each facet's y axis is named by its metric."""
+    each facet's y axis is named by its metric. The default ``hue="method"`` applies where
+    the frame has that column (one map's history, as ``fit_to_softmax`` returns, has
+    none: one line per facet); a ``hue`` given otherwise must be a column."""
+    if hue == "method" and "method" not in frame.columns:
+        hue = None
     _check_columns(frame, [x, y, hue, col], "plot_history")
     return line_plot(
         frame, x, y, hue=hue, col=col, logx=False, logy=logy, col_ylabels=col == "metric"

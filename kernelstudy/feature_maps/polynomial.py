@@ -45,6 +45,33 @@ def _times_exp2(x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
     return x * torch.exp2(half) * torch.exp2(e - half)
 
 
+def _check_no_overflow(phi: torch.Tensor, x: torch.Tensor, is_query: bool) -> None:
+    """ValueError where a row of finite inputs ``x: (..., N, D)`` gave an infinite feature
+    in ``phi: (..., N, F)`` (with ``stabilize=False``: the products overflowed; non-finite
+    inputs keep their inf and NaN, as with ``stabilize``). Syncs, but while compiling."""
+    phi, x = phi.detach(), x.detach()
+    what = "query" if is_query else "key"
+    help_ = (
+        "pass stabilize=True (query rows are rescaled: attention is unchanged), smaller inputs"
+        if is_query
+        else "keys are not rescaled: pass smaller inputs (scale_inputs=True divides x by D^(1/4))"
+    )
+    if torch.compiler.is_compiling():  # a check in the graph, without a sync on the GPU
+        overflow = torch.isinf(phi).any(-1) & torch.isfinite(x).all(-1)
+        message = f"polynomial {what} features overflow {phi.dtype}: {help_} or float64"
+        torch._assert_async(~overflow.any(), message)
+        return
+    if not phi.numel() or bool(torch.isfinite(torch.stack([phi.amax(), phi.amin()])).all()):
+        return  # the common case: two reductions, no copy of φ
+    overflow = torch.isinf(phi).any(-1) & torch.isfinite(x).all(-1)
+    if bool(overflow.any()):
+        largest = float(x.abs().masked_fill(~overflow[..., None], 0.0).amax())
+        raise ValueError(
+            f"polynomial {what} features of inputs up to |x| = {largest:.3g} overflow "
+            f"{phi.dtype} (stabilize=False): {help_} or float64 inputs"
+        )
+
+
 def _rescale_rows(phi: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``phi: (..., N, F)`` with each row whose largest |φ| lies above ``dtype``'s safe
     range divided by the smallest power of two that brings it inside (exact; detached, a
@@ -150,8 +177,9 @@ class PolynomialFeatureMap(FeatureMap):
         """Products computed in float32 at least. float16 features that do not fit float16
         (|φ| > 65504, e.g. p = 2 at |x| ≳ 256: keys, or queries without ``stabilize``)
         raise ValueError rather than becoming inf and NaN attention (the check syncs,
-        for float16 only)."""
-        dtype = x.dtype
+        for float16 only); so do features of finite inputs that overflow float32 with
+        ``stabilize=False`` (p = 2 from |x| ≈ 1.8e19; the check syncs there)."""
+        dtype, inputs = x.dtype, x
         x = self._scale(x.to(torch.promote_types(dtype, torch.float32)))
         stabilize = is_query and self.hparams["stabilize"] and x.numel() > 0
         p = self.hparams["degree"]
@@ -169,6 +197,8 @@ class PolynomialFeatureMap(FeatureMap):
         phi = torch.cat(parts, dim=-1)
         if stabilize:  # every row times 2^(-a·p) so far: the rescale takes that into account
             phi = _rescale_rows(phi, dtype)
+        if not self.hparams["stabilize"]:
+            _check_no_overflow(phi, inputs, is_query)
         if dtype == torch.float16 and torch.compiler.is_compiling():  # no sync on the GPU
             message = "polynomial features of these float16 inputs pass float16's 65504"
             torch._assert_async(~(phi.abs() > torch.finfo(dtype).max).any(), message)
