@@ -83,6 +83,18 @@ def test_reference_backend_is_explicit():
     assert rel_err(ks.causal_dot_product(q, k, v, backend="reference"), scores @ v) <= 1e-6
 
 
+def test_which_backends_run_their_own_noncausal_attention():
+    """An unknown name was a bare KeyError ('CPU'), where every other entry point names
+    the argument and the backends."""
+    assert ks.core.runs_own_noncausal_attention("torch")
+    assert not ks.core.runs_own_noncausal_attention("cpu")  # non-causal: the torch path
+    for name in ("CPU", "auto"):
+        with pytest.raises(ValueError, match=r"name must be .*reference, torch"):
+            ks.core.runs_own_noncausal_attention(name)
+    with pytest.raises(TypeError, match="name must be a str"):
+        ks.core.runs_own_noncausal_attention(3)
+
+
 def test_noncausal_cross_attention_lengths():
     q = torch.rand(2, 3, 5, 6)
     k, v = torch.rand(2, 3, 9, 6), torch.randn(2, 3, 9, 4)

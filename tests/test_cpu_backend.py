@@ -184,6 +184,23 @@ def test_bad_inputs_raise_clear_errors():
         causal_dot_product_cpu(q, k, v, num_threads=0)
 
 
+def test_a_state_too_large_to_allocate_is_a_memory_error_not_an_abort():
+    """The per-thread buffers were allocated inside the OpenMP region, where an exception
+    cannot leave: std::bad_alloc ended the process (terminate, status 134). Here the
+    (F, M) state needs 2^50 bytes, beyond any address space, whatever the overcommit."""
+    code = (
+        "import torch, kernelstudy as ks\n"
+        "q = torch.rand(1, 1, 1, 2**24); v = torch.rand(1, 1, 1, 2**24)\n"
+        "try:\n"
+        "    ks.causal_dot_product(q, q, v, backend='cpu')\n"
+        "except MemoryError as err:\n"
+        "    print('MemoryError', err)\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert run.returncode == 0 and run.stdout.startswith("MemoryError"), run.stderr[-2000:]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_tensors_rejected():
     q, k, v = (t.detach().cuda() for t in _features(1, 2, 10, 4, 3))

@@ -27,6 +27,9 @@
 #include <cstddef>
 #include <cstring>
 #include <vector>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 // AVX2+FMA intrinsics where the compiler targets them (define KS_PORTABLE to test without)
 #if defined(__AVX2__) && defined(__FMA__) && (defined(__GNUC__) || defined(__clang__)) && \
@@ -286,13 +289,34 @@ struct Task {
 template <typename T>
 struct Worker {
   Chunk<T> a, b;
-  std::vector<T> state;  // (a.fp, a.mp) T: earlier chunks of this segment
+  std::vector<T> state;   // (a.fp, a.mp) T: earlier chunks of this segment
+  std::vector<T> prefix;  // (a.fp, a.mp) states of the earlier segments (run_sequence)
 
   explicit Worker(const Task<T>& t)
       : a(t.a.f, t.a.m, t.chunk),
         b(t.fused ? t.b.f : 0, t.fused ? t.b.m : 0, t.chunk),
-        state(a.fp * a.mp) {}
+        state(a.fp * a.mp),
+        prefix(a.fp * a.mp) {}
 };
+
+// One worker per thread, made before the parallel region: an allocation that fails throws
+// std::bad_alloc to the caller here (a MemoryError in Python), where inside the region it
+// would end the process (an exception may not leave an OpenMP region: std::terminate).
+template <typename T, typename MakeTask>
+static std::vector<Worker<T>> make_workers(int threads, MakeTask task) {
+  std::vector<Worker<T>> workers;
+  workers.reserve(threads);
+  for (int i = 0; i < threads; ++i) workers.emplace_back(task(0));
+  return workers;
+}
+
+static int thread_index() {
+#ifdef _OPENMP
+  return omp_get_thread_num();
+#else
+  return 0;
+#endif
+}
 
 // Outputs of virtual rows r0 .. r1 (one segment), starting from `prefix`, the sum of the
 // states of earlier segments ((a.fp, a.mp), or null for zero). Leaves the segment's state in
@@ -332,7 +356,7 @@ static void segment_state(const Task<T>& t, Worker<T>& w, idx r0, idx r1) {
 template <typename T>
 static void run_sequence(const Task<T>& t, Worker<T>& w) {
   constexpr idx seg = kSegment;
-  std::vector<T> prefix(w.state.size(), T(0));
+  std::vector<T>& prefix = w.prefix;  // read only after the first segment has written it
   for (idx r0 = 0; r0 < t.n; r0 += seg) {
     const idx r1 = std::min(r0 + seg, t.n);
     run_segment(t, w, r0, r1, r0 == 0 ? nullptr : prefix.data(), r1 < t.n);
@@ -353,10 +377,11 @@ static void run_tasks(idx bh, idx n, idx flops_per_row, int threads, MakeTask ta
   const idx useful = std::min(bh * segments, std::max<idx>(bh * n * flops_per_row >> 20, 1));
   threads = static_cast<int>(std::clamp<idx>(threads, 1, useful));
 
+  std::vector<Worker<T>> workers = make_workers<T>(threads, task);
   if (bh >= threads || segments == 1) {
 #pragma omp parallel num_threads(threads)
     {
-      Worker<T> w(task(0));
+      Worker<T>& w = workers[thread_index()];
 #pragma omp for schedule(dynamic, 1)
       for (idx b = 0; b < bh; ++b) run_sequence(task(b), w);
     }
@@ -364,12 +389,12 @@ static void run_tasks(idx bh, idx n, idx flops_per_row, int threads, MakeTask ta
   }
 
   // prefixes[b][s] = sum of the states of segments < s of sequence b
-  const idx size = Worker<T>(task(0)).state.size();
+  const idx size = workers[0].state.size();
   std::vector<T> prefixes(bh * segments * size, T(0));
   auto prefix = [&](idx b, idx s) { return prefixes.data() + (b * segments + s) * size; };
 #pragma omp parallel num_threads(threads)
   {
-    Worker<T> w(task(0));
+    Worker<T>& w = workers[thread_index()];
     // 1. the state of every segment but the last, into the slot of the next one
 #pragma omp for schedule(dynamic, 1)
     for (idx i = 0; i < bh * (segments - 1); ++i) {

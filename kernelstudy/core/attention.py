@@ -4,6 +4,12 @@
 over every unmasked key (non-causal) or over ``j ≤ i`` (causal). Shapes follow
 ``scaled_dot_product_attention``: ``phi_q: (B,H,N,F)``, ``phi_k: (B,H,S,F)``,
 ``v: (B,H,S,M)``, result ``(B,H,N,M)``. Causal attention needs ``S == N``.
+
+Causality holds for finite inputs. An unmasked inf or NaN in a later token's ``φk`` or
+``v`` may reach earlier rows in these batch forms: they multiply blocks of keys before the
+causal mask (0·inf is NaN), each backend in its own blocks, so which rows turn NaN differs
+between backends. Stepping (:class:`~kernelstudy.core.RecurrentState`) reaches no earlier
+row; padded tokens (``key_padding_mask``) are zeroed first and reach none.
 """
 
 from __future__ import annotations

@@ -101,7 +101,13 @@ def registered_backends() -> dict[str, Backend]:
 def runs_own_noncausal_attention(name: str) -> bool:
     """Whether non-causal ``linear_attention`` with backend ``name`` runs code of its own:
     ``reference``, ``torch`` and every backend with a fused ``attention``. The others compute
-    it with the torch path (it takes no causal product), so timing them there times torch."""
+    it with the torch path (it takes no causal product), so timing them there times torch.
+    ValueError unless ``name`` is a registered backend."""
+    if name not in _BACKENDS:  # "auto" and None too: they name no one backend's code
+        check_backend_name(name, "name")
+        raise ValueError(
+            f"name must be a registered backend ({', '.join(_BACKENDS)}); got {name!r}"
+        )
     return name in ("reference", "torch") or _BACKENDS[name].attention is not None
 
 
