@@ -121,9 +121,10 @@ def kernel_attention(
         if causal and fm.keys_need_sequence and k.shape[-2] > 0:
             phi_q = fm(q, is_query=True)
             phi_k, log_factor = causal_key_features(fm, k, mask)
-            if not rows_fit(phi_q, log_factor, phi_k):
+            factors, capped = capped_factors(phi_q, log_factor, phi_k)
+            if host_reads_allowed() and bool(capped):  # one sync; none in compile or vmap
                 return causal_in_segments(fm, phi_q, k, v, mask, eps, backend).to(dtype)
-            phi_q = scale_rows(phi_q, log_factor, phi_k)
+            phi_q = _rows_times_exp(phi_q, factors)
         else:
             phi_q, phi_k = query_and_key_features(fm, q, k, mask, causal)
     phi_q, phi_k = phi_q.to(v.dtype), phi_k.to(v.dtype)
@@ -288,36 +289,35 @@ def causal_key_features(
 
 def scale_rows(phi_q: torch.Tensor, log_factor: torch.Tensor, phi_k: torch.Tensor) -> torch.Tensor:
     """``phi_q: (B,H,N,F)`` with row t multiplied by ``exp(log_factor: (B,H,N))``, the
-    factor capped (:func:`_row_caps`) so that no product of the row with a feature of
+    factor capped (:func:`capped_factors`) so that no product of the row with a feature of
     ``phi_k: (B,H,S,F)`` (later keys included: a chunk multiplies them before masking)
     comes within e^SPARE of ``phi_q``'s largest value. A capped row keeps part of ``eps``
     (its prefix lies about e^50 below the sequence's largest key in float32):
-    :func:`kernel_attention` takes :func:`causal_in_segments` where a row would be capped
-    (:func:`rows_fit`)."""
+    :func:`kernel_attention` takes :func:`causal_in_segments` where a row would be capped."""
+    return _rows_times_exp(phi_q, capped_factors(phi_q, log_factor, phi_k)[0])
+
+
+def capped_factors(
+    phi_q: torch.Tensor, log_factor: torch.Tensor, phi_k: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log factors: (B,H,N), capped: a bool scalar tensor)``: each row's ``log_factor``
+    capped at the largest that keeps its products with ``phi_k: (B,H,S,F)`` e^SPARE below
+    the largest value of ``phi_q``'s dtype, in the promoted dtype of ``phi_q`` and
+    ``log_factor``, and whether any row was capped. No gradient."""
     dtype = torch.promote_types(phi_q.dtype, log_factor.dtype)
-    with torch.no_grad():
-        factor = torch.minimum(log_factor.to(dtype), _row_caps(phi_q, phi_k, dtype)).exp()
-    return (phi_q.to(dtype) * factor[..., None]).to(phi_q.dtype)
-
-
-def _row_caps(phi_q: torch.Tensor, phi_k: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The largest log factor each row of ``phi_q: (B,H,N,F)`` may take: ``(B,H,N)``, in
-    ``dtype``, such that the row's products with ``phi_k: (B,H,S,F)`` stay e^SPARE below
-    ``phi_q``'s dtype's largest value."""
     top = math.log(torch.finfo(phi_q.dtype).max) - SPARE
-    q_max = _finite_abs(phi_q).amax(-1).to(dtype).clamp_min(1e-30).log()  # (B,H,N)
-    k_max = _finite_abs(phi_k).amax((-2, -1)).to(dtype).clamp_min(1e-30).log()  # (B,H)
-    return (top - q_max - k_max[..., None]).clamp(0.0, top)
-
-
-def rows_fit(phi_q: torch.Tensor, log_factor: torch.Tensor, phi_k: torch.Tensor) -> bool:
-    """Whether :func:`scale_rows` caps no row (one sync); True where the host may not read
-    values (while ``torch.compile`` traces, inside ``vmap``: rows stay capped there)."""
-    if not host_reads_allowed() or not log_factor.numel():
-        return True
-    dtype = torch.promote_types(phi_q.dtype, log_factor.dtype)
     with torch.no_grad():
-        return not bool((log_factor.to(dtype) > _row_caps(phi_q, phi_k, dtype)).any())
+        q_max = _finite_abs(phi_q).amax(-1).to(dtype).clamp_min(1e-30).log()  # (B,H,N)
+        k_max = _finite_abs(phi_k).amax((-2, -1)).to(dtype).clamp_min(1e-30).log()  # (B,H)
+        cap = (top - q_max - k_max[..., None]).clamp(0.0, top)
+        log_factor = log_factor.to(dtype)
+        return torch.minimum(log_factor, cap), (log_factor > cap).any()
+
+
+def _rows_times_exp(phi_q: torch.Tensor, log_factors: torch.Tensor) -> torch.Tensor:
+    """``phi_q: (B,H,N,F)`` with row t times ``exp(log_factors[..., t])``, in its dtype."""
+    dtype = log_factors.dtype
+    return (phi_q.to(dtype) * log_factors.exp()[..., None]).to(phi_q.dtype)
 
 
 def causal_in_segments(
