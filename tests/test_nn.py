@@ -1048,3 +1048,41 @@ def test_far_keys_under_vmap_run_in_one_block():
     state = ks.RecurrentState.zeros(2, 2, fm.feature_dim, 8, scaled=True)
     phi_hat, log_scale = fm.key_features(k)
     assert len(state.segment_bounds(log_scale)) > 2  # outside vmap: segments
+
+
+def test_causal_attention_after_left_padding_with_keys_far_below_is_causal():
+    """FAVOR+ with a padded first token and long keys (log scales near −300) after it: the
+    segmented path did not split (the first row's shift, without keys, is 0), and rows 1-3
+    read their keys as 0 against stepping's −0.97, −1.01, −0.64."""
+    torch.manual_seed(1)
+    fm = ks.create_feature_map("favor", head_dim=16)
+    q, k, v = torch.randn(1, 1, 10, 16), torch.randn(1, 1, 10, 16), torch.randn(1, 1, 10, 8)
+    k[:, :, 1:4] *= 12
+    mask = torch.ones(1, 10, dtype=torch.bool)
+    mask[0, 0] = False
+    out = ks.kernel_attention(q, k, v, fm, causal=True, key_padding_mask=mask)
+    part = ks.kernel_attention(
+        q[:, :, :4], k[:, :, :4], v[:, :, :4], fm, causal=True, key_padding_mask=mask[:, :4]
+    )
+    exact = ks.kernel_attention(
+        q.double(), k.double(), v.double(), fm, causal=True, key_padding_mask=mask
+    )
+    assert rel_err(out[:, :, :4], part) <= 1e-6 and rel_err(out, exact) <= 1e-5
+    assert out[0, 0, 1:4].abs().amax() > 0.1  # not read as 0
+
+
+def test_a_later_key_whose_exponent_overflows_reaches_no_earlier_row():
+    """trig_rf with a key of e^208 and a later finite key of 1e30, whose log scale |x|²/2 is
+    inf: the sequence's shift became 0 (exp_shift of +inf) and the e^208 key overflowed, so
+    rows 1-2 turned NaN on every backend. Now the shift leaves the inf out."""
+    torch.manual_seed(0)
+    fm = ks.create_feature_map("trig_rf", head_dim=8)
+    q, k, v = torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 4)
+    k[:, :, 1] *= 10
+    base = ks.kernel_attention(q, k, v, fm, causal=True)
+    k[0, 0, 3, 0] = 1e30
+    assert torch.isposinf(fm.key_features(k)[1][0, 0, 3])
+    for backend in ("reference", "torch", "cpu"):
+        out = ks.kernel_attention(q, k, v, fm, causal=True, backend=backend)
+        assert torch.isfinite(out[:, :, :3]).all(), backend
+        assert rel_err(out[:, :, :3], base[:, :, :3]) <= 1e-5, backend

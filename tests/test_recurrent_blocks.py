@@ -348,3 +348,35 @@ def test_a_scaled_block_whose_shift_climbs_far_is_summed_in_segments():
     want = torch.autograd.grad((y64 * w).sum(), wx)
     for g, g64 in zip(got, want, strict=True):
         assert torch.isfinite(g).all() and rel_err(g, g64, floor=1e-3) <= 1e-4
+
+
+def test_a_block_after_padding_with_keys_far_below_the_range_is_split():
+    """A padded first token (no key yet: shift 0) before keys e^200 below the range (their
+    shift −180): the rows' shifts fell, then climbed back to 0, and the check saw no climb
+    from the first row to the last. The block ran at one shift, where those keys underflow:
+    rows 1-2 read 0 (stepping: −0.34, −1.15)."""
+    torch.manual_seed(0)
+    q, k, v = torch.rand(1, 1, 4, 3) + 0.1, torch.rand(1, 1, 4, 3) + 0.1, torch.randn(1, 1, 4, 2)
+    log_scale = torch.tensor([[[0.0, -200.0, -200.0, 0.0]]])
+    mask = torch.tensor([[False, True, True, True]])
+    empty = ks.RecurrentState.zeros(1, 1, 3, 2, scaled=True)
+    assert empty.segment_bounds(log_scale, mask) == [0, 3, 4]
+    got, _ = empty.steps(q, k, v, log_scale, key_padding_mask=mask)
+    padded = log_scale.masked_fill(~mask[:, None, :], -torch.inf)
+    want, _ = stepped(empty, q, k.masked_fill(~mask[:, None, :, None], 0), v, padded)
+    assert rel_err(got, want) <= 1e-6
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_nan_or_infinite_log_scale_reaches_no_earlier_row_of_a_block(bad):
+    """A key whose log scale is NaN or +inf (an exponent that overflowed) set the block's
+    shift to 0 (exp_shift of a non-finite maximum): earlier keys above the range overflowed
+    and every row of the block turned NaN, where stepping keeps the rows before it."""
+    torch.manual_seed(0)
+    q, k, v = torch.rand(1, 1, 4, 3) + 0.1, torch.rand(1, 1, 4, 3) + 0.1, torch.randn(1, 1, 4, 2)
+    log_scale = torch.tensor([[[0.0, 150.0, 0.0, bad]]])
+    empty = ks.RecurrentState.zeros(1, 1, 3, 2, scaled=True)
+    got, _ = empty.steps(q, k, v, log_scale)
+    want, _ = stepped(empty, q, k, v, log_scale)
+    assert torch.isfinite(got[:, :, :3]).all() and rel_err(got[:, :, :3], want[:, :, :3]) <= 1e-6
+    assert not torch.isfinite(got[:, :, 3]).all()  # the key's own row, as stepping's

@@ -226,11 +226,17 @@ class RecurrentState:
             return [0, n]
         acc = self.S.dtype
         with torch.no_grad():
-            logs = k_log_scale.detach().to(acc).nan_to_num(-torch.inf, posinf=torch.inf)
+            logs = _shift_setting(k_log_scale.detach().to(acc))
             if mask is not None:
                 logs = logs.masked_fill(~mask[:, None, :], -torch.inf)
             running = torch.maximum(self.log_scale.to(acc)[..., None], logs.cummax(-1).values)
-            shift = exp_shift(running, acc)  # non-decreasing along the block
+            shift = exp_shift(running, acc)
+            # rows before any key (padding first) take the shift of the first row with one:
+            # theirs (0) lies above a first key below the range, and the climb from there
+            # back to 0 would be missed; so the shift is non-decreasing along the block
+            keyed = running > -torch.inf
+            first = torch.where(keyed, shift, torch.inf).amin(-1, keepdim=True)
+            shift = torch.where(keyed, shift, first.nan_to_num(posinf=0.0))
             climb = shift - shift[..., :1]
             if not climb.numel() or float(climb[..., -1].amax()) <= SEGMENT_SPREAD:
                 return [0, n]
@@ -259,7 +265,8 @@ class RecurrentState:
                 new = k_log_scale.to(acc)
                 if mask is not None:
                     new = new.masked_fill(~mask[:, None, :], -torch.inf)
-            s, z, log_scale, shift = self._sums_for(None if new is None else new.amax(-1), acc)
+            top = None if new is None else _shift_setting(new).amax(-1)
+            s, z, log_scale, shift = self._sums_for(top, acc)
             eps = self.eps
             if shift is not None:  # the block's keys at the state's shift, in the sums' dtype
                 q, v = q.to(acc), v.to(acc)
@@ -344,6 +351,14 @@ class RecurrentState:
         shift_old = torch.where(old == -torch.inf, shift, exp_shift(old, acc))
         decay = torch.exp(shift_old - shift)
         return s * decay[..., None, None], z * decay[..., None], log_scale, shift
+
+
+def _shift_setting(logs: torch.Tensor) -> torch.Tensor:
+    """Key log scales as they set a shift: NaN and +inf (a key whose exponent overflowed)
+    as −inf. Such a key makes its own row and later ones NaN through its features; in the
+    shift it would stand for 0 (``exp_shift`` of a non-finite maximum) and overflow earlier
+    keys above the range."""
+    return logs.masked_fill(logs.isnan() | logs.isposinf(), -torch.inf)
 
 
 def _block_sums(

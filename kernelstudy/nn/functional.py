@@ -255,14 +255,16 @@ def real_key_features(
     """``(φ̂: (B,H,S,F), log_scale: (B,H,S), logs, real: (B,1,S))`` of keys ``(B,H,S,D)``
     with padded keys (``mask: (B,S)``, True = real; None: all real) zeroed first: the map's
     :meth:`~kernelstudy.feature_maps.FeatureMap.key_features`, and ``logs``, the detached
-    log scales that set shifts: −inf for padded keys and NaN ones (a non-finite input
-    neither sets the shift nor reaches rows before it)."""
+    log scales that set shifts: −inf for padded keys, NaN ones and +inf ones (a non-finite
+    input, or an exponent that overflowed, neither sets the shift nor reaches rows before
+    it)."""
     if mask is None:
         mask = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device)
     real = mask[:, None, :]  # (B,1,S)
     k = k.masked_fill(~real[..., None], 0.0)
     phi_hat, log_scale = fm.key_features(k)  # (B,H,S,F), (B,H,S)
-    logs = log_scale.detach().masked_fill(~real | log_scale.detach().isnan(), -torch.inf)
+    bad = log_scale.detach().isnan() | log_scale.detach().isposinf()
+    logs = log_scale.detach().masked_fill(~real | bad, -torch.inf)
     return phi_hat, log_scale, logs, real
 
 
@@ -337,8 +339,9 @@ def causal_in_segments(
     a later key lies so far above earlier ones that one shift for the whole sequence would
     make the earlier keys underflow (and :func:`scale_rows` cap their rows)."""
     phi_hat, log_scale, _, real = real_key_features(fm, k, mask)
-    # the live log scales (gradients reach the keys through them), none from padding or NaN
-    logs = log_scale.masked_fill(~real | log_scale.detach().isnan(), -torch.inf)
+    # the live log scales (gradients reach the keys through them), none from padding; the
+    # state leaves NaN and +inf ones out of its shifts (they reach rows from theirs on)
+    logs = log_scale.masked_fill(~real, -torch.inf)
     b, h, _, f = phi_q.shape
     sums = torch.float64 if v.dtype == torch.float64 else torch.float32
     state = RecurrentState.zeros(b, h, f, v.shape[-1], sums, v.device, eps, scaled=True)
