@@ -7,8 +7,11 @@ in the same run. FLOPs counted: 4·B·H·N·F·M for a forward of the causal pro
 linear attention, 12·B·H·N·F·M for forward+backward; softmax counts
 4·B·H·N·S·D (halved when causal) and 3× that for forward+backward (the six N×N
 products; flash attention's recomputed scores are not counted, as no kernel's
-recomputation is). Non-causal linear attention runs on ``reference``, ``torch`` and the
-backends with a fused attention; the others would run the torch path.
+recomputation is; CSVs written before 2026-11-24, ``core_cpu.csv`` and
+``core_cpu_issue2.csv`` among them, used 2.5×, so their softmax fwd+bwd GFLOP/s are 5/6 of
+this convention's; their times are unaffected). Non-causal linear attention runs on
+``reference``, ``torch`` and the backends with a fused attention; the others would run the
+torch path.
 
     python benchmarks/core.py --quick                 # a minute on a laptop
     python benchmarks/core.py --out benchmarks/results/core_cpu.csv

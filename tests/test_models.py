@@ -664,7 +664,7 @@ def test_configs_with_numpy_numbers_inside_dicts_are_json():
 
     import numpy as np
 
-    fm_kwargs = {"num_features": np.int64(8), "seed": np.int64(3)}
+    fm_kwargs = {"num_features": np.int64(8), "seed": np.int64(3), "orthogonal": np.False_}
     clf = ks.nn.SequenceClassifier(10, 2, attention="favor", feature_map_kwargs=fm_kwargs, **SMALL)
     lm = ks.nn.CausalLM(10, attention={"name": "favor", "num_features": np.int64(8)}, **SMALL)
     for model in (clf, lm):

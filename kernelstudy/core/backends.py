@@ -103,8 +103,9 @@ def runs_own_noncausal_attention(name: str) -> bool:
     ``reference``, ``torch`` and every backend with a fused ``attention``. The others compute
     it with the torch path (it takes no causal product), so timing them there times torch.
     ValueError unless ``name`` is a registered backend."""
-    if name not in _BACKENDS:  # "auto" and None too: they name no one backend's code
-        check_backend_name(name, "name")
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
+    if name not in _BACKENDS:  # "auto" too: it names no one backend's code
         raise ValueError(
             f"name must be a registered backend ({', '.join(_BACKENDS)}); got {name!r}"
         )

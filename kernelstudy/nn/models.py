@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -206,6 +207,8 @@ def _plain(value: Any) -> Any:
         return {key: _plain(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
         return type(value)(_plain(item) for item in value)
+    if isinstance(value, np.bool_):  # not a numbers.Integral; the checks take it
+        return bool(value)
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         return int(value)
     if isinstance(value, numbers.Real) and not isinstance(value, (bool, float)):
