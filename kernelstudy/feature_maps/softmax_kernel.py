@@ -38,7 +38,8 @@ def stabilizer(logits: torch.Tensor, is_query: bool, dtype: torch.dtype) -> torc
       sequence would make them underflow (in float32 from about e^50 below), the causal
       attention reads the sequence in segments of that state instead
       (:func:`~kernelstudy.nn.functional.causal_in_segments`: one sync to tell; while
-      ``torch.compile`` traces or inside ``vmap`` such rows keep part of ``eps``).
+      ``torch.compile`` traces or inside ``vmap``, ``jacfwd``'s too, such rows keep part of
+      ``eps``).
     """
     dims = (-1,) if is_query or logits.dim() < 2 else (-2, -1)
     logits = logits.detach()
