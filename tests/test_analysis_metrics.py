@@ -712,3 +712,27 @@ def test_attention_matrix_query_padding_mask_bad_input():
     # all padded: every row zero
     zero = ks.analysis.attention_matrix(q, k, "elu", query_padding_mask=~ok)
     assert zero.shape == (2, 1, 6, 6) and not zero.any()
+
+
+@pytest.mark.parametrize("std", [0.5, 3.0])
+def test_gaussian_qk_entries_have_the_given_std(std):
+    q, k = ks.analysis.gaussian_qk(256, 16, std=std, batch=2, heads=2, seed=0)
+    both = torch.cat([q, k]).double()
+    assert both.std().item() == pytest.approx(std, rel=0.03)
+    assert both.mean().abs().item() < 0.03 * std
+
+
+def test_default_rank_tolerance_uses_the_larger_side_of_a_rectangular_matrix():
+    """tol = σ_max · max(N, S) · eps, as numpy.linalg.matrix_rank (the docstring's)."""
+    torch.manual_seed(0)
+    a = torch.rand(5, 40)
+    r = ks.analysis.attention_rank(a)
+    smax = float(r["singular_values"][0])
+    assert r["tol"] == pytest.approx(smax * 40 * torch.finfo(torch.float32).eps, rel=1e-12)
+    assert ks.analysis.attention_rank(a.T)["tol"] == pytest.approx(r["tol"], rel=1e-12)
+    # a singular value between the min- and the max-based tolerance is not counted
+    u, _ = torch.linalg.qr(torch.randn(5, 5, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(40, 5, dtype=torch.float64))
+    sv = torch.tensor([1.0, 1.0, 1.0, 1.0, 20 * np.finfo(np.float64).eps], dtype=torch.float64)
+    m = (u * sv) @ v.T
+    assert ks.analysis.attention_rank(m)["numerical_rank"] == 4

@@ -1161,3 +1161,23 @@ def test_polynomial_features_overflowing_without_stabilize_raise_naming_the_fix(
     nonfinite[0, 0, 0, 0] = float("inf")
     assert torch.isinf(plain(nonfinite, is_query=is_query)).any()
     assert torch.isfinite(plain(torch.full((1, 1, 3, 4), 1e18))).all()  # 1e36: still a float32
+
+
+def test_softplus_ffn_plain_init_is_uniform_in_plus_minus_one_over_sqrt_n():
+    """orthogonal=False: W uniform in ±1/√n, as nn.Linear (the class docstring)."""
+    n = 32
+    w = ks.create_feature_map("softplus_ffn", head_dim=n, orthogonal=False, seed=0).weight
+    bound = n**-0.5
+    assert w.abs().max() <= bound
+    assert w.abs().max() > 0.95 * bound
+    assert w.std().item() == pytest.approx(bound / 3**0.5, rel=0.1)
+
+
+def test_aoglu_low_rank_gate_has_the_full_gates_init_variance():
+    """Entries of W_g = A B start with the variance 1/(3n) of GLU's full uniform gate."""
+    n = 32
+    fm = ks.create_feature_map("aoglu", head_dim=n, rank=8, seed=0, num_heads=4, shared=False)
+    gate = torch.cat([unit.gate_weight().detach().flatten() for unit in fm.units])
+    full = ks.create_feature_map("glu", head_dim=n, seed=0).units[0].gate_weight().detach()
+    assert gate.var().item() == pytest.approx(1 / (3 * n), rel=0.15)
+    assert full.var().item() == pytest.approx(1 / (3 * n), rel=0.15)

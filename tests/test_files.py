@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 
 import pytest
 
@@ -12,6 +13,7 @@ from kernelstudy.files import (
     atomic_write_text,
     exclusive_folder,
     output_file_problem,
+    remove_abandoned_files,
 )
 
 
@@ -139,3 +141,16 @@ def test_the_folder_is_synced_after_the_rename(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "fsync", fsync)
     atomic_write_text(tmp_path / "a.txt", "a\n")
     assert synced == [False, True]  # the file's data, then its folder
+
+
+def test_remove_abandoned_files_spares_files_younger_than_min_age(tmp_path):
+    """An unlocked file changed less than min_age_s ago may be one whose writer has not
+    locked it yet: it stays. The same file, older, is removed."""
+    fresh = tmp_path / "a.partial"
+    fresh.write_bytes(b"x")
+    assert remove_abandoned_files(tmp_path, "*.partial", min_age_s=60.0) == []
+    assert fresh.exists()
+    old = time.time() - 120
+    os.utime(fresh, (old, old))
+    assert remove_abandoned_files(tmp_path, "*.partial", min_age_s=60.0) == [fresh]
+    assert not fresh.exists()

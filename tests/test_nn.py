@@ -1086,3 +1086,36 @@ def test_a_later_key_whose_exponent_overflows_reaches_no_earlier_row():
         out = ks.kernel_attention(q, k, v, fm, causal=True, backend=backend)
         assert torch.isfinite(out[:, :, :3]).all(), backend
         assert rel_err(out[:, :, :3], base[:, :, :3]) <= 1e-5, backend
+
+
+def test_products_that_fit_float32_but_whose_sums_overflow_raise():
+    """hedgehog, stabilize=False: features e^40 fit float32 and so does their product e^80,
+    but the attention sums (times values ~1e4) pass float32's e^88.7. check_products_fit
+    keeps e^SPARE (18) of room: products beyond e^70.7 raise, rather than inf attention."""
+    off = ks.create_feature_map("hedgehog", head_dim=4, stabilize=False)
+    x = torch.zeros(1, 1, 3, 4)
+    x[..., 0] = 40.0
+    v = torch.full((1, 1, 3, 2), 1e4)
+    with pytest.raises(ValueError, match="stabilize=False"):
+        ks.nn.kernel_attention(x, x, v, off)
+    x[..., 0] = 30.0  # products e^60: within the room, no error
+    assert torch.isfinite(ks.nn.kernel_attention(x, x, v, off)).all()
+
+
+def test_float16_causal_favor_gradients_are_finite_and_match_float64():
+    """kernel_attention maps float16 inputs in float32: mapped in float16, causal FAVOR+
+    gave NaN gradients of q and k (a feature's gradient ~ 1/normalizer overflows float16)."""
+    torch.manual_seed(0)
+    fm = ks.create_feature_map("favor", head_dim=8, num_heads=2, num_features=32, seed=0)
+    q, k, v = (torch.randn(1, 2, 16, 8) * 3 for _ in range(3))
+
+    def grads(dtype):
+        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        out = ks.nn.kernel_attention(*leaves, fm, causal=True)
+        assert out.dtype == dtype
+        out.double().sum().backward()
+        return [t.grad.double() for t in leaves]
+
+    for half, wide in zip(grads(torch.float16), grads(torch.float64), strict=True):
+        assert torch.isfinite(half).all()
+        torch.testing.assert_close(half, wide, rtol=0.05, atol=0.05)

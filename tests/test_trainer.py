@@ -1209,3 +1209,81 @@ def test_a_compiled_run_follows_eager_mode_and_resumes_exactly(tmp_path):
     assert second.fit(resume=True)["status"] == "completed"
     a, b = _params(straight.model), _params(second.model)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+class _ShrunkModel(nn.Module):
+    """A classifier whose regularizer is the squared norm of its own weights (loss and
+    penalty pull on the same parameters, so their relative weight shows)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner = _classifier()
+
+    def forward(self, input_ids, mask=None):
+        return self.inner(input_ids, mask)
+
+    def regularization(self) -> torch.Tensor:
+        return sum(p.square().sum() for p in self.inner.parameters())
+
+
+def _norm_after(reg_weight: float) -> float:
+    model = _ShrunkModel()
+    cfg = _config(steps=6, weight_decay=0.0, reg_weight=reg_weight, clip_norm=None)
+    Trainer(model, ContainsTask(32), cfg).fit()
+    return float(torch.sqrt(model.regularization().detach()))
+
+
+def test_reg_weight_scales_the_penalty_in_the_loss():
+    """A larger reg_weight shrinks the penalized weights more (the weight multiplies the
+    penalty; a trainer that added the penalty at weight 1 gave the same weights for both)."""
+    weak, strong = _norm_after(1e-4), _norm_after(10.0)
+    assert strong < weak - 1e-3
+
+
+def test_weight_decay_spares_biases_named_with_a_suffix():
+    """Hedgehog with tie_qk=False has a 3-d ``key_bias``: a bias by name (``*_bias``), so
+    it takes no weight decay, as the map's own ``bias`` does."""
+    model = _classifier(attention="hedgehog", feature_map_kwargs={"tie_qk": False})
+    trainer = Trainer(model, ContainsTask(16), _config(weight_decay=0.1))
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    decayed = {
+        name_of[id(p)]
+        for group in trainer.optimizer.param_groups
+        if group["weight_decay"] > 0
+        for p in group["params"]
+    }
+    key_biases = [n for n in name_of.values() if n.endswith("key_bias")]
+    assert key_biases and not set(key_biases) & decayed
+    assert any(n.endswith("key_weight") for n in decayed)
+
+
+def test_grad_norm_is_the_mean_over_the_steps_the_scaler_applied(monkeypatch):
+    """A window with a skipped (overflowed) step reports the mean norm of its applied
+    steps, not their sum over every step of the window."""
+    task = CopyTask("train", seq_len=16, n_symbols=4, num_samples=24)
+    torch.manual_seed(0)
+    lm = ks.nn.CausalLM(6, d_model=16, n_heads=2, n_layers=1, max_len=16)
+    cfg = _config(steps=4, batch_size=6, eval_every=4, monitor="train_loss", mode="min")
+    trainer = Trainer(lm, task, cfg)
+    trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)  # as float16 AMP
+    seen = []
+    clip = torch.nn.utils.clip_grad_norm_
+
+    def recording(*args, **kwargs):
+        norm = clip(*args, **kwargs)
+        seen.append(float(norm))
+        return norm
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", recording)
+    calls = [0]
+
+    def overflow_once(grad):
+        calls[0] += 1
+        return grad * math.inf if calls[0] == 2 else grad
+
+    lm.head.bias.register_hook(overflow_once)
+    trainer.fit()
+    finite = [n for n in seen if math.isfinite(n)]
+    assert len(seen) == 4 and len(finite) == 3
+    assert trainer.metrics["grad_norm"].iloc[-1] == pytest.approx(sum(finite) / 3, rel=1e-5)
