@@ -6,6 +6,7 @@ naming the argument. Tensor checks of the core are in :mod:`kernelstudy.core.val
 
 from __future__ import annotations
 
+import argparse
 import math
 import numbers
 import os
@@ -47,3 +48,11 @@ def user_path(text: str) -> str:
     """A path flag's value with ``~`` expanded (an argparse ``type``): a shell expands
     ``--out ~/x`` but leaves ``--out=~/x`` as it is, which made a folder named ``~``."""
     return os.path.expanduser(text)
+
+
+def nonempty_user_path(text: str) -> str:
+    """:func:`user_path`, refusing an empty value (argparse's usage error): ``--out ""``,
+    an unset variable, wrote into the current directory."""
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty (an unset variable?)")
+    return user_path(text)

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 import kernelstudy as ks
-from kernelstudy.arguments import user_path
+from kernelstudy.arguments import nonempty_user_path
 
 Command = Callable[[argparse.Namespace], int]
 
@@ -151,7 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     data = p.add_subparsers(dest="dataset", metavar="DATASET", required=True)
     p = data.add_parser("listops", help="generate ListOps in the LRA release's TSV format")
     p.add_argument(
-        "--out", required=True, type=user_path, help="directory for basic_{train,val,test}.tsv"
+        "--out",
+        required=True,
+        type=nonempty_user_path,
+        help="directory for basic_{train,val,test}.tsv",
     )
     p.add_argument(
         "--train", type=int, default=96_000, help="training examples (default %(default)s)"
@@ -190,13 +193,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def out_of_memory(err: BaseException) -> bool:
-    """Whether ``err`` is an allocation failure (Python's, or torch's on a CPU or a GPU)."""
+    """Whether ``err`` is an allocation failure (Python's, or torch's on a CPU or a GPU,
+    also a size whose byte count overflows: a model width of 2^62)."""
     text = str(err).lower()
     return (
         isinstance(err, MemoryError)
         or type(err).__name__ == "OutOfMemoryError"
         or "can't allocate memory" in text
         or "out of memory" in text
+        or "storage size calculation overflowed" in text
+        or "integer multiplication overflow" in text
     )
 
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import difflib
 import hashlib
 import importlib.util
 import json
@@ -61,7 +62,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from .arguments import user_path
+from .arguments import nonempty_user_path
 from .feature_maps.registry import ENV_FEATURE_MAPS
 from .files import atomic_write, atomic_write_text, exclusive_folder, read_csv_table
 from .progress import tqdm
@@ -123,11 +124,53 @@ def load_params(
             raw = tomllib.load(f)
     except tomllib.TOMLDecodeError as err:
         raise ValueError(f"config {str(path)!r} is not valid TOML: {err}") from None
+    for table in ("quick", "full"):
+        if not isinstance(raw.get(table, {}), dict):
+            raise ValueError(f"config {str(path)!r}: {table} must be a table ([{table}])")
+    if config is not None:  # an edited copy: every key must be one of the shipped file's
+        with open(root / f"{name}.toml", "rb") as f:
+            _check_known_keys(raw, tomllib.load(f), path)
     size = "quick" if quick else "full"
     params = {k: v for k, v in raw.items() if k not in ("quick", "full")}
     params = _merge(params, raw.get(size, {}))
     params["quick"] = bool(quick)
     return params
+
+
+def _check_known_keys(raw: dict[str, Any], shipped: dict[str, Any], path: Path) -> None:
+    """ValueError naming the keys of config ``raw`` (read from ``path``) that the shipped
+    study config ``shipped`` has nowhere (at the top, in ``[quick]`` or ``[full]``, at the
+    same depth of tables), with the closest known key: a misspelled key was read as no key
+    (the study ran its default instead, silently)."""
+    known = _sized_key_paths(shipped)
+    unknown = sorted(_sized_key_paths(raw) - known)
+    if unknown:
+        hints = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise ValueError(
+            f"config {str(path)!r}: unknown key(s) {', '.join(hints)}; the study takes the keys "
+            "of its shipped config, at the top or in [quick]/[full]"
+        )
+
+
+def _sized_key_paths(raw: dict[str, Any]) -> set[str]:
+    """The dotted key paths of a study config, those of ``[quick]`` and ``[full]`` without
+    that prefix (``quick.copy.steps`` is ``copy.steps``), tables recursed into (not lists)."""
+
+    def paths(table: dict[str, Any], prefix: str = "") -> set[str]:
+        out = set()
+        for key, value in table.items():
+            out.add(prefix + str(key))
+            if isinstance(value, dict):
+                out |= paths(value, f"{prefix}{key}.")
+        return out
+
+    top = {k: v for k, v in raw.items() if k not in ("quick", "full")}
+    return paths(top).union(
+        *(paths(raw[t]) for t in ("quick", "full") if isinstance(raw.get(t), dict))
+    )
 
 
 def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -1235,7 +1278,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     every study) to ``parser``."""
     parser.add_argument("--quick", action="store_true", help="small sizes (minutes on a CPU)")
     parser.add_argument(
-        "--out", default=None, type=user_path, help="output directory (default results/NAME)"
+        "--out",
+        default=None,
+        type=nonempty_user_path,
+        help="output directory (default results/NAME)",
     )
     parser.add_argument(
         "--config",

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import kernelstudy as ks
 from kernelstudy.cli import main
@@ -206,6 +207,13 @@ def test_out_of_memory_is_a_one_line_error(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.startswith("kernelstudy backends: error: out of memory (") and "\n" == err[-1]
     assert err.count("\n") == 1 and "you tried to allocate" in err
+
+    def huge(args):  # a width of 2^62: the byte count overflows before any allocation
+        torch.empty(2**62, 8)
+
+    monkeypatch.setattr(cli, "_cmd_backends", huge)
+    assert main(["backends"]) == 1
+    assert "out of memory (" in capsys.readouterr().err
 
     def broken(args):
         raise RuntimeError("an unexpected failure")  # a bug keeps its traceback

@@ -64,6 +64,12 @@ def test_config_loads_and_quick_overrides(tmp_path):
         (lambda s: s + "\n[[oops", "TOML"),
         (lambda s: s.replace("[search]", "[train]\nmonitor = 'bogus'\n[search]"), "monitor"),
         (lambda s: s.replace("[search]", "[train]\nbetas = 3\n[search]"), r"\[train\]: betas"),
+        (  # one of the two silently won
+            lambda s: s.replace(
+                "n_heads = 2", "n_heads = 2\npositional = 'learned'\npositions = 'none'"
+            ),
+            "both positions and its alias positional",
+        ),
     ],
 )
 def test_bad_configs_fail_before_training(tmp_path, edit, match):

@@ -1965,8 +1965,27 @@ def test_a_config_file_of_ones_own_takes_the_studys_rows_as_known(toy_studies, c
 
 
 def test_a_config_file_without_an_entry_the_study_reads_is_named(toy_studies, capsys):
-    """A copy with a misspelled key failed with a KeyError traceback naming no file."""
+    """A copy with a misspelled key failed with a KeyError traceback naming no file; then
+    a misspelled key beside the right one was read as no key (rank's [quick.copy] 'modles'
+    trained the full list of models): every key must be one the shipped config has."""
     mine = toy_studies / "mine.toml"
     mine.write_text("[full]\nxs = [5]\n\n[quick]\nx = [2]\n")  # xs misspelled
     assert study.main("toy", ["--quick", "--config", str(mine)]) == 1
-    assert f"config '{mine}' has no entry 'xs', which study 'toy' reads" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"config '{mine}': unknown key(s) 'x' (did you mean 'xs'?)" in err
+    mine.write_text("[full]\nxs = [5]\n\n[quick]\nxs = [2]\nxs_extra = 1\n")
+    with pytest.raises(ValueError, match="unknown key"):
+        study.load_params("toy", quick=True, config=mine)
+    mine.write_text("xs = [5]\nquick = 5\n")  # AttributeError: 'int' object has no 'items'
+    with pytest.raises(ValueError, match=r"quick must be a table \(\[quick\]\)"):
+        study.load_params("toy", quick=True, config=mine)
+
+
+def test_a_rank_config_with_a_misspelled_nested_key_is_refused(tmp_path):
+    shipped = (study.studies_dir() / "rank.toml").read_text()
+    mine = tmp_path / "rank.toml"
+    mine.write_text(shipped.replace("[quick.copy]\nsteps", "[quick.copy]\nstpes"))
+    with pytest.raises(ValueError, match=r"'copy.stpes' \(did you mean 'copy.steps'\?\)"):
+        study.load_params("rank", quick=True, config=mine)
+    mine.write_text(shipped)
+    assert study.load_params("rank", quick=True, config=mine) == study.load_params("rank", True)

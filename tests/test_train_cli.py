@@ -569,9 +569,15 @@ def test_an_empty_out_or_data_is_refused_not_the_current_directory(
     for flags, message in (
         (["--task", "copy", "--out", ""], "--out must not be empty"),
         (["--task", "listops", "--data", "", "--out", "run"], "--data must not be empty"),
+        # an unset variable replaced the config's attention with elu+1, silently
+        (["--task", "copy", "--attention", "", "--out", "run"], "--attention must not be empty"),
     ):
         assert main(["train", *flags]) == 1
         assert message in capsys.readouterr().err
+    for command in (["search", "x.toml"], ["evaluate", "x.toml"], ["study", "rank"]):
+        with pytest.raises(SystemExit) as exit_:  # searches wrote into the current directory
+            main([*command, "--out", ""])
+        assert exit_.value.code == 2 and "must not be empty" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
     from kernelstudy.train import TrainConfig
 

@@ -898,6 +898,16 @@ def test_extending_a_finished_run_rescoring_the_test_set_from_the_last_weights(t
     assert all(torch.equal(extended_last[k], v) for k, v in straight_last["model"].items())
 
 
+def test_an_lr_beyond_float32_is_refused_by_name():
+    """lr = 1e300 passed the checks and crashed inside Adam ("value cannot be converted to
+    type float without overflow"), after the run's files were written."""
+    from kernelstudy.train import TrainConfig
+
+    for name in ("lr", "weight_decay", "reg_weight"):
+        with pytest.raises(ValueError, match=rf"{name} must be at most 3.403e\+38, got 1e\+300"):
+            TrainConfig(**{name: 1e300})
+
+
 def test_resume_refuses_a_changed_lr_weight_decay_or_betas(tmp_path):
     """The optimizer and schedule state restored the saved values: the change was ignored
     while run.json recorded it."""

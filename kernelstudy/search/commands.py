@@ -11,7 +11,7 @@ import argparse
 import sys
 from typing import Any
 
-from ..arguments import user_path
+from ..arguments import nonempty_user_path
 from .runner import DEFAULT_OUT
 
 
@@ -27,7 +27,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--out",
         default=DEFAULT_OUT,
-        type=user_path,
+        type=nonempty_user_path,
         metavar="DIR",
         help=f"results directory (default {DEFAULT_OUT})",
     )

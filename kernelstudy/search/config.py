@@ -323,6 +323,10 @@ def parse_config(raw: dict[str, Any], path: Path) -> SearchConfig:
     model = _table(raw, "model", path)
     if set(model) - MODEL_KEYS:
         raise ValueError(f"{path}: unknown [model] key(s) {sorted(set(model) - MODEL_KEYS)}")
+    if {"positional", "positions"} <= set(model):  # one silently won
+        raise ValueError(
+            f"{path}: [model] sets both positions and its alias positional; give one of them"
+        )
     if "dropout" in model:
         _check_override(f"{path}: [model]", "dropout", TRAINING_SPACE["dropout"], model["dropout"])
     train = _table(raw, "train", path)

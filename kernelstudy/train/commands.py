@@ -173,14 +173,14 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     for key in ("task", "data", "attention", "out"):
         if getattr(args, key) is not None:
             s[key] = getattr(args, key)
-    for key in ("data", "out"):  # Path("") is the current directory
+    for key in ("data", "out", "attention"):  # Path("") is the current directory
         if s[key] is not None and not str(s[key]):
             raise ValueError(f"--{key} must not be empty (an unset variable?)")
     if s["task"] is None:
         raise ValueError("no task: give --task NAME (or task = ... in the --config file)")
     if s["out"] is None:
         raise ValueError("no output directory: give --out DIR (or out = ... in --config)")
-    s["attention"] = s["attention"] or "kernel"
+    s["attention"] = "kernel" if s["attention"] is None else s["attention"]
     task_class(s["task"])  # unknown task: ValueError with suggestions
 
     s["feature_map"].update(parse_key_values(args.map_arg, "--map-arg"))

@@ -42,6 +42,8 @@ CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.csv"
 RECORD = "run.json"
 MODEL = "model.pt"
+#: the largest lr, weight_decay, ... a config takes: torch's optimizers keep them as float32
+FLOAT32_MAX = torch.finfo(torch.float32).max
 #: config fields that may change between a run and its resume without changing results
 #: (``eval_batch_size`` only while ``eval_batches`` is None: see :func:`resume_changes`)
 RESUME_FREE = {"out_dir", "progress", "device", "num_workers", "eval_batch_size"}
@@ -170,6 +172,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
             if not math.isfinite(value):
                 raise ValueError(f"{name} must be finite, got {value!r}")
+            if value > FLOAT32_MAX:  # the optimizer keeps them as float32: a crash inside it
+                raise ValueError(f"{name} must be at most {FLOAT32_MAX:.4g}, got {value!r}")
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr!r}")
         clip = self.clip_norm
