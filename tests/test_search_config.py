@@ -382,13 +382,14 @@ def test_valid_names_ranges_and_studies_still_load(tmp_path):
     ("quick", "match"),
     [
         ("quick = 5\n", r"quick must be a table \(\[quick\]\), got 5"),
-        ("[quick]\ntrian = { steps = 2 }\n", r"unknown .*trian"),
-        ("[quick.search]\ntrails = 3\n", r"trails"),
-        ("[quick.train]\nsteps = -3\n", r"steps"),
+        ("[quick]\ntrian = { steps = 2 }\n", r"unknown .*trian.*\(in \[quick\]"),
+        ("[quick.search]\ntrails = 3\n", r"trails.*\(in \[quick\]"),
+        ("[quick.train]\nsteps = -3\n", r"steps.*\(in \[quick\]"),
     ],
 )
 def test_the_quick_table_is_checked_in_full_mode_too(tmp_path, quick, match):
-    """A typo in [quick] used to load fine in full mode and fail only with --quick."""
+    """A typo in [quick] used to load fine in full mode and fail only with --quick; its
+    message then named the top-level table ("[train]: steps ..."), which was right."""
     text = GOOD.replace("[quick.search]\ntrials = 1\n", "")
     if quick.startswith("quick ="):  # a top-level key, before the first table
         text = text.replace('task = "listops"\n', f'task = "listops"\n{quick}')

@@ -1019,3 +1019,24 @@ def test_a_val_that_read_the_test_data_stays_recorded_while_the_study_has_trials
     variant_study(config, variant, url, True).add_trial(optuna.trial.create_trial(value=0.5))
     assert variant_study(config, variant, url, False).user_attrs["val_reads_test"] is True
     assert variant_study(config, variant, url).user_attrs["val_reads_test"] is True  # unknown
+
+
+def test_a_search_that_fails_its_checks_leaves_no_folder(tmp_path, capsys, monkeypatch):
+    """The default storage's folder OUT/NAME was made before the checks and left empty
+    when they failed (the SQLite file in it was removed). A folder the checks wrote into
+    (generated data, kept for the next run) stays."""
+    from kernelstudy.search import runner
+
+    def refuse(*args, **kwargs):
+        raise ValueError("settings refused")
+
+    monkeypatch.setattr(runner, "check_settings", refuse)
+    cfg, out = write_config(tmp_path, ["elu+1"]), tmp_path / "res"
+    assert ks("search", cfg, "--out", out) == 1
+    assert "settings refused" in capsys.readouterr().err
+    assert out.exists() and not (out / "tiny").exists()
+    monkeypatch.undo()
+    cfg = write_config(tmp_path, ["elu+1"], d_model=8, n_heads=3)  # fails after the data
+    assert ks("search", cfg, "--out", out) == 1
+    assert "n_heads" in capsys.readouterr().err
+    assert sorted(p.name for p in (out / "tiny").iterdir()) == ["data"]

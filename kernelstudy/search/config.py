@@ -148,7 +148,10 @@ def load_config(path: str | Path, quick: bool = False) -> SearchConfig:
     full = parse_config(raw, path)
     quick_raw = _merge(raw, quick_table)
     quick_raw["variants"] = quick_variants
-    quick_config = parse_config(quick_raw, path)
+    try:
+        quick_config = parse_config(quick_raw, path)
+    except ValueError as err:  # the top level passed: the fault is [quick]'s (or its merge)
+        raise ValueError(f"{err} (in [quick], which --quick merges on top)") from None
     return quick_config if quick else full
 
 

@@ -13,6 +13,7 @@ training, search space or generated data is refused rather than mixed.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import shlex
@@ -219,6 +220,8 @@ def run_search(
         raise ValueError(f"workers must be a positive int, got {workers!r}")
     check_device(config, device)
     chosen = select_variants(config, variants)
+    folder = None if storage else Path(out) / config.name  # the default storage's
+    new_folder = folder is not None and not folder.exists()
     url = storage_url(config, storage, out)
     database = sqlite_file(url)
     created = database is not None and not database.exists()
@@ -231,6 +234,9 @@ def run_search(
     except BaseException:  # an SQLite file this call made holds no study: not left behind
         if created:  # (`report` then said "no studies ... run search first")
             database.unlink(missing_ok=True)
+        if new_folder:  # nor the folder made for it, where nothing else was written there
+            with contextlib.suppress(OSError):
+                folder.rmdir()
         raise
     for label, reason in over.items():
         if any(v.label == label for v in chosen):
