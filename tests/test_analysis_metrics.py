@@ -265,6 +265,11 @@ def test_registered_maps_attention_rank_is_at_most_feature_dim(name):
 def test_bad_input_errors():
     with pytest.raises(ValueError, match=r"2-D \(N, S\) matrix"):
         ks.analysis.attention_rank(torch.ones(2, 3, 3))
+    # torch's own errors named no argument: "can't convert np.ndarray of type numpy.object_"
+    with pytest.raises(TypeError, match="A must be a numeric array, got dtype object"):
+        ks.analysis.attention_rank(np.array([[1.0, None]], dtype=object))
+    with pytest.raises(ValueError, match="A must hold values"):
+        ks.analysis.attention_rank(torch.ones(3, 3, device="meta"))
     q, k = ks.analysis.gaussian_qk(8, 4)
     with pytest.raises(ValueError, match="unknown feature map 'no_such_map'"):
         ks.analysis.attention_matrix(q, k, "no_such_map")

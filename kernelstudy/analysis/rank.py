@@ -52,9 +52,14 @@ def attention_rank(A: torch.Tensor | np.ndarray, tol: float | None = None) -> di
         0 (no singular value above 0; the effective and stable ranks' ratios are 0/0 there).
     """
     if isinstance(A, np.ndarray):
-        A = torch.from_numpy(np.ascontiguousarray(A))  # a reversed view has negative strides
+        try:  # a reversed view has negative strides: contiguous first
+            A = torch.from_numpy(np.ascontiguousarray(A))
+        except TypeError:  # object, str, ... arrays: torch's message named no argument
+            raise TypeError(f"A must be a numeric array, got dtype {A.dtype}") from None
     if not isinstance(A, torch.Tensor):
         raise TypeError(f"A must be a torch.Tensor or numpy array, got {type(A).__name__}")
+    if A.device.type == "meta":
+        raise ValueError("A must hold values (a tensor on the meta device has none)")
     if A.dim() != 2:
         raise ValueError(f"A must be a 2-D (N, S) matrix, got shape {tuple(A.shape)}")
     if not (A.is_floating_point() and A.numel() > 0):
