@@ -1044,10 +1044,9 @@ def test_evaluating_does_not_change_the_training(kind):
     assert last_often["val_loss"] == last_once["val_loss"]
 
 
-def test_weight_decay_spares_biases_of_any_shape_and_norms():
-    """Hedgehog's per-head bias (H, 1, D) is 3-d: the shape rule (decay when dim >= 2)
-    decayed it, against the stated convention (no decay on biases and norms)."""
-    model = _classifier(attention="hedgehog")
+def _decayed_parameters(model: nn.Module) -> tuple[Trainer, set[str]]:
+    """A Trainer of ``model`` with weight decay 0.1, and the names of the parameters its
+    optimizer decays."""
     trainer = Trainer(model, ContainsTask(16), _config(weight_decay=0.1))
     name_of = {id(p): n for n, p in model.named_parameters()}
     decayed = {
@@ -1056,8 +1055,17 @@ def test_weight_decay_spares_biases_of_any_shape_and_norms():
         if group["weight_decay"] > 0
         for p in group["params"]
     }
-    kept = set(name_of.values()) - decayed
-    biases = {n for n in name_of.values() if n.endswith("bias")}
+    return trainer, decayed
+
+
+def test_weight_decay_spares_biases_of_any_shape_and_norms():
+    """Hedgehog's per-head bias (H, 1, D) is 3-d: the shape rule (decay when dim >= 2)
+    decayed it, against the stated convention (no decay on biases and norms)."""
+    model = _classifier(attention="hedgehog")
+    trainer, decayed = _decayed_parameters(model)
+    names = {n for n, _ in model.named_parameters()}
+    kept = names - decayed
+    biases = {n for n in names if n.endswith("bias")}
     assert any(model.get_parameter(n).dim() == 3 for n in biases)  # the map's bias
     assert biases <= kept and not any(".norm" in n for n in decayed)
     assert {"embed.weight", "head.0.weight"} <= decayed
@@ -1266,14 +1274,7 @@ def test_weight_decay_spares_biases_named_with_a_suffix():
     """Hedgehog with tie_qk=False has a 3-d ``key_bias``: a bias by name (``*_bias``), so
     it takes no weight decay, as the map's own ``bias`` does."""
     model = _classifier(attention="hedgehog", feature_map_kwargs={"tie_qk": False})
-    trainer = Trainer(model, ContainsTask(16), _config(weight_decay=0.1))
-    name_of = {id(p): n for n, p in model.named_parameters()}
-    decayed = {
-        name_of[id(p)]
-        for group in trainer.optimizer.param_groups
-        if group["weight_decay"] > 0
-        for p in group["params"]
-    }
-    key_biases = [n for n in name_of.values() if n.endswith("key_bias")]
+    _, decayed = _decayed_parameters(model)
+    key_biases = [n for n, _ in model.named_parameters() if n.endswith("key_bias")]
     assert key_biases and not set(key_biases) & decayed
     assert any(n.endswith("key_weight") for n in decayed)
