@@ -351,7 +351,7 @@ def _outputs_and_all_grads(fm, q, k, v, mask, eps, dtype, seed=1):
 @pytest.mark.parametrize("name", ["favor", "hedgehog"])
 def test_causal_prefix_scaled_rows_match_with_all_gradients(name):
     """Causal kernel_attention of a map with a per-sequence key stabilizer scales each row to
-    its prefix's shift (causal_key_features, scale_rows); tests checked that path's outputs,
+    its prefix's shift (causal_key_features, causal_features); tests checked that path's outputs,
     and of its gradients only that they are finite. Here, with left padding, a fully padded
     sequence, batch 3 and batch 1, outputs and the gradients w.r.t. q, k, v and every map
     parameter: float64 against the unstabilized map (eps=1e-300 in both: nothing leaves

@@ -52,3 +52,11 @@ def exp_shift(
     below = torch.isfinite(log_max) & (log_max < (0.0 if lift_negative else lo))
     excess = (log_max - hi).clamp_min(0.0).nan_to_num(0.0, 0.0)  # 0 for +inf and NaN
     return torch.where(below, log_max, excess)
+
+
+def shift_setting(logs: torch.Tensor) -> torch.Tensor:
+    """Key log scales as they set a shift: NaN and +inf (a non-finite input, or a key whose
+    exponent overflowed) as −inf. Such a key makes its own row and later ones NaN through
+    its features; in the shift it would stand for 0 (:func:`exp_shift` of a non-finite
+    maximum) and overflow earlier keys above the range."""
+    return logs.masked_fill(logs.isnan() | logs.isposinf(), -torch.inf)

@@ -27,7 +27,7 @@ import torch
 from ..arguments import check_count, check_flag
 from .autocast import without_autocast
 from .backends import check_backend_name, resolve_backend
-from .exp_range import exp_shift
+from .exp_range import exp_shift, shift_setting
 from .transforms import host_reads_allowed
 from .validation import (
     accumulation_dtype,
@@ -226,7 +226,7 @@ class RecurrentState:
             return [0, n]
         acc = self.S.dtype
         with torch.no_grad():
-            logs = _shift_setting(k_log_scale.detach().to(acc))
+            logs = shift_setting(k_log_scale.detach().to(acc))
             if mask is not None:
                 logs = logs.masked_fill(~mask[:, None, :], -torch.inf)
             running = torch.maximum(self.log_scale.to(acc)[..., None], logs.cummax(-1).values)
@@ -265,7 +265,7 @@ class RecurrentState:
                 new = k_log_scale.to(acc)
                 if mask is not None:
                     new = new.masked_fill(~mask[:, None, :], -torch.inf)
-            top = None if new is None else _shift_setting(new).amax(-1)
+            top = None if new is None else shift_setting(new).amax(-1)
             s, z, log_scale, shift = self._sums_for(top, acc)
             eps = self.eps
             if shift is not None:  # the block's keys at the state's shift, in the sums' dtype
@@ -351,14 +351,6 @@ class RecurrentState:
         shift_old = torch.where(old == -torch.inf, shift, exp_shift(old, acc))
         decay = torch.exp(shift_old - shift)
         return s * decay[..., None, None], z * decay[..., None], log_scale, shift
-
-
-def _shift_setting(logs: torch.Tensor) -> torch.Tensor:
-    """Key log scales as they set a shift: NaN and +inf (a key whose exponent overflowed)
-    as −inf. Such a key makes its own row and later ones NaN through its features; in the
-    shift it would stand for 0 (``exp_shift`` of a non-finite maximum) and overflow earlier
-    keys above the range."""
-    return logs.masked_fill(logs.isnan() | logs.isposinf(), -torch.inf)
 
 
 def _block_sums(

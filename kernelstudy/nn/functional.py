@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..core.attention import linear_attention
-from ..core.exp_range import exp_shift
+from ..core.exp_range import exp_shift, shift_setting
 from ..core.recurrent import RecurrentState
 from ..core.transforms import host_reads_allowed
 from ..core.validation import (
@@ -21,7 +21,7 @@ from ..core.validation import (
 )
 from ..feature_maps import FeatureMap, create_feature_map
 
-#: e^SPARE of room kept for sums over features, keys and values (:func:`scale_rows`,
+#: e^SPARE of room kept for sums over features, keys and values (:func:`capped_factors`,
 #: :func:`check_products_fit`).
 SPARE = 18.0
 
@@ -119,9 +119,7 @@ def kernel_attention(
         mask = check_key_padding_mask(key_padding_mask, k.shape[0], k.shape[2], k.device)
     with context:
         if causal and fm.keys_need_sequence and k.shape[-2] > 0:
-            phi_q = fm(q, is_query=True)
-            phi_k, log_factor = causal_key_features(fm, k, mask)
-            factors, capped = capped_factors(phi_q, log_factor, phi_k)
+            phi_q, phi_k, factors, capped = causal_features(fm, q, k, mask)
             if host_reads_allowed() and bool(capped):  # one sync; none in compile or vmap
                 return causal_in_segments(fm, phi_q, k, v, mask, eps, backend).to(dtype)
             phi_q = _rows_times_exp(phi_q, factors)
@@ -156,11 +154,12 @@ def query_and_key_features(
     """``(φ(q), φ(k))`` as :func:`kernel_attention` hands them to the core: padded keys
     (``mask: (B,S)``, True = real, or None) as :func:`padded_key_features` maps them, and,
     causal with a per-sequence key stabilizer, each query row scaled to its prefix's shift
-    (:func:`causal_key_features`, :func:`scale_rows`)."""
-    phi_q = fm(q, is_query=True)
+    (:func:`causal_features`; capped rows keep part of ``eps``, where
+    :func:`kernel_attention` reads the sequence in segments instead)."""
     if causal and fm.keys_need_sequence and k.shape[-2] > 0:
-        phi_k, log_factor = causal_key_features(fm, k, mask)
-        return scale_rows(phi_q, log_factor, phi_k), phi_k
+        phi_q, phi_k, factors, _ = causal_features(fm, q, k, mask)
+        return _rows_times_exp(phi_q, factors), phi_k
+    phi_q = fm(q, is_query=True)
     phi_k = fm(k, is_query=False) if mask is None else padded_key_features(fm, k, mask)
     check_products_fit(fm, phi_q, phi_k)
     return phi_q, phi_k
@@ -263,8 +262,7 @@ def real_key_features(
     real = mask[:, None, :]  # (B,1,S)
     k = k.masked_fill(~real[..., None], 0.0)
     phi_hat, log_scale = fm.key_features(k)  # (B,H,S,F), (B,H,S)
-    bad = log_scale.detach().isnan() | log_scale.detach().isposinf()
-    logs = log_scale.detach().masked_fill(~real | bad, -torch.inf)
+    logs = shift_setting(log_scale.detach()).masked_fill(~real, -torch.inf)
     return phi_hat, log_scale, logs, real
 
 
@@ -277,7 +275,7 @@ def causal_key_features(
     φ(k) is taken at the shift c of the sequence's real keys, as
     :func:`padded_key_features` does (``mask: (B,S)``, True = real; None: all real).
     Row t's query features are to be multiplied by ``exp(log_factor_t) = exp(c − c_t)``
-    (:func:`scale_rows`), c_t the shift of the real keys up to t: numerator and
+    (:func:`causal_features`), c_t the shift of the real keys up to t: numerator and
     normalizer of row t then equal those at c_t, so ``eps`` weighs in it as in the
     :class:`~kernelstudy.core.RecurrentState` that steps the keys, whatever later keys
     hold."""
@@ -289,14 +287,21 @@ def causal_key_features(
     return phi_k, (shift - prefix).clamp_min(0.0)
 
 
-def scale_rows(phi_q: torch.Tensor, log_factor: torch.Tensor, phi_k: torch.Tensor) -> torch.Tensor:
-    """``phi_q: (B,H,N,F)`` with row t multiplied by ``exp(log_factor: (B,H,N))``, the
-    factor capped (:func:`capped_factors`) so that no product of the row with a feature of
-    ``phi_k: (B,H,S,F)`` (later keys included: a chunk multiplies them before masking)
-    comes within e^SPARE of ``phi_q``'s largest value. A capped row keeps part of ``eps``
-    (its prefix lies about e^50 below the sequence's largest key in float32):
-    :func:`kernel_attention` takes :func:`causal_in_segments` where a row would be capped."""
-    return _rows_times_exp(phi_q, capped_factors(phi_q, log_factor, phi_k)[0])
+def causal_features(
+    fm: FeatureMap, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Causal attention's features for a map that shifts keys per sequence: ``(φ(q):
+    (B,H,N,F), φ(k): (B,H,S,F), log factors: (B,H,N), capped)``. φ(k) is at the sequence's
+    shift (:func:`causal_key_features`); row t of φ(q) is to be multiplied by ``exp`` of its
+    log factor (to its prefix's shift), capped (:func:`capped_factors`) so that no product
+    of the row with a feature of φ(k) (later keys included: a chunk multiplies them before
+    masking) comes within e^SPARE of the dtype's largest value. ``capped`` (a bool scalar
+    tensor): whether some row's factor was, so that it keeps part of ``eps`` (its prefix
+    lies about e^50 below the sequence's largest key in float32)."""
+    phi_q = fm(q, is_query=True)
+    phi_k, log_factor = causal_key_features(fm, k, mask)
+    factors, capped = capped_factors(phi_q, log_factor, phi_k)
+    return phi_q, phi_k, factors, capped
 
 
 def capped_factors(
@@ -337,7 +342,7 @@ def causal_in_segments(
     reading the sequence in blocks (:meth:`~kernelstudy.core.RecurrentState.steps`): each
     row at its own prefix's shift, as :func:`kernel_attention` normalizes causal rows, where
     a later key lies so far above earlier ones that one shift for the whole sequence would
-    make the earlier keys underflow (and :func:`scale_rows` cap their rows)."""
+    make the earlier keys underflow (and :func:`capped_factors` cap their rows)."""
     phi_hat, log_scale, _, real = real_key_features(fm, k, mask)
     # the live log scales (gradients reach the keys through them), none from padding; the
     # state leaves NaN and +inf ones out of its shifts (they reach rows from theirs on)
