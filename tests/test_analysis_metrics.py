@@ -216,6 +216,21 @@ def test_rank_of_known_matrices():
     assert (zero["numerical_rank"], zero["effective_rank"], zero["stable_rank"]) == (0, 0.0, 0.0)
 
 
+@pytest.mark.parametrize("scale", [1e-200, 1e-160, 1e160, 1e200])
+def test_effective_and_stable_ranks_do_not_depend_on_the_matrix_scale(scale):
+    """Both are scale-free: ‖A‖_F²/‖A‖_2² overflowed past 1e154 and divided by 0 below 1e-162."""
+    a = np.random.default_rng(0).normal(size=(3, 3))
+    s = np.linalg.svd(a, compute_uv=False)
+    p = s / s.sum()
+    base = ks.analysis.attention_rank(a)
+    assert base["stable_rank"] == pytest.approx(((s / s[0]) ** 2).sum(), rel=1e-12)
+    assert base["effective_rank"] == pytest.approx(np.exp(-(p * np.log(p)).sum()), rel=1e-12)
+    r = ks.analysis.attention_rank(scale * a)
+    assert r["stable_rank"] == pytest.approx(base["stable_rank"], rel=1e-12)
+    assert r["effective_rank"] == pytest.approx(base["effective_rank"], rel=1e-12)
+    assert r["numerical_rank"] == 3
+
+
 def test_rank_of_a_cross_attention_matrix():
     """N queries by S keys: min(N, S) singular values, tolerance from max(N, S)."""
     gen = torch.Generator().manual_seed(1)

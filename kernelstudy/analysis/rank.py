@@ -77,12 +77,12 @@ def attention_rank(A: torch.Tensor | np.ndarray, tol: float | None = None) -> di
             tol = smax * max(A.shape) * eps
     else:
         tol = check_real("tol", tol)
-    total = sv.sum().item()
-    if total > 0:
-        p = sv / total
+    if smax > 0:  # both ranks are scale-free: relative to the largest (no over- or underflow)
+        r = sv / smax
+        p = r / r.sum()
         p = p[p > 0]
         effective = float(torch.exp(-(p * p.log()).sum()))
-        stable = float((sv**2).sum().item() / smax**2)
+        stable = float(r.square().sum())
     else:
         effective = stable = 0.0
     return {

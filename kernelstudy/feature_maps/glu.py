@@ -135,7 +135,12 @@ class AOGLUFeatureMap(OGLUFeatureMap):
     hyperparameters: ClassVar[dict[str, Hyperparameter]] = {
         "depth": DEPTH,
         "rank": Hyperparameter(
-            int, None, low=1, nullable=True, search=False, doc="rank r of the gate (None: n//4)"
+            int,
+            None,
+            low=1,
+            nullable=True,
+            search=False,
+            doc="rank r of the gate, at most head_dim (None: n//4)",
         ),
         "reg_weight": REG_WEIGHT,
         "shared": SHARED,
