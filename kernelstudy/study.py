@@ -77,20 +77,25 @@ RUNS_FILE = "runs.json"
 DEVICES = ("cpu", "cuda")
 
 
+def packaged_studies_dir() -> Path:
+    """The copy of ``studies/`` (scripts and configs) an installed package carries."""
+    return Path(__file__).resolve().parent / "_studies"
+
+
 def studies_dir() -> Path:
     """The ``studies/`` directory: ``$KERNELSTUDY_STUDIES_DIR`` if set, else the one next to the
-    package (a source checkout), else ``./studies``."""
+    package (a source checkout, an editable install), else the installed package's copy."""
     if os.environ.get(ENV_STUDIES_DIR):  # an explicit setting is the only place looked at
         candidates = [Path(os.environ[ENV_STUDIES_DIR])]
     else:
-        candidates = [Path(__file__).resolve().parents[1] / "studies", Path.cwd() / "studies"]
+        candidates = [Path(__file__).resolve().parents[1] / "studies", packaged_studies_dir()]
     for path in candidates:
         if path.is_dir() and any(path.glob("*.toml")):
             return path
     looked = ", ".join(str(p) for p in candidates)
     raise FileNotFoundError(
-        f"cannot find the studies/ directory (looked in: {looked}); run from a kernelstudy "
-        f"checkout or set {ENV_STUDIES_DIR}"
+        f"cannot find the studies/ directory (looked in: {looked}); reinstall kernelstudy or "
+        f"set {ENV_STUDIES_DIR}"
     )
 
 
@@ -713,10 +718,13 @@ def _cpu_model() -> str | None:
 
 
 def results_dir() -> Path:
-    """Where notebooks look for study results: ``$KERNELSTUDY_RESULTS`` (relative paths from the
-    repository root, e.g. ``studies/results`` for the committed full-size runs), else
-    ``results/`` under the repository root (where ``kernelstudy study NAME`` writes from it)."""
-    return studies_dir().parent / (os.environ.get(ENV_RESULTS_DIR) or "results")
+    """Where notebooks look for study results: ``$KERNELSTUDY_RESULTS``, else ``results/``
+    (where ``kernelstudy study NAME`` writes when run from there), both relative to the
+    repository root in a checkout (``studies/results`` holds the committed full-size runs) and
+    to the current directory for an installed package."""
+    studies = studies_dir()
+    root = Path.cwd() if studies == packaged_studies_dir() else studies.parent
+    return root / (os.environ.get(ENV_RESULTS_DIR) or "results")
 
 
 def load_results(

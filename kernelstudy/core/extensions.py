@@ -20,8 +20,6 @@ import logging
 import os
 import platform
 import shutil
-import sys
-import sysconfig
 import time
 import warnings
 from collections.abc import Iterator
@@ -73,14 +71,12 @@ def csrc_dir() -> Path:
     """The ``csrc/`` folder of the kernels' sources.
 
     It sits at the repository root next to ``kernelstudy/`` (source checkouts, editable
-    installs); wheels install a copy under ``<prefix>/share/kernelstudy/csrc``.
+    installs); an installed package carries a copy as ``kernelstudy/_csrc``.
     """
     package = Path(__file__).resolve().parents[1]
-    candidates = [package.parent / "csrc"]
-    for prefix in (sysconfig.get_path("data"), sys.prefix):
-        candidates.append(Path(prefix) / "share" / "kernelstudy" / "csrc")
-    for candidate in candidates:
-        if candidate.is_dir():
+    candidates = [package / "_csrc", package.parent / "csrc"]
+    for candidate in candidates:  # a folder only named csrc beside the package is not ours
+        if (candidate / "cpu" / "binding.cpp").is_file():
             return candidate
     raise FileNotFoundError(
         "kernelstudy: cannot find the csrc/ kernel sources; looked in "
@@ -187,6 +183,31 @@ def _remove_stale_lock(build_directory: str | None, exclusive: bool = False) -> 
         pass  # no lock (the usual case), or someone else removed it
 
 
+@contextlib.contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    """Within the block, ``PATH`` also holds the ``ninja`` package's program when no ninja is on
+    ``PATH`` (a virtual environment's python run without activating it: cron, IDEs, Jupyter
+    kernels), where torch's build looks for it."""
+    try:
+        import ninja
+
+        folder = None if shutil.which("ninja") else ninja.BIN_DIR
+    except (ImportError, AttributeError):  # not installed: torch's message says to install it
+        folder = None
+    if folder is None:
+        yield
+        return
+    path = os.environ.get("PATH")
+    os.environ["PATH"] = folder + os.pathsep + (path or "")
+    try:
+        yield
+    finally:
+        if path is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = path
+
+
 def _missing_tool(cuda: bool) -> str | None:
     """Why the build cannot start, or None."""
     compiler = os.environ.get("CXX", "c++")
@@ -246,7 +267,7 @@ def load_extension(
         try:
             build_directory = _build_directory(name)
             directory = build_directory or _torch_build_directory(name)
-            with _build_lock(directory) as exclusive:
+            with _build_lock(directory) as exclusive, _ninja_on_path():
                 _remove_stale_lock(directory, exclusive)
                 module = cpp_extension().load(
                     name=name,

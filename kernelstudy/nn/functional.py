@@ -108,7 +108,10 @@ def kernel_attention(
     bfloat16 keeps its dtype (float32's range). The built-in maps with weights compute
     their features in at least float32 with autocast off; under autocast, a user's map
     with linear layers may return features in the autocast dtype: they are cast to ``v``'s
-    dtype.
+    dtype. Call ``backward()`` outside the autocast region, as PyTorch advises: the core's
+    sums recompute their backward with autocast off, the maps' backward does not (inside a
+    float16 region with a loss scale of 2**16, FAVOR+'s and the GLU maps' key gradients
+    overflow; inside bfloat16 they are about 1e-2 off).
     """
     check_qkv(q, k, v, names=("q", "k", "v"), causal=causal)
     dtype = q.dtype

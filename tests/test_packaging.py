@@ -1,0 +1,127 @@
+"""An installed package works outside the checkout: it carries the kernels' sources and the
+studies, finds them whatever the install scheme, and builds with the tools it installs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+import types
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from kernelstudy import study
+from kernelstudy.core import extensions
+
+REPO = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+SETUPTOOLS = PYPROJECT["tool"]["setuptools"]
+
+
+def _tracked(folder: str) -> set[str]:
+    """Files under REPO/folder that the package must carry (results and caches excluded)."""
+    root = REPO / folder
+    return {
+        p.relative_to(root).as_posix()
+        for p in root.rglob("*")
+        if p.is_file() and "results" not in p.parts and "__pycache__" not in p.parts
+    }
+
+
+def test_the_package_list_names_every_package_and_the_mapped_folders_exist():
+    found = {
+        ".".join(p.parent.relative_to(REPO).parts)
+        for p in (REPO / "kernelstudy").rglob("__init__.py")
+        if "__pycache__" not in p.parts
+    }
+    mapped = SETUPTOOLS["package-dir"]
+    assert set(SETUPTOOLS["packages"]) == found | set(mapped)
+    assert all((REPO / folder).is_dir() for folder in mapped.values())
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """A wheel built offline from a copy of the sources (the build writes beside them)."""
+    src = tmp_path_factory.mktemp("src")
+    for name in ("pyproject.toml", "README.md", "LICENSE", "MANIFEST.in"):
+        shutil.copy(REPO / name, src / name)
+    ignore = shutil.ignore_patterns("__pycache__", "results", "*.egg-info")
+    for name in ("kernelstudy", "csrc", "studies"):
+        shutil.copytree(REPO / name, src / name, ignore=ignore)
+    dist = tmp_path_factory.mktemp("dist")
+    command = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"]
+    run = subprocess.run(
+        [*command, "--no-index", "-q", "-w", str(dist), str(src)], capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    (path,) = dist.glob("kernelstudy-*.whl")
+    return path
+
+
+@pytest.mark.slow
+def test_the_wheel_carries_the_kernel_sources_the_studies_and_the_license(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for folder, inside in (("csrc", "_csrc"), ("studies", "_studies")):
+        carried = {n.removeprefix(f"kernelstudy/{inside}/") for n in names}
+        assert _tracked(folder) <= carried, _tracked(folder) - carried
+    assert not any(n.startswith(("tests/", "csrc/", "studies/", "notebooks/")) for n in names)
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
+    assert "kernelstudy/py.typed" in names
+
+
+@pytest.mark.slow
+def test_an_installed_package_finds_its_sources_and_studies_outside_the_checkout(wheel, tmp_path):
+    """As pip lays out a pure wheel (--user, --prefix and --target differ only in the folder),
+    beside an unrelated top-level ``csrc`` folder, run from a folder that is no checkout."""
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    (site / "csrc").mkdir()  # another distribution's folder: not taken for the kernels'
+    here = tmp_path / "work"
+    here.mkdir()
+    code = (
+        "import json\n"
+        "from kernelstudy import study\n"
+        "from kernelstudy.core import extensions\n"
+        "print(json.dumps({'csrc': str(extensions.csrc_dir()), 'studies': study.list_studies(),"
+        " 'dir': str(study.studies_dir()), 'results': str(study.results_dir()),"
+        " 'rank': study.load_study('rank').__file__}))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KERNELSTUDY_")}
+    env["PYTHONPATH"] = str(site)
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=here, env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout)
+    assert got["csrc"] == str(site / "kernelstudy" / "_csrc")
+    assert got["dir"] == str(site / "kernelstudy" / "_studies")
+    assert got["studies"] == study.list_studies()
+    assert got["rank"] == str(site / "kernelstudy" / "_studies" / "rank.py")
+    assert got["results"] == str(here / "results")  # not inside site-packages
+
+
+def test_a_checkout_uses_its_own_folders(monkeypatch):
+    monkeypatch.delenv(study.ENV_STUDIES_DIR, raising=False)
+    monkeypatch.delenv(study.ENV_RESULTS_DIR, raising=False)
+    assert extensions.csrc_dir() == REPO / "csrc"
+    assert study.studies_dir() == REPO / "studies"
+    assert study.results_dir() == REPO / "results"
+
+
+def test_the_ninja_package_is_put_on_path_for_the_build_when_none_is_there(monkeypatch, tmp_path):
+    """A venv's python run without activating it: the ninja that pip installed is not on PATH,
+    and torch's build, which runs ``ninja`` from PATH, said to install it."""
+    monkeypatch.setitem(sys.modules, "ninja", types.SimpleNamespace(BIN_DIR=str(tmp_path)))
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None)
+    before = os.environ.get("PATH")
+    with extensions._ninja_on_path():
+        assert os.environ["PATH"].split(os.pathsep)[0] == str(tmp_path)
+    assert os.environ.get("PATH") == before
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: "/usr/bin/ninja")
+    with extensions._ninja_on_path():  # one on PATH already: PATH as it was
+        assert os.environ.get("PATH") == before
