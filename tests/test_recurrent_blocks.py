@@ -350,6 +350,44 @@ def test_a_scaled_block_whose_shift_climbs_far_is_summed_in_segments():
         assert torch.isfinite(g).all() and rel_err(g, g64, floor=1e-3) <= 1e-4
 
 
+def test_segments_are_the_fewest_within_the_spread_and_joined_by_one_backward_node():
+    """Bands of SEGMENT_SPREAD from the block's first row cut wherever any (batch, head)
+    crossed a band's edge: sequences climbing out of step gave about twice the segments
+    needed, a number growing with B·H; and each segment was a slice, whose backward fills a
+    zero tensor of the whole block (S segments: O(S·N) backward, 70% of it at N = 8192)."""
+    from kernelstudy.core.recurrent import SEGMENT_SPREAD
+
+    b, h, n, f, m = 1, 4, 240, 3, 2
+    climb = torch.arange(n, dtype=torch.float32)  # one e-fold a token, above the safe range
+    offsets = torch.tensor([0.0, 7.0, 15.0, 22.0])  # the heads climb out of step
+    log_scale = (100.0 + climb + offsets[:, None])[None]
+    empty = ks.RecurrentState.zeros(b, h, f, m, scaled=True)
+    bounds = empty.segment_bounds(log_scale)
+    assert bounds[0] == 0 and bounds[-1] == n
+    shift = log_scale[0] - log_scale[0, :, :1]  # each head's shift climbs as its log scale
+    for start, stop in zip(bounds, bounds[1:], strict=False):
+        assert (shift[:, stop - 1] - shift[:, start]).max() <= SEGMENT_SPREAD  # within
+        if stop < n:
+            assert (shift[:, stop] - shift[:, start]).max() > SEGMENT_SPREAD  # no fewer
+    assert len(bounds) - 1 == 8  # 240 tokens, 31 a segment; the bands cut 31 times
+    torch.manual_seed(0)
+    q, k = torch.rand(b, h, n, f) + 0.1, torch.rand(b, h, n, f) + 0.1
+    v = torch.randn(b, h, n, m).requires_grad_()
+    out, _ = empty.steps(q, k, v, log_scale)
+    seen, todo, readers = set(), [out.grad_fn], []  # the nodes that take v's gradient
+    while todo:
+        node = todo.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            nexts = [next_fn for next_fn, _ in node.next_functions]
+            if any(getattr(x, "variable", None) is v for x in nexts):
+                readers.append(type(node).__name__)
+            todo.extend(nexts)
+    assert readers == ["SplitWithSizesBackward0"]
+    want, _ = stepped(empty, q, k, v.detach(), log_scale)
+    assert rel_err(out, want) <= 1e-5
+
+
 def test_a_block_after_padding_with_keys_far_below_the_range_is_split():
     """A padded first token (no key yet: shift 0) before keys e^200 below the range (their
     shift −180): the rows' shifts fell, then climbed back to 0, and the check saw no climb

@@ -198,19 +198,18 @@ class RecurrentState:
         if n == 0:
             return v.new_empty(b, h, 0, m), self
         bounds = [0, n] if k_log_scale is None else self.segment_bounds(k_log_scale, mask)
+        if len(bounds) == 2:
+            return self._block(phi_q, phi_k, v, k_log_scale, mask, backend)
+        # split, not sliced: one backward node that joins the segments' gradients (a slice's
+        # backward fills a zero tensor of the whole block per segment)
+        sizes = [stop - start for start, stop in itertools.pairwise(bounds)]
+        pieces = [t.split(sizes, dim=2) for t in (phi_q, phi_k, v, k_log_scale)]
+        masks = mask.split(sizes, dim=1) if mask is not None else [None] * len(sizes)
         outs, state = [], self
-        for start, stop in itertools.pairwise(bounds):
-            piece = slice(start, stop)
-            out, state = state._block(
-                phi_q[:, :, piece],
-                phi_k[:, :, piece],
-                v[:, :, piece],
-                None if k_log_scale is None else k_log_scale[:, :, piece],
-                None if mask is None else mask[:, piece],
-                backend,
-            )
+        for q_i, k_i, v_i, log_i, mask_i in zip(*pieces, masks, strict=True):
+            out, state = state._block(q_i, k_i, v_i, log_i, mask_i, backend)
             outs.append(out)
-        return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)), state
+        return torch.cat(outs, dim=2), state
 
     def segment_bounds(
         self, k_log_scale: torch.Tensor, mask: torch.Tensor | None = None
@@ -218,7 +217,8 @@ class RecurrentState:
         """``[0, ..., N]``: where a scaled state splits a block of keys with log scales
         ``k_log_scale: (B,H,N)`` (``mask: (B,N)``, True = real key, or None), so that in
         every segment and every (batch, head) the rows' shifts (of the state's and the
-        block's keys up to each row) climb by at most ``SEGMENT_SPREAD``. ``[0, N]`` where
+        block's keys up to each row) climb by at most ``SEGMENT_SPREAD``, in as few segments
+        as that allows. ``[0, N]`` where
         they do in the whole block (one sync to tell), and where the host may not read
         values (:func:`~kernelstudy.core.transforms.host_reads_allowed`)."""
         n = k_log_scale.shape[-1]
@@ -237,12 +237,20 @@ class RecurrentState:
             keyed = running > -torch.inf
             first = torch.where(keyed, shift, torch.inf).amin(-1, keepdim=True)
             shift = torch.where(keyed, shift, first.nan_to_num(posinf=0.0))
-            climb = shift - shift[..., :1]
-            if not climb.numel() or float(climb[..., -1].amax()) <= SEGMENT_SPREAD:
+            if (
+                not shift.numel()
+                or float((shift[..., -1] - shift[..., 0]).amax()) <= SEGMENT_SPREAD
+            ):
                 return [0, n]
-            band = torch.floor(climb / SEGMENT_SPREAD)
-            starts = (band[..., 1:] != band[..., :-1]).flatten(0, 1).any(0).nonzero()
-        return [0, *(int(t) + 1 for t in starts.flatten().tolist()), n]
+            # greedy, fewest segments: each ends before the first row, in any (batch, head),
+            # whose shift lies more than SEGMENT_SPREAD above that one's at the segment's start
+            rows = shift.flatten(0, 1).cpu().contiguous()  # (B·H, N), non-decreasing
+            bounds = [0]
+            while bounds[-1] < n:
+                limit = rows[:, bounds[-1], None] + SEGMENT_SPREAD
+                stop = int(torch.searchsorted(rows, limit, right=True).min())
+                bounds.append(max(stop, bounds[-1] + 1))  # (stop > start: rows[:, start] fits)
+        return bounds
 
     def _block(
         self,
