@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import warnings
 from pathlib import Path
 
@@ -673,6 +674,9 @@ def test_shipped_configs_read_the_published_archive_layout(tmp_path: Path) -> No
         assert len(load_task("retrieval", root, "train")) == 2
         assert len(load_task("pathfinder", root, "train")) == 8
         assert len(load_task("listops", root, "train")) == 1
+    shutil.rmtree(outer / "listops-1000")  # the inner copy alone: ListOps' config finds it too
+    config = load_config(studies / "lra_listops.toml")
+    assert len(load_task(config.task, config.data, "train", **config.task_options)) == 1
 
 
 def test_retrieval_holds_its_documents_once_while_reading(tmp_path: Path) -> None:
