@@ -285,6 +285,10 @@ def test_positional_encodings():
     learned = ks.nn.PositionalEncoding(6, 4, "learned")
     with pytest.raises(ValueError, match="max_len"):
         learned(torch.arange(5))
+    with pytest.raises(ValueError, match="positions must be >= 0, got -1"):  # an IndexError
+        learned(torch.tensor([0, -1]))
+    with pytest.raises(ValueError, match="d_model must be a positive int, got 'x'"):
+        ks.nn.PositionalEncoding("x", 8)  # failed inside torch.arange at the first call
     assert ks.nn.PositionalEncoding(6, 4, "none")(torch.arange(3)).abs().sum() == 0
 
 

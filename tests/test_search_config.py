@@ -70,6 +70,18 @@ def test_config_loads_and_quick_overrides(tmp_path):
             ),
             "both positions and its alias positional",
         ),
+        # [generate]'s values were checked only when the data were written (the docstring's
+        # own example, without min_length, was refused there: its default 500 > 64)
+        (
+            lambda s: (
+                s.replace('data = "data"', "") + "[generate]\nn_train = 20\nmax_length = 64\n"
+            ),
+            r"\[generate\]: need max_length >= min_length \+ 2",
+        ),
+        (
+            lambda s: s.replace('data = "data"', "") + "[generate]\nn_train = 'many'\n",
+            r"\[generate\]: n_train must be an int >= 1, got 'many'",
+        ),
     ],
 )
 def test_bad_configs_fail_before_training(tmp_path, edit, match):

@@ -525,6 +525,25 @@ def test_schedules():
     assert lrs[4:] == sorted(lrs[4:], reverse=True)
 
 
+def test_numpy_numbers_are_taken_and_kept_as_plain_floats():
+    """numpy ints were taken and np.float64 (a float subclass), but an np.float32 lr was "not a
+    number >= 0"; the config keeps plain floats (its JSON record)."""
+    cfg = TrainConfig(
+        lr=np.float32(1e-3),
+        weight_decay=np.float32(0.01),
+        reg_weight=np.float16(0.5),
+        min_lr_ratio=np.float32(0.0),
+        clip_norm=np.float32(1.0),
+        betas=(np.float32(0.9), 0.999),
+    )
+    values = [cfg.lr, cfg.weight_decay, cfg.reg_weight, cfg.min_lr_ratio, cfg.clip_norm]
+    assert all(type(x) is float for x in [*values, *cfg.betas])
+    assert cfg.lr == pytest.approx(1e-3) and cfg.betas[0] == pytest.approx(0.9)
+    assert TrainConfig(clip_norm=np.float32(0.0)).clip_norm is None  # 0: clipping off
+    with pytest.raises(ValueError, match="lr must be a number >= 0"):
+        TrainConfig(lr=np.bool_(True))
+
+
 def test_bad_configuration_fails_before_training():
     with pytest.raises(ValueError, match="steps"):
         TrainConfig(steps=0)

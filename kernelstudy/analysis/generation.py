@@ -144,6 +144,7 @@ def benchmark_generation(
         time_limit_s: once a run takes longer than this, skip its longer lengths.
         vocab_size: prompt tokens are drawn from ``[0, vocab_size)`` (default: the
             model's output size, read from one forward).
+        seed: of the random prompts.
 
     Returns:
         Long table: ``label``, ``mode``, ``length``, ``batch``, ``metric``

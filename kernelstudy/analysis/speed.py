@@ -276,6 +276,7 @@ def benchmark_attention(
             (GB; the reference's matrix counted in its accumulation dtype).
         time_limit_s: once a method's median time exceeds this, skip its larger N.
         matmul: add a ``matmul`` row with the measured GFLOP/s of this run.
+        seed: of the random q, k and v.
 
     Returns:
         Long table (columns ``COLUMNS``): metrics ``time_ms`` (median), ``time_ms_min``,

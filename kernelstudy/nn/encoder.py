@@ -123,6 +123,8 @@ class TransformerEncoder(nn.Module):
         feature_map, feature_map_kwargs: the map of every layer (each layer gets its own copy;
             an explicit int ``seed`` is layer 0's, layer i draws with :func:`layer_seed`).
         causal: causal self-attention; enables :meth:`step`.
+        eps, backend: linear attention's normalizer guard and core backend (None:
+            ``KERNELSTUDY_BACKEND`` or auto), as in :class:`KernelAttention`.
 
     ``forward(x: (B,N,d_model), key_padding_mask: (B,N) | None) → (B,N,d_model)``.
     """

@@ -100,7 +100,7 @@ class PositionalEncoding(nn.Module):
         super().__init__()
         if kind not in POSITIONS:
             raise ValueError(f"positions must be one of {POSITIONS}, got {kind!r}")
-        max_len = check_size("max_len", max_len)
+        d_model, max_len = check_size("d_model", d_model), check_size("max_len", max_len)
         self.d_model, self.max_len, self.kind = d_model, max_len, kind
         self.table = nn.Embedding(max_len, d_model) if kind == "learned" else None
         if self.table is not None:
@@ -113,14 +113,18 @@ class PositionalEncoding(nn.Module):
         if self.kind == "none":
             return torch.zeros(positions.shape[0], self.d_model, device=positions.device)
         if torch.compiler.is_compiling():  # a check in the graph, without a sync on the GPU
-            inside = (positions < self.max_len).all()
-            message = f"positions must be below max_len={self.max_len} of the learned encoding"
+            inside = ((positions >= 0) & (positions < self.max_len)).all()
+            message = f"positions must lie in [0, max_len={self.max_len}) of the learned encoding"
             torch._assert_async(inside, message)
-        elif positions.numel() and int(positions.max()) >= self.max_len:
-            raise ValueError(
-                f"position {int(positions.max())} is beyond max_len={self.max_len} "
-                "of the learned positional encoding"
-            )
+        elif positions.numel():
+            low, high = torch.stack(list(positions.aminmax())).tolist()  # one sync
+            if low < 0:
+                raise ValueError(f"positions must be >= 0, got {low}")
+            if high >= self.max_len:
+                raise ValueError(
+                    f"position {high} is beyond max_len={self.max_len} "
+                    "of the learned positional encoding"
+                )
         return self.table(positions)
 
     def extra_repr(self) -> str:
@@ -308,6 +312,8 @@ class SequenceClassifier(_SequenceModel):
             position 0, read out after the encoder).
         positions: ``"sinusoidal"``, ``"learned"`` or ``"none"``; ``max_len`` bounds learned ones.
         head_dim: hidden width of the MLP head (default ``d_model``).
+        eps, backend: linear attention's normalizer guard and core backend, as in
+            :class:`TransformerEncoder`.
 
     ``forward(input_ids (B,N), mask (B,N) | None) → logits (B, num_classes)``.
     """

@@ -11,7 +11,7 @@
     [search]  trials = 20  pruner = "median"  seed = 0  budget = 0.10
     [[variants]]  label = "Transformer"  attention = "softmax"
     [[variants]]  label = "1xGLU"  feature_map = "glu"  fixed = { depth = 1 }
-    [generate] n_train = 2000  max_length = 64   # ListOps only: generate the data instead
+    [generate] n_train = 2000  min_length = 8  max_length = 64   # ListOps: generate the data
     [quick]   ...                    # tables merged over the above by --quick
     [quick.variants.Performer]  fixed = { num_features = { low = 8, high = 32 } }
 
@@ -362,6 +362,13 @@ def parse_config(raw: dict[str, Any], path: Path) -> SearchConfig:
             f"{path}: unknown [generate] key(s) {sorted(set(generate) - GENERATE_KEYS)}; "
             f"known: {sorted(GENERATE_KEYS)}"
         )
+    if generate:  # its values too, before any search starts (write_listops' own checks)
+        from ..tasks.listops import check_listops_settings
+
+        try:
+            check_listops_settings(**generate)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{path}: [generate]: {err}") from err
     search = _table(raw, "search", path)
     unknown_search = set(search) - {"trials", "pruner", "seed", "budget"}
     if unknown_search:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import inspect
 import itertools
 import os
 from collections.abc import Iterator
@@ -390,6 +391,19 @@ def write_listops(
         for held in locks:
             os.close(held)
     return paths
+
+
+def check_listops_settings(**settings: object) -> None:
+    """TypeError/ValueError naming the first bad one unless :func:`write_listops` takes these
+    keyword settings (its defaults for the rest), checked without generating anything."""
+    params = inspect.signature(write_listops).parameters
+    unknown = sorted(set(settings) - set(params) - {"out_dir"})
+    if unknown:
+        raise TypeError(f"unknown ListOps setting(s) {unknown}")
+    s = {name: p.default for name, p in params.items() if name != "out_dir"} | settings
+    for split in ("train", "val", "test"):
+        check_count(f"n_{split}", s[f"n_{split}"], 1)
+    generate_listops(0, s["min_length"], s["max_length"], s["seed"], s["max_depth"]).close()
 
 
 # ---------------------------------------------------------------------------- loading

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import numbers
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -44,6 +45,8 @@ RECORD = "run.json"
 MODEL = "model.pt"
 #: the largest lr, weight_decay, ... a config takes: torch's optimizers keep them as float32
 FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
 #: config fields that may change between a run and its resume without changing results
 #: (``eval_batch_size`` only while ``eval_batches`` is None: see :func:`resume_changes`)
 RESUME_FREE = {"out_dir", "progress", "device", "num_workers", "eval_batch_size"}
@@ -52,6 +55,11 @@ LOWER_IS_BETTER = ("train_loss", "val_loss", "train_reg")
 #: config fields a resume refuses to change: the optimizer and schedule state saved in
 #: the checkpoint hold their values, which would silently stay in force
 RESUME_FIXED = ("betas", "lr", "weight_decay")
+
+
+def _real(value: object) -> bool:
+    """A real number (numpy's too), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def eval_size(fields: Mapping[str, Any]) -> int:
@@ -168,8 +176,11 @@ class TrainConfig:
         positive("num_workers", allow_zero=True)
         for name in ("lr", "weight_decay", "reg_weight", "min_lr_ratio"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+            if not _real(value) or not value >= 0:
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+            if not isinstance(value, int | float):  # numpy's: plain for the JSON config
+                value = float(value)
+                setattr(self, name, value)
             if not math.isfinite(value):
                 raise ValueError(f"{name} must be finite, got {value!r}")
             if value > FLOAT32_MAX:  # the optimizer keeps them as float32: a crash inside it
@@ -177,22 +188,24 @@ class TrainConfig:
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr!r}")
         clip = self.clip_norm
-        number = isinstance(clip, int | float) and not isinstance(clip, bool)
+        number = _real(clip)
         if (number and clip == 0) or (isinstance(clip, str) and clip.lower() == "none"):
             self.clip_norm = None  # clipping off
         elif clip is not None and not (number and clip > 0):
             raise ValueError(
                 f"clip_norm must be > 0, or None, 0 or 'none' for no clipping, got {clip!r}"
             )
+        elif number and not isinstance(clip, int | float):
+            self.clip_norm = float(clip)
         betas = self.betas
         if (
             not isinstance(betas, list | tuple)
             or len(betas) != 2
-            or not all(isinstance(b, int | float) and not isinstance(b, bool) for b in betas)
+            or not all(_real(b) for b in betas)
             or not all(0.0 <= b < 1.0 for b in betas)
         ):
             raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
-        self.betas = tuple(betas)
+        self.betas = tuple(b if isinstance(b, int | float) else float(b) for b in betas)
         possible = metric_columns("lm", validation=True, regularized=True, clipped=True)
         if self.monitor not in possible:
             raise ValueError(
