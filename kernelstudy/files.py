@@ -183,8 +183,9 @@ def remove_abandoned_files(
     folder: str | os.PathLike, pattern: str, min_age_s: float = 60.0
 ) -> list[Path]:
     """Delete the files matching ``pattern`` in ``folder`` whose writer is gone (killed by
-    SIGKILL mid-write: nothing holds their :func:`lock_while_written` lock), unchanged for
-    ``min_age_s`` seconds (a file just made may not be locked yet), and return them. For
+    SIGKILL mid-write: nothing holds their :func:`lock_while_written` lock), and return
+    them; an empty one only once unchanged for ``min_age_s`` seconds (a file just made may not
+    be locked yet: its writer locks it before the first byte). For
     folders without one lock over all writers; nothing is deleted where files cannot be
     locked."""
     if fcntl is None:
@@ -197,7 +198,8 @@ def remove_abandoned_files(
         except OSError:  # gone meanwhile, or not ours to read
             continue
         try:
-            if now - os.fstat(fd).st_mtime < min_age_s:
+            info = os.fstat(fd)
+            if info.st_size == 0 and now - info.st_mtime < min_age_s:
                 continue
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:  # a live writer holds it (or no locks here)
@@ -209,6 +211,17 @@ def remove_abandoned_files(
     return removed
 
 
+def _lock_file(path: Path) -> IO[bytes]:
+    """``path`` opened to be locked: made where missing; read-only where it is another user's
+    (a shared folder, their umask): ``flock`` needs no write access."""
+    try:
+        return open(path, "a+b")
+    except PermissionError:
+        if not path.is_file():
+            raise
+        return open(path, "rb")
+
+
 @contextlib.contextmanager
 def exclusive_folder(folder: str | os.PathLike, what: str, clean: bool = False) -> Iterator[None]:
     """Hold an advisory lock on ``folder`` (a ``.lock`` file in it) for the block, or raise
@@ -217,11 +230,14 @@ def exclusive_folder(folder: str | os.PathLike, what: str, clean: bool = False) 
     the work in the message. The lock goes with the process (also when it is killed).
     ``clean``: the folder's writers all take the lock, so temporary files there are left by
     killed ones and are deleted once it is held (:func:`remove_stale_temporary_files`)."""
+    path = Path(folder) / ".lock"
+    problem = output_file_problem(path)  # a read-only folder: before hours of work, not after
+    if problem is not None:
+        raise ValueError(f"{folder} cannot hold {what}'s files: {problem}; give another --out")
     if fcntl is None:
         yield
         return
-    path = Path(folder) / ".lock"
-    with open(path, "a+b") as handle:
+    with _lock_file(path) as handle:
         try:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -225,7 +225,15 @@ def _read_results(path: Path) -> pd.DataFrame:
     # config_id as text: an all-digit id ("942358339153") or one like "096e55686685" would
     # otherwise read as a number and no longer match its config
     table = read_csv_table(path, text_columns=("config_id",))
-    return pd.DataFrame() if table is None else table
+    if table is None:
+        return pd.DataFrame()
+    if "config_id" not in table and not table.empty:  # its rows were no config's: all rerun
+        raise ValueError(
+            f"{path} has no config_id column, so it is not a study's table (saved with another "
+            f"separator than ','? its first column: {str(table.columns[0])[:60]!r}); move it "
+            "away to start afresh"
+        )
+    return table
 
 
 def study_tables(module: ModuleType) -> tuple[str, ...]:

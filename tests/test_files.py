@@ -9,6 +9,7 @@ import time
 import pytest
 
 from kernelstudy.files import (
+    FolderBusy,
     atomic_write,
     atomic_write_text,
     exclusive_folder,
@@ -143,14 +144,38 @@ def test_the_folder_is_synced_after_the_rename(tmp_path, monkeypatch):
     assert synced == [False, True]  # the file's data, then its folder
 
 
-def test_remove_abandoned_files_spares_files_younger_than_min_age(tmp_path):
-    """An unlocked file changed less than min_age_s ago may be one whose writer has not
-    locked it yet: it stays. The same file, older, is removed."""
+def test_remove_abandoned_files_spares_empty_files_younger_than_min_age(tmp_path):
+    """An empty unlocked file changed less than min_age_s ago may be one whose writer has not
+    locked it yet: it stays. The same file, older, is removed. A non-empty unlocked one was
+    written, so locked, by a writer now gone: removed at once (a rerun within the minute
+    after a kill left the killed run's 138 MB .partial file)."""
     fresh = tmp_path / "a.partial"
-    fresh.write_bytes(b"x")
+    fresh.write_bytes(b"")
     assert remove_abandoned_files(tmp_path, "*.partial", min_age_s=60.0) == []
     assert fresh.exists()
     old = time.time() - 120
     os.utime(fresh, (old, old))
     assert remove_abandoned_files(tmp_path, "*.partial", min_age_s=60.0) == [fresh]
     assert not fresh.exists()
+    written = tmp_path / "b.partial"
+    written.write_bytes(b"x")
+    assert remove_abandoned_files(tmp_path, "*.partial", min_age_s=60.0) == [written]
+
+
+def test_a_lock_file_of_another_user_is_locked_read_only(tmp_path, monkeypatch):
+    """A shared folder where another user made .lock (0644 under their umask): opening it to
+    append failed with 'Permission denied', though flock needs no write access."""
+    import kernelstudy.files as files
+
+    (tmp_path / ".lock").write_bytes(b"")
+    real_open = open
+
+    def no_append(path, mode="r", *args, **kwargs):
+        if "a" in mode:  # as for a user without write permission (root has it regardless)
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(files, "open", no_append, raising=False)
+    with exclusive_folder(tmp_path, "a test"):
+        with pytest.raises(FolderBusy), exclusive_folder(tmp_path, "another"):
+            pass  # the read-only handle holds the lock

@@ -389,6 +389,39 @@ def test_an_empty_results_file_is_no_rows_and_a_garbled_one_is_named(toy_studies
     assert (out / "results.csv").read_bytes() == garbled  # left as it was
 
 
+def test_a_results_file_saved_with_another_separator_is_named_not_taken_for_no_rows(toy_studies):
+    """Re-saved with ';' (a spreadsheet's locale), results.csv read as one column and no
+    config_id: every configuration ran again and the user's rows were merged into one column."""
+    out = toy_studies / "out"
+    study.run_study("toy", quick=True, out=out, verbose=False)
+    frame = pd.read_csv(out / "results.csv")
+    frame.to_csv(out / "results.csv", sep=";", index=False)
+    saved = (out / "results.csv").read_bytes()
+    with pytest.raises(ValueError, match=r"results\.csv has no config_id column.*separator"):
+        study.run_study("toy", quick=True, out=out, verbose=False)
+    assert (out / "results.csv").read_bytes() == saved
+
+
+def test_a_folder_that_takes_no_new_files_is_refused_before_any_configuration_runs(
+    toy_studies, monkeypatch
+):
+    """A read-only results folder holding a .lock from an earlier run: the lock opened, and
+    the first configuration was computed, then lost at its first write (a hidden temporary
+    file's 'Permission denied')."""
+    out = toy_studies / "out"
+    study.run_study("toy", quick=True, out=out, verbose=False)
+    saved = (out / "results.csv").read_bytes()
+    import kernelstudy.files as files
+
+    def read_only(folder, prefix, suffix):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(files, "new_temporary_file", read_only)  # as chmod 555 (not for root)
+    with pytest.raises(ValueError, match=r"cannot hold study toy's files: cannot write in"):
+        study.run_study("toy", quick=False, out=out, verbose=False)
+    assert (out / "results.csv").read_bytes() == saved
+
+
 def test_out_must_be_a_directory_and_force_is_in_the_provenance(toy_studies, capsys):
     out = toy_studies / "cli"
     assert study.main("toy", ["--quick", "--out", str(out), "--force"]) == 0
