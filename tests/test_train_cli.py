@@ -218,6 +218,25 @@ def test_overwrite_that_fails_or_is_interrupted_leaves_no_old_run_to_resume(
     assert "resuming" not in capsys.readouterr().err
 
 
+def test_a_run_killed_in_its_first_checkpoint_runs_again_with_the_same_command(
+    listops: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """metrics.csv was written before the first checkpoint: a kill (or a full disk) while that
+    was saved left metrics without a checkpoint, which the same command, requeued, refused as
+    a finished run's results."""
+    out = tmp_path / "run"
+
+    def killed(self, path=None):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(commands.Trainer, "save_checkpoint", killed)
+        assert main(listops_args(listops, out)) == 1
+    assert not (out / "checkpoint.pt").exists()
+    assert main(listops_args(listops, out)) == 0
+    assert pd.read_csv(out / "metrics.csv")["step"].tolist() == [3, 6, 8]
+
+
 def test_results_without_a_checkpoint_are_not_overwritten_by_other_settings(
     listops: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

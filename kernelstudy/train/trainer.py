@@ -794,9 +794,9 @@ class Trainer:
         row["elapsed_s"] = self.elapsed
         self._update_best(row)
         self.history.append(row)
-        if self.out_dir is not None:
+        if self.out_dir is not None:  # the checkpoint first: metrics.csv without one is a
+            self.save_checkpoint()  # run's results the same command would refuse to replace
             self.history.write_csv(self._path(METRICS))
-            self.save_checkpoint()
         final = self.stopped_early or self.step >= cfg.steps  # no evaluation follows
         for callback in self.callbacks:
             callback(self.step, {**row, "final": final})
@@ -851,7 +851,9 @@ class Trainer:
         record = self.record(error)
         if self.out_dir is not None:
             write_json(self._path(RECORD), record)
-            if len(self.history):
+            # not where the first checkpoint failed: metrics without one are a finished
+            # run's results to the same command, which would refuse to run again
+            if len(self.history) and self._path(CHECKPOINT).is_file():
                 self.history.write_csv(self._path(METRICS))
         return record
 
