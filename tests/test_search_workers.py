@@ -369,6 +369,71 @@ def test_a_trial_another_worker_finished_does_not_stop_this_one(tmp_path, monkey
     assert raised and finished_trials(study) == 2
 
 
+def _failed_commit(replaced_by_assertion: bool) -> Exception:
+    """What Optuna raises when SQLite cannot commit (a full disk): its StorageInternalError
+    from sqlite3's OperationalError, or "Should not reach" from its clean-up after that."""
+    import sqlite3
+
+    try:
+        try:
+            raise sqlite3.OperationalError("database or disk is full")
+        except sqlite3.OperationalError as err:
+            raise optuna.exceptions.StorageInternalError("invalid data, e.g. max length") from err
+    except optuna.exceptions.StorageInternalError as err:
+        if not replaced_by_assertion:
+            return err
+        try:
+            raise AssertionError("Should not reach.")
+        except AssertionError as final:
+            assert final.__context__ is err
+            return final
+
+
+@pytest.mark.parametrize("replaced", [False, True], ids=["storage_error", "assertion"])
+def test_a_database_that_takes_no_more_writes_is_one_error_naming_it(
+    tmp_path, monkeypatch, replaced
+):
+    """A disk that filled mid-search ended in Optuna's traceback, whose last line said
+    "invalid data ... exceeding max length" or "AssertionError: Should not reach."."""
+    error = _failed_commit(replaced)
+
+    def full(self, *args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(optuna.Study, "optimize", full)
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    with pytest.raises(ValueError, match=r"study\.db failed: database or disk is full; the "):
+        _worker(url, "full", quick_objective, trials=2, pruner="none", seed=0)
+    monkeypatch.setattr(
+        optuna.Study,
+        "optimize",
+        lambda *a, **k: (_ for _ in ()).throw(AssertionError("a bug of our own")),
+    )
+    with pytest.raises(AssertionError, match="a bug of our own"):  # not the database's
+        _worker(url, "full", quick_objective, trials=2, pruner="none", seed=0)
+
+
+def test_a_read_only_database_is_refused_when_opened(tmp_path, monkeypatch):
+    """A read-only SQLite file (or folder) failed only at the first trial's commit."""
+    from kernelstudy.search import storage
+
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    storage.open_storage(url)  # made, and writable
+    real = storage.RDBStorage
+
+    def read_only(*args, **kwargs):  # as without write permission (root has it regardless)
+        made = real(*args, **kwargs)
+        made.engine.dispose()
+        from sqlalchemy import create_engine
+
+        made.engine = create_engine(f"sqlite:///file:{tmp_path / 'study.db'}?mode=ro&uri=true")
+        return made
+
+    monkeypatch.setattr(storage, "RDBStorage", read_only)
+    with pytest.raises(ValueError, match="study.db takes no writes: attempt to write a readonly"):
+        storage.open_storage(url)
+
+
 def test_ctrl_c_fails_the_workers_running_trials_at_once(tmp_path):
     """After a Ctrl-C the parent used to terminate its workers outright: their running
     trials stayed RUNNING until the heartbeat went stale. Now each worker fails its trial."""

@@ -140,7 +140,7 @@ def open_storage(
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            return RDBStorage(
+            storage = RDBStorage(
                 url,
                 engine_kwargs=engine_kwargs,
                 heartbeat_interval=heartbeat_interval,
@@ -152,8 +152,37 @@ def open_storage(
     except ImportError as err:
         raise ValueError(f"storage {redact(url)}: database driver missing ({err})") from err
     except Exception as err:  # sqlalchemy's OperationalError, ArgumentError, ...
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(f"storage {redact(url)} cannot be opened: {first}") from err
+        raise ValueError(f"storage {redact(url)} cannot be opened: {_first_line(err)}") from err
+    if url.startswith("sqlite"):
+        _check_sqlite_writable(storage, url)
+    return storage
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+
+
+def _check_sqlite_writable(storage: RDBStorage, url: str) -> None:
+    """ValueError naming the URL unless the SQLite file takes writes (its folder, for the
+    journal, too): a read-only one failed at the first trial's commit, in Optuna's traceback.
+    A table made and rolled back: the file is left as it was."""
+    raw = storage.engine.raw_connection()
+    try:
+        cursor = raw.cursor()
+        cursor.execute("BEGIN IMMEDIATE")
+        try:
+            cursor.execute("CREATE TABLE kernelstudy_write_probe (x INTEGER)")
+        finally:
+            raw.rollback()
+    except Exception as err:  # sqlite3.OperationalError: readonly, disk full, ...
+        if "locked" in str(err):  # another worker writing past the busy timeout: writable
+            return
+        raise ValueError(
+            f"storage {redact(url)} takes no writes: {_first_line(err)} (is its folder "
+            "read-only or full?)"
+        ) from err
+    finally:
+        raw.close()
 
 
 def redact(url: str) -> str:

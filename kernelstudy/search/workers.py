@@ -33,11 +33,11 @@ from typing import Any
 import numpy as np
 import optuna
 import torch
-from optuna.exceptions import UpdateFinishedTrialError
+from optuna.exceptions import StorageInternalError, UpdateFinishedTrialError
 from optuna.storages import RetryHeartbeatStaleTrialCallback
 from optuna.trial import FrozenTrial, TrialState
 
-from .storage import GRACE_PERIOD, HEARTBEAT_INTERVAL, MAX_RETRY, open_storage
+from .storage import GRACE_PERIOD, HEARTBEAT_INTERVAL, MAX_RETRY, open_storage, redact
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 #: User attr of a re-queued copy pruned as a duplicate: the number of the failed trial.
@@ -303,8 +303,31 @@ def _worker(
             # worker goes on.
             if isinstance(err, ValueError) and not str(err).startswith(TOLD_ELSEWHERE):
                 raise
+        except (StorageInternalError, AssertionError) as err:
+            # a commit that failed (disk full, read-only file): Optuna's "invalid data, e.g.
+            # exceeding max length", or "Should not reach" from its own clean-up after it
+            cause = _storage_cause(err)
+            if cause is None:
+                raise
+            raise ValueError(
+                f"storage {redact(url)} failed: {cause}; the finished trials are kept: free "
+                "space (or make it writable) and run the command again to go on"
+            ) from err
     if stop.failure is not None:
         raise TrialsKeepFailing(stop.failure)
+
+
+def _storage_cause(err: BaseException) -> str | None:
+    """The first line of the database's own error behind ``err`` (its causes and contexts),
+    or None when ``err`` did not come from the database."""
+    seen: set[int] = set()
+    found = None
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if type(err).__name__ == "OperationalError":  # sqlite3's, sqlalchemy's, psycopg's
+            found = str(err).strip().splitlines()[0] if str(err).strip() else None
+        err = err.__cause__ or err.__context__
+    return found
 
 
 #: Seconds a stopped worker gets to fail its trial before it is killed.
