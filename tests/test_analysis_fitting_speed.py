@@ -90,6 +90,19 @@ def test_fit_history_steps_name_one_map_each():
     )
 
 
+def test_fit_records_the_val_loss_of_the_last_step_off_the_eval_grid():
+    """val_loss is recorded every eval_every steps and at the end: steps=5 with eval_every=2
+    gives steps 0, 2, 4 and 5 (the last: the map that is returned)."""
+    q, k = ks.analysis.gaussian_qk(16, 4, seed=0)
+    fm = ks.create_feature_map("softplus_ffn", head_dim=4, seed=0)
+    history = ks.analysis.fit_to_softmax(fm, q, k, steps=5, lr=0.1, q_val=q, k_val=k, eval_every=2)
+    val = history[history.metric == "val_loss"]
+    assert val.step.tolist() == [0, 2, 4, 5]
+    assert val.value.iloc[-1] == pytest.approx(
+        ks.analysis.distillation_loss(fm, q, k).item(), rel=1e-6
+    )
+
+
 def test_fit_to_softmax_rejects_fixed_maps_and_bad_args():
     q, k = ks.analysis.gaussian_qk(8, 4)
     with pytest.raises(ValueError, match="no trainable parameters"):
@@ -588,6 +601,31 @@ def test_matmul_rate_leaves_the_global_rng_alone():
     torch.manual_seed(123)
     assert ks.analysis.matmul_rate(size=16, repeats=1) > 0
     assert torch.equal(torch.rand(4), want)
+
+
+def test_matmul_rate_counts_two_flops_per_multiply_add(monkeypatch):
+    """A size×size matmul is 2·size³ flops (a multiply and an add each): pinned to 1 ms a
+    call, size 100 is 2 GFLOP/s (it counted size³: half the rate)."""
+    from kernelstudy.analysis import speed
+
+    monkeypatch.setattr(speed, "time_call", lambda fn, device, repeats, warmup=1: [1e-3] * repeats)
+    assert ks.analysis.matmul_rate(size=100, repeats=3) == pytest.approx(2.0, rel=1e-12)
+
+
+def test_benchmark_time_ms_is_the_median_and_time_ms_min_the_minimum(monkeypatch):
+    """Timed calls of 3, 1 and 2 ms: time_ms is their median, 2, and time_ms_min their
+    minimum, 1 (not the maximum, 3)."""
+    from kernelstudy.analysis import speed
+
+    monkeypatch.setattr(
+        speed, "time_call", lambda fn, device, repeats, warmup=1: [3e-3, 1e-3, 2e-3]
+    )
+    frame = ks.analysis.benchmark_attention(
+        [16], head_dim=4, methods=["softmax_sdpa"], causal=[False], passes=["fwd"],
+        memory=False, matmul=False, repeats=3,
+    )  # fmt: skip
+    values = frame.set_index("metric").value
+    assert values["time_ms"] == pytest.approx(2.0) and values["time_ms_min"] == pytest.approx(1.0)
 
 
 def test_distillation_loss_takes_a_map_not_a_name():

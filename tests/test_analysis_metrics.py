@@ -421,6 +421,15 @@ def test_matched_map_beyond_its_largest_size_takes_the_largest():
         assert ks.analysis.matched_feature_map(name, 4, f).feature_dim == want, (name, f)
 
 
+@pytest.mark.parametrize("name", ["favor", "trig_rf"])
+def test_a_random_feature_map_has_its_stabilizer_off(name):
+    """random_feature_map switches a map's stabilizer off (stabilize defaults to True), so
+    that φ(q)·φ(k) is the plain kernel estimate; one asked for explicitly stays on."""
+    fm = ks.analysis.random_feature_map(name, 8, 16)
+    assert fm.config()["stabilize"] is False
+    assert ks.analysis.random_feature_map(name, 8, 16, stabilize=True).config()["stabilize"]
+
+
 def test_causal_approximation_error_scores_rows_as_kernel_attention_does():
     """approximation_error normalized causal rows at the whole sequence's key shift, not at
     each row's prefix as kernel_attention does: its output error (1.0438) was not the

@@ -223,6 +223,19 @@ def test_out_of_memory_is_a_one_line_error(monkeypatch, capsys):
         main(["backends"])
 
 
+def test_ctrl_c_exits_with_status_130(monkeypatch, capsys):
+    """Ctrl-C during a command is the one line "interrupted" and exit status 130 (128 +
+    SIGINT), as the module docstring says, not 1 (an error of the command)."""
+    import kernelstudy.cli as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_cmd_backends", interrupted)
+    assert main(["backends"]) == 130
+    assert capsys.readouterr().err == "interrupted\n"
+
+
 def test_study_device_without_a_name_is_refused(capsys) -> None:
     """`kernelstudy study --device cuda` listed the studies and ignored --device."""
     assert main(["study", "--device", "cuda"]) == 1

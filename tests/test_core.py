@@ -246,6 +246,29 @@ def test_torch_func_transforms_match_plain_autograd(backend, causal):
     assert torch.autograd.gradcheck(lambda q: fn(q, k, v), q_dual, check_forward_ad=True)
 
 
+@pytest.mark.parametrize("backend", ["reference", *FAST_BACKENDS])
+def test_vmap_over_an_inner_dimension_equals_a_loop(backend):
+    """``vmap`` over axis 2 of (B, H, V, N, F) inputs, results stacked at axis 2, equals a
+    loop over that axis (a vmap rule that moved axis 0 to the mapped axis instead of the
+    mapped axis to 0 would give wrong sums, or a shape error)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.rand(2, 1, 3, 5, 4, dtype=torch.float64) for _ in range(3))
+
+    def fn(q, k, v):
+        return ks.linear_attention(q, k, v, causal=True, backend=backend)
+
+    got = torch.func.vmap(fn, in_dims=2, out_dims=2)(q, k, v)
+    want = torch.stack([fn(q[:, :, i], k[:, :, i], v[:, :, i]) for i in range(3)], 2)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+    def product(q, k, v):
+        return ks.causal_dot_product(q, k, v, backend=backend)
+
+    got = torch.func.vmap(product, in_dims=(2, None, 2), out_dims=2)(q, k[:, :, 0], v)
+    want = torch.stack([product(q[:, :, i], k[:, :, 0], v[:, :, i]) for i in range(3)], 2)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
 def test_torch_compile_traces_the_core_whole(backend):
     """``torch.compile(fullgraph=True)`` traces the core without a graph break: the compiled
@@ -475,6 +498,24 @@ def test_recurrent_steps_backward_inside_autocast_changes_nothing(amp):
         assert torch.equal(plain, cast)
 
 
+def test_without_autocast_keeps_a_backward_inside_autocast_exact_for_one_grad_input():
+    """Only one input requires grad (a frozen other): the backward, called inside a CPU
+    bfloat16 autocast region, is still recomputed with autocast off (skipping the
+    Function unless every input required grad, and the matmul's backward ran in bfloat16:
+    a relative error of about 1e-2)."""
+    from kernelstudy.core.autocast import without_autocast
+
+    torch.manual_seed(0)
+    a = torch.randn(64, 64, requires_grad=True)
+    b, g = torch.randn(64, 64), torch.randn(64, 64)  # b: no grad
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = without_autocast(lambda x, y: x @ y, a, b)
+        (out * g).sum().backward()
+    assert out.dtype == torch.float32
+    want = g.double() @ b.double().T
+    assert rel_err(a.grad.double(), want) < 1e-5
+
+
 def test_causal_output_in_input_dtype():
     q, k, v = _features(1, 1, 5, 2, 2, dtype=torch.float64, requires_grad=False)
     assert ks.causal_dot_product(q, k, v).dtype == torch.float64
@@ -561,6 +602,19 @@ def test_an_eps_that_is_zero_in_float32_is_refused():
     out = ks.linear_attention(q64, q64, q64, key_padding_mask=mask, eps=1e-300)
     assert torch.equal(out, torch.zeros_like(out))
     ks.RecurrentState.zeros(1, 1, 3, 3, dtype=torch.float64, eps=1e-300)
+
+
+def test_an_eps_just_below_float32s_smallest_normal_is_refused():
+    """The bound is float32's smallest normal itself: tiny / 2 (a subnormal, 0 where
+    denormals are flushed) is refused, tiny is taken."""
+    q = torch.rand(1, 1, 2, 4)
+    tiny = torch.finfo(torch.float32).tiny
+    with pytest.raises(ValueError, match="eps must be >= 1.18e-38"):
+        ks.linear_attention(q, q, q, eps=tiny / 2)
+    with pytest.raises(ValueError, match="eps must be >= "):
+        ks.RecurrentState.zeros(1, 1, 4, 4, eps=tiny / 2)
+    ks.linear_attention(q, q, q, eps=tiny)
+    ks.RecurrentState.zeros(1, 1, 4, 4, eps=tiny)
 
 
 def test_counts_may_be_numpy_ints_and_thread_counts_fit_a_c_int():

@@ -103,6 +103,16 @@ def test_config_round_trip_gives_identical_outputs(name):
         torch.testing.assert_close(again(x, is_query=is_query), fm(x, is_query=is_query))
 
 
+def test_keyword_arguments_override_the_configs_entries():
+    """create_feature_map(config, **kwargs): the keyword arguments win, as documented (not the
+    config's num_features=16 over num_features=32)."""
+    config = {"name": "favor", "head_dim": 8, "num_features": 16}
+    fm = ks.create_feature_map(config, num_features=32)
+    assert fm.feature_dim == 32 and fm.config()["num_features"] == 32
+    assert config["num_features"] == 16  # the caller's dict is left alone
+    assert ks.create_feature_map(config, head_dim=4).head_dim == 4
+
+
 @pytest.mark.parametrize(
     "name", [n for n in NAMES if "seed" in get_feature_map_class(n).hyperparameters]
 )

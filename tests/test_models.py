@@ -277,6 +277,22 @@ def test_bool_flags_must_be_bools():
         lm.feature_map_parameter_count(trainable_only="yes")
 
 
+def test_bool_flags_take_only_the_ints_0_and_1():
+    """0 and 1 stand for False and True; another int (2, -1) is a TypeError, not a truthy
+    True (causal=2 ran causal attention)."""
+    q = torch.rand(1, 1, 3, 2)
+    for flag in (2, -1):
+        with pytest.raises(
+            TypeError, match=rf"causal must be a bool \(True or False\), got {flag}"
+        ):
+            ks.linear_attention(q, q, q, causal=flag)
+        with pytest.raises(TypeError, match="tie_weights must be a bool"):
+            ks.nn.CausalLM(20, tie_weights=flag, **SMALL)
+    assert torch.equal(
+        ks.linear_attention(q, q, q, causal=1), ks.linear_attention(q, q, q, causal=True)
+    )
+
+
 def test_positional_encodings():
     pe = ks.nn.PositionalEncoding(6, 10, "sinusoidal")
     table = pe(torch.arange(10))
@@ -290,6 +306,34 @@ def test_positional_encodings():
     with pytest.raises(ValueError, match="d_model must be a positive int, got 'x'"):
         ks.nn.PositionalEncoding("x", 8)  # failed inside torch.arange at the first call
     assert ks.nn.PositionalEncoding(6, 4, "none")(torch.arange(3)).abs().sum() == 0
+
+
+def test_sinusoidal_positions_follow_vaswani_et_al():
+    """Columns 2i and 2i + 1 are sin and cos of pos / 10000^(2i / d_model) (Vaswani et al.,
+    the base 10000)."""
+    d = 8
+    pe = ks.nn.sinusoidal_positions(torch.arange(50), d)
+    pos = torch.arange(50, dtype=torch.float64)[:, None]
+    angle = pos / 10_000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    torch.testing.assert_close(pe[:, 0::2].double(), torch.sin(angle), rtol=0, atol=1e-5)
+    torch.testing.assert_close(pe[:, 1::2].double(), torch.cos(angle), rtol=0, atol=1e-5)
+
+
+def test_a_cls_model_gives_its_tokens_positions_1_to_n():
+    """With pooling="cls" the CLS vector comes first, so the N tokens take learned positions
+    1..N: the last token's row N of the table matters, row N + 1 does not (tokens at
+    0..N-1 would share CLS's position 0 and never read row N)."""
+    torch.manual_seed(0)
+    model = ks.nn.SequenceClassifier(
+        10, 2, pooling="cls", positions="learned", max_len=8, **{**SMALL, "n_layers": 1}
+    ).eval()
+    ids = torch.randint(0, 10, (1, 4))
+    with torch.no_grad():
+        before = model(ids)
+        model.positions.table.weight[5] += 10.0  # beyond the 4 tokens' positions
+        assert torch.equal(model(ids), before)
+        model.positions.table.weight[4] += 10.0  # the last token's position
+        assert not torch.equal(model(ids), before)
 
 
 def test_bad_arguments_raise_value_errors():
@@ -560,6 +604,24 @@ def test_generate_ends_rows_at_eos_and_returns_int64_ids():
     assert one.shape == (1, 12) and calls == [4] + [1] * first
     with pytest.raises(ValueError, match=r"eos_id must be an int <= 299"):
         model.generate(prompt, 2, eos_id=300)
+
+
+def test_an_eos_predicted_inside_a_longer_prompt_does_not_end_its_row():
+    """A ragged batch with eos_id: each row equals its lone generation. The model's guess of
+    eos while a row still reads its prompt must not end that row (pad_id, no new tokens)
+    while a shorter row is already generating."""
+    torch.manual_seed(0)
+    model = ks.nn.CausalLM(20, **SMALL).eval()
+    long = _ids(1, 6)
+    with torch.no_grad():
+        eos = int(model(long).argmax(-1)[0, 1])  # its guess after 2 of its 6 prompt tokens
+    prompt = torch.cat([long, long.roll(1, dims=1)])
+    mask = torch.arange(6) < torch.tensor([[6], [1]])
+    pad = next(i for i in range(20) if i != eos)
+    both = model.generate(prompt, 4, mask=mask, eos_id=eos, pad_id=pad)
+    assert torch.equal(both[0], model.generate(long, 4, eos_id=eos, pad_id=pad)[0])
+    alone = model.generate(prompt[1:, :1], 4, eos_id=eos, pad_id=pad)[0]
+    assert torch.equal(both[1, :5], alone) and (both[1, 5:] == pad).all()
 
 
 @pytest.mark.parametrize("cls", ["SequenceClassifier", "CausalLM"])

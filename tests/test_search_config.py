@@ -378,6 +378,59 @@ def test_check_override_refuses_ranges_that_would_be_ignored(spec, override):
         check_override("flag", Hyperparameter(bool, False), {"log": True})
 
 
+def test_a_range_narrowed_to_one_value_is_accepted():
+    """low == high pins a searched float to one value (the bounds are inclusive); it was
+    refused as "low is above high"."""
+    from kernelstudy.search.space import check_override
+
+    lr = TRAINING_SPACE["lr"]
+    check_override("lr", lr, {"low": 3e-3, "high": 3e-3})
+    assert suggest(optuna.create_study().ask(), "lr", lr, {"low": 3e-3, "high": 3e-3}) == 3e-3
+    with pytest.raises(ValueError, match="above"):
+        check_override("lr", lr, {"low": 3e-3, "high": 2e-3})
+
+
+def test_default_value_keeps_a_default_the_choices_hold():
+    """A narrowing to choices that include the declared default keeps it; only a default left
+    out falls back to the first choice (256 among [64, 256, 1024] became 64)."""
+    from kernelstudy.feature_maps.base import Hyperparameter
+    from kernelstudy.search.space import default_value
+
+    spec = Hyperparameter(int, 256, low=8, high=4096, log=True)
+    assert default_value(spec, {"choices": [64, 256, 1024]}) == 256
+    assert default_value(spec, {"choices": [64, 1024]}) == 64
+    mode = Hyperparameter(str, "b", choices=("a", "b"))
+    assert default_value(mode) == "b"
+
+
+def test_default_value_clamps_into_a_narrowed_range():
+    """A default outside the narrowed range is clamped to the nearer end: 256 with
+    [16, 128] is 128 (it became low, 16), 4 with [16, 128] is 16."""
+    from kernelstudy.feature_maps.base import Hyperparameter
+    from kernelstudy.search.space import default_value
+
+    spec = Hyperparameter(int, 256, low=8, high=4096, log=True)
+    assert default_value(spec, {"low": 16, "high": 128}) == 128
+    assert default_value(spec, {"low": 512, "high": 1024}) == 512
+    assert default_value(spec, {"low": 16, "high": 1024}) == 256
+
+
+def test_an_int_on_a_log_scale_is_suggested_on_a_log_scale():
+    """An int hyperparameter declared log=True is sampled on a log scale, as floats are
+    (suggest_int dropped the flag: 8..4096 sampled uniformly)."""
+    from kernelstudy.feature_maps.base import Hyperparameter
+
+    spec = Hyperparameter(int, 256, low=8, high=4096, log=True)
+    trial = optuna.create_study().ask()
+    suggest(trial, "fm.num_features", spec)
+    assert trial.distributions["fm.num_features"] == optuna.distributions.IntDistribution(
+        8, 4096, log=True
+    )
+    trial = optuna.create_study().ask()
+    suggest(trial, "n", Hyperparameter(int, 4, low=1, high=8))
+    assert not trial.distributions["n"].log
+
+
 def test_valid_names_ranges_and_studies_still_load(tmp_path):
     text = GOOD.replace('name = "tiny"', 'name = "lra-listops_v1.2"')
     text += "[space]\ndropout = 0.0\nlr = { low = 1e-4, high = 1e-3, log = true }\n"

@@ -21,6 +21,7 @@ from kernelstudy.tasks import (
     load_task,
     rgb_to_gray,
 )
+from kernelstudy.tasks.pathfinder import read_metadata
 
 from .test_tasks_png import encode_png
 
@@ -470,6 +471,42 @@ def test_pathfinder_bad_images_and_missing_dirs(tmp_path: Path) -> None:
         f.unlink()
     with pytest.raises(FileNotFoundError, match="no \\*.npy"):
         PathfinderTask(tmp_path)
+
+
+def test_pathfinder_splits_round_to_a_partition(tmp_path: Path) -> None:
+    """12 samples split 80/10/10 rounded: 10/1/1, every sample in exactly one split. The
+    split ends floored (int(9.6) = 9, int(10.8) = 10) left val empty and a sample in none."""
+    images = write_pathfinder(tmp_path, n_files=1, per_file=12)
+    splits = {s: PathfinderTask(tmp_path, s) for s in ("train", "val", "test")}
+    assert [len(splits[s]) for s in ("train", "val", "test")] == [10, 1, 1]
+    keys = [p.relative_to(ds.root).as_posix() for ds in splits.values() for p in ds.images]
+    assert sorted(keys) == sorted(images)  # each once: no sample in two splits or in none
+
+
+def test_pathfinder_rgb_images_are_read_as_gray(tmp_path: Path) -> None:
+    """An RGB image is converted to gray, as the module docstring says: a 3-channel image was
+    read as its red channel."""
+    write_pathfinder(tmp_path, n_files=1, per_file=10)
+    ds = PathfinderTask(tmp_path, "train")
+    rgb = np.random.default_rng(5).integers(0, 256, (32, 32, 3), dtype=np.uint8)
+    ds.images[0].write_bytes(encode_png(rgb, 2))
+    got = ds[0]["input_ids"].numpy()
+    np.testing.assert_array_equal(got, rgb_to_gray(rgb).reshape(-1))
+    assert not np.array_equal(got, rgb[..., 0].reshape(-1))
+
+
+def test_pathfinder_metadata_files_are_read_in_numeric_order(tmp_path: Path) -> None:
+    """metadata/0.npy ... 10.npy are read 0, 1, ..., 10 (the split's permutation indexes this
+    order): sorted by name, 10.npy came before 2.npy."""
+    write_pathfinder(tmp_path, n_files=11, per_file=1)
+    root = tmp_path / "pathfinder32" / "curv_contour_length_14"
+    images, _, origins = read_metadata(root)
+    assert [p.relative_to(root).parent.as_posix() for p in images] == [
+        f"imgs/{i}" for i in range(11)
+    ]
+    assert [o.split(", line")[0] for o in origins] == [
+        str(root / "metadata" / f"{i}.npy") for i in range(11)
+    ]
 
 
 # --------------------------------------------------------------------- malformed files, more

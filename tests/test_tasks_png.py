@@ -109,6 +109,15 @@ def test_palette(rng: np.random.Generator) -> None:
             decode_png(encode_png(index, 3, palette=bad))
 
 
+def test_palette_index_equal_to_the_palette_size_is_refused(rng: np.random.Generator) -> None:
+    """Indices run 0..len(palette) - 1: an index equal to the palette's size is a ValueError
+    naming it (not an IndexError from numpy)."""
+    palette = rng.integers(0, 256, (2, 3), dtype=np.uint8)
+    index = np.array([[0, 1, 2]], dtype=np.uint8)
+    with pytest.raises(ValueError, match="palette index out of range"):
+        decode_png(encode_png(index, 3, palette=palette))
+
+
 @pytest.mark.parametrize("mode", ["L", "RGB", "RGBA"])
 def test_agrees_with_pillow(rng: np.random.Generator, mode: str) -> None:
     image_module = pytest.importorskip("PIL.Image")

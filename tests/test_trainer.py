@@ -132,6 +132,39 @@ def test_interrupted_and_resumed_run_is_bit_identical(tmp_path, loader):
     assert list(on_disk["step"]) == [4, 8, 12, 14]
 
 
+class _NumpyAugmentedTask(ContainsTask):
+    """ContainsTask whose items blank one token chosen by NumPy's global generator."""
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        item = dict(super().__getitem__(i))
+        ids = item["input_ids"].clone()
+        ids[np.random.randint(len(ids))] = 0
+        return {**item, "input_ids": ids}
+
+
+def test_a_resumed_run_restores_numpys_global_generator(tmp_path):
+    """The checkpoint's RNG states include NumPy's: a dataset augmenting with np.random
+    resumes bit-identically, and NumPy's state after the resumed run is the straight run's
+    (not as the new process had it)."""
+    cfg = {"steps": 4, "batch_size": 8, "eval_every": 2}
+    torch.manual_seed(0)
+    np.random.seed(0)
+    straight = Trainer(_classifier(), _NumpyAugmentedTask(48), _config(**cfg))
+    straight.fit()
+    after_straight = np.random.get_state()[1].copy()
+
+    out = str(tmp_path / "run")
+    torch.manual_seed(0)
+    np.random.seed(0)
+    Trainer(_classifier(), _NumpyAugmentedTask(48), _config(out_dir=out, **cfg)).fit(stop_after=2)
+    np.random.seed(99)  # another process's state: all must come from the checkpoint
+    second = Trainer(_classifier(), _NumpyAugmentedTask(48), _config(out_dir=out, **cfg))
+    second.fit(resume=True)
+    np.testing.assert_array_equal(np.random.get_state()[1], after_straight)
+    a, b = _params(straight.model), _params(second.model)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_early_stopping(tmp_path):
     train = ContainsTask(64)
     cfg = _config(steps=100, eval_every=2, lr=1e-9, patience=2, out_dir=str(tmp_path))
@@ -391,6 +424,33 @@ def test_lm_objective_scores_only_the_loss_mask():
     no_loss_mask = {k: v for k, v in batch.items() if k != "loss_mask"}
     with pytest.raises(ValueError, match=r"^mask must have the targets' shape"):
         Objective("lm")(Fixed(), {**no_loss_mask, "mask": short})
+
+
+def test_sequence_accuracy_is_per_scored_sequence():
+    """sequence_accuracy = seq_correct / seq_count: two sequences of 5 scored tokens, both
+    right, are 1.0 (not divided by the 10 scored tokens: 0.2)."""
+    sums = {"loss_sum": 1.0, "count": 10.0, "correct": 10.0, "seq_correct": 2.0, "seq_count": 2.0}
+    metrics = Objective.summarize(sums)
+    assert metrics["sequence_accuracy"] == 1.0 and metrics["accuracy"] == 1.0
+    half = Objective.summarize({**sums, "seq_correct": 1.0, "count": 7.0, "correct": 6.0})
+    assert half["sequence_accuracy"] == 0.5
+
+
+def test_an_lm_batch_with_nothing_scored_has_loss_0_and_finite_gradients():
+    """A loss_mask that is all False: the loss is 0 with zero gradients, not 0/0 = NaN
+    (which would poison the weights at the next step)."""
+    logits = torch.randn(2, 4, 5, requires_grad=True)
+    targets = torch.zeros(2, 4, dtype=torch.long)
+    batch = {
+        "input_ids": targets,
+        "targets": targets,
+        "loss_mask": torch.zeros(2, 4, dtype=torch.bool),
+    }
+    loss, stats = Objective("lm")(lambda ids, mask=None: logits, batch)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert torch.isfinite(logits.grad).all() and not logits.grad.any()
+    assert stats["count"] == 0 and stats["seq_count"] == 0
 
 
 def test_classification_labels_are_checked_before_the_loss():
@@ -999,6 +1059,39 @@ def test_epoch_batch_sampler_names_a_bad_argument():
     with pytest.raises(ValueError, match="size must be an int >= 1, got -2"):
         EpochBatchSampler(-2, 4, 0)
     assert len(EpochBatchSampler(8, 3, 0)) == 2  # drop_last: 2 full batches
+
+
+def test_epoch_orders_of_different_seeds_do_not_coincide():
+    """The data order of (seed, epoch) is its own: seed 1's epoch 0 is not seed 0's epoch 1
+    (an epoch seed of seed + epoch would give runs of seeds 0 and 1 the same orders shifted)."""
+    from kernelstudy.train.data import EpochBatchSampler
+
+    def order(seed: int, epoch: int) -> list[int]:
+        sampler = EpochBatchSampler(20, 5, seed)
+        sampler.epoch = epoch
+        return [i for batch in sampler for i in batch]
+
+    assert order(0, 1) == order(0, 1)  # a pure function of (seed, epoch)
+    for epoch in range(3):
+        assert order(1, epoch) != order(0, epoch + 1)
+        assert order(2, epoch) != order(1, epoch + 1)
+
+
+def test_batch_stream_shuffles_each_epoch_anew():
+    """The stream moves on to epoch 1 after epoch 0's batches, with a new order (not epoch 0's
+    order repeated for ever)."""
+    from kernelstudy.train import make_loader
+    from kernelstudy.train.data import BatchStream
+
+    stream = BatchStream(make_loader(ContainsTask(8), 4, seed=0))
+
+    def epoch() -> list[list[int]]:
+        return [next(stream)["input_ids"].tolist() for _ in range(2)]
+
+    first, second = epoch(), epoch()
+    assert stream.state_dict()["epoch"] == 1 and stream.state_dict()["batch"] == 2
+    assert sorted(sum(first, [])) == sorted(sum(second, []))  # the same 8 examples
+    assert first != second
 
 
 def test_cuda_generators_resume_on_the_training_device(monkeypatch):
