@@ -42,6 +42,7 @@ import pandas as pd
 import torch
 
 import kernelstudy as ks
+from kernelstudy.arguments import expanded_path
 from kernelstudy.cli import out_of_memory
 from kernelstudy.core import registered_backends, runs_own_noncausal_attention
 from kernelstudy.files import atomic_write_text, output_file_problem
@@ -330,7 +331,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--quick", action="store_true", help="N in {1024, 4096}, 3 repeats, unless --n/--repeats"
     )
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results/core.csv"))
+    p.add_argument("--out", type=expanded_path, default=Path("benchmarks/results/core.csv"))
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # the command the CSV records
     if args.n is None:

@@ -77,6 +77,7 @@ import pandas as pd
 import torch
 
 import kernelstudy as ks
+from kernelstudy.arguments import expanded_path
 from kernelstudy.core import cuda_backend
 from kernelstudy.files import atomic_write, atomic_write_text, output_file_problem
 
@@ -717,7 +718,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="N in {1024, 8192}, B×H = 8x16, D = 64, 5 repeats (where not given)",
     )
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results/cuda.csv"))
+    p.add_argument("--out", type=expanded_path, default=Path("benchmarks/results/cuda.csv"))
     p.add_argument(
         "--resume",
         action="store_true",

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from kernelstudy.arguments import expanded_path
 from kernelstudy.files import atomic_write_text, output_file_problem
 
 VARIANTS = ("walk", "walk_fused", "walk_mma", "walk_mma_fused")
@@ -285,7 +286,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--walk-blocks", type=int, default=128, help="WALK_BLOCKS (128)")
     p.add_argument("--ncu", help="the ncu executable (default: on PATH or CUDA's folders)")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results/cuda_counters.csv"))
+    p.add_argument(
+        "--out", type=expanded_path, default=Path("benchmarks/results/cuda_counters.csv")
+    )
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if min(args.n, args.batch, args.heads, args.dim, args.walk_blocks) < 1:

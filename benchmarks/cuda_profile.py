@@ -46,6 +46,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:
 import cuda_core  # noqa: E402
 
 import kernelstudy as ks  # noqa: E402
+from kernelstudy.arguments import expanded_path  # noqa: E402
 from kernelstudy.core import cuda_backend  # noqa: E402
 from kernelstudy.files import atomic_write_text, output_file_problem  # noqa: E402
 
@@ -180,7 +181,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "ks.linear_attention causal (attention) or non-causal with padded keys (full)",
     )  # fmt: skip
     p.add_argument("--append", action="store_true", help="keep the rows already in --out")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results/cuda_profile.csv"))
+    p.add_argument("--out", type=expanded_path, default=Path("benchmarks/results/cuda_profile.csv"))
     args = p.parse_args(argv)
     if min(args.n, args.batch, args.heads, *args.dim, args.steps) < 1:
         p.error("--n, --batch, --heads, --dim and --steps must be positive")

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from kernelstudy.arguments import expanded_path
 from kernelstudy.files import atomic_write_text
 
 REPO = Path(__file__).resolve().parents[1]
@@ -255,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         help="extra nvcc flags for the working tree's build, not REF's (e.g. -DKS_FP32_BF16X3)",
     )
     parser.add_argument("--cuobjdump", help="cuobjdump executable (default: PATH, beside nvcc)")
-    parser.add_argument("--out", type=Path, help="CSV file to write")
+    parser.add_argument("--out", type=expanded_path, help="CSV file to write")
     args = parser.parse_args(argv)
     if not re.fullmatch(r"sm_\d+a?", args.arch):
         parser.error(f"--arch must look like sm_90a or sm_80, got {args.arch!r}")

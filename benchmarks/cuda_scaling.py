@@ -51,6 +51,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:
 import cuda_profile  # noqa: E402
 
 import kernelstudy as ks  # noqa: E402
+from kernelstudy.arguments import expanded_path  # noqa: E402
 from kernelstudy.core import cuda_backend  # noqa: E402
 from kernelstudy.files import atomic_write_text, output_file_problem  # noqa: E402
 
@@ -141,7 +142,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=dtypes)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--steps", type=int, default=3, help="profiled fwd+bwd steps per case (3)")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results/cuda_scaling.csv"))
+    p.add_argument("--out", type=expanded_path, default=Path("benchmarks/results/cuda_scaling.csv"))
     args = p.parse_args(argv)
     if min(args.n, args.dim, args.steps) < 1:
         p.error("--n, --dim and --steps must be positive")

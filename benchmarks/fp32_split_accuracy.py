@@ -27,6 +27,7 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
+from kernelstudy.arguments import expanded_path
 from kernelstudy.files import atomic_write_text, output_file_problem
 
 METHODS = ("fp32", "tf32x3", "bf16x3", "tf32x1", "bf16x1")
@@ -133,7 +134,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="BxHxNxFxM (default: the GPU tests' and long N)",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results/fp32_split_accuracy.csv"))
+    p.add_argument(
+        "--out", type=expanded_path, default=Path("benchmarks/results/fp32_split_accuracy.csv")
+    )
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     args.shapes = args.shapes or SHAPES

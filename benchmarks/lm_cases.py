@@ -22,6 +22,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:
 from core import check_sizes_and_device, device_name, rows_until_interrupted  # noqa: E402
 
 import kernelstudy as ks  # noqa: E402
+from kernelstudy.arguments import expanded_path  # noqa: E402
 from kernelstudy.files import atomic_write_text, output_file_problem  # noqa: E402
 from kernelstudy.progress import tqdm  # noqa: E402
 
@@ -40,7 +41,7 @@ def add_model_arguments(p: argparse.ArgumentParser, default_out: str) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--repeats", type=int, help="timed calls per case and way (default 5)")
-    p.add_argument("--out", type=Path, default=Path(default_out))
+    p.add_argument("--out", type=expanded_path, default=Path(default_out))
 
 
 def parse_model_arguments(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:

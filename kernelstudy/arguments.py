@@ -10,6 +10,7 @@ import argparse
 import math
 import numbers
 import os
+from pathlib import Path
 
 
 def check_real(name: str, value: object, strict: bool = False) -> float:
@@ -48,6 +49,11 @@ def user_path(text: str) -> str:
     """A path flag's value with ``~`` expanded (an argparse ``type``): a shell expands
     ``--out ~/x`` but leaves ``--out=~/x`` as it is, which made a folder named ``~``."""
     return os.path.expanduser(text)
+
+
+def expanded_path(text: str) -> Path:
+    """:func:`user_path` as a ``Path`` (an argparse ``type`` for the benchmarks' ``--out``)."""
+    return Path(user_path(text))
 
 
 def nonempty_user_path(text: str) -> str:

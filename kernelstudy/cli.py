@@ -214,7 +214,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # here, not at exit: a pipe or file's buffered output fails here
+        return code
     except BrokenPipeError:  # output piped into a reader that stopped (`| head`): quiet,
         # 128 + SIGPIPE as a killed writer's (Ctrl-C gives 130); stdout to devnull, else
         # Python's flush at exit fails again

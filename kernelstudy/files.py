@@ -121,8 +121,10 @@ def read_csv_table(
     # paired one version's config ids with the other's rows.
     try:
         data = path.read_bytes()
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+    except (FileNotFoundError, NotADirectoryError):
         return None
+    except IsADirectoryError:  # not "no rows": a run would compute, then fail to replace it
+        raise ValueError(f"{path} is a folder, not a CSV table; move it away") from None
     if not data:
         return None
     try:

@@ -62,7 +62,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from .arguments import nonempty_user_path
+from .arguments import nonempty_user_path, user_path
 from .feature_maps.registry import ENV_FEATURE_MAPS
 from .files import atomic_write, atomic_write_text, exclusive_folder, read_csv_table
 from .progress import tqdm
@@ -127,7 +127,7 @@ def load_params(
     try:
         with open(path, "rb") as f:
             raw = tomllib.load(f)
-    except tomllib.TOMLDecodeError as err:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"config {str(path)!r} is not valid TOML: {err}") from None
     for table in ("quick", "full"):
         if not isinstance(raw.get(table, {}), dict):
@@ -1302,6 +1302,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--config",
         default=None,
+        type=user_path,
         metavar="PATH",
         help="a TOML file read instead of studies/NAME.toml (a copy with other settings)",
     )
@@ -1346,6 +1347,10 @@ def main(name: str, argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         run_from_args(name, args)
+        sys.stdout.flush()  # here, not at exit: a closed pipe's error is caught below
+    except BrokenPipeError:  # as `kernelstudy study ... | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except (ValueError, TypeError, OSError) as err:  # OSError: an unusable --out
         print(f"study {name}: error: {err}", file=sys.stderr)
         return 1

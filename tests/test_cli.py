@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,20 +50,53 @@ def test_out_flags_expand_the_home_folder(tmp_path, monkeypatch):
         ["search", "studies/lra_listops.toml", "--out=~/d"],
     ):
         assert parser.parse_args(argv).out == str(tmp_path / "d"), argv
+    for argv in (  # `--config=~/x` was read as it stood: "config file not found: ~/x"
+        ["study", "approximation", "--config=~/c.toml"],
+        ["train", "--config=~/c.toml"],
+    ):
+        assert parser.parse_args(argv).config == str(tmp_path / "c.toml"), argv
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "core.py"  # its own parser
+    spec = importlib.util.spec_from_file_location("benchmark_core_for_test", path)
+    core = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(core)
+    assert core.parse_args(["--out=~/b.csv"]).out == tmp_path / "b.csv"  # was ./~/b.csv
+
+
+BUFFERED = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
 
 
 def test_output_into_a_closed_pipe_is_quiet_with_sigpipes_status():
     """`kernelstudy maps | head -1` printed "error: [Errno 32] Broken pipe" and exited 1: a
-    BrokenPipeError is an OSError, which main reports as a user's error."""
+    BrokenPipeError is an OSError, which main reports as a user's error. With stdout
+    buffered (no PYTHONUNBUFFERED, as usual), short output was written only at exit, past
+    main's handlers: "Exception ignored ... BrokenPipeError" and status 120."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "kernelstudy", "maps", "--format", "csv"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        env=BUFFERED,
     )
     proc.stdout.close()  # the reader is gone before the command writes (it imports torch first)
     err = proc.stderr.read().decode()
     proc.stderr.close()
     assert proc.wait(timeout=120) == 141 and err == "", err
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_output_to_a_full_disk_is_an_error_not_lost_with_status_0():
+    """Buffered output to a full disk failed at exit: status 0 and nothing said, or 120."""
+    with open("/dev/full", "w") as full:
+        run = subprocess.run(
+            [sys.executable, "-m", "kernelstudy", "maps"],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=BUFFERED,
+        )
+    assert run.returncode == 1
+    assert run.stderr.strip() == "kernelstudy maps: error: [Errno 28] No space left on device"
 
 
 def test_no_command_prints_help_and_fails(capsys):

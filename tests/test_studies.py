@@ -400,6 +400,19 @@ def test_a_results_file_saved_with_another_separator_is_named_not_taken_for_no_r
     with pytest.raises(ValueError, match=r"results\.csv has no config_id column.*separator"):
         study.run_study("toy", quick=True, out=out, verbose=False)
     assert (out / "results.csv").read_bytes() == saved
+    (out / "results.csv").unlink()
+    (out / "results.csv").mkdir()  # read as no rows: a configuration ran, then the write failed
+    with pytest.raises(ValueError, match=r"results\.csv is a folder, not a CSV table"):
+        study.run_study("toy", quick=True, out=out, verbose=False)
+
+
+def test_a_config_that_is_not_utf8_is_named(toy_studies):
+    """A binary --config gave "'utf-8' codec can't decode byte 0xff" naming neither the file
+    nor the flag."""
+    bad = toy_studies / "binary.toml"
+    bad.write_bytes(b"x\xff = 1\n")
+    with pytest.raises(ValueError, match=r"config '.*binary\.toml' is not valid TOML: 'utf-8'"):
+        study.load_params("toy", config=bad)
 
 
 def test_a_folder_that_takes_no_new_files_is_refused_before_any_configuration_runs(

@@ -820,13 +820,54 @@ def test_a_ctrl_c_after_the_last_steps_check_is_not_lost(tmp_path, monkeypatch):
     assert again.fit(resume=True)["status"] == "completed"
 
 
+def test_a_sigterm_ends_the_run_after_its_step_with_the_checkpoint_saved(tmp_path):
+    """SIGTERM (timeout, a scheduler, kill) ended training at once: every step since the last
+    evaluation was lost and run.json described the session before. It is deferred to the end
+    of its step as Ctrl-C is; the process then ends by SIGTERM, as it would have."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    child = f"""
+import os, signal
+from kernelstudy.train import Trainer
+from tests.test_trainer import ContainsTask, _classifier, _config
+
+config = _config(steps=12, eval_every=10, out_dir={str(out)!r})
+trainer = Trainer(_classifier(), ContainsTask(64), config)
+real = trainer._train_step
+
+def terminated_in_step_5():
+    if trainer.step == 4:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return real()
+
+trainer._train_step = terminated_in_step_5
+trainer.fit()
+print("not reached")
+"""
+    repo = tmp_path.__class__(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [sys.executable, "-c", child], cwd=repo, env=env, capture_output=True, text=True
+    )
+    assert run.returncode == -signal.SIGTERM, run.stderr[-2000:]
+    assert "not reached" not in run.stdout
+    record = json.loads((out / "run.json").read_text())
+    assert record["status"] == "interrupted" and record["steps_completed"] == 5
+    from kernelstudy.train.checkpoint import load_checkpoint
+
+    assert load_checkpoint(out / "checkpoint.pt")["step"] == 5
+
+
 def test_a_second_ctrl_c_interrupts_at_once():
     with DeferredInterrupt() as interrupt:
         os.kill(os.getpid(), signal.SIGINT)
-        assert interrupt.requested
+        assert interrupt.requested and not interrupt.terminated
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
 def test_a_checkpoint_from_before_the_grad_norm_count_resumes_with_the_right_mean(tmp_path):

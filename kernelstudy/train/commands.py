@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from ..arguments import user_path
 from ..files import exclusive_folder, write_json
 from ..nn.models import CausalLM, MatchingClassifier, SequenceClassifier
 from ..tasks import SPLITS, load_task, needs_path, task_class, task_options
@@ -507,7 +508,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``kernelstudy train``."""
     g = p.add_argument_group("what to train")
-    g.add_argument("--config", metavar="FILE.toml", help="settings file; flags override it")
+    g.add_argument(
+        "--config", type=user_path, metavar="FILE.toml", help="settings file; flags override it"
+    )
     g.add_argument("--task", help="listops, text, retrieval, image, pathfinder, copy or mqar")
     g.add_argument("--data", metavar="DIR", help="the task's data (file tasks only)")
     g.add_argument(

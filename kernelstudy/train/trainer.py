@@ -540,6 +540,8 @@ class Trainer:
             )
             with contextlib.suppress(Exception):  # never mask the original error
                 self._write_record(error=f"{type(err).__name__}: {err}")
+            if isinstance(err, KeyboardInterrupt):  # a deferred SIGTERM ends the process now
+                interrupt.end_if_terminated()
             raise
         finally:
             bar.close()
