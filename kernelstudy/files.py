@@ -95,9 +95,10 @@ def output_file_problem(path: str | os.PathLike) -> str | None:
     if not existing.is_dir():
         return f"{existing} is not a folder"
     try:
-        fd, probe = new_temporary_file(existing, ".kernelstudy_probe.", ".tmp")
+        # not named as a temporary file: a run cleaning the folder would delete it meanwhile
+        fd, probe = new_temporary_file(existing, ".kernelstudy_probe.", ".probe")
         os.close(fd)
-        probe.unlink()
+        probe.unlink(missing_ok=True)
     except OSError as err:
         return f"cannot write in {existing} ({err.strerror or err})"
     return None

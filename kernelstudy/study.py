@@ -83,12 +83,14 @@ def packaged_studies_dir() -> Path:
 
 
 def studies_dir() -> Path:
-    """The ``studies/`` directory: ``$KERNELSTUDY_STUDIES_DIR`` if set, else the one next to the
-    package (a source checkout, an editable install), else the installed package's copy."""
+    """The ``studies/`` directory: ``$KERNELSTUDY_STUDIES_DIR`` if set, else the installed
+    package's copy, else the one next to the package (a source checkout, an editable install)."""
     if os.environ.get(ENV_STUDIES_DIR):  # an explicit setting is the only place looked at
         candidates = [Path(os.environ[ENV_STUDIES_DIR])]
     else:
-        candidates = [Path(__file__).resolve().parents[1] / "studies", packaged_studies_dir()]
+        # the package's own copy first (absent in a checkout): a folder named studies/ beside
+        # an installed package (another distribution's) is not ours
+        candidates = [packaged_studies_dir(), Path(__file__).resolve().parents[1] / "studies"]
     for path in candidates:
         if path.is_dir() and any(path.glob("*.toml")):
             return path

@@ -179,3 +179,21 @@ def test_a_lock_file_of_another_user_is_locked_read_only(tmp_path, monkeypatch):
     with exclusive_folder(tmp_path, "a test"):
         with pytest.raises(FolderBusy), exclusive_folder(tmp_path, "another"):
             pass  # the read-only handle holds the lock
+
+
+def test_the_write_probe_is_no_temporary_file_another_runs_clean_up_deletes(tmp_path, monkeypatch):
+    """A run that had just taken a folder's lock removed the temporary files of killed
+    writers, the second run's write probe among them: "cannot write in DIR (No such file
+    or directory)" instead of naming the run that holds the folder."""
+    import kernelstudy.files as files
+
+    real_close = os.close
+    removed = []
+
+    def close_then_clean(fd):
+        real_close(fd)
+        removed.extend(files.remove_stale_temporary_files(tmp_path))
+
+    monkeypatch.setattr(files.os, "close", close_then_clean)
+    assert output_file_problem(tmp_path / "results.csv") is None
+    assert removed == [] and list(tmp_path.iterdir()) == []

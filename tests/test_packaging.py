@@ -80,7 +80,9 @@ def test_an_installed_package_finds_its_sources_and_studies_outside_the_checkout
     beside an unrelated top-level ``csrc`` folder, run from a folder that is no checkout."""
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
-    (site / "csrc").mkdir()  # another distribution's folder: not taken for the kernels'
+    (site / "csrc").mkdir()  # another distribution's folders: not taken for ours
+    (site / "studies").mkdir()
+    (site / "studies" / "other.toml").write_text("x = 1\n")
     here = tmp_path / "work"
     here.mkdir()
     code = (

@@ -431,7 +431,8 @@ def test_a_read_only_database_is_refused_when_opened(tmp_path, monkeypatch):
 
     monkeypatch.setattr(storage, "RDBStorage", read_only)
     with pytest.raises(ValueError, match="study.db takes no writes: attempt to write a readonly"):
-        storage.open_storage(url)
+        storage.open_storage(url, writable=True)
+    storage.open_storage(url)  # a report or an evaluation only reads it: taken as it is
 
 
 def test_ctrl_c_fails_the_workers_running_trials_at_once(tmp_path):

@@ -226,7 +226,7 @@ def run_search(
     database = sqlite_file(url)
     created = database is not None and not database.exists()
     try:
-        open_storage(url)  # unreachable or malformed URL: ValueError now
+        open_storage(url, writable=True)  # unreachable, malformed, read-only: ValueError now
         check_settings(config, chosen, url)  # before generated data may be rewritten
         data = prepare_data(config, out)
         over = check_variants(config, data)

@@ -123,11 +123,13 @@ def open_storage(
     heartbeat_interval: int = HEARTBEAT_INTERVAL,
     grace_period: int = GRACE_PERIOD,
     max_retry: int = MAX_RETRY,
+    writable: bool = False,
 ) -> RDBStorage:
     """An Optuna RDB storage for ``url``, checked now (not at the first trial).
 
     Raises ``ValueError`` naming the URL when it is malformed, its driver is
-    missing or the database cannot be reached.
+    missing or the database cannot be reached; with ``writable`` (a search), also when a
+    SQLite file takes no writes (a read-only one serves reports and evaluations).
     """
     if not isinstance(url, str) or "://" not in url:
         raise ValueError(f"storage must be a database URL such as sqlite:///study.db, got {url!r}")
@@ -153,7 +155,7 @@ def open_storage(
         raise ValueError(f"storage {redact(url)}: database driver missing ({err})") from err
     except Exception as err:  # sqlalchemy's OperationalError, ArgumentError, ...
         raise ValueError(f"storage {redact(url)} cannot be opened: {_first_line(err)}") from err
-    if url.startswith("sqlite"):
+    if writable and url.startswith("sqlite"):
         _check_sqlite_writable(storage, url)
     return storage
 

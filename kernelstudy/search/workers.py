@@ -117,7 +117,9 @@ def open_study(
     :class:`TrialSeededSampler`). ``heartbeat`` is (interval, grace period) in seconds."""
     return optuna.create_study(
         study_name=name,
-        storage=open_storage(url, heartbeat_interval=heartbeat[0], grace_period=heartbeat[1]),
+        storage=open_storage(
+            url, heartbeat_interval=heartbeat[0], grace_period=heartbeat[1], writable=True
+        ),
         direction=direction,
         sampler=TrialSeededSampler(seed),
         pruner=make_pruner(pruner),
