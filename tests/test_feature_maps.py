@@ -1191,3 +1191,21 @@ def test_aoglu_low_rank_gate_has_the_full_gates_init_variance():
     full = ks.create_feature_map("glu", head_dim=n, seed=0).units[0].gate_weight().detach()
     assert gate.var().item() == pytest.approx(1 / (3 * n), rel=0.15)
     assert full.var().item() == pytest.approx(1 / (3 * n), rel=0.15)
+
+
+@pytest.mark.parametrize("name", ["glu", "oglu", "aoglu", "softplus_ffn"])
+def test_a_seed_gives_the_same_weights_whatever_the_default_dtype(name):
+    """The CPU generator's stream differs by dtype: under a float64 default the same seed and
+    config drew other weights (φ up to 1.5 apart), and under a half default the orthogonal
+    init failed ("geqrf_cpu" not implemented for 'Half')."""
+    base = ks.create_feature_map(name, head_dim=8, seed=0)
+    before = torch.get_default_dtype()
+    for dtype in (torch.float64, torch.bfloat16, torch.float16):
+        try:
+            torch.set_default_dtype(dtype)
+            other = ks.create_feature_map(base.config())
+        finally:
+            torch.set_default_dtype(before)
+        theirs = dict(other.named_parameters())
+        for key, a in base.named_parameters():
+            assert theirs[key].dtype == dtype and torch.equal(theirs[key], a.to(dtype)), key

@@ -740,3 +740,13 @@ def test_configs_with_numpy_numbers_inside_dicts_are_json():
         ids = torch.randint(0, 10, (2, 7))
         model.eval(), rebuilt.eval()
         assert torch.equal(model(ids), rebuilt(ids))
+
+
+def test_sinusoidal_positions_are_float32_whatever_the_default_dtype():
+    """As documented (the table took the default dtype: float64 values of float32 sines)."""
+    before = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float64)
+        assert ks.nn.sinusoidal_positions(torch.arange(4), 6).dtype == torch.float32
+    finally:
+        torch.set_default_dtype(before)

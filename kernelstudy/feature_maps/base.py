@@ -89,13 +89,15 @@ def resolve_seed(seed: Any) -> Any:
 
 
 def fill_on_cpu_(weight: torch.Tensor, draw: Callable[[torch.Tensor], object]) -> torch.Tensor:
-    """``weight`` (on any device) set in place to what ``draw`` writes into a CPU tensor of
-    its shape and dtype, e.g. ``lambda w: w.uniform_(-b, b, generator=g)`` with a CPU
-    generator ``g``: a seed gives the same weights on every device, and a map builds under a
-    CUDA default device (``with torch.device("cuda")``), where a CPU generator cannot fill a
-    CUDA tensor. Returns ``weight``."""
+    """``weight`` (on any device, of any dtype) set in place to what ``draw`` writes into a
+    float32 CPU tensor of its shape, e.g. ``lambda w: w.uniform_(-b, b, generator=g)`` with a
+    CPU generator ``g``: a seed gives the same weights on every device and whatever the
+    default dtype (the generator's stream differs by dtype: a float64 default drew other
+    weights from the same seed, and half ones had no orthogonal init on the CPU), and a map
+    builds under a CUDA default device (``with torch.device("cuda")``), where a CPU generator
+    cannot fill a CUDA tensor. Returns ``weight``."""
     with torch.no_grad():
-        drawn = torch.empty(weight.shape, dtype=weight.dtype, device="cpu")
+        drawn = torch.empty(weight.shape, dtype=torch.float32, device="cpu")
         draw(drawn)
         weight.copy_(drawn)
     return weight
@@ -399,7 +401,9 @@ class RandomFeatureMap(FeatureMap):
     start of ``features``, which raises if no draw has happened.
     ``redraw_every = k > 0`` redraws after every k query calls in training mode
     (a call is one query pass, so queries and keys of one attention share a draw);
-    in eval mode the features stay fixed.
+    in eval mode the features stay fixed. Such a map in training mode holds per-call state:
+    do not share it between threads (another thread's query call may redraw between this
+    one's queries and keys).
     """
 
     random: ClassVar[bool] = True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,14 +79,18 @@ class KVCache:
                 torch.cat([self.k.to(k.dtype), k], 2), torch.cat([self.v.to(v.dtype), v], 2)
             )
         room = self._room
-        fits = (
-            room is not None
-            and room.end == t  # no later step was written after this one (else: a branch)
-            and room.keys.shape[2] >= t + s
-            and (room.keys.dtype, room.values.dtype) == (k.dtype, v.dtype)
-            # buffers made under inference_mode take no in-place write outside it
-            and (torch.is_inference_mode_enabled() or not room.keys.is_inference())
-        )
+        with _APPEND_LOCK:  # check and claim at once: two threads continuing one cache (a
+            # branch each) both saw the room free and wrote into the same slots
+            fits = (
+                room is not None
+                and room.end == t  # no later step was written after this one (else: a branch)
+                and room.keys.shape[2] >= t + s
+                and (room.keys.dtype, room.values.dtype) == (k.dtype, v.dtype)
+                # buffers made under inference_mode take no in-place write outside it
+                and (torch.is_inference_mode_enabled() or not room.keys.is_inference())
+            )
+            if fits:
+                room.end = t + s
         if not fits:
             capacity = max(_MIN_CAPACITY, 2 * (t + s))
             b, h = self.k.shape[:2]
@@ -93,14 +98,14 @@ class KVCache:
             values = v.new_empty(b, h, capacity, v.shape[-1])
             keys[:, :, :t] = self.k
             values[:, :, :t] = self.v
-            room = _Room(keys, values, t)
+            room = _Room(keys, values, t + s)
         room.keys[:, :, t : t + s] = k
         room.values[:, :, t : t + s] = v
-        room.end = t + s
         return KVCache(room.keys[:, :, : t + s], room.values[:, :, : t + s], room)
 
 
 _MIN_CAPACITY = 64  # steps a new KVCache buffer holds at least
+_APPEND_LOCK = threading.Lock()  # module-level: caches still pickle and deepcopy
 
 
 def _softmax_after(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:

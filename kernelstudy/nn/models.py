@@ -86,7 +86,7 @@ def sinusoidal_positions(positions: torch.Tensor, d_model: int) -> torch.Tensor:
     pos = positions.to(torch.float32)[:, None]
     half = torch.arange(0, d_model, 2, device=positions.device, dtype=torch.float32)
     freq = torch.exp(half * (-math.log(10_000.0) / d_model))
-    pe = torch.zeros(positions.shape[0], d_model, device=positions.device)
+    pe = torch.zeros(positions.shape[0], d_model, device=positions.device, dtype=torch.float32)
     pe[:, 0::2] = torch.sin(pos * freq)
     pe[:, 1::2] = torch.cos(pos * freq)[:, : d_model // 2]
     return pe

@@ -69,7 +69,10 @@ def set_rng_state(state: dict[str, Any], device: torch.device | str | None = Non
 
 
 def seed_everything(seed: int) -> None:
-    """Seed Python's, NumPy's and torch's (CPU and CUDA) global generators."""
+    """Seed Python's, NumPy's and torch's (CPU and CUDA) global generators. Process-wide:
+    two trainings in threads of one process share them (dropout draws from torch's), so a
+    run is reproducible one per process; run parallel ones in processes, as the search
+    does."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
