@@ -1109,6 +1109,31 @@ def test_a_map_built_on_the_meta_device_loads_with_assign(name):
     torch.testing.assert_close(fm(x), saved(x), rtol=0, atol=0)
 
 
+def test_polynomial_tables_survive_meta_builds_inference_mode_and_half():
+    """Its monomial tables are buffers kept out of the state dict: built on the meta device,
+    then to_empty, they were uninitialized memory (an IndexError, or wrong features), with
+    load(assign=True) they stayed on meta; built under inference_mode they took no part in a
+    backward; half() rounded their float64 weights."""
+    x = randn(1, H, 5, D)
+    saved = make("polynomial")
+    want = saved(x)
+    with torch.device("meta"):
+        empty = make("polynomial")
+    empty.to_empty(device="cpu")
+    torch.testing.assert_close(empty(x), want, rtol=0, atol=0)
+    with torch.device("meta"):
+        assigned = make("polynomial")
+    assigned.load_state_dict(saved.state_dict(), assign=True)
+    torch.testing.assert_close(assigned(x), want, rtol=0, atol=0)
+    with torch.inference_mode():
+        inferred = make("polynomial")
+    xq = x.clone().requires_grad_()
+    inferred(xq).sum().backward()
+    assert torch.isfinite(xq.grad).all()
+    halved = make("polynomial", symmetric=True).half()
+    assert halved.weight_2.dtype == torch.float64
+
+
 class _DrawDevices(torch.overrides.TorchFunctionMode):
     """The device of every tensor that a call with an explicit ``generator`` makes or fills."""
 

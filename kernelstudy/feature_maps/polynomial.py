@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from typing import Any, ClassVar
@@ -32,6 +33,17 @@ def _monomials(dim: int, degree: int, symmetric: bool) -> tuple[torch.Tensor, to
         weights = [math.sqrt(w) for w in weights]
     index = torch.tensor(tuples, dtype=torch.long).reshape(len(tuples), degree)
     return index, torch.tensor(weights, dtype=torch.float64)
+
+
+@functools.lru_cache(maxsize=32)
+def _tables(
+    dim: int, degree: int, symmetric: bool, taylor: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_monomials` on the CPU, weights divided by √(degree!) for the Taylor map; made
+    as plain tensors whatever the caller's device or inference mode (read only: copied)."""
+    with torch.device("cpu"), torch.inference_mode(False):
+        index, weight = _monomials(dim, degree, symmetric)
+        return index, weight / math.sqrt(math.factorial(degree) if taylor else 1)
 
 
 def _num_monomials(dim: int, degree: int, symmetric: bool) -> int:
@@ -155,15 +167,27 @@ class PolynomialFeatureMap(FeatureMap):
                 f"degree={p} at head_dim={head_dim} gives {f} features, more than "
                 f"{MAX_FEATURES}: lower degree, or use symmetric=True"
             )
-        indices, weights = [], []
-        for k in orders:
-            index, weight = _monomials(head_dim, k, symmetric)
-            indices.append(index)
-            weights.append(weight / math.sqrt(math.factorial(k) if self.hparams["taylor"] else 1))
         self.orders = list(orders)
-        for k, index, weight in zip(self.orders, indices, weights, strict=True):
-            self.register_buffer(f"index_{k}", index, persistent=False)
-            self.register_buffer(f"weight_{k}", weight, persistent=False)  # float64
+        self._set_tables(torch.get_default_device())  # as a parameter would be made
+
+    def _set_tables(self, device: torch.device) -> None:
+        """The monomials' index and weight tables (``index_k``, ``weight_k`` float64) as
+        buffers on ``device``: not saved in the state dict, made afresh rather than taken
+        from whatever a module method did to them (``to_empty`` after a build on the meta
+        device left them uninitialized, ``half()`` rounded the weights; and tables made
+        under ``inference_mode`` took no part in a backward)."""
+        taylor, symmetric = self.hparams["taylor"], self.hparams["symmetric"]
+        with torch.inference_mode(False):
+            for k in self.orders:
+                index, weight = _tables(self.head_dim, k, symmetric, taylor)
+                index, weight = index.to(device, copy=True), weight.to(device, copy=True)
+                self.register_buffer(f"index_{k}", index, persistent=False)
+                self.register_buffer(f"weight_{k}", weight, persistent=False)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> PolynomialFeatureMap:
+        super()._apply(fn, recurse)
+        self._set_tables(getattr(self, f"index_{self.orders[0]}").device)
+        return self
 
     @property
     def feature_dim(self) -> int:
@@ -186,6 +210,8 @@ class PolynomialFeatureMap(FeatureMap):
         if stabilize:  # rows whose products would overflow: x·2^-a, order k times 2^(-a(p-k))
             prescale = _prescale_exponents(x, p)
             x = _times_exp2(x, -prescale)
+        if getattr(self, f"index_{p}").is_meta and not x.is_meta:  # built on meta, then
+            self._set_tables(x.device)  # loaded with assign=True: the tables stayed there
         parts = []
         for k in self.orders:
             index, weight = getattr(self, f"index_{k}"), getattr(self, f"weight_{k}")
