@@ -46,8 +46,11 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(err, OSError) and err.filename is None and err.errno is not None:
+            # a full disk said only "[Errno 28] No space left on device": name the file
+            raise type(err)(err.errno, err.strerror, str(path)) from err
         raise
     sync_folder(path.parent)
     return path

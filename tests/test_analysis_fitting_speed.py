@@ -1119,3 +1119,13 @@ def test_speed_rows_are_labelled_as_the_speed_study_labels_them():
         fig = ks.analysis.plots.plot_speed(rows)
         assert want in [t.get_text() for t in fig.legends[0].get_texts()]
         matplotlib.pyplot.close(fig)
+
+
+def test_fit_to_softmax_trains_under_no_grad():
+    """It failed at its first step under torch.no_grad (a notebook cell)."""
+    q, k = ks.analysis.gaussian_qk(16, 4, seed=0)
+    fm = ks.create_feature_map("softplus_ffn", head_dim=4, seed=0)
+    before = fm.weight.detach().clone()
+    with torch.no_grad():
+        ks.analysis.fit_to_softmax(fm, q, k, steps=2)
+    assert not torch.equal(fm.weight, before)

@@ -197,3 +197,15 @@ def test_the_write_probe_is_no_temporary_file_another_runs_clean_up_deletes(tmp_
     monkeypatch.setattr(files.os, "close", close_then_clean)
     assert output_file_problem(tmp_path / "results.csv") is None
     assert removed == [] and list(tmp_path.iterdir()) == []
+
+
+def test_a_write_that_fails_without_a_file_name_names_the_file(tmp_path):
+    """A full disk during the write said only "[Errno 28] No space left on device"."""
+    import errno
+
+    def full(f):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError, match=r"No space left on device: '.*results\.csv'") as caught:
+        atomic_write(tmp_path / "results.csv", full)
+    assert caught.value.errno == errno.ENOSPC and list(tmp_path.iterdir()) == []

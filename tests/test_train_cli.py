@@ -237,6 +237,18 @@ def test_a_run_killed_in_its_first_checkpoint_runs_again_with_the_same_command(
     assert pd.read_csv(out / "metrics.csv")["step"].tolist() == [3, 6, 8]
 
 
+def test_an_unknown_backend_in_the_environment_is_refused_before_anything_is_written(
+    listops: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch
+) -> None:
+    """KERNELSTUDY_BACKEND is read at the first step: a misspelled one failed there, after
+    config.json and run.json were written."""
+    monkeypatch.setenv("KERNELSTUDY_BACKEND", "nonsense")
+    out = tmp_path / "run"
+    assert main(listops_args(listops, out)) == 1
+    assert "KERNELSTUDY_BACKEND must be one of" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_results_without_a_checkpoint_are_not_overwritten_by_other_settings(
     listops: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

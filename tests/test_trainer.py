@@ -1431,3 +1431,16 @@ def test_weight_decay_spares_biases_named_with_a_suffix():
     key_biases = [n for n, _ in model.named_parameters() if n.endswith("key_bias")]
     assert key_biases and not set(key_biases) & decayed
     assert any(n.endswith("key_weight") for n in decayed)
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_fit_trains_whatever_the_callers_grad_mode(mode):
+    """fit() under no_grad or inference_mode (a notebook cell, an evaluation script) failed
+    at its first step with "element 0 of tensors does not require grad"."""
+    torch.manual_seed(0)
+    trainer = Trainer(_classifier(), ContainsTask(32), _config(steps=2, eval_every=2))
+    before = _params(trainer.model)
+    with mode():
+        assert trainer.fit()["status"] == "completed"
+    after = _params(trainer.model)
+    assert any(not torch.equal(before[k], after[k]) for k in before)

@@ -128,6 +128,8 @@ def distillation_loss(
     return ce.sum() / rows.expand(ce.shape).sum()
 
 
+@torch.inference_mode(False)
+@torch.enable_grad()  # whatever the caller's mode (it trains)
 def fit_to_softmax(
     feature_map: FeatureMap,
     q: torch.Tensor,

@@ -466,8 +466,12 @@ class Trainer:
         """The metrics history, one row per evaluation."""
         return self.history.frame()
 
+    @torch.inference_mode(False)
+    @torch.enable_grad()
     def fit(self, stop_after: int | None = None, resume: bool = False) -> dict[str, Any]:
-        """Train until ``config.steps`` (or early stopping); return the run record.
+        """Train until ``config.steps`` (or early stopping); return the run record. Gradients
+        are on whatever the caller's mode (under ``no_grad`` or ``inference_mode`` the first
+        step failed with "element 0 of tensors does not require grad").
 
         ``stop_after``: pause after this many steps in total (checkpoint written, status
         ``paused``); ``resume``: continue from ``out_dir/checkpoint.pt`` when it exists.
