@@ -48,9 +48,14 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
         os.replace(tmp, path)
     except BaseException as err:
         Path(tmp).unlink(missing_ok=True)
-        if isinstance(err, OSError) and err.filename is None and err.errno is not None:
-            # a full disk said only "[Errno 28] No space left on device": name the file
-            raise type(err)(err.errno, err.strerror, str(path)) from err
+        # a full disk said only "[Errno 28] No space left on device": name the file (also
+        # behind torch.save's RuntimeError "unexpected pos", whose cause it is)
+        cause = err.__context__ if isinstance(err, RuntimeError) else err
+        if isinstance(cause, OSError) and cause.filename is None and cause.errno is not None:
+            if cause is err:
+                err.filename = str(path)
+                raise
+            raise OSError(cause.errno, cause.strerror, str(path)) from err
         raise
     sync_folder(path.parent)
     return path

@@ -1129,3 +1129,6 @@ def test_fit_to_softmax_trains_under_no_grad():
     with torch.no_grad():
         ks.analysis.fit_to_softmax(fm, q, k, steps=2)
     assert not torch.equal(fm.weight, before)
+    with torch.inference_mode():  # q, k made there too (inference tensors)
+        q, k = ks.analysis.gaussian_qk(16, 4, seed=1)
+        ks.analysis.fit_to_softmax(fm, q, k, steps=2)

@@ -1132,6 +1132,15 @@ def test_polynomial_tables_survive_meta_builds_inference_mode_and_half():
     assert torch.isfinite(xq.grad).all()
     halved = make("polynomial", symmetric=True).half()
     assert halved.weight_2.dtype == torch.float64
+    with torch.device("meta"):  # loaded with assign=True, then moved: the meta tables failed
+        moved = make("polynomial")
+    moved.load_state_dict(saved.state_dict(), assign=True)
+    torch.testing.assert_close(moved.to("cpu", torch.float64)(x.double()), want.double())
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():  # a first build under a fake mode: its tables are not cached
+        make("polynomial", degree=3)
+    assert torch.isfinite(make("polynomial", degree=3)(x)).all()
 
 
 class _DrawDevices(torch.overrides.TorchFunctionMode):

@@ -209,3 +209,28 @@ def test_a_write_that_fails_without_a_file_name_names_the_file(tmp_path):
     with pytest.raises(OSError, match=r"No space left on device: '.*results\.csv'") as caught:
         atomic_write(tmp_path / "results.csv", full)
     assert caught.value.errno == errno.ENOSPC and list(tmp_path.iterdir()) == []
+
+
+def test_a_checkpoint_that_fails_on_a_full_disk_names_the_file(tmp_path, monkeypatch):
+    """torch.save turns the disk's OSError into a RuntimeError ("unexpected pos ...") that
+    names neither the file nor the cause."""
+    import errno
+
+    def full(f):
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc] unexpected pos") from None
+
+    with pytest.raises(OSError, match=r"No space left on device: '.*checkpoint\.pt'"):
+        atomic_write(tmp_path / "checkpoint.pt", full)
+
+    class DeviceError(OSError):  # another constructor: the original is raised, with its name
+        def __init__(self, message):
+            super().__init__(errno.EIO, message)
+
+    def broken(f):
+        raise DeviceError("sector 7")
+
+    with pytest.raises(DeviceError, match=r"sector 7: '.*x\.bin'"):
+        atomic_write(tmp_path / "x.bin", broken)

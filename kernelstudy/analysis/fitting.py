@@ -189,6 +189,11 @@ def fit_to_softmax(
             if mask is not None:
                 raise ValueError(f"{name} needs q_val and k_val (it masks them)")
     check_qk(q, k)
+
+    def plain(t: torch.Tensor | None) -> torch.Tensor | None:  # made under inference_mode:
+        return t.clone() if isinstance(t, torch.Tensor) and t.is_inference() else t  # no backward
+
+    q, k, q_val, k_val = plain(q), plain(k), plain(q_val), plain(k_val)
     data = [("", q, k, key_padding_mask, query_padding_mask)]
     if q_val is not None:
         check_qk(q_val, k_val, ("q_val", "k_val"))

@@ -7,6 +7,7 @@ import itertools
 import math
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from ..core.exp_range import exp_shift
@@ -14,7 +15,7 @@ from .base import FeatureMap, Hyperparameter
 from .registry import register_feature_map
 
 
-def _monomials(dim: int, degree: int, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _monomials(dim: int, degree: int, symmetric: bool) -> tuple[np.ndarray, np.ndarray]:
     """Index tuples ``(F_k, degree)`` of the degree-``degree`` monomials and their weights.
 
     Full: every ordered tuple (the tensor power x^{⊗p}, F = D^p), weight 1.
@@ -31,19 +32,16 @@ def _monomials(dim: int, degree: int, symmetric: bool) -> tuple[torch.Tensor, to
             counts = [t.count(i) for i in set(t)]
             weights.append(math.factorial(degree) / math.prod(map(math.factorial, counts)))
         weights = [math.sqrt(w) for w in weights]
-    index = torch.tensor(tuples, dtype=torch.long).reshape(len(tuples), degree)
-    return index, torch.tensor(weights, dtype=torch.float64)
+    index = np.array(tuples, dtype=np.int64).reshape(len(tuples), degree)
+    return index, np.array(weights, dtype=np.float64)
 
 
 @functools.lru_cache(maxsize=32)
-def _tables(
-    dim: int, degree: int, symmetric: bool, taylor: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_monomials` on the CPU, weights divided by √(degree!) for the Taylor map; made
-    as plain tensors whatever the caller's device or inference mode (read only: copied)."""
-    with torch.device("cpu"), torch.inference_mode(False):
-        index, weight = _monomials(dim, degree, symmetric)
-        return index, weight / math.sqrt(math.factorial(degree) if taylor else 1)
+def _tables(dim: int, degree: int, symmetric: bool, taylor: bool) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_monomials`, weights divided by √(degree!) for the Taylor map: NumPy arrays, so
+    that no tensor mode (meta, fake, inference) of a first caller is cached (read only)."""
+    index, weight = _monomials(dim, degree, symmetric)
+    return index, weight / math.sqrt(math.factorial(degree) if taylor else 1)
 
 
 def _num_monomials(dim: int, degree: int, symmetric: bool) -> int:
@@ -180,13 +178,24 @@ class PolynomialFeatureMap(FeatureMap):
         with torch.inference_mode(False):
             for k in self.orders:
                 index, weight = _tables(self.head_dim, k, symmetric, taylor)
-                index, weight = index.to(device, copy=True), weight.to(device, copy=True)
+                index = torch.from_numpy(index).to(device, copy=True)
+                weight = torch.from_numpy(weight).to(device, copy=True)
                 self.register_buffer(f"index_{k}", index, persistent=False)
                 self.register_buffer(f"weight_{k}", weight, persistent=False)
 
     def _apply(self, fn: Any, recurse: bool = True) -> PolynomialFeatureMap:
+        # the tables out of the way (a meta one cannot be copied to a device), then made
+        # afresh where ``fn`` puts a tensor of theirs
+        tables = [n for n in self._buffers if n.startswith(("index_", "weight_"))]
+        was = self._buffers[tables[0]].device
+        for name in tables:
+            del self._buffers[name]
         super()._apply(fn, recurse)
-        self._set_tables(getattr(self, f"index_{self.orders[0]}").device)
+        try:
+            device = fn(torch.empty(0, device=was)).device
+        except (RuntimeError, NotImplementedError):  # out of meta: where a CPU one goes
+            device = fn(torch.empty(0, device="cpu")).device
+        self._set_tables(device)
         return self
 
     @property
