@@ -13,10 +13,15 @@ import os
 from pathlib import Path
 
 
+def is_real(value: object) -> bool:
+    """Whether ``value`` is a real number (numpy's too), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def check_real(name: str, value: object, strict: bool = False) -> float:
     """``value`` as a float, finite and >= 0 (> 0 with ``strict``), else TypeError/ValueError
     naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy's too
+    if not is_real(value):
         raise TypeError(f"{name} must be a float, got {value!r}")
     if not (math.isfinite(value) and (value > 0 if strict else value >= 0)):
         raise ValueError(

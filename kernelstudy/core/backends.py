@@ -135,6 +135,14 @@ def check_backend_name(name: object, source: str = "backend") -> None:
         raise ValueError(f"{source} must be one of {known}; got {name!r}")
 
 
+def env_backend_name() -> str:
+    """The backend ``KERNELSTUDY_BACKEND`` names (``"auto"`` where unset or empty), checked:
+    ValueError naming the variable otherwise."""
+    name = os.environ.get(ENV_VAR, "auto") or "auto"
+    check_backend_name(name, ENV_VAR)
+    return name
+
+
 def resolve_backend(
     name: str | None, example: torch.Tensor, for_attention: bool = False
 ) -> Backend:
@@ -150,9 +158,9 @@ def resolve_backend(
     """
     source = "backend"
     if name is None:
-        name = os.environ.get(ENV_VAR, "auto") or "auto"
-        source = ENV_VAR
-    check_backend_name(name, source)
+        name, source = env_backend_name(), ENV_VAR
+    else:
+        check_backend_name(name, source)
     if name == "auto":
         candidates = [
             b

@@ -8,11 +8,10 @@ deep inside a kernel.
 from __future__ import annotations
 
 import contextlib
-import numbers
 
 import torch
 
-from ..arguments import check_flag
+from ..arguments import check_flag, is_real
 from .transforms import constant_when_traced
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -76,7 +75,7 @@ def check_eps(eps: float, dtype: torch.dtype | None = None) -> float:
     """``eps`` as a float > 0, else TypeError/ValueError naming it. With the inputs' ``dtype``,
     also at least the smallest normal number of their accumulation dtype: a smaller eps is 0
     in (or flushed from) the sums, and a normalizer with nothing summed gives 0/0 = NaN."""
-    if not isinstance(eps, numbers.Real) or isinstance(eps, bool):
+    if not is_real(eps):
         raise TypeError(f"eps must be a positive float, got {type(eps).__name__}")
     if not 0 < eps < float("inf"):
         raise ValueError(f"eps must be a finite float > 0, got {eps}")

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..arguments import check_flag
+from ..arguments import check_flag, is_real
 from ..core.backends import check_backend_name
 from ..core.recurrent import RecurrentState
 from ..core.softmax import softmax_attention
@@ -148,7 +148,7 @@ def check_size(name: str, value: object) -> int:
 
 def check_dropout(dropout: object) -> float:
     """``dropout`` as a float in [0, 1), else TypeError/ValueError naming it."""
-    if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real):  # numpy floats too
+    if not is_real(dropout):
         raise TypeError(f"dropout must be a float in [0, 1), got {dropout!r}")
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")

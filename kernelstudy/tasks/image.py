@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..arguments import is_real
 from .base import SequenceTask, check_split
 from .files import PathArg, check_path, data_error, locate, require_dir
 
@@ -128,7 +129,7 @@ class ImageTask(SequenceTask):
 
     def __init__(self, path: PathArg, split: str = "train", val_fraction: float = 0.1) -> None:
         check_split(split)
-        if isinstance(val_fraction, bool) or not isinstance(val_fraction, numbers.Real):
+        if not is_real(val_fraction):
             raise TypeError(f"val_fraction must be a float in (0, 1), got {val_fraction!r}")
         if not 0.0 < val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction!r}")

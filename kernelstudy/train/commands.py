@@ -29,7 +29,6 @@ import argparse
 import copy
 import inspect
 import json
-import os
 import re
 import sys
 import tomllib
@@ -41,7 +40,7 @@ from typing import Any
 import torch
 
 from ..arguments import user_path
-from ..core.backends import ENV_VAR, check_backend_name
+from ..core.backends import env_backend_name
 from ..files import exclusive_folder, write_json
 from ..nn.models import CausalLM, MatchingClassifier, SequenceClassifier
 from ..tasks import SPLITS, load_task, needs_path, task_class, task_options
@@ -466,8 +465,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         model, splits["train"], config, val_data=splits["val"], test_data=splits["test"]
     )
 
-    backend = os.environ.get(ENV_VAR) or "auto"  # read at the first step: failed after
-    check_backend_name(backend, ENV_VAR)  # config.json and run.json were written
+    env_backend_name()  # read at the first step: failed after config.json and run.json
     out = Path(settings["out"])
     out.mkdir(parents=True, exist_ok=True)
     # FolderBusy (a ValueError): exit 1

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-import numbers
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -19,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from ..arguments import check_count
+from ..arguments import check_count, is_real
 from ..files import write_json
 from ..nn.models import feature_map_parameter_count, feature_maps_of, parameter_count
 from ..progress import tqdm
@@ -55,11 +54,6 @@ LOWER_IS_BETTER = ("train_loss", "val_loss", "train_reg")
 #: config fields a resume refuses to change: the optimizer and schedule state saved in
 #: the checkpoint hold their values, which would silently stay in force
 RESUME_FIXED = ("betas", "lr", "weight_decay")
-
-
-def _real(value: object) -> bool:
-    """A real number (numpy's too), not a bool."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def eval_size(fields: Mapping[str, Any]) -> int:
@@ -176,7 +170,7 @@ class TrainConfig:
         positive("num_workers", allow_zero=True)
         for name in ("lr", "weight_decay", "reg_weight", "min_lr_ratio"):
             value = getattr(self, name)
-            if not _real(value) or not value >= 0:
+            if not is_real(value) or not value >= 0:
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
             if not isinstance(value, int | float):  # numpy's: plain for the JSON config
                 value = float(value)
@@ -188,7 +182,7 @@ class TrainConfig:
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr!r}")
         clip = self.clip_norm
-        number = _real(clip)
+        number = is_real(clip)
         if (number and clip == 0) or (isinstance(clip, str) and clip.lower() == "none"):
             self.clip_norm = None  # clipping off
         elif clip is not None and not (number and clip > 0):
@@ -201,7 +195,7 @@ class TrainConfig:
         if (
             not isinstance(betas, list | tuple)
             or len(betas) != 2
-            or not all(_real(b) for b in betas)
+            or not all(is_real(b) for b in betas)
             or not all(0.0 <= b < 1.0 for b in betas)
         ):
             raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
