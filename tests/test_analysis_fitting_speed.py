@@ -1033,6 +1033,26 @@ def test_facet_titles_and_reference_lines_stay_clear_of_the_legend():
         ks.analysis.plots.close(f)
 
 
+def test_plot_rank_by_f_draws_the_bound_min_f_n():
+    """Rank vs F at one N: the bound is min(F, N), not F (an N×N matrix has rank ≤ N; the
+    line ran on to (F, F) past F = N, so a map meeting its bound looked below it)."""
+    ranks = pd.DataFrame(
+        [{"method": "poly", "n": 16, "feature_dim": f, "metric": "numerical_rank",
+          "value": min(f, 16)} for f in (4, 8, 64)]
+    )  # fmt: skip
+    fig = ks.analysis.plots.plot_rank(ranks, x="feature_dim")
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert labels == ["poly", "rank = min(F, N) (kernel bound)"]
+    (line,) = [ln for ln in fig.axes[0].lines if ln.get_linestyle() == ":"]
+    assert list(line.get_xdata()) == [4.0, 16.0, 64.0]
+    assert list(line.get_ydata()) == [4.0, 16.0, 16.0]
+    several = pd.concat([ranks, ranks.assign(n=32)])  # several N: no single cap, rank = F
+    fig2 = ks.analysis.plots.plot_rank(several, x="feature_dim", col="n")
+    assert fig2.legends[0].get_texts()[-1].get_text() == "rank = F (kernel bound)"
+    for f in (fig, fig2):
+        ks.analysis.plots.close(f)
+
+
 def test_figure_title_widens_a_figure_narrower_than_it_and_keeps_its_text():
     """A figure title wider than its figure ran past both edges (saved with a tight bbox, the
     layout was redone for the wider canvas, leaving a gap before the legend)."""

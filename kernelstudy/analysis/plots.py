@@ -364,17 +364,23 @@ def plot_rank(
     """Rank ``measure`` vs ``x`` (N or F) from rows with ``metric``/``value`` columns, on
     base-2 log axes (ranks of power-of-2 sizes read off as such).
 
-    A dotted diagonal ``rank = x`` marks full rank (x = N) or the kernel bound (x = F),
-    named in the legend.
+    A dotted line marks full rank ``rank = N`` (x = N) or the kernel bound (x = F):
+    ``rank = min(F, N)`` where the rows hold one N (an N×N matrix has rank at most N),
+    else ``rank = F``; named in the legend.
     """
     _check_columns(frame, ["metric", "value", x], "plot_rank")
     rows = _metric_rows(frame, measure, "plot_rank")
     fig = line_plot(rows, x, hue=hue, col=col, ylabel=metric_label(measure), logy_base=2)
     lo, hi = float(rows[x].min()), float(rows[x].max())
-    for ax in fig.axes:
-        ax.plot([lo, hi], [lo, hi], zorder=0, **DIAGONAL_STYLE)
     label = {"n": "rank = N (full rank)", "feature_dim": "rank = F (kernel bound)"}
     label = label.get(x, f"rank = {x}")
+    cap = hi  # the line is y = min(x, cap)
+    if x == "feature_dim" and "n" in rows and rows["n"].nunique() == 1:
+        cap = float(rows["n"].iloc[0])
+        label = "rank = min(F, N) (kernel bound)"
+    xs = sorted({lo, hi, min(max(cap, lo), hi)})
+    for ax in fig.axes:
+        ax.plot(xs, [min(v, cap) for v in xs], zorder=0, **DIAGONAL_STYLE)
     _legend_outside(fig, extra={label: _reference_handle(DIAGONAL_STYLE, label)})
     return fig
 
