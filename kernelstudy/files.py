@@ -31,13 +31,16 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
     file gets the permissions ``open`` would give it (an existing file's, else 0o666 less
     the umask), not the temp file's 0o600. A symlink is written through (its target gets
     the new content; the link stays), and the folder is synced after the rename, so the new
-    file survives a crash once this returns."""
+    file survives a crash once this returns. The temp file is locked while written
+    (:func:`lock_while_written`): one whose writer was killed is told apart by
+    :func:`remove_abandoned_files`."""
     path = Path(path)
     if path.is_symlink():
         path = Path(os.path.realpath(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     # the name cut to 200 characters: the temp name adds 22, and names stop at 255
     fd, tmp = new_temporary_file(path.parent, f".{path.name[:200]}.", ".tmp")
+    held = lock_while_written(fd)
     try:
         with os.fdopen(fd, "wb") as f:
             if path.exists():
@@ -57,6 +60,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
                 raise
             raise OSError(cause.errno, cause.strerror, str(path)) from err
         raise
+    finally:
+        os.close(held)
     sync_folder(path.parent)
     return path
 

@@ -72,6 +72,24 @@ def test_a_locked_folder_loses_the_temporary_files_of_killed_writers(tmp_path):
     assert all(path.exists() for path in other)
 
 
+def test_atomic_writes_temp_file_is_locked_while_written(tmp_path):
+    """A live write's temp file is spared by remove_abandoned_files; a killed one's (not
+    locked) goes: the trainer, which holds no folder lock, cleans up with it."""
+    seen = []
+
+    def write(f) -> None:
+        f.write(b"data")
+        f.flush()
+        seen.extend(remove_abandoned_files(tmp_path, ".*.tmp", min_age_s=0))
+        seen.extend(tmp_path.glob(".*.tmp"))
+
+    atomic_write(tmp_path / "checkpoint.pt", write)
+    assert [p.name.startswith(".checkpoint.pt.") for p in seen] == [True]  # listed, not removed
+    killed = tmp_path / ".checkpoint.pt.89d33ad718475313.tmp"
+    killed.write_bytes(b"half")
+    assert remove_abandoned_files(tmp_path, ".*.tmp") == [killed]
+
+
 def test_a_table_replaced_while_it_is_read_keeps_its_ids_with_its_rows(tmp_path, monkeypatch):
     """The table was parsed twice from the file (its text columns again, verbatim): a study
     replacing results.csv in between (``--force`` moves a config's rows to the end) paired

@@ -757,6 +757,60 @@ def test_eval_batch_size_is_resume_free_only_without_eval_batches():
     assert resume_changes(older, {**base, "compile": True}) == ["compile"]
 
 
+def test_fit_removes_the_temp_files_of_a_save_that_was_killed(tmp_path):
+    """A kill inside ``torch.save`` left ``.checkpoint.pt.<hex>.tmp`` (weights and Adam state)
+    for good: a resumed or new run in the folder removes it; a file of another name stays."""
+    out = tmp_path / "run"
+    out.mkdir()
+    killed = out / ".checkpoint.pt.0123456789abcdef.tmp"
+    killed.write_bytes(b"half a checkpoint")
+    other = out / ".notes.0123456789abcdef.tmp"
+    other.write_text("not ours")
+    trainer = Trainer(_classifier(), ContainsTask(32), _config(steps=2, out_dir=str(out)))
+    trainer.fit(resume=True)
+    assert not killed.exists() and other.exists()
+    assert (out / "checkpoint.pt").is_file()
+
+
+class SortedByLabel(Dataset):
+    """A validation split sorted by label, as IMDB's is read (``neg/`` then ``pos/``)."""
+
+    def __init__(self, size: int) -> None:
+        self.label = (torch.arange(size) >= size // 2).long()
+
+    def __len__(self) -> int:
+        return len(self.label)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": torch.zeros(4, dtype=torch.long), "label": self.label[i]}
+
+
+class AlwaysZero(nn.Module):
+    """A classifier that answers class 0 whatever it reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(()))
+
+    def forward(self, input_ids, mask=None):
+        return torch.tensor([5.0, 0.0]).expand(len(input_ids), 2) + 0 * self.w
+
+
+def test_eval_batches_score_a_sample_not_the_first_batches_of_a_sorted_split():
+    """``eval_batches`` scored the first batches in file order: on a split sorted by label
+    (IMDB's) a model always answering the first class scored 1.0. They are now a fixed random
+    sample: about half of them the other class, the same at every evaluation."""
+    val = SortedByLabel(400)
+    trainer = Trainer(AlwaysZero(), val, _config(batch_size=16, eval_batches=8), val_data=val)
+    first = trainer.evaluate(trainer.val_loader, 8)
+    assert 0.35 < first["accuracy"] < 0.65
+    assert trainer.evaluate(trainer.val_loader, 8) == first  # the same sample every time
+    assert trainer.evaluate(val, 8) == first  # also given the Dataset
+    assert trainer.evaluate(val)["accuracy"] == 0.5  # the whole split, in order
+    ordered = DataLoader(val, batch_size=16)  # a DataLoader of the caller's: its own order
+    assert trainer.evaluate(ordered, 8)["accuracy"] == 1.0
+
+
 def test_ctrl_c_saves_the_step_it_ends_and_the_run_resumes_exactly(tmp_path, monkeypatch):
     """A Ctrl-C used to lose every step since the last evaluation (no checkpoint there);
     it now takes effect at the end of its step, with a checkpoint saved at that step."""

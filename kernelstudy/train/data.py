@@ -68,14 +68,17 @@ def make_loader(
     shuffle: bool = True,
     num_workers: int = 0,
     name: str = "train_data",
+    drop_last: bool | None = None,
 ) -> DataLoader:
     """``data`` itself if it is a DataLoader, else a DataLoader over the Dataset: shuffled
-    through :class:`EpochBatchSampler` (training) or in order (evaluation)."""
+    through :class:`EpochBatchSampler` (training) or in order (evaluation). ``drop_last``
+    (default: ``shuffle``) drops a last partial batch."""
     if isinstance(data, DataLoader):
         return data
     check_count("batch_size", batch_size, 1)
     check_count("seed", seed, 0, MAX_SEED)
     check_flag("shuffle", shuffle)
+    drop_last = shuffle if drop_last is None else check_flag("drop_last", drop_last)
     check_count("num_workers", num_workers, 0)
     if not isinstance(data, Dataset):
         raise TypeError(f"{name} must be a torch Dataset or DataLoader, got {type(data).__name__}")
@@ -84,7 +87,7 @@ def make_loader(
         return DataLoader(data, batch_size=batch_size, collate_fn=_collate_of(data))
     if len(data) == 0:
         raise ValueError(f"{name} is empty")
-    sampler = EpochBatchSampler(len(data), batch_size, seed, shuffle=shuffle, drop_last=shuffle)
+    sampler = EpochBatchSampler(len(data), batch_size, seed, shuffle=shuffle, drop_last=drop_last)
     return DataLoader(
         data,
         batch_sampler=sampler,

@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from ..arguments import check_count, is_real
-from ..files import write_json
+from ..files import remove_abandoned_files, write_json
 from ..nn.models import feature_map_parameter_count, feature_maps_of, parameter_count
 from ..progress import tqdm
 from ..tasks.files import check_path
@@ -98,7 +98,8 @@ class TrainConfig:
         clip_norm: max global gradient norm; None, 0 or ``"none"`` (for TOML, which has
             no null): no clipping.
         eval_every: evaluate every k steps (and at the last step); 0: only at the end.
-        eval_batches: evaluate on at most this many batches (None: all).
+        eval_batches: evaluate on at most this many batches (None: all), the same sample
+            of a validation Dataset at every evaluation (a fixed random order by ``seed``).
         patience: stop after this many evaluations without improvement of ``monitor``
             (None: never); ``monitor`` is a metrics-row column, ``mode`` ``max`` or ``min``.
         seed: seeds the global generators at the start and the data order.
@@ -397,14 +398,11 @@ class Trainer:
         self.train_loader = make_loader(
             train_data, config.batch_size, config.seed, True, config.num_workers
         )
-        eval_bs = config.eval_batch_size or config.batch_size
         self.val_loader = None
         if val_data is not None:
-            self.val_loader = make_loader(
-                val_data, eval_bs, config.seed, False, config.num_workers, "val_data"
-            )
+            self.val_loader = self._eval_loader(val_data, config.eval_batches, "val_data")
         if test_data is not None:  # checked now, not once training has ended
-            make_loader(test_data, eval_bs, config.seed, False, config.num_workers, "test_data")
+            self._eval_loader(test_data, None, "test_data")
         self.test_data = test_data
         task_type = config.task_type
         self.task_type = _task_type_of(train_data) if task_type == "auto" else task_type
@@ -475,6 +473,9 @@ class Trainer:
         """
         cfg = self.config
         check_stop_after(stop_after)
+        if self.out_dir is not None:  # a killed save's temp file, as large as the checkpoint
+            for name in (CHECKPOINT, METRICS, RECORD, MODEL):
+                remove_abandoned_files(self.out_dir, f".{name}.*.tmp")
         if resume:
             if self.out_dir is None:
                 raise ValueError("resume=True needs config.out_dir (where the checkpoint is)")
@@ -549,7 +550,9 @@ class Trainer:
         self, data: Dataset | DataLoader, max_batches: int | None = None
     ) -> dict[str, float]:
         """Mean loss and accuracy (``sequence_accuracy`` too for LM) of the model on ``data``
-        (its first ``max_batches`` batches, an int >= 1, when given).
+        (``max_batches``, an int >= 1, when given: that many batches of a Dataset in a fixed
+        random order seeded by ``config.seed``, the same at every call; of a DataLoader, its
+        first batches).
 
         The global random generators are left as they were: a DataLoader without its own
         generator (one passed in, or over an IterableDataset) draws its seed from torch's
@@ -557,10 +560,7 @@ class Trainer:
         changed the trained model."""
         if max_batches is not None:  # 0 or -1 read as "no batches", 2.5 as 3
             max_batches = check_count("max_batches", max_batches, 1)
-        cfg = self.config
-        loader = make_loader(
-            data, cfg.eval_batch_size or cfg.batch_size, cfg.seed, False, cfg.num_workers, "data"
-        )
+        loader = self._eval_loader(data, max_batches, "data")
         was_training = self.model.training
         self.model.eval()
         sums = MetricSums()
@@ -578,6 +578,16 @@ class Trainer:
         if not sums:
             raise ValueError("evaluation data yields no batches")
         return Objective.summarize(sums.values())
+
+    def _eval_loader(self, data: Dataset | DataLoader, max_batches: int | None, name: str):
+        """An evaluation DataLoader over ``data``: in order, or where only ``max_batches``
+        batches are scored, in a fixed random order (a sample of the whole: files sorted by
+        label, as IMDB's ``neg/`` then ``pos/``, gave first batches of one class, and a model
+        always answering it scored 1.0)."""
+        cfg = self.config
+        size = cfg.eval_batch_size or cfg.batch_size
+        sample = max_batches is not None
+        return make_loader(data, size, cfg.seed, sample, cfg.num_workers, name, drop_last=False)
 
     def save_checkpoint(self, path: str | Path | None = None) -> Path:
         """Save all an exact resume needs, atomically (default ``out_dir/checkpoint.pt``)."""
