@@ -229,6 +229,30 @@ def test_a_trial_whose_validation_accuracy_is_never_finite_fails_as_diverged(
     assert all(t.user_attrs["fail_reason"].startswith("FloatingPointError") for t in trials)
 
 
+@pytest.mark.parametrize("restore_best", [True, False])
+def test_a_trial_is_ranked_by_the_validation_accuracy_of_the_weights_it_scores(
+    tmp_path, monkeypatch, restore_best
+):
+    """With ``restore_best = false`` the test accuracy is the last step's weights', but the
+    trial's value (what best_trial and best_by_val rank by) was the best validation accuracy
+    seen, of weights never scored: a run that peaked early and fell away ranked first."""
+    scores = iter([0.9, 0.3])  # an early peak (step 10), then worse (step 20)
+
+    def falling(self, data, max_batches=None):
+        return {"loss": 1.0, "accuracy": next(scores, 0.5)}  # then the test score
+
+    monkeypatch.setattr("kernelstudy.train.trainer.Trainer.evaluate", falling)
+    text = TINY.replace("amp = false", f"amp = false\nrestore_best = {str(restore_best).lower()}")
+    text = text.replace("trials = 2", "trials = 1")
+    variants = '\n[[variants]]\nlabel = "elu+1"\nfeature_map = "elu"\n'
+    text = text.format(d_model=16, n_heads=2, steps=20, variants=variants)
+    cfg = write_config(tmp_path, [], text=text)
+    assert ks("search", cfg, "--out", tmp_path / "res") == 0
+    (trial,) = studies(tmp_path / "res")["tiny/elu+1"].get_trials()
+    assert trial.value == trial.user_attrs["val_accuracy"] == (0.9 if restore_best else 0.3)
+    assert trial.user_attrs["test_accuracy"] == 0.5
+
+
 def test_a_diverging_evaluation_run_is_recorded_and_the_others_go_on(tmp_path, capsys, monkeypatch):
     """A FloatingPointError (divergence) in one seed used to end `evaluate` with a traceback,
     skipping every later seed and variant, and a rerun hit the same seed again."""

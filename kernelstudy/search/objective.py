@@ -254,9 +254,17 @@ def train_run(
         raise FloatingPointError(
             f"no finite validation accuracy in {record['steps_completed']} steps"
         )
+    # the validation accuracy of the weights scored on test (restore_best = false: the last
+    # step's; the best seen then ranked trials by weights that were not scored)
+    scored = record["model_metrics"] or {}
+    val_accuracy = scored.get("val_accuracy", record["best"]["value"])
+    if not math.isfinite(val_accuracy):  # diverged after its best evaluation
+        raise FloatingPointError(
+            f"validation accuracy {val_accuracy} at step {record['model_step']}, the scored weights"
+        )
     return {
         **sizes,
-        "val_accuracy": record["best"]["value"],
+        "val_accuracy": val_accuracy,
         "test_accuracy": (record["test"] or {}).get("accuracy"),
         "train_time_s": record["train_time_s"],  # training steps only, not evaluation
         "wall_time_s": record["wall_time_s"],
@@ -273,7 +281,9 @@ def objective(
     data: Path | None,
     device: str | None = None,
 ) -> float:
-    """Train the trial's configuration of variant ``label``; return the best val accuracy.
+    """Train the trial's configuration of variant ``label``; return the validation accuracy of
+    the weights it scores on test (the best evaluation's; with ``restore_best = false``, the
+    last step's).
 
     Picklable as ``functools.partial(objective, config=..., label=..., data=...)``.
     """
