@@ -492,6 +492,55 @@ def test_generate_checks_learned_positions_before_any_step(monkeypatch):
     assert calls == []
 
 
+def test_generate_with_no_new_token_reads_no_position():
+    """max_new_tokens = 0 returns the prompt without running the model, yet a prompt longer
+    than learned positions' max_len was refused as needing its length in positions."""
+    model = ks.nn.CausalLM(20, positions="learned", max_len=8, **SMALL)
+    prompt = _ids(2, 9)
+    assert torch.equal(model.generate(prompt, 0), prompt)
+    with pytest.raises(ValueError, match="needs 9 positions"):
+        model.generate(prompt, 1)
+
+
+def test_every_eval_mode_use_gives_each_submodule_its_own_mode_back(tmp_path):
+    """generate, analysis.generate, benchmark_generation, Trainer.evaluate and fit_to_softmax
+    restored the top-level mode with ``train(was)``, which sets every submodule alike: a
+    redrawing map the caller had put in eval mode (no redraws while the rest trains) came
+    back training, redrawing again."""
+    favor = {"name": "favor", "num_features": 8, "redraw_every": 1, "seed": 0}
+    model = ks.nn.CausalLM(20, feature_map=favor, **SMALL).train()
+    maps = ks.nn.models.feature_maps_of(model)
+    for fm in maps:
+        fm.eval()
+
+    def modes():
+        return [m.training for m in model.modules()]
+
+    before = modes()
+    assert before.count(False) == len(maps) and before[0]
+    prompt = _ids(2, 3)
+    model.generate(prompt, 2)
+    assert modes() == before
+    ks.analysis.generate(model, prompt, 2, mode="step")
+    assert modes() == before
+    ks.analysis.benchmark_generation({"lm": (model, "step")}, [2], repeats=1, warmup=0)
+    assert modes() == before
+    from kernelstudy.tasks import CopyTask
+    from kernelstudy.train import TrainConfig, Trainer
+
+    data = CopyTask("val", seq_len=8, n_symbols=10, num_samples=8)
+    trainer = Trainer(model, data, TrainConfig(batch_size=4, progress=False, device="cpu"))
+    trainer.evaluate(data)
+    assert modes() == before
+    glu = ks.create_feature_map("glu", head_dim=8, depth=2, seed=0)
+    inner = next(m for m in glu.modules() if m is not glu)
+    inner.eval()
+    glu_modes = [m.training for m in glu.modules()]
+    q, k = torch.randn(2, 1, 2, 8, 8).unbind(0)
+    ks.analysis.fit_to_softmax(glu, q, k, steps=1)
+    assert [m.training for m in glu.modules()] == glu_modes and not inner.training
+
+
 @pytest.mark.parametrize("mode", ["step", "full"])
 def test_analysis_generate_decodes_in_eval_mode(mode):
     """ks.analysis.generate ran in the caller's mode: in training, dropout made greedy decoding

@@ -8,6 +8,7 @@ import torch
 from ..arguments import check_count, check_real
 from ..core.validation import accumulation_dtype, check_key_padding_mask
 from ..feature_maps import FeatureMap
+from ..nn.modes import module_mode
 from .matrices import MAX_N, allowed_keys, attention_matrix, check_qk
 
 
@@ -239,10 +240,8 @@ def fit_to_softmax(
             )  # fmt: skip
         history.append((step, "val_loss", loss.item()))
 
-    was_training = feature_map.training
-    feature_map.train()
     optimizer = torch.optim.Adam(params, lr=lr)
-    try:  # the caller's mode back, on an error (or Ctrl-C) too
+    with module_mode(feature_map, True):  # the caller's modes back, on an error too
         record_val(0)
         for step in range(1, steps + 1):
             optimizer.zero_grad(set_to_none=True)
@@ -257,6 +256,4 @@ def fit_to_softmax(
             history.append((step - 1, "regularization", float(reg.detach())))
             if step % eval_every == 0 or step == steps:
                 record_val(step)
-    finally:
-        feature_map.train(was_training)
     return pd.DataFrame(history, columns=["step", "metric", "value"])

@@ -27,6 +27,7 @@ from torch import nn
 from ..arguments import check_count, check_real
 from ..core.validation import check_device
 from ..nn.models import check_token_ids
+from ..nn.modes import module_mode
 from .speed import time_call
 
 MODES = ("step", "full")
@@ -78,19 +79,15 @@ def generate(
     when ``steps`` is 0; None for ``"full"``): feed the last token to ``model.step``
     with it to go on.
 
-    Runs in eval mode (the model's mode is restored): in training, dropout would make the
+    Runs in eval mode (each submodule's mode is restored): in training, dropout would make the
     decoding random, and a map that redraws its features (``redraw_every``) would redraw at
     every ``"full"`` forward and refuse ``"step"``. Every prompt has P real tokens (no
     padding mask; :meth:`kernelstudy.nn.CausalLM.generate` takes prompts of different
     lengths).
     """
     _check_lm(model, prompt, steps, mode)
-    was_training = model.training
-    model.eval()
-    try:
+    with module_mode(model, False):
         return _generate(model, prompt, steps, mode)
-    finally:
-        model.train(was_training)
 
 
 def _generate(
@@ -195,14 +192,11 @@ def benchmark_generation(
     gen = torch.Generator().manual_seed(check_count("seed", seed, 0, 2**64 - 1))
     rows = []
     for label, (model, mode) in runs.items():
-        was_training = model.training
-        try:
+        with module_mode(model, False):  # the caller's modes back (it stays on ``device``)
             rows += _generation_rows(
-                label, model.to(device).eval(), mode, lengths, batch, prompt_len, device,
+                label, model.to(device), mode, lengths, batch, prompt_len, device,
                 repeats, warmup, time_limit_s, vocab_size, gen,
             )  # fmt: skip
-        finally:
-            model.train(was_training)  # the caller's mode back (it stays on ``device``)
     return pd.DataFrame(
         rows, columns=["label", "mode", "length", "batch", "metric", "value", "note"]
     )

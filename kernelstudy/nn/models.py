@@ -23,6 +23,7 @@ from ..arguments import check_count, check_flag, check_real
 from ..feature_maps import FeatureMap
 from .attention import check_dropout, check_size
 from .encoder import LayerState, TransformerEncoder
+from .modes import module_mode
 
 POSITIONS = ("sinusoidal", "learned", "none")
 POOLINGS = ("mean", "cls")
@@ -599,9 +600,10 @@ class CausalLM(_SequenceModel):
         every row holds is read in one parallel pass (:meth:`steps`), the rest with :meth:`step`.
 
         ``temperature`` 0 is greedy (argmax); > 0 samples from ``softmax(logits / T)``.
-        Runs in eval mode (the previous mode is restored). Returns ``(B, P + max_new_tokens)``
-        int64 token ids. ``eos_id``: a row ends at the first new token equal to it (kept),
-        and is filled with ``pad_id`` after it; generation stops once every row has ended.
+        Runs in eval mode (each submodule's previous mode is restored). Returns
+        ``(B, P + max_new_tokens)`` int64 token ids. ``eos_id``: a row ends at the first new
+        token equal to it (kept), and is filled with ``pad_id`` after it; generation stops
+        once every row has ended.
 
         Prompts of different lengths: ``mask (B,P)`` bool, True = real token, each row's
         real tokens first (right padding, as :meth:`forward` takes it; at least one per
@@ -613,8 +615,8 @@ class CausalLM(_SequenceModel):
         rounding of the batch). Without ``mask`` every prompt token is real.
 
         The model reads ``max L_b + max_new_tokens - 1`` positions (the last token is not
-        fed back); learned positions need that many below ``max_len`` (checked before any
-        step).
+        fed back; none for ``max_new_tokens = 0``, which returns the prompt); learned
+        positions need that many below ``max_len`` (checked before any step).
         """
         self._check_ids(prompt, "prompt")
         if prompt.shape[1] < 1:
@@ -626,21 +628,18 @@ class CausalLM(_SequenceModel):
             eos_id = check_count("eos_id", eos_id, 0, self.vocab_size - 1)
         lengths = _prompt_lengths(mask, prompt)
         longest = int(lengths.max()) if prompt.shape[0] else prompt.shape[1]
-        read = longest + max(max_new_tokens - 1, 0)  # the last token is not fed back
+        # the last token is not fed back; with no new token nothing is read at all
+        read = longest + max_new_tokens - 1 if max_new_tokens else 0
         if self.positions.kind == "learned" and read > self.positions.max_len:
             raise ValueError(
                 f"prompt length {longest} + max_new_tokens {max_new_tokens} needs "
                 f"{read} positions, beyond max_len={self.positions.max_len} of the learned "
                 "positional encoding"
             )
-        was_training = self.training
-        self.eval()
-        try:
+        with module_mode(self, False):
             return self._generate(
                 prompt, lengths, max_new_tokens, temperature, generator, pad_id, eos_id
             )
-        finally:
-            self.train(was_training)
 
     def _generate(
         self,

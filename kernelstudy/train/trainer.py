@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 from ..arguments import check_count, is_real
 from ..files import remove_abandoned_files, write_json
 from ..nn.models import feature_map_parameter_count, feature_maps_of, parameter_count
+from ..nn.modes import module_mode
 from ..progress import tqdm
 from ..tasks.files import check_path
 from .checkpoint import (
@@ -561,19 +562,17 @@ class Trainer:
         if max_batches is not None:  # 0 or -1 read as "no batches", 2.5 as 3
             max_batches = check_count("max_batches", max_batches, 1)
         loader = self._eval_loader(data, max_batches, "data")
-        was_training = self.model.training
-        self.model.eval()
         sums = MetricSums()
         rng = get_rng_state(self.device)
         try:
-            for i, batch in enumerate(loader):
-                if max_batches is not None and i >= max_batches:
-                    break
-                with torch.autocast(self.device.type, self.amp_dtype, enabled=self.use_amp):
-                    _, stats = self.objective(self.run_model, _to_device(batch, self.device))
-                sums.add(stats)
+            with module_mode(self.model, False):  # each submodule's mode back after it
+                for i, batch in enumerate(loader):
+                    if max_batches is not None and i >= max_batches:
+                        break
+                    with torch.autocast(self.device.type, self.amp_dtype, enabled=self.use_amp):
+                        _, stats = self.objective(self.run_model, _to_device(batch, self.device))
+                    sums.add(stats)
         finally:
-            self.model.train(was_training)
             set_rng_state(rng, self.device)
         if not sums:
             raise ValueError("evaluation data yields no batches")
