@@ -150,7 +150,10 @@ def _check_known_keys(raw: dict[str, Any], shipped: dict[str, Any], path: Path) 
     same depth of tables), with the closest known key: a misspelled key was read as no key
     (the study ran its default instead, silently)."""
     known = _sized_key_paths(shipped)
-    unknown = sorted(_sized_key_paths(raw) - known)
+    # recursed into only where the shipped config has a table: elsewhere a table is a value
+    # (``feature_map = { name = "glu", depth = 2 }`` where the shipped value is a name)
+    tables = _sized_key_paths(shipped, tables_only=True)
+    unknown = sorted(_sized_key_paths(raw, within=tables) - known)
     if unknown:
         hints = []
         for key in unknown:
@@ -162,16 +165,22 @@ def _check_known_keys(raw: dict[str, Any], shipped: dict[str, Any], path: Path) 
         )
 
 
-def _sized_key_paths(raw: dict[str, Any]) -> set[str]:
+def _sized_key_paths(
+    raw: dict[str, Any], within: set[str] | None = None, tables_only: bool = False
+) -> set[str]:
     """The dotted key paths of a study config, those of ``[quick]`` and ``[full]`` without
-    that prefix (``quick.copy.steps`` is ``copy.steps``), tables recursed into (not lists)."""
+    that prefix (``quick.copy.steps`` is ``copy.steps``), tables recursed into (not lists;
+    with ``within``, only the tables at those paths). ``tables_only``: the tables' paths."""
 
     def paths(table: dict[str, Any], prefix: str = "") -> set[str]:
         out = set()
         for key, value in table.items():
-            out.add(prefix + str(key))
-            if isinstance(value, dict):
-                out |= paths(value, f"{prefix}{key}.")
+            path = prefix + str(key)
+            is_table = isinstance(value, dict)
+            if is_table or not tables_only:
+                out.add(path)
+            if is_table and (within is None or path in within):
+                out |= paths(value, f"{path}.")
         return out
 
     top = {k: v for k, v in raw.items() if k not in ("quick", "full")}
@@ -338,7 +347,9 @@ def run_study(
     Args:
         name: a study from :func:`list_studies`.
         quick: the ``[quick]`` sizes (a few minutes at most on a laptop CPU).
-        out: output directory (default ``results/NAME`` under the working directory);
+        out: output directory (default ``NAME`` in :func:`results_dir`, the folder
+            :func:`load_results` and the notebooks read: ``results/NAME`` of the checkout,
+            of the working directory for an installed package, or ``$KERNELSTUDY_RESULTS``);
             gets ``results.csv``, one ``TABLE.csv`` per extra table of the study,
             ``runs.json`` (the run that computed each config's rows), ``summary.md`` and
             ``*.png``.
@@ -374,7 +385,8 @@ def run_study(
     if tables_only and not tables:
         raise ValueError(f"tables_only: study {name!r} has no extra tables (TABLES)")
     params = load_params(name, quick, config_file)
-    out_dir = Path(out) if out is not None else Path("results") / name
+    # the folder load_results reads: ./results from another working directory was not it
+    out_dir = Path(out) if out is not None else results_dir() / name
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"--out {out_dir} exists and is not a directory")
     paths = {t: out_dir / f"{t}.csv" for t in (RESULTS, *tables)}
@@ -728,10 +740,10 @@ def _cpu_model() -> str | None:
 
 
 def results_dir() -> Path:
-    """Where notebooks look for study results: ``$KERNELSTUDY_RESULTS``, else ``results/``
-    (where ``kernelstudy study NAME`` writes when run from there), both relative to the
-    repository root in a checkout (``studies/results`` holds the committed full-size runs) and
-    to the current directory for an installed package."""
+    """Where studies write their results and notebooks read them (``NAME/`` in it):
+    ``$KERNELSTUDY_RESULTS``, else ``results/``, both relative to the repository root in a
+    checkout (``studies/results`` holds the committed full-size runs) and to the current
+    directory for an installed package."""
     studies = studies_dir()
     root = Path.cwd() if studies == packaged_studies_dir() else studies.parent
     return root / (os.environ.get(ENV_RESULTS_DIR) or "results")
@@ -1299,7 +1311,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--out",
         default=None,
         type=nonempty_user_path,
-        help="output directory (default results/NAME)",
+        help="output directory (default results/NAME of the checkout, or of the working "
+        "directory for an installed package; $KERNELSTUDY_RESULTS/NAME where set)",
     )
     parser.add_argument(
         "--config",

@@ -47,6 +47,9 @@ def test_readme_python_examples_run(tmp_path):
         "    x = torch.randn(1, 2, 5, 8, dtype=dt)\n"
         "    y = ks.kernel_attention(x, x, x, feature_map=r, causal=True)\n"
         "    assert y.dtype == dt and torch.isfinite(y).all()\n"
+        # its F as `kernelstudy maps` lists it (the example said D)
+        "t = ks.feature_maps.feature_map_table().set_index('name')\n"
+        "assert t.loc['relu2', 'feature_dim'] == 'hidden_dim', t.loc['relu2']\n"
     )
     script = tmp_path / "readme_examples.py"
     script.write_text(code)

@@ -2041,3 +2041,51 @@ def test_a_rank_config_with_a_misspelled_nested_key_is_refused(tmp_path):
         study.load_params("rank", quick=True, config=mine)
     mine.write_text(shipped)
     assert study.load_params("rank", quick=True, config=mine) == study.load_params("rank", True)
+
+
+@pytest.mark.parametrize(
+    "name, old, new",
+    [
+        ("generation", 'feature_map = "elu"', 'feature_map = { name = "glu", depth = 2 }'),
+        (
+            "speed",
+            'feature_map = "elu"',
+            'feature_map = { name = "favor", num_features = 64, orthogonal = false }',
+        ),
+    ],
+)
+def test_a_config_copy_may_give_a_map_as_a_table(tmp_path, name, old, new):
+    """The configs' own comments offer ``feature_map = { name = ..., ... }``, but a --config
+    copy giving one was refused ('feature_map.depth' unknown): the key check recursed into
+    a table where the shipped config has a name. A misspelled section key is still named."""
+    shipped = (study.studies_dir() / f"{name}.toml").read_text()
+    assert old in shipped
+    mine = tmp_path / f"{name}.toml"
+    mine.write_text(shipped.replace(old, new, 1))
+    params = study.load_params(name, quick=True, config=mine)
+    spec = params["feature_map"] if name == "generation" else params["rnn_benchmark"]["feature_map"]
+    assert isinstance(spec, dict) and spec["name"] in ("glu", "favor")
+    mine.write_text(shipped.replace("[quick]\n", "[quick]\nrepeatz = 2\n", 1))
+    with pytest.raises(ValueError, match=r"'repeatz' \(did you mean 'repeats'\?\)"):
+        study.load_params(name, quick=True, config=mine)
+
+
+def test_a_study_writes_where_load_results_reads_from_any_working_directory(
+    toy_studies, monkeypatch, capsys
+):
+    """``kernelstudy study NAME`` wrote ./results/NAME under the working directory, while
+    load_results (and the notebooks) read results/ of the checkout: run from elsewhere, the
+    results just written were not found, and the quick study ran again into the checkout."""
+    elsewhere = toy_studies / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert study.results_dir() == toy_studies / "results"  # the studies folder's parent
+    assert study.main("toy", ["--quick"]) == 0
+    assert (toy_studies / "results" / "toy" / "results.csv").is_file()
+    assert not (elsewhere / "results").exists()
+    capsys.readouterr()
+    frame = study.load_results("toy")
+    assert sorted(frame.value) == [1.0, 4.0] and "running" not in capsys.readouterr().err
+    monkeypatch.setenv(study.ENV_RESULTS_DIR, "mine")
+    assert study.main("toy", ["--quick"]) == 0
+    assert (toy_studies / "mine" / "toy" / "results.csv").is_file()

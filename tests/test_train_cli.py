@@ -291,6 +291,8 @@ def test_a_run_saved_before_a_train_field_existed_resumes(
     default, as the trainer's own resume check reads the checkpoint's."""
     out = tmp_path / "run"
     assert main(listops_args(listops, out, "--steps", "4", "--stop-after", "2")) == 0
+    # paused before any evaluation: no best step to name (it printed "at step None")
+    assert "paused after 2/4 steps: val accuracy n/a (best n/a), " in capsys.readouterr().out
     saved = json.loads((out / "config.json").read_text())
     del saved["train"]["compile"]
     (out / "config.json").write_text(json.dumps(saved))

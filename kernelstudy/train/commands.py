@@ -490,10 +490,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         summary = summarize(record, settings, splits)
         write_json(out / SUMMARY, summary)
     best = record["best"]
+    at = f" at step {best['step']}" if best.get("step") is not None else ""  # none evaluated yet
     print(
         f"{summary['status']} after {record['steps_completed']}/{record['steps']} steps: "
         f"val accuracy {_fmt(summary['val_accuracy'])} "
-        f"(best {_fmt(best.get('value'))} at step {best.get('step')}), "
+        f"(best {_fmt(best.get('value'))}{at}), "
         f"test accuracy {_fmt(summary['test_accuracy'])} (weights of step {summary['model_step']})"
     )
     if summary["val_reads_test"] and config.restore_best:
