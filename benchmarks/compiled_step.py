@@ -6,7 +6,9 @@ causal LM (``--model lm``) or a sequence classifier (``--model classifier``) on 
 tokens in eager mode and compiled whole by inductor (one graph: the core's kernels are custom ops
 in it; ``--mode``: torch.compile's), in the same run, and their ratio (``speedup``: eager /
 compiled). The compiled rows give the compile time (``compile_s``: the first compiled step, less a
-step) and ``max_grad_diff``: the largest difference between the two ways' gradients, relative to
+step; a cold compile, inductor's caches off for it: with its on-disk cache from an earlier run
+the same case read 6 s for a cold 36 s; CSVs written before 2026-12-01 may hold such warm
+times) and ``max_grad_diff``: the largest difference between the two ways' gradients, relative to
 the largest eager gradient of the same parameter. The dense matmul rate of the run's dtype is
 measured in the same run as a yardstick (``matmul_gflops``), beside each way's achieved rate of the
 model's matrix products (``gflops``: 6 FLOPs per weight per token for the forward and backward,
@@ -20,10 +22,13 @@ attention's own products not counted).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import statistics
 import sys
 import time
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pandas as pd
@@ -99,7 +104,8 @@ def benchmark(args: argparse.Namespace) -> pd.DataFrame:
         grads, first = {}, {}
         for way, run in runs.items():
             start = time.perf_counter()
-            grads[way] = [g.clone() for g in train_step(run, model, ids)]
+            with cold_compile():
+                grads[way] = [g.clone() for g in train_step(run, model, ids)]
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             first[way] = time.perf_counter() - start
@@ -153,6 +159,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if min(args.seq_lens) < 2:
         p.error("--seq-lens must be at least 2 (a step predicts each next token)")
     return args
+
+
+@contextlib.contextmanager
+def cold_compile() -> Iterator[None]:
+    """Inductor's caches off (its on-disk cache, kept between runs, and the in-memory ones):
+    the first compiled step compiles from scratch, whatever ran before."""
+    with warnings.catch_warnings(), torch._inductor.config.patch(force_disable_caches=True):
+        warnings.filterwarnings("ignore", message="dynamo_pgo force disabled")  # said so
+        yield
 
 
 def main(argv: list[str] | None = None) -> int:

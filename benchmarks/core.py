@@ -16,19 +16,23 @@ torch path.
     python benchmarks/core.py --quick                 # a minute on a laptop
     python benchmarks/core.py --out benchmarks/results/core_cpu.csv
 
-Peak memory: on CUDA ``torch.cuda.max_memory_allocated``; on CPU the process's
-peak resident set (VmHWM, reset through /proc/self/clear_refs) minus the
-resident set before the call, so it includes allocator slack.
+Peak memory: the peak bytes the call's tensors take above those allocated before it
+(``ks.analysis.peak_memory_bytes``: on CUDA ``torch.cuda.max_memory_allocated``, on CPU the
+profiler's allocation events); the compiled CPU kernel's own scratch (a few chunk-sized
+blocks per thread, well under 1 MiB at F = M = 64) is not counted. CSVs written before
+2026-12-01 (``core_cpu_issue2.csv``, ``core_cpu_issue4.csv``) took on CPU the rise of the
+process's resident set, which counted the allocator's slack: glibc serves large tensors from
+its heap once it has raised its mmap threshold, and the heap stays resident, fragmented, so
+the torch backend's causal fwd+bwd at N = 1024 read 44 MiB for 16 MiB allocated, depending on
+which cases ran before.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime as dt
 import os
 import platform
-import re
 import shlex
 import statistics
 import sys
@@ -71,36 +75,9 @@ def median_time(fn: Callable[[], object], device: torch.device, repeats: int) ->
     return statistics.median(times)
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as fh:
-        return int(re.search(rf"{field}:\s+(\d+)", fh.read()).group(1))
-
-
-def _release_free_memory() -> None:
-    """Hand memory that glibc's allocator keeps after frees back to the OS (Linux only)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 def peak_memory_mib(fn: Callable[[], object], device: torch.device) -> float:
     """Peak memory (MiB) that one call of ``fn()`` adds above what is allocated before it."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        fn()
-        torch.cuda.synchronize(device)
-        return (torch.cuda.max_memory_allocated(device) - before) / 2**20
-    if not os.path.exists("/proc/self/clear_refs"):
-        return float("nan")
-    _release_free_memory()
-    with open("/proc/self/clear_refs", "w") as fh:
-        fh.write("5")  # resets VmHWM to the current resident set
-    before = _status_kib("VmRSS")
-    fn()
-    return max(_status_kib("VmHWM") - before, 0) / 1024
+    return ks.analysis.peak_memory_bytes(fn, device) / 2**20
 
 
 def matmul_rate(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -408,7 +409,7 @@ def test_registering_a_user_map():
         assert isinstance(fm, Square) and fm.config()["name"] == name
         x = torch.randn(2, 4)
         torch.testing.assert_close(fm(x), x.square())
-        with pytest.raises(ValueError, match="already registered .*Square"):
+        with pytest.raises(ValueError, match="already registered: .*Square; .*DoubledElu needs"):
             register_feature_map(name)(DoubledElu)
         # the cell that defines it run again (a notebook): the new class takes the name over
         first = Square
@@ -430,6 +431,146 @@ def test_registering_a_user_map():
     finally:
         registry_module._REGISTRY.pop(name, None)
     assert name not in ks.list_feature_maps()
+
+
+def _square_map(**attrs):
+    """A map class (F = D, φ = x²) with ``attrs`` replacing its members."""
+    members = {
+        "feature_dim": property(lambda self: self.head_dim),
+        "features": lambda self, x, is_query: x.square(),
+        **attrs,
+    }
+    return type("Mine", (FeatureMap,), {k: v for k, v in members.items() if v is not None})
+
+
+@pytest.mark.parametrize(
+    "attrs, message",
+    [
+        ({"features": None}, "must implement features"),
+        ({"feature_dim": None}, "must define feature_dim"),
+        ({"feature_dim": lambda self: 4}, "feature_dim must be a @property .* got function"),
+        ({"hyperparameters": {"scale": 1.0}}, r"hyperparameters\['scale'\] must be a Hyperp"),
+        (
+            {"hyperparameters": {"order": ks.feature_maps.Hyperparameter(int, 0, low=1)}},
+            "the default of hyperparameter 'order' is refused: order must be >= 1",
+        ),
+        (
+            {"hyperparameters": {"name": ks.feature_maps.Hyperparameter(str, "a")}},
+            "may not be named 'name'",
+        ),
+    ],
+)
+def test_registration_checks_the_map_contract(attrs, message):
+    """A slip in a user's map registered fine and failed at first use, late and unclear: a
+    bare NotImplementedError (in a search, after five failed trials), a RecursionError for
+    feature_dim written as a method, AttributeError 'float' has no 'validate' (which also broke
+    `kernelstudy maps` for every pattern), a default refused as if the user had passed it, a
+    hyperparameter 'name' that broke the config round trip."""
+    cls = _square_map(**attrs)
+    with pytest.raises(TypeError, match=f"feature map class .*Mine.*{message}"):
+        register_feature_map("test_contract")(cls)
+    with pytest.raises(TypeError, match=message):  # named as "module:Class" too
+        registry_module.check_feature_map_class(cls)
+    assert "test_contract" not in ks.list_feature_maps()
+    register_feature_map("test_contract_ok")(_square_map())  # the contract met
+    registry_module._REGISTRY.pop("test_contract_ok")
+    with pytest.raises(NotImplementedError, match="Mine must implement features"):
+        _square_map(features=None)(head_dim=2)(torch.ones(1, 2))  # unregistered: said at use
+
+
+@pytest.mark.parametrize("name", ["softmax", "kernel"])
+def test_names_the_models_read_as_other_attentions_are_refused(name):
+    """A map registered as "kernel" or "softmax" was never built: CausalLM(attention="kernel")
+    still built elu, "softmax" built softmax attention."""
+    with pytest.raises(ValueError, match="names another attention"):
+        register_feature_map(name)
+
+
+def test_one_file_imported_twice_is_named_as_such(tmp_path, monkeypatch):
+    """A map module run as a script and listed in KERNELSTUDY_FEATURE_MAPS registered its
+    class twice (as __main__ and as the module): "choose another name" misled."""
+    import importlib.util
+
+    path = tmp_path / "twice_maps.py"
+    path.write_text(
+        "import kernelstudy as ks\n"
+        "@ks.feature_maps.register_feature_map('test_twice')\n"
+        "class Twice(ks.feature_maps.FeatureMap):\n"
+        "    feature_dim = property(lambda self: self.head_dim)\n"
+        "    def features(self, x, is_query):\n"
+        "        return x.square()\n"
+    )
+    try:
+        for module in ("__main_twice__", "twice_maps"):  # one file, two module names
+            spec = importlib.util.spec_from_file_location(module, path)
+            loaded = importlib.util.module_from_spec(spec)
+            monkeypatch.setitem(sys.modules, module, loaded)
+            if module == "twice_maps":
+                with pytest.raises(ValueError, match=r"same file, .*twice_maps.py, imported twice"):
+                    spec.loader.exec_module(loaded)
+            else:
+                spec.loader.exec_module(loaded)
+    finally:
+        registry_module._REGISTRY.pop("test_twice", None)
+
+
+def test_a_headwise_map_gets_the_shared_hyperparameter_it_left_out():
+    """The README said HeadwiseFeatureMap adds a ``shared`` hyperparameter; it did not, so a
+    subclass written from it failed at construction with KeyError 'shared'."""
+
+    class PerHead(ks.feature_maps.HeadwiseFeatureMap):
+        def __init__(self, head_dim, num_heads=1, **hparams):
+            super().__init__(head_dim, num_heads, **hparams)
+            self.weight = torch.nn.Parameter(torch.ones(self.weight_heads, head_dim, head_dim))
+
+        @property
+        def feature_dim(self):
+            return self.head_dim
+
+        def features(self, x, is_query):
+            return self.headwise(x, self.weight).square()
+
+    assert PerHead.hyperparameters["shared"] is ks.feature_maps.SHARED
+    assert PerHead(4, num_heads=3).weight.shape[0] == 1
+    assert PerHead(4, num_heads=3, shared=False).weight.shape[0] == 3
+
+
+def test_a_first_draw_without_a_seed_takes_the_maps_seed():
+    """``self.redraw()`` in __init__ (no seed) derived the next seed already at the first
+    draw: the config recorded that one, and a map rebuilt from it drew other features."""
+
+    class Drawn(RandomFeatureMap):
+        def __init__(self, head_dim, num_heads=1, **hparams):
+            super().__init__(head_dim, num_heads, **hparams)
+            self.register_buffer("w", torch.empty(head_dim, 4))
+            self.redraw()
+
+        def draw(self, generator):
+            self.w.copy_(torch.randn(self.w.shape, generator=generator))
+
+        @property
+        def feature_dim(self):
+            return 4
+
+        def features(self, x, is_query):
+            self.maybe_redraw(is_query)
+            return torch.exp(x @ self.w)
+
+    fm = Drawn(3, seed=7)
+    assert fm.hparams["seed"] == 7
+    again = Drawn(3, **{k: v for k, v in fm.config().items() if k not in ("name", "head_dim")})
+    assert torch.equal(again.w, fm.w)
+
+
+def test_an_unregistered_subclass_is_labelled_by_its_class():
+    """map_label gave a subclass of a registered map the parent's name, so its rows in
+    approximation_error read as the registered map's."""
+
+    class HalfElu(EluFeatureMap):
+        pass
+
+    assert ks.analysis.map_label(HalfElu(4)) == "HalfElu"
+    assert ks.analysis.map_label(EluFeatureMap(4)) == "elu"
 
 
 class UserMaps:

@@ -77,10 +77,12 @@ def gaussian_qk(
 
 
 def map_label(feature_map: FeatureMap) -> str:
-    """The registry name of a map, or its class name for unregistered maps."""
+    """The registry name of a map, or its class name for unregistered maps (a subclass of a
+    registered map too: its rows are not the registered map's)."""
     if not isinstance(feature_map, FeatureMap):
         raise TypeError(f"feature_map must be a FeatureMap, got {type(feature_map).__name__}")
-    return feature_map.name or type(feature_map).__name__
+    cls = type(feature_map)
+    return cls.__dict__.get("name") or cls.__name__
 
 
 def _masked_mean(x: torch.Tensor, allowed: torch.Tensor) -> float:

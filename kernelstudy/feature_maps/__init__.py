@@ -10,6 +10,7 @@ import pkgutil
 
 from .base import (
     SEED,
+    SHARED,
     FeatureMap,
     HeadwiseFeatureMap,
     Hyperparameter,
@@ -31,6 +32,7 @@ from .table import feature_map_table  # noqa: E402
 
 __all__ = [
     "SEED",
+    "SHARED",
     "FeatureMap",
     "HeadwiseFeatureMap",
     "Hyperparameter",

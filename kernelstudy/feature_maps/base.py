@@ -120,6 +120,18 @@ SEED = Hyperparameter(
 )
 
 
+#: The ``shared`` hyperparameter of :class:`HeadwiseFeatureMap`: one weight for all heads.
+SHARED = Hyperparameter(bool, True, search=False, doc="one W for all heads (False: one per head)")
+
+
+def _add_missing_hyperparameters(cls: type, base: dict[str, Hyperparameter]) -> None:
+    """Give ``cls`` those of a base class's ``hyperparameters`` that its own left out (the
+    base's methods read them)."""
+    missing = {k: v for k, v in base.items() if k not in cls.hyperparameters}
+    if missing:
+        cls.hyperparameters = {**cls.hyperparameters, **missing}
+
+
 def _registered_name(cls: type) -> str | None:
     """The registered name of ``cls`` or, for a class that is not registered itself, of the
     nearest registered class it derives from; None if there is none."""
@@ -178,7 +190,7 @@ class FeatureMap(nn.Module):
     @property
     def feature_dim(self) -> int:
         """F, the number of features per head."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define feature_dim (a @property)")
 
     @property
     def keys_need_sequence(self) -> bool:
@@ -188,7 +200,7 @@ class FeatureMap(nn.Module):
 
     def features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
         """φ(x) for a validated ``x: (B,H,N,D)``."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must implement features(x, is_query)")
 
     def _check_input(self, x: object) -> None:
         if not isinstance(x, torch.Tensor):
@@ -207,10 +219,12 @@ class FeatureMap(nn.Module):
         """φ(x): ``(B,H,N,D) → (B,H,N,F)``. ``is_query`` picks query/key behaviour."""
         self._check_input(x)
         out = self.features(x, check_flag("is_query", is_query))
-        if out.shape[-1] != self.feature_dim:  # a map's own bug, named before a state holds it
+        dim = self.feature_dim
+        if out.shape[-1] != dim:  # a map's own bug, named before a state holds it
+            shown = dim if isinstance(dim, int) else f"a {type(dim).__name__}, not a @property"
             raise RuntimeError(
                 f"feature map {type(self).__name__} returned {out.shape[-1]} features per "
-                f"token, but its feature_dim is {self.feature_dim}"
+                f"token, but its feature_dim is {shown}"
             )
         return out
 
@@ -422,13 +436,7 @@ class RandomFeatureMap(FeatureMap):
         """A subclass's ``hyperparameters`` get ``seed`` and ``redraw_every`` when it left
         them out (``redraw`` reads them)."""
         super().__init_subclass__(**kwargs)
-        missing = {
-            k: v
-            for k, v in RandomFeatureMap.hyperparameters.items()
-            if k not in cls.hyperparameters
-        }
-        if missing:
-            cls.hyperparameters = {**cls.hyperparameters, **missing}
+        _add_missing_hyperparameters(cls, RandomFeatureMap.hyperparameters)
 
     def __init__(self, head_dim: int, num_heads: int = 1, **hparams: Any) -> None:
         super().__init__(head_dim, num_heads, **hparams)
@@ -441,7 +449,10 @@ class RandomFeatureMap(FeatureMap):
 
     def redraw(self, seed: int | torch.Generator | None = None) -> None:
         """New random features from ``seed``; None derives the next seed from the current
-        one (deterministic, so two maps with one seed stay equal). ``config()`` records it."""
+        one (deterministic, so two maps with one seed stay equal), or for the first draw takes
+        it (a map rebuilt from its config then draws the same). ``config()`` records it."""
+        if seed is None and not self.drawn:
+            seed = self.hparams["seed"]
         if seed is None:
             seed = resolve_seed(torch.Generator().manual_seed(self.hparams["seed"]))
         seed = self.hyperparameters["seed"].validate("seed", resolve_seed(seed))
@@ -490,10 +501,16 @@ class HeadwiseFeatureMap(FeatureMap):
     H' = 1 when the ``shared`` hyperparameter is True and ``num_heads`` otherwise.
 
     Per-head weights need inputs ``(B, num_heads, N, D)``; shared ones take any
-    leading shape.
+    leading shape. A subclass's ``hyperparameters`` get ``shared`` (:data:`SHARED`) when it
+    left it out.
     """
 
     trainable: ClassVar[bool] = True
+    hyperparameters: ClassVar[dict[str, Hyperparameter]] = {"shared": SHARED}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _add_missing_hyperparameters(cls, HeadwiseFeatureMap.hyperparameters)
 
     @property
     def weight_heads(self) -> int:

@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.validation import autocast_off
-from .base import SEED, HeadwiseFeatureMap, Hyperparameter, compute_dtype, fill_on_cpu_
+from .base import SEED, SHARED, HeadwiseFeatureMap, Hyperparameter, compute_dtype, fill_on_cpu_
 from .orthogonal import orthogonal_init_, orthogonality_penalty
 from .registry import register_feature_map
-from .softplus_ffn import REG_WEIGHT, SHARED, YORSH_KOVALENKO
+from .softplus_ffn import REG_WEIGHT, YORSH_KOVALENKO
 
 DEPTH = Hyperparameter(int, 1, low=1, high=3, doc="number of stacked GLU units")
 

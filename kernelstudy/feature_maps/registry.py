@@ -7,11 +7,12 @@ import fnmatch
 import functools
 import importlib
 import importlib.metadata
+import inspect
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .base import FeatureMap
+from .base import FeatureMap, Hyperparameter
 
 _REGISTRY: dict[str, type[FeatureMap]] = {}
 
@@ -20,22 +21,29 @@ _REGISTRY: dict[str, type[FeatureMap]] = {}
 ENV_FEATURE_MAPS = "KERNELSTUDY_FEATURE_MAPS"
 #: Entry-point group: an installed package lists ``name = "its.module"`` under it.
 ENTRY_POINT_GROUP = "kernelstudy.feature_maps"
+#: Names the models read as other attentions (``attention="softmax"``, ``"kernel"``): a map
+#: registered under one would never be built by them.
+RESERVED_NAMES = ("softmax", "kernel")
+#: Keys of a map's config besides its hyperparameters.
+CONFIG_KEYS = ("name", "head_dim", "num_heads")
 
 
 def register_feature_map(name: str) -> Callable[[type[FeatureMap]], type[FeatureMap]]:
     """Class decorator: ``@register_feature_map("mymap")`` adds a FeatureMap subclass."""
     if not isinstance(name, str) or not name or ":" in name:
         raise ValueError(f"name must be a non-empty str without ':', got {name!r}")
+    if name in RESERVED_NAMES:
+        raise ValueError(f"{name!r} names another attention in the models; choose another name")
 
     def decorate(cls: type[FeatureMap]) -> type[FeatureMap]:
         if not (isinstance(cls, type) and issubclass(cls, FeatureMap)):
             raise TypeError(f"@register_feature_map({name!r}) needs a FeatureMap subclass")
+        check_feature_map_class(cls)
         old = _REGISTRY.get(name)
         redefined = old is not None and _qualified(old) == _qualified(cls)
         if old is not None and old is not cls and not redefined:
             raise ValueError(
-                f"a feature map named {name!r} is already registered "
-                f"({_qualified(old)}); choose another name"
+                f"a feature map named {name!r} is already registered: {_clash(old, cls)}"
             )
         # a class of the same qualified name (a notebook cell run again, a module reloaded)
         # takes its name over
@@ -58,7 +66,7 @@ def load_plugins() -> tuple[str, ...]:
     for module in names:
         try:
             importlib.import_module(module)
-        except ImportError as err:
+        except Exception as err:  # a map's own error (a clash of names) too, not only imports
             raise ValueError(
                 f"{ENV_FEATURE_MAPS} lists {module!r}, which cannot be imported: {err}"
             ) from err
@@ -78,6 +86,57 @@ def load_plugins() -> tuple[str, ...]:
 def _qualified(cls: type) -> str:
     """``module.QualName`` of a class."""
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _clash(old: type, new: type) -> str:
+    """Why ``new`` cannot take ``old``'s name: another class, or one file imported twice."""
+    try:
+        files = inspect.getsourcefile(old), inspect.getsourcefile(new)
+    except TypeError:  # a class without a file (built in a notebook, say)
+        files = None, None
+    if files[0] is not None and files[0] == files[1] and old.__qualname__ == new.__qualname__:
+        return (
+            f"{_qualified(old)} and {_qualified(new)} are the same file, "
+            f"{inspect.getsourcefile(new)}, imported twice (run as a script and also listed in "
+            f"${ENV_FEATURE_MAPS}, say): import it once, under one module name"
+        )
+    return f"{_qualified(old)}; {_qualified(new)} needs another name"
+
+
+def check_feature_map_class(cls: type[FeatureMap]) -> None:
+    """TypeError naming ``cls`` and what it lacks, unless it meets the :class:`FeatureMap`
+    contract: ``features`` (or ``forward``) implemented, ``feature_dim`` a property (or an
+    int), ``hyperparameters`` of :class:`Hyperparameter` whose defaults they accept, none
+    named as a config's own keys. Checked at registration, before any study or search would
+    build the map and fail late (an empty NotImplementedError, a RecursionError)."""
+    what = f"feature map class {_qualified(cls)}"
+    if cls.features is FeatureMap.features and cls.forward is FeatureMap.forward:
+        raise TypeError(f"{what} must implement features(self, x, is_query) -> (B,H,N,F)")
+    dim = inspect.getattr_static(cls, "feature_dim")
+    if dim is inspect.getattr_static(FeatureMap, "feature_dim"):
+        raise TypeError(f"{what} must define feature_dim, a @property returning F")
+    if not isinstance(dim, property | functools.cached_property | int) or isinstance(dim, bool):
+        raise TypeError(
+            f"{what}: feature_dim must be a @property returning F (an int), got "
+            f"{type(dim).__name__}"
+        )
+    hyperparameters = cls.hyperparameters
+    if not isinstance(hyperparameters, Mapping):
+        raise TypeError(f"{what}: hyperparameters must be a dict of Hyperparameter")
+    for key, spec in hyperparameters.items():
+        if key in CONFIG_KEYS:
+            raise TypeError(f"{what}: a hyperparameter may not be named {key!r} (a config key)")
+        if not isinstance(spec, Hyperparameter):
+            raise TypeError(
+                f"{what}: hyperparameters[{key!r}] must be a Hyperparameter(type, default, ...), "
+                f"got {spec!r}"
+            )
+        try:
+            spec.validate(key, spec.default)
+        except (TypeError, ValueError) as err:
+            raise TypeError(
+                f"{what}: the default of hyperparameter {key!r} is refused: {err}"
+            ) from None
 
 
 def list_feature_maps(pattern: str | None = None) -> list[str]:
@@ -105,6 +164,7 @@ def get_feature_map_class(name: str) -> type[FeatureMap]:
             raise ValueError(f"cannot import feature map {name!r}: {err}") from err
         if not (isinstance(cls, type) and issubclass(cls, FeatureMap)):
             raise TypeError(f"{name!r} is not a FeatureMap subclass")
+        check_feature_map_class(cls)
         return cls
     load_plugins()
     if name not in _REGISTRY:

@@ -9,12 +9,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.validation import autocast_off
-from .base import SEED, HeadwiseFeatureMap, Hyperparameter, compute_dtype, fill_on_cpu_
+from .base import SEED, SHARED, HeadwiseFeatureMap, Hyperparameter, compute_dtype, fill_on_cpu_
 from .orthogonal import orthogonal_init_, orthogonality_penalty
 from .registry import register_feature_map
 
 #: Hyperparameters of the trainable maps of Yorsh & Kovalenko.
-SHARED = Hyperparameter(bool, True, search=False, doc="one W for all heads (False: one per head)")
 REG_WEIGHT = Hyperparameter(
     float, 0.01, low=0.0, high=1.0, doc="weight of the orthogonality penalty ‖WᵀW − I‖²_F"
 )
