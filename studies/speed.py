@@ -227,7 +227,7 @@ def summarize(frame: pd.DataFrame, params: dict) -> str:
         parts.append(
             "Growth with N: slope k of log time (and of log memory) on log N over the 3 "
             "largest N each method ran at (N column); O(N) is k = 1, O(N²) is k = 2"
-            + (REFERENCE_NOTE if (sub.get("backend") == "reference").any() else "")
+            + (REFERENCE_NOTE if "backend" in sub and (sub["backend"] == "reference").any() else "")
             + "\n\n"
             + markdown_table(both, floatfmt=".2f")
         )

@@ -514,6 +514,18 @@ def test_one_file_imported_twice_is_named_as_such(tmp_path, monkeypatch):
         registry_module._REGISTRY.pop("test_twice", None)
 
 
+def test_a_clash_of_a_class_without_a_source_file_is_a_value_error(monkeypatch):
+    """A class defined in a notebook, the REPL or ``python -c`` has no source file: naming a
+    clash with it raised OSError "source code not available" instead of the clash."""
+    import types
+
+    monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))  # no __file__
+    cls = _square_map()
+    cls.__module__ = "__main__"
+    with pytest.raises(ValueError, match=r"already registered: .*; __main__\.Mine needs"):
+        register_feature_map("relu")(cls)
+
+
 def test_a_headwise_map_gets_the_shared_hyperparameter_it_left_out():
     """The README said HeadwiseFeatureMap adds a ``shared`` hyperparameter; it did not, so a
     subclass written from it failed at construction with KeyError 'shared'."""

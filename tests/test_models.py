@@ -529,9 +529,13 @@ def test_every_eval_mode_use_gives_each_submodule_its_own_mode_back(tmp_path):
     from kernelstudy.train import TrainConfig, Trainer
 
     data = CopyTask("val", seq_len=8, n_symbols=10, num_samples=8)
-    trainer = Trainer(model, data, TrainConfig(batch_size=4, progress=False, device="cpu"))
+    cfg = TrainConfig(steps=2, eval_every=1, batch_size=4, progress=False, device="cpu")
+    trainer = Trainer(model, data, cfg, val_data=data)
     trainer.evaluate(data)
     assert modes() == before
+    seeds = [fm.hparams["seed"] for fm in maps]
+    trainer.fit()  # its steps set the whole model training (the map redrew at every step)
+    assert modes() == before and [fm.hparams["seed"] for fm in maps] == seeds
     glu = ks.create_feature_map("glu", head_dim=8, depth=2, seed=0)
     inner = next(m for m in glu.modules() if m is not glu)
     inner.eval()
@@ -539,6 +543,8 @@ def test_every_eval_mode_use_gives_each_submodule_its_own_mode_back(tmp_path):
     q, k = torch.randn(2, 1, 2, 8, 8).unbind(0)
     ks.analysis.fit_to_softmax(glu, q, k, steps=1)
     assert [m.training for m in glu.modules()] == glu_modes and not inner.training
+    ks.analysis.approximation_error(glu, q, k)  # float64 scores of a float32 map
+    assert [m.training for m in glu.modules()] == glu_modes
 
 
 @pytest.mark.parametrize("mode", ["step", "full"])

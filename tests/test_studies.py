@@ -611,6 +611,8 @@ def test_speed_study_runs_a_config():
     params = study.load_params("speed", quick=True)
     text = module.summarize(frame.assign(backend="torch"), params)
     assert "Median time" in text and module.REFERENCE_NOTE not in text
+    without = frame.drop(columns="backend")  # rows of an older table: no backend column
+    assert module.REFERENCE_NOTE not in module.summarize(without, params)
     # the reference backend's quadratic growth is said to be by design (it read as a failed
     # O(N) claim: "linear [reference]" at N^2.2 with nothing telling it is the explicit N×N)
     reference = frame.assign(backend=frame["metric"].map({"time_ms": "reference"}))
@@ -1926,6 +1928,10 @@ class SeedlessRandomMap(ks.feature_maps.FeatureMap):
     def __init__(self, head_dim: int, num_heads: int = 1, **hparams) -> None:
         super().__init__(head_dim, num_heads, **hparams)
         self.weight = torch.nn.Parameter(torch.randn(head_dim, head_dim))
+
+    @property
+    def feature_dim(self) -> int:
+        return self.head_dim
 
     def features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
         return torch.nn.functional.softplus(x @ self.weight)

@@ -201,11 +201,13 @@ def kernel_scores(
         tensors = [*fm.named_parameters(), *fm.named_buffers()]
     cast = {f"fm.{n}": t.to(q.dtype) if narrower(t) else t for n, t in tensors}
     training = fm.training
-    fm.train(training and not random)  # the copies must not count or redraw again
+    # the copies must not count or redraw again: the map's own flag off (only its own: a
+    # submodule's mode, set apart by the caller, came back as the map's)
+    fm.training = training and not random
     try:
         return torch.func.functional_call(scores, cast, (q, k, mask, causal))
     finally:
-        fm.train(training)
+        fm.training = training
 
 
 class _KernelScores(nn.Module):

@@ -92,7 +92,7 @@ def _clash(old: type, new: type) -> str:
     """Why ``new`` cannot take ``old``'s name: another class, or one file imported twice."""
     try:
         files = inspect.getsourcefile(old), inspect.getsourcefile(new)
-    except TypeError:  # a class without a file (built in a notebook, say)
+    except (TypeError, OSError):  # a class without a file (in a notebook, python -c)
         files = None, None
     if files[0] is not None and files[0] == files[1] and old.__qualname__ == new.__qualname__:
         return (

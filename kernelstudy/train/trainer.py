@@ -484,6 +484,8 @@ class Trainer:
                 self.load_checkpoint(self.out_dir / CHECKPOINT)
         if self.step == 0:
             seed_everything(cfg.seed)
+        if not self.model.training:  # a model handed over in eval mode trains; submodules the
+            self.model.train()  # caller set apart (a map kept from redrawing) keep their modes
         reset_peak_memory(self.device)
         start = time.perf_counter()
         bar = tqdm(
@@ -732,7 +734,6 @@ class Trainer:
 
     def _train_step(self) -> float:
         cfg = self.config
-        self.model.train()
         batch = _to_device(next(self.stream), self.device)
         with torch.autocast(self.device.type, self.amp_dtype, enabled=self.use_amp):
             loss, stats = self.objective(self.run_model, batch)
