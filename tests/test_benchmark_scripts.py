@@ -1621,9 +1621,9 @@ def compiled_step():
     return benchmark_script("compiled_step")
 
 
-def test_compiled_step_times_a_cold_compile(compiled_step, monkeypatch, tmp_path):
-    """compile_s read inductor's on-disk cache from an earlier run (6 s for a cold 36 s);
-    the first compiled step runs with inductor's caches off, and only it."""
+def test_compiled_step_times_both_ways_and_they_agree(compiled_step, tmp_path, monkeypatch):
+    """Also: compile_s is a cold compile (it read inductor's on-disk cache from an earlier
+    run, 6 s for a cold 36 s): the first step of each way runs with inductor's caches off."""
     seen = []
     real = compiled_step.train_step
 
@@ -1632,18 +1632,12 @@ def test_compiled_step_times_a_cold_compile(compiled_step, monkeypatch, tmp_path
         return real(run, model, ids)
 
     monkeypatch.setattr(compiled_step, "train_step", train_step)
-    small = ["--d-model", "16", "--n-heads", "2", "--n-layers", "1", "--batch", "2"]
-    argv = ["--seq-lens", "9", "--repeats", "1", "--attentions", "softmax", *small]
-    assert compiled_step.main([*argv, "--out", str(tmp_path / "c.csv")]) == 0
-    assert seen[:2] == [(True, True), (False, True)]  # the first step of each way
-    assert all(not cold for _, cold in seen[2:]) and not torch._inductor.config.force_disable_caches
-
-
-def test_compiled_step_times_both_ways_and_they_agree(compiled_step, tmp_path):
     out = tmp_path / "compiled.csv"
     small = ["--d-model", "16", "--n-heads", "2", "--n-layers", "1", "--batch", "2"]
     argv = ["--seq-lens", "9", "--repeats", "1", "--attentions", "kernel", "softmax", *small]
     assert compiled_step.main([*argv, "--out", str(out)]) == 0
+    assert seen[:2] == [(True, True), (False, True)]  # the first step of each way, cold
+    assert sum(cold for _, cold in seen) == 4 and not torch._inductor.config.force_disable_caches
     frame = pd.read_csv(out, keep_default_na=False)
     assert len(frame) == 4  # 2 attentions x 1 length x 2 ways
     assert set(frame.way) == {"eager", "compiled"} and (frame.time_ms > 0).all()
