@@ -51,7 +51,11 @@ _MAX_IDLE_BATCHES = 200
 
 
 def tokenize_listops(source: str) -> list[str]:
-    """LRA's ListOps tokenizer: parentheses removed, split on whitespace (``]`` is a token)."""
+    """ListOps tokens as the PyTorch re-implementations of LRA take them: parentheses removed,
+    split on whitespace, ``[MAX`` and ``]`` tokens (the tree stays readable). LRA's released
+    pipeline (a TFDS ``Tokenizer`` keeping alphanumerics only) drops ``[``, ``]`` and the
+    parentheses: ``MAX 2 MIN 4 1 9`` for ``[MAX 2 [MIN 4 1 ] 9 ]``, which two trees of
+    different values share."""
     if not isinstance(source, str):
         raise TypeError(f"source must be a str (a ListOps Source), got {source!r}")
     return source.translate(_DROP_PARENS).split()
