@@ -278,6 +278,24 @@ def test_cifar_batches(tmp_path: Path, protocol: int) -> None:
     )
 
 
+def test_pixels_of_value_zero_may_be_padding_as_in_lra(tmp_path: Path) -> None:
+    """LRA's encoders mask pixels of value 0 (``inputs > 0``): on Pathfinder's black background
+    most of the image. ``zero_is_padding`` does so; by default every pixel is real."""
+    write_cifar(tmp_path / "cifar-10-batches-py")
+    write_pathfinder(tmp_path / "pf")
+    for task, path in (("image", tmp_path), ("pathfinder", tmp_path / "pf")):
+        plain = load_task(task, path, "test")
+        lra = load_task(task, path, "test", zero_is_padding=True)
+        for i in range(len(plain)):
+            ids = plain[i]["input_ids"]
+            assert plain[i]["mask"].all()
+            assert torch.equal(lra[i]["mask"], ids > 0) and torch.equal(lra[i]["input_ids"], ids)
+        with pytest.raises(TypeError, match="zero_is_padding"):
+            load_task(task, path, "test", zero_is_padding="yes")
+    assert (load_task("pathfinder", tmp_path / "pf", "test", zero_is_padding=True)[0]["mask"]
+            .logical_not().any())  # fmt: skip
+
+
 def test_gray_conversion_known_values() -> None:
     rgb = np.array(
         [[255, 255, 255], [0, 0, 0], [255, 0, 0], [0, 255, 0], [0, 0, 255]], dtype=np.uint8

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..arguments import is_real
+from ..arguments import check_flag, is_real
 from .base import SequenceTask, check_split
 from .files import PathArg, check_path, data_error, locate, require_dir
 
@@ -117,6 +117,8 @@ class ImageTask(SequenceTask):
     """Grayscale CIFAR-10, 10 classes: ``input_ids`` (1024,) pixels 0–255, ``mask``, ``label``.
 
     ``path`` is ``cifar-10-batches-py`` or its parent. The pad id (256) never occurs.
+    ``zero_is_padding``: the mask marks pixels of value 0 as padding, as LRA's encoders take
+    them (``inputs > 0``); by default every pixel is real.
     """
 
     name = "image"
@@ -127,8 +129,15 @@ class ImageTask(SequenceTask):
     pad_id = PIXEL_PAD_ID
     pairs = False
 
-    def __init__(self, path: PathArg, split: str = "train", val_fraction: float = 0.1) -> None:
+    def __init__(
+        self,
+        path: PathArg,
+        split: str = "train",
+        val_fraction: float = 0.1,
+        zero_is_padding: bool = False,
+    ) -> None:
         check_split(split)
+        self.zero_is_padding = check_flag("zero_is_padding", zero_is_padding)
         if not is_real(val_fraction):
             raise TypeError(f"val_fraction must be a float in (0, 1), got {val_fraction!r}")
         if not 0.0 < val_fraction < 1.0:
@@ -157,8 +166,14 @@ class ImageTask(SequenceTask):
         return len(self.labels)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        ids = torch.from_numpy(self.pixels[index].astype(np.int64))
         return {
-            "input_ids": torch.from_numpy(self.pixels[index].astype(np.int64)),
-            "mask": torch.ones(self.max_length, dtype=torch.bool),
+            "input_ids": ids,
+            "mask": pixel_mask(ids, self.zero_is_padding),
             "label": torch.tensor(self.labels[index]),
         }
+
+
+def pixel_mask(ids: torch.Tensor, zero_is_padding: bool) -> torch.Tensor:
+    """The real tokens of pixel ids: all, or with ``zero_is_padding`` those above 0 (LRA)."""
+    return ids > 0 if zero_is_padding else torch.ones(ids.shape, dtype=torch.bool)

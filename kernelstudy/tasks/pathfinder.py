@@ -22,10 +22,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..arguments import check_count
+from ..arguments import check_count, check_flag
 from .base import SequenceTask, check_split
 from .files import PathArg, check_path, data_error, decode_error, parse_label, release_candidates
-from .image import PIXEL_PAD_ID, PIXEL_VOCAB_SIZE, rgb_to_gray
+from .image import PIXEL_PAD_ID, PIXEL_VOCAB_SIZE, pixel_mask, rgb_to_gray
 from .png import read_png
 
 DIFFICULTIES = ("curv_baseline", "curv_contour_length_9", "curv_contour_length_14")
@@ -129,7 +129,8 @@ class PathfinderTask(SequenceTask):
     directory holding ``pathfinder<resolution>/`` one or two ``lra_release/`` levels down
     (the published archive unpacks to ``lra_release/lra_release/pathfinder32``). Images are
     decoded when an item is read; a malformed one raises a ValueError naming the image and
-    its metadata line.
+    its metadata line. ``zero_is_padding``: the mask marks pixels of value 0 (the black
+    background) as padding, as LRA's encoders take them; by default every pixel is real.
     """
 
     name = "pathfinder"
@@ -146,8 +147,10 @@ class PathfinderTask(SequenceTask):
         difficulty: str = "curv_contour_length_14",
         resolution: int = 32,
         split_seed: int = 0,
+        zero_is_padding: bool = False,
     ) -> None:
         check_split(split)
+        self.zero_is_padding = check_flag("zero_is_padding", zero_is_padding)
         if difficulty not in DIFFICULTIES:
             raise ValueError(f"difficulty must be one of {DIFFICULTIES}, got {difficulty!r}")
         self.resolution = check_count("resolution", resolution, 1)
@@ -186,8 +189,9 @@ class PathfinderTask(SequenceTask):
         return gray
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        ids = torch.from_numpy(self.pixels(index).reshape(-1).astype(np.int64))
         return {
-            "input_ids": torch.from_numpy(self.pixels(index).reshape(-1).astype(np.int64)),
-            "mask": torch.ones(self.max_length, dtype=torch.bool),
+            "input_ids": ids,
+            "mask": pixel_mask(ids, self.zero_is_padding),
             "label": torch.tensor(self.labels[index]),
         }
