@@ -303,6 +303,23 @@ def test_loader_tokenizes_like_lra(written: Path) -> None:
         assert item["label"].item() == rows[i][1]
 
 
+def test_loader_drops_closing_brackets_as_lras_released_tokenizer(written: Path) -> None:
+    """LRA's released pipeline keeps alphanumerics only: no ``]`` (nor ``[``, kept here on the
+    operators' tokens, whose ids are the same), dropped before truncation."""
+    plain = ListOpsTask(written, "val")
+    lra = ListOpsTask(written, "val", closing_brackets=False)
+    short = ListOpsTask(written, "val", max_length=7, closing_brackets=False)
+    end = VOCAB.index("]")
+    for i in range(len(plain)):
+        ids = plain[i]["input_ids"][plain[i]["mask"]]
+        kept = ids[ids != end]
+        n = len(kept)
+        assert torch.equal(lra[i]["input_ids"][:n], kept) and lra[i]["mask"].sum() == n
+        assert torch.equal(short[i]["input_ids"], kept[:7]) and lra[i]["label"] == plain[i]["label"]
+    with pytest.raises(TypeError, match="closing_brackets"):
+        ListOpsTask(written, "val", closing_brackets="no")
+
+
 def test_loader_truncates_to_max_length(written: Path) -> None:
     ds = ListOpsTask(written, "test", max_length=100)
     item = ds[0]

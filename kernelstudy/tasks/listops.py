@@ -470,6 +470,8 @@ class ListOpsTask(SequenceTask):
     ``path`` is the directory holding the files (the release's ``listops-1000``), or a
     directory holding ``listops-1000/`` one or two ``lra_release/`` levels down (the
     published archive unpacks to ``lra_release/lra_release/listops-1000``).
+    ``closing_brackets=False`` drops the ``]`` tokens, as LRA's released tokenizer does
+    (:func:`tokenize_listops`), before truncation, as there.
     """
 
     name = "listops"
@@ -478,10 +480,17 @@ class ListOpsTask(SequenceTask):
     pad_id = PAD_ID
     pairs = False
 
-    def __init__(self, path: PathArg, split: str = "train", max_length: int = 2000) -> None:
+    def __init__(
+        self,
+        path: PathArg,
+        split: str = "train",
+        max_length: int = 2000,
+        closing_brackets: bool = True,
+    ) -> None:
         check_split(split)
         check_path("path", path)
         self.max_length = check_count("max_length", max_length, 1)
+        self.closing_brackets = check_flag("closing_brackets", closing_brackets)
         name = f"basic_{split}.tsv"
         candidates = [name, *release_candidates("listops-1000", name)]
         self.file = locate(path, candidates, f"ListOps {split} file")
@@ -491,5 +500,8 @@ class ListOpsTask(SequenceTask):
         return len(self.labels)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        input_ids, mask = pad_tokens(self.sequences[index], self.max_length, self.pad_id)
+        ids = self.sequences[index]
+        if not self.closing_brackets:
+            ids = ids[ids != _TOKEN_ID[END]]
+        input_ids, mask = pad_tokens(ids, self.max_length, self.pad_id)
         return {"input_ids": input_ids, "mask": mask, "label": torch.tensor(self.labels[index])}
