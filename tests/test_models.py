@@ -419,11 +419,41 @@ def test_an_explicit_map_seed_gives_each_layer_its_own_draw():
         )
 
 
-def test_a_softmax_encoder_ignores_a_map_config_seed_in_every_layer():
-    """Layers >= 1 got a seed in their kwargs, which softmax attention refuses."""
+def test_a_softmax_layer_refuses_a_map_as_the_models_do():
+    """Layers >= 1 got a seed in their kwargs, which softmax attention refused (a seed
+    error); then a map given with softmax attention was dropped without a word (the models
+    refuse it): every layer class now refuses it by name, and a bias flag is checked."""
     favor = {"name": "favor", "seed": 3}
     for n_layers in (1, 2):
-        ks.nn.TransformerEncoder(n_layers, 16, 2, attention="softmax", feature_map=favor)
+        with pytest.raises(ValueError, match=r"feature_map=.*favor.* with attention='softmax'"):
+            ks.nn.TransformerEncoder(n_layers, 16, 2, attention="softmax", feature_map=favor)
+        ks.nn.TransformerEncoder(n_layers, 16, 2, attention="softmax")
+    for fmap in ("hedgehog", 12345):
+        with pytest.raises(ValueError, match="given with attention='softmax'"):
+            ks.nn.KernelAttention(8, 2, attention="softmax", feature_map=fmap)
+        with pytest.raises(ValueError, match="given with attention='softmax'"):
+            ks.nn.EncoderLayer(8, 2, 16, attention="softmax", feature_map=fmap)
+    assert ks.nn.KernelAttention(8, 2).feature_map.name == "elu"  # the default map
+    with pytest.raises(TypeError, match="bias must be a bool"):
+        ks.nn.KernelAttention(8, 2, bias="False")  # built biases
+
+
+def test_mean_pooling_keeps_what_padded_positions_hold_out():
+    """Padded positions were multiplied by 0: a NaN or inf held there (a pad embedding gone
+    non-finite) made the pooled vector NaN; a row without a real token pools to 0."""
+    model = ks.nn.SequenceClassifier(20, 3, **SMALL).eval()
+    ids = _ids(2, 6)
+    mask = torch.tensor([[True] * 4 + [False] * 2, [False] * 6])
+    pooled = model.encode(ids, mask)
+    real = model.encoder.forward
+
+    def poisoned(x, key_padding_mask=None):
+        h = real(x, key_padding_mask=key_padding_mask)
+        return h.masked_fill(~key_padding_mask[..., None], float("nan"))
+
+    model.encoder.forward = poisoned
+    again = model.encode(ids, mask)
+    assert torch.equal(again, pooled) and torch.equal(again[1], torch.zeros(SMALL["d_model"]))
 
 
 def test_a_state_of_another_batch_or_layer_is_refused_by_name():

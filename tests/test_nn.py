@@ -17,7 +17,7 @@ from .conftest import close_in_dtype, compiled_whole, outputs_and_grads, rel_err
 @pytest.mark.parametrize("attention", ["kernel", "softmax"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_kernel_attention_module_shapes_and_grads(attention, causal):
-    layer = ks.nn.KernelAttention(32, 4, feature_map="elu", attention=attention, causal=causal)
+    layer = ks.nn.KernelAttention(32, 4, attention=attention, causal=causal)
     x = torch.randn(3, 11, 32, requires_grad=True)
     y = layer(x)
     assert y.shape == x.shape
@@ -28,7 +28,7 @@ def test_kernel_attention_module_shapes_and_grads(attention, causal):
 @pytest.mark.parametrize("attention", ["kernel", "softmax"])
 def test_padding_does_not_change_real_positions(attention):
     torch.manual_seed(0)
-    enc = ks.nn.TransformerEncoder(2, 16, 2, 32, attention=attention, feature_map="elu").eval()
+    enc = ks.nn.TransformerEncoder(2, 16, 2, 32, attention=attention).eval()
     x = torch.randn(2, 9, 16)
     mask = torch.ones(2, 9, dtype=torch.bool)
     mask[1, 5:] = False
@@ -45,9 +45,7 @@ def test_padding_does_not_change_real_positions(attention):
 @pytest.mark.parametrize("attention", ["kernel", "softmax"])
 def test_encoder_steps_and_blocks_equal_causal_forward(attention):
     torch.manual_seed(1)
-    enc = ks.nn.TransformerEncoder(
-        2, 24, 3, 48, attention=attention, feature_map="elu", causal=True
-    ).eval()
+    enc = ks.nn.TransformerEncoder(2, 24, 3, 48, attention=attention, causal=True).eval()
     x = torch.randn(2, 13, 24)
     full = enc(x)
     states = None

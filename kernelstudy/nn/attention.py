@@ -162,7 +162,7 @@ class KernelAttention(nn.Module):
         d_model: model width; must be divisible by ``n_heads``.
         n_heads: number of heads; each has ``d_model // n_heads`` dims.
         feature_map: a registered map name, a config dict or a FeatureMap
-            (``attention="kernel"`` only).
+            (``attention="kernel"`` only; None: ``"elu"``).
         attention: ``"kernel"`` (linear attention with ``feature_map``) or
             ``"softmax"`` (exact scaled dot-product attention, the baseline).
         causal: position i attends to ``j ≤ i`` only.
@@ -180,7 +180,7 @@ class KernelAttention(nn.Module):
         self,
         d_model: int,
         n_heads: int,
-        feature_map: str | Mapping[str, Any] | FeatureMap = "elu",
+        feature_map: str | Mapping[str, Any] | FeatureMap | None = None,
         attention: str = "kernel",
         causal: bool = False,
         dropout: float = 0.0,
@@ -197,6 +197,9 @@ class KernelAttention(nn.Module):
             raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {attention!r}")
         if attention != "kernel" and feature_map_kwargs:
             raise ValueError(f"feature_map_kwargs given with attention={attention!r}: no map")
+        if attention != "kernel" and feature_map is not None:  # was dropped without a word
+            raise ValueError(f"feature_map={feature_map!r} given with attention={attention!r}")
+        bias = check_flag("bias", bias)  # "False" built biases
         dropout = check_dropout(dropout)
         eps = check_eps(eps)
         check_backend_name(backend)
@@ -210,7 +213,10 @@ class KernelAttention(nn.Module):
         self.feature_map: FeatureMap | None = None
         if attention == "kernel":
             self.feature_map = resolve_feature_map(
-                feature_map, self.head_dim, n_heads, feature_map_kwargs
+                "elu" if feature_map is None else feature_map,
+                self.head_dim,
+                n_heads,
+                feature_map_kwargs,
             )
 
     def _heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -28,7 +28,7 @@ class EncoderLayer(nn.Module):
         d_ff: int,
         dropout: float = 0.1,
         attention: str = "kernel",
-        feature_map: str | Mapping[str, Any] | FeatureMap = "elu",
+        feature_map: str | Mapping[str, Any] | FeatureMap | None = None,
         feature_map_kwargs: Mapping[str, Any] | None = None,
         causal: bool = False,
         eps: float = 1e-6,
@@ -81,7 +81,7 @@ class EncoderLayer(nn.Module):
 
 
 def layer_map_kwargs(
-    feature_map: str | Mapping[str, Any],
+    feature_map: str | Mapping[str, Any] | None,
     feature_map_kwargs: Mapping[str, Any] | None,
     layer: int,
     attention: str = "kernel",
@@ -120,8 +120,9 @@ class TransformerEncoder(nn.Module):
         d_ff: hidden width of the feed-forward block (default ``4·d_model``).
         dropout: dropout rate in attention output, FFN and residual branches.
         attention: ``"kernel"`` or ``"softmax"``.
-        feature_map, feature_map_kwargs: the map of every layer (each layer gets its own copy;
-            an explicit int ``seed`` is layer 0's, layer i draws with :func:`layer_seed`).
+        feature_map, feature_map_kwargs: the map of every layer (kernel attention only; None:
+            ``"elu"``; each layer gets its own copy; an explicit int ``seed`` is layer 0's,
+            layer i draws with :func:`layer_seed`).
         causal: causal self-attention; enables :meth:`step`.
         eps, backend: linear attention's normalizer guard and core backend (None:
             ``KERNELSTUDY_BACKEND`` or auto), as in :class:`KernelAttention`.
@@ -137,7 +138,7 @@ class TransformerEncoder(nn.Module):
         d_ff: int | None = None,
         dropout: float = 0.1,
         attention: str = "kernel",
-        feature_map: str | Mapping[str, Any] = "elu",
+        feature_map: str | Mapping[str, Any] | None = None,
         feature_map_kwargs: Mapping[str, Any] | None = None,
         causal: bool = False,
         eps: float = 1e-6,

@@ -57,11 +57,11 @@ def feature_dim_of(module: nn.Module) -> int | None:
 
 def resolve_attention(
     attention: str | Mapping[str, Any], feature_map: str | Mapping[str, Any] | None
-) -> tuple[str, str | Mapping[str, Any]]:
+) -> tuple[str, str | Mapping[str, Any] | None]:
     """``(kind, feature_map)`` for the encoder from the models' ``attention``/``feature_map`` args.
 
-    ``attention`` is ``"softmax"``, ``"kernel"`` (map from ``feature_map``, default
-    ``"elu"``), or a map name / config dict (then ``feature_map`` must be None).
+    ``attention`` is ``"softmax"`` (no map: None), ``"kernel"`` (map from ``feature_map``,
+    default ``"elu"``), or a map name / config dict (then ``feature_map`` must be None).
     """
     if isinstance(attention, Mapping) or attention not in ("softmax", "kernel"):
         if not isinstance(attention, str | Mapping):
@@ -78,7 +78,7 @@ def resolve_attention(
     if attention == "softmax":
         if feature_map is not None:
             raise ValueError(f"feature_map={feature_map!r} given with attention='softmax'")
-        return "softmax", "elu"
+        return "softmax", None
     return "kernel", "elu" if feature_map is None else feature_map
 
 
@@ -382,7 +382,8 @@ class SequenceClassifier(_SequenceModel):
         mask: torch.Tensor | None = None,
         names: tuple[str, str] = ("input_ids", "mask"),
     ) -> torch.Tensor:
-        """The pooled sequence vector ``(B, d_model)``; padded positions never enter it.
+        """The pooled sequence vector ``(B, d_model)``; padded positions never enter it. Under
+        mean pooling a row without a real token (an empty AAN document, say) pools to 0.
 
         ``names`` are the argument names that error messages use.
         """
@@ -405,10 +406,12 @@ class SequenceClassifier(_SequenceModel):
             return h[:, 0]
         if mask is None:
             return h.mean(1)
-        # summed in float32 at least: a float16 sum of 4K tokens overflows to inf
+        # summed in float32 at least: a float16 sum of 4K tokens overflows to inf; padded
+        # positions filled with 0, not multiplied by it (0 · NaN is NaN); a row without a real
+        # token pools to 0
         acc = torch.promote_types(h.dtype, torch.float32)
-        w = mask.unsqueeze(-1).to(acc)
-        return ((h.to(acc) * w).sum(1) / w.sum(1).clamp_min(1.0)).to(h.dtype)
+        total = h.to(acc).masked_fill(~mask.unsqueeze(-1), 0).sum(1)
+        return (total / mask.sum(1, keepdim=True).clamp_min(1).to(acc)).to(h.dtype)
 
     def forward(self, input_ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Class logits ``(B, num_classes)`` of token ids ``input_ids: (B,N)`` (long);
