@@ -77,7 +77,15 @@ def test_options_that_divide_the_samples_are_refused_per_split(name, option, val
 
 @pytest.mark.parametrize(
     ("name", "option", "value"),
-    [("mqar", "vocab_size", 64), ("copy", "n_symbols", 4), ("text", "num_classes", 3)],
+    [
+        ("mqar", "vocab_size", 64),
+        ("copy", "n_symbols", 4),
+        ("text", "num_classes", 3),
+        # LRA's inputs: a model trained on one token stream, scored on another
+        ("listops", "closing_brackets", False),
+        ("image", "zero_is_padding", True),
+        ("pathfinder", "zero_is_padding", True),
+    ],
 )
 def test_options_that_say_what_tokens_mean_are_refused_per_split(name, option, value):
     """A per-split MQAR vocab_size trained and scored on different token meanings (val

@@ -123,6 +123,7 @@ class ImageTask(SequenceTask):
 
     name = "image"
     partition_options = ("val_fraction",)
+    vocabulary_options = ("zero_is_padding",)  # pixel 0 a token or padding
     vocab_size = PIXEL_VOCAB_SIZE
     num_classes = 10
     max_length = 1024

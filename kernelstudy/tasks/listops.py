@@ -475,6 +475,7 @@ class ListOpsTask(SequenceTask):
     """
 
     name = "listops"
+    vocabulary_options = ("closing_brackets",)  # the token stream the model learns
     vocab_size = len(VOCAB)
     num_classes = 10
     pad_id = PAD_ID

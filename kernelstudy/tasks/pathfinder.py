@@ -135,6 +135,7 @@ class PathfinderTask(SequenceTask):
 
     name = "pathfinder"
     partition_options = ("split_seed",)
+    vocabulary_options = ("zero_is_padding",)  # pixel 0 a token or padding
     vocab_size = PIXEL_VOCAB_SIZE
     num_classes = 2
     pad_id = PIXEL_PAD_ID
