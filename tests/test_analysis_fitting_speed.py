@@ -71,6 +71,21 @@ def test_fit_to_softmax_lowers_held_out_loss(index):
     assert val.value.iloc[-1] == pytest.approx(after, rel=1e-5)
 
 
+def test_fit_to_softmax_keeps_out_of_the_callers_graph():
+    """q and k made by the caller's projection were not detached: every step's backward ran
+    into the caller's graph (the second step failed, 'backward through the graph a second
+    time') and wrote the caller's .grad. A causal validation pair of two lengths is named."""
+    proj = torch.nn.Linear(4, 4)
+    x = torch.randn(1, 1, 6, 4)
+    q, k = proj(x), proj(x.flip(2))
+    fm = ks.create_feature_map("softplus_ffn", head_dim=4, seed=0)
+    history = ks.analysis.fit_to_softmax(fm, q, k, steps=3, q_val=q, k_val=k)
+    assert len(history[history.metric == "train_loss"]) == 3
+    assert proj.weight.grad is None and q.requires_grad
+    with pytest.raises(ValueError, match="causal attention needs q_val and k_val of one length"):
+        ks.analysis.fit_to_softmax(fm, q, k, steps=1, causal=True, q_val=q, k_val=k[:, :, :5])
+
+
 def test_fit_history_steps_name_one_map_each():
     """train_loss at step s was the loss of the map before update s, val_loss at step s
     that of the map after it: with the training data as validation data the two columns

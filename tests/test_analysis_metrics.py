@@ -349,6 +349,48 @@ def test_capture_qk_returns_each_layers_projections():
     assert q.shape == (3, 2, 10, 8)
     with pytest.raises(ValueError, match="no kernelstudy.nn.KernelAttention"):
         ks.analysis.capture_qk(torch.nn.Linear(3, 3), torch.randn(1, 3))
+    with pytest.raises(ValueError, match=r"A must be non-empty, got shape \(4, 0\)"):
+        ks.analysis.attention_rank(torch.zeros(4, 0))  # said "got dtype torch.float32"
+
+
+def test_capture_qk_reads_a_compiled_model_through_its_module():
+    """Hooks put on the layers of a compiled model that had run in eval mode never ran (the
+    graph was reused): capture_qk gave {} without a word, and a dict batch failed on the
+    wrapper's (*args, **kwargs) signature. The model inside runs eagerly; a forward that
+    runs no layer is an error."""
+    lm = ks.nn.CausalLM(12, d_model=16, n_heads=2, n_layers=2).eval()
+    compiled = torch.compile(lm, backend="eager")
+    task = CopyTask("val", seq_len=10, num_samples=3)
+    batch = task.collate([task[i] for i in range(3)])  # targets too
+    with torch.no_grad():
+        compiled(batch["input_ids"])  # an evaluation: the eval-mode graph exists
+    want = ks.analysis.capture_qk(lm, batch)
+    got = ks.analysis.capture_qk(compiled, batch)
+    assert list(got) == list(want) == ["encoder.layers.0.attn", "encoder.layers.1.attn"]
+    assert all(torch.equal(a, b) for n in want for a, b in zip(got[n], want[n], strict=True))
+
+    class Skips(torch.nn.Module):  # holds a layer its forward never calls
+        def __init__(self):
+            super().__init__()
+            self.attn = ks.nn.KernelAttention(8, 2)
+
+        def forward(self, x):
+            return x
+
+    with pytest.raises(ValueError, match="no KernelAttention layer of model ran"):
+        ks.analysis.capture_qk(Skips(), torch.randn(1, 3, 8))
+
+
+def test_approximation_error_leaves_a_redrawing_map_as_it_was():
+    """A redrawing map in training mode counted each analysis call as a query call: three
+    equal calls measured other features at the third, and the map redrew (seed changed)."""
+    fm = ks.analysis.random_feature_map("favor", 4, 8, seed=0, redraw_every=2)
+    assert fm.training
+    q, k = torch.randn(2, 1, 2, 6, 4).unbind(0)
+    first = ks.analysis.approximation_error(fm, q, k)
+    for _ in range(3):
+        pd.testing.assert_frame_equal(ks.analysis.approximation_error(fm, q, k), first)
+    assert fm.hparams["seed"] == 0 and fm.calls_since_draw == 0 and fm.training
 
 
 def test_capture_qk_runs_in_eval_mode_and_changes_nothing():

@@ -35,6 +35,7 @@ from ..arguments import check_count, check_flag, check_real
 from ..core.validation import check_device, check_tensor, zero_padded_keys
 from ..feature_maps import FeatureMap
 from ..nn.functional import resolve_feature_map
+from ..nn.modes import module_mode
 from .matrices import (
     MAX_N,
     MapSpec,
@@ -162,7 +163,9 @@ def approximation_error(
     """Errors of a feature map's attention against exact softmax attention.
 
     Args:
-        feature_map: a FeatureMap, a registered name or a config dict.
+        feature_map: a FeatureMap, a registered name or a config dict. Measured in eval
+            mode (a redrawing map in training mode neither counts the call nor redraws: two
+            equal calls measured other features), each module's mode given back.
         q, k: ``(B,H,N,D)``, ``(B,H,S,D)``; computed in float64 for exact metrics.
         v: optional values ``(B,H,S,M)`` for the output error.
         causal, key_padding_mask: which keys each query sees (as in the core;
@@ -237,7 +240,7 @@ def approximation_error(
             f"softmax attention of v is all zero{where}: output_rel_error is undefined"
         )
     rows = []
-    with torch.no_grad():
+    with torch.no_grad(), module_mode(fm, False):
         # in float64 (exact metrics), rows scaled as causal kernel_attention scales them
         scores = kernel_scores(q64, k64, fm, key_padding_mask, causal)
         a_hat = normalize_rows(scores, allowed, eps)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..nn.attention import KernelAttention
+from ..nn.modes import module_mode
 
 
 def capture_qk(model: nn.Module, batch: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -21,7 +22,9 @@ def capture_qk(model: nn.Module, batch: Any) -> dict[str, tuple[torch.Tensor, to
     call nor redraws), and every module's mode is restored afterwards. ``batch`` is passed as
     ``model(batch)`` for a tensor, ``model(*batch)`` for a tuple/list and
     ``model(**batch)`` for a dict, keeping only the keys that
-    ``model.forward`` takes (so a task batch with ``targets`` or ``label`` works).
+    ``model.forward`` takes (so a task batch with ``targets`` or ``label`` works). A
+    ``torch.compile`` model runs its original module, eagerly: hooks do not run inside a
+    compiled graph (an evaluated compiled model gave ``{}``).
 
     Returns:
         ``{module name: (q, k)}`` in forward order, each ``(B,H,N,D)`` (detached,
@@ -29,6 +32,7 @@ def capture_qk(model: nn.Module, batch: Any) -> dict[str, tuple[torch.Tensor, to
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper: the module inside
     layers = [(name, m) for name, m in model.named_modules() if isinstance(m, KernelAttention)]
     if not layers:
         raise ValueError("model has no kernelstudy.nn.KernelAttention layers to capture")
@@ -46,10 +50,8 @@ def capture_qk(model: nn.Module, batch: Any) -> dict[str, tuple[torch.Tensor, to
         return hook
 
     handles = [m.register_forward_pre_hook(hook_for(n), with_kwargs=True) for n, m in layers]
-    modes = {m: m.training for m in model.modules()}  # each module's, not the top one's
-    model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), module_mode(model, False):  # each module's mode back after it
             if isinstance(batch, torch.Tensor):
                 model(batch)
             elif isinstance(batch, Mapping):
@@ -63,8 +65,11 @@ def capture_qk(model: nn.Module, batch: Any) -> dict[str, tuple[torch.Tensor, to
     finally:
         for handle in handles:
             handle.remove()
-        for module, training in modes.items():
-            module.training = training
+    if not captured:
+        raise ValueError(
+            "no KernelAttention layer of model ran in its forward on batch (a wrapper that "
+            "bypasses module hooks?); pass the model itself"
+        )
     return captured
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import torch
 
-from ..arguments import check_count, check_real
+from ..arguments import check_count, check_flag, check_real
 from ..core.validation import accumulation_dtype, check_key_padding_mask
 from ..feature_maps import FeatureMap
 from ..nn.modes import module_mode
@@ -180,6 +180,7 @@ def fit_to_softmax(
     check_count("eval_every", eval_every, 1)
     check_real("lr", lr, strict=True)
     check_real("reg_weight", reg_weight)
+    causal = check_flag("causal", causal)
     if (q_val is None) != (k_val is None):
         raise ValueError("q_val and k_val must be given together")
     if q_val is None:
@@ -191,8 +192,13 @@ def fit_to_softmax(
                 raise ValueError(f"{name} needs q_val and k_val (it masks them)")
     check_qk(q, k)
 
-    def plain(t: torch.Tensor | None) -> torch.Tensor | None:  # made under inference_mode:
-        return t.clone() if isinstance(t, torch.Tensor) and t.is_inference() else t  # no backward
+    def plain(t: torch.Tensor | None) -> torch.Tensor | None:
+        """Data, not part of the caller's graph (each step's backward ran into it: a second
+        step failed, and the caller's .grad were written); made under inference_mode, a
+        copy (no backward through those)."""
+        if not isinstance(t, torch.Tensor):
+            return t
+        return t.detach().clone() if t.is_inference() else t.detach()
 
     q, k, q_val, k_val = plain(q), plain(k), plain(q_val), plain(k_val)
     data = [("", q, k, key_padding_mask, query_padding_mask)]
@@ -201,6 +207,11 @@ def fit_to_softmax(
         data.append(("_val", q_val, k_val, key_padding_mask_val, query_padding_mask_val))
     for suffix, qx, kx, kmask, qmask in data:
         qname, kname = f"q{suffix}", f"k{suffix}"
+        if causal and qx.shape[2] != kx.shape[2]:  # said by attention_matrix, unnamed
+            raise ValueError(
+                f"causal attention needs {qname} and {kname} of one length, got N="
+                f"{qx.shape[2]}, S={kx.shape[2]}"
+            )
         masks = {}  # checked, named as the caller passed them
         for what, t, mask, name in (
             ("queries", qx, qmask, f"query_padding_mask{suffix}"),

@@ -62,8 +62,10 @@ def attention_rank(A: torch.Tensor | np.ndarray, tol: float | None = None) -> di
         raise ValueError("A must hold values (a tensor on the meta device has none)")
     if A.dim() != 2:
         raise ValueError(f"A must be a 2-D (N, S) matrix, got shape {tuple(A.shape)}")
-    if not (A.is_floating_point() and A.numel() > 0):
-        raise ValueError(f"A must be a non-empty floating-point matrix, got dtype {A.dtype}")
+    if not A.is_floating_point():
+        raise ValueError(f"A must be a floating-point matrix, got dtype {A.dtype}")
+    if A.numel() == 0:
+        raise ValueError(f"A must be non-empty, got shape {tuple(A.shape)}")
     if not torch.isfinite(A).all():
         raise ValueError("A must be finite (it has NaN or Inf entries)")
     eps = torch.finfo(A.dtype).eps
