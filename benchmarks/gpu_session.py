@@ -173,7 +173,9 @@ RACECHECK_TESTS = (
 # fp32), and fp32 fwd+bwd at the issue's shape timed on the default build and on it in turns
 BF16X3_FLAG = "-DKS_FP32_BF16X3"
 BF16X3_BUILD_DIR = Path(tempfile.gettempdir()) / "kernelstudy_session_build_bf16x3"
-BF16X3_TESTS = "float32 and walk_mma"  # pytest -k
+# pytest -k: ids say fp32 in the test's name or float32 in its parameters ("float32 and
+# walk_mma" left out the causal product's and normalized attention's fp32 reference tests)
+BF16X3_TESTS = "walk_mma and (float32 or fp32)"
 BF16X3_TIMING = ["--n", "8192", "16384", "--shapes", "8x16", "--dims", "64", "--dtypes"]
 BF16X3_TIMING += ["float32", "--modes", "fwd+bwd", "--methods", "cuda_walk_mma_fused", "torch"]
 BF16X3_TIMING += ["--repeats", "7", "--warmup", "2", "--no-plot"]
@@ -819,6 +821,7 @@ def stage_bf16x3(session: Session, limit_s: float) -> tuple[str, str]:
         lambda: session.python_read(argv, deadline - session.clock(), log="tests.log")
     )
     outcome["tests"] = test_counts(log)
+    session.save()  # each step's record kept as it comes: a kill mid-stage lost them all
     note = "tests: " + (", ".join(f"{n} {w}" for w, n in outcome["tests"].items()) or "none")
     if late:
         return "timeout", note
@@ -827,6 +830,7 @@ def stage_bf16x3(session: Session, limit_s: float) -> tuple[str, str]:
     if checked is not None:
         rc, late, _, hazards = checked
         outcome["racecheck_hazards"] = hazards
+        session.save()
         note += f"; racecheck hazards: {hazards}"
         if late:
             return "timeout", note
@@ -848,6 +852,7 @@ def stage_bf16x3(session: Session, limit_s: float) -> tuple[str, str]:
                         rows += [
                             {**row, "build": build, "round": turn} for row in csv.DictReader(f)
                         ]
+                    session.save()
                 if late:
                     return "timeout", f"{note}; timings cut short at round {turn} ({build})"
     lines = bf16x3_ratios(rows)
@@ -931,7 +936,15 @@ def run_session(
             else:
                 session.log(f"[{stage.name}] {stage.what} (limit {limit:.0f} s)")
                 began = session.clock()
-                status, note = RUNNERS[stage.name](session, limit)
+                try:
+                    status, note = RUNNERS[stage.name](session, limit)
+                except (SystemExit, KeyboardInterrupt):  # killed (the device's limit): its
+                    seconds = session.clock() - began  # outcome saved with what it recorded
+                    killed = Outcome(stage.name, "killed", seconds, limit, note="killed")
+                    session.record["stages"].append(dataclasses.asdict(killed))
+                    session.save()
+                    session.log(f"[{stage.name}] killed after {seconds:.0f} s")
+                    raise
                 outcome = Outcome(stage.name, status, session.clock() - began, limit, note=note)
             failed |= outcome.status in ("failed", "timeout") or (
                 stage.name in ALWAYS and outcome.status != "ok"
@@ -1103,7 +1116,8 @@ def plan(budget_s: float, chosen: tuple[str, ...] = DEFAULT_STAGES) -> str:
     lines = [
         "Before the session, here (the fla wheel, pure Python; Triton is on the GPU machine):",
         f"    {FETCH_WHEELS}",
-        "On the GPU machine (device run, carry ['.whl'], timeout_s = budget + 50):",
+        "On the GPU machine (device run, carry ['.whl'], timeout_s = "
+        f"{min(budget_s + 50, 600):.0f}: the budget + 50, at most the tool's 600):",
         f"    python3 benchmarks/gpu_session.py --budget {budget_s:.0f}{picked} --out $OUT",
         "",
         "stage      min  cap  limit if every earlier stage runs to its cap (the least it gets)",

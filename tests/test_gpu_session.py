@@ -56,6 +56,9 @@ def test_plan_names_every_stage_and_file_and_runs_nothing(gs, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert all(name in printed for name in gs.DEFAULT_STAGES) and "fla-core==" in printed
     assert "--budget 540 --out $OUT" in printed and "bf16x3" not in printed
+    assert "timeout_s = 590" in printed  # the budget + 50
+    assert gs.main(["--plan", "--budget", "560"]) == 0
+    assert "timeout_s = 600" in capsys.readouterr().out  # 610 the device tool refuses
     assert len(gs.FILES) <= 8  # the device returns at most 8 files
     # the second of two calls: its stages alone (env and build always), in its command
     assert gs.main(["--plan", "--budget", "200", "--stages", "scaling", "racecheck"]) == 0
@@ -850,6 +853,26 @@ def test_the_bf16x3_stage_builds_tests_and_times_both_builds_in_turns(gs, monkey
         "torch/bf16x3 3.75x"
     )
     assert "tests: 41 passed" in note and "(1.25x)" in note
+    # a kill in the third timing run (the device's limit) kept what came before it: the stage
+    # saved session.json only once it ended, and its CSVs were in a temporary folder
+    calls.clear()
+    session.record["stages"] = []
+    real = python
+
+    def killed_third(args, limit_s, log="session.log"):
+        if sum(a[0] == "benchmarks/cuda_core.py" for a, _, _ in calls) == 2:
+            raise SystemExit(143)
+        return real(args, limit_s, log)
+
+    monkeypatch.setattr(session, "python", killed_third)
+    monkeypatch.setattr(gs, "STAGES", (gs.Stage("bf16x3", 0, 300, ""),))
+    monkeypatch.setattr(gs, "ALWAYS", ())
+    monkeypatch.setattr(gs, "Session", lambda out, budget_s: session)
+    with pytest.raises(SystemExit):
+        gs.run_session(tmp_path, 300, ("bf16x3",))
+    saved = json.loads((tmp_path / "session.json").read_text())
+    assert saved["bf16x3"]["tests"] == {"passed": 41} and len(saved["bf16x3"]["rows"]) == 8
+    assert saved["stages"][-1]["name"] == "bf16x3" and saved["stages"][-1]["status"] == "killed"
 
 
 def test_the_bf16x3_tests_exist(gs):
@@ -865,8 +888,13 @@ def test_the_bf16x3_tests_exist(gs):
         text=True,
     )
     ids = [line for line in collected.stdout.splitlines() if "::" in line]
-    assert len(ids) >= 20 and all("walk_mma" in i and "float32" in i for i in ids), ids[:5]
+    fp32 = [i for i in ids if "float32" in i or "fp32" in i]
+    assert len(ids) >= 60 and fp32 == ids and all("walk_mma" in i for i in ids), ids[:5]
     assert {f"tests/test_cuda_backend.py::{t}" for t in gs.BF16X3_RACECHECK} <= set(ids)
+    # the fp32 reference tests of the causal product and of normalized attention, whose
+    # names say fp32 (the selection left them out)
+    for name in ("test_causal_product_fp32_matches_reference", "linear_attention_fp32_matches"):
+        assert any(name in i for i in ids), name
 
 
 def test_a_bf16x3_build_that_fails_stops_the_stage_and_keeps_the_default_env(gs, tmp_path):
