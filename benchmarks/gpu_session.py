@@ -224,6 +224,10 @@ ALWAYS = ("env", "build")
 # a child stopped at its limit may take this long to go (the grace after SIGTERM), so the next
 # stage may find up to this much less than its minimum left and still runs
 STOP_S = 5
+#: The device tool runs one command for 600 s at most; the script ends within about 10 s
+#: of its budget (a child stopped at its limit takes that long to go): budgets above this
+#: would be killed before their last stages.
+MAX_BUDGET_S = 590
 
 
 def time_limit(stages: tuple[Stage, ...], index: int, left_s: float) -> float:
@@ -235,8 +239,8 @@ def time_limit(stages: tuple[Stage, ...], index: int, left_s: float) -> float:
 
 @dataclasses.dataclass
 class Outcome:
-    """What became of a stage (``status``: ok, failed, timeout, skipped, or partial: a sweep
-    cut short by the budget)."""
+    """What became of a stage (``status``: ok, failed, timeout, skipped, partial: a sweep cut
+    short by the budget, or killed: the script stopped in it, with what it had recorded)."""
 
     name: str
     status: str
@@ -1158,6 +1162,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.budget <= 0:
         p.error(f"--budget must be positive, got {args.budget}")
+    if args.budget > MAX_BUDGET_S:  # a plan printed a command the device would kill
+        p.error(
+            f"--budget {args.budget:g} s: the device runs a command 600 s at most and this "
+            f"script may end 10 s past its budget; give {MAX_BUDGET_S} or less"
+        )
     if not (args.plan or args.probe or args.probe_build) and args.out is None:
         p.error("--out is required (the folder for the session's files)")
     least = sum(s.min_s for s in STAGES if s.name in args.stages or s.name in ALWAYS)

@@ -40,6 +40,7 @@ def test_arguments(gs, tmp_path, capsys):
         ([], "--out is required"),
         (["--out", str(tmp_path), "--budget", "100"], "less than the stages' minimums"),
         (["--out", str(tmp_path), "--budget", "0"], "--budget must be positive"),
+        (["--plan", "--budget", "900"], "give 590 or less"),  # the device kills it at 600 s
         (["--out", str(tmp_path), "--stages", "bench"], "invalid choice"),
         (["--out", str(tmp_path), "--resume-from", str(tmp_path / "no")], "no folder"),
     ):

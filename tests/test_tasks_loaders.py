@@ -421,6 +421,25 @@ def test_pathfinder_keeps_its_paths_in_one_array(tmp_path: Path) -> None:
     assert again.images == ds.images and torch.equal(again[0]["input_ids"], ds[0]["input_ids"])
 
 
+def test_pathfinder_reads_metadata_naming_an_image_folder_elsewhere(tmp_path: Path) -> None:
+    """A metadata line whose folder is absolute (images kept on another disk) was read; storing
+    the paths relative to the root refused it ('is not in the subpath')."""
+    images = write_pathfinder(tmp_path / "a")
+    base = tmp_path / "a" / "pathfinder32" / "curv_contour_length_14"
+    elsewhere = tmp_path / "elsewhere"
+    (base / "imgs").rename(elsewhere)
+    for meta in (base / "metadata").glob("*.npy"):
+        lines = meta.read_text().splitlines()
+        moved = [f"{elsewhere}/{line.split(' ', 1)[0][len('imgs/'):]} {line.split(' ', 1)[1]}"
+                 for line in lines]  # fmt: skip
+        meta.write_text("\n".join(moved) + "\n")
+    splits = [PathfinderTask(tmp_path / "a", s) for s in ("train", "val", "test")]
+    assert sum(len(ds) for ds in splits) == len(images)
+    first = splits[0].images[0]
+    assert first.is_file() and first.resolve().is_relative_to(elsewhere.resolve())
+    splits[0][0]  # decodes
+
+
 def test_pathfinder_leaves_out_empty_images_as_lra_does(tmp_path: Path) -> None:
     """The published curv_baseline lists an empty imgs/0/sample_172.png; LRA filters it."""
     images = write_pathfinder(tmp_path, n_files=1, per_file=20)

@@ -197,7 +197,9 @@ class PathfinderTask(SequenceTask):
                 f"split {split!r} of {self.root} is empty: {len(images)} images are too few "
                 f"for the split fractions {SPLIT_FRACTIONS}"
             )
-        self.images = StoredStrings([images[i].relative_to(self.root) for i in chosen], self.root)
+        # relpath, not relative_to: metadata may name an image folder elsewhere (absolute)
+        names = [os.path.relpath(images[i], self.root) for i in chosen]
+        self.images = StoredStrings(names, self.root)
         self.origins = StoredStrings([origins[i] for i in chosen])
         self.labels = labels[chosen]
 
