@@ -224,10 +224,11 @@ ALWAYS = ("env", "build")
 # a child stopped at its limit may take this long to go (the grace after SIGTERM), so the next
 # stage may find up to this much less than its minimum left and still runs
 STOP_S = 5
-#: The device tool runs one command for 600 s at most; the script ends within about 10 s
-#: of its budget (a child stopped at its limit takes that long to go): budgets above this
-#: would be killed before their last stages.
-MAX_BUDGET_S = 590
+#: The device tool runs one command for this long at most.
+DEVICE_LIMIT_S = 600
+#: The script ends within about 10 s of its budget (a child stopped at its limit takes that
+#: long to go): budgets above this would be killed before their last stages.
+MAX_BUDGET_S = DEVICE_LIMIT_S - 10
 
 
 def time_limit(stages: tuple[Stage, ...], index: int, left_s: float) -> float:
@@ -1121,7 +1122,8 @@ def plan(budget_s: float, chosen: tuple[str, ...] = DEFAULT_STAGES) -> str:
         "Before the session, here (the fla wheel, pure Python; Triton is on the GPU machine):",
         f"    {FETCH_WHEELS}",
         "On the GPU machine (device run, carry ['.whl'], timeout_s = "
-        f"{min(budget_s + 50, 600):.0f}: the budget + 50, at most the tool's 600):",
+        f"{min(budget_s + 50, DEVICE_LIMIT_S):.0f}: the budget + 50, at most the tool's "
+        f"{DEVICE_LIMIT_S}):",
         f"    python3 benchmarks/gpu_session.py --budget {budget_s:.0f}{picked} --out $OUT",
         "",
         "stage      min  cap  limit if every earlier stage runs to its cap (the least it gets)",
@@ -1164,8 +1166,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--budget must be positive, got {args.budget}")
     if args.budget > MAX_BUDGET_S:  # a plan printed a command the device would kill
         p.error(
-            f"--budget {args.budget:g} s: the device runs a command 600 s at most and this "
-            f"script may end 10 s past its budget; give {MAX_BUDGET_S} or less"
+            f"--budget {args.budget:g} s: the device runs a command {DEVICE_LIMIT_S} s at most "
+            f"and this script may end 10 s past its budget; give {MAX_BUDGET_S} or less"
         )
     if not (args.plan or args.probe or args.probe_build) and args.out is None:
         p.error("--out is required (the folder for the session's files)")

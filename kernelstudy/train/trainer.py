@@ -580,7 +580,9 @@ class Trainer:
             raise ValueError("evaluation data yields no batches")
         return Objective.summarize(sums.values())
 
-    def _eval_loader(self, data: Dataset | DataLoader, max_batches: int | None, name: str):
+    def _eval_loader(
+        self, data: Dataset | DataLoader, max_batches: int | None, name: str
+    ) -> DataLoader:
         """An evaluation DataLoader over ``data``: in order, or where only ``max_batches``
         batches are scored, in a fixed random order (a sample of the whole: files sorted by
         label, as IMDB's ``neg/`` then ``pos/``, gave first batches of one class, and a model
