@@ -1105,7 +1105,9 @@ def probe_build() -> int:
     print(f"build: {time.monotonic() - began:.1f} s; backends: {ks.backends()}")
     if module is not None:
         return 0
-    folder = Path(os.environ.get("KERNELSTUDY_BUILD_DIR", BUILD_DIR)) / cuda_backend.EXTENSION_NAME
+    folder = (
+        Path(os.environ.get("KERNELSTUDY_BUILD_DIR", BUILD_DIR)) / cuda_backend.extension_name()
+    )
     ninja = shutil.which("ninja")
     if ninja and (folder / "build.ninja").is_file():
         subprocess.run([ninja, "-v", "-C", str(folder)], stderr=subprocess.STDOUT)

@@ -119,6 +119,8 @@ def output_file_problem(path: str | os.PathLike) -> str | None:
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     """Write ``text`` (UTF-8) to ``path`` atomically."""
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str, got {type(text).__name__}")
     return atomic_write(path, lambda f: f.write(text.encode("utf-8")))
 
 

@@ -48,17 +48,13 @@ class ExpLinearMap(FeatureMap):
 def _learned_maps(head_dim: int) -> list[FeatureMap]:
     maps: list[FeatureMap] = [ExpLinearMap(head_dim)]
     for name in ("softplus_ffn", "hedgehog"):
-        if name in ks.list_feature_maps():
-            maps.append(ks.analysis.matched_feature_map(name, head_dim, 16, seed=0))
+        maps.append(ks.analysis.matched_feature_map(name, head_dim, 16, seed=0))
     return maps
 
 
 @pytest.mark.parametrize("index", [0, 1, 2])
 def test_fit_to_softmax_lowers_held_out_loss(index):
-    maps = _learned_maps(8)
-    if index >= len(maps):
-        pytest.skip("learned map not registered yet")
-    fm = maps[index]
+    fm = _learned_maps(8)[index]
     q, k = ks.analysis.gaussian_qk(48, 8, std=1.0, batch=2, seed=11)
     q_val, k_val = ks.analysis.gaussian_qk(48, 8, std=1.0, batch=2, seed=12)
     before = ks.analysis.distillation_loss(fm, q_val, k_val).item()
@@ -902,6 +898,22 @@ def test_masked_distillation_loss_checks_its_masks_and_target():
         ks.analysis.distillation_loss(fm, qs, ks_, True, target=causal_target),
         ks.analysis.distillation_loss(fm, qs, ks_, True),
     )
+    # values were checked only where a mask or causal was given: a negative, NaN or scaled
+    # target gave a negative, NaN or scaled loss
+    target = ks.analysis.attention_matrix(q, k)
+    for bad, match in (
+        (-target, "finite and non-negative"),
+        (target.masked_fill(target > 0.2, float("nan")), "finite and non-negative"),
+        (5 * target, r"rows must sum to 1 \(to 0.001\), got 54 row\(s\) .* sum of 5"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            ks.analysis.distillation_loss(fm, q, k, target=bad)
+    # rows of padded queries may hold anything
+    masked = ks.analysis.attention_matrix(q, k, key_padding_mask=kmask, query_padding_mask=qmask)
+    rows = {"key_padding_mask": kmask, "query_padding_mask": qmask}
+    want = ks.analysis.distillation_loss(fm, q, k, **rows)
+    garbage = masked.masked_fill(~qmask[:, None, :, None], float("nan"))
+    assert torch.equal(ks.analysis.distillation_loss(fm, q, k, target=garbage, **rows), want)
 
 
 def test_fit_to_softmax_with_masks_fits_the_real_rows_only():

@@ -147,6 +147,17 @@ def test_row_kl_and_approximation_error_name_bad_inputs():
         ks.analysis.row_kl(np.ones((2, 3)), torch.ones(2, 3))
     with pytest.raises(ValueError, match="p must be non-negative"):
         ks.analysis.row_kl(torch.tensor([[0.9, -0.4, 0.5]]), torch.ones(1, 3))
+    # a NaN tiny read a +inf row (q misses p's mass) as 0
+    p, q0 = torch.tensor([[0.5, 0.5]]), torch.tensor([[1.0, 0.0]])
+    assert ks.analysis.row_kl(p, q0).item() == math.inf
+    for tiny in (float("nan"), 0.0, "x"):
+        with pytest.raises((TypeError, ValueError), match="tiny must be"):
+            ks.analysis.row_kl(p, q0, tiny=tiny)
+    # head dimension 0: 1/√D made every entry NaN
+    empty = torch.randn(1, 1, 3, 0)
+    for call in (ks.analysis.attention_matrix, ks.analysis.softmax_kernel):
+        with pytest.raises(ValueError, match="must have head dimension D >= 1, got D = 0"):
+            call(empty, empty)
     q, k = torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4)
     for qq, kk, name in ((q[:, :, :0], k, "q"), (q, k[:, :, :0], "k")):
         with pytest.raises(ValueError, match=rf"^{name} has no positions"):
@@ -269,8 +280,6 @@ def test_kernel_attention_rank_is_at_most_feature_dim(head_dim):
 
 @pytest.mark.parametrize("name", ["favor", "trig_rf", "hedgehog", "softplus_ffn"])
 def test_registered_maps_attention_rank_is_at_most_feature_dim(name):
-    if name not in ks.list_feature_maps():
-        pytest.skip(f"{name} not registered")
     fm = ks.analysis.matched_feature_map(name, 8, 8, seed=0)
     q, k = ks.analysis.gaussian_qk(64, 8, std=1.0, seed=4)
     A = ks.analysis.attention_matrix(q.double(), k.double(), fm)[0, 0]

@@ -243,6 +243,44 @@ def test_a_failure_is_cached_when_warnings_are_errors(tmp_path, monkeypatch):
         )
 
 
+def test_a_removed_stale_lock_under_warnings_as_errors_keeps_the_build(tmp_path, monkeypatch):
+    """The "removed a stale build lock" note was warned inside the build's try: under
+    ``-W error`` it was taken for a failed build, and the backend stayed off for the whole
+    process though the build went on to succeed."""
+    lock, source = _baton_build(tmp_path, monkeypatch, "kernelstudy_test_lock_error")
+    built = object()
+
+    class Builder:  # torch's cpp_extension, its build a success
+        @staticmethod
+        def load(**kwargs):
+            return built
+
+    monkeypatch.setattr(extensions, "cpp_extension", lambda: Builder)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeWarning, match="removed a stale build lock"):
+            extensions.load_extension("kernelstudy_test_lock_error", [source])
+        assert extensions.load_extension("kernelstudy_test_lock_error", [source]) is built
+    assert not lock.exists()
+
+
+def test_build_names_follow_torch_python_and_the_sources_folder(monkeypatch):
+    """ninja does not track torch's headers (system headers): a build named by the CPU only
+    was loaded after torch was upgraded in place (or failed with undefined symbols in every
+    process, never rebuilt), and two installs sharing one cache rebuilt each other's."""
+    name = extensions.build_name("kernelstudy_x", native=True)
+    assert name == extensions.build_name("kernelstudy_x", native=True)
+    assert name.startswith("kernelstudy_x_") and len(name) == len("kernelstudy_x_") + 8
+    assert name != extensions.build_name("kernelstudy_x", native=False)
+    assert cpu_backend.extension_name() == extensions.build_name("kernelstudy_cpu", True)
+    monkeypatch.setattr(torch, "__version__", "2.99.0")
+    upgraded = extensions.build_name("kernelstudy_x", native=True)
+    monkeypatch.undo()
+    monkeypatch.setattr(extensions, "csrc_dir", lambda: extensions.Path("/elsewhere/csrc"))
+    other_install = extensions.build_name("kernelstudy_x", native=True)
+    assert len({name, upgraded, other_install}) == 3
+
+
 @pytest.mark.parametrize(
     "needs", [(True, False, False), (False, True, False), (False, False, True)]
 )
@@ -355,7 +393,7 @@ def test_cpu_backend_loads_without_the_no_cuda_runtime_line(tmp_path):
     runtime is found, using CUDA_HOME=..." when torch.utils.cpp_extension is imported: loading
     the CPU extension, which uses no CUDA, printed it. The extension still loads; torch's own
     import of that module, outside kernelstudy's, still gives the line."""
-    name = f"{cpu_backend.EXTENSION_NAME}_{extensions.host_tag()}"
+    name = cpu_backend.extension_name()
     built = extensions._build_directory(name) or extensions._torch_build_directory(name)
     env = {**os.environ, "CUDA_HOME": str(tmp_path)}
     if built is not None:  # the build this module made: only loaded (torch's default

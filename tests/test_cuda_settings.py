@@ -277,7 +277,7 @@ def test_cuda_flags_from_the_environment(monkeypatch):
     monkeypatch.setattr(cuda_backend, "_tried", False)
     assert cuda_backend.extension() == "module"
     assert seen == {
-        "name": cuda_backend.EXTENSION_NAME,
+        "name": cuda_backend.extension_name(),
         "cuda": True,
         "cuda_flags": ["-O3", "-lineinfo", "-DKS_WMMA_GENERIC_LOADS", "-Xptxas=-v"],
     }

@@ -1109,6 +1109,24 @@ def test_a_map_built_on_the_meta_device_loads_with_assign(name):
     torch.testing.assert_close(fm(x), saved(x), rtol=0, atol=0)
 
 
+def test_a_map_and_its_input_on_two_devices_are_refused():
+    """torch's ``x_cpu @ w_meta`` returns a CPU tensor of uninitialized memory: a map left on
+    the meta device gave features that differed call to call. ``kernel_attention`` builds a
+    map given by name on the inputs' device (a CPU-built one failed on meta inputs)."""
+    x = randn(1, H, 5, D)
+    for name in NAMES:
+        with torch.device("meta"):
+            fm = make(name)
+        if fm._first_weight() is None:  # nothing of its own on a device
+            continue
+        with pytest.raises(ValueError, match="x is on cpu, but the feature map's weights are on"):
+            fm(x)
+    q = torch.zeros(1, H, 5, D, device="meta")
+    for name in NAMES:
+        for causal in (False, True):
+            assert ks.kernel_attention(q, q, q, name, causal=causal).is_meta, name
+
+
 def test_polynomial_tables_survive_meta_builds_inference_mode_and_half():
     """Its monomial tables are buffers kept out of the state dict: built on the meta device,
     then to_empty, they were uninitialized memory (an IndexError, or wrong features), with

@@ -252,3 +252,10 @@ def test_a_checkpoint_that_fails_on_a_full_disk_names_the_file(tmp_path, monkeyp
 
     with pytest.raises(DeviceError, match=r"sector 7: '.*x\.bin'"):
         atomic_write(tmp_path / "x.bin", broken)
+
+
+def test_atomic_write_text_takes_a_str(tmp_path):
+    """bytes failed as "'bytes' object has no attribute 'encode'", after the temp file."""
+    with pytest.raises(TypeError, match="text must be a str, got bytes"):
+        atomic_write_text(tmp_path / "a.txt", b"x")
+    assert list(tmp_path.iterdir()) == []

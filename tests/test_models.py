@@ -741,6 +741,39 @@ def test_ids_on_another_device_than_the_model_are_named():
             call()
 
 
+@pytest.mark.parametrize("positions", ["sinusoidal", "learned"])
+def test_models_on_the_meta_device_infer_shapes_with_every_map(positions):
+    """A model built under ``torch.device("meta")`` and given meta ids (shapes without
+    memory) failed with 'Tensor.item() cannot be called on meta tensors': the ids' range
+    check, learned positions' and a causal per-sequence stabilizer's sync read values."""
+    ids = torch.zeros(2, 5, dtype=torch.long, device="meta")
+    mask = torch.ones(2, 5, dtype=torch.bool, device="meta")
+    for name in ks.list_feature_maps():
+        size = {"d_model": 8, "n_heads": 2, "n_layers": 1, "feature_map": name}
+        size |= {"positions": positions, "max_len": 8}
+        with torch.device("meta"):
+            lm, clf = ks.nn.CausalLM(11, **size), ks.nn.SequenceClassifier(11, 3, **size)
+        assert lm(ids).shape == (2, 5, 11) and lm(ids).is_meta, name
+        assert clf(ids, mask).shape == (2, 3), name
+
+
+def test_positions_must_be_a_1d_integer_tensor():
+    """A batch-shaped ``(1, N)`` gave one row, the encoding of no position (the learned kind
+    gave (1, N, d)); lists and numpy arrays failed on ``.to``, d_model=0 divided by zero."""
+    for kind in ("sinusoidal", "learned", "none", None):
+        enc = ks.nn.PositionalEncoding(8, 16, kind)
+        assert enc(torch.arange(4)).shape == (4, 8)
+        with pytest.raises(ValueError, match=r"positions must be 1-D \(N,\), got shape \(1, 4\)"):
+            enc(torch.arange(4)[None])
+        with pytest.raises(TypeError, match="positions must be a torch.Tensor, got list"):
+            enc([0, 1])
+        with pytest.raises(TypeError, match="positions must be an integer tensor, got torch.fl"):
+            enc(torch.arange(4.0))
+    assert ks.nn.PositionalEncoding(8, 16, None).kind == "none"  # --model-arg positions=none
+    with pytest.raises(ValueError, match="d_model must be a positive int, got 0"):
+        ks.nn.sinusoidal_positions(torch.arange(3), 0)
+
+
 @pytest.mark.skipif(shutil.which("g++") is None, reason="inductor compiles C++ for the CPU")
 def test_models_compile_whole_with_inductor():
     """``torch.compile(model, fullgraph=True)`` with inductor (code generated and compiled for

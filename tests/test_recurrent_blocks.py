@@ -207,6 +207,30 @@ def test_autocast_does_not_reach_the_sums():
     assert rel_err(got, want) <= 1e-6 and rel_err(got_state.S, want_state.S) <= 1e-6
 
 
+@pytest.mark.parametrize("dtype, scale", [(torch.bfloat16, 1.0), (torch.float16, 2.0**16)])
+def test_a_backward_inside_autocast_runs_the_state_products_in_float32(dtype, scale):
+    """autocast_off covered the block's read-out (q @ [S|Z]) and update (kᵀv) in the forward
+    only: a backward() inside autocast ran them in half precision (bf16: the query gradient
+    76% off after a 2000-key prompt), where step() and the core's sums keep float32."""
+    gen = torch.Generator().manual_seed(0)
+    rand = lambda *shape: torch.rand(*shape, generator=gen)  # noqa: E731
+    _, state = ks.RecurrentState.zeros(1, 1, 8, 8).steps(
+        rand(1, 1, 2000, 8), rand(1, 1, 2000, 8), rand(1, 1, 2000, 8)
+    )
+    q0, k, v = rand(1, 1, 16, 8), rand(1, 1, 16, 8), torch.randn(1, 1, 16, 8, generator=gen)
+    grads = []
+    for inside in (True, False):
+        q = q0.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=dtype):
+            loss = state.steps(q, k, v)[0].float().sum() * scale
+            if inside:
+                loss.backward()
+        if not inside:
+            loss.backward()
+        grads.append(q.grad)
+    assert rel_err(grads[0], grads[1]) <= 1e-6
+
+
 def test_an_empty_block_leaves_the_state():
     state = ks.RecurrentState.zeros(2, 3, 4, 5)
     q = torch.rand(2, 3, 0, 4)

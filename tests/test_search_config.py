@@ -60,6 +60,14 @@ def test_config_loads_and_quick_overrides(tmp_path):
         (lambda s: s.replace("[model]", "[task_options.val]\nmax_len = 8\n[model]"), "val.max_len"),
         (lambda s: s + "\n[[variants]]\nlabel = 'x'\nfeature_map = 'elu'\nfixed = {k = 1}\n", "k"),
         (lambda s: s.replace("[search]", "[search]\npruner = 'sometimes'"), "pruner"),
+        # a path given to a synthetic task was ignored without a word (kernelstudy train
+        # refuses it)
+        (
+            lambda s: s.replace('task = "listops"', 'task = "copy"').replace(
+                "max_length = 64", "seq_len = 16"
+            ),
+            "task 'copy' is synthetic and reads no data",
+        ),
         (lambda s: s.replace("name =", "nam ="), "nam"),
         (lambda s: s + "\n[[oops", "TOML"),
         (lambda s: s.replace("[search]", "[train]\nmonitor = 'bogus'\n[search]"), "monitor"),

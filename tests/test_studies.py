@@ -462,7 +462,6 @@ def test_repo_studies_are_listed():
     assert set(study.list_studies()) >= {"approximation", "rank", "speed", "generation"}
 
 
-@pytest.mark.skipif("favor" not in ks.list_feature_maps(), reason="favor map not registered yet")
 def test_quick_approximation_reproduces_performer(tmp_path):
     frame = study.run_study("approximation", quick=True, out=tmp_path, verbose=False)
     perf = frame[(frame.part == "performer") & (frame.method == "favor")]

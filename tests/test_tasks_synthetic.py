@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -64,6 +66,15 @@ def test_copy_seeds_splits_and_errors() -> None:
         CopyTask("dev")
     with pytest.raises(ValueError, match="num_samples"):
         CopyTask(num_samples=0)
+
+
+def test_copy_defaults_and_numpy_sizes() -> None:
+    """``min_copy`` defaults to a quarter of ``max_copy`` (the docstring said of the room);
+    a numpy ``n_symbols`` gave a numpy ``vocab_size`` that ``json.dumps(info())`` refused."""
+    lengths = CopyTask(num_samples=400, seq_len=66, max_copy=12).masks.sum(1) // 2 - 1
+    assert lengths.min() == 3 and lengths.max() == 12  # 12 // 4 to 12
+    task = CopyTask(num_samples=4, n_symbols=np.int64(4))
+    assert type(task.vocab_size) is int and json.loads(json.dumps(task.info()))["vocab_size"] == 6
 
 
 def test_mqar_queries_are_answered_by_their_values() -> None:

@@ -1219,6 +1219,24 @@ def test_cuda_generators_resume_on_the_training_device(monkeypatch):
     assert restored == {torch.device("cuda:0"): states[0]}
 
 
+def test_seeds_and_rng_states_are_checked_by_name():
+    """seed_everything(1.5) failed in numpy ("Cannot cast scalar"), 2**64 in torch
+    ("Overflow when unpacking long"), -1 was taken; TrainConfig took 2**64 and failed so at
+    the run's start; set_rng_state({}) was a bare KeyError 'python'."""
+    from kernelstudy.train import checkpoint
+
+    checkpoint.seed_everything(2**64 - 1)
+    for seed in (1.5, 2**64, -1, True):
+        with pytest.raises(ValueError, match=r"seed must be an int (>= 0|<= 18446744073709551615)"):
+            checkpoint.seed_everything(seed)
+    with pytest.raises(ValueError, match=r"seed must be an int (>= 0|<= 18446744073709551615)"):
+        TrainConfig(seed=2**64)
+    with pytest.raises(ValueError, match=r"missing keys \['python', 'numpy', 'torch'\]"):
+        checkpoint.set_rng_state({"x": 1})
+    with pytest.raises(TypeError, match="state must be a dict of get_rng_state"):
+        checkpoint.set_rng_state(None)
+
+
 class _Stream(torch.utils.data.IterableDataset):
     """ContainsTask's items as an IterableDataset (its DataLoader has no generator)."""
 
@@ -1377,6 +1395,74 @@ def test_load_model_rebuilds_the_saved_model(tmp_path):
     out = tmp_path / "own"
     Trainer(own, train, _config(steps=1, out_dir=str(out), eval_every=1)).fit()
     with pytest.raises(ValueError, match="records model class 'Own' with no config"):
+        load_model(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_load_model_gives_the_model_in_the_dtype_it_trained_in(tmp_path, dtype):
+    """A run of a float64 or bfloat16 model came back as a float32 model, its outputs not
+    the run's (bf16: off by 1e-3); run.json records the dtype, an older record without it
+    is read from model.pt."""
+    from kernelstudy.train import load_model
+
+    train, out = ContainsTask(32), tmp_path / "run"
+    torch.manual_seed(0)
+    model = _classifier().to(dtype)
+    Trainer(model, train, _config(steps=2, out_dir=str(out))).fit()
+    record = json.loads((out / "run.json").read_text())
+    assert record["model"]["dtype"] == str(dtype).removeprefix("torch.")
+    ids, mask = train.ids[:8], train.mask[:8]
+    model.eval()
+    with torch.no_grad():
+        expected = model(ids, mask)
+        loaded = load_model(out)
+        assert loaded.embed.weight.dtype == dtype and torch.equal(loaded(ids, mask), expected)
+        del record["model"]["dtype"]  # as a run recorded before the field
+        (out / "run.json").write_text(json.dumps(record))
+        assert torch.equal(load_model(out)(ids, mask), expected)
+    record["model"]["dtype"] = "int8"
+    (out / "run.json").write_text(json.dumps(record))
+    with pytest.raises(ValueError, match="records model dtype 'int8', not a torch floating"):
+        load_model(out)
+
+
+def test_a_model_compiled_by_the_caller_is_saved_and_recorded_as_the_model_inside(tmp_path):
+    """Trained as ``torch.compile(model)``, run.json recorded class OptimizedModule and
+    model.pt's keys all began with ``_orig_mod.``: neither load_model nor the model's own
+    load_state_dict could read the run."""
+    from kernelstudy.train import load_model
+
+    train, out = ContainsTask(32), tmp_path / "run"
+    torch.manual_seed(0)
+    model = _classifier()
+    compiled = torch.compile(model, backend="eager")
+    trainer = Trainer(compiled, train, _config(steps=2, out_dir=str(out)))
+    assert trainer.model is model and trainer.run_model is compiled
+    record = trainer.fit()
+    assert record["model"]["class"] == "SequenceClassifier"
+    state = torch.load(out / "model.pt", weights_only=True)
+    assert not any(key.startswith("_orig_mod.") for key in state)
+    model.eval()
+    ids, mask = train.ids[:8], train.mask[:8]
+    with torch.no_grad():
+        assert torch.equal(load_model(out)(ids, mask), model(ids, mask))
+
+
+def test_load_model_names_a_damaged_file(tmp_path):
+    """A cut, empty or foreign model.pt gave ``OSError: [Errno 22] Invalid argument``, a bare
+    EOFError or ``KeyError: 101``, a cut run.json a JSONDecodeError naming no file."""
+    from kernelstudy.train import load_model
+
+    out = tmp_path / "run"
+    Trainer(_classifier(), ContainsTask(32), _config(steps=1, out_dir=str(out))).fit()
+    weights, record = (out / "model.pt").read_bytes(), (out / "run.json").read_text()
+    for damaged in (weights[: len(weights) // 2], b"", bytes(range(256)) * 4):
+        (out / "model.pt").write_bytes(damaged)
+        with pytest.raises(ValueError, match=r"model\.pt is not a readable model file \("):
+            load_model(out)
+    (out / "model.pt").write_bytes(weights)
+    (out / "run.json").write_text(record[: len(record) // 2])
+    with pytest.raises(ValueError, match=r"run\.json is not readable JSON"):
         load_model(out)
 
 

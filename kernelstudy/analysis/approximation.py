@@ -104,6 +104,7 @@ def row_kl(p: torch.Tensor, q: torch.Tensor, tiny: float = 1e-30) -> torch.Tenso
     for name, x in (("p", p), ("q", q)):
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise TypeError(f"{name} must be a floating-point torch.Tensor, got {type(x).__name__}")
+    tiny = check_real("tiny", tiny, strict=True)  # a NaN one read +inf rows as 0
     if (p < 0).any():
         raise ValueError("p must be non-negative (attention weights)")
     if p.shape != q.shape:

@@ -42,6 +42,33 @@ def _loss_rows(
     return allowed, rows, real
 
 
+def _check_target_rows(target: torch.Tensor, rows: torch.Tensor | None) -> None:
+    """ValueError unless ``target``'s rows that the loss averages (``rows: (B|1,1,N)``, or
+    every row) are distributions: finite, non-negative, summing to 1 (to 1e-3; 2e-2 in
+    half precision). A negative, NaN or unscaled target gave a negative, NaN or scaled
+    loss without a word."""
+    with torch.no_grad():
+        t = target.detach()
+        if rows is not None:
+            t = t.masked_fill(~rows[..., None], 0.0)
+            counted = rows.expand(t.shape[:3])
+        else:
+            counted = torch.ones(t.shape[:3], dtype=torch.bool, device=t.device)
+        if not torch.isfinite(t).all() or (t < 0).any():
+            raise ValueError(
+                "target must be softmax attention: finite and non-negative in the rows the "
+                "loss averages"
+            )
+        tol = 2e-2 if t.element_size() < 4 else 1e-3
+        off = ((t.double().sum(-1) - 1.0).abs() > tol) & counted
+        if off.any():
+            raise ValueError(
+                f"target must be softmax attention: its rows must sum to 1 (to {tol:g}), "
+                f"got {int(off.sum())} row(s) that do not (e.g. a sum of "
+                f"{t.double().sum(-1)[off][0].item():.6g})"
+            )
+
+
 def distillation_loss(
     feature_map: FeatureMap,
     q: torch.Tensor,
@@ -79,8 +106,9 @@ def distillation_loss(
 
     Raises:
         TypeError: ``feature_map`` not a FeatureMap, a mask not a bool tensor.
-        ValueError: bad shapes (masks named), a target as above, or no row to average:
-            no real query with a key to attend to.
+        ValueError: bad shapes (masks named), a target as above or one whose averaged
+            rows are not distributions (negative, non-finite, not summing to 1), or no row
+            to average: no real query with a key to attend to.
     """
     if not isinstance(feature_map, FeatureMap):
         raise TypeError(f"feature_map must be a FeatureMap, got {type(feature_map).__name__}")
@@ -107,6 +135,8 @@ def distillation_loss(
                     f"{', or later keys (causal)' if causal else ''}): it must be 0 there, "
                     "as attention_matrix(q, k, 'softmax', causal, key_padding_mask) gives it"
                 )
+    if target is not None:
+        _check_target_rows(target, None if not masked else rows)
     if target is None:
         with torch.no_grad():
             target = attention_matrix(

@@ -41,6 +41,8 @@ def check_qk(q: torch.Tensor, k: torch.Tensor, names: tuple[str, str] = ("q", "k
             f"{nq} (B,H,N,D) and {nk} (B,H,S,D) must agree in B, H and D, got shapes "
             f"{tuple(q.shape)} and {tuple(k.shape)}"
         )
+    if q.shape[-1] == 0:  # 1/√D: an all-NaN matrix
+        raise ValueError(f"{nq} and {nk} must have head dimension D >= 1, got D = 0")
     if q.dtype != k.dtype or q.device != k.device:
         raise ValueError(
             f"{nq} and {nk} must share dtype and device, got {q.dtype}/{q.device} and "

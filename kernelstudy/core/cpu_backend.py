@@ -20,7 +20,7 @@ import torch
 
 from ..arguments import check_count
 from .backends import Backend, register_backend
-from .extensions import csrc_dir, host_tag, load_extension, native_cflags
+from .extensions import build_name, csrc_dir, load_extension, native_cflags
 from .traced_kernels import CPU as TRACED_KERNELS
 from .traced_kernels import CpuKernels as TracedKernels
 from .transforms import (
@@ -33,7 +33,7 @@ from .transforms import (
 )
 from .validation import FLOAT_DTYPES, accumulation_dtype, check_qkv
 
-EXTENSION_NAME = "kernelstudy_cpu"  # built as kernelstudy_cpu_<host_tag()> (-march=native)
+EXTENSION_NAME = "kernelstudy_cpu"  # built as extension_name(): with a hash (-march=native)
 
 _extension: ModuleType | None = None
 _tried = False
@@ -55,7 +55,7 @@ def extension() -> ModuleType | None:
             warnings.warn(f"{err}; falling back to the 'torch' backend", RuntimeWarning, 2)
             return None
         _extension = load_extension(
-            f"{EXTENSION_NAME}_{host_tag()}",
+            extension_name(),
             sources,
             extra_cflags=[*native_cflags(), "-fopenmp"],
             extra_ldflags=["-fopenmp"],
@@ -65,6 +65,12 @@ def extension() -> ModuleType | None:
 
 
 @constant_when_traced  # torch.compile asks once, outside the graph
+def extension_name() -> str:
+    """The build's name: :data:`EXTENSION_NAME` and a hash of this CPU, torch, Python and
+    the sources' folder (:func:`~kernelstudy.core.extensions.build_name`)."""
+    return build_name(EXTENSION_NAME, native=True)
+
+
 def available() -> bool:
     """Whether the compiled kernel runs here (builds it on first call)."""
     return extension() is not None

@@ -231,7 +231,7 @@ def extension() -> ModuleType | None:
                 warnings.warn(f"{err}; falling back to the 'torch' backend", RuntimeWarning, 2)
                 return None
             _module = load_extension(
-                EXTENSION_NAME,
+                extension_name(),
                 [folder / name for name in SOURCES],
                 cuda=True,
                 extra_cflags=["-O3"],
@@ -239,6 +239,15 @@ def extension() -> ModuleType | None:
             )
             _tried = True  # only now: a build stopped by Ctrl-C is tried again on the next call
         return _module
+
+
+def extension_name() -> str:
+    """The build's name: :data:`EXTENSION_NAME` and a hash of torch (its version, commit and
+    CUDA version), Python and the sources' folder
+    (:func:`~kernelstudy.core.extensions.build_name`)."""
+    from .extensions import build_name
+
+    return build_name(EXTENSION_NAME, native=False)
 
 
 @constant_when_traced  # torch.compile asks once, outside the graph

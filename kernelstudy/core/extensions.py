@@ -88,7 +88,8 @@ def native_cflags() -> list[str]:
     """Optimization flags for host code: -O3, and the host's vector units on x86-64.
 
     Code built with these runs only on CPUs like this one: name such extensions with
-    :func:`host_tag` so that a build cache shared between machines never loads it elsewhere.
+    :func:`build_name` (``native=True``) so that a build cache shared between machines never
+    loads it elsewhere.
     """
     flags = ["-O3"]
     if platform.machine().lower() in ("x86_64", "amd64"):
@@ -106,6 +107,27 @@ def host_tag() -> str:
     except OSError:
         pass
     return hashlib.sha1(text.encode()).hexdigest()[:8]
+
+
+def build_name(base: str, native: bool) -> str:
+    """``base`` and a short hash of what its build depends on that ninja does not track:
+    torch's version, commit and CUDA version (its headers come in as system headers, which
+    ninja's dependency files leave out: after an upgrade in place the old build was loaded,
+    or failed with undefined symbols in every process), Python's version, the sources'
+    folder (two installs sharing one cache rebuilt each other's build at every switch),
+    and with ``native`` this CPU (:func:`host_tag`; code built with :func:`native_cflags`
+    runs only on CPUs like it). E.g. ``"kernelstudy_cpu_3f2a91c0"``."""
+    import torch
+
+    parts = [
+        torch.__version__,
+        str(getattr(torch.version, "git_version", "")),
+        str(torch.version.cuda),
+        platform.python_version(),
+        str(csrc_dir()),
+        host_tag() if native else "",
+    ]
+    return f"{base}_{hashlib.sha1(chr(0).join(parts).encode()).hexdigest()[:8]}"
 
 
 def _build_directory(name: str) -> str | None:
@@ -135,7 +157,8 @@ def _build_lock(build_directory: str | None) -> Iterator[bool]:
     """Hold an OS lock (flock) on ``<build_directory>/kernelstudy.lock`` while this process
     builds or loads an extension; yields whether it is held. The OS releases it when its
     holder dies, so it is never stale; while it is held, no other kernelstudy process is
-    inside torch's build of that directory (no lock where flock is missing, e.g. Windows)."""
+    inside torch's build of that directory (no lock where flock is missing, e.g. Windows;
+    the ninja of a process killed by ``kill -9`` outlives it, without the lock)."""
     try:
         import fcntl
     except ImportError:
@@ -161,26 +184,32 @@ def _build_lock(build_directory: str | None) -> Iterator[bool]:
         f.close()  # closing the file releases its lock
 
 
-def _remove_stale_lock(build_directory: str | None, exclusive: bool = False) -> None:
+def _remove_stale_lock(build_directory: str | None, exclusive: bool = False) -> str | None:
     """Delete the build lock of a killed build (torch would otherwise wait on it forever).
 
     Only for torch versions whose lock is a file that exists while a build runs (FileBaton).
-    With ``exclusive`` (this process holds :func:`_build_lock`, so no other kernelstudy build
-    of this directory is running) any such file was left by a killed build and goes at once:
+    With ``exclusive`` (this process holds :func:`_build_lock`, so no other kernelstudy
+    process is building this directory; a compiler that a ``kill -9`` of its python did not
+    reach may still run to its end beside this build) any such file was left by a killed
+    build and goes at once:
     an age rule alone left a process started soon after the kill waiting forever. Without
     it, only a file older than :data:`STALE_LOCK_SECONDS` goes.
     Newer torch versions take an OS lock (flock) on a file that stays after the build, so
     its age says nothing and removing it would let a second build run beside a live one;
-    the OS releases that lock when its holder dies, so it is never stale."""
+    the OS releases that lock when its holder dies, so it is never stale.
+
+    Returns the message to warn with once the build is over, or None (warned here, under
+    warnings as errors it was taken for a failed build, and the backend stayed off)."""
     if build_directory is None or not _lock_is_a_baton():
-        return
+        return None
     lock = Path(build_directory) / "lock"
     try:
         if exclusive or time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
             lock.unlink()
-            warnings.warn(f"kernelstudy: removed a stale build lock {lock}", RuntimeWarning, 3)
+            return f"kernelstudy: removed a stale build lock {lock}"
     except OSError:
         pass  # no lock (the usual case), or someone else removed it
+    return None
 
 
 @contextlib.contextmanager
@@ -262,13 +291,14 @@ def load_extension(
     if name in _LOADED:
         return _LOADED[name]
     module: ModuleType | None = None
+    removed_lock = None
     reason = _missing_tool(cuda)
     if reason is None:
         try:
             build_directory = _build_directory(name)
             directory = build_directory or _torch_build_directory(name)
             with _build_lock(directory) as exclusive, _ninja_on_path():
-                _remove_stale_lock(directory, exclusive)
+                removed_lock = _remove_stale_lock(directory, exclusive)
                 module = cpp_extension().load(
                     name=name,
                     sources=[str(s) for s in sources],
@@ -283,6 +313,8 @@ def load_extension(
         except Exception as err:  # compiler errors, missing headers, import errors
             reason = f"build failed: {_first_error(err)}"
     _LOADED[name] = module  # first: with warnings as errors _warn raises, and every call
-    if module is None:  # then built again (or, unchanged, reported a wrong cause)
+    if removed_lock is not None:  # then built again (or, unchanged, reported a wrong cause)
+        warnings.warn(removed_lock, RuntimeWarning, stacklevel=2)
+    if module is None:
         _warn(name, reason or "unknown error")
     return module

@@ -142,11 +142,12 @@ def jvp_filled(
     return torch.func.jvp(fn, tuple(inputs), filled)[1]
 
 
-def host_reads_allowed() -> bool:
+def host_reads_allowed(*tensors: torch.Tensor) -> bool:
     """Whether code may read a tensor's value on the host here (``float(t)``, a sync): not
-    while ``torch.compile`` traces (a graph break) nor inside ``torch.func.vmap`` (a batched
-    tensor has no single value: it raises). Code that decides on values takes a path that
-    needs no such decision where this is False."""
-    if torch.compiler.is_compiling():
+    while ``torch.compile`` traces (a graph break), nor inside ``torch.func.vmap`` (a batched
+    tensor has no single value: it raises), nor of ``tensors`` on the meta device (they hold
+    no values: shape inference). Code that decides on values takes a path that needs no
+    such decision where this is False."""
+    if torch.compiler.is_compiling() or any(t.is_meta for t in tensors):
         return False
     return all(i.key() != TransformType.Vmap for i in retrieve_all_functorch_interpreters())

@@ -214,6 +214,23 @@ class FeatureMap(nn.Module):
             raise ValueError(
                 f"x must have last dimension head_dim={self.head_dim}, got shape {tuple(x.shape)}"
             )
+        weight = None if torch.compiler.is_compiling() else self._first_weight()
+        if weight is not None and weight.device != x.device:  # torch's x_cpu @ w_meta gives
+            raise ValueError(  # a CPU tensor of uninitialized memory, not an error
+                f"x is on {x.device}, but the feature map's weights are on {weight.device} "
+                "(move one: fm.to(x.device))"
+            )
+
+    def _first_weight(self) -> torch.Tensor | None:
+        """The first parameter or persistent buffer (tables a map re-makes on the input's
+        device are not persistent), or None for a map without any."""
+        for param in self.parameters():
+            return param
+        for module in self.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None and name not in module._non_persistent_buffers_set:
+                    return buffer
+        return None
 
     def forward(self, x: torch.Tensor, is_query: bool = True) -> torch.Tensor:
         """φ(x): ``(B,H,N,D) → (B,H,N,F)``. ``is_query`` picks query/key behaviour."""

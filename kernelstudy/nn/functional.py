@@ -117,13 +117,15 @@ def kernel_attention(
     dtype = q.dtype
     q, k, v, context = float16_in_float32(q, k, v)
     fm = resolve_feature_map(feature_map, q.shape[-1], q.shape[1])
+    if not isinstance(feature_map, FeatureMap):  # built here: on the inputs' device
+        fm = fm.to(q.device)
     mask = None
     if key_padding_mask is not None:
         mask = check_key_padding_mask(key_padding_mask, k.shape[0], k.shape[2], k.device)
     with context:
         if causal and fm.keys_need_sequence and k.shape[-2] > 0:
             phi_q, phi_k, factors, capped = causal_features(fm, q, k, mask)
-            if host_reads_allowed() and bool(capped):  # one sync; none in compile or vmap
+            if host_reads_allowed(capped) and bool(capped):  # one sync; none in compile, vmap
                 return causal_in_segments(fm, phi_q, k, v, mask, eps, backend).to(dtype)
             phi_q = _rows_times_exp(phi_q, factors)
         else:

@@ -82,8 +82,21 @@ def resolve_attention(
     return "kernel", "elu" if feature_map is None else feature_map
 
 
+def check_positions(positions: object) -> None:
+    """Raise unless ``positions`` is a 1-D integer tensor ``(N,)`` (a batch-shaped ``(1, N)``
+    gave one row that encodes no position)."""
+    if not isinstance(positions, torch.Tensor):
+        raise TypeError(f"positions must be a torch.Tensor, got {type(positions).__name__}")
+    if positions.dim() != 1:
+        raise ValueError(f"positions must be 1-D (N,), got shape {tuple(positions.shape)}")
+    if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
+        raise TypeError(f"positions must be an integer tensor, got {positions.dtype}")
+
+
 def sinusoidal_positions(positions: torch.Tensor, d_model: int) -> torch.Tensor:
     """Vaswani et al. encodings: ``positions (N,)`` long → ``(N, d_model)`` float32 in [-1, 1]."""
+    check_positions(positions)
+    d_model = check_size("d_model", d_model)
     pos = positions.to(torch.float32)[:, None]
     half = torch.arange(0, d_model, 2, device=positions.device, dtype=torch.float32)
     freq = torch.exp(half * (-math.log(10_000.0) / d_model))
@@ -95,10 +108,12 @@ def sinusoidal_positions(positions: torch.Tensor, d_model: int) -> torch.Tensor:
 
 class PositionalEncoding(nn.Module):
     """Position vectors ``(N,) → (N, d_model)``: ``"sinusoidal"`` (any length, no parameters),
-    ``"learned"`` (one vector per position below ``max_len``) or ``"none"`` (zeros)."""
+    ``"learned"`` (one vector per position below ``max_len``) or ``"none"`` (zeros; None
+    too, as ``--model-arg positions=none`` reads it)."""
 
-    def __init__(self, d_model: int, max_len: int, kind: str = "sinusoidal") -> None:
+    def __init__(self, d_model: int, max_len: int, kind: str | None = "sinusoidal") -> None:
         super().__init__()
+        kind = "none" if kind is None else kind
         if kind not in POSITIONS:
             raise ValueError(f"positions must be one of {POSITIONS}, got {kind!r}")
         d_model, max_len = check_size("d_model", d_model), check_size("max_len", max_len)
@@ -109,6 +124,7 @@ class PositionalEncoding(nn.Module):
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         """Encodings of integer ``positions: (N,)`` → ``(N, d_model)`` float."""
+        check_positions(positions)
         if self.kind == "sinusoidal":
             return sinusoidal_positions(positions, self.d_model)
         if self.kind == "none":
@@ -117,7 +133,7 @@ class PositionalEncoding(nn.Module):
             inside = ((positions >= 0) & (positions < self.max_len)).all()
             message = f"positions must lie in [0, max_len={self.max_len}) of the learned encoding"
             torch._assert_async(inside, message)
-        elif positions.numel():
+        elif positions.numel() and not positions.is_meta:
             low, high = torch.stack(list(positions.aminmax())).tolist()  # one sync
             if low < 0:
                 raise ValueError(f"positions must be >= 0, got {low}")
@@ -160,7 +176,7 @@ def check_token_ids(
     if torch.compiler.is_compiling():  # a check in the graph, without a sync on the GPU
         inside = ((input_ids >= 0) & (input_ids < vocab_size)).all()
         torch._assert_async(inside, f"{name} must lie in [0, {vocab_size})")
-    elif input_ids.numel():
+    elif input_ids.numel() and not input_ids.is_meta:  # meta ids hold no values
         lo, hi = int(input_ids.min()), int(input_ids.max())
         if lo < 0 or hi >= vocab_size:
             raise ValueError(f"{name} must lie in [0, {vocab_size}), got values in [{lo}, {hi}]")
@@ -235,7 +251,7 @@ class _SequenceModel(nn.Module):
         attention: str | Mapping[str, Any],
         feature_map: str | Mapping[str, Any] | None,
         feature_map_kwargs: Mapping[str, Any] | None,
-        positions: str,
+        positions: str | None,
         max_len: int,
         causal: bool,
         eps: float,
@@ -332,7 +348,7 @@ class SequenceClassifier(_SequenceModel):
         feature_map: str | Mapping[str, Any] | None = None,
         feature_map_kwargs: Mapping[str, Any] | None = None,
         pooling: str = "mean",
-        positions: str = "sinusoidal",
+        positions: str | None = "sinusoidal",
         max_len: int = 4096,
         head_dim: int | None = None,
         eps: float = 1e-6,
@@ -509,7 +525,7 @@ class CausalLM(_SequenceModel):
         attention: str | Mapping[str, Any] = "kernel",
         feature_map: str | Mapping[str, Any] | None = None,
         feature_map_kwargs: Mapping[str, Any] | None = None,
-        positions: str = "sinusoidal",
+        positions: str | None = "sinusoidal",
         max_len: int = 4096,
         tie_weights: bool = False,
         eps: float = 1e-6,

@@ -303,7 +303,7 @@ def _parse_variant(entry: Any, i: int, path: Path) -> Variant:
 
 def parse_config(raw: dict[str, Any], path: Path) -> SearchConfig:
     """Validate the dict of a config file (``path`` is for messages and relative data paths)."""
-    from ..tasks.registry import split_options, task_class
+    from ..tasks.registry import needs_path, split_options, task_class
 
     known = {"name", "task", "data", "task_options", "model", "train", "search", "space"}
     known |= {"variants", "generate"}
@@ -318,6 +318,8 @@ def parse_config(raw: dict[str, Any], path: Path) -> SearchConfig:
     data = raw.get("data")
     if data is not None and not isinstance(data, str):
         raise ValueError(f"{path}: data must be a path (a str), got {data!r}")
+    if data is not None and not needs_path(raw["task"]):  # as kernelstudy train refuses it
+        raise ValueError(f"{path}: task {raw['task']!r} is synthetic and reads no data (drop data)")
     options = _table(raw, "task_options", path)
     try:
         split_options(raw["task"], options, "train")

@@ -62,9 +62,11 @@ class CopyTask(_LMTask):
     """Copy a random symbol sequence: ``SEP s_1 … s_n SEP s_1 … s_n PAD …``.
 
     Tokens: 0 pad, 1 separator, 2 … ``n_symbols`` + 1 the symbols. The copy length
-    n is uniform in [``min_copy``, ``max_copy``] (default: a quarter to all of the
-    room, ``(seq_len - 2) // 2``). The loss covers the predictions of the second
-    copy: positions n+1 … 2n, whose targets are s_1 … s_n. The setting of
+    n is uniform in [``min_copy``, ``max_copy``]; ``max_copy`` defaults to all of the
+    room, ``(seq_len - 2) // 2``, ``min_copy`` to a quarter of ``max_copy`` (at least 1).
+    Each split draws its own examples; at small settings two splits share many. The loss
+    covers the predictions of the second copy: positions n+1 … 2n, whose targets are
+    s_1 … s_n. The setting of
     "Transformers are RNNs" is ``seq_len=128, n_symbols=10``.
     """
 
@@ -84,9 +86,9 @@ class CopyTask(_LMTask):
         check_split(split)
         self.max_length = check_count("seq_len", seq_len, 4)
         self.n_symbols = check_count("n_symbols", n_symbols, 1)
-        self.vocab_size = n_symbols + 2
+        self.vocab_size = self.n_symbols + 2
         self.separator_id = 1
-        room = (seq_len - 2) // 2
+        room = (self.max_length - 2) // 2
         hi = room if max_copy is None else check_count("max_copy", max_copy, 1)
         lo = max(1, hi // 4) if min_copy is None else check_count("min_copy", min_copy, 1)
         if not lo <= hi <= room:

@@ -11,12 +11,29 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..arguments import check_count
 from ..files import atomic_write
+
+MAX_SEED = 2**64 - 1  # torch.manual_seed's largest
 
 
 def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> Path:
     """``torch.save(state)`` to ``path`` atomically."""
     return atomic_write(path, lambda f: torch.save(state, f))
+
+
+def read_torch_file(
+    path: Path, what: str, map_location: Any = "cpu", weights_only: bool = True
+) -> Any:
+    """``torch.load(path)``; a damaged file (cut short, empty, not torch's) is a ValueError
+    naming ``path`` as not a readable ``what``."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=weights_only)
+    # a file cut short raises any of these, OSError (errno 22) from the zip reader too, and
+    # a file of other bytes a KeyError from the unpickler's memo
+    except (RuntimeError, EOFError, pickle.UnpicklingError, ValueError, OSError, KeyError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"{path} is not a readable {what} ({first})") from None
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[str, Any]:
@@ -25,12 +42,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
-    try:
-        state = torch.load(path, map_location=map_location, weights_only=False)
-    # a file cut short raises any of these, OSError (errno 22) from the zip reader too
-    except (RuntimeError, EOFError, pickle.UnpicklingError, ValueError, OSError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(f"{path} is not a readable checkpoint ({first})") from None
+    state = read_torch_file(path, "checkpoint", map_location, weights_only=False)
     if not isinstance(state, dict):
         raise ValueError(f"{path} is not a checkpoint (a {type(state).__name__}, not a dict)")
     return state
@@ -56,6 +68,11 @@ def set_rng_state(state: dict[str, Any], device: torch.device | str | None = Non
     saved training device's generator goes to it (a run resumed on ``cuda:0`` after
     ``cuda:1`` draws on), else each saved GPU's to the GPU of its index that exists here
     (restoring all of them raised IndexError on a machine with fewer GPUs)."""
+    if not isinstance(state, dict):
+        raise TypeError(f"state must be a dict of get_rng_state(), got {type(state).__name__}")
+    missing = [key for key in ("python", "numpy", "torch") if key not in state]
+    if missing:
+        raise ValueError(f"state must be a dict of get_rng_state(), missing keys {missing}")
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -72,7 +89,8 @@ def seed_everything(seed: int) -> None:
     """Seed Python's, NumPy's and torch's (CPU and CUDA) global generators. Process-wide:
     two trainings in threads of one process share them (dropout draws from torch's), so a
     run is reproducible one per process; run parallel ones in processes, as the search
-    does."""
+    does. ``seed``: an int in [0, 2**64) (torch's generators take 64 bits)."""
+    seed = check_count("seed", seed, 0, MAX_SEED)
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)

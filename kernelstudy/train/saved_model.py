@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from .. import nn as ks_nn
+from .checkpoint import read_torch_file
 from .trainer import MODEL, RECORD
 
 #: The model classes :func:`load_model` rebuilds, by the name ``run.json`` records.
@@ -26,13 +27,14 @@ def load_model(run_dir: str | os.PathLike, device: str | torch.device = "cpu") -
     Built from ``run.json`` (its model class, one of :data:`MODEL_CLASSES`, and the
     constructor config) and loaded with ``model.pt``: the weights of the run's step
     ``model_step`` in ``run.json`` (the best evaluation's with ``restore_best``), read with
-    ``weights_only=True``. A run of a user's own model class has no config to rebuild it
-    from: build the model yourself and load ``model.pt`` into it. A map of one's own must
-    be registered (imported, or listed in ``KERNELSTUDY_FEATURE_MAPS``) first, as for any
-    config that names it. Raises FileNotFoundError for a missing file, ValueError for a
-    record this function cannot rebuild or a run that has not finished (paused, failed or
-    interrupted after an earlier finish: its ``model.pt`` is that finish's, not
-    ``model_step``'s).
+    ``weights_only=True``, in the dtype the run trained in (``run.json``'s ``model.dtype``;
+    for an older record, ``model.pt``'s). A run of a user's own model class has no config
+    to rebuild it from: build the model yourself and load ``model.pt`` into it. A map of
+    one's own must be registered (imported, or listed in ``KERNELSTUDY_FEATURE_MAPS``)
+    first, as for any config that names it. Raises FileNotFoundError for a missing file,
+    ValueError for a damaged file, a record this function cannot rebuild or a run that has
+    not finished (paused, failed or interrupted after an earlier finish: its ``model.pt``
+    is that finish's, not ``model_step``'s).
     """
     run_dir = Path(run_dir)
     record_path, weights_path = run_dir / RECORD, run_dir / MODEL
@@ -42,7 +44,10 @@ def load_model(run_dir: str | os.PathLike, device: str | torch.device = "cpu") -
                 f"no {path.name} in {run_dir}: load_model needs a finished run's folder "
                 f"({RECORD} and {MODEL}, written when a run ends)"
             )
-    record = json.loads(record_path.read_text())
+    try:
+        record = json.loads(record_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{record_path} is not readable JSON ({err})") from None
     saved = record.get("model") if isinstance(record, dict) else None
     name = saved.get("class") if isinstance(saved, dict) else None
     config = saved.get("config") if isinstance(saved, dict) else None
@@ -59,7 +64,28 @@ def load_model(run_dir: str | os.PathLike, device: str | torch.device = "cpu") -
             f"{weights_path} holds an earlier finish's weights, not step "
             f"{record.get('model_step')!r}'s (continue the run to its end first)"
         )
+    state = read_torch_file(weights_path, "model file", device)
+    if not isinstance(state, dict):
+        raise ValueError(f"{weights_path} is not a state dict (a {type(state).__name__})")
+    dtype = _saved_dtype(saved.get("dtype"), state, record_path)
     model = getattr(ks_nn, name)(**config)
-    state = torch.load(weights_path, map_location=device, weights_only=True)
+    if dtype is not None:  # a model trained in float64 or bfloat16 comes back so
+        model = model.to(dtype)
     model.load_state_dict(state)
     return model.to(device).eval()
+
+
+def _saved_dtype(
+    recorded: object, state: dict[str, torch.Tensor], record_path: Path
+) -> torch.dtype | None:
+    """The dtype of the run's parameters: ``run.json``'s ``model.dtype``, or for a run
+    recorded without one the floating tensors' of ``model.pt`` when they share one."""
+    if recorded is not None:
+        dtype = getattr(torch, recorded, None) if isinstance(recorded, str) else None
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(
+                f"{record_path} records model dtype {recorded!r}, not a torch floating dtype"
+            )
+        return dtype
+    dtypes = {t.dtype for t in state.values() if torch.is_tensor(t) and t.is_floating_point()}
+    return dtypes.pop() if len(dtypes) == 1 else None

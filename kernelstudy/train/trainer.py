@@ -25,6 +25,7 @@ from ..nn.modes import module_mode
 from ..progress import tqdm
 from ..tasks.files import check_path
 from .checkpoint import (
+    MAX_SEED,
     get_rng_state,
     load_checkpoint,
     save_checkpoint,
@@ -163,7 +164,7 @@ class TrainConfig:
         positive("eval_every", allow_zero=True)
         positive("eval_batches", optional=True)
         positive("patience", optional=True)
-        positive("seed", allow_zero=True)
+        self.seed = check_count("seed", self.seed, 0, MAX_SEED)  # torch's generators: 64 bits
         if self.seed >= 2**63:
             raise ValueError(f"seed must be < 2**63 (torch's generators), got {self.seed}")
         for name in ("amp", "compile", "progress", "restore_best"):
@@ -316,6 +317,13 @@ def _feature_dim(model: nn.Module) -> int | list[int] | None:
     return dims[0] if len(dims) == 1 else dims
 
 
+def _parameter_dtype(model: nn.Module) -> str | None:
+    """The name of the dtype all of ``model``'s floating parameters have (``"float32"``), or
+    None when they have several or there are none."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    return str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else None
+
+
 def _state_copy(model: nn.Module) -> dict[str, Any]:
     """A CPU copy of ``model.state_dict()``: tensors, and extra state (a random map's seed)."""
     return {
@@ -393,9 +401,15 @@ class Trainer:
                 f"patience (early stopping) on monitor {config.monitor!r} needs val_data"
             )
         self.device = resolve_device(config.device)
-        self.model = model.to(self.device)
+        # a model the caller compiled is trained through its wrapper, and saved and recorded
+        # as the module inside (the wrapper's state dict prefixes every key with _orig_mod.)
+        inner = getattr(model, "_orig_mod", None)
+        compiled = isinstance(inner, nn.Module)
+        self.model = (inner if compiled else model).to(self.device)
         # what the steps call: the model, or compiled whole (its weights are the model's)
         self.run_model = torch.compile(self.model, fullgraph=True) if config.compile else self.model
+        if compiled and not config.compile:
+            self.run_model = model
         self.train_loader = make_loader(
             train_data, config.batch_size, config.seed, True, config.num_workers
         )
@@ -723,6 +737,7 @@ class Trainer:
             "model": {
                 "class": type(self.model).__name__,
                 "config": config_fn() if callable(config_fn) else None,
+                "dtype": _parameter_dtype(self.model),
             },
             "config": self.config.to_dict(),
             "torch": torch.__version__,
