@@ -206,6 +206,18 @@ def out_of_memory(err: BaseException) -> bool:
     )
 
 
+def error_text(err: BaseException) -> str:
+    """``err``'s message for a one-line error; an error raised in a DataLoader worker (torch
+    re-raises it as "Caught ValueError in DataLoader worker process 1." and the worker's
+    traceback) as the worker's own message, its last line."""
+    text = str(err)
+    if text.startswith("Caught ") and "DataLoader worker process" in text.split("\n", 1)[0]:
+        last = [line for line in text.splitlines() if line.strip()][-1]
+        prefix = f"{type(err).__name__}: "
+        return last.removeprefix(prefix)
+    return text
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit code."""
     parser = build_parser()
@@ -223,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except (ValueError, TypeError, OSError) as err:  # OSError: files (--out, --data, ...)
-        print(f"kernelstudy {args.command}: error: {err}", file=sys.stderr)
+        print(f"kernelstudy {args.command}: error: {error_text(err)}", file=sys.stderr)
         return 1
     except (RuntimeError, MemoryError) as err:  # torch's allocation failures: no traceback
         if not out_of_memory(err):

@@ -284,3 +284,24 @@ def test_maps_format_option_is_described(capsys):
         main(["maps", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "--format {table,csv} plain-text table or CSV on stdout (default table)" in out
+
+
+class _Corrupt(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        raise ValueError(f"sample_{i}.png: truncated b'IDAT' chunk")
+
+
+def test_an_error_in_a_loader_worker_is_one_line():
+    """With num_workers the CLI printed torch's "Caught ValueError in DataLoader worker
+    process 0." and 15 lines of the worker's traceback, the message on the last."""
+    from kernelstudy.cli import error_text
+
+    loader = torch.utils.data.DataLoader(_Corrupt(), num_workers=1)
+    with pytest.raises(ValueError) as caught:
+        next(iter(loader))
+    assert str(caught.value).startswith("Caught ValueError in DataLoader worker process 0")
+    assert error_text(caught.value) == "sample_0.png: truncated b'IDAT' chunk"
+    assert error_text(ValueError("a\nb")) == "a\nb"

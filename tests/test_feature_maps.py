@@ -272,6 +272,25 @@ def test_gradients_reach_every_trainable_parameter(name):
     assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
 
 
+@pytest.mark.parametrize("name", ["softplus_ffn", "oglu", "aoglu"])
+def test_regularization_is_float32_under_autocast(name):
+    """The trainer calls regularization() inside its autocast: the Gram matrix was rounded
+    to bfloat16 (a floor of 3e-6 at an orthogonal W, the gradient 25% off near one)."""
+    fm = ks.create_feature_map(name, head_dim=64, seed=0)
+    with torch.no_grad():
+        for p in fm.parameters():
+            p.add_(1e-3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    want = fm.regularization()
+    want_grads = torch.autograd.grad(want, list(fm.parameters()), allow_unused=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = fm.regularization()
+    # the backward outside autocast, as the trainer runs it
+    grads = torch.autograd.grad(got, list(fm.parameters()), allow_unused=True)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    for g, w in zip(grads, want_grads, strict=True):
+        assert (g is None) == (w is None) and (g is None or torch.equal(g, w))
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_regularization(name):
     for shared in (True, False):
@@ -403,6 +422,17 @@ def test_elu_features_keep_their_relative_precision_in_low_precision():
         exact = torch.where(rounded > 0, rounded + 1, rounded.exp())
         phi = make("elu")(x.to(dtype)).double()
         assert ((phi - exact).abs() <= rtol * exact).all(), dtype
+    # relu(x) + exp(min(x, 0)) is the formula's two torch.where, bit for bit, with gradients
+    special = torch.tensor([0.0, -0.0, 1e30, -1e30, math.inf, -math.inf, 1e-45, -1e-45])
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        x = torch.cat([torch.randn(4000) * 5, special]).to(dtype).requires_grad_()
+        positive = x > 0
+        want = torch.where(positive, x + 1.0, torch.exp(torch.where(positive, 0.0, x)))
+        got = ks.create_feature_map("elu", head_dim=x.shape[0])(x)
+        grad_out = torch.randn_like(got)
+        assert torch.equal(got, want), dtype
+        got_grad, want_grad = (torch.autograd.grad(y, x, grad_out)[0] for y in (got, want))
+        assert torch.equal(got_grad, want_grad), dtype
     x = torch.tensor([-1.0, 0.0, 1.0], requires_grad=True)  # elu's slope is 1 at 0 too
     (grad,) = torch.autograd.grad(ks.create_feature_map("elu", head_dim=3)(x).sum(), x)
     assert grad.tolist() == pytest.approx([math.exp(-1), 1.0, 1.0])

@@ -385,6 +385,36 @@ class _AlwaysPrune:
         return True
 
 
+def test_rows_of_nan_logits_are_wrong_and_never_the_best(tmp_path):
+    """argmax of a NaN row is its first NaN's class: a model whose eval outputs were all NaN
+    scored the share of class 0 as accuracy (val_loss NaN), and restore_best kept it."""
+    nan = torch.full((4, 3), float("nan"))
+    label = torch.zeros(4, dtype=torch.long)
+
+    class Constant(nn.Module):
+        def __init__(self, out: torch.Tensor) -> None:
+            super().__init__()
+            self.out = out
+            self.weight = nn.Parameter(torch.zeros(()))
+
+        def forward(self, ids, mask=None):
+            return self.out + self.weight
+
+    _, stats = Objective("classification")(Constant(nan), {"input_ids": nan, "label": label})
+    assert stats["correct"] == 0
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    lm_batch = {"input_ids": ids, "targets": ids}
+    _, stats = Objective("lm")(Constant(torch.full((1, 4, 3), float("nan"))), lm_batch)
+    assert stats["correct"] == 0 and stats["seq_correct"] == 0
+
+    trainer = Trainer(_classifier(), ContainsTask(32), _config(steps=1))
+    trainer.step = 5
+    trainer._update_best({"val_accuracy": 0.5, "val_loss": float("nan")})
+    assert trainer.best["value"] is None and trainer.bad_evals == 1
+    trainer._update_best({"val_accuracy": 0.4, "val_loss": 1.2})
+    assert trainer.best == {"monitor": "val_accuracy", "value": 0.4, "step": 5}
+
+
 def test_lm_objective_scores_only_the_loss_mask():
     logits = torch.randn(2, 5, 7)
 
@@ -962,15 +992,30 @@ class Slow(ContainsTask):  # loading is the bottleneck: the signal finds workers
 import torch
 
 torch.set_num_threads(1)  # as the one_thread fixture: bit-identical sums
-torch.manual_seed(0)
 cfg = _config(steps=150, eval_every=150, num_workers=2, out_dir=str(out))
-Trainer(_classifier(), Slow(64), cfg).fit()
+resumed = sys.argv[2] == "resumed"
+if resumed:  # paused mid-epoch: the resume makes the workers before the signals are deferred
+    torch.manual_seed(0)
+    Trainer(_classifier(), ContainsTask(640), cfg).fit(stop_after=3)
+torch.manual_seed(0)
+Trainer(_classifier(), Slow(640), cfg).fit(resume=resumed)  # 40 batches an epoch
 """
 
 
-def test_ctrl_c_to_the_process_group_with_loader_workers_still_checkpoints(tmp_path):
-    """A terminal's Ctrl-C reaches the DataLoader's workers too; they stop, and the main
-    process still ends its step, saves it, and the run resumes to the same weights."""
+@pytest.mark.parametrize(
+    "signum, resumed",
+    [(signal.SIGINT, False), (signal.SIGTERM, False), (signal.SIGINT, True)],
+    ids=["ctrl_c", "timeout", "ctrl_c_after_a_resume"],
+)
+def test_a_signal_to_the_process_group_with_loader_workers_still_checkpoints(
+    tmp_path, signum, resumed
+):
+    """A terminal's Ctrl-C and ``timeout``'s SIGTERM reach the whole process group: the
+    DataLoader's workers died of them (Ctrl-C survived only in workers forked after the
+    signals were deferred, not on a resumed run), and the run failed with "DataLoader
+    worker exited unexpectedly", its steps since the last checkpoint lost. The workers
+    stand apart (own group, SIGINT ignored); the training process ends its step, saves
+    it, and the run resumes to the same weights."""
     import subprocess
     import sys
     import time
@@ -980,7 +1025,7 @@ def test_ctrl_c_to_the_process_group_with_loader_workers_still_checkpoints(tmp_p
     out.mkdir()
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.Popen(
-        [sys.executable, "-c", _CTRL_C_WITH_LOADER_WORKERS, str(out)],
+        [sys.executable, "-c", _CTRL_C_WITH_LOADER_WORKERS, str(out), str(resumed and "resumed")],
         cwd=root,
         start_new_session=True,  # its own process group, as a terminal's foreground job
         stdout=subprocess.PIPE,
@@ -992,21 +1037,48 @@ def test_ctrl_c_to_the_process_group_with_loader_workers_still_checkpoints(tmp_p
         assert time.monotonic() < deadline, "the run never started loading"
         time.sleep(0.05)
     time.sleep(1.0)  # some steps in
-    os.killpg(proc.pid, signal.SIGINT)
+    os.killpg(proc.pid, signum)
     log = proc.communicate(timeout=120)[0]
-    assert "KeyboardInterrupt" in log and proc.returncode != 0, log[-2000:]
+    assert proc.returncode == -signum, log[-2000:]  # ended by the signal, after its step
     record = json.loads((out / "run.json").read_text())
     assert record["status"] == "interrupted", log[-2000:]
-    assert 0 < record["steps_completed"] < 150 and (out / "checkpoint.pt").is_file()
+    assert 3 < record["steps_completed"] < 150 and (out / "checkpoint.pt").is_file()
 
     cfg = {"steps": 150, "eval_every": 150}
     torch.manual_seed(0)
-    straight = Trainer(_classifier(), ContainsTask(64), _config(**cfg))
+    straight = Trainer(_classifier(), ContainsTask(640), _config(**cfg))
     straight.fit()
-    again = Trainer(_classifier(), ContainsTask(64), _config(out_dir=str(out), **cfg))
+    again = Trainer(_classifier(), ContainsTask(640), _config(out_dir=str(out), **cfg))
     again.fit(resume=True)
     a, b = _params(straight.model), _params(again.model)
     assert again.step == cfg["steps"] and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_loader_of_ones_own_with_persistent_workers_resumes_exactly(tmp_path):
+    """Persistent workers draw their base seed from the loader's generator at the first
+    epoch's iter() only; a resume in a later epoch made a new iterator, which drew it
+    again, and the epoch's order was another."""
+
+    def fit(**kw):
+        data = ContainsTask(64)
+        loader = DataLoader(
+            data,
+            batch_size=16,
+            shuffle=True,
+            num_workers=2,
+            persistent_workers=True,
+            generator=torch.Generator().manual_seed(5),
+        )
+        torch.manual_seed(0)
+        trainer = Trainer(_classifier(), loader, _config(steps=10, eval_every=10, **kw.pop("cfg")))
+        trainer.fit(**kw)
+        return trainer
+
+    straight = fit(cfg={})
+    fit(cfg={"out_dir": str(tmp_path)}, stop_after=6)  # in the second epoch (4 batches each)
+    again = fit(cfg={"out_dir": str(tmp_path)}, resume=True)
+    a, b = _params(straight.model), _params(again.model)
+    assert again.step == 10 and all(torch.equal(a[k], b[k]) for k in a)
 
 
 class _TwoTowers(nn.Module):
@@ -1225,12 +1297,12 @@ def test_seeds_and_rng_states_are_checked_by_name():
     the run's start; set_rng_state({}) was a bare KeyError 'python'."""
     from kernelstudy.train import checkpoint
 
-    checkpoint.seed_everything(2**64 - 1)
-    for seed in (1.5, 2**64, -1, True):
-        with pytest.raises(ValueError, match=r"seed must be an int (>= 0|<= 18446744073709551615)"):
+    checkpoint.seed_everything(2**63 - 1)
+    for seed in (1.5, 2**63, -1, True):
+        with pytest.raises(ValueError, match=r"seed must be an int (>= 0|<= 9223372036854775807)"):
             checkpoint.seed_everything(seed)
-    with pytest.raises(ValueError, match=r"seed must be an int (>= 0|<= 18446744073709551615)"):
-        TrainConfig(seed=2**64)
+    with pytest.raises(ValueError, match=r"seed must be an int (>= 0|<= 9223372036854775807)"):
+        TrainConfig(seed=2**63)
     with pytest.raises(ValueError, match=r"missing keys \['python', 'numpy', 'torch'\]"):
         checkpoint.set_rng_state({"x": 1})
     with pytest.raises(TypeError, match="state must be a dict of get_rng_state"):

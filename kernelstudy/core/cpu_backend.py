@@ -64,13 +64,13 @@ def extension() -> ModuleType | None:
         return _extension
 
 
-@constant_when_traced  # torch.compile asks once, outside the graph
 def extension_name() -> str:
     """The build's name: :data:`EXTENSION_NAME` and a hash of this CPU, torch, Python and
     the sources' folder (:func:`~kernelstudy.core.extensions.build_name`)."""
     return build_name(EXTENSION_NAME, native=True)
 
 
+@constant_when_traced  # torch.compile asks once, outside the graph
 def available() -> bool:
     """Whether the compiled kernel runs here (builds it on first call)."""
     return extension() is not None

@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from ..core.validation import autocast_off
 from .base import fill_on_cpu_
 
 ROW_NORMS = ("chi", "sqrt_d")
@@ -61,7 +62,12 @@ def orthogonal_init_(weight: torch.Tensor, generator: torch.Generator | None = N
 
 
 def orthogonality_penalty(weight: torch.Tensor) -> torch.Tensor:
-    """‖WᵀW − I‖²_F of ``weight: (..., n, m)``, summed over leading indices: a scalar."""
-    gram = weight.transpose(-1, -2) @ weight
-    eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
-    return (gram - eye).square().sum()
+    """‖WᵀW − I‖²_F of ``weight: (..., n, m)``, summed over leading indices: a scalar in at
+    least float32, with autocast off (the trainer's bf16 autocast rounded the Gram matrix:
+    a floor of 3e-6 at an orthogonal W, the gradient 25% off near one)."""
+    dtype = torch.promote_types(weight.dtype, torch.float32)
+    with autocast_off(weight):
+        w = weight.to(dtype)
+        gram = w.transpose(-1, -2) @ w
+        eye = torch.eye(gram.shape[-1], dtype=dtype, device=gram.device)
+        return (gram - eye).square().sum()

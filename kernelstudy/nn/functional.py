@@ -217,6 +217,20 @@ def _log_largest_product(
         return (tops[0] + tops[1]).amax()
 
 
+def _largest_finite_abs(
+    pairs: tuple[tuple[torch.Tensor, tuple[int, ...]], ...],
+) -> list[torch.Tensor]:
+    """max |x| over ``dims`` for each ``(x, dims)``, non-finite entries left out. Reduced
+    without a copy of ``x`` where every result is finite (one sync to tell); else, and
+    where the host may not read values (compile, vmap), through :func:`_finite_abs`,
+    whose copies of a FAVOR+ map's φ(q) and φ(k) cost 9-12% of a causal training step."""
+    tops = [torch.maximum(-x.detach().amin(dims), x.detach().amax(dims)) for x, dims in pairs]
+    if host_reads_allowed(*(x for x, _ in pairs)):
+        if bool(torch.stack([t.isfinite().all() for t in tops]).all()):
+            return tops
+    return [_finite_abs(x).amax(dims) for x, dims in pairs]
+
+
 def _finite_abs(x: torch.Tensor) -> torch.Tensor:
     """``|x|`` with non-finite entries as 0 (they set no bound)."""
     return x.detach().abs().nan_to_num(0.0, 0.0, 0.0)
@@ -319,8 +333,9 @@ def capped_factors(
     dtype = torch.promote_types(phi_q.dtype, log_factor.dtype)
     top = math.log(torch.finfo(phi_q.dtype).max) - SPARE
     with torch.no_grad():
-        q_max = _finite_abs(phi_q).amax(-1).to(dtype).clamp_min(1e-30).log()  # (B,H,N)
-        k_max = _finite_abs(phi_k).amax((-2, -1)).to(dtype).clamp_min(1e-30).log()  # (B,H)
+        q_top, k_top = _largest_finite_abs(((phi_q, (-1,)), (phi_k, (-2, -1))))
+        q_max = q_top.to(dtype).clamp_min(1e-30).log()  # (B,H,N)
+        k_max = k_top.to(dtype).clamp_min(1e-30).log()  # (B,H)
         cap = (top - q_max - k_max[..., None]).clamp(0.0, top)
         log_factor = log_factor.to(dtype)
         return torch.minimum(log_factor, cap), (log_factor > cap).any()

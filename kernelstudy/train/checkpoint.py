@@ -14,7 +14,8 @@ import torch
 from ..arguments import check_count
 from ..files import atomic_write
 
-MAX_SEED = 2**64 - 1  # torch.manual_seed's largest
+#: The largest seed of a run (its generators', its data order's).
+MAX_SEED = 2**63 - 1
 
 
 def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> Path:
@@ -89,7 +90,7 @@ def seed_everything(seed: int) -> None:
     """Seed Python's, NumPy's and torch's (CPU and CUDA) global generators. Process-wide:
     two trainings in threads of one process share them (dropout draws from torch's), so a
     run is reproducible one per process; run parallel ones in processes, as the search
-    does. ``seed``: an int in [0, 2**64) (torch's generators take 64 bits)."""
+    does. ``seed``: an int in [0, :data:`MAX_SEED`]."""
     seed = check_count("seed", seed, 0, MAX_SEED)
     random.seed(seed)
     np.random.seed(seed % 2**32)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Iterator
 from typing import Any
 
@@ -10,10 +12,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 from torch.utils.data.dataloader import default_collate
 
 from ..arguments import check_count, check_flag
-from .checkpoint import get_rng_state, set_rng_state
-
-#: The largest seed torch's generators take.
-MAX_SEED = 2**63 - 1
+from .checkpoint import MAX_SEED, get_rng_state, set_rng_state
 
 
 def epoch_seed(seed: int, epoch: int) -> int:
@@ -94,7 +93,21 @@ def make_loader(
         collate_fn=_collate_of(data),
         num_workers=num_workers,
         generator=generator,
+        worker_init_fn=shielded_worker if num_workers else None,
     )
+
+
+def shielded_worker(worker_id: int) -> None:
+    """A DataLoader ``worker_init_fn``: the worker leaves the training process's group and
+    ignores SIGINT, so that a Ctrl-C or a ``timeout`` (both signal the whole group) reach
+    the training process alone, which ends its step and saves its checkpoint
+    (:class:`~.interrupt.DeferredInterrupt`). A worker that got them died, and the run
+    failed with "DataLoader worker exited unexpectedly", its steps since the last
+    evaluation lost. Workers still end with the training process (torch's watchdog) and
+    when it stops them (SIGTERM to each)."""
+    if hasattr(os, "setpgrp"):
+        os.setpgrp()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _generators(loader: DataLoader) -> list[torch.Generator]:
@@ -113,6 +126,11 @@ class BatchStream:
     any other DataLoader it restores the random states seen when the epoch began,
     re-creates the iterator and skips the consumed batches (so the order is exact as
     long as the loader's randomness comes from torch's generators).
+
+    Results do not depend on the number of workers, and a resume is exact, as long as a
+    Dataset's items do not draw random numbers (augmentation): with workers, an item's
+    draws come from its worker's generator, seeded per worker, not per batch; draw from
+    a generator seeded by (seed, epoch, index) instead. The built-in tasks draw none.
     """
 
     def __init__(self, loader: DataLoader) -> None:
@@ -140,6 +158,10 @@ class BatchStream:
                 "loader": [g.get_state() for g in _generators(self.loader)],
             }
         elif self._epoch_rng is not None:
+            if self.epoch > 0 and self.loader.persistent_workers and self.loader.num_workers:
+                # persistent workers draw their base seed once, at the first epoch's iter();
+                # later epochs draw only the order: so does this resume's epoch
+                iter(self.loader)
             set_rng_state(self._epoch_rng["global"])
             for g, state in zip(_generators(self.loader), self._epoch_rng["loader"], strict=False):
                 g.set_state(state)

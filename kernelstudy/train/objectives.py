@@ -124,7 +124,8 @@ class Objective:
         stats = {
             "loss_sum": loss.detach() * n,
             "count": n,
-            "correct": (logits.argmax(-1) == label).sum(),
+            # a row of NaN logits is no prediction (argmax gives its first NaN's class)
+            "correct": ((logits.argmax(-1) == label) & logits.isfinite().all(-1)).sum(),
         }
         return loss, stats
 
@@ -151,12 +152,13 @@ class Objective:
         token_loss = F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")
         count = scored.sum()
         loss = (token_loss * scored).sum() / count.clamp_min(1)
-        right = (logits.argmax(-1) == targets) | ~scored
+        hit = (logits.argmax(-1) == targets) & logits.isfinite().all(-1)  # NaN: no prediction
+        right = hit | ~scored
         has_scored = scored.any(1)
         stats = {
             "loss_sum": (token_loss.detach() * scored).sum(),
             "count": count,
-            "correct": ((logits.argmax(-1) == targets) & scored).sum(),
+            "correct": (hit & scored).sum(),
             "seq_correct": (right.all(1) & has_scored).sum(),
             "seq_count": has_scored.sum(),
         }

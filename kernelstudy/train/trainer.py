@@ -116,7 +116,8 @@ class TrainConfig:
             0 switches penalties off).
         task_type: ``auto`` (from the data), ``classification``, ``matching`` or ``lm``.
         out_dir: where checkpoint, metrics CSV and run record go (None: nothing written).
-        num_workers: DataLoader workers for Datasets.
+        num_workers: DataLoader workers for Datasets (results do not depend on it, as long
+            as a Dataset's items draw no random numbers: see :class:`~.data.BatchStream`).
         progress: show a tqdm bar.
         restore_best: at the end, load the weights of the best evaluation (of equal
             ones the first; a NaN is never the best).
@@ -164,7 +165,7 @@ class TrainConfig:
         positive("eval_every", allow_zero=True)
         positive("eval_batches", optional=True)
         positive("patience", optional=True)
-        self.seed = check_count("seed", self.seed, 0, MAX_SEED)  # torch's generators: 64 bits
+        self.seed = check_count("seed", self.seed, 0, MAX_SEED)  # refused now, not at the start
         if self.seed >= 2**63:
             raise ValueError(f"seed must be < 2**63 (torch's generators), got {self.seed}")
         for name in ("amp", "compile", "progress", "restore_best"):
@@ -845,9 +846,14 @@ class Trainer:
         value = float(row[cfg.monitor])
         best = self.best["value"]
         # NaN is never an improvement: a NaN best compared False with every later value
-        # (early stopping fired, restore_best loaded the NaN step's weights)
-        better = not math.isnan(value) and (
-            best is None or (value > best if cfg.mode == "max" else value < best)
+        # (early stopping fired, restore_best loaded the NaN step's weights); nor is an
+        # accuracy beside a non-finite loss of the same split (outputs not all finite)
+        loss = row.get(f"{cfg.monitor.split('_', 1)[0]}_loss")
+        finite_loss = loss is None or math.isfinite(float(loss))
+        better = (
+            not math.isnan(value)
+            and finite_loss
+            and (best is None or (value > best if cfg.mode == "max" else value < best))
         )
         if better:
             self.best = {"monitor": cfg.monitor, "value": value, "step": self.step}

@@ -18,7 +18,8 @@ minutes (the 12 others need CUDA itself), and all 178 of the walks', products', 
 and row terms' in 5 minutes (the test that names the walk kernels that run needs CUDA's profiler).
 Timing, occupancy and the GPU's own rounding are not emulated: a pass here is no pass on a GPU.
 ``KS_EMULATOR_DEFINES="-DKS_FP32_BF16X3"`` builds the kernels with those defines (a build
-variant's tests: ``-k "float32 and walk_mma"``).
+variant's tests: ``-k "walk_mma and (float32 or fp32)"``, as ``benchmarks/gpu_session.py``
+runs them).
 """
 
 from __future__ import annotations
