@@ -259,9 +259,9 @@ def exclusive_folder(folder: str | os.PathLike, what: str, clean: bool = False) 
         try:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise FolderBusy(
-                f"another process is running {what} in {folder} (it holds {path}); wait for "
-                "it to end, or give another --out"
+            raise FolderBusy(  # the holder's work is not known here: another study, say
+                f"cannot run {what} in {folder}: another process is at work there (it holds "
+                f"{path}); wait for it to end, or give another --out"
             ) from None
         except OSError as err:  # a file system without locks (some network mounts)
             warnings.warn(

@@ -448,8 +448,9 @@ def run_study(
             refill = sum(i in done for _, i in todo)
             print(
                 f"study {name} ({'quick' if quick else 'full'}, {device}): {len(configs)} "
-                f"configurations, {len(done & set(ids))} already in {results_path}; running "
-                f"{len(todo)}"
+                f"configurations, {len(finished & set(ids))} already in {results_path}"
+                + (f" ({len((finished - done) & set(ids))} recomputed: --force)" if force else "")
+                + f"; running {len(todo)}"
                 + (f" matching {only}" if only else "")
                 + (
                     f" for {', '.join(tables)} only (results.csv and summary.md kept)"
@@ -755,6 +756,7 @@ def load_results(
     quick: bool = True,
     table: str = RESULTS,
     device: str | None = None,
+    config_file: str | os.PathLike | None = None,
 ) -> pd.DataFrame:
     """The rows of study ``name`` from ``ROOT/NAME/results.csv`` (``root`` defaults to
     :func:`results_dir`), or from ``ROOT/NAME/TABLE.csv`` for one of the study's extra tables
@@ -769,7 +771,10 @@ def load_results(
     out, with a warning. The quick and the full run share the file, so rows of one size
     come back: where rows only the quick and rows only the full size has are both there,
     those of ``quick``'s size. Rows of several devices raise a ValueError unless ``device``
-    picks one (their timings are not to be averaged together)."""
+    picks one (their timings are not to be averaged together). ``config_file``: the copy of
+    the study's TOML a run was given (``--config``): its configurations are the current ones
+    (without it, that run's rows were all left out as of configurations the study no longer
+    has), and a study run or table filled here uses it too."""
     _check_name(name)
     if device is not None and device not in DEVICES:
         raise ValueError(f"device must be one of {DEVICES} or None, got {device!r}")
@@ -782,27 +787,31 @@ def load_results(
     # an empty file (0 bytes) is no rows, as for run_study: read as a frame without columns,
     # it failed every notebook with a KeyError
     known = None
-    if not path.is_file() or path.stat().st_size == 0:
+    present = path.is_file() and path.stat().st_size > 0
+    held = set() if table == RESULTS else _ids(_read_results(path.parent / RESULTS_FILE))
+    if held:  # beside results (a full run's, say): fill the table alone where it lacks rows
+        known = _known_ids(name, load_study(name), config_file)
+        missing = held - (_ids(_read_results(path)) if present else set())
+        if missing and (not present or any(ids & missing for ids in known.values())):
+            state = "incomplete" if present else "empty" if path.is_file() else "no"
+            _fill_table(name, quick, device, path, missing, known, state, config_file)
+    elif not present:
         state = "empty" if path.is_file() else "no"
-        held = set() if table == RESULTS else _ids(_read_results(path.parent / RESULTS_FILE))
-        if held:  # beside another run's results (a full one, say): fill the table alone
-            known = _known_ids(name, load_study(name))
-            _fill_table(name, quick, device, path, held, known, state)
-        else:
-            size = "quick" if quick else "full"
-            print(f"{state} {path}: running the {size} '{name}' study", file=sys.stderr)
-            run_study(
-                name,
-                quick=quick,
-                out=path.parent,
-                device=device or "cpu",
-                verbose=False,
-                progress=True,  # a notebook waits minutes here: show how far it is
-            )
+        size = "quick" if quick else "full"
+        print(f"{state} {path}: running the {size} '{name}' study", file=sys.stderr)
+        run_study(
+            name,
+            quick=quick,
+            out=path.parent,
+            device=device or "cpu",
+            verbose=False,
+            progress=True,  # a notebook waits minutes here: show how far it is
+            config_file=config_file,
+        )
     frame = _read_results(path)
     if "config_id" not in frame or frame.empty:
         return frame
-    known = known or _known_ids(name, load_study(name))
+    known = known or _known_ids(name, load_study(name), config_file)
     frame = _one_run(frame, name, quick, device, path, known)
     if table == RESULTS:
         _note_incomplete(frame, name, quick, path, known)
@@ -817,12 +826,17 @@ def _fill_table(
     held: set[str],
     known: dict[tuple[bool, str], set[str]],
     state: str,
+    config_file: str | os.PathLike | None = None,
 ) -> None:
-    """Write extra table ``path`` (missing or empty) for the configurations with rows in
-    ``results.csv`` beside it (``held``: their ids) of one run: ``quick``'s size first, on
-    ``device`` (else the first device that has some), with ``tables_only``. Running the quick
-    study there to fill it replaced a full run's summary.md and figures with quick ones, and
-    added the quick-only configurations' rows to its results.csv. ``known``: :func:`_known_ids`."""
+    """Write extra table ``path`` (missing, empty or incomplete) for the configurations
+    with rows in ``results.csv`` beside it and none in the table (``held``: their ids), with
+    ``tables_only``: ``quick``'s size first, then the other, on ``device`` (else each device
+    that has some). Running the quick study there to fill it replaced a full run's
+    summary.md and figures with quick ones, and added the quick-only configurations' rows to
+    its results.csv; filling one size only left a full run's other configurations out of the
+    table (the rank study's F sweep at N = 512), and a table whose fill was interrupted was
+    read as it was. ``known``: :func:`_known_ids`."""
+    filled = False
     for size in (quick, not quick):
         for dev in [device] if device is not None else DEVICES:
             if known[(size, dev)] & held:
@@ -840,8 +854,12 @@ def _fill_table(
                     verbose=False,
                     tables_only=True,
                     progress=True,
+                    config_file=config_file,
                 )
-                return
+                filled = True
+                held = held - known[(size, dev)]
+    if filled:
+        return
     print(
         f"note: {state} {path}, and no rows in {path.parent / RESULTS_FILE} are of a current "
         f"configuration of study {name!r}" + (f" on {device}" if device else "") + ": "
@@ -931,7 +949,8 @@ def _one_run(
         warnings.warn(
             f"{path}: left out {int((~current).sum())} rows of configurations that study "
             f"{name!r} no longer has (its config changed, or a feature map they name is not "
-            "registered now); rerun it to replace them",
+            "registered now; rows of a run given --config: pass its file as config_file); "
+            "rerun it to replace them",
             UserWarning,
             stacklevel=3,
         )

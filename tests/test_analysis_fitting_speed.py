@@ -557,12 +557,12 @@ def test_a_bad_generation_run_fails_before_any_model_is_touched():
 
     import kernelstudy.analysis.fitting as fitting
 
-    real, fitting.distillation_loss = fitting.distillation_loss, broken
+    real, fitting._distillation_loss = fitting._distillation_loss, broken
     try:
         with pytest.raises(RuntimeError, match="out of memory"):
             ks.analysis.fit_to_softmax(fm, q, q, steps=2)
     finally:
-        fitting.distillation_loss = real
+        fitting._distillation_loss = real
     assert not fm.training
 
 

@@ -441,6 +441,10 @@ def test_out_must_be_a_directory_and_force_is_in_the_provenance(toy_studies, cap
     capsys.readouterr()
     written = [x for x in (out / "summary.md").read_text().splitlines() if x.startswith("Written")]
     assert len(written) == 1 and "--quick --device cpu --force" in written[0]
+    # the start line said "0 already in results.csv" of a forced run over finished rows
+    assert study.main("toy", ["--quick", "--out", str(out), "--force"]) == 0
+    err = capsys.readouterr().err
+    assert "2 already in" in err and "(2 recomputed: --force); running 2" in err
     file = toy_studies / "a_file"
     file.write_text("")
     with pytest.raises(ValueError, match=f"--out {file} exists and is not a directory"):
@@ -698,7 +702,9 @@ def test_a_second_run_into_the_same_out_is_refused(toy_studies):
             [sys.executable, "-c", script], env=env, capture_output=True, text=True
         )
         assert proc.returncode == 1, proc.stderr
-        assert "another process is running study toy in" in proc.stderr
+        assert (
+            "cannot run study toy in" in proc.stderr and "another process is at work" in proc.stderr
+        )
         assert not (out / "results.csv").exists()
         with pytest.raises(FolderBusy), exclusive_folder(out, "a test"):
             pass  # flock is per open file: a second open in this process is refused too
@@ -1080,13 +1086,18 @@ def test_load_results_fills_a_missing_table_without_replacing_the_runs_summary(t
     powers = study.load_results("tabled", root=root, table="powers")  # quick, as notebooks do
     for name, data in kept.items():
         assert (out / name).read_bytes() == data, f"{name} was rewritten"
-    assert "filling it for the quick cpu run's configurations" in capsys.readouterr().err
-    assert sorted(powers.x.unique()) == [1]  # the quick configuration results.csv has
+    err = capsys.readouterr().err
+    assert "filling it for the quick cpu run's configurations" in err  # x = 1 first
+    assert "filling it for the full cpu run's configurations" in err  # then 2 and 3
+    assert sorted(powers.x.unique()) == [1, 2, 3]  # all that results.csv has (x = 1 only, before)
     runs = json.loads((out / "runs.json").read_text())
-    line = runs[f"powers/{powers.config_id[0]}"]
+    line = runs[f"powers/{powers[powers.x == 1].config_id.iloc[0]}"]
     assert "--quick --device cpu --fill-tables" in line  # a command that writes these rows
+    line = runs[f"powers/{powers[powers.x == 3].config_id.iloc[0]}"]
+    assert "--quick" not in line and "--fill-tables" in line
     assert not list(out.glob(".*.tmp"))
-    assert len(study.load_results("tabled", root=root, table="powers")) == 3  # read, not rerun
+    rows = len(powers)
+    assert len(study.load_results("tabled", root=root, table="powers")) == rows  # read, not rerun
     # results.csv has no configuration of the quick size: those of the full run are filled
     toml.write_text("[full]\nxs = [1, 2, 3]\n\n[quick]\nxs = [4, 5]\n")
     (out / "powers.csv").unlink()
@@ -1119,6 +1130,15 @@ def test_rank_spectra_filled_beside_a_full_run_keep_its_summary(rank_toy, one_th
     for name, data in kept.items():
         assert (out / name).read_bytes() == data, f"{name} was rewritten"
     assert sorted(p.name for p in out.glob("*.png")) == sorted(f for f in files if ".png" in f)
+    # every configuration of the full run, not only those it shares with the quick size
+    # (the fill stopped after the first size with any), and a fill cut short is finished
+    held = set(pd.read_csv(out / "results.csv").config_id)
+    assert set(pd.read_csv(out / "spectra.csv").config_id) == held
+    table = pd.read_csv(out / "spectra.csv")
+    cut = sorted(held)[: len(held) // 2]
+    table[~table.config_id.isin(cut)].to_csv(out / "spectra.csv", index=False)
+    study.load_results("rank", root=out.parent, table="spectra")
+    assert set(pd.read_csv(out / "spectra.csv").config_id) == held
 
 
 @pytest.mark.parametrize(
@@ -1981,6 +2001,19 @@ def test_a_study_runs_a_config_file_of_ones_own(toy_studies, capsys):
     mine.write_text("xs = [\n")
     assert study.main("toy", ["--quick", "--out", str(out), "--config", str(mine)]) == 1
     assert "is not valid TOML" in capsys.readouterr().err
+
+
+def test_load_results_reads_the_rows_of_a_config_file_of_ones_own(toy_studies):
+    """load_results had no config_file: every row of a --config run was left out as of
+    configurations the study "no longer has" (the notebooks showed "Not run yet")."""
+    out = toy_studies / "toy"
+    mine = toy_studies / "mine.toml"
+    mine.write_text("[full]\nxs = [5]\n\n[quick]\nxs = [6, 7]\n")
+    study.run_study("toy", quick=True, out=out, verbose=False, config_file=mine)
+    with pytest.warns(UserWarning, match="pass its file as config_file"):
+        assert study.load_results("toy", root=toy_studies).empty
+    frame = study.load_results("toy", root=toy_studies, config_file=mine)
+    assert sorted(frame.x) == [6, 7]
 
 
 def test_a_config_file_of_one_size_runs_again(toy_studies, capsys):

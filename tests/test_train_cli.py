@@ -543,7 +543,7 @@ def test_a_second_train_in_the_same_out_exits_1_and_deletes_nothing(
         for extra in ((), ("--overwrite",)):
             assert main(listops_args(listops, out, "--steps", "4", *extra)) == 1
             err = capsys.readouterr().err
-            assert f"another process is running kernelstudy train in {out}" in err
+            assert f"cannot run kernelstudy train in {out}: another process is at work" in err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert main(listops_args(listops, out, "--steps", "4", "--overwrite")) == 0
 

@@ -31,10 +31,16 @@ def read_torch_file(
     try:
         return torch.load(path, map_location=map_location, weights_only=weights_only)
     # a file cut short raises any of these, OSError (errno 22) from the zip reader too, and
-    # a file of other bytes a KeyError from the unpickler's memo
-    except (RuntimeError, EOFError, pickle.UnpicklingError, ValueError, OSError, KeyError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(f"{path} is not a readable {what} ({first})") from None
+    # a file of other bytes a KeyError from the unpickler's memo; a RuntimeError only from
+    # the zip reader (others are the device's or the allocator's: raised as they are)
+    except RuntimeError as err:
+        if "PytorchStreamReader" not in str(err):
+            raise
+        damaged: Exception = err
+    except (EOFError, pickle.UnpicklingError, ValueError, OSError, KeyError) as err:
+        damaged = err
+    first = str(damaged).strip().splitlines()[0] if str(damaged).strip() else type(damaged).__name__
+    raise ValueError(f"{path} is not a readable {what} ({first})") from None
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[str, Any]:

@@ -124,8 +124,9 @@ class Objective:
         stats = {
             "loss_sum": loss.detach() * n,
             "count": n,
-            # a row of NaN logits is no prediction (argmax gives its first NaN's class)
-            "correct": ((logits.argmax(-1) == label) & logits.isfinite().all(-1)).sum(),
+            # a row with NaN logits is no prediction (argmax gives its first NaN's class);
+            # one with -inf logits (classes a model masks) is
+            "correct": ((logits.argmax(-1) == label) & ~logits.isnan().any(-1)).sum(),
         }
         return loss, stats
 
@@ -152,7 +153,7 @@ class Objective:
         token_loss = F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")
         count = scored.sum()
         loss = (token_loss * scored).sum() / count.clamp_min(1)
-        hit = (logits.argmax(-1) == targets) & logits.isfinite().all(-1)  # NaN: no prediction
+        hit = (logits.argmax(-1) == targets) & ~logits.isnan().any(-1)  # NaN: no prediction
         right = hit | ~scored
         has_scored = scored.any(1)
         stats = {

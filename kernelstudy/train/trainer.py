@@ -25,7 +25,6 @@ from ..nn.modes import module_mode
 from ..progress import tqdm
 from ..tasks.files import check_path
 from .checkpoint import (
-    MAX_SEED,
     get_rng_state,
     load_checkpoint,
     save_checkpoint,
@@ -165,7 +164,7 @@ class TrainConfig:
         positive("eval_every", allow_zero=True)
         positive("eval_batches", optional=True)
         positive("patience", optional=True)
-        self.seed = check_count("seed", self.seed, 0, MAX_SEED)  # refused now, not at the start
+        positive("seed", allow_zero=True)
         if self.seed >= 2**63:
             raise ValueError(f"seed must be < 2**63 (torch's generators), got {self.seed}")
         for name in ("amp", "compile", "progress", "restore_best"):
@@ -846,14 +845,10 @@ class Trainer:
         value = float(row[cfg.monitor])
         best = self.best["value"]
         # NaN is never an improvement: a NaN best compared False with every later value
-        # (early stopping fired, restore_best loaded the NaN step's weights); nor is an
-        # accuracy beside a non-finite loss of the same split (outputs not all finite)
-        loss = row.get(f"{cfg.monitor.split('_', 1)[0]}_loss")
-        finite_loss = loss is None or math.isfinite(float(loss))
-        better = (
-            not math.isnan(value)
-            and finite_loss
-            and (best is None or (value > best if cfg.mode == "max" else value < best))
+        # (early stopping fired, restore_best loaded the NaN step's weights); rows of NaN
+        # outputs count as wrong in an accuracy (Objective)
+        better = not math.isnan(value) and (
+            best is None or (value > best if cfg.mode == "max" else value < best)
         )
         if better:
             self.best = {"monitor": cfg.monitor, "value": value, "step": self.step}
