@@ -789,12 +789,10 @@ def load_results(
     known = None
     present = path.is_file() and path.stat().st_size > 0
     held = set() if table == RESULTS else _ids(_read_results(path.parent / RESULTS_FILE))
-    if held:  # beside results (a full run's, say): fill the table alone where it lacks rows
+    if held and not present:  # beside results (a full run's, say): fill the table alone
         known = _known_ids(name, load_study(name), config_file)
-        missing = held - (_ids(_read_results(path)) if present else set())
-        if missing and (not present or any(ids & missing for ids in known.values())):
-            state = "incomplete" if present else "empty" if path.is_file() else "no"
-            _fill_table(name, quick, device, path, missing, known, state, config_file)
+        state = "empty" if path.is_file() else "no"
+        _fill_table(name, quick, device, path, held, known, state, config_file)
     elif not present:
         state = "empty" if path.is_file() else "no"
         size = "quick" if quick else "full"
@@ -812,10 +810,40 @@ def load_results(
     if "config_id" not in frame or frame.empty:
         return frame
     known = known or _known_ids(name, load_study(name), config_file)
+    if table != RESULTS:
+        _note_unfilled(_ids(frame), held, name, quick, path, known)
     frame = _one_run(frame, name, quick, device, path, known)
     if table == RESULTS:
         _note_incomplete(frame, name, quick, path, known)
     return frame
+
+
+def _note_unfilled(
+    ids: set[str],
+    held: set[str],
+    name: str,
+    quick: bool,
+    path: Path,
+    known: dict[tuple[bool, str], set[str]],
+) -> None:
+    """Say on stderr, for each run (size, device), when extra table ``path`` (``ids``: the
+    configurations it has rows of) lacks configurations of that run that ``results.csv``
+    beside it holds (``held``), and how to fill them: a table filled for one size beside a
+    run of the other (a full rank run's F sweep at N = 512), or whose fill was cut short,
+    came back partial without a word. They are not computed here: a notebook's read would
+    train models for minutes. ``quick``'s size first."""
+    for size in (quick, not quick):
+        for device in DEVICES:
+            lacking = (held & known[(size, device)]) - ids
+            if lacking:
+                flags = (" --quick" if size else "") + f" --device {device}"
+                print(
+                    f"note: {path} has no rows for {len(lacking)} of the configurations "
+                    f"{path.parent / RESULTS_FILE} holds of the {'quick' if size else 'full'} "
+                    f"{device} run: `kernelstudy study {name}{flags} --fill-tables --out "
+                    f"{shlex.quote(str(path.parent))}` computes them",
+                    file=sys.stderr,
+                )
 
 
 def _fill_table(
@@ -828,15 +856,13 @@ def _fill_table(
     state: str,
     config_file: str | os.PathLike | None = None,
 ) -> None:
-    """Write extra table ``path`` (missing, empty or incomplete) for the configurations
-    with rows in ``results.csv`` beside it and none in the table (``held``: their ids), with
-    ``tables_only``: ``quick``'s size first, then the other, on ``device`` (else each device
-    that has some). Running the quick study there to fill it replaced a full run's
-    summary.md and figures with quick ones, and added the quick-only configurations' rows to
-    its results.csv; filling one size only left a full run's other configurations out of the
-    table (the rank study's F sweep at N = 512), and a table whose fill was interrupted was
-    read as it was. ``known``: :func:`_known_ids`."""
-    filled = False
+    """Write extra table ``path`` (missing or empty) for the configurations with rows in
+    ``results.csv`` beside it (``held``: their ids) of one run: ``quick``'s size first, on
+    ``device`` (else the first device that has some), with ``tables_only``. Running the quick
+    study there to fill it replaced a full run's summary.md and figures with quick ones, and
+    added the quick-only configurations' rows to its results.csv. The run's configurations
+    this does not fill (those of another size) are named by :func:`_note_unfilled`, not
+    computed. ``known``: :func:`_known_ids`."""
     for size in (quick, not quick):
         for dev in [device] if device is not None else DEVICES:
             if known[(size, dev)] & held:
@@ -856,10 +882,7 @@ def _fill_table(
                     progress=True,
                     config_file=config_file,
                 )
-                filled = True
-                held = held - known[(size, dev)]
-    if filled:
-        return
+                return
     print(
         f"note: {state} {path}, and no rows in {path.parent / RESULTS_FILE} are of a current "
         f"configuration of study {name!r}" + (f" on {device}" if device else "") + ": "

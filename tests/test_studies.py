@@ -1087,17 +1087,16 @@ def test_load_results_fills_a_missing_table_without_replacing_the_runs_summary(t
     for name, data in kept.items():
         assert (out / name).read_bytes() == data, f"{name} was rewritten"
     err = capsys.readouterr().err
-    assert "filling it for the quick cpu run's configurations" in err  # x = 1 first
-    assert "filling it for the full cpu run's configurations" in err  # then 2 and 3
-    assert sorted(powers.x.unique()) == [1, 2, 3]  # all that results.csv has (x = 1 only, before)
+    assert "filling it for the quick cpu run's configurations" in err
+    assert sorted(powers.x.unique()) == [1]  # the quick configuration results.csv has
+    # the full run's others are named, with the command that fills them, not computed (a
+    # notebook's read would train models): they were left out without a word
+    assert "has no rows for 2 of the configurations" in err and "--device cpu --fill-tables" in err
     runs = json.loads((out / "runs.json").read_text())
-    line = runs[f"powers/{powers[powers.x == 1].config_id.iloc[0]}"]
+    line = runs[f"powers/{powers.config_id[0]}"]
     assert "--quick --device cpu --fill-tables" in line  # a command that writes these rows
-    line = runs[f"powers/{powers[powers.x == 3].config_id.iloc[0]}"]
-    assert "--quick" not in line and "--fill-tables" in line
     assert not list(out.glob(".*.tmp"))
-    rows = len(powers)
-    assert len(study.load_results("tabled", root=root, table="powers")) == rows  # read, not rerun
+    assert len(study.load_results("tabled", root=root, table="powers")) == 3  # read, not rerun
     # results.csv has no configuration of the quick size: those of the full run are filled
     toml.write_text("[full]\nxs = [1, 2, 3]\n\n[quick]\nxs = [4, 5]\n")
     (out / "powers.csv").unlink()
@@ -1130,15 +1129,6 @@ def test_rank_spectra_filled_beside_a_full_run_keep_its_summary(rank_toy, one_th
     for name, data in kept.items():
         assert (out / name).read_bytes() == data, f"{name} was rewritten"
     assert sorted(p.name for p in out.glob("*.png")) == sorted(f for f in files if ".png" in f)
-    # every configuration of the full run, not only those it shares with the quick size
-    # (the fill stopped after the first size with any), and a fill cut short is finished
-    held = set(pd.read_csv(out / "results.csv").config_id)
-    assert set(pd.read_csv(out / "spectra.csv").config_id) == held
-    table = pd.read_csv(out / "spectra.csv")
-    cut = sorted(held)[: len(held) // 2]
-    table[~table.config_id.isin(cut)].to_csv(out / "spectra.csv", index=False)
-    study.load_results("rank", root=out.parent, table="spectra")
-    assert set(pd.read_csv(out / "spectra.csv").config_id) == held
 
 
 @pytest.mark.parametrize(
