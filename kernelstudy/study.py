@@ -811,7 +811,7 @@ def load_results(
         return frame
     known = known or _known_ids(name, load_study(name), config_file)
     if table != RESULTS:
-        _note_unfilled(_ids(frame), held, name, quick, path, known)
+        _note_unfilled(_ids(frame), held, name, quick, path, known, config_file)
     frame = _one_run(frame, name, quick, device, path, known)
     if table == RESULTS:
         _note_incomplete(frame, name, quick, path, known)
@@ -825,23 +825,30 @@ def _note_unfilled(
     quick: bool,
     path: Path,
     known: dict[tuple[bool, str], set[str]],
+    config_file: str | os.PathLike | None = None,
 ) -> None:
     """Say on stderr, for each run (size, device), when extra table ``path`` (``ids``: the
     configurations it has rows of) lacks configurations of that run that ``results.csv``
     beside it holds (``held``), and how to fill them: a table filled for one size beside a
     run of the other (a full rank run's F sweep at N = 512), or whose fill was cut short,
     came back partial without a word. They are not computed here: a notebook's read would
-    train models for minutes. ``quick``'s size first."""
+    train models for minutes. A configuration both sizes have is ``quick``'s size's."""
+    claimed: set[str] = set()
     for size in (quick, not quick):
         for device in DEVICES:
-            lacking = (held & known[(size, device)]) - ids
+            run = held & known[(size, device)]
+            lacking = run - ids - claimed
+            claimed |= run
             if lacking:
                 flags = (" --quick" if size else "") + f" --device {device}"
+                if config_file is not None:
+                    flags += f" --config {shlex.quote(str(config_file))}"
                 print(
                     f"note: {path} has no rows for {len(lacking)} of the configurations "
                     f"{path.parent / RESULTS_FILE} holds of the {'quick' if size else 'full'} "
                     f"{device} run: `kernelstudy study {name}{flags} --fill-tables --out "
-                    f"{shlex.quote(str(path.parent))}` computes them",
+                    f"{shlex.quote(str(path.parent))}` computes them (and that run's "
+                    "configurations not yet in results.csv, if any)",
                     file=sys.stderr,
                 )
 

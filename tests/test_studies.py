@@ -1116,6 +1116,28 @@ def test_load_results_fills_a_missing_table_without_replacing_the_runs_summary(t
         study.run_study("toy", out=toy_studies / "toy", tables_only=True)
 
 
+def test_a_table_lacking_rows_is_named_once_with_the_command_of_its_run(toy_studies, capsys):
+    """A configuration both sizes have was named under both runs: beside a quick-only run
+    the note also gave the full run's command (the whole full study); with --config, the
+    command left the file out."""
+    toml = toy_studies / "studies" / "tabled.toml"
+    toml.write_text("[full]\nxs = [1, 2, 3]\n\n[quick]\nxs = [1, 4]\n")  # 1: both sizes
+    root = toy_studies / "res"
+    out = root / "tabled"
+    study.run_study("tabled", quick=True, out=out, verbose=False)
+    powers = pd.read_csv(out / "powers.csv")
+    powers[powers.x != 1].to_csv(out / "powers.csv", index=False)  # a fill cut short
+    capsys.readouterr()
+    study.load_results("tabled", root=root, table="powers")
+    notes = [x for x in capsys.readouterr().err.splitlines() if x.startswith("note:")]
+    assert len(notes) == 1 and "has no rows for 1 of the configurations" in notes[0]
+    assert "of the quick cpu run: `kernelstudy study tabled --quick --device cpu" in notes[0]
+    mine = toy_studies / "mine.toml"
+    mine.write_text("[full]\nxs = [1, 2, 3]\n\n[quick]\nxs = [1, 4]\n")
+    study.load_results("tabled", root=root, table="powers", config_file=mine)
+    assert f"--config {mine}" in capsys.readouterr().err
+
+
 def test_rank_spectra_filled_beside_a_full_run_keep_its_summary(rank_toy, one_thread):
     """The rank notebook's load("rank", table="spectra") over full results without
     spectra.csv rewrote their summary.md at the quick size (and its figures)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -408,8 +409,13 @@ def test_rows_of_nan_logits_are_wrong_and_never_the_best(tmp_path):
     _, stats = Objective("lm")(Constant(torch.full((1, 4, 3), float("nan"))), lm_batch)
     assert stats["correct"] == 0 and stats["seq_correct"] == 0
 
-    # -inf logits (classes a model masks) still predict, and an inf loss (a label among
-    # them) does not keep the evaluation from being the best
+    # a +inf logit (float16 overflow) makes the row's loss NaN: no prediction either
+    inf_row = torch.tensor([[math.inf, 0.0], [0.0, 1.0]])
+    _, stats = Objective("classification")(
+        Constant(inf_row), {"input_ids": nan, "label": torch.tensor([0, 1])}
+    )
+    assert stats["correct"] == 1
+    # -inf logits (classes a model masks) still predict
     masked = torch.tensor([[0.0, 2.0, -math.inf], [3.0, -math.inf, 1.0]])
     label = torch.tensor([1, 0])
     _, stats = Objective("classification")(Constant(masked), {"input_ids": nan, "label": label})
@@ -1549,6 +1555,21 @@ def test_load_model_names_a_damaged_file(tmp_path):
     (out / "run.json").write_text(record[: len(record) // 2])
     with pytest.raises(ValueError, match=r"run\.json is not readable JSON"):
         load_model(out)
+
+
+def test_a_damaged_file_of_the_legacy_format_is_a_value_error(tmp_path):
+    """torch's legacy (non-zip) reader reports a file cut short as RuntimeError "unexpected
+    EOF", which escaped once only the zip reader's RuntimeErrors were taken as damage."""
+    from kernelstudy.train.checkpoint import load_checkpoint
+
+    path = tmp_path / "checkpoint.pt"
+    buffer = io.BytesIO()
+    torch.save({"step": 1, "w": torch.zeros(100)}, buffer, _use_new_zipfile_serialization=False)
+    data = buffer.getvalue()
+    for damaged in (data[:-50], data[: len(data) // 2]):
+        path.write_bytes(damaged)
+        with pytest.raises(ValueError, match="is not a readable checkpoint"):
+            load_checkpoint(path)
 
 
 def test_load_model_refuses_a_run_continued_past_its_finish(tmp_path, recwarn):

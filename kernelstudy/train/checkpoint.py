@@ -31,13 +31,14 @@ def read_torch_file(
     try:
         return torch.load(path, map_location=map_location, weights_only=weights_only)
     # a file cut short raises any of these, OSError (errno 22) from the zip reader too, and
-    # a file of other bytes a KeyError from the unpickler's memo; a RuntimeError only from
-    # the zip reader (others are the device's or the allocator's: raised as they are)
+    # a file of other bytes a KeyError or IndexError from the unpickler; a RuntimeError of
+    # the device or the allocator is not the file's: raised as it is
     except RuntimeError as err:
-        if "PytorchStreamReader" not in str(err):
+        text = str(err).lower()
+        if any(w in text for w in ("cuda", "device", "out of memory", "allocate")):
             raise
         damaged: Exception = err
-    except (EOFError, pickle.UnpicklingError, ValueError, OSError, KeyError) as err:
+    except (EOFError, pickle.UnpicklingError, ValueError, OSError, KeyError, IndexError) as err:
         damaged = err
     first = str(damaged).strip().splitlines()[0] if str(damaged).strip() else type(damaged).__name__
     raise ValueError(f"{path} is not a readable {what} ({first})") from None

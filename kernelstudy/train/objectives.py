@@ -124,9 +124,9 @@ class Objective:
         stats = {
             "loss_sum": loss.detach() * n,
             "count": n,
-            # a row with NaN logits is no prediction (argmax gives its first NaN's class);
-            # one with -inf logits (classes a model masks) is
-            "correct": ((logits.argmax(-1) == label) & ~logits.isnan().any(-1)).sum(),
+            # a row with NaN or +inf logits is no prediction (argmax gives its first NaN's
+            # class; its loss is NaN); one with -inf logits (classes a model masks) is
+            "correct": ((logits.argmax(-1) == label) & _predicts(logits)).sum(),
         }
         return loss, stats
 
@@ -153,7 +153,7 @@ class Objective:
         token_loss = F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")
         count = scored.sum()
         loss = (token_loss * scored).sum() / count.clamp_min(1)
-        hit = (logits.argmax(-1) == targets) & ~logits.isnan().any(-1)  # NaN: no prediction
+        hit = (logits.argmax(-1) == targets) & _predicts(logits)
         right = hit | ~scored
         has_scored = scored.any(1)
         stats = {
@@ -173,3 +173,9 @@ class Objective:
         if "seq_count" in sums:
             out["sequence_accuracy"] = sums["seq_correct"] / max(sums["seq_count"], 1.0)
         return out
+
+
+def _predicts(logits: torch.Tensor) -> torch.Tensor:
+    """``(..., C) → (...)`` bool: rows that make a prediction, without NaN or +inf (-inf,
+    a class a model masks, is allowed)."""
+    return ~(logits.isnan() | logits.isposinf()).any(-1)
