@@ -12,7 +12,7 @@ from torch import nn
 
 from .. import nn as ks_nn
 from .checkpoint import read_torch_file
-from .trainer import MODEL, RECORD
+from .trainer import MODEL, RECORD, common_float_dtype
 
 #: The model classes :func:`load_model` rebuilds, by the name ``run.json`` records.
 MODEL_CLASSES = ("SequenceClassifier", "MatchingClassifier", "CausalLM")
@@ -87,5 +87,4 @@ def _saved_dtype(
                 f"{record_path} records model dtype {recorded!r}, not a torch floating dtype"
             )
         return dtype
-    dtypes = {t.dtype for t in state.values() if torch.is_tensor(t) and t.is_floating_point()}
-    return dtypes.pop() if len(dtypes) == 1 else None
+    return common_float_dtype(state.values())

@@ -317,11 +317,18 @@ def _feature_dim(model: nn.Module) -> int | list[int] | None:
     return dims[0] if len(dims) == 1 else dims
 
 
+def common_float_dtype(tensors: Iterable[Any]) -> torch.dtype | None:
+    """The dtype all floating tensors among ``tensors`` have, or None when they have several
+    or there are none (other values are passed over)."""
+    dtypes = {t.dtype for t in tensors if torch.is_tensor(t) and t.is_floating_point()}
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
 def _parameter_dtype(model: nn.Module) -> str | None:
     """The name of the dtype all of ``model``'s floating parameters have (``"float32"``), or
-    None when they have several or there are none."""
-    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    return str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else None
+    None (:func:`common_float_dtype`)."""
+    dtype = common_float_dtype(model.parameters())
+    return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def _state_copy(model: nn.Module) -> dict[str, Any]:
@@ -406,10 +413,12 @@ class Trainer:
         inner = getattr(model, "_orig_mod", None)
         compiled = isinstance(inner, nn.Module)
         self.model = (inner if compiled else model).to(self.device)
-        # what the steps call: the model, or compiled whole (its weights are the model's)
-        self.run_model = torch.compile(self.model, fullgraph=True) if config.compile else self.model
-        if compiled and not config.compile:
-            self.run_model = model
+        # what the steps call: compiled whole (its weights are the model's), the caller's
+        # compiled wrapper, or the model
+        if config.compile:
+            self.run_model = torch.compile(self.model, fullgraph=True)
+        else:
+            self.run_model = model if compiled else self.model
         self.train_loader = make_loader(
             train_data, config.batch_size, config.seed, True, config.num_workers
         )
