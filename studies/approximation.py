@@ -217,6 +217,8 @@ def _run_map(config: dict, device: str) -> pd.DataFrame:
 
 
 def _mean_sd(values: pd.Series) -> str:
+    if len(values) == 0:  # that kind was not run (e.g. ``--only orthogonal=False``)
+        return "–"
     if len(values) < 2:
         return f"{values.mean():.3g}"
     with np.errstate(invalid="ignore"):  # an inf MSE: the sd is NaN
@@ -290,7 +292,11 @@ def performer_table(frame: pd.DataFrame, metric: str = "attention_mse") -> pd.Da
         ratios = _paired_log_ratios(group)
         mean, lo, hi = _interval(ratios)
         paired = f"{math.exp(mean):.3g} [{math.exp(lo):.3g}, {math.exp(hi):.3g}]"
-        if not np.isfinite(ratios).all():
+        if len(ratios) == 0:  # no seed has both kinds
+            paired = "–"
+        elif len(ratios) == 1 and np.isfinite(ratios).all():
+            paired = f"{math.exp(mean):.3g} (1 seed: no interval)"
+        elif not np.isfinite(ratios).all():
             paired = f"– ({int((~np.isfinite(ratios)).sum())} seeds with an MSE of 0 or inf)"
         row = dict(zip(keys, key, strict=True))
         row.update(
@@ -343,14 +349,16 @@ def _beats_uniform(kl: pd.Series, uniform: pd.Series) -> str:
     """Whether a map's attention KL is below uniform attention's, paired by seed (each seed's
     data is shared by every map): "yes"/"no" where the 95% t interval of the per-seed log
     ratio map/uniform excludes 0, else "not resolved"; a single seed is compared as is (no
-    spread to measure); "–" without a KL (signed maps: no distribution to compare)."""
+    spread to measure) and marked so, as is a verdict on a KL of 0 or inf (its sign); "–"
+    without a KL (signed maps: no distribution to compare)."""
     both = kl.index.intersection(uniform.index)
     with np.errstate(divide="ignore", invalid="ignore"):
         d = np.log(kl[both].to_numpy(dtype=float)) - np.log(uniform[both].to_numpy(dtype=float))
     if len(d) == 0 or np.isnan(d).any():
         return "–"
     if len(d) == 1 or np.isinf(d).any():  # one seed, or a KL of 0 or inf: the sign decides
-        return "yes" if (d < 0).all() else "no" if (d > 0).all() else "not resolved"
+        sign = "yes" if (d < 0).all() else "no" if (d > 0).all() else "not resolved"
+        return f"{sign} ({'1 seed' if len(d) == 1 else 'a KL of 0 or inf'}: by sign)"
     half = _t_quantile(len(d)) * d.std(ddof=1) / math.sqrt(len(d))
     return _sign(d.mean() - half, d.mean() + half, "yes", "no")
 
@@ -364,9 +372,12 @@ def maps_table(frame: pd.DataFrame) -> pd.DataFrame:
     maps["stage"] = maps["stage"].where(maps["method"] != "uniform", "baseline")
     maps["F"] = maps["feature_dim"].map(lambda f: "–" if pd.isna(f) else str(int(f)))
     metrics = ["attention_mse", "attention_kl", "output_rel_error"]
-    table = (
+    keys = ["std", "method", "stage", "F", "metric"]
+    table = (  # the mean over seeds of each seed's mean (uniform has a row per map run)
         maps[maps["metric"].isin(metrics)]
-        .groupby(["std", "method", "stage", "F", "metric"])["value"]
+        .groupby([*keys, "seed"])["value"]
+        .mean()
+        .groupby(keys)
         .mean()
         .unstack("metric")
         .reset_index()
@@ -532,7 +543,13 @@ def summarize(frame: pd.DataFrame, params: dict) -> str:
     if not (frame["part"] == "maps").any():
         parts.append(not_run_section("Every registered map at a matched F", "maps"))
     else:
-        seeds = frame[frame["part"] == "maps"]["seed"].nunique()
+        maps = frame[frame["part"] == "maps"]
+        counts = maps.groupby(["std", "method", "stage", "map"], dropna=False)["seed"].nunique()
+        configured = params.get("map_seeds")
+        lo, hi = counts.min(), counts.max()
+        seeds = f"{lo} seed(s)" if lo == hi else f"{lo}–{hi} seed(s)"
+        if configured is not None and not (counts == configured).all():
+            seeds += f" (of {configured} configured: a partial run)"
         extra = params.get("extra_maps") or []  # their labels name their hyperparameters
         parts.append(
             "## Every registered map"
@@ -540,9 +557,10 @@ def summarize(frame: pd.DataFrame, params: dict) -> str:
             + f" at F = {params['map_feature_dim']} where its size can "
             "be set (maps whose F follows from D keep their own: F column) (held-out data; "
             f"learned maps before/after {params['fit_steps']} steps of fit_to_softmax on "
-            f"{params['fit_batch']} other sequences; means over {seeds} seed(s))\n\n"
+            f"{params['fit_batch']} other sequences; means over {seeds})\n\n"
             "Beats uniform (KL): paired by seed (shared data), yes/no where the 95% t interval "
-            "of the per-seed log ratio of KLs map/uniform excludes 0.\n\n"
+            "of the per-seed log ratio of KLs map/uniform excludes 0; a row of one seed, or "
+            "with a KL of 0 or inf, is decided by the sign of the difference, and says so.\n\n"
             + markdown_table(maps_table(frame))
         )
     return "\n\n".join(parts)

@@ -227,10 +227,12 @@ def test_rank_of_known_matrices():
     assert (zero["numerical_rank"], zero["effective_rank"], zero["stable_rank"]) == (0, 0.0, 0.0)
 
 
-@pytest.mark.parametrize("scale", [1e-200, 1e-160, 1e160, 1e200])
+@pytest.mark.parametrize("scale", [1e-305, 1e-200, 1e-160, 1e160, 1e200, 1e308])
 def test_effective_and_stable_ranks_do_not_depend_on_the_matrix_scale(scale):
-    """Both are scale-free: ‖A‖_F²/‖A‖_2² overflowed past 1e154 and divided by 0 below 1e-162."""
+    """Both are scale-free: ‖A‖_F²/‖A‖_2² overflowed past 1e154 and divided by 0 below 1e-162;
+    a finite A near float64's top had σ_max = inf (numerical rank 0, stable rank NaN)."""
     a = np.random.default_rng(0).normal(size=(3, 3))
+    a /= np.abs(a).max()  # entries up to 1e308 at the largest scale, σ_max past float64's top
     s = np.linalg.svd(a, compute_uv=False)
     p = s / s.sum()
     base = ks.analysis.attention_rank(a)
@@ -240,6 +242,8 @@ def test_effective_and_stable_ranks_do_not_depend_on_the_matrix_scale(scale):
     assert r["stable_rank"] == pytest.approx(base["stable_rank"], rel=1e-12)
     assert r["effective_rank"] == pytest.approx(base["effective_rank"], rel=1e-12)
     assert r["numerical_rank"] == 3
+    assert r["tol"] == pytest.approx(scale * base["tol"], rel=1e-12)
+    assert ks.analysis.attention_rank(scale * a, tol=scale * 1e-3)["numerical_rank"] == 3
 
 
 def test_rank_of_a_cross_attention_matrix():

@@ -549,7 +549,55 @@ def test_maps_without_a_kl_get_no_verdict_against_uniform():
     ]  # fmt: skip
     table = study.load_study("approximation").maps_table(pd.DataFrame(rows))
     verdicts = dict(zip(table["method"], table["beats uniform (KL)"], strict=True))
-    assert verdicts == {"uniform": "–", "elu": "yes", "relu": "no", "trig_rf": "–"}
+    assert verdicts == {
+        "uniform": "–",
+        "elu": "yes (1 seed: by sign)",  # one seed: no interval, and the row says so
+        "relu": "no (1 seed: by sign)",
+        "trig_rf": "–",
+    }
+
+
+def test_partial_maps_part_is_summarized_as_partial():
+    """With elu at one seed of three (``--only seed=0``, or a new extra_maps entry tried at one
+    seed), the summary said "means over 3 seed(s)" and that every yes/no came from a t
+    interval (elu's was the sign of one difference), and uniform's mean weighted each seed
+    by how many map runs it had."""
+    approximation = study.load_study("approximation")
+    rows = [
+        {"part": "maps", "std": 1.0, "method": m, "map": m, "stage": st, "feature_dim": 8,
+         "metric": metric, "value": v, "seed": seed}
+        for m, st, kls in [("relu", "fixed", (0.40, 0.41, 0.39)), ("elu", "fixed", (0.1,))]
+        for seed, kl in enumerate(kls)
+        for metric, v in (("attention_kl", kl), ("attention_mse", 1.0), ("output_rel_error", 1.0))
+    ]  # fmt: skip
+    uniform = {0: 0.2, 1: 0.5, 2: 0.5}  # one uniform row per map run and seed: seed 0 twice
+    rows += [
+        {"part": "maps", "std": 1.0, "method": "uniform", "map": m, "stage": "baseline",
+         "feature_dim": np.nan, "metric": metric, "value": uniform[seed], "seed": seed}
+        for m, seeds in (("relu", (0, 1, 2)), ("elu", (0,)))
+        for seed in seeds
+        for metric in ("attention_kl", "attention_mse", "output_rel_error")
+    ]  # fmt: skip
+    frame = pd.DataFrame(rows)
+    table = approximation.maps_table(frame).set_index("method")
+    assert table.loc["uniform", "attention_kl"] == pytest.approx(0.4)  # not 0.35
+    assert table.loc["elu", "beats uniform (KL)"] == "yes (1 seed: by sign)"
+    params = {"map_feature_dim": 8, "fit_steps": 1, "fit_batch": 1, "map_seeds": 3}
+    text = approximation.summarize(frame, params)
+    assert "means over 1–3 seed(s) (of 3 configured: a partial run)" in text
+    assert "means over 3 seed(s))" in approximation.summarize(frame[frame["map"] != "elu"], params)
+
+
+def test_performer_table_without_a_kind_or_with_one_seed():
+    """It printed "nan", "nan [nan, nan]" and "0.987 [nan, nan]" where the rest of the
+    summary prints "–": iid rows only (``--only orthogonal=False``), or one seed."""
+    performer_table = study.load_study("approximation").performer_table
+    frame = _performer_frame(ratio=0.5, spread=0.1)
+    iid_only = performer_table(frame[frame["orthogonal"].astype(str) != "True"]).iloc[0]
+    assert (iid_only["orthogonal"], iid_only["orth/iid"]) == ("–", "–")
+    one_seed = performer_table(frame[frame["seed"] == 0]).iloc[0]
+    assert one_seed["orth/iid"].endswith("(1 seed: no interval)"), one_seed["orth/iid"]
+    assert "nan" not in one_seed["orth/iid"] + one_seed["iid"]
 
 
 def test_performer_verdict_reports_noise_as_unresolved():

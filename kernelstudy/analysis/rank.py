@@ -25,6 +25,7 @@ and so every measure.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -68,19 +69,34 @@ def attention_rank(A: torch.Tensor | np.ndarray, tol: float | None = None) -> di
         raise ValueError(f"A must be non-empty, got shape {tuple(A.shape)}")
     if not torch.isfinite(A).all():
         raise ValueError("A must be finite (it has NaN or Inf entries)")
-    eps = torch.finfo(A.dtype).eps
-    sv = torch.linalg.svdvals(A.detach().double().cpu())
-    smax = sv[0].item() if sv.numel() else 0.0
+    A_dtype = A.dtype
+    eps = torch.finfo(A_dtype).eps
+    A = A.detach().double().cpu()
+    # A finite A near float64's top has σ_max = inf, ranks NaN (near its bottom, subnormal
+    # σ): such an A is scaled by a power of two (exact) to entries below 1, σ and tol
+    # scaled back. Others are not (the SVD's round-off would change in its last bits).
+    power = math.frexp(float(A.abs().max()))[1]  # max|A| = m·2^power, 0.5 ≤ m < 1
+    power = power if abs(power) > 500 else 0
+
+    def scaled(x: torch.Tensor | float, power: int) -> torch.Tensor:  # x·2^power, inf past
+        return torch.ldexp(torch.as_tensor(x, dtype=torch.float64), torch.tensor(power))
+
+    sv_scaled = torch.linalg.svdvals(scaled(A, -power))
+    sv = scaled(sv_scaled, power)
+    smax = sv_scaled[0].item()
     if tol is None:
-        if A.dtype in (torch.float16, torch.bfloat16):
+        if A_dtype in (torch.float16, torch.bfloat16):
             n, s = A.shape
-            tol = eps * float(sv.square().sum().sqrt()) * (n**0.5 + s**0.5) / (n * s) ** 0.5
+            tol_scaled = eps * float(sv_scaled.square().sum().sqrt())
+            tol_scaled *= (n**0.5 + s**0.5) / (n * s) ** 0.5
         else:
-            tol = smax * max(A.shape) * eps
+            tol_scaled = smax * max(A.shape) * eps
+        tol = float(scaled(tol_scaled, power))
     else:
         tol = check_real("tol", tol)
+        tol_scaled = float(scaled(tol, -power))
     if smax > 0:  # both ranks are scale-free: relative to the largest (no over- or underflow)
-        r = sv / smax
+        r = sv_scaled / smax
         p = r / r.sum()
         p = p[p > 0]
         effective = float(torch.exp(-(p * p.log()).sum()))
@@ -90,7 +106,7 @@ def attention_rank(A: torch.Tensor | np.ndarray, tol: float | None = None) -> di
     return {
         "n": int(A.shape[0]),
         "s": int(A.shape[1]),
-        "numerical_rank": int((sv > tol).sum().item()),
+        "numerical_rank": int((sv_scaled > tol_scaled).sum().item()),
         "tol": float(tol),
         "effective_rank": effective,
         "stable_rank": stable,
