@@ -860,6 +860,33 @@ def test_configs_with_numpy_numbers_inside_dicts_are_json():
         assert torch.equal(model(ids), rebuilt(ids))
 
 
+def test_a_generator_map_seed_is_recorded_as_the_int_drawn_from_it():
+    """A ``torch.Generator`` seed (every random map takes one) stayed in config(): not JSON,
+    run.json held its repr, load_model failed on it, and ``type(model)(**config())`` drew
+    other maps (the copied Generator had advanced)."""
+    import json
+
+    def maps(model):
+        return [m.weight for m in ks.nn.feature_maps_of(model)]
+
+    kinds = [
+        (ks.nn.CausalLM, {"feature_map": "favor", "feature_map_kwargs": {"num_features": 8}}),
+        (ks.nn.SequenceClassifier, {"num_classes": 2, "attention": {"name": "favor"}}),
+        (ks.nn.MatchingClassifier, {"feature_map": {"name": "trig_rf", "num_features": 8}}),
+    ]
+    for cls, kwargs in kinds:
+        for key in ("attention", "feature_map", "feature_map_kwargs"):
+            if isinstance(kwargs.get(key), dict):  # the dict that holds the map's arguments
+                kwargs[key] = {**kwargs[key], "seed": torch.Generator().manual_seed(3)}
+        model = cls(10, **kwargs, **{**SMALL, "n_layers": 2})
+        config = json.loads(json.dumps(model.config()))
+        rebuilt = cls(**config)
+        assert all(torch.equal(a, b) for a, b in zip(maps(model), maps(rebuilt), strict=True))
+        assert not torch.equal(*maps(model))  # the layers still draw apart
+        again = cls(10, **kwargs | {}, **{**SMALL, "n_layers": 2})  # another Generator state
+        assert again.config() != model.config()
+
+
 def test_sinusoidal_positions_are_float32_whatever_the_default_dtype():
     """As documented (the table took the default dtype: float64 values of float32 sines)."""
     before = torch.get_default_dtype()

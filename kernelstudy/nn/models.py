@@ -21,6 +21,7 @@ from torch import nn
 
 from ..arguments import check_count, check_flag, check_real
 from ..feature_maps import FeatureMap
+from ..feature_maps.base import resolve_seed
 from .attention import check_dropout, check_size
 from .encoder import LayerState, TransformerEncoder
 from .modes import module_mode
@@ -237,6 +238,20 @@ def _plain(value: Any) -> Any:
     return value
 
 
+#: The model arguments that may hold a map's ``seed``.
+_MAP_ARGUMENTS = ("attention", "feature_map", "feature_map_kwargs")
+
+
+def _seed_drawn(config: Any) -> Any:
+    """A map config or kwargs dict whose ``seed`` is a ``torch.Generator`` with an int seed
+    drawn from it in its place (as the map itself would draw it): the model's ``config()``
+    stays JSON and rebuilds the same maps, and layer i draws with :func:`layer_seed`.
+    Anything else is returned as is."""
+    if isinstance(config, Mapping) and isinstance(config.get("seed"), torch.Generator):
+        return {**config, "seed": resolve_seed(config["seed"])}
+    return config
+
+
 class _SequenceModel(nn.Module):
     """Token embedding (scaled by √d_model) + positions + dropout + a TransformerEncoder."""
 
@@ -357,6 +372,8 @@ class SequenceClassifier(_SequenceModel):
         if pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
         num_classes = check_count("num_classes", num_classes, 2)
+        attention, feature_map = _seed_drawn(attention), _seed_drawn(feature_map)
+        feature_map_kwargs = _seed_drawn(feature_map_kwargs)
         config = _plain_numbers(locals())
         super().__init__(
             vocab_size=vocab_size,
@@ -447,6 +464,10 @@ class MatchingClassifier(SequenceClassifier):
     """
 
     def __init__(self, vocab_size: int, num_classes: int = 2, **kwargs: Any) -> None:
+        kwargs = {
+            key: _seed_drawn(value) if key in _MAP_ARGUMENTS else value
+            for key, value in kwargs.items()
+        }
         super().__init__(vocab_size, num_classes, **kwargs)
         self._config = copy.deepcopy(
             _plain_numbers({"vocab_size": vocab_size, "num_classes": num_classes, **kwargs})
@@ -532,6 +553,8 @@ class CausalLM(_SequenceModel):
         backend: str | None = None,
     ) -> None:
         tie_weights = check_flag("tie_weights", tie_weights)
+        attention, feature_map = _seed_drawn(attention), _seed_drawn(feature_map)
+        feature_map_kwargs = _seed_drawn(feature_map_kwargs)
         config = _plain_numbers(locals())
         super().__init__(
             vocab_size=vocab_size,
