@@ -1639,6 +1639,17 @@ def test_a_compiled_run_follows_eager_mode_and_resumes_exactly(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_compile_refuses_maps_that_redraw_in_training():
+    """A random map with redraw_every > 0 stopped a compiled run at its first redraw (dynamo
+    cannot make the redraw's generators inside the graph): refused up front by name."""
+    train = ContainsTask(32)
+    redrawing = {"name": "favor", "num_features": 8, "redraw_every": 2}
+    with pytest.raises(ValueError, match=r"FavorFeatureMap with redraw_every > 0.*redraw_every=0"):
+        Trainer(_classifier(attention=redrawing), train, _config(compile=True))
+    Trainer(_classifier(attention=redrawing), train, _config())  # eager mode redraws
+    Trainer(_classifier(attention={**redrawing, "redraw_every": 0}), train, _config(compile=True))
+
+
 class _ShrunkModel(nn.Module):
     """A classifier whose regularizer is the squared norm of its own weights (loss and
     penalty pull on the same parameters, so their relative weight shows)."""

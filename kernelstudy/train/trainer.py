@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from ..arguments import check_count, is_real
+from ..feature_maps.base import RandomFeatureMap
 from ..files import remove_abandoned_files, write_json
 from ..nn.models import feature_map_parameter_count, feature_maps_of, parameter_count
 from ..nn.modes import module_mode
@@ -109,7 +110,8 @@ class TrainConfig:
         compile: run the model's training and evaluation steps compiled whole
             (``torch.compile(model, fullgraph=True)``, inductor; the core's kernels stay
             custom ops in the graph): faster steps once the first of each kind has compiled
-            (seconds); the same training up to float rounding, and resumes exactly.
+            (seconds); the same training up to float rounding, and resumes exactly. Not for
+            random maps that redraw in training (``redraw_every > 0``: refused).
         reg_weight: weight of ``model.regularization()`` in the loss (1: each map's penalty
             at its own ``reg_weight`` hyperparameter, as searches and ``fit_to_softmax`` use;
             0 switches penalties off).
@@ -368,6 +370,26 @@ def _param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]
     return [g for g in groups if g["params"]]
 
 
+def _check_compilable(model: nn.Module) -> None:
+    """Raise a ValueError where ``model`` has a random map that redraws in training
+    (``redraw_every > 0``): a redraw makes new CPU generators, which a graph compiled whole
+    cannot hold (dynamo stopped the run at the first redraw)."""
+    redrawing = sorted(
+        {
+            type(fm).__name__
+            for fm in feature_maps_of(model)
+            if isinstance(fm, RandomFeatureMap) and fm.hparams.get("redraw_every")
+        }
+    )
+    if redrawing:
+        raise ValueError(
+            f"compile (--compile) cannot run a model whose maps redraw in training "
+            f"({', '.join(redrawing)} with redraw_every > 0: a redraw makes new random "
+            "generators, which a graph compiled whole cannot hold); set redraw_every=0 or "
+            "train without compile"
+        )
+
+
 class Trainer:
     """Train ``model`` on ``train_data`` (a Dataset of dict items or a DataLoader of dict batches).
 
@@ -416,6 +438,7 @@ class Trainer:
         # what the steps call: compiled whole (its weights are the model's), the caller's
         # compiled wrapper, or the model
         if config.compile:
+            _check_compilable(self.model)
             self.run_model = torch.compile(self.model, fullgraph=True)
         else:
             self.run_model = model if compiled else self.model
