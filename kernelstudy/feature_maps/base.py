@@ -434,7 +434,12 @@ class RandomFeatureMap(FeatureMap):
     (a call is one query pass, so queries and keys of one attention share a draw);
     in eval mode the features stay fixed. Such a map in training mode holds per-call state:
     do not share it between threads (another thread's query call may redraw between this
-    one's queries and keys).
+    one's queries and keys). A redraw due inside ``torch.func.functional_call`` with the
+    map's buffers in the dict lands on the call's tensors, which torch swaps back after it:
+    the map keeps its old draw while ``config()`` names the new seed. Leave the buffers out
+    of the dict, or count the query call outside it (``maybe_redraw(True)``) and make the
+    call with the map in eval mode, as ``analysis.attention_matrix`` does.
+    A graph compiled whole (``fullgraph=True``) cannot redraw at all (new generators).
     """
 
     random: ClassVar[bool] = True
