@@ -409,7 +409,11 @@ def run_study(
     if only:
         unknown = sorted(set(only) - {k for c in configs for k in c})
         if unknown:
-            raise ValueError(f"only: {unknown} name no entry of study {name!r}'s configurations")
+            keys = sorted({k for c in configs for k in c})
+            raise ValueError(
+                f"only: {unknown} name no entry of study {name!r}'s configurations "
+                f"(their entries: {', '.join(keys)})"
+            )
         if not any(_matches(c, only) for c in configs):
             values = {k: sorted({str(c[k]) for c in configs if k in c}) for k in only}
             raise ValueError(
@@ -814,7 +818,7 @@ def load_results(
         _note_unfilled(_ids(frame), held, name, quick, path, known, config_file)
     frame = _one_run(frame, name, quick, device, path, known)
     if table == RESULTS:
-        _note_incomplete(frame, name, quick, path, known)
+        _note_incomplete(frame, name, quick, path, known, config_file)
     return frame
 
 
@@ -933,11 +937,13 @@ def _note_incomplete(
     quick: bool,
     path: Path,
     known: dict[tuple[bool, str], set[str]],
+    config_file: str | Path | None = None,
 ) -> None:
     """Say on stderr when the rows of one run cover only part of its configurations (an
     interrupted or ``--only`` run): a notebook would otherwise show a partial study as if
     complete. The run is the size (``quick``'s first) whose configurations hold every row;
-    ``known``: :func:`_known_ids`."""
+    ``known``: :func:`_known_ids`; ``config_file``: the run's ``--config``, named in the
+    command that runs the rest."""
     if frame.empty:
         return
     devices = sorted(set(frame["device"].astype(str))) if "device" in frame else ["cpu"]
@@ -948,12 +954,14 @@ def _note_incomplete(
         expected = known.get((size, devices[0]), set())
         if present <= expected:
             if len(present) < len(expected):
-                flag = " --quick" if size else ""
+                flags = (" --quick" if size else "") + f" --device {devices[0]}"
+                if config_file is not None:
+                    flags += f" --config {shlex.quote(str(config_file))}"
                 print(
                     f"note: {path} has rows of {len(present)} of the {len(expected)} "
                     f"configurations of the {'quick' if size else 'full'} {devices[0]} run (an "
-                    f"interrupted or --only run); `kernelstudy study {name}{flag} --device "
-                    f"{devices[0]} --out {shlex.quote(str(path.parent))}` runs the rest",
+                    f"interrupted or --only run); `kernelstudy study {name}{flags} --out "
+                    f"{shlex.quote(str(path.parent))}` runs the rest",
                     file=sys.stderr,
                 )
             return

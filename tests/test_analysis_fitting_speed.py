@@ -1016,6 +1016,35 @@ def test_wrap_title_puts_facet_parts_on_lines_and_keeps_labels_whole():
         wrap(title, 0)
 
 
+def test_a_baseline_that_changes_with_x_is_drawn_over_x():
+    """``plot_approximation(x="n")`` drew uniform attention's KL as one horizontal line at its
+    mean over N (35% above it at N = 8); a baseline that differs by the hue column is refused
+    (one dashed line cannot say whose it is); one constant in x stays horizontal."""
+    rows = [
+        {"method": m, "metric": "attention_kl", "n": n, "std": std, "seed": seed, "value": v}
+        for n, uniform in ((8, 0.3), (64, 0.5), (512, 0.6))
+        for std in (1.0,)
+        for seed in (0, 1)
+        for m, v in (("uniform", uniform), ("elu", uniform / 2))
+    ]
+    frame = pd.DataFrame(rows)
+    fig = ks.analysis.plots.plot_approximation(frame, "attention_kl", x="n")
+    (dashed,) = [line for line in fig.axes[0].get_lines() if line.get_linestyle() == "--"]
+    assert list(dashed.get_xdata()) == [8, 64, 512]
+    assert list(dashed.get_ydata()) == pytest.approx([0.3, 0.5, 0.6])
+    ks.analysis.plots.close(fig)
+    flat = frame.assign(value=frame["value"].where(frame["method"] != "uniform", 0.4))
+    fig = ks.analysis.plots.plot_approximation(flat, "attention_kl", x="n")
+    (dashed,) = [line for line in fig.axes[0].get_lines() if line.get_linestyle() == "--"]
+    assert list(dashed.get_ydata()) == pytest.approx([0.4, 0.4])  # axhline: across the axes
+    ks.analysis.plots.close(fig)
+    two = pd.concat([flat, flat.assign(std=0.5, value=flat["value"] * 2)], ignore_index=True)
+    with pytest.raises(ValueError, match="differs by 'std'.*facet by 'std'"):
+        ks.analysis.plots.plot_approximation(two, "attention_kl", x="n", hue="std")
+    fig = ks.analysis.plots.plot_approximation(two, "attention_kl", x="n", col="std")
+    ks.analysis.plots.close(fig)
+
+
 def test_facet_titles_and_reference_lines_stay_clear_of_the_legend():
     """A long facet title of the right column ran into the legend beside the grid (the
     approximation study's performer figures), and the baseline's label, written on the axes,

@@ -1310,6 +1310,11 @@ def test_only_with_one_key_twice_is_refused(toy_studies, capsys):
     assert "--only x= given twice ('1', '2')" in capsys.readouterr().err
     assert not (out / "results.csv").exists()
     assert study.parse_only(["x=1", "x=1"]) == {"x": "1"}  # the same value twice is harmless
+    # an unknown key lists the known ones (rank's maps are under "method", not "map")
+    assert study.main("toy", ["--out", str(out), "--only", "y=1"]) == 1
+    assert "only: ['y'] name no entry of study 'toy''s configurations (their entries: x)" in (
+        capsys.readouterr().err
+    )
 
 
 def test_load_results_runs_a_missing_study_on_the_device_asked_for(toy_studies, monkeypatch):
@@ -2074,6 +2079,20 @@ def test_load_results_reads_the_rows_of_a_config_file_of_ones_own(toy_studies):
         assert study.load_results("toy", root=toy_studies).empty
     frame = study.load_results("toy", root=toy_studies, config_file=mine)
     assert sorted(frame.x) == [6, 7]
+
+
+def test_the_note_on_a_partial_config_file_run_names_the_file(toy_studies, capsys):
+    """Its "runs the rest" command left --config out: run as printed, it computed the
+    shipped config's study into the folder."""
+    mine = toy_studies / "mine.toml"
+    mine.write_text("[full]\nxs = [5]\n\n[quick]\nxs = [6, 7]\n")
+    study.run_study("toy", quick=True, out=toy_studies / "toy", verbose=False,
+                    config_file=mine, only={"x": 6})  # fmt: skip
+    capsys.readouterr()
+    assert list(study.load_results("toy", root=toy_studies, config_file=mine).x) == [6]
+    err = capsys.readouterr().err
+    assert "has rows of 1 of the 2 configurations of the quick cpu run" in err
+    assert f"--quick --device cpu --config {mine} --out" in err
 
 
 def test_a_config_file_of_one_size_runs_again(toy_studies, capsys):

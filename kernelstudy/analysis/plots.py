@@ -203,10 +203,12 @@ def line_plot(
     """Mean of ``y`` vs ``x`` (error bars over the remaining rows, e.g. seeds), faceted.
 
     ``hlines``: rows with ``y`` (and the ``col``/``row`` facet columns) drawn as dashed
-    horizontal reference lines in the matching facet, e.g. a baseline, with ``hline_label``
-    in the legend. Axis labels default to :func:`metric_label` of ``x`` and ``y``; the legend
-    (title: ``legend_title``, else the hue column's name) is outside the axes, and facet
-    titles wider than their axes are wrapped. ``col_ylabels``: each facet's y label is
+    reference lines in the matching facet, e.g. a baseline, with ``hline_label`` in the
+    legend: horizontal at their mean, or their mean at each ``x`` where they have ``x``
+    values and differ by them (ValueError where they differ by a hue or style column).
+    Axis labels default to :func:`metric_label` of ``x`` and ``y``; the legend (title:
+    ``legend_title``, else the hue column's name) is outside the axes, and facet titles
+    wider than their axes are wrapped. ``col_ylabels``: each facet's y label is
     :func:`metric_label` of its ``col`` value, in place of its title (``col="metric"``: one
     metric per facet).
     """
@@ -240,7 +242,7 @@ def line_plot(
             if row is not None and row in hlines:
                 sel = sel[sel[row].astype(str) == row_val]
             if not sel.empty:
-                extra[hline_label] = _baseline(ax, sel[y].mean(), hline_label)
+                extra[hline_label] = _facet_baseline(ax, sel, x, y, (hue, style), hline_label)
         if logx:
             ax.set_xscale("log", base=2)
         if logy:
@@ -259,6 +261,30 @@ def line_plot(
     if title:
         figure_title(grid.figure, title)
     return grid.figure
+
+
+def _facet_baseline(
+    ax, rows: pd.DataFrame, x: str, y: str, split: Sequence[str | None], label: str
+) -> Line2D:
+    """``rows``' reference line in a facet: the mean of ``y``, dashed, horizontal, or over
+    ``x`` where its means differ by ``x`` (a baseline that changes with N is not its mean
+    over N). ValueError where it changes with a hue or style column (one dashed line cannot
+    show which is whose)."""
+    for name in split:
+        if name is not None and name in rows and rows[name].astype(str).nunique() > 1:
+            means = rows.groupby(rows[name].astype(str))[y].mean()
+            if means.nunique() > 1:
+                raise ValueError(
+                    f"hlines: the reference {y!r} differs by {name!r} ({name} being a hue or "
+                    f"style column) within a facet: facet by {name!r} (col= or row=), or "
+                    "average the reference first"
+                )
+    if x in rows:
+        per_x = rows.dropna(subset=[x]).groupby(x)[y].mean()
+        if len(per_x) > 1 and not np.allclose(per_x, per_x.iloc[0], rtol=1e-12, atol=0):
+            ax.plot(per_x.index, per_x.to_numpy(), **REFERENCE_STYLE)
+            return _reference_handle(REFERENCE_STYLE, label)
+    return _baseline(ax, rows[y].mean(), label)
 
 
 def _baseline(ax, value: float, label: str) -> Line2D:
@@ -289,7 +315,7 @@ def plot_approximation(
     faceted by ``col`` and ``row``.
 
     Rows with ``method == "uniform"`` become a dashed baseline per facet ("uniform
-    attention" in the legend).
+    attention" in the legend), over ``x`` where it changes with ``x`` (e.g. ``x="n"``).
     """
     _check_columns(frame, ["method", "metric", "value", x], "plot_approximation")
     rows = _metric_rows(frame, metric, "plot_approximation")

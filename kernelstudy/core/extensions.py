@@ -260,6 +260,13 @@ def _first_error(err: Exception) -> str:
     return message[:300]
 
 
+def _interrupted(err: BaseException) -> bool:
+    """Whether a build failed because ninja was interrupted (the terminal's Ctrl-C reaches
+    the whole process group): then it is the user's interrupt, to be raised as such and
+    retried at the next call, not a build to give up on for the process."""
+    return "interrupted by user" in str(err)
+
+
 def _warn(name: str, reason: str) -> None:
     warnings.warn(
         f"kernelstudy: cannot build the {name!r} extension ({reason}); "
@@ -286,7 +293,8 @@ def load_extension(
         cuda: compile ``.cu`` files with nvcc and link the CUDA runtime.
         extra_cflags, extra_cuda_cflags, extra_ldflags: passed on to the compilers and linker.
 
-    The result is cached per process: a failed build is not retried and warns once.
+    The result is cached per process: a failed build is not retried and warns once. A build
+    Ctrl-C interrupted raises KeyboardInterrupt and is built at the next call.
     """
     if name in _LOADED:
         return _LOADED[name]
@@ -311,6 +319,8 @@ def load_extension(
                     verbose=False,
                 )
         except Exception as err:  # compiler errors, missing headers, import errors
+            if _interrupted(err):  # Ctrl-C reached ninja too (Python's may be deferred, as
+                raise KeyboardInterrupt from err  # in a training step): not a failed build
             reason = f"build failed: {_first_error(err)}"
     _LOADED[name] = module  # first: with warnings as errors _warn raises, and every call
     if removed_lock is not None:  # then built again (or, unchanged, reported a wrong cause)
