@@ -863,6 +863,12 @@ def test_masked_distillation_loss_leaves_out_rows_without_keys():
     ):
         with pytest.raises(ValueError, match=r"no real query \(query_padding_mask\) has a key"):
             ks.analysis.distillation_loss(fm, q, k, **kw)
+    # without masks, an empty batch, no heads, queries or keys: NaN (no keys: 0.0) before
+    for qq, kk in ((q[:0], k[:0]), (q[:, :0], k[:, :0]), (q[:, :, :0], k), (q, k[:, :, :0])):
+        with pytest.raises(ValueError, match="leave no row to average the loss over"):
+            ks.analysis.distillation_loss(fm, qq, kk)
+        with pytest.raises(ValueError, match="leave no row to average the loss over"):
+            ks.analysis.fit_to_softmax(fm, qq, kk, steps=1)
 
 
 def test_masked_distillation_loss_checks_its_masks_and_target():

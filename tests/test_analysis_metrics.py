@@ -111,6 +111,10 @@ def test_approximation_error_ignores_padding_and_refuses_what_it_cannot_measure(
         ({"v": torch.randn(2, 2)}, ValueError, "v must have 4 dimensions"),
         ({"v": v.numpy()}, TypeError, "v must be a torch.Tensor"),
     ]
+    for empty in ("batch", "heads"):  # every metric was the NaN mean of nothing
+        size = {"batch": (0, *q.shape[1:]), "heads": (q.shape[0], 0, *q.shape[2:])}[empty]
+        cases.append(({"q": q.new_zeros(size), "k": q.new_zeros(size), "v": v.new_zeros(size)},
+                      ValueError, "q has no batch elements or heads"))  # fmt: skip
     for change, error, match in cases:
         args = {"q": q, "k": k, "v": v, **change}
         with pytest.raises(error, match=match):

@@ -977,6 +977,15 @@ def _far_keys(name: str) -> tuple:
 
 
 @pytest.mark.parametrize("name", list(FAR_KEYS))
+def test_far_keys_with_values_of_width_zero(name):
+    """M = 0 worked until a later key lay far above the others: then the segments' state
+    was built and refused "value_dim must be an int >= 1, got 0", an argument never given."""
+    fm, q, k, v, mask = _far_keys(name)
+    out = ks.kernel_attention(q, k, v[..., :0], fm, causal=True, key_padding_mask=mask)
+    assert out.shape == (*q.shape[:3], 0)
+
+
+@pytest.mark.parametrize("name", list(FAR_KEYS))
 def test_a_key_far_from_the_others_changes_no_earlier_causal_row(name):
     """Causal attention took every key at the whole sequence's shift and scaled each row
     back to its prefix's, the factor capped against overflow: with keys e^100 apart, the

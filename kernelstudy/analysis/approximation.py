@@ -196,6 +196,10 @@ def approximation_error(
     """
     check_qk(q, k)
     eps = check_real("eps", eps)
+    if q.shape[0] == 0 or q.shape[1] == 0:  # every metric a mean of nothing: NaN
+        raise ValueError(
+            f"q has no batch elements or heads (shape {tuple(q.shape)}): nothing to measure"
+        )
     fm = resolve_feature_map(feature_map, q.shape[-1], q.shape[1])
     if v is not None:
         check_tensor(v, "v", 4)

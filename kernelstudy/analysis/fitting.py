@@ -132,6 +132,11 @@ def _distillation_loss(
     if not isinstance(feature_map, FeatureMap):
         raise TypeError(f"feature_map must be a FeatureMap, got {type(feature_map).__name__}")
     check_qk(q, k)
+    if q.shape[:3].numel() == 0 or k.shape[2] == 0:  # the mean of no rows: NaN (or 0)
+        raise ValueError(
+            f"q {tuple(q.shape)} and k {tuple(k.shape)} leave no row to average the loss over "
+            "(an empty batch, no heads, no queries or no keys)"
+        )
     if target is not None:
         want = (*q.shape[:3], k.shape[2])
         if not isinstance(target, torch.Tensor) or tuple(target.shape) != want:

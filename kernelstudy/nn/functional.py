@@ -125,7 +125,8 @@ def kernel_attention(
     with context:
         if causal and fm.keys_need_sequence and k.shape[-2] > 0:
             phi_q, phi_k, factors, capped = causal_features(fm, q, k, mask)
-            if host_reads_allowed(capped) and bool(capped):  # one sync; none in compile, vmap
+            # one sync, none in compile or vmap; M = 0 has nothing to read (its state can't be)
+            if v.shape[-1] > 0 and host_reads_allowed(capped) and bool(capped):
                 return causal_in_segments(fm, phi_q, k, v, mask, eps, backend).to(dtype)
             phi_q = _rows_times_exp(phi_q, factors)
         else:
