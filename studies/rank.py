@@ -184,13 +184,17 @@ def copy_models(params: dict) -> list[str]:
 
 
 def _copy_configs(params: dict) -> list[dict]:
+    """One config per (model, seed); the softmax model's names the maps its captured q/k
+    leave out (``exclude_maps``)."""
     c = params["copy"]
+    excluded = check_names("exclude_maps", params["exclude_maps"], ks.list_feature_maps())
     return [
         {
             "part": "copy",
             "method": name,
             "seed": seed,
             **{k: v for k, v in c.items() if k not in ("models", "seeds")},
+            **({"exclude_maps": sorted(excluded)} if name == "softmax" else {}),
         }
         for name in copy_models(params)
         for seed in range(check_count("copy.seeds", c["seeds"], 1))
@@ -252,10 +256,11 @@ def _run_copy(config: dict, device: str) -> dict[str, list[dict]]:
     return {"results": rows + ranks, "spectra": spectra}
 
 
-def _captured_maps() -> list[str]:
-    """The maps the softmax copy model's q/k run through: every registered one except the
-    non-positive ``identity`` (its rows are not distributions)."""
-    return [name for name in ks.list_feature_maps() if name != "identity"]
+def _captured_maps(exclude_maps: list[str]) -> list[str]:
+    """The maps the softmax copy model's q/k run through: every registered one not in
+    ``exclude_maps`` (as in the Gaussian part; the shipped config leaves out the
+    non-positive ``identity``, whose rows are not distributions)."""
+    return [name for name in ks.list_feature_maps() if name not in exclude_maps]
 
 
 def _captured_ranks(
@@ -263,12 +268,13 @@ def _captured_ranks(
 ) -> tuple[list[dict], list[dict]]:
     """Ranks (and spectra rows) of the non-causal attention matrices built from the trained
     model's own q/k (one validation sequence): with its own attention, and — for the softmax
-    model — with every registered map at F = feature_dim applied to the captured q/k."""
+    model — with every registered map not in its ``exclude_maps`` at F = feature_dim
+    applied to the captured q/k."""
     (q, k), *_ = ks.analysis.capture_qk(model, ids).values()
     q, k = q.double(), k.double()
     if config["method"] == "softmax":
         maps = {"softmax": "softmax"}
-        for name in _captured_maps():
+        for name in _captured_maps(config["exclude_maps"]):
             maps[name] = ks.analysis.matched_feature_map(
                 name, q.shape[-1], config["feature_dim"], seed=config["seed"]
             )
@@ -379,7 +385,8 @@ def summarize(frame: pd.DataFrame, params: dict, tables: dict | None = None) -> 
                 "copy.models has its own trained model's row here."
             )
         softmax = frame[(frame["part"] == "copy") & (frame["method"] == "softmax")]
-        missing = sorted(set(_captured_maps()) - set(softmax["captured_with"].dropna()))
+        expected = _captured_maps(params["exclude_maps"])
+        missing = sorted(set(expected) - set(softmax["captured_with"].dropna()))
         if len(softmax) and missing:  # registered after the softmax model's run
             captured += (
                 f"\n\nNot in this table: {', '.join(missing)} (registered after the softmax "

@@ -696,6 +696,23 @@ def test_rank_study_gaussian_and_copy_configs_run():
     assert (captured.value <= copy["feature_dim"]).all()
 
 
+def test_rank_captured_part_leaves_out_the_excluded_maps():
+    """The softmax copy model's captured q/k ran through every registered map but a
+    hard-coded identity, whatever exclude_maps said: a map excluded as broken or
+    non-positive still ran there (and a broken one stopped the study)."""
+    module = study.load_study("rank")
+    params = study.load_params("rank", quick=True)
+    params = {**params, "exclude_maps": ["identity", "elu", "favor"]}
+    params["copy"] = {**params["copy"], "steps": 2, "eval_every": 2, "train_samples": 64,
+                      "val_samples": 4, "models": ["softmax"]}  # fmt: skip
+    (softmax, *_) = [c for c in module.configs(params) if c["part"] == "copy"]
+    assert softmax["exclude_maps"] == ["elu", "favor", "identity"]
+    rows = pd.DataFrame(module.run_config(softmax, "cpu")["results"])
+    captured = set(rows.captured_with.dropna())  # training rows have none
+    expected = set(ks.list_feature_maps()) - {"identity", "elu", "favor"}
+    assert captured == {"softmax"} | expected
+
+
 def test_load_results_reads_or_runs_the_study(toy_studies, monkeypatch):
     """``load_results``: runs the quick study into ``$KERNELSTUDY_RESULTS/NAME`` when missing,
     then reads what is there without running again; a relative setting is from the repo root."""
