@@ -29,6 +29,21 @@ def pytest_configure(config: pytest.Config) -> None:
     # SIGINT gets Python's default handler back (children then start with the default).
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    # The user's settings of the library would change what the tests check (a default
+    # backend, where results are read and written, which plugin maps load, the storage):
+    # the tests set them where they test them. The build folder and CUDA flags stay.
+    for name in USER_SETTINGS:
+        os.environ.pop(name, None)
+
+
+#: Environment variables of the library that the test run clears (see pytest_configure).
+USER_SETTINGS = (
+    "KERNELSTUDY_BACKEND",
+    "KERNELSTUDY_RESULTS",
+    "KERNELSTUDY_STUDIES_DIR",
+    "KERNELSTUDY_FEATURE_MAPS",
+    "KERNELSTUDY_STORAGE",
+)
 
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"

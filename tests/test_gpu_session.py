@@ -405,15 +405,19 @@ def test_the_summary_prints_the_target_ratios(gs, tmp_path, capsys, monkeypatch)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the stop without a GPU")
-def test_without_a_gpu_the_session_stops_after_env(gs, tmp_path, capsys):
-    assert gs.main(["--out", str(tmp_path), "--budget", "400"]) == 1
-    record = json.loads((tmp_path / "session.json").read_text())
+def test_without_a_gpu_the_session_stops_after_env(gs, tmp_path, capsys, monkeypatch):
+    # a checkout holding .whl/ installed its wheels into the real session's folder for good
+    monkeypatch.setattr(gs, "SITE", tmp_path / "site")
+    monkeypatch.setattr(gs, "WHEELS", tmp_path / "no wheels")
+    out = tmp_path / "out"
+    assert gs.main(["--out", str(out), "--budget", "400"]) == 1
+    record = json.loads((out / "session.json").read_text())
     assert [s["name"] for s in record["stages"]] == ["env"]
     assert record["stages"][0]["status"] == "failed"
     assert record["env"]["error"] == "torch sees no CUDA GPU"
     assert record["env"]["torch"] == torch.__version__
     assert "the session stops: env" in capsys.readouterr().out
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["session.json", "session.log"]
+    assert sorted(p.name for p in out.iterdir()) == ["session.json", "session.log"]
 
 
 def test_the_stages_commands_are_ones_the_scripts_take(gs, tmp_path):

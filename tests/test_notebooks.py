@@ -52,6 +52,18 @@ def results_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.fixture(scope="session")
+def ipython_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("ipython")
+
+
+@pytest.fixture(autouse=True)
+def _own_ipython_dir(ipython_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernels' profile and history go to the session's folder: each executed cell
+    went into the user's ``~/.ipython`` history (one SQLite file for every xdist worker)."""
+    monkeypatch.setenv("IPYTHONDIR", str(ipython_dir))
+
+
 def _ids(path: Path) -> str:
     return path.stem
 
@@ -65,6 +77,7 @@ def _execute(path: Path, work: Path) -> tuple[nbformat.NotebookNode, str]:
         timeout=CELL_TIMEOUT_S,
         kernel_name=KERNEL_NAME,
         resources={"metadata": {"path": str(work)}},
+        extra_arguments=["--HistoryManager.enabled=False"],
     )
     client.execute()
     printed = "".join(

@@ -1074,6 +1074,7 @@ def test_a_study_script_interrupted_exits_130_without_a_traceback(
 def test_provenance_records_the_modules_of_user_maps(monkeypatch):
     """A study over maps of a user's module reproduces only with that module imported."""
     monkeypatch.setenv("KERNELSTUDY_FEATURE_MAPS", "user_maps")
+    monkeypatch.delenv("PYTHONPATH", raising=False)  # recorded too when set (test below)
     line = study.provenance("approximation", True, "cpu")
     assert "`KERNELSTUDY_FEATURE_MAPS=user_maps kernelstudy study approximation --quick" in line
 
