@@ -109,6 +109,26 @@ def test_per_split_task_options_reach_the_loaded_splits(tmp_path):
     assert load_split(cfg, cfg.data, "train").max_length == 64
 
 
+def test_loaded_splits_follow_files_rewritten_in_the_data_folder(tmp_path):
+    """The per-process cache of loaded splits was keyed on the folder's path alone: data
+    rewritten there during a session (``kernelstudy data listops --overwrite`` from another
+    process) was never read again; trials trained on the old rows without a word."""
+    import os
+
+    from kernelstudy.search.objective import load_split
+    from kernelstudy.tasks import write_listops
+
+    cfg = load_config(_write(tmp_path, GOOD))
+    write_listops(tmp_path / "data", n_train=8, n_val=4, n_test=4, min_length=10, max_length=40)
+    first = load_split(cfg, cfg.data, "train")
+    assert load_split(cfg, cfg.data, "train") is first  # unchanged files: the cached split
+    write_listops(tmp_path / "data", n_train=12, n_val=4, n_test=4, min_length=10,
+                  max_length=40, seed=1, overwrite=True)  # fmt: skip
+    train = tmp_path / "data" / "basic_train.tsv"
+    os.utime(train, ns=(train.stat().st_atime_ns, train.stat().st_mtime_ns + 10**9))
+    assert len(load_split(cfg, cfg.data, "train")) == 12
+
+
 def test_missing_config_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="nothere"):
         load_config(tmp_path / "nothere.toml")

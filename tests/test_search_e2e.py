@@ -195,6 +195,24 @@ def test_learned_positions_cover_a_longer_val_split(tmp_path):
     assert trial.state == TrialState.COMPLETE
 
 
+def test_a_search_gives_optuna_its_log_level_back(tmp_path):
+    """run_search set Optuna's process-wide level to WARNING for good: a notebook's INFO
+    logging of its own studies went quiet for the rest of the session."""
+    import optuna
+
+    from kernelstudy.search import run_search
+
+    cfg = write_config(tmp_path, ["elu+1"], steps=1)
+    cfg.write_text(cfg.read_text().replace("trials = 2", "trials = 1"))
+    before = optuna.logging.get_verbosity()
+    try:
+        optuna.logging.set_verbosity(optuna.logging.DEBUG)
+        run_search(load_config(cfg), out=tmp_path / "res")
+        assert optuna.logging.get_verbosity() == optuna.logging.DEBUG
+    finally:
+        optuna.logging.set_verbosity(before)
+
+
 def test_a_search_whose_every_trial_runs_out_of_memory_exits_1(tmp_path, capsys, monkeypatch):
     """Every trial failing (here: out of memory in the first step) used to keep the search
     running forever; it stops after a few in a row, naming the error, and a rerun retries."""

@@ -100,6 +100,33 @@ def _params(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("loader", [False, True])
+def test_a_finished_fit_holds_no_dataloader_workers(loader):
+    """A fit that returned kept its loader's iterator, and so its worker processes (idle,
+    with their file descriptors and threads), as long as its Trainer lived: a notebook
+    keeping trainers to compare ran out of files. The next fit starts them again at the
+    same position: the weights and the global random state are the uninterrupted run's."""
+    import multiprocessing
+
+    train = ContainsTask(100)
+
+    def run(pauses):
+        torch.manual_seed(0)
+        data = DataLoader(train, 16, shuffle=True, num_workers=2) if loader else train
+        cfg = _config(steps=12, eval_every=0, num_workers=0 if loader else 2)
+        trainer = Trainer(_classifier(dropout=0.2), data, cfg)
+        for stop in pauses:
+            trainer.fit(stop_after=stop)
+            assert not multiprocessing.active_children()
+        trainer.fit()
+        assert not multiprocessing.active_children()
+        return _params(trainer.model), torch.rand(1)
+
+    (straight, after), (paused, after_paused) = run([]), run([3, 8])
+    assert all(torch.equal(straight[k], paused[k]) for k in straight)
+    assert torch.equal(after, after_paused)
+
+
+@pytest.mark.parametrize("loader", [False, True])
 def test_interrupted_and_resumed_run_is_bit_identical(tmp_path, loader):
     """k steps + resume + k steps == 2k steps, with dropout, shuffling and a partial
     accumulation window (the pause is not at an evaluation)."""
@@ -1637,6 +1664,19 @@ def test_a_compiled_run_follows_eager_mode_and_resumes_exactly(tmp_path):
     assert second.fit(resume=True)["status"] == "completed"
     a, b = _params(straight.model), _params(second.model)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_compiled_fits_one_after_another_in_one_process(monkeypatch):
+    """Every model of a class shares one compiled forward and its recompile limit (8): two
+    graphs a fit (training, evaluation), so the fifth compiled fit of a process (a search's
+    trial, a notebook's model) failed with FailOnRecompileLimitHit, which ended the search."""
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda m, **kw: real(m, backend="eager", **kw))
+    train, val = ContainsTask(32), ContainsTask(16, seed=1)
+    for i in range(6):  # each dropout value is a constant of its graphs
+        cfg = _config(compile=True, steps=1, eval_every=1, batch_size=16)
+        trainer = Trainer(_classifier(dropout=0.05 * i), train, cfg, val_data=val)
+        assert trainer.fit()["status"] == "completed", i
 
 
 def test_compile_refuses_maps_that_redraw_in_training():

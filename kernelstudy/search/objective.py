@@ -157,14 +157,40 @@ def prepare_data(config: SearchConfig, out: str | Path) -> Path | None:
 
 
 @functools.lru_cache(maxsize=6)
-def _load(task: str, path: str | None, split: str, options: str) -> SequenceTask:
+def _load(
+    task: str, path: str | None, split: str, options: str, files: tuple | None = None
+) -> SequenceTask:
     return load_task(task, path, split, **json.loads(options))
 
 
+def files_signature(path: Path, depth: int = 2) -> tuple:
+    """``(relative name, size, modification time in ns)`` of ``path`` and of what lies in
+    it up to ``depth`` levels down, sorted: data rewritten there (``kernelstudy data`` in
+    another process, a release unpacked over generated files) changes it. Deeper levels
+    (Pathfinder's image folders) are left out: their folders' times stand for them."""
+    entries = []
+
+    def add(p: Path, level: int) -> None:
+        try:
+            st = p.stat()
+        except OSError:
+            return
+        entries.append((str(p.relative_to(path)), st.st_size, st.st_mtime_ns))
+        if level < depth and p.is_dir():
+            for child in p.iterdir():
+                add(child, level + 1)
+
+    add(path, 0)
+    return tuple(sorted(entries))
+
+
 def load_split(config: SearchConfig, path: Path | None, split: str) -> SequenceTask:
-    """Split ``split`` of the config's task (cached per process: trials share it)."""
+    """Split ``split`` of the config's task (cached per process: trials share it, while the
+    data's files stay as they are: :func:`files_signature`)."""
     options = json.dumps(config.task_options, sort_keys=True)  # hashable, tables included
-    return _load(config.task, None if path is None else str(path), split, options)
+    if path is None:
+        return _load(config.task, None, split, options)
+    return _load(config.task, str(path), split, options, files_signature(path))
 
 
 def val_reads_test(config: SearchConfig, path: Path | None) -> bool:

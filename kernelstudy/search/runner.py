@@ -241,24 +241,28 @@ def run_search(
     for label, reason in over.items():
         if any(v.label == label for v in chosen):
             print(f"search {config.name}: {label} at its defaults: {reason}", file=sys.stderr)
+    verbosity = optuna.logging.get_verbosity()  # the caller's (a notebook's), given back
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    bar = tqdm(chosen, desc=f"search {config.name}", unit="variant")
-    for variant in bar:
-        bar.set_postfix_str(variant.label)
-        variant_study(config, variant, url, val_is_test)
-        fn = functools.partial(
-            objective, config=config, label=variant.label, data=data, device=device
-        )
-        run_workers(
-            url,
-            config.study_name(variant),
-            fn,
-            trials=trials,
-            workers=workers,
-            pruner=str(config.search.get("pruner", "median")),
-            seed=int(config.search.get("seed", 0)),
-        )
-    return search_summary(config, url, [v.label for v in chosen])
+    try:
+        bar = tqdm(chosen, desc=f"search {config.name}", unit="variant")
+        for variant in bar:
+            bar.set_postfix_str(variant.label)
+            variant_study(config, variant, url, val_is_test)
+            fn = functools.partial(
+                objective, config=config, label=variant.label, data=data, device=device
+            )
+            run_workers(
+                url,
+                config.study_name(variant),
+                fn,
+                trials=trials,
+                workers=workers,
+                pruner=str(config.search.get("pruner", "median")),
+                seed=int(config.search.get("seed", 0)),
+            )
+        return search_summary(config, url, [v.label for v in chosen])
+    finally:
+        optuna.logging.set_verbosity(verbosity)
 
 
 def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:

@@ -138,6 +138,7 @@ class BatchStream:
         self.epoch, self.batch = 0, 0
         self._it: Iterator | None = None
         self._epoch_rng: dict[str, Any] | None = None
+        self._released = False  # release() ended the iterator mid-epoch
 
     @property
     def _sampler(self) -> EpochBatchSampler | None:
@@ -172,7 +173,24 @@ class BatchStream:
     def __iter__(self) -> BatchStream:
         return self
 
+    def release(self) -> None:
+        """End the loader's worker processes (a multi-process loader's; persistent ones are
+        kept, as asked): a finished ``fit`` held them, idle, as long as its Trainer lived.
+        The next batch starts the loader again at this position, as a resume does, and
+        leaves the global random state as it found it."""
+        if self._it is None or not self.loader.num_workers or self.loader.persistent_workers:
+            return
+        self._it = None  # the iterator's finalizer shuts its workers down
+        self._released = True
+
     def __next__(self) -> Any:
+        if self._it is None and self._released:
+            self._released = False
+            state = get_rng_state()  # a restart replays the epoch's start: keep the present
+            try:
+                self._start_epoch(self.batch, fresh=False)
+            finally:
+                set_rng_state(state)
         if self._it is None:
             self._start_epoch(0, fresh=True)
         try:
@@ -193,6 +211,6 @@ class BatchStream:
         """Jump to a saved position (call before restoring the current RNG states)."""
         self.epoch, self.batch = int(state["epoch"]), int(state["batch"])
         self._epoch_rng = state.get("epoch_rng")
-        self._it = None
+        self._it, self._released = None, False
         if self.batch > 0:
             self._start_epoch(self.batch, fresh=False)

@@ -111,7 +111,9 @@ class TrainConfig:
             (``torch.compile(model, fullgraph=True)``, inductor; the core's kernels stay
             custom ops in the graph): faster steps once the first of each kind has compiled
             (seconds); the same training up to float rounding, and resumes exactly. Not for
-            random maps that redraw in training (``redraw_every > 0``: refused).
+            random maps that redraw in training (``redraw_every > 0``: refused). Each such
+            Trainer clears the process's ``torch.compile`` caches (``torch.compiler.reset``):
+            models compiled one after another exhausted torch's recompile limit.
         reg_weight: weight of ``model.regularization()`` in the loss (1: each map's penalty
             at its own ``reg_weight`` hyperparameter, as searches and ``fit_to_softmax`` use;
             0 switches penalties off).
@@ -439,6 +441,10 @@ class Trainer:
         # compiled wrapper, or the model
         if config.compile:
             _check_compilable(self.model)
+            # the graphs of every model of a class (train and eval, per hyperparameter value)
+            # count toward one recompile limit of its forward: the fifth compiled fit of a
+            # process (a search's trials) failed on it. Each Trainer starts afresh.
+            torch.compiler.reset()
             self.run_model = torch.compile(self.model, fullgraph=True)
         else:
             self.run_model = model if compiled else self.model
@@ -593,6 +599,7 @@ class Trainer:
             raise
         finally:
             bar.close()
+            self.stream.release()  # no idle DataLoader workers held by a finished fit
 
     @torch.no_grad()
     def evaluate(
