@@ -146,7 +146,11 @@ def read_csv_table(
     try:
         # low_memory=False: a column empty in the first rows and text later (spectra.csv's
         # captured_with) gets one dtype, without pandas' mixed-types warning
-        table = pd.read_csv(io.BytesIO(data), low_memory=False)
+        # pandas < 3's default float parser stops near 17 digits: about one value in three
+        # read back changed (1.7e-13), and a resumed study rewrote its stored values;
+        # pandas 3 reads them exactly (and deprecates the option)
+        exact = {"float_precision": "round_trip"} if pd.__version__.startswith("2.") else {}
+        table = pd.read_csv(io.BytesIO(data), low_memory=False, **exact)
         for name in (c for c in text_columns if c in table):
             verbatim = pd.read_csv(
                 io.BytesIO(data), usecols=[name], dtype=str, keep_default_na=False

@@ -113,6 +113,31 @@ def test_a_table_replaced_while_it_is_read_keeps_its_ids_with_its_rows(tmp_path,
     assert read_csv_table(tmp_path / "missing" / "x.csv") is None
 
 
+@pytest.mark.parametrize("version", ["2.0.3", "3.1.1"])
+def test_results_tables_read_their_floats_back_exactly(tmp_path, monkeypatch, version):
+    """pandas 2's default float parser stops near 17 digits: a third of the values read
+    back changed (0.00010431555301711822 -> 0.0001043155530171), and a resumed study
+    rewrote them. Under pandas 2 the exact parser is asked for (pandas 3's default is
+    exact, and it deprecates the option)."""
+    import pandas as pd
+
+    from kernelstudy.files import read_csv_table
+
+    values = [0.00010431555301711822, 0.001136927804120275, 1 / 3, 2.0**-1074]
+    path = tmp_path / "results.csv"
+    pd.DataFrame({"value": values}).to_csv(path, index=False)
+    real, seen = pd.read_csv, []
+
+    def read_csv(*args, **kwargs):
+        seen.append(kwargs.get("float_precision"))
+        return real(*args, **{k: v for k, v in kwargs.items() if k != "float_precision"})
+
+    monkeypatch.setattr(pd, "__version__", version)
+    monkeypatch.setattr(pd, "read_csv", read_csv)
+    assert seen == [] and read_csv_table(path)["value"].tolist() == values
+    assert seen == (["round_trip"] if version.startswith("2.") else [None])
+
+
 def test_an_output_file_is_checked_before_a_run_and_the_check_leaves_nothing(tmp_path):
     """For the benchmarks' --out, before minutes of measuring rather than after them."""
     (tmp_path / "file").write_text("")

@@ -582,7 +582,8 @@ def test_numpy_ints_are_taken_as_the_maps_take_them():
         assert json.dumps(got.config()) == json.dumps(want.config()), name
     lm = models["lm"](i)
     assert lm.generate(ids[:, :2], max_new_tokens=i(3)).shape == (2, 5)
-    with pytest.raises(ValueError, match="n_heads must be a positive int, got np.int64"):
+    # numpy 2 shows the value as np.int64(0), numpy 1 as 0
+    with pytest.raises(ValueError, match=r"n_heads must be a positive int, got (np.int64\()?0"):
         ks.nn.KernelAttention(8, i(0))
 
 
