@@ -1049,6 +1049,21 @@ def test_a_baseline_that_changes_with_x_is_drawn_over_x():
         ks.analysis.plots.plot_approximation(two, "attention_kl", x="n", hue="std")
     fig = ks.analysis.plots.plot_approximation(two, "attention_kl", x="n", col="std")
     ks.analysis.plots.close(fig)
+    # the same values summed in another order differ in the last bits: not refused
+    rows = [
+        {"method": "uniform", "metric": "attention_kl", "n": 8, "kind": kind, "value": v}
+        for kind, values in (("iid", [0.1, 0.2, 0.3]), ("orthogonal", [0.3, 0.2, 0.1]))
+        for v in values
+    ] + [
+        {"method": "favor", "metric": "attention_kl", "n": n, "kind": kind, "value": 0.01 * n}
+        for kind in ("iid", "orthogonal")
+        for n in (8, 16)
+    ]
+    same = pd.DataFrame(rows)
+    means = same[same["method"] == "uniform"].groupby("kind")["value"].mean()
+    assert means.nunique() == 2  # 0.20000000000000004 and 0.19999999999999998
+    fig = ks.analysis.plots.plot_approximation(same, "attention_kl", x="n", hue="kind")
+    ks.analysis.plots.close(fig)
 
 
 def test_facet_titles_and_reference_lines_stay_clear_of_the_legend():

@@ -109,11 +109,12 @@ def test_per_split_task_options_reach_the_loaded_splits(tmp_path):
     assert load_split(cfg, cfg.data, "train").max_length == 64
 
 
-def test_loaded_splits_follow_files_rewritten_in_the_data_folder(tmp_path):
+def test_loaded_splits_follow_files_rewritten_in_the_data_folder(tmp_path, monkeypatch):
     """The per-process cache of loaded splits was keyed on the folder's path alone: data
     rewritten there during a session (``kernelstudy data listops --overwrite`` from another
     process) was never read again; trials trained on the old rows without a word."""
     import os
+    from pathlib import Path
 
     from kernelstudy.search.objective import load_split
     from kernelstudy.tasks import write_listops
@@ -126,6 +127,18 @@ def test_loaded_splits_follow_files_rewritten_in_the_data_folder(tmp_path):
                   max_length=40, seed=1, overwrite=True)  # fmt: skip
     train = tmp_path / "data" / "basic_train.tsv"
     os.utime(train, ns=(train.stat().st_atime_ns, train.stat().st_mtime_ns + 10**9))
+    assert len(load_split(cfg, cfg.data, "train")) == 12
+    # a folder beside the data that one may not read (lost+found, another user's) is
+    # left out of the signature (a PermissionError ended the search)
+    (tmp_path / "data" / "private").mkdir()
+    real = Path.iterdir
+
+    def iterdir(self):
+        if self.name == "private":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self)
+
+    monkeypatch.setattr(Path, "iterdir", iterdir)
     assert len(load_split(cfg, cfg.data, "train")) == 12
 
 

@@ -260,10 +260,17 @@ def _first_error(err: Exception) -> str:
     return message[:300]
 
 
+#: Builds of one extension a call tries when ninja was interrupted (:func:`_interrupted`).
+BUILD_ATTEMPTS = 3
+
+
 def _interrupted(err: BaseException) -> bool:
-    """Whether a build failed because ninja was interrupted (the terminal's Ctrl-C reaches
-    the whole process group): then it is the user's interrupt, to be raised as such and
-    retried at the next call, not a build to give up on for the process."""
+    """Whether a build failed because ninja was stopped by a signal to the process group
+    (a terminal's Ctrl-C, a hang-up under ``nohup``, a scheduler's SIGTERM). Python had
+    deferred or ignored it (else it would have raised here itself: a training step ends
+    first and saves its checkpoint, a ``nohup`` job goes on): the build is started again,
+    rather than given up for the process (the step ran on the torch backend, so a resumed
+    run differed from an uninterrupted one)."""
     return "interrupted by user" in str(err)
 
 
@@ -294,7 +301,8 @@ def load_extension(
         extra_cflags, extra_cuda_cflags, extra_ldflags: passed on to the compilers and linker.
 
     The result is cached per process: a failed build is not retried and warns once. A build
-    Ctrl-C interrupted raises KeyboardInterrupt and is built at the next call.
+    a signal interrupted (Python deferring or ignoring it) is started again, up to
+    :data:`BUILD_ATTEMPTS` times.
     """
     if name in _LOADED:
         return _LOADED[name]
@@ -307,20 +315,24 @@ def load_extension(
             directory = build_directory or _torch_build_directory(name)
             with _build_lock(directory) as exclusive, _ninja_on_path():
                 removed_lock = _remove_stale_lock(directory, exclusive)
-                module = cpp_extension().load(
-                    name=name,
-                    sources=[str(s) for s in sources],
-                    extra_cflags=list(extra_cflags or []),
-                    extra_cuda_cflags=list(extra_cuda_cflags or []),
-                    extra_ldflags=list(extra_ldflags or []),
-                    extra_include_paths=[str(csrc_dir())],
-                    build_directory=build_directory,
-                    with_cuda=cuda,
-                    verbose=False,
-                )
+                for attempt in range(1, BUILD_ATTEMPTS + 1):
+                    try:
+                        module = cpp_extension().load(
+                            name=name,
+                            sources=[str(s) for s in sources],
+                            extra_cflags=list(extra_cflags or []),
+                            extra_cuda_cflags=list(extra_cuda_cflags or []),
+                            extra_ldflags=list(extra_ldflags or []),
+                            extra_include_paths=[str(csrc_dir())],
+                            build_directory=build_directory,
+                            with_cuda=cuda,
+                            verbose=False,
+                        )
+                        break
+                    except Exception as err:
+                        if not _interrupted(err) or attempt == BUILD_ATTEMPTS:
+                            raise
         except Exception as err:  # compiler errors, missing headers, import errors
-            if _interrupted(err):  # Ctrl-C reached ninja too (Python's may be deferred, as
-                raise KeyboardInterrupt from err  # in a training step): not a failed build
             reason = f"build failed: {_first_error(err)}"
     _LOADED[name] = module  # first: with warnings as errors _warn raises, and every call
     if removed_lock is not None:  # then built again (or, unchanged, reported a wrong cause)

@@ -177,7 +177,11 @@ def files_signature(path: Path, depth: int = 2) -> tuple:
             return
         entries.append((str(p.relative_to(path)), st.st_size, st.st_mtime_ns))
         if level < depth and p.is_dir():
-            for child in p.iterdir():
+            try:  # a folder one may not read (another user's, lost+found): its time only
+                children = list(p.iterdir())
+            except OSError:
+                return
+            for child in children:
                 add(child, level + 1)
 
     add(path, 0)

@@ -174,11 +174,15 @@ class BatchStream:
         return self
 
     def release(self) -> None:
-        """End the loader's worker processes (a multi-process loader's; persistent ones are
-        kept, as asked): a finished ``fit`` held them, idle, as long as its Trainer lived.
-        The next batch starts the loader again at this position, as a resume does, and
-        leaves the global random state as it found it."""
-        if self._it is None or not self.loader.num_workers or self.loader.persistent_workers:
+        """End the worker processes of a loader :func:`make_loader` built (multi-process,
+        not persistent): a finished ``fit`` held them, idle, as long as its Trainer lived.
+        The next batch starts the loader again at this position (its sampler jumps there)
+        and leaves the global random state as it found it. A loader of one's own keeps its
+        iterator: a restart would replay its epoch's batches, exact only where all its
+        randomness comes from torch's generators (and endless streams would replay all)."""
+        if self._it is None or self._sampler is None:
+            return
+        if not self.loader.num_workers or self.loader.persistent_workers:
             return
         self._it = None  # the iterator's finalizer shuts its workers down
         self._released = True

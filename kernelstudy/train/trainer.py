@@ -380,7 +380,11 @@ def _check_compilable(model: nn.Module) -> None:
         {
             type(fm).__name__
             for fm in feature_maps_of(model)
-            if isinstance(fm, RandomFeatureMap) and fm.hparams.get("redraw_every")
+            if isinstance(fm, RandomFeatureMap)
+            and fm.hparams.get("redraw_every")
+            # a map the caller keeps in eval mode never redraws (fit sets the whole model
+            # training only where it is all in eval mode)
+            and (fm.training or not model.training)
         }
     )
     if redrawing:
