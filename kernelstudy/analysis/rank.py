@@ -79,7 +79,9 @@ def attention_rank(A: torch.Tensor | np.ndarray, tol: float | None = None) -> di
     power = power if abs(power) > 500 else 0
 
     def scaled(x: torch.Tensor | float, power: int) -> torch.Tensor:  # x·2^power, inf past
-        return torch.ldexp(torch.as_tensor(x, dtype=torch.float64), torch.tensor(power))
+        # in two exact halves: 2^±1024 is no float64 (torch 2.8's ldexp made it inf first)
+        half = power // 2
+        return torch.as_tensor(x, dtype=torch.float64) * 2.0**half * 2.0 ** (power - half)
 
     sv_scaled = torch.linalg.svdvals(scaled(A, -power))
     sv = scaled(sv_scaled, power)
