@@ -822,6 +822,15 @@ def load_results(
     return frame
 
 
+def _study_command(name: str, quick: bool, device: str, config_file: str | Path | None) -> str:
+    """The command line of the study run of this size, device and ``--config`` (the notes on
+    partial results name it, with their options and ``--out``)."""
+    flags = (" --quick" if quick else "") + f" --device {device}"
+    if config_file is not None:
+        flags += f" --config {shlex.quote(str(config_file))}"
+    return f"kernelstudy study {name}{flags}"
+
+
 def _note_unfilled(
     ids: set[str],
     held: set[str],
@@ -844,15 +853,13 @@ def _note_unfilled(
             lacking = run - ids - claimed
             claimed |= run
             if lacking:
-                flags = (" --quick" if size else "") + f" --device {device}"
-                if config_file is not None:
-                    flags += f" --config {shlex.quote(str(config_file))}"
+                command = _study_command(name, size, device, config_file)
+                out = shlex.quote(str(path.parent))
                 print(
                     f"note: {path} has no rows for {len(lacking)} of the configurations "
                     f"{path.parent / RESULTS_FILE} holds of the {'quick' if size else 'full'} "
-                    f"{device} run: `kernelstudy study {name}{flags} --fill-tables --out "
-                    f"{shlex.quote(str(path.parent))}` computes them (and that run's "
-                    "configurations not yet in results.csv, if any)",
+                    f"{device} run: `{command} --fill-tables --out {out}` computes them (and "
+                    "that run's configurations not yet in results.csv, if any)",
                     file=sys.stderr,
                 )
 
@@ -954,14 +961,12 @@ def _note_incomplete(
         expected = known.get((size, devices[0]), set())
         if present <= expected:
             if len(present) < len(expected):
-                flags = (" --quick" if size else "") + f" --device {devices[0]}"
-                if config_file is not None:
-                    flags += f" --config {shlex.quote(str(config_file))}"
+                command = _study_command(name, size, devices[0], config_file)
+                out = shlex.quote(str(path.parent))
                 print(
                     f"note: {path} has rows of {len(present)} of the {len(expected)} "
                     f"configurations of the {'quick' if size else 'full'} {devices[0]} run (an "
-                    f"interrupted or --only run); `kernelstudy study {name}{flags} --out "
-                    f"{shlex.quote(str(path.parent))}` runs the rest",
+                    f"interrupted or --only run); `{command} --out {out}` runs the rest",
                     file=sys.stderr,
                 )
             return
