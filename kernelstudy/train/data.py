@@ -138,7 +138,6 @@ class BatchStream:
         self.epoch, self.batch = 0, 0
         self._it: Iterator | None = None
         self._epoch_rng: dict[str, Any] | None = None
-        self._released = False  # release() ended the iterator mid-epoch
 
     @property
     def _sampler(self) -> EpochBatchSampler | None:
@@ -185,11 +184,9 @@ class BatchStream:
         if not self.loader.num_workers or self.loader.persistent_workers:
             return
         self._it = None  # the iterator's finalizer shuts its workers down
-        self._released = True
 
     def __next__(self) -> Any:
-        if self._it is None and self._released:
-            self._released = False
+        if self._it is None and self.batch > 0:  # release() ended it mid-epoch
             state = get_rng_state()  # a restart replays the epoch's start: keep the present
             try:
                 self._start_epoch(self.batch, fresh=False)
@@ -215,6 +212,6 @@ class BatchStream:
         """Jump to a saved position (call before restoring the current RNG states)."""
         self.epoch, self.batch = int(state["epoch"]), int(state["batch"])
         self._epoch_rng = state.get("epoch_rng")
-        self._it, self._released = None, False
+        self._it = None
         if self.batch > 0:
             self._start_epoch(self.batch, fresh=False)
