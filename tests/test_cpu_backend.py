@@ -200,18 +200,24 @@ def test_bad_inputs_raise_clear_errors():
 def test_a_state_too_large_to_allocate_is_a_memory_error_not_an_abort():
     """The per-thread buffers were allocated inside the OpenMP region, where an exception
     cannot leave: std::bad_alloc ended the process (terminate, status 134). Here the
-    (F, M) state needs 2^50 bytes, beyond any address space, whatever the overcommit."""
+    (F, M) state needs 2^50 bytes, beyond any address space, whatever the overcommit.
+
+    The state is allocated first: the chunk buffers (64 rows of F and of M, 4 GiB each here)
+    were zeroed before it, so the failing call touched 17 GiB (and spent half a minute)."""
     code = (
-        "import torch, kernelstudy as ks\n"
+        "import resource, torch, kernelstudy as ks\n"
         "q = torch.rand(1, 1, 1, 2**24); v = torch.rand(1, 1, 1, 2**24)\n"
         "try:\n"
         "    ks.causal_dot_product(q, q, v, backend='cpu')\n"
         "except MemoryError as err:\n"
         "    print('MemoryError', err)\n"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"  # KiB on Linux
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert run.returncode == 0 and run.stdout.startswith("MemoryError"), run.stderr[-2000:]
+    peak_gib = int(run.stdout.split()[-1]) / 2**20
+    assert peak_gib < 2, f"the failing call touched {peak_gib:.1f} GiB"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -189,23 +189,25 @@ template <typename T>
 struct Chunk {
   idx size;               // C, rows per chunk
   idx fp, mp;             // f, m padded to the vector width
+  // The state first: where it cannot be allocated, the call fails before touching the
+  // others (C rows of f + m can be gigabytes when f x m is beyond the address space).
+  std::vector<T> total;   // (fp, mp) state of all earlier chunks
   std::vector<T> qc;      // (C, fp)  queries
   std::vector<T> kt;      // (fp, C)  keys, transposed
   std::vector<T> vc;      // (C, mp)  values
   std::vector<T> scores;  // (C, C)   tril(Q_c K_c^T)
   std::vector<T> oc;      // (C, mp)  output
-  std::vector<T> total;   // (fp, mp) state of all earlier chunks
 
   Chunk(idx f, idx m, idx size)
       : size(size),
         fp(round_up(f, Vec<T>::lanes)),
         mp(round_up(m, Vec<T>::lanes)),
+        total(fp * mp),
         qc(size * fp),
         kt(fp * size),
         vc(size * mp),
         scores(size * size),
-        oc(size * mp),
-        total(fp * mp) {}
+        oc(size * mp) {}
 };
 
 // Rows per chunk: 32 while the state (f x m) fits in 16 KB, else 64 (a larger state costs more
