@@ -406,6 +406,36 @@ def test_a_checkpoint_cut_anywhere_is_named(tmp_path):
     assert load_checkpoint(path)["step"] == 3
 
 
+class _RunsCode:
+    """Unpickled, it would write a file: what a crafted checkpoint could do."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_checkpoint_is_read_without_running_code(tmp_path):
+    """Checkpoints were read with weights_only=False: one in a shared run folder, resumed by
+    its command, ran whatever its pickle said. A real one still loads (NumPy's RNG array)."""
+    from kernelstudy.train.checkpoint import load_checkpoint
+
+    data = ContainsTask(32)
+    trainer = Trainer(_classifier(), data, _config(steps=4, out_dir=str(tmp_path)))
+    trainer.fit()
+    path = tmp_path / "checkpoint.pt"
+    state = load_checkpoint(path)
+    assert isinstance(state["rng"]["numpy"][1], np.ndarray) and state["step"] == 4
+    marker = tmp_path / "code_ran"
+    state["history"] = [_RunsCode(str(marker))]
+    torch.save(state, path)
+    again = Trainer(_classifier(), data, _config(steps=6, out_dir=str(tmp_path)))
+    with pytest.raises(ValueError, match=r"checkpoint\.pt is not a readable checkpoint"):
+        again.fit(resume=True)
+    assert not marker.exists()
+
+
 class _AlwaysPrune:
     def report(self, value: float, step: int) -> None:
         assert math.isfinite(value)

@@ -44,13 +44,22 @@ def read_torch_file(
     raise ValueError(f"{path} is not a readable {what} ({first})") from None
 
 
+def _numpy_rng_globals() -> list[Any]:
+    """What unpickling NumPy's RNG state (an uint32 array) takes: an array rebuilt from its
+    bytes, nothing that runs code. Under NumPy 1 and 2 alike (``_reconstruct`` moved)."""
+    core = getattr(np, "_core", None) or np.core
+    return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
 def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[str, Any]:
-    """Load a checkpoint written by :func:`save_checkpoint` (a trusted file: it holds RNG
-    states, so it is read with ``weights_only=False``)."""
+    """Load a checkpoint written by :func:`save_checkpoint`, with ``weights_only=True`` (and
+    NumPy's RNG array allowed): a file that would run code as it loads (a shared run folder
+    resumed by its command) is a ValueError, never unpickled."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
-    state = read_torch_file(path, "checkpoint", map_location, weights_only=False)
+    with torch.serialization.safe_globals(_numpy_rng_globals()):
+        state = read_torch_file(path, "checkpoint", map_location)
     if not isinstance(state, dict):
         raise ValueError(f"{path} is not a checkpoint (a {type(state).__name__}, not a dict)")
     return state
