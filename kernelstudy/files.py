@@ -4,6 +4,7 @@ written read back, and a lock that keeps two writers out of one folder."""
 from __future__ import annotations
 
 import contextlib
+import csv
 import io
 import json
 import os
@@ -151,6 +152,7 @@ def read_csv_table(
         # pandas 3 reads them exactly (and deprecates the option)
         exact = {"float_precision": "round_trip"} if pd.__version__.startswith("2.") else {}
         table = pd.read_csv(io.BytesIO(data), low_memory=False, **exact)
+        _check_row_lengths(path, data)
         for name in (c for c in text_columns if c in table):
             verbatim = pd.read_csv(
                 io.BytesIO(data), usecols=[name], dtype=str, keep_default_na=False
@@ -162,6 +164,21 @@ def read_csv_table(
         raise ValueError(
             f"{path} is not a readable CSV table ({first}); move it away to start afresh"
         ) from err
+
+
+def _check_row_lengths(path: Path, data: bytes) -> None:
+    """ValueError naming the line of a row with fewer fields than the header: pandas reads
+    a row cut short (a damaged or hand-edited file) as a whole one with NaN cells, and a
+    resumed study took the configuration for done."""
+    reader = csv.reader(io.StringIO(data.decode("utf-8-sig"), newline=""))
+    header = next(reader, [])
+    for row in reader:
+        if row and len(row) < len(header):
+            raise ValueError(
+                f"{path} is not a readable CSV table (line {reader.line_num} has "
+                f"{len(row)} fields, the header {len(header)}: cut short?); "
+                "move it away to start afresh"
+            )
 
 
 def write_json(path: str | os.PathLike, data: Any) -> Path:

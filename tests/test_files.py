@@ -113,6 +113,23 @@ def test_a_table_replaced_while_it_is_read_keeps_its_ids_with_its_rows(tmp_path,
     assert read_csv_table(tmp_path / "missing" / "x.csv") is None
 
 
+def test_a_results_row_cut_short_is_named_not_read_as_nan(tmp_path):
+    """pandas reads a row with fewer fields than the header as a whole row with NaN cells:
+    a resumed study took that configuration for done. Quoted commas and line breaks, blank
+    lines and a byte-order mark are still whole rows."""
+    import pandas as pd
+
+    from kernelstudy.files import read_csv_table
+
+    path = tmp_path / "results.csv"
+    frame = pd.DataFrame({"config_id": ["0a", "0b"], "note": ["a, b", "two\nlines"], "x": [1, 2]})
+    path.write_bytes(b"\xef\xbb\xbf" + frame.to_csv(index=False).encode() + b"\n")
+    assert read_csv_table(path, ["config_id"]).values.tolist() == frame.values.tolist()
+    path.write_text("config_id,note,x\n0a,a,1\n0b,b")
+    with pytest.raises(ValueError, match=r"results\.csv .*line 3 has 2 fields, the header 3"):
+        read_csv_table(path)
+
+
 @pytest.mark.parametrize("version", ["2.0.3", "3.1.1"])
 def test_results_tables_read_their_floats_back_exactly(tmp_path, monkeypatch, version):
     """pandas 2's default float parser stops near 17 digits: a third of the values read
