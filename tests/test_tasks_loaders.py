@@ -89,6 +89,19 @@ def test_imdb_reviews_are_stripped_as_tfds_does(imdb: Path) -> None:
     assert sorted(decode_bytes(ds[i]) for i in range(len(ds))) == [b"Bad", b"Grea"]
 
 
+def test_imdb_reads_only_review_files(imdb: Path) -> None:
+    """glob("*.txt") took macOS's hidden '._' copies (written on FAT, exFAT and SMB) as
+    reviews of the folder's label: half the items were resource-fork bytes."""
+    pos = imdb / "aclImdb" / "test" / "pos"
+    (pos / "._0_7.txt").write_bytes(b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X")
+    with pytest.warns(UserWarning, match=r"skipped 1 file.*'\._0_7\.txt'"):
+        ds = TextTask(imdb, "test")
+    assert sorted(decode_bytes(ds[i]) for i in range(len(ds))) == [b"Bad", b"Great"]
+    (pos / "0_7.txt").unlink()
+    with pytest.raises(FileNotFoundError, match="no <id>_<rating>.txt reviews"):
+        TextTask(imdb, "test")
+
+
 def test_imdb_missing_directories(imdb: Path, tmp_path: Path) -> None:
     for f in (imdb / "aclImdb" / "test" / "neg").iterdir():
         f.unlink()

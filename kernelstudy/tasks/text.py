@@ -6,6 +6,7 @@ LRA's byte encoder does. Reviews are truncated to ``max_length`` (4000 in LRA).
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 
@@ -21,19 +22,31 @@ BYTE_PAD_ID = 0
 
 _TEXT_COLUMNS = ("text", "source")
 _LABEL_COLUMNS = ("label", "target")
+#: aclImdb's review files: ``<id>_<rating>.txt``.
+_REVIEW_NAME = re.compile(r"\d+_\d+\.txt")
 
 
 def read_imdb_dir(root: Path, split: str, max_length: int) -> tuple[list[bytes], list[int]]:
-    """Reviews of ``root/<split>/{neg,pos}/*.txt`` (label 0 = neg, 1 = pos), sorted by name,
-    with surrounding whitespace stripped as TFDS's ``imdb_reviews`` (LRA's source) does."""
+    """Reviews of ``root/<split>/{neg,pos}/<id>_<rating>.txt`` (label 0 = neg, 1 = pos),
+    sorted by name, with surrounding whitespace stripped as TFDS's ``imdb_reviews`` (LRA's
+    source) does; other ``*.txt`` files there are skipped with a warning."""
     check_count("max_length", max_length, 1)  # a slice [:-1] would drop a byte silently
     texts: list[bytes] = []
     labels: list[int] = []
     for label, polarity in enumerate(("neg", "pos")):
         folder = require_dir(root / split / polarity, "IMDB review directory")
-        files = sorted(folder.glob("*.txt"))
+        found = sorted(folder.glob("*.txt"))
+        files = [f for f in found if _REVIEW_NAME.fullmatch(f.name)]
         if not files:
-            raise FileNotFoundError(f"no *.txt reviews in {folder}")
+            raise FileNotFoundError(f"no <id>_<rating>.txt reviews in {folder}")
+        if len(files) < len(found):
+            other = [f.name for f in found if not _REVIEW_NAME.fullmatch(f.name)]
+            warnings.warn(
+                f"{folder}: skipped {len(other)} file(s) not named as IMDB's reviews "
+                f"(<id>_<rating>.txt), e.g. {other[0]!r} (macOS writes '._' copies "
+                "on other file systems)",
+                stacklevel=3,
+            )
         for file in files:
             texts.append(file.read_bytes().strip()[:max_length])  # TFDS strips reviews
             labels.append(label)
