@@ -467,6 +467,18 @@ def test_pathfinder_leaves_out_empty_images_as_lra_does(tmp_path: Path) -> None:
             ds[i]  # every sample left in decodes
 
 
+def test_pathfinder_warns_of_an_image_listed_twice(tmp_path: Path) -> None:
+    """A copy of a metadata file left in metadata/ listed every sample twice, silently: the
+    seeded split then put the same images in train and test."""
+    images = write_pathfinder(tmp_path, n_files=1, per_file=20)
+    meta = tmp_path / "pathfinder32" / "curv_contour_length_14" / "metadata"
+    (meta / "0 - copy.npy").write_bytes((meta / "0.npy").read_bytes())
+    with pytest.warns(UserWarning, match=r"20 repeated listing\(s\).*sample_0\.png \(.*0\.npy, "
+                      r"line 1, and line 1 of .*0 - copy\.npy\);.* \.\.\.$"):  # fmt: skip
+        splits = [PathfinderTask(tmp_path, s) for s in ("train", "val", "test")]
+    assert sum(len(ds) for ds in splits) == 2 * len(images)  # kept as listed
+
+
 def test_pathfinder_finds_the_resolution_directory(tmp_path: Path) -> None:
     """lra_release/ holds pathfinder32/, pathfinder64/, ...: the resolution picks one."""
     write_pathfinder(tmp_path, n_files=1, per_file=10)
@@ -510,6 +522,8 @@ def test_pathfinder_refuses_a_directory_of_another_difficulty_or_resolution(
         ("imgs/0 sample_0.png 0\n", "4 space-separated fields"),
         ("imgs/0 sample_0.png 0 2 1.8\n", "label"),
         ("imgs/0 sample_99.png 0 1 1.8\n", "does not exist"),
+        # a lost line break: the second record was read as the first's parameters
+        ("imgs/0 sample_1.png 1 0 1.8 6 imgs/0 sample_2.png 2 1 1.8\n", "two records on one"),
     ],
 )
 def test_pathfinder_metadata_errors(tmp_path: Path, line: str, match: str) -> None:

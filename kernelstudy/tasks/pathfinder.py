@@ -87,6 +87,9 @@ def read_metadata(root: Path) -> tuple[list[Path], np.ndarray, list[str]]:
     labels: list[int] = []
     origins: list[str] = []
     empty: list[str] = []
+    listed: dict[Path, str] = {}  # image -> where it was first listed
+    repeated: list[str] = []  # the first three repeats, described
+    repeats = 0
     for meta in files:
         try:
             lines = meta.read_text(encoding="utf-8-sig").split("\n")  # a BOM is no text
@@ -104,7 +107,21 @@ def read_metadata(root: Path) -> tuple[list[Path], np.ndarray, list[str]]:
                     f"got {len(fields)}",
                     line_no,
                 )
+            merged = next((f for f in fields[4:] if f.lower().endswith(".png")), None)
+            if merged is not None:
+                raise data_error(
+                    meta,
+                    f"a second image name ({merged!r}) among the fields after the label: two "
+                    "records on one line (a lost line break?)",
+                    line_no,
+                )
             image = root / fields[0] / fields[1]
+            if image not in listed:
+                listed[image] = f"{meta}, line {line_no}"
+            else:
+                repeats += 1
+                if len(repeated) < 3:
+                    repeated.append(f"{image} ({listed[image]}, and line {line_no} of {meta})")
             if not image.is_file():
                 raise data_error(meta, f"image {image} does not exist", line_no)
             label = parse_label(fields[3], meta, line_no, 2)
@@ -118,6 +135,13 @@ def read_metadata(root: Path) -> tuple[list[Path], np.ndarray, list[str]]:
         warnings.warn(
             f"Pathfinder: left out {len(empty)} sample(s) whose image file is empty, as LRA "
             f"does: {', '.join(empty[:3])}{' ...' if len(empty) > 3 else ''}",
+            stacklevel=3,
+        )
+    if repeats:
+        warnings.warn(
+            f"Pathfinder: {repeats} repeated listing(s) of an image (a copy of a metadata "
+            f"file, a repeated line?), each kept as listed, so the split can put one image "
+            f"in train and test: {'; '.join(repeated)}{' ...' if repeats > 3 else ''}",
             stacklevel=3,
         )
     if not images:
