@@ -176,3 +176,33 @@ def test_image_data_is_inflated_no_further_than_the_image() -> None:
         decode_png(png(zlib.compress(image)[:-3]))
     with pytest.raises(TypeError, match="data must be the file's bytes, got str"):
         decode_png("\x89PNG")
+
+
+def test_an_image_of_another_size_is_refused_before_it_is_inflated(tmp_path) -> None:
+    """A 0.4 MB Pathfinder file claiming 20000x20000 pixels was inflated whole (1 GB, 4 s)
+    before its size was compared with the resolution; one claiming the PNG maximum,
+    (2^31 - 1)^2 RGBA pixels of 16 bits, gave zlib's OverflowError, naming no file."""
+
+    def png(width: int, height: int, depth: int, color: int, stream: bytes) -> bytes:
+        ihdr = struct.pack(">IIBBBBB", width, height, depth, color, 0, 0, 0)
+        return (
+            b"\x89PNG\r\n\x1a\n"
+            + _chunk(b"IHDR", ihdr)
+            + _chunk(b"IDAT", stream)
+            + _chunk(b"IEND", b"")
+        )
+
+    not_zlib = b"not a zlib stream"  # never inflated: the size is refused first
+    with pytest.raises(ValueError, match=r"image is 20000x10000, expected 32x32"):
+        decode_png(png(20000, 10000, 8, 0, not_zlib), shape=(32, 32))
+    with pytest.raises(ValueError, match="corrupt image data"):
+        decode_png(png(32, 32, 8, 0, not_zlib), shape=(32, 32))
+    with pytest.raises(ValueError, match=r"2147483647x2147483647 pixels is too large to decode"):
+        decode_png(png(2**31 - 1, 2**31 - 1, 16, 6, zlib.compress(bytes(9))))
+    with pytest.raises(ValueError, match=r"2147483648x1 pixels, beyond 2\^31 - 1"):
+        decode_png(png(2**31, 1, 8, 0, zlib.compress(bytes(9))))
+    path = tmp_path / "a.png"
+    path.write_bytes(encode_png(np.zeros((3, 5), np.uint8)))
+    assert read_png(path, shape=(3, 5)).shape == (3, 5, 1)
+    with pytest.raises(ValueError, match=r"a\.png: image is 5x3, expected 3x5"):
+        read_png(path, shape=(5, 3))

@@ -233,17 +233,11 @@ class PathfinderTask(SequenceTask):
     def pixels(self, index: int) -> np.ndarray:
         """(resolution, resolution) uint8 gray image of sample ``index``."""
         try:
-            image = read_png(self.images[index])
+            # the size checked before the pixels are inflated
+            image = read_png(self.images[index], (self.resolution, self.resolution))
         except ValueError as err:
             raise ValueError(f"{err} (listed in {self.origins[index]})") from None
-        gray = rgb_to_gray(image[..., :3]) if image.shape[-1] >= 3 else image[..., 0]
-        if gray.shape != (self.resolution, self.resolution):
-            raise data_error(
-                self.images[index],
-                f"image is {gray.shape[1]}x{gray.shape[0]}, expected "
-                f"{self.resolution}x{self.resolution} (listed in {self.origins[index]})",
-            )
-        return gray
+        return rgb_to_gray(image[..., :3]) if image.shape[-1] >= 3 else image[..., 0]
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         ids = torch.from_numpy(self.pixels(index).reshape(-1).astype(np.int64))

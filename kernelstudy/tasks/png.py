@@ -8,6 +8,7 @@ filters. That covers what image libraries write for 8-bit pictures.
 from __future__ import annotations
 
 import struct
+import sys
 import zlib
 
 import numpy as np
@@ -16,6 +17,7 @@ from .files import PathArg, check_path, data_error
 
 SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}  # color type → samples per pixel
+_MAX_SIDE = 2**31 - 1  # pixels: the PNG standard's largest width and height
 
 
 def _chunks(data: bytes):
@@ -73,10 +75,11 @@ def _unfilter(raw: bytes, height: int, stride: int, bpp: int) -> np.ndarray:
     return out
 
 
-def decode_png(data: bytes) -> np.ndarray:
+def decode_png(data: bytes, shape: tuple[int, int] | None = None) -> np.ndarray:
     """Pixels of a PNG file's bytes: (H, W, C) uint8, C = 1 (gray), 2, 3 or 4 (alpha last).
 
-    Raises ValueError for malformed or unsupported files.
+    ``shape``: the (H, W) the image must have, checked before its data is inflated (a small
+    file may claim gigapixels). Raises ValueError for malformed or unsupported files.
     """
     if not isinstance(data, bytes | bytearray):
         raise TypeError(f"data must be the file's bytes, got {type(data).__name__}")
@@ -105,10 +108,16 @@ def decode_png(data: bytes) -> np.ndarray:
         raise ValueError("unsupported PNG: interlaced or non-standard compression/filter")
     if width == 0 or height == 0:
         raise ValueError("empty image")
+    if width > _MAX_SIDE or height > _MAX_SIDE:  # the PNG standard's limit
+        raise ValueError(f"bad IHDR chunk: {width}x{height} pixels, beyond 2^31 - 1")
+    if shape is not None and (height, width) != tuple(shape):
+        raise ValueError(f"image is {width}x{height}, expected {shape[1]}x{shape[0]}")
     channels = _CHANNELS[color]
     bpp = channels * depth // 8
     stride = width * bpp
     expected = height * (stride + 1)
+    if expected >= sys.maxsize:  # zlib's own limit (an OverflowError, naming nothing)
+        raise ValueError(f"image of {width}x{height} pixels is too large to decode")
     stream = zlib.decompressobj()
     try:  # at most one byte past the image: a small file may inflate to gigabytes
         raw = stream.decompress(b"".join(idat), expected + 1)
@@ -133,12 +142,13 @@ def decode_png(data: bytes) -> np.ndarray:
     return pixels
 
 
-def read_png(path: PathArg) -> np.ndarray:
-    """(H, W, C) uint8 pixels of a PNG file; ValueError naming the file if it is malformed."""
+def read_png(path: PathArg, shape: tuple[int, int] | None = None) -> np.ndarray:
+    """(H, W, C) uint8 pixels of a PNG file; ValueError naming the file if it is malformed
+    or not of ``shape`` (H, W), when given (see :func:`decode_png`)."""
     check_path("path", path)
     with open(path, "rb") as f:
         data = f.read()
     try:
-        return decode_png(data)
+        return decode_png(data, shape)
     except ValueError as err:
         raise data_error(path, str(err)) from None
