@@ -1615,6 +1615,43 @@ def test_load_model_names_a_damaged_file(tmp_path):
         load_model(out)
 
 
+def test_another_models_files_are_value_errors_naming_them(tmp_path):
+    """model.pt of another run (another size) and a run.json config key the class does not
+    take raised torch's RuntimeError and a TypeError, naming no file; a checkpoint resumed
+    into another model of the same shapes (another map) went on without a word, and the
+    record named a model the first steps had not trained."""
+    import json
+
+    from kernelstudy.train import load_model
+
+    small, large = tmp_path / "small", tmp_path / "large"
+    Trainer(_classifier(), ContainsTask(32), _config(steps=1, out_dir=str(small))).fit()
+    Trainer(_classifier(d_model=32), ContainsTask(32), _config(steps=1, out_dir=str(large))).fit()
+    (small / "model.pt").write_bytes((large / "model.pt").read_bytes())
+    with pytest.raises(ValueError, match=r"small/model\.pt does not fit the SequenceClassifier"):
+        load_model(small)
+    record = json.loads((large / "run.json").read_text())
+    record["model"]["config"]["d_modle"] = 32
+    (large / "run.json").write_text(json.dumps(record))
+    with pytest.raises(ValueError, match=r"large/run\.json: cannot rebuild .*'d_modle'"):
+        load_model(large)
+
+    paused = tmp_path / "paused"
+    out = str(paused)
+    Trainer(_classifier("elu"), ContainsTask(32), _config(steps=4, out_dir=out)).fit(stop_after=2)
+    again = Trainer(_classifier("relu"), ContainsTask(32), _config(steps=4, out_dir=out))
+    with pytest.raises(ValueError, match=r"into another model: .*attention \(saved 'elu', now"):
+        again.fit(resume=True)
+    state = torch.load(paused / "checkpoint.pt", weights_only=False)
+    del state["model_identity"]  # as written before the check: the weights' shapes still are
+    torch.save(state, paused / "checkpoint.pt")
+    wider = Trainer(_classifier("elu", d_model=32), ContainsTask(32), _config(steps=4, out_dir=out))
+    with pytest.raises(ValueError, match=r"checkpoint\.pt holds the weights of another model"):
+        wider.fit(resume=True)
+    same = Trainer(_classifier("elu"), ContainsTask(32), _config(steps=4, out_dir=out))
+    assert same.fit(resume=True)["steps_completed"] == 4
+
+
 def test_a_damaged_file_of_the_legacy_format_is_a_value_error(tmp_path):
     """torch's legacy (non-zip) reader reports a file cut short as RuntimeError "unexpected
     EOF", which escaped once only the zip reader's RuntimeErrors were taken as damage."""

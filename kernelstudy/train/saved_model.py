@@ -68,10 +68,19 @@ def load_model(run_dir: str | os.PathLike, device: str | torch.device = "cpu") -
     if not isinstance(state, dict):
         raise ValueError(f"{weights_path} is not a state dict (a {type(state).__name__})")
     dtype = _saved_dtype(saved.get("dtype"), state, record_path)
-    model = getattr(ks_nn, name)(**config)
+    try:
+        model = getattr(ks_nn, name)(**config)
+    except TypeError as err:  # a config key or value this version's class does not take
+        raise ValueError(f"{record_path}: cannot rebuild its {name} ({err})") from None
     if dtype is not None:  # a model trained in float64 or bfloat16 comes back so
         model = model.to(dtype)
-    model.load_state_dict(state)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as err:  # another model's weights in the folder
+        first = str(err).strip().splitlines()[0]
+        raise ValueError(
+            f"{weights_path} does not fit the {name} that {record_path} records ({first})"
+        ) from None
     return model.to(device).eval()
 
 

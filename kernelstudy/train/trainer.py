@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import math
 import time
 import warnings
@@ -84,6 +85,17 @@ def resume_changes(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str
     if now.get("eval_batches") is not None and eval_size(saved) != eval_size(now):
         changed.add("eval_batch_size")
     return sorted(changed)
+
+
+def _model_change(saved: Mapping[str, Any], now: Mapping[str, Any]) -> str:
+    """What differs between two model identities (class and config), for an error."""
+    if saved.get("class") != now.get("class"):
+        return f"the checkpoint's is a {saved.get('class')}, this one a {now.get('class')}"
+    old, new = saved.get("config") or {}, now.get("config") or {}
+    keys = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    return f"its {now.get('class')} config differs in " + ", ".join(
+        f"{k} (saved {old.get(k)!r}, now {new.get(k)!r})" for k in keys
+    )
 
 
 @dataclass
@@ -675,8 +687,19 @@ class Trainer:
             "test_metrics": self.test_metrics,
             "test_step": self.test_step,
             "status": self.status,
+            "model_identity": self._model_identity(),
         }
         return save_checkpoint(path, state)
+
+    def _model_identity(self) -> dict[str, Any]:
+        """The model's class and constructor config as JSON values (objects as their str),
+        so that a resume into another model is caught and the checkpoint holds no object."""
+        config_fn = getattr(self.model, "config", None)
+        config = config_fn() if callable(config_fn) else None
+        return {
+            "class": type(self.model).__name__,
+            "config": json.loads(json.dumps(config, default=str)),
+        }
 
     def load_checkpoint(self, path: str | Path) -> None:
         """Restore a :meth:`save_checkpoint` state: weights, optimizer, schedule, data
@@ -688,6 +711,11 @@ class Trainer:
             hint = " (model.pt holds only the weights)" if "format" not in state else ""
             raise ValueError(
                 f"{path} is not a Trainer checkpoint: it lacks {', '.join(missing)}{hint}"
+            )
+        saved_model, model = state.get("model_identity"), self._model_identity()
+        if saved_model is not None and saved_model != model:  # older checkpoints: unchecked
+            raise ValueError(
+                f"cannot resume {path} into another model: " + _model_change(saved_model, model)
             )
         saved = dict(state["config"])
         now = self.config.to_dict()
@@ -705,7 +733,11 @@ class Trainer:
                 "the run will not match an uninterrupted one",
                 stacklevel=2,
             )
-        self.model.load_state_dict(state["model"])
+        try:
+            self.model.load_state_dict(state["model"])
+        except RuntimeError as err:  # another model's shapes or names
+            first = str(err).strip().splitlines()[0]
+            raise ValueError(f"{path} holds the weights of another model ({first})") from None
         self._last_weights = None  # the model holds the checkpoint's (last step's) weights
         self.optimizer.load_state_dict(state["optimizer"])
         sched = dict(state["scheduler"])
