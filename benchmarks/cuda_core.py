@@ -634,6 +634,26 @@ def plot_rows(frame: pd.DataFrame) -> pd.DataFrame:
     return data.assign(panel=data["dtype"] + ": " + data["quantity"].map(QUANTITIES))
 
 
+#: The methods the issue compares, drawn in strong colours of their own; the variant sweeps
+#: (``cuda_walk_*``) share the rest of the colour circle, lighter, one colour each.
+HEADLINE_METHODS = ("cuda", "torch", "fla", "sdpa", "sdpa_efficient", "cuda_fused")
+
+
+def method_colours(methods) -> dict[str, str | tuple[float, float, float]]:
+    """A distinct colour for every method, headline methods first (the legend's order):
+    ``tab20`` cycled once 35 methods were drawn, and 15 pairs shared a colour, the ``sdpa``
+    baseline among them."""
+    import seaborn as sns
+
+    methods = sorted(set(methods), key=str)
+    # blue, orange, green, black, purple, teal: apart from each other and from light hues
+    strong = ["#1f5fa8", "#e8710a", "#1e8a3a", "#000000", "#7b3fa0", "#00838f"]
+    colours = {m: c for m, c in zip(HEADLINE_METHODS, strong, strict=True) if m in methods}
+    others = [m for m in methods if m not in HEADLINE_METHODS]
+    colours.update(zip(others, sns.husl_palette(len(others), s=0.75, l=0.7), strict=True))
+    return colours
+
+
 def plot(frame: pd.DataFrame, path: Path) -> bool:
     import matplotlib
 
@@ -650,6 +670,7 @@ def plot(frame: pd.DataFrame, path: Path) -> bool:
         for panel in (f"{dtype}: {label}" for label in QUANTITIES.values())
         if panel in present
     ]
+    colours = method_colours(data["method"].unique())
     grid = sns.relplot(
         data=data,
         x="N",
@@ -661,7 +682,8 @@ def plot(frame: pd.DataFrame, path: Path) -> bool:
         col="shape",
         kind="line",
         markers=True,
-        palette="tab20",
+        palette=colours,
+        hue_order=list(colours),
         height=3,
         facet_kws={"sharey": False},
     )

@@ -99,6 +99,20 @@ def test_settings_of_a_row_name_the_backends_defaults(cuda_core):
         assert settings(method, 128).startswith("CAUSAL_KERNEL")
 
 
+def test_every_method_has_a_colour_of_its_own(cuda_core):
+    """tab20 cycled once the committed H200 CSV's 35 methods were drawn: 15 pairs shared a
+    colour, the sdpa baseline with a walk variant among them. The headline methods keep
+    their colours whichever others are drawn, and come first in the legend."""
+    import matplotlib.colors
+
+    frame = pd.read_csv(BENCHMARKS / "results" / "cuda_h200.csv")
+    colours = cuda_core.method_colours(frame["method"])
+    assert len(colours) == frame["method"].nunique() == 35
+    assert len({matplotlib.colors.to_hex(c) for c in colours.values()}) == 35
+    assert list(colours)[:6] == list(cuda_core.HEADLINE_METHODS)
+    assert cuda_core.method_colours(["sdpa", "torch"]) == {m: colours[m] for m in ("sdpa", "torch")}
+
+
 def test_plot_writes_a_png(cuda_core, tmp_path):
     path = tmp_path / "cuda.png"
     assert set(cuda_core.plot_rows(_frame()).quantity) == {"time_ms"}  # a CSV before memory
