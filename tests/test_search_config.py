@@ -664,6 +664,27 @@ def test_a_search_that_fails_its_checks_leaves_no_empty_database(tmp_path):
     assert db.is_file()
 
 
+def test_a_failed_search_keeps_a_database_another_search_joined_meanwhile(tmp_path, monkeypatch):
+    """The file this search made was removed whatever it held by then: a second search of
+    the same name and --out had joined it and finished trials, and lost them (stopped with
+    Ctrl-C while preparing, the first search took the second's trials with it)."""
+    from kernelstudy.search import run_search, runner
+
+    cfg = load_config(_write(tmp_path, GOOD))
+    out = tmp_path / "out"
+    url = f"sqlite:///{out / 'tiny' / 'optuna.db'}"
+
+    def joined_then_stopped(*args, **kwargs):  # the other search, during this one's checks
+        other = optuna.create_study(storage=url, study_name="tiny/elu+1")
+        other.add_trial(optuna.trial.create_trial(value=0.5))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "prepare_data", joined_then_stopped)
+    with pytest.raises(KeyboardInterrupt):
+        run_search(cfg, out=out)
+    assert len(optuna.load_study(study_name="tiny/elu+1", storage=url).trials) == 1
+
+
 def test_the_connect_timeout_goes_only_to_drivers_that_take_it():
     """Every server URL got psycopg2's connect_timeout=10: a driver without that argument
     (Oracle's, SQL Server's pyodbc) failed every connect with a TypeError from the driver."""

@@ -195,6 +195,18 @@ def variant_study(
     return study
 
 
+def _holds_a_study(url: str) -> bool:
+    """Whether the database at ``url`` holds a study (True where it cannot be read: kept)."""
+    try:
+        storage = open_storage(url)
+        try:
+            return bool(optuna.get_all_study_summaries(storage, include_best_trial=False))
+        finally:
+            storage.engine.dispose()
+    except Exception:
+        return True
+
+
 def run_search(
     config: SearchConfig | str | Path,
     trials: int | None = None,
@@ -232,7 +244,9 @@ def run_search(
         over = check_variants(config, data)
         val_is_test = val_reads_test(config, data)  # the val split check_variants loaded
     except BaseException:  # an SQLite file this call made holds no study: not left behind
-        if created:  # (`report` then said "no studies ... run search first")
+        # (`report` then said "no studies ... run search first"), unless another search of
+        # the same storage has put one there since (its trials went with the file)
+        if created and not _holds_a_study(url):
             database.unlink(missing_ok=True)
         if new_folder:  # nor the folder made for it, where nothing else was written there
             with contextlib.suppress(OSError):
