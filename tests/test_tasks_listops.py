@@ -486,3 +486,31 @@ def test_files_of_a_killed_writer_are_removed_and_a_live_writers_kept(tmp_path: 
     assert left == sorted(
         ["basic_train.tsv", "basic_val.tsv", "basic_test.tsv", live.name, fresh.name]
     )
+
+
+def test_a_writer_without_overwrite_does_not_replace_files_that_appear_meanwhile(
+    tmp_path, monkeypatch
+):
+    """Existing files were checked for once, before generating (minutes at full size): two
+    `kernelstudy data listops` runs started together both succeeded, and the later one
+    silently replaced the other's files. Now a file that appeared meanwhile is refused and
+    this call's own files already in place are taken away again."""
+    from kernelstudy.tasks import listops
+
+    out = tmp_path / "data"
+    real = listops.generate_listops
+
+    def other_writer_finishes_first(*args, **kwargs):
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "basic_val.tsv").write_text("the other writer's\n")
+        yield from real(*args, **kwargs)
+
+    monkeypatch.setattr(listops, "generate_listops", other_writer_finishes_first)
+    with pytest.raises(FileExistsError, match=r"basic_val\.tsv appeared while this call wrote"):
+        write_listops(out, 20, 5, 5, min_length=5, max_length=60)
+    assert sorted(p.name for p in out.iterdir()) == ["basic_val.tsv"]
+    assert (out / "basic_val.tsv").read_text() == "the other writer's\n"
+    monkeypatch.undo()
+    (out / "basic_val.tsv").unlink()
+    paths = write_listops(out, 20, 5, 5, min_length=5, max_length=60)
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in paths.values())

@@ -386,8 +386,7 @@ def write_listops(
                 writer.writerow(["Source", "Target"])
                 for _ in range(count):
                     writer.writerow(next(rows))
-        for split, path in paths.items():
-            partial[split].replace(path)
+        _put_in_place(partial, paths, overwrite)
     finally:
         generated.close()
         for path in partial.values():
@@ -395,6 +394,33 @@ def write_listops(
         for held in locks:
             os.close(held)
     return paths
+
+
+def _put_in_place(partial: dict[str, Path], paths: dict[str, Path], overwrite: bool) -> None:
+    """Move the written files to their names. Without ``overwrite``, each is linked to its
+    name, which fails where a file has appeared since the check (another writer, started
+    at the same time, finished first: both calls succeeded and one replaced the other's
+    files); this call's files already placed are then taken away again."""
+    if overwrite:
+        for split, path in paths.items():
+            partial[split].replace(path)
+        return
+    placed: list[Path] = []
+    for split, path in paths.items():
+        try:
+            os.link(partial[split], path)
+        except FileExistsError:
+            for done in placed:
+                done.unlink(missing_ok=True)
+            raise FileExistsError(
+                f"{path} appeared while this call wrote its files (another writer?): pass "
+                "overwrite=True (--overwrite) to replace it"
+            ) from None
+        except OSError:  # a file system without hard links: the check made before writing
+            if path.exists():
+                raise FileExistsError(f"{path} appeared while this call wrote its files") from None
+            partial[split].replace(path)
+        placed.append(path)
 
 
 def check_listops_settings(**settings: object) -> None:
