@@ -801,3 +801,29 @@ def test_lras_listops_recipe_can_be_set_in_the_shipped_config(tmp_path):
     for step in (0, 499, 999, 1000, 2500, 4999):
         lra = 0.05 * min(1.0, (step + 1) / 1000) / math.sqrt(max(step + 1, 1000))
         assert math.isclose(train.lr * rate(step), lra, rel_tol=1e-3), step
+
+
+def test_configs_of_one_name_generate_into_folders_of_their_own(tmp_path):
+    """Generated data lived in OUT/NAME/data whatever the [generate] table: a search of a
+    changed table (run with another --storage, as the refusal says) rewrote the files a
+    search of the first one was training on at the time, and the stamp could end up
+    naming the other table's files. A folder per table: neither touches the other's."""
+    from kernelstudy.search.objective import data_dir, prepare_data
+
+    def config(generate: str):
+        text = GOOD.replace('data = "data"', "") + "[generate]\n" + generate
+        return load_config(_write(tmp_path, text))
+
+    small = "n_train = 8\nn_val = 4\nn_test = 4\nmin_length = 10\nmax_length = 40\n"
+    a, b = config(small), config(small.replace("n_train = 8", "n_train = 12"))
+    reordered = config("max_length = 40\n" + small.replace("max_length = 40\n", ""))
+    out = tmp_path / "out"
+    assert data_dir(a, out) == data_dir(reordered, out) != data_dir(b, out)
+    assert data_dir(a, out).parent == data_dir(b, out).parent == out / "tiny"
+    first = prepare_data(a, out) / "basic_train.tsv"
+    before = first.read_bytes()
+    second = prepare_data(b, out) / "basic_train.tsv"
+    assert first.read_bytes() == before and len(second.read_text().splitlines()) == 13
+    stamp = first.read_bytes(), (first.parent / "generate.json").read_text()
+    assert prepare_data(a, out) / "basic_train.tsv" == first  # reused, not written again
+    assert (first.read_bytes(), (first.parent / "generate.json").read_text()) == stamp

@@ -488,7 +488,7 @@ def test_duplicate_requeue_trains_once_and_reports_ignore_it(tmp_path, monkeypat
 def test_changed_settings_refuse_to_join_a_study_with_trials(tmp_path, capsys, monkeypatch):
     cfg, out = write_config(tmp_path, ["elu+1", "1xGLU"], steps=10), tmp_path / "res"
     assert ks("search", cfg, "--out", out, "--trials", "1", "--variant", "elu+1") == 0
-    data = out / "tiny" / "data" / "basic_train.tsv"
+    data = data_dir(load_config(cfg), out) / "basic_train.tsv"
     before = data.read_bytes()
     original = cfg.read_text()
 
@@ -519,9 +519,11 @@ def test_changed_settings_refuse_to_join_a_study_with_trials(tmp_path, capsys, m
     assert ks("search", cfg, "--out", out, "--trials", "2", "--variant", "elu+1") == 0
     cfg.write_text(original.replace("n_train = 300", "n_train = 200"))
     assert ks("search", cfg, "--out", out, "--trials", "1", "--variant", "1xGLU") == 0
-    # ... and the generated data were rewritten for the new [generate] table.
-    assert data.read_bytes() != before
-    assert len(data.read_text().splitlines()) == 201  # header + n_train rows
+    # ... and the new [generate] table's data went to a folder of their own (the first
+    # config's are kept as they were: a search of it running at once reads them).
+    new = data_dir(load_config(cfg), out) / "basic_train.tsv"
+    assert new.parent != data.parent and data.read_bytes() == before
+    assert len(new.read_text().splitlines()) == 201  # header + n_train rows
     # The report still reads both, but says their rows are not comparable.
     capsys.readouterr()
     assert ks("report", cfg, "--out", out) == 0
@@ -558,7 +560,7 @@ def test_bad_inputs_exit_1_before_training(tmp_path, capsys, monkeypatch, edit, 
         assert ks(command, cfg, "--out", out, *extra) == 1
         err = capsys.readouterr().err
         assert f"kernelstudy {command}: error:" in err and re.search(message, err), err
-    assert not (out / "tiny" / "data").exists()  # failed before even generating data
+    assert not list((out / "tiny").glob("data*"))  # failed before even generating data
 
 
 def test_unbuildable_model_fails_before_training(tmp_path, capsys, monkeypatch):
@@ -613,7 +615,7 @@ def test_shipped_lra_configs(name, tmp_path):
     ]
     if name == "listops":
         assert full.task_options["max_length"] == 2000
-        assert data_dir(quick, tmp_path) == tmp_path / "lra_listops_quick" / "data"
+        assert data_dir(quick, tmp_path).parent == tmp_path / "lra_listops_quick"
         assert check_variants(quick, prepare_data(quick, tmp_path)) == {}  # all within budget
 
 
@@ -924,7 +926,7 @@ def test_report_of_a_real_search_labels_its_numbers(tmp_path, capsys):
     assert table.loc["elu+1", ("listops", "best_by_val")] == round(100 * best.test_accuracy, 2)
     assert table.loc["elu+1", ("listops", "max_test")] == round(100 * runs.test_accuracy.max(), 2)
     # parameters: by hand, a 1xGLU map is W_f and W_g of head_dim² each, one layer
-    vocab = load_task("listops", out / "tiny" / "data", "train").vocab_size
+    vocab = load_task("listops", data_dir(load_config(cfg), out), "train").vocab_size
     kw = dict(d_model=32, n_heads=2, n_layers=1, d_ff=32, max_len=32)
     softmax = sum(
         p.numel() for p in SequenceClassifier(vocab, 10, attention="softmax", **kw).parameters()
@@ -1081,4 +1083,4 @@ def test_a_search_that_fails_its_checks_leaves_no_folder(tmp_path, capsys, monke
     cfg = write_config(tmp_path, ["elu+1"], d_model=8, n_heads=3)  # fails after the data
     assert ks("search", cfg, "--out", out) == 1
     assert "n_heads" in capsys.readouterr().err
-    assert sorted(p.name for p in (out / "tiny").iterdir()) == ["data"]
+    assert [p.name for p in (out / "tiny").iterdir()] == [data_dir(load_config(cfg), out).name]

@@ -19,6 +19,7 @@ The same settings, rebuilt from a finished trial's parameters with
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -106,18 +107,23 @@ def suggest_settings(trial: optuna.Trial, config: SearchConfig, variant: Variant
 
 
 def data_dir(config: SearchConfig, out: str | Path) -> Path | None:
-    """Where the task's files are: ``<out>/<name>/data`` when generated, else ``config.data``."""
+    """Where the task's files are: ``<out>/<name>/data-<hash>`` when generated (a folder
+    per ``[generate]`` table, so that two configs of one name never share or rewrite one
+    another's data, also when run at once), else ``config.data``."""
     if config.generate:
-        return Path(out) / config.name / "data"
+        record = json.dumps(config.generate, sort_keys=True)
+        digest = hashlib.sha256(record.encode()).hexdigest()[:12]
+        return Path(out) / config.name / f"data-{digest}"
     return config.data
 
 
 def prepare_data(config: SearchConfig, out: str | Path) -> Path | None:
     """Generate the ListOps files of a ``[generate]`` config, or check ``config.data``.
 
-    Generated files are reused while ``generate.json`` beside them records the same
-    ``[generate]`` table, and written afresh when it changed. Raises
-    FileNotFoundError (with what to do) when a config's data are missing.
+    Generated files are reused while ``generate.json`` beside them records the config's
+    ``[generate]`` table (written last: an interrupted generation is done again; two
+    searches of one config at once write the same bytes). Raises FileNotFoundError (with
+    what to do) when a config's data are missing.
     """
     from ..tasks import needs_path
 
@@ -128,7 +134,7 @@ def prepare_data(config: SearchConfig, out: str | Path) -> Path | None:
         stamp = path / GENERATED_WITH
         current = stamp.is_file() and stamp.read_text() == record
         if not current or not all((path / name).is_file() for name in _LISTOPS_FILES):
-            stamp.unlink(missing_ok=True)  # an interrupted rewrite is not taken for current
+            stamp.unlink(missing_ok=True)  # an interrupted write is not taken for current
             write_listops(path, **config.generate, overwrite=True)  # its own directory
             atomic_write_text(stamp, record)
             _load.cache_clear()  # splits read from the old files
