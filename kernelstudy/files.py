@@ -261,6 +261,40 @@ def _lock_file(path: Path) -> IO[bytes]:
         return open(path, "rb")
 
 
+def _lock_soon(fd: int, wait: float = 0.25) -> None:
+    """``flock`` ``fd`` exclusively, trying for ``wait`` seconds (a reader's probe of
+    :func:`folder_in_use` holds it for an instant); BlockingIOError if still held."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.01)
+
+
+def folder_in_use(folder: str | os.PathLike) -> bool:
+    """Whether a process holds ``folder``'s :func:`exclusive_folder` lock now (False where
+    there is no lock file or the file system has no locks)."""
+    if fcntl is None:
+        return False
+    try:
+        handle = open(Path(folder) / ".lock", "rb")
+    except OSError:
+        return False
+    with handle:
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+        return False
+
+
 @contextlib.contextmanager
 def exclusive_folder(folder: str | os.PathLike, what: str, clean: bool = False) -> Iterator[None]:
     """Hold an advisory lock on ``folder`` (a ``.lock`` file in it) for the block, or raise
@@ -278,7 +312,7 @@ def exclusive_folder(folder: str | os.PathLike, what: str, clean: bool = False) 
         return
     with _lock_file(path) as handle:
         try:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _lock_soon(handle.fileno())
         except BlockingIOError:
             raise FolderBusy(  # the holder's work is not known here: another study, say
                 f"cannot run {what} in {folder}: another process is at work there (it holds "

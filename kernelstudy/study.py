@@ -64,7 +64,13 @@ import pandas as pd
 
 from .arguments import nonempty_user_path, user_path
 from .feature_maps.registry import ENV_FEATURE_MAPS
-from .files import atomic_write, atomic_write_text, exclusive_folder, read_csv_table
+from .files import (
+    atomic_write,
+    atomic_write_text,
+    exclusive_folder,
+    folder_in_use,
+    read_csv_table,
+)
 from .progress import tqdm
 
 ENV_STUDIES_DIR = "KERNELSTUDY_STUDIES_DIR"
@@ -960,7 +966,14 @@ def _note_incomplete(
     for size in (quick, not quick):
         expected = known.get((size, devices[0]), set())
         if present <= expected:
-            if len(present) < len(expected):
+            if len(present) < len(expected) and folder_in_use(path.parent):
+                print(
+                    f"note: {path} has rows of {len(present)} of the {len(expected)} "
+                    f"configurations of the {'quick' if size else 'full'} {devices[0]} run so "
+                    f"far: a run is at work in {path.parent} (it holds its .lock)",
+                    file=sys.stderr,
+                )
+            elif len(present) < len(expected):
                 command = _study_command(name, size, devices[0], config_file)
                 out = shlex.quote(str(path.parent))
                 print(

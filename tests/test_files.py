@@ -301,3 +301,26 @@ def test_atomic_write_text_takes_a_str(tmp_path):
     with pytest.raises(TypeError, match="text must be a str, got bytes"):
         atomic_write_text(tmp_path / "a.txt", b"x")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_folder_in_use_probes_without_turning_a_run_away(tmp_path):
+    """load_results asks whether a run holds a results folder (its note said "interrupted"
+    and gave a command the lock refused); the probe holds the lock for an instant, and a
+    run starting then waits that instant instead of being refused as a second run."""
+    import fcntl
+    import threading
+
+    from kernelstudy.files import FolderBusy, exclusive_folder, folder_in_use
+
+    assert not folder_in_use(tmp_path)  # no lock file
+    with exclusive_folder(tmp_path, "a study"):
+        assert folder_in_use(tmp_path)
+    assert not folder_in_use(tmp_path)
+    with open(tmp_path / ".lock", "rb") as probe:
+        fcntl.flock(probe.fileno(), fcntl.LOCK_SH)  # a probe at the moment the run starts
+        threading.Timer(0.05, fcntl.flock, (probe.fileno(), fcntl.LOCK_UN)).start()
+        with exclusive_folder(tmp_path, "a study"):
+            pass
+        fcntl.flock(probe.fileno(), fcntl.LOCK_SH)  # held on: a real holder
+        with pytest.raises(FolderBusy), exclusive_folder(tmp_path, "a study"):
+            pass

@@ -16,6 +16,7 @@ import torch
 
 import kernelstudy as ks
 from kernelstudy import study
+from kernelstudy.files import exclusive_folder
 
 TOY_SCRIPT = '''
 """A toy study: squares."""
@@ -1129,6 +1130,13 @@ def test_load_results_says_when_a_run_covers_part_of_its_configurations(toy_stud
     err = capsys.readouterr().err
     assert "has rows of 1 of the 4 configurations of the full cpu run" in err
     assert "`kernelstudy study toy --device cpu --out" in err
+    # read while a run is at work there: its rows so far, not an interrupted run whose
+    # command (refused while the run holds the folder) would run the rest
+    with exclusive_folder(root / "toy", "a study"):
+        study.load_results("toy", root=root, quick=False)
+    err = capsys.readouterr().err
+    assert "rows of 1 of the 4 configurations of the full cpu run so far: a run is" in err
+    assert "interrupted" not in err and "runs the rest" not in err
     study.run_study("toy", quick=False, out=root / "toy", verbose=False)
     capsys.readouterr()
     assert len(study.load_results("toy", root=root, quick=False)) == 4
