@@ -166,6 +166,7 @@ WHAT = {
 def figures(frame: pd.DataFrame, params: dict) -> dict:
     title = f"feature map of the linear run: {map_label(params['feature_map'])}"
     rows = frame.dropna(subset=["value"])
+    runs = list(dict.fromkeys(frame["run"].astype(str)))  # one colour per run in every figure
     figs = {}
     for metric in ("tokens_per_s", "state_mb"):
         sub = rows[rows["metric"] == metric]
@@ -174,6 +175,7 @@ def figures(frame: pd.DataFrame, params: dict) -> dict:
                 sub,
                 "length",
                 hue="run",
+                hue_order=runs,
                 errorbar=None,
                 ylabel=ks.analysis.plots.metric_label(metric),
                 title=title,

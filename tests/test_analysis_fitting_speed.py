@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 
 import matplotlib
 import numpy as np
@@ -1229,3 +1230,46 @@ def test_fit_to_softmax_trains_under_no_grad():
     with torch.inference_mode():  # q, k made there too (inference tensors)
         q, k = ks.analysis.gaussian_qk(16, 4, seed=1)
         ks.analysis.fit_to_softmax(fm, q, k, steps=2)
+
+
+def _legend_colours(fig) -> dict[str, str]:
+    (legend,) = fig.legends  # drawn outside the axes
+    return {
+        t.get_text(): h.get_color()
+        for t, h in zip(legend.texts, legend.legend_handles, strict=True)
+    }
+
+
+def test_plots_name_what_they_cannot_draw_and_keep_colours_across_figures():
+    """An infinite value (a run that diverged) was dropped with the NaN ones: the point drew
+    the mean of the finite seeds, below the uniform baseline where the study's table said
+    inf. Rows at 0 or below vanished from log axes. The generation study's two figures gave
+    one run two colours (the state figure has no row of the no-cache run)."""
+    plots = ks.analysis.plots
+    rows = [
+        {"method": m, "metric": "attention_kl", "n": 8, "std": 1.0, "seed": s, "value": v}
+        for m, values in (("relu", [0.03, 0.04, math.inf]), ("uniform", [0.045] * 3))
+        for s, v in enumerate(values)
+    ]
+    with pytest.warns(RuntimeWarning, match=r"1 infinite value\(s\) of 'attention_kl' not drawn"
+                      r".*'method': 'relu'"):  # fmt: skip
+        plots.close(plots.plot_approximation(pd.DataFrame(rows), "attention_kl", x="n"))
+    frame = pd.DataFrame({"f": [0, 8, 16], "value": [1.0, 2.0, 0.0], "run": ["a", "b", "c"]})
+    with pytest.warns(RuntimeWarning) as caught:
+        plots.close(plots.line_plot(frame, "f", hue="run"))
+    assert [str(w.message).split(" (e.g.")[0] for w in caught] == [
+        "line_plot: 1 row(s) with f <= 0 are not shown on the log x axis",
+        "line_plot: 1 row(s) with value <= 0 are not shown on the log y axis",
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fig = plots.line_plot(frame, "f", hue="run", logx=False, logy=False, hue_order="cba")
+    colours = _legend_colours(fig)
+    plots.close(fig)
+    fig = plots.line_plot(frame[frame.run != "c"], "f", hue="run", logx=False, logy=False,
+                          hue_order="cba")  # fmt: skip
+    again = _legend_colours(fig)
+    plots.close(fig)
+    assert again == {k: colours[k] for k in ("b", "a")} and len(set(colours.values())) == 3
+    with pytest.raises(ValueError, match=r"hue_order lacks run values \['c'\]"):
+        plots.line_plot(frame, "f", hue="run", logx=False, logy=False, hue_order="ab")

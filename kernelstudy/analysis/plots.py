@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import re
 import textwrap
+import warnings
 from collections.abc import Mapping, Sequence
 
 import matplotlib.pyplot as plt
@@ -169,9 +170,23 @@ def _check_columns(frame: pd.DataFrame, columns: Sequence[str | None], what: str
 
 
 def _metric_rows(frame: pd.DataFrame, metric: str, what: str) -> pd.DataFrame:
-    """The rows of ``metric`` with a finite ``value``; ValueError naming it when none."""
+    """The rows of ``metric`` with a finite ``value``; ValueError naming it when none.
+    NaN (a metric that does not apply) is left out silently; an infinite value (a run that
+    diverged) is left out with a warning naming its rows: the mean drawn at its point is
+    then over the finite rows only, and looked better than the run was."""
     rows = frame[frame["metric"] == metric]
-    rows = rows[np.isfinite(pd.to_numeric(rows["value"], errors="coerce"))]
+    values = pd.to_numeric(rows["value"], errors="coerce")
+    infinite = rows[np.isinf(values)]
+    if not infinite.empty:
+        named = [c for c in infinite.columns if c not in ("value", "metric", "config_id")]
+        first = infinite.iloc[0][named[:6]].to_dict()
+        warnings.warn(
+            f"{what}: {len(infinite)} infinite value(s) of {metric!r} not drawn (the points "
+            f"they belong to show the finite rows only), e.g. {first}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    rows = rows[np.isfinite(values)]
     if rows.empty:
         raise ValueError(
             f"{what}: metric {metric!r} has no finite values "
@@ -199,6 +214,7 @@ def line_plot(
     legend_title: str | None = None,
     logy_base: float = 10,
     col_ylabels: bool = False,
+    hue_order: Sequence[str] | None = None,
 ) -> Figure:
     """Mean of ``y`` vs ``x`` (error bars over the remaining rows, e.g. seeds), faceted.
 
@@ -210,18 +226,32 @@ def line_plot(
     ``legend_title``, else the hue column's name) is outside the axes, and facet titles
     wider than their axes are wrapped. ``col_ylabels``: each facet's y label is
     :func:`metric_label` of its ``col`` value, in place of its title (``col="metric"``: one
-    metric per facet).
+    metric per facet). ``hue_order``: the hue values in colour order (give every figure of
+    a set the same one, so a value keeps its colour where another has no rows). Values
+    that a log axis cannot show (0 or below) are named in a warning (matplotlib drops
+    them without a word).
     """
     _check_columns(frame, [x, y, hue, style, col, row], "line_plot")
     data = frame.reset_index(drop=True)  # seaborn needs unique labels (pd.concat repeats them)
     for name in (hue, style, col, row):
         if name is not None:
             data[name] = data[name].astype(str)
+    for axis, column, log in (("x", x, logx), ("y", y, logy)):
+        values = pd.to_numeric(data[column], errors="coerce")
+        if log and (values <= 0).any():
+            warnings.warn(
+                f"line_plot: {int((values <= 0).sum())} row(s) with {column} <= 0 are not "
+                f"shown on the log {axis} axis (e.g. {values[values <= 0].iloc[0]}); pass "
+                f"log{axis}=False to show them",
+                RuntimeWarning,
+                stacklevel=2,
+            )
     grid = sns.relplot(
         data=data,
         x=x,
         y=y,
         hue=hue,
+        **_fixed_colours(data, hue, hue_order),
         style=style,
         col=col,
         row=row,
@@ -261,6 +291,20 @@ def line_plot(
     if title:
         figure_title(grid.figure, title)
     return grid.figure
+
+
+def _fixed_colours(data: pd.DataFrame, hue: str | None, order: Sequence | None) -> dict:
+    """seaborn's ``hue_order`` and ``palette`` giving each value of ``order`` the colour of
+    its place there, whether or not the others have rows (the legend lists those that do)."""
+    if hue is None or order is None:
+        return {}
+    order = [str(h) for h in order]
+    missing = sorted(set(data[hue]) - set(order))
+    if missing:
+        raise ValueError(f"line_plot: hue_order lacks {hue} values {missing}")
+    palette = dict(zip(order, sns.color_palette(n_colors=len(order)), strict=True))
+    present = [h for h in order if h in set(data[hue])]
+    return {"hue_order": present, "palette": {h: palette[h] for h in present}}
 
 
 def _facet_baseline(
