@@ -754,7 +754,8 @@ def results_dir() -> Path:
     """Where studies write their results and notebooks read them (``NAME/`` in it):
     ``$KERNELSTUDY_RESULTS``, else ``results/``, both relative to the repository root in a
     checkout (``studies/results`` holds the committed full-size runs) and to the current
-    directory for an installed package."""
+    directory for an installed package; with ``$KERNELSTUDY_STUDIES_DIR`` set, to that
+    folder's parent (results sit beside one's own studies)."""
     studies = studies_dir()
     root = Path.cwd() if studies == packaged_studies_dir() else studies.parent
     return root / (os.environ.get(ENV_RESULTS_DIR) or "results")
@@ -1387,7 +1388,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         type=nonempty_user_path,
         help="output directory (default results/NAME of the checkout, or of the working "
-        "directory for an installed package; $KERNELSTUDY_RESULTS/NAME where set)",
+        "directory for an installed package, or beside $KERNELSTUDY_STUDIES_DIR where set; "
+        "$KERNELSTUDY_RESULTS in place of results where set)",
     )
     parser.add_argument(
         "--config",

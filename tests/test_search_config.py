@@ -827,3 +827,24 @@ def test_configs_of_one_name_generate_into_folders_of_their_own(tmp_path):
     stamp = first.read_bytes(), (first.parent / "generate.json").read_text()
     assert prepare_data(a, out) / "basic_train.tsv" == first  # reused, not written again
     assert (first.read_bytes(), (first.parent / "generate.json").read_text()) == stamp
+
+
+def test_searches_write_where_the_studies_and_notebooks_read(tmp_path, monkeypatch):
+    """search, evaluate and report wrote to ./results of the working directory whatever
+    $KERNELSTUDY_RESULTS said, and lra_results.ipynb, reading results_dir(), found nothing
+    and ran a search of its own. Without out, they use the studies' results folder."""
+    from kernelstudy.search.evaluate import evaluation_path
+    from kernelstudy.search.runner import searched_storage_url, storage_url
+    from kernelstudy.study import results_dir
+
+    cfg = load_config(_write(tmp_path, GOOD))
+    monkeypatch.setenv("KERNELSTUDY_RESULTS", str(tmp_path / "mine"))
+    monkeypatch.chdir(tmp_path)
+    assert results_dir() == tmp_path / "mine"
+    assert storage_url(cfg, None) == f"sqlite:///{tmp_path / 'mine' / 'tiny' / 'optuna.db'}"
+    assert evaluation_path(cfg) == tmp_path / "mine" / "tiny" / "evaluation.csv"
+    with pytest.raises(FileNotFoundError, match=r"run `kernelstudy search \S+cfg\.toml` first"):
+        searched_storage_url(cfg, None)  # the command needs no --out to find it
+    with pytest.raises(FileNotFoundError, match=r"--out other"):
+        searched_storage_url(cfg, None, "other")
+    assert not (tmp_path / "results").exists()

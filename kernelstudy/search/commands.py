@@ -12,7 +12,6 @@ import sys
 from typing import Any
 
 from ..arguments import nonempty_user_path
-from .runner import DEFAULT_OUT
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -26,10 +25,11 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="use the config's [quick] sizes")
     p.add_argument(
         "--out",
-        default=DEFAULT_OUT,
+        default=None,
         type=nonempty_user_path,
         metavar="DIR",
-        help=f"results directory (default {DEFAULT_OUT})",
+        help="results directory (default $KERNELSTUDY_RESULTS, else results/ of the checkout "
+        "or, installed, of the working directory: where the studies and notebooks read)",
     )
 
 

@@ -35,11 +35,11 @@ from ..progress import tqdm
 from .config import SearchConfig, load_config
 from .objective import OverBudget, prepare_data, suggest_settings, train_run
 from .runner import (
-    DEFAULT_OUT,
     SETTINGS_ATTR,
     best_trial,
     check_device,
     check_settings,
+    results_folder,
     searched_storage_url,
     select_variants,
     variant_settings,
@@ -65,9 +65,9 @@ COLUMNS = [
 ]
 
 
-def evaluation_path(config: SearchConfig, out: str | Path = DEFAULT_OUT) -> Path:
+def evaluation_path(config: SearchConfig, out: str | Path | None = None) -> Path:
     """``OUT/NAME/evaluation.csv``: the per-seed test accuracies of ``kernelstudy evaluate``."""
-    return Path(out) / config.name / EVALUATION
+    return results_folder(out) / config.name / EVALUATION
 
 
 def read_evaluation(path: str | Path) -> pd.DataFrame:
@@ -177,7 +177,7 @@ def run_evaluation(
     config: SearchConfig | str | Path,
     seeds: int = 5,
     storage: str | None = None,
-    out: str | Path = DEFAULT_OUT,
+    out: str | Path | None = None,
     quick: bool = False,
     variants: Sequence[str] | None = None,
     device: str | None = None,
@@ -194,6 +194,7 @@ def run_evaluation(
     check_device(config, device)
     chosen = select_variants(config, variants)
     url = searched_storage_url(config, storage, out, quick)
+    out = results_folder(out)
     open_storage(url)
     check_settings(config, chosen, url)  # the best trials re-train as they were searched
     data = prepare_data(config, out)

@@ -45,10 +45,10 @@ from .evaluate import (
     summarize_evaluation,
 )
 from .runner import (
-    DEFAULT_OUT,
     SETTINGS_ATTR,
     VAL_READS_TEST_ATTR,
     best_trial,
+    results_folder,
     searched_storage_url,
     study_row,
     unshared_settings,
@@ -105,7 +105,7 @@ class StudySet:
 
 
 def load_results(
-    target: str | Path, storage: str | None = None, out: str | Path = DEFAULT_OUT, quick=False
+    target: str | Path, storage: str | None = None, out: str | Path | None = None, quick=False
 ) -> StudySet:
     """The studies of ``target``: a config file, or a study name (prefix of ``NAME/label``)."""
     path = Path(target)
@@ -116,7 +116,11 @@ def load_results(
     else:
         name = str(target)
         hint = f"{target!r} is no config file either; give one, or a study name with --storage URL"
-        url = existing_database(storage, hint) if storage else existing_storage_url(out, name, hint)
+        url = (
+            existing_database(storage, hint)
+            if storage
+            else existing_storage_url(results_folder(out), name, hint)
+        )
         labels = None
     store = open_storage(url)
     names = [s.study_name for s in optuna.get_all_study_summaries(store)]
@@ -171,7 +175,7 @@ def load_results(
         if SETTINGS_ATTR in study.user_attrs
     }
     evaluation = current_runs(
-        read_evaluation(Path(out) / name / EVALUATION),
+        read_evaluation(results_folder(out) / name / EVALUATION),
         {label: trial for label, trial in best.items() if trial is not None},
         keys,
     )
@@ -481,7 +485,7 @@ def _extra_pct(params_model: Any, params_feature_map: Any) -> float:
 def write_report(
     targets: Sequence[str | Path],
     storage: str | None = None,
-    out: str | Path = DEFAULT_OUT,
+    out: str | Path | None = None,
     quick: bool = False,
 ) -> dict[str, Path]:
     """Write the table, reference table, trials, summary and figures; return their paths."""
@@ -492,7 +496,7 @@ def write_report(
     if not targets:
         raise ValueError("report needs at least one config file or study name")
     results = [load_results(t, storage, out, quick) for t in targets]
-    folder = Path(out) / (results[0].name if len(results) == 1 else "report")
+    folder = results_folder(out) / (results[0].name if len(results) == 1 else "report")
     table = results_table(results)
     trials = trials_frame(results)
     rows = [

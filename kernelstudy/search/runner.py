@@ -40,7 +40,6 @@ from .storage import (
 )
 from .workers import FINISHED, is_duplicate, open_study, run_workers
 
-DEFAULT_OUT = "results"
 #: The study user attr that holds :func:`variant_settings`.
 SETTINGS_ATTR = "settings"
 #: The study user attr that says whether the val split of its trials read the test data
@@ -52,15 +51,26 @@ NEUTRAL_TRAIN_KEYS = ("device", "progress", "num_workers")
 SHARED_SETTINGS = ("task", "task_options", "generate", "model", "train", "space", "budget")
 
 
-def storage_url(config: SearchConfig, storage: str | None, out: str | Path = DEFAULT_OUT) -> str:
+def results_folder(out: str | Path | None = None) -> Path:
+    """``out``, or where searches write without one: the studies' and notebooks' results
+    folder (:func:`kernelstudy.study.results_dir`: ``$KERNELSTUDY_RESULTS`` or
+    ``results/``, of the checkout or, installed, of the working directory)."""
+    if out is not None:
+        return Path(out)
+    from ..study import results_dir  # a module of the studies' files, importing no layer
+
+    return results_dir()
+
+
+def storage_url(config: SearchConfig, storage: str | None, out: str | Path | None = None) -> str:
     """``storage``, or the default SQLite file ``<out>/<name>/optuna.db``."""
-    return storage if storage else default_storage_url(out, config.name)
+    return storage if storage else default_storage_url(results_folder(out), config.name)
 
 
 def searched_storage_url(
     config: SearchConfig,
     storage: str | None,
-    out: str | Path = DEFAULT_OUT,
+    out: str | Path | None = None,
     quick: bool = False,
 ) -> str:
     """:func:`storage_url` for commands that read a search (evaluate, report): its SQLite
@@ -68,7 +78,8 @@ def searched_storage_url(
     command to run), so that none is created empty."""
     command = f"kernelstudy search {shlex.quote(str(config.path))}"
     command += " --quick" if quick else ""
-    command += "" if Path(out) == Path(DEFAULT_OUT) else f" --out {shlex.quote(str(out))}"
+    command += "" if out is None else f" --out {shlex.quote(str(out))}"
+    out = results_folder(out)
     hint = f"run `{command}` first, or give --storage URL"
     if storage:
         return existing_database(storage, f"run `{command} --storage URL` first")
@@ -212,7 +223,7 @@ def run_search(
     trials: int | None = None,
     workers: int = 1,
     storage: str | None = None,
-    out: str | Path = DEFAULT_OUT,
+    out: str | Path | None = None,
     quick: bool = False,
     variants: Sequence[str] | None = None,
     device: str | None = None,
@@ -232,7 +243,8 @@ def run_search(
         raise ValueError(f"workers must be a positive int, got {workers!r}")
     check_device(config, device)
     chosen = select_variants(config, variants)
-    folder = None if storage else Path(out) / config.name  # the default storage's
+    out = results_folder(out)
+    folder = None if storage else out / config.name  # the default storage's
     new_folder = folder is not None and not folder.exists()
     url = storage_url(config, storage, out)
     database = sqlite_file(url)
