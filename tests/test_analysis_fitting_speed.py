@@ -1273,3 +1273,32 @@ def test_plots_name_what_they_cannot_draw_and_keep_colours_across_figures():
     assert again == {k: colours[k] for k in ("b", "a")} and len(set(colours.values())) == 3
     with pytest.raises(ValueError, match=r"hue_order lacks run values \['c'\]"):
         plots.line_plot(frame, "f", hue="run", logx=False, logy=False, hue_order="ab")
+
+
+def test_a_geometric_estimator_draws_spread_across_decades_on_a_log_axis():
+    """The approximation study drew FAVOR+'s kernel MSE as mean ± sd on a log axis: one
+    seed's tail set a mean 1000x the median, and in a quarter of the points the lower bar
+    fell below 0, off the axis. estimator="geometric" draws the geometric mean ×/÷ the
+    geometric sd; a value <= 0 (no geometric mean) is refused."""
+    plots = ks.analysis.plots
+    values = [1e-3, 1e-2, 1e-1, 1e3]
+    rows = [
+        {"method": "favor", "metric": "kernel_mse", "num_features": r, "seed": s, "value": v}
+        for r in (16, 32)
+        for s, v in enumerate(values)
+    ]
+    frame = pd.DataFrame(rows)
+    fig = plots.plot_approximation(frame, "kernel_mse", x="num_features", estimator="geometric")
+    line = next(ln for ln in fig.axes[0].get_lines() if len(ln.get_xdata()) == 2)
+    logs = np.log(values)
+    assert list(line.get_ydata()) == pytest.approx([math.exp(logs.mean())] * 2)
+    bars = fig.axes[0].collections[0].get_segments()[0][:, 1]  # the first x's error bar
+    spread = math.exp(logs.std(ddof=1))
+    assert sorted(bars) == pytest.approx(
+        [math.exp(logs.mean()) / spread, math.exp(logs.mean()) * spread]
+    )
+    plots.close(fig)
+    with pytest.raises(ValueError, match="a geometric mean needs value > 0"):
+        plots.line_plot(frame.assign(value=0.0), "num_features", estimator="geometric")
+    with pytest.raises(ValueError, match="estimator must be 'mean' or 'geometric'"):
+        plots.line_plot(frame, "num_features", estimator="median")

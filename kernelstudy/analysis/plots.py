@@ -215,6 +215,7 @@ def line_plot(
     logy_base: float = 10,
     col_ylabels: bool = False,
     hue_order: Sequence[str] | None = None,
+    estimator: str = "mean",
 ) -> Figure:
     """Mean of ``y`` vs ``x`` (error bars over the remaining rows, e.g. seeds), faceted.
 
@@ -229,13 +230,22 @@ def line_plot(
     metric per facet). ``hue_order``: the hue values in colour order (give every figure of
     a set the same one, so a value keeps its colour where another has no rows). Values
     that a log axis cannot show (0 or below) are named in a warning (matplotlib drops
-    them without a word).
+    them without a word). ``estimator``: ``"mean"``, or ``"geometric"``: the geometric mean,
+    with ``errorbar=("sd", k)`` read as ×/÷ the geometric sd to the k-th power (the spread of
+    positive values spanning decades, on a log axis: an arithmetic sd there reached below
+    zero, off the axis, and single seeds set the means).
     """
     _check_columns(frame, [x, y, hue, style, col, row], "line_plot")
+    if estimator not in ("mean", "geometric"):
+        raise ValueError(f"estimator must be 'mean' or 'geometric', got {estimator!r}")
     data = frame.reset_index(drop=True)  # seaborn needs unique labels (pd.concat repeats them)
     for name in (hue, style, col, row):
         if name is not None:
             data[name] = data[name].astype(str)
+    if estimator == "geometric":
+        if not (pd.to_numeric(data[y], errors="coerce") > 0).all():
+            raise ValueError(f"line_plot: a geometric mean needs {y} > 0 in every row")
+        errorbar = _geometric_errorbar(errorbar)
     for axis, column, log in (("x", x, logx), ("y", y, logy)):
         values = pd.to_numeric(data[column], errors="coerce")
         if log and (values <= 0).any():
@@ -257,6 +267,7 @@ def line_plot(
         row=row,
         kind="line",
         marker="o",
+        estimator=_geometric_mean if estimator == "geometric" else "mean",
         errorbar=errorbar,
         err_style="bars",
         height=3.6,
@@ -291,6 +302,31 @@ def line_plot(
     if title:
         figure_title(grid.figure, title)
     return grid.figure
+
+
+def _geometric_mean(values: pd.Series) -> float:
+    return float(np.exp(np.log(values).mean()))
+
+
+def _geometric_errorbar(errorbar: str | tuple | None):
+    """``("sd", k)`` (or ``"sd"``) as seaborn's errorbar callable: (g / s^k, g · s^k) with
+    g the geometric mean and s the geometric sd (exp of the sd of the logs, ddof 1); None
+    stays None."""
+    if errorbar is None:
+        return None
+    name, k = (errorbar, 1.0) if isinstance(errorbar, str) else errorbar
+    if name != "sd":
+        raise ValueError(
+            f"a geometric estimator takes errorbar ('sd', k) or None, got {errorbar!r}"
+        )
+
+    def interval(values: pd.Series) -> tuple[float, float]:
+        logs = np.log(values)
+        centre = logs.mean()
+        half = k * (logs.std(ddof=1) if len(logs) > 1 else 0.0)
+        return float(np.exp(centre - half)), float(np.exp(centre + half))
+
+    return interval
 
 
 def _fixed_colours(data: pd.DataFrame, hue: str | None, order: Sequence | None) -> dict:
@@ -354,9 +390,11 @@ def plot_approximation(
     style: str | None = None,
     col: str | None = None,
     row: str | None = None,
+    estimator: str = "mean",
 ) -> Figure:
     """Error ``metric`` vs ``x`` from :func:`approximation_error` rows (plus config columns),
-    faceted by ``col`` and ``row``.
+    faceted by ``col`` and ``row``: ``estimator`` (``"mean"`` ± 1 sd, or ``"geometric"``
+    mean ×/÷ 1 geometric sd: see :func:`line_plot`) over the remaining rows, e.g. seeds.
 
     Rows with ``method == "uniform"`` become a dashed baseline per facet ("uniform
     attention" in the legend), over ``x`` where it changes with ``x`` (e.g. ``x="n"``).
@@ -375,6 +413,7 @@ def plot_approximation(
         hline_label="uniform attention",
         ylabel=metric_label(metric),
         title=None,
+        estimator=estimator,
     )
 
 
