@@ -824,3 +824,44 @@ def test_default_rank_tolerance_uses_the_larger_side_of_a_rectangular_matrix():
     sv = torch.tensor([1.0, 1.0, 1.0, 1.0, 20 * np.finfo(np.float64).eps], dtype=torch.float64)
     m = (u * sv) @ v.T
     assert ks.analysis.attention_rank(m)["numerical_rank"] == 4
+
+
+def test_calls_too_large_for_their_matrices_fail_before_making_masks(monkeypatch):
+    """approximation_error, distillation_loss and fit_to_softmax built N×S masks (and float64
+    copies) before attention_matrix refused N > max_n: 767 MiB at N = 20000, and under a
+    memory limit the allocator's error in place of the message. kernel_attention ran the map
+    before the core checked backend and eps."""
+    from kernelstudy.analysis import approximation, fitting
+
+    def no_masks(*args, **kwargs):
+        raise AssertionError("an N×S mask was made before the size check")
+
+    monkeypatch.setattr(approximation, "allowed_keys", no_masks)
+    monkeypatch.setattr(fitting, "allowed_keys", no_masks)
+    q, k = ks.analysis.gaussian_qk(64, 4)
+    mask = torch.ones(1, 64, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"approximation_error materializes .*max_n=32 \(pass"):
+        ks.analysis.approximation_error("elu", q, k, causal=True, max_n=32)
+    monkeypatch.setattr(ks.analysis.matrices, "MAX_N", 32)
+    monkeypatch.setattr(fitting, "MAX_N", 32)
+    fm = ks.create_feature_map("elu", head_dim=4)
+    with pytest.raises(ValueError, match=r"distillation_loss .*max_n=32 \(it caps them at 32"):
+        ks.analysis.distillation_loss(fm, q, k, key_padding_mask=mask)
+    with pytest.raises(ValueError, match=r"fit_to_softmax materializes N×S .*N=64"):
+        trainable = ks.create_feature_map("softplus_ffn", head_dim=4)
+        ks.analysis.fit_to_softmax(trainable, q, k, steps=1, key_padding_mask=mask)
+
+    class Refuses(type(fm)):
+        def forward(self, x):
+            raise AssertionError("the map ran before the core's checks")
+
+    v = torch.randn(1, 1, 64, 3)
+    for kwargs, match in (
+        ({"backend": "tourch"}, "backend must be one of"),
+        ({"eps": -1.0}, "eps"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            ks.nn.kernel_attention(q, k, v, Refuses(head_dim=4), **kwargs)
+    monkeypatch.setenv("KERNELSTUDY_BACKEND", "tourch")
+    with pytest.raises(ValueError, match="KERNELSTUDY_BACKEND must be one of"):
+        ks.nn.kernel_attention(q, k, v, Refuses(head_dim=4))

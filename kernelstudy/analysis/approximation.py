@@ -41,6 +41,7 @@ from .matrices import (
     MapSpec,
     allowed_keys,
     attention_matrix,
+    check_max_n,
     check_qk,
     check_query_padding_mask,
     kernel_scores,
@@ -214,6 +215,7 @@ def approximation_error(
             f"{'q' if n == 0 else 'k'} has no positions (shape {tuple((q if n == 0 else k).shape)})"
             ": nothing to measure"
         )
+    check_max_n("approximation_error", n, s, max_n)
     allowed = allowed_keys(n, s, causal, key_padding_mask, q.shape[0], q.device)
     if not allowed.any():
         raise ValueError("key_padding_mask leaves no query a key to attend to: nothing to measure")

@@ -9,7 +9,7 @@ from ..arguments import check_count, check_flag, check_real
 from ..core.validation import accumulation_dtype, check_key_padding_mask
 from ..feature_maps import FeatureMap
 from ..nn.modes import module_mode
-from .matrices import MAX_N, allowed_keys, attention_matrix, check_qk
+from .matrices import MAX_N, allowed_keys, attention_matrix, check_max_n, check_qk
 
 
 def _loss_rows(
@@ -137,6 +137,7 @@ def _distillation_loss(
             f"q {tuple(q.shape)} and k {tuple(k.shape)} leave no row to average the loss over "
             "(an empty batch, no heads, no queries or no keys)"
         )
+    check_max_n("distillation_loss", q.shape[2], k.shape[2], MAX_N, settable=False)
     if target is not None:
         want = (*q.shape[:3], k.shape[2])
         if not isinstance(target, torch.Tensor) or tuple(target.shape) != want:
@@ -261,6 +262,7 @@ def fit_to_softmax(
         data.append(("_val", q_val, k_val, key_padding_mask_val, query_padding_mask_val))
     for suffix, qx, kx, kmask, qmask in data:
         qname, kname = f"q{suffix}", f"k{suffix}"
+        check_max_n("fit_to_softmax", qx.shape[2], kx.shape[2], MAX_N, settable=False)
         if causal and qx.shape[2] != kx.shape[2]:  # said by attention_matrix, unnamed
             raise ValueError(
                 f"causal attention needs {qname} and {kname} of one length, got N="

@@ -88,6 +88,21 @@ def _as_feature_map(feature_map: MapSpec, q: torch.Tensor) -> FeatureMap:
     return resolve_feature_map(feature_map, q.shape[-1], q.shape[1])
 
 
+def check_max_n(what: str, n: int, s: int, max_n: int, settable: bool = True) -> None:
+    """ValueError naming ``what`` when N or S exceeds ``max_n``: checked before anything of
+    N×S is made (the masks too), so that the message, not the allocator's, is what a call
+    too large gets. ``settable``: whether ``what`` takes a ``max_n`` (said in the hint)."""
+    if max(n, s) > check_count("max_n", max_n, 1):
+        hint = (
+            "pass a larger max_n if you have the memory"
+            if settable
+            else f"it caps them at {max_n}: use shorter sequences"
+        )
+        raise ValueError(
+            f"{what} materializes N×S per head; N={n}, S={s} exceeds max_n={max_n} ({hint})"
+        )
+
+
 def attention_matrix(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -128,11 +143,7 @@ def attention_matrix(
     check_qk(q, k)
     n, s = q.shape[2], k.shape[2]
     eps = check_real("eps", eps)  # the guard of an analysis: 0 is exact
-    if max(n, s) > check_count("max_n", max_n, 1):
-        raise ValueError(
-            f"attention_matrix materializes N×S per head; N={n}, S={s} exceeds max_n={max_n} "
-            "(pass a larger max_n if you have the memory)"
-        )
+    check_max_n("attention_matrix", n, s, max_n)
     allowed = allowed_keys(n, s, causal, key_padding_mask, q.shape[0], q.device)
     if query_padding_mask is not None:
         real = check_query_padding_mask(query_padding_mask, q.shape[0], n, q.device)

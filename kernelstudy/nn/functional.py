@@ -10,12 +10,14 @@ from typing import Any
 import torch
 
 from ..core.attention import linear_attention
+from ..core.backends import check_backend_name, env_backend_name
 from ..core.exp_range import exp_shift, shift_setting
 from ..core.recurrent import RecurrentState
 from ..core.transforms import host_reads_allowed
 from ..core.validation import (
     accumulation_dtype,
     autocast_off,
+    check_eps,
     check_key_padding_mask,
     check_qkv,
 )
@@ -116,6 +118,12 @@ def kernel_attention(
     check_qkv(q, k, v, names=("q", "k", "v"), causal=causal)
     dtype = q.dtype
     q, k, v, context = float16_in_float32(q, k, v)
+    # the core's own checks, before the map's forward (a typo cost a forward of the map)
+    check_eps(eps, v.dtype)  # the features are cast to v's dtype
+    if backend is None:
+        env_backend_name()  # KERNELSTUDY_BACKEND, checked
+    else:
+        check_backend_name(backend)
     fm = resolve_feature_map(feature_map, q.shape[-1], q.shape[1])
     if not isinstance(feature_map, FeatureMap):  # built here: on the inputs' device
         fm = fm.to(q.device)
