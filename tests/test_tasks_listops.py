@@ -514,3 +514,20 @@ def test_a_writer_without_overwrite_does_not_replace_files_that_appear_meanwhile
     (out / "basic_val.tsv").unlink()
     paths = write_listops(out, 20, 5, 5, min_length=5, max_length=60)
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in paths.values())
+
+
+def test_a_full_disk_while_writing_names_the_file(tmp_path, monkeypatch):
+    """The .partial files were written by csv.writer on a plain file: a full disk or a file
+    size limit said only "[Errno 27] File too large", naming no file."""
+    import errno
+
+    from kernelstudy.tasks import listops
+
+    class Full:
+        def writerow(self, row):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(listops.csv, "writer", lambda f, **kw: Full())
+    with pytest.raises(OSError, match=r"No space left on device: '.*basic_train\.tsv'"):
+        write_listops(tmp_path / "data", 20, 5, 5, min_length=5, max_length=60)
+    assert list((tmp_path / "data").iterdir()) == []  # nothing left behind

@@ -381,11 +381,16 @@ def write_listops(
         for split, count in counts.items():
             fd, partial[split] = new_temporary_file(out, f".basic_{split}.", ".partial")
             locks.append(lock_while_written(fd))
-            with open(fd, "w", encoding="utf-8", newline="") as f:
-                writer = csv.writer(f, delimiter="\t")
-                writer.writerow(["Source", "Target"])
-                for _ in range(count):
-                    writer.writerow(next(rows))
+            try:
+                with open(fd, "w", encoding="utf-8", newline="") as f:
+                    writer = csv.writer(f, delimiter="\t")
+                    writer.writerow(["Source", "Target"])
+                    for _ in range(count):
+                        writer.writerow(next(rows))
+            except OSError as err:  # a full disk, a file-size limit: name the file
+                if err.filename is None and err.errno is not None:
+                    raise OSError(err.errno, err.strerror, str(paths[split])) from err
+                raise
         _put_in_place(partial, paths, overwrite)
     finally:
         generated.close()
