@@ -615,10 +615,17 @@ def figures(frame: pd.DataFrame, params: dict) -> dict:
     maps = frame[frame["part"] == "maps"]
     if not maps.empty:
         fig = ks.analysis.plots.plot_map_comparison(maps, metric="attention_kl", col="std")
+        kl = maps[maps["metric"] == "attention_kl"]
+        undefined = sorted(  # signed features: rows that are no distributions, no KL
+            m for m, values in kl.groupby("method")["value"] if values.isna().all()
+        )
+        left_out = (
+            f" (no KL for {', '.join(undefined)}: rows with negative weights)" if undefined else ""
+        )
         ks.analysis.plots.figure_title(
             fig,
             "Attention KL(softmax row ‖ map row) of every map at F = "
-            f"{_sizes(maps, 'target_feature_dim')} where its size can be set\n"
+            f"{_sizes(maps, 'target_feature_dim')} where its size can be set{left_out}\n"
             f"mean ± 1 sd over {maps['seed'].nunique()} seeds of held-out q, k (entries iid "
             f"N(0, std²), N = {_sizes(maps, 'n')}, D = {_sizes(maps, 'head_dim')}); learned "
             "maps at init and after fitting",
