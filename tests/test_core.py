@@ -269,6 +269,24 @@ def test_vmap_over_an_inner_dimension_equals_a_loop(backend):
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("backend", ["reference", *FAST_BACKENDS])
+@pytest.mark.parametrize("shape", [(2, 2, 0, 4, 5), (2, 2, 7, 4, 0), (2, 0, 7, 4, 5)])
+def test_vmap_over_empty_sizes_equals_a_loop(backend, shape):
+    """The compiled backends' vmap rule split the batch off with reshape(V, -1, ...), which
+    cannot infer -1 where N, M or H is 0: a torch error naming nothing (eager calls and the
+    torch backend worked)."""
+    b, h, n, f, m = shape
+    q, k = (torch.rand(3, b, h, n, f) for _ in range(2))
+    v = torch.rand(3, b, h, n, m)
+    for fn in (
+        lambda q, k, v: ks.causal_dot_product(q, k, v, backend=backend),
+        lambda q, k, v: ks.linear_attention(q, k, v, causal=True, backend=backend),
+    ):
+        got = torch.func.vmap(fn)(q, k, v)
+        want = torch.stack([fn(q[i], k[i], v[i]) for i in range(3)])
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
 def test_torch_compile_traces_the_core_whole(backend):
     """``torch.compile(fullgraph=True)`` traces the core without a graph break: the compiled

@@ -103,8 +103,9 @@ def fold_mapped(size: int, t: torch.Tensor | None, dim: int | None) -> torch.Ten
 
 
 def unfold_mapped(size: int, t: torch.Tensor) -> torch.Tensor:
-    """``(V·B,...) → (V,B,...)``: a result's mapped dimension split off the batch again."""
-    return t.reshape(size, -1, *t.shape[1:])
+    """``(V·B,...) → (V,B,...)``: a result's mapped dimension split off the batch again (B
+    from the sizes: ``-1`` cannot be inferred where another dimension is 0)."""
+    return t.unflatten(0, (size, t.shape[0] // size if size else 0))
 
 
 def vjp_of_needed(
