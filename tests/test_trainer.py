@@ -431,9 +431,35 @@ def test_a_checkpoint_is_read_without_running_code(tmp_path):
     state["history"] = [_RunsCode(str(marker))]
     torch.save(state, path)
     again = Trainer(_classifier(), data, _config(steps=6, out_dir=str(tmp_path)))
-    with pytest.raises(ValueError, match=r"checkpoint\.pt is not a readable checkpoint"):
+    with pytest.raises(ValueError, match=r"checkpoint\.pt is not read: it refers to io\.open"):
         again.fit(resume=True)
     assert not marker.exists()
+
+
+def test_a_checkpoint_of_the_other_numpy_major_version_resumes(tmp_path):
+    """NumPy 1 pickles its RNG array's rebuilding function as numpy.core.multiarray, NumPy 2 as
+    numpy._core.multiarray; the weights-only allowlist named only the local one (and under
+    NumPy 1.26, whose numpy._core is a stub, failed with AttributeError at every load)."""
+    import zipfile
+
+    from kernelstudy.train.checkpoint import load_checkpoint
+
+    trainer = Trainer(_classifier(), ContainsTask(32), _config(steps=4, out_dir=str(tmp_path)))
+    trainer.fit(stop_after=2)
+    path = tmp_path / "checkpoint.pt"
+    names = (b"cnumpy.core.multiarray\n_reconstruct", b"cnumpy._core.multiarray\n_reconstruct")
+    with zipfile.ZipFile(path) as source:
+        files = {info: source.read(info) for info in source.infolist()}
+    ((pickled, data),) = [(i, d) for i, d in files.items() if i.filename.endswith("data.pkl")]
+    here, other = names if names[0] in data else names[::-1]
+    assert here in data
+    files[pickled] = data.replace(here, other)  # as the other NumPy writes it
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as target:
+        for info, content in files.items():
+            target.writestr(info, content)
+    assert isinstance(load_checkpoint(path)["rng"]["numpy"][1], np.ndarray)
+    again = Trainer(_classifier(), ContainsTask(32), _config(steps=4, out_dir=str(tmp_path)))
+    assert again.fit(resume=True)["steps_completed"] == 4
 
 
 class _AlwaysPrune:
@@ -1650,6 +1676,28 @@ def test_another_models_files_are_value_errors_naming_them(tmp_path):
         wider.fit(resume=True)
     same = Trainer(_classifier("elu"), ContainsTask(32), _config(steps=4, out_dir=out))
     assert same.fit(resume=True)["steps_completed"] == 4
+
+
+def test_a_resume_into_a_model_of_another_non_dict_config_is_named(tmp_path):
+    """A user's model whose config() is no dict (a preset's name) gave AttributeError from
+    the message that compares configs, not the ValueError."""
+
+    class Preset(nn.Module):
+        def __init__(self, name: str) -> None:
+            super().__init__()
+            self.name, self.inner = name, _classifier()
+
+        def forward(self, input_ids, mask):
+            return self.inner(input_ids, mask)
+
+        def config(self) -> str:
+            return self.name
+
+    out = str(tmp_path / "run")
+    Trainer(Preset("small"), ContainsTask(32), _config(steps=4, out_dir=out)).fit(stop_after=2)
+    again = Trainer(Preset("large"), ContainsTask(32), _config(steps=4, out_dir=out))
+    with pytest.raises(ValueError, match=r"config differs \(saved 'small', now 'large'\)"):
+        again.fit(resume=True)
 
 
 def test_a_damaged_file_of_the_legacy_format_is_a_value_error(tmp_path):

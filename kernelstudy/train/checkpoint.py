@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,16 @@ def read_torch_file(
         if any(w in text for w in ("cuda", "device", "out of memory", "allocate")):
             raise
         damaged: Exception = err
-    except (EOFError, pickle.UnpicklingError, ValueError, OSError, KeyError, IndexError) as err:
+    except pickle.UnpicklingError as err:
+        refused = re.search(r"GLOBAL ([\w.]+)", str(err))
+        if "Weights only load failed" in str(err) and refused:  # sound, but not weights only
+            raise ValueError(
+                f"{path} is not read: it refers to {refused.group(1)}, which a weights-only "
+                f"load refuses (a {what} of another version, or a file that would run code "
+                "as it loads)"
+            ) from None
+        damaged = err
+    except (EOFError, ValueError, OSError, KeyError, IndexError) as err:
         damaged = err
     first = str(damaged).strip().splitlines()[0] if str(damaged).strip() else type(damaged).__name__
     raise ValueError(f"{path} is not a readable {what} ({first})") from None
@@ -46,9 +56,17 @@ def read_torch_file(
 
 def _numpy_rng_globals() -> list[Any]:
     """What unpickling NumPy's RNG state (an uint32 array) takes: an array rebuilt from its
-    bytes, nothing that runs code. Under NumPy 1 and 2 alike (``_reconstruct`` moved)."""
-    core = getattr(np, "_core", None) or np.core
-    return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    bytes, nothing that runs code. NumPy 1 pickles its rebuilding function as
+    ``numpy.core.multiarray._reconstruct``, NumPy 2 as ``numpy._core...``: both names are
+    allowed, for the function this NumPy has (a checkpoint outlives an upgrade)."""
+    rebuild = np.empty(0).__reduce__()[0]  # _reconstruct, wherever this NumPy keeps it
+    return [
+        (rebuild, "numpy.core.multiarray._reconstruct"),
+        (rebuild, "numpy._core.multiarray._reconstruct"),
+        np.ndarray,
+        np.dtype,
+        type(np.dtype(np.uint32)),
+    ]
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[str, Any]:

@@ -92,6 +92,8 @@ def _model_change(saved: Mapping[str, Any], now: Mapping[str, Any]) -> str:
     if saved.get("class") != now.get("class"):
         return f"the checkpoint's is a {saved.get('class')}, this one a {now.get('class')}"
     old, new = saved.get("config") or {}, now.get("config") or {}
+    if not isinstance(old, dict) or not isinstance(new, dict):  # a user's model's config()
+        return f"its {now.get('class')} config differs (saved {old!r}, now {new!r})"
     keys = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
     return f"its {now.get('class')} config differs in " + ", ".join(
         f"{k} (saved {old.get(k)!r}, now {new.get(k)!r})" for k in keys
