@@ -171,14 +171,17 @@ def _check_row_lengths(path: Path, data: bytes) -> None:
     a row cut short (a damaged or hand-edited file) as a whole one with NaN cells, and a
     resumed study took the configuration for done."""
     reader = csv.reader(io.StringIO(data.decode("utf-8-sig"), newline=""))
-    header = next(reader, [])
-    for row in reader:
-        if row and len(row) < len(header):
-            raise ValueError(
-                f"{path} is not a readable CSV table (line {reader.line_num} has "
-                f"{len(row)} fields, the header {len(header)}: cut short?); "
-                "move it away to start afresh"
-            )
+    try:
+        header = next(reader, [])
+        for row in reader:
+            if row and len(row) < len(header):
+                raise ValueError(
+                    f"{path} is not a readable CSV table (line {reader.line_num} has "
+                    f"{len(row)} fields, the header {len(header)}: cut short?); "
+                    "move it away to start afresh"
+                )
+    except csv.Error:  # a field beyond the csv module's (process-wide) size limit, which
+        return  # pandas read: the table is taken as pandas read it, unchecked
 
 
 def write_json(path: str | os.PathLike, data: Any) -> Path:

@@ -128,6 +128,9 @@ def test_a_results_row_cut_short_is_named_not_read_as_nan(tmp_path):
     path.write_text("config_id,note,x\n0a,a,1\n0b,b")
     with pytest.raises(ValueError, match=r"results\.csv .*line 3 has 2 fields, the header 3"):
         read_csv_table(path)
+    # a field beyond the csv module's size limit (131072), which pandas reads: as before
+    path.write_text(f"config_id,note,x\n0a,{'y' * 140_000},1\n")
+    assert read_csv_table(path)["note"].str.len().tolist() == [140_000]
 
 
 @pytest.mark.parametrize("version", ["2.0.3", "3.1.1"])
