@@ -71,21 +71,16 @@ from .files import (
     folder_in_use,
     read_csv_table,
 )
+from .folders import ENV_RESULTS_DIR as ENV_RESULTS_DIR  # re-exported: the studies' API
+from .folders import ENV_STUDIES_DIR, packaged_studies_dir, results_dir
 from .progress import tqdm
 
-ENV_STUDIES_DIR = "KERNELSTUDY_STUDIES_DIR"
-ENV_RESULTS_DIR = "KERNELSTUDY_RESULTS"
 RESULTS = "results"
 RESULTS_FILE = f"{RESULTS}.csv"
 SUMMARY_FILE = "summary.md"
 #: ``{"TABLE/CONFIG_ID": provenance line}``: the run that computed each config's rows.
 RUNS_FILE = "runs.json"
 DEVICES = ("cpu", "cuda")
-
-
-def packaged_studies_dir() -> Path:
-    """The copy of ``studies/`` (scripts and configs) an installed package carries."""
-    return Path(__file__).resolve().parent / "_studies"
 
 
 def studies_dir() -> Path:
@@ -748,17 +743,6 @@ def _cpu_model() -> str | None:
     except OSError:
         return None
     return None
-
-
-def results_dir() -> Path:
-    """Where studies write their results and notebooks read them (``NAME/`` in it):
-    ``$KERNELSTUDY_RESULTS``, else ``results/``, both relative to the repository root in a
-    checkout (``studies/results`` holds the committed full-size runs) and to the current
-    directory for an installed package; with ``$KERNELSTUDY_STUDIES_DIR`` set, to that
-    folder's parent (results sit beside one's own studies)."""
-    studies = studies_dir()
-    root = Path.cwd() if studies == packaged_studies_dir() else studies.parent
-    return root / (os.environ.get(ENV_RESULTS_DIR) or "results")
 
 
 def load_results(

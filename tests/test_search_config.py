@@ -848,3 +848,8 @@ def test_searches_write_where_the_studies_and_notebooks_read(tmp_path, monkeypat
     with pytest.raises(FileNotFoundError, match=r"--out other"):
         searched_storage_url(cfg, None, "other")
     assert not (tmp_path / "results").exists()
+    # a studies folder of one's own that holds no study yet: searches run none
+    (tmp_path / "mystudies").mkdir()
+    monkeypatch.setenv("KERNELSTUDY_STUDIES_DIR", str(tmp_path / "mystudies"))
+    monkeypatch.delenv("KERNELSTUDY_RESULTS")
+    assert evaluation_path(cfg) == tmp_path / "results" / "tiny" / "evaluation.csv"

@@ -29,7 +29,8 @@ def _common(p: argparse.ArgumentParser) -> None:
         type=nonempty_user_path,
         metavar="DIR",
         help="results directory (default $KERNELSTUDY_RESULTS, else results/ of the checkout "
-        "or, installed, of the working directory: where the studies and notebooks read)",
+        "or, installed, of the working directory, or beside $KERNELSTUDY_STUDIES_DIR where "
+        "set: where the studies and notebooks read)",
     )
 
 

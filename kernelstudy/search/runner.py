@@ -25,6 +25,7 @@ from typing import Any
 import optuna
 import pandas as pd
 
+from ..folders import results_dir
 from ..progress import tqdm
 from ..train import resolve_device
 from .config import SearchConfig, Variant, load_config
@@ -53,13 +54,9 @@ SHARED_SETTINGS = ("task", "task_options", "generate", "model", "train", "space"
 
 def results_folder(out: str | Path | None = None) -> Path:
     """``out``, or where searches write without one: the studies' and notebooks' results
-    folder (:func:`kernelstudy.study.results_dir`: ``$KERNELSTUDY_RESULTS`` or
+    folder (:func:`kernelstudy.folders.results_dir`: ``$KERNELSTUDY_RESULTS`` or
     ``results/``, of the checkout or, installed, of the working directory)."""
-    if out is not None:
-        return Path(out)
-    from ..study import results_dir  # a module of the studies' files, importing no layer
-
-    return results_dir()
+    return results_dir() if out is None else Path(out)
 
 
 def storage_url(config: SearchConfig, storage: str | None, out: str | Path | None = None) -> str:

@@ -1,0 +1,33 @@
+"""Where the studies and their results live (layer-free: the studies and the searches write
+their results in one place, where the notebooks read them)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ENV_STUDIES_DIR = "KERNELSTUDY_STUDIES_DIR"
+ENV_RESULTS_DIR = "KERNELSTUDY_RESULTS"
+
+
+def packaged_studies_dir() -> Path:
+    """The copy of ``studies/`` (scripts and configs) an installed package carries."""
+    return Path(__file__).resolve().parent / "_studies"
+
+
+def results_dir() -> Path:
+    """Where studies and searches write their results and notebooks read them (``NAME/`` in
+    it): ``$KERNELSTUDY_RESULTS``, else ``results/``, both relative to the repository root
+    in a checkout (``studies/results`` holds the committed full-size runs) and to the
+    current directory for an installed package; with ``$KERNELSTUDY_STUDIES_DIR`` set, to
+    that folder's parent (results sit beside one's own studies). Decided without looking
+    for studies there: searches, which run none, write here too."""
+    own = os.environ.get(ENV_STUDIES_DIR)
+    checkout = Path(__file__).resolve().parents[1]
+    if own and Path(own).resolve() != packaged_studies_dir():
+        root = Path(own).parent
+    elif own or packaged_studies_dir().is_dir() or not (checkout / "studies").is_dir():
+        root = Path.cwd()
+    else:
+        root = checkout
+    return root / (os.environ.get(ENV_RESULTS_DIR) or "results")
