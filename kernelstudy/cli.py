@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 import kernelstudy as ks
 from kernelstudy.arguments import nonempty_user_path
+from kernelstudy.progress import usable_output_streams
 
 Command = Callable[[argparse.Namespace], int]
 
@@ -220,6 +221,7 @@ def error_text(err: BaseException) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit code."""
+    usable_output_streams()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):  # a usage error: help to stderr, as argparse's errors

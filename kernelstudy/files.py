@@ -122,7 +122,9 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     """Write ``text`` (UTF-8) to ``path`` atomically."""
     if not isinstance(text, str):
         raise TypeError(f"text must be a str, got {type(text).__name__}")
-    return atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+    # surrogateescape: a path Python decoded from undecodable bytes (a non-UTF-8 locale)
+    # goes back as those bytes, where strict UTF-8 refused it after a study's whole run
+    return atomic_write(path, lambda f: f.write(text.encode("utf-8", "surrogateescape")))
 
 
 def read_csv_table(

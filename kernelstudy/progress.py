@@ -11,6 +11,8 @@ choices give the text bar.
 from __future__ import annotations
 
 import importlib.util
+import os
+import sys
 
 
 def widgets_available() -> bool:
@@ -26,4 +28,19 @@ if widgets_available():
 else:
     from tqdm.std import tqdm
 
-__all__ = ["tqdm", "widgets_available"]
+
+def usable_output_streams() -> None:
+    """For the command-line entry points: a closed stdout or stderr (``2>&-``, ``pythonw``:
+    Python sets it to None) becomes /dev/null, where the bars and messages went nowhere but
+    the work failed at the first write; text the locale's encoding cannot hold (``±``, ``φ``
+    in a summary under a latin-1 or C locale without UTF-8 mode) is written with backslash
+    escapes, where a finished run ended in UnicodeEncodeError."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is None:
+            setattr(sys, name, open(os.devnull, "w", encoding="utf-8"))  # noqa: SIM115
+        elif hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
+
+
+__all__ = ["tqdm", "usable_output_streams", "widgets_available"]

@@ -73,7 +73,7 @@ from .files import (
 )
 from .folders import ENV_RESULTS_DIR as ENV_RESULTS_DIR  # re-exported: the studies' API
 from .folders import ENV_STUDIES_DIR, packaged_studies_dir, results_dir
-from .progress import tqdm
+from .progress import tqdm, usable_output_streams
 
 RESULTS = "results"
 RESULTS_FILE = f"{RESULTS}.csv"
@@ -628,7 +628,7 @@ def _read_summary(summary: Path) -> tuple[tuple[bool, str] | None, list[str]]:
     (None without one), and its "Written ..." provenance lines (each once)."""
     if not summary.is_file():
         return None, []
-    text = summary.read_text().splitlines()
+    text = summary.read_text(encoding="utf-8").splitlines()
     match = _TITLE.match(text[0].strip()) if text else None
     run = None if match is None else (match.group(1) == "quick", match.group(2))
     lines = [line for line in text if line.startswith("Written ")]
@@ -641,7 +641,7 @@ def _read_runs(path: Path) -> dict[str, str]:
     if not path.is_file():
         return {}
     try:
-        runs = json.loads(path.read_text())
+        runs = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{path} is not readable JSON ({err}); delete it to go on") from None
     if not isinstance(runs, dict) or not all(isinstance(v, str) for v in runs.values()):
@@ -662,7 +662,8 @@ def _linked_figures(summary: Path) -> list[str]:
     """The PNG file names a summary links (``![stem](stem.png)`` lines)."""
     if not summary.is_file():
         return []
-    return [m.group(1) for x in summary.read_text().splitlines() if (m := _FIGURE.match(x))]
+    lines = summary.read_text(encoding="utf-8").splitlines()
+    return [m.group(1) for x in lines if (m := _FIGURE.match(x))]
 
 
 def _ids(frame: pd.DataFrame) -> set[str]:
@@ -720,7 +721,7 @@ def provenance(
     command = f"kernelstudy study {name}" + (" --quick" if quick else "") + f" --device {device}"
     plugins = os.environ.get(ENV_FEATURE_MAPS, "").strip()
     if plugins:  # maps defined outside kernelstudy: the command needs them to reproduce
-        command = f"{ENV_FEATURE_MAPS}={plugins} {command}"
+        command = f"{ENV_FEATURE_MAPS}={shlex.quote(plugins)} {command}"
         path = os.environ.get("PYTHONPATH", "").strip()
         if path:  # where those modules were found
             command = f"PYTHONPATH={shlex.quote(path)} {command}"
@@ -1419,6 +1420,7 @@ def run_from_args(name: str, args: argparse.Namespace) -> pd.DataFrame:
 def main(name: str, argv: Sequence[str] | None = None) -> int:
     """Entry of ``python studies/NAME.py [--quick] [--out DIR] [--config PATH] [--device D]
     [--force] [--fill-tables] [--only KEY=VALUE]``."""
+    usable_output_streams()
     parser = add_arguments(argparse.ArgumentParser(prog=f"studies/{name}.py"))
     args = parser.parse_args(argv)
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -305,3 +306,32 @@ def test_an_error_in_a_loader_worker_is_one_line():
     assert str(caught.value).startswith("Caught ValueError in DataLoader worker process 0")
     assert error_text(caught.value) == "sample_0.png: truncated b'IDAT' chunk"
     assert error_text(ValueError("a\nb")) == "a\nb"
+
+
+def test_closed_output_streams_and_narrow_encodings_do_not_fail_a_command(tmp_path):
+    """With stderr closed (`2>&-`, pythonw: sys.stderr is None) `train` exited 1 at its
+    isatty() without a word, and a study crashed in its progress bar; with stdout closed,
+    finished work ended in AttributeError at the flush. Text the output encoding cannot
+    hold (a summary's ± under a latin-1 locale) ended a finished run in UnicodeEncodeError."""
+    out = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "kernelstudy", "train", "--task", "copy", "--task-arg",
+        "seq_len=8", "--task-arg", "num_samples=16", "--d-model", "8", "--heads", "2",
+        "--layers", "1", "--steps", "2", "--batch-size", "4", "--device", "cpu", "--out",
+        str(out),
+    ]  # fmt: skip
+    for fd in (1, 2):
+        run = subprocess.run(command, preexec_fn=lambda fd=fd: os.close(fd), env=BUFFERED)
+        assert run.returncode == 0 and (out / "run.json").is_file()
+        shutil.rmtree(out)
+    narrow = {**BUFFERED, "PYTHONIOENCODING": "ascii"}
+    script = (
+        "import sys, kernelstudy.cli as c; print('\\u00b1 \\u03c6'); sys.exit(c.main(['maps']))"
+    )
+    run = subprocess.run([sys.executable, "-c", script], env=narrow, capture_output=True)
+    assert run.returncode == 1  # this print is before main: the strict encoder raises
+    code = (
+        "import sys, kernelstudy.cli as c; r = c.main(['backends']); print('\\u00b1'); sys.exit(r)"
+    )
+    run = subprocess.run([sys.executable, "-c", code], env=narrow, capture_output=True)
+    assert run.returncode == 0 and run.stdout.endswith(b"\\xb1\n"), run.stderr[-500:]

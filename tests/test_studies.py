@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import re
 import shutil
 import textwrap
@@ -2232,3 +2233,32 @@ def test_a_study_writes_where_load_results_reads_from_any_working_directory(
     monkeypatch.setenv(study.ENV_RESULTS_DIR, "mine")
     assert study.main("toy", ["--quick"]) == 0
     assert (toy_studies / "mine" / "toy" / "results.csv").is_file()
+
+
+def test_folders_and_provenance_under_odd_settings(toy_studies, monkeypatch):
+    """KERNELSTUDY_STUDIES_DIR="." put the results inside the studies folder (the parent of
+    "." by name is "."); the provenance command left KERNELSTUDY_FEATURE_MAPS unquoted
+    ("plug_a, plug_b" ran plug_b as a command when pasted)."""
+    monkeypatch.chdir(toy_studies / "studies")
+    monkeypatch.setenv(study.ENV_STUDIES_DIR, ".")
+    assert study.results_dir() == toy_studies / "results"
+    monkeypatch.setenv("KERNELSTUDY_FEATURE_MAPS", "plug_a, plug_b")
+    line = study.provenance("toy", True, "cpu")
+    assert "KERNELSTUDY_FEATURE_MAPS='plug_a, plug_b' kernelstudy study toy --quick" in line
+
+
+def test_a_study_runs_again_under_an_ascii_locale_with_a_non_ascii_out(toy_studies, tmp_path):
+    """Under LC_ALL=C without UTF-8 mode, summary.md (written as UTF-8) was read back in the
+    locale's codec: every rerun failed; with a non-ASCII --out (undecodable argv bytes), the
+    summary could not be written at all after the whole run."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "résultats"
+    env = {**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    env[study.ENV_STUDIES_DIR] = str(toy_studies / "studies")
+    command = [sys.executable, "-m", "kernelstudy", "study", "toy", "--quick", "--out", str(out)]
+    for _ in range(2):  # computed, then read back and written again
+        run = subprocess.run(command, env=env, capture_output=True)
+        assert run.returncode == 0, run.stderr[-1000:]
+    assert str(out) in (out / "summary.md").read_text(encoding="utf-8")

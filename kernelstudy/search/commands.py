@@ -102,7 +102,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
     from .report import write_report
 
     paths = write_report(args.target, storage=args.storage, out=args.out, quick=args.quick)
-    print(paths["table_md"].read_text(), end="")
+    print(paths["table_md"].read_text(encoding="utf-8"), end="")
     for key, path in paths.items():
         print(f"{key}: {path}")
     return 0

@@ -22,6 +22,7 @@ import functools
 import hashlib
 import json
 import math
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -132,7 +133,7 @@ def prepare_data(config: SearchConfig, out: str | Path) -> Path | None:
         assert path is not None
         record = json.dumps(config.generate, sort_keys=True)
         stamp = path / GENERATED_WITH
-        current = stamp.is_file() and stamp.read_text() == record
+        current = stamp.is_file() and stamp.read_text(encoding="utf-8") == record
         if not current or not all((path / name).is_file() for name in _LISTOPS_FILES):
             stamp.unlink(missing_ok=True)  # an interrupted write is not taken for current
             write_listops(path, **config.generate, overwrite=True)  # its own directory
@@ -148,8 +149,8 @@ def prepare_data(config: SearchConfig, out: str | Path) -> Path | None:
             how = (
                 "run with --quick where the config's [quick] table generates small data "
                 "(`generate = {...}` there, as in studies/lra_listops.toml), or write full-size "
-                f"data there with `kernelstudy data listops --out {path}`, or unpack the Long "
-                "Range Arena release there"
+                "data there with `kernelstudy data listops --out "
+                f"{shlex.quote(str(path))}`, or unpack the Long Range Arena release there"
             )
         else:
             how = (

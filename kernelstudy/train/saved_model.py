@@ -45,7 +45,7 @@ def load_model(run_dir: str | os.PathLike, device: str | torch.device = "cpu") -
                 f"({RECORD} and {MODEL}, written when a run ends)"
             )
     try:
-        record = json.loads(record_path.read_text())
+        record = json.loads(record_path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{record_path} is not readable JSON ({err})") from None
     saved = record.get("model") if isinstance(record, dict) else None
