@@ -25,7 +25,9 @@ def results_dir() -> Path:
     own = os.environ.get(ENV_STUDIES_DIR)
     checkout = Path(__file__).resolve().parents[1]
     if own and Path(own).resolve() != packaged_studies_dir():
-        root = Path(own).resolve().parent  # of "." too (its parent by name is ".")
+        # of "." too (its parent by name is "."); a link is not followed: results sit beside
+        # the folder named, not beside the one it points to
+        root = Path(os.path.abspath(own)).parent
     elif own or packaged_studies_dir().is_dir() or not (checkout / "studies").is_dir():
         root = Path.cwd()
     else:

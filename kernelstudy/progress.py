@@ -10,6 +10,7 @@ choices give the text bar.
 
 from __future__ import annotations
 
+import codecs
 import importlib.util
 import os
 import sys
@@ -29,18 +30,40 @@ else:
     from tqdm.std import tqdm
 
 
+def _output_errors(err: UnicodeError) -> tuple[bytes, int]:
+    """The output streams' error handler: a path's undecodable bytes (U+DC80-U+DCFF, as
+    ``surrogateescape`` decoded them from argv) go back as those bytes, other characters the
+    encoding lacks as backslash escapes (``\\xb1`` for ``±``)."""
+    if not isinstance(err, UnicodeEncodeError):
+        raise err
+    text = err.object[err.start : err.end]
+    out = b"".join(
+        bytes([ord(c) - 0xDC00])
+        if 0xDC80 <= ord(c) <= 0xDCFF
+        else c.encode("ascii", "backslashreplace")
+        for c in text
+    )
+    return out, err.end
+
+
+OUTPUT_ERRORS = "kernelstudy.output"
+codecs.register_error(OUTPUT_ERRORS, _output_errors)
+
+
 def usable_output_streams() -> None:
     """For the command-line entry points: a closed stdout or stderr (``2>&-``, ``pythonw``:
     Python sets it to None) becomes /dev/null, where the bars and messages went nowhere but
-    the work failed at the first write; text the locale's encoding cannot hold (``±``, ``φ``
+    the work failed at the first write; text the stream's encoding cannot hold (``±``, ``φ``
     in a summary under a latin-1 or C locale without UTF-8 mode) is written with backslash
-    escapes, where a finished run ended in UnicodeEncodeError."""
+    escapes, where a finished run ended in UnicodeEncodeError, and a path's undecodable bytes
+    as those bytes (:func:`_output_errors`)."""
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name)
         if stream is None:
-            setattr(sys, name, open(os.devnull, "w", encoding="utf-8"))  # noqa: SIM115
+            null = open(os.devnull, "w", encoding="utf-8", errors=OUTPUT_ERRORS)  # noqa: SIM115
+            setattr(sys, name, null)
         elif hasattr(stream, "reconfigure"):
-            stream.reconfigure(errors="backslashreplace")
+            stream.reconfigure(errors=OUTPUT_ERRORS)
 
 
 __all__ = ["tqdm", "usable_output_streams", "widgets_available"]

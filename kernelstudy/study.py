@@ -628,7 +628,8 @@ def _read_summary(summary: Path) -> tuple[tuple[bool, str] | None, list[str]]:
     (None without one), and its "Written ..." provenance lines (each once)."""
     if not summary.is_file():
         return None, []
-    text = summary.read_text(encoding="utf-8").splitlines()
+    # as atomic_write_text wrote it: a path's undecodable bytes come back as they went
+    text = summary.read_text(encoding="utf-8", errors="surrogateescape").splitlines()
     match = _TITLE.match(text[0].strip()) if text else None
     run = None if match is None else (match.group(1) == "quick", match.group(2))
     lines = [line for line in text if line.startswith("Written ")]
@@ -662,7 +663,7 @@ def _linked_figures(summary: Path) -> list[str]:
     """The PNG file names a summary links (``![stem](stem.png)`` lines)."""
     if not summary.is_file():
         return []
-    lines = summary.read_text(encoding="utf-8").splitlines()
+    lines = summary.read_text(encoding="utf-8", errors="surrogateescape").splitlines()
     return [m.group(1) for x in lines if (m := _FIGURE.match(x))]
 
 

@@ -330,8 +330,10 @@ def test_closed_output_streams_and_narrow_encodings_do_not_fail_a_command(tmp_pa
     )
     run = subprocess.run([sys.executable, "-c", script], env=narrow, capture_output=True)
     assert run.returncode == 1  # this print is before main: the strict encoder raises
+    # ± escaped; a path's undecodable byte (as argv decoding gave it: U+DCE9) as that byte
     code = (
-        "import sys, kernelstudy.cli as c; r = c.main(['backends']); print('\\u00b1'); sys.exit(r)"
+        "import sys, kernelstudy.cli as c; r = c.main(['backends']); "
+        "print('\\u00b1\\udce9'); sys.exit(r)"
     )
     run = subprocess.run([sys.executable, "-c", code], env=narrow, capture_output=True)
-    assert run.returncode == 0 and run.stdout.endswith(b"\\xb1\n"), run.stderr[-500:]
+    assert run.returncode == 0 and run.stdout.endswith(b"\\xb1\xe9\n"), run.stderr[-500:]

@@ -2242,6 +2242,10 @@ def test_folders_and_provenance_under_odd_settings(toy_studies, monkeypatch):
     monkeypatch.chdir(toy_studies / "studies")
     monkeypatch.setenv(study.ENV_STUDIES_DIR, ".")
     assert study.results_dir() == toy_studies / "results"
+    (toy_studies / "proj").mkdir()  # a link is not followed: results beside the link
+    (toy_studies / "proj" / "studies").symlink_to(toy_studies / "studies")
+    monkeypatch.setenv(study.ENV_STUDIES_DIR, str(toy_studies / "proj" / "studies"))
+    assert study.results_dir() == toy_studies / "proj" / "results"
     monkeypatch.setenv("KERNELSTUDY_FEATURE_MAPS", "plug_a, plug_b")
     line = study.provenance("toy", True, "cpu")
     assert "KERNELSTUDY_FEATURE_MAPS='plug_a, plug_b' kernelstudy study toy --quick" in line
@@ -2262,3 +2266,12 @@ def test_a_study_runs_again_under_an_ascii_locale_with_a_non_ascii_out(toy_studi
         run = subprocess.run(command, env=env, capture_output=True)
         assert run.returncode == 0, run.stderr[-1000:]
     assert str(out) in (out / "summary.md").read_text(encoding="utf-8")
+    # a path that is no UTF-8 (latin-1 bytes) under UTF-8 mode: written, read back, printed
+    raw = os.fsencode(tmp_path) + b"/r\xe9s"
+    env = {**os.environ, "PYTHONUTF8": "1", study.ENV_STUDIES_DIR: str(toy_studies / "studies")}
+    command = [os.fsencode(sys.executable), b"-m", b"kernelstudy", b"study", b"toy", b"--quick"]
+    for _ in range(2):
+        run = subprocess.run([*command, b"--out", raw], env=env, capture_output=True)
+        assert run.returncode == 0, run.stderr[-1000:]
+        assert raw in run.stdout  # its bytes, as given
+    assert raw in open(raw + b"/summary.md", "rb").read()
