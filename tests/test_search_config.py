@@ -853,3 +853,22 @@ def test_searches_write_where_the_studies_and_notebooks_read(tmp_path, monkeypat
     monkeypatch.setenv("KERNELSTUDY_STUDIES_DIR", str(tmp_path / "mystudies"))
     monkeypatch.delenv("KERNELSTUDY_RESULTS")
     assert evaluation_path(cfg) == tmp_path / "results" / "tiny" / "evaluation.csv"
+
+
+def test_the_hints_to_search_first_are_commands_that_run(tmp_path):
+    """evaluate and report said "run `kernelstudy search` first": as printed, argparse's
+    "the following arguments are required: CONFIG"; the config, --quick, --out, --storage
+    and the variants missing are in the hint now."""
+    from kernelstudy.search import run_evaluation, write_report
+
+    text = GOOD.replace('data = "data"', "") + (
+        "[generate]\nn_train = 8\nn_val = 4\nn_test = 4\nmin_length = 10\nmax_length = 40\n"
+    )
+    cfg = load_config(_write(tmp_path, text))
+    url = f"sqlite:///{tmp_path / 'other.db'}"
+    optuna.create_study(storage=url, study_name="elsewhere/x")
+    with pytest.raises(ValueError, match=r"run `kernelstudy search \S+cfg\.toml --out \S+ "
+                       r"--storage sqlite:///\S+other\.db --variant elu` first"):  # fmt: skip
+        run_evaluation(cfg, storage=url, out=tmp_path / "out", variants=["elu"])
+    with pytest.raises(ValueError, match=r"run `kernelstudy search \S+cfg\.toml --out \S+ --st"):
+        write_report([cfg.path], storage=url, out=tmp_path / "out")

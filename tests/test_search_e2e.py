@@ -663,7 +663,9 @@ def test_two_configs_of_one_task_get_their_own_column_groups(tmp_path):
     empty = f"sqlite:///{tmp_path / 'empty.db'}"
     made = optuna.create_study(storage=empty).study_name  # a database that holds no study
     optuna.delete_study(study_name=made, storage=empty)
-    with pytest.raises(ValueError, match=r"it holds: no studies\); run `kernelstudy search`"):
+    with pytest.raises(
+        ValueError, match=r"it holds: no studies\); run `kernelstudy search CONFIG`"
+    ):
         load_study(empty, "tiny/elu+1")
     with pytest.raises(ValueError, match=r"'small' given more than once"):  # duplicate columns
         results_table([study_set("small", 0.25), study_set("small", 0.25)])

@@ -40,6 +40,7 @@ from .runner import (
     check_device,
     check_settings,
     results_folder,
+    search_command,
     searched_storage_url,
     select_variants,
     variant_settings,
@@ -194,6 +195,7 @@ def run_evaluation(
     check_device(config, device)
     chosen = select_variants(config, variants)
     url = searched_storage_url(config, storage, out, quick)
+    command = search_command(config, quick, out, storage, [v.label for v in chosen])
     out = results_folder(out)
     open_storage(url)
     check_settings(config, chosen, url)  # the best trials re-train as they were searched
@@ -204,7 +206,7 @@ def run_evaluation(
     if not any(config.study_name(v) in searched for v in chosen):
         raise ValueError(
             f"{redact(url)} holds no study of {config.name} "
-            f"({', '.join(v.label for v in chosen)}): run `kernelstudy search` first, or give "
+            f"({', '.join(v.label for v in chosen)}): run `{command}` first, or give "
             "the --storage/--out it used"
         )
     for variant in chosen:

@@ -49,6 +49,7 @@ from .runner import (
     VAL_READS_TEST_ATTR,
     best_trial,
     results_folder,
+    search_command,
     searched_storage_url,
     study_row,
     unshared_settings,
@@ -109,10 +110,12 @@ def load_results(
 ) -> StudySet:
     """The studies of ``target``: a config file, or a study name (prefix of ``NAME/label``)."""
     path = Path(target)
+    command = "kernelstudy search CONFIG"  # a study name: its config is not known here
     if path.suffix == ".toml" or path.is_file():
         config = load_config(path, quick=quick)
         name, url = config.name, searched_storage_url(config, storage, out, quick)
         labels = [config.study_name(v) for v in config.variants]
+        command = search_command(config, quick, out, storage)
     else:
         name = str(target)
         hint = f"{target!r} is no config file either; give one, or a study name with --storage URL"
@@ -130,7 +133,7 @@ def load_results(
     if not labels or len(missing) == len(labels):
         raise ValueError(
             f"no studies of {name!r} in {redact(url)} (has: {', '.join(names) or 'none'}); "
-            "run `kernelstudy search` first"
+            f"run `{command}` first"
         )
     studies = {
         n.split("/", 1)[1]: optuna.load_study(study_name=n, storage=store)

@@ -64,6 +64,24 @@ def storage_url(config: SearchConfig, storage: str | None, out: str | Path | Non
     return storage if storage else default_storage_url(results_folder(out), config.name)
 
 
+def search_command(
+    config: SearchConfig,
+    quick: bool = False,
+    out: str | Path | None = None,
+    storage: str | None = None,
+    labels: Sequence[str] = (),
+) -> str:
+    """The ``kernelstudy search`` command line that searches ``config`` as given (its
+    ``--quick``, ``--out``, ``--storage`` and ``--variant`` options), for messages."""
+    words = ["kernelstudy", "search", str(config.path)]
+    words += ["--quick"] if quick else []
+    words += [] if out is None else ["--out", str(out)]
+    words += [] if storage is None else ["--storage", redact(storage)]
+    for label in labels:
+        words += ["--variant", label]
+    return shlex.join(words)
+
+
 def searched_storage_url(
     config: SearchConfig,
     storage: str | None,
@@ -73,9 +91,7 @@ def searched_storage_url(
     """:func:`storage_url` for commands that read a search (evaluate, report): its SQLite
     file, the default or a given one, must exist (FileNotFoundError, naming the search
     command to run), so that none is created empty."""
-    command = f"kernelstudy search {shlex.quote(str(config.path))}"
-    command += " --quick" if quick else ""
-    command += "" if out is None else f" --out {shlex.quote(str(out))}"
+    command = search_command(config, quick, out)
     out = results_folder(out)
     hint = f"run `{command}` first, or give --storage URL"
     if storage:
@@ -150,8 +166,8 @@ def check_settings(config: SearchConfig, variants: Sequence[Variant], url: str) 
         raise ValueError(
             f"study {summary.study_name!r} in {redact(url)} holds {summary.n_trials} trial(s) "
             f"run with other settings ({detail}). Its trials would not be comparable with "
-            "new ones: restore those settings, or give the changed config another `name`, "
-            "--out or --storage"
+            "new ones: restore those settings, or give the changed config another `name` "
+            "or --out (another --storage alone shares OUT/NAME's summaries and reports)"
         )
 
 

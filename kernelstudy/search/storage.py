@@ -196,11 +196,12 @@ def redact(url: str) -> str:
 
 def load_study(url: str, name: str) -> optuna.Study:
     """An existing study ``name`` from ``url`` (``ValueError`` listing the studies there)."""
-    storage = open_storage(existing_database(url, "run `kernelstudy search` first"))
+    storage = open_storage(existing_database(url, "run `kernelstudy search CONFIG` first"))
     names = [s.study_name for s in optuna.get_all_study_summaries(storage)]
     if name not in names:
         held = ", ".join(names) or "no studies"
         raise ValueError(
-            f"no study {name!r} in {redact(url)} (it holds: {held}); run `kernelstudy search` first"
+            f"no study {name!r} in {redact(url)} (it holds: {held}); run "
+            "`kernelstudy search CONFIG` first"
         )
     return optuna.load_study(study_name=name, storage=storage)
