@@ -43,23 +43,15 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
     fd, tmp = new_temporary_file(path.parent, f".{path.name[:200]}.", ".tmp")
     held = lock_while_written(fd)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with naming_the_file(path), os.fdopen(fd, "wb") as f:
             if path.exists():
                 os.fchmod(f.fileno(), path.stat().st_mode & 0o7777)
             write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException as err:
+    except BaseException:
         Path(tmp).unlink(missing_ok=True)
-        # a full disk said only "[Errno 28] No space left on device": name the file (also
-        # behind torch.save's RuntimeError "unexpected pos", whose cause it is)
-        cause = err.__context__ if isinstance(err, RuntimeError) else err
-        if isinstance(cause, OSError) and cause.filename is None and cause.errno is not None:
-            if cause is err:
-                err.filename = str(path)
-                raise
-            raise OSError(cause.errno, cause.strerror, str(path)) from err
         raise
     finally:
         os.close(held)
@@ -116,6 +108,23 @@ def output_file_problem(path: str | os.PathLike) -> str | None:
     except OSError as err:
         return f"cannot write in {existing} ({err.strerror or err})"
     return None
+
+
+@contextlib.contextmanager
+def naming_the_file(path: str | os.PathLike) -> Iterator[None]:
+    """Name ``path`` in an OSError of the block that names no file: a full disk or a file
+    size limit said only "[Errno 28] No space left on device" (also behind torch.save's
+    RuntimeError "unexpected pos", whose cause it is)."""
+    try:
+        yield
+    except BaseException as err:
+        cause = err.__context__ if isinstance(err, RuntimeError) else err
+        if isinstance(cause, OSError) and cause.filename is None and cause.errno is not None:
+            if cause is err:
+                err.filename = str(path)
+                raise
+            raise OSError(cause.errno, cause.strerror, str(path)) from err
+        raise
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:

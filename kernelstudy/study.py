@@ -953,22 +953,20 @@ def _note_incomplete(
     for size in (quick, not quick):
         expected = known.get((size, devices[0]), set())
         if present <= expected:
-            if len(present) < len(expected) and folder_in_use(path.parent):
-                print(
+            if len(present) < len(expected):
+                note = (
                     f"note: {path} has rows of {len(present)} of the {len(expected)} "
-                    f"configurations of the {'quick' if size else 'full'} {devices[0]} run so "
-                    f"far: a run is at work in {path.parent} (it holds its .lock)",
-                    file=sys.stderr,
+                    f"configurations of the {'quick' if size else 'full'} {devices[0]} run"
                 )
-            elif len(present) < len(expected):
-                command = _study_command(name, size, devices[0], config_file)
-                out = shlex.quote(str(path.parent))
-                print(
-                    f"note: {path} has rows of {len(present)} of the {len(expected)} "
-                    f"configurations of the {'quick' if size else 'full'} {devices[0]} run (an "
-                    f"interrupted or --only run); `{command} --out {out}` runs the rest",
-                    file=sys.stderr,
-                )
+                if folder_in_use(path.parent):
+                    note += f" so far: a run is at work in {path.parent} (it holds its .lock)"
+                else:
+                    command = _study_command(name, size, devices[0], config_file)
+                    out = shlex.quote(str(path.parent))
+                    note += (
+                        f" (an interrupted or --only run); `{command} --out {out}` runs the rest"
+                    )
+                print(note, file=sys.stderr)
             return
 
 

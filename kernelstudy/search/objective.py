@@ -112,10 +112,14 @@ def data_dir(config: SearchConfig, out: str | Path) -> Path | None:
     per ``[generate]`` table, so that two configs of one name never share or rewrite one
     another's data, also when run at once), else ``config.data``."""
     if config.generate:
-        record = json.dumps(config.generate, sort_keys=True)
-        digest = hashlib.sha256(record.encode()).hexdigest()[:12]
+        digest = hashlib.sha256(_generated_with(config).encode()).hexdigest()[:12]
         return Path(out) / config.name / f"data-{digest}"
     return config.data
+
+
+def _generated_with(config: SearchConfig) -> str:
+    """The ``[generate]`` table as ``generate.json`` records it (and its folder is named)."""
+    return json.dumps(config.generate, sort_keys=True)
 
 
 def prepare_data(config: SearchConfig, out: str | Path) -> Path | None:
@@ -131,7 +135,7 @@ def prepare_data(config: SearchConfig, out: str | Path) -> Path | None:
     path = data_dir(config, out)
     if config.generate:
         assert path is not None
-        record = json.dumps(config.generate, sort_keys=True)
+        record = _generated_with(config)
         stamp = path / GENERATED_WITH
         current = stamp.is_file() and stamp.read_text(encoding="utf-8") == record
         if not current or not all((path / name).is_file() for name in _LISTOPS_FILES):

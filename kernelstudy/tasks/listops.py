@@ -28,7 +28,12 @@ import numpy as np
 import torch
 
 from ..arguments import check_count, check_flag
-from ..files import lock_while_written, new_temporary_file, remove_abandoned_files
+from ..files import (
+    lock_while_written,
+    naming_the_file,
+    new_temporary_file,
+    remove_abandoned_files,
+)
 from .base import PackedSequences, SequenceTask, check_split, pad_tokens
 from .files import PathArg, check_path, data_error, decode_error, locate, release_candidates
 
@@ -381,16 +386,11 @@ def write_listops(
         for split, count in counts.items():
             fd, partial[split] = new_temporary_file(out, f".basic_{split}.", ".partial")
             locks.append(lock_while_written(fd))
-            try:
-                with open(fd, "w", encoding="utf-8", newline="") as f:
-                    writer = csv.writer(f, delimiter="\t")
-                    writer.writerow(["Source", "Target"])
-                    for _ in range(count):
-                        writer.writerow(next(rows))
-            except OSError as err:  # a full disk, a file-size limit: name the file
-                if err.filename is None and err.errno is not None:
-                    raise OSError(err.errno, err.strerror, str(paths[split])) from err
-                raise
+            with naming_the_file(paths[split]), open(fd, "w", encoding="utf-8", newline="") as f:
+                writer = csv.writer(f, delimiter="\t")
+                writer.writerow(["Source", "Target"])
+                for _ in range(count):
+                    writer.writerow(next(rows))
         _put_in_place(partial, paths, overwrite)
     finally:
         generated.close()
