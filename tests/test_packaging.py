@@ -127,3 +127,18 @@ def test_the_ninja_package_is_put_on_path_for_the_build_when_none_is_there(monke
     monkeypatch.setattr(shutil, "which", lambda name, *a, **k: "/usr/bin/ninja")
     with extensions._ninja_on_path():  # one on PATH already: PATH as it was
         assert os.environ.get("PATH") == before
+
+
+def test_the_checkout_tracks_only_the_project_layout_at_its_top_level():
+    """A run's output folder committed by mistake (a ``--out`` at the top, once ``cc/``) fails."""
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("not a git checkout")
+    listed = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout
+    top = {name.split("/", 1)[0] for name in listed.split("\0") if name}
+    layout = {"kernelstudy", "csrc", "studies", "tests", "notebooks", "benchmarks"}
+    files = {"pyproject.toml", "README.md", "LICENSE", "MANIFEST.in", ".gitignore", ".ci"}
+    assert top <= layout | files, (
+        f"unexpected top-level entries tracked: {sorted(top - layout - files)}"
+    )
