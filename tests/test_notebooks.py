@@ -43,8 +43,9 @@ def kernel_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def results_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``$KERNELSTUDY_RESULTS`` of every notebook in the session (quick studies run once)."""
-    root = tmp_path_factory.mktemp("results")
+    """``$KERNELSTUDY_RESULTS`` of every notebook in the session (quick studies run once); a
+    ``?`` in its name, which SQLAlchemy reads as a URL's query unless the path is encoded."""
+    root = tmp_path_factory.mktemp("results?")
     if COMMITTED_RESULTS.is_dir():
         for study in COMMITTED_RESULTS.iterdir():
             if study.is_dir() and study.name not in RUN_FRESH:
