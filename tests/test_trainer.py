@@ -1861,3 +1861,35 @@ def test_fit_trains_whatever_the_callers_grad_mode(mode):
         assert trainer.fit()["status"] == "completed"
     after = _params(trainer.model)
     assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_load_model_imports_no_module_its_record_names(tmp_path, monkeypatch):
+    """A shared run folder's run.json naming ``feature_map = "module:Class"`` made
+    load_model import that module, running its code (a file beside run.json is on sys.path
+    in a notebook or ``python -c``): now refused unless the module is already imported,
+    which a map of one's own still is."""
+    import sys
+
+    from kernelstudy.train import load_model
+
+    train, out = ContainsTask(32), tmp_path / "run"
+    torch.manual_seed(0)
+    Trainer(_classifier(), train, _config(steps=1, out_dir=str(out))).fit()
+    record = json.loads((out / "run.json").read_text())
+    ran = tmp_path / "ran"
+    (tmp_path / "planted_map_module.py").write_text(
+        f"open({str(ran)!r}, 'w').close()\n"
+        "from kernelstudy.feature_maps.elementary import EluFeatureMap as Planted\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "planted_map_module", raising=False)
+    record["model"]["config"]["attention"] = "planted_map_module:Planted"
+    (out / "run.json").write_text(json.dumps(record))
+    with pytest.raises(ValueError, match="module 'planted_map_module' is not imported"):
+        load_model(out)
+    assert not ran.exists()
+    import planted_map_module  # noqa: F401  the user's own module, imported: loads
+
+    ran.unlink()
+    assert type(load_model(out)) is ks.nn.SequenceClassifier
+    assert not ran.exists()

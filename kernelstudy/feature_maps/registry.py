@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import difflib
 import fnmatch
 import functools
@@ -9,7 +11,8 @@ import importlib
 import importlib.metadata
 import inspect
 import os
-from collections.abc import Callable, Mapping
+import sys
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from .base import FeatureMap, Hyperparameter
@@ -26,6 +29,23 @@ ENTRY_POINT_GROUP = "kernelstudy.feature_maps"
 RESERVED_NAMES = ("softmax", "kernel")
 #: Keys of a map's config besides its hyperparameters.
 CONFIG_KEYS = ("name", "head_dim", "num_heads")
+#: Set (to the file's description) while a saved file's names are resolved: see
+#: :func:`names_from_saved_file`.
+_SAVED_FILE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "kernelstudy_saved_file", default=None
+)
+
+
+@contextlib.contextmanager
+def names_from_saved_file(what: str) -> Iterator[None]:
+    """Within: a ``"module:Class"`` name is resolved only from a module already imported
+    (or listed in ``$KERNELSTUDY_FEATURE_MAPS``); importing one a saved file names would
+    run that module's code, as unpickling would. ``what`` names the file in the error."""
+    token = _SAVED_FILE.set(what)
+    try:
+        yield
+    finally:
+        _SAVED_FILE.reset(token)
 
 
 def register_feature_map(name: str) -> Callable[[type[FeatureMap]], type[FeatureMap]]:
@@ -157,6 +177,15 @@ def get_feature_map_class(name: str) -> type[FeatureMap]:
         raise TypeError(f"feature map name must be a str, got {type(name).__name__}")
     if ":" in name:
         module_name, _, attr = name.partition(":")
+        saved_file = _SAVED_FILE.get()
+        if saved_file is not None and module_name not in sys.modules:
+            load_plugins()
+            if module_name not in sys.modules:
+                raise ValueError(
+                    f"{saved_file} names feature map {name!r}, whose module {module_name!r} "
+                    f"is not imported: a saved file's names import no module (that would run "
+                    f"its code); import the module first, or list it in ${ENV_FEATURE_MAPS}"
+                )
         try:
             # a nested class is "module:Outer.Inner" (its __qualname__)
             cls = functools.reduce(getattr, attr.split("."), importlib.import_module(module_name))

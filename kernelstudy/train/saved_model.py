@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from .. import nn as ks_nn
+from ..feature_maps.registry import names_from_saved_file
 from .checkpoint import read_torch_file
 from .trainer import MODEL, RECORD, common_float_dtype
 
@@ -31,10 +32,11 @@ def load_model(run_dir: str | os.PathLike, device: str | torch.device = "cpu") -
     for an older record, ``model.pt``'s). A run of a user's own model class has no config
     to rebuild it from: build the model yourself and load ``model.pt`` into it. A map of
     one's own must be registered (imported, or listed in ``KERNELSTUDY_FEATURE_MAPS``)
-    first, as for any config that names it. Raises FileNotFoundError for a missing file,
-    ValueError for a damaged file, a record this function cannot rebuild or a run that has
-    not finished (paused, failed or interrupted after an earlier finish: its ``model.pt``
-    is that finish's, not ``model_step``'s).
+    first, also one the record names as ``"module:Class"``: the file's names import no
+    module (a shared run folder's ``run.json`` would run code of its choosing). Raises
+    FileNotFoundError for a missing file, ValueError for a damaged file, a record this
+    function cannot rebuild or a run that has not finished (paused, failed or interrupted
+    after an earlier finish: its ``model.pt`` is that finish's, not ``model_step``'s).
     """
     run_dir = Path(run_dir)
     record_path, weights_path = run_dir / RECORD, run_dir / MODEL
@@ -69,7 +71,8 @@ def load_model(run_dir: str | os.PathLike, device: str | torch.device = "cpu") -
         raise ValueError(f"{weights_path} is not a state dict (a {type(state).__name__})")
     dtype = _saved_dtype(saved.get("dtype"), state, record_path)
     try:
-        model = getattr(ks_nn, name)(**config)
+        with names_from_saved_file(str(record_path)):
+            model = getattr(ks_nn, name)(**config)
     except TypeError as err:  # a config key or value this version's class does not take
         raise ValueError(f"{record_path}: cannot rebuild its {name} ({err})") from None
     if dtype is not None:  # a model trained in float64 or bfloat16 comes back so
