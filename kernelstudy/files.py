@@ -45,7 +45,11 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
     try:
         with naming_the_file(path), os.fdopen(fd, "wb") as f:
             if path.exists():
-                os.fchmod(f.fileno(), path.stat().st_mode & 0o7777)
+                mode = path.stat().st_mode & 0o7777
+                if hasattr(os, "fchmod"):
+                    os.fchmod(f.fileno(), mode)
+                else:  # Windows before Python 3.13
+                    os.chmod(tmp, mode)
             write(f)
             f.flush()
             os.fsync(f.fileno())
@@ -54,7 +58,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
         Path(tmp).unlink(missing_ok=True)
         raise
     finally:
-        os.close(held)
+        release_lock(held)
     sync_folder(path.parent)
     return path
 
@@ -81,7 +85,9 @@ def new_temporary_file(folder: str | os.PathLike, prefix: str, suffix: str) -> t
     for _ in range(100):
         path = Path(folder) / f"{prefix}{secrets.token_hex(8)}{suffix}"
         try:
-            return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), path
+            # O_BINARY: Windows opens a descriptor in text mode, "\n" written as "\r\n"
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+            return os.open(path, flags, 0o666), path
         except FileExistsError:
             continue
     raise FileExistsError(f"no free temporary name {prefix}*{suffix} in {folder}")
@@ -221,15 +227,24 @@ def remove_stale_temporary_files(folder: str | os.PathLike) -> list[Path]:
     return removed
 
 
-def lock_while_written(fd: int) -> int:
+def lock_while_written(fd: int) -> int | None:
     """Lock the open file ``fd`` (advisory) as being written, so that
     :func:`remove_abandoned_files` leaves it alone, and return a duplicate descriptor that
-    holds the lock until it is closed (or its process dies), also after ``fd`` is."""
+    holds the lock until :func:`release_lock` closes it (or its process dies), also after
+    ``fd`` is closed. None where there are no locks (Windows: an open descriptor would keep
+    the file from being renamed or deleted there)."""
+    if fcntl is None:
+        return None
     held = os.dup(fd)
-    if fcntl is not None:
-        with contextlib.suppress(OSError):  # a file system without locks
-            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with contextlib.suppress(OSError):  # a file system without locks
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
     return held
+
+
+def release_lock(held: int | None) -> None:
+    """Close a descriptor :func:`lock_while_written` returned (None: nothing to close)."""
+    if held is not None:
+        os.close(held)
 
 
 def remove_abandoned_files(
@@ -322,6 +337,11 @@ def exclusive_folder(folder: str | os.PathLike, what: str, clean: bool = False) 
     if problem is not None:
         raise ValueError(f"{folder} cannot hold {what}'s files: {problem}; give another --out")
     if fcntl is None:
+        warnings.warn(
+            f"no file locks on this system (no fcntl): nothing keeps a second run out of {folder}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         yield
         return
     with _lock_file(path) as handle:

@@ -327,3 +327,44 @@ def test_folder_in_use_probes_without_turning_a_run_away(tmp_path):
         fcntl.flock(probe.fileno(), fcntl.LOCK_SH)  # held on: a real holder
         with pytest.raises(FolderBusy), exclusive_folder(tmp_path, "a study"):
             pass
+
+
+def test_writes_and_locks_work_without_fchmod_and_fcntl_as_on_windows(tmp_path, monkeypatch):
+    """Windows (Python < 3.13) has no ``os.fchmod`` and no ``fcntl``: every rewrite of a file
+    raised AttributeError, a lock's duplicate descriptor stayed open over the rename (which
+    Windows refuses), and the folder lock did nothing without a word."""
+    import kernelstudy.files as files
+
+    path = tmp_path / "table.csv"
+    atomic_write_text(path, "a\n")
+    path.chmod(0o640)
+    monkeypatch.delattr(os, "fchmod")
+    monkeypatch.setattr(files, "fcntl", None)
+    with open(os.devnull, "rb") as f:
+        assert files.lock_while_written(f.fileno()) is None
+    atomic_write_text(path, "b\n")
+    assert path.read_text() == "b\n" and stat.S_IMODE(path.stat().st_mode) == 0o640
+    assert [p.name for p in tmp_path.iterdir()] == ["table.csv"]
+    with pytest.warns(RuntimeWarning, match="no file locks on this system"):
+        with files.exclusive_folder(tmp_path, "a test"):
+            pass
+
+
+def test_the_package_and_its_command_line_load_without_the_resource_module():
+    """``import resource`` (none on Windows) at the top of the training metrics stopped
+    every ``kernelstudy`` command, also ``--help``; the CPU peak memory is now unavailable
+    there instead."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['resource'] = None\n"
+        "import torch\n"
+        "from kernelstudy.cli import build_parser\n"
+        "from kernelstudy.train.metrics import peak_memory\n"
+        "build_parser()\n"
+        "print(peak_memory(torch.device('cpu')))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "'peak_memory_bytes': None, 'peak_memory_source': 'unavailable'" in run.stdout

@@ -8,6 +8,7 @@ generator does.
 from __future__ import annotations
 
 import csv
+import os
 import random
 from pathlib import Path
 
@@ -531,3 +532,16 @@ def test_a_full_disk_while_writing_names_the_file(tmp_path, monkeypatch):
     with pytest.raises(OSError, match=r"No space left on device: '.*basic_train\.tsv'"):
         write_listops(tmp_path / "data", 20, 5, 5, min_length=5, max_length=60)
     assert list((tmp_path / "data").iterdir()) == []  # nothing left behind
+
+
+def test_write_listops_without_hard_links(tmp_path, monkeypatch):
+    """A platform without ``os.link`` (the except caught OSError, not the AttributeError)
+    places the files as on a file system without hard links, refusing to replace any."""
+    monkeypatch.delattr(os, "link")
+    small = {"n_train": 4, "n_val": 2, "n_test": 2, "min_length": 5, "max_length": 30}
+    paths = write_listops(tmp_path, **small)
+    assert sorted(p.name for p in paths.values()) == sorted(
+        ["basic_train.tsv", "basic_val.tsv", "basic_test.tsv"]
+    )
+    with pytest.raises(FileExistsError):
+        write_listops(tmp_path, **small)

@@ -32,6 +32,7 @@ from ..files import (
     lock_while_written,
     naming_the_file,
     new_temporary_file,
+    release_lock,
     remove_abandoned_files,
 )
 from .base import PackedSequences, SequenceTask, check_split, pad_tokens
@@ -397,7 +398,7 @@ def write_listops(
         for path in partial.values():
             path.unlink(missing_ok=True)
         for held in locks:
-            os.close(held)
+            release_lock(held)
     return paths
 
 
@@ -411,9 +412,12 @@ def _put_in_place(partial: dict[str, Path], paths: dict[str, Path], overwrite: b
             partial[split].replace(path)
         return
     placed: list[Path] = []
+    link = getattr(os, "link", None)
     for split, path in paths.items():
         try:
-            os.link(partial[split], path)
+            if link is None:  # no hard links on this platform: as a file system without them
+                raise OSError("no os.link")
+            link(partial[split], path)
         except FileExistsError:
             for done in placed:
                 done.unlink(missing_ok=True)

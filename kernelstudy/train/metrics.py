@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import resource
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -70,12 +69,17 @@ def reset_peak_memory(device: torch.device) -> None:
 def peak_memory(device: torch.device) -> dict[str, Any]:
     """``{"peak_memory_bytes", "peak_memory_source"}``: CUDA max allocated since the last
     :func:`reset_peak_memory` on a GPU; on CPU the process's peak resident set size
-    (``getrusage`` ru_maxrss, which covers the whole process lifetime)."""
+    (``getrusage`` ru_maxrss, which covers the whole process lifetime); None with source
+    ``"unavailable"`` where there is no ``resource`` module (Windows)."""
     if device.type == "cuda":
         return {
             "peak_memory_bytes": int(torch.cuda.max_memory_allocated(device)),
             "peak_memory_source": "cuda_max_allocated",
         }
+    try:
+        import resource
+    except ImportError:  # Windows
+        return {"peak_memory_bytes": None, "peak_memory_source": "unavailable"}
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
     return {"peak_memory_bytes": int(rss * scale), "peak_memory_source": "cpu_max_rss"}
