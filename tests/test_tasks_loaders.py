@@ -904,3 +904,32 @@ def test_rgb_to_gray_takes_uint8_and_an_int_axis() -> None:
             rgb_to_gray(np.zeros((2, 3, 4), dtype=np.uint8), channel_axis=axis)
     gray = rgb_to_gray(np.zeros((2, 3, 4), dtype=np.uint8), channel_axis=np.int64(1))
     assert gray.shape == (2, 4)
+
+
+class DeclaredArray:
+    """Pickles as a call ``numpy.ndarray((n, 3072), uint8)`` (``empty``: as NumPy's
+    ``_reconstruct`` of that shape): an array of a size the file does not hold."""
+
+    def __init__(self, n: int, empty: bool = False, dtype: type = np.uint8) -> None:
+        self.n, self.empty, self.dtype = n, empty, dtype
+
+    def __reduce__(self):
+        if self.empty:
+            return (np.empty(0).__reduce__()[0], (np.ndarray, (self.n, 3072), b"B"))
+        return (np.ndarray, ((self.n, 3072), np.dtype(self.dtype)))
+
+
+@pytest.mark.parametrize("empty", [False, True], ids=["ndarray", "_reconstruct"])
+def test_a_cifar_pickle_cannot_declare_an_array_it_does_not_hold(tmp_path: Path, empty) -> None:
+    """A 150 KB batch calling numpy.ndarray((150000, 3072)) passed the restricted unpickler
+    and took 460 MB of uninitialised memory as images (4 GB resident once converted to gray;
+    a 1 MB file, 26 GB): an array is now built only empty, then filled from the file."""
+    folder = tmp_path / "cifar-10-batches-py"
+    write_cifar(folder)
+    batch = folder / "test_batch"
+    crafted = {b"data": DeclaredArray(150_000, empty), b"labels": list(range(10)) * 15_000}
+    batch.write_bytes(pickle.dumps(crafted, protocol=2))
+    assert batch.stat().st_size < 400_000  # the labels, 2 bytes each
+    with pytest.raises(ValueError, match="refusing") as err:
+        ImageTask(folder, "test")
+    assert_error(err, batch)

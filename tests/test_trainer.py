@@ -31,6 +31,7 @@ from kernelstudy.train.interrupt import DeferredInterrupt
 from kernelstudy.train.trainer import resume_changes
 
 from .test_models import SMALL, TEST_MAP
+from .test_tasks_loaders import DeclaredArray
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -434,6 +435,13 @@ def test_a_checkpoint_is_read_without_running_code(tmp_path):
     with pytest.raises(ValueError, match=r"checkpoint\.pt is not read: it refers to io\.open"):
         again.fit(resume=True)
     assert not marker.exists()
+    # NumPy's array type is allowed for the RNG state, but a call of it (an array of any
+    # declared size, nothing behind it in the file) is not; nor _reconstruct of a size
+    for empty in (False, True):
+        state["history"] = [DeclaredArray(10**6, empty, np.uint32)]  # the RNG's dtype
+        torch.save(state, path)
+        with pytest.raises(ValueError, match="refusing"):
+            load_checkpoint(path)
 
 
 def test_a_checkpoint_of_the_other_numpy_major_version_resumes(tmp_path):

@@ -14,6 +14,7 @@ import torch
 
 from ..arguments import check_count
 from ..files import atomic_write
+from ..pickled_arrays import ArrayType, reconstruct
 
 #: The largest seed of a run (its generators', its data order's).
 MAX_SEED = 2**63 - 1
@@ -47,6 +48,9 @@ def read_torch_file(
                 f"load refuses (a {what} of another version, or a file that would run code "
                 "as it loads)"
             ) from None
+        array = re.search(r"^refusing .*", str(err), re.MULTILINE)  # see pickled_arrays
+        if "Weights only load failed" in str(err) and array:
+            raise ValueError(f"{path} is not read: {array.group(0)}") from None
         damaged = err
     except (EOFError, ValueError, OSError, KeyError, IndexError) as err:
         damaged = err
@@ -59,11 +63,13 @@ def _numpy_rng_globals() -> list[Any]:
     bytes, nothing that runs code. NumPy 1 pickles its rebuilding function as
     ``numpy.core.multiarray._reconstruct``, NumPy 2 as ``numpy._core...``: both names are
     allowed, for the function this NumPy has (a checkpoint outlives an upgrade)."""
-    rebuild = np.empty(0).__reduce__()[0]  # _reconstruct, wherever this NumPy keeps it
-    return [
-        (rebuild, "numpy.core.multiarray._reconstruct"),
-        (rebuild, "numpy._core.multiarray._reconstruct"),
-        np.ndarray,
+    return [  # ndarray and _reconstruct as stand-ins that build no array the file sizes
+        (reconstruct, "numpy.core.multiarray._reconstruct"),
+        (reconstruct, "numpy._core.multiarray._reconstruct"),
+        (ArrayType, "numpy.ndarray"),
+        # torch builds (__setstate__) only objects of allowed types: ndarray, by a name no
+        # pickle of NumPy's uses
+        (np.ndarray, "kernelstudy.pickled_arrays.built_array"),
         np.dtype,
         type(np.dtype(np.uint32)),
     ]
