@@ -270,7 +270,12 @@ def _evaluate(
         row = {"variant": variant.label, "trial": trial.number, "seed": seed, **result}
         row["params"], row["settings"] = trial_params(trial), keys[variant.label]
         new = pd.DataFrame([{k: row.get(k) for k in COLUMNS}])
-        runs = new if runs.empty else pd.concat([runs, new], ignore_index=True)
+        if runs.empty:
+            runs = new
+        else:  # all-NA columns (a diverged run's) left out of the concat: pandas 2 warns
+            columns = runs.columns.union(new.columns, sort=False)
+            filled = new.dropna(axis=1, how="all")
+            runs = pd.concat([runs, filled], ignore_index=True).reindex(columns=columns)
         atomic_write_text(path, runs.to_csv(index=False))
     seeds = 1 + max((p[2] for p in plan), default=-1)
     for label, count in current_runs(runs, best, keys).groupby("variant")["seed"].nunique().items():
