@@ -1302,3 +1302,22 @@ def test_a_geometric_estimator_draws_spread_across_decades_on_a_log_axis():
         plots.line_plot(frame.assign(value=0.0), "num_features", estimator="geometric")
     with pytest.raises(ValueError, match="estimator must be 'mean' or 'geometric'"):
         plots.line_plot(frame, "num_features", estimator="median")
+
+
+def test_map_comparison_bars_follow_the_maps_not_the_rows():
+    """A map recomputed with ``--force`` is appended at the results' end: its bars moved to
+    the end of the committed figure (and a stage's colour could change with the first row)."""
+    q, k = ks.analysis.gaussian_qk(16, 4, seed=0)
+    frame = pd.concat(
+        [
+            ks.analysis.approximation_error(m, q, k).assign(seed=0, stage=stage)
+            for m, stage in (("elu", "fixed"), ("softplus_ffn", "init"), ("favor", "random"))
+        ]
+    )
+    figures = []
+    for rows in (frame, frame.iloc[::-1]):
+        fig = ks.analysis.plots.plot_map_comparison(rows, metric="attention_kl")
+        ticks = [t.get_text() for t in fig.axes[0].get_xticklabels()]
+        legend = [t.get_text() for legend in fig.legends for t in legend.get_texts()]
+        figures.append((ticks, legend))
+    assert figures[0] == figures[1] and figures[0][0] == ["elu", "favor", "softplus_ffn"]

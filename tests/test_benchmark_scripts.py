@@ -107,8 +107,9 @@ def test_every_method_has_a_colour_of_its_own(cuda_core):
 
     frame = pd.read_csv(BENCHMARKS / "results" / "cuda_h200.csv")
     colours = cuda_core.method_colours(frame["method"])
-    assert len(colours) == frame["method"].nunique() == 35
-    assert len({matplotlib.colors.to_hex(c) for c in colours.values()}) == 35
+    methods = frame["method"].nunique()  # 35 when this was written; a later join adds more
+    assert len(colours) == methods >= 35
+    assert len({matplotlib.colors.to_hex(c) for c in colours.values()}) == methods
     assert list(colours)[:6] == list(cuda_core.HEADLINE_METHODS)
     assert cuda_core.method_colours(["sdpa", "torch"]) == {m: colours[m] for m in ("sdpa", "torch")}
 

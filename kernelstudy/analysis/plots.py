@@ -430,7 +430,9 @@ def plot_map_comparison(
     _check_columns(frame, ["method", "metric", "value", x, hue, col], "plot_map_comparison")
     rows = _metric_rows(frame, metric, "plot_map_comparison")
     maps, base = rows[rows["method"] != "uniform"], rows[rows["method"] == "uniform"]
-    data = maps.reset_index(drop=True)  # unique labels for seaborn
+    # bars (and hues, by first appearance) in the order of x, not of the rows: a map whose
+    # rows were recomputed, appended at the table's end, moved to the figure's end
+    data = maps.sort_values(x, kind="stable").reset_index(drop=True)  # unique labels
     for name in (hue, col):
         if name is not None:
             data[name] = data[name].astype(str)
