@@ -907,27 +907,38 @@ def test_rgb_to_gray_takes_uint8_and_an_int_axis() -> None:
 
 
 class DeclaredArray:
-    """Pickles as a call ``numpy.ndarray((n, 3072), uint8)`` (``empty``: as NumPy's
-    ``_reconstruct`` of that shape): an array of a size the file does not hold."""
+    """Pickles as an array (or scalar) of a size the file does not hold: ``how`` is
+    ``"ndarray"`` (a call ``numpy.ndarray((n, 3072), dtype)``), ``"_reconstruct"`` (NumPy's
+    rebuilding function given that shape), ``"object"`` (an object array of n elements set
+    from an empty list: a segfault in NumPy) or ``"scalar"`` (a void scalar of n bytes,
+    made and zeroed without data)."""
 
-    def __init__(self, n: int, empty: bool = False, dtype: type = np.uint8) -> None:
-        self.n, self.empty, self.dtype = n, empty, dtype
+    def __init__(self, n: int, how: str = "ndarray", dtype: type = np.uint8) -> None:
+        self.n, self.how, self.dtype = n, how, dtype
 
     def __reduce__(self):
-        if self.empty:
-            return (np.empty(0).__reduce__()[0], (np.ndarray, (self.n, 3072), b"B"))
+        rebuild = np.empty(0).__reduce__()[0]
+        if self.how == "_reconstruct":
+            return (rebuild, (np.ndarray, (self.n, 3072), b"B"))
+        if self.how == "object":
+            return (rebuild, (np.ndarray, (0,), b"b"), (1, (self.n,), np.dtype("O"), False, []))
+        if self.how == "scalar":
+            return (np.float64(0).__reduce__()[0], (np.dtype(f"V{self.n}"),))
         return (np.ndarray, ((self.n, 3072), np.dtype(self.dtype)))
 
 
-@pytest.mark.parametrize("empty", [False, True], ids=["ndarray", "_reconstruct"])
-def test_a_cifar_pickle_cannot_declare_an_array_it_does_not_hold(tmp_path: Path, empty) -> None:
+@pytest.mark.parametrize("how", ["ndarray", "_reconstruct", "object", "scalar"])
+def test_a_cifar_pickle_cannot_declare_an_array_it_does_not_hold(tmp_path: Path, how) -> None:
     """A 150 KB batch calling numpy.ndarray((150000, 3072)) passed the restricted unpickler
     and took 460 MB of uninitialised memory as images (4 GB resident once converted to gray;
-    a 1 MB file, 26 GB): an array is now built only empty, then filled from the file."""
+    a 1 MB file, 26 GB); a scalar of a 300 MB void dtype took its memory before it was
+    refused, and an object array set from too short a list crashed the process. An array is
+    now built only empty, then filled from bytes in the file of a plain numeric dtype."""
     folder = tmp_path / "cifar-10-batches-py"
     write_cifar(folder)
     batch = folder / "test_batch"
-    crafted = {b"data": DeclaredArray(150_000, empty), b"labels": list(range(10)) * 15_000}
+    n = 300_000_000 if how == "scalar" else 10**7 if how == "object" else 150_000
+    crafted = {b"data": DeclaredArray(n, how), b"labels": list(range(10)) * 15_000}
     batch.write_bytes(pickle.dumps(crafted, protocol=2))
     assert batch.stat().st_size < 400_000  # the labels, 2 bytes each
     with pytest.raises(ValueError, match="refusing") as err:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..arguments import check_flag, is_real
-from ..pickled_arrays import ArrayType, reconstruct
+from ..pickled_arrays import ArrayType, plain, reconstruct, scalar
 from .base import SequenceTask, check_split
 from .files import PathArg, check_path, data_error, locate, require_dir
 
@@ -49,10 +49,9 @@ class _SafeUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) not in _PICKLE_GLOBALS:
             raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
-        if name == "ndarray":  # an array of a size the file chooses: see pickled_arrays
-            return ArrayType
-        if name == "_reconstruct":
-            return reconstruct
+        stand_in = {"ndarray": ArrayType, "_reconstruct": reconstruct, "scalar": scalar}
+        if name in stand_in:  # no array of a size the file chooses: see pickled_arrays
+            return stand_in[name]
         if module.startswith("numpy.core") and hasattr(np, "_core"):
             module = "numpy._core" + module[len("numpy.core") :]
         return super().find_class(module, name)
@@ -89,7 +88,7 @@ def read_cifar_batch(path: PathArg) -> tuple[np.ndarray, np.ndarray]:
     check_path("path", path)
     try:
         with open(path, "rb") as f:
-            batch = _SafeUnpickler(f, encoding="bytes").load()
+            batch = plain(_SafeUnpickler(f, encoding="bytes").load())
     except OSError:
         raise
     except Exception as err:  # truncated or corrupt pickles fail in many ways

@@ -14,7 +14,7 @@ import torch
 
 from ..arguments import check_count
 from ..files import atomic_write
-from ..pickled_arrays import ArrayType, reconstruct
+from ..pickled_arrays import ArrayType, CheckedArray, plain, reconstruct
 
 #: The largest seed of a run (its generators', its data order's).
 MAX_SEED = 2**63 - 1
@@ -48,9 +48,12 @@ def read_torch_file(
                 f"load refuses (a {what} of another version, or a file that would run code "
                 "as it loads)"
             ) from None
-        array = re.search(r"^refusing .*", str(err), re.MULTILINE)  # see pickled_arrays
-        if "Weights only load failed" in str(err) and array:
-            raise ValueError(f"{path} is not read: {array.group(0)}") from None
+        # pickled_arrays' refusal, or an object of a type the weights-only load refuses
+        reason = re.search(r"^refusing .*", str(err), re.MULTILINE) or re.search(
+            r"WeightsUnpickler error:\s*(Can only build .*)", str(err)
+        )
+        if "Weights only load failed" in str(err) and reason:
+            raise ValueError(f"{path} is not read: {reason.group(reason.lastindex or 0)}") from None
         damaged = err
     except (EOFError, ValueError, OSError, KeyError, IndexError) as err:
         damaged = err
@@ -67,9 +70,9 @@ def _numpy_rng_globals() -> list[Any]:
         (reconstruct, "numpy.core.multiarray._reconstruct"),
         (reconstruct, "numpy._core.multiarray._reconstruct"),
         (ArrayType, "numpy.ndarray"),
-        # torch builds (__setstate__) only objects of allowed types: ndarray, by a name no
-        # pickle of NumPy's uses
-        (np.ndarray, "kernelstudy.pickled_arrays.built_array"),
+        # torch builds (__setstate__) only objects of allowed types: the array reconstruct
+        # makes, under a name no pickle can spell (a GLOBAL's name ends at a newline)
+        (CheckedArray, "kernelstudy.pickled_arrays\nCheckedArray"),
         np.dtype,
         type(np.dtype(np.uint32)),
     ]
@@ -83,7 +86,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
     with torch.serialization.safe_globals(_numpy_rng_globals()):
-        state = read_torch_file(path, "checkpoint", map_location)
+        state = plain(read_torch_file(path, "checkpoint", map_location))
     if not isinstance(state, dict):
         raise ValueError(f"{path} is not a checkpoint (a {type(state).__name__}, not a dict)")
     return state
