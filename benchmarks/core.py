@@ -7,11 +7,11 @@ in the same run. FLOPs counted: 4·B·H·N·F·M for a forward of the causal pro
 linear attention, 12·B·H·N·F·M for forward+backward; softmax counts
 4·B·H·N·S·D (halved when causal) and 3× that for forward+backward (the six N×N
 products; flash attention's recomputed scores are not counted, as no kernel's
-recomputation is; CSVs written before 2026-11-24, ``core_cpu.csv`` and
-``core_cpu_issue2.csv`` among them, used 2.5×, so their softmax fwd+bwd GFLOP/s are 5/6 of
-this convention's; their times are unaffected). Non-causal linear attention runs on
-``reference``, ``torch`` and the backends with a fused attention; the others would run the
-torch path.
+recomputation is; CSVs written before 2026-11-24, ``core_cpu_issue2.csv`` among them,
+used 2.5×, so their softmax fwd+bwd GFLOP/s are 5/6 of this convention's; their times are
+unaffected; ``core_cpu.csv`` was written again on 2026-12-01 with 3×). Non-causal linear
+attention runs on ``reference``, ``torch`` and the backends with a fused attention; the
+others would run the torch path.
 
     python benchmarks/core.py --quick                 # a minute on a laptop
     python benchmarks/core.py --out benchmarks/results/core_cpu.csv
@@ -50,6 +50,7 @@ from kernelstudy.arguments import expanded_path
 from kernelstudy.cli import out_of_memory
 from kernelstudy.core import registered_backends, runs_own_noncausal_attention
 from kernelstudy.files import atomic_write_text, output_file_problem
+from kernelstudy.revision import with_commit
 
 T = TypeVar("T")
 
@@ -238,7 +239,7 @@ def benchmark(args: argparse.Namespace, linear_backends: list[str]) -> pd.DataFr
     frame["device"] = device_name(device)
     frame["threads"] = torch.get_num_threads()
     frame["torch"] = torch.__version__
-    frame["kernelstudy"] = ks.__version__
+    frame["kernelstudy"] = with_commit(ks.__version__)  # +git.<commit> in a checkout
     frame["date"] = dt.date.today().isoformat()
     frame["command"] = shlex.join(["python", "benchmarks/core.py", *args.argv])
     return frame

@@ -11,13 +11,11 @@ import argparse
 import os
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import kernelstudy as ks
 from kernelstudy.arguments import nonempty_user_path
 from kernelstudy.progress import usable_output_streams
-
-Command = Callable[[argparse.Namespace], int]
 
 
 def _cmd_backends(args: argparse.Namespace) -> int:

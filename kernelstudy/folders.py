@@ -15,6 +15,25 @@ def packaged_studies_dir() -> Path:
     return Path(__file__).resolve().parent / "_studies"
 
 
+def studies_dir() -> Path:
+    """The ``studies/`` directory: ``$KERNELSTUDY_STUDIES_DIR`` if set, else the installed
+    package's copy, else the one next to the package (a source checkout, an editable install)."""
+    if os.environ.get(ENV_STUDIES_DIR):  # an explicit setting is the only place looked at
+        candidates = [Path(os.environ[ENV_STUDIES_DIR])]
+    else:
+        # the package's own copy first (absent in a checkout): a folder named studies/ beside
+        # an installed package (another distribution's) is not ours
+        candidates = [packaged_studies_dir(), Path(__file__).resolve().parents[1] / "studies"]
+    for path in candidates:
+        if path.is_dir() and any(path.glob("*.toml")):
+            return path
+    looked = ", ".join(str(p) for p in candidates)
+    raise FileNotFoundError(
+        f"cannot find the studies/ directory (looked in: {looked}); reinstall kernelstudy or "
+        f"set {ENV_STUDIES_DIR}"
+    )
+
+
 def results_dir() -> Path:
     """Where studies and searches write their results and notebooks read them (``NAME/`` in
     it): ``$KERNELSTUDY_RESULTS``, else ``results/``, both relative to the repository root

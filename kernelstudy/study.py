@@ -72,8 +72,10 @@ from .files import (
     read_csv_table,
 )
 from .folders import ENV_RESULTS_DIR as ENV_RESULTS_DIR  # re-exported: the studies' API
-from .folders import ENV_STUDIES_DIR, packaged_studies_dir, results_dir
+from .folders import ENV_STUDIES_DIR as ENV_STUDIES_DIR  # re-exported, as the one above
+from .folders import results_dir, studies_dir
 from .progress import tqdm, usable_output_streams
+from .revision import with_commit
 
 RESULTS = "results"
 RESULTS_FILE = f"{RESULTS}.csv"
@@ -81,25 +83,6 @@ SUMMARY_FILE = "summary.md"
 #: ``{"TABLE/CONFIG_ID": provenance line}``: the run that computed each config's rows.
 RUNS_FILE = "runs.json"
 DEVICES = ("cpu", "cuda")
-
-
-def studies_dir() -> Path:
-    """The ``studies/`` directory: ``$KERNELSTUDY_STUDIES_DIR`` if set, else the installed
-    package's copy, else the one next to the package (a source checkout, an editable install)."""
-    if os.environ.get(ENV_STUDIES_DIR):  # an explicit setting is the only place looked at
-        candidates = [Path(os.environ[ENV_STUDIES_DIR])]
-    else:
-        # the package's own copy first (absent in a checkout): a folder named studies/ beside
-        # an installed package (another distribution's) is not ours
-        candidates = [packaged_studies_dir(), Path(__file__).resolve().parents[1] / "studies"]
-    for path in candidates:
-        if path.is_dir() and any(path.glob("*.toml")):
-            return path
-    looked = ", ".join(str(p) for p in candidates)
-    raise FileNotFoundError(
-        f"cannot find the studies/ directory (looked in: {looked}); reinstall kernelstudy or "
-        f"set {ENV_STUDIES_DIR}"
-    )
 
 
 def list_studies() -> list[str]:
@@ -585,7 +568,8 @@ def run_study(
             print(
                 f"note: {out_dir / SUMMARY_FILE} and the figures were the {size} "
                 f"{replaced[1]} run's; this run's replace them (its rows stay in "
-                f"{results_path}: `kernelstudy study {name}{was} --device {replaced[1]} "
+                f"{results_path}: `kernelstudy study {name}{was} --device "
+                f"{shlex.quote(replaced[1])} "
                 f"--out {shlex.quote(str(out_dir))}` writes them again without computing)",
                 file=sys.stderr,
             )
@@ -613,8 +597,10 @@ def _check_held(frame: pd.DataFrame, name: str, out_dir: Path) -> None:
         )
 
 
-_TITLE = re.compile(r"# \S+ \((quick|full), (\S+)\)$")
-_COMMAND = re.compile(r"`kernelstudy study \S+( --quick)? --device ([^\s`]+)")
+# devices by name only: a summary.md's title becomes a printed command (a crafted one said
+# "(quick, ;touch${IFS}x;)", which the note's command then ran)
+_TITLE = re.compile(rf"# \S+ \((quick|full), ({'|'.join(DEVICES)})\)$")
+_COMMAND = re.compile(rf"`kernelstudy study \S+( --quick)? --device ({'|'.join(DEVICES)})[\s`]")
 
 
 def _run_of(line: str) -> tuple[bool, str] | None:
@@ -728,9 +714,10 @@ def provenance(
             command = f"PYTHONPATH={shlex.quote(path)} {command}"
     command += f" {options}" if options else ""
     date = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    version = with_commit(kernelstudy.__version__)  # +git.<commit> in a checkout
     return (
         f"{verb} {date} by `{command}` on {machine} ({os.cpu_count()} CPUs, "
-        f"{torch.get_num_threads()} torch threads); kernelstudy {kernelstudy.__version__}, "
+        f"{torch.get_num_threads()} torch threads); kernelstudy {version}, "
         f"torch {torch.__version__}, Python {platform.python_version()}."
     )
 

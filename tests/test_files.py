@@ -147,10 +147,15 @@ def test_results_tables_read_their_floats_back_exactly(tmp_path, monkeypatch, ve
     path = tmp_path / "results.csv"
     pd.DataFrame({"value": values}).to_csv(path, index=False)
     real, seen = pd.read_csv, []
+    real_pandas_2 = pd.__version__.startswith("2.")
+    if real_pandas_2 and not version.startswith("2."):
+        pytest.skip("pandas 2's parser, not asked for round_trip, rounds: pandas 3's case")
 
     def read_csv(*args, **kwargs):
         seen.append(kwargs.get("float_precision"))
-        return real(*args, **{k: v for k, v in kwargs.items() if k != "float_precision"})
+        if not real_pandas_2:  # pandas 3 deprecates the option (its default parser is exact)
+            kwargs.pop("float_precision", None)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(pd, "__version__", version)
     monkeypatch.setattr(pd, "read_csv", read_csv)

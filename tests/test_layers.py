@@ -11,7 +11,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "kernelstudy"
 #: Layer-free modules at the top of the package: any layer may use them.
-NEUTRAL = {"arguments", "files", "folders", "pickled_arrays", "progress"}
+NEUTRAL = {"arguments", "files", "folders", "pickled_arrays", "progress", "revision"}
 #: What each layer may import directly (DESIGN.md's table, closed under "may import").
 BELOW = {
     "core": set(),

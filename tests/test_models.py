@@ -365,7 +365,7 @@ def test_bad_arguments_raise_value_errors():
         model(torch.full((2, 4), 20))
     with pytest.raises(ValueError, match="input_ids"):
         model(torch.zeros(2, 4))
-    with pytest.raises(ValueError, match="mask"):
+    with pytest.raises(TypeError, match="mask must have dtype torch.bool"):  # as the core's
         model(_ids(2, 4), torch.ones(2, 4))
     with pytest.raises(ValueError, match="mask"):
         model(_ids(2, 4), torch.ones(2, 5, dtype=torch.bool))
@@ -651,9 +651,9 @@ def test_generate_refuses_a_bad_prompt_mask():
     empty = torch.tensor([[0] * 8, [1] * 8], dtype=torch.bool)
     with pytest.raises(ValueError, match="at least one real token"):
         model.generate(prompt, 2, mask=empty)
-    with pytest.raises(ValueError, match="mask must be a bool tensor"):
+    with pytest.raises(TypeError, match="mask must have dtype torch.bool"):
         model.generate(prompt, 2, mask=torch.ones(2, 8))
-    with pytest.raises(ValueError, match="mask must have the shape"):
+    with pytest.raises(ValueError, match=r"mask must have shape \(batch, seq\) = \(2, 8\)"):
         model.generate(prompt, 2, mask=torch.ones(2, 7, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"pad_id must be an int <= 19"):
         model.generate(prompt, 2, pad_id=20)

@@ -142,3 +142,21 @@ def test_the_checkout_tracks_only_the_project_layout_at_its_top_level():
     assert top <= layout | files, (
         f"unexpected top-level entries tracked: {sorted(top - layout - files)}"
     )
+
+
+def test_results_name_the_commit_of_a_checkout(monkeypatch):
+    """Every study provenance line and benchmark CSV said "kernelstudy 0.1.0", the version of
+    every commit alike: results made by code since changed could not be told apart. In a
+    checkout the version carries the commit (``+git.<hash>``, ``.dirty`` when files differ)."""
+    from kernelstudy import revision
+
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("not a git checkout")
+    head = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    version = revision.with_commit("0.1.0")
+    assert version.startswith(f"0.1.0+git.{head[:12]}"), version
+    assert f"kernelstudy {version}," in study.provenance("toy", True, "cpu")
+    monkeypatch.setenv("PATH", "")  # no git: the version alone
+    assert revision.with_commit("0.1.0") == "0.1.0"

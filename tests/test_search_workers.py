@@ -657,3 +657,64 @@ def test_ctrl_c_of_one_worker_fails_its_trial_without_optunas_traceback(tmp_path
     run_workers(url, name, quick_objective, trials=2, workers=1)
     complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     assert len(complete) == 2 and failed in [t.params for t in complete]
+
+
+def map_building_objective(trial: optuna.Trial) -> float:
+    """quick_objective that first builds the map a test module registered."""
+    import kernelstudy as ks
+
+    ks.create_feature_map("workers_test_map", head_dim=4)
+    return quick_objective(trial)
+
+
+def test_spawned_workers_know_the_maps_the_parent_registered(tmp_path, monkeypatch):
+    """A map registered by a module the search's process imported (not listed in
+    KERNELSTUDY_FEATURE_MAPS) worked with 1 worker and failed in every worker of 2: a
+    spawned child starts with kernelstudy's own maps. The workers import those modules."""
+    from kernelstudy.feature_maps import registry
+
+    (tmp_path / "workers_test_maps.py").write_text(
+        "from kernelstudy.feature_maps import register_feature_map\n"
+        "from kernelstudy.feature_maps.elementary import EluFeatureMap\n\n\n"
+        '@register_feature_map("workers_test_map")\n'
+        "class WorkersTestMap(EluFeatureMap):\n"
+        "    pass\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "workers_test_maps", raising=False)
+    import workers_test_maps  # noqa: F401
+
+    try:
+        assert "workers_test_maps" in registry.registered_modules()
+        url = f"sqlite:///{tmp_path / 'maps.db'}"
+        study = run_workers(url, "maps", map_building_objective, trials=2, workers=2)
+        assert finished_trials(study) >= 2  # each worker stops once 2 have finished
+        assert not study.get_trials(states=(TrialState.FAIL,))
+    finally:
+        registry._REGISTRY.pop("workers_test_map", None)
+
+
+def test_a_map_module_not_importable_by_name_is_not_sent_to_the_workers(tmp_path):
+    """A map registered by a file run with runpy (module name ``<run_path>``) made every
+    spawned worker fail to import it, also in a search that never used the map."""
+    import runpy
+
+    from kernelstudy.feature_maps import registry
+
+    path = tmp_path / "loose_maps.py"
+    path.write_text(
+        "from kernelstudy.feature_maps import register_feature_map\n"
+        "from kernelstudy.feature_maps.elementary import EluFeatureMap\n\n\n"
+        '@register_feature_map("loose_test_map")\n'
+        "class LooseTestMap(EluFeatureMap):\n"
+        "    pass\n"
+    )
+    try:
+        runpy.run_path(str(path))
+        assert registry._REGISTRY["loose_test_map"].__module__ == "<run_path>"
+        assert "<run_path>" not in registry.registered_modules()
+        url = f"sqlite:///{tmp_path / 'loose.db'}"
+        study = run_workers(url, "loose", quick_objective, trials=2, workers=2)
+        assert finished_trials(study) >= 2
+    finally:
+        registry._REGISTRY.pop("loose_test_map", None)

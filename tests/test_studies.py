@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import kernelstudy as ks
-from kernelstudy import study
-from kernelstudy.files import exclusive_folder
+from kernelstudy import folders, study
+from kernelstudy.files import exclusive_folder, read_csv_table
 
 TOY_SCRIPT = '''
 """A toy study: squares."""
@@ -281,6 +281,21 @@ def test_a_run_of_the_other_size_keeps_the_first_runs_provenance(toy_studies, ca
     assert "and the figures were" not in capsys.readouterr().err
 
 
+def test_a_crafted_summary_title_puts_no_command_into_the_note(toy_studies, capsys):
+    """The note's command took the device from the replaced summary's title, any text without
+    spaces, unquoted: a shared folder's summary.md titled ``(quick, ;touch${IFS}x;)`` made
+    the printed command run ``touch``. A title of no known device names no earlier run."""
+    out = toy_studies / "out"
+    study.run_study("toy", quick=False, out=out, verbose=False)
+    summary = out / "summary.md"
+    lines = summary.read_text().splitlines()
+    summary.write_text("\n".join(["# toy (quick, ;touch${IFS}x;)", *lines[1:]]) + "\n")
+    capsys.readouterr()
+    study.run_study("toy", quick=False, out=out, verbose=False)
+    err = capsys.readouterr().err
+    assert "touch" not in err and "and the figures were" not in err
+
+
 def _powers(out) -> pd.DataFrame:
     return pd.read_csv(out / "powers.csv")
 
@@ -371,7 +386,7 @@ def test_runner_errors(toy_studies, monkeypatch):
     monkeypatch.delenv(study.ENV_STUDIES_DIR)
     (toy_studies / "empty").mkdir()
     monkeypatch.chdir(toy_studies / "empty")
-    monkeypatch.setattr(study, "__file__", str(toy_studies / "a" / "pkg" / "study.py"))
+    monkeypatch.setattr(folders, "__file__", str(toy_studies / "a" / "pkg" / "folders.py"))
     with pytest.raises(FileNotFoundError, match="KERNELSTUDY_STUDIES_DIR"):
         study.run_study("toy")
 
@@ -1950,7 +1965,7 @@ def test_approximation_study_runs_map_tables(tmp_path, monkeypatch, one_thread, 
     approximation = study.load_study("approximation")
     out = tmp_path / "approximation"
     summary = _partial("approximation", out, "part=maps", f"map={IID_FAVOR_LABEL}")
-    rows = pd.read_csv(out / "results.csv")
+    rows = read_csv_table(out / "results.csv")  # exactly (pandas 2's default parser rounds)
     maps = rows[rows.method != "uniform"]
     assert set(rows["map"]) == {IID_FAVOR_LABEL} and set(maps.method) == {IID_FAVOR_LABEL}
     assert set(maps.feature_dim) == {16}  # matched to map_feature_dim through num_features
@@ -1971,7 +1986,7 @@ def test_approximation_study_runs_map_tables(tmp_path, monkeypatch, one_thread, 
     # a performer-map table: swept over R, iid and orthogonal, with its own row_norms
     label = "favor(row_norms='sqrt_d')"
     summary = _partial("approximation", out, "part=performer", f"map={label}")
-    rows = pd.read_csv(out / "results.csv")
+    rows = read_csv_table(out / "results.csv")
     perf = rows[(rows.part == "performer") & (rows.method != "uniform")]
     assert set(perf["map"]) == set(perf.method) == {label}
     assert set(zip(perf.num_features, perf.orthogonal, strict=True)) == {

@@ -270,6 +270,20 @@ def test_results_without_a_checkpoint_are_not_overwritten_by_other_settings(
     assert main(listops_args(listops, out, "--steps", "4", "--lr", "0.05", "--overwrite")) == 0
 
 
+def test_a_config_json_that_is_no_runs_is_not_replaced(
+    listops: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An --out folder holding another program's config.json (a project folder a shared
+    TOML's ``out`` chose) had the file silently replaced by the run's settings."""
+    out = tmp_path / "project"
+    out.mkdir()
+    (out / "config.json").write_text('{"my": "project settings"}')
+    assert main(listops_args(listops, out, "--steps", "2")) == 1
+    assert "config.json holds no run settings" in capsys.readouterr().err
+    assert (out / "config.json").read_text() == '{"my": "project settings"}'
+    assert sorted(p.name for p in out.iterdir()) == ["config.json"]
+
+
 def test_a_task_type_that_does_not_fit_the_task_is_refused_before_anything_is_written(
     listops: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -22,6 +22,7 @@ from ..arguments import check_count, check_flag, check_real
 from ..core.exp_range import exp_shift
 from ..core.validation import accumulation_dtype, autocast_off, check_key_padding_mask, check_tensor
 from ..feature_maps import FeatureMap, RandomFeatureMap
+from ..feature_maps.softmax_kernel import softmax_kernel as exact_softmax_kernel
 from ..nn.functional import query_and_key_features, real_key_features, resolve_feature_map
 
 MAX_N = 4096
@@ -79,9 +80,10 @@ def check_query_padding_mask(
 
 
 def softmax_kernel(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """The unnormalized softmax kernel ``exp(q·k/√D)``: ``(B,H,N,S)``."""
+    """The unnormalized softmax kernel ``exp(q·k/√D)``: ``(B,H,N,S)`` (the feature maps'
+    :func:`~kernelstudy.feature_maps.softmax_kernel.softmax_kernel`, inputs checked)."""
     check_qk(q, k)
-    return torch.exp((q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1]))
+    return exact_softmax_kernel(q, k)
 
 
 def _as_feature_map(feature_map: MapSpec, q: torch.Tensor) -> FeatureMap:

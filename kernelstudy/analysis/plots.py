@@ -256,24 +256,29 @@ def line_plot(
                 RuntimeWarning,
                 stacklevel=2,
             )
-    grid = sns.relplot(
-        data=data,
-        x=x,
-        y=y,
-        hue=hue,
-        **_fixed_colours(data, hue, hue_order),
-        style=style,
-        col=col,
-        row=row,
-        kind="line",
-        marker="o",
-        estimator=_geometric_mean if estimator == "geometric" else "mean",
-        errorbar=errorbar,
-        err_style="bars",
-        height=3.6,
-        aspect=1.25,
-        facet_kws={"sharey": False, "sharex": False},
-    )
+    with warnings.catch_warnings():
+        # a line of one point has no error bar: seaborn hands matplotlib NaN bounds, which
+        # pandas 2 (float() of a one-element Series) and matplotlib 3.7 (all-NaN min) warn of
+        warnings.filterwarnings("ignore", "Calling float on a single element", FutureWarning)
+        warnings.filterwarnings("ignore", "All-NaN axis encountered", RuntimeWarning)
+        grid = sns.relplot(
+            data=data,
+            x=x,
+            y=y,
+            hue=hue,
+            **_fixed_colours(data, hue, hue_order),
+            style=style,
+            col=col,
+            row=row,
+            kind="line",
+            marker="o",
+            estimator=_geometric_mean if estimator == "geometric" else "mean",
+            errorbar=errorbar,
+            err_style="bars",
+            height=3.6,
+            aspect=1.25,
+            facet_kws={"sharey": False, "sharex": False},
+        )
     extra = {}
     for (row_val, col_val), ax in _facets(grid, row, col):
         if hlines is not None and not hlines.empty:

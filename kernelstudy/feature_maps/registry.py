@@ -9,6 +9,7 @@ import fnmatch
 import functools
 import importlib
 import importlib.metadata
+import importlib.util
 import inspect
 import os
 import sys
@@ -157,6 +158,31 @@ def check_feature_map_class(cls: type[FeatureMap]) -> None:
             raise TypeError(
                 f"{what}: the default of hyperparameter {key!r} is refused: {err}"
             ) from None
+
+
+def registered_modules() -> tuple[str, ...]:
+    """The importable modules outside kernelstudy whose maps are registered in this process
+    (sorted): what another process (a spawned search worker) imports to know the same maps.
+    A script run as ``__main__`` is left out (a spawned child runs it again as its main), and
+    so is a module that cannot be found by its name (loaded from a path: ``runpy``)."""
+    own = __name__.split(".")[0]
+    names = {cls.__module__ for cls in _REGISTRY.values()}
+    return tuple(
+        sorted(
+            name
+            for name in names
+            if name.split(".")[0] != own
+            and name not in ("__main__", "__mp_main__")
+            and _findable(name)
+        )
+    )
+
+
+def _findable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package gone, or a name like "<run_path>"
+        return False
 
 
 def list_feature_maps(pattern: str | None = None) -> list[str]:

@@ -403,7 +403,7 @@ class KernelAttention(nn.Module):
             )
 
     def regularization(self) -> torch.Tensor:
-        """The feature map's regularizer (0 for softmax and maps without one)."""
+        """The feature map's regularizer, a scalar (0 for softmax and maps without one)."""
         if self.feature_map is None:
             return torch.zeros((), device=self.out.weight.device)
         return self.feature_map.regularization().to(self.out.weight.device)

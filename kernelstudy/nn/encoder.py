@@ -217,5 +217,5 @@ class TransformerEncoder(nn.Module):
         return list(states)
 
     def regularization(self) -> torch.Tensor:
-        """Sum of every layer's feature-map regularizer."""
+        """Sum of every layer's feature-map regularizer (a scalar)."""
         return sum((layer.attn.regularization() for layer in self.layers), torch.zeros(()))

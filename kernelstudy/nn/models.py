@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..arguments import check_count, check_flag, check_real
+from ..core.validation import check_key_padding_mask
 from ..feature_maps import FeatureMap
 from ..feature_maps.base import resolve_seed
 from .attention import check_dropout, check_size
@@ -184,16 +185,10 @@ def check_token_ids(
 
 
 def _check_mask(mask: torch.Tensor | None, input_ids: torch.Tensor, name: str) -> None:
-    if mask is None:
-        return
-    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-        kind = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
-        raise ValueError(f"{name} must be a bool tensor (True = real token), got {kind}")
-    if mask.shape != input_ids.shape:
-        raise ValueError(
-            f"{name} must have the shape of its ids {tuple(input_ids.shape)}, "
-            f"got {tuple(mask.shape)}"
-        )
+    """A ``(B, N)`` bool mask of ``(B, N)`` ids, True for real tokens: checked as the core
+    checks a key padding mask (TypeError for a tensor of another dtype, as there)."""
+    if mask is not None:
+        check_key_padding_mask(mask, *input_ids.shape, input_ids.device, name=name)
 
 
 def _padded(

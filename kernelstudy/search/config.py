@@ -104,12 +104,14 @@ class SearchConfig:
         return float(self.search.get("budget", 0.10))
 
     def variant(self, label: str) -> Variant:
+        """The variant of ``label``; ValueError naming the labels there are."""
         for v in self.variants:
             if v.label == label:
                 return v
         raise ValueError(f"no variant {label!r} in {self.path}; it has {self.labels()}")
 
     def labels(self) -> list[str]:
+        """The variants' labels, in the config's order."""
         return [v.label for v in self.variants]
 
     def study_name(self, variant: Variant) -> str:

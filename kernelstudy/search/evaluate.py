@@ -30,6 +30,7 @@ from typing import Any
 import optuna
 import pandas as pd
 
+from ..arguments import check_count
 from ..files import atomic_write_text, exclusive_folder, read_csv_table
 from ..progress import tqdm
 from .config import SearchConfig, load_config
@@ -190,8 +191,7 @@ def run_evaluation(
     """
     if not isinstance(config, SearchConfig):
         config = load_config(config, quick=quick)
-    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
-        raise ValueError(f"seeds must be a positive int, got {seeds!r}")
+    seeds = check_count("seeds", seeds, 1)
     check_device(config, device)
     chosen = select_variants(config, variants)
     url = searched_storage_url(config, storage, out, quick)

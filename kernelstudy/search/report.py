@@ -84,6 +84,7 @@ PAPER_LABELS = {
     **{label: label for label in ("1xGLU", "2xGLU", "3xGLU", "1xOGLU", "2xOGLU", "3xAOGLU")},
 }
 PAPER_TASKS = {"text": "Text", "retrieval": "Matching", "listops": "ListOps"}
+#: The figures :func:`figures` draws, by name (the stems of their PNG files), in its order.
 FIGURES = (
     "accuracy_vs_parameters",
     "accuracy_vs_feature_dim",
@@ -106,7 +107,10 @@ class StudySet:
 
 
 def load_results(
-    target: str | Path, storage: str | None = None, out: str | Path | None = None, quick=False
+    target: str | Path,
+    storage: str | None = None,
+    out: str | Path | None = None,
+    quick: bool = False,
 ) -> StudySet:
     """The studies of ``target``: a config file, or a study name (prefix of ``NAME/label``)."""
     path = Path(target)
@@ -460,7 +464,7 @@ def figures(trials: pd.DataFrame) -> dict[str, Any]:
         fontsize=9,
     )
     out["optimization_history"] = fig
-    return out
+    return {name: out[name] for name in FIGURES}  # in FIGURES' order, each one there
 
 
 def _counted(keys: pd.Series) -> pd.Series:

@@ -25,6 +25,7 @@ from typing import Any
 import optuna
 import pandas as pd
 
+from ..arguments import check_count
 from ..folders import results_dir
 from ..progress import tqdm
 from ..train import resolve_device
@@ -250,10 +251,8 @@ def run_search(
     if not isinstance(config, SearchConfig):
         config = load_config(config, quick=quick)
     trials = config.trials if trials is None else trials
-    if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
-        raise ValueError(f"trials must be a positive int, got {trials!r}")
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers must be a positive int, got {workers!r}")
+    trials = check_count("trials", trials, 1)
+    workers = check_count("workers", workers, 1)
     check_device(config, device)
     chosen = select_variants(config, variants)
     out = results_folder(out)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import importlib
 import multiprocessing as mp
 import os
 import signal
@@ -37,6 +38,8 @@ from optuna.exceptions import StorageInternalError, UpdateFinishedTrialError
 from optuna.storages import RetryHeartbeatStaleTrialCallback
 from optuna.trial import FrozenTrial, TrialState
 
+from ..arguments import check_count
+from ..feature_maps.registry import registered_modules
 from .storage import GRACE_PERIOD, HEARTBEAT_INTERVAL, MAX_RETRY, open_storage, redact
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
@@ -108,19 +111,19 @@ class TrialSeededSampler(optuna.samplers.BaseSampler):
 def open_study(
     url: str,
     name: str,
-    direction: str = "maximize",
     pruner: str = "median",
     seed: int = 0,
     heartbeat: tuple[int, int] = (HEARTBEAT_INTERVAL, GRACE_PERIOD),
 ) -> optuna.Study:
     """Create study ``name`` in ``url`` or join it if it exists (TPE, seeded per trial by
-    :class:`TrialSeededSampler`). ``heartbeat`` is (interval, grace period) in seconds."""
+    :class:`TrialSeededSampler`), maximizing (the validation accuracy, as the report reads
+    it). ``heartbeat`` is (interval, grace period) in seconds."""
     return optuna.create_study(
         study_name=name,
         storage=open_storage(
             url, heartbeat_interval=heartbeat[0], grace_period=heartbeat[1], writable=True
         ),
-        direction=direction,
+        direction="maximize",
         sampler=TrialSeededSampler(seed),
         pruner=make_pruner(pruner),
         load_if_exists=True,
@@ -436,13 +439,20 @@ def _stop_with_parent(parent: int) -> None:
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _quiet_worker(parent: int | None, *args: Any) -> None:
+def _quiet_worker(parent: int | None, *args: Any, modules: Sequence[str] = ()) -> None:
     """:func:`_worker` in a child process that ignores Ctrl-C (which reaches the whole
     process group: each worker printed two tracebacks). The parent stops the workers with
     SIGTERM and reports the interruption once; a worker takes SIGTERM as a stop request
     (:class:`_StopRequest`), so Optuna marks its running trial failed at once (a resumed
     search re-runs it) instead of leaving it RUNNING until its heartbeat goes stale. The
-    parent's death, even by SIGKILL, stops it too (:func:`_stop_with_parent`)."""
+    parent's death, even by SIGKILL, stops it too (:func:`_stop_with_parent`). ``modules``
+    (a keyword): those of the maps the parent had registered, imported first (a spawned
+    child starts with kernelstudy's own maps only)."""
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception as err:  # the search may not use its maps: a trial that does fails
+            print(f"search worker: cannot import {module} ({err})", file=sys.stderr)
     request = _StopRequest()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, request.handle)
@@ -510,10 +520,8 @@ def run_workers(
     heartbeat) is failed and re-queued first, even when the study is already finished.
     A worker that exits with an error raises ``ChildProcessError`` once all have ended.
     """
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers must be a positive int, got {workers!r}")
-    if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
-        raise ValueError(f"trials must be a positive int, got {trials!r}")
+    workers = check_count("workers", workers, 1)
+    trials = check_count("trials", trials, 1)
     # Creates the study once (checking the URL) before any worker starts.
     study = open_study(url, name, pruner=pruner, seed=seed, heartbeat=heartbeat)
     # Optuna fails stale trials only when a trial starts: a finished study kept them RUNNING.
@@ -532,6 +540,9 @@ def run_workers(
         ctx.Process(
             target=_quiet_worker,
             args=(os.getpid(), url, name, objective, trials, pruner, seed, heartbeat, threads),
+            # maps of the user's modules registered here, known in each worker too (a map a
+            # script registered worked with 1 worker and failed in every worker of 2)
+            kwargs={"modules": registered_modules()},
         )
         for _ in range(workers)
     ]

@@ -303,6 +303,8 @@ def check_resume(settings: Mapping[str, Any], resume: str) -> bool:
     if not has_checkpoint and resume == "require":
         raise FileNotFoundError(f"--resume: no checkpoint at {out / CHECKPOINT}")
     saved_path = out / CONFIG
+    if saved_path.is_file():  # another program's config.json (a project folder) is kept
+        _read_saved_config(saved_path, "use another --out (--overwrite replaces it)")
     results = [n for n in RUN_FILES if n != RECORD and (out / n).is_file()]
     if not results:  # nothing to keep (at most the record of a run that failed early)
         return False
@@ -329,14 +331,15 @@ def check_resume(settings: Mapping[str, Any], resume: str) -> bool:
     return True
 
 
-def _read_saved_config(path: Path) -> dict[str, Any]:
-    """The settings a run saved in ``config.json``; ValueError naming the file if damaged."""
+def _read_saved_config(path: Path, remedy: str = "use --overwrite") -> dict[str, Any]:
+    """The settings a run saved in ``config.json``; ValueError naming the file, and
+    ``remedy``, if damaged or not a run's."""
     try:
         saved = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path} is not readable JSON ({err}); use --overwrite") from None
+        raise ValueError(f"{path} is not readable JSON ({err}); {remedy}") from None
     if not isinstance(saved, dict) or not isinstance(saved.get("train"), dict):
-        raise ValueError(f"{path} holds no run settings (no [train] table); use --overwrite")
+        raise ValueError(f"{path} holds no run settings (no [train] table); {remedy}")
     return saved
 
 

@@ -206,6 +206,8 @@ class BatchStream:
         return batch
 
     def state_dict(self) -> dict[str, Any]:
+        """The stream's position (epoch, batch within it) and the RNG state of the epoch's
+        order: what :meth:`load_state_dict` resumes from."""
         return {"epoch": self.epoch, "batch": self.batch, "epoch_rng": self._epoch_rng}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

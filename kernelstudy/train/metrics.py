@@ -21,6 +21,8 @@ class MetricSums:
         self.sums: dict[str, torch.Tensor] = {}
 
     def add(self, stats: Mapping[str, torch.Tensor]) -> None:
+        """Add one batch's ``{name: scalar tensor}`` (a sum over the batch's items, as
+        :meth:`Objective.summarize` divides it later), in float64."""
         for key, value in stats.items():
             value = value.detach().to(torch.float64)
             self.sums[key] = self.sums[key] + value if key in self.sums else value
@@ -30,9 +32,11 @@ class MetricSums:
         return {key: float(value) for key, value in self.sums.items()}
 
     def state_dict(self) -> dict[str, float]:
+        """The sums as floats (:meth:`values`), for a checkpoint."""
         return self.values()
 
     def load_state_dict(self, state: Mapping[str, float]) -> None:
+        """Take the sums of :meth:`state_dict` back (replacing the current ones)."""
         self.sums = {k: torch.tensor(v, dtype=torch.float64) for k, v in state.items()}
 
     def __bool__(self) -> bool:
@@ -46,6 +50,7 @@ class MetricsHistory:
         self.rows: list[dict[str, Any]] = list(rows or [])
 
     def append(self, row: Mapping[str, Any]) -> None:
+        """Add one evaluation's row (copied)."""
         self.rows.append(dict(row))
 
     def frame(self) -> pd.DataFrame:

@@ -248,6 +248,7 @@ class TrainConfig:
             )
 
     def to_dict(self) -> dict[str, Any]:
+        """The settings as plain JSON values (``betas`` a list), as :meth:`from_dict` takes."""
         d = asdict(self)
         d["betas"] = list(self.betas)
         return d
