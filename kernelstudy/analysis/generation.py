@@ -150,7 +150,7 @@ def benchmark_generation(
         ``tokens_per_s`` = B·length/time, new tokens only; ``state_mb`` = size of
         the RNN state or KV cache at the end, over ``prompt_len + length - 1`` tokens,
         in MiB (2**20 bytes), NaN for ``"full"``; the tokens held, while a KV cache's
-        buffers have room for up to twice as many (capacity doubling);
+        buffers have room for up to twice as many (capacity doubling, at least 64 tokens);
         ``peak_memory_mb`` on CUDA, MiB),
         ``value``, ``note``.
     """
