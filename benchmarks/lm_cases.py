@@ -25,6 +25,7 @@ import kernelstudy as ks  # noqa: E402
 from kernelstudy.arguments import expanded_path  # noqa: E402
 from kernelstudy.files import atomic_write_text, output_file_problem  # noqa: E402
 from kernelstudy.progress import tqdm  # noqa: E402
+from kernelstudy.revision import with_commit  # noqa: E402
 
 ATTENTIONS = ("kernel", "softmax")
 
@@ -113,12 +114,15 @@ def build_model(
 
 
 def run_columns(args: argparse.Namespace, script: str, matmul_gflops: float) -> dict[str, object]:
-    """The columns that describe the run on every row: device, dtype, torch, date, the command
-    and the same run's matmul rate."""
+    """The columns that describe the run on every row: device, dtype, torch and its CPU
+    thread count (softmax's last bits depend on it), kernelstudy (``+git.<commit>`` in a
+    checkout), date, the command and the same run's matmul rate."""
     return {
         "device": device_name(torch.device(args.device)),
         "dtype": args.dtype,
         "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "kernelstudy": with_commit(ks.__version__),
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "command": shlex.join(["python", f"benchmarks/{script}", *args.argv]),
         "matmul_gflops": matmul_gflops,

@@ -1598,6 +1598,9 @@ def test_prefill_times_both_ways_and_they_agree(prefill, tmp_path):
     block = frame[frame.way == "block"].set_index(["attention", "prompt_len"])
     assert block.speedup.tolist() == pytest.approx((tokens / block.time_ms).tolist())
     assert {"matmul_gflops", "frac_matmul", "device", "command", "date"} <= set(frame.columns)
+    # the thread count (softmax's last bits depend on it) and the code's version, commit too
+    assert (frame.threads == torch.get_num_threads()).all()
+    assert frame.kernelstudy.str.startswith(ks.__version__).all()
     assert [p.name for p in tmp_path.iterdir()] == ["prefill.csv"]  # no temp file left
 
 
