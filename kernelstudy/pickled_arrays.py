@@ -83,6 +83,10 @@ def scalar(dtype: Any, data: Any = None) -> Any:
     return _NUMPY_SCALAR(dtype, data)
 
 
+#: The stand-ins by the name NumPy pickles them under (in ``numpy`` or its ``multiarray``).
+STAND_INS = {"ndarray": ArrayType, "_reconstruct": reconstruct, "scalar": scalar}
+
+
 def plain(obj: Any) -> Any:
     """``obj`` with every :class:`CheckedArray` in it (in dicts, lists and tuples) an
     ordinary ``numpy.ndarray`` (a view of the same data)."""

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..arguments import check_flag, is_real
-from ..pickled_arrays import ArrayType, plain, reconstruct, scalar
+from ..pickled_arrays import STAND_INS, plain
 from .base import SequenceTask, check_split
 from .files import PathArg, check_path, data_error, locate, require_dir
 
@@ -49,9 +49,8 @@ class _SafeUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) not in _PICKLE_GLOBALS:
             raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
-        stand_in = {"ndarray": ArrayType, "_reconstruct": reconstruct, "scalar": scalar}
-        if name in stand_in:  # no array of a size the file chooses: see pickled_arrays
-            return stand_in[name]
+        if name in STAND_INS:  # no array of a size the file chooses: see pickled_arrays
+            return STAND_INS[name]
         if module.startswith("numpy.core") and hasattr(np, "_core"):
             module = "numpy._core" + module[len("numpy.core") :]
         return super().find_class(module, name)

@@ -303,19 +303,19 @@ def check_resume(settings: Mapping[str, Any], resume: str) -> bool:
     if not has_checkpoint and resume == "require":
         raise FileNotFoundError(f"--resume: no checkpoint at {out / CHECKPOINT}")
     saved_path = out / CONFIG
-    if saved_path.is_file():  # another program's config.json (a project folder) is kept
-        _read_saved_config(saved_path, "use another --out (--overwrite replaces it)")
+    # read first: another program's config.json (a project folder) is refused, not replaced
+    saved_config = _read_saved_config(saved_path) if saved_path.is_file() else None
     results = [n for n in RUN_FILES if n != RECORD and (out / n).is_file()]
     if not results:  # nothing to keep (at most the record of a run that failed early)
         return False
-    if not saved_path.is_file():
+    if saved_config is None:
         raise ValueError(
             f"{out} holds {', '.join(results)} but no {CONFIG} (not a `kernelstudy train` "
             "run); use another --out, or --overwrite to start over"
         )
     # A run's results without its checkpoint (deleted to save space) are not overwritten
     # by other settings either (the same check as for a resume), nor by the same ones.
-    saved = _flatten(_comparable(_read_saved_config(saved_path)))
+    saved = _flatten(_comparable(saved_config))
     now = _flatten(_comparable(settings))
     changed = sorted(key for key in set(saved) | set(now) if saved.get(key) != now.get(key))
     if changed:
@@ -331,9 +331,10 @@ def check_resume(settings: Mapping[str, Any], resume: str) -> bool:
     return True
 
 
-def _read_saved_config(path: Path, remedy: str = "use --overwrite") -> dict[str, Any]:
-    """The settings a run saved in ``config.json``; ValueError naming the file, and
-    ``remedy``, if damaged or not a run's."""
+def _read_saved_config(path: Path) -> dict[str, Any]:
+    """The settings a run saved in ``config.json``; ValueError naming the file if damaged or
+    not a run's."""
+    remedy = "use another --out (--overwrite replaces it)"
     try:
         saved = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
