@@ -42,6 +42,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:
 import lm_cases  # noqa: E402
 
 import kernelstudy as ks  # noqa: E402
+from kernelstudy.progress import run_script  # noqa: E402
 
 WAYS = ("eager", "compiled")
 #: torch.compile's modes (``reduce-overhead``: CUDA graphs, on a GPU)
@@ -178,4 +179,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_script(main))

@@ -50,6 +50,7 @@ from kernelstudy.arguments import expanded_path
 from kernelstudy.cli import out_of_memory
 from kernelstudy.core import registered_backends, runs_own_noncausal_attention
 from kernelstudy.files import atomic_write_text, output_file_problem
+from kernelstudy.progress import run_script
 from kernelstudy.revision import with_commit
 
 T = TypeVar("T")
@@ -275,6 +276,18 @@ def summary(frame: pd.DataFrame) -> pd.DataFrame:
     ).round(1)
 
 
+def add_dtype_and_device(p: argparse.ArgumentParser) -> None:
+    """The ``--dtype`` and ``--device`` flags the benchmarks share (checked by
+    :func:`check_sizes_and_device`)."""
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "float64", "bfloat16"],
+        help="(default %(default)s)",
+    )
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default %(default)s)")
+
+
 def check_sizes_and_device(p: argparse.ArgumentParser, sizes: dict[str, int], device: str) -> None:
     """Exit through ``p.error`` (status 2) naming every flag of ``sizes`` below 1, or a
     ``--device`` that torch cannot parse or that is neither a CPU nor a CUDA device (the
@@ -284,8 +297,8 @@ def check_sizes_and_device(p: argparse.ArgumentParser, sizes: dict[str, int], de
         p.error(f"{', '.join(bad)} must be positive")
     try:
         kind = torch.device(device).type
-    except RuntimeError as err:
-        p.error(f"--device {device!r}: {err}")
+    except RuntimeError:  # torch's message lists its 20 device types
+        kind = None
     if kind not in ("cpu", "cuda"):
         p.error(f"--device {device!r}: expected cpu, cuda or cuda:N")
 
@@ -295,21 +308,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--n", type=int, nargs="+", help="sequence lengths (default 1024 2048 4096 8192 16384)"
     )
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--features", type=int, default=64, help="F, feature dimension")
-    p.add_argument("--values", type=int, default=64, help="M, value dimension")
-    p.add_argument("--head-dim", type=int, default=64, help="D of the softmax baseline")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--batch", type=int, default=1, help="B (default %(default)s)")
+    p.add_argument("--heads", type=int, default=8, help="H (default %(default)s)")
+    p.add_argument(
+        "--features", type=int, default=64, help="F, feature dimension (default %(default)s)"
+    )
+    p.add_argument(
+        "--values", type=int, default=64, help="M, value dimension (default %(default)s)"
+    )
+    p.add_argument(
+        "--head-dim", type=int, default=64, help="D of the softmax baseline (default %(default)s)"
+    )
+    add_dtype_and_device(p)
     p.add_argument("--backends", nargs="*", default=[], help="linear backends (default: all)")
-    p.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        default=["fwd", "fwd+bwd"],
+        choices=["fwd", "fwd+bwd"],
+        help="(default: both)",
+    )
     p.add_argument("--repeats", type=int, help="timed calls per case (default 5)")
     p.add_argument("--no-softmax", action="store_true", help="skip the softmax baseline")
     p.add_argument(
         "--quick", action="store_true", help="N in {1024, 4096}, 3 repeats, unless --n/--repeats"
     )
-    p.add_argument("--out", type=expanded_path, default=Path("benchmarks/results/core.csv"))
+    p.add_argument(
+        "--out",
+        type=expanded_path,
+        default=Path("benchmarks/results/core.csv"),
+        help="CSV to write (default %(default)s, under the working directory)",
+    )
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # the command the CSV records
     if args.n is None:
@@ -368,4 +397,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_script(main))

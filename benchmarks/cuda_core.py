@@ -71,6 +71,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 
 import pandas as pd
@@ -80,6 +81,7 @@ import kernelstudy as ks
 from kernelstudy.arguments import expanded_path
 from kernelstudy.core import cuda_backend
 from kernelstudy.files import atomic_write, atomic_write_text, output_file_problem
+from kernelstudy.progress import run_script
 
 DEFAULT_N = [512, 1024, 2048, 4096, 8192, 16384, 32768]
 METHODS = ["cuda", "cuda_fused", "cuda_walk", "cuda_walk_fused", "cuda_walk_fused_apart"]
@@ -342,7 +344,7 @@ def case_keys(frame: pd.DataFrame) -> set[tuple]:
 def benchmark(
     args: argparse.Namespace,
     progress: Callable[[pd.DataFrame], None] | None = None,
-    done: set[tuple] = frozenset(),
+    done: AbstractSet[tuple] = frozenset(),
 ) -> tuple[pd.DataFrame, str]:
     """Every case, as a frame (empty when every method asked for was skipped), and why the run
     stopped early ("" when it did not). ``progress(frame)`` gets the rows so far after each
@@ -914,4 +916,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_script(main))

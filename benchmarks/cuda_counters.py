@@ -35,6 +35,7 @@ import pandas as pd
 
 from kernelstudy.arguments import expanded_path
 from kernelstudy.files import atomic_write_text, output_file_problem
+from kernelstudy.progress import run_script
 
 VARIANTS = ("walk", "walk_fused", "walk_mma", "walk_mma_fused")
 SECTIONS = (
@@ -394,4 +395,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(run_script(main))

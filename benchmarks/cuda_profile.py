@@ -49,6 +49,7 @@ import kernelstudy as ks  # noqa: E402
 from kernelstudy.arguments import expanded_path  # noqa: E402
 from kernelstudy.core import cuda_backend  # noqa: E402
 from kernelstudy.files import atomic_write_text, output_file_problem  # noqa: E402
+from kernelstudy.progress import run_script  # noqa: E402
 
 VARIANTS = tuple(cuda_backend.VARIANTS)
 DTYPES = ("float32", "bfloat16", "float16")
@@ -295,4 +296,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(run_script(main))

@@ -41,6 +41,7 @@ import pandas as pd
 
 from kernelstudy.arguments import expanded_path
 from kernelstudy.files import atomic_write_text
+from kernelstudy.progress import run_script
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCES = Path("csrc") / "cuda"  # every .cu there: at a revision of one unit, or of several
@@ -302,4 +303,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_script(main))

@@ -54,6 +54,7 @@ import kernelstudy as ks  # noqa: E402
 from kernelstudy.arguments import expanded_path  # noqa: E402
 from kernelstudy.core import cuda_backend  # noqa: E402
 from kernelstudy.files import atomic_write_text, output_file_problem  # noqa: E402
+from kernelstudy.progress import run_script  # noqa: E402
 
 VARIANTS = ("walk_fused", "walk_fused_apart", "walk_mma_fused", "walk_mma_fused_apart")
 # the walk kernels by their names within the profiler's (demangled or mangled) ones
@@ -212,4 +213,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(run_script(main))

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from kernelstudy.arguments import expanded_path
 from kernelstudy.files import atomic_write_text, output_file_problem
+from kernelstudy.progress import run_script
 
 METHODS = ("fp32", "tf32x3", "bf16x3", "tf32x1", "bf16x1")
 #: (B, H, N, F, M): the GPU tests' shapes (N not a multiple of 64, F≠M, F=M=256), and long N
@@ -162,4 +163,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_script(main))

@@ -19,7 +19,12 @@ import torch
 # script; not when imported by path, as the tests do)
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.append(str(Path(__file__).resolve().parent))
-from core import check_sizes_and_device, device_name, rows_until_interrupted  # noqa: E402
+from core import (  # noqa: E402
+    add_dtype_and_device,
+    check_sizes_and_device,
+    device_name,
+    rows_until_interrupted,
+)
 
 import kernelstudy as ks  # noqa: E402
 from kernelstudy.arguments import expanded_path  # noqa: E402
@@ -32,17 +37,27 @@ ATTENTIONS = ("kernel", "softmax")
 
 def add_model_arguments(p: argparse.ArgumentParser, default_out: str) -> None:
     """The flags of the model (attention, map, sizes, dtype, device) and of the run."""
-    p.add_argument("--attentions", nargs="+", default=list(ATTENTIONS), choices=ATTENTIONS)
+    p.add_argument(
+        "--attentions",
+        nargs="+",
+        default=list(ATTENTIONS),
+        choices=ATTENTIONS,
+        help="(default: both)",
+    )
     p.add_argument("--feature-map", default="elu", help="the kernel runs' map (default elu)")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--n-heads", type=int, default=4)
-    p.add_argument("--n-layers", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--batch", type=int, default=4, help="(default %(default)s)")
+    p.add_argument("--d-model", type=int, default=128, help="(default %(default)s)")
+    p.add_argument("--n-heads", type=int, default=4, help="(default %(default)s)")
+    p.add_argument("--n-layers", type=int, default=2, help="(default %(default)s)")
+    p.add_argument("--vocab", type=int, default=256, help="(default %(default)s)")
+    add_dtype_and_device(p)
     p.add_argument("--repeats", type=int, help="timed calls per case and way (default 5)")
-    p.add_argument("--out", type=expanded_path, default=Path(default_out))
+    p.add_argument(
+        "--out",
+        type=expanded_path,
+        default=Path(default_out),
+        help="CSV to write (default %(default)s, under the working directory)",
+    )
 
 
 def parse_model_arguments(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:

@@ -2,20 +2,25 @@
 
 Exit codes: 0 success; 1 a run failed, or a value was refused after parsing (a bad
 size, a busy or foreign output folder), with a one-line message; 2 the command line
-does not parse (argparse's convention); 130 interrupted by Ctrl-C.
+does not parse (argparse's convention); 130 interrupted by Ctrl-C; 141 the output was piped
+into a reader that stopped (``| head``: 128 + SIGPIPE, as a killed writer's).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 from collections.abc import Sequence
 
 import kernelstudy as ks
 from kernelstudy.arguments import nonempty_user_path
-from kernelstudy.progress import usable_output_streams
+from kernelstudy.progress import (
+    INTERRUPTED_RESUMABLE,
+    closed_pipe_exit,
+    usable_output_streams,
+    warnings_above_bars,
+)
 
 
 def _cmd_backends(args: argparse.Namespace) -> int:
@@ -217,6 +222,10 @@ def error_text(err: BaseException) -> str:
     return text
 
 
+#: Commands whose finished work a Ctrl-C keeps and a rerun goes on from (said on Ctrl-C)
+RESUMABLE_COMMANDS = frozenset({"train", "study", "search", "evaluate"})
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit code."""
     usable_output_streams()
@@ -226,14 +235,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     try:
-        code = int(args.func(args) or 0)
+        with warnings_above_bars():
+            code = int(args.func(args) or 0)
         sys.stdout.flush()  # here, not at exit: a pipe or file's buffered output fails here
         return code
-    except BrokenPipeError:  # output piped into a reader that stopped (`| head`): quiet,
-        # 128 + SIGPIPE as a killed writer's (Ctrl-C gives 130); stdout to devnull, else
-        # Python's flush at exit fails again
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141
+    except BrokenPipeError:  # output piped into a reader that stopped (`| head`): quiet
+        return closed_pipe_exit()
     except (ValueError, TypeError, OSError) as err:  # OSError: files (--out, --data, ...)
         print(f"kernelstudy {args.command}: error: {error_text(err)}", file=sys.stderr)
         return 1
@@ -247,7 +254,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 1
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        resumable = args.command in RESUMABLE_COMMANDS
+        print(INTERRUPTED_RESUMABLE if resumable else "interrupted", file=sys.stderr)
         return 130
 
 

@@ -11,9 +11,12 @@ choices give the text bar.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import importlib.util
 import os
 import sys
+import warnings
+from collections.abc import Callable, Iterator
 
 
 def widgets_available() -> bool:
@@ -66,4 +69,68 @@ def usable_output_streams() -> None:
             stream.reconfigure(errors=OUTPUT_ERRORS)
 
 
-__all__ = ["tqdm", "usable_output_streams", "widgets_available"]
+@contextlib.contextmanager
+def warnings_above_bars() -> Iterator[None]:
+    """For the command-line entry points: within the block, where stderr is a terminal, each
+    warning shown is one line, ``Category: message``, written with ``tqdm.write`` (above a
+    progress bar being drawn, which is redrawn below it). Python's own format wrote it into
+    the bar's line, with the file and line that warned and an echo of that source line.
+    Elsewhere (a log file, a notebook, a test recording warnings) nothing changes."""
+    isatty = getattr(sys.stderr, "isatty", None)
+    if not (callable(isatty) and isatty()):
+        yield
+        return
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ARG001
+        tqdm.write(f"{category.__name__}: {message}", file=file or sys.stderr)
+
+    saved, warnings.showwarning = warnings.showwarning, show
+    try:
+        yield
+    finally:
+        if warnings.showwarning is show:
+            warnings.showwarning = saved
+
+
+#: What a command that keeps its finished work says on Ctrl-C (``train``: the checkpoint
+#: saved at the interrupt; a study: its rows; a search: its trials; an evaluation: its runs)
+INTERRUPTED_RESUMABLE = "interrupted: what finished is kept; the same command goes on from it"
+
+
+def closed_pipe_exit() -> int:
+    """For an entry point that caught BrokenPipeError (output piped into a reader that
+    stopped, ``| head``): stdout becomes /dev/null, else Python's flush at exit fails again
+    ("Exception ignored ... BrokenPipeError", status 120); returns 141, 128 + SIGPIPE, as a
+    killed writer's status."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 141
+
+
+def run_script(main: Callable[[], int | None]) -> int:
+    """A benchmark script's ``main()`` run as the ``kernelstudy`` command runs its own: with
+    closed output streams usable (:func:`usable_output_streams`), warnings as lines above
+    the bars (:func:`warnings_above_bars`), quiet with status 141 in a
+    pipe whose reader stopped (:func:`closed_pipe_exit`), status 130 and "interrupted" on
+    Ctrl-C where ``main`` does not handle it itself. Returns the exit status."""
+    usable_output_streams()
+    try:
+        with warnings_above_bars():
+            status = int(main() or 0)
+        sys.stdout.flush()  # here, not at exit: a closed pipe's error is caught below
+        return status
+    except BrokenPipeError:
+        return closed_pipe_exit()
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+__all__ = [
+    "INTERRUPTED_RESUMABLE",
+    "closed_pipe_exit",
+    "run_script",
+    "tqdm",
+    "usable_output_streams",
+    "warnings_above_bars",
+    "widgets_available",
+]

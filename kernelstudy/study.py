@@ -74,7 +74,13 @@ from .files import (
 from .folders import ENV_RESULTS_DIR as ENV_RESULTS_DIR  # re-exported: the studies' API
 from .folders import ENV_STUDIES_DIR as ENV_STUDIES_DIR  # re-exported, as the one above
 from .folders import results_dir, studies_dir
-from .progress import tqdm, usable_output_streams
+from .progress import (
+    INTERRUPTED_RESUMABLE,
+    closed_pipe_exit,
+    tqdm,
+    usable_output_streams,
+    warnings_above_bars,
+)
 from .revision import with_commit
 
 RESULTS = "results"
@@ -395,8 +401,8 @@ def run_study(
         if unknown:
             keys = sorted({k for c in configs for k in c})
             raise ValueError(
-                f"only: {unknown} name no entry of study {name!r}'s configurations "
-                f"(their entries: {', '.join(keys)})"
+                f"only: no configuration of study {name!r} has an entry "
+                f"{', '.join(map(repr, unknown))} (their entries: {', '.join(keys)})"
             )
         if not any(_matches(c, only) for c in configs):
             values = {k: sorted({str(c[k]) for c in configs if k in c}) for k in only}
@@ -1410,15 +1416,15 @@ def main(name: str, argv: Sequence[str] | None = None) -> int:
     parser = add_arguments(argparse.ArgumentParser(prog=f"studies/{name}.py"))
     args = parser.parse_args(argv)
     try:
-        run_from_args(name, args)
+        with warnings_above_bars():
+            run_from_args(name, args)
         sys.stdout.flush()  # here, not at exit: a closed pipe's error is caught below
     except BrokenPipeError:  # as `kernelstudy study ... | head`
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141
+        return closed_pipe_exit()
     except (ValueError, TypeError, OSError) as err:  # OSError: an unusable --out
         print(f"study {name}: error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # as `kernelstudy study`: the rows written so far are kept
-        print("interrupted", file=sys.stderr)
+        print(INTERRUPTED_RESUMABLE, file=sys.stderr)
         return 130
     return 0

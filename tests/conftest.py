@@ -11,6 +11,7 @@ from types import ModuleType
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -246,11 +247,13 @@ def shifted(t: torch.Tensor, elements: int) -> torch.Tensor:
 
 def torch_func_results(fn, xs, small_fn, small_xs, w, u, tangents) -> list[torch.Tensor]:
     """Derivatives of ``fn(q, k, v)`` by every route, for comparing a backend with the
-    reference: the jvp along ``tangents``; vmap over two copies of q (k and v unmapped); vmap
-    of grad of ``L = Σ fn·w``; jacrev and the Hessian of L (jacfwd of jacrev) on the small
-    inputs ``small_xs`` (``small_fn`` takes them, e.g. with a mask cut to their length); the
-    gradient of ``dL/dq · u`` by autograd with ``create_graph=True``. Inputs are cast to
-    ``xs``' dtype and device."""
+    reference: the jvp along ``tangents``, by ``torch.func`` and by dual tensors of inputs that
+    require grad; vmap over two copies of q (k and v unmapped); vmap of grad of ``L = Σ fn·w``;
+    on the small inputs ``small_xs`` (``small_fn`` takes them, e.g. with a mask cut to their
+    length) jacrev, jacrev under ``no_grad`` (its vjp runs with grad mode off on wrapped
+    gradients), the jacobian by batched gradients (torch's older vmap) and the Hessian of L
+    (jacfwd of jacrev); the gradient of ``dL/dq · u`` by autograd with ``create_graph=True``.
+    Inputs are cast to ``xs``' dtype and device."""
     dtype, device = xs[0].dtype, xs[0].device
 
     def cast(t):
@@ -262,11 +265,19 @@ def torch_func_results(fn, xs, small_fn, small_xs, w, u, tangents) -> list[torch
     inputs = [t.detach().clone().requires_grad_() for t in xs]
     (dq,) = torch.autograd.grad(loss_of(fn)(*inputs), inputs[0], create_graph=True)
     per_copy_grads = torch.func.vmap(torch.func.grad(loss_of(fn), argnums=(0, 1, 2)))
+    with fwAD.dual_level():
+        duals = [fwAD.make_dual(x, cast(d)) for x, d in zip(inputs, tangents, strict=True)]
+        dual_tangent = fwAD.unpack_dual(fn(*duals)).tangent
+    with torch.no_grad():
+        jacobian_without_grad = torch.func.jacrev(small_fn)(*small_xs)
     return [
         torch.func.jvp(fn, tuple(xs), tuple(map(cast, tangents)))[1],
+        dual_tangent,
         torch.func.vmap(fn, in_dims=(0, None, None))(torch.stack([xs[0], 2 * xs[0]]), *xs[1:]),
         *per_copy_grads(*(t[None] for t in xs)),
         torch.func.jacrev(small_fn)(*small_xs),
+        jacobian_without_grad,
+        torch.autograd.functional.jacobian(small_fn, tuple(small_xs), vectorize=True)[0],
         torch.func.jacfwd(torch.func.jacrev(loss_of(small_fn)))(*small_xs),
         *torch.autograd.grad((dq * cast(u)).sum(), inputs, materialize_grads=True),
     ]

@@ -4,6 +4,7 @@ clean refusal without a GPU (the measurements themselves need one)."""
 from __future__ import annotations
 
 import math
+import os
 import re
 import shlex
 import shutil
@@ -1764,3 +1765,27 @@ def test_split_accuracy_refuses_a_bad_shape(split_accuracy, capsys, shape):
     with pytest.raises(SystemExit) as exit_:
         split_accuracy.parse_args(["--shapes", shape])
     assert exit_.value.code == 2 and "BxHxNxFxM" in capsys.readouterr().err
+
+
+def test_scripts_end_quietly_in_a_pipe_whose_reader_stopped(tmp_path):
+    """The scripts printed a BrokenPipeError traceback and exited 1 under ``| head`` (the
+    ``kernelstudy`` command is quiet there, with status 141), and ``2>&-`` (Python's
+    ``sys.stderr`` None) ended a progress bar in AttributeError. Every script with a ``main``
+    runs it through ``run_script``; ``cuda_core.py --from-csv`` (no GPU needed) shows both."""
+    for path in sorted(BENCHMARKS.glob("*.py")):
+        text = path.read_text()
+        if "def main(" in text and path.name != "gpu_session.py":  # that one: no kernelstudy
+            assert "sys.exit(run_script(main))" in text, path.name
+    command = [
+        sys.executable, str(BENCHMARKS / "cuda_core.py"), "--from-csv",
+        str(BENCHMARKS / "results" / "cuda_h200.csv"), "--no-plot", "--out",
+        str(tmp_path / "t.csv"),
+    ]  # fmt: skip
+    buffered = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=buffered)
+    proc.stdout.close()  # the reader is gone before the script writes
+    err = proc.stderr.read().decode()
+    proc.stderr.close()
+    assert proc.wait(timeout=300) == 141 and "Traceback" not in err, err
+    run = subprocess.run(command, preexec_fn=lambda: os.close(2), stdout=subprocess.PIPE)
+    assert run.returncode == 0 and b"time (ms, median)" in run.stdout, run.stdout[-500:]

@@ -270,6 +270,12 @@ def test_ctrl_c_exits_with_status_130(monkeypatch, capsys):
     monkeypatch.setattr(cli, "_cmd_backends", interrupted)
     assert main(["backends"]) == 130
     assert capsys.readouterr().err == "interrupted\n"
+    # a command that keeps its finished work says so (it said "interrupted" alone)
+    import kernelstudy.train.commands as train_commands
+
+    monkeypatch.setattr(train_commands, "cmd_train", interrupted)
+    assert main(["train", "--out", "x"]) == 130
+    assert capsys.readouterr().err == cli.INTERRUPTED_RESUMABLE + "\n"
 
 
 def test_study_device_without_a_name_is_refused(capsys) -> None:

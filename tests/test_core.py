@@ -13,6 +13,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 
 import kernelstudy as ks
 from kernelstudy.core import causal_dot_product_reference, linear_attention_reference
@@ -244,6 +245,60 @@ def test_torch_func_transforms_match_plain_autograd(backend, causal):
     torch.testing.assert_close(got, want, **close)
     q_dual = q.clone().requires_grad_()  # N=9 with chunk 4: a padded tail
     assert torch.autograd.gradcheck(lambda q: fn(q, k, v), q_dual, check_forward_ad=True)
+
+
+@pytest.mark.parametrize("backend", ["reference", *FAST_BACKENDS])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n", [5, 9], ids=["one_chunk", "two_chunks"])
+def test_jacobians_without_grad_mode_batched_and_dual_match_plain_ops(backend, causal, n):
+    """Routes that reach a backward with grad mode off or with batched gradients: jacrev under
+    ``no_grad`` and ``inference_mode`` and a vjp's function called under ``no_grad`` (the cpu
+    kernel's fused backward was handed torch.func's wrapped gradients: "Cannot access data
+    pointer"), the jacobian by batched gradients (``vectorize=True``, torch's older vmap: the cpu
+    kernel could not read its batch, and the torch backend's anti-causal prefix of one chunk had
+    no batching rule), gradcheck with batched gradients; forward-mode AD on dual tensors of
+    inputs that require grad (the reference's autocast-free sums ran ``torch.func.jvp``, which
+    refuses to nest in a dual level), gradgradcheck forward over reverse. Float64, max abs error
+    ≤ 1e-10 against plain ops; the torch backend in chunks of 8."""
+    q, k, v = _features(1, 2, n, 3, 4, dtype=torch.float64, requires_grad=False)
+    extra = {"chunk_size": 8} if backend == "torch" else {}
+
+    def fn(q, k, v):
+        return ks.linear_attention(q, k, v, causal=causal, backend=backend, eps=1e-6, **extra)
+
+    def plain(q, k, v):
+        return _plain_attention(q, k, v, causal)
+
+    close = dict(rtol=0, atol=1e-10)
+    want = torch.autograd.functional.jacobian(plain, (q, k, v))
+    for context in (torch.no_grad, torch.inference_mode):
+        with context():
+            got = torch.func.jacrev(fn, argnums=(0, 1, 2))(q, k, v)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, **close)
+    got = torch.autograd.functional.jacobian(fn, (q, k, v), vectorize=True)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, **close)
+    out, pull = torch.func.vjp(fn, q, k, v)
+    weights = torch.randn_like(out)
+    with torch.no_grad():
+        got = pull(weights)
+    plain_pull = torch.func.vjp(plain, q, k, v)[1]
+    for g, w in zip(got, plain_pull(weights), strict=True):
+        torch.testing.assert_close(g, w, **close)
+    tangents = [torch.randn_like(t) for t in (q, k, v)]
+    for needs_grad in (False, True):
+        with fwAD.dual_level():
+            duals = [
+                fwAD.make_dual(t.clone().requires_grad_(needs_grad), d)
+                for t, d in zip((q, k, v), tangents, strict=True)
+            ]
+            got = fwAD.unpack_dual(fn(*duals)).tangent
+        want_tangent = torch.func.jvp(plain, (q, k, v), tuple(tangents))[1]
+        torch.testing.assert_close(got, want_tangent, **close)
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    assert torch.autograd.gradcheck(fn, inputs, check_batched_grad=True)
+    assert torch.autograd.gradgradcheck(fn, inputs, check_fwd_over_rev=True)
 
 
 @pytest.mark.parametrize("backend", ["reference", *FAST_BACKENDS])

@@ -7,6 +7,7 @@ results must not depend on the thread count.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import logging
 import os
@@ -486,3 +487,34 @@ def test_only_the_no_cuda_runtime_line_is_dropped():
         logger.propagate = propagate
     assert records[:1] == ["Error checking compiler version for c++"]
     assert records[1:] == [line % "/usr/local/cuda", "Error checking compiler version for c++"]
+
+
+def test_cpu_backend_loads_with_stdout_or_stderr_closed():
+    """Started with stdout closed (``>&-``: Python's ``sys.stdout`` is None), every load of the
+    extension failed in torch's flush of it ("build failed: 'NoneType' object has no attribute
+    'flush'") and the 'cpu' backend was gone, with a warning naming that error
+    (``benchmarks/core.py >&-`` wrote no cpu rows). Now it loads with either stream closed."""
+    name = cpu_backend.extension_name()
+    built = extensions._build_directory(name) or extensions._torch_build_directory(name)
+    env = dict(os.environ)
+    if built is not None:  # this session's build: only loaded
+        env[extensions.BUILD_DIR_ENV] = os.path.dirname(built)
+    for closed, report in ((1, 2), (2, 1)):
+        code = (
+            "import os, warnings, kernelstudy as ks\n"
+            "with warnings.catch_warnings(record=True) as caught:\n"
+            "    warnings.simplefilter('always')\n"
+            "    names = ks.backends()\n"
+            f"os.write({report}, repr((names, [str(w.message) for w in caught])).encode())"
+        )
+        run = subprocess.run(
+            [sys.executable, "-c", code],
+            preexec_fn=lambda fd=closed: os.close(fd),
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=600,
+        )
+        assert run.returncode == 0, (closed, run.stdout, run.stderr)
+        names, caught = ast.literal_eval(run.stderr if report == 2 else run.stdout)
+        assert "cpu" in names and caught == [], (closed, caught)

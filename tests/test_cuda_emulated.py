@@ -1448,11 +1448,17 @@ def _func_cases(backend, mask):
 
 
 @pytest.mark.parametrize("kernel", ["chunks", "walk"])
-def test_backend_under_torch_func_and_double_backward(backend, monkeypatch, kernel):
+def test_backend_under_torch_func_and_double_backward(backend, ext, monkeypatch, kernel):
     """The cuda backend's Functions under torch.func (jvp, vmap with an unmapped input,
-    vmap of grad, jacrev, jacfwd of jacrev) and gradients of gradients (create_graph=True),
-    float32 on the kernels against the float64 reference: max relative error ≤ 1e-4. They had
-    no setup_context (every transform raised) and refused a double backward."""
+    vmap of grad, jacrev, jacfwd of jacrev), dual tensors, jacrev under no_grad, batched
+    gradients and gradients of gradients (create_graph=True), float32 on the kernels against
+    the float64 reference: max relative error ≤ 1e-4. They had no setup_context (every
+    transform raised) and refused a double backward; the fused backwards handed torch.func's
+    wrapped gradients (grad mode off: jacrev under no_grad) and the older vmap's batched ones to
+    the kernels; the composed jvp ran torch.func.jvp, which fails among dual tensors. The
+    outputs are copied out of their guard buffers, as the binding allocates them: a view
+    returned by a Function fails forward-mode AD's layout assertion."""
+    monkeypatch.setattr(backend, "extension", lambda: _OutputsCopied(ext))
     monkeypatch.setattr(backend, "CAUSAL_KERNEL", kernel)
     monkeypatch.setattr(backend, "WALK_BLOCKS", 3)
     b, h, n, f, m = 2, 1, 37, 6, 5

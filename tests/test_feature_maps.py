@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -478,6 +479,30 @@ def test_unstabilized_features_that_overflow_raise(name, dtype, scale):
     bad = small.clone()
     bad[0, 0, 1, 0] = torch.inf
     assert not torch.isfinite(off(bad)).all()  # the input's inf, not an overflow
+
+
+@pytest.mark.parametrize("name", ["favor", "trig_rf", "hedgehog", "polynomial"])
+def test_unstabilized_maps_run_under_vmap_with_a_warning_that_the_check_is_skipped(name):
+    """The overflow checks of ``stabilize=False`` read values on the host, which a batched
+    tensor has not: under ``torch.func.vmap`` the map and attention raised torch's "data-dependent
+    control flow" error, naming neither the map nor ``stabilize``. Now they run, equal a loop
+    over the mapped axis, and warn that the check is skipped; outside vmap it runs silently
+    (and raises on an overflow: the tests below)."""
+    seed = {"seed": 0} if name in ("favor", "trig_rf") else {}
+    fm = make(name, stabilize=False, **seed)
+    torch.manual_seed(0)
+    x, v = randn(3, 2, H, 5, D, scale=0.5), randn(2, H, 5, 3)
+
+    def attend(q):
+        return ks.nn.kernel_attention(q, q, v, fm, causal=True)
+
+    for fn in (fm, attend):
+        with pytest.warns(RuntimeWarning, match="skipped inside torch.func.vmap"):
+            got = torch.func.vmap(fn)(x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # outside vmap the check runs (the overflow tests)
+            want = torch.stack([fn(x[i]) for i in range(3)])
+        torch.testing.assert_close(got, want)
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -94,3 +94,37 @@ def test_the_package_imports_tqdm_only_through_progress():
         )
     ]
     assert not offenders, f"import tqdm from kernelstudy.progress instead: {offenders}"
+
+
+def test_a_warning_under_a_bar_is_one_line_of_its_own(monkeypatch):
+    """A warning raised while a bar was drawn (the CPU build failing at a trainer's first step)
+    was written into the bar's line, with the file and line that warned and an echo of that
+    source line. Inside ``warnings_above_bars`` (the entry points' block) it is one line of its
+    own, ``Category: message``, above the bar; after the block Python's format is back, and
+    where stderr is no terminal (a log, a test recording warnings) it is never replaced."""
+    import io
+
+    from kernelstudy.progress import tqdm, warnings_above_bars
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    buf = Terminal()
+    monkeypatch.setattr(sys, "stderr", buf)
+    before = warnings.showwarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        with warnings_above_bars():
+            bar = tqdm(total=3, file=buf, desc="train")
+            bar.update(1)
+            warnings.warn("cannot build it", RuntimeWarning, stacklevel=1)
+            bar.update(2)
+            bar.close()
+        assert warnings.showwarning is before
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # not a terminal: Python's own
+    with warnings_above_bars():
+        assert warnings.showwarning is before
+    lines = buf.getvalue().split("\n")
+    assert any(line.endswith("\rRuntimeWarning: cannot build it") for line in lines), lines
+    assert "test_progress.py" not in buf.getvalue() and "warnings.warn" not in buf.getvalue()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 
 import kernelstudy as ks
 from kernelstudy.core.backends import Backend, register_backend, unregister_backend
@@ -299,6 +300,33 @@ def test_blocks_work_under_torch_func():
     assert rel_err(jacrev(block)(q), want) <= 1e-12
     tangent = torch.randn(q.shape, generator=gen, dtype=torch.float64)
     assert rel_err(jvp(block, (q,), (tangent,))[1], (want * tangent).sum((-4, -3, -2, -1))) <= 1e-12
+
+
+def test_steps_and_blocks_take_dual_tensors_of_inputs_that_require_grad():
+    """Forward-mode AD on dual tensors whose primals require grad (a parameter, or an input
+    under training): the state's autocast-free read-out ran ``torch.func.jvp``, which refuses
+    to nest in a dual level ("nested forward mode AD"); a step, a block and a layer's step
+    now give the tangent ``torch.func.jvp`` gives (float64, ≤ 1e-12)."""
+    q, k, v = _inputs(1, 2, 5, 3, 4)
+    gen = torch.Generator().manual_seed(2)
+    state = ks.RecurrentState(
+        torch.rand(1, 2, 3, 4, generator=gen, dtype=torch.float64),
+        torch.rand(1, 2, 3, generator=gen, dtype=torch.float64),
+    )
+    tangent = torch.randn(v.shape, generator=gen, dtype=torch.float64)
+    cases = {
+        "step": (lambda v: state.step(q[:, :, 0], k[:, :, 0], v[:, :, 0])[0], v),
+        "steps": (lambda v: state.steps(q, k, v)[0], v),
+    }
+    layer = ks.nn.KernelAttention(4, 1, feature_map="elu", causal=True).double()
+    x = torch.randn(2, 4, generator=gen, dtype=torch.float64)
+    cases["layer step"] = (lambda x: layer.step(x)[0], x)
+    for name, (fn, primal) in cases.items():
+        d = tangent if primal is v else torch.randn(x.shape, generator=gen, dtype=x.dtype)
+        want = torch.func.jvp(fn, (primal,), (d,))[1]
+        with fwAD.dual_level():
+            got = fwAD.unpack_dual(fn(fwAD.make_dual(primal.clone().requires_grad_(), d)))
+        assert rel_err(got.tangent, want) <= 1e-12, name
 
 
 @pytest.mark.parametrize("scaled", [False, True])

@@ -872,3 +872,24 @@ def test_the_hints_to_search_first_are_commands_that_run(tmp_path):
         run_evaluation(cfg, storage=url, out=tmp_path / "out", variants=["elu"])
     with pytest.raises(ValueError, match=r"run `kernelstudy search \S+cfg\.toml --out \S+ --st"):
         write_report([cfg.path], storage=url, out=tmp_path / "out")
+
+
+def test_a_bare_name_of_a_shipped_config_is_pointed_to_its_file(tmp_path, monkeypatch):
+    """`kernelstudy search lra_listops` said only "search config lra_listops does not exist";
+    a bare name of a config in the studies folder is pointed to that file (not a path with a
+    folder or a suffix, nor a name no config has). A study name given to ``report`` with
+    ``--quick``, which only a config file's [quick] table gives meaning, was looked up as the
+    full search's and the hint suggested --storage; it is refused, naming the quick name."""
+    from kernelstudy.folders import studies_dir
+    from kernelstudy.search.report import load_results
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="did you mean .*lra_listops.toml") as err:
+        load_config("lra_listops")
+    assert str(studies_dir() / "lra_listops.toml") in str(err.value)
+    for other in ("no_such_search", "sub/lra_listops", "lra_listops.toml"):
+        with pytest.raises(FileNotFoundError) as err:
+            load_config(other)
+        assert "did you mean" not in str(err.value), other
+    with pytest.raises(ValueError, match="'lra_listops_quick' in the studies' configs"):
+        load_results("lra_listops", out=tmp_path, quick=True)

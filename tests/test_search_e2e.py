@@ -106,6 +106,8 @@ def studies(out: Path, name: str = "tiny") -> dict[str, optuna.Study]:
 def test_quick_study_search_evaluate_report(tmp_path, capsys):
     cfg, out = write_config(tmp_path, ["Transformer", "elu+1", "1xGLU"]), tmp_path / "res"
     assert ks("search", cfg, "--out", out) == 0
+    # the bar counts trials, all variants' (it counted variants: still for hours in one)
+    assert re.search(r"search tiny: 100%\S* 6/6 .*trial/s", capsys.readouterr().err)
     found = studies(out)
     assert sorted(found) == ["tiny/1xGLU", "tiny/Transformer", "tiny/elu+1"]
     for study in found.values():
@@ -126,8 +128,10 @@ def test_quick_study_search_evaluate_report(tmp_path, capsys):
     runs = pd.read_csv(out / "tiny" / "evaluation.csv")
     assert len(runs) == 6 and sorted(set(runs["seed"])) == [0, 1]
     stamp = (out / "tiny" / "evaluation.csv").stat().st_mtime_ns
+    capsys.readouterr()
     assert ks("evaluate", cfg, "--seeds", "2", "--out", out) == 0  # resumes: nothing to do
     assert (out / "tiny" / "evaluation.csv").stat().st_mtime_ns == stamp
+    assert "0run" not in capsys.readouterr().err  # no bar of nothing to run
 
     capsys.readouterr()
     assert ks("report", cfg, "--out", out) == 0
@@ -537,7 +541,7 @@ def test_changed_settings_refuse_to_join_a_study_with_trials(tmp_path, capsys, m
         (lambda s: s.replace('feature_map = "elu"', 'feature_map = "eluu"'), [], "'eluu'"),
         (lambda s: s.replace('task = "listops"', 'task = "listopz"'), [], "unknown task"),
         (lambda s: s + "\n[[variants]\n", [], "not valid TOML"),
-        (lambda s: s, ["--device", "bogus"], "'bogus' is not a valid torch device"),
+        (lambda s: s, ["--device", "bogus"], "device 'bogus': expected auto, cpu, cuda"),
         (lambda s: s, ["--storage", "sqlite:///"], "in-memory database"),
         (
             lambda s: s,
@@ -819,7 +823,9 @@ def test_ctrl_c_of_a_one_worker_search_prints_no_traceback(tmp_path):
     # until the first trial trains (read without Optuna, which would create the tables as
     # the search does)
     err = _ctrl_c_when(proc, lambda: _reports(db) > 0, "started training")
-    assert err.rstrip().endswith("interrupted")
+    assert err.rstrip().endswith(
+        "interrupted: what finished is kept; the same command goes on from it"
+    )
     assert "Traceback" not in err and "failed" not in err, err[-2000:]
     study = optuna.load_study(study_name="tiny/elu+1", storage=f"sqlite:///{db}")
     assert [t.state for t in study.get_trials()] == [TrialState.FAIL]

@@ -19,6 +19,7 @@ import pytest
 import torch
 from optuna.trial import TrialState
 
+from kernelstudy.search import workers as workers_module
 from kernelstudy.search.workers import (
     DUPLICATE_ATTR,
     MAX_FAILURES_IN_A_ROW,
@@ -66,6 +67,32 @@ def test_workers_share_the_cores(tmp_path):
     study = run_workers(url, "threads", thread_counting_objective, trials=2, workers=2)
     want = max(1, torch.get_num_threads() // 2)
     assert {t.user_attrs["threads"] for t in study.get_trials()} == {want}
+
+
+def slow_objective(trial: optuna.Trial) -> float:
+    x = trial.suggest_float("x", -1.0, 1.0)
+    time.sleep(1.0)
+    return -(x**2)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_progress_counts_the_finished_trials(tmp_path, monkeypatch, workers):
+    """A search's bar counted variants only: a variant's trials (hours at full size) showed no
+    progress. ``progress`` gets the finished trials at the start (those of a resumed study),
+    after each trial of one worker, and while several run (every PROGRESS_SECONDS), ending at
+    the total."""
+    monkeypatch.setattr(workers_module, "PROGRESS_SECONDS", 0.2)
+    url = f"sqlite:///{tmp_path / 'progress.db'}"
+    seen: list[int] = []
+    run_workers(url, "p", slow_objective, trials=2, workers=workers, progress=seen.append)
+    # two workers may each finish a trial past the second (the search's bar clips)
+    assert seen[0] == 0 and 2 <= seen[-1] <= workers + 1 and seen == sorted(seen), seen
+    if workers == 1:
+        assert seen == [0, 1, 2], seen  # after each trial
+    finished = seen[-1]
+    seen.clear()
+    run_workers(url, "p", slow_objective, trials=finished + 1, workers=1, progress=seen.append)
+    assert seen == [finished, finished + 1], seen  # resumed: those finished come first
 
 
 def hanging_objective(trial: optuna.Trial) -> float:

@@ -1074,7 +1074,7 @@ def test_a_study_script_interrupted_exits_130_without_a_traceback(
     toy_studies, monkeypatch, capsys
 ) -> None:
     """`python studies/NAME.py` ended a Ctrl-C with a traceback; `kernelstudy study NAME`
-    says "interrupted" and exits 130."""
+    says that the finished rows are kept and exits 130."""
 
     def interrupted(name, args):
         raise KeyboardInterrupt
@@ -1085,7 +1085,7 @@ def test_a_study_script_interrupted_exits_130_without_a_traceback(
     except KeyboardInterrupt:
         pytest.fail("the interrupt escaped main() (a traceback)")
     assert code == 130
-    assert capsys.readouterr().err == "interrupted\n"
+    assert capsys.readouterr().err == study.INTERRUPTED_RESUMABLE + "\n"
 
 
 def test_provenance_records_the_modules_of_user_maps(monkeypatch):
@@ -1354,7 +1354,7 @@ def test_only_with_one_key_twice_is_refused(toy_studies, capsys):
     assert study.parse_only(["x=1", "x=1"]) == {"x": "1"}  # the same value twice is harmless
     # an unknown key lists the known ones (rank's maps are under "method", not "map")
     assert study.main("toy", ["--out", str(out), "--only", "y=1"]) == 1
-    assert "only: ['y'] name no entry of study 'toy''s configurations (their entries: x)" in (
+    assert "only: no configuration of study 'toy' has an entry 'y' (their entries: x)" in (
         capsys.readouterr().err
     )
 

@@ -476,7 +476,8 @@ def test_task_specific_failures(tmp_path: Path, capsys: pytest.CaptureFixture[st
         (["--task", "copy", "--data", str(tmp_path)], "synthetic and takes no --data"),
         (["--task", "image", "--data", str(tmp_path), "--max-length", "9"], "fixed sequence"),
         (["--task", "listops", "--data", str(tmp_path)], "basic_train.tsv"),  # no files
-        (["--task", "copy", "--device", "nonsense"], "not a valid torch device"),
+        (["--task", "copy", "--device", "cdua"], "device 'cdua': expected auto, cpu, cuda or"),
+        (["--task", "copy", "--device", "cdua"], "; did you mean 'cuda'?"),
         (["--task", "copy"], "no output directory"),
     ]
     if not torch.cuda.is_available():
@@ -644,3 +645,65 @@ def test_compile_flag_trains_the_model_compiled(listops: Path, tmp_path: Path) -
     assert settings["train"]["compile"] is True
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 3 and 0.0 <= summary["test_accuracy"] <= 1.0
+
+
+def test_help_gives_the_defaults_that_apply_and_what_is_required(capsys) -> None:
+    """``train --help`` named no default (the flags default to None, so that --config's values
+    stand) and listed --task and --out as optional. Each default it names is the one a run
+    without the flag takes (TrainConfig's, the models')."""
+    import inspect
+    import re
+
+    from kernelstudy.nn.models import CausalLM, SequenceClassifier
+    from kernelstudy.train import TrainConfig
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    defaults = TrainConfig()
+    for flag, value in {
+        "--steps": defaults.steps,
+        "--batch-size": defaults.batch_size,
+        "--lr": f"{defaults.lr:g}",
+        "--seed": defaults.seed,
+        "--eval-every": defaults.eval_every,
+    }.items():
+        assert re.search(rf"{flag} [A-Z_]+ [^()]*\([^()]*default {value}\)", text), flag
+    for model in (SequenceClassifier, CausalLM):
+        params = inspect.signature(model).parameters
+        for flag, name in (
+            ("--d-model", "d_model"),
+            ("--heads", "n_heads"),
+            ("--layers", "n_layers"),
+        ):
+            assert re.search(
+                rf"{flag} [A-Z_]+ [^()]*\([^()]*default {params[name].default}\)", text
+            ), flag
+    for flag in ("--task", "--out"):
+        assert re.search(rf"{flag} \S+ [^()]*\(required: here or in --config\)", text), flag
+
+
+def test_a_run_without_a_bar_prints_a_line_per_evaluation(tmp_path, capsys) -> None:
+    """Outside a terminal (a batch job's log) the bar is off, and a run said nothing until
+    it ended. It prints a line per evaluation now; ``--no-progress`` keeps it quiet."""
+    command = [
+        "train", "--task", "copy", "--task-arg", "seq_len=8", "--task-arg", "num_samples=32",
+        "--d-model", "8", "--heads", "2", "--layers", "1", "--steps", "4", "--eval-every", "2",
+        "--batch-size", "4", "--device", "cpu",
+    ]  # fmt: skip
+    assert main([*command, "--out", str(tmp_path / "a")]) == 0
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("step ")]
+    assert [line.split(":")[0] for line in lines] == ["step 2/4", "step 4/4"], err
+    assert all("train_loss" in line and "val_accuracy" in line for line in lines), err
+    assert main([*command, "--no-progress", "--out", str(tmp_path / "b")]) == 0
+    assert "step 2/4" not in capsys.readouterr().err
+
+
+def test_a_refused_training_value_names_its_flag(capsys) -> None:
+    """``--steps 0`` said "steps must be an int >= 1", naming the field, not the flag typed."""
+    for flag, value in (("--steps", "0"), ("--batch-size", "0"), ("--lr", "-1")):
+        assert main(["train", "--task", "copy", flag, value, "--out", "x"]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"kernelstudy train: error: {flag}: "), err
+        assert "in --config)" in err, err

@@ -26,6 +26,7 @@ and so every measure.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -117,7 +118,7 @@ def attention_rank(A: torch.Tensor | np.ndarray, tol: float | None = None) -> di
 
 
 def normalized_spectrum(
-    singular_values: torch.Tensor | np.ndarray, digits: int | None = 6
+    singular_values: torch.Tensor | np.ndarray | Sequence[float], digits: int | None = 6
 ) -> np.ndarray:
     """``σ_i / σ_1`` for singular values in descending order (as :func:`attention_rank` returns
     them), rounded to ``digits`` significant digits (rounding keeps the order; None keeps

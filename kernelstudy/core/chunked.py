@@ -54,10 +54,12 @@ def _chunked_product(
     states = kc.transpose(-1, -2) @ vc  # (b, h, c, f, m)
     if reverse:
         states = states.flip(2).cumsum(2).flip(2)
-        prefix = torch.cat([states[:, :, 1:], torch.zeros_like(states[:, :, :1])], dim=2)
+        prefix = F.pad(states[:, :, 1:], (0, 0, 0, 0, 0, 1))  # the chunks after each
     else:
         states = states.cumsum(2)
-        prefix = torch.cat([torch.zeros_like(states[:, :, :1]), states[:, :, :-1]], dim=2)
+        prefix = F.pad(states[:, :, :-1], (0, 0, 0, 0, 1, 0))  # the chunks before each
+    # (a pad, not a cat with zeros: with one chunk torch's older vmap, which
+    # autograd.grad(is_grads_batched=True) uses, has no rule for the empty slice's alias)
     del states
     out = out + qc @ prefix
     out = out.reshape(b, h, c * chunk, m)
@@ -132,3 +134,18 @@ def causal_dot_product_chunked(
     chunk = check_chunk_size(chunk_size)
     with autocast_off(q):
         return _apply_chunked_product(q, k, v, chunk, False)
+
+
+def chunked_product(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    reverse: bool = False,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> torch.Tensor:
+    """The causal (``reverse``: anti-causal ``j ≥ i``) product of
+    :func:`causal_dot_product_chunked`, inputs unchecked: the compiled backends' backward for
+    gradients batched by torch's older vmap (:func:`~.transforms.legacy_batched`), which
+    their kernels cannot read. Differentiable, in the accumulation dtype."""
+    with autocast_off(q):
+        return _ChunkedProduct.apply(q, k, v, chunk_size, reverse)

@@ -20,12 +20,15 @@ import torch
 
 from ..arguments import check_count
 from .backends import Backend, register_backend
+from .chunked import chunked_product
 from .extensions import build_name, csrc_dir, load_extension, native_cflags
 from .traced_kernels import CPU as TRACED_KERNELS
 from .traced_kernels import CpuKernels as TracedKernels
 from .transforms import (
     constant_when_traced,
     fold_mapped,
+    kernel_readable,
+    legacy_batched,
     signature_once,
     traceable_apply,
     trilinear_jvp,
@@ -111,7 +114,13 @@ class _CpuProduct(torch.autograd.Function):
     def backward(ctx, grad):  # type: ignore[override]
         q, k, v = ctx.saved_tensors
         need, threads, rev = ctx.needs_input_grad, ctx.threads, ctx.reverse
-        if not (torch.is_grad_enabled() or rev):
+        if legacy_batched(grad):  # autograd.grad(is_grads_batched=True): torch ops
+            dq = chunked_product(grad, v, k, rev) if need[0] else None
+            dk = chunked_product(v, grad, q, not rev) if need[1] else None
+            dv = chunked_product(k, q, grad, not rev) if need[2] else None
+            return dq, dk, dv, None, None
+        # the fused pass, unless the gradients must be differentiable or are torch.func's
+        if not (torch.is_grad_enabled() or rev) and kernel_readable(grad, q, k, v):
             # dq = causal(grad, v, k), dk = anticausal(v, grad, q), dv = anticausal(k, q, grad)
             dq, dk, dv = _kernels().causal_product_backward(
                 q, k, v, grad, need[0], need[1], need[2], threads=threads

@@ -56,12 +56,15 @@ import torch
 
 from ..arguments import check_count, check_flag
 from .backends import Backend, register_backend
+from .chunked import chunked_product
 from .traced_kernels import CUDA as TRACED_KERNELS
 from .traced_kernels import CudaKernels as TracedKernels
 from .transforms import (
     constant_when_traced,
     fold_mapped,
     jvp_filled,
+    kernel_readable,
+    legacy_batched,
     signature_once,
     traceable_apply,
     trilinear_jvp,
@@ -464,7 +467,13 @@ class _CausalProduct(torch.autograd.Function):
         need, rev = ctx.needs_input_grad, ctx.reverse
         with autocast_off(grad):  # backward() called inside an autocast region
             g = grad.to(q.dtype)
-            if torch.is_grad_enabled():  # gradients of gradients: differentiable products
+            if legacy_batched(g):  # autograd.grad(is_grads_batched=True): torch ops
+                dq = chunked_product(g, v, k, rev).to(q.dtype) if need[0] else None
+                dk = chunked_product(v, g, q, not rev).to(k.dtype) if need[1] else None
+                dv = chunked_product(k, q, g, not rev).to(v.dtype) if need[2] else None
+                return dq, dk, dv, None
+            # gradients of gradients, or torch.func's wrapped gradients: differentiable products
+            if torch.is_grad_enabled() or not kernel_readable(g, q, k, v):
                 dq = _CausalProduct.apply(g, v, k, rev) if need[0] else None
                 dk = _CausalProduct.apply(v, g, q, not rev) if need[1] else None
                 dv = _CausalProduct.apply(k, q, g, not rev) if need[2] else None
@@ -517,16 +526,17 @@ def _masked(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
     )
 
 
-def _composed_attention(q, k, v, mask, eps, causal: bool) -> torch.Tensor:
+def _composed_attention(q, k, v, mask, eps, causal: bool, torch_ops: bool = False) -> torch.Tensor:
     """The normalized attention from differentiable pieces in float32: the causal product
-    (:class:`_CausalProduct`, with a column of ones beside v for the normalizer) or matrix
-    products. The fused Functions differentiate it for forward mode and for gradients of
-    gradients; their first-order backward does not use it."""
+    (:class:`_CausalProduct`, with a column of ones beside v for the normalizer; with
+    ``torch_ops``, :func:`~.chunked.chunked_product`) or matrix products. The fused Functions
+    differentiate it for forward mode, for gradients of gradients and for torch.func's or
+    batched gradients; their plain first-order backward does not use it."""
     keep = _keep(mask)
     q, k, v = q.float(), _masked(k.float(), keep), _masked(v.float(), keep)
     v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # (B,H,S,M+1): [num | den]
     if causal:
-        both = _CausalProduct.apply(q, k, v1, False)
+        both = chunked_product(q, k, v1) if torch_ops else _CausalProduct.apply(q, k, v1, False)
     else:
         both = q @ (k.transpose(-1, -2) @ v1)
     return both[..., :-1] / (both[..., -1:] + eps)
@@ -549,21 +559,21 @@ class _FusedAttention(torch.autograd.Function):
         ctx.eps, ctx.outputs = eps, len(output)
 
     @classmethod
-    def _composed(cls, ctx):
+    def _composed(cls, ctx, torch_ops: bool = False):
         """:func:`_composed_attention` of q, k, v with this call's mask and eps, in q's dtype."""
         mask, dtype = ctx.saved_tensors[3], ctx.saved_tensors[0].dtype
 
         def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return _composed_attention(q, k, v, mask, ctx.eps, cls.causal).to(dtype)
+            return _composed_attention(q, k, v, mask, ctx.eps, cls.causal, torch_ops).to(dtype)
 
         return fn
 
     @classmethod
     def _composed_vjp(cls, ctx, grad):
-        """Gradients through :func:`_composed_attention`, differentiable themselves."""
-        grads = vjp_of_needed(
-            cls._composed(ctx), ctx.saved_tensors[:3], ctx.needs_input_grad[:3], grad
-        )
+        """Gradients through :func:`_composed_attention`, differentiable themselves (in torch
+        ops for gradients batched by torch's older vmap, which the kernels cannot read)."""
+        composed = cls._composed(ctx, torch_ops=legacy_batched(grad))
+        grads = vjp_of_needed(composed, ctx.saved_tensors[:3], ctx.needs_input_grad[:3], grad)
         return (*grads, None, None)
 
     @classmethod
@@ -619,7 +629,7 @@ class _CausalAttention(_FusedAttention):
     @staticmethod
     def backward(ctx, grad, _den_grad):  # type: ignore[override]
         with autocast_off(grad):  # backward() called inside an autocast region
-            if torch.is_grad_enabled():
+            if torch.is_grad_enabled() or not kernel_readable(grad, *ctx.saved_tensors):
                 return _CausalAttention._composed_vjp(ctx, grad)
             q, k, v, mask, out, den = ctx.saved_tensors
             keep = _keep(mask)
@@ -673,7 +683,7 @@ class _FullAttention(_FusedAttention):
     @staticmethod
     def backward(ctx, grad, _den_grad, _state_grad):  # type: ignore[override]
         with autocast_off(grad):  # backward() called inside an autocast region
-            if torch.is_grad_enabled():
+            if torch.is_grad_enabled() or not kernel_readable(grad, *ctx.saved_tensors):
                 return _FullAttention._composed_vjp(ctx, grad)
             q, k, v, mask, out, den, state = ctx.saved_tensors
             b, h, _, f = q.shape

@@ -20,6 +20,7 @@ import logging
 import os
 import platform
 import shutil
+import sys
 import time
 import warnings
 from collections.abc import Iterator
@@ -213,6 +214,23 @@ def _remove_stale_lock(build_directory: str | None, exclusive: bool = False) -> 
 
 
 @contextlib.contextmanager
+def _closed_output_as_devnull() -> Iterator[None]:
+    """Within the block, a closed stdout or stderr (None: started with ``>&-``, ``pythonw``)
+    is /dev/null: torch's build flushes stdout on every load, even a cached one, which raised
+    AttributeError there, and the compiled backends fell back to 'torch' with a warning that
+    named that error."""
+    closed = [name for name in ("stdout", "stderr") if getattr(sys, name) is None]
+    with contextlib.ExitStack() as stack:
+        for name in closed:
+            setattr(sys, name, stack.enter_context(open(os.devnull, "w")))  # noqa: SIM115
+        try:
+            yield
+        finally:
+            for name in closed:
+                setattr(sys, name, None)
+
+
+@contextlib.contextmanager
 def _ninja_on_path() -> Iterator[None]:
     """Within the block, ``PATH`` also holds the ``ninja`` package's program when no ninja is on
     ``PATH`` (a virtual environment's python run without activating it: cron, IDEs, Jupyter
@@ -313,7 +331,11 @@ def load_extension(
         try:
             build_directory = _build_directory(name)
             directory = build_directory or _torch_build_directory(name)
-            with _build_lock(directory) as exclusive, _ninja_on_path():
+            with (
+                _build_lock(directory) as exclusive,
+                _ninja_on_path(),
+                _closed_output_as_devnull(),
+            ):
                 removed_lock = _remove_stale_lock(directory, exclusive)
                 for attempt in range(1, BUILD_ATTEMPTS + 1):
                     try:

@@ -4,16 +4,22 @@ plain tensors (the compiled CPU and CUDA products), and the vjp and jvp of a fun
 Function recomputes (the autocast-free sums, the CUDA attention's higher derivatives); the
 forward's signature computed once (:func:`signature_once`); and what ``torch.compile`` traces:
 each Function's ``apply`` (:func:`traceable_apply`) and constants (:func:`constant_when_traced`);
-whether the host may read a tensor's value (:func:`host_reads_allowed`)."""
+whether the host may read a tensor's value (:func:`host_reads_allowed`), and whether a compiled
+kernel may read its memory (:func:`kernel_readable`, :func:`legacy_batched`)."""
 
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
-from torch._C._functorch import TransformType
+from torch._C._functorch import (
+    TransformType,
+    is_functorch_wrapped_tensor,
+    is_legacy_batchedtensor,
+)
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
 FunctionT = TypeVar("FunctionT", bound=type[torch.autograd.Function])
@@ -136,11 +142,18 @@ def jvp_filled(
     inputs: Sequence[torch.Tensor],
     tangents: Sequence[torch.Tensor | None],
 ) -> torch.Tensor:
-    """The jvp of ``fn(*inputs)`` along ``tangents``, a None tangent taken as zeros."""
+    """The jvp of ``fn(*inputs)`` along ``tangents``, a None tangent taken as zeros.
+
+    By two vjps (the vjp is linear in its cotangent u, and the vjp of ``u ↦ Jᵀu`` is ``J``):
+    ``torch.func.jvp`` cannot run inside ``torch.autograd.forward_ad.dual_level`` ("nested
+    forward mode AD"), which is where a Function's jvp runs for forward-mode AD with dual
+    tensors; reverse mode nests there and inside every torch.func transform."""
     filled = tuple(
         torch.zeros_like(x) if d is None else d for x, d in zip(inputs, tangents, strict=True)
     )
-    return torch.func.jvp(fn, tuple(inputs), filled)[1]
+    out, pull = torch.func.vjp(fn, *inputs)
+    _, pull_of_pull = torch.func.vjp(pull, torch.zeros_like(out))
+    return pull_of_pull(filled)[0]
 
 
 def host_reads_allowed(*tensors: torch.Tensor) -> bool:
@@ -152,3 +165,53 @@ def host_reads_allowed(*tensors: torch.Tensor) -> bool:
     if torch.compiler.is_compiling() or any(t.is_meta for t in tensors):
         return False
     return all(i.key() != TransformType.Vmap for i in retrieve_all_functorch_interpreters())
+
+
+def checked_in_graph(
+    condition: Callable[[], torch.Tensor], message: str, what: str, *tensors: torch.Tensor
+) -> bool:
+    """A value check for where the host may not read values (:func:`host_reads_allowed`):
+    while ``torch.compile`` traces, ``condition()`` (a bool tensor, True when all is well)
+    is asserted in the graph (``torch._assert_async``: ``message`` on failure, no sync on the
+    GPU); on the meta device there is nothing to check; inside ``torch.func.vmap``, which
+    has no batching rule for the assertion and no single value to read, a warning says that
+    ``what`` (the check) is skipped. Returns False where the host may read: the caller checks.
+    """
+    if host_reads_allowed(*tensors):
+        return False
+    if torch.compiler.is_compiling():
+        torch._assert_async(condition(), message)
+    elif not any(t.is_meta for t in tensors):
+        warnings.warn(
+            f"{what} is skipped inside torch.func.vmap (a batched tensor's values cannot be "
+            "read there): an overflow gives inf or NaN",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return True
+
+
+def kernel_readable(*tensors: torch.Tensor | None) -> bool:
+    """Whether a compiled kernel (which takes raw memory) can read all of ``tensors``: none is
+    a ``torch.func`` level's wrapper (vmap, grad, jvp) nor a legacy vmap batch
+    (:func:`legacy_batched`). Grad mode does not tell: the function a ``torch.func.vjp``
+    returns, called under ``no_grad`` (as ``jacrev`` does there), hands a backward wrapped
+    gradients with grad mode off. None (an absent mask) is readable. True while
+    ``torch.compile`` traces (the graph holds the kernels as custom ops)."""
+    if torch.compiler.is_compiling():
+        return True
+    return not any(
+        t is not None and (is_functorch_wrapped_tensor(t) or is_legacy_batchedtensor(t))
+        for t in tensors
+    )
+
+
+def legacy_batched(*tensors: torch.Tensor) -> bool:
+    """Whether any of ``tensors`` is a batch of torch's older vmap, which
+    ``autograd.grad(is_grads_batched=True)`` and ``autograd.functional.jacobian(vectorize=True)``
+    use: it knows no Function's vmap rule, so a Function whose forward hands it to a compiled
+    kernel fails there; such gradients are computed in torch ops instead. False while
+    ``torch.compile`` traces."""
+    if torch.compiler.is_compiling():
+        return False
+    return any(is_legacy_batchedtensor(t) for t in tensors)

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from ..core.exp_range import exp_shift
+from ..core.transforms import checked_in_graph
 from .base import FeatureMap, Hyperparameter
 from .registry import register_feature_map
 
@@ -66,10 +67,12 @@ def _check_no_overflow(phi: torch.Tensor, x: torch.Tensor, is_query: bool) -> No
         if is_query
         else "keys are not rescaled: pass smaller inputs (scale_inputs=True divides x by D^(1/4))"
     )
-    if torch.compiler.is_compiling():  # a check in the graph, without a sync on the GPU
-        overflow = torch.isinf(phi).any(-1) & torch.isfinite(x).all(-1)
-        message = f"polynomial {what} features overflow {phi.dtype}: {help_} or float64"
-        torch._assert_async(~overflow.any(), message)
+    if checked_in_graph(  # compile: in the graph, without a sync on the GPU; vmap: a warning
+        lambda: ~(torch.isinf(phi).any(-1) & torch.isfinite(x).all(-1)).any(),
+        f"polynomial {what} features overflow {phi.dtype}: {help_} or float64",
+        f"the polynomial map's overflow check of {what} features (stabilize=False)",
+        phi,
+    ):
         return
     if not phi.numel() or bool(torch.isfinite(torch.stack([phi.amax(), phi.amin()])).all()):
         return  # the common case: two reductions, no copy of φ

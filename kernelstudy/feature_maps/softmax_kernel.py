@@ -7,6 +7,7 @@ import math
 import torch
 
 from ..core.exp_range import exp_shift
+from ..core.transforms import checked_in_graph
 from ..core.validation import autocast_off
 from .base import FeatureMap
 
@@ -89,14 +90,14 @@ class ExpFeatures(FeatureMap):
         """ValueError where a finite exponent gave an infinite feature (non-finite inputs
         keep their inf/NaN, as with ``stabilize``)."""
         phi = phi.detach()
-        if torch.compiler.is_compiling():  # a check in the graph, without a sync on the GPU
-            overflow = torch.isinf(phi) & torch.isfinite(log)
-            message = (
-                f"{type(self).__name__} with stabilize=False: features overflow {dtype}; "
-                "pass stabilize=True (normalized attention is unchanged), smaller inputs or a "
-                "wider dtype"
-            )
-            torch._assert_async(~overflow.any(), message)
+        name = type(self).__name__
+        if checked_in_graph(  # compile: in the graph, without a sync on the GPU; vmap: a warning
+            lambda: ~(torch.isinf(phi) & torch.isfinite(log)).any(),
+            f"{name} with stabilize=False: features overflow {dtype}; pass stabilize=True "
+            "(normalized attention is unchanged), smaller inputs or a wider dtype",
+            f"{name}'s overflow check (stabilize=False)",
+            phi,
+        ):
             return
         if not phi.numel() or bool(torch.isfinite(torch.stack([phi.amax(), phi.amin()])).all()):
             return  # the common case: two reductions, no copy of φ

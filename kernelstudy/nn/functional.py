@@ -13,7 +13,7 @@ from ..core.attention import linear_attention
 from ..core.backends import check_backend_name, env_backend_name
 from ..core.exp_range import exp_shift, shift_setting
 from ..core.recurrent import RecurrentState
-from ..core.transforms import host_reads_allowed
+from ..core.transforms import checked_in_graph, host_reads_allowed
 from ..core.validation import (
     accumulation_dtype,
     autocast_off,
@@ -191,13 +191,14 @@ def check_products_fit(fm: FeatureMap, phi_q: torch.Tensor, phi_k: torch.Tensor)
         return
     acc = accumulation_dtype(phi_q.dtype)  # half-precision features are summed in float32
     limit = math.log(torch.finfo(acc).max) - SPARE
-    if torch.compiler.is_compiling():  # a check in the graph, without a sync on the GPU
-        log_top = _log_largest_product(phi_q, phi_k)
-        message = (
-            f"feature map {fm.name!r} with stabilize=False: φ(q)·φ(k) beyond e^{limit:.1f}, "
-            f"where sums over features and keys overflow {acc}; pass stabilize=True"
-        )
-        torch._assert_async(log_top <= limit, message)
+    if checked_in_graph(  # compile: in the graph, without a sync on the GPU; vmap: a warning
+        lambda: _log_largest_product(phi_q, phi_k) <= limit,
+        f"feature map {fm.name!r} with stabilize=False: φ(q)·φ(k) beyond e^{limit:.1f}, "
+        f"where sums over features and keys overflow {acc}; pass stabilize=True",
+        f"feature map {fm.name!r}'s check of φ(q)·φ(k) against {acc}'s range (stabilize=False)",
+        phi_q,
+        phi_k,
+    ):
         return
     log_top = float(_log_largest_product(phi_q, phi_k))
     if log_top > limit:

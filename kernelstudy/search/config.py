@@ -46,9 +46,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..feature_maps.registry import get_feature_map_class
+from ..folders import studies_dir
 from .space import TRAINING_SPACE, check_override
 
 PRUNERS = ("median", "hyperband", "none")
@@ -129,11 +128,23 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _shipped_hint(path: Path) -> str:
+    """``"; did you mean studies/NAME.toml?"`` where ``path`` is a bare name (no folder, no
+    suffix) of a config in the studies folder (:func:`~kernelstudy.folders.studies_dir`)."""
+    if path.suffix or len(path.parts) != 1:
+        return ""
+    try:
+        shipped = studies_dir() / f"{path.name}.toml"
+    except FileNotFoundError:
+        return ""
+    return f"; did you mean {shipped}?" if shipped.is_file() else ""
+
+
 def load_config(path: str | Path, quick: bool = False) -> SearchConfig:
     """Read and validate a search config; ``quick`` merges its ``[quick]`` table on top."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"search config {path} does not exist")
+        raise FileNotFoundError(f"search config {path} does not exist{_shipped_hint(path)}")
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))  # TOML is UTF-8
     except UnicodeDecodeError as err:  # its message named neither the file nor TOML
@@ -348,6 +359,7 @@ def parse_config(raw: dict[str, Any], path: Path) -> SearchConfig:
             "always maximizes the validation accuracy (monitor 'val_accuracy', mode 'max')"
         )
     from ..train import TrainConfig
+    from ..train.trainer import parse_device
 
     try:
         TrainConfig.from_dict(train)
@@ -355,9 +367,9 @@ def parse_config(raw: dict[str, Any], path: Path) -> SearchConfig:
         raise ValueError(f"{path}: [train]: {err}") from err
     if train.get("device", "auto") != "auto":  # a str (TrainConfig checked); a device that
         try:  # exists may be missing here and be overridden (--device): search checks it
-            torch.device(train["device"])
-        except RuntimeError as err:
-            raise ValueError(f"{path}: [train] device {train['device']!r}: {err}") from None
+            parse_device(train["device"])
+        except ValueError as err:
+            raise ValueError(f"{path}: [train] {err}") from None
     generate = _table(raw, "generate", path)
     if generate and raw["task"] != "listops":
         raise ValueError(f"{path}: [generate] is for task 'listops' only, not {raw['task']!r}")

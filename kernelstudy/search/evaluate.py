@@ -249,7 +249,8 @@ def _evaluate(
     done = {(r.variant, int(r.seed)) for r in current_runs(runs, best, keys).itertuples()}
     todo = [p for p in plan if (p[0].label, p[2]) not in done]
     over: set[str] = set()
-    for variant, trial, seed in tqdm(todo, desc=f"evaluate {config.name}", unit="run"):
+    bar = tqdm(todo, desc=f"evaluate {config.name}", unit="run", disable=not todo)  # no 0-run bar
+    for variant, trial, seed in bar:
         if variant.label in over:
             continue
         settings = suggest_settings(optuna.trial.FixedTrial(trial.params), config, variant)

@@ -122,6 +122,12 @@ def load_results(
         command = search_command(config, quick, out, storage)
     else:
         name = str(target)
+        if quick:  # a name is a search's own: --quick would be dropped without a word
+            raise ValueError(
+                f"--quick reads a config file's [quick] table; {target!r} is no config file: "
+                "give the file, or the quick search's own name (its [quick] name, as "
+                f"'{target}_quick' in the studies' configs) without --quick"
+            )
         hint = f"{target!r} is no config file either; give one, or a study name with --storage URL"
         url = (
             existing_database(storage, hint)

@@ -282,22 +282,30 @@ def run_search(
     verbosity = optuna.logging.get_verbosity()  # the caller's (a notebook's), given back
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:
-        bar = tqdm(chosen, desc=f"search {config.name}", unit="variant")
-        for variant in bar:
-            bar.set_postfix_str(variant.label)
-            variant_study(config, variant, url, val_is_test)
-            fn = functools.partial(
-                objective, config=config, label=variant.label, data=data, device=device
-            )
-            run_workers(
-                url,
-                config.study_name(variant),
-                fn,
-                trials=trials,
-                workers=workers,
-                pruner=str(config.search.get("pruner", "median")),
-                seed=int(config.search.get("seed", 0)),
-            )
+        # finished trials of all variants (a variant's 20 trials of 5000 steps took hours
+        # with a bar of variants standing still)
+        bar = tqdm(total=len(chosen) * trials, desc=f"search {config.name}", unit="trial")
+        with bar:
+            for i, variant in enumerate(chosen):
+                bar.set_postfix_str(variant.label)
+                variant_study(config, variant, url, val_is_test)
+                fn = functools.partial(
+                    objective, config=config, label=variant.label, data=data, device=device
+                )
+
+                def show(finished: int, before: int = i * trials) -> None:
+                    bar.update(before + min(finished, trials) - bar.n)
+
+                run_workers(
+                    url,
+                    config.study_name(variant),
+                    fn,
+                    trials=trials,
+                    workers=workers,
+                    pruner=str(config.search.get("pruner", "median")),
+                    seed=int(config.search.get("seed", 0)),
+                    progress=show,
+                )
         return search_summary(config, url, [v.label for v in chosen])
     finally:
         optuna.logging.set_verbosity(verbosity)

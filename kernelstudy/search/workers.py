@@ -278,11 +278,13 @@ def _worker(
     pruner: str,
     seed: int,
     heartbeat: tuple[int, int] = (HEARTBEAT_INTERVAL, GRACE_PERIOD),
+    progress: Callable[[int], None] | None = None,
     threads: int | None = None,
     request: _StopRequest | None = None,
 ) -> None:
     """Optimize study ``name`` until it holds ``trials`` finished trials. ``request``: the
-    stop request its signal handler sets (none: nothing stops it but an exception)."""
+    stop request its signal handler sets (none: nothing stops it but an exception);
+    ``progress(finished)`` is called after each trial (:func:`finished_trials`)."""
     request = _StopRequest() if request is None else request
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     if threads is not None:  # several workers share the cores
@@ -291,13 +293,16 @@ def _worker(
     if finished_trials(study) >= trials:
         return
     stop = StopAtFinished(trials)
+    callbacks = [stop, request.callback]
+    if progress is not None:
+        callbacks.append(lambda study, _trial: progress(finished_trials(study)))
     while True:
         if request.requested:  # before any trial: none is started only to be failed
             raise KeyboardInterrupt
         try:
             study.optimize(
                 request.wrap(skip_duplicates(record_failures(objective))),
-                callbacks=[stop, request.callback],
+                callbacks=callbacks,
                 catch=TRIAL_ERRORS,
             )
             break
@@ -337,6 +342,7 @@ def _storage_cause(err: BaseException) -> str | None:
 
 #: Seconds a stopped worker gets to fail its trial before it is killed.
 STOP_TIMEOUT = 30.0
+PROGRESS_SECONDS = 2.0  # how often a multi-worker search counts the finished trials
 #: Exit code of a worker stopped by SIGTERM (the parent's stop after a Ctrl-C).
 STOPPED_EXIT_CODE = 130
 #: Exit code of a worker stopped by :class:`TrialsKeepFailing` (the parent raises it).
@@ -439,7 +445,9 @@ def _stop_with_parent(parent: int) -> None:
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _quiet_worker(parent: int | None, *args: Any, modules: Sequence[str] = ()) -> None:
+def _quiet_worker(
+    parent: int | None, *args: Any, modules: Sequence[str] = (), threads: int | None = None
+) -> None:
     """:func:`_worker` in a child process that ignores Ctrl-C (which reaches the whole
     process group: each worker printed two tracebacks). The parent stops the workers with
     SIGTERM and reports the interruption once; a worker takes SIGTERM as a stop request
@@ -447,7 +455,7 @@ def _quiet_worker(parent: int | None, *args: Any, modules: Sequence[str] = ()) -
     search re-runs it) instead of leaving it RUNNING until its heartbeat goes stale. The
     parent's death, even by SIGKILL, stops it too (:func:`_stop_with_parent`). ``modules``
     (a keyword): those of the maps the parent had registered, imported first (a spawned
-    child starts with kernelstudy's own maps only)."""
+    child starts with kernelstudy's own maps only); ``threads``: torch's thread count here."""
     for module in modules:
         try:
             importlib.import_module(module)
@@ -459,7 +467,7 @@ def _quiet_worker(parent: int | None, *args: Any, modules: Sequence[str] = ()) -
     if parent is not None:  # the pid of the process that started it
         _stop_with_parent(parent)
     try:
-        _worker(*args, request=request)
+        _worker(*args, threads=threads, request=request)
     except KeyboardInterrupt:
         if not request.requested:
             raise
@@ -511,6 +519,7 @@ def run_workers(
     pruner: str = "median",
     seed: int = 0,
     heartbeat: tuple[int, int] = (HEARTBEAT_INTERVAL, GRACE_PERIOD),
+    progress: Callable[[int], None] | None = None,
 ) -> optuna.Study:
     """Optimize study ``name`` with ``workers`` processes until ``trials`` trials are finished.
 
@@ -519,6 +528,9 @@ def run_workers(
     of ``seed`` (distinct draws per trial number). A trial of a dead worker (stale
     heartbeat) is failed and re-queued first, even when the study is already finished.
     A worker that exits with an error raises ``ChildProcessError`` once all have ended.
+    ``progress(finished)`` gets the number of finished trials (:func:`finished_trials`) at
+    the start, after each trial of a single worker, and every :data:`PROGRESS_SECONDS` while
+    several run.
     """
     workers = check_count("workers", workers, 1)
     trials = check_count("trials", trials, 1)
@@ -529,8 +541,10 @@ def run_workers(
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         optuna.storages.fail_stale_trials(study)
     requeue_failed(study)
+    if progress is not None:
+        progress(finished_trials(study))
     if workers == 1:
-        _interruptible_worker(url, name, objective, trials, pruner, seed, heartbeat)
+        _interruptible_worker(url, name, objective, trials, pruner, seed, heartbeat, progress)
         return study
     ctx = mp.get_context("spawn")
     # each worker would take torch's default thread count (all cores): 2 workers on 2
@@ -539,10 +553,10 @@ def run_workers(
     procs = [
         ctx.Process(
             target=_quiet_worker,
-            args=(os.getpid(), url, name, objective, trials, pruner, seed, heartbeat, threads),
+            args=(os.getpid(), url, name, objective, trials, pruner, seed, heartbeat),
             # maps of the user's modules registered here, known in each worker too (a map a
             # script registered worked with 1 worker and failed in every worker of 2)
-            kwargs={"modules": registered_modules()},
+            kwargs={"modules": registered_modules(), "threads": threads},
         )
         for _ in range(workers)
     ]
@@ -550,7 +564,12 @@ def run_workers(
         for p in procs:
             p.start()
         for p in procs:
-            p.join()
+            while p.is_alive():
+                p.join(timeout=PROGRESS_SECONDS if progress is not None else None)
+                if progress is not None:
+                    progress(finished_trials(study))
+        if progress is not None:  # and at the end
+            progress(finished_trials(study))
     except KeyboardInterrupt:
         started = [p for p in procs if p.pid is not None]
         for p in started:

@@ -21,7 +21,7 @@ import hashlib
 import inspect
 import itertools
 import os
-from collections.abc import Iterator
+from collections.abc import Generator
 from pathlib import Path
 
 import numpy as np
@@ -264,7 +264,7 @@ def generate_listops(
     max_depth: int = MAX_DEPTH,
     max_args: int = MAX_ARGS,
     progress: bool = False,
-) -> Iterator[tuple[str, int]]:
+) -> Generator[tuple[str, int], None, None]:
     """Yield ``n`` distinct random expressions as ``(Source, value)`` pairs, reproducibly.
 
     Token counts are strictly between ``min_length`` and ``max_length`` (as in LRA).
@@ -293,7 +293,7 @@ def _generate(
     max_depth: int,
     max_args: int,
     progress: bool,
-) -> Iterator[tuple[str, int]]:
+) -> Generator[tuple[str, int], None, None]:
     """The generator behind ``generate_listops`` (arguments already checked)."""
     pieces_text, *_ = _piece_table(max_args)
     rng = np.random.default_rng(seed)

@@ -162,7 +162,7 @@ class StoredStrings(Sequence):
     def __len__(self) -> int:
         return len(self._bytes)
 
-    def __getitem__(self, index: int) -> Any:
+    def __getitem__(self, index: int | slice) -> Any:
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
         text = os.fsdecode(self._bytes[index])

@@ -33,7 +33,7 @@ import re
 import sys
 import tomllib
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -255,8 +255,18 @@ def train_config_of(settings: Mapping[str, Any], progress: bool | None) -> Train
         config = TrainConfig.from_dict(fields)
     except TypeError as err:
         raise ValueError(f"bad [train] option: {err}") from err
+    except ValueError as err:  # "steps must be an int >= 1": named as the user set it
+        name = str(err).split(" ", 1)[0]
+        flag = f"--{name.replace('_', '-')}"
+        if name in _TRAIN_FLAGS:
+            raise ValueError(f"{flag}: {err} (or [train] {name} in --config)") from None
+        raise
     resolve_device(config.device)  # a missing or malformed device fails here
     return config
+
+
+#: TrainConfig fields that `kernelstudy train` sets by a flag of the same name (--batch-size)
+_TRAIN_FLAGS = ("steps", "batch_size", "lr", "seed", "eval_every", "reg_weight")
 
 
 def _comparable(settings: Mapping[str, Any]) -> dict[str, Any]:
@@ -442,6 +452,19 @@ def summarize(
     return summary
 
 
+def evaluation_lines(steps: int) -> Callable[[int, dict[str, Any]], None]:
+    """A Trainer ``on_eval`` callback that prints one line per evaluation to stderr (step,
+    losses, validation accuracy, training seconds): a run without a progress bar (stderr no
+    terminal: a batch job's log) said nothing until it ended."""
+
+    def line(step: int, row: dict[str, Any]) -> None:
+        names = ("train_loss", "val_loss", "val_accuracy")
+        metrics = ", ".join(f"{name} {row[name]:.4f}" for name in names if name in row)
+        print(f"step {step}/{steps}: {metrics} ({row['elapsed_s']:.1f} s)", file=sys.stderr)
+
+    return line
+
+
 def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4f}"
 
@@ -465,8 +488,17 @@ def cmd_train(args: argparse.Namespace) -> int:
             f"(a {kind} task); leave it 'auto'"
         )
     model = build_model(settings, splits["train"], config.seed, longest_split(splits.values()))
+    # without a bar (stderr no terminal, no --progress): a line per evaluation
+    lines = (
+        [evaluation_lines(config.steps)] if args.progress is None and not config.progress else []
+    )
     trainer = Trainer(
-        model, splits["train"], config, val_data=splits["val"], test_data=splits["test"]
+        model,
+        splits["train"],
+        config,
+        val_data=splits["val"],
+        test_data=splits["test"],
+        on_eval=lines,
     )
 
     env_backend_name()  # read at the first step: failed after config.json and run.json
@@ -512,13 +544,25 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+_TRAIN_DEFAULTS = TrainConfig()  # what --help says a flag's default is
+_MODEL_DEFAULTS = {
+    name: param.default
+    for name, param in inspect.signature(SequenceClassifier).parameters.items()
+    if name in ("d_model", "n_heads", "n_layers")
+}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``kernelstudy train``."""
     g = p.add_argument_group("what to train")
     g.add_argument(
         "--config", type=user_path, metavar="FILE.toml", help="settings file; flags override it"
     )
-    g.add_argument("--task", help="listops, text, retrieval, image, pathfinder, copy or mqar")
+    g.add_argument(
+        "--task",
+        help="listops, text, retrieval, image, pathfinder, copy or mqar (required: here or in "
+        "--config)",
+    )
     g.add_argument("--data", metavar="DIR", help="the task's data (file tasks only)")
     g.add_argument(
         "--attention", help="softmax, kernel (elu) or a feature-map name (default: kernel)"
@@ -542,18 +586,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="model option, e.g. pooling=cls, dropout=0.1 (repeatable)",
     )
-    g.add_argument("--d-model", type=int, help="model width")
-    g.add_argument("--heads", type=int, help="attention heads (must divide --d-model)")
-    g.add_argument("--layers", type=int, help="encoder layers")
-    g.add_argument("--max-length", type=int, help="sequence length, tokens (task option)")
+    g.add_argument(
+        "--d-model", type=int, help=f"model width (default {_MODEL_DEFAULTS['d_model']})"
+    )
+    g.add_argument(
+        "--heads",
+        type=int,
+        help=f"attention heads, dividing --d-model (default {_MODEL_DEFAULTS['n_heads']})",
+    )
+    g.add_argument(
+        "--layers", type=int, help=f"encoder layers (default {_MODEL_DEFAULTS['n_layers']})"
+    )
+    g.add_argument(
+        "--max-length", type=int, help="sequence length, tokens (task option; default the task's)"
+    )
     g = p.add_argument_group("how to train")
-    g.add_argument("--out", metavar="DIR", help="run directory (checkpoint, metrics, summary)")
-    g.add_argument("--device", help="auto (CUDA when available), cpu, cuda, cuda:1, ...")
-    g.add_argument("--steps", type=int, help="optimizer steps")
-    g.add_argument("--batch-size", type=int)
-    g.add_argument("--lr", type=float, help="peak learning rate")
-    g.add_argument("--seed", type=int)
-    g.add_argument("--eval-every", type=int, help="evaluate every N steps (0: at the end)")
+    g.add_argument(
+        "--out",
+        metavar="DIR",
+        help="run directory: checkpoint, metrics, summary (required: here or in --config)",
+    )
+    g.add_argument(
+        "--device", help="auto (CUDA when available), cpu, cuda, cuda:1, ... (default auto)"
+    )
+    g.add_argument("--steps", type=int, help=f"optimizer steps (default {_TRAIN_DEFAULTS.steps})")
+    g.add_argument("--batch-size", type=int, help=f"(default {_TRAIN_DEFAULTS.batch_size})")
+    g.add_argument("--lr", type=float, help=f"peak learning rate (default {_TRAIN_DEFAULTS.lr:g})")
+    g.add_argument("--seed", type=int, help=f"(default {_TRAIN_DEFAULTS.seed})")
+    g.add_argument(
+        "--eval-every",
+        type=int,
+        help=f"evaluate every N steps (0: at the end; default {_TRAIN_DEFAULTS.eval_every})",
+    )
     g.add_argument(
         "--reg-weight",
         type=float,

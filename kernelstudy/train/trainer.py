@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import difflib
 import json
 import math
 import time
@@ -283,15 +284,28 @@ def check_stop_after(stop_after: object, name: str = "stop_after") -> None:
         raise ValueError(f"{name} must be >= 0 (an int), got {stop_after!r}")
 
 
+def parse_device(device: str) -> torch.device:
+    """``device`` as a torch.device, without asking whether this machine has it; a name
+    torch does not know raises ValueError naming the usual choices and the nearest one
+    (torch's own message lists its 20 device types: ipu, xla, fpga, ...)."""
+    try:
+        return torch.device(device)
+    except RuntimeError:
+        kind = str(device).split(":")[0]
+        close = difflib.get_close_matches(kind, ["auto", "cpu", "cuda", "mps"], n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(
+            f"device {device!r}: expected auto, cpu, cuda or cuda:N (or another torch device "
+            f"type){hint}"
+        ) from None
+
+
 def resolve_device(device: str) -> torch.device:
     """``auto`` → CUDA if available else CPU; a device this machine lacks (CUDA, ``mps``, a
     CUDA index past the last GPU...) raises ValueError."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except RuntimeError as err:
-        raise ValueError(f"device {device!r} is not a valid torch device: {err}") from err
+    dev = parse_device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={device!r} asked for, but CUDA is not available")
     if dev.type not in ("cpu", "meta"):

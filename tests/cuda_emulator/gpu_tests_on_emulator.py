@@ -56,7 +56,9 @@ def _supports(x: torch.Tensor) -> bool:
     return x.dtype in emulated.DTYPES
 
 
-cuda_backend.extension = lambda: emulated.EmulatedExtension(_LIBRARY)
+# outputs copied out of their guard buffers: the binding allocates them (a view returned by a
+# Function fails forward-mode AD's layout assertion on dual tensors)
+cuda_backend.extension = lambda: emulated._OutputsCopied(emulated.EmulatedExtension(_LIBRARY))
 cuda_backend.supports = _supports
 cuda_backend.is_available = lambda: True
 # the registered backend holds the functions it was registered with
