@@ -629,9 +629,10 @@ class _CausalAttention(_FusedAttention):
     @staticmethod
     def backward(ctx, grad, _den_grad):  # type: ignore[override]
         with autocast_off(grad):  # backward() called inside an autocast region
-            if torch.is_grad_enabled() or not kernel_readable(grad, *ctx.saved_tensors):
+            saved = ctx.saved_tensors  # unpacked once (a cost on every backward)
+            if torch.is_grad_enabled() or not kernel_readable(grad, *saved):
                 return _CausalAttention._composed_vjp(ctx, grad)
-            q, k, v, mask, out, den = ctx.saved_tensors
+            q, k, v, mask, out, den = saved
             keep = _keep(mask)
             k, v = _masked(k, keep), _masked(v, keep)
             ext = _require()
@@ -683,9 +684,10 @@ class _FullAttention(_FusedAttention):
     @staticmethod
     def backward(ctx, grad, _den_grad, _state_grad):  # type: ignore[override]
         with autocast_off(grad):  # backward() called inside an autocast region
-            if torch.is_grad_enabled() or not kernel_readable(grad, *ctx.saved_tensors):
+            saved = ctx.saved_tensors  # unpacked once (a cost on every backward)
+            if torch.is_grad_enabled() or not kernel_readable(grad, *saved):
                 return _FullAttention._composed_vjp(ctx, grad)
-            q, k, v, mask, out, den, state = ctx.saved_tensors
+            q, k, v, mask, out, den, state = saved
             b, h, _, f = q.shape
             m = v.shape[-1]
             ext = _require()
