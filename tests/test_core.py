@@ -302,6 +302,71 @@ def test_jacobians_without_grad_mode_batched_and_dual_match_plain_ops(backend, c
 
 
 @pytest.mark.parametrize("backend", ["reference", *FAST_BACKENDS])
+@pytest.mark.parametrize("causal", [False, True])
+def test_compiled_torch_func_gradients_of_computed_inputs_match_eager(backend, causal):
+    """``torch.compile`` of ``torch.func.grad``/``vjp`` where one of a Function's inputs is
+    computed in the function (v here, and in causal attention v gains a column of ones) and
+    the others are its arguments: torch reported False in ``needs_input_grad`` for those,
+    and the torch backend's causal dq and dk were silently 0 (``transforms.needs_input_grad``).
+    Dynamo alone (backend "eager"); float64, equal to eager mode to 1e-12."""
+    q, k, v = _features(1, 2, 5, 3, 4, dtype=torch.float64, requires_grad=False)
+    w = torch.randn(1, 2, 5, 4, dtype=torch.float64)
+
+    def loss(q, k, v):
+        out = ks.linear_attention(q, k, v * 2.0, causal=causal, backend=backend)
+        return (out * w).sum()
+
+    def pulled(q, k, v):
+        return torch.func.vjp(lambda *x: loss(*x), q, k, v)[1](torch.tensor(1.0, dtype=q.dtype))
+
+    for fn in (torch.func.grad(loss, argnums=(0, 1, 2)), pulled):
+        torch._dynamo.reset()
+        got = torch.compile(fn, backend="eager", fullgraph=True)(q, k, v)
+        for g, e in zip(got, fn(q, k, v), strict=True):
+            torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["reference", *FAST_BACKENDS])
+@pytest.mark.parametrize("causal", [False, True])
+def test_mixed_forward_derivatives_are_right_or_refused(backend, causal):
+    """Forward mode inside forward mode (jvp of jvp): torch drops the outer level's tangent
+    of a Function's saved inputs in its jvp rule, so the torch and cpu backends' mixed
+    derivatives were silently wrong (1.9 off for 2); they raise now, naming the remedy, and
+    the reference (plain ops there) is right, also with inputs that require grad. A backward
+    through a dual tensor's tangent (non-causal: the tangent was built from the sums saved
+    without a graph, so its gradients to k and v were wrong) matches plain ops.
+    Float64, ≤ 1e-12."""
+    q, k, v = _features(1, 1, 4, 2, 3, dtype=torch.float64, requires_grad=False)
+    d, dk = torch.randn_like(q), torch.randn_like(k)
+
+    def fn(q, k, v):
+        return ks.linear_attention(q, k, v, causal=causal, backend=backend, eps=1e-6)
+
+    def plain(q, k, v):
+        return _plain_attention(q, k, v, causal)
+
+    def mixed(f, k):
+        inner = lambda x: torch.func.jvp(f, (x, k, v), (torch.zeros_like(x), dk, 0 * v))[1]  # noqa: E731
+        return torch.func.jvp(inner, (q,), (d,))[1]
+
+    want = mixed(plain, k)
+    if backend == "reference":
+        for key in (k, k.clone().requires_grad_()):
+            torch.testing.assert_close(mixed(fn, key), want, rtol=1e-12, atol=1e-12)
+    else:
+        with pytest.raises(RuntimeError, match="forward mode inside forward mode"):
+            mixed(fn, k)
+    ins = [t.clone().requires_grad_() for t in (q, k, v)]
+    with fwAD.dual_level():
+        tangent = fwAD.unpack_dual(fn(fwAD.make_dual(ins[0], d), ins[1], ins[2])).tangent
+    got = torch.autograd.grad(tangent.sum(), ins)
+    plain_ins = [t.clone().requires_grad_() for t in (q, k, v)]
+    plain_tangent = torch.func.jvp(lambda x: plain(x, *plain_ins[1:]), (plain_ins[0],), (d,))[1]
+    for g, w in zip(got, torch.autograd.grad(plain_tangent.sum(), plain_ins), strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["reference", *FAST_BACKENDS])
 def test_vmap_over_an_inner_dimension_equals_a_loop(backend):
     """``vmap`` over axis 2 of (B, H, V, N, F) inputs, results stacked at axis 2, equals a
     loop over that axis (a vmap rule that moved axis 0 to the mapped axis instead of the

@@ -893,3 +893,5 @@ def test_a_bare_name_of_a_shipped_config_is_pointed_to_its_file(tmp_path, monkey
         assert "did you mean" not in str(err.value), other
     with pytest.raises(ValueError, match="'lra_listops_quick' in the studies' configs"):
         load_results("lra_listops", out=tmp_path, quick=True)
+    with pytest.raises(FileNotFoundError, match="did you mean .*lra_listops.toml"):
+        load_results("lra_listops", out=tmp_path)  # no study of that name: report's hint too

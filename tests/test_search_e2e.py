@@ -107,7 +107,7 @@ def test_quick_study_search_evaluate_report(tmp_path, capsys):
     cfg, out = write_config(tmp_path, ["Transformer", "elu+1", "1xGLU"]), tmp_path / "res"
     assert ks("search", cfg, "--out", out) == 0
     # the bar counts trials, all variants' (it counted variants: still for hours in one)
-    assert re.search(r"search tiny: 100%\S* 6/6 .*trial/s", capsys.readouterr().err)
+    assert re.search(r"search tiny: 100%\S* 6/6 \[[^]]*trial", capsys.readouterr().err)
     found = studies(out)
     assert sorted(found) == ["tiny/1xGLU", "tiny/Transformer", "tiny/elu+1"]
     for study in found.values():
@@ -165,6 +165,17 @@ def test_quick_study_search_evaluate_report(tmp_path, capsys):
     again = pd.read_csv(out / "tiny" / "table.csv", header=[0, 1], index_col=0)
     assert again.loc["elu+1", ("listops", "n")] == 2
     assert again.loc["elu+1", ("listops", "mean")] == table.loc["elu+1", ("listops", "mean")]
+
+
+def test_a_resumed_search_counts_only_the_trials_it_runs(tmp_path, capsys):
+    """The bar counted the trials a resumed search had finished before as done at its start,
+    so its rate and ETA were those of instant trials; they leave its total instead."""
+    cfg, out = write_config(tmp_path, ["elu+1"]), tmp_path / "res"
+    assert ks("search", cfg, "--out", out) == 0
+    assert re.search(r"search tiny: 100%\S* 2/2 ", capsys.readouterr().err)
+    assert ks("search", cfg, "--trials", "3", "--out", out) == 0
+    err = capsys.readouterr().err
+    assert re.search(r"search tiny: 100%\S* 1/1 ", err), err  # of 3: 2 finished before
 
 
 def test_a_suggested_combination_the_model_refuses_is_pruned(tmp_path, monkeypatch):

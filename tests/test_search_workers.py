@@ -95,6 +95,20 @@ def test_progress_counts_the_finished_trials(tmp_path, monkeypatch, workers):
     assert seen == [finished, finished + 1], seen  # resumed: those finished come first
 
 
+def test_a_storage_error_in_the_progress_read_skips_the_update():
+    """The parent of several workers reads the finished trials for the bar every 2 s; an error
+    there (a busy or unreachable database) ended the search with its workers left running."""
+
+    class Unreadable:
+        def get_trials(self, *args, **kwargs):
+            raise optuna.exceptions.StorageInternalError("database is locked")
+
+    seen: list[int] = []
+    workers_module._report_progress(seen.append, Unreadable())
+    assert seen == []
+    workers_module._report_progress(None, Unreadable())  # no bar: nothing read
+
+
 def hanging_objective(trial: optuna.Trial) -> float:
     trial.suggest_float("x", -1.0, 1.0)
     time.sleep(600)

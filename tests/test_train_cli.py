@@ -685,7 +685,8 @@ def test_help_gives_the_defaults_that_apply_and_what_is_required(capsys) -> None
 
 def test_a_run_without_a_bar_prints_a_line_per_evaluation(tmp_path, capsys) -> None:
     """Outside a terminal (a batch job's log) the bar is off, and a run said nothing until
-    it ended. It prints a line per evaluation now; ``--no-progress`` keeps it quiet."""
+    it ended. It prints a line per evaluation now; ``--no-progress`` and ``[train] progress =
+    false`` keep it quiet."""
     command = [
         "train", "--task", "copy", "--task-arg", "seq_len=8", "--task-arg", "num_samples=32",
         "--d-model", "8", "--heads", "2", "--layers", "1", "--steps", "4", "--eval-every", "2",
@@ -697,6 +698,10 @@ def test_a_run_without_a_bar_prints_a_line_per_evaluation(tmp_path, capsys) -> N
     assert [line.split(":")[0] for line in lines] == ["step 2/4", "step 4/4"], err
     assert all("train_loss" in line and "val_accuracy" in line for line in lines), err
     assert main([*command, "--no-progress", "--out", str(tmp_path / "b")]) == 0
+    assert "step 2/4" not in capsys.readouterr().err
+    quiet = tmp_path / "quiet.toml"  # [train] progress = false: as --no-progress
+    quiet.write_text("[train]\nprogress = false\n")
+    assert main([*command, "--config", str(quiet), "--out", str(tmp_path / "c")]) == 0
     assert "step 2/4" not in capsys.readouterr().err
 
 

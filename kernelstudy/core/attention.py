@@ -19,7 +19,12 @@ import torch
 from .autocast import without_autocast
 from .backends import check_backend_name, resolve_backend
 from .chunked import causal_dot_product_chunked, check_chunk_size
-from .transforms import signature_once, traceable_apply
+from .transforms import (
+    needs_input_grad,
+    refuse_nested_forward,
+    signature_once,
+    traceable_apply,
+)
 from .validation import (
     accumulation_dtype,
     autocast_off,
@@ -159,25 +164,29 @@ class _NoncausalSums(torch.autograd.Function):
     def backward(ctx, grad, _grad_kv):  # type: ignore[override]
         q, k, v, kv = ctx.saved_tensors
         acc, m = grad.dtype, v.shape[-1]
+        need = needs_input_grad(ctx)
         dq = dk = dv = None
         with autocast_off(grad):
-            if ctx.needs_input_grad[0]:
+            if need[0]:
                 if torch.is_grad_enabled():  # create_graph: kv again, with a graph to k and v
                     kv = k.to(acc).transpose(-1, -2) @ _with_ones(v, acc)
                 dq = (grad @ kv.transpose(-1, -2)).to(q.dtype)
-            if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            if need[1] or need[2]:
                 dkv = q.to(acc).transpose(-1, -2) @ grad  # (B,H,F,M+1)
-                if ctx.needs_input_grad[1]:
+                if need[1]:
                     dk = (_with_ones(v, acc) @ dkv.transpose(-1, -2)).to(k.dtype)
-                if ctx.needs_input_grad[2]:
+                if need[2]:
                     dv = (k.to(acc) @ dkv[..., :m]).to(v.dtype)
         return dq, dk, dv
 
     @staticmethod
     def jvp(ctx, dq, dk, dv):  # type: ignore[override]
+        refuse_nested_forward("non-causal attention on the torch and cpu backends")
         q, k, v, kv = ctx.saved_tensors
         acc = kv.dtype
         with autocast_off(q):
+            if torch.is_grad_enabled():  # a backward through the tangent: kv with a graph
+                kv = k.to(acc).transpose(-1, -2) @ _with_ones(v, acc)
             dkv = torch.zeros_like(kv)  # the tangent of kv
             if dk is not None:
                 dkv = dkv + dk.to(acc).transpose(-1, -2) @ _with_ones(v, acc)

@@ -13,7 +13,13 @@ from collections.abc import Callable
 
 import torch
 
-from .transforms import jvp_filled, signature_once, vjp_of_needed
+from .transforms import (
+    forward_levels,
+    jvp_filled,
+    needs_input_grad,
+    signature_once,
+    vjp_of_needed,
+)
 from .validation import autocast_off
 
 
@@ -35,7 +41,7 @@ class _WithoutAutocast(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         with autocast_off(grad):
-            grads = vjp_of_needed(ctx.fn, ctx.saved_tensors, ctx.needs_input_grad[1:], grad)
+            grads = vjp_of_needed(ctx.fn, ctx.saved_tensors, needs_input_grad(ctx)[1:], grad)
         return (None, *grads)
 
     @staticmethod
@@ -55,6 +61,7 @@ def without_autocast(fn: Callable[..., torch.Tensor], *tensors: torch.Tensor) ->
         torch.compiler.is_compiling()
         or not torch.is_grad_enabled()
         or not any(t.requires_grad for t in tensors)
+        or forward_levels() > 1  # the Function's jvp would lose the outer level's tangent
     ):
         with autocast_off(tensors[0]):
             return fn(*tensors)

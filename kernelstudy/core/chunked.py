@@ -17,7 +17,13 @@ import numbers
 import torch
 import torch.nn.functional as F
 
-from .transforms import signature_once, traceable_apply, trilinear_jvp
+from .transforms import (
+    needs_input_grad,
+    refuse_nested_forward,
+    signature_once,
+    traceable_apply,
+    trilinear_jvp,
+)
 from .validation import accumulation_dtype, autocast_off, check_qkv
 
 DEFAULT_CHUNK_SIZE = 64
@@ -99,14 +105,15 @@ class _ChunkedProduct(torch.autograd.Function):
         q, k, v = ctx.saved_tensors
         acc, chunk, rev = grad.dtype, ctx.chunk, ctx.reverse
         qa, ka, va = q.to(acc), k.to(acc), v.to(acc)
+        need = needs_input_grad(ctx)
         dq = dk = dv = None
         # causal: dq_i = Σ_{j≤i} (g_i·v_j) k_j, dk_j = Σ_{i≥j} (v_j·g_i) q_i,
         # dv_j = Σ_{i≥j} (k_j·q_i) g_i; anti-causal: the same with the orders swapped
-        if ctx.needs_input_grad[0]:
+        if need[0]:
             dq = _ChunkedProduct.apply(grad, va, ka, chunk, rev).to(q.dtype)
-        if ctx.needs_input_grad[1]:
+        if need[1]:
             dk = _ChunkedProduct.apply(va, grad, qa, chunk, not rev).to(k.dtype)
-        if ctx.needs_input_grad[2]:
+        if need[2]:
             dv = _ChunkedProduct.apply(ka, qa, grad, chunk, not rev).to(v.dtype)
         return dq, dk, dv, None, None
 
@@ -115,6 +122,7 @@ class _ChunkedProduct(torch.autograd.Function):
         def product(q, k, v):
             return _ChunkedProduct.apply(q, k, v, ctx.chunk, ctx.reverse)
 
+        refuse_nested_forward("the torch backend")
         with autocast_off(ctx.saved_tensors[0]):
             return trilinear_jvp(product, ctx.saved_tensors, (dq, dk, dv))
 

@@ -29,6 +29,8 @@ from .transforms import (
     fold_mapped,
     kernel_readable,
     legacy_batched,
+    needs_input_grad,
+    refuse_nested_forward,
     signature_once,
     traceable_apply,
     trilinear_jvp,
@@ -113,7 +115,7 @@ class _CpuProduct(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         q, k, v = ctx.saved_tensors
-        need, threads, rev = ctx.needs_input_grad, ctx.threads, ctx.reverse
+        need, threads, rev = needs_input_grad(ctx), ctx.threads, ctx.reverse
         if legacy_batched(grad):  # autograd.grad(is_grads_batched=True): torch ops
             dq = chunked_product(grad, v, k, rev) if need[0] else None
             dk = chunked_product(v, grad, q, not rev) if need[1] else None
@@ -133,6 +135,8 @@ class _CpuProduct(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, dq, dk, dv, _threads, _reverse):  # type: ignore[override]
+        refuse_nested_forward("the cpu backend")
+
         def product(q, k, v):
             return _CpuProduct.apply(q, k, v, ctx.threads, ctx.reverse)
 

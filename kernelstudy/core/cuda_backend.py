@@ -65,6 +65,8 @@ from .transforms import (
     jvp_filled,
     kernel_readable,
     legacy_batched,
+    needs_input_grad,
+    refuse_nested_forward,
     signature_once,
     traceable_apply,
     trilinear_jvp,
@@ -464,7 +466,7 @@ class _CausalProduct(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         q, k, v = ctx.saved_tensors
-        need, rev = ctx.needs_input_grad, ctx.reverse
+        need, rev = needs_input_grad(ctx), ctx.reverse
         with autocast_off(grad):  # backward() called inside an autocast region
             g = grad.to(q.dtype)
             if legacy_batched(g):  # autograd.grad(is_grads_batched=True): torch ops
@@ -492,6 +494,8 @@ class _CausalProduct(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, dq, dk, dv, _reverse):  # type: ignore[override]
+        refuse_nested_forward("the cuda backend")
+
         def product(q, k, v):
             return _CausalProduct.apply(q, k, v, ctx.reverse)
 
@@ -573,11 +577,12 @@ class _FusedAttention(torch.autograd.Function):
         """Gradients through :func:`_composed_attention`, differentiable themselves (in torch
         ops for gradients batched by torch's older vmap, which the kernels cannot read)."""
         composed = cls._composed(ctx, torch_ops=legacy_batched(grad))
-        grads = vjp_of_needed(composed, ctx.saved_tensors[:3], ctx.needs_input_grad[:3], grad)
+        grads = vjp_of_needed(composed, ctx.saved_tensors[:3], needs_input_grad(ctx)[:3], grad)
         return (*grads, None, None)
 
     @classmethod
     def jvp(cls, ctx, dq, dk, dv, _mask, _eps):  # type: ignore[override]
+        refuse_nested_forward("the cuda backend")
         inputs = ctx.saved_tensors[:3]
         with autocast_off(inputs[0]):
             tangent = jvp_filled(cls._composed(ctx), inputs, (dq, dk, dv))

@@ -215,3 +215,33 @@ def legacy_batched(*tensors: torch.Tensor) -> bool:
     if torch.compiler.is_compiling():
         return False
     return any(is_legacy_batchedtensor(t) for t in tensors)
+
+
+def needs_input_grad(ctx: Any) -> tuple[bool, ...]:
+    """A Function's ``ctx.needs_input_grad``, but all True while ``torch.compile`` traces:
+    there, inside ``torch.func.grad``/``vjp``/``jacrev``, an input computed in the function
+    (not one of its arguments) made torch report False for the Function's other inputs, and
+    their gradients were silently zero (torch 2.13: ``compile(grad(f))`` of causal attention,
+    whose v gains a column of ones, gave dq = dk = 0). The compiled graph drops the
+    gradients nobody uses."""
+    if torch.compiler.is_compiling():
+        return (True,) * len(ctx.needs_input_grad)
+    return ctx.needs_input_grad
+
+
+def forward_levels() -> int:
+    """How many ``torch.func`` forward-mode levels (jvp, jacfwd) are active here."""
+    return sum(i.key() == TransformType.Jvp for i in retrieve_all_functorch_interpreters())
+
+
+def refuse_nested_forward(what: str) -> None:
+    """RuntimeError where forward mode runs inside forward mode (jvp of jvp, jacfwd of
+    jacfwd): inside a Function's jvp rule torch drops the outer level's tangent of the saved
+    inputs, so ``what``'s mixed second derivatives came out silently wrong (off by 1.9 of
+    2 for the torch backend's attention). Called by the products' jvp rules."""
+    if forward_levels() > 1:
+        raise RuntimeError(
+            f"{what}: forward mode inside forward mode (jvp of jvp, jacfwd of jacfwd) is not "
+            "supported: a Function's jvp rule loses the outer tangent of its saved inputs; "
+            "use backend='reference', or jacfwd of jacrev (forward over reverse)"
+        )

@@ -128,7 +128,7 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _shipped_hint(path: Path) -> str:
+def shipped_hint(path: Path) -> str:
     """``"; did you mean studies/NAME.toml?"`` where ``path`` is a bare name (no folder, no
     suffix) of a config in the studies folder (:func:`~kernelstudy.folders.studies_dir`)."""
     if path.suffix or len(path.parts) != 1:
@@ -144,7 +144,7 @@ def load_config(path: str | Path, quick: bool = False) -> SearchConfig:
     """Read and validate a search config; ``quick`` merges its ``[quick]`` table on top."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"search config {path} does not exist{_shipped_hint(path)}")
+        raise FileNotFoundError(f"search config {path} does not exist{shipped_hint(path)}")
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))  # TOML is UTF-8
     except UnicodeDecodeError as err:  # its message named neither the file nor TOML

@@ -36,7 +36,7 @@ import optuna
 import pandas as pd
 
 from ..files import atomic_write, atomic_write_text
-from .config import load_config
+from .config import load_config, shipped_hint
 from .evaluate import (
     EVALUATION,
     current_runs,
@@ -128,7 +128,10 @@ def load_results(
                 "give the file, or the quick search's own name (its [quick] name, as "
                 f"'{target}_quick' in the studies' configs) without --quick"
             )
-        hint = f"{target!r} is no config file either; give one, or a study name with --storage URL"
+        hint = (
+            f"{target!r} is no config file either; give one, or a study name with --storage "
+            f"URL{shipped_hint(path)}"
+        )
         url = (
             existing_database(storage, hint)
             if storage

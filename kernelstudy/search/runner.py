@@ -282,19 +282,27 @@ def run_search(
     verbosity = optuna.logging.get_verbosity()  # the caller's (a notebook's), given back
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:
-        # finished trials of all variants (a variant's 20 trials of 5000 steps took hours
-        # with a bar of variants standing still)
+        # the trials this run finishes, of all variants (a variant's 20 trials of 5000 steps
+        # took hours with a bar of variants standing still); those a resumed search finished
+        # before leave the total, not count as done now (the rate and ETA were far too short)
         bar = tqdm(total=len(chosen) * trials, desc=f"search {config.name}", unit="trial")
         with bar:
-            for i, variant in enumerate(chosen):
+            for variant in chosen:
                 bar.set_postfix_str(variant.label)
                 variant_study(config, variant, url, val_is_test)
                 fn = functools.partial(
                     objective, config=config, label=variant.label, data=data, device=device
                 )
+                start = bar.n
+                earlier: list[int] = []  # this variant's trials finished before this run
 
-                def show(finished: int, before: int = i * trials) -> None:
-                    bar.update(before + min(finished, trials) - bar.n)
+                def show(finished: int, start: int = start, earlier: list[int] = earlier) -> None:
+                    finished = min(finished, trials)
+                    if not earlier:
+                        earlier.append(finished)
+                        bar.total -= finished
+                        bar.refresh()
+                    bar.update(start + finished - earlier[0] - bar.n)
 
                 run_workers(
                     url,

@@ -566,10 +566,8 @@ def run_workers(
         for p in procs:
             while p.is_alive():
                 p.join(timeout=PROGRESS_SECONDS if progress is not None else None)
-                if progress is not None:
-                    progress(finished_trials(study))
-        if progress is not None:  # and at the end
-            progress(finished_trials(study))
+                _report_progress(progress, study)
+        _report_progress(progress, study)  # and at the end
     except KeyboardInterrupt:
         started = [p for p in procs if p.pid is not None]
         for p in started:
@@ -586,6 +584,19 @@ def run_workers(
     if failed:  # as one worker's error ends a single-process search
         raise ChildProcessError(f"search {name}: {_exits(failed, workers)}")
     return study
+
+
+def _report_progress(progress: Callable[[int], None] | None, study: optuna.Study) -> None:
+    """``progress(finished trials)`` while several workers run; a storage error in this
+    read for the display (a busy or unreachable database) skips the update, where it ended
+    the search with its workers left running."""
+    if progress is None:
+        return
+    try:
+        finished = finished_trials(study)
+    except Exception:  # any storage error: the workers meet and report their own
+        return
+    progress(finished)
 
 
 def _keep_failing(study: optuna.Study, stopped: int, workers: int) -> str:

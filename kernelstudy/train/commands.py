@@ -475,6 +475,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ValueError("--resume and --overwrite exclude each other")
     check_stop_after(args.stop_after, "--stop-after")
     settings = resolve_settings(args)
+    # the bar left to whether stderr is a terminal (neither --progress nor [train] progress)
+    auto_progress = args.progress is None and "progress" not in settings["train"]
     config = train_config_of(settings, args.progress)
     resolved = config.to_dict()
     settings["train"] = {k: v for k, v in resolved.items() if k not in ("out_dir", "progress")}
@@ -488,10 +490,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             f"(a {kind} task); leave it 'auto'"
         )
     model = build_model(settings, splits["train"], config.seed, longest_split(splits.values()))
-    # without a bar (stderr no terminal, no --progress): a line per evaluation
-    lines = (
-        [evaluation_lines(config.steps)] if args.progress is None and not config.progress else []
-    )
+    # without a bar as stderr is no terminal (a batch job's log): a line per evaluation
+    lines = [evaluation_lines(config.steps)] if auto_progress and not config.progress else []
     trainer = Trainer(
         model,
         splits["train"],
@@ -643,7 +643,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--progress",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="progress bar (default: when stderr is a terminal)",
+        help="progress bar (default: when stderr is a terminal; else a line per evaluation); "
+        "--no-progress: neither",
     )
 
 
