@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import signal
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -94,7 +96,23 @@ def make_loader(
         num_workers=num_workers,
         generator=generator,
         worker_init_fn=shielded_worker if num_workers else None,
+        multiprocessing_context=worker_context() if num_workers else None,
     )
+
+
+def worker_context() -> mp.context.BaseContext | None:
+    """How the DataLoader's workers start: ``fork`` on Linux where no start method was
+    chosen (Python up to 3.13's default there), else Python's default (None).
+
+    Python 3.14 starts workers on Linux through a forkserver process in the training
+    process's group, and a SIGTERM to the group (``timeout``, a scheduler) killed it: the
+    workers' pipes closed, the run failed ("DataLoader worker exited unexpectedly") and kept
+    no checkpoint, where it checkpoints and ends as interrupted (:func:`shielded_worker`
+    keeps the forked workers out of the signal). A start method set by the program is kept
+    (a forked worker's ``__main__`` need not be importable; a spawned one's must)."""
+    if not sys.platform.startswith("linux") or mp.get_start_method(allow_none=True) is not None:
+        return None
+    return mp.get_context("fork")
 
 
 def shielded_worker(worker_id: int) -> None:
