@@ -65,6 +65,17 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _close_figures():
+    """The figures a test's plots returned (the library gives them to the caller, who owns
+    them) are closed after it: a worker of the suite that ran the plot tests went past
+    matplotlib's 20 open figures and warned in a later test."""
+    yield
+    pyplot = sys.modules.get("matplotlib.pyplot")
+    if pyplot is not None:
+        pyplot.close("all")
+
+
 @pytest.fixture
 def one_thread():
     """Torch on one thread for the test (tiny tensors: threads only contend on a shared CPU).
