@@ -117,20 +117,22 @@ class _CpuProduct(torch.autograd.Function):
         q, k, v = ctx.saved_tensors
         need, threads, rev = needs_input_grad(ctx), ctx.threads, ctx.reverse
         if legacy_batched(grad):  # autograd.grad(is_grads_batched=True): torch ops
-            dq = chunked_product(grad, v, k, rev) if need[0] else None
-            dk = chunked_product(v, grad, q, not rev) if need[1] else None
-            dv = chunked_product(k, q, grad, not rev) if need[2] else None
-            return dq, dk, dv, None, None
-        # the fused pass, unless the gradients must be differentiable or are torch.func's
-        if not (torch.is_grad_enabled() or rev) and kernel_readable(grad, q, k, v):
-            # dq = causal(grad, v, k), dk = anticausal(v, grad, q), dv = anticausal(k, q, grad)
-            dq, dk, dv = _kernels().causal_product_backward(
-                q, k, v, grad, need[0], need[1], need[2], threads=threads
-            )
-            return dq, dk, dv, None, None
-        dq = _CpuProduct.apply(grad, v, k, threads, rev) if need[0] else None
-        dk = _CpuProduct.apply(v, grad, q, threads, not rev) if need[1] else None
-        dv = _CpuProduct.apply(k, q, grad, threads, not rev) if need[2] else None
+            product = chunked_product
+        else:
+            # the fused pass, unless the gradients must be differentiable or are torch.func's
+            if not (torch.is_grad_enabled() or rev) and kernel_readable(grad, q, k, v):
+                # dq = causal(grad, v, k), dk = anticausal(v, grad, q), dv = anticausal(k, q, grad)
+                dq, dk, dv = _kernels().causal_product_backward(
+                    q, k, v, grad, need[0], need[1], need[2], threads=threads
+                )
+                return dq, dk, dv, None, None
+
+            def product(q, k, v, reverse):
+                return _CpuProduct.apply(q, k, v, threads, reverse)
+
+        dq = product(grad, v, k, rev) if need[0] else None
+        dk = product(v, grad, q, not rev) if need[1] else None
+        dv = product(k, q, grad, not rev) if need[2] else None
         return dq, dk, dv, None, None
 
     @staticmethod

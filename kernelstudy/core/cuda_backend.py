@@ -441,6 +441,12 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 # ---------------------------------------------------------------- unnormalized causal product
+def _chunked_in_dtype(q, k, v, reverse: bool) -> torch.Tensor:
+    """:func:`~.chunked.chunked_product` in the inputs' dtype, as :class:`_CausalProduct`
+    gives it: the backward's product for gradients batched by torch's older vmap."""
+    return chunked_product(q, k, v, reverse).to(q.dtype)
+
+
 @signature_once
 class _CausalProduct(torch.autograd.Function):
     """The causal (``reverse``: anti-causal) product on the kernels.
@@ -470,15 +476,16 @@ class _CausalProduct(torch.autograd.Function):
         with autocast_off(grad):  # backward() called inside an autocast region
             g = grad.to(q.dtype)
             if legacy_batched(g):  # autograd.grad(is_grads_batched=True): torch ops
-                dq = chunked_product(g, v, k, rev).to(q.dtype) if need[0] else None
-                dk = chunked_product(v, g, q, not rev).to(k.dtype) if need[1] else None
-                dv = chunked_product(k, q, g, not rev).to(v.dtype) if need[2] else None
-                return dq, dk, dv, None
-            # gradients of gradients, or torch.func's wrapped gradients: differentiable products
-            if torch.is_grad_enabled() or not kernel_readable(g, q, k, v):
-                dq = _CausalProduct.apply(g, v, k, rev) if need[0] else None
-                dk = _CausalProduct.apply(v, g, q, not rev) if need[1] else None
-                dv = _CausalProduct.apply(k, q, g, not rev) if need[2] else None
+                product = _chunked_in_dtype
+            elif torch.is_grad_enabled() or not kernel_readable(g, q, k, v):
+                # gradients of gradients, or torch.func's wrapped gradients: differentiable
+                product = _CausalProduct.apply
+            else:
+                product = None  # the kernels, below
+            if product is not None:
+                dq = product(g, v, k, rev) if need[0] else None
+                dk = product(v, g, q, not rev) if need[1] else None
+                dv = product(k, q, g, not rev) if need[2] else None
                 return dq, dk, dv, None
             ext = _require()
             if _use_fused(q, v) and not rev and all(need[:3]):

@@ -40,7 +40,7 @@ from .storage import (
     redact,
     sqlite_file,
 )
-from .workers import FINISHED, is_duplicate, open_study, run_workers
+from .workers import FINISHED, finished_trials, is_duplicate, open_study, run_workers
 
 #: The study user attr that holds :func:`variant_settings`.
 SETTINGS_ATTR = "settings"
@@ -289,20 +289,16 @@ def run_search(
         with bar:
             for variant in chosen:
                 bar.set_postfix_str(variant.label)
-                variant_study(config, variant, url, val_is_test)
+                study = variant_study(config, variant, url, val_is_test)
                 fn = functools.partial(
                     objective, config=config, label=variant.label, data=data, device=device
                 )
-                start = bar.n
-                earlier: list[int] = []  # this variant's trials finished before this run
+                earlier = min(finished_trials(study), trials)  # finished before this run
+                bar.total -= earlier
+                bar.refresh()
 
-                def show(finished: int, start: int = start, earlier: list[int] = earlier) -> None:
-                    finished = min(finished, trials)
-                    if not earlier:
-                        earlier.append(finished)
-                        bar.total -= finished
-                        bar.refresh()
-                    bar.update(start + finished - earlier[0] - bar.n)
+                def show(finished: int, start: int = bar.n - earlier) -> None:
+                    bar.update(start + min(finished, trials) - bar.n)
 
                 run_workers(
                     url,
