@@ -260,13 +260,14 @@ def _ratio_of_means(group: pd.DataFrame, resamples: int = 2000) -> str:
 
 
 def _interval(d: pd.Series) -> tuple[float, float, float]:
-    """Mean of ``d`` and its ~95% interval (± 2 standard errors); all NaN where a value is not
-    finite (an MSE of 0 or inf: no interval says which kind is lower), bounds NaN below 2."""
+    """Mean of ``d`` and its 95% Student t interval; all NaN where a value is not finite (an
+    MSE of 0 or inf: no interval says which kind is lower), bounds NaN below 2 values. (± 2
+    standard errors, as before, covers 82% at 3 seeds, 88% at 5.)"""
     if not np.isfinite(d).all():
         return math.nan, math.nan, math.nan
     if len(d) < 2:
         return float(d.mean()), math.nan, math.nan
-    half = 2 * d.std(ddof=1) / math.sqrt(len(d))
+    half = _t_quantile(len(d)) * d.std(ddof=1) / math.sqrt(len(d))
     return float(d.mean()), float(d.mean() - half), float(d.mean() + half)
 
 
@@ -279,8 +280,9 @@ def _t_quantile(n: int, tests: int = 1, level: float = 0.95) -> float:
 
 
 def performer_table(frame: pd.DataFrame, metric: str = "attention_mse") -> pd.DataFrame:
-    """Per (map, D, std, R): iid and orthogonal mean ± sd over seeds, uniform's MSE, and the
-    paired ratio orth/iid: the geometric mean over seeds with its ~95% interval."""
+    """Per (map, D, std, R): iid and orthogonal mean ± sd over seeds, uniform's MSE, the
+    paired ratio orth/iid (the geometric mean over seeds with its 95% t interval), and
+    whether each kind's MSE is below uniform's (:func:`_beats_uniform`, paired by seed)."""
     perf = frame[(frame["part"] == "performer") & (frame["metric"] == metric)]
     rows = []
     keys = ["map", "head_dim", "std", "num_features"]
@@ -291,6 +293,7 @@ def performer_table(frame: pd.DataFrame, metric: str = "attention_mse") -> pd.Da
         iid, orth = maps[~orthogonal]["value"], maps[orthogonal]["value"]
         ratios = _paired_log_ratios(group)
         mean, lo, hi = _interval(ratios)
+        uniform_by_seed = group[group["method"] == "uniform"].groupby("seed")["value"].mean()
         paired = f"{math.exp(mean):.3g} [{math.exp(lo):.3g}, {math.exp(hi):.3g}]"
         if len(ratios) == 0:  # no seed has both kinds
             paired = "–"
@@ -318,25 +321,42 @@ def performer_table(frame: pd.DataFrame, metric: str = "attention_mse") -> pd.Da
                     else math.nan
                 ),
                 "paired_seeds": len(ratios),
+                "iid beats uniform": _beats_uniform_if_run(maps[~orthogonal], uniform_by_seed),
+                "orthogonal beats uniform": _beats_uniform_if_run(
+                    maps[orthogonal], uniform_by_seed
+                ),
             }
         )
         rows.append(row)
     return pd.DataFrame(rows)
 
 
+def _beats_uniform_if_run(maps: pd.DataFrame, uniform: pd.Series) -> str:
+    """:func:`_beats_uniform` of one feature kind's per-seed MSEs; "–" where it has no rows."""
+    if maps.empty:
+        return "–"
+    return _beats_uniform(maps.groupby("seed")["value"].mean(), uniform)
+
+
 def smallest_r_beating_uniform(table: pd.DataFrame) -> pd.DataFrame:
-    """Per (map, D, std) and feature kind: the smallest R whose mean MSE is below uniform's,
-    among the R that kind was run at ("> R_max" when none is; "–" when it has no rows)."""
+    """Per (map, D, std) and feature kind: the smallest R whose MSE is below uniform's by
+    :func:`_beats_uniform` (paired by seed, the 95% t interval of the per-seed log ratio below
+    0; with one seed by sign, and marked so), among the R that kind was run at; "> R_max" when
+    at none; "–" when it has no rows. (It compared the means over seeds, without an interval:
+    one seed's luck could decide a row.)"""
     rows = []
     for (name, d, std), group in table.groupby(["map", "head_dim", "std"]):
         group = group.sort_values("num_features")
         row = {"map": name, "D": d, "std": std, "uniform MSE": group["uniform"].iloc[0]}
-        for label, col in (("iid", "iid_mean"), ("orthogonal", "orth_mean")):
+        for label in ("iid", "orthogonal"):
             # only the R this kind was run at (a run with --only may have left some out)
-            measured = group[group[col].notna()]
-            beats = measured[measured[col] < measured["uniform"]]["num_features"]
+            measured = group[group[f"{label} beats uniform"] != "–"]
+            beats = measured[measured[f"{label} beats uniform"].str.startswith("yes")]
             if len(beats):
-                row[f"smallest R, {label}"] = int(beats.min())
+                first = beats.iloc[0]
+                r = int(first.num_features)
+                by_sign = "1 seed" in first[f"{label} beats uniform"]
+                row[f"smallest R, {label}"] = f"{r} (1 seed: by sign)" if by_sign else r
             elif len(measured):
                 row[f"smallest R, {label}"] = f"> {int(measured.num_features.max())}"
             else:
@@ -345,27 +365,36 @@ def smallest_r_beating_uniform(table: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _beats_uniform(kl: pd.Series, uniform: pd.Series) -> str:
-    """Whether a map's attention KL is below uniform attention's, paired by seed (each seed's
-    data is shared by every map): "yes"/"no" where the 95% t interval of the per-seed log
-    ratio map/uniform excludes 0, else "not resolved"; a single seed is compared as is (no
-    spread to measure) and marked so, as is a verdict on a KL of 0 or inf (its sign); "–"
-    without a KL (signed maps: no distribution to compare)."""
-    both = kl.index.intersection(uniform.index)
+def _beats_uniform(error: pd.Series, uniform: pd.Series) -> str:
+    """Whether a map's error (its attention KL or MSE, per seed) is below uniform attention's,
+    paired by seed (each seed's data is shared by every map): "yes"/"no" where the 95% t
+    interval of the per-seed log ratio map/uniform excludes 0, else "not resolved"; a single
+    seed is compared as is (no spread to measure) and marked so, as is a verdict on an error
+    of 0 or inf (its sign); "–" where a seed's error is undefined (signed maps have no KL: no
+    distribution to compare)."""
+    both = error.index.intersection(uniform.index)
     with np.errstate(divide="ignore", invalid="ignore"):
-        d = np.log(kl[both].to_numpy(dtype=float)) - np.log(uniform[both].to_numpy(dtype=float))
+        d = np.log(error[both].to_numpy(float)) - np.log(uniform[both].to_numpy(float))
     if len(d) == 0 or np.isnan(d).any():
         return "–"
-    if len(d) == 1 or np.isinf(d).any():  # one seed, or a KL of 0 or inf: the sign decides
+    if len(d) == 1 or np.isinf(d).any():  # one seed, or an error of 0 or inf: the sign decides
         sign = "yes" if (d < 0).all() else "no" if (d > 0).all() else "not resolved"
-        return f"{sign} ({'1 seed' if len(d) == 1 else 'a KL of 0 or inf'}: by sign)"
+        return f"{sign} ({'1 seed' if len(d) == 1 else 'an error of 0 or inf'}: by sign)"
     half = _t_quantile(len(d)) * d.std(ddof=1) / math.sqrt(len(d))
     return _sign(d.mean() - half, d.mean() + half, "yes", "no")
 
 
+def _mean_of_all(values: pd.Series) -> float:
+    """The mean of ``values``, NaN if any is NaN (pandas' mean skips them)."""
+    return float(values.mean()) if values.notna().all() else math.nan
+
+
 def maps_table(frame: pd.DataFrame) -> pd.DataFrame:
     """Every map at matched F: mean over seeds of each attention metric, with the uniform row,
-    and whether the map's KL is below uniform's (:func:`_beats_uniform`)."""
+    and whether the map's KL is below uniform's (:func:`_beats_uniform`). A mean is NaN where
+    any seed's value is (a signed map's KL, undefined on a seed where a row has a negative
+    weight): the mean of the other seeds would be of fewer seeds than the table states, and
+    of those picked by their data."""
     maps = frame[frame["part"] == "maps"].copy()
     if maps.empty:
         return pd.DataFrame()
@@ -378,7 +407,7 @@ def maps_table(frame: pd.DataFrame) -> pd.DataFrame:
         .groupby([*keys, "seed"])["value"]
         .mean()
         .groupby(keys)
-        .mean()
+        .agg(_mean_of_all)
         .unstack("metric")
         .reset_index()
     )
@@ -404,8 +433,8 @@ def maps_table(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def _slope(group: pd.DataFrame) -> tuple[float, float, float]:
-    """Slope of log MSE on log R with its ~95% interval: the mean over seeds of each
-    seed's least-squares slope, ± 2 standard errors of that mean (the rows of one seed
+    """Slope of log MSE on log R with its 95% interval: the mean over seeds of each seed's
+    least-squares slope, with the Student t interval of that mean (the rows of one seed
     share its data, so they are not independent). The Performer bound gives −1."""
     slopes = []
     for _, rows in group.groupby("seed"):
@@ -420,8 +449,8 @@ def _slope(group: pd.DataFrame) -> tuple[float, float, float]:
     if len(slopes) < 2:
         return math.nan, math.nan, math.nan
     mean = float(np.mean(slopes))
-    se = float(np.std(slopes, ddof=1)) / math.sqrt(len(slopes))
-    return mean, mean - 2 * se, mean + 2 * se
+    half = _t_quantile(len(slopes)) * float(np.std(slopes, ddof=1)) / math.sqrt(len(slopes))
+    return mean, mean - half, mean + half
 
 
 def _sign(lo: float, hi: float, below: str, above: str) -> str:
@@ -438,7 +467,7 @@ def _sign(lo: float, hi: float, below: str, above: str) -> str:
 
 def _simultaneous_bounds(per_r: pd.DataFrame) -> list[tuple[float, float]]:
     """Bounds of the paired log ratio at each R of one (map, D, std): t intervals
-    Bonferroni-adjusted over the row's R, so that all of them hold together with ~95%
+    Bonferroni-adjusted over the row's R, so that all of them hold together with at least 95%
     probability (7 separate 95% intervals call about one R in three rows "lower" or
     "higher" by chance when orthogonal and iid do not differ)."""
     tests = len(per_r)
@@ -501,12 +530,12 @@ def summarize(frame: pd.DataFrame, params: dict) -> str:
         parts.append(
             "## The Performer finding (attention-matrix MSE)\n\n"
             "Slope: each seed's least-squares slope of log MSE on log R, averaged over "
-            "seeds [~95% interval: ± 2 SE of that mean] (an unbiased kernel estimator's MSE "
+            "seeds [95% t interval of that mean] (an unbiased kernel estimator's MSE "
             "falls as 1/R: slope −1). Orthogonal vs iid: at each R, the geometric mean over "
             "seeds of the paired ratio orth/iid (same data per seed); counted lower or "
             "higher where its t interval excludes 1, the intervals of a row's R taken "
-            "together at ~95% (Bonferroni over its R; the tables below show each R's own "
-            "~95% interval, which exclude 1 by chance at about 1 R in 20); undefined at an R "
+            "together at 95% (Bonferroni over its R; the tables below show each R's own "
+            "95% t interval, which exclude 1 by chance at about 1 R in 20); undefined at an R "
             "without two paired seeds of finite ratio (a kind not run there, one seed, an "
             "MSE of 0 or inf). This is the "
             "typical (geometric-mean) ratio, not the ratio of expected MSEs that the "
@@ -524,7 +553,7 @@ def summarize(frame: pd.DataFrame, params: dict) -> str:
         parts.append(
             "## Attention-matrix MSE vs number of random features R (mean ± sd over "
             f"{params['seeds']} seeds, N={params['seq_len']}; orth/iid: paired geometric "
-            "mean [~95% interval])\n\n" + markdown_table(show)
+            "mean [95% t interval])\n\n" + markdown_table(show)
         )
         ktable = performer_table(frame, "kernel_mse")
         if not ktable.empty:
@@ -538,6 +567,9 @@ def summarize(frame: pd.DataFrame, params: dict) -> str:
             )
         parts.append(
             "## Uniform attention (1/N per key) baseline: smallest R that beats it\n\n"
+            "Beats: paired by seed (shared data), the 95% t interval of the per-seed log "
+            "ratio of MSEs map/uniform below 0 (the typical ratio, as above); one seed is "
+            "decided by sign, and says so; > R: at none of the R run.\n\n"
             + markdown_table(smallest_r_beating_uniform(table))
         )
     if not (frame["part"] == "maps").any():
@@ -557,7 +589,8 @@ def summarize(frame: pd.DataFrame, params: dict) -> str:
             + f" at F = {params['map_feature_dim']} where its size can "
             "be set (maps whose F follows from D keep their own: F column) (held-out data; "
             f"learned maps before/after {params['fit_steps']} steps of fit_to_softmax on "
-            f"{params['fit_batch']} other sequences; means over {seeds})\n\n"
+            f"{params['fit_batch']} other sequences; means over {seeds}; – where a seed's "
+            "value is undefined: a signed map's KL where a row has a negative weight)\n\n"
             "Beats uniform (KL): paired by seed (shared data), yes/no where the 95% t interval "
             "of the per-seed log ratio of KLs map/uniform excludes 0; a row of one seed, or "
             "with a KL of 0 or inf, is decided by the sign of the difference, and says so.\n\n"
@@ -612,16 +645,23 @@ def figures(frame: pd.DataFrame, params: dict) -> dict:
                 "iid N(0, std²)",
             )
             figs[f"performer_{metric}"] = fig
-    maps = frame[frame["part"] == "maps"]
+    maps = frame[frame["part"] == "maps"].copy()
     if not maps.empty:
-        fig = ks.analysis.plots.plot_map_comparison(maps, metric="attention_kl", col="std")
-        kl = maps[maps["metric"] == "attention_kl"]
+        kl = maps["metric"] == "attention_kl"
+        # no bar where a seed's KL is undefined (as the table's –): the mean of the others
+        # would be of the seeds whose data happened to give no negative weight
+        groups = maps[kl].groupby(["std", "method", "stage"], dropna=False)["value"]
+        partial = groups.transform(lambda v: v.isna().any()).astype(bool)
+        maps.loc[partial[partial].index, "value"] = math.nan
         undefined = sorted(  # signed features: rows that are no distributions, no KL
-            m for m, values in kl.groupby("method")["value"] if values.isna().all()
+            m for m, values in maps[kl].groupby("method")["value"] if values.isna().any()
         )
         left_out = (
-            f" (no KL for {', '.join(undefined)}: rows with negative weights)" if undefined else ""
+            f" (no KL for {', '.join(undefined)} where a seed's rows had negative weights)"
+            if undefined
+            else ""
         )
+        fig = ks.analysis.plots.plot_map_comparison(maps, metric="attention_kl", col="std")
         ks.analysis.plots.figure_title(
             fig,
             "Attention KL(softmax row ‖ map row) of every map at F = "

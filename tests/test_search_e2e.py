@@ -26,7 +26,13 @@ from kernelstudy.cli import main
 from kernelstudy.search import evaluate as evaluate_module
 from kernelstudy.search import objective as objective_module
 from kernelstudy.search.config import load_config
-from kernelstudy.search.evaluate import current_runs, read_evaluation, trial_params
+from kernelstudy.search.evaluate import (
+    current_runs,
+    evaluation_seeds,
+    read_evaluation,
+    search_seed,
+    trial_params,
+)
 from kernelstudy.search.objective import (
     check_variants,
     data_dir,
@@ -126,7 +132,8 @@ def test_quick_study_search_evaluate_report(tmp_path, capsys):
 
     assert ks("evaluate", cfg, "--seeds", "2", "--out", out) == 0
     runs = pd.read_csv(out / "tiny" / "evaluation.csv")
-    assert len(runs) == 6 and sorted(set(runs["seed"])) == [0, 1]
+    # not seed 0, the search's own: its run won the search on validation accuracy
+    assert len(runs) == 6 and sorted(set(runs["seed"])) == [1, 2]
     stamp = (out / "tiny" / "evaluation.csv").stat().st_mtime_ns
     capsys.readouterr()
     assert ks("evaluate", cfg, "--seeds", "2", "--out", out) == 0  # resumes: nothing to do
@@ -159,6 +166,7 @@ def test_quick_study_search_evaluate_report(tmp_path, capsys):
     stale = [
         {**elu, "trial": elu.trial + 100, "seed": 7, "test_accuracy": 0.0},
         {**elu, "seed": 8, "params": '{"lr": 1.0}', "test_accuracy": 0.0},
+        {**elu, "seed": 0, "test_accuracy": 0.0},  # the search's own seed (an older evaluation)
     ]
     pd.concat([runs, pd.DataFrame(stale)]).to_csv(out / "tiny" / "evaluation.csv", index=False)
     assert ks("report", cfg, "--out", out) == 0
@@ -653,6 +661,31 @@ def test_evaluation_rows_keep_text_labels_and_belong_to_one_trial(tmp_path):
     assert list(runs["variant"]) == ["256", "NA", "256", "256"]
     kept = current_runs(runs, {"256": trial, "NA": trial})
     assert list(zip(kept["variant"], kept["seed"], strict=True)) == [("256", 0), ("NA", 0)]
+
+
+def test_evaluation_leaves_out_the_search_seed(tmp_path):
+    """Seeds 0 … N-1 included [train] seed, whose run of the best trial is the one that won
+    the search on validation accuracy: one of the n runs biased upward (the winner's curse),
+    and by its validation accuracy likely best_by_val's pick. The seeds skip it, and rows of
+    it that an older evaluation wrote stay in the file but count no more."""
+    assert evaluation_seeds(3, 0) == [1, 2, 3]
+    assert evaluation_seeds(3, 1) == [0, 2, 3]
+    assert evaluation_seeds(2, 7) == [0, 1]
+    assert search_seed({"train": {"seed": 4}}) == 4
+    assert search_seed({"train": {}}) == search_seed(None) == 0  # the default; not recorded
+    cfg = write_config(tmp_path, ["elu+1"], steps=2)
+    cfg.write_text(cfg.read_text().replace("amp = false", "amp = false\nseed = 1"))
+    out = tmp_path / "res"
+    assert ks("search", cfg, "--out", out) == 0
+    assert ks("evaluate", cfg, "--seeds", "2", "--out", out) == 0
+    runs = read_evaluation(out / "tiny" / "evaluation.csv")
+    assert sorted(runs["seed"]) == [0, 2]
+    own = {**runs.iloc[0].to_dict(), "seed": 1, "test_accuracy": 1.0, "val_accuracy": 1.0}
+    pd.concat([runs, pd.DataFrame([own])]).to_csv(out / "tiny" / "evaluation.csv", index=False)
+    assert ks("report", cfg, "--out", out) == 0
+    table = pd.read_csv(out / "tiny" / "table.csv", header=[0, 1], index_col=0)
+    assert table.loc["elu+1", ("listops", "n")] == 2
+    assert table.loc["elu+1", ("listops", "max_test")] < 100  # the seed-1 row is not counted
 
 
 def test_two_configs_of_one_task_get_their_own_column_groups(tmp_path):

@@ -138,7 +138,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "evaluate",
         help="re-train each variant's best configuration with several seeds",
-        description="Re-train the best trial of each variant with seeds 0..N-1 and report "
+        description="Re-train the best trial of each variant with N seeds (0, 1, ... without "
+        "the search's own [train] seed, whose run won the search) and report "
         "test accuracy mean, std, best_by_val (the run of best validation accuracy) and "
         "max_test (resumable: finished seeds are skipped).",
     )

@@ -1,20 +1,20 @@
 """The evaluation protocol: re-train each variant's best configuration with N seeds.
 
-For every variant, the complete trial with the best validation accuracy is
-rebuilt (``optuna.trial.FixedTrial`` over its parameters) and trained with seeds
-``0 … N-1``; the weights of the best validation evaluation are restored and
-scored on the test split. One row per run goes to ``<out>/<name>/evaluation.csv``
-(rewritten atomically after each run), so an interrupted evaluation resumes:
-runs already there for the same trial (number and parameters) and seed are skipped.
-The summary (``evaluation_summary.csv``, and the report) has, per variant, the test
-accuracy's mean, std (ddof=1) and run count ``n``, ``best_by_val`` (the test accuracy of the
-run of highest validation accuracy) and ``max_test`` (the highest test accuracy of the runs,
-chosen on the test set), over the runs of its current best trial: runs of a trial
-that a longer search has since beaten stay in the file but count no more, and every
-seed run so far counts (``--seeds 2`` after ``--seeds 5`` still has n = 5). A run whose
-training diverges is recorded (``status`` "diverged: …", no test accuracy) and the
-others go on; the summary counts such runs, and any without a finite test accuracy, in
-``diverged``, apart from ``n``. Accuracies here are fractions (0–1); the report gives %.
+For every variant, the complete trial with the best validation accuracy is rebuilt
+(``optuna.trial.FixedTrial`` over its parameters) and trained with N seeds, ``0, 1, …``
+without the search's own (:func:`evaluation_seeds`); the weights of the best validation
+evaluation are restored and scored on the test split. One row per run goes to
+``<out>/<name>/evaluation.csv`` (rewritten atomically after each run), so an interrupted
+evaluation resumes: runs already there for the same trial (number and parameters) and seed
+are skipped. The summary (``evaluation_summary.csv``, and the report) has, per variant, the
+test accuracy's mean, std (ddof=1) and run count ``n``, ``best_by_val`` (the test accuracy
+of the run of highest validation accuracy) and ``max_test`` (the highest test accuracy of
+the runs, chosen on the test set), over the runs of its current best trial: runs of a trial
+that a longer search has since beaten stay in the file but count no more, and every seed run
+so far counts (``--seeds 2`` after ``--seeds 5`` still has n = 5). A run whose training
+diverges is recorded (``status`` "diverged: …", no test accuracy) and the others go on; the
+summary counts such runs, and any without a finite test accuracy, in ``diverged``, apart
+from ``n``. Accuracies here are fractions (0–1); the report gives %.
 """
 
 from __future__ import annotations
@@ -96,17 +96,36 @@ def settings_key(settings: Mapping[str, Any]) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
+def search_seed(settings: Mapping[str, Any] | None) -> int:
+    """The seed a search trained its trials with, from a variant's recorded
+    :func:`~.runner.variant_settings` (``[train] seed``; 0 by default, and where none were
+    recorded)."""
+    return int(((settings or {}).get("train") or {}).get("seed", 0))
+
+
+def evaluation_seeds(count: int, searched_with: int) -> list[int]:
+    """The ``count`` seeds an evaluation trains a best trial with: 0, 1, … without
+    ``searched_with``, the search's own. Its run of the best trial is the one that won the
+    search on validation accuracy: as one of the n runs it would lift the mean (the winner's
+    curse) and, by that validation accuracy, likely be best_by_val's pick."""
+    return [seed for seed in range(count + 1) if seed != searched_with][:count]
+
+
 def current_runs(
     runs: pd.DataFrame,
     best: Mapping[str, optuna.trial.FrozenTrial],
     keys: Mapping[str, str] | None = None,
+    searched_with: Mapping[str, int] | None = None,
 ) -> pd.DataFrame:
-    """The rows of ``runs`` of each variant's current ``best`` trial, any seed, trained with
+    """The rows of ``runs`` of each variant's current ``best`` trial, any seed but the one
+    ``searched_with`` gives for the variant (the search's own run, :func:`evaluation_seeds`;
+    rows of it from evaluations before it was left out stay in the file), trained with
     the settings whose :func:`settings_key` ``keys`` gives for the variant (a new study of
     a changed config numbers its trials, and seeds its sampler, as the old one did; rows
     written before parameters or settings were recorded match without them)."""
     if runs.empty:
         return runs
+    searched_with = searched_with or {}
     missing = pd.Series(None, index=runs.index)
     params = runs["params"] if "params" in runs else missing
     settings = runs["settings"] if "settings" in runs else missing
@@ -116,8 +135,9 @@ def current_runs(
         and int(trial) == best[label].number
         and (pd.isna(p) or p == trial_params(best[label]))
         and (pd.isna(key) or label not in keys or key == keys[label])
-        for label, trial, p, key in zip(
-            runs["variant"], runs["trial"], params, settings, strict=True
+        and int(seed) != searched_with.get(label)
+        for label, trial, seed, p, key in zip(
+            runs["variant"], runs["trial"], runs["seed"], params, settings, strict=True
         )
     ]
     return runs[keep]
@@ -224,13 +244,16 @@ def run_evaluation(
             )
             continue
         best[variant.label] = trial
-        plan += [(variant, trial, seed) for seed in range(seeds)]
+        own = search_seed(variant_settings(config, variant))
+        plan += [(variant, trial, seed) for seed in evaluation_seeds(seeds, own)]
     path = evaluation_path(config, out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    keys = {v.label: settings_key(variant_settings(config, v)) for v in config.variants}
-    keys.update(_searched_keys(config, url, exclude=best))  # the others': as their studies ran
+    settings = {v.label: variant_settings(config, v) for v in config.variants}
+    settings.update(_searched_settings(config, url, exclude=best))  # the others': as they ran
+    keys = {label: settings_key(s) for label, s in settings.items()}
+    searched_with = {label: search_seed(s) for label, s in settings.items()}
     with exclusive_folder(path.parent, f"evaluate {config.name}"):
-        return _evaluate(config, url, data, plan, best, keys, path, device)
+        return _evaluate(config, url, data, plan, best, keys, searched_with, path, seeds, device)
 
 
 def _evaluate(
@@ -240,13 +263,16 @@ def _evaluate(
     plan: list[tuple[Any, optuna.trial.FrozenTrial, int]],
     best: dict[str, optuna.trial.FrozenTrial],
     keys: dict[str, str],
+    searched_with: dict[str, int],
     path: Path,
+    seeds: int,
     device: str | None,
 ) -> pd.DataFrame:
     """The runs of ``plan`` not yet in ``path``, then the summaries (under the folder lock:
     two evaluations each rewrote the whole file from their own copy)."""
     runs = read_evaluation(path)
-    done = {(r.variant, int(r.seed)) for r in current_runs(runs, best, keys).itertuples()}
+    current = current_runs(runs, best, keys, searched_with)
+    done = {(r.variant, int(r.seed)) for r in current.itertuples()}
     todo = [p for p in plan if (p[0].label, p[2]) not in done]
     over: set[str] = set()
     bar = tqdm(todo, desc=f"evaluate {config.name}", unit="run", disable=not todo)  # no 0-run bar
@@ -278,8 +304,8 @@ def _evaluate(
             filled = new.dropna(axis=1, how="all")
             runs = pd.concat([runs, filled], ignore_index=True).reindex(columns=columns)
         atomic_write_text(path, runs.to_csv(index=False))
-    seeds = 1 + max((p[2] for p in plan), default=-1)
-    for label, count in current_runs(runs, best, keys).groupby("variant")["seed"].nunique().items():
+    current = current_runs(runs, best, keys, searched_with)
+    for label, count in current.groupby("variant")["seed"].nunique().items():
         if count > seeds:  # the summary, as the report, counts every seed evaluated so far
             print(
                 f"evaluate {config.name}: {label} has runs of {count} seeds; the summary counts "
@@ -290,22 +316,24 @@ def _evaluate(
     every = {**_searched_best(config, url, exclude=best), **best}
     atomic_write_text(
         path.parent / SUMMARY,
-        summarize_evaluation(current_runs(runs, every, keys)).to_csv(index=False),
+        summarize_evaluation(current_runs(runs, every, keys, searched_with)).to_csv(index=False),
     )
-    return summarize_evaluation(current_runs(runs, best, keys))
+    return summarize_evaluation(current)
 
 
-def _searched_keys(config: SearchConfig, url: str, exclude: Mapping[str, Any]) -> dict[str, str]:
-    """The :func:`settings_key` of the settings each searched variant's study recorded (not
-    ``exclude``'s): the summary file keeps the evaluations of those settings, as the report
-    does, though the config may have changed since."""
+def _searched_settings(
+    config: SearchConfig, url: str, exclude: Mapping[str, Any]
+) -> dict[str, dict[str, Any]]:
+    """The settings each searched variant's study recorded (not ``exclude``'s): the summary
+    file keeps the evaluations of those settings, as the report does, though the config may
+    have changed since."""
     out = {}
     for summary in optuna.get_all_study_summaries(open_storage(url)):
         for variant in config.variants:
             if summary.study_name == config.study_name(variant) and variant.label not in exclude:
                 stored = summary.user_attrs.get(SETTINGS_ATTR)
                 if stored is not None:
-                    out[variant.label] = settings_key(stored)
+                    out[variant.label] = stored
     return out
 
 

@@ -41,6 +41,7 @@ from .evaluate import (
     EVALUATION,
     current_runs,
     read_evaluation,
+    search_seed,
     settings_key,
     summarize_evaluation,
 )
@@ -194,6 +195,10 @@ def load_results(
         read_evaluation(results_folder(out) / name / EVALUATION),
         {label: trial for label, trial in best.items() if trial is not None},
         keys,
+        {
+            label: search_seed(study.user_attrs.get(SETTINGS_ATTR))
+            for label, study in studies.items()
+        },
     )
     unsearched = [n.split("/", 1)[1] for n in missing]
     return StudySet(name, task, studies, evaluation, unsearched)
@@ -307,8 +312,9 @@ def table_notes(results: Sequence[StudySet]) -> list[str]:
     notes = [
         "Test accuracy in %. mean, std (ddof=1) and n: over the n evaluation runs (seeds) "
         "of each variant's best trial (highest validation accuracy), each scored at its "
-        "checkpoint of highest validation accuracy (the seed equal to [train] seed, 0 by "
-        "default, repeats the search's own run of that trial); diverged: runs left out of n "
+        "checkpoint of highest validation accuracy; the seeds leave out the search's own "
+        "([train] seed, 0 by default), whose run won the search on validation accuracy and "
+        "would bias the mean and best_by_val upward; diverged: runs left out of n "
         "(training diverged, or no finite test accuracy).",
         "best_by_val: the test accuracy of the run of highest validation accuracy (ties: the "
         "lowest seed). max_test: the highest test accuracy of the n runs, chosen on the "
