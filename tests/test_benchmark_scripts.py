@@ -1640,7 +1640,25 @@ def compiled_step():
     return benchmark_script("compiled_step")
 
 
-def test_compiled_step_times_both_ways_and_they_agree(compiled_step, tmp_path, monkeypatch):
+@pytest.fixture
+def aot_eager(monkeypatch):
+    """The script's torch.compile with the aot_eager backend: its timing, gradients and table
+    are checked without inductor's cold C++ compiles (a minute of CPU on CI's two cores;
+    inductor on the models: test_models.py), the mode asked for recorded."""
+    modes = []
+    real = torch.compile
+
+    def compile_without_inductor(model, fullgraph, mode):
+        modes.append(mode)
+        return real(model, fullgraph=fullgraph, backend="aot_eager")
+
+    monkeypatch.setattr(torch, "compile", compile_without_inductor)
+    return modes
+
+
+def test_compiled_step_times_both_ways_and_they_agree(
+    compiled_step, tmp_path, monkeypatch, aot_eager
+):
     """Also: compile_s is a cold compile (it read inductor's on-disk cache from an earlier
     run, 6 s for a cold 36 s): the first step of each way runs with inductor's caches off."""
     seen = []
@@ -1666,11 +1684,12 @@ def test_compiled_step_times_both_ways_and_they_agree(compiled_step, tmp_path, m
     assert (compiled.max_grad_diff < 1e-4).all() and (compiled.compile_s > 0).all()
     assert (eager.max_grad_diff == 0).all() and (eager.compile_s == 0).all()
     assert set(compiled["mode"]) == {"default"} and set(eager["mode"]) == {""}
+    assert aot_eager == [compiled_step.MODES["default"]] * 2  # one compile per attention
     assert {"matmul_gflops", "frac_matmul", "device", "command", "date"} <= set(frame.columns)
     assert [p.name for p in tmp_path.iterdir()] == ["compiled.csv"]  # no temp file left
 
 
-def test_compiled_step_times_a_classifier_too(compiled_step, tmp_path):
+def test_compiled_step_times_a_classifier_too(compiled_step, tmp_path, aot_eager):
     out = tmp_path / "classifier.csv"
     small = ["--d-model", "16", "--n-heads", "2", "--n-layers", "1", "--batch", "3"]
     argv = ["--model", "classifier", "--seq-lens", "7", "--repeats", "1", "--attentions", "kernel"]

@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -178,6 +179,46 @@ def test_redraw_every_k_calls_in_training_only(name):
     assert torch.equal(first, fixed[0]) and torch.equal(second, first)
     torch.testing.assert_close(keys, make(name, seed=0)(x, is_query=False))
     assert not torch.allclose(third, second)
+
+
+def _ddp_redraws(rank: int, init: str, out: str) -> None:
+    """One rank of test_ddp_ranks_redraw_alike: a favor classifier built after a per-rank
+    ``torch.manual_seed`` (so with a seed of its own), trained 3 steps under DDP with a
+    redraw every call; rank 0 writes each step's (features differ, seeds differ)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    torch.manual_seed(100 + rank)
+    model = ks.nn.SequenceClassifier(
+        50, 3, d_model=16, n_heads=2, n_layers=1, max_len=64, attention="favor",
+        feature_map_kwargs={"redraw_every": 1},
+    )  # fmt: skip
+    ddp = DistributedDataParallel(model)
+    fm = ks.nn.feature_maps_of(model)[0]
+    seen = []
+    for _ in range(3):
+        ddp(torch.randint(0, 50, (2, 10))).sum().backward()
+        held = torch.cat([fm.weight.flatten(), torch.tensor([float(fm.config()["seed"])])])
+        both = [torch.zeros_like(held) for _ in range(2)]
+        dist.all_gather(both, held)
+        seen.append([float((both[0][:-1] - both[1][:-1]).abs().max()), both[0][-1] != both[1][-1]])
+    if rank == 0:
+        Path(out).write_text(json.dumps([[d, bool(s)] for d, s in seen]))
+    dist.barrier()  # neither rank leaves while the other still talks (gloo aborts then)
+    dist.destroy_process_group()
+
+
+def test_ddp_ranks_redraw_alike(tmp_path):
+    """Under DistributedDataParallel, rank 0's draw reached every rank (buffers broadcast),
+    but each derived its next seed from its own: from the first redraw on, the ranks computed
+    with features 5 apart while their weights stayed equal, and no error said so."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "seen.json"
+    init = f"file://{tmp_path / 'rendezvous'}"
+    mp.spawn(_ddp_redraws, args=(init, str(out)), nprocs=2, join=True)
+    assert json.loads(out.read_text()) == [[0.0, False]] * 3
 
 
 @pytest.mark.parametrize("name", NAMES)

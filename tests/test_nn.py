@@ -951,6 +951,23 @@ def test_a_layer_exports(causal, strict):
         assert torch.equal(program.module()(inputs), layer(inputs))
 
 
+def test_the_classifiers_export_with_a_dynamic_batch():
+    """MatchingClassifier split its encoder's output with chunk(2), whose guard on a symbolic
+    batch torch.export could not prove: its batch could not be exported dynamic."""
+    torch.manual_seed(0)
+    match = ks.nn.MatchingClassifier(50, d_model=16, n_heads=2, n_layers=1, max_len=64).eval()
+    batch, n1, n2 = (torch.export.Dim(n, max=63) for n in ("batch", "n1", "n2"))
+    a, b = torch.randint(0, 50, (2, 13)), torch.randint(0, 50, (2, 20))
+    shapes = ({0: batch, 1: n1}, None, {0: batch, 1: n2}, None)
+    program = torch.export.export(match, (a, None, b, None), dynamic_shapes=shapes)
+    for ids_1, ids_2 in ((a, b), (torch.randint(0, 50, (5, 7)), torch.randint(0, 50, (5, 31)))):
+        assert torch.equal(program.module()(ids_1, None, ids_2, None), match(ids_1, None, ids_2))
+    seq = ks.nn.SequenceClassifier(50, 3, d_model=16, n_heads=2, n_layers=1, max_len=64).eval()
+    program = torch.export.export(seq, (a,), dynamic_shapes=({0: batch, 1: n1},))
+    other = torch.randint(0, 50, (5, 7))
+    assert torch.equal(program.module()(other), seq(other))
+
+
 # a map, and the keys that make one sequence's key log scales spread by more than e^100:
 # a later key far above the earlier ones (trig_rf, Hedgehog), or early keys far below the
 # later ones (FAVOR+: a long key's largest exponent is very negative)

@@ -16,10 +16,15 @@ torch's build (``c10/cuda/impl/cuda_cmake_macros.h``); the test writes that one-
 
 from __future__ import annotations
 
+import fcntl
+import functools
+import hashlib
+import json
 import os
 import re
 import shutil
 import subprocess
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -131,11 +136,54 @@ SPILL_BUDGET = {
 }
 
 
-@pytest.fixture(scope="module")
-def nvcc_out(tmp_path_factory) -> Path:
-    """Where ptxas_reports compiles: objects, and each architecture's intermediate files (the
-    PTX among them) in keep_<arch>."""
-    return tmp_path_factory.mktemp("nvcc")
+# Where ptxas_reports' compiles are kept, a folder each named by what it depends on
+# (:func:`_compile_digest`): pytest-xdist's workers each ran the module's fixture, so both
+# compiled every unit for both architectures (3.3 of the suite's CPU minutes on CI's two cores
+# went to the copy); now one compiles a unit while the other waits for it or takes another.
+NVCC_CACHE = Path(tempfile.gettempdir()) / f"kernelstudy_nvcc_reports_{os.getuid()}"
+
+
+@functools.cache
+def _nvcc_version() -> str:
+    return subprocess.run([NVCC, "--version"], capture_output=True, text=True).stdout
+
+
+def _compile_digest(source: Path, gencode: list[str]) -> str:
+    """What a compile of ``source`` for ``gencode`` depends on, hashed: nvcc (its path and
+    version), the flags, and every file under csrc/ (names and contents)."""
+    parts = [NVCC, _nvcc_version(), *gencode, *TORCH_NVCC_FLAGS, _id(source)]
+    digest = hashlib.sha256("\0".join(parts).encode())
+    for path in sorted(p for p in CSRC.rglob("*") if p.is_file()):
+        digest.update(f"\0{path.relative_to(CSRC)}\0".encode() + path.read_bytes())
+    return digest.hexdigest()[:20]
+
+
+def cached_compile(source: Path, gencode: list[str]) -> tuple[subprocess.CompletedProcess, Path]:
+    """:func:`compile_with_report` of ``source`` for ``gencode`` in its folder of NVCC_CACHE,
+    once (under a lock on the folder; another process waits for it): the result, and the
+    folder of its intermediate files (the PTX among them)."""
+    folder = NVCC_CACHE / _compile_digest(source, gencode)
+    folder.mkdir(parents=True, exist_ok=True)
+    done = folder / "result.json"
+    with open(folder / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            keep = folder / "keep"
+            shutil.rmtree(keep, ignore_errors=True)  # a run killed halfway left its files
+            keep.mkdir()
+            result = compile_with_report(source, gencode, keep, keep / f"{source.stem}.o")
+            for path in keep.iterdir():  # the PTX is read; the rest (130 MB in all) is not
+                if path.suffix != ".ptx":
+                    path.unlink()
+            part = folder / f"result.{os.getpid()}.part"
+            fields = {"returncode": result.returncode, "stdout": result.stdout}
+            part.write_text(json.dumps({**fields, "stderr": result.stderr}))
+            os.replace(part, done)  # written last: a folder with it is complete
+    saved = json.loads(done.read_text())
+    command = ["nvcc", _id(source), *gencode]
+    result = subprocess.CompletedProcess(command, saved["returncode"])
+    result.stdout, result.stderr = saved["stdout"], saved["stderr"]
+    return result, folder / "keep"
 
 
 def compile_with_report(
@@ -151,26 +199,21 @@ def compile_with_report(
     return subprocess.run(command, capture_output=True, text=True, timeout=900)
 
 
+ARCH_PAIRS = [ARCHS[i : i + 2] for i in range(0, len(ARCHS), 2)]
+
+
 @pytest.fixture(scope="module")
-def ptxas_reports(nvcc_out) -> dict:
+def ptxas_reports() -> dict:
     """nvcc -c with ptxas' resource report for every .cu: {source: CompletedProcess}, the
-    outputs of its architectures joined. Each (source, architecture) is its own nvcc process,
-    as many at once as the machine has cores (one process compiling both took twice the time
-    on CI's two cores; nvcc's own --threads would interleave the two reports' lines)."""
+    outputs of its architectures joined. Each (source, architecture) is its own nvcc process
+    (:func:`cached_compile`), as many at once as the machine has cores (one process compiling
+    both took twice the time on CI's two cores; nvcc's own --threads would interleave the two
+    reports' lines)."""
     if NVCC is None:
         pytest.skip("nvcc is not on PATH")
-    out = nvcc_out
-    arch_pairs = [ARCHS[i : i + 2] for i in range(0, len(ARCHS), 2)]
-
-    def compile_one(source: Path, gencode: list[str]) -> subprocess.CompletedProcess:
-        arch = gencode[1].rsplit("=", 1)[-1]
-        keep = out / f"keep_{arch}"  # the PTX stays there (ptx_of)
-        keep.mkdir(exist_ok=True)
-        return compile_with_report(source, gencode, keep, out / f"{source.stem}_{arch}.o")
-
-    jobs = [(source, gencode) for source in CU_FILES for gencode in arch_pairs]
+    jobs = [(source, gencode) for source in CU_FILES for gencode in ARCH_PAIRS]
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        done = list(pool.map(lambda job: compile_one(*job), jobs))
+        done = [result for result, _ in pool.map(lambda job: cached_compile(*job), jobs)]
     reports = {}
     for source in CU_FILES:
         parts = [r for (s, _), r in zip(jobs, done, strict=True) if s == source]
@@ -183,9 +226,10 @@ def ptxas_reports(nvcc_out) -> dict:
     return reports
 
 
-def ptx_of(out: Path, source: Path, arch: str) -> str:
-    """The PTX nvcc made of ``source`` for ``arch`` in ptxas_reports' compile into ``out``."""
-    return (out / f"keep_{arch}" / f"{source.stem}.ptx").read_text()
+def ptx_of(source: Path, arch: str) -> str:
+    """The PTX nvcc made of ``source`` for ``arch`` in ptxas_reports' compile."""
+    (gencode,) = [pair for pair in ARCH_PAIRS if pair[1].endswith(f"={arch}")]
+    return (cached_compile(source, gencode)[1] / f"{source.stem}.ptx").read_text()
 
 
 REGISTER = r"%[a-z]+\d+|__\$\d+"  # PTX registers, and the temporaries of inline blocks
@@ -280,7 +324,7 @@ def test_fragment_layouts_finds_a_fragment_loaded_in_another_layout():
     assert len(conflicts) == 1 and "reads b in the order" in conflicts[0]
 
 
-def test_wmma_fragments_load_from_shared_memory_in_their_layout(ptxas_reports, nvcc_out):
+def test_wmma_fragments_load_from_shared_memory_in_their_layout(ptxas_reports):
     """Every WMMA load and store of the kernels is in the .shared state space (load_shared,
     store_shared: nvcc's wmma::load_matrix_sync makes bf16 and tf32 loads generic, four LD a
     fragment where .shared gives one LDSM). Those loads are inline PTX written by hand, so
@@ -288,7 +332,7 @@ def test_wmma_fragments_load_from_shared_memory_in_their_layout(ptxas_reports, n
     register in the order the load wrote them; a wrong one would compute garbage on a GPU
     and pass everywhere else (a layout or an order swapped in either dtype fails here)."""
     assert all(ptxas_reports[unit].returncode == 0 for unit in KERNEL_UNITS)
-    ptx = "".join(ptx_of(nvcc_out, unit, "sm_90a") for unit in KERNEL_UNITS)
+    ptx = "".join(ptx_of(unit, "sm_90a") for unit in KERNEL_UNITS)
     ops = re.findall(r"wmma\.(?:load|store)\.[\w.]+", ptx)
     generic = sorted({op for op in ops if ".shared." not in op})
     assert len(ops) > 1000 and not generic, f"generic WMMA loads or stores: {generic}"
@@ -346,7 +390,7 @@ def test_loads_before_conversion_counts_the_run():
 
 
 @pytest.mark.parametrize("unit", sorted(LOADS_AT_ONCE))
-def test_converted_tiles_issue_a_steps_loads_before_converting(ptxas_reports, nvcc_out, unit):
+def test_converted_tiles_issue_a_steps_loads_before_converting(ptxas_reports, unit):
     """Tiles that convert in registers cannot load by cp.async: converted one 16-byte vector at
     a time, each thread waited on its loads one after another (the fp16 walks ran 4x slower than
     bf16's on an H200, 8.6 against 2.2 µs a chunk). ``TileBatch`` and ``load_tile`` issue every
@@ -357,7 +401,7 @@ def test_converted_tiles_issue_a_steps_loads_before_converting(ptxas_reports, nv
     source = CSRC / "cuda" / f"{unit}.cu"
     assert ptxas_reports[source].returncode == 0
     conversion, expected = LOADS_AT_ONCE[unit]
-    functions = re.split(r"\n\.entry\s+", ptx_of(nvcc_out, source, "sm_90a"))[1:]
+    functions = re.split(r"\n\.entry\s+", ptx_of(source, "sm_90a"))[1:]
     names = SASS.demangle([function.split("(", 1)[0] for function in functions])
     runs = {
         name: loads_before_conversion(f, conversion)

@@ -440,6 +440,12 @@ class RandomFeatureMap(FeatureMap):
     of the dict, or count the query call outside it (``maybe_redraw(True)``) and make the
     call with the map in eval mode, as ``analysis.attention_matrix`` does.
     A graph compiled whole (``fullgraph=True``) cannot redraw at all (new generators).
+
+    The seed of the draw held is also the buffer ``drawn_seed`` (not saved: the state dict's
+    extra state has it), which a redraw derives the next seed from: torch's
+    DistributedDataParallel broadcasts rank 0's buffers, so ranks whose maps were built with
+    other seeds (``seed=None`` after a per-rank ``torch.manual_seed``) hold rank 0's draw and
+    redraw alike, where the next seeds of their own made each rank's features differ.
     """
 
     random: ClassVar[bool] = True
@@ -464,6 +470,7 @@ class RandomFeatureMap(FeatureMap):
         super().__init__(head_dim, num_heads, **hparams)
         self.calls_since_draw = 0
         self.drawn = False  # set by redraw() and by loading a state dict
+        self.register_buffer("drawn_seed", torch.zeros((), dtype=torch.int64), persistent=False)
 
     def draw(self, generator: torch.Generator) -> None:
         """Set the random buffers from ``generator`` (a CPU generator)."""
@@ -476,13 +483,34 @@ class RandomFeatureMap(FeatureMap):
         if seed is None and not self.drawn:
             seed = self.hparams["seed"]
         if seed is None:
-            seed = resolve_seed(torch.Generator().manual_seed(self.hparams["seed"]))
+            seed = resolve_seed(torch.Generator().manual_seed(self._seed_held()))
         seed = self.hyperparameters["seed"].validate("seed", resolve_seed(seed))
         with torch.inference_mode(False):  # an inference tensor could never be saved for
             self.draw(torch.Generator().manual_seed(seed))  # a backward afterwards
-        self.hparams["seed"] = seed  # only once drawn: config() names the features held
+        self._hold_seed(seed)  # only once drawn: config() names the features held
         self.calls_since_draw = 0
         self.drawn = True
+
+    def _seed_held(self) -> int:
+        """The seed of the draw held: ``drawn_seed`` (rank 0's under DDP), or the config's
+        where the buffer holds no value (on the meta device)."""
+        if getattr(self, "drawn", False) and not self.drawn_seed.is_meta:
+            self.hparams["seed"] = int(self.drawn_seed)
+        return self.hparams["seed"]
+
+    def _hold_seed(self, seed: int) -> None:
+        """Record ``seed`` as the draw's: in the config and in ``drawn_seed`` (in place, so a
+        DDP broadcast keeps reaching it)."""
+        self.hparams["seed"] = seed
+        if self.drawn_seed.is_inference():  # made under inference_mode: cannot change in place
+            self.drawn_seed = torch.tensor(seed, device=self.drawn_seed.device)
+        elif not self.drawn_seed.is_meta:
+            with torch.no_grad(), torch.inference_mode(False):
+                self.drawn_seed.fill_(seed)
+
+    def config(self) -> dict[str, Any]:
+        self._seed_held()  # rank 0's seed where DDP broadcast its draw
+        return super().config()
 
     _extra_state_keys: ClassVar[tuple[str, ...]] = ("seed", "calls_since_draw")
 
@@ -494,6 +522,7 @@ class RandomFeatureMap(FeatureMap):
 
     def set_extra_state(self, state: Any) -> None:
         super().set_extra_state(state)
+        self._hold_seed(self.hparams["seed"])
         self.calls_since_draw = int(state["calls_since_draw"])
 
     def _state_loaded(self, loaded: bool) -> None:

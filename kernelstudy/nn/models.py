@@ -505,7 +505,10 @@ class MatchingClassifier(SequenceClassifier):
             n = max(input_ids_1.shape[1], input_ids_2.shape[1])
             pairs = [_padded(i, m, n) for i, m in ((input_ids_1, mask_1), (input_ids_2, mask_2))]
             ids, mask = torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
-        u, v = self.encode(ids, mask).chunk(2)
+        pooled = self.encode(ids, mask)
+        # slices, not chunk(2): with a symbolic batch B, chunk's (2B + B - 1) // B == 2 is a
+        # guard torch.export cannot prove, so the batch could not be exported dynamic
+        u, v = pooled[: input_ids_1.shape[0]], pooled[input_ids_1.shape[0] :]
         return self.head(torch.cat([u, v, u * v, u - v], dim=-1))
 
 
