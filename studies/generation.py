@@ -150,9 +150,11 @@ def summarize(frame: pd.DataFrame, params: dict) -> str:
         f"Model: {params['n_layers']} layers, d_model={params['d_model']}, {params['n_heads']} "
         f"heads, vocab {params['vocab_size']}, map {map_label(params['feature_map'])}; batch "
         f"{params['batch']}, greedy decoding, throughput = batch·length/time. '–' = skipped "
-        "(a shorter length already took longer than time_limit_s).\n\n"
-        + markdown_table(summary_table(frame))
-        + note
+        "(a shorter length already took longer than time_limit_s). Each throughput is from the "
+        f"median time of {params['repeats']} generations in one invocation; the runs of a length "
+        "may come "
+        "from separate invocations (the 'Written' lines below), so a speed-up near 1 also "
+        "holds the machine's drift between them.\n\n" + markdown_table(summary_table(frame)) + note
     )
 
 
