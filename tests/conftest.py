@@ -87,6 +87,23 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs. A zombie does not (dead, not yet reaped: where its reaper
+    never waits, as a container whose PID 1 is no init, ``os.kill(pid, 0)`` still finds it);
+    read from /proc where there is one."""
+    if not Path("/proc/self/status").exists():
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "State:\tZ" not in status
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
     """max |a-b| / max(max |b|, floor).
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -17,7 +18,7 @@ import pandas as pd
 import pytest
 import torch
 
-from .conftest import BENCHMARKS, benchmark_script
+from .conftest import BENCHMARKS, benchmark_script, process_alive
 
 
 @pytest.fixture(scope="module")
@@ -83,10 +84,8 @@ def test_a_child_past_its_limit_is_stopped_with_what_it_started(gs, tmp_path):
     rc, late = session.python(["-c", script], limit_s=2.0, log="child.log")
     assert late and rc != 0 and time.monotonic() - began < 20
     grandchild = int(pid_file.read_text())
-    for _ in range(50):  # reaped by init once killed
-        try:
-            os.kill(grandchild, 0)
-        except ProcessLookupError:
+    for _ in range(50):  # dead once killed (a zombie where its reaper never waits)
+        if not process_alive(grandchild):
             break
         time.sleep(0.1)
     else:
@@ -94,6 +93,25 @@ def test_a_child_past_its_limit_is_stopped_with_what_it_started(gs, tmp_path):
     log = (tmp_path / "child.log").read_text()
     assert "started" in log and "stopped at its limit of 2 s" in log
     assert session.python(["-c", "raise SystemExit(3)"], limit_s=10) == (3, False)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
+def test_a_zombie_is_not_alive():
+    """The check above read a killed grandchild as alive where no one reaps it (``os.kill(pid,
+    0)`` finds a zombie): under a PID 1 that never waits, the test failed."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    for _ in range(100):  # exited, not yet waited for: a zombie
+        if (
+            Path(f"/proc/{child.pid}/status").exists()
+            and "State:\tZ" in Path(f"/proc/{child.pid}/status").read_text()
+        ):
+            break
+        time.sleep(0.05)
+    os.kill(child.pid, 0)  # still there for the old check
+    assert not process_alive(child.pid)
+    child.wait()
+    assert not process_alive(child.pid)
+    assert process_alive(os.getpid())
 
 
 def test_test_counts_from_the_summary_or_the_verbose_lines(gs):

@@ -161,7 +161,9 @@ def _compile_digest(source: Path, gencode: list[str]) -> str:
 def cached_compile(source: Path, gencode: list[str]) -> tuple[subprocess.CompletedProcess, Path]:
     """:func:`compile_with_report` of ``source`` for ``gencode`` in its folder of NVCC_CACHE,
     once (under a lock on the folder; another process waits for it): the result, and the
-    folder of its intermediate files (the PTX among them)."""
+    folder of its intermediate files (the PTX among them). A failed compile is not kept: it
+    may be an interrupted one (Ctrl-C reaches nvcc's cicc, which then "died due to signal 2")
+    that a later run would otherwise read as the sources' failure until they changed."""
     folder = NVCC_CACHE / _compile_digest(source, gencode)
     folder.mkdir(parents=True, exist_ok=True)
     done = folder / "result.json"
@@ -175,6 +177,8 @@ def cached_compile(source: Path, gencode: list[str]) -> tuple[subprocess.Complet
             for path in keep.iterdir():  # the PTX is read; the rest (130 MB in all) is not
                 if path.suffix != ".ptx":
                     path.unlink()
+            if result.returncode != 0:
+                return result, keep
             part = folder / f"result.{os.getpid()}.part"
             fields = {"returncode": result.returncode, "stdout": result.stdout}
             part.write_text(json.dumps({**fields, "stderr": result.stderr}))
@@ -184,6 +188,24 @@ def cached_compile(source: Path, gencode: list[str]) -> tuple[subprocess.Complet
     result = subprocess.CompletedProcess(command, saved["returncode"])
     result.stdout, result.stderr = saved["stdout"], saved["stderr"]
     return result, folder / "keep"
+
+
+def test_a_failed_compile_is_not_kept(tmp_path, monkeypatch):
+    """An interrupted compile (Ctrl-C: nvcc's cicc "died due to signal 2") was kept as the
+    sources' result, and every later run on the machine failed until csrc/ changed."""
+    if NVCC is None:
+        pytest.skip("nvcc is not on PATH")
+    calls = []
+
+    def interrupted(source, gencode, keep, out, defines=()):
+        calls.append(source)
+        return subprocess.CompletedProcess([], 2, "", "nvcc error: cicc died due to signal 2")
+
+    monkeypatch.setitem(globals(), "NVCC_CACHE", tmp_path)
+    monkeypatch.setitem(globals(), "compile_with_report", interrupted)
+    for _ in range(2):
+        assert cached_compile(KERNEL_UNITS[0], ARCH_PAIRS[1])[0].returncode == 2
+    assert len(calls) == 2 and not list(tmp_path.rglob("result.json"))
 
 
 def compile_with_report(

@@ -33,6 +33,8 @@ from kernelstudy.search.workers import (
     run_workers,
 )
 
+from .conftest import process_alive
+
 POSTGRES_ENV = "KERNELSTUDY_TEST_POSTGRES_URL"
 FAST_HEARTBEAT = (1, 3)
 
@@ -610,15 +612,6 @@ if __name__ == "__main__":
 """
 
 
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie no longer does)."""
-    try:
-        status = open(f"/proc/{pid}/status").read()
-    except FileNotFoundError:
-        return False
-    return "State:\tZ" not in status
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux-only")
 def test_workers_stop_when_the_search_is_killed(tmp_path):
     """A SIGKILL of `kernelstudy search --workers 2` left both workers training on their
@@ -637,9 +630,9 @@ def test_workers_stop_when_the_search_is_killed(tmp_path):
         parent.kill()
         parent.wait()
     deadline = time.monotonic() + 60
-    while any(map(_alive, workers)) and time.monotonic() < deadline:
+    while any(map(process_alive, workers)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not any(map(_alive, workers))
+    assert not any(map(process_alive, workers))
 
 
 def test_ctrl_c_of_one_worker_while_optuna_saves_a_result_waits_for_the_save(tmp_path, monkeypatch):

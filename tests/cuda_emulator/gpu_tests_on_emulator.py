@@ -47,8 +47,10 @@ from .. import test_cuda_emulated as emulated  # noqa: E402
 # built once; $KS_EMULATOR_DEFINES (shell words): defines for the kernels' build, e.g. the build
 # variant -DKS_FP32_BF16X3 that the GPU session's bf16x3 stage tests
 _DEFINES = tuple(shlex.split(os.environ.get("KS_EMULATOR_DEFINES", "")))
-# linked in a folder removed once the library is loaded (its mapping outlives the file)
-with tempfile.TemporaryDirectory(prefix="cuda_emulator") as _folder:
+# linked in a folder removed once the library is loaded (its mapping outlives the file), in
+# $KS_EMULATOR_LINK_DIR where set (the test of this plugin looks there: not the shared temp dir)
+_link_dir = os.environ.get("KS_EMULATOR_LINK_DIR") or None
+with tempfile.TemporaryDirectory(prefix="cuda_emulator", dir=_link_dir) as _folder:
     _LIBRARY = emulated.build_emulator(Path(_folder), _DEFINES)
 
 
