@@ -221,6 +221,22 @@ def test_ddp_ranks_redraw_alike(tmp_path):
     assert json.loads(out.read_text()) == [[0.0, False]] * 3
 
 
+def test_a_map_pickled_before_drawn_seed_still_redraws_alike():
+    """A whole map pickled by a version before the ``drawn_seed`` buffer has none: it names its
+    seed, redraws as a new map of that seed does, and holds the buffer from then on."""
+    import pickle
+
+    fm = make("favor", seed=3, redraw_every=1)
+    del fm._buffers["drawn_seed"]
+    old = pickle.loads(pickle.dumps(fm)).train()
+    fresh = make("favor", seed=3, redraw_every=1).train()
+    assert old.config()["seed"] == 3
+    x = randn(1, H, 4, D)
+    for _ in range(3):  # the second and third calls redraw
+        torch.testing.assert_close(old(x), fresh(x), rtol=0, atol=0)
+    assert old.config() == fresh.config() and "drawn_seed" in dict(old.named_buffers())
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_empty_sequences(name):
     """No queries or no keys: empty or zero outputs, as the core gives (the stabilized

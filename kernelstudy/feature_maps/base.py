@@ -493,20 +493,25 @@ class RandomFeatureMap(FeatureMap):
 
     def _seed_held(self) -> int:
         """The seed of the draw held: ``drawn_seed`` (rank 0's under DDP), or the config's
-        where the buffer holds no value (on the meta device)."""
-        if getattr(self, "drawn", False) and not self.drawn_seed.is_meta:
-            self.hparams["seed"] = int(self.drawn_seed)
+        where the buffer holds no value (on the meta device) or is missing (a whole map
+        pickled by a version before it)."""
+        held = self._buffers.get("drawn_seed")
+        if getattr(self, "drawn", False) and held is not None and not held.is_meta:
+            self.hparams["seed"] = int(held)
         return self.hparams["seed"]
 
     def _hold_seed(self, seed: int) -> None:
         """Record ``seed`` as the draw's: in the config and in ``drawn_seed`` (in place, so a
         DDP broadcast keeps reaching it)."""
         self.hparams["seed"] = seed
-        if self.drawn_seed.is_inference():  # made under inference_mode: cannot change in place
-            self.drawn_seed = torch.tensor(seed, device=self.drawn_seed.device)
-        elif not self.drawn_seed.is_meta:
+        held = self._buffers.get("drawn_seed")
+        if held is None or held.is_inference():  # pickled before it, or made under
+            device = held.device if held is not None else None  # inference_mode: a new one
+            fresh = torch.tensor(seed, dtype=torch.int64, device=device)
+            self.register_buffer("drawn_seed", fresh, persistent=False)
+        elif not held.is_meta:
             with torch.no_grad(), torch.inference_mode(False):
-                self.drawn_seed.fill_(seed)
+                held.fill_(seed)
 
     def config(self) -> dict[str, Any]:
         self._seed_held()  # rank 0's seed where DDP broadcast its draw
