@@ -220,7 +220,6 @@ def run_evaluation(
     open_storage(url)
     check_settings(config, chosen, url)  # the best trials re-train as they were searched
     data = prepare_data(config, out)
-    plan: list[tuple[Any, optuna.trial.FrozenTrial, int]] = []
     best: dict[str, optuna.trial.FrozenTrial] = {}
     searched = {s.study_name for s in optuna.get_all_study_summaries(open_storage(url))}
     if not any(config.study_name(v) in searched for v in chosen):
@@ -244,14 +243,18 @@ def run_evaluation(
             )
             continue
         best[variant.label] = trial
-        own = search_seed(variant_settings(config, variant))
-        plan += [(variant, trial, seed) for seed in evaluation_seeds(seeds, own)]
     path = evaluation_path(config, out)
     path.parent.mkdir(parents=True, exist_ok=True)
     settings = {v.label: variant_settings(config, v) for v in config.variants}
     settings.update(_searched_settings(config, url, exclude=best))  # the others': as they ran
     keys = {label: settings_key(s) for label, s in settings.items()}
     searched_with = {label: search_seed(s) for label, s in settings.items()}
+    plan = [
+        (variant, best[variant.label], seed)
+        for variant in chosen
+        if variant.label in best
+        for seed in evaluation_seeds(seeds, searched_with[variant.label])
+    ]
     with exclusive_folder(path.parent, f"evaluate {config.name}"):
         return _evaluate(config, url, data, plan, best, keys, searched_with, path, seeds, device)
 
