@@ -584,13 +584,15 @@ def test_the_cpu_extension_builds_once_for_threads_racing_to_it(monkeypatch):
 @pytest.mark.parametrize("backend", ["reference", *FAST_BACKENDS])
 def test_autocast_changes_nothing(backend, amp):
     """The core's sums ignore autocast: under float16 autocast every product of the
-    float32 accumulation was rounded to float16, and a normalizer over 4096 keys
-    (~2.6e5) overflowed to inf (NaN output). Outputs and gradients are bit-identical,
-    also for a backward called inside the autocast region at a loss scale of 2**16 (the
-    non-causal sums and the reference ran theirs in half precision: inf gradients)."""
+    float32 accumulation was rounded to float16, and a normalizer over 1024 keys
+    (up to ~8e4, beyond float16's 65504) overflowed to inf (NaN output). Outputs and
+    gradients are bit-identical, also for a backward called inside the autocast region at a
+    loss scale of 2**16 (the non-causal sums and the reference ran theirs in half precision:
+    inf gradients)."""
     torch.manual_seed(0)
-    q, k = (torch.rand(1, 2, 4096, 16) + 0.5 for _ in range(2))
-    v = torch.randn(1, 2, 4096, 8) + 1
+    n = 1024  # the reference's backward is O(N²): 4096 keys of half the size took 15 s
+    q, k = (2 * torch.rand(1, 2, n, 16) + 1 for _ in range(2))
+    v = torch.randn(1, 2, n, 8) + 1
     for causal in (False, True):
         results = []
         for enabled, backward_inside in ((False, False), (True, False), (True, True)):
@@ -598,7 +600,7 @@ def test_autocast_changes_nothing(backend, amp):
             with torch.autocast("cpu", dtype=amp, enabled=enabled):
                 out = ks.linear_attention(*inputs, causal=causal, backend=backend)
                 prod = ks.causal_dot_product(*inputs, backend=backend)
-                loss = (out.sum() + prod.sum() / 4096) * 2**16
+                loss = (out.sum() + prod.sum() / n) * 2**16
                 if backward_inside:
                     grads = torch.autograd.grad(loss, inputs)
             if not backward_inside:

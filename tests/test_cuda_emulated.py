@@ -151,6 +151,7 @@ def _load(objects: list[Path], lib: Path) -> ctypes.CDLL:
     module.ks_emu_walk_kernels.argtypes = [i32, i64, i64, i32, i32, p, p]
     module.ks_emu_last_kernel.restype = ctypes.c_uint64
     module.ks_emu_set_carry_blocks.argtypes = [i64]
+    module.ks_emu_set_chunk_blocks.argtypes = [i64]
     module.ks_emu_causal_workspace_floats.argtypes = [i32, *[i64] * 5, i32]
     module.ks_emu_causal_workspace_floats.restype = i64
     module.ks_emu_configure(0, H100_SMEM)
@@ -568,26 +569,68 @@ def test_walk_carries_sum_segments_in_groups(emu, ext, target):
         emu.ks_emu_set_carry_blocks(512)
 
 
+# The chunk kernels' state pass gives each thread block cpb consecutive chunks of a sequence
+# (causal_layout), as many as keep about KS_CHUNK_BLOCKS (1024 as built for a GPU) blocks over
+# all sequences and 64-wide F and M tiles. The workspace starts with a state (F·M + F floats) per
+# group, so its size says how the chunks were grouped: (dtype, B·H, N, F, M) -> workspace floats
+# at the GPU's target, each the groups' states, then z (B·H·chunks·F) and the chunks' states
+# (B·H·chunks·F·M in the operand type: bf16 for bf16, fp32 for fp16 and fp32), each region
+# rounded up to 64 floats:
+# B·H = 4, N = 1950 (31 chunks), F = M = 192 (9 tiles): 36 blocks a chunk, 16 groups of 2 chunks
+# (the last one of 1); B·H = 20, N = 700 (11 chunks), F = 130, M = 70 (3 x 2 tiles): 120 blocks a
+# chunk, 6 groups of 2 (states of 9230 floats); B·H = 1, N = 262144 (4096 chunks), F = M = 8:
+# 1024 groups of 4.
+CHUNK_GROUPS = {
+    (torch.bfloat16, 4, 1950, 192, 192): 4 * 16 * 37056 + 4 * 31 * 192 + 4 * 31 * 192 * 96,
+    (torch.float16, 20, 700, 130, 70): 1107648 + 28608 + 2002048,
+    (torch.float32, 1, 262144, 8, 8): 1024 * 72 + 4096 * 8 + 4096 * 64,
+}
+
+
+def test_chunk_kernels_group_chunks_toward_the_target(emu):
+    for (dtype, bh, n, f, m), floats in CHUNK_GROUPS.items():
+        assert emu.ks_emu_causal_workspace_floats(DTYPES[dtype], bh, n, f, m, 0, 0) == floats
+
+
+def _round64(x: int) -> int:
+    return -(-x // 64) * 64
+
+
+# (B·H, N, F, M), a lowered KS_CHUNK_BLOCKS -> blocks a sequence (of 5 chunks): B·H·tiles = 4
+# blocks a chunk at F = 33, M = 70 (one block of 5 chunks at 4, groups of 3 + 2 at 8, of
+# 2 + 2 + 1 at 12); 6 at F = 130 (3 F tiles: groups of 3 + 2 at 12)
+LOWERED_TARGETS = [
+    ((2, 300, 33, 70), 4, 1),
+    ((2, 300, 33, 70), 8, 2),
+    ((2, 300, 33, 70), 12, 3),
+    ((1, 300, 130, 70), 12, 2),
+]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=str)
 @pytest.mark.parametrize(
-    "shape, dtype",
-    [
-        ((4, 1950, 192, 192), torch.bfloat16),
-        # fp16 takes fp32's layouts (tf32 operands, scores read from Af) at a third of the
-        # emulator's time (one TF32 product, not three)
-        ((20, 700, 130, 70), torch.float16),
-    ],
-    ids=["bfloat16", "float16"],
+    "shape, target, blocks",
+    LOWERED_TARGETS,
+    ids=[f"{'x'.join(map(str, s))}-target_{t}" for s, t, _ in LOWERED_TARGETS],
 )
-def test_chunk_kernels_group_chunks(ext, shape, dtype):
-    """B·H·(F/64)·(M/64) = 36 tiles over 31 chunks (bf16; 120 over 11 for fp16) give
-    the chunk kernels' state pass 2 chunks per thread block (the last block of each sequence
-    1): block-local prefixes and carries."""
+def test_chunk_kernels_sum_groups_of_chunks(emu, ext, dtype, shape, target, blocks):
+    """With the state pass's target lowered, small shapes give each thread block several
+    chunks (block-local prefixes, then carries between the blocks; one block a sequence: no
+    carries): the product both ways, its normalizer, the normalized output and the fused
+    backward against float64, as at the GPU's target (the workspace says the grouping)."""
+    bh, n, f, m = shape
     q, k, v, g = _inputs(*shape, dtype, extra=1)
-    want, _ = _reference_product(q, k, v)
-    assert close_in_dtype(ext.causal_product(q, k, v)[0], want, dtype)
-    grads = _reference_grads(q, k, v, g)
-    for a, w in zip(ext.causal_backward(q, k, v, g, out_fp32=True), grads, strict=True):
-        assert close_in_dtype(a, w, dtype)
+    ungrouped = emu.ks_emu_causal_workspace_floats(DTYPES[dtype], bh, n, f, m, 0, 0)
+    emu.ks_emu_set_chunk_blocks(target)
+    try:
+        grouped = emu.ks_emu_causal_workspace_floats(DTYPES[dtype], bh, n, f, m, 0, 0)
+        states = bh * (f * m + f)
+        assert ungrouped - grouped == _round64(states * 5) - _round64(states * blocks)
+        for reverse in (False, True):
+            _check_product(ext, q, k, v, reverse, walk_blocks=0)
+        _check_fused_backward(ext, q, k, v, g, walk_blocks=0)
+    finally:
+        emu.ks_emu_set_chunk_blocks(1024)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=str)
@@ -1298,6 +1341,7 @@ def _random_case(rng: random.Random) -> dict:
         # draws; so is the carry pass's target (KS_CARRY_BLOCKS; 512 on a GPU, lower: segments
         # summed in several groups even at these sizes)
         "carry_blocks": rng.choice([512, 2, 3, 5]),
+        "chunk_blocks": rng.choice([1024, 1, 2, 5]),  # the chunk kernels' (KS_CHUNK_BLOCKS)
     }
 
 
@@ -1310,6 +1354,7 @@ def test_random_cases_over_every_option_match_the_reference(emu, case):
     try:
         emu.ks_emu_configure(c["schedule"], c["smem"])
         emu.ks_emu_set_carry_blocks(c["carry_blocks"])
+        emu.ks_emu_set_chunk_blocks(c["chunk_blocks"])
         _check_product(x, q, k, v, c["reverse"], **kernel)
         together = c["walks_together"]
         wide = _check_fused_backward(x, q, k, v, g, walks_together=together, **kernel)
@@ -1349,6 +1394,7 @@ def test_random_cases_over_every_option_match_the_reference(emu, case):
     finally:
         emu.ks_emu_configure(0, H100_SMEM)
         emu.ks_emu_set_carry_blocks(512)
+        emu.ks_emu_set_chunk_blocks(1024)
 
 
 # ---------------------------------------------------------------- the backend on the kernels

@@ -35,6 +35,11 @@
 #ifndef KS_CARRY_BLOCKS
 #define KS_CARRY_BLOCKS 512
 #endif
+// ... the thread blocks the chunk kernels' state pass aims at (causal_layout in launch.cuh),
+// which a test of the emulator lowers so that small shapes give a block several chunks ...
+#ifndef KS_CHUNK_BLOCKS
+#define KS_CHUNK_BLOCKS 1024
+#endif
 // ... and for kernels 8 and 9, the warp-collective ldmatrix and mma.sync (the emulator gathers
 // the lanes' registers as the PTX ISA lays them out); nvcc's host pass never runs them.
 #ifndef KS_HOST_LDMATRIX_X4

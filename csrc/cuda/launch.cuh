@@ -53,8 +53,8 @@ size_t output_smem() {
 
 // Causal state layout. A sequence's nc chunks are split into nblk blocks of cpb consecutive
 // chunks; nblk is chosen from the shape alone (so results do not depend on the GPU) to give
-// about kTargetBlocks thread blocks to the state pass: B·H = 1 at long N still fills the GPU.
-constexpr int64_t kTargetBlocks = 1024;
+// about KS_CHUNK_BLOCKS (1024, config.cuh) thread blocks to the state pass: B·H = 1 at long N
+// still fills the GPU.
 
 struct CausalLayout {
   int64_t nc, cpb, nblk, ss;
@@ -79,7 +79,7 @@ ChunkGroups group_chunks(int64_t nc, int64_t target, int64_t per_group) {
 CausalLayout causal_layout(int64_t bh, int64_t n, int64_t f, int64_t m, size_t state_bytes) {
   CausalLayout l;
   l.nc = cdiv(n, kChunk);
-  const ChunkGroups g = group_chunks(l.nc, kTargetBlocks, bh * cdiv(f, kTile) * cdiv(m, kTile));
+  const ChunkGroups g = group_chunks(l.nc, KS_CHUNK_BLOCKS, bh * cdiv(f, kTile) * cdiv(m, kTile));
   l.cpb = g.cpb;
   l.nblk = g.nblk;
   l.ss = f * m + f;

@@ -53,6 +53,10 @@ void ks_emu_configure(uint64_t schedule_seed, int64_t smem_optin) {
 // lowers it so that small shapes sum several chunks a group.
 void ks_emu_set_carry_blocks(int64_t blocks) { ks_emu::rt().carry_blocks = blocks; }
 
+// The thread blocks the chunk kernels' state pass aims at (KS_CHUNK_BLOCKS; 1024 as built for a
+// GPU): a test lowers it so that small shapes give a thread block several chunks.
+void ks_emu_set_chunk_blocks(int64_t blocks) { ks_emu::rt().chunk_blocks = blocks; }
+
 int64_t ks_emu_causal_workspace_floats(int dtype, int64_t bh, int64_t n, int64_t f, int64_t m,
                                        int64_t walk_blocks, int mma_walk) {
   return ks_cuda::causal_workspace_floats(static_cast<DType>(dtype), bh, n, f, m, walk_blocks,

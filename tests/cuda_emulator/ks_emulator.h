@@ -211,6 +211,7 @@ struct Runtime {
   const void* last_kernel = nullptr;  // the kernel of the last launch
   std::vector<const void*> asked;     // kernels asked about by the occupancy shim
   int64_t carry_blocks = 512;         // KS_CARRY_BLOCKS: the production value unless a test sets it
+  int64_t chunk_blocks = 1024;        // KS_CHUNK_BLOCKS: likewise
 };
 
 inline Runtime& rt() {
@@ -494,3 +495,4 @@ inline float __shfl_xor_sync(unsigned, float value, int lane_mask, int = 32) {
 #define KS_HOST_ASYNC_WAIT() ::ks_emu::async_wait()
 #define KS_DYNAMIC_SMEM(name) unsigned char* name = ::ks_emu::dynamic_smem()
 #define KS_CARRY_BLOCKS (::ks_emu::rt().carry_blocks)
+#define KS_CHUNK_BLOCKS (::ks_emu::rt().chunk_blocks)
