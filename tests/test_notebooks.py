@@ -69,6 +69,14 @@ def _ids(path: Path) -> str:
     return path.stem
 
 
+@pytest.fixture
+def figures_not_drawn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel on matplotlib's Agg backend, not the inline one: figures are made (seaborn
+    lays them out) but not drawn to PNG, a third of a plotting notebook's time. For the tests
+    of what the notebooks do with other results; test_notebook_runs draws every figure."""
+    monkeypatch.setenv("MPLBACKEND", "agg")
+
+
 def _execute(path: Path, work: Path) -> tuple[nbformat.NotebookNode, str]:
     """Run notebook ``path`` in a fresh kernel with working directory ``work``; the executed
     notebook and all it printed. Raises CellExecutionError (with the traceback) on an error."""
@@ -165,6 +173,7 @@ PARTIAL = [
 @pytest.mark.slow
 @pytest.mark.parametrize("part", [0, 1], ids=["first_part", "other_part"])
 @pytest.mark.parametrize("name", ["rank", "approximation", "speed"])
+@pytest.mark.usefixtures("figures_not_drawn")
 def test_notebook_runs_on_partial_results(
     name: str, part: int, kernel_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -227,6 +236,7 @@ def _of_an_earlier_config(folder: Path, study: str) -> None:
     ],
     ids=["two_devices", "no_current_rows"],
 )
+@pytest.mark.usefixtures("figures_not_drawn")
 def test_speed_notebook_on_other_results(
     change, printed: list[str], kernel_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -268,6 +278,7 @@ def test_lra_notebook_runs_no_search_in_a_given_storage(
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("figures_not_drawn")
 def test_rank_notebook_fills_spectra_beside_full_results_without_rewriting_them(
     kernel_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
