@@ -243,7 +243,9 @@ def _run_copy(config: dict, device: str) -> dict[str, list[dict]]:
         progress=False,
     )
     trainer = Trainer(model, train, train_config, val_data=val)
-    trainer.fit()
+    # the model holds the weights of its best validation step (restore_best), not the last
+    # step's: the rank rows name that step, so the tables pair them with its accuracy
+    model_step = trainer.fit()["model_step"]
     f = model.feature_dim or 0
     rows = []
     for _, row in trainer.metrics.iterrows():
@@ -253,6 +255,7 @@ def _run_copy(config: dict, device: str) -> dict[str, list[dict]]:
             )
     ids = val[0]["input_ids"][None].to(trainer.device)
     ranks, spectra = _captured_ranks(model.eval(), ids, config, f)
+    ranks = [{**row, "step": model_step} for row in ranks]
     return {"results": rows + ranks, "spectra": spectra}
 
 
@@ -320,7 +323,12 @@ def copy_table(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def captured_table(frame: pd.DataFrame) -> pd.DataFrame:
-    rows = frame[(frame["part"] == "copy") & frame["metric"].isin(MEASURES)].copy()
+    """Mean over seeds of each rank measure on the trained copy models' captured q/k, per
+    (trained model, attention, F), beside the validation accuracy of the weights measured
+    (each run's best validation step, which the trainer restores: mean over seeds) and those
+    steps (sorted; "–" for rows written before the step was recorded)."""
+    copy = frame[frame["part"] == "copy"]
+    rows = copy[copy["metric"].isin(MEASURES)].copy()
     rows["trained model"] = rows["method"]
     table = rows.pivot_table(
         index=["trained model", "captured_with", "feature_dim"],
@@ -328,7 +336,27 @@ def captured_table(frame: pd.DataFrame) -> pd.DataFrame:
         values="value",
         aggfunc="mean",
     )
-    return table.reset_index().rename(columns={"captured_with": "attention", "feature_dim": "F"})
+    # each run's measured step, and its validation accuracy from the run's curve
+    measured = rows.groupby(["method", "seed"])["step"].first().dropna()
+    curve = copy[copy["metric"] == "val_accuracy"].groupby(["method", "seed", "step"])["value"]
+    accuracy = curve.mean()
+    by_model = pd.DataFrame(
+        {
+            "method": [method for method, _ in measured.index],
+            "step": measured.to_numpy(),
+            "accuracy": [
+                accuracy.get((*run, step), float("nan")) for run, step in measured.items()
+            ],
+        }
+    )
+    table = table.reset_index()
+    models = table["trained model"]
+    table["val accuracy"] = models.map(by_model.groupby("method")["accuracy"].mean())
+    steps = by_model.groupby("method")["step"].agg(
+        lambda s: ", ".join(str(int(v)) for v in sorted(s))
+    )
+    table["at step"] = models.map(steps).fillna("–")
+    return table.rename(columns={"captured_with": "attention", "feature_dim": "F"})
 
 
 def rank_table(frame: pd.DataFrame, part: str = "gaussian") -> pd.DataFrame:
@@ -377,7 +405,10 @@ def summarize(frame: pd.DataFrame, params: dict, tables: dict | None = None) -> 
         captured = (
             "## Ranks on captured q/k (trained copy models, one validation sequence of "
             f"N={2 * c['copy_len'] + 2}; non-causal matrices; the softmax model's q/k also run "
-            "through every map at the same F)\n\n" + markdown_table(captured_table(frame))
+            "through every map at the same F). Each model is measured with the weights of its "
+            "best validation step, which the trainer restores at the end (not the last step's "
+            "of the table above): their validation accuracy (mean over seeds) and steps "
+            "beside\n\n" + markdown_table(captured_table(frame))
         )
         if params.get("extra_maps"):  # the softmax model's run has the registered maps only
             captured += (

@@ -790,6 +790,9 @@ def test_rank_study_gaussian_and_copy_configs_run():
     assert rows[rows.metric == "val_accuracy"].value.between(0, 1).all()
     captured = rows[rows.metric == "numerical_rank"]
     assert (captured.value <= copy["feature_dim"]).all()
+    # measured with the best validation step's weights (the trainer restores them): named
+    curve = rows[rows.metric == "val_accuracy"].set_index("step").value
+    assert set(captured.step) == {curve[curve == curve.max()].index.min()}
 
 
 def test_rank_captured_part_leaves_out_the_excluded_maps():
@@ -1567,6 +1570,34 @@ def test_rank_copy_table_shows_each_seeds_final_accuracy():
     table = rank.copy_table(rows).set_index("method")
     assert table.loc["favor", "step 400, per seed"] == "0.26, 0.54, 0.83"
     assert table.loc["elu", "step 400"] == pytest.approx(0.7667, abs=1e-3)
+
+
+def test_rank_captured_table_pairs_ranks_with_the_accuracy_of_the_weights_measured():
+    """The copy models' ranks are measured on the weights of each run's best validation step
+    (restore_best), but nothing said so: beside the copy table's last-step accuracies they
+    read as the last step's (hedgehog seed 0: ranks of a model at 69.7 %, shown beside
+    21.6 %). The table gives the measured weights' accuracy and steps; rows of older runs,
+    without the step, show "–"."""
+    rank = study.load_study("rank")
+    curves = [
+        {"part": "copy", "method": m, "seed": seed, "step": step, "metric": "val_accuracy",
+         "value": step / 1000 + seed / 10}
+        for m in ("favor", "elu")
+        for seed in (0, 1)
+        for step in (100, 200, 300, 400)
+    ]  # fmt: skip
+    ranks = [
+        {"part": "copy", "method": m, "seed": seed, "step": step, "metric": measure,
+         "captured_with": m, "feature_dim": 16, "value": 3.0 + seed}
+        for m, steps in (("favor", (200, 400)), ("elu", (None, None)))
+        for seed, step in enumerate(steps)
+        for measure in rank.MEASURES
+    ]  # fmt: skip
+    table = rank.captured_table(pd.DataFrame(curves + ranks)).set_index("trained model")
+    assert table.loc["favor", "val accuracy"] == pytest.approx((0.2 + 0.5) / 2)
+    assert table.loc["favor", "at step"] == "200, 400"
+    assert table.loc["favor", "effective_rank"] == pytest.approx(3.5)
+    assert table.loc["elu", "at step"] == "–" and pd.isna(table.loc["elu", "val accuracy"])
 
 
 def test_speed_summary_fits_the_growth_with_n():
