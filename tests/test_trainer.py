@@ -944,6 +944,19 @@ def test_eval_batches_score_a_sample_not_the_first_batches_of_a_sorted_split():
     assert trainer.evaluate(ordered, 8)["accuracy"] == 1.0
 
 
+def test_eval_batches_score_one_sample_whatever_the_runs_seed():
+    """The sample was drawn from the run's training seed: an evaluation's seeds 1..n were each
+    scored on other examples (two runs of 8 batches of 16 shared 8 of their 128), and its
+    best run by validation accuracy was mostly the luckiest sample."""
+    val = ContainsTask(400)
+    scored = []
+    for seed in (0, 1, 2):
+        trainer = Trainer(AlwaysZero(), val, _config(batch_size=16, eval_batches=8, seed=seed),
+                          val_data=val)  # fmt: skip
+        scored.append(torch.cat([b["input_ids"] for b in trainer.val_loader][:8]))
+    assert len(scored[0]) == 128 and all(torch.equal(scored[0], s) for s in scored[1:])
+
+
 def test_ctrl_c_saves_the_step_it_ends_and_the_run_resumes_exactly(tmp_path, monkeypatch):
     """A Ctrl-C used to lose every step since the last evaluation (no checkpoint there);
     it now takes effect at the end of its step, with a checkpoint saved at that step."""

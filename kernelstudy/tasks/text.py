@@ -1,7 +1,8 @@
 """LRA Text: byte-level IMDB sentiment from the ``aclImdb`` directory or a text,label table.
 
 Bytes are tokens: byte ``b`` is id ``b + 1`` and 0 pads (vocabulary 257), as
-LRA's byte encoder does. Reviews are truncated to ``max_length`` (4000 in LRA).
+LRA's byte encoder does. Reviews are truncated to ``max_length`` (4000 in the LRA paper;
+1000 in its released config).
 """
 
 from __future__ import annotations

@@ -53,6 +53,9 @@ FLOAT32_MAX = torch.finfo(torch.float32).max
 #: config fields that may change between a run and its resume without changing results
 #: (``eval_batch_size`` only while ``eval_batches`` is None: see :func:`resume_changes`)
 RESUME_FREE = {"out_dir", "progress", "device", "num_workers", "eval_batch_size"}
+#: The seed of the validation sample that ``eval_batches`` scores: one for every run.
+EVAL_SAMPLE_SEED = 0
+
 #: Metrics columns that improve as they fall: ``monitor`` them with ``mode="min"``.
 LOWER_IS_BETTER = ("train_loss", "val_loss", "train_reg")
 #: config fields a resume refuses to change: the optimizer and schedule state saved in
@@ -116,7 +119,8 @@ class TrainConfig:
             no null): no clipping.
         eval_every: evaluate every k steps (and at the last step); 0: only at the end.
         eval_batches: evaluate on at most this many batches (None: all), the same sample
-            of a validation Dataset at every evaluation (a fixed random order by ``seed``).
+            of a validation Dataset at every evaluation and in every run, whatever its
+            ``seed`` (a fixed random order: runs of several seeds are compared on it).
         patience: stop after this many evaluations without improvement of ``monitor``
             (None: never); ``monitor`` is a metrics-row column, ``mode`` ``max`` or ``min``.
         seed: seeds the global generators at the start and the data order.
@@ -672,11 +676,15 @@ class Trainer:
         """An evaluation DataLoader over ``data``: in order, or where only ``max_batches``
         batches are scored, in a fixed random order (a sample of the whole: files sorted by
         label, as IMDB's ``neg/`` then ``pos/``, gave first batches of one class, and a model
-        always answering it scored 1.0)."""
+        always answering it scored 1.0). The order is the same for every run, not drawn from
+        its training seed: runs of other seeds (an evaluation's, then the best of them by
+        validation accuracy) were scored on other samples, which share a few examples."""
         cfg = self.config
         size = cfg.eval_batch_size or cfg.batch_size
         sample = max_batches is not None
-        return make_loader(data, size, cfg.seed, sample, cfg.num_workers, name, drop_last=False)
+        return make_loader(
+            data, size, EVAL_SAMPLE_SEED, sample, cfg.num_workers, name, drop_last=False
+        )
 
     def save_checkpoint(self, path: str | Path | None = None) -> Path:
         """Save all an exact resume needs, atomically (default ``out_dir/checkpoint.pt``)."""
