@@ -738,6 +738,35 @@ def test_the_report_follows_what_the_search_recorded_of_the_val_split(tmp_path, 
         assert isinstance(res, StudySet)
 
 
+def test_the_report_notes_variants_that_trained_different_numbers_of_trials(tmp_path):
+    """Rows of variants searched with different trial counts, or whose trials were partly
+    pruned before training (over the budget), stood side by side without a word."""
+    from kernelstudy.search.report import load_results, table_notes
+
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    over = {"pruned_reason": "feature-map parameters over the budget"}
+    runs = {  # name: {variant: (trials trained, trials pruned before training)}
+        "even": {"elu": (3, 0), "glu": (3, 2)},
+        "uneven": {"elu": (3, 0), "glu": (1, 2)},
+    }
+    for name, variants in runs.items():
+        for label, (n_trained, n_over) in variants.items():
+            study = optuna.create_study(
+                study_name=f"{name}/{label}", storage=url, direction="maximize"
+            )
+            study.set_user_attr("task", "listops")
+            for i in range(n_trained):
+                study.add_trial(optuna.trial.create_trial(value=0.5 + i / 10))
+            for _ in range(n_over):
+                study.add_trial(
+                    optuna.trial.create_trial(state=optuna.trial.TrialState.PRUNED, user_attrs=over)
+                )
+    notes = "\n".join(table_notes([load_results("even", storage=url, out=tmp_path)]))
+    assert "different numbers of trials" not in notes
+    notes = "\n".join(table_notes([load_results("uneven", storage=url, out=tmp_path)]))
+    assert "tuning was not equal: elu 3, glu 1 (2 more pruned before training)." in notes
+
+
 @pytest.mark.parametrize("name", ["lra_text", "lra_retrieval", "lra_listops"])
 def test_lra_configs_state_the_map_budgets_their_full_models_have(name):
     """The configs' comments give what per-head GLU and AOGLU stacks add to the full-size

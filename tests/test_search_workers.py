@@ -22,6 +22,7 @@ from optuna.trial import TrialState
 from kernelstudy.search import workers as workers_module
 from kernelstudy.search.workers import (
     DUPLICATE_ATTR,
+    MAX_ATTEMPTS_PER_TRIAL,
     MAX_FAILURES_IN_A_ROW,
     TrialsKeepFailing,
     _worker,
@@ -60,6 +61,50 @@ def broken_objective(trial: optuna.Trial) -> float:
 def thread_counting_objective(trial: optuna.Trial) -> float:
     trial.set_user_attr("threads", torch.get_num_threads())
     return quick_objective(trial)
+
+
+def half_over_budget_objective(trial: optuna.Trial) -> float:
+    """quick_objective whose x < 0 is pruned before training, as objective.train_run prunes
+    an over-budget model (user attr ``pruned_reason``)."""
+    x = trial.suggest_float("x", -1.0, 1.0)
+    if x < 0:
+        trial.set_user_attr("pruned_reason", "feature-map parameters over the budget")
+        raise optuna.TrialPruned("over the budget")
+    return -(x**2)
+
+
+def over_budget_after_first_objective(trial: optuna.Trial) -> float:
+    """Trains trial 0 only; later ones are refused by the model (``refused_reason``)."""
+    x = trial.suggest_float("x", -1.0, 1.0)
+    if trial.number > 0:
+        trial.set_user_attr("refused_reason", "refused by the model: too many features")
+        raise optuna.TrialPruned("refused")
+    return -(x**2)
+
+
+def all_over_budget_objective(trial: optuna.Trial) -> float:
+    trial.suggest_float("x", -1.0, 1.0)
+    trial.set_user_attr("pruned_reason", "feature-map parameters over the budget")
+    raise optuna.TrialPruned("over the budget")
+
+
+def test_trials_pruned_before_training_do_not_count(tmp_path):
+    """A trial pruned before training (over the parameter budget, refused by the model)
+    counted towards ``trials``: a variant half of whose space was over the budget trained
+    about half as many trials as the others. It now trains ``trials``; a variant whose first
+    ``trials`` all were over the budget stops there (every setting of a map over the budget),
+    and one that keeps being refused stops after MAX_ATTEMPTS_PER_TRIAL x ``trials``."""
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    study = run_workers(url, "half", half_over_budget_objective, trials=6, workers=1)
+    states = [t.state for t in study.get_trials()]
+    assert finished_trials(study) == states.count(TrialState.COMPLETE) == 6
+    assert states.count(TrialState.PRUNED) > 0  # (seed 0: x < 0 drawn too)
+    study = run_workers(url, "all", all_over_budget_objective, trials=3, workers=1)
+    assert len(study.get_trials()) == 3 and finished_trials(study) == 0
+    study = run_workers(url, "first", over_budget_after_first_objective, trials=2, workers=1)
+    assert len(study.get_trials()) == MAX_ATTEMPTS_PER_TRIAL * 2 and finished_trials(study) == 1
+    assert run_workers(url, "first", over_budget_after_first_objective, trials=2) is not None
+    assert len(study.get_trials()) == MAX_ATTEMPTS_PER_TRIAL * 2  # a rerun: nothing more
 
 
 def test_workers_share_the_cores(tmp_path):

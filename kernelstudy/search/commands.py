@@ -127,8 +127,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "--trials",
         type=_positive,
         default=None,
-        help="finished trials per variant (default: the config's); with several workers a "
-        "trial running when the count is reached still finishes (up to workers-1 more)",
+        help="trained trials per variant (default: the config's; trials pruned before "
+        "training, over the budget or refused, do not count: a variant gives up after its "
+        "first TRIALS all were, or after 5xTRIALS in all); with several workers a trial "
+        "running when the count is reached still finishes (up to workers-1 more)",
     )
     p.add_argument("--workers", type=_positive, default=1, help="worker processes (default 1)")
     _common(p)

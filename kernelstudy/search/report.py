@@ -56,7 +56,7 @@ from .runner import (
     unshared_settings,
 )
 from .storage import existing_database, existing_storage_url, open_storage, redact
-from .workers import is_duplicate
+from .workers import FINISHED, is_duplicate, trained
 
 #: Tasks whose ``val`` split read the test data in studies searched before the search
 #: recorded it (:data:`~.runner.VAL_READS_TEST_ATTR`): text's does for IMDB (as in LRA), a
@@ -374,6 +374,9 @@ def table_notes(results: Sequence[StudySet]) -> list[str]:
                 "the data are a directory holding a val.tsv or val.csv, and the search ran "
                 f"before it recorded which: if it read them, {chosen}"
             )
+        unequal = _unequal_trials(res.studies)
+        if unequal:
+            notes.append(f"{where}{unequal}")
         unshared = unshared_settings(res.studies)
         if unshared:
             notes.append(
@@ -383,6 +386,31 @@ def table_notes(results: Sequence[StudySet]) -> list[str]:
     if len(set(tasks)) < len(tasks):
         notes.append("A task of several configs is headed `task (config name)`.")
     return notes
+
+
+def _unequal_trials(studies: dict[str, optuna.Study]) -> str | None:
+    """A note where the variants with a complete trial trained different numbers of trials
+    (a search's ``trials``, or its trials pruned before training: over the budget, refused by
+    the model): their tuning was not equal. None where all trained as many."""
+    trained_count, untrained_count = {}, {}
+    for label, study in studies.items():
+        if best_trial(study) is None:  # noted apart (no complete trial)
+            continue
+        done = [t for t in study.get_trials(deepcopy=False, states=FINISHED)]
+        done = [t for t in done if not is_duplicate(t)]
+        trained_count[label] = sum(trained(t) for t in done)
+        untrained_count[label] = len(done) - trained_count[label]
+    if len(set(trained_count.values())) < 2:
+        return None
+    counts = ", ".join(
+        f"{label} {n}" + (f" ({untrained_count[label]} more pruned before training)"
+                          if untrained_count[label] else "")
+        for label, n in trained_count.items()
+    )  # fmt: skip
+    return (
+        f"the variants' searches trained different numbers of trials, so their tuning was "
+        f"not equal: {counts}."
+    )
 
 
 def _no_trial(label: str, study: optuna.Study) -> str:

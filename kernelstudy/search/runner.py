@@ -40,7 +40,7 @@ from .storage import (
     redact,
     sqlite_file,
 )
-from .workers import FINISHED, finished_trials, is_duplicate, open_study, run_workers
+from .workers import FINISHED, finished_trials, is_duplicate, open_study, run_workers, trained
 
 #: The study user attr that holds :func:`variant_settings`.
 SETTINGS_ATTR = "settings"
@@ -310,6 +310,7 @@ def run_search(
                     seed=int(config.search.get("seed", 0)),
                     progress=show,
                 )
+                show(trials)  # a search that gave up (search_finished) is done too
         return search_summary(config, url, [v.label for v in chosen])
     finally:
         optuna.logging.set_verbosity(verbosity)
@@ -349,6 +350,8 @@ def study_row(study: optuna.Study, label: str) -> dict[str, Any]:
         "running": int(states.get("RUNNING", 0)),
         "waiting": int(states.get("WAITING", 0)),
         "finished": sum(t.state in FINISHED for t in trials),
+        # the trials that count towards [search] trials: not those pruned before training
+        "trained": sum(trained(t) for t in trials),
         "best_trial": None if best is None else best.number,
         "val_accuracy": None if best is None else best.value,
     }

@@ -1,7 +1,9 @@
 """Run K worker processes on one Optuna study; the same command on another machine joins it.
 
 Each worker opens the storage by URL and calls ``study.optimize`` until the
-study holds ``trials`` finished (complete or pruned) trials. Trials of a worker
+study holds ``trials`` trials that trained (complete, or pruned while training), or
+gives up on more (:func:`search_finished`): trials pruned before training (over the
+parameter budget, refused by the model) do not count. Trials of a worker
 that dies stop sending heartbeats; another worker marks them failed and
 re-queues their parameters (see :mod:`kernelstudy.search.storage`).
 
@@ -45,6 +47,11 @@ from .storage import GRACE_PERIOD, HEARTBEAT_INTERVAL, MAX_RETRY, open_storage, 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 #: User attr of a re-queued copy pruned as a duplicate: the number of the failed trial.
 DUPLICATE_ATTR = "duplicate_of"
+#: User attrs of a trial pruned before it trained: over the parameter budget (and duplicate
+#: re-queues, which carry a reason too), or settings the model refuses (objective.train_run).
+UNTRAINED_ATTRS = ("pruned_reason", "refused_reason")
+#: A search gives up after this many finished trials per trial asked for, trained or not.
+MAX_ATTEMPTS_PER_TRIAL = 5
 
 
 def make_pruner(kind: str) -> optuna.pruners.BasePruner:
@@ -135,9 +142,32 @@ def is_duplicate(trial: FrozenTrial) -> bool:
     return DUPLICATE_ATTR in trial.user_attrs
 
 
+def trained(trial: FrozenTrial) -> bool:
+    """Whether finished ``trial`` trained: complete, or pruned by the pruner while training,
+    not before (over the budget, refused by the model, a duplicate re-queue)."""
+    return trial.state in FINISHED and not any(a in trial.user_attrs for a in UNTRAINED_ATTRS)
+
+
 def finished_trials(study: optuna.Study) -> int:
-    """How many trials of ``study`` are complete or pruned (duplicates left out)."""
-    return sum(not is_duplicate(t) for t in study.get_trials(deepcopy=False, states=FINISHED))
+    """How many trials of ``study`` count towards a search's ``trials``: those that trained
+    (:func:`trained`). Trials pruned before training counted too, so a variant part of whose
+    space is over the budget got fewer trained trials than the others (GLU with its depth
+    searched: a third of them over the budget on LRA Text)."""
+    return sum(trained(t) for t in study.get_trials(deepcopy=False, states=FINISHED))
+
+
+def search_finished(study: optuna.Study, trials: int) -> bool:
+    """Whether ``study`` holds ``trials`` trained trials, or gives up on more: its first
+    ``trials`` finished trials were all pruned before training (as every setting of a
+    variant whose maps alone exceed the budget is), or it holds
+    ``MAX_ATTEMPTS_PER_TRIAL * trials`` finished trials in all (duplicates left out)."""
+    done = [t for t in study.get_trials(deepcopy=False, states=FINISHED) if not is_duplicate(t)]
+    count = sum(trained(t) for t in done)
+    return (
+        count >= trials
+        or (count == 0 and len(done) >= trials)
+        or len(done) >= MAX_ATTEMPTS_PER_TRIAL * trials
+    )
 
 
 def retried_from(trial: FrozenTrial) -> int | None:
@@ -215,7 +245,7 @@ def record_failures(
 
 
 class StopAtFinished:
-    """Optuna callback: stop the study once it holds ``n`` finished trials (not duplicates),
+    """Optuna callback: stop the study once :func:`search_finished` (``n`` trained trials),
     or once this worker's last ``max_failures`` trials all failed (``failure`` then says
     why; caught failures do not count as finished, so without it such a search never ends)."""
 
@@ -233,7 +263,7 @@ class StopAtFinished:
                 f"one (trial {trial.number}): {reason}"
             )
             study.stop()
-        elif finished_trials(study) >= self.n:
+        elif search_finished(study, self.n):
             study.stop()
 
 
@@ -282,7 +312,8 @@ def _worker(
     threads: int | None = None,
     request: _StopRequest | None = None,
 ) -> None:
-    """Optimize study ``name`` until it holds ``trials`` finished trials. ``request``: the
+    """Optimize study ``name`` until :func:`search_finished` (``trials`` trained trials).
+    ``request``: the
     stop request its signal handler sets (none: nothing stops it but an exception);
     ``progress(finished)`` is called after each trial (:func:`finished_trials`)."""
     request = _StopRequest() if request is None else request
@@ -290,7 +321,7 @@ def _worker(
     if threads is not None:  # several workers share the cores
         torch.set_num_threads(threads)
     study = open_study(url, name, pruner=pruner, seed=seed, heartbeat=heartbeat)
-    if finished_trials(study) >= trials:
+    if search_finished(study, trials):
         return
     stop = StopAtFinished(trials)
     callbacks = [stop, request.callback]
@@ -521,7 +552,8 @@ def run_workers(
     heartbeat: tuple[int, int] = (HEARTBEAT_INTERVAL, GRACE_PERIOD),
     progress: Callable[[int], None] | None = None,
 ) -> optuna.Study:
-    """Optimize study ``name`` with ``workers`` processes until ``trials`` trials are finished.
+    """Optimize study ``name`` with ``workers`` processes until ``trials`` trials trained
+    (:func:`search_finished`).
 
     ``objective`` must be picklable (a module-level function or a
     ``functools.partial`` of one). Every worker samples with :class:`TrialSeededSampler`
