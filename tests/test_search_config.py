@@ -767,6 +767,27 @@ def test_the_report_notes_variants_that_trained_different_numbers_of_trials(tmp_
     assert "tuning was not equal: elu 3, glu 1 (2 more pruned before training)." in notes
 
 
+def test_quick_searches_get_no_paper_numbers(tmp_path):
+    """The paper's numbers attached by label and task alone: the quick search's 2-layer
+    d_model 32 model on 48-token generated ListOps stood beside the paper's 36.37."""
+    from kernelstudy.search.report import load_results, results_table, table_notes
+
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    for name in ("lra_listops", "lra_listops_quick"):
+        study = optuna.create_study(
+            study_name=f"{name}/Transformer", storage=url, direction="maximize"
+        )
+        study.set_user_attr("task", "listops")
+        study.add_trial(optuna.trial.create_trial(value=0.3, user_attrs={"test_accuracy": 0.2}))
+    full, quick = (
+        load_results(n, storage=url, out=tmp_path) for n in ("lra_listops", "lra_listops_quick")
+    )
+    assert results_table([full]).loc["Transformer", ("listops", "paper")] == 36.37
+    assert "Yorsh & Kovalenko's Table 1" in "\n".join(table_notes([full]))
+    assert quick.quick and ("listops", "paper") not in results_table([quick]).columns
+    assert "Yorsh & Kovalenko's Table 1" not in "\n".join(table_notes([quick]))
+
+
 @pytest.mark.parametrize("name", ["lra_text", "lra_retrieval", "lra_listops"])
 def test_lra_configs_state_the_map_budgets_their_full_models_have(name):
     """The configs' comments give what per-head GLU and AOGLU stacks add to the full-size
