@@ -767,6 +767,47 @@ def test_the_report_notes_variants_that_trained_different_numbers_of_trials(tmp_
     assert "tuning was not equal: elu 3, glu 1 (2 more pruned before training)." in notes
 
 
+def test_the_train_time_figure_says_how_many_workers_ran_at_once():
+    """Trials' training times grow with the workers running beside them (they share the
+    cores: 0.25 s alone, 0.6 s beside another), which the cost figure did not say."""
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    from kernelstudy.search.report import figures
+
+    def label(workers: list) -> str:
+        rows = pd.DataFrame(
+            {"config": "c", "task": "listops", "variant": "elu", "number": range(len(workers)),
+             "state": "COMPLETE", "val_accuracy": 0.5, "test_accuracy": 0.5,
+             "train_time_s": 1.0, "workers": workers}
+        )  # fmt: skip
+        figs = figures(rows)
+        xlabel = figs["accuracy_vs_train_time"].axes[0].get_xlabel()
+        plt.close("all")
+        return xlabel
+
+    assert label([1, 1]) == label([None, None]) == "training time (s)"
+    assert label([2, 2]) == "training time (s), 2 workers at once"
+    assert label([1, 2]) == "training time (s), with 1 or 2 workers at once: not comparable"
+
+
+def test_the_report_notes_evaluation_runs_of_several_devices_pooled_in_one_mean():
+    """evaluation.csv kept no device: a --seeds 3 evaluation on a GPU (bf16 autocast)
+    followed by --seeds 5 on the CPU (fp32) pooled into one mean without a word."""
+    import pandas as pd
+
+    from kernelstudy.search.report import _mixed_devices
+
+    runs = pd.DataFrame(
+        {"variant": ["elu", "elu", "elu", "glu", "glu", "old"],
+         "device": ["cuda", "cpu", "cuda", "cpu", "cpu", None],
+         "amp": ["bfloat16", None, "bfloat16", None, None, None]}
+    )  # fmt: skip
+    assert _mixed_devices(runs) == "elu (cpu, cuda bfloat16)"
+    assert _mixed_devices(runs[runs["variant"] != "elu"]) == ""
+    assert _mixed_devices(runs.drop(columns=["device", "amp"])) == ""  # older files
+
+
 def test_quick_searches_get_no_paper_numbers(tmp_path):
     """The paper's numbers attached by label and task alone: the quick search's 2-layer
     d_model 32 model on 48-token generated ListOps stood beside the paper's 36.37."""

@@ -134,6 +134,7 @@ def test_quick_study_search_evaluate_report(tmp_path, capsys):
     runs = pd.read_csv(out / "tiny" / "evaluation.csv")
     # not seed 0, the search's own: its run won the search on validation accuracy
     assert len(runs) == 6 and sorted(set(runs["seed"])) == [1, 2]
+    assert set(runs["device"]) == {"cpu"} and runs["amp"].isna().all()  # (a summary pools them)
     stamp = (out / "tiny" / "evaluation.csv").stat().st_mtime_ns
     capsys.readouterr()
     assert ks("evaluate", cfg, "--seeds", "2", "--out", out) == 0  # resumes: nothing to do

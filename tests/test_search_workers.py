@@ -114,6 +114,12 @@ def test_workers_share_the_cores(tmp_path):
     study = run_workers(url, "threads", thread_counting_objective, trials=2, workers=2)
     want = max(1, torch.get_num_threads() // 2)
     assert {t.user_attrs["threads"] for t in study.get_trials()} == {want}
+    # recorded with each trial: its training time depends on them (the report's figure)
+    assert {
+        (t.user_attrs["workers"], t.user_attrs["torch_threads"]) for t in study.get_trials()
+    } == {(2, want)}
+    study = run_workers(url, "one", quick_objective, trials=1, workers=1)
+    assert study.get_trials()[0].user_attrs["workers"] == 1
 
 
 def slow_objective(trial: optuna.Trial) -> float:

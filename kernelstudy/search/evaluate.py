@@ -64,6 +64,8 @@ COLUMNS = [
     "params",
     "status",
     "settings",
+    "device",  # where the run trained, and its autocast dtype: a summary pools every run
+    "amp",
 ]
 
 

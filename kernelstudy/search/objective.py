@@ -312,6 +312,7 @@ def train_run(
         "peak_memory_bytes": record["peak_memory_bytes"],
         "steps": record["steps_completed"],
         "device": record["device"],
+        "amp": record["amp"],  # the autocast dtype, or None
     }
 
 

@@ -382,6 +382,12 @@ def table_notes(results: Sequence[StudySet]) -> list[str]:
         unequal = _unequal_trials(res.studies)
         if unequal:
             notes.append(f"{where}{unequal}")
+        mixed = _mixed_devices(res.evaluation)
+        if mixed:
+            notes.append(
+                f"{where}runs trained on different devices or precisions are pooled in one "
+                f"mean: {mixed}."
+            )
         unshared = unshared_settings(res.studies)
         if unshared:
             notes.append(
@@ -391,6 +397,26 @@ def table_notes(results: Sequence[StudySet]) -> list[str]:
     if len(set(tasks)) < len(tasks):
         notes.append("A task of several configs is headed `task (config name)`.")
     return notes
+
+
+def _mixed_devices(evaluation: pd.DataFrame) -> str:
+    """The variants whose evaluation runs trained on more than one device or autocast dtype
+    (columns ``device``, ``amp``; rows without them, of older evaluations, left out), with
+    them: "" where none."""
+    if evaluation.empty or "device" not in evaluation:
+        return ""
+    amp = evaluation["amp"] if "amp" in evaluation else pd.Series(None, index=evaluation.index)
+    kind = [
+        None if pd.isna(d) else (str(d) if pd.isna(a) or not a else f"{d} {a}")
+        for d, a in zip(evaluation["device"], amp, strict=True)
+    ]
+    runs = evaluation.assign(kind=kind).dropna(subset=["kind"])
+    parts = [
+        f"{label} ({', '.join(sorted(kinds))})"
+        for label, kinds in runs.groupby("variant", sort=False)["kind"].unique().items()
+        if len(kinds) > 1
+    ]
+    return "; ".join(parts)
 
 
 def _unequal_trials(studies: dict[str, optuna.Study]) -> str | None:
@@ -450,6 +476,20 @@ def markdown(frame: pd.DataFrame, digits: int = 2) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _timed_beside(trials: pd.DataFrame) -> str:
+    """What the trials' training times were measured beside (user attr ``workers``: the
+    search's worker processes, which share the cores or a GPU): "" for one worker (or
+    trials that did not record it), else a note for the axis label."""
+    counts = sorted(
+        {int(w) for w in trials.get("workers", pd.Series(dtype=float)).dropna()}
+    )  # fmt: skip
+    if counts in ([], [1]):
+        return ""
+    if len(counts) == 1:
+        return f", {counts[0]} workers at once"
+    return f", with {' or '.join(map(str, counts))} workers at once: not comparable"
+
+
 def figures(trials: pd.DataFrame) -> dict[str, Any]:
     """The four figures (matplotlib Figures) from :func:`trials_frame`. The backend is left
     as it is (a notebook's inline backend shows them)."""
@@ -477,7 +517,7 @@ def figures(trials: pd.DataFrame) -> dict[str, Any]:
             "feature-map parameters (% over the model with softmax attention)",
         ),
         ("accuracy_vs_feature_dim", "feature_dim", "feature dimension per head (features)"),
-        ("accuracy_vs_train_time", "train_time_s", "training time (s)"),
+        ("accuracy_vs_train_time", "train_time_s", f"training time (s){_timed_beside(done)}"),
     ]
     for stem, column, xlabel in specs:
         fig, ax = plt.subplots(figsize=(6.5, 4))

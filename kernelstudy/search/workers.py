@@ -223,6 +223,22 @@ DIVERGED = f"{FloatingPointError.__name__}:"
 TOLD_ELSEWHERE = "Cannot tell a "
 
 
+def _timed_with(
+    objective: Callable[[optuna.Trial], float], workers: int
+) -> Callable[[optuna.Trial], float]:
+    """``objective`` that first records what its trial's times were measured beside: the
+    search's worker processes (``workers``: they share the cores, or one GPU) and this
+    process's torch threads (user attrs ``workers``, ``torch_threads``)."""
+
+    @functools.wraps(objective)
+    def run(trial: optuna.Trial) -> float:
+        trial.set_user_attr("workers", workers)
+        trial.set_user_attr("torch_threads", torch.get_num_threads())
+        return objective(trial)
+
+    return run
+
+
 class TrialsKeepFailing(RuntimeError):
     """Every recent trial of a worker failed (e.g. out of memory, or a diverging model)."""
 
@@ -311,11 +327,13 @@ def _worker(
     progress: Callable[[int], None] | None = None,
     threads: int | None = None,
     request: _StopRequest | None = None,
+    workers: int = 1,
 ) -> None:
     """Optimize study ``name`` until :func:`search_finished` (``trials`` trained trials).
-    ``request``: the
-    stop request its signal handler sets (none: nothing stops it but an exception);
-    ``progress(finished)`` is called after each trial (:func:`finished_trials`)."""
+    ``request``: the stop request its signal handler sets (none: nothing stops it but an
+    exception); ``progress(finished)`` is called after each trial (:func:`finished_trials`);
+    ``workers``: how many worker processes the search runs at once, recorded with each trial
+    (user attrs ``workers`` and ``torch_threads``: its training time depends on them)."""
     request = _StopRequest() if request is None else request
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     if threads is not None:  # several workers share the cores
@@ -332,7 +350,7 @@ def _worker(
             raise KeyboardInterrupt
         try:
             study.optimize(
-                request.wrap(skip_duplicates(record_failures(objective))),
+                request.wrap(skip_duplicates(record_failures(_timed_with(objective, workers)))),
                 callbacks=callbacks,
                 catch=TRIAL_ERRORS,
             )
@@ -477,7 +495,11 @@ def _stop_with_parent(parent: int) -> None:
 
 
 def _quiet_worker(
-    parent: int | None, *args: Any, modules: Sequence[str] = (), threads: int | None = None
+    parent: int | None,
+    *args: Any,
+    modules: Sequence[str] = (),
+    threads: int | None = None,
+    workers: int = 1,
 ) -> None:
     """:func:`_worker` in a child process that ignores Ctrl-C (which reaches the whole
     process group: each worker printed two tracebacks). The parent stops the workers with
@@ -486,7 +508,8 @@ def _quiet_worker(
     search re-runs it) instead of leaving it RUNNING until its heartbeat goes stale. The
     parent's death, even by SIGKILL, stops it too (:func:`_stop_with_parent`). ``modules``
     (a keyword): those of the maps the parent had registered, imported first (a spawned
-    child starts with kernelstudy's own maps only); ``threads``: torch's thread count here."""
+    child starts with kernelstudy's own maps only); ``threads``: torch's thread count here;
+    ``workers``: how many run at once (recorded with each trial)."""
     for module in modules:
         try:
             importlib.import_module(module)
@@ -498,7 +521,7 @@ def _quiet_worker(
     if parent is not None:  # the pid of the process that started it
         _stop_with_parent(parent)
     try:
-        _worker(*args, threads=threads, request=request)
+        _worker(*args, threads=threads, request=request, workers=workers)
     except KeyboardInterrupt:
         if not request.requested:
             raise
@@ -588,7 +611,7 @@ def run_workers(
             args=(os.getpid(), url, name, objective, trials, pruner, seed, heartbeat),
             # maps of the user's modules registered here, known in each worker too (a map a
             # script registered worked with 1 worker and failed in every worker of 2)
-            kwargs={"modules": registered_modules(), "threads": threads},
+            kwargs={"modules": registered_modules(), "threads": threads, "workers": workers},
         )
         for _ in range(workers)
     ]
