@@ -808,6 +808,34 @@ def test_the_report_notes_evaluation_runs_of_several_devices_pooled_in_one_mean(
     assert _mixed_devices(runs.drop(columns=["device", "amp"])) == ""  # older files
 
 
+def test_the_report_notes_variants_searched_under_other_pruners_or_seeds(tmp_path):
+    """The pruner and sampler seed steer which trials run; neither was recorded, so variants
+    searched under others (a --variant rerun after the config's pruner changed) stood side by
+    side without a word."""
+    from kernelstudy.search.report import load_results, table_notes
+    from kernelstudy.search.runner import SEARCHED_UNDER_ATTR, searched_under
+
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    under = {
+        "elu": [{"pruner": "median", "seed": 0}],
+        "glu": [{"pruner": "median", "seed": 0}, {"pruner": "none", "seed": 0}],
+        "old": None,  # searched before it was recorded: not compared
+    }
+    for label, runs in under.items():
+        study = optuna.create_study(study_name=f"s/{label}", storage=url, direction="maximize")
+        study.set_user_attr("task", "listops")
+        if runs is not None:
+            study.set_user_attr(SEARCHED_UNDER_ATTR, runs)
+        study.add_trial(optuna.trial.create_trial(value=0.5))
+    res = load_results("s", storage=url, out=tmp_path)
+    assert searched_under({k: v for k, v in res.studies.items() if k != "glu"}) == ""
+    notes = "\n".join(table_notes([res]))
+    assert (
+        "different pruners or sampler seeds, which choose the trials that run: elu: pruner "
+        "median, seed 0; glu: pruner median, seed 0 then pruner none, seed 0." in notes
+    )
+
+
 def test_quick_searches_get_no_paper_numbers(tmp_path):
     """The paper's numbers attached by label and task alone: the quick search's 2-layer
     d_model 32 model on 48-token generated ListOps stood beside the paper's 36.37."""

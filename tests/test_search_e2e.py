@@ -119,6 +119,7 @@ def test_quick_study_search_evaluate_report(tmp_path, capsys):
     for study in found.values():
         done = study.get_trials(states=(TrialState.COMPLETE, TrialState.PRUNED))
         assert len(done) == 2
+        assert len(study.user_attrs["searched_under"]) == 1  # its pruner and sampler seed
         for t in study.get_trials(states=(TrialState.COMPLETE,)):
             assert 0.0 <= t.user_attrs["test_accuracy"] <= 1.0
             assert t.user_attrs["params_model"] > 0 and t.user_attrs["train_time_s"] > 0

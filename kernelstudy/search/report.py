@@ -52,6 +52,7 @@ from .runner import (
     results_folder,
     search_command,
     searched_storage_url,
+    searched_under,
     study_row,
     unshared_settings,
 )
@@ -382,6 +383,12 @@ def table_notes(results: Sequence[StudySet]) -> list[str]:
         unequal = _unequal_trials(res.studies)
         if unequal:
             notes.append(f"{where}{unequal}")
+        steered = searched_under(res.studies)
+        if steered:
+            notes.append(
+                f"{where}the variants were searched under different pruners or sampler seeds, "
+                f"which choose the trials that run: {steered}."
+            )
         mixed = _mixed_devices(res.evaluation)
         if mixed:
             notes.append(

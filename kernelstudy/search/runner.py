@@ -47,6 +47,9 @@ SETTINGS_ATTR = "settings"
 #: The study user attr that says whether the val split of its trials read the test data
 #: (:func:`~.objective.val_reads_test`); absent from studies searched before it was recorded.
 VAL_READS_TEST_ATTR = "val_reads_test"
+#: Study user attr: the search settings (pruner, sampler seed) its trials ran under, each
+#: distinct one of every search of it: they steer which trials run, not a trial's value.
+SEARCHED_UNDER_ATTR = "searched_under"
 #: ``[train]`` keys that change where or how visibly a run trains, not its result.
 NEUTRAL_TRAIN_KEYS = ("device", "progress", "num_workers")
 #: The :func:`variant_settings` that every variant of one table should share.
@@ -186,6 +189,24 @@ def unshared_settings(studies: dict[str, optuna.Study]) -> list[str]:
     )
 
 
+def searched_under(studies: dict[str, optuna.Study]) -> str:
+    """The search settings (:data:`SEARCHED_UNDER_ATTR`) where the studies were not all
+    searched under one: each study's, as "label: pruner median, seed 0"; "" where they
+    were (studies that did not record them are not compared)."""
+    recorded = {
+        label: study.user_attrs[SEARCHED_UNDER_ATTR]
+        for label, study in studies.items()
+        if study.user_attrs.get(SEARCHED_UNDER_ATTR)
+    }
+    kinds = {json.dumps(v, sort_keys=True) for runs in recorded.values() for v in runs}
+    if len(kinds) < 2:
+        return ""
+    return "; ".join(
+        f"{label}: " + " then ".join(f"pruner {v['pruner']}, seed {v['seed']}" for v in runs)
+        for label, runs in recorded.items()
+    )
+
+
 def variant_study(
     config: SearchConfig, variant: Variant, url: str, val_is_test: bool | None = None
 ) -> optuna.Study:
@@ -211,6 +232,10 @@ def variant_study(
         "budget": config.budget,
         SETTINGS_ATTR: variant_settings(config, variant),
     }
+    steering = {"pruner": str(config.search.get("pruner", "median")),
+                "seed": int(config.search.get("seed", 0))}  # fmt: skip
+    before = study.user_attrs.get(SEARCHED_UNDER_ATTR) or []
+    attrs[SEARCHED_UNDER_ATTR] = before + ([] if steering in before else [steering])
     if val_is_test is not None:
         was = study.user_attrs.get(VAL_READS_TEST_ATTR) is True
         attrs[VAL_READS_TEST_ATTR] = val_is_test or (was and bool(study.get_trials(deepcopy=False)))
