@@ -765,6 +765,20 @@ def test_the_report_notes_variants_that_trained_different_numbers_of_trials(tmp_
     assert "different numbers of trials" not in notes
     notes = "\n".join(table_notes([load_results("uneven", storage=url, out=tmp_path)]))
     assert "tuning was not equal: elu 3, glu 1 (2 more pruned before training)." in notes
+    # two workers may finish one trial more than asked (the --trials help): no note
+    for name, counts in (("two_workers", {"elu": 3, "glu": 4}), ("beyond", {"elu": 3, "glu": 5})):
+        for label, n_trained in counts.items():
+            study = optuna.create_study(
+                study_name=f"{name}/{label}", storage=url, direction="maximize"
+            )
+            study.set_user_attr("task", "listops")
+            for _ in range(n_trained):
+                trial = optuna.trial.create_trial(value=0.5, user_attrs={"workers": 2})
+                study.add_trial(trial)
+    notes = "\n".join(table_notes([load_results("two_workers", storage=url, out=tmp_path)]))
+    assert "different numbers of trials" not in notes
+    notes = "\n".join(table_notes([load_results("beyond", storage=url, out=tmp_path)]))
+    assert "tuning was not equal: elu 3, glu 5." in notes
 
 
 def test_the_train_time_figure_says_how_many_workers_ran_at_once():
@@ -804,6 +818,8 @@ def test_the_report_notes_evaluation_runs_of_several_devices_pooled_in_one_mean(
          "amp": ["bfloat16", None, "bfloat16", None, None, None]}
     )  # fmt: skip
     assert _mixed_devices(runs) == "elu (cpu, cuda bfloat16)"
+    one_gpu = runs.assign(device=["cuda", "cuda:0", "cuda", "cpu", "cpu", None], amp="bfloat16")
+    assert _mixed_devices(one_gpu[one_gpu["variant"] == "elu"]) == ""  # --device cuda, cuda:0
     assert _mixed_devices(runs[runs["variant"] != "elu"]) == ""
     assert _mixed_devices(runs.drop(columns=["device", "amp"])) == ""  # older files
 
@@ -829,6 +845,8 @@ def test_the_report_notes_variants_searched_under_other_pruners_or_seeds(tmp_pat
         study.add_trial(optuna.trial.create_trial(value=0.5))
     res = load_results("s", storage=url, out=tmp_path)
     assert searched_under({k: v for k, v in res.studies.items() if k != "glu"}) == ""
+    alike = {label: res.studies["glu"] for label in ("a", "b")}  # one history of two entries
+    assert searched_under(alike) == ""
     notes = "\n".join(table_notes([res]))
     assert (
         "different pruners or sampler seeds, which choose the trials that run: elu: pruner "

@@ -376,7 +376,7 @@ def test_narrowings_that_leave_the_default_out_can_start(tmp_path):
     assert default_settings(config, config.variant("aoglu2-4")).feature_map_kwargs["rank"] == 2
 
 
-def test_budget_prunes_three_glus_before_training(tmp_path, monkeypatch):
+def test_budget_prunes_three_glus_before_training(tmp_path, monkeypatch, capsys):
     cfg = write_config(tmp_path, ["1xGLU", "3xGLU"], d_model=32, n_heads=2)
     config = load_config(cfg)
     over = check_variants(config, prepare_data(config, tmp_path / "res"))
@@ -397,6 +397,17 @@ def test_budget_prunes_three_glus_before_training(tmp_path, monkeypatch):
     cfg.write_text(cfg.read_text().replace("seed = 0", "seed = 0\nbudget = 0.2"))
     looser = load_config(cfg)
     assert looser.budget == 0.2 and check_variants(looser, data_dir(looser, tmp_path / "res")) == {}
+    # A rerun (under another sampler seed) finds the search given up: no trial runs, the bar
+    # counts none as done now (it jumped by the variant's trials: a rate and ETA far too
+    # short), and the study records no search under that seed (it ran none)
+    cfg.write_text(cfg.read_text().replace("budget = 0.2", "").replace("seed = 0", "seed = 1"))
+    capsys.readouterr()
+    assert ks("search", cfg, "--out", tmp_path / "res", "--variant", "3xGLU") == 0
+    err = capsys.readouterr().err
+    assert "search tiny: 0trial " in err and "2/2" not in err  # (tqdm of total 0: no "/")
+    study = studies(tmp_path / "res")["tiny/3xGLU"]
+    assert len(study.get_trials()) == 2
+    assert study.user_attrs["searched_under"] == [{"pruner": "median", "seed": 0}]
 
 
 def _ctrl_c_when(

@@ -407,14 +407,15 @@ def table_notes(results: Sequence[StudySet]) -> list[str]:
 
 
 def _mixed_devices(evaluation: pd.DataFrame) -> str:
-    """The variants whose evaluation runs trained on more than one device or autocast dtype
-    (columns ``device``, ``amp``; rows without them, of older evaluations, left out), with
-    them: "" where none."""
+    """The variants whose evaluation runs trained on more than one kind of device (its type:
+    cpu, cuda; not which GPU) or autocast dtype (columns ``device``, ``amp``; rows without
+    them, of older evaluations, left out), with them: "" where none."""
     if evaluation.empty or "device" not in evaluation:
         return ""
     amp = evaluation["amp"] if "amp" in evaluation else pd.Series(None, index=evaluation.index)
+    # the device's type: "cuda" and "cuda:0" (--device cuda, cuda:0) are one kind of run
     kind = [
-        None if pd.isna(d) else (str(d) if pd.isna(a) or not a else f"{d} {a}")
+        None if pd.isna(d) else str(d).split(":")[0] + ("" if pd.isna(a) or not a else f" {a}")
         for d, a in zip(evaluation["device"], amp, strict=True)
     ]
     runs = evaluation.assign(kind=kind).dropna(subset=["kind"])
@@ -438,16 +439,24 @@ def _unequal_trials(studies: dict[str, optuna.Study]) -> str | None:
         done = [t for t in done if not is_duplicate(t)]
         trained_count[label] = sum(trained(t) for t in done)
         untrained_count[label] = len(done) - trained_count[label]
-    if len(set(trained_count.values())) < 2:
+    # several workers may each finish a trial once the count is reached (the --trials
+    # help): up to workers - 1 more, no inequality of the search
+    workers = [
+        int(t.user_attrs.get("workers", 1))
+        for study in studies.values()
+        for t in study.get_trials(deepcopy=False, states=FINISHED)
+    ]
+    counts = trained_count.values()
+    if not counts or max(counts) - min(counts) <= max(workers, default=1) - 1:
         return None
-    counts = ", ".join(
+    listed = ", ".join(
         f"{label} {n}" + (f" ({untrained_count[label]} more pruned before training)"
                           if untrained_count[label] else "")
         for label, n in trained_count.items()
     )  # fmt: skip
     return (
         f"the variants' searches trained different numbers of trials, so their tuning was "
-        f"not equal: {counts}."
+        f"not equal: {listed}."
     )
 
 

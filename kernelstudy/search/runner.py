@@ -40,15 +40,24 @@ from .storage import (
     redact,
     sqlite_file,
 )
-from .workers import FINISHED, finished_trials, is_duplicate, open_study, run_workers, trained
+from .workers import (
+    FINISHED,
+    finished_trials,
+    is_duplicate,
+    open_study,
+    run_workers,
+    search_finished,
+    trained,
+)
 
 #: The study user attr that holds :func:`variant_settings`.
 SETTINGS_ATTR = "settings"
 #: The study user attr that says whether the val split of its trials read the test data
 #: (:func:`~.objective.val_reads_test`); absent from studies searched before it was recorded.
 VAL_READS_TEST_ATTR = "val_reads_test"
-#: Study user attr: the search settings (pruner, sampler seed) its trials ran under, each
-#: distinct one of every search of it: they steer which trials run, not a trial's value.
+#: Study user attr: the search settings (pruner, sampler seed) under which searches ran its
+#: trials, in their order (a repeat of the last left out): they steer which trials run, not
+#: a trial's value.
 SEARCHED_UNDER_ATTR = "searched_under"
 #: ``[train]`` keys that change where or how visibly a run trains, not its result.
 NEUTRAL_TRAIN_KEYS = ("device", "progress", "num_workers")
@@ -198,13 +207,25 @@ def searched_under(studies: dict[str, optuna.Study]) -> str:
         for label, study in studies.items()
         if study.user_attrs.get(SEARCHED_UNDER_ATTR)
     }
-    kinds = {json.dumps(v, sort_keys=True) for runs in recorded.values() for v in runs}
-    if len(kinds) < 2:
+    if len({json.dumps(runs, sort_keys=True) for runs in recorded.values()}) < 2:
         return ""
     return "; ".join(
         f"{label}: " + " then ".join(f"pruner {v['pruner']}, seed {v['seed']}" for v in runs)
         for label, runs in recorded.items()
     )
+
+
+def record_searched_under(study: optuna.Study, config: SearchConfig) -> None:
+    """Add the config's pruner and sampler seed to the study's :data:`SEARCHED_UNDER_ATTR`
+    (unless the last entry is the same): called where a search runs trials of it, not where
+    it finds the study finished (a rerun under another seed that ran nothing recorded it)."""
+    steering = {
+        "pruner": str(config.search.get("pruner", "median")),
+        "seed": int(config.search.get("seed", 0)),
+    }
+    before = study.user_attrs.get(SEARCHED_UNDER_ATTR) or []
+    if not before or before[-1] != steering:
+        study.set_user_attr(SEARCHED_UNDER_ATTR, [*before, steering])
 
 
 def variant_study(
@@ -232,10 +253,6 @@ def variant_study(
         "budget": config.budget,
         SETTINGS_ATTR: variant_settings(config, variant),
     }
-    steering = {"pruner": str(config.search.get("pruner", "median")),
-                "seed": int(config.search.get("seed", 0))}  # fmt: skip
-    before = study.user_attrs.get(SEARCHED_UNDER_ATTR) or []
-    attrs[SEARCHED_UNDER_ATTR] = before + ([] if steering in before else [steering])
     if val_is_test is not None:
         was = study.user_attrs.get(VAL_READS_TEST_ATTR) is True
         attrs[VAL_READS_TEST_ATTR] = val_is_test or (was and bool(study.get_trials(deepcopy=False)))
@@ -267,7 +284,8 @@ def run_search(
     variants: Sequence[str] | None = None,
     device: str | None = None,
 ) -> pd.DataFrame:
-    """Search every variant of ``config`` until each study holds ``trials`` finished trials.
+    """Search every variant of ``config`` until each study holds ``trials`` trained trials
+    (or gives up on more: :func:`~.workers.search_finished`).
 
     Returns :func:`search_summary` of the variants. All inputs are checked before
     the first trial: a bad config, an unreachable storage, missing data or a model
@@ -318,7 +336,11 @@ def run_search(
                 fn = functools.partial(
                     objective, config=config, label=variant.label, data=data, device=device
                 )
-                earlier = min(finished_trials(study), trials)  # finished before this run
+                # finished before this run (a search that gave up on more: all of it)
+                done = search_finished(study, trials)
+                earlier = trials if done else min(finished_trials(study), trials)
+                if not done:  # trials of it run now: under this pruner and sampler seed
+                    record_searched_under(study, config)
                 bar.total -= earlier
                 bar.refresh()
 
