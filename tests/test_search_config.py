@@ -854,6 +854,29 @@ def test_the_report_notes_variants_searched_under_other_pruners_or_seeds(tmp_pat
     )
 
 
+def test_a_variant_whose_trials_were_all_refused_says_why(tmp_path):
+    """The summary and the report named the reason of over-budget trials only: a variant
+    whose every trial the model refused (its first `trials`, drawn from a space whose
+    defaults build) read "2 pruned, 0 of them over the budget", with no reason."""
+    from kernelstudy.search.report import load_results, table_notes
+    from kernelstudy.search.runner import study_row
+
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    study = optuna.create_study(study_name="r/poly", storage=url, direction="maximize")
+    study.set_user_attr("task", "listops")
+    why = {"refused_reason": "refused by the model: degree=3 at head_dim=8 gives 512 features"}
+    for _ in range(2):
+        study.add_trial(
+            optuna.trial.create_trial(state=optuna.trial.TrialState.PRUNED, user_attrs=why)
+        )
+    row = study_row(study, "poly")
+    assert (row["refused"], row["over_budget"], row["trained"]) == (2, 0, 0)
+    assert row["note"] == why["refused_reason"]
+    notes = "\n".join(table_notes([load_results("r", storage=url, out=tmp_path)]))
+    assert "2 pruned, 0 of them over the budget, 2 refused by the model" in notes
+    assert why["refused_reason"] in notes
+
+
 def test_quick_searches_get_no_paper_numbers(tmp_path):
     """The paper's numbers attached by label and task alone: the quick search's 2-layer
     d_model 32 model on 48-token generated ListOps stood beside the paper's 36.37."""

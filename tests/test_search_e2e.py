@@ -204,6 +204,8 @@ def test_a_suggested_combination_the_model_refuses_is_pruned(tmp_path, monkeypat
         assert "refused by the model: degree=3 at head_dim=8" in t.user_attrs["refused_reason"]
     row = search_summary(load_config(cfg), f"sqlite:///{tmp_path / 'res' / 'tiny' / 'optuna.db'}")
     assert row.loc[0, "over_budget"] == 0 and row.loc[0, "pruned"] == len(by_degree[3])
+    # counted, and not towards the 6 trials asked for: 6 trained (all of degree 2)
+    assert row.loc[0, "refused"] == len(by_degree[3]) and row.loc[0, "trained"] == 6
 
 
 def test_learned_positions_cover_a_longer_val_split(tmp_path):

@@ -464,6 +464,8 @@ def _no_trial(label: str, study: optuna.Study) -> str:
     """Why a variant has no accuracy: its trials by state (re-queued duplicates left out)."""
     row = study_row(study, label)
     parts = [f"{row['pruned']} pruned, {row['over_budget']} of them over the budget"]
+    if row["refused"]:
+        parts[0] += f", {row['refused']} refused by the model"
     parts += [f"{row[k]} {k}" for k in ("failed", "running", "waiting") if row[k]]
     text = f"{label}: no complete trial ({'; '.join(parts)}): no accuracy (n = 0)"
     return text + (f"; {row['note']}." if row.get("note") else ".")

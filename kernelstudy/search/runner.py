@@ -387,11 +387,13 @@ def study_row(study: optuna.Study, label: str) -> dict[str, Any]:
     states = pd.Series([t.state.name for t in trials], dtype=object).value_counts()
     best = best_trial(study)
     over = [t for t in trials if "pruned_reason" in t.user_attrs]
+    refused = [t for t in trials if "refused_reason" in t.user_attrs]
     row: dict[str, Any] = {
         "variant": label,
         "complete": int(states.get("COMPLETE", 0)),
         "pruned": int(states.get("PRUNED", 0)),
         "over_budget": len(over),
+        "refused": len(refused),  # settings the model refuses (pruned before training)
         "failed": int(states.get("FAIL", 0)),
         # another worker's, or re-queued copies a finished search left to a longer one
         "running": int(states.get("RUNNING", 0)),
@@ -406,6 +408,8 @@ def study_row(study: optuna.Study, label: str) -> dict[str, Any]:
     source = best or (over[0] if over else None)
     for key in attrs:
         row[key] = None if source is None else source.user_attrs.get(key)
-    if best is None and over:
-        row["note"] = over[0].user_attrs["pruned_reason"]
+    if best is None and (over or refused):
+        row["note"] = (
+            over[0].user_attrs["pruned_reason"] if over else refused[0].user_attrs["refused_reason"]
+        )
     return row
