@@ -704,6 +704,13 @@ def test_the_connect_timeout_goes_only_to_drivers_that_take_it():
         assert engine_options(url) == {"pool_pre_ping": True}, url
 
 
+def _searched_study(url: str, name: str, task: str = "listops") -> optuna.Study:
+    """An empty study as a search makes one: maximizing, its task recorded."""
+    study = optuna.create_study(study_name=name, storage=url, direction="maximize")
+    study.set_user_attr("task", task)
+    return study
+
+
 def test_the_report_follows_what_the_search_recorded_of_the_val_split(tmp_path, capsys):
     """Whether val read the test data is recorded per study by the search (user attr
     ``val_reads_test``); a study searched before that was recorded follows the task-name rule
@@ -721,10 +728,7 @@ def test_the_report_follows_what_the_search_recorded_of_the_val_split(tmp_path, 
     }
     for name, (task, recorded, warned, note) in cases.items():
         for label, value in recorded.items():
-            study = optuna.create_study(
-                study_name=f"{name}/{label}", storage=url, direction="maximize"
-            )
-            study.set_user_attr("task", task)
+            study = _searched_study(url, f"{name}/{label}", task)
             if value is not None:
                 study.set_user_attr("val_reads_test", value)
             study.add_trial(optuna.trial.create_trial(value=0.5))
@@ -751,10 +755,7 @@ def test_the_report_notes_variants_that_trained_different_numbers_of_trials(tmp_
     }
     for name, variants in runs.items():
         for label, (n_trained, n_over) in variants.items():
-            study = optuna.create_study(
-                study_name=f"{name}/{label}", storage=url, direction="maximize"
-            )
-            study.set_user_attr("task", "listops")
+            study = _searched_study(url, f"{name}/{label}")
             for i in range(n_trained):
                 study.add_trial(optuna.trial.create_trial(value=0.5 + i / 10))
             for _ in range(n_over):
@@ -768,10 +769,7 @@ def test_the_report_notes_variants_that_trained_different_numbers_of_trials(tmp_
     # two workers may finish one trial more than asked (the --trials help): no note
     for name, counts in (("two_workers", {"elu": 3, "glu": 4}), ("beyond", {"elu": 3, "glu": 5})):
         for label, n_trained in counts.items():
-            study = optuna.create_study(
-                study_name=f"{name}/{label}", storage=url, direction="maximize"
-            )
-            study.set_user_attr("task", "listops")
+            study = _searched_study(url, f"{name}/{label}")
             for _ in range(n_trained):
                 trial = optuna.trial.create_trial(value=0.5, user_attrs={"workers": 2})
                 study.add_trial(trial)
@@ -838,8 +836,7 @@ def test_the_report_notes_variants_searched_under_other_pruners_or_seeds(tmp_pat
         "old": None,  # searched before it was recorded: not compared
     }
     for label, runs in under.items():
-        study = optuna.create_study(study_name=f"s/{label}", storage=url, direction="maximize")
-        study.set_user_attr("task", "listops")
+        study = _searched_study(url, f"s/{label}")
         if runs is not None:
             study.set_user_attr(SEARCHED_UNDER_ATTR, runs)
         study.add_trial(optuna.trial.create_trial(value=0.5))
@@ -862,8 +859,7 @@ def test_a_variant_whose_trials_were_all_refused_says_why(tmp_path):
     from kernelstudy.search.runner import study_row
 
     url = f"sqlite:///{tmp_path / 'study.db'}"
-    study = optuna.create_study(study_name="r/poly", storage=url, direction="maximize")
-    study.set_user_attr("task", "listops")
+    study = _searched_study(url, "r/poly")
     why = {"refused_reason": "refused by the model: degree=3 at head_dim=8 gives 512 features"}
     for _ in range(2):
         study.add_trial(
@@ -884,10 +880,7 @@ def test_quick_searches_get_no_paper_numbers(tmp_path):
 
     url = f"sqlite:///{tmp_path / 'study.db'}"
     for name in ("lra_listops", "lra_listops_quick"):
-        study = optuna.create_study(
-            study_name=f"{name}/Transformer", storage=url, direction="maximize"
-        )
-        study.set_user_attr("task", "listops")
+        study = _searched_study(url, f"{name}/Transformer")
         study.add_trial(optuna.trial.create_trial(value=0.3, user_attrs={"test_accuracy": 0.2}))
     full, quick = (
         load_results(n, storage=url, out=tmp_path) for n in ("lra_listops", "lra_listops_quick")

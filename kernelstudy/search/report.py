@@ -57,7 +57,7 @@ from .runner import (
     unshared_settings,
 )
 from .storage import existing_database, existing_storage_url, open_storage, redact
-from .workers import FINISHED, is_duplicate, trained
+from .workers import FINISHED, is_duplicate
 
 #: Tasks whose ``val`` split read the test data in studies searched before the search
 #: recorded it (:data:`~.runner.VAL_READS_TEST_ATTR`): text's does for IMDB (as in LRA), a
@@ -433,12 +433,11 @@ def _unequal_trials(studies: dict[str, optuna.Study]) -> str | None:
     the model): their tuning was not equal. None where all trained as many."""
     trained_count, untrained_count = {}, {}
     for label, study in studies.items():
-        if best_trial(study) is None:  # noted apart (no complete trial)
+        row = study_row(study, label)  # (duplicate re-queues left out)
+        if row["best_trial"] is None:  # noted apart (no complete trial)
             continue
-        done = [t for t in study.get_trials(deepcopy=False, states=FINISHED)]
-        done = [t for t in done if not is_duplicate(t)]
-        trained_count[label] = sum(trained(t) for t in done)
-        untrained_count[label] = len(done) - trained_count[label]
+        trained_count[label] = row["trained"]
+        untrained_count[label] = row["finished"] - row["trained"]
     # several workers may each finish a trial once the count is reached (the --trials
     # help): up to workers - 1 more, no inequality of the search
     workers = [

@@ -215,17 +215,24 @@ def searched_under(studies: dict[str, optuna.Study]) -> str:
     )
 
 
-def record_searched_under(study: optuna.Study, config: SearchConfig) -> None:
-    """Add the config's pruner and sampler seed to the study's :data:`SEARCHED_UNDER_ATTR`
-    (unless the last entry is the same): called where a search runs trials of it, not where
-    it finds the study finished (a rerun under another seed that ran nothing recorded it)."""
-    steering = {
+def steering(config: SearchConfig) -> dict[str, Any]:
+    """The config's ``[search]`` pruner and sampler seed (their defaults where not given), as
+    :func:`~.workers.open_study` and :func:`~.workers.run_workers` take them."""
+    return {
         "pruner": str(config.search.get("pruner", "median")),
         "seed": int(config.search.get("seed", 0)),
     }
+
+
+def record_searched_under(study: optuna.Study, config: SearchConfig) -> None:
+    """Add the config's pruner and sampler seed (:func:`steering`) to the study's
+    :data:`SEARCHED_UNDER_ATTR` (unless the last entry is the same): called where a search
+    runs trials of it, not where it finds the study finished (a rerun under another seed that
+    ran nothing recorded it)."""
+    steering_now = steering(config)
     before = study.user_attrs.get(SEARCHED_UNDER_ATTR) or []
-    if not before or before[-1] != steering:
-        study.set_user_attr(SEARCHED_UNDER_ATTR, [*before, steering])
+    if not before or before[-1] != steering_now:
+        study.set_user_attr(SEARCHED_UNDER_ATTR, [*before, steering_now])
 
 
 def variant_study(
@@ -238,12 +245,7 @@ def variant_study(
     recorded). Once recorded True it stays True while the study holds trials: the data
     path is no setting, and the trials run then were chosen on the test set whatever the
     data are now."""
-    study = open_study(
-        url,
-        config.study_name(variant),
-        pruner=str(config.search.get("pruner", "median")),
-        seed=int(config.search.get("seed", 0)),
-    )
+    study = open_study(url, config.study_name(variant), **steering(config))
     attrs = {
         "config": config.name,
         "task": config.task,
@@ -353,8 +355,7 @@ def run_search(
                     fn,
                     trials=trials,
                     workers=workers,
-                    pruner=str(config.search.get("pruner", "median")),
-                    seed=int(config.search.get("seed", 0)),
+                    **steering(config),
                     progress=show,
                 )
                 show(trials)  # a search that gave up (search_finished) is done too
