@@ -66,9 +66,11 @@ pytestmark = pytest.mark.skipif(GXX is None, reason="g++ is not on PATH")
 
 
 # -fno-strict-aliasing: the kernels read 16-byte vectors through other types, as CUDA allows;
-# -fsanitize=alignment: a misaligned vector access aborts, as it faults on a GPU
+# -fsanitize=alignment: a misaligned vector access aborts, as it faults on a GPU; -O3: this
+# file's tests took 241 s of CPU against 296 s at -O2, for a build of 58 s against 40 s
+# (2026-12-02), with the same floating point (ISO C++: no contraction into FMA, no fast-math)
 GXX_FLAGS = [
-    "-std=c++17", "-O2", "-fno-strict-aliasing", "-fPIC", "-w", "-fsanitize=alignment",
+    "-std=c++17", "-O3", "-fno-strict-aliasing", "-fPIC", "-w", "-fsanitize=alignment",
     "-fno-sanitize-recover=alignment", "-I", str(EMULATOR), "-I", str(csrc_dir()), "-I",
     str(csrc_dir() / "cuda"),
 ]  # fmt: skip
@@ -99,7 +101,7 @@ def _compile(sources: list[Path], defines: tuple[str, ...] = ()) -> list[Path]:
 
     They are kept in a folder of the temporary directory named by :func:`_build_digest`, so
     pytest-xdist's workers, the child process of test_the_gpu_tests_run_on_the_emulator and
-    later runs compile each once (one build took 38 s of CPU time on this machine; a run of the
+    later runs compile each once (one build took 58 s of CPU time on this machine; a run of the
     suite made three); a changed source, header, flag or compiler names a new folder. Each
     object is compiled under a lock on its name (another process waits for it rather than
     compiling it again) into a file of its own, then renamed: no process loads a half-written

@@ -36,9 +36,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <random>
 #include <tuple>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -180,10 +180,17 @@ struct Thread {
   std::vector<PendingCopy> copies;  // issued, landing at the thread's next wait
 };
 
-// The WMMA products of a warp that not all its lanes have taken yet, by index.
+// A WMMA product of a warp that not all its lanes have taken yet (at most 16 x 16 floats).
 struct Product {
-  std::vector<float> value;
+  float value[256];
   int taken = 0;
+};
+
+// A warp's products not yet taken by all its lanes: products[i] is its product number base + i.
+// The lanes issue products in the same order, so they are taken up in that order too.
+struct PendingProducts {
+  std::deque<Product> products;
+  uint64_t base = 1;
 };
 
 // What a lane gives a warp-collective operation (ldmatrix: its row address; mma.sync: its A and
@@ -200,7 +207,11 @@ struct Runtime {
   std::vector<std::vector<char>> stacks;
   std::vector<float> shuffle;  // one slot per thread
   std::vector<Posted> posted;  // two slots per thread (see collective)
-  std::vector<std::unordered_map<uint64_t, Product>> products;  // one map per warp
+  std::vector<PendingProducts> products;  // one per warp
+  // The scheduler's view of each warp: its lanes that can run (wait == kNone), in no order, and
+  // how many of its lanes are live (not kDone) and how many wait at its barrier (kWarp).
+  std::vector<std::vector<int>> ready;
+  std::vector<int> live, waiting;
   Fiber scheduler;
   int current = 0;
   std::vector<unsigned char> smem_storage;
@@ -214,10 +225,8 @@ struct Runtime {
   int64_t chunk_blocks = 1024;        // KS_CHUNK_BLOCKS: likewise
 };
 
-inline Runtime& rt() {
-  static Runtime r;
-  return r;
-}
+inline Runtime runtime;  // not a function's static: no guard checked at every use
+inline Runtime& rt() { return runtime; }
 
 inline Thread& self() { return rt().threads[rt().current]; }
 inline int lane() { return rt().current % 32; }
@@ -231,19 +240,17 @@ inline void yield(Wait wait) {
 inline void sync_block() { yield(Wait::kBlock); }
 inline void sync_warp() { yield(Wait::kWarp); }
 
-// Releases warp w's barrier if all its live lanes have reached it.
+// Releases warp w's barrier: its lanes waiting there can run again.
 inline void release_warp(int w) {
   Runtime& r = rt();
   const int end = std::min(static_cast<int>(r.threads.size()), w * 32 + 32);
-  int live = 0, waiting = 0;
   for (int i = w * 32; i < end; ++i) {
-    live += r.threads[i].wait != Wait::kDone;
-    waiting += r.threads[i].wait == Wait::kWarp;
+    if (r.threads[i].wait == Wait::kWarp) {
+      r.threads[i].wait = Wait::kNone;
+      r.ready[w].push_back(i);
+    }
   }
-  if (live == 0 || waiting < live) return;
-  for (int i = w * 32; i < end; ++i) {
-    if (r.threads[i].wait == Wait::kWarp) r.threads[i].wait = Wait::kNone;
-  }
+  r.waiting[w] = 0;
 }
 
 // Releases the block barrier if all live threads have reached it; true if released.
@@ -255,8 +262,11 @@ inline bool release_block() {
     waiting += t.wait == Wait::kBlock;
   }
   if (live == 0 || waiting < live) return false;
-  for (Thread& t : r.threads) {
-    if (t.wait == Wait::kBlock) t.wait = Wait::kNone;
+  for (int i = 0; i < static_cast<int>(r.threads.size()); ++i) {
+    if (r.threads[i].wait == Wait::kBlock) {
+      r.threads[i].wait = Wait::kNone;
+      r.ready[i / 32].push_back(i);
+    }
   }
   return true;
 }
@@ -285,7 +295,11 @@ void run_block(Fn& fn) {
   r.threads.assign(n, Thread{});
   r.shuffle.assign(n, 0.f);
   r.posted.assign(2 * n, Posted{});
-  r.products.assign((n + 31) / 32, {});
+  const int warps = (n + 31) / 32;
+  r.products.assign(warps, {});
+  r.ready.assign(warps, {});
+  r.live.assign(warps, 0);
+  r.waiting.assign(warps, 0);
   if (r.stacks.size() < static_cast<size_t>(n)) r.stacks.resize(n);
   Entry<Fn>::fn = &fn;
   for (int i = 0; i < n; ++i) {
@@ -294,6 +308,8 @@ void run_block(Fn& fn) {
                  i / (r.block_dim.x * r.block_dim.y));
     r.stacks[i].resize(kStack);
     start_fiber(t.fiber, r.stacks[i], &Entry<Fn>::run);
+    r.ready[i / 32].push_back(i);
+    ++r.live[i / 32];
   }
   // Between block barriers the warps run in a random order of priority: the first warp runs
   // as far as it can (to the block barrier, or to a warp barrier that its lanes then pass at
@@ -301,8 +317,7 @@ void run_block(Fn& fn) {
   // which is what a missing __syncthreads() needs to show. A warp's lanes run in random order.
   // Warps ahead of priority[first] have no runnable lane until the block barrier opens: only
   // the running warp's lanes change their state in between.
-  const int warps = (n + 31) / 32;
-  std::vector<int> priority(warps), lanes;
+  std::vector<int> priority(warps);
   int first = 0;
   auto reorder = [&] {
     for (int w = 0; w < warps; ++w) priority[w] = w;
@@ -313,20 +328,31 @@ void run_block(Fn& fn) {
   for (;;) {
     int pick = -1;
     for (; first < warps; ++first) {
-      const int w = priority[first];
-      lanes.clear();
-      for (int i = w * 32; i < std::min(n, w * 32 + 32); ++i) {
-        if (r.threads[i].wait == Wait::kNone) lanes.push_back(i);
-      }
-      if (!lanes.empty()) {
-        pick = lanes[std::uniform_int_distribution<size_t>(0, lanes.size() - 1)(r.rng)];
+      std::vector<int>& ready = r.ready[priority[first]];
+      if (!ready.empty()) {
+        const size_t j = std::uniform_int_distribution<size_t>(0, ready.size() - 1)(r.rng);
+        pick = ready[j];
+        ready[j] = ready.back();
+        ready.pop_back();
         break;
       }
     }
     if (pick >= 0) {
       r.current = pick;
       switch_fiber(r.scheduler, r.threads[pick].fiber);
-      if (r.threads[pick].wait == Wait::kWarp) release_warp(pick / 32);
+      const int w = pick / 32;
+      switch (r.threads[pick].wait) {
+        case Wait::kWarp:  // the last live lane to reach the warp's barrier opens it
+          if (++r.waiting[w] == r.live[w]) release_warp(w);
+          break;
+        case Wait::kDone:
+          --r.live[w];
+          break;
+        case Wait::kBlock:
+          break;
+        case Wait::kNone:
+          fail("a thread came back to the scheduler without waiting");
+      }
       continue;
     }
     bool done = true;
@@ -432,17 +458,25 @@ inline void async_wait() {
 template <typename Compute>
 void warp_product(float* out, int size, Compute compute) {
   Runtime& r = rt();
+  if (size > 256) fail("warp_product: a product of more than 256 floats");
   const int lanes = std::min<int>(32, static_cast<int>(r.threads.size()) - r.current / 32 * 32);
-  auto& pending = r.products[r.current / 32];
+  PendingProducts& pending = r.products[r.current / 32];
   const uint64_t index = ++r.threads[r.current].products;
-  auto it = pending.find(index);
-  if (it == pending.end()) {
+  if (lanes == 1) return compute(out);
+  if (index == pending.base + pending.products.size()) {  // the first lane to issue it
     compute(out);
-    if (lanes > 1) pending[index] = Product{std::vector<float>(out, out + size), 1};
+    pending.products.emplace_back();
+    std::memcpy(pending.products.back().value, out, sizeof(float) * size);
+    pending.products.back().taken = 1;
     return;
   }
-  std::memcpy(out, it->second.value.data(), sizeof(float) * size);
-  if (++it->second.taken == lanes) pending.erase(it);
+  Product& p = pending.products[index - pending.base];
+  std::memcpy(out, p.value, sizeof(float) * size);
+  if (++p.taken == lanes) {  // every lane has taken it, and so every earlier one
+    if (index != pending.base) fail("warp_product: products taken out of order");
+    pending.products.pop_front();
+    ++pending.base;
+  }
 }
 
 // Warp shuffle: every lane posts its value, waits for the warp, reads its partner's, and waits

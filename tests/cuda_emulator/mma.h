@@ -207,14 +207,23 @@ inline Posted operands(const uint32_t (&a)[4], const uint32_t (&b)[2]) {
 
 // acc += this lane's elements of C = A B (c[0], c[1]: row g, columns 2t, 2t + 1; c[2], c[3]:
 // row g + 8), A(row, k) and B(k, col) over k < K, summed as the tensor cores do
-// (tensor_core_sum).
-template <typename FA, typename FB>
-void accumulate(float (&acc)[4], int K, const FA& A, const FB& B) {
+// (tensor_core_sum). The lane's two rows of A and two columns of B are read out of the posted
+// registers once.
+template <int K, typename FA, typename FB>
+void accumulate(float (&acc)[4], const FA& A, const FB& B) {
   const int l = lane(), g = l / 4, t = l % 4;
+  float a[2][K], b[2][K];
+  for (int k = 0; k < K; ++k) {
+    a[0][k] = A(g, k);
+    a[1][k] = A(g + 8, k);
+    b[0][k] = B(k, 2 * t);
+    b[1][k] = B(k, 2 * t + 1);
+  }
   for (int e = 0; e < 4; ++e) {
-    const int row = g + 8 * (e / 2), col = 2 * t + e % 2;
+    const float* row = a[e / 2];
+    const float* col = b[e % 2];
     double s = acc[e];
-    for (int k = 0; k < K; ++k) s += double(A(row, k)) * B(k, col);
+    for (int k = 0; k < K; ++k) s += double(row[k]) * col[k];
     acc[e] = tensor_core_sum(s);
   }
 }
@@ -233,7 +242,7 @@ inline void mma_bf16(float (&acc)[4], const uint32_t (&a)[4], const uint32_t (&b
   const auto B = [&](int k, int col) {  // 16 x 8
     return half(c.posted(col * 4 + (k % 8) / 2).reg[4 + (k < 8 ? 0 : 1)], k % 2);
   };
-  accumulate(acc, 16, A, B);
+  accumulate<16>(acc, A, B);
 }
 
 // mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32, acc += A B with the PTX ISA's fragments
@@ -258,7 +267,7 @@ inline void mma_tf32(float (&acc)[4], const uint32_t (&a)[4], const uint32_t (&b
   const auto B = [&](int k, int col) {  // 8 x 8
     return value(c.posted(col * 4 + k % 4).reg[4 + (k < 4 ? 0 : 1)]);
   };
-  accumulate(acc, 8, A, B);
+  accumulate<8>(acc, A, B);
 }
 
 }  // namespace ks_emu
