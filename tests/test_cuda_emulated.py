@@ -66,11 +66,16 @@ pytestmark = pytest.mark.skipif(GXX is None, reason="g++ is not on PATH")
 
 
 # -fno-strict-aliasing: the kernels read 16-byte vectors through other types, as CUDA allows;
-# -fsanitize=alignment: a misaligned vector access aborts, as it faults on a GPU; -O3: this
-# file's tests took 241 s of CPU against 296 s at -O2, for a build of 58 s against 40 s
-# (2026-12-02), with the same floating point (ISO C++: no contraction into FMA, no fast-math)
+# -fsanitize=alignment: a misaligned vector access aborts, as it faults on a GPU;
+# -ffp-contract=off: g++ fuses a * b + c into an FMA by default (also under -std=c++17) where
+# the target has one (aarch64, a compiler defaulting to x86-64-v3), so the emulator's bits
+# would depend on the host (19 of 54 outputs of a check moved by an ulp under
+# -march=x86-64-v3); nvcc's own contraction (--fmad) is not reproduced by any host build;
+# -O3: this file's tests took 241 s of CPU against 296 s at -O2, for a build of 58 s against
+# 40 s (2026-12-02), with the same bits
 GXX_FLAGS = [
-    "-std=c++17", "-O3", "-fno-strict-aliasing", "-fPIC", "-w", "-fsanitize=alignment",
+    "-std=c++17", "-O3", "-ffp-contract=off", "-fno-strict-aliasing", "-fPIC", "-w",
+    "-fsanitize=alignment",
     "-fno-sanitize-recover=alignment", "-I", str(EMULATOR), "-I", str(csrc_dir()), "-I",
     str(csrc_dir() / "cuda"),
 ]  # fmt: skip
@@ -1073,6 +1078,83 @@ def test_mma_walk_is_schedule_independent_and_alignment_blind(emu, ext, dtype, f
     for other in runs[1:]:
         for a, b in zip(runs[0], other, strict=True):
             assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------- the emulator's own checks
+@pytest.fixture(scope="module")
+def self_checks(tmp_path_factory) -> Path:
+    """tests/cuda_emulator/self_checks.cpp built: small kernels that check the emulator."""
+    exe = tmp_path_factory.mktemp("self_checks") / "self_checks"
+    source = EMULATOR / "self_checks.cpp"
+    command = [GXX, *GXX_FLAGS, str(source), "-o", str(exe)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-6000:]
+    return exe
+
+
+def _self_check(exe: Path, case: str, seed: int) -> subprocess.CompletedProcess:
+    return subprocess.run([str(exe), case, str(seed)], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("block_of_2048", "a block above 1024 threads"),
+        ("grid_y_65536", "a grid above"),
+        ("smem_64k", "above 48 KB not allowed by cudaFuncSetAttribute"),
+        ("write_before_smem", "write outside the block's dynamic shared memory"),
+    ],
+)
+def test_the_emulator_refuses_what_a_gpu_refuses(self_checks, case, message):
+    """A launch a GPU refuses (too many threads a block, grid.y above 65,535, dynamic shared
+    memory above 48 KB without cudaFuncSetAttribute) and a write before the block's dynamic
+    shared memory abort; each ran through before."""
+    run = _self_check(self_checks, case, 0)
+    assert run.returncode != 0, run.stdout
+    assert run.stderr.startswith("ks_emu: ") and message in run.stderr, run.stderr
+
+
+def test_the_emulator_runs_what_a_gpu_runs(self_checks):
+    """64 KB of dynamic shared memory once cudaFuncSetAttribute allows it; a grid of three
+    blocks along z, each with its own blockIdx.z (was 1 in every block, and one block ran); a
+    __syncwarp() that lanes which have returned do not reach (CUDA waits for the non-exited
+    lanes only; it aborted as a deadlock under some schedules)."""
+    assert _self_check(self_checks, "smem_64k_allowed", 0).returncode == 0
+    run = _self_check(self_checks, "block_z", 0)
+    assert run.returncode == 0 and run.stdout.split() == ["100", "101", "102"], run
+    for seed in range(20):
+        run = _self_check(self_checks, "exited_lanes", seed)
+        assert run.returncode == 0, (seed, run.stderr)
+        assert run.stdout.split() == [str(lane) for lane in range(16)], (seed, run.stdout)
+
+
+def test_ldmatrix_reads_rows_stored_without_a_syncwarp_stale(self_checks):
+    """Lanes store a tile whose rows hold elements of eight lanes each, then ldmatrix it: without
+    a __syncwarp() in between, a lane that runs ahead posts rows other lanes have not stored yet
+    and receives poison (the emulated ldmatrix read the rows only once every lane had posted, so
+    the missing barrier never showed); with one, every element arrives."""
+    stale = 0
+    for seed in range(10):
+        run = _self_check(self_checks, "ldmatrix", seed)
+        assert run.returncode == 0, run.stderr
+        stale += sum(map(int, run.stdout.split()))
+        synced = _self_check(self_checks, "ldmatrix_synced", seed)
+        assert synced.returncode == 0 and set(synced.stdout.split()) == {"0"}, synced
+    assert stale > 0
+
+
+def test_the_emulator_fuses_no_multiply_add_whatever_the_host(tmp_path):
+    """The emulator's flags keep a * b + c two roundings on a host with FMA (g++ fused them under
+    -march=x86-64-v3, as a compiler defaulting to it or aarch64 would: the emulator's bits
+    depended on the host). Compile-only: the assembly, not the host, is checked."""
+    source = tmp_path / "fma.cpp"
+    source.write_text("float f(float a, float b, float c) { return a * b + c; }\n")
+    flags = [f for f in GXX_FLAGS if not f.startswith("-fsanitize")]
+    command = [GXX, *flags, "-march=x86-64-v3", "-S", str(source), "-o", "-"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    if result.returncode != 0:
+        pytest.skip(f"g++ cannot target x86-64-v3 here: {result.stderr[-300:]}")
+    assert "vmulss" in result.stdout and "fmadd" not in result.stdout, result.stdout
 
 
 def test_objects_are_compiled_once_per_source_flags_and_compiler():

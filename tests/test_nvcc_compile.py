@@ -101,10 +101,10 @@ def test_each_input_types_kernels_are_a_unit_of_their_own():
 
 @pytest.mark.parametrize("header", CUH_FILES, ids=_id)
 def test_cuh_compiles_on_its_own(header, tmp_path):
-    """Each .cuh includes what it uses: nvcc's front end (``-cuda``: its host and device
-    passes, for sm_90a, with torch's flags) takes a .cu holding only its #include without an
-    error or a warning. Code generation (cicc, ptxas) adds nothing here, nothing being
-    instantiated, and took two thirds of the time; the .cu files' compiles above run it."""
+    """Each .cuh includes what it uses: ``nvcc -cuda`` (the front end's host and device passes
+    and the device compile, cicc and ptxas, for sm_90a, with torch's flags) takes a .cu holding
+    only its #include without an error or a warning. It leaves out g++'s compile of the host
+    side (0.8 of 2.2 s a header), which the .cu files' compiles below run on the same code."""
     if NVCC is None:
         pytest.skip("nvcc is not on PATH")
     unit = tmp_path / "only.cu"

@@ -26,7 +26,7 @@ inline __nv_bfloat16 __float2bfloat16_rn(float f) {
   return {static_cast<uint16_t>(u >> 16)};
 }
 
-struct __nv_bfloat162 {
+struct alignas(4) __nv_bfloat162 {  // 4-byte aligned, as CUDA's
   __nv_bfloat16 x, y;
 };
 

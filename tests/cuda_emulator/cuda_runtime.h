@@ -12,11 +12,14 @@ using cudaStream_t = void*;
 enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
 enum cudaDeviceAttr { cudaDevAttrMaxSharedMemoryPerBlockOptin = 97 };
 
+// Records the kernel's allowance (ks_emu::check_launch reads it).
 template <typename Kernel>
-inline cudaError_t cudaFuncSetAttribute(Kernel, cudaFuncAttribute, int value) {
-  return value >= 0 && static_cast<size_t>(value) <= ks_emu::rt().smem_optin
-             ? cudaSuccess
-             : cudaErrorInvalidValue;
+inline cudaError_t cudaFuncSetAttribute(Kernel kernel, cudaFuncAttribute, int value) {
+  if (value < 0 || static_cast<size_t>(value) > ks_emu::rt().smem_optin) {
+    return cudaErrorInvalidValue;
+  }
+  ks_emu::rt().smem_attribute[reinterpret_cast<const void*>(kernel)] = static_cast<size_t>(value);
+  return cudaSuccess;
 }
 // Blocks an SM holds at once. The emulator knows no registers: it counts shared memory alone
 // (an SM with the opt-in limit plus 1 KB, reserved per block as on a GPU) and threads (2048).

@@ -10,9 +10,11 @@
 // (set_schedule_seed), and a warp's lanes in a random order: a missing barrier shows up as
 // results that change with the seed, or differ from the reference.
 // Checks: a block's dynamic shared memory starts filled with 0xFF bytes (NaN in fp32, bf16 and
-// fp16), so reading what no thread wrote shows up as NaN; a guard after it must stay intact
-// (a write past the end aborts); a barrier that not every live thread of the block (or warp)
-// reaches aborts as a deadlock; so does a launch above the device's shared-memory limit. An
+// fp16), so reading what no thread wrote shows up as NaN; guards before and after it must stay
+// intact (a write outside it aborts); a barrier that not every live thread of the block (or
+// warp) reaches aborts as a deadlock (a lane that has exited is not waited for, as in CUDA); so
+// does a launch a GPU refuses (check_launch: block and grid sizes, shared memory above the
+// device's limit, or above 48 KB without cudaFuncSetAttribute). An
 // asynchronous copy (cp.async) lands at its issue or at the thread's next wait, drawn at random:
 // reading a tile before waiting for it, or copying into a tile other threads still read, shows
 // up; a thread that ends with copies it never waited for aborts.
@@ -23,8 +25,8 @@
 // bf16 and tf32 operands are rounded as on a GPU.
 // ldmatrix and mma.sync (kernels 8 and 9), whose register layouts the kernels do depend on, are
 // emulated lane by lane as the PTX ISA lays them out (mma.h, on Collective below): each lane
-// posts its address or registers, waits for the warp, and takes its own result from what the
-// others posted.
+// posts its row (ldmatrix: the 16 bytes as they are when it arrives) or its registers, waits
+// for the warp, and takes its own result from what the others posted.
 #pragma once
 
 #include <ucontext.h>
@@ -39,6 +41,7 @@
 #include <deque>
 #include <random>
 #include <tuple>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -221,6 +224,8 @@ struct Runtime {
   size_t last_smem = 0;        // the dynamic shared memory of the last launch
   const void* last_kernel = nullptr;  // the kernel of the last launch
   std::vector<const void*> asked;     // kernels asked about by the occupancy shim
+  // cudaFuncSetAttribute's MaxDynamicSharedMemorySize, by kernel: above 48 KB a launch needs it
+  std::unordered_map<const void*, size_t> smem_attribute;
   int64_t carry_blocks = 512;         // KS_CARRY_BLOCKS: the production value unless a test sets it
   int64_t chunk_blocks = 1024;        // KS_CHUNK_BLOCKS: likewise
 };
@@ -345,8 +350,8 @@ void run_block(Fn& fn) {
         case Wait::kWarp:  // the last live lane to reach the warp's barrier opens it
           if (++r.waiting[w] == r.live[w]) release_warp(w);
           break;
-        case Wait::kDone:
-          --r.live[w];
+        case Wait::kDone:  // an exited lane is not waited for (CUDA: "all non-exited threads")
+          if (--r.live[w] > 0 && r.waiting[w] == r.live[w]) release_warp(w);
           break;
         case Wait::kBlock:
           break;
@@ -375,7 +380,7 @@ inline float tensor_core_sum(double exact) {
   return f;
 }
 
-// The block's dynamic shared memory, followed by a guard of kGuard bytes.
+// The block's dynamic shared memory, between two guards of kGuard bytes.
 constexpr size_t kGuard = 4096;
 constexpr unsigned char kPoison = 0xFF;
 inline unsigned char* dynamic_smem() { return rt().smem; }
@@ -384,6 +389,27 @@ inline unsigned char* dynamic_smem() { return rt().smem; }
 // compiler does neither, so the emulator checks them.
 inline void check_aligned(const void* p, size_t bytes, const char* what) {
   if (reinterpret_cast<uintptr_t>(p) % bytes != 0) fail(what);
+}
+
+// A launch a GPU refuses (cudaErrorInvalidConfiguration, or too much shared memory) aborts here:
+// more than 1,024 threads a block (x, y <= 1,024, z <= 64), grid.y or grid.z above 65,535, an
+// empty grid or block, or dynamic shared memory above 48 KB that cudaFuncSetAttribute did not
+// allow for this kernel.
+inline void check_launch(const void* kernel, dim3 grid, dim3 block, size_t smem) {
+  const uint64_t threads = uint64_t{block.x} * block.y * block.z;
+  if (threads == 0 || grid.x == 0 || grid.y == 0 || grid.z == 0) fail("launch: an empty grid or block");
+  if (threads > 1024 || block.x > 1024 || block.y > 1024 || block.z > 64) {
+    fail("launch: a block above 1024 threads (x, y <= 1024, z <= 64)");
+  }
+  if (grid.x > 2147483647u || grid.y > 65535 || grid.z > 65535) {
+    fail("launch: a grid above 2^31 - 1 x 65535 x 65535 blocks");
+  }
+  if (smem > 48 * 1024) {
+    const auto it = rt().smem_attribute.find(kernel);
+    if (it == rt().smem_attribute.end() || it->second < smem) {
+      fail("launch: dynamic shared memory above 48 KB not allowed by cudaFuncSetAttribute");
+    }
+  }
 }
 
 template <typename Kernel>
@@ -399,27 +425,33 @@ struct Launch<void (*)(Params...)> {
     std::tuple<Params...> values(std::forward<Args>(args)...);
     Runtime& r = rt();
     if (smem > r.smem_optin) fail("dynamic shared memory above the device's limit");
+    check_launch(reinterpret_cast<const void*>(kernel), grid, block, smem);
     r.last_smem = smem;
     r.last_kernel = reinterpret_cast<const void*>(kernel);
     r.grid_dim = grid;
     r.block_dim = block;
-    r.smem_storage.assign(smem + kGuard + 128, kPoison);
-    const uintptr_t base = reinterpret_cast<uintptr_t>(r.smem_storage.data());
-    r.smem = r.smem_storage.data() + (128 - base % 128) % 128;
+    r.smem_storage.assign(kGuard + 128 + smem + kGuard, kPoison);
+    const uintptr_t base = reinterpret_cast<uintptr_t>(r.smem_storage.data()) + kGuard;
+    r.smem = r.smem_storage.data() + kGuard + (128 - base % 128) % 128;
     auto body = [&] { std::apply(kernel, values); };
     // Blocks run one at a time, in an order drawn from the schedule: on a GPU they run in any
     // order and at once, so results that depend on the order show up as a change with the seed.
     std::vector<dim3> blocks;
-    for (unsigned by = 0; by < grid.y; ++by) {
-      for (unsigned bx = 0; bx < grid.x; ++bx) blocks.emplace_back(bx, by);
+    for (unsigned bz = 0; bz < grid.z; ++bz) {
+      for (unsigned by = 0; by < grid.y; ++by) {
+        for (unsigned bx = 0; bx < grid.x; ++bx) blocks.emplace_back(bx, by, bz);
+      }
     }
     std::shuffle(blocks.begin(), blocks.end(), r.rng);
     for (const dim3& b : blocks) {
       r.block_idx = b;
       std::fill(r.smem, r.smem + smem, kPoison);
       run_block(body);
-      for (size_t i = smem; i < smem + kGuard; ++i) {
-        if (r.smem[i] != kPoison) fail("write past the block's dynamic shared memory");
+      const auto intact = [](const unsigned char* p) {
+        return std::all_of(p, p + kGuard, [](unsigned char c) { return c == kPoison; });
+      };
+      if (!intact(r.smem - kGuard) || !intact(r.smem + smem)) {
+        fail("write outside the block's dynamic shared memory");
       }
     }
   }

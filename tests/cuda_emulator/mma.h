@@ -168,29 +168,32 @@ void mma_sync(fragment<accumulator, M, N, K, float>& d,
 // ------------------------------------------------------------------ mma.sync (kernels 8, 9)
 namespace ks_emu {
 
-inline uint16_t bits16(const void* p, int element) {
+inline uint16_t bits16(const uint32_t (&row)[6], int element) {
   uint16_t u;
-  std::memcpy(&u, static_cast<const unsigned char*>(p) + 2 * element, 2);
+  std::memcpy(&u, reinterpret_cast<const unsigned char*>(row) + 2 * element, 2);
   return u;
 }
 
 // ldmatrix.sync.aligned.m8n8.x4(.trans).shared.b16: lane 8i + r gives row r of matrix i (eight
 // 16-bit elements at a 16-byte aligned address); register i of lane l = 4g + t receives row g,
 // elements 2t and 2t+1 (trans: elements g of rows 2t and 2t+1), the lower in the low half.
+// A lane posts its row's 16 bytes as they are when it reaches the instruction: a row that other
+// lanes store without a __syncwarp() before it is read stale, as a WMMA tile is (see above).
 inline void ldmatrix_x4(uint32_t (&regs)[4], const void* row, bool trans) {
   check_aligned(row, 16, "ldmatrix: row address not 16-byte aligned");
   Posted mine;
   mine.ptr = row;
+  std::memcpy(mine.reg, row, 16);
   const Collective c(mine);
   const int l = lane(), g = l / 4, t = l % 4;
   for (int i = 0; i < 4; ++i) {
     uint32_t lo, hi;
     if (trans) {
-      lo = bits16(c.posted(8 * i + 2 * t).ptr, g);
-      hi = bits16(c.posted(8 * i + 2 * t + 1).ptr, g);
+      lo = bits16(c.posted(8 * i + 2 * t).reg, g);
+      hi = bits16(c.posted(8 * i + 2 * t + 1).reg, g);
     } else {
-      lo = bits16(c.posted(8 * i + g).ptr, 2 * t);
-      hi = bits16(c.posted(8 * i + g).ptr, 2 * t + 1);
+      lo = bits16(c.posted(8 * i + g).reg, 2 * t);
+      hi = bits16(c.posted(8 * i + g).reg, 2 * t + 1);
     }
     regs[i] = lo | (hi << 16);
   }
