@@ -196,10 +196,9 @@ struct PendingProducts {
   uint64_t base = 1;
 };
 
-// What a lane gives a warp-collective operation (ldmatrix: its row address; mma.sync: its A and
-// B registers).
+// What a lane gives a warp-collective operation (ldmatrix: its row's 16 bytes in reg[0..3];
+// mma.sync: its A and B registers).
 struct Posted {
-  const void* ptr = nullptr;
   uint32_t reg[6] = {};
 };
 
@@ -393,17 +392,20 @@ inline void check_aligned(const void* p, size_t bytes, const char* what) {
 
 // A launch a GPU refuses (cudaErrorInvalidConfiguration, or too much shared memory) aborts here:
 // more than 1,024 threads a block (x, y <= 1,024, z <= 64), grid.y or grid.z above 65,535, an
-// empty grid or block, or dynamic shared memory above 48 KB that cudaFuncSetAttribute did not
-// allow for this kernel.
+// empty grid or block, dynamic shared memory above the device's opt-in limit, or above 48 KB
+// that cudaFuncSetAttribute did not allow for this kernel.
 inline void check_launch(const void* kernel, dim3 grid, dim3 block, size_t smem) {
   const uint64_t threads = uint64_t{block.x} * block.y * block.z;
-  if (threads == 0 || grid.x == 0 || grid.y == 0 || grid.z == 0) fail("launch: an empty grid or block");
+  if (threads == 0 || grid.x == 0 || grid.y == 0 || grid.z == 0) {
+    fail("launch: an empty grid or block");
+  }
   if (threads > 1024 || block.x > 1024 || block.y > 1024 || block.z > 64) {
     fail("launch: a block above 1024 threads (x, y <= 1024, z <= 64)");
   }
   if (grid.x > 2147483647u || grid.y > 65535 || grid.z > 65535) {
     fail("launch: a grid above 2^31 - 1 x 65535 x 65535 blocks");
   }
+  if (smem > rt().smem_optin) fail("dynamic shared memory above the device's limit");
   if (smem > 48 * 1024) {
     const auto it = rt().smem_attribute.find(kernel);
     if (it == rt().smem_attribute.end() || it->second < smem) {
@@ -424,7 +426,6 @@ struct Launch<void (*)(Params...)> {
   void operator()(Args&&... args) const {
     std::tuple<Params...> values(std::forward<Args>(args)...);
     Runtime& r = rt();
-    if (smem > r.smem_optin) fail("dynamic shared memory above the device's limit");
     check_launch(reinterpret_cast<const void*>(kernel), grid, block, smem);
     r.last_smem = smem;
     r.last_kernel = reinterpret_cast<const void*>(kernel);

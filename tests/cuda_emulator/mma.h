@@ -182,7 +182,6 @@ inline uint16_t bits16(const uint32_t (&row)[6], int element) {
 inline void ldmatrix_x4(uint32_t (&regs)[4], const void* row, bool trans) {
   check_aligned(row, 16, "ldmatrix: row address not 16-byte aligned");
   Posted mine;
-  mine.ptr = row;
   std::memcpy(mine.reg, row, 16);
   const Collective c(mine);
   const int l = lane(), g = l / 4, t = l % 4;
