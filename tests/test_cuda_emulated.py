@@ -1734,7 +1734,9 @@ class _OutputsCopied:
             out = fn(*args, **kwargs)
             if isinstance(out, torch.Tensor):
                 return out.clone()
-            return type(out)(t.clone() if isinstance(t, torch.Tensor) else t for t in out)
+            if isinstance(out, (tuple, list)):
+                return type(out)(t.clone() if isinstance(t, torch.Tensor) else t for t in out)
+            return out  # no tensors (walk_kernels' dict of kernel numbers)
 
         return call
 
@@ -1759,19 +1761,21 @@ def test_the_gpu_tests_run_on_the_emulator(tmp_path):
     """``tests/cuda_emulator/gpu_tests_on_emulator.py`` runs GPU tests without a GPU (in a child
     process: it makes ``torch.cuda.is_available()`` say True): the non-causal backward's kernels
     the half-precision cases of one shape of ``tests/test_cuda_backend.py`` and the recurrent
-    state's blocks pass on the emulator, and the child leaves no folder where it links (this
-    test's own folder: in the shared temp dir another run's child may be linking meanwhile)."""
+    state's blocks pass on the emulator, a test that needs CUDA itself is skipped with its reason,
+    and the child leaves no folder where it links (this test's own folder: in the shared temp
+    dir another run's child may be linking meanwhile)."""
     root = Path(__file__).resolve().parents[1]
     cases = (
         "full_backward_kernels and chunks or half_matches_reference and chunks and 2x3x37 "
-        "or recurrent_blocks and chunks"
+        "or recurrent_blocks and chunks or registered_and_chosen and chunks"
     )
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "tests.cuda_emulator.gpu_tests_on_emulator",
-         "-q", "-p", "no:cacheprovider", "tests/test_cuda_backend.py", "-k", cases],
+         "-q", "-rs", "-p", "no:cacheprovider", "tests/test_cuda_backend.py", "-k", cases],
         capture_output=True, text=True, timeout=900, cwd=root,
         env={**os.environ, "KS_EMULATOR_LINK_DIR": str(tmp_path)},
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert "11 passed" in run.stdout, run.stdout[-2000:]
+    assert "11 passed, 1 skipped" in run.stdout, run.stdout[-2000:]
+    assert "needs CUDA itself: tells CPU from CUDA tensors" in run.stdout, run.stdout[-2000:]
     assert not list(tmp_path.glob("cuda_emulator*"))
