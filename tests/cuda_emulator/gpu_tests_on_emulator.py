@@ -96,7 +96,6 @@ TOO_LARGE = {
 }
 
 
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Skip what the emulator cannot run (``NEEDS_CUDA``, ``TOO_LARGE``); a name there that the
     GPU tests no longer define is a usage error (a renamed test would otherwise go unskipped)."""
