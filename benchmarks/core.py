@@ -36,7 +36,6 @@ import platform
 import shlex
 import statistics
 import sys
-import time
 from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 from pathlib import Path
@@ -59,38 +58,9 @@ T = TypeVar("T")
 REFERENCE_MAX_N = 4096
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median_time(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Median wall time of ``fn()`` in seconds over ``repeats`` runs after one warm-up."""
-    fn()
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def peak_memory_mib(fn: Callable[[], object], device: torch.device) -> float:
     """Peak memory (MiB) that one call of ``fn()`` adds above what is allocated before it."""
     return ks.analysis.peak_memory_bytes(fn, device) / 2**20
-
-
-def matmul_rate(
-    device: torch.device, dtype: torch.dtype = torch.float32, size: int = 2048, repeats: int = 5
-) -> float:
-    """Measured matmul rate in FLOP/s of ``dtype`` (``size``² by ``size``² product): the
-    yardstick of runs in that dtype (bfloat16 and float32 rates differ many-fold)."""
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-    seconds = median_time(lambda: a @ b, device, repeats)
-    return 2 * size**3 / seconds
 
 
 def _run(fn: Callable[[], torch.Tensor], inputs: list[torch.Tensor], backward: bool):
@@ -127,7 +97,7 @@ def benchmark(args: argparse.Namespace, linear_backends: list[str]) -> pd.DataFr
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     b, h, f, m, d = args.batch, args.heads, args.features, args.values, args.head_dim
-    rate = matmul_rate(device, dtype)
+    rate = ks.analysis.matmul_rate(device, dtype, size=2048) * 1e9  # FLOP/s
     print(
         f"{args.dtype} matmul rate: {rate / 1e9:.1f} GFLOP/s on {device_name(device)}",
         file=sys.stderr,
@@ -197,7 +167,7 @@ def benchmark(args: argparse.Namespace, linear_backends: list[str]) -> pd.DataFr
                 call_flops = 3 * flops if backward else flops
                 error = ""
                 try:
-                    seconds = median_time(call, device, args.repeats)
+                    seconds = statistics.median(ks.analysis.time_call(call, device, args.repeats))
                     memory = peak_memory_mib(call, device)
                 except (RuntimeError, MemoryError) as err:  # this size only: the others run
                     if not out_of_memory(err):
