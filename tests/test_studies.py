@@ -575,6 +575,40 @@ def test_maps_without_a_kl_get_no_verdict_against_uniform():
     }
 
 
+def test_approximation_fits_penalized_maps_also_without_their_penalty(monkeypatch):
+    """The maps part fitted softplus_ffn, oglu and aoglu only with their orthogonality
+    penalty, unsaid, beside maps fitted without one (glu, hedgehog): a fitted softplus_ffn
+    hardly moved from its init. Each such map is now also fitted from the same init without
+    it, as a map whose reg_weight is 0 is fitted."""
+    approximation = study.load_study("approximation")
+    config = {"part": "maps", "map": "softplus_ffn", "head_dim": 8, "std": 1.0,
+              "target_feature_dim": 8, "seed": 0, "n": 16, "value_dim": 8, "fit_steps": 30,
+              "fit_batch": 2, "fit_lr": 0.05}  # fmt: skip
+
+    def kl(rows: pd.DataFrame) -> pd.Series:
+        return rows[rows["metric"] == "attention_kl"].groupby("stage")["value"].mean()
+
+    found = kl(approximation.run_config(config, "cpu"))
+    assert set(found.index) == {"init", "fitted", approximation.UNPENALIZED}
+    assert found["fitted"] != found[approximation.UNPENALIZED]  # the penalty was on, then off
+    made = approximation.matched_map
+
+    def without_penalty(*args, **kwargs):
+        fm = made(*args, **kwargs)
+        fm.hparams["reg_weight"] = 0.0
+        return fm
+
+    monkeypatch.setattr(approximation, "matched_map", without_penalty)
+    unpenalized = kl(approximation.run_config(config, "cpu"))
+    assert set(unpenalized.index) == {"init", "fitted"}  # no penalty: one fit
+    assert unpenalized["fitted"] == pytest.approx(found[approximation.UNPENALIZED], rel=1e-6)
+    monkeypatch.undo()
+    assert set(kl(approximation.run_config({**config, "map": "glu"}, "cpu")).index) == {
+        "init",
+        "fitted",
+    }
+
+
 def test_partial_maps_part_is_summarized_as_partial():
     """With elu at one seed of three (``--only seed=0``, or a new extra_maps entry tried at one
     seed), the summary said "means over 3 seed(s)" and that every yes/no came from a t
