@@ -160,3 +160,46 @@ def test_results_name_the_commit_of_a_checkout(monkeypatch):
     assert f"kernelstudy {version}," in study.provenance("toy", True, "cpu")
     monkeypatch.setenv("PATH", "")  # no git: the version alone
     assert revision.with_commit("0.1.0") == "0.1.0"
+
+
+def test_a_commit_is_dirty_where_its_code_differs_not_its_results(tmp_path):
+    """A second study run into the tracked studies/results was labelled ``.dirty`` by the
+    first run's rows (git describe --dirty counts every tracked file): a result's commit is
+    dirty where the code differs (the package, csrc, studies' scripts and configs,
+    benchmarks' scripts, pyproject.toml), not its results, docs or tests."""
+    from kernelstudy import revision
+
+    if shutil.which("git") is None:
+        pytest.skip("no git")
+    files = {
+        "kernelstudy/core.py": "x = 1\n",
+        "studies/rank.toml": "seeds = 3\n",
+        "studies/results/rank/results.csv": "a\n1\n",
+        "benchmarks/results/cuda.csv": "a\n1\n",
+        "README.md": "# k\n",
+        "tests/test_x.py": "\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+
+    def git(*args: str) -> str:
+        who = ["-c", "user.name=k", "-c", "user.email=k@k", "-c", "commit.gpgsign=false"]
+        return subprocess.run(
+            ["git", *who, *args], cwd=tmp_path, capture_output=True, text=True, check=True
+        ).stdout.strip()
+
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "first")
+    head = git("rev-parse", "HEAD")[:12]
+    assert revision.checkout_commit(tmp_path) == head
+    for name in ("studies/results/rank/results.csv", "benchmarks/results/cuda.csv", "README.md",
+                 "tests/test_x.py"):  # fmt: skip
+        (tmp_path / name).write_text("changed\n")
+    assert revision.checkout_commit(tmp_path) == head
+    for name in ("kernelstudy/core.py", "studies/rank.toml"):
+        (tmp_path / name).write_text("changed\n")
+        assert revision.checkout_commit(tmp_path) == f"{head}-dirty", name
+        git("checkout", "--", name)
+    assert revision.checkout_commit(tmp_path / "kernelstudy") is None  # not a checkout's root
