@@ -513,6 +513,7 @@ def run_study(
         runs_path = out_dir / RUNS_FILE
         runs = _read_runs(runs_path)
         not_reproduced = []
+        replaced_lines = set()  # the runs whose rows this run computes again
         start = time.perf_counter()
         bar = verbose if progress is None else progress
         for config, cid in tqdm(todo, desc=name, unit="config", disable=not bar or not todo):
@@ -520,6 +521,7 @@ def run_study(
             # the run's line first: a config's rows in any table have it (an interrupted
             # run's rows kept no line when lines were made only at the end)
             computed = [*tables, *([] if cid in done or tables_only else [RESULTS])]
+            replaced_lines |= {runs[k] for t in computed if (k := f"{t}/{cid}") in runs}
             runs.update({f"{t}/{cid}": this_run for t in computed})
             atomic_write_text(runs_path, json.dumps(runs, indent=0, sort_keys=True) + "\n")
             for t in tables:  # extra tables first: a config in results.csv has its rows there
@@ -573,6 +575,10 @@ def run_study(
         # lines of runs (another size or device) of rows this summary does not use but the
         # tables still hold are kept apart: a summary of theirs written again finds them.
         replaced, earlier = _read_summary(out_dir / SUMMARY_FILE)
+        # a run none of whose rows are left (this run computed them all again) is not one of
+        # the rows without a runs.json line: its line goes (it was kept while such rows were)
+        retired = replaced_lines - set(runs.values())
+        earlier = [x for x in earlier if x not in retired]
         held = {t: _ids(_read_results(paths[t])) for t in paths}
         mine = {f"{t}/{i}" for t in paths for i in held[t] & set(ids)}
         lines = list(dict.fromkeys(runs[k] for k in sorted(mine, key=_row_order(ids)) if k in runs))

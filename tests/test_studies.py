@@ -204,6 +204,27 @@ def test_an_interrupted_runs_rows_keep_its_provenance(toy_studies, monkeypatch):
     assert "--only x=3" in lines[1] and "--only" not in lines[0] + lines[2]
 
 
+def test_a_run_whose_rows_were_all_computed_again_leaves_the_summary(toy_studies, monkeypatch):
+    """Beside rows from before runs.json (no line of their own there: the replaced summary's
+    lines are kept for them), a run whose rows were all computed again kept its line: the
+    summary named a run none of whose rows it holds."""
+    out = toy_studies / "out"
+    stamps, real = iter(range(100)), study.provenance  # one line per run
+    stamped = lambda *a, **k: real(*a, **k).replace(" UTC", f" UTC #{next(stamps)}", 1)  # noqa: E731
+    monkeypatch.setattr(study, "provenance", stamped)
+    study.run_study("toy", quick=False, out=out, verbose=False)  # x = 1-4
+    (first,) = _written(out)
+    (out / "runs.json").unlink()  # rows from before runs.json: their run is the summary's
+    study.run_study("toy", quick=False, out=out, force=True, verbose=False, only={"x": 3})
+    assert _written(out)[0] == first and len(_written(out)) == 2
+    second = _written(out)[1]
+    study.run_study("toy", quick=False, out=out, force=True, verbose=False, only={"x": 3})
+    lines = _written(out)
+    assert first in lines and second not in lines and len(lines) == 2, lines
+    study.run_study("toy", quick=False, out=out, verbose=False)  # nothing computed
+    assert _written(out) == lines
+
+
 def test_a_summary_names_only_the_runs_that_computed_its_rows(toy_studies):
     """A line of another size's run was kept when that size shared any config with this
     summary, even if that run computed none of its rows."""
