@@ -785,6 +785,49 @@ def test_unavailable_backend_falls_back_with_one_warning():
     assert "ghost" not in registered_backends()
 
 
+def test_a_backend_whose_device_is_missing_falls_back_but_a_wrong_input_raises(monkeypatch):
+    """DESIGN: "if a build or a device is missing, the core falls back and says so once".
+    backend="cuda" (or KERNELSTUDY_BACKEND=cuda, a GPU machine's setting) on a machine without
+    a GPU raised "does not take float32 tensors on cpu". A backend that runs here but not on
+    these tensors still raises: a wrong input, not a missing device."""
+    import sys
+
+    from kernelstudy.core import Backend, register_backend, unregister_backend
+
+    q = torch.rand(1, 2, 5, 3)
+    expected = ks.linear_attention(q, q, q, causal=True, backend="torch")
+    monkeypatch.setattr(sys.modules["kernelstudy.core.backends"], "_WARNED", set())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as here, also on a GPU
+    with pytest.warns(RuntimeWarning, match="backend 'cuda' is not available here") as caught:
+        out = ks.linear_attention(q, q, q, causal=True, backend="cuda")
+        monkeypatch.setenv("KERNELSTUDY_BACKEND", "cuda")
+        assert torch.equal(
+            ks.causal_dot_product(q, q, q), ks.causal_dot_product(q, q, q, backend="torch")
+        )
+    assert torch.equal(out, expected)
+    assert len([w for w in caught if "is not available" in str(w.message)]) == 1  # once
+    only_gpu = Backend("gpu_only", lambda q, k, v: None, supports=lambda x: x.is_cuda)
+    register_backend(only_gpu)  # available here, but not for CPU tensors
+    try:
+        with pytest.raises(ValueError, match="backend='gpu_only' does not take torch.float32"):
+            ks.core.resolve_backend("gpu_only", q)
+    finally:
+        unregister_backend("gpu_only")
+
+
+def test_a_gpu_below_compute_capability_8_is_no_device_for_the_cuda_backend(monkeypatch):
+    """is_available() was True on any visible GPU whose extension built, so backend="cuda"
+    on CUDA tensors of a compute-capability-7.5 GPU raised (supports() refuses them) where
+    it should fall back; it is False there now, before any build is tried."""
+    from kernelstudy.core import cuda_backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(cuda_backend, "_capable", lambda index: False)
+    monkeypatch.setattr(cuda_backend, "extension", lambda: pytest.fail("a build was tried"))
+    assert cuda_backend.is_available() is False
+
+
 def test_a_non_causal_call_builds_no_backend_it_does_not_run():
     """Non-causal attention resolved the backend fully: "auto" built the CPU extension
     (compiling it on a first call), which non-causal attention never runs."""

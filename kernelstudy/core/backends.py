@@ -117,12 +117,6 @@ def backends() -> list[str]:
     return [name for name, b in _BACKENDS.items() if b.available()]
 
 
-def _warn_once(key: str, message: str) -> None:
-    if key not in _WARNED:
-        _WARNED.add(key)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-
 def check_backend_name(name: object, source: str = "backend") -> None:
     """TypeError/ValueError naming ``source`` unless ``name`` is None, ``"auto"`` or a
     registered backend (available here or not)."""
@@ -149,9 +143,11 @@ def resolve_backend(
     """The backend to run ``example``-like inputs on.
 
     ``name`` None reads ``KERNELSTUDY_BACKEND`` (default ``"auto"``). A named
-    backend that cannot run here (no compiler, no device) falls back to
-    ``torch`` with a one-time warning; a named backend that does not take this
-    input (e.g. CUDA tensors to ``cpu``) raises ``ValueError``. ``for_attention``: the
+    backend that cannot run here (no compiler, no device: ``cuda`` on a machine without a
+    GPU of compute capability 8.0 or more, whatever the inputs) falls back to ``torch`` with
+    a one-time warning; a named backend that runs here but does not take this input (CUDA
+    tensors to ``cpu``, CPU tensors to ``cuda`` on a GPU machine) raises ``ValueError``.
+    ``for_attention``: the
     caller uses only a fused ``attention``, so backends without one are not built
     (``auto`` passes them over; a named one comes back unbuilt): a non-causal call
     compiled the CPU extension, which it never runs.
@@ -175,12 +171,23 @@ def resolve_backend(
         return _BACKENDS["torch"]
     backend = _BACKENDS[name]
     if not backend.supports(example):
+        if not backend.available():  # a device (or build) missing: not the input's fault
+            return _fall_back(name)
         raise ValueError(
             f"{source}={name!r} does not take {example.dtype} tensors on {example.device}"
         )
     if for_attention and backend.attention is None:
         return backend
     if not backend.available():
-        _warn_once(name, f"kernelstudy: backend {name!r} is not available here; using 'torch'")
-        return _BACKENDS["torch"]
+        return _fall_back(name)
     return backend
+
+
+def _fall_back(name: str) -> Backend:
+    """``torch``, for backend ``name`` that cannot run here, saying so once a process (the
+    warning points at resolve_backend's caller)."""
+    if name not in _WARNED:
+        _WARNED.add(name)
+        message = f"kernelstudy: backend {name!r} is not available here; using 'torch'"
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+    return _BACKENDS["torch"]

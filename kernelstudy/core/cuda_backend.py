@@ -257,8 +257,11 @@ def extension_name() -> str:
 
 @constant_when_traced  # torch.compile asks once, outside the graph
 def is_available() -> bool:
-    """True where a CUDA device is visible and the extension builds (False at once without one)."""
-    return torch.cuda.is_available() and extension() is not None
+    """True where the current CUDA device has compute capability ≥ :data:`MIN_CAPABILITY` and
+    the extension builds (False at once without such a device: no build is tried)."""
+    if not torch.cuda.is_available() or not _capable(torch.cuda.current_device()):
+        return False
+    return extension() is not None
 
 
 def supports(x: torch.Tensor) -> bool:
