@@ -56,6 +56,7 @@ def _cmd_maps(args: argparse.Namespace) -> int:
 
 
 def _cmd_study(args: argparse.Namespace) -> int:
+    from kernelstudy.search.pipeline import list_search_studies, run_search_study
     from kernelstudy.study import list_studies, run_from_args
 
     if args.name is None:
@@ -66,6 +67,21 @@ def _cmd_study(args: argparse.Namespace) -> int:
             raise ValueError(f"{', '.join(given)} need(s) a study NAME (kernelstudy study NAME)")
         for name in list_studies():
             print(name)
+        for name in list_search_studies():
+            print(f"{name} (a search: search, evaluate, report)")
+        return 0
+    if args.name not in list_studies() and args.name in list_search_studies():
+        options = ("force", "fill_tables", "only", "config")
+        given = [f"--{k.replace('_', '-')}" for k in options if getattr(args, k)]
+        if given:  # a search resumes by itself; its variants are chosen by `kernelstudy search`
+            raise ValueError(
+                f"{', '.join(given)} do(es) not apply to {args.name!r}, a search "
+                f"(kernelstudy search/evaluate/report studies/{args.name}.toml take its options)"
+            )
+        paths = run_search_study(args.name, quick=args.quick, out=args.out, device=args.device)
+        print(paths["table_md"].read_text(encoding="utf-8"), end="")
+        for key, path in paths.items():
+            print(f"{key}: {path}")
         return 0
     run_from_args(args.name, args)
     return 0
@@ -147,7 +163,14 @@ def build_parser() -> argparse.ArgumentParser:
     from kernelstudy.study import add_arguments
 
     p = sub.add_parser("study", help="run a study (no NAME: list the studies)")
-    p.add_argument("name", nargs="?", metavar="NAME", help="e.g. approximation, rank, speed")
+    p.add_argument(
+        "name",
+        nargs="?",
+        metavar="NAME",
+        help="e.g. approximation, rank, speed; or a search config's, e.g. lra_listops: "
+        "search, evaluate and report in turn (its --out: the searches' results folder, "
+        "OUT/NAME of the config)",
+    )
     add_arguments(p)
     p.set_defaults(func=_cmd_study)
 

@@ -23,6 +23,7 @@ import torch
 from optuna.trial import TrialState
 
 from kernelstudy.cli import main
+from kernelstudy.folders import ENV_STUDIES_DIR
 from kernelstudy.search import evaluate as evaluate_module
 from kernelstudy.search import objective as objective_module
 from kernelstudy.search.config import load_config
@@ -1151,3 +1152,37 @@ def test_a_search_that_fails_its_checks_leaves_no_folder(tmp_path, capsys, monke
     assert ks("search", cfg, "--out", out) == 1
     assert "n_heads" in capsys.readouterr().err
     assert [p.name for p in (out / "tiny").iterdir()] == [data_dir(load_config(cfg), out).name]
+
+
+def test_a_search_config_runs_as_a_study_by_name(tmp_path, monkeypatch, capsys):
+    """DESIGN: each claim is a study runnable as ``kernelstudy study NAME``; the LRA claims,
+    search configs (``studies/lra_*.toml``, no script), answered "unknown study 'lra_text'".
+    Now the name runs search → evaluate → report into the search's folder, and again resumes."""
+    from kernelstudy.search.pipeline import QUICK_SEEDS, SEEDS, list_search_studies
+
+    lra = {"lra_image", "lra_listops", "lra_pathfinder", "lra_retrieval", "lra_text"}
+    assert set(list_search_studies()) == lra  # the shipped ones; approximation.toml is not
+    root = tmp_path / "studies"
+    root.mkdir()
+    write_config(root, ["Transformer", "elu+1"])  # studies/tiny.toml
+    (root / "broken.toml").write_text("not = [valid")  # not a search: not listed
+    monkeypatch.setenv(ENV_STUDIES_DIR, str(root))
+    assert ks("study") == 0
+    assert capsys.readouterr().out.splitlines() == ["tiny (a search: search, evaluate, report)"]
+    out = tmp_path / "res"
+    assert ks("study", "tiny", "--out", out) == 0
+    printed = capsys.readouterr().out
+    assert "| variant | listops mean" in printed and f"table_md: {out / 'tiny'}" in printed
+    assert sorted(studies(out)) == ["tiny/Transformer", "tiny/elu+1"]
+    table = pd.read_csv(out / "tiny" / "table.csv", header=[0, 1], index_col=0)
+    assert list(table.index) == ["Transformer", "elu+1"]
+    assert (table[("listops", "n")] == SEEDS).all() and SEEDS > QUICK_SEEDS
+    stamp = (out / "tiny" / "evaluation.csv").stat().st_mtime_ns
+    assert ks("study", "tiny", "--out", out) == 0  # resumes: nothing searched or trained
+    assert (out / "tiny" / "evaluation.csv").stat().st_mtime_ns == stamp
+    capsys.readouterr()
+    for option in (["--force"], ["--only", "x=1"], ["--fill-tables"]):
+        assert ks("study", "tiny", *option, "--out", out) == 1
+        assert f"{option[0]} do(es) not apply to 'tiny', a search" in capsys.readouterr().err
+    assert ks("study", "tinyy", "--out", out) == 1
+    assert "unknown study 'tinyy'" in capsys.readouterr().err
