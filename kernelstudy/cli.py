@@ -56,8 +56,13 @@ def _cmd_maps(args: argparse.Namespace) -> int:
 
 
 def _cmd_study(args: argparse.Namespace) -> int:
-    from kernelstudy.search.pipeline import list_search_studies, run_search_study
     from kernelstudy.study import list_studies, run_from_args
+
+    if args.name in list_studies():
+        run_from_args(args.name, args)
+        return 0
+    # the searches' names (a third of a second of imports: optuna, the trainer) where asked
+    from kernelstudy.search.pipeline import list_search_studies, run_search_study
 
     if args.name is None:
         options = ("quick", "force", "fill_tables", "only", "out", "config")
@@ -70,7 +75,7 @@ def _cmd_study(args: argparse.Namespace) -> int:
         for name in list_search_studies():
             print(f"{name} (a search: search, evaluate, report)")
         return 0
-    if args.name not in list_studies() and args.name in list_search_studies():
+    if args.name in list_search_studies():
         options = ("force", "fill_tables", "only", "config")
         given = [f"--{k.replace('_', '-')}" for k in options if getattr(args, k)]
         if given:  # a search resumes by itself; its variants are chosen by `kernelstudy search`
